@@ -1,0 +1,56 @@
+// Atomic whole-file writes (temp file, fsync, rename, directory fsync).
+#include "engine/atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+
+namespace perception {
+namespace {
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Errno("cannot write", path);
+    }
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+  const std::string temp = absl::StrCat(path, ".tmp.", ::getpid());
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot create", temp);
+  absl::Status status = WriteAll(fd, bytes, temp);
+  if (status.ok() && ::fsync(fd) != 0) status = Errno("cannot fsync", temp);
+  if (::close(fd) != 0 && status.ok()) status = Errno("cannot close", temp);
+  if (status.ok() && ::rename(temp.c_str(), path.c_str()) != 0) status = Errno("cannot rename onto", path);
+  if (!status.ok()) {
+    ::unlink(temp.c_str());
+    return status;
+  }
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {  // the rename is durable only once the directory entry is
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace perception

@@ -1,0 +1,30 @@
+// Chooses the backend for a device name; the CUDA backend exists only in builds with PERCEPTION_CUDA.
+#include "engine/backend.h"
+
+#include "absl/strings/str_cat.h"
+
+#if PERCEPTION_HAVE_CUDA
+#include "engine/cuda_backend.h"
+#endif
+
+namespace perception {
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
+                                                     const OptimizerConfig& optimizer, std::vector<float> params) {
+  if (device == "cpu") return MakeCpuBackend(config, optimizer, std::move(params));
+  if (device != "cuda" && device != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
+  }
+#if PERCEPTION_HAVE_CUDA
+  const absl::Status available = CudaDeviceAvailable();
+  if (available.ok()) return MakeCudaBackend(config, optimizer, std::move(params));
+  if (device == "cuda") return available;
+#else
+  if (device == "cuda") {
+    return absl::FailedPreconditionError("device cuda: this build has no CUDA backend (built with PERCEPTION_CUDA=OFF)");
+  }
+#endif
+  return MakeCpuBackend(config, optimizer, std::move(params));
+}
+
+}  // namespace perception

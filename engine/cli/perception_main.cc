@@ -1,0 +1,252 @@
+// `perception`: offline training, evaluation and checkpoint inspection on the engine (no daemon).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "engine/checkpoint.h"
+#include "engine/config.h"
+#include "engine/backend.h"
+#include "engine/dataset.h"
+#include "engine/lobster.h"
+#include "engine/npy.h"
+#include "engine/status_macros.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
+ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
+ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
+ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
+ABSL_FLAG(int, steps, 200, "optimizer steps");
+ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's)");
+ABSL_FLAG(int, window, 0, "events per window (0: the config's)");
+ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's)");
+ABSL_FLAG(double, lr, 1e-3, "peak learning rate");
+ABSL_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
+ABSL_FLAG(int, lr_warmup_steps, 20, "warmup steps of the cosine schedule");
+ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
+ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (0: off)");
+ABSL_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
+ABSL_FLAG(double, train_fraction, 0.7, "leading fraction of the events used for training; the rest validates");
+ABSL_FLAG(int, log_every, 25, "steps between progress lines");
+ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end)");
+ABSL_FLAG(std::string, save, "", "checkpoint path to write after training");
+ABSL_FLAG(std::string, checkpoint, "", "checkpoint to evaluate");
+ABSL_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
+ABSL_FLAG(std::string, features_out, "", "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
+
+namespace perception {
+namespace {
+
+constexpr char kUsage[] = R"(perception: train, evaluate and inspect PerceptionNet v1 offline.
+
+  perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N --batch B --window T
+                   [--lr X] [--seed S] --save CKPT
+  perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
+                  [--features_out FEATURES.npy]
+  perception inspect CKPT)";
+
+absl::StatusOr<LobsterData> ReadLobsterFlag() {
+  const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
+  if (files.size() != 2) {
+    return absl::InvalidArgumentError("--lobster takes two files: ORDERBOOK,MESSAGES");
+  }
+  return ReadLobster(files[0], files[1], absl::GetFlag(FLAGS_levels));
+}
+
+BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
+
+absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
+  OptimizerConfig o;
+  o.lr = absl::GetFlag(FLAGS_lr);
+  o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
+  ASSIGN_OR_RETURN(o.schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
+  o.total_steps = absl::GetFlag(FLAGS_steps);
+  o.warmup_steps = std::min<int64_t>(absl::GetFlag(FLAGS_lr_warmup_steps), o.total_steps - 1);
+  o.min_lr = o.lr * 0.1;
+  RETURN_IF_ERROR(ValidateOptimizerConfig(o));
+  return o;
+}
+
+absl::StatusOr<ModelConfig> TrainingConfig(int levels) {
+  ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(absl::GetFlag(FLAGS_config)));
+  config.n_features = LobsterFeatureCount(levels);
+  if (absl::GetFlag(FLAGS_batch) > 0) config.batch = absl::GetFlag(FLAGS_batch);
+  if (absl::GetFlag(FLAGS_window) > 0) config.window = absl::GetFlag(FLAGS_window);
+  if (absl::GetFlag(FLAGS_warmup) >= 0) config.warmup = absl::GetFlag(FLAGS_warmup);
+  RETURN_IF_ERROR(ValidateConfig(config));
+  return config;
+}
+
+absl::Status Train() {
+  ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
+  ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
+  ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
+  ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
+  ASSIGN_OR_RETURN(SplitSeries split, SplitByTime(series, absl::GetFlag(FLAGS_train_fraction)));
+  spdlog::info("{} events at {} levels: {} train, {} validation; config {} (F={}, T={}, B={})", series.size(),
+               data.levels, split.train.size(), split.validation.size(), absl::GetFlag(FLAGS_config),
+               config.n_features, config.window, config.batch);
+
+  ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, absl::GetFlag(FLAGS_seed), params);
+  const Normalizer normalizer = FitNormalizer(split.train);
+  std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
+  std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),
+            params.begin() + layout.tensor(layout.norm_inv_std).offset);
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params)));
+  spdlog::info("device {}", backend->device_name());
+
+  ASSIGN_OR_RETURN(WindowSampler sampler,
+                   WindowSampler::Create(split.train, config.window, config.warmup, absl::GetFlag(FLAGS_seed)));
+  const Batch validation = SequentialWindows(split.validation, config.window, config.warmup);
+  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
+  std::printf("class-prior baseline on validation (%d windows): %.5f\n", validation.batch, prior_loss);
+
+  Batch batch;
+  const int steps = absl::GetFlag(FLAGS_steps), log_every = absl::GetFlag(FLAGS_log_every);
+  const int val_every = absl::GetFlag(FLAGS_val_every);
+  const auto start = std::chrono::steady_clock::now();
+  double val_loss = NAN;
+  for (int s = 1; s <= steps; ++s) {
+    sampler.Sample(config.batch, batch);
+    ASSIGN_OR_RETURN(const TrainStepResult r, backend->TrainStep(View(batch)));
+    if (!std::isfinite(r.loss)) return absl::InternalError(absl::StrCat("loss is not finite at step ", s));
+    const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
+    if (validate) {
+      ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
+    }
+    if (validate || s % log_every == 0 || s == 1) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::printf("step %5d  loss %.5f  grad_norm %.4f  lr %.2e  val_loss %s  %.2f steps/s\n", s, r.loss,
+                  r.grad_norm, LearningRate(optimizer, s),
+                  validate ? absl::StrFormat("%.5f", val_loss).c_str() : "   -   ", s / seconds);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n", val_loss, prior_loss,
+              val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
+  const std::string save = absl::GetFlag(FLAGS_save);
+  if (!save.empty()) {
+    ASSIGN_OR_RETURN(const Checkpoint checkpoint, backend->ExportState());
+    RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
+    std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Eval() {
+  const std::string path = absl::GetFlag(FLAGS_checkpoint);
+  if (path.empty()) return absl::InvalidArgumentError("eval needs --checkpoint");
+  if (absl::GetFlag(FLAGS_out).empty()) return absl::InvalidArgumentError("eval needs --out LOGITS.npy");
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
+  const ModelConfig& config = checkpoint.config;
+  if (LobsterFeatureCount(data.levels) != config.n_features) {
+    return absl::InvalidArgumentError(absl::StrCat("the checkpoint expects ", config.n_features, " features but ",
+                                                   data.levels, " book levels give ",
+                                                   LobsterFeatureCount(data.levels)));
+  }
+  ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   MakeBackend(absl::GetFlag(FLAGS_device), config, OptimizerConfig{}, checkpoint.params));
+  const size_t n = series.size();
+  const int F = config.n_features, H = config.n_horizons;
+  std::vector<float> logits(n * H);
+  RETURN_IF_ERROR(backend->ForwardStream(series.features, series.dt, logits));
+  RETURN_IF_ERROR(WriteNpy(absl::GetFlag(FLAGS_out), logits, {static_cast<int64_t>(n), H}));
+  const double loss = CpuReference<float>::MaskedBce(logits, series.labels, series.mask);
+  std::printf("%zu events, masked BCE over the whole stream %.5f; logits [%zu, %d] -> %s\n", n, loss, n, H,
+              absl::GetFlag(FLAGS_out).c_str());
+  const std::string features_out = absl::GetFlag(FLAGS_features_out);
+  if (!features_out.empty()) {
+    std::vector<float> features(n * (F + 1));
+    for (size_t i = 0; i < n; ++i) {
+      std::copy_n(&series.features[i * F], F, &features[i * (F + 1)]);
+      features[i * (F + 1) + F] = series.dt[i];
+    }
+    RETURN_IF_ERROR(WriteNpy(features_out, features, {static_cast<int64_t>(n), F + 1}));
+    std::printf("features [%zu, %d] -> %s\n", n, F + 1, features_out.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Inspect(const std::string& path) {
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  const ParamLayout layout(checkpoint.config);
+  std::printf("%s\nformat perception-v1, step %lld, %zu trained parameters\nconfig %s\n\n", path.c_str(),
+              static_cast<long long>(checkpoint.step), layout.trained_count(),
+              ConfigToJson(checkpoint.config).c_str());
+  std::printf("%-34s %-14s %9s %12s %12s\n", "tensor", "shape", "elements", "rms", "adam_v_rms");
+  for (const TensorSpec& t : layout.tensors()) {
+    double ss = 0, vv = 0;
+    for (size_t i = t.offset; i < t.offset + t.size; ++i) {
+      ss += static_cast<double>(checkpoint.params[i]) * checkpoint.params[i];
+      vv += static_cast<double>(checkpoint.exp_avg_sq[i]) * checkpoint.exp_avg_sq[i];
+    }
+    std::printf("%-34s %-14s %9zu %12.5g %12s\n", t.name.c_str(), absl::StrJoin(t.shape, "x").c_str(), t.size,
+                std::sqrt(ss / t.size), t.trained ? absl::StrFormat("%.5g", std::sqrt(vv / t.size)).c_str() : "buffer");
+  }
+  return absl::OkStatus();
+}
+
+// Accepts the documented spellings before absl parses: `--lobster ORDERBOOK MESSAGES` (two words) becomes
+// `--lobster=ORDERBOOK,MESSAGES`, and dashes in flag names become underscores (`--features-out`).
+std::vector<std::string> NormalizeArguments(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) == 0) {
+      const size_t name_end = std::min(arg.find('='), arg.size());
+      std::replace(arg.begin() + 2, arg.begin() + name_end, '-', '_');
+    }
+    const bool next_two_are_files = i + 2 < argc && argv[i + 1][0] != '-' && argv[i + 2][0] != '-';
+    if (arg == "--lobster" && next_two_are_files) {
+      out.push_back(absl::StrCat("--lobster=", argv[i + 1], ",", argv[i + 2]));
+      i += 2;
+      continue;
+    }
+    out.push_back(std::move(arg));
+  }
+  return out;
+}
+
+absl::Status Run(const std::vector<char*>& args) {
+  if (args.size() < 2) return absl::InvalidArgumentError(kUsage);
+  const std::string command = args[1];
+  if (command == "train" && args.size() == 2) return Train();
+  if (command == "eval" && args.size() == 2) return Eval();
+  if (command == "inspect" && args.size() == 3) return Inspect(args[2]);
+  return absl::InvalidArgumentError(absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "),
+                                                 "\n\n", kUsage));
+}
+
+}  // namespace
+}  // namespace perception
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(perception::kUsage);
+  std::vector<std::string> normalized = perception::NormalizeArguments(argc, argv);
+  std::vector<char*> normalized_argv;
+  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  const std::vector<char*> args =
+      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  const absl::Status status = perception::Run(args);
+  if (!status.ok()) {
+    std::fprintf(stderr, "perception: %s\n", std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,165 @@
+// ModelConfig presets, validation and JSON round trip.
+#include "engine/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace perception {
+namespace {
+
+ModelConfig Tiny() {
+  ModelConfig c;
+  c.n_features = 6;
+  c.d_model = 8;
+  c.n_layers = 2;
+  c.expand = 2;
+  c.headdim = 4;
+  c.d_state = 3;
+  c.d_conv = 4;
+  c.cfc_units = 5;
+  c.cfc_backbone = 7;
+  c.grn_hidden = 6;
+  c.n_horizons = 3;
+  c.horizons = {10, 20, 50};
+  c.window = 9;
+  c.batch = 2;
+  c.warmup = 2;
+  return c;
+}
+
+ModelConfig Large() {
+  ModelConfig c;
+  c.n_features = 48;
+  c.d_model = 512;
+  c.n_layers = 4;
+  c.expand = 2;
+  c.headdim = 64;
+  c.d_state = 64;
+  c.d_conv = 4;
+  c.cfc_units = 128;
+  c.cfc_backbone = 256;
+  c.grn_hidden = 128;
+  c.n_horizons = 5;
+  c.horizons = {10, 20, 50, 100, 200};
+  c.window = 256;
+  c.batch = 64;
+  c.warmup = 16;
+  return c;
+}
+
+// Bounds every dimension so that derived sizes (d_inner, in_proj rows, layer sizes) cannot overflow an int.
+constexpr int kMaxDimension = 1 << 16;
+
+absl::Status PositiveAndBounded(const char* field, int value) {
+  if (value > 0 && value <= kMaxDimension) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("config: ", field, " must be in [1, ", kMaxDimension, "], got ", value));
+}
+
+}  // namespace
+
+std::vector<std::string> NamedConfigNames() { return {"tiny", "small", "large"}; }
+
+absl::StatusOr<ModelConfig> NamedConfig(const std::string& name) {
+  if (name == "tiny") return Tiny();
+  if (name == "small" || name == "default") return ModelConfig{};
+  if (name == "large") return Large();
+  return absl::InvalidArgumentError(absl::StrCat("unknown config '", name, "' (known: ",
+                                                 absl::StrJoin(NamedConfigNames(), ", "), ")"));
+}
+
+absl::Status ValidateConfig(const ModelConfig& c) {
+  const std::pair<const char*, int> fields[] = {
+      {"n_features", c.n_features}, {"d_model", c.d_model},       {"n_layers", c.n_layers},
+      {"expand", c.expand},         {"headdim", c.headdim},       {"d_state", c.d_state},
+      {"d_conv", c.d_conv},         {"cfc_units", c.cfc_units},   {"cfc_backbone", c.cfc_backbone},
+      {"grn_hidden", c.grn_hidden}, {"n_horizons", c.n_horizons}, {"window", c.window},
+      {"batch", c.batch}};
+  for (const auto& [field, value] : fields) {
+    if (absl::Status s = PositiveAndBounded(field, value); !s.ok()) return s;
+  }
+  if (c.d_inner() % c.headdim != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config: d_inner = expand*d_model = ", c.d_inner(),
+                                                   " is not divisible by headdim ", c.headdim));
+  }
+  if (static_cast<int>(c.horizons.size()) != c.n_horizons) {
+    return absl::InvalidArgumentError(absl::StrCat("config: horizons has ", c.horizons.size(),
+                                                   " entries but n_horizons is ", c.n_horizons));
+  }
+  for (int k : c.horizons) {
+    if (k <= 0) return absl::InvalidArgumentError(absl::StrCat("config: horizon ", k, " must be positive"));
+  }
+  if (c.warmup < 0 || c.warmup >= c.window) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: warmup ", c.warmup, " must be in [0, window=", c.window, ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ConfigToJson(const ModelConfig& c) {
+  nlohmann::ordered_json j;
+  j["n_features"] = c.n_features;
+  j["d_model"] = c.d_model;
+  j["n_layers"] = c.n_layers;
+  j["expand"] = c.expand;
+  j["headdim"] = c.headdim;
+  j["d_state"] = c.d_state;
+  j["d_conv"] = c.d_conv;
+  j["cfc_units"] = c.cfc_units;
+  j["cfc_backbone"] = c.cfc_backbone;
+  j["grn_hidden"] = c.grn_hidden;
+  j["n_horizons"] = c.n_horizons;
+  j["horizons"] = c.horizons;
+  j["window"] = c.window;
+  j["batch"] = c.batch;
+  j["warmup"] = c.warmup;
+  return j.dump();
+}
+
+absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("config: not a JSON object");
+  }
+  ModelConfig c;
+  auto read_int = [&](const char* key, int& out, bool required) -> absl::Status {
+    auto it = j.find(key);
+    if (it == j.end()) {
+      return required ? absl::InvalidArgumentError(absl::StrCat("config: missing key '", key, "'"))
+                      : absl::OkStatus();
+    }
+    if (!it->is_number_integer()) {
+      return absl::InvalidArgumentError(absl::StrCat("config: '", key, "' must be an integer"));
+    }
+    out = it->get<int>();
+    return absl::OkStatus();
+  };
+  const std::pair<const char*, int*> required[] = {
+      {"n_features", &c.n_features}, {"d_model", &c.d_model},       {"n_layers", &c.n_layers},
+      {"expand", &c.expand},         {"headdim", &c.headdim},       {"d_state", &c.d_state},
+      {"d_conv", &c.d_conv},         {"cfc_units", &c.cfc_units},   {"cfc_backbone", &c.cfc_backbone},
+      {"grn_hidden", &c.grn_hidden}, {"n_horizons", &c.n_horizons}};
+  for (const auto& [key, field] : required) {
+    if (absl::Status s = read_int(key, *field, true); !s.ok()) return s;
+  }
+  const std::pair<const char*, int*> optional[] = {
+      {"window", &c.window}, {"batch", &c.batch}, {"warmup", &c.warmup}};
+  for (const auto& [key, field] : optional) {
+    if (absl::Status s = read_int(key, *field, false); !s.ok()) return s;
+  }
+  auto horizons = j.find("horizons");
+  if (horizons == j.end() || !horizons->is_array()) {
+    return absl::InvalidArgumentError("config: 'horizons' must be a list of event counts");
+  }
+  c.horizons.clear();
+  for (const auto& k : *horizons) {
+    if (!k.is_number_integer()) return absl::InvalidArgumentError("config: horizons must be integers");
+    c.horizons.push_back(k.get<int>());
+  }
+  if (absl::Status s = ValidateConfig(c); !s.ok()) return s;
+  return c;
+}
+
+}  // namespace perception

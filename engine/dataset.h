@@ -1,0 +1,82 @@
+// Training data from LOBSTER events: feature series, chronological split, normalizer, class prior, windows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/lobster.h"
+#include "engine/param_layout.h"
+
+namespace perception {
+
+// A stream of events ready for the model: raw features (before standardization), Δt, labels and masks.
+struct EventSeries {
+  int n_features = 0, n_horizons = 0;
+  std::vector<int> horizons;         // [H] in events; kept so that a part of the series can relabel itself
+  std::vector<float> features;       // [n, F] raw (MODEL.md §1.1), float32
+  std::vector<float> dt;             // [n] seconds
+  std::vector<int64_t> doubled_mid;  // [n] ask_px1 + bid_px1
+  std::vector<float> labels, mask;   // [n, H]
+
+  size_t size() const { return dt.size(); }
+};
+
+// Runs the featurizer over the whole file as one stream and computes the labels (MODEL.md §1.2). Errors
+// name the file line (1-based) of a bad event; horizons must be >= 1.
+absl::StatusOr<EventSeries> BuildSeries(const LobsterData& data, std::span<const int> horizons);
+
+// Chronological split: the first round(train_fraction·n) events train, the rest validate; both parts must
+// be non-empty. Each part's labels are recomputed from its own mids, so no training label looks into the
+// validation part (mask 0 past the part's end). The validation part's first event keeps its features and
+// Δt as computed in the full stream (the daemon would have seen the earlier events).
+struct SplitSeries {
+  EventSeries train, validation;
+};
+absl::StatusOr<SplitSeries> SplitByTime(const EventSeries& series, double train_fraction);
+
+// Per-feature standardization buffers (MODEL.md §2 step 0): inv_std = 1/max(std, 1e-6), population std,
+// computed in double. An empty series gives the identity (mean 0, inv_std 1).
+struct Normalizer {
+  std::vector<float> mean, inv_std;
+};
+Normalizer FitNormalizer(const EventSeries& series);
+
+// Class prior per horizon: the fraction of label 1 among masked-in labels (0.5 for a horizon with none).
+std::vector<double> ClassPrior(const EventSeries& series);
+// The masked BCE of MODEL.md §2.7 when predicting the constant probability prior[h] (logit log(p/(1-p)))
+// for every event of labels/mask [n, H] (a series' or a batch's): Σ m·bce / max(Σ m, 1). The baseline the
+// model must beat. p is clamped to [1e-9, 1 - 1e-9] so that a one-class prior still gives a finite loss.
+double PriorBaselineLoss(std::span<const double> prior, std::span<const float> labels, std::span<const float> mask);
+
+// A batch as MODEL.md §1: x[B,T,F], dt[B,T], labels[B,T,H], mask[B,T,H] (float32, row-major).
+struct Batch {
+  int batch = 0, window = 0, n_features = 0, n_horizons = 0;
+  std::vector<float> x, dt, labels, mask;
+};
+
+// Random windows of `window` consecutive events (uniform start), mask zeroed on the first `warmup` positions.
+class WindowSampler {
+ public:
+  // Needs 1 <= window <= series.size() and 0 <= warmup < window. The sampler keeps a reference to
+  // `series`, which must outlive it.
+  static absl::StatusOr<WindowSampler> Create(const EventSeries& series, int window, int warmup, uint64_t seed);
+
+  // Fills `out` with `batch` windows; it resizes `out` only when the shape changes, then reuses it.
+  void Sample(int batch, Batch& out);
+
+ private:
+  WindowSampler(const EventSeries& series, int window, int warmup, uint64_t seed);
+
+  const EventSeries* series_;
+  int window_, warmup_;
+  Rng rng_;
+};
+
+// All non-overlapping windows in order (the last partial one dropped), warmup-masked: for validation.
+// Needs window >= 1 and 0 <= warmup <= window; max_windows = 0 takes them all.
+Batch SequentialWindows(const EventSeries& series, int window, int warmup, int max_windows = 0);
+
+}  // namespace perception

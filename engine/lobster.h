@@ -1,0 +1,95 @@
+// LOBSTER order-book files: the reader, the streaming feature transform and the labels of MODEL.md §1.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace perception {
+
+// The dummy prices LOBSTER writes for an empty level (always with size 0).
+inline constexpr int64_t kEmptyAskPrice = 9999999999;
+inline constexpr int64_t kEmptyBidPrice = -9999999999;
+
+// One row of a message file. `time` is seconds after midnight; prices are in 1e-4 dollars.
+struct LobsterMessage {
+  double time = 0;
+  int type = 0;  // 1 new, 2 partial cancel, 3 delete, 4 visible execution, 5 hidden execution, 7 halt
+  int64_t order_id = 0;
+  int64_t size = 0;
+  int64_t price = 0;
+  int direction = 0;  // +1 buy (bid side), -1 sell (ask side)
+};
+
+struct LobsterData {
+  int levels = 0;
+  std::vector<int64_t> book;             // [n, 4*levels]: ask_px, ask_sz, bid_px, bid_sz per level, as in the file
+  std::vector<LobsterMessage> messages;  // [n]
+  // Where the rows came from, so that later errors can name the line; empty for data built in memory.
+  std::string orderbook_path, message_path;
+
+  size_t size() const { return messages.size(); }
+  std::span<const int64_t> BookRow(size_t i) const {
+    const size_t width = 4 * static_cast<size_t>(levels);
+    return std::span<const int64_t>(book).subspan(i * width, width);
+  }
+};
+
+// Reads a LOBSTER orderbook file and its message file (no header rows). levels = 0 infers the level count
+// from the orderbook's column count (a multiple of 4). Every error names the file and its 1-based line:
+// wrong column count, a non-numeric field, a type outside 1..7 or a direction other than ±1, decreasing
+// times, a level 1 without a mid (see ValidateLevelOne) and row counts that differ between the two files.
+absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const std::string& message_path,
+                                        int levels = 0);
+
+// OK when level 1 of `book_row` holds a real price on both sides with ask > bid (MODEL.md §1.1), so the
+// event has a mid; INVALID_ARGUMENT otherwise. Real prices are positive, which also excludes the dummies.
+absl::Status ValidateLevelOne(std::span<const int64_t> book_row);
+
+// ask_px1 + bid_px1: twice the mid, kept as an integer so that comparisons of mids are exact.
+inline int64_t DoubledMid(std::span<const int64_t> book_row) { return book_row[0] + book_row[2]; }
+
+// The feature transform of MODEL.md §1.1 for ONE stream; it keeps the previous mid and message time.
+class LobsterFeaturizer {
+ public:
+  explicit LobsterFeaturizer(int levels);
+
+  int levels() const { return levels_; }
+  int n_features() const;  // 4*levels + 8
+
+  // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and
+  // returns Δt in seconds (0 for the first event of the stream). A book row of the wrong size, an event
+  // without a level-1 mid, a time earlier than the previous event or a `features` of the wrong size gives
+  // INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
+  absl::StatusOr<double> Next(std::span<const int64_t> book_row, const LobsterMessage& message,
+                              std::span<float> features);
+
+  // Starts a new stream: the next event is a first event again.
+  void Reset();
+
+  // The mid of the last accepted event, in price units (1e-4 dollars); empty before the first.
+  std::optional<double> last_mid() const;
+
+ private:
+  absl::Status Validate(std::span<const int64_t> book_row, const LobsterMessage& message,
+                        std::span<float> features) const;
+
+  int levels_;
+  std::optional<int64_t> last_doubled_mid_;
+  double last_time_ = 0;
+};
+
+// The labels of MODEL.md §1.2 for mids given doubled (ask_px1 + bid_px1), so that "equal" is exact:
+// for event t and horizon k, label 1 if mean(mid[t+1..t+k]) > mid[t], 0 if below; mask 0 when equal or
+// when t+k is past the data (the label is then 0 too). labels and mask are [n, H], H = horizons.size(),
+// with n = doubled_mids.size(); every horizon must be >= 1.
+void ComputeLabels(std::span<const int64_t> doubled_mids, std::span<const int> horizons, std::span<float> labels,
+                   std::span<float> mask);
+
+}  // namespace perception

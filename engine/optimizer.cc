@@ -1,0 +1,86 @@
+// CPU clipping, AdamW and learning-rate schedules; the reference the device optimizer is checked against.
+#include "engine/optimizer.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "absl/strings/str_cat.h"
+
+namespace perception {
+
+absl::StatusOr<LrSchedule> ParseLrSchedule(const std::string& name) {
+  if (name == "constant") return LrSchedule::kConstant;
+  if (name == "cosine") return LrSchedule::kWarmupCosine;
+  return absl::InvalidArgumentError(absl::StrCat("unknown lr schedule '", name, "' (constant, cosine)"));
+}
+
+absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
+  if (!(c.lr > 0) || !std::isfinite(c.lr)) return absl::InvalidArgumentError("optimizer: lr must be positive");
+  if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
+    return absl::InvalidArgumentError("optimizer: betas must be in [0, 1)");
+  }
+  if (!(c.eps > 0)) return absl::InvalidArgumentError("optimizer: eps must be positive");
+  if (!(c.weight_decay >= 0)) return absl::InvalidArgumentError("optimizer: weight_decay must be >= 0");
+  if (c.schedule == LrSchedule::kWarmupCosine) {
+    if (c.warmup_steps < 0 || c.total_steps <= c.warmup_steps) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer: cosine schedule needs 0 <= warmup_steps (",
+                                                     c.warmup_steps, ") < total_steps (", c.total_steps, ")"));
+    }
+    if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) {
+      return absl::InvalidArgumentError("optimizer: min_lr must be in [0, lr]");
+    }
+  }
+  return absl::OkStatus();
+}
+
+double LearningRate(const OptimizerConfig& c, int64_t step) {
+  if (c.schedule == LrSchedule::kConstant) return c.lr;
+  if (step <= c.warmup_steps) return c.lr * static_cast<double>(step) / static_cast<double>(c.warmup_steps);
+  const double progress = std::min(
+      1.0, static_cast<double>(step - c.warmup_steps) / static_cast<double>(c.total_steps - c.warmup_steps));
+  return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+template <typename T>
+double GlobalGradNorm(const ParamLayout& layout, std::span<const T> grads) {
+  double sum = 0;
+  for (size_t i = layout.trained_begin(); i < layout.total_size(); ++i) {
+    sum += static_cast<double>(grads[i]) * static_cast<double>(grads[i]);
+  }
+  return std::sqrt(sum);
+}
+
+template <typename T>
+double ClipAndAdamW(const ParamLayout& layout, const OptimizerConfig& c, int64_t step, std::span<T> params,
+                    std::span<T> grads, std::span<T> exp_avg, std::span<T> exp_avg_sq) {
+  const double norm = GlobalGradNorm<T>(layout, grads);
+  const T scale = c.max_grad_norm > 0 ? static_cast<T>(std::min(1.0, c.max_grad_norm / (norm + 1e-6))) : T(1);
+  const double lr = LearningRate(c, step);
+  const T bias_correction1 = static_cast<T>(1.0 - std::pow(c.beta1, static_cast<double>(step)));
+  const T bias_correction2_sqrt = static_cast<T>(std::sqrt(1.0 - std::pow(c.beta2, static_cast<double>(step))));
+  const T step_size = static_cast<T>(lr) / bias_correction1;
+  const T b1 = static_cast<T>(c.beta1), b2 = static_cast<T>(c.beta2), eps = static_cast<T>(c.eps);
+  const T decay = static_cast<T>(1.0 - lr * c.weight_decay);
+  for (const TensorSpec& t : layout.tensors()) {
+    if (!t.trained) continue;
+    for (size_t i = t.offset; i < t.offset + t.size; ++i) {
+      const T g = grads[i] * scale;
+      grads[i] = g;
+      if (t.weight_decay) params[i] *= decay;
+      exp_avg[i] = b1 * exp_avg[i] + (T(1) - b1) * g;
+      exp_avg_sq[i] = b2 * exp_avg_sq[i] + (T(1) - b2) * g * g;
+      const T denom = std::sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps;
+      params[i] -= step_size * exp_avg[i] / denom;
+    }
+  }
+  return norm;
+}
+
+template double GlobalGradNorm<float>(const ParamLayout&, std::span<const float>);
+template double GlobalGradNorm<double>(const ParamLayout&, std::span<const double>);
+template double ClipAndAdamW<float>(const ParamLayout&, const OptimizerConfig&, int64_t, std::span<float>,
+                                    std::span<float>, std::span<float>, std::span<float>);
+template double ClipAndAdamW<double>(const ParamLayout&, const OptimizerConfig&, int64_t, std::span<double>,
+                                     std::span<double>, std::span<double>, std::span<double>);
+
+}  // namespace perception

@@ -1,0 +1,45 @@
+// Global-norm clipping, AdamW with PyTorch semantics and learning-rate schedules (MODEL.md §5), on the CPU.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/param_layout.h"
+
+namespace perception {
+
+enum class LrSchedule { kConstant, kWarmupCosine };
+
+struct OptimizerConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0.01;
+  double max_grad_norm = 1.0;  // <= 0 disables clipping
+  LrSchedule schedule = LrSchedule::kConstant;
+  int64_t warmup_steps = 0;  // kWarmupCosine: linear ramp over these steps
+  int64_t total_steps = 0;   // kWarmupCosine: cosine reaches min_lr at this step
+  double min_lr = 0.0;
+};
+
+absl::StatusOr<LrSchedule> ParseLrSchedule(const std::string& name);  // "constant" | "cosine"
+absl::Status ValidateOptimizerConfig(const OptimizerConfig& config);
+
+// Learning rate of optimizer step `step` (1-based: the first update is step 1).
+//   warmup:  lr · step / warmup_steps                       for step <= warmup_steps
+//   cosine:  min_lr + (lr − min_lr) · ½(1 + cos(π·progress)), progress = (step − warmup)/(total − warmup), capped at 1
+double LearningRate(const OptimizerConfig& config, int64_t step);
+
+// ‖g‖₂ over the trained tensors, accumulated in double.
+template <typename T>
+double GlobalGradNorm(const ParamLayout& layout, std::span<const T> grads);
+
+// One optimizer step, as torch.nn.utils.clip_grad_norm_ followed by torch.optim.AdamW.step():
+// g ← g·min(1, max/(‖g‖+1e-6)); θ ← θ(1 − lr·wd) where decayed; m, v moments; bias corrections from `step`
+// (1-based, the step being taken). Grads are scaled in place. Returns the pre-clip norm.
+template <typename T>
+double ClipAndAdamW(const ParamLayout& layout, const OptimizerConfig& config, int64_t step, std::span<T> params,
+                    std::span<T> grads, std::span<T> exp_avg, std::span<T> exp_avg_sq);
+
+}  // namespace perception

@@ -1,0 +1,513 @@
+// Tests of the PerceptionNet checkpoint: bit-exact round trip, standard safetensors layout, every rejection, fuzzing.
+#include "engine/checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "engine/param_layout.h"
+#include "engine/safetensors.h"
+
+namespace perception {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+uint64_t HeaderLength(const std::string& file) {
+  uint64_t length;
+  std::memcpy(&length, file.data(), sizeof length);
+  return length;
+}
+
+ModelConfig Config(const std::string& name) { return NamedConfig(name).value(); }
+
+// Random contents everywhere the format stores something: parameters from the model's initializer
+// with random normalizer buffers, random moments on the trained tensors, zero on padding.
+Checkpoint RandomCheckpoint(const ModelConfig& config, uint64_t seed) {
+  const ParamLayout layout(config);
+  Checkpoint checkpoint;
+  checkpoint.config = config;
+  checkpoint.params.resize(layout.total_size());
+  InitializeParameters(layout, seed, checkpoint.params);
+  checkpoint.exp_avg.assign(layout.total_size(), 0.f);
+  checkpoint.exp_avg_sq.assign(layout.total_size(), 0.f);
+  Rng rng(seed + 1);
+  for (const TensorSpec& t : layout.tensors()) {
+    for (size_t i = t.offset; i < t.offset + t.size; ++i) {
+      if (!t.trained) {
+        checkpoint.params[i] = static_cast<float>(rng.Uniform(0.5, 2.0));
+        continue;
+      }
+      checkpoint.exp_avg[i] = static_cast<float>(rng.Uniform(-1e-2, 1e-2));
+      checkpoint.exp_avg_sq[i] = static_cast<float>(rng.Uniform(0.0, 1e-4));
+    }
+  }
+  checkpoint.step = 1000 + static_cast<int64_t>(rng.Below(100000));
+  return checkpoint;
+}
+
+bool BitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
+  EXPECT_EQ(a.config, b.config);
+  EXPECT_TRUE(BitIdentical(a.params, b.params));
+  EXPECT_TRUE(BitIdentical(a.exp_avg, b.exp_avg));
+  EXPECT_TRUE(BitIdentical(a.exp_avg_sq, b.exp_avg_sq));
+  EXPECT_EQ(a.step, b.step);
+}
+
+// Every tensor name a checkpoint of `config` must hold.
+std::set<std::string> ExpectedNames(const ModelConfig& config) {
+  std::set<std::string> names = {"optim.step"};
+  const ParamLayout layout(config);
+  for (const TensorSpec& t : layout.tensors()) {
+    names.insert(t.name);
+    if (t.trained) {
+      names.insert("optim.exp_avg." + t.name);
+      names.insert("optim.exp_avg_sq." + t.name);
+    }
+  }
+  return names;
+}
+
+// A file's tensors as owned values, so that a test can edit them and write them back.
+struct OwnedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = std::filesystem::temp_directory_path() / "checkpoint_test.XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    path_ = (dir_ / "model.safetensors").string();
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::vector<std::string> DirectoryEntries() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_)) names.push_back(entry.path().filename());
+    return names;
+  }
+
+  void SaveTiny(uint64_t seed = 1) { ASSERT_TRUE(SaveCheckpoint(path_, RandomCheckpoint(Config("tiny"), seed)).ok()); }
+
+  // Rewrites the checkpoint through the generic writer after `edit` changed its tensors or metadata.
+  void RewriteTensors(const std::function<void(std::vector<OwnedTensor>&, SafetensorsMetadata&)>& edit) {
+    absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path_);
+    ASSERT_TRUE(file.ok()) << file.status();
+    std::vector<OwnedTensor> tensors;
+    for (const auto& [name, tensor] : file->tensors()) tensors.push_back({name, tensor.shape, tensor.ToFloats()});
+    SafetensorsMetadata metadata = file->metadata();
+    edit(tensors, metadata);
+    std::vector<SafetensorsTensorRef> refs;
+    for (const OwnedTensor& t : tensors) refs.push_back({t.name, t.shape, t.values});
+    ASSERT_TRUE(WriteSafetensors(path_, refs, metadata).ok());
+  }
+
+  // Rewrites the JSON header by hand (keeping the data bytes), for damage the writer cannot produce.
+  void RewriteHeader(const std::function<void(nlohmann::json&)>& edit) {
+    const std::string file = ReadBytes(path_);
+    const uint64_t length = HeaderLength(file);
+    nlohmann::json header = nlohmann::json::parse(file.substr(8, length));
+    edit(header);
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const uint64_t new_length = text.size();
+    WriteBytes(path_, std::string(reinterpret_cast<const char*>(&new_length), 8) + text + file.substr(8 + length));
+  }
+
+  void ExpectLoadFails(const std::string& message) {
+    const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_THAT(loaded.status().message(), HasSubstr(message));
+    EXPECT_THAT(loaded.status().message(), HasSubstr(path_));
+  }
+
+  std::filesystem::path dir_;
+  std::string path_;
+};
+
+class CheckpointRoundTripTest : public CheckpointTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(CheckpointRoundTripTest, IsBitIdentical) {
+  const Checkpoint saved = RandomCheckpoint(Config(GetParam()), 42);
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameCheckpoint(*loaded, saved);
+}
+
+INSTANTIATE_TEST_SUITE_P(NamedConfigs, CheckpointRoundTripTest, ::testing::Values("tiny", "small"));
+
+TEST_F(CheckpointTest, FileIsStandardSafetensors) {
+  const ModelConfig config = Config("small");
+  const Checkpoint saved = RandomCheckpoint(config, 7);
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+
+  const std::string file = ReadBytes(path_);
+  const uint64_t length = HeaderLength(file);
+  EXPECT_EQ(length % 8, 0u);
+  ASSERT_LE(8 + length, file.size());
+  const nlohmann::json header = nlohmann::json::parse(file.substr(8, length), nullptr, false);
+  ASSERT_TRUE(header.is_object());
+  const nlohmann::json& metadata = header.at("__metadata__");
+  EXPECT_EQ(metadata.at("format"), "perception-v1");
+  EXPECT_EQ(metadata.at("config"), ConfigToJson(config));
+  EXPECT_EQ(metadata.at("step"), std::to_string(saved.step));
+
+  // small: 46 layout tensors (2 buffers + 44 trained), 2 × 44 moments, optim.step.
+  std::set<std::string> names;
+  for (const auto& [name, entry] : header.items()) {
+    if (name != "__metadata__") names.insert(name);
+  }
+  EXPECT_EQ(names.size(), 46u + 2 * 44u + 1u);
+  EXPECT_EQ(names, ExpectedNames(config));
+
+  // Raw data, read without the project's reader: one parameter, one moment and the step.
+  const char* data = file.data() + 8 + length;
+  const ParamLayout layout(config);
+  const TensorSpec& in_proj = layout.tensor(layout.layers[1].in_proj);
+  auto bytes_of = [&](const std::string& name) {
+    const nlohmann::json& entry = header.at(name);
+    EXPECT_EQ(entry.at("dtype"), "F32");
+    const size_t begin = entry.at("data_offsets").at(0), end = entry.at("data_offsets").at(1);
+    return std::make_pair(data + begin, end - begin);
+  };
+  EXPECT_EQ(header.at(in_proj.name).at("shape"), nlohmann::json(in_proj.shape));
+  const auto [param_bytes, param_size] = bytes_of(in_proj.name);
+  ASSERT_EQ(param_size, in_proj.size * sizeof(float));
+  EXPECT_EQ(std::memcmp(param_bytes, saved.params.data() + in_proj.offset, param_size), 0);
+  const auto [moment_bytes, moment_size] = bytes_of("optim.exp_avg_sq." + in_proj.name);
+  ASSERT_EQ(moment_size, in_proj.size * sizeof(float));
+  EXPECT_EQ(std::memcmp(moment_bytes, saved.exp_avg_sq.data() + in_proj.offset, moment_size), 0);
+  const auto [step_bytes, step_size] = bytes_of("optim.step");
+  ASSERT_EQ(step_size, sizeof(float));
+  float step;
+  std::memcpy(&step, step_bytes, sizeof step);
+  EXPECT_EQ(step, static_cast<float>(saved.step));
+}
+
+TEST_F(CheckpointTest, StepIsExactBeyondFloatPrecision) {
+  Checkpoint saved = RandomCheckpoint(Config("tiny"), 3);
+  saved.step = (int64_t{1} << 24) + 1;  // the float in optim.step rounds to 2^24
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->step, saved.step);
+}
+
+TEST_F(CheckpointTest, PaddingAndBufferMomentsAreNotStoredAndLoadAsZero) {
+  const ModelConfig config = Config("tiny");
+  const ParamLayout layout(config);
+  const Checkpoint clean = RandomCheckpoint(config, 5);
+  Checkpoint dirty = clean;
+  const TensorSpec& mean = layout.tensor(layout.norm_mean);
+  const size_t padding = mean.offset + mean.size;  // tiny: F = 6 floats, then padding to the next 4
+  ASSERT_LT(padding, layout.tensor(layout.norm_inv_std).offset);
+  dirty.params[padding] = 123.f;
+  dirty.exp_avg[mean.offset] = 4.f;
+  dirty.exp_avg_sq[padding] = 5.f;
+  ASSERT_TRUE(SaveCheckpoint(path_, dirty).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameCheckpoint(*loaded, clean);
+}
+
+TEST_F(CheckpointTest, SaveRejectsInconsistentCheckpointsAndWritesNothing) {
+  const Checkpoint good = RandomCheckpoint(Config("tiny"), 9);
+  const size_t total = good.params.size();
+  const struct {
+    std::function<void(Checkpoint&)> damage;
+    std::string message;
+  } cases[] = {
+      {[](Checkpoint& c) { c.params.pop_back(); },
+       absl::StrCat("params has ", total - 1, " floats, the layout of this config needs ", total)},
+      {[](Checkpoint& c) { c.exp_avg.push_back(0.f); }, absl::StrCat("exp_avg has ", total + 1, " floats")},
+      {[](Checkpoint& c) { c.exp_avg_sq.clear(); }, "exp_avg_sq has 0 floats"},
+      {[](Checkpoint& c) { c.step = -1; }, "step -1 is negative"},
+      {[](Checkpoint& c) { c.config.headdim = 3; }, "not divisible by headdim 3"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    Checkpoint bad = good;
+    c.damage(bad);
+    const absl::Status status = SaveCheckpoint(path_, bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr(c.message));
+    EXPECT_THAT(status.message(), HasSubstr(path_));
+  }
+  EXPECT_TRUE(DirectoryEntries().empty());
+}
+
+TEST_F(CheckpointTest, TruncatedFilesAreRejected) {
+  SaveTiny();
+  const std::string file = ReadBytes(path_);
+  const size_t data_start = 8 + HeaderLength(file);
+  const struct {
+    size_t cut;
+    std::string message;
+  } cases[] = {
+      {0, "file is 0 bytes, shorter than the 8-byte header length"},
+      {5, "file is 5 bytes, shorter than the 8-byte header length"},
+      {8, "exceeds the 0 bytes that follow the length field"},
+      {data_start / 2, "bytes that follow the length field"},
+      {data_start - 1, "bytes that follow the length field"},
+      {data_start, "exceed the data region of 0 bytes"},
+      {data_start + 10, "exceed the data region of 10 bytes"},
+      {(data_start + file.size()) / 2, "exceed the data region"},
+      {file.size() - 1, absl::StrCat("exceed the data region of ", file.size() - 1 - data_start, " bytes")},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.cut);
+    WriteBytes(path_, file.substr(0, c.cut));
+    ExpectLoadFails(c.message);
+  }
+}
+
+TEST_F(CheckpointTest, CorruptedHeaderIsRejected) {
+  SaveTiny();
+  std::string file = ReadBytes(path_);
+  file.replace(20, 6, "\x01\xff\"}{]", 6);
+  WriteBytes(path_, file);
+  ExpectLoadFails("header is not valid JSON");
+}
+
+TEST_F(CheckpointTest, WrongShapeIsRejected) {
+  SaveTiny();
+  RewriteTensors([](std::vector<OwnedTensor>& tensors, SafetensorsMetadata&) {
+    for (OwnedTensor& t : tensors) {
+      if (t.name == "embed.weight") t.shape = {6, 8};  // transposed: same size, wrong shape
+    }
+  });
+  ExpectLoadFails("tensor 'embed.weight' has shape [6, 8], expected [8, 6]");
+}
+
+TEST_F(CheckpointTest, MissingTensorIsRejected) {
+  SaveTiny();
+  RewriteTensors([](std::vector<OwnedTensor>& tensors, SafetensorsMetadata&) {
+    std::erase_if(tensors, [](const OwnedTensor& t) { return t.name == "optim.exp_avg_sq.head.out.bias"; });
+  });
+  ExpectLoadFails("missing tensor 'optim.exp_avg_sq.head.out.bias' (expected shape [3])");
+}
+
+TEST_F(CheckpointTest, UnexpectedTensorIsRejected) {
+  SaveTiny();
+  RewriteTensors([](std::vector<OwnedTensor>& tensors, SafetensorsMetadata&) {
+    tensors.push_back({"optim.exp_avg.norm.mean", {6}, std::vector<float>(6, 0.5f)});  // buffers have no moments
+  });
+  ExpectLoadFails("unexpected tensor 'optim.exp_avg.norm.mean'");
+}
+
+TEST_F(CheckpointTest, WrongDtypeIsRejected) {
+  SaveTiny();
+  std::string file = ReadBytes(path_);
+  const size_t f32 = file.find("\"F32\"");
+  ASSERT_NE(f32, std::string::npos);
+  file.replace(f32, 5, "\"F16\"");
+  WriteBytes(path_, file);
+  ExpectLoadFails("has unsupported dtype 'F16' (only F32 is supported)");
+}
+
+TEST_F(CheckpointTest, DataOffsetsOutOfRangeAreRejected) {
+  SaveTiny();
+  uint64_t begin = 0, end = 0;
+  RewriteHeader([&](nlohmann::json& header) {
+    nlohmann::json& offsets = header["optim.step"]["data_offsets"];  // the last tensor of the data region
+    begin = offsets[0];
+    end = offsets[1];
+    offsets = {begin + 4, end + 4};
+  });
+  ExpectLoadFails(absl::StrCat("tensor 'optim.step': data_offsets [", begin + 4, ", ", end + 4,
+                               "] exceed the data region of ", end, " bytes"));
+}
+
+TEST_F(CheckpointTest, OverlappingDataOffsetsAreRejected) {
+  SaveTiny();
+  RewriteHeader([](nlohmann::json& header) {
+    header["norm.inv_std"]["data_offsets"] = header["norm.mean"]["data_offsets"];  // same shape [6]
+  });
+  ExpectLoadFails("tensors 'norm.inv_std' and 'norm.mean' overlap");
+}
+
+TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
+  const struct {
+    std::string key, value, message;
+  } cases[] = {
+      {"format", "perception-v0", "metadata format is 'perception-v0', expected 'perception-v1'"},
+      {"config", "{\"n_features\": 6,", "metadata config is invalid: config: not a JSON object"},
+      {"config", ConfigToJson(Config("small")), "tensor 'norm.mean' has shape [6], expected [40]"},
+      {"step", "12a", "metadata step '12a' is not a non-negative integer"},
+      {"step", "-3", "metadata step '-3' is not a non-negative integer"},
+      {"step", "7", "optim.step holds"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    SaveTiny();
+    RewriteTensors([&](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) { metadata[c.key] = c.value; });
+    ExpectLoadFails(c.message);
+  }
+}
+
+TEST_F(CheckpointTest, MissingFormatIsRejected) {
+  SaveTiny();
+  RewriteTensors([](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) { metadata.erase("format"); });
+  ExpectLoadFails("no 'format' in the metadata; not a PerceptionNet checkpoint");
+}
+
+TEST_F(CheckpointTest, InvalidConfigValuesAreRejected) {
+  const struct {
+    std::string key;
+    int value;
+    std::string message;
+  } cases[] = {
+      {"headdim", 3, "metadata config is invalid: config: d_inner = expand*d_model = 16 is not divisible by headdim 3"},
+      {"n_layers", 1000000000, "metadata config is invalid: config: n_layers must be in [1, 65536]"},
+      {"d_model", 100000000, "metadata config is invalid: config: d_model must be in [1, 65536]"},
+      // Valid dimensions whose layout would still dwarf the file: refused before anything is allocated.
+      {"n_layers", 60000, "config n_layers = 60000 exceeds the"},
+      {"d_model", 60000, "config d_model = 60000 does not fit the"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    SaveTiny();
+    RewriteTensors([&](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) {
+      nlohmann::json config = nlohmann::json::parse(metadata["config"]);
+      config[c.key] = c.value;
+      metadata["config"] = config.dump();
+    });
+    ExpectLoadFails(c.message);
+  }
+}
+
+TEST_F(CheckpointTest, FailedLoadLeavesTheCallersCheckpointUntouched) {
+  SaveTiny(21);
+  absl::StatusOr<Checkpoint> held = LoadCheckpoint(path_);
+  ASSERT_TRUE(held.ok()) << held.status();
+  const Checkpoint snapshot = *held;
+  const std::string file = ReadBytes(path_);
+  WriteBytes(path_, file.substr(0, file.size() - 4));
+  EXPECT_FALSE(LoadCheckpoint(path_).ok());
+  ExpectSameCheckpoint(*held, snapshot);
+}
+
+TEST_F(CheckpointTest, SaveIntoMissingDirectoryFailsNamingThePath) {
+  const std::string path = (dir_ / "missing" / "model.safetensors").string();
+  const absl::Status status = SaveCheckpoint(path, RandomCheckpoint(Config("tiny"), 1));
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(status.message(), HasSubstr(path));
+  EXPECT_THAT(status.message(), HasSubstr("No such file or directory"));
+  EXPECT_TRUE(DirectoryEntries().empty());
+}
+
+TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
+  SaveTiny(1);
+  const Checkpoint newer = RandomCheckpoint(Config("tiny"), 2);
+  ASSERT_TRUE(SaveCheckpoint(path_, newer).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameCheckpoint(*loaded, newer);
+  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"model.safetensors"});
+}
+
+// A write that dies halfway (here: the file size limit, as a full disk would) must leave the old
+// checkpoint exactly as it was and no temporary file behind.
+TEST_F(CheckpointTest, InterruptedSaveKeepsTheOldCheckpoint) {
+  const Checkpoint old = RandomCheckpoint(Config("tiny"), 1);
+  ASSERT_TRUE(SaveCheckpoint(path_, old).ok());
+  const std::string old_bytes = ReadBytes(path_);
+
+  rlimit saved_limit;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved_limit), 0);
+  rlimit small_limit = saved_limit;
+  small_limit.rlim_cur = 64 * 1024;  // the tiny file fits, the small one (about 3.8 MB) does not
+  ASSERT_LT(old_bytes.size(), small_limit.rlim_cur);
+  const sighandler_t saved_handler = ::signal(SIGXFSZ, SIG_IGN);  // make the write fail with EFBIG instead
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small_limit), 0);
+  const absl::Status status = SaveCheckpoint(path_, RandomCheckpoint(Config("small"), 2));
+  ::setrlimit(RLIMIT_FSIZE, &saved_limit);
+  ::signal(SIGXFSZ, saved_handler);
+
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(status.message(), HasSubstr("File too large"));
+  EXPECT_EQ(ReadBytes(path_), old_bytes);
+  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"model.safetensors"});
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameCheckpoint(*loaded, old);
+}
+
+// Random damage must always end in a load or an error, never a crash. Truncation always fails;
+// a flipped data byte outside optim.step changes a value but leaves a loadable file.
+TEST_F(CheckpointTest, FuzzedFilesLoadOrFailCleanly) {
+  SaveTiny(17);
+  const std::string original = ReadBytes(path_);
+  const size_t data_start = 8 + HeaderLength(original);
+  const nlohmann::json header = nlohmann::json::parse(original.substr(8, data_start - 8));
+  const size_t step_begin = data_start + header.at("optim.step").at("data_offsets").at(0).get<size_t>();
+  const size_t expected_size = ParamLayout(Config("tiny")).total_size();
+
+  Rng rng(2024);
+  int loaded = 0, failed = 0;
+  for (int i = 0; i < 2000; ++i) {
+    std::string file = original;
+    const bool truncate = i % 2 == 1;
+    // Mutations land in the header half the time: it is small, and that is where the parser works.
+    const size_t position = i % 4 == 0 ? rng.Below(data_start) : rng.Below(file.size());
+    if (truncate) {
+      file.resize(rng.Below(file.size()));
+    } else {
+      file[position] = static_cast<char>(file[position] ^ (1 + rng.Below(255)));
+    }
+    WriteBytes(path_, file);
+    const absl::StatusOr<Checkpoint> result = LoadCheckpoint(path_);
+    if (result.ok()) {
+      ++loaded;
+      EXPECT_EQ(result->params.size(), expected_size);
+      EXPECT_EQ(result->exp_avg_sq.size(), expected_size);
+    } else {
+      ++failed;
+      EXPECT_FALSE(result.status().message().empty());
+    }
+    if (truncate) {
+      EXPECT_FALSE(result.ok()) << "truncated to " << file.size();
+    }
+    const bool data_byte = !truncate && position >= data_start && (position < step_begin || position >= step_begin + 4);
+    if (data_byte) {
+      EXPECT_TRUE(result.ok()) << "byte " << position << ": " << result.status();
+    }
+  }
+  EXPECT_GT(loaded, 0);
+  EXPECT_GT(failed, 1000);
+}
+
+}  // namespace
+}  // namespace perception

@@ -1,0 +1,131 @@
+// ModelConfig presets, JSON round trip, validation messages and the parameter layout of MODEL.md §4.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/config.h"
+#include "engine/param_layout.h"
+
+namespace perception {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, PresetsMatchModelTable) {
+  ModelConfig small = *NamedConfig("small");
+  EXPECT_EQ(small, *NamedConfig("default"));
+  EXPECT_EQ(small.n_features, 40);
+  EXPECT_EQ(small.d_inner(), 256);
+  EXPECT_EQ(small.n_heads(), 4);
+  EXPECT_EQ(small.in_proj_dim(), 2 * 256 + 2 * 32 + 4);
+  ModelConfig large = *NamedConfig("large");
+  EXPECT_EQ(large.d_model, 512);
+  EXPECT_EQ(large.n_layers, 4);
+  EXPECT_EQ(large.window, 256);
+  ModelConfig tiny = *NamedConfig("tiny");
+  EXPECT_EQ(tiny.d_state, 3);
+  EXPECT_EQ(tiny.window, 9);
+  for (const std::string& name : NamedConfigNames()) EXPECT_TRUE(ValidateConfig(*NamedConfig(name)).ok()) << name;
+  EXPECT_THAT(NamedConfig("huge").status().message(), HasSubstr("unknown config 'huge'"));
+}
+
+TEST(ConfigTest, SmallHasTheSpecifiedParameterCount) {
+  ParamLayout layout(*NamedConfig("small"));
+  EXPECT_EQ(layout.trained_count(), 318685u);
+}
+
+TEST(ConfigTest, JsonRoundTrip) {
+  for (const std::string& name : NamedConfigNames()) {
+    ModelConfig config = *NamedConfig(name);
+    config.horizons.back() += 7;  // not a preset value, so the list really travels
+    absl::StatusOr<ModelConfig> back = ConfigFromJson(ConfigToJson(config));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, config);
+  }
+  EXPECT_THAT(ConfigToJson(*NamedConfig("small")), HasSubstr("\"horizons\":[10,20,50,100,200]"));
+}
+
+TEST(ConfigTest, ValidationNamesTheProblem) {
+  ModelConfig c = *NamedConfig("small");
+  c.headdim = 48;
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("not divisible by headdim 48"));
+  c = *NamedConfig("small");
+  c.horizons = {10, 20};
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("horizons has 2 entries but n_horizons is 5"));
+  c = *NamedConfig("small");
+  c.d_state = 0;
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("d_state must be in [1, 65536], got 0"));
+  c = *NamedConfig("small");
+  c.d_model = 100000000;  // would overflow expand·d_model in int
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("d_model must be in [1, 65536]"));
+  c = *NamedConfig("small");
+  c.warmup = 64;
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("warmup 64"));
+  EXPECT_THAT(ConfigFromJson("{\"d_model\": 8}").status().message(), HasSubstr("missing key 'n_features'"));
+  EXPECT_THAT(ConfigFromJson("[1,2]").status().message(), HasSubstr("not a JSON object"));
+  EXPECT_THAT(ConfigFromJson("{oops").status().message(), HasSubstr("not a JSON object"));
+}
+
+TEST(ParamLayoutTest, FollowsModelOrderWithAlignedViews) {
+  ParamLayout layout(*NamedConfig("small"));
+  const std::vector<std::string> first = {"norm.mean", "norm.inv_std", "embed.weight", "embed.bias",
+                                          "layers.0.norm.weight", "layers.0.mixer.in_proj.weight",
+                                          "layers.0.mixer.conv1d.weight", "layers.0.mixer.conv1d.bias",
+                                          "layers.0.mixer.dt_bias", "layers.0.mixer.A_log", "layers.0.mixer.D",
+                                          "layers.0.mixer.norm.weight", "layers.0.mixer.out_proj.weight"};
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_EQ(layout.tensor(i).name, first[i]);
+  EXPECT_EQ(layout.tensors().back().name, "head.out.bias");
+  EXPECT_EQ(layout.tensor(*layout.Find("layers.1.mixer.conv1d.weight")).shape, (std::vector<int64_t>{320, 1, 4}));
+  EXPECT_EQ(layout.tensor(*layout.Find("head.grn.skip.weight")).shape, (std::vector<int64_t>{64, 192}));
+  size_t end = 0;
+  for (const TensorSpec& t : layout.tensors()) {
+    EXPECT_EQ(t.offset % ParamLayout::kTensorAlignment, 0u) << t.name;
+    EXPECT_GE(t.offset, end) << t.name;
+    end = t.offset + t.size;
+    EXPECT_EQ(t.trained, t.name.rfind("norm.", 0) != 0) << t.name;
+  }
+  EXPECT_LE(end, layout.total_size());
+  EXPECT_GE(layout.tensor(layout.embed.weight).offset, layout.trained_begin());
+  EXPECT_FALSE(layout.Find("nope").ok());
+  // Decay exactly on the projection weights (MODEL.md §4).
+  EXPECT_TRUE(layout.tensor(layout.layers[0].in_proj).weight_decay);
+  EXPECT_TRUE(layout.tensor(layout.grn_skip).weight_decay);
+  EXPECT_FALSE(layout.tensor(layout.layers[0].conv_weight).weight_decay);
+  EXPECT_FALSE(layout.tensor(layout.embed.bias).weight_decay);
+  EXPECT_FALSE(layout.tensor(layout.grn_norm.weight).weight_decay);
+}
+
+TEST(ParamLayoutTest, InitializationIsDeterministicAndInRange) {
+  const ModelConfig config = *NamedConfig("small");
+  ParamLayout layout(config);
+  std::vector<float> a(layout.total_size()), b(layout.total_size()), c(layout.total_size());
+  InitializeParameters(layout, 7, a);
+  InitializeParameters(layout, 7, b);
+  InitializeParameters(layout, 8, c);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  auto view = [&](int index) {
+    const TensorSpec& t = layout.tensor(index);
+    return std::span<const float>(a.data() + t.offset, t.size);
+  };
+  for (float v : view(layout.embed.weight)) EXPECT_LE(std::abs(v), 1.0 / std::sqrt(40.0));
+  const float out_bound = 1.0 / std::sqrt(256.0) / std::sqrt(2.0);
+  float max_out = 0;
+  for (float v : view(layout.layers[0].out_proj)) max_out = std::max(max_out, std::abs(v));
+  EXPECT_LE(max_out, out_bound);
+  EXPECT_GT(max_out, 0.9f * out_bound);
+  for (float v : view(layout.layers[1].a_log)) {
+    EXPECT_GE(v, 0.f);
+    EXPECT_LE(v, std::log(16.f) + 1e-6f);
+  }
+  for (float v : view(layout.layers[1].dt_bias)) {
+    const double dt = std::log1p(std::exp(static_cast<double>(v)));
+    EXPECT_GE(dt, 1e-3 * (1 - 1e-5));
+    EXPECT_LE(dt, 1e-1 * (1 + 1e-5));
+  }
+  for (float v : view(layout.layers[0].d)) EXPECT_EQ(v, 1.f);
+  for (float v : view(layout.grn_norm.bias)) EXPECT_EQ(v, 0.f);
+  for (float v : view(layout.norm_inv_std)) EXPECT_EQ(v, 1.f);
+}
+
+}  // namespace
+}  // namespace perception

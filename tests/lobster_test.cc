@@ -1,0 +1,501 @@
+// Tests of the LOBSTER reader, the feature transform and the labels against hand-computed rows of the shipped files.
+#include "engine/lobster.h"
+
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace perception {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kAaplFeatures = 48;  // 4·10 + 8
+constexpr int kAmznFeatures = 12;  // 4·1 + 8
+// Offsets of the trailing features (after the 4·levels book features), MODEL.md §1.1 order.
+constexpr int kImbalance = 0, kMidReturn = 1, kTypeOneHot = 2, kDirection = 7;
+
+std::string ShippedPath(const std::string& dir, const std::string& stock, const std::string& kind, int levels) {
+  return dir + "/" + stock + "_2012-06-21_34200000_57600000_" + kind + "_" + std::to_string(levels) + ".csv";
+}
+
+LobsterData ReadShipped(const std::string& dir, const std::string& stock, int levels) {
+  absl::StatusOr<LobsterData> data =
+      ReadLobster(ShippedPath(dir, stock, "orderbook", levels), ShippedPath(dir, stock, "message", levels));
+  EXPECT_TRUE(data.ok()) << data.status();
+  return data.ok() ? *std::move(data) : LobsterData{};
+}
+
+LobsterData Aapl() { return ReadShipped(PERCEPTION_TEST_DATA_DIR, "AAPL", 10); }
+LobsterData Amzn() { return ReadShipped(PERCEPTION_SHARED_DATA_DIR, "AMZN", 1); }
+
+// The features and Δt of file line `line` (1-based), streaming every earlier line first.
+struct Featurized {
+  std::vector<float> features;
+  double dt = -1;
+};
+Featurized FeaturizeLine(const LobsterData& data, size_t line) {
+  LobsterFeaturizer featurizer(data.levels);
+  Featurized out{std::vector<float>(featurizer.n_features()), -1};
+  for (size_t i = 0; i < line; ++i) {
+    absl::StatusOr<double> dt = featurizer.Next(data.BookRow(i), data.messages[i], out.features);
+    EXPECT_TRUE(dt.ok()) << "line " << i + 1 << ": " << dt.status();
+    if (dt.ok()) out.dt = *dt;
+  }
+  return out;
+}
+
+// The four features of book level `level` (1-based): ask offset, log1p(ask size), bid offset, log1p(bid size).
+void ExpectLevel(const std::vector<float>& features, int level, double ask_bp, double ask_log_size, double bid_bp,
+                 double bid_log_size) {
+  SCOPED_TRACE("level " + std::to_string(level));
+  const size_t at = 4 * static_cast<size_t>(level - 1);
+  EXPECT_FLOAT_EQ(features[at], ask_bp);
+  EXPECT_FLOAT_EQ(features[at + 1], ask_log_size);
+  EXPECT_FLOAT_EQ(features[at + 2], bid_bp);
+  EXPECT_FLOAT_EQ(features[at + 3], bid_log_size);
+}
+
+// The eight trailing features: imbalance, mid return, type one-hot (1..5), direction.
+void ExpectTail(const std::vector<float>& features, int levels, double imbalance, double mid_return, int type,
+                int direction) {
+  const size_t tail = 4 * static_cast<size_t>(levels);
+  EXPECT_FLOAT_EQ(features[tail + kImbalance], imbalance);
+  EXPECT_FLOAT_EQ(features[tail + kMidReturn], mid_return);
+  for (int t = 1; t <= 5; ++t) {
+    EXPECT_EQ(features[tail + kTypeOneHot + t - 1], t == type ? 1.f : 0.f) << "one-hot slot of type " << t;
+  }
+  EXPECT_EQ(features[tail + kDirection], static_cast<float>(direction));
+}
+
+TEST(ReadLobster, InfersTenLevelsAndReadsEveryAaplRow) {
+  const LobsterData data = Aapl();
+  EXPECT_EQ(data.levels, 10);
+  // 999 rows: both files end without a final newline, so `wc -l` (and the data README) count 998.
+  ASSERT_EQ(data.size(), 999u);
+  ASSERT_EQ(data.book.size(), 999u * 40);
+  // Line 1: 5859400,200,5853300,18,...,5879000,500,5842700,300 / 34200.004241176,1,16113575,18,5853300,1
+  EXPECT_EQ(data.BookRow(0)[0], 5859400);
+  EXPECT_EQ(data.BookRow(0)[3], 18);
+  EXPECT_EQ(data.BookRow(0)[39], 300);
+  const LobsterMessage& first = data.messages[0];
+  EXPECT_DOUBLE_EQ(first.time, 34200.004241176);
+  EXPECT_EQ(first.type, 1);
+  EXPECT_EQ(first.order_id, 16113575);
+  EXPECT_EQ(first.size, 18);
+  EXPECT_EQ(first.price, 5853300);
+  EXPECT_EQ(first.direction, 1);
+  // Line 999, the unterminated last one: 5857100,100,5853500,18,...,5849900,2 / 34249.086375027,1,18259338,18,5853500,1
+  EXPECT_EQ(data.BookRow(998)[0], 5857100);
+  EXPECT_EQ(data.BookRow(998)[2], 5853500);
+  EXPECT_EQ(data.BookRow(998)[39], 2);
+  EXPECT_DOUBLE_EQ(data.messages[998].time, 34249.086375027);
+  EXPECT_EQ(data.messages[998].order_id, 18259338);
+  EXPECT_EQ(data.messages[998].direction, 1);
+}
+
+TEST(ReadLobster, InfersOneLevelAndReadsTheWholeAmznDay) {
+  const LobsterData data = Amzn();
+  EXPECT_EQ(data.levels, 1);
+  ASSERT_EQ(data.size(), 57515u);
+  ASSERT_EQ(data.book.size(), 57515u * 4);
+  // Line 1: 2239500,100,2231800,100 / 34200.017459617,5,0,1,2238200,-1
+  EXPECT_EQ(data.BookRow(0)[2], 2231800);
+  EXPECT_EQ(data.messages[0].type, 5);
+  EXPECT_EQ(data.messages[0].direction, -1);
+  // Line 57515: 2206400,100,2205100,249 / 57599.95935965,3,287174077,100,2206300,-1
+  EXPECT_EQ(data.BookRow(57514)[3], 249);
+  EXPECT_DOUBLE_EQ(data.messages[57514].time, 57599.95935965);
+  EXPECT_EQ(data.messages[57514].price, 2206300);
+}
+
+TEST(ReadLobster, AcceptsTheRightExplicitLevelCountAndRejectsAnother) {
+  const std::string orderbook = ShippedPath(PERCEPTION_TEST_DATA_DIR, "AAPL", "orderbook", 10);
+  const std::string message = ShippedPath(PERCEPTION_TEST_DATA_DIR, "AAPL", "message", 10);
+  absl::StatusOr<LobsterData> ten = ReadLobster(orderbook, message, 10);
+  ASSERT_TRUE(ten.ok()) << ten.status();
+  EXPECT_EQ(ten->size(), 999u);
+  absl::StatusOr<LobsterData> one = ReadLobster(orderbook, message, 1);
+  ASSERT_FALSE(one.ok());
+  EXPECT_EQ(one.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(one.status().message(), HasSubstr(orderbook + ":1: found 40 columns, expected 4"));
+}
+
+// Writes a small orderbook/message pair into the test's temp folder.
+class ReadLobsterErrors : public ::testing::Test {
+ protected:
+  absl::Status Read(const std::string& orderbook_text, const std::string& message_text, int levels = 0) {
+    const std::string stem =
+        ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    orderbook_ = stem + "_orderbook.csv";
+    message_ = stem + "_message.csv";
+    std::ofstream(orderbook_) << orderbook_text;
+    std::ofstream(message_) << message_text;
+    return ReadLobster(orderbook_, message_, levels).status();
+  }
+
+  void ExpectError(const absl::Status& status, const std::string& file_and_line, const std::string& what) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), HasSubstr(file_and_line)) << status;
+    EXPECT_THAT(status.message(), HasSubstr(what)) << status;
+  }
+
+  std::string orderbook_, message_;
+};
+
+// Three valid level-1 events; each test breaks one thing.
+constexpr char kBook[] = "2239500,100,2231800,100\n2239500,100,2238100,21\n2239500,100,2237500,100\n";
+constexpr char kMessages[] =
+    "34200.017459617,5,0,1,2238200,-1\n34200.18960767,1,11885113,21,2238100,1\n"
+    "34200.190226476,4,11885113,21,2238100,1\n";
+
+TEST_F(ReadLobsterErrors, TheValidPairReads) { EXPECT_TRUE(Read(kBook, kMessages).ok()); }
+
+TEST_F(ReadLobsterErrors, MoreOrderbookRowsThanMessages) {
+  const absl::Status status = Read(std::string(kBook) + "2239500,100,2237500,90\n", kMessages);
+  ExpectError(status, orderbook_ + ":4:", "no counterpart in " + message_ + ", which has only 3 rows");
+}
+
+TEST_F(ReadLobsterErrors, MoreMessagesThanOrderbookRows) {
+  const absl::Status status = Read("2239500,100,2231800,100\n2239500,100,2238100,21\n", kMessages);
+  ExpectError(status, message_ + ":3:", "no counterpart in " + orderbook_ + ", which has only 2 rows");
+}
+
+TEST_F(ReadLobsterErrors, OrderbookColumnsNotAMultipleOfFour) {
+  ExpectError(Read("2239500,100,2231800,100,5\n", "34200.1,1,1,1,2231800,1\n"),
+              orderbook_ + ":1:", "found 5 columns, not a multiple of 4");
+}
+
+TEST_F(ReadLobsterErrors, OrderbookRowWiderThanTheFirst) {
+  ExpectError(Read("2239500,100,2231800,100\n2239500,100,2238100,21,2240000,5,2230000,7\n", kMessages),
+              orderbook_ + ":2:", "found 8 columns, expected 4 (4 per level, 1 levels)");
+}
+
+TEST_F(ReadLobsterErrors, OrderbookNotFourTimesTheGivenLevels) {
+  ExpectError(Read(kBook, kMessages, 2), orderbook_ + ":1:", "found 4 columns, expected 8");
+}
+
+TEST_F(ReadLobsterErrors, MessageWithFiveColumns) {
+  ExpectError(Read(kBook, "34200.017459617,5,0,1,2238200,-1\n34200.18960767,1,11885113,21,2238100\n"),
+              message_ + ":2:", "found 5 columns, expected 6");
+}
+
+TEST_F(ReadLobsterErrors, NonNumericOrderbookField) {
+  ExpectError(Read("2239500,100,2231800,100\n2239500,1x0,2238100,21\n", kMessages),
+              orderbook_ + ":2:", "column 2 is not an integer: '1x0'");
+}
+
+TEST_F(ReadLobsterErrors, NonNumericTime) {
+  ExpectError(Read(kBook,
+                   "34200.017459617,5,0,1,2238200,-1\n34200.18960767,1,11885113,21,2238100,1\n"
+                   "noon,4,11885113,21,2238100,1\n"),
+              message_ + ":3:", "column 1 is not a time in seconds: 'noon'");
+}
+
+TEST_F(ReadLobsterErrors, FractionalType) {
+  ExpectError(Read(kBook, "34200.017459617,5.0,0,1,2238200,-1\n"),
+              message_ + ":1:", "column 2 is not an integer: '5.0'");
+}
+
+TEST_F(ReadLobsterErrors, UnknownTypeAndDirection) {
+  ExpectError(Read(kBook, "34200.017459617,8,0,1,2238200,-1\n"), message_ + ":1:", "event type 8 is not in 1..7");
+  ExpectError(Read(kBook, "34200.017459617,5,0,1,2238200,0\n"), message_ + ":1:", "direction 0 is not +1 or -1");
+}
+
+TEST_F(ReadLobsterErrors, DecreasingTime) {
+  ExpectError(Read(kBook,
+                   "34200.017459617,5,0,1,2238200,-1\n34200.18960767,1,11885113,21,2238100,1\n"
+                   "34200.1,4,11885113,21,2238100,1\n"),
+              message_ + ":3:", "time 34200.1 is earlier than the previous line's 34200.18960767");
+}
+
+TEST_F(ReadLobsterErrors, BidAtOrAboveAsk) {
+  ExpectError(Read("2239500,100,2231800,100\n2238100,100,2238100,21\n2239500,100,2237500,100\n", kMessages),
+              orderbook_ + ":2:", "no mid: level 1 has ask 2238100 and bid 2238100");
+}
+
+TEST_F(ReadLobsterErrors, DummyLevelOnePrices) {
+  ExpectError(Read("2239500,100,2231800,100\n2239500,100,2238100,21\n9999999999,0,2237500,100\n", kMessages),
+              orderbook_ + ":3:", "no mid: level 1 has ask 9999999999 and bid 2237500");
+  ExpectError(Read("2239500,100,-9999999999,0\n2239500,100,2238100,21\n2239500,100,2237500,100\n", kMessages),
+              orderbook_ + ":1:", "no mid: level 1 has ask 2239500 and bid -9999999999");
+}
+
+TEST_F(ReadLobsterErrors, MissingFile) {
+  const absl::StatusOr<LobsterData> data = ReadLobster("/nonexistent/orderbook.csv", "/nonexistent/message.csv");
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(data.status().message(), HasSubstr("/nonexistent/orderbook.csv"));
+}
+
+TEST(LobsterFeaturizer, AaplFirstEvent) {
+  const Featurized line1 = FeaturizeLine(Aapl(), 1);
+  ASSERT_EQ(line1.features.size(), static_cast<size_t>(kAaplFeatures));
+  EXPECT_EQ(line1.dt, 0.0);  // first event of the stream
+  // ask 5859400 (size 200), bid 5853300 (size 18): mid 5856350;
+  // (5859400-5856350)/5856350*1e4 = 3050/5856350*1e4 = 5.208022061522962, log1p(200) = 5.303304908059076,
+  // (5853300-5856350)/5856350*1e4 = -5.208022061522962, log1p(18) = 2.9444389791664403.
+  ExpectLevel(line1.features, 1, 5.208022061522962, 5.303304908059076, -5.208022061522962, 2.9444389791664403);
+  // level 2: ask 5859800 (200), bid 5853000 (150): 3450/5856350*1e4 = 5.891041348280072,
+  // -3350/5856350*1e4 = -5.720286526590795, log1p(150) = 5.017279836814924.
+  ExpectLevel(line1.features, 2, 5.891041348280072, 5.303304908059076, -5.720286526590795, 5.017279836814924);
+  // level 10: ask 5879000 (500), bid 5842700 (300): 22650/5856350*1e4 = 38.67596711262134,
+  // -13650/5856350*1e4 = -23.308033160586373, log1p(500) = 6.2166061010848646, log1p(300) = 5.707110264748875.
+  ExpectLevel(line1.features, 10, 38.67596711262134, 6.2166061010848646, -23.308033160586373, 5.707110264748875);
+  // imbalance (18-200)/(18+200) = -0.8348623853211009; mid return 0 (first event); type 1; direction +1 (buy).
+  ExpectTail(line1.features, 10, -0.8348623853211009, 0.0, 1, 1);
+}
+
+TEST(LobsterFeaturizer, AaplMidChangeAtLine4) {
+  const Featurized line4 = FeaturizeLine(Aapl(), 4);
+  // line 3: time 34200.004447484, ask 5859400, bid 5853300 (mid 5856350);
+  // line 4: 34200.025551909,1,16120456,18,5859100,-1 with ask 5859100 (18), bid 5853300 (18): mid 5856200.
+  // Δt = 34200.025551909 - 34200.004447484 = 0.021104425 s.
+  EXPECT_NEAR(line4.dt, 0.021104425, 1e-9);
+  // (5859100-5856200)/5856200*1e4 = 2900/5856200*1e4 = 4.952016666097469; log1p(18) = 2.9444389791664403.
+  ExpectLevel(line4.features, 1, 4.952016666097469, 2.9444389791664403, -4.952016666097469, 2.9444389791664403);
+  // imbalance (18-18)/36 = 0; mid return (5856200/5856350 - 1)*1e4 = -150/5856350*1e4 = -0.25613223253340145;
+  // a new sell limit order: type 1, direction -1.
+  ExpectTail(line4.features, 10, 0.0, -0.25613223253340145, 1, -1);
+}
+
+TEST(LobsterFeaturizer, AaplVisibleExecutionAtLine38) {
+  const Featurized line38 = FeaturizeLine(Aapl(), 38);
+  // line 37: 34200.275016159 with mid (5857500+5857300)/2 = 5857400; line 38: 34200.275057494,4,3647217,1,5857300,1
+  // with ask 5857500 (57), bid 5857300 (19): mid 5857400 again. Δt = 0.000041335 s.
+  EXPECT_NEAR(line38.dt, 0.000041335, 1e-9);
+  // ±100/5857400*1e4 = ±0.17072421210776112; log1p(57) = 4.060443010546419, log1p(19) = 2.995732273553991.
+  ExpectLevel(line38.features, 1, 0.17072421210776112, 4.060443010546419, -0.17072421210776112, 2.995732273553991);
+  // imbalance (19-57)/(19+57) = -0.5; mid unchanged: return 0; type 4 (visible execution) of a buy order.
+  ExpectTail(line38.features, 10, -0.5, 0.0, 4, 1);
+}
+
+TEST(LobsterFeaturizer, AaplHiddenExecutionAtLine46) {
+  const Featurized line46 = FeaturizeLine(Aapl(), 46);
+  // line 46: 34200.275072491,5,0,100,5857900,-1, the same time as line 45: Δt = 0.
+  EXPECT_EQ(line46.dt, 0.0);
+  // ask 5858000 (4), bid 5857300 (9): mid 5857650; ±350/5857650*1e4 = ±0.5975092400536051;
+  // log1p(4) = 1.6094379124341003, log1p(9) = 2.302585092994046.
+  ExpectLevel(line46.features, 1, 0.5975092400536051, 1.6094379124341003, -0.5975092400536051, 2.302585092994046);
+  // imbalance (9-4)/13 = 0.38461538461538464; line 45 had the same mid: return 0; type 5, sell side.
+  ExpectTail(line46.features, 10, 0.38461538461538464, 0.0, 5, -1);
+}
+
+TEST(LobsterFeaturizer, AmznFirstTwoEvents) {
+  const LobsterData data = Amzn();
+  const Featurized line1 = FeaturizeLine(data, 1);
+  ASSERT_EQ(line1.features.size(), static_cast<size_t>(kAmznFeatures));
+  EXPECT_EQ(line1.dt, 0.0);
+  // ask 2239500 (100), bid 2231800 (100): mid 2235650; ±3850/2235650*1e4 = ±17.220942455214367;
+  // log1p(100) = 4.61512051684126.
+  ExpectLevel(line1.features, 1, 17.220942455214367, 4.61512051684126, -17.220942455214367, 4.61512051684126);
+  // imbalance (100-100)/200 = 0; first event: return 0; a hidden execution (type 5) against a sell order.
+  ExpectTail(line1.features, 1, 0.0, 0.0, 5, -1);
+
+  const Featurized line2 = FeaturizeLine(data, 2);
+  // Δt = 34200.18960767 - 34200.017459617 = 0.172148053 s.
+  EXPECT_NEAR(line2.dt, 0.172148053, 1e-9);
+  // ask 2239500 (100), bid 2238100 (21): mid 2238800; ±700/2238800*1e4 = ±3.1266750044666787;
+  // log1p(21) = 3.091042453358316.
+  ExpectLevel(line2.features, 1, 3.1266750044666787, 4.61512051684126, -3.1266750044666787, 3.091042453358316);
+  // imbalance (21-100)/121 = -0.6528925619834711;
+  // return (2238800/2235650 - 1)*1e4 = 3150/2235650*1e4 = 14.08986200881257.
+  ExpectTail(line2.features, 1, -0.6528925619834711, 14.08986200881257, 1, 1);
+}
+
+TEST(LobsterFeaturizer, AmznPartialCancellationAtLine652) {
+  const Featurized line652 = FeaturizeLine(Amzn(), 652);
+  // line 651: 34400.045403237 with ask 2239900 (400), bid 2236000 (507);
+  // line 652: 34400.295960669,2,21748178,200,2239900,-1 with ask 2239900 (200), bid 2236000 (507): mid 2237950 both.
+  EXPECT_NEAR(line652.dt, 0.250557432, 1e-9);
+  // ±1950/2237950*1e4 = ±8.713331397037466; log1p(200) = 5.303304908059076, log1p(507) = 6.230481447578482.
+  ExpectLevel(line652.features, 1, 8.713331397037466, 5.303304908059076, -8.713331397037466, 6.230481447578482);
+  // imbalance (507-200)/707 = 0.43422913719943423; return 0; type 2.
+  ExpectTail(line652.features, 1, 0.43422913719943423, 0.0, 2, -1);
+}
+
+TEST(LobsterFeaturizer, EmptyLevelsGiveZerosPerSideAndEmptySizesGiveZeroImbalance) {
+  LobsterFeaturizer featurizer(2);
+  ASSERT_EQ(featurizer.n_features(), 16);
+  std::vector<float> features(16, -7.f);
+  // The shipped AAPL rows have no empty level, so: level 2 holds a bid but no ask; level-1 sizes are both 0.
+  const std::vector<int64_t> row = {1000100, 0, 999900, 0, kEmptyAskPrice, 0, 999800, 30};
+  ASSERT_TRUE(featurizer.Next(row, LobsterMessage{100.0, 3, 1, 5, 1000100, -1}, features).ok());
+  // mid 1000000: ±100/1000000*1e4 = ±1; log1p(0) = 0.
+  EXPECT_FLOAT_EQ(features[0], 1.0);
+  EXPECT_EQ(features[1], 0.f);
+  EXPECT_FLOAT_EQ(features[2], -1.0);
+  EXPECT_EQ(features[3], 0.f);
+  // Empty ask at level 2: 0 and 0; its bid: -200/1000000*1e4 = -2, log1p(30) = 3.4339872044851463.
+  EXPECT_EQ(features[4], 0.f);
+  EXPECT_EQ(features[5], 0.f);
+  EXPECT_FLOAT_EQ(features[6], -2.0);
+  EXPECT_FLOAT_EQ(features[7], 3.4339872044851463);
+  EXPECT_EQ(features[8], 0.f);  // imbalance with both level-1 sizes 0
+
+  // Now the bid side of level 2 is empty and the ask side real.
+  const std::vector<int64_t> bid_empty = {1000100, 10, 999900, 30, 1000500, 40, kEmptyBidPrice, 0};
+  ASSERT_TRUE(featurizer.Next(bid_empty, LobsterMessage{100.5, 1, 2, 40, 1000500, -1}, features).ok());
+  // level 2 ask: 500/1000000*1e4 = 5, log1p(40) = 3.713572066704308; imbalance (30-10)/40 = 0.5.
+  EXPECT_FLOAT_EQ(features[4], 5.0);
+  EXPECT_FLOAT_EQ(features[5], 3.713572066704308);
+  EXPECT_EQ(features[6], 0.f);
+  EXPECT_EQ(features[7], 0.f);
+  EXPECT_FLOAT_EQ(features[8], 0.5);
+}
+
+TEST(LobsterFeaturizer, HaltGivesNoTypeAndKeepsDirection) {
+  LobsterFeaturizer featurizer(1);
+  std::vector<float> features(12, -7.f);
+  ASSERT_TRUE(
+      featurizer
+          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, LobsterMessage{34200.0, 7, 0, 0, 0, 1}, features)
+          .ok());
+  ExpectTail(features, 1, 0.0, 0.0, /*type=*/7, 1);  // type 7 matches none of the one-hot slots 1..5
+}
+
+TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
+  LobsterFeaturizer featurizer(1);
+  std::vector<float> features(12);
+  EXPECT_FALSE(featurizer.last_mid().has_value());
+  // Accepted: mid (2000200+1999800)/2 = 2000000 at t = 10 s.
+  ASSERT_TRUE(
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, LobsterMessage{10.0, 1, 1, 5, 1999800, 1}, features)
+          .ok());
+  ASSERT_EQ(featurizer.last_mid(), 2000000.0);
+
+  std::vector<float> untouched(12, -7.f);
+  const LobsterMessage later{20.0, 1, 2, 5, 2000000, 1};
+  const absl::StatusOr<double> crossed =
+      featurizer.Next(std::vector<int64_t>{2000000, 5, 2000000, 5}, later, untouched);
+  EXPECT_EQ(crossed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(crossed.status().message(), HasSubstr("no mid"));
+  const absl::StatusOr<double> dummy_bid =
+      featurizer.Next(std::vector<int64_t>{2000200, 5, kEmptyBidPrice, 0}, later, untouched);
+  EXPECT_EQ(dummy_bid.status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::StatusOr<double> wide_row =
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5, 2000300, 1, 1999700, 1}, later, untouched);
+  EXPECT_THAT(wide_row.status().message(), HasSubstr("book row has 8 values, expected 4"));
+  const absl::StatusOr<double> earlier = featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5},
+                                                         LobsterMessage{9.5, 1, 3, 5, 2000600, -1}, untouched);
+  EXPECT_THAT(earlier.status().message(), HasSubstr("earlier than the previous event"));
+  const absl::StatusOr<double> short_buffer =
+      featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5}, later, std::span<float>(untouched).first(11));
+  EXPECT_THAT(short_buffer.status().message(), HasSubstr("feature buffer has 11 values, expected 12"));
+  EXPECT_EQ(untouched, std::vector<float>(12, -7.f));
+  EXPECT_EQ(featurizer.last_mid(), 2000000.0);
+
+  // Accepted at t = 12.5 s with mid (2000600+1999800)/2 = 2000200: Δt and the return relate to the t = 10 s event.
+  const absl::StatusOr<double> dt = featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5},
+                                                    LobsterMessage{12.5, 1, 4, 5, 2000600, -1}, features);
+  ASSERT_TRUE(dt.ok()) << dt.status();
+  EXPECT_DOUBLE_EQ(*dt, 2.5);
+  EXPECT_FLOAT_EQ(features[4 + kMidReturn], 1.0);  // (2000200/2000000 - 1)*1e4 = 1
+  EXPECT_EQ(featurizer.last_mid(), 2000200.0);
+}
+
+TEST(LobsterFeaturizer, ARejectedFirstEventLeavesTheStreamUnstarted) {
+  LobsterFeaturizer featurizer(1);
+  std::vector<float> features(12);
+  EXPECT_FALSE(
+      featurizer
+          .Next(std::vector<int64_t>{kEmptyAskPrice, 0, 1999800, 5}, LobsterMessage{50.0, 1, 1, 5, 0, 1}, features)
+          .ok());
+  EXPECT_FALSE(featurizer.last_mid().has_value());
+  // The next valid event is still the first: Δt 0 and return 0, even though it is earlier than the rejected one.
+  const absl::StatusOr<double> dt = featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5},
+                                                    LobsterMessage{10.0, 1, 2, 5, 1999800, 1}, features);
+  ASSERT_TRUE(dt.ok()) << dt.status();
+  EXPECT_EQ(*dt, 0.0);
+  EXPECT_EQ(features[4 + kMidReturn], 0.f);
+}
+
+TEST(LobsterFeaturizer, ResetStartsANewStream) {
+  LobsterFeaturizer featurizer(1);
+  std::vector<float> features(12);
+  ASSERT_TRUE(
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, LobsterMessage{10.0, 1, 1, 5, 1, 1}, features)
+          .ok());
+  featurizer.Reset();
+  EXPECT_FALSE(featurizer.last_mid().has_value());
+  // An earlier time and another mid are fine after Reset: Δt 0, return 0.
+  const absl::StatusOr<double> dt =
+      featurizer.Next(std::vector<int64_t>{3000200, 5, 2999800, 5}, LobsterMessage{5.0, 1, 2, 5, 1, 1}, features);
+  ASSERT_TRUE(dt.ok()) << dt.status();
+  EXPECT_EQ(*dt, 0.0);
+  EXPECT_EQ(features[4 + kMidReturn], 0.f);
+  EXPECT_EQ(featurizer.last_mid(), 3000000.0);
+}
+
+TEST(ComputeLabels, HandMadeMids) {
+  // Mids 5, 6, 4, 5, 5 (doubled 10, 12, 8, 10, 10), horizons 1 and 2.
+  const std::vector<int64_t> doubled = {10, 12, 8, 10, 10};
+  const std::vector<int> horizons = {1, 2};
+  std::vector<float> labels(10, -1.f), mask(10, -1.f);
+  ComputeLabels(doubled, horizons, labels, mask);
+  // t=0: 12 > 10 up; mean(12, 8) = 10 equal, masked.   t=1: 8 < 12 down; mean(8, 10) = 9 < 12 down.
+  // t=2: 10 > 8 up; mean(10, 10) > 8 up.                t=3: 10 = 10 masked; t+2 = 5 past the data.
+  // t=4: both past the data.
+  EXPECT_EQ(labels, (std::vector<float>{1, 0, 0, 0, 1, 1, 0, 0, 0, 0}));
+  EXPECT_EQ(mask, (std::vector<float>{1, 0, 1, 1, 1, 1, 0, 0, 0, 0}));
+}
+
+// The AMZN doubled mids, labelled with the given horizons.
+struct AmznLabels {
+  std::vector<float> labels, mask;
+};
+AmznLabels LabelAmzn(const std::vector<int>& horizons) {
+  const LobsterData data = Amzn();
+  std::vector<int64_t> doubled(data.size());
+  for (size_t i = 0; i < data.size(); ++i) doubled[i] = DoubledMid(data.BookRow(i));
+  AmznLabels out{std::vector<float>(data.size() * horizons.size(), -1.f),
+                 std::vector<float>(data.size() * horizons.size(), -1.f)};
+  ComputeLabels(doubled, horizons, out.labels, out.mask);
+  return out;
+}
+
+TEST(ComputeLabels, AmznLine76) {
+  const std::vector<int> horizons = {1, 2, 3, 10};
+  const AmznLabels amzn = LabelAmzn(horizons);
+  ASSERT_EQ(amzn.labels.size(), 57515u * 4);
+  const size_t at = 75 * 4;  // line 76
+  // Doubled mids from line 76 on: 4480800 | 4480300, 4481300, 4480900, 4480900, 4481300, 4480500, 4480500,
+  // 4481300, 4480200, 4480200.
+  // k=1: 4480300 < 4480800: down.
+  EXPECT_EQ(amzn.labels[at], 0.f);
+  EXPECT_EQ(amzn.mask[at], 1.f);
+  // k=2: 4480300 + 4481300 = 8961600 = 2*4480800: the mean equals the mid although the mids move: masked.
+  EXPECT_EQ(amzn.labels[at + 1], 0.f);
+  EXPECT_EQ(amzn.mask[at + 1], 0.f);
+  // k=3: 8961600 + 4480900 = 13442500 > 3*4480800 = 13442400: up.
+  EXPECT_EQ(amzn.labels[at + 2], 1.f);
+  EXPECT_EQ(amzn.mask[at + 2], 1.f);
+  // k=10: the ten sum to 44807400 < 10*4480800 = 44808000: down.
+  EXPECT_EQ(amzn.labels[at + 3], 0.f);
+  EXPECT_EQ(amzn.mask[at + 3], 1.f);
+}
+
+TEST(ComputeLabels, AmznEndOfData) {
+  const std::vector<int> horizons = {1, 10};
+  const AmznLabels amzn = LabelAmzn(horizons);
+  // Doubled mids of lines 57505..57515: 4411500 | 4410400, 4410400, 4411200, 4411200, 4411300, 4411300, 4411300,
+  // 4411500, 4411400, 4411500.
+  // Line 57505 (t = n-11), k=10: t+10 = n-1 is the last event; the ten sum to 44111500 < 10*4411500 = 44115000: down.
+  EXPECT_EQ(amzn.labels[57504 * 2 + 1], 0.f);
+  EXPECT_EQ(amzn.mask[57504 * 2 + 1], 1.f);
+  // Line 57506 (t = n-10), k=10: t+10 = n is past the data, although the nine known mids would say "down".
+  EXPECT_EQ(amzn.labels[57505 * 2 + 1], 0.f);
+  EXPECT_EQ(amzn.mask[57505 * 2 + 1], 0.f);
+  // Line 57514 (t = n-2), k=1: 4411500 > 4411400: up, the last label in the data.
+  EXPECT_EQ(amzn.labels[57513 * 2], 1.f);
+  EXPECT_EQ(amzn.mask[57513 * 2], 1.f);
+  // Line 57515, the last: no future for any horizon.
+  EXPECT_EQ(amzn.mask[57514 * 2], 0.f);
+  EXPECT_EQ(amzn.mask[57514 * 2 + 1], 0.f);
+}
+
+}  // namespace
+}  // namespace perception

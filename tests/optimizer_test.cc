@@ -1,0 +1,119 @@
+// Clipping, AdamW (PyTorch semantics) and learning-rate schedules against values computed by hand.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+
+#include "engine/optimizer.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+struct Buffers {
+  explicit Buffers(const ParamLayout& layout)
+      : params(layout.total_size()), grads(layout.total_size()), m(layout.total_size()), v(layout.total_size()) {}
+  std::vector<double> params, grads, m, v;
+};
+
+TEST(ClippingTest, ScalesToMaxNormAndReportsThePreClipNorm) {
+  ParamLayout layout(*NamedConfig("tiny"));
+  Buffers b(layout);
+  const size_t w = layout.tensor(layout.embed.weight).offset, bias = layout.tensor(layout.head_out.bias).offset;
+  b.grads[w] = 3.0;
+  b.grads[bias] = -4.0;
+  b.grads[0] = 100.0;  // a normalizer buffer slot: never part of the norm
+  OptimizerConfig config;
+  config.max_grad_norm = 1.0;
+  const double norm = ClipAndAdamW<double>(layout, config, 1, b.params, b.grads, b.m, b.v);
+  EXPECT_DOUBLE_EQ(norm, 5.0);
+  EXPECT_NEAR(b.grads[w], 3.0 / (5.0 + 1e-6), 1e-15);
+  EXPECT_NEAR(b.grads[bias], -4.0 / (5.0 + 1e-6), 1e-15);
+  // Below the max norm nothing is scaled.
+  Buffers small(layout);
+  small.grads[w] = 0.3;
+  small.grads[bias] = 0.4;
+  EXPECT_NEAR(ClipAndAdamW<double>(layout, config, 1, small.params, small.grads, small.m, small.v), 0.5, 1e-15);
+  EXPECT_EQ(small.grads[w], 0.3);
+}
+
+// torch.optim.AdamW, written out for one scalar: decoupled decay, moments, bias-corrected step.
+struct ScalarAdamW {
+  double theta, m = 0, v = 0;
+  void Step(double g, double lr, double wd, int step) {
+    theta *= 1 - lr * wd;
+    m = 0.9 * m + 0.1 * g;
+    v = 0.999 * v + 0.001 * g * g;
+    const double m_hat = m / (1 - std::pow(0.9, step));
+    const double v_hat = v / (1 - std::pow(0.999, step));
+    theta -= lr * m_hat / (std::sqrt(v_hat) + 1e-8);
+  }
+};
+
+TEST(AdamWTest, TenStepsMatchTheFormulaWithAndWithoutDecay) {
+  ParamLayout layout(*NamedConfig("tiny"));
+  Buffers b(layout);
+  const std::vector<float> init = testing::RandomParams(layout, 3);
+  b.params.assign(init.begin(), init.end());
+  const size_t decayed = layout.tensor(layout.layers[1].in_proj).offset + 5;  // weight decay 0.01
+  const size_t plain = layout.tensor(layout.layers[0].a_log).offset + 1;      // no decay
+  ScalarAdamW expect_decayed{b.params[decayed]}, expect_plain{b.params[plain]};
+  const double buffer_before = b.params[layout.tensor(layout.norm_mean).offset];
+  OptimizerConfig config;
+  config.lr = 0.05;
+  config.max_grad_norm = 0;  // clipping off: the per-scalar formula is the whole update
+  for (int step = 1; step <= 10; ++step) {
+    std::fill(b.grads.begin(), b.grads.end(), 0.0);
+    const double g1 = std::sin(step) * 0.3, g2 = -0.1 * step + 0.45;
+    b.grads[decayed] = g1;
+    b.grads[plain] = g2;
+    ClipAndAdamW<double>(layout, config, step, b.params, b.grads, b.m, b.v);
+    expect_decayed.Step(g1, 0.05, 0.01, step);
+    expect_plain.Step(g2, 0.05, 0.0, step);
+  }
+  EXPECT_NEAR(b.params[decayed], expect_decayed.theta, 1e-14);
+  EXPECT_NEAR(b.params[plain], expect_plain.theta, 1e-14);
+  EXPECT_NEAR(b.m[plain], expect_plain.m, 1e-15);
+  EXPECT_NEAR(b.v[plain], expect_plain.v, 1e-15);
+  EXPECT_EQ(b.params[layout.tensor(layout.norm_mean).offset], buffer_before);
+}
+
+TEST(AdamWTest, FirstStepByHand) {
+  // Step 1: m̂ = g, v̂ = g², so θ ← θ(1 − lr·wd) − lr·g/(|g| + eps).
+  ParamLayout layout(*NamedConfig("tiny"));
+  Buffers b(layout);
+  const size_t i = layout.tensor(layout.embed.weight).offset;
+  b.params[i] = 0.5;
+  b.grads[i] = -0.2;
+  OptimizerConfig config;
+  config.lr = 0.1;
+  ClipAndAdamW<double>(layout, config, 1, b.params, b.grads, b.m, b.v);
+  EXPECT_NEAR(b.params[i], 0.5 * (1 - 0.1 * 0.01) + 0.1 * 0.2 / (0.2 + 1e-8), 1e-12);  // 0.5995 + 0.1
+}
+
+TEST(ScheduleTest, ConstantAndWarmupCosine) {
+  OptimizerConfig c;
+  c.lr = 2e-3;
+  EXPECT_EQ(LearningRate(c, 1), 2e-3);
+  EXPECT_EQ(LearningRate(c, 100000), 2e-3);
+  c.schedule = LrSchedule::kWarmupCosine;
+  c.warmup_steps = 10;
+  c.total_steps = 110;
+  c.min_lr = 1e-4;
+  EXPECT_NEAR(LearningRate(c, 1), 2e-4, 1e-18);
+  EXPECT_NEAR(LearningRate(c, 5), 1e-3, 1e-18);
+  EXPECT_NEAR(LearningRate(c, 10), 2e-3, 1e-18);
+  EXPECT_NEAR(LearningRate(c, 60), 1e-4 + 1.9e-3 * 0.5, 1e-15);  // halfway: cos(π/2) = 0
+  EXPECT_NEAR(LearningRate(c, 35), 1e-4 + 1.9e-3 * 0.5 * (1 + std::cos(std::numbers::pi / 4)), 1e-15);
+  EXPECT_NEAR(LearningRate(c, 110), 1e-4, 1e-18);
+  EXPECT_NEAR(LearningRate(c, 500), 1e-4, 1e-18);  // stays at the floor
+  EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
+  c.total_steps = 10;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("warmup_steps"));
+  EXPECT_EQ(*ParseLrSchedule("cosine"), LrSchedule::kWarmupCosine);
+  EXPECT_FALSE(ParseLrSchedule("linear").ok());
+}
+
+}  // namespace
+}  // namespace perception

@@ -1,0 +1,249 @@
+// Tests of the safetensors writer (standard layout, bit-exact round trip) and the strict reader's rejections.
+#include "engine/safetensors.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/param_layout.h"
+
+namespace perception {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// A safetensors file assembled by hand, so that the reader can be fed any header at all.
+std::string RawFile(const std::string& header, const std::string& data) {
+  const uint64_t length = header.size();
+  std::string file(reinterpret_cast<const char*>(&length), sizeof length);
+  return file + header + data;
+}
+
+// Compares bytes, so NaN payloads and signed zeros count, and empty spans need no pointer.
+bool BitIdentical(std::span<const float> a, std::span<const float> b) {
+  return std::ranges::equal(std::as_bytes(a), std::as_bytes(b));
+}
+
+std::vector<float> RandomFloats(Rng& rng, size_t count) {
+  std::vector<float> values(count);
+  for (float& v : values) v = static_cast<float>(rng.Uniform(-10.0, 10.0));
+  return values;
+}
+
+class SafetensorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = std::filesystem::temp_directory_path() / "safetensors_test.XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+  std::vector<std::string> DirectoryEntries() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_)) names.push_back(entry.path().filename());
+    return names;
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(SafetensorsTest, WritesTheStandardLayout) {
+  Rng rng(11);
+  const std::vector<float> a = RandomFloats(rng, 6), b = RandomFloats(rng, 4);
+  const std::vector<SafetensorsTensorRef> tensors = {{"a", {2, 3}, a}, {"b", {4}, b}};
+  const std::string path = Path("layout.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, tensors, {{"purpose", "test"}}).ok());
+
+  const std::string file = ReadBytes(path);
+  uint64_t header_length;
+  std::memcpy(&header_length, file.data(), sizeof header_length);
+  EXPECT_EQ(header_length % 8, 0u);
+  ASSERT_EQ(file.size(), 8 + header_length + (a.size() + b.size()) * sizeof(float));
+  const std::string header_text = file.substr(8, header_length);
+  EXPECT_EQ(header_text.find_last_not_of(' '), header_text.rfind('}'));  // padding is spaces only
+  const nlohmann::json header = nlohmann::json::parse(header_text);
+  EXPECT_EQ(header["__metadata__"], (nlohmann::json{{"purpose", "test"}}));
+  EXPECT_EQ(header["a"], (nlohmann::json{{"dtype", "F32"}, {"shape", {2, 3}}, {"data_offsets", {0, 24}}}));
+  EXPECT_EQ(header["b"], (nlohmann::json{{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {24, 40}}}));
+  EXPECT_EQ(header.size(), 3u);
+  const char* data = file.data() + 8 + header_length;
+  EXPECT_EQ(std::memcmp(data, a.data(), 24), 0);
+  EXPECT_EQ(std::memcmp(data + 24, b.data(), 16), 0);
+}
+
+TEST_F(SafetensorsTest, RoundTripIsBitExactIncludingSpecialValues) {
+  Rng rng(12);
+  std::vector<float> weights = RandomFloats(rng, 35);
+  weights[0] = std::bit_cast<float>(0x7fc12345u);  // a NaN with a payload
+  weights[1] = -0.f;
+  weights[2] = std::numeric_limits<float>::infinity();
+  weights[3] = std::numeric_limits<float>::denorm_min();
+  weights[4] = std::numeric_limits<float>::max();
+  const std::vector<float> scalar = {3.25f};
+  const std::vector<SafetensorsTensorRef> tensors = {
+      {"weights", {5, 1, 7}, weights}, {"scalar", {}, scalar}, {"empty", {0, 3}, {}}};
+  const SafetensorsMetadata metadata = {{"format", "x"}, {"note", "ünïcode"}};
+  const std::string path = Path("round_trip.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, tensors, metadata).ok());
+
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->metadata(), metadata);
+  ASSERT_EQ(file->tensors().size(), 3u);
+  for (const SafetensorsTensorRef& expected : tensors) {
+    SCOPED_TRACE(expected.name);
+    const SafetensorsTensor& found = file->tensors().at(expected.name);
+    EXPECT_EQ(found.dtype, "F32");
+    EXPECT_EQ(found.shape, expected.shape);
+    EXPECT_TRUE(BitIdentical(found.ToFloats(), expected.data));
+  }
+}
+
+TEST_F(SafetensorsTest, WriterRejectsInconsistentTensorsAndWritesNothing) {
+  const std::vector<float> six(6, 1.5f);
+  const struct {
+    std::vector<SafetensorsTensorRef> tensors;
+    std::string message;
+  } cases[] = {
+      {{{"a", {2, 2}, six}}, "tensor 'a': shape [2, 2] needs 4 floats, got 6"},
+      {{{"a", {6}, six}, {"a", {6}, six}}, "tensor name 'a' is reserved, empty or repeated"},
+      {{{"__metadata__", {6}, six}}, "tensor name '__metadata__' is reserved"},
+      {{{"a", {-2, -3}, six}}, "tensor 'a' has negative dimensions [-2, -3]"},
+  };
+  const std::string path = Path("rejected.safetensors");
+  for (const auto& c : cases) {
+    const absl::Status status = WriteSafetensors(path, c.tensors, {});
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr(c.message));
+    EXPECT_THAT(status.message(), HasSubstr(path));
+  }
+  EXPECT_TRUE(DirectoryEntries().empty());
+}
+
+TEST_F(SafetensorsTest, WriteIntoMissingDirectoryFailsNamingThePath) {
+  const std::vector<float> values = {1.f, 2.f};
+  const std::string path = Path("no_such_dir/file.safetensors");
+  const absl::Status status = WriteSafetensors(path, {{{"a", {2}, values}}}, {});
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(status.message(), HasSubstr(path));
+  EXPECT_THAT(status.message(), HasSubstr("No such file or directory"));
+  EXPECT_TRUE(DirectoryEntries().empty());
+}
+
+TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {
+  const std::vector<float> old_values = {1.f, 2.f}, new_values = {3.f, 4.f, 5.f};
+  const std::string path = Path("replaced.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{{"old", {2}, old_values}}}, {}).ok());
+  ASSERT_TRUE(WriteSafetensors(path, {{{"new", {3}, new_values}}}, {}).ok());
+
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(file->tensors().size(), 1u);
+  EXPECT_EQ(file->tensors().at("new").ToFloats(), new_values);
+  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"replaced.safetensors"});
+}
+
+// Every file below is malformed in exactly one way; the reader must name that way.
+TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
+  const std::string eight(8, '\x11'), twelve(12, '\x22');
+  const std::string absurd_length = RawFile("", "").replace(0, 8, "\x00\x00\x00\x00\x00\x01\x00\x00", 8);
+  const struct {
+    const char* what;
+    std::string file;
+    std::string message;
+  } cases[] = {
+      {"empty", "", "file is 0 bytes, shorter than the 8-byte header length"},
+      {"cut length", std::string("\x08\x00\x00", 3), "file is 3 bytes, shorter than the 8-byte header length"},
+      {"length past end", RawFile("{}", "").substr(0, 9), "header length 2 exceeds the 1 bytes"},
+      {"absurd length", absurd_length, "header length 1099511627776 is absurd"},
+      {"invalid JSON", RawFile(R"({"a": )", ""), "header is not valid JSON"},
+      {"garbage", RawFile(std::string("\xff\xfe\x00garbage", 10), ""), "header is not valid JSON"},
+      {"not an object", RawFile("[1, 2]", ""), "header is not a JSON object"},
+      {"entry not an object", RawFile(R"({"a": 3})", ""), "entry for tensor 'a' is not a JSON object"},
+      {"no dtype", RawFile(R"({"a": {"shape": [2], "data_offsets": [0, 8]}})", eight), "tensor 'a' has no 'dtype'"},
+      {"no shape", RawFile(R"({"a": {"dtype": "F32", "data_offsets": [0, 8]}})", eight), "tensor 'a' has no 'shape'"},
+      {"no offsets", RawFile(R"({"a": {"dtype": "F32", "shape": [2]}})", eight), "tensor 'a' has no 'data_offsets'"},
+      {"unknown key", RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}})", eight),
+       "tensor 'a' has unknown key 'x'"},
+      {"dtype not string", RawFile(R"({"a": {"dtype": 32, "shape": [2], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': dtype is not a string"},
+      {"F16", RawFile(R"({"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a' has unsupported dtype 'F16' (only F32 is supported)"},
+      {"shape not list", RawFile(R"({"a": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': shape is not a list"},
+      {"negative dim", RawFile(R"({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': shape has negative dimension -2"},
+      {"fractional dim", RawFile(R"({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': shape has a number where an integer belongs"},
+      {"shape overflow",
+       RawFile(R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': shape [4294967296, 4294967296] overflows 64 bits"},
+      {"size mismatch", RawFile(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", eight),
+       "tensor 'a': shape [3] needs 12 bytes but data_offsets cover 8"},
+      {"offsets not a pair", RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8]}})", eight),
+       "tensor 'a': data_offsets is not a pair of non-negative integers"},
+      {"negative offset", RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}})", eight),
+       "tensor 'a': data_offsets is not a pair of non-negative integers"},
+      {"begin past end", RawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})", eight),
+       "tensor 'a': data_offsets begin 8 is past end 4"},
+      {"out of range", RawFile(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", eight),
+       "tensor 'a': data_offsets [0, 16] exceed the data region of 8 bytes"},
+      {"overlap",
+       RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                   "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+               twelve),
+       "tensors 'a' and 'b' overlap"},
+      {"gap",
+       RawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})",
+               twelve),
+       "data bytes [4, 8) belong to no tensor"},
+      {"trailing bytes", RawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", eight),
+       "data bytes [4, 8) belong to no tensor"},
+      {"metadata not object", RawFile(R"({"__metadata__": ["x"]})", ""), "__metadata__ is not a JSON object"},
+      {"metadata value not string", RawFile(R"({"__metadata__": {"step": 3}})", ""),
+       "metadata value for 'step' is not a string"},
+  };
+  const std::string path = Path("malformed.safetensors");
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    WriteBytes(path, c.file);
+    const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+    ASSERT_FALSE(file.ok());
+    EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(file.status().message(), HasSubstr(c.message));
+    EXPECT_THAT(file.status().message(), HasSubstr(path));
+  }
+}
+
+TEST_F(SafetensorsTest, ReaderReportsAMissingFile) {
+  const std::string path = Path("absent.safetensors");
+  const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(file.status().message(), HasSubstr(path));
+}
+
+}  // namespace
+}  // namespace perception
