@@ -8,6 +8,21 @@
 #endif
 
 namespace perception {
+namespace {
+
+absl::Status NoStreaming(const Backend& backend) {
+  return absl::UnimplementedError(absl::StrCat("streaming is not available on device ", backend.device_name()));
+}
+
+}  // namespace
+
+absl::Status Backend::ConfigureStreaming(int, int64_t) { return NoStreaming(*this); }
+absl::Status Backend::PublishWeights() { return NoStreaming(*this); }
+absl::Status Backend::ForwardStepInto(const StreamTick&) { return NoStreaming(*this); }
+absl::Status Backend::ResetSlot(int) { return NoStreaming(*this); }
+absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const float>) { return NoStreaming(*this); }
+absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
+absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params) {

@@ -20,6 +20,16 @@ struct TrainStepResult {
   int64_t step = 0;      // optimizer steps taken, this one included
 };
 
+// One tick of the streaming path: n events, at most one per slot, each with the ring index its conviction and
+// probabilities are written to in that slot's log (the caller keeps the log's bookkeeping; see StreamTable).
+struct StreamTick {
+  std::span<const float> x;              // [n, F] raw features
+  std::span<const float> dt;             // [n] seconds since the slot's previous event
+  std::span<const int32_t> slots;        // [n] distinct slot indices
+  std::span<const int64_t> log_indices;  // [n] positions in [0, log_entries_per_slot)
+  size_t size() const { return dt.size(); }
+};
+
 // Implemented by the CPU reference backend and the CUDA backend; the daemon's device worker and the offline
 // command line drive either through it. Not thread-safe: one thread owns a backend.
 class Backend {
@@ -28,6 +38,8 @@ class Backend {
 
   // "cpu", or the device's name for CUDA (e.g. "cuda:0 NVIDIA H200").
   virtual std::string device_name() const = 0;
+  // Total memory of the device in bytes (the host's for the CPU backend); 0 when the backend cannot tell.
+  virtual int64_t memory_bytes() const { return 0; }
   virtual const ParamLayout& layout() const = 0;
   const ModelConfig& config() const { return layout().config(); }
 
@@ -44,6 +56,26 @@ class Backend {
   virtual absl::StatusOr<Checkpoint> ExportState() const = 0;
   // Replaces parameters, moments and step; the checkpoint's config must equal the backend's.
   virtual absl::Status ImportState(const Checkpoint& checkpoint) = 0;
+
+  // ---- Streaming (MODEL.md §3): per-instrument state slots, read against a published copy of the weights. ----
+  // Allocates `slots` zeroed state slots and their conviction logs (`log_entries_per_slot` entries of conviction
+  // and H probabilities each), and publishes the current weights. Called once, before any other streaming call.
+  virtual absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot);
+  // Streaming reads the weights as of the last call: a whole set, never one half-way through an update.
+  virtual absl::Status PublishWeights();
+  // One step path event per listed slot (forward_step_into): states updated in place, probabilities written to
+  // the slot's probability row and, with the conviction of MODEL.md §2.8, to its log at the given index.
+  virtual absl::Status ForwardStepInto(const StreamTick& tick);
+  // Zeroes one slot's state.
+  virtual absl::Status ResetSlot(int slot);
+  // Replaces one slot's state with the sequence path's final state over x [n,F], dt [n] from a zero state.
+  virtual absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
+  // Copies log entries [begin, begin + count) of `slot` (no wrap: the caller splits a wrapped range) into
+  // convictions [count] and, when non-empty, probs [count, H].
+  virtual absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
+                               std::span<float> probs);
+  // The latest probabilities of `slot`, [H].
+  virtual absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
 };
 
 // The CPU reference as a backend (float32), `threads` workers over the batch (0: one per core).

@@ -1,8 +1,12 @@
 // The CPU reference backend: loss and gradients from CpuReference, then clipping and AdamW, in float32.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
+#include "engine/status_macros.h"
 
 namespace perception {
 namespace {
@@ -22,6 +26,9 @@ class CpuBackend final : public Backend {
         exp_avg_sq_(layout_.total_size()) {}
 
   std::string device_name() const override { return "cpu"; }
+  int64_t memory_bytes() const override {
+    return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
+  }
   const ParamLayout& layout() const override { return layout_; }
 
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
@@ -43,20 +50,13 @@ class CpuBackend final : public Backend {
 
   absl::Status ForwardStream(std::span<const float> x, std::span<const float> dt, std::span<float> logits) override {
     const ModelConfig& c = layout_.config();
-    const size_t n = dt.size(), F = c.n_features, H = c.n_horizons;
-    if (x.size() != n * F || logits.size() != n * H) {
-      return absl::InvalidArgumentError(absl::StrCat("ForwardStream: ", n, " events need x of ", n * F,
-                                                     " and logits of ", n * H, " floats"));
+    if (x.size() != dt.size() * c.n_features || logits.size() != dt.size() * c.n_horizons) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardStream: ", dt.size(), " events need x of ",
+                                                     dt.size() * c.n_features, " and logits of ",
+                                                     dt.size() * c.n_horizons, " floats"));
     }
-    std::vector<StreamState<float>> state = {StreamState<float>::Zero(c)};
-    const std::vector<float> no_labels(kStreamChunk * H);  // Forward reads only x and dt
-    for (size_t begin = 0; begin < n; begin += kStreamChunk) {
-      const size_t len = std::min(kStreamChunk, n - begin);
-      BatchView<float> chunk{1, static_cast<int>(len), x.subspan(begin * F, len * F), dt.subspan(begin, len),
-                             std::span<const float>(no_labels).first(len * H),
-                             std::span<const float>(no_labels).first(len * H)};
-      model_.Forward(params_, chunk, logits.subspan(begin * H, len * H), state);
-    }
+    StreamState<float> state = StreamState<float>::Zero(c);
+    RunStream(params_, x, dt, state, logits);
     return absl::OkStatus();
   }
 
@@ -75,7 +75,136 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
+    if (slots <= 0 || log_entries_per_slot <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("streaming needs slots (", slots, ") and log entries per slot (",
+                                                     log_entries_per_slot, ") > 0"));
+    }
+    const size_t H = layout_.config().n_horizons;
+    slots_.assign(slots, StreamState<float>::Zero(layout_.config()));
+    slot_probs_.assign(slots * H, 0.f);
+    log_entries_ = log_entries_per_slot;
+    log_convictions_.assign(slots * log_entries_per_slot, 0.f);
+    log_probs_.assign(slots * log_entries_per_slot * H, 0.f);
+    return PublishWeights();
+  }
+
+  absl::Status PublishWeights() override {
+    published_ = params_;
+    return absl::OkStatus();
+  }
+
+  absl::Status ForwardStepInto(const StreamTick& tick) override {
+    RETURN_IF_ERROR(ValidateTick(tick));
+    const size_t n = tick.size(), H = layout_.config().n_horizons;
+    tick_states_.clear();
+    for (int32_t slot : tick.slots) tick_states_.push_back(&slots_[slot]);
+    tick_logits_.resize(n * H);
+    model_.StepMany(published_, tick.x, tick.dt, tick_states_, tick_logits_);
+    for (size_t i = 0; i < n; ++i) {
+      const std::span<const float> logits(&tick_logits_[i * H], H);
+      const size_t entry = static_cast<size_t>(tick.slots[i]) * log_entries_ + tick.log_indices[i];
+      for (size_t h = 0; h < H; ++h) {
+        const float p = 1.f / (1.f + std::exp(-logits[h]));
+        slot_probs_[tick.slots[i] * H + h] = p;
+        log_probs_[entry * H + h] = p;
+      }
+      log_convictions_[entry] = Conviction<float>(logits);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ResetSlot(int slot) override {
+    RETURN_IF_ERROR(CheckSlot(slot));
+    slots_[slot] = StreamState<float>::Zero(layout_.config());
+    return absl::OkStatus();
+  }
+
+  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+    RETURN_IF_ERROR(CheckSlot(slot));
+    const ModelConfig& c = layout_.config();
+    if (dt.empty() || x.size() != dt.size() * c.n_features) {
+      return absl::InvalidArgumentError(absl::StrCat("SeedSlot: ", dt.size(), " events need x of ",
+                                                     dt.size() * c.n_features, " floats, got ", x.size()));
+    }
+    StreamState<float> state = StreamState<float>::Zero(c);
+    std::vector<float> logits(dt.size() * c.n_horizons);
+    RunStream(published_, x, dt, state, logits);
+    slots_[slot] = std::move(state);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
+                       std::span<float> probs) override {
+    RETURN_IF_ERROR(CheckSlot(slot));
+    const size_t H = layout_.config().n_horizons;
+    if (begin < 0 || count < 0 || begin + count > log_entries_ || convictions.size() != static_cast<size_t>(count) ||
+        (!probs.empty() && probs.size() != count * H)) {
+      return absl::InvalidArgumentError(absl::StrCat("ReadLog: range [", begin, ", ", begin + count,
+                                                     ") or output sizes do not fit a log of ", log_entries_));
+    }
+    const size_t first = static_cast<size_t>(slot) * log_entries_ + begin;
+    std::copy_n(log_convictions_.begin() + first, count, convictions.begin());
+    if (!probs.empty()) std::copy_n(log_probs_.begin() + first * H, count * H, probs.begin());
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadSlotProbabilities(int slot, std::span<float> probs) override {
+    RETURN_IF_ERROR(CheckSlot(slot));
+    const size_t H = layout_.config().n_horizons;
+    if (probs.size() != H) return absl::InvalidArgumentError("ReadSlotProbabilities: probs must hold H floats");
+    std::copy_n(slot_probs_.begin() + slot * H, H, probs.begin());
+    return absl::OkStatus();
+  }
+
  private:
+  // The sequence path over one stream with `state` carried, in bounded chunks.
+  void RunStream(std::span<const float> params, std::span<const float> x, std::span<const float> dt,
+                 StreamState<float>& state, std::span<float> logits) const {
+    const size_t n = dt.size(), F = layout_.config().n_features, H = layout_.config().n_horizons;
+    const std::vector<float> no_labels(kStreamChunk * H);  // Forward reads only x and dt
+    for (size_t begin = 0; begin < n; begin += kStreamChunk) {
+      const size_t len = std::min(kStreamChunk, n - begin);
+      BatchView<float> chunk{1, static_cast<int>(len), x.subspan(begin * F, len * F), dt.subspan(begin, len),
+                             std::span<const float>(no_labels).first(len * H),
+                             std::span<const float>(no_labels).first(len * H)};
+      model_.Forward(params, chunk, logits.subspan(begin * H, len * H), std::span<StreamState<float>>(&state, 1));
+    }
+  }
+
+  absl::Status CheckSlot(int slot) const {
+    if (slot >= 0 && static_cast<size_t>(slot) < slots_.size()) return absl::OkStatus();
+    return absl::OutOfRangeError(absl::StrCat("slot ", slot, " is outside [0, ", slots_.size(), ")"));
+  }
+
+  absl::Status ValidateTick(const StreamTick& tick) {
+    const size_t n = tick.size();
+    if (tick.x.size() != n * layout_.config().n_features || tick.slots.size() != n || tick.log_indices.size() != n) {
+      return absl::InvalidArgumentError("ForwardStepInto: x, dt, slots and log_indices disagree on the event count");
+    }
+    slot_seen_.assign(slots_.size(), false);
+    for (size_t i = 0; i < n; ++i) {
+      RETURN_IF_ERROR(CheckSlot(tick.slots[i]));
+      if (slot_seen_[tick.slots[i]]) {
+        return absl::InvalidArgumentError(absl::StrCat("ForwardStepInto: slot ", tick.slots[i], " twice in one tick"));
+      }
+      slot_seen_[tick.slots[i]] = true;
+      if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
+        return absl::InvalidArgumentError(absl::StrCat("ForwardStepInto: log index ", tick.log_indices[i],
+                                                       " outside [0, ", log_entries_, ")"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::vector<float> published_;
+  std::vector<StreamState<float>> slots_;
+  std::vector<float> slot_probs_, log_convictions_, log_probs_;
+  int64_t log_entries_ = 0;
+  std::vector<StreamState<float>*> tick_states_;
+  std::vector<float> tick_logits_;
+  std::vector<bool> slot_seen_;
+
   ParamLayout layout_;
   OptimizerConfig optimizer_;
   CpuReference<float> model_;

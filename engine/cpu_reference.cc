@@ -767,6 +767,15 @@ void CpuReference<T>::Step(std::span<const T> params, std::span<const T> u, T dt
 }
 
 template <typename T>
+void CpuReference<T>::StepMany(std::span<const T> params, std::span<const T> x, std::span<const T> dt,
+                               std::span<StreamState<T>* const> states, std::span<T> logits) const {
+  const size_t F = layout_.config().n_features, H = layout_.config().n_horizons;
+  ParallelFor(static_cast<int>(dt.size()), threads_, [&](int i, int) {
+    Step(params, x.subspan(i * F, F), dt[i], *states[i], logits.subspan(i * H, H));
+  });
+}
+
+template <typename T>
 T Conviction(std::span<const T> logits) {
   size_t best = 0;
   T best_distance = -1;

@@ -53,6 +53,10 @@ class CpuReference {
   void Step(std::span<const T> params, std::span<const T> u, T dt, StreamState<T>& state,
             std::span<T> logits) const;
 
+  // One event for each of n distinct streams (x [n,F], dt [n], logits [n,H]), split over the workers.
+  void StepMany(std::span<const T> params, std::span<const T> x, std::span<const T> dt,
+                std::span<StreamState<T>* const> states, std::span<T> logits) const;
+
  private:
   const ParamLayout& layout_;
   int threads_;

@@ -1,0 +1,122 @@
+// Live-stream bookkeeping: slot assignment, contiguous sequence numbers, conviction-log rings.
+#include "engine/stream_table.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace perception {
+
+StreamTable::StreamTable(int slots, int64_t log_entries_per_slot)
+    : slots_(std::max(slots, 0)), log_entries_(log_entries_per_slot) {
+  for (int s = slots - 1; s >= 0; --s) free_slots_.push_back(s);
+}
+
+absl::StatusOr<int> StreamTable::SlotOf(const std::string& instrument) const {
+  auto it = by_instrument_.find(instrument);
+  if (it == by_instrument_.end()) return absl::NotFoundError(absl::StrCat("unknown instrument '", instrument, "'"));
+  return it->second;
+}
+
+absl::StatusOr<int> StreamTable::Open(const std::string& instrument) {
+  if (auto it = by_instrument_.find(instrument); it != by_instrument_.end()) return it->second;
+  if (free_slots_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat("all ", slots_.size(), " stream slots are in use; close a stream",
+                                                     " or start the daemon with more slots"));
+  }
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  Slot& s = slots_[slot];
+  s = Slot{};
+  s.instrument = instrument;
+  s.weights_versions.assign(log_entries_, 0);
+  by_instrument_[instrument] = slot;
+  return slot;
+}
+
+absl::Status StreamTable::Close(const std::string& instrument) {
+  auto it = by_instrument_.find(instrument);
+  if (it == by_instrument_.end()) return absl::NotFoundError(absl::StrCat("unknown instrument '", instrument, "'"));
+  Slot& s = slots_[it->second];
+  s = Slot{};
+  free_slots_.push_back(it->second);
+  by_instrument_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status StreamTable::Accept(int slot, uint64_t seq) {
+  Slot& s = slots_[slot];
+  if (s.last_accepted && seq != *s.last_accepted + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
+                                                   " out of order, expected ", *s.last_accepted + 1,
+                                                   seq <= *s.last_accepted ? " (repeated)" : " (skipped)"));
+  }
+  if (!s.first_seq) s.first_seq = seq;
+  s.last_accepted = seq;
+  return absl::OkStatus();
+}
+
+int64_t StreamTable::Append(int slot, uint64_t weights_version) {
+  Slot& s = slots_[slot];
+  const int64_t index = static_cast<int64_t>(s.processed % static_cast<uint64_t>(log_entries_));
+  if (s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
+  s.weights_versions[index] = weights_version;
+  ++s.processed;
+  return index;
+}
+
+absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from_seq, int64_t max_count) const {
+  const Slot& s = slots_[slot];
+  LogRange range;
+  const uint64_t first = s.first_seq.value_or(0);
+  const uint64_t retained = std::min<uint64_t>(s.processed, log_entries_);
+  range.next_seq = first + s.processed;
+  range.oldest_retained_seq = range.next_seq - retained;
+  if (from_seq < range.oldest_retained_seq && s.processed > retained) {
+    return absl::OutOfRangeError(absl::StrCat("instrument '", s.instrument, "': convictions before sequence number ",
+                                              range.oldest_retained_seq, " were overwritten (asked from ", from_seq,
+                                              "); the oldest retained is ", range.oldest_retained_seq));
+  }
+  range.first_seq = std::max(from_seq, range.oldest_retained_seq);
+  if (range.first_seq >= range.next_seq || max_count <= 0) {
+    range.first_seq = std::min(range.first_seq, range.next_seq);
+    return range;
+  }
+  range.count = static_cast<int64_t>(std::min<uint64_t>(range.next_seq - range.first_seq, max_count));
+  const uint64_t processed_index = range.first_seq - first;  // position in the instrument's whole history
+  int64_t ring = static_cast<int64_t>(processed_index % static_cast<uint64_t>(log_entries_));
+  const int64_t head = std::min<int64_t>(range.count, log_entries_ - ring);
+  range.segments.push_back({ring, head});
+  if (head < range.count) range.segments.push_back({0, range.count - head});
+  range.min_weights_version = UINT64_MAX;
+  for (const Segment& seg : range.segments) {
+    for (int64_t i = seg.ring_begin; i < seg.ring_begin + seg.count; ++i) {
+      range.min_weights_version = std::min(range.min_weights_version, s.weights_versions[i]);
+      range.max_weights_version = std::max(range.max_weights_version, s.weights_versions[i]);
+    }
+  }
+  return range;
+}
+
+absl::StatusOr<LobsterFeaturizer*> StreamTable::Featurizer(int slot, int levels) {
+  Slot& s = slots_[slot];
+  if (!s.featurizer) s.featurizer = std::make_unique<LobsterFeaturizer>(levels);
+  if (s.featurizer->levels() != levels) {
+    return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': book row has ", levels,
+                                                   " levels, earlier rows had ", s.featurizer->levels()));
+  }
+  return s.featurizer.get();
+}
+
+void StreamTable::ResetFeatures(int slot) { slots_[slot].featurizer.reset(); }
+
+std::vector<StreamTable::InstrumentInfo> StreamTable::List() const {
+  std::vector<InstrumentInfo> out;
+  for (const auto& [instrument, slot] : by_instrument_) {
+    out.push_back({instrument, slot, slots_[slot].processed, slots_[slot].last_accepted});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.instrument < b.instrument; });
+  return out;
+}
+
+}  // namespace perception

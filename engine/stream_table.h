@@ -1,0 +1,91 @@
+// Host-side bookkeeping of live streams: instrument → state slot, sequence numbers, conviction-log rings.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/lobster.h"
+
+namespace perception {
+
+// Which instruments own which backend slots, and where each processed event's conviction sits in its slot's log.
+// Sequence numbers are contiguous per instrument: the first event may carry any number, each later one must carry
+// the previous + 1, so that nothing is lost or processed twice and a log entry's sequence number follows from its
+// position. Each slot's log is a ring of `log_entries_per_slot` entries; older entries are overwritten (counted).
+// The conviction values themselves live in the backend (device memory for CUDA); this table holds only indices.
+// Not thread-safe: the daemon's stream batcher owns it.
+class StreamTable {
+ public:
+  StreamTable(int slots, int64_t log_entries_per_slot);
+
+  int capacity() const { return static_cast<int>(slots_.size()); }
+  int64_t log_entries_per_slot() const { return log_entries_; }
+  int active() const { return static_cast<int>(by_instrument_.size()); }
+  uint64_t overwritten_total() const { return overwritten_total_; }
+
+  // The instrument's slot, NOT_FOUND if it has none.
+  absl::StatusOr<int> SlotOf(const std::string& instrument) const;
+  // The instrument's slot, opening one on first use; RESOURCE_EXHAUSTED when every slot is taken.
+  absl::StatusOr<int> Open(const std::string& instrument);
+  // Frees the instrument's slot and forgets its log; the caller also resets the backend's slot state.
+  absl::Status Close(const std::string& instrument);
+
+  // Receipt of an event: `seq` must be the first of the stream or the last accepted + 1 (INVALID_ARGUMENT naming
+  // the expected number otherwise). Accepted events are then processed in order.
+  absl::Status Accept(int slot, uint64_t seq);
+  // Processing of the slot's oldest accepted, unprocessed event under `weights_version`: returns the log ring index
+  // the backend writes its conviction to.
+  int64_t Append(int slot, uint64_t weights_version);
+
+  struct Segment {
+    int64_t ring_begin;  // index in the slot's ring
+    int64_t count;
+  };
+  struct LogRange {
+    uint64_t first_seq = 0;  // sequence number of the first entry returned
+    int64_t count = 0;
+    std::vector<Segment> segments;  // at most two, in order (the ring may wrap)
+    uint64_t min_weights_version = 0, max_weights_version = 0;
+    uint64_t oldest_retained_seq = 0, next_seq = 0;  // what the log holds now: [oldest, next)
+  };
+  // Up to `max_count` processed entries from `from_seq` on (from the oldest retained when from_seq is older and
+  // nothing was overwritten). OUT_OF_RANGE naming the oldest retained sequence number when entries at or after
+  // from_seq have been overwritten.
+  absl::StatusOr<LogRange> Range(int slot, uint64_t from_seq, int64_t max_count) const;
+
+  // The per-instrument LOBSTER featurizer (previous mid and time), created on first use with `levels`;
+  // INVALID_ARGUMENT if the instrument's book rows had another level count before.
+  absl::StatusOr<LobsterFeaturizer*> Featurizer(int slot, int levels);
+  // Starts the instrument's stream afresh (featurizer forgotten); sequence numbers and the log continue.
+  void ResetFeatures(int slot);
+
+  struct InstrumentInfo {
+    std::string instrument;
+    int slot;
+    uint64_t processed;  // events processed since the stream opened
+    std::optional<uint64_t> last_seq;  // last accepted sequence number
+  };
+  std::vector<InstrumentInfo> List() const;
+
+ private:
+  struct Slot {
+    std::string instrument;
+    std::optional<uint64_t> first_seq, last_accepted;
+    uint64_t processed = 0;
+    std::vector<uint64_t> weights_versions;  // ring, sized on open
+    std::unique_ptr<LobsterFeaturizer> featurizer;
+  };
+
+  std::vector<Slot> slots_;
+  std::vector<int> free_slots_;  // a stack: the most recently freed slot is reused first
+  std::unordered_map<std::string, int> by_instrument_;
+  int64_t log_entries_;
+  uint64_t overwritten_total_ = 0;
+};
+
+}  // namespace perception

@@ -1,0 +1,204 @@
+// Streaming on the engine: the stream table's bookkeeping and the CPU backend's forward_step_into, seeding and logs.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/backend.h"
+#include "engine/stream_table.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
+  StreamTable table(2, 4);
+  EXPECT_EQ(*table.Open("AAPL"), 0);
+  EXPECT_EQ(*table.Open("AMZN"), 1);
+  EXPECT_EQ(*table.Open("AAPL"), 0);  // the same instrument keeps its slot
+  EXPECT_EQ(table.active(), 2);
+  EXPECT_EQ(table.Open("MSFT").status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table.SlotOf("MSFT").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(table.Close("AAPL").ok());
+  EXPECT_EQ(*table.Open("MSFT"), 0);
+  EXPECT_EQ(table.Close("AAPL").code(), absl::StatusCode::kNotFound);
+  ASSERT_EQ(table.List().size(), 2u);
+  EXPECT_EQ(table.List()[0].instrument, "AMZN");
+}
+
+TEST(StreamTableTest, SequenceNumbersMustBeContiguous) {
+  StreamTable table(1, 8);
+  const int slot = *table.Open("AMZN");
+  ASSERT_TRUE(table.Accept(slot, 1000).ok());  // any first number
+  ASSERT_TRUE(table.Accept(slot, 1001).ok());
+  EXPECT_THAT(table.Accept(slot, 1001).message(), HasSubstr("sequence number 1001 out of order, expected 1002 (repeated)"));
+  EXPECT_THAT(table.Accept(slot, 1005).message(), HasSubstr("expected 1002 (skipped)"));
+  EXPECT_TRUE(table.Accept(slot, 1002).ok());  // a rejected event changes nothing
+}
+
+TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
+  StreamTable table(2, 4);
+  const int slot = *table.Open("X");
+  for (uint64_t seq = 10; seq < 16; ++seq) {  // six events into a ring of four
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    EXPECT_EQ(table.Append(slot, /*weights_version=*/seq / 2), static_cast<int64_t>((seq - 10) % 4));
+  }
+  EXPECT_EQ(table.overwritten_total(), 2u);
+  // Retained: seq 12..15 at ring positions 2, 3, 0, 1.
+  absl::StatusOr<StreamTable::LogRange> all = table.Range(slot, 0, 100);
+  EXPECT_THAT(all.status().message(), HasSubstr("the oldest retained is 12"));
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kOutOfRange);
+  absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 12, 100);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first_seq, 12u);
+  EXPECT_EQ(r->count, 4);
+  ASSERT_EQ(r->segments.size(), 2u);
+  EXPECT_EQ(r->segments[0].ring_begin, 2);
+  EXPECT_EQ(r->segments[0].count, 2);
+  EXPECT_EQ(r->segments[1].ring_begin, 0);
+  EXPECT_EQ(r->segments[1].count, 2);
+  EXPECT_EQ(r->min_weights_version, 6u);
+  EXPECT_EQ(r->max_weights_version, 7u);
+  EXPECT_EQ(r->next_seq, 16u);
+  r = table.Range(slot, 14, 1);  // paged
+  EXPECT_EQ(r->count, 1);
+  EXPECT_EQ(r->segments[0].ring_begin, 0);
+  r = table.Range(slot, 16, 10);  // nothing new yet
+  EXPECT_EQ(r->count, 0);
+  // A fresh stream with nothing overwritten answers from its oldest entry.
+  const int other = *table.Open("Y");
+  ASSERT_TRUE(table.Accept(other, 500).ok());
+  table.Append(other, 1);
+  r = table.Range(other, 0, 10);
+  EXPECT_EQ(r->first_seq, 500u);
+  EXPECT_EQ(r->count, 1);
+}
+
+TEST(StreamTableTest, FeaturizerKeepsItsLevelCount) {
+  StreamTable table(1, 4);
+  const int slot = *table.Open("AAPL");
+  ASSERT_TRUE(table.Featurizer(slot, 10).ok());
+  EXPECT_THAT(table.Featurizer(slot, 1).status().message(), HasSubstr("book row has 1 levels, earlier rows had 10"));
+  table.ResetFeatures(slot);
+  EXPECT_TRUE(table.Featurizer(slot, 1).ok());
+}
+
+// Streams several instruments interleaved, one event per instrument per tick, and checks every conviction against
+// the sequence path over that instrument's own events.
+class CpuStreamingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = *NamedConfig("tiny");
+    layout_ = std::make_unique<ParamLayout>(config_);
+    backend_ = MakeCpuBackend(config_, OptimizerConfig{}, testing::RandomParams(*layout_, 61), 2);
+    ASSERT_TRUE(backend_->ConfigureStreaming(kSlots, kLogEntries).ok());
+  }
+  static std::vector<float> ExpectedConvictions(Backend& backend, const testing::RandomBatch& events) {
+    const int H = backend.config().n_horizons;
+    std::vector<float> logits(events.dt.size() * H), out;
+    EXPECT_TRUE(backend.ForwardStream(events.x, events.dt, logits).ok());
+    for (size_t i = 0; i < events.dt.size(); ++i) {
+      out.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    }
+    return out;
+  }
+  static constexpr int kSlots = 4;
+  static constexpr int64_t kLogEntries = 64;
+  ModelConfig config_;
+  std::unique_ptr<ParamLayout> layout_;
+  std::unique_ptr<Backend> backend_;
+};
+
+TEST_F(CpuStreamingTest, InterleavedStreamsEqualTheirOwnSequencePaths) {
+  const int F = config_.n_features, H = config_.n_horizons, n = 40;
+  std::vector<testing::RandomBatch> streams;
+  for (int s = 0; s < 3; ++s) streams.push_back(testing::MakeRandomBatch(config_, 1, n, 70 + s));
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> x, dt;
+    std::vector<int32_t> slots;
+    std::vector<int64_t> log_indices;
+    for (int s = 0; s < 3; ++s) {
+      if (s == 2 && t % 3 == 0) continue;  // instrument 2 is quieter: ticks of different sizes
+      x.insert(x.end(), streams[s].x.begin() + t * F, streams[s].x.begin() + (t + 1) * F);
+      dt.push_back(streams[s].dt[t]);
+      slots.push_back(s == 0 ? 3 : s);  // slot numbers need not follow instrument order
+      log_indices.push_back(t);
+    }
+    ASSERT_TRUE(backend_->ForwardStepInto({x, dt, slots, log_indices}).ok());
+  }
+  for (int s = 0; s < 2; ++s) {
+    const std::vector<float> expected = ExpectedConvictions(*backend_, streams[s]);
+    std::vector<float> got(n), probs(n * H);
+    ASSERT_TRUE(backend_->ReadLog(s == 0 ? 3 : s, 0, n, got, probs).ok());
+    for (int t = 0; t < n; ++t) EXPECT_NEAR(got[t], expected[t], 1e-6) << "stream " << s << " event " << t;
+    for (float p : probs) EXPECT_TRUE(p > 0.f && p < 1.f);
+    std::vector<float> latest(H);
+    ASSERT_TRUE(backend_->ReadSlotProbabilities(s == 0 ? 3 : s, latest).ok());
+    EXPECT_EQ(std::vector<float>(probs.end() - H, probs.end()), latest);
+  }
+}
+
+TEST_F(CpuStreamingTest, SeededSlotContinuesLikeTheConcatenation) {
+  const int F = config_.n_features, seed_len = 13, tail = 11;
+  const testing::RandomBatch all = testing::MakeRandomBatch(config_, 1, seed_len + tail, 80);
+  ASSERT_TRUE(backend_->SeedSlot(1, std::span<const float>(all.x).first(seed_len * F),
+                                 std::span<const float>(all.dt).first(seed_len)).ok());
+  for (int t = seed_len; t < seed_len + tail; ++t) {
+    const int32_t slot = 1;
+    const int64_t index = t - seed_len;
+    ASSERT_TRUE(backend_->ForwardStepInto({std::span<const float>(all.x).subspan(t * F, F),
+                                           std::span<const float>(all.dt).subspan(t, 1), {&slot, 1}, {&index, 1}})
+                    .ok());
+  }
+  const std::vector<float> expected = ExpectedConvictions(*backend_, all);
+  std::vector<float> got(tail);
+  ASSERT_TRUE(backend_->ReadLog(1, 0, tail, got, {}).ok());
+  for (int i = 0; i < tail; ++i) EXPECT_NEAR(got[i], expected[seed_len + i], 1e-6) << i;
+  // Reset forgets the seed: the next event behaves like a first event.
+  ASSERT_TRUE(backend_->ResetSlot(1).ok());
+  const int32_t slot = 1;
+  const int64_t index = 0;
+  ASSERT_TRUE(backend_->ForwardStepInto({std::span<const float>(all.x).first(F), std::span<const float>(all.dt).first(1),
+                                         {&slot, 1}, {&index, 1}}).ok());
+  ASSERT_TRUE(backend_->ReadLog(1, 0, 1, std::span<float>(got).first(1), {}).ok());
+  EXPECT_NEAR(got[0], expected[0], 1e-6);
+}
+
+TEST_F(CpuStreamingTest, StreamingReadsThePublishedWeightsOnly) {
+  const int F = config_.n_features;
+  const testing::RandomBatch event = testing::MakeRandomBatch(config_, 1, 1, 90);
+  const testing::RandomBatch train = testing::MakeRandomBatch(config_, config_.batch, config_.window, 91);
+  const int32_t slot = 0;
+  const int64_t index = 0;
+  auto conviction_now = [&]() {
+    EXPECT_TRUE(backend_->ResetSlot(0).ok());
+    EXPECT_TRUE(backend_->ForwardStepInto({std::span<const float>(event.x).first(F), event.dt, {&slot, 1}, {&index, 1}}).ok());
+    float c = 0;
+    EXPECT_TRUE(backend_->ReadLog(0, 0, 1, {&c, 1}, {}).ok());
+    return c;
+  };
+  const float before = conviction_now();
+  ASSERT_TRUE(backend_->TrainStep(train.view()).ok());
+  EXPECT_EQ(conviction_now(), before) << "a training step alone must not change what streaming reads";
+  ASSERT_TRUE(backend_->PublishWeights().ok());
+  EXPECT_NE(conviction_now(), before);
+}
+
+TEST_F(CpuStreamingTest, MalformedTicksAreRefused) {
+  const int F = config_.n_features;
+  const std::vector<float> x(2 * F, 0.5f), dt = {0.1f, 0.2f};
+  const std::vector<int32_t> twice = {1, 1}, outside = {0, kSlots};
+  const std::vector<int64_t> indices = {0, 1}, bad_index = {0, kLogEntries};
+  const std::vector<int32_t> fine = {0, 1};
+  EXPECT_THAT(backend_->ForwardStepInto({x, dt, twice, indices}).message(), HasSubstr("slot 1 twice in one tick"));
+  EXPECT_EQ(backend_->ForwardStepInto({x, dt, outside, indices}).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(backend_->ForwardStepInto({x, dt, fine, bad_index}).message(), HasSubstr("log index 64"));
+  EXPECT_THAT(backend_->ForwardStepInto({std::span<const float>(x).first(F), dt, fine, indices}).message(),
+              HasSubstr("disagree on the event count"));
+  EXPECT_TRUE(backend_->ForwardStepInto({x, dt, fine, indices}).ok());
+}
+
+}  // namespace
+}  // namespace perception
