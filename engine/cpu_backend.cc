@@ -180,17 +180,17 @@ class CpuBackend final : public Backend {
   absl::Status ValidateTick(const StreamTick& tick) {
     const size_t n = tick.size();
     if (tick.x.size() != n * layout_.config().n_features || tick.slots.size() != n || tick.log_indices.size() != n) {
-      return absl::InvalidArgumentError("ForwardStepInto: x, dt, slots and log_indices disagree on the event count");
+      return absl::InvalidArgumentError("forward_step_into: x, dt, slots and log_indices disagree on the event count");
     }
     slot_seen_.assign(slots_.size(), false);
     for (size_t i = 0; i < n; ++i) {
       RETURN_IF_ERROR(CheckSlot(tick.slots[i]));
       if (slot_seen_[tick.slots[i]]) {
-        return absl::InvalidArgumentError(absl::StrCat("ForwardStepInto: slot ", tick.slots[i], " twice in one tick"));
+        return absl::InvalidArgumentError(absl::StrCat("forward_step_into: slot ", tick.slots[i], " twice in one tick"));
       }
       slot_seen_[tick.slots[i]] = true;
       if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
-        return absl::InvalidArgumentError(absl::StrCat("ForwardStepInto: log index ", tick.log_indices[i],
+        return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log index ", tick.log_indices[i],
                                                        " outside [0, ", log_entries_, ")"));
       }
     }

@@ -1,0 +1,176 @@
+// bench_stream: device time per streaming tick (forward_step_into) for 1 .. 10,000 instruments, graph-replayed and
+// eager, with CUDA events around every tick; prints one table and optionally writes JSON.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/cuda_backend.h"
+#include "engine/cuda_check.h"
+#include "engine/cuda_memory.h"
+#include "engine/cuda_streamer.h"
+#include "engine/param_layout.h"
+#include "engine/status_macros.h"
+
+ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
+ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", "64", "1024", "10000"}),
+          "instruments per tick");
+ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
+ABSL_FLAG(std::string, json, "", "write the results here as JSON");
+
+namespace perception {
+namespace {
+
+struct Row {
+  std::string config;
+  int instruments = 0;
+  double graph_median_us = 0, graph_p99_us = 0, eager_median_us = 0, best_shape_us = 0, host_step_us = 0;
+  StreamLaunchShape best_shape, default_shape;
+  int64_t allocations = 0;
+};
+
+double Percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+// Device time of each tick between events recorded on the streamer's stream; `run` enqueues one tick.
+template <typename Run>
+absl::StatusOr<std::vector<double>> TimeTicks(CudaStreamer& streamer, int iterations, Run run) {
+  for (int i = 0; i < 20; ++i) RETURN_IF_ERROR(run());
+  RETURN_IF_ERROR(streamer.Synchronize());
+  std::vector<cudaEvent_t> events(2 * iterations);
+  for (cudaEvent_t& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  for (int i = 0; i < iterations; ++i) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i], streamer.stream()));
+    RETURN_IF_ERROR(run());
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1], streamer.stream()));
+  }
+  RETURN_IF_ERROR(streamer.Synchronize());
+  std::vector<double> us;
+  for (int i = 0; i < iterations; ++i) {
+    float ms = 0;
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]));
+    us.push_back(ms * 1e3);
+  }
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
+  return us;
+}
+
+absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std::vector<int>& sizes, int iterations) {
+  ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(name));
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, 1, params);
+  const int capacity = *std::max_element(sizes.begin(), sizes.end());
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaStreamer> streamer, CudaStreamer::Create(layout, capacity, std::max<int64_t>(64, (int64_t{1} << 20) / capacity)));
+  RETURN_IF_ERROR(streamer->PublishFromHost(params));
+  std::vector<Row> rows;
+  Rng rng(7);
+  for (int n : sizes) {
+    std::vector<float> x(static_cast<size_t>(n) * config.n_features), dt(n);
+    for (float& v : x) v = static_cast<float>(rng.Uniform(-2, 2));
+    for (float& v : dt) v = static_cast<float>(rng.Uniform(0, 0.5));
+    std::vector<int32_t> slots(n);
+    for (int i = 0; i < n; ++i) slots[i] = i;
+    std::vector<int64_t> log(n, 0);
+    const StreamTick tick{x, dt, slots, log};
+    Row row;
+    row.config = name;
+    row.instruments = n;
+    row.default_shape = streamer->ShapeFor(n);
+    const int64_t allocations_before = CudaAllocationCount();
+    streamer->set_use_graphs(true);
+    ASSIGN_OR_RETURN(std::vector<double> graphed, TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }));
+    row.allocations = CudaAllocationCount() - allocations_before;
+    row.graph_median_us = Percentile(graphed, 0.5);
+    row.graph_p99_us = Percentile(graphed, 0.99);
+    streamer->set_use_graphs(false);
+    ASSIGN_OR_RETURN(std::vector<double> eager, TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }));
+    row.eager_median_us = Percentile(eager, 0.5);
+    // Host cost of one graphed Step call plus the wait for it: the end-to-end latency of a lone tick.
+    streamer->set_use_graphs(true);
+    std::vector<double> host;
+    for (int i = 0; i < std::min(iterations, 100); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(streamer->Step(tick));
+      RETURN_IF_ERROR(streamer->Synchronize());
+      host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+    }
+    row.host_step_us = Percentile(host, 0.5);
+    // Sweep the launch shapes eagerly, to check the default choice.
+    row.best_shape_us = 1e30;
+    for (int group = 1; group <= streamer->max_events_per_group(); group *= 2) {
+      for (int cluster : {1, 2, 4, 8}) {
+        const StreamLaunchShape shape{group, cluster};
+        ASSIGN_OR_RETURN(std::vector<double> t,
+                         TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
+        if (Percentile(t, 0.5) < row.best_shape_us) {
+          row.best_shape_us = Percentile(t, 0.5);
+          row.best_shape = shape;
+        }
+      }
+    }
+    rows.push_back(row);
+    std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f)  eager %9.2f us  lone tick wall %9.2f us  best eager %9.2f us "
+                "(group %d, cluster %d; default %d, %d)  allocations %lld\n",
+                name.c_str(), n, row.graph_median_us, row.graph_p99_us, row.eager_median_us, row.host_step_us,
+                row.best_shape_us, row.best_shape.events_per_group, row.best_shape.cluster_size,
+                row.default_shape.events_per_group, row.default_shape.cluster_size,
+                static_cast<long long>(row.allocations));
+    std::fflush(stdout);
+  }
+  return rows;
+}
+
+std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
+  std::vector<std::string> items;
+  for (const Row& r : rows) {
+    items.push_back(absl::StrCat(
+        "{\"config\":\"", r.config, "\",\"instruments\":", r.instruments, ",\"graph_median_us\":", r.graph_median_us,
+        ",\"graph_p99_us\":", r.graph_p99_us, ",\"eager_median_us\":", r.eager_median_us,
+        ",\"lone_tick_wall_us\":", r.host_step_us, ",\"best_eager_us\":", r.best_shape_us,
+        ",\"best_group\":", r.best_shape.events_per_group, ",\"best_cluster\":", r.best_shape.cluster_size,
+        ",\"default_group\":", r.default_shape.events_per_group, ",\"default_cluster\":", r.default_shape.cluster_size,
+        ",\"allocations\":", r.allocations, "}"));
+  }
+  return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "]}\n");
+}
+
+absl::Status Main() {
+  RETURN_IF_ERROR(CudaDeviceAvailable());
+  std::vector<int> sizes;
+  for (const std::string& s : absl::GetFlag(FLAGS_instruments)) sizes.push_back(std::stoi(s));
+  cudaDeviceProp properties{};
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, 0));
+  std::printf("bench_stream on %s: device time per tick (median of %d, CUDA events), inputs staged from pinned memory\n",
+              properties.name, absl::GetFlag(FLAGS_iterations));
+  std::vector<Row> all;
+  for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
+    ASSIGN_OR_RETURN(std::vector<Row> rows, BenchConfig(name, sizes, absl::GetFlag(FLAGS_iterations)));
+    all.insert(all.end(), rows.begin(), rows.end());
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::ofstream(path) << ToJson(all, properties.name);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace perception
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const absl::Status status = perception::Main();
+  if (!status.ok()) {
+    std::fprintf(stderr, "bench_stream: %s\n", std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

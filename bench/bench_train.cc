@@ -1,0 +1,255 @@
+// bench_train: the CUDA training step of tiny, small and large. Per config: eager µs per step (median of CUDA-event
+// timings after warmup), kernel launches per step (one step captured into a graph, its kernel nodes counted),
+// device allocations per step, and a roofline estimate — FLOPs and bytes per step over ceilings measured in the same
+// run (a 1 GiB device-to-device copy, an 8192³ SGEMM). Prints one table; --json writes the same numbers.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "engine/cuda_backend.h"
+#include "engine/cuda_check.h"
+#include "engine/cuda_memory.h"
+#include "engine/cuda_model.h"
+#include "engine/status_macros.h"
+#include "tests/test_util.h"
+
+ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
+ABSL_FLAG(int, steps, 60, "timed steps per config, after the warmup");
+ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
+ABSL_FLAG(bool, tf32, false, "TF32 tensor cores for the cuBLAS products (and for the SGEMM ceiling)");
+ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
+
+namespace perception {
+namespace {
+
+struct Ceilings {
+  double copy_bytes_per_s = 0;   // device-to-device copy, bytes read + written
+  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³ (TF32 with --tf32)
+};
+
+struct Launches {
+  int kernels = 0, copies = 0, other = 0;  // graph nodes of one captured step
+};
+
+struct Result {
+  std::string config;
+  int batch = 0, window = 0;
+  double median_us = 0, min_us = 0;
+  Launches launches;
+  double allocations_per_step = 0;
+  double gemm_flops = 0, other_flops = 0, bytes = 0;  // per step
+  double roofline_us = 0;
+};
+
+// Milliseconds between two events recorded around `enqueue` on `stream`, after it finishes.
+template <typename Enqueue>
+absl::StatusOr<float> TimeOnStream(cudaStream_t stream, Enqueue enqueue) {
+  cudaEvent_t start, stop;
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+  const absl::Status enqueued = enqueue();
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+  float ms = 0;
+  CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+  CUDA_RETURN_IF_ERROR(cudaEventDestroy(start));
+  CUDA_RETURN_IF_ERROR(cudaEventDestroy(stop));
+  if (!enqueued.ok()) return enqueued;
+  return ms;
+}
+
+absl::StatusOr<Ceilings> MeasureCeilings(bool tf32) {
+  Ceilings ceilings;
+  cudaStream_t stream;
+  CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream));
+  {
+    constexpr size_t kBytes = size_t{1} << 30;
+    ASSIGN_OR_RETURN(CudaAllocation a, AllocateCuda(MemoryKind::kDevice, kBytes));
+    ASSIGN_OR_RETURN(CudaAllocation b, AllocateCuda(MemoryKind::kDevice, kBytes));
+    auto copies = [&](int n) -> absl::Status {
+      for (int i = 0; i < n; ++i) {
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.get(), a.get(), kBytes, cudaMemcpyDeviceToDevice, stream));
+      }
+      return absl::OkStatus();
+    };
+    RETURN_IF_ERROR(TimeOnStream(stream, [&] { return copies(2); }).status());
+    ASSIGN_OR_RETURN(const float ms, TimeOnStream(stream, [&] { return copies(10); }));
+    ceilings.copy_bytes_per_s = 2.0 * kBytes * 10 / (ms * 1e-3);
+  }
+  {
+    constexpr int n = 8192;
+    const size_t bytes = size_t{n} * n * sizeof(float);
+    ASSIGN_OR_RETURN(CudaAllocation a, AllocateCuda(MemoryKind::kDevice, bytes));
+    ASSIGN_OR_RETURN(CudaAllocation b, AllocateCuda(MemoryKind::kDevice, bytes));
+    ASSIGN_OR_RETURN(CudaAllocation c, AllocateCuda(MemoryKind::kDevice, bytes));
+    cublasHandle_t handle;
+    CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
+    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+    CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(handle, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    const float one = 1.f, zero = 0.f;
+    auto products = [&](int count) -> absl::Status {
+      for (int i = 0; i < count; ++i) {
+        CUBLAS_RETURN_IF_ERROR(cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one,
+                                           static_cast<const float*>(a.get()), n, static_cast<const float*>(b.get()),
+                                           n, &zero, static_cast<float*>(c.get()), n));
+      }
+      return absl::OkStatus();
+    };
+    RETURN_IF_ERROR(TimeOnStream(stream, [&] { return products(2); }).status());
+    ASSIGN_OR_RETURN(const float ms, TimeOnStream(stream, [&] { return products(10); }));
+    CUBLAS_RETURN_IF_ERROR(cublasDestroy(handle));
+    ceilings.sgemm_flops_per_s = 2.0 * n * n * n * 10 / (ms * 1e-3);
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
+  return ceilings;
+}
+
+// Captures one training step into a graph (global mode: any synchronization or allocation inside the step would fail
+// the capture) and counts its nodes; the capture runs nothing. Also returns the GEMM FLOPs the step issues.
+absl::StatusOr<Launches> CountLaunches(CudaModel& model, double* gemm_flops) {
+  const double flops_before = model.gemm_flops();
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(model.stream(), cudaStreamCaptureModeGlobal));
+  const absl::Status enqueued = model.EnqueueTrainStep();
+  cudaGraph_t graph = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(model.stream(), &graph));
+  RETURN_IF_ERROR(enqueued);
+  *gemm_flops = model.gemm_flops() - flops_before;
+  size_t count = 0;
+  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nodes.data(), &count));
+  Launches launches;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    CUDA_RETURN_IF_ERROR(cudaGraphNodeGetType(node, &type));
+    if (type == cudaGraphNodeTypeKernel) {
+      ++launches.kernels;
+    } else if (type == cudaGraphNodeTypeMemcpy || type == cudaGraphNodeTypeMemset) {
+      ++launches.copies;
+    } else {
+      ++launches.other;
+    }
+  }
+  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  return launches;
+}
+
+// FLOPs outside cuBLAS, counted from the kernels' loops: the scan (forward 2 FMAs per state element and step; the
+// backward recomputes the states and carries the adjoint, ~15 FLOPs, in double), the CfC recurrences (the W_c and
+// heads mat-vecs, forward and backward) and the conv. Elementwise work and norms are left out (a few % at most).
+double NonGemmFlops(const ModelConfig& c) {
+  const double M = static_cast<double>(c.batch) * c.window, E = c.d_inner(), N = c.d_state, W = c.d_conv;
+  const double C = c.cfc_units, K = c.cfc_backbone, cd = c.conv_dim();
+  const double scan = (4 + 15) * M * E * N, conv = (2 + 4) * W * M * cd;
+  const double cfc = 2 * (2 * M * (K * C + 4 * C * K));
+  return c.n_layers * (scan + conv) + cfc;
+}
+
+absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings, bool tf32, int warmup, int steps) {
+  ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(name));
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, 1, params);
+  CudaModelOptions options;
+  options.tf32 = tf32;
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, OptimizerConfig{}, params, options));
+  const auto batch = testing::MakeRandomBatch(config, config.batch, config.window, 2);
+  RETURN_IF_ERROR(model->StageBatch(batch.view()));
+  for (int i = 0; i < warmup; ++i) {
+    RETURN_IF_ERROR(model->EnqueueTrainStep());
+    RETURN_IF_ERROR(model->Wait().status());
+  }
+
+  Result r;
+  r.config = name;
+  r.batch = config.batch;
+  r.window = config.window;
+  ASSIGN_OR_RETURN(r.launches, CountLaunches(*model, &r.gemm_flops));
+  const int64_t allocations = CudaAllocationCount();
+  std::vector<double> us;
+  for (int i = 0; i < steps; ++i) {
+    ASSIGN_OR_RETURN(const float ms, TimeOnStream(model->stream(), [&] { return model->EnqueueTrainStep(); }));
+    RETURN_IF_ERROR(model->Wait().status());
+    us.push_back(ms * 1e3);
+  }
+  r.allocations_per_step = static_cast<double>(CudaAllocationCount() - allocations) / steps;
+  std::sort(us.begin(), us.end());
+  r.median_us = us[us.size() / 2];
+  r.min_us = us.front();
+  r.other_flops = NonGemmFlops(config);
+  // Every buffer of the step written once and read once: an estimate of the traffic, not a measurement.
+  r.bytes = 2.0 * model->device_bytes();
+  r.roofline_us = 1e6 * std::max((r.gemm_flops + r.other_flops) / ceilings.sgemm_flops_per_s,
+                                 r.bytes / ceilings.copy_bytes_per_s);
+  return r;
+}
+
+int Run() {
+  const bool tf32 = absl::GetFlag(FLAGS_tf32);
+  auto ceilings = MeasureCeilings(tf32);
+  if (!ceilings.ok()) {
+    std::fprintf(stderr, "ceilings: %s\n", std::string(ceilings.status().message()).c_str());
+    return 1;
+  }
+  int device = 0;
+  cudaDeviceProp properties{};
+  cudaGetDevice(&device);
+  cudaGetDeviceProperties(&properties, device);
+  std::printf("device %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
+              ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "", ceilings->sgemm_flops_per_s / 1e12);
+  std::printf("%-6s %5s %4s %12s %10s %8s %9s %10s %9s %11s %11s\n", "config", "B", "T", "eager_us/step", "min_us",
+              "kernels", "memcpys", "allocs/st", "GFLOP/st", "GB/st(est)", "roofline_us");
+  nlohmann::ordered_json json;
+  json["device"] = properties.name;
+  json["tf32"] = tf32;
+  json["copy_GBps"] = ceilings->copy_bytes_per_s / 1e9;
+  json["sgemm_TFLOPs"] = ceilings->sgemm_flops_per_s / 1e12;
+  int status = 0;
+  for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
+    const auto r = Measure(name, *ceilings, tf32, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps));
+    if (!r.ok()) {
+      std::printf("%-6s error: %s\n", name.c_str(), std::string(r.status().message()).c_str());
+      json["configs"][name]["error"] = std::string(r.status().message());
+      status = 1;
+      continue;
+    }
+    std::printf("%-6s %5d %4d %12.1f %10.1f %8d %9d %10.2f %9.2f %11.2f %11.1f\n", name.c_str(), r->batch, r->window,
+                r->median_us, r->min_us, r->launches.kernels, r->launches.copies, r->allocations_per_step,
+                (r->gemm_flops + r->other_flops) / 1e9, r->bytes / 1e9, r->roofline_us);
+    json["configs"][name] = {{"batch", r->batch},
+                             {"window", r->window},
+                             {"eager_us_per_step_median", r->median_us},
+                             {"eager_us_per_step_min", r->min_us},
+                             {"kernel_launches_per_step", r->launches.kernels},
+                             {"memcpy_nodes_per_step", r->launches.copies},
+                             {"other_nodes_per_step", r->launches.other},
+                             {"device_allocations_per_step", r->allocations_per_step},
+                             {"gemm_gflop_per_step", r->gemm_flops / 1e9},
+                             {"other_gflop_per_step", r->other_flops / 1e9},
+                             {"gbytes_per_step_estimate", r->bytes / 1e9},
+                             {"roofline_us", r->roofline_us}};
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) std::ofstream(path) << json.dump(2) << "\n";
+  return status;
+}
+
+}  // namespace
+}  // namespace perception
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (const absl::Status available = perception::CudaDeviceAvailable(); !available.ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", std::string(available.message()).c_str());
+    return 1;
+  }
+  return perception::Run();
+}

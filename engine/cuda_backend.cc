@@ -1,0 +1,169 @@
+// The Backend interface over CudaModel: shape checks, batching of evaluations into the configured batch, streams in
+// chunks of the window with the state carried, and checkpoints in and out.
+#include "engine/cuda_backend.h"
+
+#include <algorithm>
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda_streamer.h"
+#include "engine/status_macros.h"
+
+namespace perception {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(std::unique_ptr<CudaModel> model) : model_(std::move(model)) {}
+
+  std::string device_name() const override { return model_->device_name(); }
+  const ParamLayout& layout() const override { return model_->layout(); }
+
+  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
+    const ModelConfig& c = config();
+    if (batch.batch != c.batch || batch.window != c.window) {
+      return absl::InvalidArgumentError(absl::StrCat("TrainStep: batch shape (", batch.batch, ", ", batch.window,
+                                                     ") differs from the backend's (batch, window) = (", c.batch, ", ",
+                                                     c.window, ")"));
+    }
+    RETURN_IF_ERROR(model_->StageBatch(batch));
+    RETURN_IF_ERROR(model_->EnqueueTrainStep());
+    ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+    return TrainStepResult{report.loss, report.grad_norm, report.step};
+  }
+
+  // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
+  absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
+    const ModelConfig& c = config();
+    if (batch.window != c.window) {
+      return absl::InvalidArgumentError(absl::StrCat("Evaluate: window ", batch.window,
+                                                     " differs from the backend's window ", c.window));
+    }
+    const size_t per_window = static_cast<size_t>(c.window);
+    const size_t F = c.n_features, H = c.n_horizons, n = static_cast<size_t>(batch.batch) * per_window;
+    if (!logits.empty() && logits.size() != n * H) {
+      return absl::InvalidArgumentError(absl::StrCat("Evaluate: logits hold ", logits.size(), " floats, need ", n * H));
+    }
+    double loss_sum = 0, mask_count = 0;
+    for (int first = 0; first < batch.batch; first += c.batch) {
+      const int count = std::min(c.batch, batch.batch - first);
+      const size_t begin = first * per_window, events = count * per_window;
+      if (batch.x.size() < (begin + events) * F || batch.dt.size() < begin + events ||
+          batch.labels.size() < (begin + events) * H || batch.mask.size() < (begin + events) * H) {
+        return absl::InvalidArgumentError("Evaluate: batch arrays are shorter than its shape");
+      }
+      const BatchView<float> chunk{count, c.window, batch.x.subspan(begin * F, events * F),
+                                   batch.dt.subspan(begin, events), batch.labels.subspan(begin * H, events * H),
+                                   batch.mask.subspan(begin * H, events * H)};
+      RETURN_IF_ERROR(model_->StageBatch(chunk));
+      RETURN_IF_ERROR(model_->EnqueueEvaluate(/*carry_state=*/false));
+      ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+      loss_sum += report.loss_sum;
+      mask_count += report.mask_count;
+      if (!logits.empty()) std::ranges::copy(model_->StagedLogits(), logits.begin() + begin * H);
+    }
+    return loss_sum / std::max(mask_count, 1.0);
+  }
+
+  // Chunks of the window, one sequence, the state carried from chunk to chunk.
+  absl::Status ForwardStream(std::span<const float> x, std::span<const float> dt, std::span<float> logits) override {
+    const ModelConfig& c = config();
+    const size_t n = dt.size(), F = c.n_features, H = c.n_horizons;
+    if (x.size() != n * F || logits.size() != n * H) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardStream: ", n, " events need x of ", n * F,
+                                                     " and logits of ", n * H, " floats"));
+    }
+    const std::vector<float> no_labels(static_cast<size_t>(c.window) * H);  // the forward ignores labels and mask
+    RETURN_IF_ERROR(model_->ResetStreamState());
+    for (size_t begin = 0; begin < n; begin += c.window) {
+      const size_t len = std::min<size_t>(c.window, n - begin);
+      const std::span<const float> none = std::span<const float>(no_labels).first(len * H);
+      const BatchView<float> chunk{1, static_cast<int>(len), x.subspan(begin * F, len * F), dt.subspan(begin, len),
+                                   none, none};
+      RETURN_IF_ERROR(model_->StageBatch(chunk));
+      RETURN_IF_ERROR(model_->EnqueueEvaluate(/*carry_state=*/true));
+      RETURN_IF_ERROR(model_->Wait().status());
+      std::ranges::copy(model_->StagedLogits(), logits.begin() + begin * H);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Checkpoint> ExportState() const override {
+    Checkpoint checkpoint{config(), {}, {}, {}, 0};
+    ASSIGN_OR_RETURN(checkpoint.params, model_->DownloadParams());
+    ASSIGN_OR_RETURN(checkpoint.exp_avg, model_->DownloadExpAvg());
+    ASSIGN_OR_RETURN(checkpoint.exp_avg_sq, model_->DownloadExpAvgSq());
+    ASSIGN_OR_RETURN(checkpoint.step, model_->DownloadStep());
+    return checkpoint;
+  }
+
+  absl::Status ImportState(const Checkpoint& checkpoint) override {
+    if (!(checkpoint.config == config())) {
+      return absl::FailedPreconditionError("checkpoint config differs from the backend's model config");
+    }
+    return model_->Upload(checkpoint.params, checkpoint.exp_avg, checkpoint.exp_avg_sq, checkpoint.step);
+  }
+
+  // Streaming runs on its own high-priority stream over a published copy of the weights (engine/cuda_streamer.h).
+  absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
+    ASSIGN_OR_RETURN(streamer_, CudaStreamer::Create(layout(), slots, log_entries_per_slot));
+    return PublishWeights();
+  }
+  absl::Status PublishWeights() override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->Publish(model_->device_params(), model_->stream());
+  }
+  absl::Status ForwardStepInto(const StreamTick& tick) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->Step(tick);
+  }
+  absl::Status ResetSlot(int slot) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->ResetSlot(slot);
+  }
+  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->SeedSlot(slot, x, dt);
+  }
+  absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
+                       std::span<float> probs) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->ReadLog(slot, begin, count, convictions, probs);
+  }
+  absl::Status ReadSlotProbabilities(int slot, std::span<float> probs) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->ReadSlotProbabilities(slot, probs);
+  }
+
+ private:
+  absl::Status RequireStreaming() const {
+    if (streamer_) return absl::OkStatus();
+    return absl::FailedPreconditionError("streaming is not configured on this backend (ConfigureStreaming first)");
+  }
+
+  std::unique_ptr<CudaModel> model_;
+  std::unique_ptr<CudaStreamer> streamer_;
+};
+
+}  // namespace
+
+absl::Status CudaDeviceAvailable() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // leave no error behind for the next runtime call to report
+    return absl::FailedPreconditionError(absl::StrCat("no CUDA device: cudaGetDeviceCount returned ",
+                                                      cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
+  }
+  if (count == 0) return absl::FailedPreconditionError("no CUDA device: cudaGetDeviceCount found none");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
+                                                         std::vector<float> params, CudaModelOptions options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, optimizer, params, options));
+  return std::make_unique<CudaBackend>(std::move(model));
+}
+
+}  // namespace perception

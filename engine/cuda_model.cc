@@ -1,0 +1,567 @@
+// PerceptionNet's training step on the GPU: buffers, the forward and backward pipelines (kernels and cuBLAS, in the
+// order of engine/cpu_reference.cc), the gradient column sums and the optimizer.
+#include "engine/cuda_model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda_check.h"
+#include "engine/status_macros.h"
+#include "kernels/loss.h"
+#include "kernels/norms.h"
+#include "kernels/pointwise.h"
+
+namespace perception {
+namespace {
+
+// cuBLAS's recommended workspace on Hopper; set once, so no product allocates.
+constexpr size_t kBlasWorkspaceBytes = 32u << 20;
+
+// The config's sizes under MODEL.md's names.
+struct Dims {
+  explicit Dims(const ModelConfig& c)
+      : F(c.n_features), D(c.d_model), L(c.n_layers), E(c.d_inner()), P(c.headdim), Hh(c.n_heads()), N(c.d_state),
+        W(c.d_conv), cd(c.conv_dim()), zd(c.in_proj_dim()), C(c.cfc_units), K(c.cfc_backbone), G(c.grn_hidden),
+        H(c.n_horizons), DC(c.head_input()) {}
+  int F, D, L, E, P, Hh, N, W, cd, zd, C, K, G, H, DC;
+};
+
+absl::Status CheckKernelLimits(const ModelConfig& c) {
+  if (c.d_state > kernels::kMaxSsmState) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: d_state ", c.d_state, " exceeds the scan's limit of ",
+                                                   kernels::kMaxSsmState));
+  }
+  if (c.d_conv > kernels::kMaxConvWidth) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: d_conv ", c.d_conv, " exceeds the conv's limit of ",
+                                                   kernels::kMaxConvWidth));
+  }
+  if (c.headdim > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds 1024"));
+  }
+  return absl::OkStatus();
+}
+
+kernels::AdamWConfig DeviceAdamW(const OptimizerConfig& o) {
+  kernels::AdamWConfig c;
+  c.lr = o.lr;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.max_grad_norm = o.max_grad_norm;
+  c.warmup_cosine = o.schedule == LrSchedule::kWarmupCosine;
+  c.warmup_steps = o.warmup_steps;
+  c.total_steps = o.total_steps;
+  c.min_lr = o.min_lr;
+  return c;
+}
+
+// Every trained tensor cut into pieces of at most kAdamWChunkFloats: one optimizer block each.
+std::vector<kernels::AdamWChunk> AdamWChunks(const ParamLayout& layout) {
+  std::vector<kernels::AdamWChunk> chunks;
+  for (const TensorSpec& t : layout.tensors()) {
+    if (!t.trained) continue;
+    for (size_t begin = 0; begin < t.size; begin += kernels::kAdamWChunkFloats) {
+      chunks.push_back({t.offset + begin, static_cast<int>(std::min<size_t>(kernels::kAdamWChunkFloats, t.size - begin)),
+                        t.weight_decay ? 1 : 0});
+    }
+  }
+  return chunks;
+}
+
+template <typename T>
+absl::Status CopyToDevice(T* device, const std::vector<T>& host) {
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+CudaModel::CudaModel(const ModelConfig& config, const OptimizerConfig& optimizer)
+    : layout_(config), adamw_(DeviceAdamW(optimizer)), chunks_host_(AdamWChunks(layout_)) {}
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+                                                             const OptimizerConfig& optimizer,
+                                                             std::span<const float> params,
+                                                             CudaModelOptions options) {
+  RETURN_IF_ERROR(ValidateConfig(config));
+  RETURN_IF_ERROR(CheckKernelLimits(config));
+  RETURN_IF_ERROR(ValidateOptimizerConfig(optimizer));
+  std::unique_ptr<CudaModel> model(new CudaModel(config, optimizer));
+  if (params.size() != model->layout_.total_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: ", params.size(), " parameters given, the layout has ",
+                                                   model->layout_.total_size()));
+  }
+  RETURN_IF_ERROR(model->Initialize(params, options));
+  return model;
+}
+
+CudaModel::~CudaModel() {
+  // Destruction cannot report errors: finish the queued work, then release the handle before the stream.
+  if (stream_) cudaStreamSynchronize(stream_);
+  blas_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaModel::Initialize(std::span<const float> params, const CudaModelOptions& options) {
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  cudaDeviceProp properties;
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
+  device_name_ = absl::StrCat("cuda:", device, " ", properties.name);
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  ReserveBuffers();
+  RETURN_IF_ERROR(buffers_.Allocate());
+  RETURN_IF_ERROR(pinned_.Allocate());
+  ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.tf32));
+  RETURN_IF_ERROR(BuildTables());
+  device_bytes_ = buffers_.bytes() + tables_.bytes();
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+void CudaModel::ReserveBuffers() {
+  const ModelConfig& c = config();
+  const Dims d(c);
+  const size_t M = static_cast<size_t>(c.batch) * c.window, total = layout_.total_size();
+  CudaArena& a = buffers_;
+  a.Reserve(&params_, total);
+  a.Reserve(&grads_, total);
+  a.Reserve(&exp_avg_, total);
+  a.Reserve(&exp_avg_sq_, total);
+  a.Reserve(&step_, 1);
+  a.Reserve(&report_, 1);
+  a.Reserve(&norm_partials_, chunks_host_.size());
+  a.Reserve(&loss_partials_, 2 * kernels::kMaskedBceBlocks);
+  a.Reserve(&blas_workspace_, kBlasWorkspaceBytes);
+
+  a.Reserve(&x_, M * d.F);
+  a.Reserve(&dt_, M);
+  a.Reserve(&labels_, M * d.H);
+  a.Reserve(&mask_, M * d.H);
+  a.Reserve(&xn_, M * d.F);
+  h_.assign(d.L + 1, nullptr);
+  for (float*& h : h_) a.Reserve(&h, M * d.D);
+  layers_.assign(d.L, Layer{});
+  for (Layer& layer : layers_) {
+    a.Reserve(&layer.rstd, M);
+    a.Reserve(&layer.r, M * d.D);
+    a.Reserve(&layer.zx, M * d.zd);
+    a.Reserve(&layer.conv_pre, M * d.cd);
+    a.Reserve(&layer.xbc, M * d.cd);
+    a.Reserve(&layer.y, M * d.E);
+    a.Reserve(&layer.q, M * d.E);
+    a.Reserve(&layer.rstd_gate, M);
+    a.Reserve(&layer.yn, M * d.E);
+    a.Reserve(&layer.dr, M * d.D);
+    a.Reserve(&layer.dyn, M * d.E);
+    a.Reserve(&layer.dzx, M * d.zd);
+    a.Reserve(&layer.ssm_partials, M * 2 * d.Hh);
+    a.Reserve(&layer.conv_partials, static_cast<size_t>(c.batch) * (d.cd * d.W + d.cd));
+  }
+  a.Reserve(&rstd_f_, M);
+  a.Reserve(&head_in_, M * d.DC);
+  a.Reserve(&cfc_packed_, kernels::CfcPackedFloats({c.batch, c.window, d.D, d.C, d.K}));
+  a.Reserve(&cfc_u_, M * d.K);
+  a.Reserve(&bb_pre_, M * d.K);
+  a.Reserve(&bb_, M * d.K);
+  a.Reserve(&gates_, M * 3 * d.C);
+  a.Reserve(&c_prev_, M * d.C);
+  for (float** buffer : {&pre2_, &e2_, &e1_, &gate_pre_, &value_, &pre_ln_, &nhat_, &g_}) a.Reserve(buffer, M * d.G);
+  a.Reserve(&ln_rstd_, M);
+  a.Reserve(&logits_, M * d.H);
+
+  a.Reserve(&dlogits_, M * d.H);
+  for (float** buffer : {&dg_, &d_pre_ln_, &d_gate_pre_, &d_value_, &de1_, &d_pre2_}) a.Reserve(buffer, M * d.G);
+  a.Reserve(&d_head_in_, M * d.DC);
+  a.Reserve(&dp_, M * 4 * d.C);
+  a.Reserve(&dbb_pre_, M * d.K);
+  a.Reserve(&dh_, M * d.D);
+  a.Reserve(&dy_, M * d.E);
+  a.Reserve(&dxs_, M * d.E);
+  a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
+
+  states_.layers = d.L;
+  states_.conv_per_layer = static_cast<size_t>(c.batch) * c.conv_state_size();
+  states_.ssm_per_layer = static_cast<size_t>(c.batch) * c.ssm_state_size();
+  states_.cfc = static_cast<size_t>(c.batch) * d.C;
+  a.Reserve(&states_.in, states_.floats());
+  a.Reserve(&states_.out, states_.floats());
+
+  CudaArena& p = pinned_;
+  p.Reserve(&x_host_, M * d.F);
+  p.Reserve(&dt_host_, M);
+  p.Reserve(&labels_host_, M * d.H);
+  p.Reserve(&mask_host_, M * d.H);
+  p.Reserve(&logits_host_, M * d.H);
+  p.Reserve(&report_host_, 1);
+}
+
+absl::Status CudaModel::BuildTables() {
+  const ModelConfig& c = config();
+  const Dims d(c);
+  const int M = c.batch * c.window;
+  const ParamLayout& pl = layout_;
+  bias_jobs_host_ = {
+      {h_[0], d.D, param(pl.embed.bias), d.D},          {cfc_u_, d.K, param(pl.cfc_backbone.bias), d.K},
+      {pre2_, d.G, param(pl.grn_fc2.bias), d.G},        {e1_, d.G, param(pl.grn_fc1.bias), d.G},
+      {gate_pre_, d.G, param(pl.grn_gate.bias), d.G},   {value_, d.G, param(pl.grn_value.bias), d.G},
+      {logits_, d.H, param(pl.head_out.bias), d.H},
+  };
+
+  // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
+  std::vector<kernels::ColumnSumJob> jobs;
+  auto sum = [&](int tensor, const float* a, int lda, int cols, const float* b = nullptr, int ldb = 0,
+                 const float* row_scale = nullptr, int rows = 0) {
+    jobs.push_back({a, lda, b, ldb, row_scale, rows ? rows : M, cols, grad(tensor)});
+  };
+  sum(pl.embed.bias, dh_, d.D, d.D);
+  for (int l = 0; l < d.L; ++l) {
+    const LayerTensors& lt = pl.layers[l];
+    const Layer& a = layers_[l];
+    const int conv_ld = d.cd * d.W + d.cd;
+    sum(lt.norm, a.dr, d.D, d.D, h_[l], d.D, a.rstd);
+    sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, nullptr, 0, nullptr, c.batch);
+    sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, nullptr, 0, nullptr, c.batch);
+    sum(lt.dt_bias, a.dzx + d.E + d.cd, d.zd, d.Hh);
+    sum(lt.a_log, a.ssm_partials, 2 * d.Hh, d.Hh);
+    sum(lt.d, a.ssm_partials + d.Hh, 2 * d.Hh, d.Hh);
+    sum(lt.mixer_norm, a.dyn, d.E, d.E, a.q, d.E, a.rstd_gate);
+  }
+  sum(pl.norm_f, d_head_in_, d.DC, d.D, h_[d.L], d.D, rstd_f_);
+  sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
+  const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
+  for (int j = 0; j < kernels::kCfcHeads; ++j) sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
+  sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
+  sum(pl.grn_fc1.bias, de1_, d.G, d.G);
+  sum(pl.grn_gate.bias, d_gate_pre_, d.G, d.G);
+  sum(pl.grn_value.bias, d_value_, d.G, d.G);
+  sum(pl.grn_norm.weight, dg_, d.G, d.G, nhat_, d.G);
+  sum(pl.grn_norm.bias, dg_, d.G, d.G);
+  sum(pl.head_out.bias, dlogits_, d.H, d.H);
+  const kernels::ColumnSumPlan plan = kernels::PlanColumnSums(jobs);
+
+  kernels::ColumnSumJob* sum_jobs = nullptr;
+  kernels::ColumnSumTile* tiles = nullptr;
+  kernels::ColumnSumFinish* finishes = nullptr;
+  tables_.Reserve(&bias_jobs_, bias_jobs_host_.size());
+  tables_.Reserve(&sum_jobs, jobs.size());
+  tables_.Reserve(&tiles, plan.tiles.size());
+  tables_.Reserve(&finishes, plan.finishes.size());
+  tables_.Reserve(&sums_.partials, plan.partial_floats);
+  tables_.Reserve(&chunks_, chunks_host_.size());
+  RETURN_IF_ERROR(tables_.Allocate());
+  RETURN_IF_ERROR(CopyToDevice(bias_jobs_, bias_jobs_host_));
+  RETURN_IF_ERROR(CopyToDevice(sum_jobs, jobs));
+  RETURN_IF_ERROR(CopyToDevice(tiles, plan.tiles));
+  RETURN_IF_ERROR(CopyToDevice(finishes, plan.finishes));
+  RETURN_IF_ERROR(CopyToDevice(chunks_, chunks_host_));
+  sums_.jobs = sum_jobs;
+  sums_.tiles = tiles;
+  sums_.tile_count = static_cast<int>(plan.tiles.size());
+  sums_.finishes = finishes;
+  sums_.finish_count = static_cast<int>(plan.finishes.size());
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::StageBatch(const BatchView<float>& batch) {
+  const ModelConfig& c = config();
+  if (batch.batch < 1 || batch.batch > c.batch || batch.window < 1 || batch.window > c.window) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: a batch of (", batch.batch, ", ", batch.window,
+                                                   ") does not fit the buffers sized for (", c.batch, ", ", c.window,
+                                                   ")"));
+  }
+  const size_t rows = static_cast<size_t>(batch.batch) * batch.window;
+  if (batch.x.size() != rows * c.n_features || batch.dt.size() != rows || batch.labels.size() != rows * c.n_horizons ||
+      batch.mask.size() != rows * c.n_horizons) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: batch arrays do not match (", batch.batch, ", ",
+                                                   batch.window, "): x ", batch.x.size(), ", dt ", batch.dt.size(),
+                                                   ", labels ", batch.labels.size(), ", mask ", batch.mask.size()));
+  }
+  std::memcpy(x_host_, batch.x.data(), batch.x.size_bytes());
+  std::memcpy(dt_host_, batch.dt.data(), batch.dt.size_bytes());
+  std::memcpy(labels_host_, batch.labels.data(), batch.labels.size_bytes());
+  std::memcpy(mask_host_, batch.mask.data(), batch.mask.size_bytes());
+  staged_batch_ = batch.batch;
+  staged_window_ = batch.window;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::RequireStaged(bool full_batch) const {
+  if (staged_batch_ == 0) return absl::FailedPreconditionError("CUDA backend: no batch staged");
+  if (full_batch && (staged_batch_ != config().batch || staged_window_ != config().window)) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: a training step needs the configured (batch, window) = (",
+                                                   config().batch, ", ", config().window, "), the staged batch is (",
+                                                   staged_batch_, ", ", staged_window_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::CopyInputsIn(int rows) {
+  const size_t n = rows, F = config().n_features, H = config().n_horizons;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * F * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(labels_, labels_host_, n * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(mask_, mask_host_, n * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::EnqueueTrainStep() {
+  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
+  RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
+  RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
+  RETURN_IF_ERROR(Backward());
+  RETURN_IF_ERROR(OptimizerStep());
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::EnqueueGradients() {
+  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
+  RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
+  RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
+  RETURN_IF_ERROR(Backward());
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::EnqueueEvaluate(bool carry_state) {
+  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/false));
+  const int rows = staged_batch_ * staged_window_;
+  RETURN_IF_ERROR(CopyInputsIn(rows));
+  RETURN_IF_ERROR(ForwardAndLoss(staged_batch_, staged_window_, carry_state, /*with_gradient=*/false));
+  if (carry_state) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(states_.in, states_.out, states_.floats() * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, stream_));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_, logits_, static_cast<size_t>(rows) * config().n_horizons *
+                                       sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::ResetStreamState() {
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(states_.in, 0, states_.floats() * sizeof(float), stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(states_.out, 0, states_.floats() * sizeof(float), stream_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::StepReport> CudaModel::Wait() {
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return *report_host_;
+}
+
+std::span<const float> CudaModel::StagedLogits() const {
+  return {logits_host_, static_cast<size_t>(staged_batch_) * staged_window_ * config().n_horizons};
+}
+
+// ---- forward ----
+
+kernels::ConvInput CudaModel::ConvInputOf(int l, int batch, int window, const float* state_in) const {
+  const Dims d(config());
+  const LayerTensors& lt = layout_.layers[l];
+  return {batch, window, d.cd, d.W, layers_[l].zx + d.E, d.zd, param(lt.conv_weight), param(lt.conv_bias), state_in};
+}
+
+kernels::SsmInput CudaModel::SsmInputOf(int l, int batch, int window, const float* state_in) const {
+  const Dims d(config());
+  const LayerTensors& lt = layout_.layers[l];
+  return {batch, window, d.Hh, d.P, d.N, layers_[l].xbc, d.cd, layers_[l].zx + d.E + d.cd, d.zd,
+          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in};
+}
+
+kernels::CfcWeights CudaModel::CfcWeightsOf() const {
+  const ParamLayout& pl = layout_;
+  return {param(pl.cfc_backbone.weight),
+          {param(pl.cfc_ff1.weight), param(pl.cfc_ff2.weight), param(pl.cfc_time_a.weight), param(pl.cfc_time_b.weight)},
+          {param(pl.cfc_ff1.bias), param(pl.cfc_ff2.bias), param(pl.cfc_time_a.bias), param(pl.cfc_time_b.bias)}};
+}
+
+absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
+  const Dims d(config());
+  const int rows = batch * window;
+  CUDA_RETURN_IF_ERROR(kernels::LaunchBiasFill(bias_jobs_, static_cast<int>(bias_jobs_host_.size()), rows, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
+                                                  xn_, stream_));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F, 1.f, h_[0], d.D));
+  for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
+                                                     rstd_f_, nullptr, stream_));
+  RETURN_IF_ERROR(CfcForward(batch, window, carry_state));
+  RETURN_IF_ERROR(HeadForward(rows));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBce(logits_, labels_, mask_, rows * d.H, with_gradient ? dlogits_ : nullptr,
+                                                loss_partials_, report_, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_state) {
+  const Dims d(config());
+  const int rows = batch * window;
+  const LayerTensors& lt = layout_.layers[l];
+  const Layer& a = layers_[l];
+  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
+                                                     h_[l + 1], stream_));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, 0.f, a.zx, d.zd));
+  const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
+  CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.conv_pre, a.xbc,
+                                                  carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
+  const kernels::SsmInput ssm = SsmInputOf(l, batch, window, carry_state ? states_.Ssm(states_.in, l) : nullptr);
+  CUDA_RETURN_IF_ERROR(
+      kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.q, a.yn,
+                                                          a.rstd_gate, stream_));
+  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, 1.f, h_[l + 1], d.D);
+}
+
+absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
+  const Dims d(config());
+  const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), shape, cfc_packed_, stream_));
+  RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
+                                 1.f, cfc_u_, d.K));
+  const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
+                                                 carry_state ? states_.Cfc(states_.in) : nullptr, act,
+                                                 carry_state ? states_.Cfc(states_.out) : nullptr, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::HeadForward(int rows) {
+  const Dims d(config());
+  const ParamLayout& pl = layout_;
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC, 1.f, pre2_, d.G));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, 1.f, e1_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, 1.f, gate_pre_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_value.weight), d.G, 1.f, value_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, 0.f, pre_ln_, d.G));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
+                                                              param(pl.grn_norm.bias), rows, d.G, nhat_, g_, ln_rstd_,
+                                                              stream_));
+  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, 1.f, logits_, d.H);
+}
+
+// ---- backward (always the full configured batch) ----
+
+absl::Status CudaModel::Backward() {
+  const Dims d(config());
+  const int rows = config().batch * config().window;
+  RETURN_IF_ERROR(HeadBackward(rows));
+  RETURN_IF_ERROR(CfcBackward(rows));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[d.L], d.D, param(layout_.norm_f), rstd_f_, d_head_in_, d.DC,
+                                                      rows, d.D, /*accumulate=*/false, dh_, d.D, stream_));
+  for (int l = d.L - 1; l >= 0; --l) RETURN_IF_ERROR(LayerBackward(l, rows));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.F, d.D, dh_, d.D, xn_, d.F, grad(layout_.embed.weight), d.F));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchColumnSums(sums_, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::HeadBackward(int rows) {
+  const Dims d(config());
+  const ParamLayout& pl = layout_;
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.H, dlogits_, d.H, param(pl.head_out.weight), d.G, 0.f, dg_, d.G));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dg_, nhat_, ln_rstd_, param(pl.grn_norm.weight),
+                                                               gate_pre_, value_, rows, d.G, d_pre_ln_, d_gate_pre_,
+                                                               d_value_, stream_));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
+  RETURN_IF_ERROR(
+      blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, d_value_, d.G, e1_, d.G, grad(pl.grn_value.weight), d.G));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, d.G, e1_, d.G, grad(pl.grn_gate.weight), d.G));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, d.G, param(pl.grn_value.weight), d.G, 0.f, de1_, d.G));
+  RETURN_IF_ERROR(
+      blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, d.G, param(pl.grn_gate.weight), d.G, 1.f, de1_, d.G));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, d.G));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, d.G, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
+  return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, d.G, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC);
+}
+
+absl::Status CudaModel::CfcBackward(int rows) {
+  const Dims d(config());
+  const ParamLayout& pl = layout_;
+  const kernels::CfcShape shape{config().batch, config().window, d.D, d.C, d.K};
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcBackward(shape, cfc_packed_, dt_, gates_, bb_pre_, d_head_in_ + d.D, d.DC, dp_,
+                                                  dbb_pre_, stream_));
+  const int heads[kernels::kCfcHeads] = {pl.cfc_ff1.weight, pl.cfc_ff2.weight, pl.cfc_time_a.weight,
+                                         pl.cfc_time_b.weight};
+  for (int j = 0; j < kernels::kCfcHeads; ++j) {
+    RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.K, d.C, dp_ + j * d.C, 4 * d.C, bb_, d.K, grad(heads[j]), d.K));
+  }
+  float* d_backbone = grad(pl.cfc_backbone.weight);  // [K, D + C]: the s columns, then W_c's
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.D, d.K, dbb_pre_, d.K, head_in_, d.DC, d_backbone, d.DC));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.C, d.K, dbb_pre_, d.K, c_prev_, d.C, d_backbone + d.D, d.DC));
+  return blas_->BackwardData(rows, d.D, d.K, dbb_pre_, d.K, param(pl.cfc_backbone.weight), d.DC, 1.f, d_head_in_,
+                             d.DC);
+}
+
+absl::Status CudaModel::LayerBackward(int l, int rows) {
+  const Dims d(config());
+  const LayerTensors& lt = layout_.layers[l];
+  const Layer& a = layers_[l];
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.q, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx,
+                                                           d.zd, rows, d.E, dy_, a.dzx, d.zd, stream_));
+  const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials};
+  CUDA_RETURN_IF_ERROR(kernels::LaunchSsmScanBackward(SsmInputOf(l, config().batch, config().window, nullptr), dy_,
+                                                      ssm_grad, stream_));
+  const kernels::ConvOutputGrad conv_grad{dxs_, d.E, dbc_, d.Hh};
+  CUDA_RETURN_IF_ERROR(kernels::LaunchConvBackward(ConvInputOf(l, config().batch, config().window, nullptr),
+                                                   a.conv_pre, conv_grad, a.dzx + d.E, d.zd, a.conv_partials,
+                                                   stream_));
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
+                                                      /*accumulate=*/true, dh_, d.D, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::OptimizerStep() {
+  const int chunks = static_cast<int>(chunks_host_.size());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGradNormPartials(chunks_, chunks, grads_, norm_partials_, step_, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchClipAdamW(chunks_, chunks, norm_partials_, step_, adamw_, params_, grads_,
+                                                exp_avg_, exp_avg_sq_, report_, stream_));
+  return absl::OkStatus();
+}
+
+// ---- host copies ----
+
+absl::StatusOr<std::vector<float>> CudaModel::DownloadFloats(const float* device) const {
+  std::vector<float> host(layout_.total_size());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(host.data(), device, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+absl::StatusOr<std::vector<float>> CudaModel::DownloadParams() const { return DownloadFloats(params_); }
+absl::StatusOr<std::vector<float>> CudaModel::DownloadGrads() const { return DownloadFloats(grads_); }
+absl::StatusOr<std::vector<float>> CudaModel::DownloadExpAvg() const { return DownloadFloats(exp_avg_); }
+absl::StatusOr<std::vector<float>> CudaModel::DownloadExpAvgSq() const { return DownloadFloats(exp_avg_sq_); }
+
+absl::StatusOr<int64_t> CudaModel::DownloadStep() const {
+  int64_t step = 0;
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(&step, step_, sizeof(step), cudaMemcpyDeviceToHost));
+  return step;
+}
+
+absl::Status CudaModel::Upload(std::span<const float> params, std::span<const float> exp_avg,
+                               std::span<const float> exp_avg_sq, int64_t step) {
+  const size_t n = layout_.total_size();
+  if (params.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: uploads need ", n, " floats per array, got ",
+                                                   params.size(), ", ", exp_avg.size(), ", ", exp_avg_sq.size()));
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(exp_avg_, exp_avg.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(exp_avg_sq_, exp_avg_sq.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(step_, &step, sizeof(step), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace perception

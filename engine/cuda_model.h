@@ -1,0 +1,176 @@
+// PerceptionNet on one CUDA device: every buffer of the training step sized once at construction, and the step —
+// staged inputs in, forward, masked BCE, backward, clip + AdamW, report out — enqueued on one stream with no host
+// synchronization, no allocation and no host-side read, so that the next issue can capture it into a CUDA graph.
+// The GPU counterpart of CpuReference + ClipAndAdamW; engine/cuda_backend.cc adapts it to the Backend interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "absl/status/statusor.h"
+#include "engine/cpu_reference.h"
+#include "engine/cuda_blas.h"
+#include "engine/cuda_memory.h"
+#include "engine/optimizer.h"
+#include "engine/param_layout.h"
+#include "kernels/bias_fill.h"
+#include "kernels/cfc.h"
+#include "kernels/column_sum.h"
+#include "kernels/conv.h"
+#include "kernels/optimizer.h"
+#include "kernels/ssm.h"
+#include "kernels/step_report.h"
+
+namespace perception {
+
+struct CudaModelOptions {
+  bool tf32 = false;  // TF32 tensor cores for the cuBLAS products (the kernels stay float32)
+};
+
+class CudaModel {
+ public:
+  // Validates the config against the kernels' limits, creates the stream and cuBLAS handle, allocates everything
+  // (two device allocations and one pinned) and uploads `params` (layout.total_size() floats).
+  static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const ModelConfig& config, const OptimizerConfig& optimizer,
+                                                           std::span<const float> params,
+                                                           CudaModelOptions options = {});
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ParamLayout& layout() const { return layout_; }
+  const ModelConfig& config() const { return layout_.config(); }
+  cudaStream_t stream() const { return stream_; }
+  // The parameters in device memory, current as of the work queued on stream().
+  const float* device_params() const { return params_; }
+  const std::string& device_name() const { return device_name_; }
+
+  // Host work only: copies `batch` (at most config.batch windows of at most config.window events) into the pinned
+  // staging buffers, which the next Enqueue copies to the device.
+  absl::Status StageBatch(const BatchView<float>& batch);
+
+  // Asynchronous device work on stream(). EnqueueTrainStep and EnqueueGradients need a staged batch of the config's
+  // exact (batch, window); EnqueueGradients leaves the gradients on the device instead of taking the optimizer step.
+  // EnqueueEvaluate runs the forward and the loss over the staged batch; with `carry_state` the sequences start from
+  // the carried per-sequence state and leave their final state there (ResetStreamState zeroes it).
+  absl::Status EnqueueTrainStep();
+  absl::Status EnqueueGradients();
+  absl::Status EnqueueEvaluate(bool carry_state);
+  absl::Status ResetStreamState();
+
+  // Waits for the stream and returns the report of the last Enqueue (loss and mask count always; gradient norm and
+  // step after EnqueueTrainStep). After EnqueueEvaluate, StagedLogits() then holds its logits.
+  absl::StatusOr<kernels::StepReport> Wait();
+  std::span<const float> StagedLogits() const;
+
+  // Synchronous copies, for checkpoints and tests.
+  absl::StatusOr<std::vector<float>> DownloadParams() const;
+  absl::StatusOr<std::vector<float>> DownloadGrads() const;
+  absl::StatusOr<std::vector<float>> DownloadExpAvg() const;
+  absl::StatusOr<std::vector<float>> DownloadExpAvgSq() const;
+  absl::StatusOr<int64_t> DownloadStep() const;
+  absl::Status Upload(std::span<const float> params, std::span<const float> exp_avg,
+                      std::span<const float> exp_avg_sq, int64_t step);
+
+  // Device bytes held by the model's buffers (activations, gradients, optimizer state, scratch, cuBLAS workspace).
+  size_t device_bytes() const { return device_bytes_; }
+  // FLOPs of every cuBLAS product issued so far.
+  double gemm_flops() const { return blas_->flops(); }
+
+ private:
+  // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
+  struct Layer {
+    float *rstd = nullptr, *r = nullptr, *zx = nullptr, *conv_pre = nullptr, *xbc = nullptr, *y = nullptr;
+    float *q = nullptr, *rstd_gate = nullptr, *yn = nullptr;
+    float *dr = nullptr, *dyn = nullptr, *dzx = nullptr, *ssm_partials = nullptr, *conv_partials = nullptr;
+  };
+  // The carried per-sequence state of config.batch sequences (MODEL.md §3): [conv: L][B][W−1][E+2N], then
+  // [ssm: L][B][Hh][P][N], then [cfc: B][C]. A carried evaluation reads `in` and writes `out`, then copies it to `in`.
+  struct StreamStates {
+    size_t conv_per_layer = 0, ssm_per_layer = 0, cfc = 0;
+    int layers = 0;
+    float *in = nullptr, *out = nullptr;
+    size_t floats() const { return layers * (conv_per_layer + ssm_per_layer) + cfc; }
+    float* Conv(float* base, int l) const { return base + l * conv_per_layer; }
+    float* Ssm(float* base, int l) const { return base + layers * conv_per_layer + l * ssm_per_layer; }
+    float* Cfc(float* base) const { return base + layers * (conv_per_layer + ssm_per_layer); }
+  };
+
+  CudaModel(const ModelConfig& config, const OptimizerConfig& optimizer);
+  absl::Status Initialize(std::span<const float> params, const CudaModelOptions& options);
+  void ReserveBuffers();
+  absl::Status BuildTables();
+
+  absl::Status RequireStaged(bool full_batch) const;
+  absl::Status CopyInputsIn(int rows);
+  absl::Status ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient);
+  absl::Status LayerForward(int l, int batch, int window, bool carry_state);
+  absl::Status CfcForward(int batch, int window, bool carry_state);
+  absl::Status HeadForward(int rows);
+  absl::Status Backward();
+  absl::Status HeadBackward(int rows);
+  absl::Status CfcBackward(int rows);
+  absl::Status LayerBackward(int l, int rows);
+  absl::Status OptimizerStep();
+
+  kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
+  kernels::SsmInput SsmInputOf(int l, int batch, int window, const float* state_in) const;
+  kernels::CfcWeights CfcWeightsOf() const;
+  const float* param(int tensor) const { return params_ + layout_.tensor(tensor).offset; }
+  float* grad(int tensor) const { return grads_ + layout_.tensor(tensor).offset; }
+  absl::StatusOr<std::vector<float>> DownloadFloats(const float* device) const;
+
+  ParamLayout layout_;
+  kernels::AdamWConfig adamw_;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<Blas> blas_;
+  CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
+  size_t device_bytes_ = 0;
+  int staged_batch_ = 0, staged_window_ = 0;
+
+  // Parameters, gradients and AdamW moments in the flat layout; the step counter, the report, the norm partials.
+  float *params_ = nullptr, *grads_ = nullptr, *exp_avg_ = nullptr, *exp_avg_sq_ = nullptr;
+  int64_t* step_ = nullptr;
+  kernels::StepReport* report_ = nullptr;
+  double* norm_partials_ = nullptr;
+  double* loss_partials_ = nullptr;
+  std::byte* blas_workspace_ = nullptr;
+
+  // Inputs on the device and their pinned staging; pinned logits and report for the host.
+  float *x_ = nullptr, *dt_ = nullptr, *labels_ = nullptr, *mask_ = nullptr;
+  float *x_host_ = nullptr, *dt_host_ = nullptr, *labels_host_ = nullptr, *mask_host_ = nullptr;
+  float* logits_host_ = nullptr;
+  kernels::StepReport* report_host_ = nullptr;
+
+  // Forward activations. h_[l] is the residual stream entering layer l (h_[L] leaves the last layer).
+  float* xn_ = nullptr;
+  std::vector<float*> h_;
+  std::vector<Layer> layers_;
+  float *rstd_f_ = nullptr, *head_in_ = nullptr;  // head_in_ = [s ; c_t], [rows, D + C]
+  float *cfc_packed_ = nullptr, *cfc_u_ = nullptr, *bb_pre_ = nullptr, *bb_ = nullptr, *gates_ = nullptr;
+  float* c_prev_ = nullptr;
+  float *pre2_ = nullptr, *e2_ = nullptr, *e1_ = nullptr, *gate_pre_ = nullptr, *value_ = nullptr;
+  float *pre_ln_ = nullptr, *ln_rstd_ = nullptr, *nhat_ = nullptr, *g_ = nullptr, *logits_ = nullptr;
+
+  // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
+  float *dlogits_ = nullptr, *dg_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
+  float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
+  float* dh_ = nullptr;                                    // d residual stream, walking down the layers
+  float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
+  StreamStates states_;
+
+  // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.
+  std::vector<kernels::BiasFillJob> bias_jobs_host_;
+  std::vector<kernels::AdamWChunk> chunks_host_;
+  kernels::BiasFillJob* bias_jobs_ = nullptr;
+  kernels::ColumnSumBatch sums_;
+  kernels::AdamWChunk* chunks_ = nullptr;
+};
+
+}  // namespace perception

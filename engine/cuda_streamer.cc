@@ -1,0 +1,359 @@
+// CUDA streaming: device-resident slot states and conviction logs, staged ticks, one step kernel per tick.
+#include "engine/cuda_streamer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda_check.h"
+#include "engine/status_macros.h"
+
+namespace perception {
+namespace {
+
+// Ticks of up to this many events give each event a cluster of 8 blocks.
+constexpr int kClusterTickEvents = 64;
+
+}  // namespace
+
+CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot)
+    : layout_(layout), slots_(slots), log_entries_(log_entries_per_slot), slot_seen_(new bool[slots]()) {}
+
+CudaStreamer::~CudaStreamer() {
+  // Errors cannot be reported from a destructor; the handles are released either way.
+  if (stream_) cudaStreamSynchronize(stream_);
+  for (auto& per_staging : graphs_) {
+    for (auto& [bucket, graph] : per_staging) cudaGraphExecDestroy(graph.exec);
+  }
+  for (Staging& s : staging_) {
+    if (s.copied) cudaEventDestroy(s.copied);
+  }
+  if (published_ready_) cudaEventDestroy(published_ready_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaStreamer>> CudaStreamer::Create(const ParamLayout& layout, int slots,
+                                                                   int64_t log_entries_per_slot) {
+  if (slots <= 0 || log_entries_per_slot <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("streaming needs slots (", slots, ") and log entries per slot (",
+                                                   log_entries_per_slot, ") > 0"));
+  }
+  if (layout.config().n_layers > kernels::kStreamMaxLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("the streaming kernel supports at most ", kernels::kStreamMaxLayers,
+                                                   " layers, the model has ", layout.config().n_layers));
+  }
+  std::unique_ptr<CudaStreamer> streamer(new CudaStreamer(layout, slots, log_entries_per_slot));
+  RETURN_IF_ERROR(streamer->Initialize());
+  return streamer;
+}
+
+absl::Status CudaStreamer::Initialize() {
+  const ModelConfig& c = layout_.config();
+  int least_priority = 0, greatest_priority = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  // Live inference goes ahead of training work queued on other streams.
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest_priority));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
+
+  const size_t S = slots_, H = c.n_horizons, F = c.n_features;
+  const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
+  const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
+  device_.Reserve(&published_, layout_.total_size());
+  device_.Reserve(&state_.conv, S * conv);
+  device_.Reserve(&state_.ssm, S * ssm);
+  device_.Reserve(&state_.cfc, S * c.cfc_units);
+  device_.Reserve(&state_.probs, S * H);
+  device_.Reserve(&state_.log_convictions, S * log_entries_);
+  device_.Reserve(&state_.log_probs, S * log_entries_ * H);
+  for (Staging& s : staging_) {
+    pinned_.Reserve(&s.x_host, S * F);
+    pinned_.Reserve(&s.dt_host, S);
+    pinned_.Reserve(&s.slots_host, S);
+    pinned_.Reserve(&s.log_host, S);
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  }
+  RETURN_IF_ERROR(device_.Allocate());
+  RETURN_IF_ERROR(pinned_.Allocate());
+  state_.log_entries = log_entries_;
+  weights_ = WeightsAt(published_);
+
+  int device = 0;
+  cudaDeviceProp properties{};
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
+  max_group_ = kernels::StreamStepMaxGroup(weights_, properties.sharedMemPerBlockOptin);
+  if (max_group_ == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the streaming step of this model needs ",
+                                                   kernels::StreamStepSharedBytes(weights_, 1),
+                                                   " bytes of shared memory per block; the device offers ",
+                                                   properties.sharedMemPerBlockOptin));
+  }
+  for (int group = 1; group <= max_group_; group *= 2) {
+    CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(weights_, group));
+  }
+  return absl::OkStatus();
+}
+
+kernels::StreamWeights CudaStreamer::WeightsAt(const float* params) const {
+  const ModelConfig& c = layout_.config();
+  const ParamLayout& l = layout_;
+  auto at = [&](int tensor) { return params + l.tensor(tensor).offset; };
+  kernels::StreamWeights w{};
+  w.F = c.n_features;
+  w.D = c.d_model;
+  w.L = c.n_layers;
+  w.E = c.d_inner();
+  w.P = c.headdim;
+  w.Hh = c.n_heads();
+  w.N = c.d_state;
+  w.W = c.d_conv;
+  w.C = c.cfc_units;
+  w.K = c.cfc_backbone;
+  w.G = c.grn_hidden;
+  w.H = c.n_horizons;
+  w.norm_mean = at(l.norm_mean);
+  w.norm_inv_std = at(l.norm_inv_std);
+  w.embed_w = at(l.embed.weight);
+  w.embed_b = at(l.embed.bias);
+  for (int i = 0; i < c.n_layers; ++i) {
+    const LayerTensors& t = l.layers[i];
+    w.layers[i] = {at(t.norm), at(t.in_proj), at(t.conv_weight), at(t.conv_bias), at(t.dt_bias),
+                   at(t.a_log), at(t.d),    at(t.mixer_norm),  at(t.out_proj)};
+  }
+  w.norm_f = at(l.norm_f);
+  w.backbone_w = at(l.cfc_backbone.weight);
+  w.backbone_b = at(l.cfc_backbone.bias);
+  w.ff1_w = at(l.cfc_ff1.weight);
+  w.ff1_b = at(l.cfc_ff1.bias);
+  w.ff2_w = at(l.cfc_ff2.weight);
+  w.ff2_b = at(l.cfc_ff2.bias);
+  w.time_a_w = at(l.cfc_time_a.weight);
+  w.time_a_b = at(l.cfc_time_a.bias);
+  w.time_b_w = at(l.cfc_time_b.weight);
+  w.time_b_b = at(l.cfc_time_b.bias);
+  w.fc2_w = at(l.grn_fc2.weight);
+  w.fc2_b = at(l.grn_fc2.bias);
+  w.fc1_w = at(l.grn_fc1.weight);
+  w.fc1_b = at(l.grn_fc1.bias);
+  w.gate_w = at(l.grn_gate.weight);
+  w.gate_b = at(l.grn_gate.bias);
+  w.value_w = at(l.grn_value.weight);
+  w.value_b = at(l.grn_value.bias);
+  w.skip_w = at(l.grn_skip);
+  w.ln_w = at(l.grn_norm.weight);
+  w.ln_b = at(l.grn_norm.bias);
+  w.out_w = at(l.head_out.weight);
+  w.out_b = at(l.head_out.bias);
+  return w;
+}
+
+absl::Status CudaStreamer::Publish(const float* device_params, cudaStream_t source) {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(published_ready_, source));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, published_ready_, 0));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, device_params, layout_.total_size() * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::PublishFromHost(std::span<const float> params) {
+  if (params.size() != layout_.total_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("PublishFromHost: ", params.size(), " floats for a layout of ",
+                                                   layout_.total_size()));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
+  const size_t n = tick.size();
+  if (n > static_cast<size_t>(slots_) || tick.x.size() != n * layout_.config().n_features || tick.slots.size() != n ||
+      tick.log_indices.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("forward_step_into: x, dt, slots and log_indices disagree on the "
+                                                   "event count, or the tick has more than ", slots_, " events"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (tick.slots[i] < 0 || tick.slots[i] >= slots_) {
+      return absl::OutOfRangeError(absl::StrCat("slot ", tick.slots[i], " is outside [0, ", slots_, ")"));
+    }
+    if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
+      return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log index ", tick.log_indices[i],
+                                                     " outside [0, ", log_entries_, ")"));
+    }
+  }
+  absl::Status status = absl::OkStatus();
+  for (size_t i = 0; i < n && status.ok(); ++i) {
+    if (slot_seen_[tick.slots[i]]) {
+      status = absl::InvalidArgumentError(absl::StrCat("forward_step_into: slot ", tick.slots[i], " twice in one tick"));
+    }
+    slot_seen_[tick.slots[i]] = true;
+  }
+  for (int32_t slot : tick.slots) slot_seen_[slot] = false;
+  return status;
+}
+
+StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
+  // Measured on the H200 (bench/RESULTS.md): small ticks are latency-bound and gain from spreading each product over
+  // a full cluster; large ticks are bound by weight traffic and gain from sharing each weight row among more events.
+  if (n <= kClusterTickEvents) return {1, 8};
+  return {std::min(4, max_group_), 1};
+}
+
+int CudaStreamer::BucketFor(int n) const {
+  int bucket = 1;
+  while (bucket < n) bucket *= 2;
+  return std::min(bucket, slots_);
+}
+
+CudaStreamer::Staging& CudaStreamer::NextStaging(int* index) {
+  *index = next_staging_;
+  next_staging_ = 1 - next_staging_;
+  return staging_[*index];
+}
+
+absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int padded) {
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));  // the tick that last read this buffer
+  const size_t n = tick.size();
+  std::memcpy(s.x_host, tick.x.data(), tick.x.size_bytes());
+  std::memcpy(s.dt_host, tick.dt.data(), tick.dt.size_bytes());
+  std::memcpy(s.slots_host, tick.slots.data(), tick.slots.size_bytes());
+  if (!tick.log_indices.empty()) std::memcpy(s.log_host, tick.log_indices.data(), tick.log_indices.size_bytes());
+  std::fill(s.dt_host + n, s.dt_host + padded, 0.f);
+  std::fill(s.slots_host + n, s.slots_host + padded, -1);  // padding: the kernel skips negative slots
+  std::fill(s.log_host + n, s.log_host + padded, 0);
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::EnqueueTick(Staging& s, int n, StreamLaunchShape shape, bool log) {
+  // The kernel reads the tick straight from pinned host memory (mapped into the device's address space): a tick
+  // is a few kilobytes, and copy commands would cost more than the reads.
+  const kernels::StreamTickInput input{n, s.x_host, s.dt_host, s.slots_host, log ? s.log_host : nullptr};
+  CUDA_RETURN_IF_ERROR(
+      kernels::LaunchStreamStep(weights_, state_, input, shape.events_per_group, shape.cluster_size, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::Step(const StreamTick& tick) {
+  RETURN_IF_ERROR(CheckTick(tick));
+  const int n = static_cast<int>(tick.size());
+  if (n == 0) return absl::OkStatus();
+  if (!use_graphs_) return StepEagerly(tick, ShapeFor(n));
+  const int bucket = BucketFor(n);
+  int index = 0;
+  Staging& s = NextStaging(&index);
+  RETURN_IF_ERROR(StageTick(s, tick, bucket));
+  TickGraph& graph = graphs_[index][bucket];
+  if (!graph.exec) RETURN_IF_ERROR(Capture(s, bucket, graph));
+  // Pointer stability: a replay must run over exactly the buffers it was captured with.
+  if (graph.staging_x != s.x_host || graph.published != published_ || graph.conv_state != state_.conv) {
+    return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
+  }
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  ++graph_replays_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape) {
+  RETURN_IF_ERROR(CheckTick(tick));
+  if (tick.size() == 0) return absl::OkStatus();
+  return StepEagerly(tick, shape);
+}
+
+absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape shape) {
+  if (shape.events_per_group > max_group_ || shape.events_per_group < 1 || shape.cluster_size < 1 ||
+      shape.cluster_size > 8) {
+    return absl::InvalidArgumentError(absl::StrCat("launch shape ", shape.events_per_group, " events per group, ",
+                                                   shape.cluster_size, " blocks per cluster is not supported"));
+  }
+  const int n = static_cast<int>(tick.size());
+  int index = 0;
+  Staging& s = NextStaging(&index);
+  RETURN_IF_ERROR(StageTick(s, tick, n));
+  RETURN_IF_ERROR(EnqueueTick(s, n, shape, /*log=*/true));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::Capture(Staging& s, int bucket, TickGraph& graph) {
+  cudaGraph_t captured = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status enqueued = EnqueueTick(s, bucket, ShapeFor(bucket), /*log=*/true);
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &captured);
+  RETURN_IF_ERROR(enqueued);
+  CUDA_RETURN_IF_ERROR(ended);
+  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, captured, 0);
+  cudaGraphDestroy(captured);
+  CUDA_RETURN_IF_ERROR(instantiated);
+  graph.staging_x = s.x_host;
+  graph.published = published_;
+  graph.conv_state = state_.conv;
+  ++graph_captures_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::ResetSlot(int slot) {
+  if (slot < 0 || slot >= slots_) return absl::OutOfRangeError(absl::StrCat("slot ", slot, " is outside [0, ", slots_, ")"));
+  const ModelConfig& c = layout_.config();
+  const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
+  const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.conv + slot * conv, 0, conv * sizeof(float), stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.ssm + slot * ssm, 0, ssm * sizeof(float), stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.cfc + slot * c.cfc_units, 0, c.cfc_units * sizeof(float), stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) {
+  const size_t F = layout_.config().n_features;
+  if (dt.empty() || x.size() != dt.size() * F) {
+    return absl::InvalidArgumentError(absl::StrCat("SeedSlot: ", dt.size(), " events need x of ", dt.size() * F,
+                                                   " floats, got ", x.size()));
+  }
+  RETURN_IF_ERROR(ResetSlot(slot));
+  const int32_t slots[1] = {slot};
+  for (size_t i = 0; i < dt.size(); ++i) {
+    int index = 0;
+    Staging& s = NextStaging(&index);
+    RETURN_IF_ERROR(StageTick(s, StreamTick{x.subspan(i * F, F), dt.subspan(i, 1), slots, {}}, 1));
+    // No log indices: the states advance and nothing is logged, so the slot's earlier convictions stay intact.
+    RETURN_IF_ERROR(EnqueueTick(s, 1, ShapeFor(1), /*log=*/false));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
+                                   std::span<float> probs) {
+  const size_t H = layout_.config().n_horizons;
+  if (slot < 0 || slot >= slots_ || begin < 0 || count < 0 || begin + count > log_entries_ ||
+      convictions.size() != static_cast<size_t>(count) || (!probs.empty() && probs.size() != count * H)) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadLog: slot ", slot, " range [", begin, ", ", begin + count,
+                                                   ") or output sizes do not fit a log of ", log_entries_));
+  }
+  const size_t first = static_cast<size_t>(slot) * log_entries_ + begin;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(convictions.data(), state_.log_convictions + first, count * sizeof(float),
+                                       cudaMemcpyDeviceToHost, stream_));
+  if (!probs.empty()) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(probs.data(), state_.log_probs + first * H, probs.size_bytes(),
+                                         cudaMemcpyDeviceToHost, stream_));
+  }
+  return Synchronize();
+}
+
+absl::Status CudaStreamer::ReadSlotProbabilities(int slot, std::span<float> probs) {
+  const size_t H = layout_.config().n_horizons;
+  if (slot < 0 || slot >= slots_ || probs.size() != H) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadSlotProbabilities: slot ", slot, " or output size"));
+  }
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(probs.data(), state_.probs + slot * H, probs.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+  return Synchronize();
+}
+
+absl::Status CudaStreamer::Synchronize() {
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace perception

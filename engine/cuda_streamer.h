@@ -1,0 +1,120 @@
+// The streaming half of the CUDA backend: per-slot states, probabilities and conviction logs in device memory, the
+// published weights, and forward_step_into as one kernel launch per tick on a high-priority stream.
+#pragma once
+
+#include <array>
+#include <map>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include <cuda_runtime.h>
+
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "engine/cuda_memory.h"
+#include "engine/param_layout.h"
+#include "kernels/stream_step.h"
+
+namespace perception {
+
+// How one tick is laid out over the GPU: events per cluster group and blocks per cluster (see kernels/stream_step.h).
+struct StreamLaunchShape {
+  int events_per_group = 1;
+  int cluster_size = 8;
+};
+
+class CudaStreamer {
+ public:
+  // Allocates everything once: published weights, `slots` zeroed states, their probabilities and logs, and
+  // double-buffered pinned staging for ticks of up to `slots` events.
+  static absl::StatusOr<std::unique_ptr<CudaStreamer>> Create(const ParamLayout& layout, int slots,
+                                                              int64_t log_entries_per_slot);
+  ~CudaStreamer();
+  CudaStreamer(const CudaStreamer&) = delete;
+  CudaStreamer& operator=(const CudaStreamer&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  int slots() const { return slots_; }
+  // The largest events-per-group whose shared memory fits this device.
+  int max_events_per_group() const { return max_group_; }
+
+  // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done;
+  // ticks queued afterwards read it, ticks queued before read the previous set.
+  absl::Status Publish(const float* device_params, cudaStream_t source);
+  // Uploads a host parameter set into the published weights (synchronous; for tests and the CPU-built models).
+  absl::Status PublishFromHost(std::span<const float> params);
+
+  // forward_step_into: stages the tick in pinned memory and replays the CUDA graph captured for its bucket (ticks
+  // are padded to the next power of two of events, up to the slot count; a bucket is captured on first use).
+  // Nothing waits for the device, except, rarely, for the tick two before this one, whose staging buffer is about
+  // to be reused. With graphs off, the same work is enqueued eagerly.
+  absl::Status Step(const StreamTick& tick);
+  // An eager tick with an explicit launch shape (benchmarks and tests).
+  absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
+  void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
+  int64_t graph_captures() const { return graph_captures_; }
+  int64_t graph_replays() const { return graph_replays_; }
+  // The launch shape Step chooses for a tick of n events.
+  StreamLaunchShape ShapeFor(int n) const;
+
+  absl::Status ResetSlot(int slot);
+  // Steps the slot through x [n,F], dt [n] from a zero state without logging: the state equals stepping the same
+  // events one by one, because it is exactly that (MODEL.md §3 makes it the sequence path's final state too).
+  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
+
+  // Off the hot path: wait for the queued ticks, then one device-to-host copy of the range.
+  absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
+  absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
+
+  absl::Status Synchronize();
+
+ private:
+  CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot);
+  absl::Status Initialize();
+  // One tick's inputs in pinned host memory, which the kernel reads directly, and the event that marks the end of
+  // the tick that last read them.
+  struct Staging {
+    float *x_host = nullptr, *dt_host = nullptr;
+    int32_t* slots_host = nullptr;
+    int64_t* log_host = nullptr;
+    cudaEvent_t copied = nullptr;
+  };
+  // A tick graph and the buffers it was captured over.
+  struct TickGraph {
+    cudaGraphExec_t exec = nullptr;
+    const float *staging_x = nullptr, *published = nullptr, *conv_state = nullptr;
+  };
+
+  absl::Status CheckTick(const StreamTick& tick);
+  kernels::StreamWeights WeightsAt(const float* params) const;
+  int BucketFor(int n) const;
+  Staging& NextStaging(int* index);
+  // Waits until `s` is free (the tick that last read it has finished), copies the tick into its pinned buffers and
+  // pads them to `padded` events.
+  absl::Status StageTick(Staging& s, const StreamTick& tick, int padded);
+  // The device work of one tick of n staged events: the step kernel. (The caller records the staging buffer's
+  // `copied` event afterwards, outside any graph capture.)
+  absl::Status EnqueueTick(Staging& s, int n, StreamLaunchShape shape, bool log);
+  absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
+  absl::Status Capture(Staging& s, int bucket, TickGraph& graph);
+
+  const ParamLayout& layout_;
+  const int slots_;
+  const int64_t log_entries_;
+  int max_group_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t published_ready_ = nullptr;
+  CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
+  float* published_ = nullptr;
+  kernels::StreamSlots state_{};
+  kernels::StreamWeights weights_{};
+  std::array<Staging, 2> staging_{};
+  int next_staging_ = 0;
+  bool use_graphs_ = true;
+  std::array<std::map<int, TickGraph>, 2> graphs_;  // per staging buffer, by bucket
+  int64_t graph_captures_ = 0, graph_replays_ = 0;
+  std::unique_ptr<bool[]> slot_seen_;
+};
+
+}  // namespace perception

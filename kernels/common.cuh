@@ -1,0 +1,74 @@
+// Device helpers shared by the kernels: MODEL.md's activation functions, written exactly as engine/cpu_reference.cc
+// writes them, and sums in a fixed order (a warp butterfly, then warps in index order), so every result is deterministic.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace perception::kernels {
+
+constexpr int kWarpSize = 32;
+constexpr float kNormEps = 1e-5f;
+
+__host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int RoundUpToWarp(int n) { return CeilDiv(n, kWarpSize) * kWarpSize; }
+
+__device__ __forceinline__ float Sigmoid(float v) {
+  if (v >= 0.f) return 1.f / (1.f + expf(-v));
+  const float e = expf(v);
+  return e / (1.f + e);
+}
+__device__ __forceinline__ float Softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
+__device__ __forceinline__ float SoftplusGrad(float v) { return v > 20.f ? 1.f : Sigmoid(v); }
+__device__ __forceinline__ float Silu(float v) { return v * Sigmoid(v); }
+__device__ __forceinline__ float SiluGrad(float v) {
+  const float s = Sigmoid(v);
+  return s * (1.f + v * (1.f - s));
+}
+// lecun_tanh(v) = 1.7159·tanh(0.666·v) (MODEL.md §2.4); the constants are rounded to float as the CPU rounds them.
+constexpr double kLecunScale = 1.7159, kLecunSlope = 0.666;
+__device__ __forceinline__ float LecunTanh(float v) {
+  return static_cast<float>(kLecunScale) * tanhf(static_cast<float>(kLecunSlope) * v);
+}
+__device__ __forceinline__ float LecunTanhGrad(float v) {
+  const float th = tanhf(static_cast<float>(kLecunSlope) * v);
+  return static_cast<float>(kLecunScale * kLecunSlope) * (1.f - th * th);
+}
+__device__ __forceinline__ float Elu(float v) { return v > 0.f ? v : expm1f(v); }
+__device__ __forceinline__ float EluGrad(float v) { return v > 0.f ? 1.f : expf(v); }
+
+// Butterfly sum over the 32 lanes: every lane ends with the same bits, and the order never changes.
+// The whole warp must be active.
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32), warps added in index order; every thread gets the total.
+// `scratch` holds one T per warp. Contains two __syncthreads, so every thread of the block must call it.
+template <typename T>
+__device__ T BlockSum(T v, T* scratch) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = WarpSum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+// A grid of `threads`-wide blocks covering n items, capped so that grid-stride loops take over on huge inputs.
+inline dim3 GridFor(long long n, int threads, int max_blocks = 8192) {
+  const long long blocks = (n + threads - 1) / threads;
+  return dim3(static_cast<unsigned>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks)));
+}
+
+// Raises a kernel's dynamic shared-memory limit when it needs more than the default 48 KB.
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+}  // namespace perception::kernels

@@ -1,0 +1,18 @@
+// Elementwise kernels of PerceptionNet: input standardization (MODEL.md §2.0) and the GRN's ELU (§2.5).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace perception::kernels {
+
+// xn[r,f] = (x[r,f] − mean[f]) · inv_std[f] over `rows` rows of `features`.
+cudaError_t LaunchStandardize(const float* x, const float* mean, const float* inv_std, int rows, int features,
+                              float* xn, cudaStream_t stream);
+
+// out = elu(pre) over n values.
+cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream);
+
+// d_pre = d_out ⊙ elu'(pre) over n values; d_pre may be d_out (in place).
+cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream);
+
+}  // namespace perception::kernels

@@ -1,0 +1,156 @@
+// How the CUDA backend behaves beyond its numbers: a clear error without a device, no allocation per step, bit-identical
+// runs, refused shapes, NaNs that surface instead of passing, and checkpoints that move between backends.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "engine/backend.h"
+#include "engine/cuda_backend.h"
+#include "engine/cuda_memory.h"
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+using testing::MakeRandomBatch;
+using testing::RandomParams;
+using testing::RelativeError;
+
+std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, seed, params);
+  return params;
+}
+
+bool Contains(const absl::Status& status, const std::string& part) {
+  return std::string(status.message()).find(part) != std::string::npos;
+}
+
+// The one test here that runs on machines without a GPU.
+TEST(CudaBackendWithoutDevice, MakeBackendNamesTheMissingDevice) {
+  if (CudaDeviceAvailable().ok()) GTEST_SKIP() << "a CUDA device is present; this checks machines without one";
+  const ModelConfig config = *NamedConfig("tiny");
+  const auto cuda = MakeBackend("cuda", config, OptimizerConfig{}, InitialParams(config, 1));
+  ASSERT_FALSE(cuda.ok());
+  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(cuda.status(), "no CUDA device: cudaGetDeviceCount returned")) << cuda.status();
+  const auto fallback = MakeBackend("auto", config, OptimizerConfig{}, InitialParams(config, 1));
+  ASSERT_TRUE(fallback.ok()) << fallback.status();
+  EXPECT_EQ((*fallback)->device_name(), "cpu");
+}
+
+TEST(CudaBackend, AllocatesNothingAcrossAHundredStepsAfterTheFirst) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  auto backend = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 2));
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const auto batch = MakeRandomBatch(config, config.batch, config.window, 3);
+  ASSERT_TRUE((*backend)->TrainStep(batch.view()).ok());
+  const int64_t allocations = CudaAllocationCount();
+  size_t free_before = 0, free_after = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  for (int step = 0; step < 100; ++step) ASSERT_TRUE((*backend)->TrainStep(batch.view()).ok());
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
+  EXPECT_EQ(CudaAllocationCount(), allocations) << "allocations through the backend's allocator";
+  EXPECT_EQ(free_after, free_before) << "device memory taken by anything, cuBLAS included";
+}
+
+TEST(CudaBackend, TwoRunsFromOneSeedAreBitIdenticalAfterTwentySteps) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  std::vector<Checkpoint> finals;
+  for (int run = 0; run < 2; ++run) {
+    auto backend = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 4));
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    for (int step = 0; step < 20; ++step) {
+      const auto batch = MakeRandomBatch(config, config.batch, config.window, 50 + step);
+      ASSERT_TRUE((*backend)->TrainStep(batch.view()).ok());
+    }
+    auto state = (*backend)->ExportState();
+    ASSERT_TRUE(state.ok()) << state.status();
+    finals.push_back(*std::move(state));
+  }
+  const size_t bytes = finals[0].params.size() * sizeof(float);
+  EXPECT_EQ(std::memcmp(finals[0].params.data(), finals[1].params.data(), bytes), 0) << "parameters";
+  EXPECT_EQ(std::memcmp(finals[0].exp_avg.data(), finals[1].exp_avg.data(), bytes), 0) << "first moments";
+  EXPECT_EQ(std::memcmp(finals[0].exp_avg_sq.data(), finals[1].exp_avg_sq.data(), bytes), 0) << "second moments";
+}
+
+TEST(CudaBackend, RefusesShapesItWasNotBuiltFor) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  auto backend = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 5));
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const auto smaller = MakeRandomBatch(config, config.batch - 1, config.window, 6);
+  const auto step = (*backend)->TrainStep(smaller.view());
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(step.status(), "(1, 9)") && Contains(step.status(), "(2, 9)"))
+      << step.status();
+  const auto longer = MakeRandomBatch(config, 1, config.window + 1, 6);
+  EXPECT_EQ((*backend)->Evaluate(longer.view(), {}).status().code(), absl::StatusCode::kInvalidArgument);
+  const auto other = MakeCudaBackend(config, OptimizerConfig{}, std::vector<float>(3));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A kernel that swallowed a NaN (fmax, a clamp, a masked sum) would let a broken model pass the parity tests.
+TEST(CudaBackend, ANanParameterSurfacesInLogitsAndLoss) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  const ParamLayout layout(config);
+  std::vector<float> params = RandomParams(layout, 6);
+  const std::vector<float> clean = params;
+  params[layout.tensor(layout.layers[0].d).offset] = NAN;
+  auto backend = MakeCudaBackend(config, OptimizerConfig{}, params);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const auto batch = MakeRandomBatch(config, config.batch, config.window, 7);
+  std::vector<float> logits(batch.labels.size());
+  const auto loss = (*backend)->Evaluate(batch.view(), logits);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_TRUE(std::isnan(*loss));
+  std::vector<double> expected(logits.size());
+  CpuReference<double>(layout).Forward(testing::ToDouble(clean), batch.As<double>().view(config.batch, config.window),
+                                       expected);
+  EXPECT_EQ(RelativeError(logits, expected), INFINITY);
+  const auto step = (*backend)->TrainStep(batch.view());
+  ASSERT_TRUE(step.ok());
+  EXPECT_TRUE(std::isnan(step->loss) && std::isnan(step->grad_norm));
+}
+
+TEST(CudaBackend, CheckpointsMoveBetweenBackends) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  auto trained = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 8));
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE((*trained)->TrainStep(MakeRandomBatch(config, config.batch, config.window, 60 + step).view()).ok());
+  }
+  const auto state = (*trained)->ExportState();
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->step, 3);
+
+  auto resumed = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 9));
+  auto cpu = MakeCpuBackend(config, OptimizerConfig{}, InitialParams(config, 9));
+  ASSERT_TRUE(resumed.ok());
+  ASSERT_TRUE((*resumed)->ImportState(*state).ok());
+  ASSERT_TRUE(cpu->ImportState(*state).ok());
+  const auto batch = MakeRandomBatch(config, config.batch, config.window, 70);
+  std::vector<float> a(batch.labels.size()), b(a.size()), c(a.size());
+  ASSERT_TRUE((*trained)->Evaluate(batch.view(), a).ok());
+  ASSERT_TRUE((*resumed)->Evaluate(batch.view(), b).ok());
+  ASSERT_TRUE(cpu->Evaluate(batch.view(), c).ok());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  EXPECT_LE(RelativeError(a, c), 1e-5);
+  const auto next_a = (*trained)->TrainStep(batch.view()), next_b = (*resumed)->TrainStep(batch.view());
+  ASSERT_TRUE(next_a.ok() && next_b.ok());
+  EXPECT_EQ(next_a->step, 4);
+  EXPECT_EQ(next_a->loss, next_b->loss);
+}
+
+}  // namespace
+}  // namespace perception

@@ -1,0 +1,234 @@
+// The CUDA backend against the CPU reference evaluated in double (MODEL.md §8) on `tiny` and `small` (its full model
+// size with a reduced batch, so that the double reference stays quick), with random parameters, inputs, masks and Δt:
+// logits and loss within 1e-5, every gradient tensor within 1e-4, parameters and moments after 10 AdamW steps
+// within 1e-4 (relative norms; a NaN is an infinite error). Also streams in window chunks ≡ one long window,
+// evaluation of batches larger than the configured one, and TF32 held to a looser, stated tolerance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <ostream>
+#include <string>
+
+#include "engine/backend.h"
+#include "engine/cuda_backend.h"
+#include "engine/cuda_model.h"
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+using testing::MakeRandomBatch;
+using testing::RandomParams;
+using testing::RelativeError;
+using testing::ToDouble;
+
+constexpr double kLogitsTolerance = 1e-5;    // MODEL.md §8
+constexpr double kGradientTolerance = 1e-4;  // MODEL.md §8
+constexpr double kParamsTolerance = 1e-4;    // MODEL.md §8, after 10 AdamW steps
+
+struct ParityCase {
+  std::string config;
+  int batch;
+};
+
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.config << " batch " << c.batch; }
+
+std::string CaseName(const ::testing::TestParamInfo<ParityCase>& info) {
+  return info.param.config + "_b" + std::to_string(info.param.batch);
+}
+
+ModelConfig ConfigOf(const ParityCase& c) {
+  ModelConfig config = *NamedConfig(c.config);
+  config.batch = c.batch;
+  return config;
+}
+
+double RelativeDifference(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-300); }
+
+std::vector<double> Slice(const std::vector<double>& v, const TensorSpec& t) {
+  return {v.begin() + t.offset, v.begin() + t.offset + t.size};
+}
+std::vector<float> Slice(const std::vector<float>& v, const TensorSpec& t) {
+  return {v.begin() + t.offset, v.begin() + t.offset + t.size};
+}
+
+// The worst relative error over the trained tensors of two flat buffers, naming the tensor; every one is expected
+// within `tolerance`.
+double ExpectEveryTensorClose(const ParamLayout& layout, const std::vector<float>& gpu, const std::vector<double>& cpu,
+                              double tolerance, const char* what) {
+  double worst = 0;
+  for (const TensorSpec& t : layout.tensors()) {
+    if (!t.trained) continue;
+    const double error = RelativeError(Slice(gpu, t), Slice(cpu, t));
+    EXPECT_LE(error, tolerance) << what << " of " << t.name;
+    worst = std::max(worst, error);
+  }
+  return worst;
+}
+
+class CudaParity : public ::testing::TestWithParam<ParityCase> {
+ protected:
+  void SetUp() override {
+    config_ = ConfigOf(GetParam());
+    layout_ = std::make_unique<ParamLayout>(config_);
+    params_ = RandomParams(*layout_, 7);
+  }
+  ModelConfig config_;
+  std::unique_ptr<ParamLayout> layout_;
+  std::vector<float> params_;
+};
+
+INSTANTIATE_TEST_SUITE_P(Configs, CudaParity,
+                         ::testing::Values(ParityCase{"tiny", 2}, ParityCase{"tiny", 5}, ParityCase{"small", 16}),
+                         CaseName);
+
+TEST_P(CudaParity, LogitsAndLossMatchTheReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int B = config_.batch, T = config_.window;
+  const auto batch = MakeRandomBatch(config_, B, T, 8);
+  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
+  ASSERT_TRUE((*model)->EnqueueEvaluate(/*carry_state=*/false).ok());
+  const auto report = (*model)->Wait();
+  ASSERT_TRUE(report.ok()) << report.status();
+  const std::vector<float> logits((*model)->StagedLogits().begin(), (*model)->StagedLogits().end());
+
+  const auto data = batch.As<double>();
+  CpuReference<double> reference(*layout_);
+  std::vector<double> expected(logits.size());
+  reference.Forward(ToDouble(params_), data.view(B, T), expected);
+  const double loss = CpuReference<double>::MaskedBce(expected, data.labels, data.mask);
+  const double logits_error = RelativeError(logits, expected), loss_error = RelativeDifference(report->loss, loss);
+  EXPECT_LE(logits_error, kLogitsTolerance);
+  EXPECT_LE(loss_error, kLogitsTolerance);
+  std::printf("[parity] %s logits %.2e loss %.2e\n", CaseName({GetParam(), 0}).c_str(), logits_error, loss_error);
+}
+
+TEST_P(CudaParity, EveryGradientMatchesTheReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int B = config_.batch, T = config_.window;
+  const auto batch = MakeRandomBatch(config_, B, T, 9);
+  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
+  ASSERT_TRUE((*model)->EnqueueGradients().ok());
+  const auto report = (*model)->Wait();
+  ASSERT_TRUE(report.ok()) << report.status();
+  const auto grads = (*model)->DownloadGrads();
+  ASSERT_TRUE(grads.ok()) << grads.status();
+
+  CpuReference<double> reference(*layout_);
+  std::vector<double> expected(layout_->total_size());
+  const double loss = reference.LossAndGradients(ToDouble(params_), batch.As<double>().view(B, T), expected);
+  EXPECT_LE(RelativeDifference(report->loss, loss), kLogitsTolerance);
+  const double worst = ExpectEveryTensorClose(*layout_, *grads, expected, kGradientTolerance, "gradient");
+  for (size_t i = 0; i < layout_->trained_begin(); ++i) EXPECT_EQ((*grads)[i], 0.f) << "normalizer buffers";
+  std::printf("[parity] %s worst gradient tensor %.2e\n", CaseName({GetParam(), 0}).c_str(), worst);
+}
+
+TEST_P(CudaParity, ParametersAfterTenAdamWStepsMatchTheReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int B = config_.batch, T = config_.window;
+  OptimizerConfig optimizer;  // warmup then cosine, so the device's schedule is exercised
+  optimizer.schedule = LrSchedule::kWarmupCosine;
+  optimizer.warmup_steps = 3;
+  optimizer.total_steps = 10;
+  optimizer.min_lr = 1e-4;
+  auto backend = MakeCudaBackend(config_, optimizer, params_);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+
+  CpuReference<double> reference(*layout_);
+  std::vector<double> params = ToDouble(params_), exp_avg(params.size()), exp_avg_sq(params.size());
+  for (int step = 1; step <= 10; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    const auto batch = MakeRandomBatch(config_, B, T, 100 + step);
+    const auto result = (*backend)->TrainStep(batch.view());
+    ASSERT_TRUE(result.ok()) << result.status();
+    std::vector<double> grads(params.size());
+    const double loss = reference.LossAndGradients(params, batch.As<double>().view(B, T), grads);
+    const double norm = ClipAndAdamW<double>(*layout_, optimizer, step, params, grads, exp_avg, exp_avg_sq);
+    EXPECT_EQ(result->step, step);
+    EXPECT_LE(RelativeDifference(result->loss, loss), kLogitsTolerance);
+    EXPECT_LE(RelativeDifference(result->grad_norm, norm), kGradientTolerance);
+  }
+  const auto state = (*backend)->ExportState();
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->step, 10);
+  const double worst = ExpectEveryTensorClose(*layout_, state->params, params, kParamsTolerance, "parameter");
+  ExpectEveryTensorClose(*layout_, state->exp_avg, exp_avg, kParamsTolerance, "exp_avg");
+  ExpectEveryTensorClose(*layout_, state->exp_avg_sq, exp_avg_sq, kParamsTolerance, "exp_avg_sq");
+  for (size_t i = 0; i < layout_->trained_begin(); ++i) EXPECT_EQ(state->params[i], params_[i]) << "buffers untouched";
+  std::printf("[parity] %s worst parameter tensor after 10 steps %.2e\n", CaseName({GetParam(), 0}).c_str(), worst);
+}
+
+TEST_P(CudaParity, StreamInWindowChunksEqualsOneLongWindow) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int n = 2 * config_.window + 3;  // two full chunks and a partial one, the state carried across
+  const auto stream = MakeRandomBatch(config_, 1, n, 10);
+  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::vector<float> logits(static_cast<size_t>(n) * config_.n_horizons);
+  ASSERT_TRUE((*backend)->ForwardStream(stream.x, stream.dt, logits).ok());
+
+  CpuReference<double> reference(*layout_);
+  std::vector<double> expected(logits.size());
+  reference.Forward(ToDouble(params_), stream.As<double>().view(1, n), expected);
+  EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
+}
+
+TEST_P(CudaParity, EvaluateRunsBatchesLargerThanTheConfiguredOne) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int B = 2 * config_.batch + 1, T = config_.window;
+  const auto batch = MakeRandomBatch(config_, B, T, 11);
+  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
+  const auto loss = (*backend)->Evaluate(batch.view(), logits);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+
+  const auto data = batch.As<double>();
+  CpuReference<double> reference(*layout_);
+  std::vector<double> expected(logits.size());
+  reference.Forward(ToDouble(params_), data.view(B, T), expected);
+  EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
+  EXPECT_LE(RelativeDifference(*loss, CpuReference<double>::MaskedBce(expected, data.labels, data.mask)),
+            kLogitsTolerance);
+}
+
+// TF32 rounds every cuBLAS product's inputs to a 10-bit mantissa (unit roundoff 2^-11 ≈ 4.9e-4); through ~a dozen
+// chained products, norms and the recurrences that compounds to about 1e-3 on logits and a few 1e-3 on gradients.
+// Held to 5e-3 (logits, loss) and 3e-2 (each gradient tensor): tight enough to catch a wrong product, loose enough
+// for the format. The measured errors are printed.
+TEST(CudaParityTf32, SmallStaysWithinTheTf32Tolerance) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ModelConfig config = *NamedConfig("small");
+  config.batch = 16;
+  const ParamLayout layout(config);
+  const std::vector<float> params = RandomParams(layout, 7);
+  const auto batch = MakeRandomBatch(config, config.batch, config.window, 9);
+  CudaModelOptions options;
+  options.tf32 = true;
+  auto model = CudaModel::Create(config, OptimizerConfig{}, params, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
+  ASSERT_TRUE((*model)->EnqueueGradients().ok());
+  const auto report = (*model)->Wait();
+  ASSERT_TRUE(report.ok()) << report.status();
+  const auto grads = (*model)->DownloadGrads();
+  ASSERT_TRUE(grads.ok());
+
+  CpuReference<double> reference(layout);
+  std::vector<double> expected(layout.total_size());
+  const double loss = reference.LossAndGradients(ToDouble(params), batch.As<double>().view(config.batch, config.window),
+                                                 expected);
+  EXPECT_LE(RelativeDifference(report->loss, loss), 5e-3);
+  const double worst = ExpectEveryTensorClose(layout, *grads, expected, 3e-2, "TF32 gradient");
+  std::printf("[parity] small TF32 loss %.2e worst gradient tensor %.2e\n", RelativeDifference(report->loss, loss),
+              worst);
+}
+
+}  // namespace
+}  // namespace perception

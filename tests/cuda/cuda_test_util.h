@@ -1,0 +1,61 @@
+// Helpers for the CUDA tests: skipping without a device, device arrays for the kernel tests, random inputs.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "engine/cuda_backend.h"
+#include "engine/cuda_memory.h"
+#include "engine/param_layout.h"
+
+namespace perception::testing {
+
+// GPU tests call this first: without a usable device they skip, saying why.
+#define SKIP_WITHOUT_CUDA_DEVICE()                                                         \
+  do {                                                                                     \
+    if (const absl::Status _available = ::perception::CudaDeviceAvailable(); !_available.ok()) { \
+      GTEST_SKIP() << "needs a CUDA device: " << _available.message();                      \
+    }                                                                                      \
+  } while (0)
+
+// A device copy of a host vector (or zeros), downloaded on demand. Allocated through the counted allocator.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t count) : count_(count), allocation_(Allocate(count)) {}
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
+    EXPECT_EQ(cudaMemcpy(get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  T* get() const { return static_cast<T*>(allocation_.get()); }
+  std::vector<T> Download() const {
+    std::vector<T> host(count_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(host.data(), get(), count_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  static CudaAllocation Allocate(size_t count) {
+    auto allocation = AllocateCuda(MemoryKind::kDevice, std::max<size_t>(count, 1) * sizeof(T));
+    EXPECT_TRUE(allocation.ok()) << allocation.status();
+    return allocation.ok() ? *std::move(allocation) : CudaAllocation();
+  }
+  size_t count_;
+  CudaAllocation allocation_;
+};
+
+// `count` floats uniform in [lo, hi), fixed by `seed`.
+inline std::vector<float> RandomFloats(size_t count, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  Rng rng(seed);
+  std::vector<float> v(count);
+  for (float& x : v) x = static_cast<float>(rng.Uniform(lo, hi));
+  return v;
+}
+
+inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace perception::testing

@@ -1,0 +1,669 @@
+// Each kernel on its own against a plain CPU counterpart written here in double, over several shapes — batch 1,
+// windows that are no multiple of any tile, odd widths, partial warps — in the style of ggml's test-backend-ops:
+// one normalized error ‖gpu − cpu‖/‖cpu‖ per output (infinite on NaN), float32 kernels held to 1e-5.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "engine/optimizer.h"
+#include "kernels/bias_fill.h"
+#include "kernels/cfc.h"
+#include "kernels/column_sum.h"
+#include "kernels/conv.h"
+#include "kernels/loss.h"
+#include "kernels/norms.h"
+#include "kernels/optimizer.h"
+#include "kernels/pointwise.h"
+#include "kernels/ssm.h"
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+using testing::DeviceArray;
+using testing::RandomFloats;
+using testing::RelativeError;
+using Doubles = std::vector<double>;
+using Floats = std::vector<float>;
+
+constexpr double kTolerance = 1e-5;
+constexpr double kNormEps = 1e-5;
+
+// Norm widths start at 5: a norm's input gradient is orthogonal to the directions it normalizes away (the row itself
+// for RMSNorm; the mean and the row for LayerNorm), so for a width of 1 (or 2) it is pure cancellation, ~eps/v² of
+// its terms, and no float32 implementation holds a relative error there.
+
+double Sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+double Softplus(double v) { return v > 20 ? v : std::log1p(std::exp(v)); }
+double Silu(double v) { return v * Sigmoid(v); }
+double SiluGrad(double v) { return Sigmoid(v) * (1 + v * (1 - Sigmoid(v))); }
+double LecunTanh(double v) { return 1.7159 * std::tanh(0.666 * v); }
+double LecunTanhGrad(double v) { return 1.7159 * 0.666 * (1 - std::pow(std::tanh(0.666 * v), 2)); }
+
+#define EXPECT_CLOSE(gpu, cpu) EXPECT_LE(RelativeError(gpu, cpu), kTolerance) << #gpu
+
+TEST(KernelTest, StandardizeAndElu) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const auto& [rows, cols] : {std::pair{1, 1}, {37, 6}, {300, 40}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+    const Floats x = RandomFloats(rows * cols, 1, -3, 3), mean = RandomFloats(cols, 2), inv = RandomFloats(cols, 3, .5, 2);
+    const Floats d_out = RandomFloats(rows * cols, 4);
+    DeviceArray<float> dx(x), dmean(mean), dinv(inv), xn(rows * cols), e(rows * cols), dd(d_out);
+    ASSERT_EQ(kernels::LaunchStandardize(dx.get(), dmean.get(), dinv.get(), rows, cols, xn.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchEluForward(dx.get(), rows * cols, e.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchEluBackward(dx.get(), dd.get(), rows * cols, dd.get(), nullptr), cudaSuccess);
+    Doubles xn_cpu(x.size()), e_cpu(x.size()), d_cpu(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      xn_cpu[i] = (double(x[i]) - mean[i % cols]) * inv[i % cols];
+      e_cpu[i] = x[i] > 0 ? x[i] : std::expm1(double(x[i]));
+      d_cpu[i] = d_out[i] * (x[i] > 0 ? 1.0 : std::exp(double(x[i])));
+    }
+    EXPECT_CLOSE(xn.Download(), xn_cpu);
+    EXPECT_CLOSE(e.Download(), e_cpu);
+    EXPECT_CLOSE(dd.Download(), d_cpu);
+  }
+}
+
+// RmsNorm forward, and its input gradient g for the given rstd; v is [rows, ld].
+double RmsNormRow(const float* v, const float* w, int n, double* y) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += double(v[i]) * v[i];
+  const double rstd = 1 / std::sqrt(ss / n + kNormEps);
+  for (int i = 0; i < n; ++i) y[i] = v[i] * rstd * w[i];
+  return rstd;
+}
+void RmsNormBackwardRow(const float* v, const float* w, double rstd, const float* dy, int n, double* g) {
+  double dot = 0;
+  for (int i = 0; i < n; ++i) dot += double(dy[i]) * w[i] * v[i];
+  for (int i = 0; i < n; ++i) g[i] = rstd * dy[i] * w[i] - v[i] * rstd * rstd * rstd * dot / n;
+}
+
+TEST(KernelTest, RmsNormForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const auto& [rows, cols] : {std::pair{1, 5}, {13, 8}, {77, 129}, {300, 512}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+    const int ldv = cols + 3, ldy = cols + 5;
+    const Floats v = RandomFloats(rows * ldv, 10, -2, 2), w = RandomFloats(cols, 11, .5, 1.5);
+    const Floats dy = RandomFloats(rows * ldy, 12), dv0 = RandomFloats(rows * ldv, 13);
+    Doubles y_cpu(rows * ldy, 0), rstd_cpu(rows), residual_cpu(rows * cols), g(cols);
+    Doubles dv_assign(rows * ldv), dv_accumulate(rows * ldv);
+    for (int r = 0; r < rows; ++r) {
+      rstd_cpu[r] = RmsNormRow(&v[r * ldv], w.data(), cols, &y_cpu[r * ldy]);
+      for (int i = 0; i < cols; ++i) residual_cpu[r * cols + i] = v[r * ldv + i];
+    }
+    const Floats rstd_f(rstd_cpu.begin(), rstd_cpu.end());
+    for (int r = 0; r < rows; ++r) {
+      RmsNormBackwardRow(&v[r * ldv], w.data(), rstd_f[r], &dy[r * ldy], cols, g.data());
+      for (int i = 0; i < ldv; ++i) {
+        dv_assign[r * ldv + i] = i < cols ? g[i] : 0.0;
+        dv_accumulate[r * ldv + i] = dv0[r * ldv + i] + (i < cols ? g[i] : 0.0);
+      }
+    }
+    DeviceArray<float> dvv(v), dw(w), y(rows * ldy), rstd(rows), residual(rows * cols), ddy(dy), rstd_in(rstd_f);
+    DeviceArray<float> da(rows * ldv), dacc(dv0);
+    ASSERT_EQ(kernels::LaunchRmsNormForward(dvv.get(), ldv, dw.get(), rows, cols, y.get(), ldy, rstd.get(),
+                                            residual.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
+                                             false, da.get(), ldv, nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
+                                             true, dacc.get(), ldv, nullptr), cudaSuccess);
+    EXPECT_CLOSE(y.Download(), y_cpu);
+    EXPECT_CLOSE(rstd.Download(), rstd_cpu);
+    EXPECT_CLOSE(residual.Download(), residual_cpu);
+    EXPECT_CLOSE(da.Download(), dv_assign);
+    EXPECT_CLOSE(dacc.Download(), dv_accumulate);
+  }
+}
+
+TEST(KernelTest, GatedRmsNormForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const auto& [rows, cols] : {std::pair{1, 5}, {9, 16}, {70, 256}, {33, 1024}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+    const int ldz = 2 * cols + 7;
+    const Floats y = RandomFloats(rows * cols, 20, -2, 2), z = RandomFloats(rows * ldz, 21, -3, 3);
+    const Floats w = RandomFloats(cols, 22, .5, 1.5), dyn = RandomFloats(rows * cols, 23);
+    Doubles q_cpu(rows * cols), yn_cpu(rows * cols), rstd_cpu(rows), dy_cpu(rows * cols), dz_cpu(rows * ldz, 0.0);
+    Floats q_f(rows * cols), g_row(cols);
+    Doubles dq(cols);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < cols; ++i) {
+        q_cpu[r * cols + i] = y[r * cols + i] * Silu(z[r * ldz + i]);
+        q_f[r * cols + i] = static_cast<float>(q_cpu[r * cols + i]);
+      }
+      double ss = 0;
+      for (int i = 0; i < cols; ++i) ss += q_cpu[r * cols + i] * q_cpu[r * cols + i];
+      rstd_cpu[r] = 1 / std::sqrt(ss / cols + kNormEps);
+      for (int i = 0; i < cols; ++i) yn_cpu[r * cols + i] = q_cpu[r * cols + i] * rstd_cpu[r] * w[i];
+    }
+    const Floats rstd_f(rstd_cpu.begin(), rstd_cpu.end());
+    for (int r = 0; r < rows; ++r) {
+      RmsNormBackwardRow(&q_f[r * cols], w.data(), rstd_f[r], &dyn[r * cols], cols, dq.data());
+      for (int i = 0; i < cols; ++i) {
+        const double zi = z[r * ldz + i];
+        dy_cpu[r * cols + i] = dq[i] * Silu(zi);
+        dz_cpu[r * ldz + i] = dq[i] * y[r * cols + i] * SiluGrad(zi);
+      }
+    }
+    DeviceArray<float> dy_in(y), dz_in(z), dw(w), q(rows * cols), yn(rows * cols), rstd(rows);
+    DeviceArray<float> ddyn(dyn), dq_in(q_f), drstd(rstd_f), dy(rows * cols), dz(rows * ldz);
+    ASSERT_EQ(kernels::LaunchGatedRmsNormForward(dy_in.get(), dz_in.get(), ldz, dw.get(), rows, cols, q.get(), yn.get(),
+                                                 rstd.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGatedRmsNormBackward(ddyn.get(), dq_in.get(), drstd.get(), dw.get(), dy_in.get(),
+                                                  dz_in.get(), ldz, rows, cols, dy.get(), dz.get(), ldz, nullptr),
+              cudaSuccess);
+    EXPECT_CLOSE(q.Download(), q_cpu);
+    EXPECT_CLOSE(yn.Download(), yn_cpu);
+    EXPECT_CLOSE(rstd.Download(), rstd_cpu);
+    EXPECT_CLOSE(dy.Download(), dy_cpu);
+    EXPECT_CLOSE(dz.Download(), dz_cpu);
+  }
+}
+
+TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const auto& [rows, cols] : {std::pair{1, 5}, {9, 6}, {70, 64}, {40, 128}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+    const Floats skip = RandomFloats(rows * cols, 30, -2, 2), gate = RandomFloats(rows * cols, 31, -3, 3);
+    const Floats value = RandomFloats(rows * cols, 32), w = RandomFloats(cols, 33, .5, 1.5), b = RandomFloats(cols, 34);
+    const Floats dg = RandomFloats(rows * cols, 35);
+    Doubles x_cpu(rows * cols), nhat_cpu(rows * cols), g_cpu(rows * cols), rstd_cpu(rows);
+    for (int r = 0; r < rows; ++r) {
+      double mean = 0, var = 0;
+      for (int i = 0; i < cols; ++i) {
+        const int k = r * cols + i;
+        x_cpu[k] = skip[k] + Sigmoid(gate[k]) * value[k];
+        mean += x_cpu[k] / cols;
+      }
+      for (int i = 0; i < cols; ++i) var += std::pow(x_cpu[r * cols + i] - mean, 2) / cols;
+      rstd_cpu[r] = 1 / std::sqrt(var + kNormEps);
+      for (int i = 0; i < cols; ++i) {
+        const int k = r * cols + i;
+        nhat_cpu[k] = (x_cpu[k] - mean) * rstd_cpu[r];
+        g_cpu[k] = nhat_cpu[k] * w[i] + b[i];
+      }
+    }
+    const Floats nhat_f(nhat_cpu.begin(), nhat_cpu.end()), rstd_f(rstd_cpu.begin(), rstd_cpu.end());
+    Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols);
+    for (int r = 0; r < rows; ++r) {
+      double mean_dn = 0, mean_dn_n = 0;
+      for (int i = 0; i < cols; ++i) {
+        mean_dn += double(dg[r * cols + i]) * w[i] / cols;
+        mean_dn_n += double(dg[r * cols + i]) * w[i] * nhat_f[r * cols + i] / cols;
+      }
+      for (int i = 0; i < cols; ++i) {
+        const int k = r * cols + i;
+        const double dpre = rstd_f[r] * (double(dg[k]) * w[i] - mean_dn - nhat_f[k] * mean_dn_n), sg = Sigmoid(gate[k]);
+        dpre_cpu[k] = dpre;
+        dvalue_cpu[k] = dpre * sg;
+        dgate_cpu[k] = dpre * value[k] * sg * (1 - sg);
+      }
+    }
+    DeviceArray<float> pre_ln(skip), dgate_in(gate), dvalue_in(value), dw(w), db(b), nhat(rows * cols), g(rows * cols);
+    DeviceArray<float> rstd(rows), ddg(dg), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
+        dval(rows * cols);
+    ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
+                                                     rows, cols, nhat.get(), g.get(), rstd.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
+                                                      dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
+                                                      nullptr), cudaSuccess);
+    EXPECT_CLOSE(pre_ln.Download(), x_cpu);
+    EXPECT_CLOSE(nhat.Download(), nhat_cpu);
+    EXPECT_CLOSE(g.Download(), g_cpu);
+    EXPECT_CLOSE(rstd.Download(), rstd_cpu);
+    EXPECT_CLOSE(dpre.Download(), dpre_cpu);
+    EXPECT_CLOSE(dgt.Download(), dgate_cpu);
+    EXPECT_CLOSE(dval.Download(), dvalue_cpu);
+  }
+}
+
+struct ConvCase {
+  int batch, window, channels, width, inner, heads;
+  bool with_state;
+};
+
+TEST(KernelTest, CausalConvForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const ConvCase k : {ConvCase{1, 1, 5, 4, 3, 1, true}, ConvCase{2, 9, 22, 4, 16, 4, false},
+                           ConvCase{3, 70, 37, 4, 30, 3, true}, ConvCase{1, 2, 7, 8, 1, 2, true},
+                           ConvCase{2, 33, 9, 1, 9, 1, false}, ConvCase{1, 40, 11, 3, 5, 2, true}}) {
+    SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " ch" << k.channels << " W" << k.width);
+    const int B = k.batch, T = k.window, CH = k.channels, W = k.width, rows = B * T, ldx = CH + 3, carried = W - 1;
+    const Floats x = RandomFloats(rows * ldx, 40, -2, 2), weight = RandomFloats(CH * W, 41), bias = RandomFloats(CH, 42);
+    const Floats state = RandomFloats(std::max(1, B * carried * CH), 43);
+    const int bc = CH - k.inner;
+    const Floats dxs = RandomFloats(rows * k.inner, 44), dbc = RandomFloats(std::max(1, rows * k.heads * bc), 45);
+    auto hist = [&](int b, int r, int c) -> double {
+      if (r < carried) return k.with_state ? state[(b * carried + r) * CH + c] : 0.0;
+      return x[(b * T + r - carried) * ldx + c];
+    };
+    Doubles pre(rows * CH), out(rows * CH), state_out(std::max(1, B * carried * CH), 0.0);
+    for (int b = 0; b < B; ++b) {
+      for (int t = 0; t < T; ++t) {
+        for (int c = 0; c < CH; ++c) {
+          double acc = bias[c];
+          for (int j = 0; j < W; ++j) acc += weight[c * W + j] * hist(b, t + j, c);
+          pre[(b * T + t) * CH + c] = acc;
+          out[(b * T + t) * CH + c] = Silu(acc);
+        }
+      }
+      for (int j = 0; j < carried; ++j) {
+        for (int c = 0; c < CH; ++c) state_out[(b * carried + j) * CH + c] = hist(b, T + j, c);
+      }
+    }
+    const Floats pre_f(pre.begin(), pre.end());
+    Doubles dx(rows * ldx, 0.0), partials(B * (CH * W + CH), 0.0), dpre(rows * CH);
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < CH; ++c) {
+        double g = 0;
+        if (c < k.inner) {
+          g = dxs[r * k.inner + c];
+        } else {
+          for (int h = 0; h < k.heads; ++h) g += dbc[(r * k.heads + h) * bc + c - k.inner];
+        }
+        dpre[r * CH + c] = g * SiluGrad(pre_f[r * CH + c]);
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      double* part = &partials[b * (CH * W + CH)];
+      for (int t = 0; t < T; ++t) {
+        for (int c = 0; c < CH; ++c) {
+          const double g = dpre[(b * T + t) * CH + c];
+          part[CH * W + c] += g;
+          for (int j = 0; j < W; ++j) {
+            part[c * W + j] += g * hist(b, t + j, c);
+            const int input = t + j - carried;  // the raw input this tap read, if inside the window
+            if (input >= 0) dx[(b * T + input) * ldx + c] += g * weight[c * W + j];
+          }
+        }
+      }
+    }
+    DeviceArray<float> dx_in(x), dweight(weight), dbias(bias), dstate(state), dpre_out(rows * CH), dout(rows * CH);
+    DeviceArray<float> dstate_out(std::max(1, B * carried * CH)), ddxs(dxs), ddbc(dbc), dpre_in(pre_f);
+    DeviceArray<float> ddx(rows * ldx), dpart(B * (CH * W + CH));
+    const kernels::ConvInput in{B, T, CH, W, dx_in.get(), ldx, dweight.get(), dbias.get(),
+                                k.with_state ? dstate.get() : nullptr};
+    ASSERT_EQ(kernels::LaunchConvForward(in, dpre_out.get(), dout.get(), carried ? dstate_out.get() : nullptr, nullptr),
+              cudaSuccess);
+    const kernels::ConvOutputGrad grad{ddxs.get(), k.inner, ddbc.get(), k.heads};
+    ASSERT_EQ(kernels::LaunchConvBackward(in, dpre_in.get(), grad, ddx.get(), ldx, dpart.get(), nullptr), cudaSuccess);
+    EXPECT_CLOSE(dpre_out.Download(), pre);
+    EXPECT_CLOSE(dout.Download(), out);
+    if (carried) {
+      EXPECT_CLOSE(dstate_out.Download(), state_out);
+    }
+    Floats dx_gpu = ddx.Download();
+    for (int r = 0; r < rows; ++r) {
+      for (int c = CH; c < ldx; ++c) dx_gpu[r * ldx + c] = 0.f;  // columns past the channels are not the kernel's
+    }
+    EXPECT_CLOSE(dx_gpu, dx);
+    EXPECT_CLOSE(dpart.Download(), partials);
+  }
+}
+
+struct SsmCase {
+  int batch, window, heads, headdim, d_state;
+  bool with_state;
+};
+
+// The scan in double with every state kept: forward outputs, and the backward as engine/cpu_reference.cc writes it.
+struct SsmReference {
+  Doubles y, state_out, dxs, dbc, d_dt_raw, partials;
+};
+
+SsmReference RunSsmReference(const SsmCase& k, const Floats& xbc, int ld_xbc, const Floats& dt_raw, int ld_dt,
+                             const Floats& dt_bias, const Floats& a_log, const Floats& d_skip, const Floats& state_in,
+                             const Floats& dy) {
+  const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
+  SsmReference ref{Doubles(rows * E), Doubles(B * H * P * N), Doubles(rows * E), Doubles(rows * H * 2 * N),
+                   Doubles(rows * ld_dt, 0.0), Doubles(rows * 2 * H)};
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      const double A = -std::exp(double(a_log[h]));
+      std::vector<Doubles> s(T + 1, Doubles(P * N, 0.0));
+      if (k.with_state) {
+        for (int i = 0; i < P * N; ++i) s[0][i] = state_in[(b * H + h) * P * N + i];
+      }
+      Doubles dt(T), pre(T), decay(T);
+      for (int t = 0; t < T; ++t) {
+        const int row = b * T + t;
+        pre[t] = double(dt_raw[row * ld_dt + h]) + dt_bias[h];
+        dt[t] = Softplus(pre[t]);
+        decay[t] = std::exp(dt[t] * A);
+        const float* xr = &xbc[row * ld_xbc];
+        for (int p = 0; p < P; ++p) {
+          double acc = 0;
+          for (int n = 0; n < N; ++n) {
+            double& sv = s[t + 1][p * N + n];
+            sv = decay[t] * s[t][p * N + n] + xr[h * P + p] * dt[t] * xr[E + n];
+            acc += xr[E + N + n] * sv;
+          }
+          ref.y[row * E + h * P + p] = acc + d_skip[h] * xr[h * P + p];
+        }
+      }
+      for (int i = 0; i < P * N; ++i) ref.state_out[(b * H + h) * P * N + i] = s[T][i];
+      Doubles ds(P * N, 0.0);
+      for (int t = T - 1; t >= 0; --t) {
+        const int row = b * T + t;
+        const float* xr = &xbc[row * ld_xbc];
+        double d_decay = 0, d_dt = 0, d_d = 0;
+        double* dbc = &ref.dbc[(row * H + h) * 2 * N];
+        for (int p = 0; p < P; ++p) {
+          const double x = xr[h * P + p], g = dy[row * E + h * P + p];
+          double dx_b = 0;
+          d_d += g * x;
+          for (int n = 0; n < N; ++n) {
+            const double gs = ds[p * N + n] + g * xr[E + N + n];
+            dbc[N + n] += g * s[t + 1][p * N + n];
+            d_decay += gs * s[t][p * N + n];
+            dbc[n] += gs * dt[t] * x;
+            dx_b += gs * xr[E + n];
+            ds[p * N + n] = gs * decay[t];
+          }
+          ref.dxs[row * E + h * P + p] = g * d_skip[h] + dx_b * dt[t];
+          d_dt += dx_b * x;
+        }
+        d_dt += d_decay * decay[t] * A;
+        ref.d_dt_raw[row * ld_dt + h] = d_dt * Sigmoid(pre[t]);
+        ref.partials[row * 2 * H + h] = d_decay * decay[t] * dt[t] * A;
+        ref.partials[row * 2 * H + H + h] = d_d;
+      }
+    }
+  }
+  return ref;
+}
+
+TEST(KernelTest, SsmScanForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const SsmCase k : {SsmCase{1, 1, 1, 1, 1, false}, SsmCase{2, 9, 4, 4, 3, true}, SsmCase{1, 70, 3, 64, 32, true},
+                          SsmCase{2, 37, 2, 33, 64, false}, SsmCase{1, 100, 2, 16, 16, true},
+                          SsmCase{3, 5, 1, 70, 8, true}}) {
+    SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " H" << k.heads << " P" << k.headdim
+                                      << " N" << k.d_state);
+    const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
+    const int ld_xbc = E + 2 * N + 2, ld_dt = H + 1;
+    const Floats xbc = RandomFloats(rows * ld_xbc, 50), dt_raw = RandomFloats(rows * ld_dt, 51, -3, 1);
+    const Floats dt_bias = RandomFloats(H, 52, -4, -1), d_skip = RandomFloats(H, 54, .5, 1.5);
+    Floats a_log(H);
+    for (int h = 0; h < H; ++h) a_log[h] = std::log(1.f + 15.f * RandomFloats(1, 53 + h, 0, 1)[0]);
+    const Floats state = RandomFloats(B * H * P * N, 55, -.5, .5), dy = RandomFloats(rows * E, 56);
+    const SsmReference ref = RunSsmReference(k, xbc, ld_xbc, dt_raw, ld_dt, dt_bias, a_log, d_skip, state, dy);
+
+    DeviceArray<float> dxbc(xbc), ddt_raw(dt_raw), dbias(dt_bias), dalog(a_log), dd(d_skip), dstate(state), ddy(dy);
+    DeviceArray<float> y(rows * E), state_out(B * H * P * N), dxs(rows * E), dbc(rows * H * 2 * N);
+    DeviceArray<float> d_dt_raw(std::vector<float>(rows * ld_dt, 0.f)), partials(rows * 2 * H);
+    const kernels::SsmInput in{B, T, H, P, N, dxbc.get(), ld_xbc, ddt_raw.get(), ld_dt, dbias.get(), dalog.get(),
+                               dd.get(), k.with_state ? dstate.get() : nullptr};
+    ASSERT_EQ(kernels::LaunchSsmScanForward(in, y.get(), state_out.get(), nullptr), cudaSuccess);
+    const kernels::SsmGrad grad{dxs.get(), dbc.get(), d_dt_raw.get(), ld_dt, partials.get()};
+    ASSERT_EQ(kernels::LaunchSsmScanBackward(in, ddy.get(), grad, nullptr), cudaSuccess);
+    EXPECT_CLOSE(y.Download(), ref.y);
+    EXPECT_CLOSE(state_out.Download(), ref.state_out);
+    EXPECT_CLOSE(dxs.Download(), ref.dxs);
+    EXPECT_CLOSE(dbc.Download(), ref.dbc);
+    EXPECT_CLOSE(d_dt_raw.Download(), ref.d_dt_raw);
+    EXPECT_CLOSE(partials.Download(), ref.partials);
+  }
+}
+
+struct CfcCase {
+  int batch, window, d_model, units, backbone;
+};
+
+TEST(KernelTest, CfcForwardAndBackward) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Shapes cover one sequence, tiny, several sequences per block (batch above the multiprocessor count, the last
+  // block partly empty), `small`'s weights in shared memory and `large`'s read through the cache.
+  for (const CfcCase k : {CfcCase{1, 1, 3, 5, 7}, CfcCase{2, 9, 8, 5, 7}, CfcCase{3, 70, 16, 12, 20},
+                          CfcCase{301, 5, 4, 6, 10}, CfcCase{5, 33, 8, 64, 128}, CfcCase{2, 20, 8, 128, 256}}) {
+    SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " C" << k.units << " K" << k.backbone);
+    const int B = k.batch, T = k.window, D = k.d_model, C = k.units, K = k.backbone, rows = B * T, ldc = C + 3;
+    // Weights at their initialization scale (MODEL.md §4): much larger ones make the recurrence chaotic, and then
+    // float32 itself (numpy included) drifts from double by ~1e-3 within 20 steps, whatever the kernel.
+    const double backbone_bound = 1 / std::sqrt(double(D + C)), head_bound = 1 / std::sqrt(double(K));
+    const Floats backbone = RandomFloats(K * (D + C), 60, -backbone_bound, backbone_bound);
+    const Floats u = RandomFloats(rows * K, 61, -1.5, 1.5);
+    const Floats dt = RandomFloats(rows, 62, 0, 3), state = RandomFloats(B * C, 63, -.9, .9);
+    const Floats dc_head = RandomFloats(rows * ldc, 64);
+    std::vector<Floats> w, bias;
+    for (int j = 0; j < kernels::kCfcHeads; ++j) {
+      w.push_back(RandomFloats(C * K, 65 + j, -head_bound, head_bound));
+      bias.push_back(RandomFloats(C, 70 + j, -.5, .5));
+    }
+    Doubles bb_pre(rows * K), bb(rows * K), gates(rows * 3 * C), c_out(rows * ldc, 0.0), c_prev(rows * C),
+        state_out(B * C);
+    for (int b = 0; b < B; ++b) {
+      Doubles c(state.begin() + b * C, state.begin() + (b + 1) * C), heads(4 * C);
+      for (int t = 0; t < T; ++t) {
+        const int row = b * T + t;
+        for (int kk = 0; kk < K; ++kk) {
+          double acc = u[row * K + kk];
+          for (int j = 0; j < C; ++j) acc += backbone[kk * (D + C) + D + j] * c[j];
+          bb_pre[row * K + kk] = acc;
+          bb[row * K + kk] = LecunTanh(acc);
+        }
+        for (int j = 0; j < 4 * C; ++j) {
+          double acc = bias[j / C][j % C];
+          for (int kk = 0; kk < K; ++kk) acc += w[j / C][(j % C) * K + kk] * bb[row * K + kk];
+          heads[j] = acc;
+        }
+        for (int i = 0; i < C; ++i) {
+          const double f1 = std::tanh(heads[i]), f2 = std::tanh(heads[C + i]);
+          const double tau = Sigmoid(heads[2 * C + i] * dt[row] + heads[3 * C + i]);
+          gates[row * 3 * C + i] = f1;
+          gates[row * 3 * C + C + i] = f2;
+          gates[row * 3 * C + 2 * C + i] = tau;
+          c_prev[row * C + i] = c[i];
+          c[i] = f1 * (1 - tau) + tau * f2;
+          c_out[row * ldc + i] = c[i];
+        }
+      }
+      for (int i = 0; i < C; ++i) state_out[b * C + i] = c[i];
+    }
+    const Floats gates_f(gates.begin(), gates.end()), bb_pre_f(bb_pre.begin(), bb_pre.end());
+    Doubles dp(rows * 4 * C), dbb_pre(rows * K);
+    for (int b = 0; b < B; ++b) {
+      Doubles dc(C, 0.0);
+      for (int t = T - 1; t >= 0; --t) {
+        const int row = b * T + t;
+        for (int i = 0; i < C; ++i) {
+          const double grad = dc[i] + dc_head[row * ldc + i];
+          const double f1 = gates_f[row * 3 * C + i], f2 = gates_f[row * 3 * C + C + i];
+          const double tau = gates_f[row * 3 * C + 2 * C + i], d_tau = grad * (f2 - f1) * tau * (1 - tau);
+          dp[row * 4 * C + i] = grad * (1 - tau) * (1 - f1 * f1);
+          dp[row * 4 * C + C + i] = grad * tau * (1 - f2 * f2);
+          dp[row * 4 * C + 2 * C + i] = d_tau * dt[row];
+          dp[row * 4 * C + 3 * C + i] = d_tau;
+        }
+        for (int kk = 0; kk < K; ++kk) {
+          double acc = 0;
+          for (int j = 0; j < 4 * C; ++j) acc += w[j / C][(j % C) * K + kk] * dp[row * 4 * C + j];
+          dbb_pre[row * K + kk] = acc * LecunTanhGrad(bb_pre_f[row * K + kk]);
+        }
+        for (int i = 0; i < C; ++i) {
+          double acc = 0;
+          for (int kk = 0; kk < K; ++kk) acc += backbone[kk * (D + C) + D + i] * dbb_pre[row * K + kk];
+          dc[i] = acc;
+        }
+      }
+    }
+    DeviceArray<float> dbackbone(backbone), du(u), ddt(dt), dstate(state), ddc_head(dc_head);
+    std::vector<std::unique_ptr<DeviceArray<float>>> dw, dbias;
+    kernels::CfcWeights weights{dbackbone.get(), {}, {}};
+    for (int j = 0; j < kernels::kCfcHeads; ++j) {
+      dw.push_back(std::make_unique<DeviceArray<float>>(w[j]));
+      dbias.push_back(std::make_unique<DeviceArray<float>>(bias[j]));
+      weights.head_weight[j] = dw[j]->get();
+      weights.head_bias[j] = dbias[j]->get();
+    }
+    const kernels::CfcShape shape{B, T, D, C, K};
+    DeviceArray<float> packed(kernels::CfcPackedFloats(shape)), gbb_pre(rows * K), gbb(rows * K);
+    DeviceArray<float> ggates(rows * 3 * C), gc(std::vector<float>(rows * ldc, 0.f)), gc_prev(rows * C),
+        gstate(B * C), gdp(rows * 4 * C), gdbb(rows * K), ggates_in(gates_f), gbb_pre_in(bb_pre_f);
+    ASSERT_EQ(kernels::LaunchCfcPackWeights(weights, shape, packed.get(), nullptr), cudaSuccess);
+    const kernels::CfcActivations act{gbb_pre.get(), gbb.get(), ggates.get(), gc.get(), ldc, gc_prev.get()};
+    ASSERT_EQ(kernels::LaunchCfcForward(shape, packed.get(), du.get(), ddt.get(), dstate.get(), act, gstate.get(),
+                                        nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchCfcBackward(shape, packed.get(), ddt.get(), ggates_in.get(), gbb_pre_in.get(),
+                                         ddc_head.get(), ldc, gdp.get(), gdbb.get(), nullptr), cudaSuccess);
+    EXPECT_CLOSE(gbb_pre.Download(), bb_pre);
+    EXPECT_CLOSE(gbb.Download(), bb);
+    EXPECT_CLOSE(ggates.Download(), gates);
+    EXPECT_CLOSE(gc.Download(), c_out);
+    EXPECT_CLOSE(gc_prev.Download(), c_prev);
+    EXPECT_CLOSE(gstate.Download(), state_out);
+    EXPECT_CLOSE(gdp.Download(), dp);
+    EXPECT_CLOSE(gdbb.Download(), dbb_pre);
+  }
+}
+
+TEST(KernelTest, MaskedBceAndItsGradient) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const int n : {1, 45, 81920}) {
+    for (const bool masked_out : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << n << (masked_out ? " all masked" : ""));
+      const Floats logits = RandomFloats(n, 80, -6, 6), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
+      Floats labels(n), mask(n);
+      double sum = 0, count = 0;
+      for (int i = 0; i < n; ++i) {
+        labels[i] = coin[i] < .5f ? 1.f : 0.f;
+        mask[i] = !masked_out && keep[i] < .8f ? 1.f : 0.f;
+        const double l = logits[i];
+        sum += mask[i] * (std::max(l, 0.0) - l * labels[i] + std::log1p(std::exp(-std::abs(l))));
+        count += mask[i];
+      }
+      Doubles dlogits(n);
+      for (int i = 0; i < n; ++i) dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / std::max(count, 1.0);
+      DeviceArray<float> dl(logits), dy(labels), dm(mask), dd(n);
+      DeviceArray<kernels::StepReport> report(1);
+      DeviceArray<double> partials(2 * kernels::kMaskedBceBlocks);
+      ASSERT_EQ(kernels::LaunchMaskedBce(dl.get(), dy.get(), dm.get(), n, dd.get(), partials.get(), report.get(), nullptr),
+                cudaSuccess);
+      const kernels::StepReport r = report.Download()[0];
+      EXPECT_EQ(r.mask_count, count);
+      EXPECT_NEAR(r.loss_sum, sum, 1e-9 * std::max(1.0, sum));
+      EXPECT_NEAR(r.loss, sum / std::max(count, 1.0), 1e-9);
+      if (masked_out) {
+        EXPECT_EQ(RelativeError(dd.Download(), Floats(n, 0.f)), 0.0);
+      } else {
+        EXPECT_CLOSE(dd.Download(), dlogits);
+      }
+    }
+  }
+}
+
+TEST(KernelTest, ColumnSumsOfManyJobsAtOnce) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  struct Shape {
+    int rows, cols, lda;
+    bool factor, scale;
+  };
+  const std::vector<Shape> shapes = {{1, 1, 1, false, false},   {300, 37, 42, true, true}, {513, 70, 70, false, true},
+                                     {16384, 3, 8, true, false}, {7, 300, 301, false, false}};
+  std::vector<std::unique_ptr<DeviceArray<float>>> arrays;
+  std::vector<kernels::ColumnSumJob> jobs;
+  std::vector<Doubles> expected;
+  for (size_t s = 0; s < shapes.size(); ++s) {
+    const Shape& k = shapes[s];
+    const Floats a = RandomFloats(k.rows * k.lda, 90 + s), b = RandomFloats(k.rows * k.lda, 100 + s);
+    const Floats scale = RandomFloats(k.rows, 110 + s);
+    Doubles sum(k.cols, 0.0);
+    for (int r = 0; r < k.rows; ++r) {
+      for (int c = 0; c < k.cols; ++c) {
+        sum[c] += double(a[r * k.lda + c]) * (k.factor ? b[r * k.lda + c] : 1.f) * (k.scale ? scale[r] : 1.f);
+      }
+    }
+    expected.push_back(sum);
+    for (const Floats* host : {&a, &b, &scale}) arrays.push_back(std::make_unique<DeviceArray<float>>(*host));
+    arrays.push_back(std::make_unique<DeviceArray<float>>(k.cols));
+    const size_t base = arrays.size() - 4;
+    jobs.push_back({arrays[base]->get(), k.lda, k.factor ? arrays[base + 1]->get() : nullptr, k.lda,
+                    k.scale ? arrays[base + 2]->get() : nullptr, k.rows, k.cols, arrays[base + 3]->get()});
+  }
+  const kernels::ColumnSumPlan plan = kernels::PlanColumnSums(jobs);
+  DeviceArray<kernels::ColumnSumJob> djobs(jobs);
+  DeviceArray<kernels::ColumnSumTile> tiles(plan.tiles);
+  DeviceArray<kernels::ColumnSumFinish> finishes(plan.finishes);
+  DeviceArray<float> partials(plan.partial_floats);
+  const kernels::ColumnSumBatch batch{djobs.get(), tiles.get(), static_cast<int>(plan.tiles.size()), finishes.get(),
+                                      static_cast<int>(plan.finishes.size()), partials.get()};
+  ASSERT_EQ(kernels::LaunchColumnSums(batch, nullptr), cudaSuccess);
+  for (size_t s = 0; s < shapes.size(); ++s) {
+    EXPECT_LE(RelativeError(arrays[4 * s + 3]->Download(), expected[s]), kTolerance) << "job " << s;
+  }
+}
+
+TEST(KernelTest, BiasFillBroadcastsEveryJob) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int rows = 37;
+  const Floats b1 = RandomFloats(5, 120), b2 = RandomFloats(130, 121);
+  DeviceArray<float> db1(b1), db2(b2), out1(Floats(rows * 9, 7.f)), out2(rows * 130);
+  const std::vector<kernels::BiasFillJob> jobs = {{out1.get(), 9, db1.get(), 5}, {out2.get(), 130, db2.get(), 130}};
+  DeviceArray<kernels::BiasFillJob> djobs(jobs);
+  ASSERT_EQ(kernels::LaunchBiasFill(djobs.get(), 2, rows, nullptr), cudaSuccess);
+  const Floats o1 = out1.Download(), o2 = out2.Download();
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < 9; ++c) EXPECT_EQ(o1[r * 9 + c], c < 5 ? b1[c] : 7.f);
+    for (int c = 0; c < 130; ++c) EXPECT_EQ(o2[r * 130 + c], b2[c]);
+  }
+}
+
+// Against ClipAndAdamW<float>, whose float operations the kernel repeats (1 − β2 rounded to float alone is 1.3e-5
+// away from its double value, so double is the wrong counterpart here; the model-level parity tests compare the
+// whole training step with double).
+TEST(KernelTest, ClipAndAdamWMatchTheCpuOptimizer) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ParamLayout layout(*NamedConfig("tiny"));
+  OptimizerConfig cosine;
+  cosine.schedule = LrSchedule::kWarmupCosine;
+  cosine.warmup_steps = 2;
+  cosine.total_steps = 4;
+  cosine.min_lr = 1e-4;
+  OptimizerConfig unclipped;
+  unclipped.max_grad_norm = 0;
+  for (const OptimizerConfig& config : {OptimizerConfig{}, cosine, unclipped}) {
+    Floats params = testing::RandomParams(layout, 130);
+    Floats p_cpu = params, m_cpu(params.size(), 0.f), v_cpu(params.size(), 0.f);
+    DeviceArray<float> p(params), m(params.size()), v(params.size()), g(params.size());
+    std::vector<kernels::AdamWChunk> chunks;
+    for (const TensorSpec& t : layout.tensors()) {
+      for (size_t i = 0; t.trained && i < t.size; i += 7) {  // pieces of 7, so tensors span several chunks
+        chunks.push_back({t.offset + i, static_cast<int>(std::min<size_t>(7, t.size - i)), t.weight_decay ? 1 : 0});
+      }
+    }
+    DeviceArray<kernels::AdamWChunk> dchunks(chunks);
+    DeviceArray<double> norm_partials(chunks.size());
+    DeviceArray<int64_t> step(1);
+    DeviceArray<kernels::StepReport> report(1);
+    kernels::AdamWConfig c{config.lr, config.beta1, config.beta2, config.eps, config.weight_decay,
+                           config.max_grad_norm, config.schedule == LrSchedule::kWarmupCosine,
+                           config.warmup_steps, config.total_steps, config.min_lr};
+    for (int s = 1; s <= 5; ++s) {
+      SCOPED_TRACE(::testing::Message() << "step " << s << " schedule " << static_cast<int>(config.schedule));
+      Floats grads(params.size(), 0.f);  // zero on buffers and padding, as the backend's gradient buffer is
+      const Floats random = RandomFloats(params.size(), 140 + s, -2, 2);
+      for (const TensorSpec& t : layout.tensors()) {
+        for (size_t i = t.offset; t.trained && i < t.offset + t.size; ++i) grads[i] = random[i];
+      }
+      Floats g_cpu = grads;
+      EXPECT_EQ(cudaMemcpy(g.get(), grads.data(), grads.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+      const int n = static_cast<int>(chunks.size());
+      ASSERT_EQ(kernels::LaunchGradNormPartials(dchunks.get(), n, g.get(), norm_partials.get(), step.get(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(kernels::LaunchClipAdamW(dchunks.get(), n, norm_partials.get(), step.get(), c, p.get(), g.get(), m.get(),
+                                         v.get(), report.get(), nullptr), cudaSuccess);
+      const double norm = ClipAndAdamW<float>(layout, config, s, p_cpu, g_cpu, m_cpu, v_cpu);
+      const kernels::StepReport r = report.Download()[0];
+      EXPECT_EQ(r.step, s);
+      EXPECT_NEAR(r.grad_norm, norm, 1e-12 * norm);
+      EXPECT_CLOSE(p.Download(), p_cpu);
+      EXPECT_CLOSE(m.Download(), m_cpu);
+      EXPECT_CLOSE(v.Download(), v_cpu);
+      EXPECT_CLOSE(g.Download(), g_cpu);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace perception
