@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/param_layout.h"
+#include "tests/file_util.h"
 #include "engine/safetensors.h"
 
 namespace perception {
@@ -25,16 +26,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
+using testing::ReadBytes;
+using testing::WriteBytes;
 
 uint64_t HeaderLength(const std::string& file) {
   uint64_t length;

@@ -15,22 +15,15 @@
 #include <sstream>
 
 #include "engine/param_layout.h"
+#include "tests/file_util.h"
 
 namespace perception {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
+using testing::ReadBytes;
+using testing::WriteBytes;
 
 // A safetensors file assembled by hand, so that the reader can be fed any header at all.
 std::string RawFile(const std::string& header, const std::string& data) {
