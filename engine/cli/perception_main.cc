@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "engine/checkpoint.h"
+#include "engine/cli/arguments.h"
 #include "engine/config.h"
 #include "engine/backend.h"
 #include "engine/dataset.h"
@@ -200,27 +201,6 @@ absl::Status Inspect(const std::string& path) {
                 std::sqrt(ss / t.size), t.trained ? absl::StrFormat("%.5g", std::sqrt(vv / t.size)).c_str() : "buffer");
   }
   return absl::OkStatus();
-}
-
-// Accepts the documented spellings before absl parses: `--lobster ORDERBOOK MESSAGES` (two words) becomes
-// `--lobster=ORDERBOOK,MESSAGES`, and dashes in flag names become underscores (`--features-out`).
-std::vector<std::string> NormalizeArguments(int argc, char** argv) {
-  std::vector<std::string> out;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) == 0) {
-      const size_t name_end = std::min(arg.find('='), arg.size());
-      std::replace(arg.begin() + 2, arg.begin() + name_end, '-', '_');
-    }
-    const bool next_two_are_files = i + 2 < argc && argv[i + 1][0] != '-' && argv[i + 2][0] != '-';
-    if (arg == "--lobster" && next_two_are_files) {
-      out.push_back(absl::StrCat("--lobster=", argv[i + 1], ",", argv[i + 2]));
-      i += 2;
-      continue;
-    }
-    out.push_back(std::move(arg));
-  }
-  return out;
 }
 
 absl::Status Run(const std::vector<char*>& args) {

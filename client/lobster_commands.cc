@@ -1,0 +1,184 @@
+// Training and evaluation on LOBSTER data through the daemon.
+#include "client/lobster_commands.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/training_progress.h"
+#include "engine/dataset.h"
+#include "engine/lobster.h"
+#include "engine/status_macros.h"
+
+namespace perception::client {
+namespace {
+
+// The Evaluate answers over many requests, combined exactly.
+struct EvaluationTotals {
+  double loss_sum = 0;  // Σ m·bce
+  int64_t masked_labels = 0;
+  std::vector<v1::HorizonAccuracy> horizons;  // counts summed; accuracy filled at the end
+
+  double loss() const { return loss_sum / std::max<int64_t>(masked_labels, 1); }
+};
+
+absl::StatusOr<v1::GetStatusResponse> StatusWithModel(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(v1::GetStatusResponse status, client.GetStatus());
+  if (!status.has_model()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon at ", client.target(), " has no model; run `perceptionctl init` first"));
+  }
+  return status;
+}
+
+// The files as one event series with the model's horizons; their feature count must be the model's.
+absl::StatusOr<EventSeries> ReadSeries(const LobsterFiles& files, const v1::ModelConfig& config) {
+  ASSIGN_OR_RETURN(const LobsterData data, ReadLobster(files.orderbook, files.messages, files.levels));
+  if (LobsterFeatureCount(data.levels) != config.n_features()) {
+    return absl::InvalidArgumentError(absl::StrCat("the model takes ", config.n_features(), " features but ",
+                                                   data.levels, " book levels give ",
+                                                   LobsterFeatureCount(data.levels)));
+  }
+  const std::vector<int> horizons(config.horizons().begin(), config.horizons().end());
+  return BuildSeries(data, horizons);
+}
+
+// Windows [first, first + count) of `from` as a Batch message.
+void CopyWindows(const Batch& from, int first, int count, v1::Batch& to) {
+  to.set_batch(count);
+  to.set_window(from.window);
+  to.set_n_features(from.n_features);
+  to.set_n_horizons(from.n_horizons);
+  const auto copy = [&](const std::vector<float>& source, size_t per_window,
+                        google::protobuf::RepeatedField<float>* out) {
+    out->Assign(source.begin() + first * per_window, source.begin() + (first + count) * per_window);
+  };
+  const size_t T = from.window;
+  copy(from.x, T * from.n_features, to.mutable_x());
+  copy(from.dt, T, to.mutable_dt());
+  copy(from.labels, T * from.n_horizons, to.mutable_labels());
+  copy(from.mask, T * from.n_horizons, to.mutable_mask());
+}
+
+// Evaluates all of `windows` in requests within the daemon's batch and message limits.
+absl::StatusOr<EvaluationTotals> EvaluateWindows(PerceptionClient& client, const Batch& windows,
+                                                 const v1::Limits& limits) {
+  const int64_t bytes_per_window =
+      int64_t{windows.window} * (windows.n_features + 1 + 2 * windows.n_horizons) * sizeof(float);
+  const int per_request =
+      static_cast<int>(std::clamp<int64_t>(limits.max_message_bytes() / 2 / bytes_per_window, 1, limits.max_batch()));
+  EvaluationTotals totals;
+  v1::EvaluateRequest request;
+  for (int first = 0; first < windows.batch; first += per_request) {
+    CopyWindows(windows, first, std::min(per_request, windows.batch - first), *request.mutable_batch());
+    ASSIGN_OR_RETURN(const v1::EvaluateResponse response, client.Evaluate(request));
+    totals.loss_sum += response.loss() * response.masked_labels();
+    totals.masked_labels += response.masked_labels();
+    totals.horizons.resize(response.horizons_size());
+    for (int h = 0; h < response.horizons_size(); ++h) {
+      v1::HorizonAccuracy& total = totals.horizons[h];
+      total.set_horizon_events(response.horizons(h).horizon_events());
+      total.set_masked_labels(total.masked_labels() + response.horizons(h).masked_labels());
+      total.set_correct(total.correct() + response.horizons(h).correct());
+    }
+  }
+  return totals;
+}
+
+std::string AccuracyByHorizon(const EvaluationTotals& totals) {
+  std::string text = "accuracy by horizon (events):";
+  for (const v1::HorizonAccuracy& h : totals.horizons) {
+    const double accuracy = h.masked_labels() > 0 ? static_cast<double>(h.correct()) / h.masked_labels() : 0;
+    absl::StrAppend(&text, " ", h.horizon_events(), ": ", absl::StrFormat("%.3f", accuracy));
+  }
+  return text;
+}
+
+absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConfig& config) {
+  if ((options.batch == 0 || options.batch == config.batch()) &&
+      (options.window == 0 || options.window == config.window())) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("the model trains on batches of ", config.batch(), " windows x ",
+                                                 config.window(), " events, fixed at init; --batch ", options.batch,
+                                                 " --window ", options.window, " differ (re-init to change them)"));
+}
+
+// Before the first step: the normalizer if the model has none, the learning rate if one is asked for.
+absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, const EventSeries& training, double lr) {
+  if (!model.normalizer_fitted()) {
+    const Normalizer normalizer = FitNormalizer(training);
+    v1::SetNormalizerRequest request;
+    request.mutable_normalizer()->mutable_mean()->Assign(normalizer.mean.begin(), normalizer.mean.end());
+    request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());
+    RETURN_IF_ERROR(client.SetNormalizer(request).status());
+    std::printf("fitted the normalizer on %zu training events and sent it\n", training.size());
+  }
+  if (lr > 0) {
+    v1::SetOptimizerRequest request;
+    *request.mutable_optimizer() = model.optimizer();
+    request.mutable_optimizer()->set_lr(lr);
+    RETURN_IF_ERROR(client.SetOptimizer(request).status());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TrainOnLobster(PerceptionClient& client, const TrainOptions& options) {
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, StatusWithModel(client));
+  const v1::ModelConfig& config = status.model().config();
+  RETURN_IF_ERROR(CheckTrainingShape(options, config));
+  ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
+  ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
+  ASSIGN_OR_RETURN(WindowSampler sampler,
+                   WindowSampler::Create(split.train, config.window(), config.warmup(), options.seed));
+  const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());
+  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  std::printf("%zu events: %zu train, %zu validation (%d windows); batches of %d x %d events on %s\n", series.size(),
+              split.train.size(), split.validation.size(), validation.batch, config.batch(), config.window(),
+              status.device().name().c_str());
+  RETURN_IF_ERROR(PrepareModel(client, status.model(), split.train, options.lr));
+
+  TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
+  Batch batch;
+  RETURN_IF_ERROR(client.Train(
+      options.steps,
+      [&](int, v1::TrainStepRequest& request) {
+        sampler.Sample(config.batch(), batch);
+        CopyWindows(batch, 0, batch.batch, *request.mutable_batch());
+      },
+      [&](const v1::TrainStepResponse& response) { progress.Update(response.loss(), response.grad_norm()); }));
+  progress.Finish();
+
+  ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
+  const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
+  std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n%s\n", totals.loss(), prior_loss,
+              totals.loss() < prior_loss ? "better" : "WORSE", std::abs(prior_loss - totals.loss()),
+              AccuracyByHorizon(totals).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files, int window) {
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, StatusWithModel(client));
+  const v1::ModelConfig& config = status.model().config();
+  ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(files, config));
+  const int T = window > 0 ? window : config.window();
+  const Batch windows = SequentialWindows(series, T, std::min(config.warmup(), T));
+  if (windows.batch == 0)
+    return absl::InvalidArgumentError(absl::StrCat("the files hold less than one window of ", T, " events"));
+  ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, windows, status.limits()));
+  const double prior_loss = PriorBaselineLoss(ClassPrior(series), windows.labels, windows.mask);
+  std::printf(
+      "%d windows of %d events at step %lld: loss %.5f vs class-prior baseline %.5f (prior of these files)\n%s\n",
+      windows.batch, T, static_cast<long long>(status.model().step()), totals.loss(), prior_loss,
+      AccuracyByHorizon(totals).c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace perception::client

@@ -1,0 +1,35 @@
+// perceptionctl's train and eval: LOBSTER files turned into windows by the engine's code, run on the daemon.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/perception_client.h"
+
+namespace perception::client {
+
+struct LobsterFiles {
+  std::string orderbook, messages;
+  int levels = 0;  // 0: inferred from the orderbook's columns
+};
+
+struct TrainOptions {
+  LobsterFiles files;
+  int steps = 0;
+  int batch = 0, window = 0;  // 0: the model's; anything else must equal it
+  double lr = 0;              // 0: keep the model's
+  double train_fraction = 0.7;
+  uint64_t seed = 1;  // window sampling
+  int log_every = 10;
+};
+
+// Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training
+// windows through Train with a progress display, then prints the validation loss beside the class-prior baseline.
+absl::Status TrainOnLobster(PerceptionClient& client, const TrainOptions& options);
+
+// Evaluates every whole window of the files (the model's window unless `window` > 0) and prints the masked loss,
+// the per-horizon accuracy and the baseline of predicting the files' own class prior.
+absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files, int window);
+
+}  // namespace perception::client

@@ -1,0 +1,62 @@
+// The C++ client of perceptiond: one method per RPC, a deadline on every call, errors as absl::Status.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+
+namespace perception::client {
+
+struct ClientOptions {
+  absl::Duration timeout = absl::Seconds(60);  // deadline of each call; in Train, of each step
+  int max_receive_message_bytes = 64 << 20;    // Evaluate's probabilities can be large
+};
+
+// Thread-safe: calls may run concurrently from several threads. A failed call returns the daemon's status code
+// and message (or the transport's, e.g. UNAVAILABLE when nothing listens at the target).
+class PerceptionClient {
+ public:
+  explicit PerceptionClient(const std::string& target, ClientOptions options = {});
+
+  absl::StatusOr<v1::GetStatusResponse> GetStatus();
+  absl::StatusOr<v1::InitModelResponse> InitModel(const v1::InitModelRequest& request);
+  absl::StatusOr<v1::SetNormalizerResponse> SetNormalizer(const v1::SetNormalizerRequest& request);
+  absl::StatusOr<v1::SetOptimizerResponse> SetOptimizer(const v1::SetOptimizerRequest& request);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const v1::LoadCheckpointRequest& request);
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const v1::SaveCheckpointRequest& request);
+  absl::StatusOr<v1::TrainStepResponse> TrainStep(const v1::TrainStepRequest& request);
+  absl::StatusOr<v1::EvaluateResponse> Evaluate(const v1::EvaluateRequest& request);
+
+  // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
+  // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
+  // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's.
+  static constexpr int kTrainAhead = 4;
+  absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
+                     absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response);
+
+  // The daemon's health (grpc.health.v1) for `service` ("" for the daemon as a whole).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(const std::string& service = "");
+  // Waits until the daemon reports SERVING, for at most `timeout`; DEADLINE_EXCEEDED after it.
+  absl::Status WaitUntilServing(absl::Duration timeout);
+
+  const std::string& target() const { return target_; }
+
+ private:
+  template <typename Request, typename Response, typename Stub>
+  absl::StatusOr<Response> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+                                Stub& stub, const Request& request, absl::Duration timeout);
+
+  const std::string target_;
+  const ClientOptions options_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<v1::Perception::Stub> perception_;
+  const std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+}  // namespace perception::client

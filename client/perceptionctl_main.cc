@@ -1,0 +1,188 @@
+// perceptionctl: the command line of perceptiond (status, init, train, eval, checkpoints).
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "client/lobster_commands.h"
+#include "client/perception_client.h"
+#include "engine/cli/arguments.h"
+#include "engine/optimizer.h"
+#include "engine/status_macros.h"
+#include "perception/v1/default_address.h"
+
+ABSL_FLAG(std::string, target, perception::v1::kDefaultAddress, "perceptiond address, host:port");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call (of each step while training)");
+ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
+ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
+ABSL_FLAG(int, levels, 0,
+          "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train and eval read that many "
+          "(0: infer from the orderbook file)");
+ABSL_FLAG(uint64_t, seed, 1, "init: weight initialization seed; train: window sampling seed");
+ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
+ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
+ABSL_FLAG(int, warmup, -1, "init: leading window positions masked out of the training loss (-1: the preset's)");
+ABSL_FLAG(double, lr, 0, "peak learning rate; init: 0 means 1e-3; train: 0 keeps the model's");
+ABSL_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
+ABSL_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
+ABSL_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the learning rate reaches --min_lr");
+ABSL_FLAG(double, min_lr, 0, "init, cosine schedule: the final learning rate");
+ABSL_FLAG(bool, replace, false, "init: replace the daemon's existing model");
+ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK MESSAGES (or ORDERBOOK,MESSAGES): a LOBSTER file pair");
+ABSL_FLAG(int, steps, 100, "train: optimizer steps");
+ABSL_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to train on; the rest validates");
+ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
+
+namespace perception::client {
+namespace {
+
+constexpr char kUsage[] = R"(perceptionctl: drive perceptiond over gRPC.
+
+  perceptionctl [--target HOST:PORT] [--timeout D] [--wait D] COMMAND ...   (flags may also follow COMMAND)
+    status
+    init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
+         [--lr_schedule cosine --lr_warmup_steps W --total_steps N --min_lr Y] [--replace]
+    train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
+    eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
+    checkpoint save NAME
+    checkpoint load NAME)";
+
+std::string Describe(const v1::Model& model) {
+  const v1::ModelConfig& c = model.config();
+  const v1::OptimizerSettings& o = model.optimizer();
+  std::string schedule = "constant";
+  if (o.schedule() == v1::LR_SCHEDULE_WARMUP_COSINE) {
+    schedule = absl::StrCat("warmup ", o.warmup_steps(), " then cosine to ", o.min_lr(), " at step ", o.total_steps());
+  }
+  return absl::StrFormat(
+      "model: F=%d D=%d L=%d expand=%d P=%d N=%d W=%d C=%d K=%d G=%d horizons [%s]; trains on %d x %d events "
+      "(warmup %d)\n  step %d, weights version %d, %d trained parameters, normalizer %s\n"
+      "  optimizer: AdamW lr %g (%s), weight decay %g, clip %g",
+      c.n_features(), c.d_model(), c.n_layers(), c.expand(), c.headdim(), c.d_state(), c.d_conv(), c.cfc_units(),
+      c.cfc_backbone(), c.grn_hidden(), absl::StrJoin(c.horizons(), ", "), c.batch(), c.window(), c.warmup(),
+      model.step(), model.weights_version(), model.trained_parameters(),
+      model.normalizer_fitted() ? "fitted" : "not fitted (identity)", o.lr(), schedule, o.weight_decay(),
+      o.max_grad_norm());
+}
+
+absl::Status Status(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
+  const v1::Device& device = status.device();
+  const v1::Limits& limits = status.limits();
+  const std::string memory =
+      device.memory_bytes() > 0 ? absl::StrFormat(", %.1f GiB", device.memory_bytes() / double(1 << 30)) : "";
+  std::printf(
+      "perceptiond %s at %s\ndevice: %s%s\n%s\nlimits: batch <= %d, window <= %d, messages <= %lld bytes, "
+      "queue depth %d (%d jobs waiting)\n",
+      status.version().c_str(), client.target().c_str(), device.name().c_str(), memory.c_str(),
+      status.has_model() ? Describe(status.model()).c_str() : "model: none (perceptionctl init)", limits.max_batch(),
+      limits.max_window(), static_cast<long long>(limits.max_message_bytes()), limits.queue_depth(),
+      status.queued_jobs());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
+  v1::OptimizerSettings settings;
+  if (absl::GetFlag(FLAGS_lr) > 0) settings.set_lr(absl::GetFlag(FLAGS_lr));
+  ASSIGN_OR_RETURN(const LrSchedule schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
+  settings.set_schedule(schedule == LrSchedule::kWarmupCosine ? v1::LR_SCHEDULE_WARMUP_COSINE
+                                                              : v1::LR_SCHEDULE_CONSTANT);
+  settings.set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));
+  settings.set_total_steps(absl::GetFlag(FLAGS_total_steps));
+  settings.set_min_lr(absl::GetFlag(FLAGS_min_lr));
+  return settings;
+}
+
+absl::Status Init(PerceptionClient& client) {
+  v1::InitModelRequest request;
+  request.set_config_name(absl::GetFlag(FLAGS_config));
+  if (absl::GetFlag(FLAGS_levels) > 0) request.set_levels(absl::GetFlag(FLAGS_levels));
+  request.set_batch(absl::GetFlag(FLAGS_batch));
+  request.set_window(absl::GetFlag(FLAGS_window));
+  if (absl::GetFlag(FLAGS_warmup) >= 0) request.set_warmup(absl::GetFlag(FLAGS_warmup));
+  request.set_seed(absl::GetFlag(FLAGS_seed));
+  ASSIGN_OR_RETURN(*request.mutable_optimizer(), OptimizerFromFlags());
+  request.set_replace(absl::GetFlag(FLAGS_replace));
+  ASSIGN_OR_RETURN(const v1::InitModelResponse response, client.InitModel(request));
+  std::printf("initialized %s\n%s\n", absl::GetFlag(FLAGS_config).c_str(), Describe(response.model()).c_str());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LobsterFiles> LobsterFromFlags() {
+  const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
+  if (files.size() != 2) return absl::InvalidArgumentError("--lobster takes two files: ORDERBOOK MESSAGES");
+  return LobsterFiles{files[0], files[1], absl::GetFlag(FLAGS_levels)};
+}
+
+absl::Status Train(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
+  return TrainOnLobster(client,
+                        {files, absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_window),
+                         absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_train_fraction), absl::GetFlag(FLAGS_seed),
+                         absl::GetFlag(FLAGS_log_every)});
+}
+
+absl::Status Eval(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
+  return EvaluateLobster(client, files, absl::GetFlag(FLAGS_window));
+}
+
+absl::Status SaveCheckpoint(PerceptionClient& client, const std::string& name) {
+  v1::SaveCheckpointRequest request;
+  request.set_name(name);
+  ASSIGN_OR_RETURN(const v1::SaveCheckpointResponse response, client.SaveCheckpoint(request));
+  std::printf("saved %s: step %lld, %lld bytes in %.3f s\n", response.name().c_str(),
+              static_cast<long long>(response.step()), static_cast<long long>(response.bytes()), response.seconds());
+  return absl::OkStatus();
+}
+
+absl::Status LoadCheckpoint(PerceptionClient& client, const std::string& name) {
+  v1::LoadCheckpointRequest request;
+  request.set_name(name);
+  ASSIGN_OR_RETURN(const v1::LoadCheckpointResponse response, client.LoadCheckpoint(request));
+  std::printf("loaded %s in %.3f s\n%s\n", name.c_str(), response.seconds(), Describe(response.model()).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Run(const std::vector<std::string>& args) {
+  PerceptionClient client(absl::GetFlag(FLAGS_target), {.timeout = absl::GetFlag(FLAGS_timeout)});
+  if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
+    RETURN_IF_ERROR(client.WaitUntilServing(wait));
+  }
+  const std::string command = args.size() > 1 ? args[1] : "";
+  if (command == "status" && args.size() == 2) return Status(client);
+  if (command == "init" && args.size() == 2) return Init(client);
+  if (command == "train" && args.size() == 2) return Train(client);
+  if (command == "eval" && args.size() == 2) return Eval(client);
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(client, args[3]);
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") return LoadCheckpoint(client, args[3]);
+  return absl::InvalidArgumentError(
+      absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
+}
+
+}  // namespace
+}  // namespace perception::client
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(perception::client::kUsage);
+  std::vector<std::string> normalized = perception::NormalizeArguments(argc, argv);
+  std::vector<char*> normalized_argv;
+  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  const std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  const absl::Status status = perception::client::Run({positional.begin(), positional.end()});
+  if (!status.ok()) {
+    std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+                 std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,60 @@
+// Training progress output.
+#include "client/training_progress.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+namespace perception::client {
+namespace {
+
+constexpr int kBarWidth = 30;
+constexpr auto kRedrawInterval = std::chrono::milliseconds(100);
+
+std::string MinutesSeconds(double seconds) {
+  const long total = std::lround(std::max(seconds, 0.0));
+  char text[32];
+  std::snprintf(text, sizeof(text), "%ld:%02ld", total / 60, total % 60);
+  return text;
+}
+
+}  // namespace
+
+TrainingProgress::TrainingProgress(int total_steps, int log_every, bool terminal)
+    : total_steps_(total_steps), log_every_(std::max(log_every, 1)), terminal_(terminal) {}
+
+void TrainingProgress::Update(double loss, double grad_norm) {
+  ++done_;
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+  const double rate = elapsed > 0 ? done_ / elapsed : 0;
+  const double eta = rate > 0 ? (total_steps_ - done_) / rate : 0;
+  const bool last = done_ == total_steps_;
+  if (terminal_) {
+    if (last || Clock::now() - last_draw_ >= kRedrawInterval) DrawBar(loss, rate, eta);
+  } else if (last || done_ == 1 || done_ % log_every_ == 0) {
+    PrintLine(loss, grad_norm, rate, eta);
+  }
+}
+
+void TrainingProgress::Finish() {
+  if (terminal_ && done_ > 0) std::printf("\n");
+  std::fflush(stdout);
+}
+
+void TrainingProgress::DrawBar(double loss, double steps_per_second, double eta_seconds) {
+  last_draw_ = Clock::now();
+  const int filled = total_steps_ > 0 ? kBarWidth * done_ / total_steps_ : kBarWidth;
+  const std::string bar = std::string(filled, '#') + std::string(kBarWidth - filled, '.');
+  std::printf("\rstep %d/%d [%s] loss %.5f  %.2f steps/s  ETA %s ", done_, total_steps_, bar.c_str(), loss,
+              steps_per_second, MinutesSeconds(eta_seconds).c_str());
+  std::fflush(stdout);
+}
+
+void TrainingProgress::PrintLine(double loss, double grad_norm, double steps_per_second, double eta_seconds) const {
+  std::printf("step %d/%d  loss %.5f  grad_norm %.4f  %.2f steps/s  ETA %s\n", done_, total_steps_, loss, grad_norm,
+              steps_per_second, MinutesSeconds(eta_seconds).c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace perception::client

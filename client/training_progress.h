@@ -1,0 +1,31 @@
+// Progress of a training run: a bar rewritten in place on a terminal, a plain line every few steps otherwise.
+#pragma once
+
+#include <chrono>
+
+namespace perception::client {
+
+class TrainingProgress {
+ public:
+  // `log_every`: steps between plain lines (the first and last step always get one).
+  TrainingProgress(int total_steps, int log_every, bool terminal);
+
+  // After each answered step.
+  void Update(double loss, double grad_norm);
+  // Ends the bar's line.
+  void Finish();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void DrawBar(double loss, double steps_per_second, double eta_seconds);
+  void PrintLine(double loss, double grad_norm, double steps_per_second, double eta_seconds) const;
+
+  const int total_steps_, log_every_;
+  const bool terminal_;
+  const Clock::time_point start_ = Clock::now();
+  Clock::time_point last_draw_{};
+  int done_ = 0;
+};
+
+}  // namespace perception::client

@@ -1,0 +1,59 @@
+// Checkpoint names resolved against the checkpoint folder, refusing every way out of it.
+#include "server/checkpoint_directory.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace perception::server {
+namespace {
+
+absl::Status Refused(const std::string& name, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("checkpoint name '", name, "' ", why));
+}
+
+bool IsStrictlyInside(const std::filesystem::path& path, const std::filesystem::path& root) {
+  const auto [root_end, path_end] = std::mismatch(root.begin(), root.end(), path.begin(), path.end());
+  return root_end == root.end() && path_end != path.end();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointDirectory> CheckpointDirectory::Open(const std::string& path) {
+  std::error_code error;
+  std::filesystem::create_directories(path, error);
+  std::filesystem::path root = error ? std::filesystem::path() : std::filesystem::canonical(path, error);
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint directory '", path, "' cannot be created: ", error.message()));
+  }
+  return CheckpointDirectory(std::move(root));
+}
+
+absl::StatusOr<std::string> CheckpointDirectory::Resolve(const std::string& name) const {
+  const std::filesystem::path relative(name);
+  if (name.empty()) return Refused(name, "is empty");
+  if (relative.is_absolute()) return Refused(name, "is absolute; names are relative to the checkpoint directory");
+  if (std::ranges::find(relative, "..") != relative.end()) return Refused(name, "must not contain '..'");
+  // Resolves symlinks along the existing part of the path, so a link that points elsewhere is seen for what it is.
+  std::error_code error;
+  const std::filesystem::path resolved = std::filesystem::weakly_canonical(root_ / relative, error);
+  if (error) return Refused(name, absl::StrCat("cannot be resolved: ", error.message()));
+  if (!IsStrictlyInside(resolved, root_))
+    return Refused(name, "does not resolve to a file inside the checkpoint directory");
+  return resolved.string();
+}
+
+absl::StatusOr<std::string> CheckpointDirectory::ResolveForWriting(const std::string& name) const {
+  absl::StatusOr<std::string> path = Resolve(name);
+  if (!path.ok()) return path;
+  std::error_code error;
+  std::filesystem::create_directories(std::filesystem::path(*path).parent_path(), error);
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the folder for checkpoint '", name, "': ", error.message()));
+  }
+  return path;
+}
+
+}  // namespace perception::server

@@ -1,0 +1,73 @@
+// The device worker's queue and loop.
+#include "server/device_worker.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace perception::server {
+
+DeviceWorker::DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth)
+    : status_(host->Status()), queue_depth_(queue_depth), host_(std::move(host)), thread_(&DeviceWorker::Loop, this) {}
+
+DeviceWorker::~DeviceWorker() { Stop(); }
+
+absl::Status DeviceWorker::Enqueue(JobPriority priority, Job job) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the device worker has stopped");
+  std::deque<Job>& queue = queues_[static_cast<int>(priority)];
+  if (static_cast<int>(queue.size()) >= queue_depth_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the device queue is full (", queue_depth_, " jobs waiting); retry later"));
+  }
+  queue.push_back(std::move(job));
+  return absl::OkStatus();
+}
+
+HostStatus DeviceWorker::status() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+int DeviceWorker::queued_jobs() const {
+  absl::MutexLock lock(&mu_);
+  int jobs = 0;
+  for (const std::deque<Job>& queue : queues_) jobs += static_cast<int>(queue.size());
+  return jobs;
+}
+
+void DeviceWorker::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void DeviceWorker::Loop() {
+  while (true) {
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      const auto has_work_or_stops = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (stopping_) return true;
+        for (const std::deque<Job>& queue : queues_) {
+          if (!queue.empty()) return true;
+        }
+        return false;
+      };
+      mu_.Await(absl::Condition(&has_work_or_stops));
+      for (std::deque<Job>& queue : queues_) {
+        if (queue.empty()) continue;
+        job = std::move(queue.front());
+        queue.pop_front();
+        break;
+      }
+      if (!job) return;  // stopping, and nothing is left to run
+    }
+    std::move(job)(*host_);
+    HostStatus status = host_->Status();
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(status);
+  }
+}
+
+}  // namespace perception::server

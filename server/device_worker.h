@@ -1,0 +1,73 @@
+// The device worker: the one thread that owns the model host (and so the device), fed by a bounded job queue.
+#pragma once
+
+#include <array>
+#include <deque>
+#include <future>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "server/model_host.h"
+
+namespace perception::server {
+
+// Which queued work the device runs first: a lower value first, FIFO within one priority. Each priority has its
+// own bound, so one kind of work cannot take the other's slots. Training and model management are one kind
+// today; live streaming will go ahead of them.
+enum class JobPriority { kTraining };
+inline constexpr int kJobPriorities = 1;
+
+class DeviceWorker {
+ public:
+  // Runs on the worker thread with exclusive use of the model host.
+  using Job = absl::AnyInvocable<void(ModelHost&) &&>;
+
+  // Starts the thread; at most `queue_depth` jobs wait per priority.
+  DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth);
+  ~DeviceWorker();  // Stop()
+
+  // Queues `job`; every accepted job runs, in order within its priority. RESOURCE_EXHAUSTED when that priority's
+  // queue is full, UNAVAILABLE after Stop.
+  absl::Status Enqueue(JobPriority priority, Job job);
+
+  // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
+  // is returned as the result.
+  template <typename Work>
+  std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work);
+
+  // The model host's status as of the last finished job; any thread, never waits for the device.
+  HostStatus status() const;
+  int queued_jobs() const;
+
+  // Refuses new jobs, runs those already queued, then ends the thread. Idempotent.
+  void Stop();
+
+ private:
+  void Loop();
+
+  mutable absl::Mutex mu_;
+  std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  HostStatus status_ ABSL_GUARDED_BY(mu_);
+  const int queue_depth_;
+  const std::unique_ptr<ModelHost> host_;  // used by the worker thread only
+  std::thread thread_;
+};
+
+template <typename Work>
+std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, Work work) {
+  using Result = std::invoke_result_t<Work&, ModelHost&>;
+  std::promise<Result> done;
+  std::future<Result> result = done.get_future();
+  // `work` and `done` outlive the job: this call waits for it below.
+  const absl::Status queued = Enqueue(priority, [&work, &done](ModelHost& host) { done.set_value(work(host)); });
+  if (!queued.ok()) return queued;
+  return result.get();
+}
+
+}  // namespace perception::server

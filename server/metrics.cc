@@ -1,0 +1,175 @@
+// Prometheus metrics of the daemon: a prometheus-cpp registry plus process metrics read from /proc at each scrape.
+#include "server/metrics.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "prometheus/text_serializer.h"
+
+namespace perception::server {
+namespace {
+
+// 1, 2.5 and 5 times each power of ten from 10^first to 10^last: buckets that span several decades. Parsed from
+// decimal text so that each boundary prints as written (2.5e-06, not 2.5000000000000002e-06).
+prometheus::Histogram::BucketBoundaries DecadeBuckets(int first, int last) {
+  prometheus::Histogram::BucketBoundaries bounds;
+  for (int exponent = first; exponent <= last; ++exponent) {
+    for (const char* mantissa : {"1", "2.5", "5"}) bounds.push_back(std::stod(absl::StrCat(mantissa, "e", exponent)));
+  }
+  return bounds;
+}
+
+prometheus::MetricFamily ProcessFamily(std::string name, std::string help, prometheus::MetricType type, double value) {
+  prometheus::ClientMetric metric;
+  if (type == prometheus::MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  return {std::move(name), std::move(help), type, {metric}};
+}
+
+// Fields of /proc/self/stat after the command name (which may hold spaces): [0] is field 3, `state`.
+std::vector<std::string> ProcStatFields() {
+  std::ifstream file("/proc/self/stat");
+  const std::string stat{std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+  const size_t name_end = stat.rfind(')');
+  if (name_end == std::string::npos) return {};
+  return absl::StrSplit(stat.substr(name_end + 2), ' ', absl::SkipEmpty());
+}
+
+double BootTimeSeconds() {
+  std::ifstream file("/proc/stat");
+  std::string key;
+  double value = 0;
+  while (file >> key) {
+    if (key == "btime" && file >> value) return value;
+    file.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+// The process metrics every Prometheus client library exports, read from /proc; empty where /proc is missing.
+std::vector<prometheus::MetricFamily> ProcessMetrics() {
+  const std::vector<std::string> fields = ProcStatFields();
+  constexpr size_t kUtime = 14 - 3, kStime = 15 - 3, kStartTime = 22 - 3, kVsize = 23 - 3, kRss = 24 - 3;
+  if (fields.size() <= kRss) return {};
+  const double ticks = static_cast<double>(::sysconf(_SC_CLK_TCK));
+  const double page = static_cast<double>(::sysconf(_SC_PAGESIZE));
+  auto field = [&](size_t i) { return std::stod(fields[i]); };
+  std::error_code error;
+  const auto fds = std::filesystem::directory_iterator("/proc/self/fd", error);
+  const double open_fds = static_cast<double>(std::distance(fds, std::filesystem::directory_iterator()));
+  rlimit fd_limit{};
+  ::getrlimit(RLIMIT_NOFILE, &fd_limit);
+  using prometheus::MetricType;
+  return {
+      ProcessFamily("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                    MetricType::Counter, (field(kUtime) + field(kStime)) / ticks),
+      ProcessFamily("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge,
+                    field(kRss) * page),
+      ProcessFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge, field(kVsize)),
+      ProcessFamily("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                    MetricType::Gauge, BootTimeSeconds() + field(kStartTime) / ticks),
+      ProcessFamily("process_open_fds", "Number of open file descriptors.", MetricType::Gauge, open_fds),
+      ProcessFamily("process_max_fds", "Maximum number of open file descriptors.", MetricType::Gauge,
+                    static_cast<double>(fd_limit.rlim_cur)),
+  };
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics()
+    : rpc_buckets_(DecadeBuckets(-5, 2)),
+      checkpoint_buckets_(DecadeBuckets(-4, 2)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      train_step_seconds_(prometheus::BuildHistogram()
+                              .Name("perception_train_step_seconds")
+                              .Help("Device time of one training step (forward, backward, optimizer) in seconds.")
+                              .Register(*registry_)
+                              .Add({}, DecadeBuckets(-6, 1))),
+      train_steps_(prometheus::BuildCounter()
+                       .Name("perception_train_steps_total")
+                       .Help("Training steps run on the device.")
+                       .Register(*registry_)
+                       .Add({})),
+      train_loss_(prometheus::BuildGauge()
+                      .Name("perception_train_loss")
+                      .Help("Masked BCE of the latest training batch, before its update.")
+                      .Register(*registry_)
+                      .Add({})),
+      rpc_duration_(prometheus::BuildHistogram()
+                        .Name("perception_rpc_duration_seconds")
+                        .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
+                        .Register(*registry_)),
+      rejected_(prometheus::BuildCounter()
+                    .Name("perception_requests_rejected_total")
+                    .Help("Requests refused, by reason: the status code they were refused with, in lower case.")
+                    .Register(*registry_)),
+      checkpoint_duration_(prometheus::BuildHistogram()
+                               .Name("perception_checkpoint_duration_seconds")
+                               .Help("Time to save or load a checkpoint in seconds, by operation.")
+                               .Register(*registry_)),
+      model_parameters_(prometheus::BuildGauge()
+                            .Name("perception_model_parameters")
+                            .Help("Trained parameters of the resident model; 0 when there is none.")
+                            .Register(*registry_)
+                            .Add({})),
+      queued_jobs_(prometheus::BuildGauge()
+                       .Name("perception_queued_jobs")
+                       .Help("Jobs waiting for the device, the running one not included.")
+                       .Register(*registry_)
+                       .Add({})) {}
+
+void ServerMetrics::ObserveTrainStep(double device_seconds, double loss) {
+  train_step_seconds_.Observe(device_seconds);
+  train_steps_.Increment();
+  train_loss_.Set(loss);
+}
+
+void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds) {
+  checkpoint_duration_.Add({{"operation", std::string(operation)}}, checkpoint_buckets_).Observe(seconds);
+}
+
+void ServerMetrics::ObserveRpc(std::string_view method, absl::StatusCode code, double seconds) {
+  const std::string code_name = absl::StatusCodeToString(code);
+  rpc_duration_.Add({{"method", std::string(method)}, {"code", code_name}}, rpc_buckets_).Observe(seconds);
+  if (IsRefusal(code)) rejected_.Add({{"reason", absl::AsciiStrToLower(code_name)}}).Increment();
+}
+
+void ServerMetrics::SetModelParameters(int64_t trained_parameters) {
+  model_parameters_.Set(static_cast<double>(trained_parameters));
+}
+
+void ServerMetrics::SetQueuedJobs(int jobs) { queued_jobs_.Set(jobs); }
+
+std::string ServerMetrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& family : ProcessMetrics()) families.push_back(std::move(family));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+bool IsRefusal(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kUnavailable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace perception::server

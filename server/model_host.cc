@@ -1,0 +1,196 @@
+// The model host: every operation on the resident model, run on the device worker's thread.
+#include "server/model_host.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "engine/checkpoint.h"
+#include "engine/param_layout.h"
+#include "engine/status_macros.h"
+#include "server/stopwatch.h"
+#include "spdlog/spdlog.h"
+
+namespace perception::server {
+namespace {
+
+// The view of one tensor in a flat parameter buffer, const or not as the buffer is.
+template <typename Params>
+auto Tensor(const ParamLayout& layout, int index, Params& params) {
+  const TensorSpec& t = layout.tensor(index);
+  return std::span(params).subspan(t.offset, t.size);
+}
+
+bool IsIdentityNormalizer(const ParamLayout& layout, const std::vector<float>& params) {
+  return std::ranges::all_of(Tensor(layout, layout.norm_mean, params), [](float v) { return v == 0.f; }) &&
+         std::ranges::all_of(Tensor(layout, layout.norm_inv_std, params), [](float v) { return v == 1.f; });
+}
+
+void WriteNormalizer(const ParamLayout& layout, const Normalizer& normalizer, std::vector<float>& params) {
+  std::ranges::copy(normalizer.mean, Tensor(layout, layout.norm_mean, params).begin());
+  std::ranges::copy(normalizer.inv_std, Tensor(layout, layout.norm_inv_std, params).begin());
+}
+
+absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig& config) {
+  if (normalizer.mean.size() == static_cast<size_t>(config.n_features)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("normalizer has ", normalizer.mean.size(), " features but the model takes ", config.n_features));
+}
+
+}  // namespace
+
+ModelHost::ModelHost(std::string device, ServerMetrics& metrics) : device_(std::move(device)), metrics_(metrics) {}
+
+absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
+                             const std::optional<Normalizer>& normalizer, bool replace) {
+  if (backend_ != nullptr && !replace) {
+    return absl::FailedPreconditionError("a model already exists; set replace to discard it");
+  }
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, seed, params);
+  if (normalizer.has_value()) {
+    RETURN_IF_ERROR(CheckNormalizerSize(*normalizer, config));
+    WriteNormalizer(layout, *normalizer, params);
+  }
+  const bool fitted = !IsIdentityNormalizer(layout, params);
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, config, optimizer, std::move(params)));
+  Install(std::move(backend), optimizer, 0, fitted);
+  spdlog::info("model initialized on {}: {} trained parameters, seed {}", backend_->device_name(),
+               backend_->layout().trained_count(), seed);
+  return absl::OkStatus();
+}
+
+absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
+  RETURN_IF_ERROR(RequireModel());
+  RETURN_IF_ERROR(CheckNormalizerSize(normalizer, backend_->config()));
+  ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
+  WriteNormalizer(backend_->layout(), normalizer, state.params);
+  RETURN_IF_ERROR(backend_->ImportState(state));
+  normalizer_fitted_ = !IsIdentityNormalizer(backend_->layout(), state.params);
+  ++weights_version_;
+  return absl::OkStatus();
+}
+
+absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {
+  RETURN_IF_ERROR(RequireModel());
+  // A backend takes its optimizer at construction: build a new one around the same state.
+  ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, state.config, optimizer, state.params));
+  RETURN_IF_ERROR(backend->ImportState(state));
+  backend_ = std::move(backend);
+  optimizer_ = optimizer;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerConfig& optimizer) {
+  const Stopwatch stopwatch;
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   MakeBackend(device_, checkpoint.config, optimizer, checkpoint.params));
+  RETURN_IF_ERROR(backend->ImportState(checkpoint));
+  Install(std::move(backend), optimizer, checkpoint.step, fitted);
+  const double seconds = stopwatch.Seconds();
+  metrics_.ObserveCheckpoint("load", seconds);
+  spdlog::info("loaded checkpoint {} (step {}) in {:.3f} s", path, checkpoint.step, seconds);
+  return seconds;
+}
+
+absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
+  RETURN_IF_ERROR(RequireModel());
+  const Stopwatch stopwatch;
+  ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
+  RETURN_IF_ERROR(SaveCheckpoint(path, state));
+  std::error_code error;
+  const auto bytes = static_cast<int64_t>(std::filesystem::file_size(path, error));
+  const SaveOutcome outcome{state.step, error ? 0 : bytes, stopwatch.Seconds()};
+  metrics_.ObserveCheckpoint("save", outcome.seconds);
+  spdlog::info("saved checkpoint {} (step {}, {} bytes) in {:.3f} s", path, outcome.step, outcome.bytes,
+               outcome.seconds);
+  return outcome;
+}
+
+absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch) {
+  RETURN_IF_ERROR(RequireModel());
+  RETURN_IF_ERROR(CheckFeaturesAndHorizons(batch));
+  const ModelConfig& config = backend_->config();
+  if (batch.batch != config.batch || batch.window != config.window) {
+    return absl::InvalidArgumentError(absl::StrCat("batch shape ", batch.batch, " windows x ", batch.window,
+                                                   " events differs from the model's training shape ", config.batch,
+                                                   " x ", config.window, " (fixed when the model was created)"));
+  }
+  const Stopwatch stopwatch;
+  ASSIGN_OR_RETURN(const TrainStepResult result, backend_->TrainStep(batch));
+  const TrainOutcome outcome{result, stopwatch.Seconds()};
+  step_ = result.step;
+  ++weights_version_;
+  metrics_.ObserveTrainStep(outcome.device_seconds, result.loss);
+  return outcome;
+}
+
+absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bool with_probabilities) {
+  RETURN_IF_ERROR(RequireModel());
+  RETURN_IF_ERROR(CheckFeaturesAndHorizons(batch));
+  const Stopwatch stopwatch;
+  logits_.resize(batch.labels.size());
+  Evaluation evaluation;
+  ASSIGN_OR_RETURN(evaluation.loss, backend_->Evaluate(batch, logits_));
+  evaluation.device_seconds = stopwatch.Seconds();
+  evaluation.step = step_;
+
+  const std::vector<int>& horizons = backend_->config().horizons;
+  const size_t H = horizons.size();
+  for (const int horizon : horizons) evaluation.horizons.push_back({.horizon_events = horizon});
+  for (size_t i = 0; i < logits_.size(); ++i) {
+    if (batch.mask[i] == 0.f) continue;
+    HorizonScore& score = evaluation.horizons[i % H];
+    ++score.masked_labels;
+    score.correct += (logits_[i] > 0.f) == (batch.labels[i] == 1.f);
+  }
+  for (const HorizonScore& score : evaluation.horizons) evaluation.masked_labels += score.masked_labels;
+  if (with_probabilities) {
+    evaluation.probabilities.resize(logits_.size());
+    std::ranges::transform(logits_, evaluation.probabilities.begin(),
+                           [](float logit) { return 1.f / (1.f + std::exp(-logit)); });
+  }
+  return evaluation;
+}
+
+HostStatus ModelHost::Status() const {
+  if (backend_ == nullptr) return {device_, 0, std::nullopt};
+  return {backend_->device_name(), backend_->memory_bytes(),
+          ModelInfo{backend_->config(), optimizer_, step_, weights_version_,
+                    static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_}};
+}
+
+absl::Status ModelHost::RequireModel() const {
+  if (backend_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
+}
+
+absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) const {
+  const ModelConfig& config = backend_->config();
+  // The batch passed ValidateBatch, so its sizes are exact multiples of its B·T events.
+  const size_t events = static_cast<size_t>(batch.batch) * batch.window;
+  const size_t features = batch.x.size() / events, horizons = batch.labels.size() / events;
+  if (features != static_cast<size_t>(config.n_features) || horizons != static_cast<size_t>(config.n_horizons)) {
+    return absl::InvalidArgumentError(absl::StrCat("batch has ", features, " features and ", horizons,
+                                                   " horizons but the model takes ", config.n_features, " and ",
+                                                   config.n_horizons));
+  }
+  return absl::OkStatus();
+}
+
+void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
+                        bool normalizer_fitted) {
+  backend_ = std::move(backend);
+  optimizer_ = optimizer;
+  step_ = step;
+  normalizer_fitted_ = normalizer_fitted;
+  ++weights_version_;
+}
+
+}  // namespace perception::server

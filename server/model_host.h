@@ -1,0 +1,103 @@
+// The resident model: the one engine Backend and what the daemon knows about it (optimizer, step, versions).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "engine/config.h"
+#include "engine/dataset.h"
+#include "engine/optimizer.h"
+#include "server/metrics.h"
+
+namespace perception::server {
+
+struct ModelInfo {
+  ModelConfig config;
+  OptimizerConfig optimizer;
+  int64_t step = 0;             // optimizer steps taken
+  int64_t weights_version = 0;  // increases with every change of the weights
+  int64_t trained_parameters = 0;
+  bool normalizer_fitted = false;  // false while the normalizer is the identity
+};
+
+struct HostStatus {
+  std::string device_name;   // the backend's; the requested device ("auto", ...) before any model
+  int64_t memory_bytes = 0;  // of that device; 0 before any model or when unknown
+  std::optional<ModelInfo> model;
+};
+
+struct TrainOutcome {
+  TrainStepResult result;
+  double device_seconds = 0;
+};
+
+struct HorizonScore {
+  int horizon_events = 0;
+  int64_t masked_labels = 0;  // labels with mask 1
+  int64_t correct = 0;        // of those, predicted correctly (up when the logit is positive)
+};
+
+struct Evaluation {
+  double loss = 0;  // masked BCE
+  int64_t masked_labels = 0;
+  std::vector<HorizonScore> horizons;  // [H]
+  std::vector<float> probabilities;    // [B, T, H] when requested, else empty
+  int64_t step = 0;
+  double device_seconds = 0;
+};
+
+struct SaveOutcome {
+  int64_t step = 0;
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+
+// Not thread-safe: only the device worker's thread calls it, because the Backend it owns is not thread-safe
+// and, on CUDA, holds the device context. Every method leaves the previous model in place when it fails.
+class ModelHost {
+ public:
+  // `device` as MakeBackend takes it: "auto", "cpu" or "cuda".
+  ModelHost(std::string device, ServerMetrics& metrics);
+
+  // A new model with weights initialized from `seed` and the given normalizer (the identity when absent).
+  // FAILED_PRECONDITION when a model exists and `replace` is false.
+  absl::Status Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
+                    const std::optional<Normalizer>& normalizer, bool replace);
+  // Replaces the normalizer buffers; INVALID_ARGUMENT unless it has the model's feature count.
+  absl::Status SetNormalizer(const Normalizer& normalizer);
+  // Replaces the optimizer settings, keeping weights, moments and step.
+  absl::Status SetOptimizer(const OptimizerConfig& optimizer);
+
+  // Replaces the model with the checkpoint at `path`, whatever its config; returns the seconds it took.
+  absl::StatusOr<double> Load(const std::string& path, const OptimizerConfig& optimizer);
+  absl::StatusOr<SaveOutcome> Save(const std::string& path);
+
+  // `batch` must have the model's features and horizons and, for training, its (batch, window).
+  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch);
+  absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
+
+  HostStatus Status() const;
+
+ private:
+  absl::Status RequireModel() const;
+  absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
+  // Makes `backend` the model; weights changed.
+  void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
+               bool normalizer_fitted);
+
+  const std::string device_;
+  ServerMetrics& metrics_;
+  std::unique_ptr<Backend> backend_;
+  OptimizerConfig optimizer_;
+  int64_t step_ = 0;
+  int64_t weights_version_ = 0;
+  bool normalizer_fitted_ = false;
+  std::vector<float> logits_;  // Evaluate's output buffer, reused
+};
+
+}  // namespace perception::server

@@ -1,0 +1,183 @@
+// The Perception service's handlers.
+#include "server/perception_service.h"
+
+#include <optional>
+
+#include "engine/status_macros.h"
+#include "server/proto_convert.h"
+#include "server/stopwatch.h"
+#include "server/training.h"
+#include "spdlog/spdlog.h"
+
+#ifndef PERCEPTION_VERSION
+#error "PERCEPTION_VERSION must be defined by the build"
+#endif
+
+namespace perception::server {
+namespace {
+
+// The model after a change to it, or the change's error.
+absl::StatusOr<v1::Model> ModelAfter(const absl::Status& change, const ModelHost& host) {
+  if (!change.ok()) return change;
+  return ToProto(*host.Status().model);
+}
+
+void Record(ServerMetrics& metrics, std::string_view method, const absl::Status& status, const Stopwatch& since) {
+  metrics.ObserveRpc(method, status.code(), since.Seconds());
+  if (IsRefusal(status.code())) {
+    spdlog::debug("{} refused: {}", method, status.ToString());
+  } else if (!status.ok()) {
+    spdlog::warn("{} failed: {}", method, status.ToString());
+  }
+}
+
+}  // namespace
+
+PerceptionService::PerceptionService(DeviceWorker& worker, const CheckpointDirectory& checkpoints, const Limits& limits,
+                                     ServerMetrics& metrics)
+    : worker_(worker), checkpoints_(checkpoints), limits_(limits), metrics_(metrics) {}
+
+void PerceptionService::BeginDrain() { draining_ = true; }
+
+absl::Status PerceptionService::Admit() const {
+  if (!draining_) return absl::OkStatus();
+  return absl::UnavailableError("perceptiond is draining before it exits; no new work is accepted");
+}
+
+template <typename Handler>
+grpc::Status PerceptionService::Answer(std::string_view method, Handler handler) {
+  const Stopwatch stopwatch;
+  absl::Status status = Admit();
+  if (status.ok()) status = handler();
+  Record(metrics_, method, status, stopwatch);
+  return ToGrpcStatus(status);
+}
+
+grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                                          v1::GetStatusResponse* response) {
+  return Answer("GetStatus", [&] {
+    const HostStatus status = worker_.status();
+    response->set_version(PERCEPTION_VERSION);
+    response->mutable_device()->set_name(status.device_name);
+    response->mutable_device()->set_memory_bytes(status.memory_bytes);
+    if (status.model.has_value()) *response->mutable_model() = ToProto(*status.model);
+    v1::Limits& limits = *response->mutable_limits();
+    limits.set_max_message_bytes(limits_.max_message_bytes);
+    limits.set_max_batch(limits_.max_batch);
+    limits.set_max_window(limits_.max_window);
+    limits.set_queue_depth(limits_.queue_depth);
+    response->set_queued_jobs(worker_.queued_jobs());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::InitModel(grpc::ServerContext*, const v1::InitModelRequest* request,
+                                          v1::InitModelResponse* response) {
+  return Answer("InitModel", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromRequest(*request));
+    RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits_));
+    ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
+    std::optional<Normalizer> normalizer;
+    if (request->has_normalizer()) {
+      ASSIGN_OR_RETURN(normalizer, NormalizerFromProto(request->normalizer()));
+    }
+    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return ModelAfter(host.Init(config, optimizer, request->seed(), normalizer, request->replace()), host);
+    }));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::SetNormalizer(grpc::ServerContext*, const v1::SetNormalizerRequest* request,
+                                              v1::SetNormalizerResponse* response) {
+  return Answer("SetNormalizer", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Normalizer normalizer, NormalizerFromProto(request->normalizer()));
+    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return ModelAfter(host.SetNormalizer(normalizer), host);
+    }));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::SetOptimizer(grpc::ServerContext*, const v1::SetOptimizerRequest* request,
+                                             v1::SetOptimizerResponse* response) {
+  return Answer("SetOptimizer", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
+    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return ModelAfter(host.SetOptimizer(optimizer), host);
+    }));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest* request,
+                                               v1::LoadCheckpointResponse* response) {
+  return Answer("LoadCheckpoint", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(request->name()));
+    ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
+    return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) -> absl::Status {
+      ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer));
+      *response->mutable_model() = ToProto(*host.Status().model);
+      response->set_seconds(seconds);
+      return absl::OkStatus();
+    });
+  });
+}
+
+grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest* request,
+                                               v1::SaveCheckpointResponse* response) {
+  return Answer("SaveCheckpoint", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::string path, checkpoints_.ResolveForWriting(request->name()));
+    ASSIGN_OR_RETURN(const SaveOutcome saved,
+                     worker_.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path); }));
+    response->set_name(request->name());
+    response->set_step(saved.step);
+    response->set_bytes(saved.bytes);
+    response->set_seconds(saved.seconds);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::TrainStep(grpc::ServerContext*, const v1::TrainStepRequest* request,
+                                          v1::TrainStepResponse* response) {
+  return Answer("TrainStep", [&]() -> absl::Status {
+    RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
+    const Stopwatch queued;
+    ASSIGN_OR_RETURN(*response, worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return TrainOnDevice(host, request->batch(), queued);
+    }));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* PerceptionService::Train(
+    grpc::CallbackServerContext*) {
+  return new TrainReactor(
+      worker_, limits_, [this] { return Admit(); },
+      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Train", status, stopwatch); });
+}
+
+grpc::Status PerceptionService::Evaluate(grpc::ServerContext*, const v1::EvaluateRequest* request,
+                                         v1::EvaluateResponse* response) {
+  return Answer("Evaluate", [&]() -> absl::Status {
+    RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
+    ASSIGN_OR_RETURN(const Evaluation evaluation, worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return host.Evaluate(ViewOf(request->batch()), request->return_probabilities());
+    }));
+    response->set_loss(evaluation.loss);
+    response->set_masked_labels(evaluation.masked_labels);
+    for (const HorizonScore& score : evaluation.horizons) {
+      v1::HorizonAccuracy& horizon = *response->add_horizons();
+      horizon.set_horizon_events(score.horizon_events);
+      horizon.set_masked_labels(score.masked_labels);
+      horizon.set_correct(score.correct);
+      horizon.set_accuracy(score.masked_labels > 0 ? static_cast<double>(score.correct) / score.masked_labels : 0);
+    }
+    response->mutable_probabilities()->Assign(evaluation.probabilities.begin(), evaluation.probabilities.end());
+    response->set_step(evaluation.step);
+    response->set_device_seconds(evaluation.device_seconds);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace perception::server

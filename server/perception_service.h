@@ -1,0 +1,61 @@
+// The Perception gRPC service: validates each request, runs it on the device worker, answers with gRPC codes.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <string_view>
+
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "server/checkpoint_directory.h"
+#include "server/device_worker.h"
+#include "server/metrics.h"
+#include "server/request_validation.h"
+
+namespace perception::server {
+
+// Unary calls are synchronous: the handler's thread validates, queues a job and waits for it. Train is a
+// callback stream (TrainReactor) so that it can read, run and answer in parallel without a thread of its own.
+class PerceptionService final : public v1::Perception::WithCallbackMethod_Train<v1::Perception::Service> {
+ public:
+  PerceptionService(DeviceWorker& worker, const CheckpointDirectory& checkpoints, const Limits& limits,
+                    ServerMetrics& metrics);
+
+  // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; work already
+  // queued finishes.
+  void BeginDrain();
+
+  grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,
+                         v1::GetStatusResponse* response) override;
+  grpc::Status InitModel(grpc::ServerContext* context, const v1::InitModelRequest* request,
+                         v1::InitModelResponse* response) override;
+  grpc::Status SetNormalizer(grpc::ServerContext* context, const v1::SetNormalizerRequest* request,
+                             v1::SetNormalizerResponse* response) override;
+  grpc::Status SetOptimizer(grpc::ServerContext* context, const v1::SetOptimizerRequest* request,
+                            v1::SetOptimizerResponse* response) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* context, const v1::LoadCheckpointRequest* request,
+                              v1::LoadCheckpointResponse* response) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
+                              v1::SaveCheckpointResponse* response) override;
+  grpc::Status TrainStep(grpc::ServerContext* context, const v1::TrainStepRequest* request,
+                         v1::TrainStepResponse* response) override;
+  grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* Train(
+      grpc::CallbackServerContext* context) override;
+  grpc::Status Evaluate(grpc::ServerContext* context, const v1::EvaluateRequest* request,
+                        v1::EvaluateResponse* response) override;
+
+ private:
+  // UNAVAILABLE while draining.
+  absl::Status Admit() const;
+  // Admits, runs `handler` (→ absl::Status), records the answer's metrics and converts it for gRPC.
+  template <typename Handler>
+  grpc::Status Answer(std::string_view method, Handler handler);
+
+  DeviceWorker& worker_;
+  const CheckpointDirectory& checkpoints_;
+  const Limits limits_;
+  ServerMetrics& metrics_;
+  std::atomic<bool> draining_ = false;
+};
+
+}  // namespace perception::server

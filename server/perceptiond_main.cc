@@ -1,0 +1,181 @@
+// perceptiond: the daemon that owns one compute device and trains and serves PerceptionNet v1 over gRPC.
+#include <pthread.h>
+#include <signal.h>
+
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "engine/status_macros.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "perception/v1/default_address.h"
+#include "server/checkpoint_directory.h"
+#include "server/device_worker.h"
+#include "server/metrics.h"
+#include "server/metrics_http_server.h"
+#include "server/perception_service.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, perception::v1::kDefaultAddress, "gRPC listen address, host:port (port 0: any)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics listen address, host:port (port 0: any; empty: no metrics endpoint)");
+ABSL_FLAG(std::string, device, "auto", "compute device: auto (CUDA when a device is present), cpu or cuda");
+ABSL_FLAG(std::string, checkpoint_dir, "checkpoints",
+          "folder that checkpoint names are relative to; created when missing");
+ABSL_FLAG(std::string, load, "", "checkpoint name to load at startup");
+ABSL_FLAG(std::string, init_config, "", "preset to create a model from at startup (tiny, small, large; seed 1)");
+ABSL_FLAG(int, init_levels, 0, "with --init_config: LOBSTER book levels, n_features = 4*levels + 8 (0: the preset's)");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "largest request message in bytes");
+ABSL_FLAG(int, max_batch, 1024, "most windows in one batch");
+ABSL_FLAG(int, max_window, 4096, "most events in one window");
+ABSL_FLAG(int, queue_depth, 64, "most jobs waiting for the device; beyond it, calls answer RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, checkpoint_on_exit, "", "checkpoint name to save the model to after draining (empty: none)");
+ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
+          "on SIGTERM/SIGINT, how long health reports NOT_SERVING (and new calls UNAVAILABLE) before the listener "
+          "closes, so that load balancers and clients notice");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or critical");
+
+namespace perception::server {
+namespace {
+
+// Calls still running this long after the listener closes are cancelled.
+constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
+
+// Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them.
+sigset_t TerminationSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  return signals;
+}
+
+int WaitForTerminationSignal() {
+  const sigset_t signals = TerminationSignals();
+  int signal = 0;
+  sigwait(&signals, &signal);
+  return signal;
+}
+
+absl::StatusOr<Limits> LimitsFromFlags() {
+  const Limits limits{absl::GetFlag(FLAGS_max_message_bytes), absl::GetFlag(FLAGS_max_batch),
+                      absl::GetFlag(FLAGS_max_window), absl::GetFlag(FLAGS_queue_depth)};
+  if (limits.max_message_bytes < 1 || limits.max_message_bytes > INT_MAX || limits.max_batch < 1 ||
+      limits.max_window < 1 || limits.queue_depth < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("limits must be positive (and --max_message_bytes at most ", INT_MAX, ")"));
+  }
+  return limits;
+}
+
+// --load or --init_config.
+absl::Status PrepareModel(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
+  const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
+  if (!load.empty() && !preset.empty())
+    return absl::InvalidArgumentError("--load and --init_config exclude each other");
+  if (!load.empty()) {
+    ASSIGN_OR_RETURN(const std::string path, checkpoints.Resolve(load));
+    return worker.Run(JobPriority::kTraining,
+                      [&](ModelHost& host) { return host.Load(path, OptimizerConfig{}).status(); });
+  }
+  if (preset.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(preset));
+  if (const int levels = absl::GetFlag(FLAGS_init_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
+  RETURN_IF_ERROR(ValidateConfig(config));
+  return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
+    return host.Init(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false);
+  });
+}
+
+absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
+  const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
+  if (name.empty() || !worker.status().model.has_value()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name));
+  return worker.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path).status(); });
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(ServerMetrics& metrics, const DeviceWorker& worker) {
+  const std::string address = absl::GetFlag(FLAGS_metrics_listen);
+  if (address.empty()) return nullptr;
+  ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> server, MetricsHttpServer::Start(address, [&] {
+                     const HostStatus status = worker.status();
+                     metrics.SetModelParameters(status.model ? status.model->trained_parameters : 0);
+                     metrics.SetQueuedJobs(worker.queued_jobs());
+                     return metrics.Render();
+                   }));
+  spdlog::info("metrics on http://{}/metrics (port {})", address, server->port());
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& service, const Limits& limits) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  const std::string address = absl::GetFlag(FLAGS_listen);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), true);
+  spdlog::info("serving {} on {} (port {})", v1::Perception::service_full_name(), address, port);
+  return server;
+}
+
+// Health NOT_SERVING and new work refused, a grace period, then the listener closes once calls in flight are
+// answered; the device finishes what it had queued.
+void Drain(grpc::Server& server, PerceptionService& service) {
+  server.GetHealthCheckService()->SetServingStatus(false);
+  service.BeginDrain();
+  absl::SleepFor(absl::GetFlag(FLAGS_drain_grace));
+  server.Shutdown(absl::ToChronoTime(absl::Now() + kShutdownTimeout));
+}
+
+absl::Status Serve() {
+  ASSIGN_OR_RETURN(const CheckpointDirectory checkpoints,
+                   CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
+  ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
+  ServerMetrics metrics;
+  DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics), limits.queue_depth);
+  RETURN_IF_ERROR(PrepareModel(worker, checkpoints));
+  ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
+  PerceptionService service(worker, checkpoints, limits, metrics);
+  ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, limits));
+
+  const int signal = WaitForTerminationSignal();
+  spdlog::info("{}: draining", strsignal(signal));
+  Drain(*server, service);
+  RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
+  worker.Stop();
+  spdlog::info("drained; exiting");
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace perception::server
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("perceptiond: trains and serves PerceptionNet v1 on one device over gRPC");
+  absl::ParseCommandLine(argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("perceptiond"));
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  const sigset_t signals = perception::server::TerminationSignals();
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
+  const absl::Status status = perception::server::Serve();
+  if (!status.ok()) {
+    spdlog::critical("{}", status.ToString());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,126 @@
+// The device side of a training step and the Train stream's reactor.
+#include "server/training.h"
+
+#include "engine/status_macros.h"
+#include "server/proto_convert.h"
+
+namespace perception::server {
+
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued) {
+  const double queue_seconds = queued.Seconds();
+  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch)));
+  v1::TrainStepResponse response;
+  response.set_loss(outcome.result.loss);
+  response.set_grad_norm(outcome.result.grad_norm);
+  response.set_step(outcome.result.step);
+  response.set_device_seconds(outcome.device_seconds);
+  response.set_queue_seconds(queue_seconds);
+  return response;
+}
+
+template <typename Change>
+void TrainReactor::Update(Change change) {
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    change();
+    finish = AdvanceLocked();
+  }
+  // Outside the lock: once Finish is called, gRPC may delete the reactor (OnDone) on another thread at any time.
+  if (finish.has_value()) Finish(*std::move(finish));
+}
+
+TrainReactor::TrainReactor(DeviceWorker& worker, const Limits& limits, absl::AnyInvocable<absl::Status() const> admit,
+                           absl::AnyInvocable<void(const absl::Status&)> on_finish)
+    : worker_(worker), limits_(limits), admit_(std::move(admit)), on_finish_(std::move(on_finish)) {
+  Update([] {});
+}
+
+void TrainReactor::OnReadDone(bool ok) {
+  Update([&] {
+    std::unique_ptr<v1::TrainStepRequest> request = std::move(incoming_);
+    if (!ok) {
+      input_done_ = true;
+    } else if (!EndingLocked()) {
+      AcceptLocked(std::move(request));
+    }
+  });
+}
+
+void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
+  Step& step = steps_.emplace_back(Step{std::move(request), std::nullopt});
+  absl::Status accepted = admit_();
+  if (accepted.ok()) accepted = ValidateBatch(step.request->batch(), limits_);
+  if (accepted.ok()) {
+    // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
+    // are added or removed at the ends) until the stream has answered it.
+    accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
+      OnStepDone(step, TrainOnDevice(host, step.request->batch(), queued));
+    });
+  }
+  if (accepted.ok()) {
+    ++running_;
+  } else {
+    step.result = std::move(accepted);
+    input_done_ = true;  // nothing after a refused batch is read
+  }
+}
+
+void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result) {
+  Update([&] {
+    step.result = std::move(result);
+    step.request.reset();
+    --running_;
+  });
+}
+
+void TrainReactor::OnWriteDone(bool ok) {
+  Update([&] {
+    writing_ = false;
+    broken_ = broken_ || !ok;
+  });
+}
+
+void TrainReactor::OnCancel() {
+  Update([&] { broken_ = true; });
+}
+
+void TrainReactor::OnDone() { delete this; }
+
+bool TrainReactor::EndingLocked() const {
+  const bool failed = !steps_.empty() && steps_.front().result.has_value() && !steps_.front().result->ok();
+  return broken_ || failed || (input_done_ && steps_.empty());
+}
+
+std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
+  if (finished_) return std::nullopt;
+  // StartWrite and StartRead are safe under the lock: gRPC never runs a reaction inside them (it hands reactions
+  // to its executor), and the reactor outlives them because it is not finished.
+  if (!EndingLocked()) {
+    if (!writing_ && !steps_.empty() && steps_.front().result.has_value()) {
+      outgoing_ = *std::move(*steps_.front().result);
+      steps_.pop_front();
+      writing_ = true;
+      StartWrite(&outgoing_);
+    }
+    if (incoming_ == nullptr && !input_done_ && steps_.size() < kMaxUnansweredSteps) {
+      incoming_ = std::make_unique<v1::TrainStepRequest>();
+      StartRead(incoming_.get());
+    }
+    return std::nullopt;
+  }
+  // Jobs refer to this reactor and `outgoing_` must outlive its write: finish only when both are done. A read
+  // still in progress is fine: it completes (not ok) once the stream is finished.
+  if (running_ > 0 || writing_) return std::nullopt;
+  finished_ = true;
+  absl::Status status;
+  if (broken_) {
+    status = absl::CancelledError("the client cancelled the stream or stopped reading its responses");
+  } else if (!steps_.empty()) {
+    status = steps_.front().result->status();
+  }
+  on_finish_(status);
+  return ToGrpcStatus(status);
+}
+
+}  // namespace perception::server

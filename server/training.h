@@ -1,0 +1,75 @@
+// Training over gRPC: the device side of one step, and the Train stream that pipelines steps through the worker.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <optional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/server_callback.h"
+#include "perception/v1/perception.pb.h"
+#include "server/device_worker.h"
+#include "server/model_host.h"
+#include "server/request_validation.h"
+#include "server/stopwatch.h"
+
+namespace perception::server {
+
+// One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds).
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued);
+
+// One Train stream. Each batch read is validated and queued on the device worker; responses go out in batch
+// order. At most kMaxUnansweredSteps batches are held (queued, running or waiting to be answered), plus the one
+// being received, so a client that writes ahead keeps the device busy without the daemon buffering its stream.
+// The first failure, whether refused on arrival or on the device, ends the stream with its status once the
+// steps queued before it are done. The reactor deletes itself when gRPC is done with it.
+class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse> {
+ public:
+  static constexpr size_t kMaxUnansweredSteps = 2;
+
+  // `admit` refuses new work while the daemon drains; `on_finish` sees the stream's final status.
+  TrainReactor(DeviceWorker& worker, const Limits& limits, absl::AnyInvocable<absl::Status() const> admit,
+               absl::AnyInvocable<void(const absl::Status&)> on_finish);
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+ private:
+  struct Step {
+    std::unique_ptr<v1::TrainStepRequest> request;  // released once the device is done with it
+    std::optional<absl::StatusOr<v1::TrainStepResponse>> result;
+  };
+
+  // The device worker's thread delivers a step's result.
+  void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
+  // Queues the batch just read as the next step, or records why it was refused.
+  void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies `change` to the stream's state under the lock, then moves the stream forward.
+  template <typename Change>
+  void Update(Change change);
+  // Starts the next read and write the state allows; the status to finish with once the stream has ended.
+  std::optional<grpc::Status> AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EndingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  DeviceWorker& worker_;
+  const Limits& limits_;
+  const absl::AnyInvocable<absl::Status() const> admit_;
+  absl::AnyInvocable<void(const absl::Status&)> on_finish_;
+
+  absl::Mutex mu_;
+  std::unique_ptr<v1::TrainStepRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
+  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a batch was refused
+  std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);   // in batch order, until answered
+  int running_ ABSL_GUARDED_BY(mu_) = 0;          // steps whose device job has not finished
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  v1::TrainStepResponse outgoing_ ABSL_GUARDED_BY(mu_);
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // cancelled, or the client stopped taking responses
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace perception::server

@@ -1,0 +1,92 @@
+// End-to-end test support: the real perceptiond on free loopback ports, HTTP scrapes, batches as messages.
+#pragma once
+
+#include <sys/types.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/perception_client.h"
+#include "engine/config.h"
+#include "engine/dataset.h"
+#include "perception/v1/perception.pb.h"
+#include "tests/test_util.h"
+
+namespace perception::e2e {
+
+// A fresh folder under the test temp dir, removed with everything in it when the test passed (kept for a look
+// when it failed). Declare it before the Daemon that writes into it.
+class ScopedTempDir {
+ public:
+  explicit ScopedTempDir(const std::string& prefix);
+  ~ScopedTempDir();
+  ScopedTempDir(const ScopedTempDir&) = delete;
+  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// A perceptiond process. The destructor kills it (SIGKILL) if it still runs.
+class Daemon {
+ public:
+  // Starts perceptiond (--device=cpu, free loopback ports for gRPC and metrics, checkpoints in `checkpoint_dir`,
+  // then `flags`) and waits until its health is SERVING; a port taken in the meantime gets another try.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::filesystem::path& checkpoint_dir,
+                                                       const std::vector<std::string>& flags = {});
+  ~Daemon();
+
+  const std::string& target() const { return target_; }
+  int metrics_port() const { return metrics_port_; }
+  client::PerceptionClient& client() { return *client_; }
+  pid_t pid() const { return pid_; }
+
+  void Signal(int signal) const;
+  // The exit code once the process ends within `timeout`; an error when it was killed by a signal or is still
+  // running.
+  absl::StatusOr<int> WaitForExit(absl::Duration timeout);
+  // Everything the daemon logged so far.
+  std::string Log() const;
+
+ private:
+  Daemon(pid_t pid, std::string target, int metrics_port, std::filesystem::path log_path);
+
+  pid_t pid_;
+  bool running_ = true;
+  const std::string target_;
+  const int metrics_port_;
+  const std::filesystem::path log_path_;
+  std::unique_ptr<client::PerceptionClient> client_;
+};
+
+// GET http://127.0.0.1:port/path: the body of a 200 answer, an error naming the status line otherwise.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// Runs a shell command; its exit code and everything it printed (stdout and stderr).
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;
+};
+CommandResult RunCommand(const std::string& command);
+
+// The `tiny` config as InitModel's request with `seed`, and the same model's config for local comparisons.
+v1::InitModelRequest TinyInitRequest(uint64_t seed);
+ModelConfig TinyConfig();
+
+v1::Batch ToProto(const testing::RandomBatch& batch, const ModelConfig& config);
+v1::Batch ToProto(const Batch& batch);
+v1::TrainStepRequest TrainRequest(const testing::RandomBatch& batch, const ModelConfig& config);
+v1::EvaluateRequest EvaluateRequest(const testing::RandomBatch& batch, const ModelConfig& config,
+                                    bool with_probabilities);
+v1::Normalizer ToProto(const Normalizer& normalizer);
+
+// An Evaluate answer without its timing: the bytes that equal weights and inputs must reproduce exactly.
+std::string EvaluationBits(v1::EvaluateResponse response);
+
+}  // namespace perception::e2e

@@ -1,0 +1,185 @@
+// The daemon's life as operators see it: health and reflection, draining on SIGTERM/SIGINT with exit code 0,
+// and /metrics scraped from the running binary.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <csignal>
+#include <fstream>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "engine/checkpoint.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace perception::e2e {
+namespace {
+
+using ::testing::HasSubstr;
+using ServingStatus = grpc::health::v1::HealthCheckResponse;
+
+std::vector<std::string> ListServices(const std::string& target) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto stream = stub->ServerReflectionInfo(&context);
+  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  request.set_list_services("");
+  stream->Write(request);
+  stream->WritesDone();
+  std::vector<std::string> names;
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  while (stream->Read(&response)) {
+    for (const auto& service : response.list_services_response().service()) names.push_back(service.name());
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  return names;
+}
+
+TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
+  const ScopedTempDir temp("drain");
+  const std::filesystem::path& dir = temp.path();
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(dir / "checkpoints", {"--drain_grace=2s", "--checkpoint_on_exit=exit.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  EXPECT_EQ(*client.Health(), ServingStatus::SERVING);
+  EXPECT_EQ(*client.Health("perception.v1.Perception"), ServingStatus::SERVING);
+  EXPECT_THAT(ListServices((*daemon)->target()),
+              ::testing::IsSupersetOf({"perception.v1.Perception", "grpc.health.v1.Health"}));
+  ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+
+  // A long training stream is in flight when the signal arrives.
+  const ModelConfig config = TinyConfig();
+  std::atomic<int> answered = 0;
+  std::vector<int64_t> steps;
+  std::future<absl::Status> stream = std::async(std::launch::async, [&] {
+    return client.Train(
+        1'000'000,
+        [&](int i, v1::TrainStepRequest& request) {
+          request = TrainRequest(testing::MakeRandomBatch(config, 2, 9, i), config);
+        },
+        [&](const v1::TrainStepResponse& response) {
+          steps.push_back(response.step());
+          ++answered;
+        });
+  });
+  while (answered < 5 && stream.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GE(answered, 5) << stream.get();
+  (*daemon)->Signal(SIGTERM);
+
+  absl::StatusOr<ServingStatus::ServingStatus> health = ServingStatus::SERVING;
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  while (health.ok() && *health == ServingStatus::SERVING && absl::Now() < deadline) health = client.Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, ServingStatus::NOT_SERVING);
+  const absl::Status refused = client.GetStatus().status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("draining"));
+
+  const absl::Status ended = stream.get();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+  for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<int64_t>(i + 1));
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+
+  // --checkpoint_on_exit saved the model after the in-flight steps: every step it took was answered.
+  absl::StatusOr<Checkpoint> saved = LoadCheckpoint((dir / "checkpoints" / "exit.safetensors").string());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step, static_cast<int64_t>(steps.size()));
+}
+
+// The value of the sample `series` (name and labels exactly as exposed); NaN when absent.
+double Sample(const std::string& exposition, const std::string& series) {
+  const std::string prefix = series + " ";
+  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    double value = NAN;
+    return absl::SimpleAtod(line.substr(prefix.size()), &value) ? value : NAN;
+  }
+  return NAN;
+}
+
+void ExpectPromtoolAccepts(const std::string& exposition, const std::filesystem::path& dir) {
+  ASSERT_STRNE(PERCEPTION_PROMTOOL, "") << "promtool not found: install the Debian package `prometheus` (./dev deps)";
+  const std::filesystem::path file = dir / "metrics.txt";
+  std::ofstream(file) << exposition;
+  const CommandResult result = RunCommand(absl::StrCat(PERCEPTION_PROMTOOL, " check metrics < ", file.string()));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(result.output, "") << "promtool lint findings";
+}
+
+TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
+  const ScopedTempDir temp("metrics");
+  const std::filesystem::path& dir = temp.path();
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(dir / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  absl::StatusOr<v1::InitModelResponse> model = client.InitModel(TinyInitRequest(8));
+  ASSERT_TRUE(model.ok());
+
+  absl::StatusOr<std::string> idle = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  ExpectPromtoolAccepts(*idle, dir);
+  EXPECT_EQ(Sample(*idle, "perception_train_steps_total"), 0);
+
+  const ModelConfig config = TinyConfig();
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(client.TrainStep(TrainRequest(testing::MakeRandomBatch(config, 2, 9, i), config)).ok());
+  double last_loss = NAN;
+  ASSERT_TRUE(client
+                  .Train(
+                      7,
+                      [&](int i, v1::TrainStepRequest& request) {
+                        request = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 10 + i), config);
+                      },
+                      [&](const v1::TrainStepResponse& response) { last_loss = response.loss(); })
+                  .ok());
+  v1::TrainStepRequest bad = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 30), config);
+  bad.mutable_batch()->set_x(0, NAN);
+  ASSERT_FALSE(client.TrainStep(bad).ok());
+  v1::SaveCheckpointRequest save;
+  save.set_name("m.safetensors");
+  ASSERT_TRUE(client.SaveCheckpoint(save).ok());
+
+  absl::StatusOr<std::string> busy = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(busy.ok()) << busy.status();
+  ExpectPromtoolAccepts(*busy, dir);
+  EXPECT_EQ(Sample(*busy, "perception_train_steps_total"), 12);
+  EXPECT_EQ(Sample(*busy, "perception_train_step_seconds_count"), 12);
+  EXPECT_GT(Sample(*busy, "perception_train_step_seconds_sum"), 0);
+  EXPECT_NEAR(Sample(*busy, "perception_train_loss"), last_loss, 1e-9);
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="TrainStep"})"), 5);
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})"), 1);
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="INVALID_ARGUMENT",method="TrainStep"})"), 1);
+  EXPECT_EQ(Sample(*busy, R"(perception_requests_rejected_total{reason="invalid_argument"})"), 1);
+  EXPECT_EQ(Sample(*busy, R"(perception_checkpoint_duration_seconds_count{operation="save"})"), 1);
+  EXPECT_EQ(Sample(*busy, "perception_model_parameters"), model->model().trained_parameters());
+  EXPECT_EQ(Sample(*busy, "perception_queued_jobs"), 0);
+  EXPECT_GT(Sample(*busy, "process_cpu_seconds_total"), 0);
+  EXPECT_GT(Sample(*busy, "process_resident_memory_bytes"), 1e6);
+  EXPECT_GE(Sample(*busy, "process_virtual_memory_bytes"), Sample(*busy, "process_resident_memory_bytes"));
+  EXPECT_GT(Sample(*busy, "process_open_fds"), 3);
+  EXPECT_GE(Sample(*busy, "process_max_fds"), Sample(*busy, "process_open_fds"));
+  EXPECT_NEAR(Sample(*busy, "process_start_time_seconds"), absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), 600);
+  EXPECT_FALSE(HttpGet((*daemon)->metrics_port(), "/other").ok());
+
+  (*daemon)->Signal(SIGINT);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+}
+
+}  // namespace
+}  // namespace perception::e2e

@@ -1,0 +1,66 @@
+// perceptionctl against the real daemon: init, train on LOBSTER files, checkpoints, status, with flags before and
+// after the subcommand, and errors with the daemon's code and message.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace perception::e2e {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
+constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
+
+TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
+  const ScopedTempDir temp("ctl");
+  const std::filesystem::path& dir = temp.path();
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(dir / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string target_after = absl::StrCat(" --target ", (*daemon)->target());
+
+  CommandResult init = RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --batch 8 --window 32"));
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  EXPECT_THAT(init.output, HasSubstr("trains on 8 x 32 events"));
+
+  // Flags after the subcommand, the documented `--lobster ORDERBOOK MESSAGES`, output that is not a terminal.
+  CommandResult train = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " train --lobster ", kOrderbook, " ", kMessages,
+                                                " --steps 20 --log-every 10", target_after));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("fitted the normalizer on 699 training events"));
+  EXPECT_THAT(train.output, HasSubstr("step 10/20  loss"));
+  EXPECT_THAT(train.output, HasSubstr("step 20/20  loss"));
+  EXPECT_THAT(train.output, HasSubstr("vs class-prior baseline"));
+
+  CommandResult save = RunCommand(absl::StrCat(ctl, " checkpoint save runs/ctl.safetensors"));
+  ASSERT_EQ(save.exit_code, 0) << save.output;
+  EXPECT_THAT(save.output, HasSubstr("saved runs/ctl.safetensors: step 20"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "checkpoints" / "runs" / "ctl.safetensors"));
+
+  CommandResult load =
+      RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " checkpoint load runs/ctl.safetensors", target_after));
+  ASSERT_EQ(load.exit_code, 0) << load.output;
+  CommandResult status = RunCommand(absl::StrCat(ctl, " status"));
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_THAT(status.output, HasSubstr("step 20,"));
+  EXPECT_THAT(status.output, HasSubstr("normalizer fitted"));
+
+  CommandResult eval = RunCommand(absl::StrCat(ctl, " eval --lobster ", kOrderbook, " ", kMessages));
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr("accuracy by horizon (events): 10: "));
+
+  CommandResult escape = RunCommand(absl::StrCat(ctl, " checkpoint load ../x.safetensors"));
+  EXPECT_EQ(escape.exit_code, 1);
+  EXPECT_THAT(escape.output, HasSubstr("INVALID_ARGUMENT: checkpoint name '../x.safetensors' must not contain '..'"));
+  CommandResult mismatch = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4"));
+  EXPECT_EQ(mismatch.exit_code, 1);
+  EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
+}
+
+}  // namespace
+}  // namespace perception::e2e
