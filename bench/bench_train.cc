@@ -1,7 +1,9 @@
-// bench_train: the CUDA training step of tiny, small and large. Per config: eager µs per step (median of CUDA-event
-// timings after warmup), kernel launches per step (one step captured into a graph, its kernel nodes counted),
-// device allocations per step, and a roofline estimate — FLOPs and bytes per step over ceilings measured in the same
-// run (a 1 GiB device-to-device copy, an 8192³ SGEMM). Prints one table; --json writes the same numbers.
+// bench_train: the CUDA training step of tiny, small and large. Per config: µs per step eager (kernel by kernel) and
+// replayed (one cudaGraphLaunch of the captured step), each the median over --steps steps after --warmup, timed by
+// the model's own CUDA events around each step's launch (TrainingCounters::last_step_seconds); kernel launches per
+// step (one step captured into a graph, its kernel nodes counted); device allocations per step; and a roofline
+// estimate — FLOPs and bytes per step over ceilings measured in the same run (a 1 GiB device-to-device copy, an
+// 8192³ SGEMM). Prints one table; --json writes the same numbers.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
@@ -22,7 +25,7 @@
 #include "tests/test_util.h"
 
 ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
-ABSL_FLAG(int, steps, 60, "timed steps per config, after the warmup");
+ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), after the warmup");
 ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
 ABSL_FLAG(bool, tf32, false, "TF32 tensor cores for the cuBLAS products (and for the SGEMM ceiling)");
 ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
@@ -42,9 +45,10 @@ struct Launches {
 struct Result {
   std::string config;
   int batch = 0, window = 0;
-  double median_us = 0, min_us = 0;
+  double median_us = 0, min_us = 0;                // eager
+  double replay_median_us = 0, replay_min_us = 0;  // replayed graph
   Launches launches;
-  double allocations_per_step = 0;
+  double allocations_per_step = 0;  // over the eager and the replayed timed steps
   double gemm_flops = 0, other_flops = 0, bytes = 0;  // per step
   double roofline_us = 0;
 };
@@ -118,7 +122,7 @@ absl::StatusOr<Ceilings> MeasureCeilings(bool tf32) {
 absl::StatusOr<Launches> CountLaunches(CudaModel& model, double* gemm_flops) {
   const double flops_before = model.gemm_flops();
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(model.stream(), cudaStreamCaptureModeGlobal));
-  const absl::Status enqueued = model.EnqueueTrainStep();
+  const absl::Status enqueued = model.EnqueueTrainStepEagerly();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(model.stream(), &graph));
   RETURN_IF_ERROR(enqueued);
@@ -154,6 +158,21 @@ double NonGemmFlops(const ModelConfig& c) {
   return c.n_layers * (scan + conv) + cfc;
 }
 
+// `steps` training steps (StageBatch already done), each waited for; the device time of each from the model's events,
+// in µs, sorted.
+absl::StatusOr<std::vector<double>> TimeSteps(CudaModel& model, int steps) {
+  std::vector<double> us;
+  for (int i = 0; i < steps; ++i) {
+    const int64_t timed = model.training_counters().timed_steps;
+    RETURN_IF_ERROR(model.EnqueueTrainStep());
+    RETURN_IF_ERROR(model.Wait().status());
+    if (model.training_counters().timed_steps != timed + 1) return absl::InternalError("a step was not timed");
+    us.push_back(model.training_counters().last_step_seconds * 1e6);
+  }
+  std::sort(us.begin(), us.end());
+  return us;
+}
+
 absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings, bool tf32, int warmup, int steps) {
   ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(name));
   const ParamLayout layout(config);
@@ -161,30 +180,36 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
   InitializeParameters(layout, 1, params);
   CudaModelOptions options;
   options.tf32 = tf32;
+  options.graphs = false;  // eager first; the same model then captures and replays
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, OptimizerConfig{}, params, options));
   const auto batch = testing::MakeRandomBatch(config, config.batch, config.window, 2);
   RETURN_IF_ERROR(model->StageBatch(batch.view()));
-  for (int i = 0; i < warmup; ++i) {
-    RETURN_IF_ERROR(model->EnqueueTrainStep());
-    RETURN_IF_ERROR(model->Wait().status());
-  }
+  RETURN_IF_ERROR(TimeSteps(*model, warmup).status());
 
   Result r;
   r.config = name;
   r.batch = config.batch;
   r.window = config.window;
   ASSIGN_OR_RETURN(r.launches, CountLaunches(*model, &r.gemm_flops));
-  const int64_t allocations = CudaAllocationCount();
-  std::vector<double> us;
-  for (int i = 0; i < steps; ++i) {
-    ASSIGN_OR_RETURN(const float ms, TimeOnStream(model->stream(), [&] { return model->EnqueueTrainStep(); }));
-    RETURN_IF_ERROR(model->Wait().status());
-    us.push_back(ms * 1e3);
+  int64_t allocations = CudaAllocationCount();
+  ASSIGN_OR_RETURN(const std::vector<double> eager, TimeSteps(*model, steps));
+  int64_t allocated = CudaAllocationCount() - allocations;
+  r.median_us = eager[eager.size() / 2];
+  r.min_us = eager.front();
+
+  model->set_use_graphs(true);  // the next step captures (the shape has had its eager steps), later ones replay
+  RETURN_IF_ERROR(TimeSteps(*model, std::max(warmup, 1)).status());
+  allocations = CudaAllocationCount();
+  ASSIGN_OR_RETURN(const std::vector<double> replayed, TimeSteps(*model, steps));
+  allocated += CudaAllocationCount() - allocations;
+  const TrainingCounters counters = model->training_counters();
+  if (counters.graph_captures != 1 || counters.graph_replays != std::max(warmup, 1) + steps) {
+    return absl::InternalError(absl::StrCat("expected 1 capture and ", std::max(warmup, 1) + steps, " replays, got ",
+                                            counters.graph_captures, " and ", counters.graph_replays));
   }
-  r.allocations_per_step = static_cast<double>(CudaAllocationCount() - allocations) / steps;
-  std::sort(us.begin(), us.end());
-  r.median_us = us[us.size() / 2];
-  r.min_us = us.front();
+  r.replay_median_us = replayed[replayed.size() / 2];
+  r.replay_min_us = replayed.front();
+  r.allocations_per_step = static_cast<double>(allocated) / (2 * steps);
   r.other_flops = NonGemmFlops(config);
   // Every buffer of the step written once and read once: an estimate of the traffic, not a measurement.
   r.bytes = 2.0 * model->device_bytes();
@@ -206,8 +231,9 @@ int Run() {
   cudaGetDeviceProperties(&properties, device);
   std::printf("device %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
               ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "", ceilings->sgemm_flops_per_s / 1e12);
-  std::printf("%-6s %5s %4s %12s %10s %8s %9s %10s %9s %11s %11s\n", "config", "B", "T", "eager_us/step", "min_us",
-              "kernels", "memcpys", "allocs/st", "GFLOP/st", "GB/st(est)", "roofline_us");
+  std::printf("%-6s %5s %4s %13s %14s %7s %9s %10s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T", "eager_us/step",
+              "replay_us/step", "ratio", "eager_min", "replay_min", "kernels", "memcpys", "allocs/st", "GFLOP/st",
+              "GB/st(est)", "roofline_us");
   nlohmann::ordered_json json;
   json["device"] = properties.name;
   json["tf32"] = tf32;
@@ -222,13 +248,17 @@ int Run() {
       status = 1;
       continue;
     }
-    std::printf("%-6s %5d %4d %12.1f %10.1f %8d %9d %10.2f %9.2f %11.2f %11.1f\n", name.c_str(), r->batch, r->window,
-                r->median_us, r->min_us, r->launches.kernels, r->launches.copies, r->allocations_per_step,
+    std::printf("%-6s %5d %4d %13.1f %14.1f %7.2f %9.1f %10.1f %8d %8d %10.2f %9.2f %11.2f %11.1f\n", name.c_str(),
+                r->batch, r->window, r->median_us, r->replay_median_us, r->median_us / r->replay_median_us, r->min_us,
+                r->replay_min_us, r->launches.kernels, r->launches.copies, r->allocations_per_step,
                 (r->gemm_flops + r->other_flops) / 1e9, r->bytes / 1e9, r->roofline_us);
     json["configs"][name] = {{"batch", r->batch},
                              {"window", r->window},
                              {"eager_us_per_step_median", r->median_us},
                              {"eager_us_per_step_min", r->min_us},
+                             {"replayed_us_per_step_median", r->replay_median_us},
+                             {"replayed_us_per_step_min", r->replay_min_us},
+                             {"eager_over_replayed", r->median_us / r->replay_median_us},
                              {"kernel_launches_per_step", r->launches.kernels},
                              {"memcpy_nodes_per_step", r->launches.copies},
                              {"other_nodes_per_step", r->launches.other},

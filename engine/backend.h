@@ -20,6 +20,17 @@ struct TrainStepResult {
   int64_t step = 0;      // optimizer steps taken, this one included
 };
 
+// How a backend's training steps ran and what they cost on the device, for the daemon's metrics. The CUDA backend
+// keeps it (engine/cuda_model.h); other backends report zeros.
+struct TrainingCounters {
+  int64_t eager_steps = 0;        // steps enqueued kernel by kernel: the first at each shape, all with graphs off
+  int64_t graph_captures = 0;     // training-step graphs captured, one per (batch, window) trained at
+  int64_t graph_replays = 0;      // steps run as one cudaGraphLaunch of a captured graph
+  int64_t timed_steps = 0;        // steps whose device time was read (every step waited for before the next)
+  double last_step_seconds = 0;   // device time of the latest timed step: CUDA events recorded around its launch
+  double total_step_seconds = 0;  // summed over the timed steps
+};
+
 // One tick of the streaming path: n events, at most one per slot, each with the ring index its conviction and
 // probabilities are written to in that slot's log (the caller keeps the log's bookkeeping; see StreamTable).
 struct StreamTick {
@@ -45,6 +56,11 @@ class Backend {
 
   // One optimizer step on `batch`, whose shape must match the backend's config (batch, window).
   virtual absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) = 0;
+  // Training-step metrics (see TrainingCounters); zeros where the backend keeps none.
+  virtual TrainingCounters training_counters() const { return {}; }
+  // CUDA graphs for the training step and the streaming ticks (on by default); off enqueues the same work kernel by
+  // kernel, for debugging. A backend without graphs ignores it.
+  virtual void set_use_graphs(bool /*use_graphs*/) {}
   // Masked BCE of `batch` under the current parameters; logits [B,T,H] written when non-empty.
   virtual absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) = 0;
 

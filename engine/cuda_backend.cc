@@ -1,5 +1,6 @@
-// The Backend interface over CudaModel: shape checks, batching of evaluations into the configured batch, streams in
-// chunks of the window with the state carried, and checkpoints in and out.
+// The Backend interface over CudaModel: shape checks, training steps replayed as CUDA graphs (CudaModel's warmup →
+// capture → replay), batching of evaluations into the configured batch, streams in chunks of the window with the
+// state carried, and checkpoints in and out.
 #include "engine/cuda_backend.h"
 
 #include <algorithm>
@@ -31,6 +32,13 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(model_->EnqueueTrainStep());
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
     return TrainStepResult{report.loss, report.grad_norm, report.step};
+  }
+
+  TrainingCounters training_counters() const override { return model_->training_counters(); }
+  // One switch for the training graphs and the streaming ticks' graphs.
+  void set_use_graphs(bool use_graphs) override {
+    model_->set_use_graphs(use_graphs);
+    if (streamer_) streamer_->set_use_graphs(use_graphs);
   }
 
   // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
@@ -108,6 +116,7 @@ class CudaBackend final : public Backend {
   // Streaming runs on its own high-priority stream over a published copy of the weights (engine/cuda_streamer.h).
   absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
     ASSIGN_OR_RETURN(streamer_, CudaStreamer::Create(layout(), slots, log_entries_per_slot));
+    streamer_->set_use_graphs(model_->use_graphs());
     return PublishWeights();
   }
   absl::Status PublishWeights() override {

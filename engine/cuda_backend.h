@@ -15,7 +15,8 @@ namespace perception {
 // "no CUDA device: cudaGetDeviceCount returned cudaErrorNoDevice (no CUDA-capable device is detected)".
 absl::Status CudaDeviceAvailable();
 
-// A backend on the current CUDA device; everything it needs is allocated here, nothing afterwards.
+// A backend on the current CUDA device; everything it needs is allocated here, nothing afterwards (CUDA graphs are
+// instantiated on the second training step at a shape; options.graphs = false keeps every step eager).
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                          std::vector<float> params, CudaModelOptions options = {});
 

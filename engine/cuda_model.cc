@@ -98,8 +98,14 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
 }
 
 CudaModel::~CudaModel() {
-  // Destruction cannot report errors: finish the queued work, then release the handle before the stream.
+  // Destruction cannot report errors: finish the queued work, then release the graphs, events and handle before the
+  // stream.
   if (stream_) cudaStreamSynchronize(stream_);
+  for (auto& [shape, graph] : train_graphs_) {
+    if (graph.exec) cudaGraphExecDestroy(graph.exec);
+  }
+  if (step_start_) cudaEventDestroy(step_start_);
+  if (step_stop_) cudaEventDestroy(step_stop_);
   blas_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -111,6 +117,9 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   device_name_ = absl::StrCat("cuda:", device, " ", properties.name);
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_start_));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_stop_));
+  use_graphs_ = options.graphs;
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
@@ -279,6 +288,10 @@ absl::Status CudaModel::StageBatch(const BatchView<float>& batch) {
                                                    batch.window, "): x ", batch.x.size(), ", dt ", batch.dt.size(),
                                                    ", labels ", batch.labels.size(), ", mask ", batch.mask.size()));
   }
+  if (enqueued_since_wait_) {  // a step not waited for may still be copying the previous batch in
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    enqueued_since_wait_ = false;
+  }
   std::memcpy(x_host_, batch.x.data(), batch.x.size_bytes());
   std::memcpy(dt_host_, batch.dt.data(), batch.dt.size_bytes());
   std::memcpy(labels_host_, batch.labels.data(), batch.labels.size_bytes());
@@ -300,6 +313,7 @@ absl::Status CudaModel::RequireStaged(bool full_batch) const {
 
 absl::Status CudaModel::CopyInputsIn(int rows) {
   const size_t n = rows, F = config().n_features, H = config().n_horizons;
+  enqueued_since_wait_ = true;
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * F * sizeof(float), cudaMemcpyHostToDevice, stream_));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(labels_, labels_host_, n * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
@@ -307,7 +321,81 @@ absl::Status CudaModel::CopyInputsIn(int rows) {
   return absl::OkStatus();
 }
 
+// ---- training step: warmup → capture → replay ----
+
 absl::Status CudaModel::EnqueueTrainStep() {
+  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));  // refuses any other training shape, naming both
+  step_timing_pending_ = false;                         // the previous step was not waited for: it stays untimed
+  const auto [entry, added] = train_graphs_.try_emplace({staged_batch_, staged_window_});
+  TrainGraph& graph = entry->second;
+  if (added) {
+    graph.batch = staged_batch_;
+    graph.window = staged_window_;
+  }
+  const bool replay = use_graphs_ && graph.eager_steps > 0;
+  if (replay && !graph.exec) RETURN_IF_ERROR(CaptureTrainStep(graph));
+  if (replay) RETURN_IF_ERROR(CheckReplay(graph));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(step_start_, stream_));
+  if (replay) {
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
+    enqueued_since_wait_ = true;
+    ++counters_.graph_replays;
+  } else {
+    RETURN_IF_ERROR(EnqueueTrainStepEagerly());
+    ++graph.eager_steps;
+    ++counters_.eager_steps;
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(step_stop_, stream_));
+  step_timing_pending_ = true;
+  return absl::OkStatus();
+}
+
+CudaModel::BufferSet CudaModel::CurrentBuffers() const {
+  // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
+  // (bias_jobs_, chunks_) and the cuBLAS workspace.
+  return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
+          report_, x_, h_[0], bias_jobs_, chunks_, blas_workspace_};
+}
+
+absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
+  // Thread-local capture mode, as the streamer's: nothing of this thread may synchronize or allocate meanwhile.
+  cudaGraph_t captured = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status enqueued = EnqueueTrainStepEagerly();
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &captured);
+  if (!enqueued.ok() || ended != cudaSuccess) {
+    if (captured) cudaGraphDestroy(captured);
+    RETURN_IF_ERROR(enqueued);
+    CUDA_RETURN_IF_ERROR(ended);
+  }
+  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, captured, 0);
+  cudaGraphDestroy(captured);
+  CUDA_RETURN_IF_ERROR(instantiated);
+  graph.buffers = CurrentBuffers();
+  ++counters_.graph_captures;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::CheckReplay(const TrainGraph& graph) const {
+  if (graph.batch != staged_batch_ || graph.window != staged_window_) {
+    return absl::InternalError(absl::StrCat("CUDA backend: the training graph captured for (batch, window) = (",
+                                            graph.batch, ", ", graph.window, ") was about to replay a batch of (",
+                                            staged_batch_, ", ", staged_window_, ")"));
+  }
+  const BufferSet now = CurrentBuffers();
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (now[i] != graph.buffers[i]) {
+      return absl::InternalError(absl::StrCat(
+          "CUDA backend: the training graph for (batch, window) = (", graph.batch, ", ", graph.window,
+          ") was captured over other buffers (buffer ", i, " was 0x",
+          absl::Hex(reinterpret_cast<uintptr_t>(graph.buffers[i])), ", is 0x",
+          absl::Hex(reinterpret_cast<uintptr_t>(now[i])), "); refusing to replay"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::EnqueueTrainStepEagerly() {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
   RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
   RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
@@ -348,7 +436,16 @@ absl::Status CudaModel::ResetStreamState() {
 }
 
 absl::StatusOr<kernels::StepReport> CudaModel::Wait() {
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the one synchronization of a step
+  enqueued_since_wait_ = false;
+  if (step_timing_pending_) {  // both events completed with the stream: reading them waits for nothing
+    step_timing_pending_ = false;
+    float ms = 0;
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, step_start_, step_stop_));
+    counters_.last_step_seconds = ms * 1e-3;
+    counters_.total_step_seconds += ms * 1e-3;
+    ++counters_.timed_steps;
+  }
   return *report_host_;
 }
 

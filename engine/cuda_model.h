@@ -1,10 +1,13 @@
 // PerceptionNet on one CUDA device: every buffer of the training step sized once at construction, and the step —
 // staged inputs in, forward, masked BCE, backward, clip + AdamW, report out — enqueued on one stream with no host
-// synchronization, no allocation and no host-side read, so that the next issue can capture it into a CUDA graph.
+// synchronization, no allocation and no host-side read, and from its second run at a shape on, replayed as one
+// captured CUDA graph (ARCHITECTURE.md, "Warmup → capture → replay").
 // The GPU counterpart of CpuReference + ClipAndAdamW; engine/cuda_backend.cc adapts it to the Backend interface.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -13,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "engine/backend.h"
 #include "engine/cpu_reference.h"
 #include "engine/cuda_blas.h"
 #include "engine/cuda_memory.h"
@@ -30,6 +34,8 @@ namespace perception {
 
 struct CudaModelOptions {
   bool tf32 = false;  // TF32 tensor cores for the cuBLAS products (the kernels stay float32)
+  // Training steps as CUDA graphs (see EnqueueTrainStep); false enqueues every step kernel by kernel, for debugging.
+  bool graphs = true;
 };
 
 class CudaModel {
@@ -51,20 +57,40 @@ class CudaModel {
   const std::string& device_name() const { return device_name_; }
 
   // Host work only: copies `batch` (at most config.batch windows of at most config.window events) into the pinned
-  // staging buffers, which the next Enqueue copies to the device.
+  // staging buffers, which the next Enqueue (or training graph) copies to the device. If work enqueued since the
+  // last Wait() may still be reading them, it waits for the stream first (never the case after Wait()).
   absl::Status StageBatch(const BatchView<float>& batch);
 
   // Asynchronous device work on stream(). EnqueueTrainStep and EnqueueGradients need a staged batch of the config's
   // exact (batch, window); EnqueueGradients leaves the gradients on the device instead of taking the optimizer step.
   // EnqueueEvaluate runs the forward and the loss over the staged batch; with `carry_state` the sequences start from
   // the carried per-sequence state and leave their final state there (ResetStreamState zeroes it).
+  //
+  // EnqueueTrainStep is warmup → capture → replay, per (batch, window) in a small cache of graphs: the first step at
+  // a shape runs eagerly (cuBLAS and lazy state settle), the second is captured into a CUDA graph and launched, later
+  // ones are one cudaGraphLaunch. The graph copies the staged inputs in and the report out itself; the learning rate
+  // and bias corrections come from the device step counter, so schedules advance under replay. Every replay checks
+  // that the graph's shape is the staged one and that the buffers it was captured over are still the model's
+  // (INTERNAL otherwise: never a replay over other memory). Training shapes other than the config's (batch, window)
+  // are refused with INVALID_ARGUMENT naming both: the backward pass and its column-sum tables are built for exactly
+  // that shape, so the cache holds one graph per model today and is keyed by shape so that more can be added.
+  // With graphs off every step is eager. CUDA events around each step's launch give its device time (Wait reads them).
   absl::Status EnqueueTrainStep();
+  // The training step's device work enqueued kernel by kernel: what an eager step runs and what a capture records.
+  // No events, no counters (for benchmarks that capture it themselves).
+  absl::Status EnqueueTrainStepEagerly();
+  void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
+  bool use_graphs() const { return use_graphs_; }
+  // Counts of eager steps, captures and replays, and the device time of the steps waited for.
+  const TrainingCounters& training_counters() const { return counters_; }
   absl::Status EnqueueGradients();
   absl::Status EnqueueEvaluate(bool carry_state);
   absl::Status ResetStreamState();
 
   // Waits for the stream and returns the report of the last Enqueue (loss and mask count always; gradient norm and
-  // step after EnqueueTrainStep). After EnqueueEvaluate, StagedLogits() then holds its logits.
+  // step after EnqueueTrainStep). After EnqueueEvaluate, StagedLogits() then holds its logits. After a training step
+  // it also reads that step's CUDA events into training_counters(): they completed with the stream, so the read
+  // stalls nothing. (A training step not waited for before the next is enqueued stays untimed.)
   absl::StatusOr<kernels::StepReport> Wait();
   std::span<const float> StagedLogits() const;
 
@@ -101,6 +127,20 @@ class CudaModel {
     float* Cfc(float* base) const { return base + layers * (conv_per_layer + ssm_per_layer); }
   };
 
+  // The buffers a training graph reads and writes, by address: the pinned staging and report, the parameters,
+  // gradients, moments and step counter, the device inputs, and the base of every arena (activations, tables,
+  // cuBLAS workspace). A graph replays only over the set it was captured with.
+  using BufferSet = std::array<const void*, 16>;
+  // One cached training graph: its shape, the eager steps seen at that shape, the executable once captured.
+  struct TrainGraph {
+    int batch = 0, window = 0;
+    int64_t eager_steps = 0;
+    cudaGraphExec_t exec = nullptr;
+    BufferSet buffers{};
+  };
+  // Tests swap a staging buffer through this peer to check that a replay over other memory is refused.
+  friend class CudaModelTestPeer;
+
   CudaModel(const ModelConfig& config, const OptimizerConfig& optimizer);
   absl::Status Initialize(std::span<const float> params, const CudaModelOptions& options);
   void ReserveBuffers();
@@ -108,6 +148,9 @@ class CudaModel {
 
   absl::Status RequireStaged(bool full_batch) const;
   absl::Status CopyInputsIn(int rows);
+  BufferSet CurrentBuffers() const;
+  absl::Status CaptureTrainStep(TrainGraph& graph);
+  absl::Status CheckReplay(const TrainGraph& graph) const;
   absl::Status ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
@@ -133,6 +176,14 @@ class CudaModel {
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
   int staged_batch_ = 0, staged_window_ = 0;
+  bool enqueued_since_wait_ = false;  // device work may still read the staging buffers
+
+  // Warmup → capture → replay: graphs by (batch, window), the events around each step's launch, the counters.
+  bool use_graphs_ = true;
+  std::map<std::pair<int, int>, TrainGraph> train_graphs_;
+  cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;
+  bool step_timing_pending_ = false;
+  TrainingCounters counters_;
 
   // Parameters, gradients and AdamW moments in the flat layout; the step counter, the report, the norm partials.
   float *params_ = nullptr, *grads_ = nullptr, *exp_avg_ = nullptr, *exp_avg_sq_ = nullptr;

@@ -23,6 +23,7 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
+ABSL_FLAG(std::string, graphs, "on", "CUDA graphs for the training step: on, or off to run it eagerly (debugging)");
 ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
 ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
@@ -50,7 +51,7 @@ namespace {
 constexpr char kUsage[] = R"(perception: train, evaluate and inspect PerceptionNet v1 offline.
 
   perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N --batch B --window T
-                   [--lr X] [--seed S] --save CKPT
+                   [--lr X] [--seed S] [--graphs on|off] --save CKPT
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy]
   perception inspect CKPT)";
@@ -105,8 +106,13 @@ absl::Status Train() {
   std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
   std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),
             params.begin() + layout.tensor(layout.norm_inv_std).offset);
+  const std::string graphs = absl::GetFlag(FLAGS_graphs);
+  if (graphs != "on" && graphs != "off") {
+    return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params)));
+  backend->set_use_graphs(graphs == "on");
   spdlog::info("device {}", backend->device_name());
 
   ASSIGN_OR_RETURN(WindowSampler sampler,
