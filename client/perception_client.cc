@@ -79,6 +79,57 @@ absl::StatusOr<v1::EvaluateResponse> PerceptionClient::Evaluate(const v1::Evalua
   return Call(&v1::Perception::Stub::Evaluate, *perception_, request, options_.timeout);
 }
 
+EventStream::EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack)
+    : stream_(stub.Stream(&context_)), on_ack_(std::move(on_ack)) {
+  reader_ = std::thread([this] {
+    v1::StreamResponse response;
+    while (stream_->Read(&response)) on_ack_(response);
+    ended_ = true;
+  });
+}
+
+EventStream::~EventStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    reader_.join();
+    stream_->Finish();
+  }
+}
+
+bool EventStream::Write(const v1::StreamRequest& request) { return stream_->Write(request); }
+
+absl::Status EventStream::Finish() {
+  finished_ = true;
+  stream_->WritesDone();
+  reader_.join();  // the daemon ends the call once every accepted event is acknowledged
+  return FromGrpc(stream_->Finish());
+}
+
+std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack) {
+  return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack)));
+}
+
+absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {
+  return Call(&v1::Perception::Stub::SeedStream, *perception_, request, options_.timeout);
+}
+
+absl::StatusOr<v1::ReadConvictionsResponse> PerceptionClient::ReadConvictions(
+    const v1::ReadConvictionsRequest& request) {
+  return Call(&v1::Perception::Stub::ReadConvictions, *perception_, request, options_.timeout);
+}
+
+absl::StatusOr<v1::ResetStreamResponse> PerceptionClient::ResetStream(const v1::ResetStreamRequest& request) {
+  return Call(&v1::Perception::Stub::ResetStream, *perception_, request, options_.timeout);
+}
+
+absl::StatusOr<v1::CloseStreamResponse> PerceptionClient::CloseStream(const v1::CloseStreamRequest& request) {
+  return Call(&v1::Perception::Stub::CloseStream, *perception_, request, options_.timeout);
+}
+
+absl::StatusOr<v1::ListStreamsResponse> PerceptionClient::ListStreams() {
+  return Call(&v1::Perception::Stub::ListStreams, *perception_, v1::ListStreamsRequest(), options_.timeout);
+}
+
 absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
                                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response) {
   grpc::ClientContext context;

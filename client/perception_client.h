@@ -1,8 +1,11 @@
 // The C++ client of perceptiond: one method per RPC, a deadline on every call, errors as absl::Status.
 #pragma once
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -12,6 +15,31 @@
 #include "perception/v1/perception.grpc.pb.h"
 
 namespace perception::client {
+
+// One Stream call: requests written from one thread, acknowledgements read on a helper thread. Not thread-safe
+// for writing (one writer); Finish once.
+class EventStream {
+ public:
+  ~EventStream();  // cancels the call if Finish was not called
+  // Sends one request; false once the call has ended (Finish says why).
+  bool Write(const v1::StreamRequest& request);
+  // Half-closes and waits for the call to end: OK once every accepted event was acknowledged, else the daemon's
+  // status (the acknowledgements before it were delivered).
+  absl::Status Finish();
+  // True once the daemon has ended the call (all acknowledgements delivered); Finish then says why.
+  bool ended() const { return ended_; }
+
+ private:
+  friend class PerceptionClient;
+  EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack);
+
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> stream_;
+  std::function<void(const v1::StreamResponse&)> on_ack_;
+  std::thread reader_;
+  std::atomic<bool> ended_ = false;
+  bool finished_ = false;
+};
 
 struct ClientOptions {
   absl::Duration timeout = absl::Seconds(60);  // deadline of each call; in Train, of each step
@@ -32,6 +60,15 @@ class PerceptionClient {
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const v1::SaveCheckpointRequest& request);
   absl::StatusOr<v1::TrainStepResponse> TrainStep(const v1::TrainStepRequest& request);
   absl::StatusOr<v1::EvaluateResponse> Evaluate(const v1::EvaluateRequest& request);
+
+  // Live streaming. OpenStream starts a Stream call (no deadline); `on_ack` sees each acknowledgement on the
+  // stream's reader thread.
+  std::unique_ptr<EventStream> OpenStream(std::function<void(const v1::StreamResponse&)> on_ack);
+  absl::StatusOr<v1::SeedStreamResponse> SeedStream(const v1::SeedStreamRequest& request);
+  absl::StatusOr<v1::ReadConvictionsResponse> ReadConvictions(const v1::ReadConvictionsRequest& request);
+  absl::StatusOr<v1::ResetStreamResponse> ResetStream(const v1::ResetStreamRequest& request);
+  absl::StatusOr<v1::CloseStreamResponse> CloseStream(const v1::CloseStreamRequest& request);
+  absl::StatusOr<v1::ListStreamsResponse> ListStreams();
 
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
   // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the

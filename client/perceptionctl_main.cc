@@ -1,4 +1,4 @@
-// perceptionctl: the command line of perceptiond (status, init, train, eval, checkpoints).
+// perceptionctl: the command line of perceptiond (status, init, train, eval, checkpoints, live streaming).
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,7 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "absl/strings/numbers.h"
 #include "client/lobster_commands.h"
+#include "client/stream_commands.h"
 #include "client/perception_client.h"
 #include "engine/cli/arguments.h"
 #include "engine/optimizer.h"
@@ -40,6 +42,17 @@ ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK MESSAGES (or ORDERBO
 ABSL_FLAG(int, steps, 100, "train: optimizer steps");
 ABSL_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to train on; the rest validates");
 ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
+ABSL_FLAG(std::string, instrument, "", "stream, convictions, streams reset/close: the instrument id");
+ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
+ABSL_FLAG(int, seed_window, 0, "stream: seed the state with the first N events (SeedStream), then stream the rest");
+ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based); sequence numbers still start at 1");
+ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
+ABSL_FLAG(uint64_t, from, 0, "convictions: the first sequence number to write (older than the log's oldest: from it)");
+ABSL_FLAG(std::string, out, "", "convictions: the CSV file to write");
+ABSL_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
+ABSL_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");
+ABSL_FLAG(int, connections, 1, "bench: Stream calls, each with its share of the instruments");
+ABSL_FLAG(int, in_flight, 8, "bench: unacknowledged requests per connection (one event per instrument each)");
 
 namespace perception::client {
 namespace {
@@ -53,7 +66,13 @@ constexpr char kUsage[] = R"(perceptionctl: drive perceptiond over gRPC.
     train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
-    checkpoint load NAME)";
+    checkpoint load NAME
+    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N]
+           [--first I] [--count N]
+    convictions --instrument ID [--from SEQ] --out FILE.csv
+    streams                                  (list the live streams)
+    streams reset ID | streams close ID
+    bench --instruments N --events M [--rate R|max] [--connections C] [--in-flight K])";
 
 std::string Describe(const v1::Model& model) {
   const v1::ModelConfig& c = model.config();
@@ -86,6 +105,10 @@ absl::Status Status(PerceptionClient& client) {
       status.has_model() ? Describe(status.model()).c_str() : "model: none (perceptionctl init)", limits.max_batch(),
       limits.max_window(), static_cast<long long>(limits.max_message_bytes()), limits.queue_depth(),
       status.queued_jobs());
+  const v1::StreamingStatus& s = status.streaming();
+  std::printf("streaming: %d of %d slots live, %lld log entries per slot, weights version %lld, %lld events pending\n",
+              s.active_streams(), s.slots(), static_cast<long long>(s.log_entries_per_slot()),
+              static_cast<long long>(s.weights_version()), static_cast<long long>(s.pending_events()));
   return absl::OkStatus();
 }
 
@@ -152,6 +175,43 @@ absl::Status LoadCheckpoint(PerceptionClient& client, const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> RateFromFlag() {
+  const std::string rate = absl::GetFlag(FLAGS_rate);
+  double value = 0;
+  if (rate == "max") return 0.0;
+  if (!absl::SimpleAtod(rate, &value) || !(value > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--rate must be a positive number of events per second or max, "
+                                                   "not '", rate, "'"));
+  }
+  return value;
+}
+
+absl::Status Stream(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
+  ASSIGN_OR_RETURN(const double rate, RateFromFlag());
+  return StreamLobster(client, {files, absl::GetFlag(FLAGS_instrument), rate, absl::GetFlag(FLAGS_seed_window),
+                                absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count)});
+}
+
+absl::Status RunBench(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const double rate, RateFromFlag());
+  return Bench(client, {absl::GetFlag(FLAGS_instruments), absl::GetFlag(FLAGS_events), rate,
+                        absl::GetFlag(FLAGS_connections), absl::GetFlag(FLAGS_in_flight)});
+}
+
+absl::Status ListStreams(PerceptionClient& client) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse response, client.ListStreams());
+  std::printf("%-16s %5s %12s %9s %12s %12s\n", "instrument", "slot", "processed", "pending", "oldest_seq", "end_seq");
+  for (const v1::StreamInfo& s : response.streams()) {
+    std::printf("%-16s %5d %12llu %9llu %12llu %12llu\n", s.instrument().c_str(), s.slot(),
+                static_cast<unsigned long long>(s.processed_events()),
+                static_cast<unsigned long long>(s.pending_events()),
+                static_cast<unsigned long long>(s.oldest_retained_seq()),
+                static_cast<unsigned long long>(s.end_seq()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run(const std::vector<std::string>& args) {
   PerceptionClient client(absl::GetFlag(FLAGS_target), {.timeout = absl::GetFlag(FLAGS_timeout)});
   if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
@@ -164,6 +224,26 @@ absl::Status Run(const std::vector<std::string>& args) {
   if (command == "eval" && args.size() == 2) return Eval(client);
   if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(client, args[3]);
   if (command == "checkpoint" && args.size() == 4 && args[2] == "load") return LoadCheckpoint(client, args[3]);
+  if (command == "stream" && args.size() == 2) return Stream(client);
+  if (command == "convictions" && args.size() == 2) {
+    return WriteConvictions(client, absl::GetFlag(FLAGS_instrument), absl::GetFlag(FLAGS_from),
+                            absl::GetFlag(FLAGS_out));
+  }
+  if (command == "bench" && args.size() == 2) return RunBench(client);
+  if (command == "streams" && args.size() == 2) return ListStreams(client);
+  if (command == "streams" && args.size() == 4 && args[2] == "reset") {
+    v1::ResetStreamRequest request;
+    request.set_instrument(args[3]);
+    return client.ResetStream(request).status();
+  }
+  if (command == "streams" && args.size() == 4 && args[2] == "close") {
+    v1::CloseStreamRequest request;
+    request.set_instrument(args[3]);
+    ASSIGN_OR_RETURN(const v1::CloseStreamResponse closed, client.CloseStream(request));
+    std::printf("closed %s after %llu events\n", args[3].c_str(),
+                static_cast<unsigned long long>(closed.processed_events()));
+    return absl::OkStatus();
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
 }

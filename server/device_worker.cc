@@ -10,11 +10,11 @@ DeviceWorker::DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth)
 
 DeviceWorker::~DeviceWorker() { Stop(); }
 
-absl::Status DeviceWorker::Enqueue(JobPriority priority, Job job) {
+absl::Status DeviceWorker::Enqueue(JobPriority priority, Job job, bool bounded) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the device worker has stopped");
   std::deque<Job>& queue = queues_[static_cast<int>(priority)];
-  if (static_cast<int>(queue.size()) >= queue_depth_) {
+  if (bounded && static_cast<int>(queue.size()) >= queue_depth_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the device queue is full (", queue_depth_, " jobs waiting); retry later"));
   }
@@ -55,11 +55,14 @@ void DeviceWorker::Loop() {
         return false;
       };
       mu_.Await(absl::Condition(&has_work_or_stops));
-      for (std::deque<Job>& queue : queues_) {
-        if (queue.empty()) continue;
+      std::deque<Job>& streaming = queues_[static_cast<int>(JobPriority::kStreaming)];
+      std::deque<Job>& training = queues_[static_cast<int>(JobPriority::kTraining)];
+      const bool training_turn = !training.empty() && (streaming.empty() || streaming_run_ >= kStreamingRun);
+      std::deque<Job>& queue = training_turn || streaming.empty() ? training : streaming;
+      if (!queue.empty()) {
         job = std::move(queue.front());
         queue.pop_front();
-        break;
+        streaming_run_ = &queue == &streaming && !training.empty() ? streaming_run_ + 1 : 0;
       }
       if (!job) return;  // stopping, and nothing is left to run
     }

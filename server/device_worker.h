@@ -17,10 +17,12 @@
 namespace perception::server {
 
 // Which queued work the device runs first: a lower value first, FIFO within one priority. Each priority has its
-// own bound, so one kind of work cannot take the other's slots. Training and model management are one kind
-// today; live streaming will go ahead of them.
-enum class JobPriority { kTraining };
-inline constexpr int kJobPriorities = 1;
+// own bound, so one kind of work cannot take the other's slots. Live streaming (the stream batcher's ticks, its
+// seeds, reads, resets and closes) goes ahead of training and model management; so that a continuous feed
+// cannot stall training for good, one waiting training job runs after every kStreamingRun streaming jobs.
+enum class JobPriority { kStreaming, kTraining };
+inline constexpr int kJobPriorities = 2;
+inline constexpr int kStreamingRun = 16;
 
 class DeviceWorker {
  public:
@@ -32,8 +34,9 @@ class DeviceWorker {
   ~DeviceWorker();  // Stop()
 
   // Queues `job`; every accepted job runs, in order within its priority. RESOURCE_EXHAUSTED when that priority's
-  // queue is full, UNAVAILABLE after Stop.
-  absl::Status Enqueue(JobPriority priority, Job job);
+  // queue is full (unless `bounded` is false: the stream batcher, which keeps at most one tick queued, must never
+  // lose one), UNAVAILABLE after Stop.
+  absl::Status Enqueue(JobPriority priority, Job job, bool bounded = true);
 
   // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
   // is returned as the result.
@@ -53,6 +56,7 @@ class DeviceWorker {
   mutable absl::Mutex mu_;
   std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
   HostStatus status_ ABSL_GUARDED_BY(mu_);
   const int queue_depth_;
   const std::unique_ptr<ModelHost> host_;  // used by the worker thread only

@@ -28,6 +28,13 @@ prometheus::Histogram::BucketBoundaries DecadeBuckets(int first, int last) {
   return bounds;
 }
 
+// 1, 2, 4, ... up to `last`: instruments per tick.
+prometheus::Histogram::BucketBoundaries PowerOfTwoBuckets(double last) {
+  prometheus::Histogram::BucketBoundaries bounds;
+  for (double b = 1; b <= last; b *= 2) bounds.push_back(b);
+  return bounds;
+}
+
 prometheus::MetricFamily ProcessFamily(std::string name, std::string help, prometheus::MetricType type, double value) {
   prometheus::ClientMetric metric;
   if (type == prometheus::MetricType::Counter) {
@@ -107,6 +114,16 @@ ServerMetrics::ServerMetrics()
                       .Help("Masked BCE of the latest training batch, before its update.")
                       .Register(*registry_)
                       .Add({})),
+      train_graph_captures_(prometheus::BuildCounter()
+                                .Name("perception_train_graph_captures_total")
+                                .Help("Training-step CUDA graphs captured (one per training shape and model).")
+                                .Register(*registry_)
+                                .Add({})),
+      train_graph_replays_(prometheus::BuildCounter()
+                               .Name("perception_train_graph_replays_total")
+                               .Help("Training steps run as one replay of a captured CUDA graph.")
+                               .Register(*registry_)
+                               .Add({})),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("perception_rpc_duration_seconds")
                         .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
@@ -128,12 +145,77 @@ ServerMetrics::ServerMetrics()
                        .Name("perception_queued_jobs")
                        .Help("Jobs waiting for the device, the running one not included.")
                        .Register(*registry_)
-                       .Add({})) {}
+                       .Add({})),
+      stream_events_(prometheus::BuildCounter()
+                         .Name("perception_stream_events_total")
+                         .Help("Streamed events processed (one conviction each).")
+                         .Register(*registry_)
+                         .Add({})),
+      stream_step_seconds_(prometheus::BuildHistogram()
+                               .Name("perception_stream_step_seconds")
+                               .Help("Time of one streaming tick (one batched step over its instruments) in seconds.")
+                               .Register(*registry_)
+                               .Add({}, DecadeBuckets(-6, 1))),
+      stream_tick_instruments_(prometheus::BuildHistogram()
+                                   .Name("perception_stream_tick_instruments")
+                                   .Help("Instruments (events) in one streaming tick.")
+                                   .Register(*registry_)
+                                   .Add({}, PowerOfTwoBuckets(4096))),
+      stream_event_latency_(prometheus::BuildHistogram()
+                                .Name("perception_stream_event_latency_seconds")
+                                .Help("Time from receiving a streamed event to its conviction being logged, in seconds.")
+                                .Register(*registry_)
+                                .Add({}, DecadeBuckets(-6, 1))),
+      active_streams_(prometheus::BuildGauge()
+                          .Name("perception_active_streams")
+                          .Help("Live streams (instruments holding a state slot).")
+                          .Register(*registry_)
+                          .Add({})),
+      convictions_overwritten_(prometheus::BuildCounter()
+                                   .Name("perception_convictions_overwritten_total")
+                                   .Help("Conviction-log entries overwritten before being read, all instruments.")
+                                   .Register(*registry_)
+                                   .Add({})),
+      stream_rejected_(prometheus::BuildCounter()
+                           .Name("perception_stream_events_rejected_total")
+                           .Help("Streamed events refused, by reason: sequence, features, book, capacity, no_model, "
+                                 "draining.")
+                           .Register(*registry_)),
+      stream_weights_version_(prometheus::BuildGauge()
+                                  .Name("perception_stream_weights_version")
+                                  .Help("Weights version of the published copy streaming reads; 0 before streaming.")
+                                  .Register(*registry_)
+                                  .Add({})) {}
 
-void ServerMetrics::ObserveTrainStep(double device_seconds, double loss) {
+void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
+  stream_events_.Increment(instruments);
+  stream_step_seconds_.Observe(seconds);
+  stream_tick_instruments_.Observe(instruments);
+}
+
+void ServerMetrics::ObserveStreamEventLatency(double seconds) { stream_event_latency_.Observe(seconds); }
+
+void ServerMetrics::RejectStreamEvent(std::string_view reason) {
+  stream_rejected_.Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void ServerMetrics::AddConvictionsOverwritten(uint64_t entries) {
+  if (entries > 0) convictions_overwritten_.Increment(static_cast<double>(entries));
+}
+
+void ServerMetrics::SetActiveStreams(int streams) { active_streams_.Set(streams); }
+
+void ServerMetrics::SetStreamWeightsVersion(int64_t version) {
+  stream_weights_version_.Set(static_cast<double>(version));
+}
+
+void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures,
+                                     int64_t graph_replays) {
   train_step_seconds_.Observe(device_seconds);
   train_steps_.Increment();
   train_loss_.Set(loss);
+  train_graph_captures_.Increment(static_cast<double>(graph_captures));
+  train_graph_replays_.Increment(static_cast<double>(graph_replays));
 }
 
 void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds) {

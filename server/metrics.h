@@ -1,4 +1,4 @@
-// The daemon's Prometheus metrics (training, RPCs, checkpoints, process) and their text exposition.
+// The daemon's Prometheus metrics (training, streaming, RPCs, checkpoints, process) and their text exposition.
 #pragma once
 
 #include <cstdint>
@@ -20,12 +20,23 @@ class ServerMetrics {
  public:
   ServerMetrics();
 
-  // One training step that ran on the device.
-  void ObserveTrainStep(double device_seconds, double loss);
+  // One training step that ran on the device, and the CUDA graphs it captured (0 or 1) and replayed (0 or 1).
+  void ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures, int64_t graph_replays);
   // One checkpoint operation, "save" or "load", that succeeded.
   void ObserveCheckpoint(std::string_view operation, double seconds);
   // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total.
   void ObserveRpc(std::string_view method, absl::StatusCode code, double seconds);
+
+  // One streaming tick: `instruments` events (one per instrument) in one batched step of `seconds`.
+  void ObserveStreamTick(int instruments, double seconds);
+  // One streamed event, from its receipt to its conviction being in the log.
+  void ObserveStreamEventLatency(double seconds);
+  // A streamed event refused, by reason (e.g. "sequence", "features", "book", "capacity", "no_model").
+  void RejectStreamEvent(std::string_view reason);
+  void AddConvictionsOverwritten(uint64_t entries);
+  void SetActiveStreams(int streams);
+  // The weights version streaming reads (the published copy).
+  void SetStreamWeightsVersion(int64_t version);
 
   // Gauges of the daemon's state, set just before each scrape.
   void SetModelParameters(int64_t trained_parameters);
@@ -40,11 +51,21 @@ class ServerMetrics {
   prometheus::Histogram& train_step_seconds_;
   prometheus::Counter& train_steps_;
   prometheus::Gauge& train_loss_;
+  prometheus::Counter& train_graph_captures_;
+  prometheus::Counter& train_graph_replays_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Family<prometheus::Counter>& rejected_;
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;
   prometheus::Gauge& model_parameters_;
   prometheus::Gauge& queued_jobs_;
+  prometheus::Counter& stream_events_;
+  prometheus::Histogram& stream_step_seconds_;
+  prometheus::Histogram& stream_tick_instruments_;
+  prometheus::Histogram& stream_event_latency_;
+  prometheus::Gauge& active_streams_;
+  prometheus::Counter& convictions_overwritten_;
+  prometheus::Family<prometheus::Counter>& stream_rejected_;
+  prometheus::Gauge& stream_weights_version_;
 };
 
 // A status that refuses the request (bad input, no model, a limit, draining, a missing or corrupt checkpoint),

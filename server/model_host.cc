@@ -41,7 +41,16 @@ absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig
 
 }  // namespace
 
-ModelHost::ModelHost(std::string device, ServerMetrics& metrics) : device_(std::move(device)), metrics_(metrics) {}
+ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming, bool use_graphs)
+    : device_(std::move(device)), use_graphs_(use_graphs), metrics_(metrics), streaming_(streaming) {}
+
+absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
+                                                               const OptimizerConfig& optimizer,
+                                                               std::vector<float> params) const {
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, config, optimizer, std::move(params)));
+  backend->set_use_graphs(use_graphs_);
+  return backend;
+}
 
 absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
                              const std::optional<Normalizer>& normalizer, bool replace) {
@@ -56,7 +65,7 @@ absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& o
     WriteNormalizer(layout, *normalizer, params);
   }
   const bool fitted = !IsIdentityNormalizer(layout, params);
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, config, optimizer, std::move(params)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(config, optimizer, std::move(params)));
   Install(std::move(backend), optimizer, 0, fitted);
   spdlog::info("model initialized on {}: {} trained parameters, seed {}", backend_->device_name(),
                backend_->layout().trained_count(), seed);
@@ -71,17 +80,21 @@ absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
   RETURN_IF_ERROR(backend_->ImportState(state));
   normalizer_fitted_ = !IsIdentityNormalizer(backend_->layout(), state.params);
   ++weights_version_;
-  return absl::OkStatus();
+  return MaybePublish(/*due=*/true);
 }
 
 absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {
   RETURN_IF_ERROR(RequireModel());
   // A backend takes its optimizer at construction: build a new one around the same state.
   ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, state.config, optimizer, state.params));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(state.config, optimizer, state.params));
   RETURN_IF_ERROR(backend->ImportState(state));
   backend_ = std::move(backend);
+  training_counters_ = {};
   optimizer_ = optimizer;
+  streaming_configured_ = false;  // a new backend: its streaming slots are allocated on first use
+  published_weights_version_ = 0;
+  metrics_.SetStreamWeightsVersion(0);
   return absl::OkStatus();
 }
 
@@ -90,7 +103,7 @@ absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerC
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(device_, checkpoint.config, optimizer, checkpoint.params));
+                   NewBackend(checkpoint.config, optimizer, checkpoint.params));
   RETURN_IF_ERROR(backend->ImportState(checkpoint));
   Install(std::move(backend), optimizer, checkpoint.step, fitted);
   const double seconds = stopwatch.Seconds();
@@ -124,10 +137,18 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch)
   }
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(const TrainStepResult result, backend_->TrainStep(batch));
-  const TrainOutcome outcome{result, stopwatch.Seconds()};
+  // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time
+  // is its device time.
+  const TrainingCounters counters = backend_->training_counters();
+  const bool device_timed = counters.timed_steps > training_counters_.timed_steps;
+  const TrainOutcome outcome{result, device_timed ? counters.last_step_seconds : stopwatch.Seconds()};
+  metrics_.ObserveTrainStep(outcome.device_seconds, result.loss,
+                            counters.graph_captures - training_counters_.graph_captures,
+                            counters.graph_replays - training_counters_.graph_replays);
+  training_counters_ = counters;
   step_ = result.step;
   ++weights_version_;
-  metrics_.ObserveTrainStep(outcome.device_seconds, result.loss);
+  RETURN_IF_ERROR(MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps));
   return outcome;
 }
 
@@ -163,7 +184,8 @@ HostStatus ModelHost::Status() const {
   if (backend_ == nullptr) return {device_, 0, std::nullopt};
   return {backend_->device_name(), backend_->memory_bytes(),
           ModelInfo{backend_->config(), optimizer_, step_, weights_version_,
-                    static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_}};
+                    static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_,
+                    published_weights_version_}};
 }
 
 absl::Status ModelHost::RequireModel() const {
@@ -187,10 +209,37 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
 void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                         bool normalizer_fitted) {
   backend_ = std::move(backend);
+  training_counters_ = {};
   optimizer_ = optimizer;
   step_ = step;
   normalizer_fitted_ = normalizer_fitted;
   ++weights_version_;
+  streaming_configured_ = false;
+  published_weights_version_ = 0;
+  metrics_.SetStreamWeightsVersion(0);
+}
+
+absl::StatusOr<Backend*> ModelHost::StreamingBackend() {
+  RETURN_IF_ERROR(RequireModel());
+  if (!streaming_configured_) {
+    RETURN_IF_ERROR(backend_->ConfigureStreaming(streaming_.slots, log_entries_per_slot()));
+    streaming_configured_ = true;
+    published_weights_version_ = weights_version_;
+    steps_since_publish_ = 0;
+    metrics_.SetStreamWeightsVersion(published_weights_version_);
+    spdlog::info("streaming on {}: {} slots, {} conviction-log entries each, weights version {}",
+                 backend_->device_name(), streaming_.slots, log_entries_per_slot(), weights_version_);
+  }
+  return backend_.get();
+}
+
+absl::Status ModelHost::MaybePublish(bool due) {
+  if (!streaming_configured_ || !due) return absl::OkStatus();
+  RETURN_IF_ERROR(backend_->PublishWeights());
+  published_weights_version_ = weights_version_;
+  steps_since_publish_ = 0;
+  metrics_.SetStreamWeightsVersion(published_weights_version_);
+  return absl::OkStatus();
 }
 
 }  // namespace perception::server

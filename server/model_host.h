@@ -23,6 +23,14 @@ struct ModelInfo {
   int64_t weights_version = 0;  // increases with every change of the weights
   int64_t trained_parameters = 0;
   bool normalizer_fitted = false;  // false while the normalizer is the identity
+  int64_t published_weights_version = 0;  // the weights version streaming reads; 0 until streaming first runs
+};
+
+// Live streaming's device side: the backend's state slots and conviction logs, sized once per model.
+struct StreamingConfig {
+  int slots = 256;                        // state slots (live streams at once)
+  int64_t log_entries_total = 5'000'000;  // conviction-log entries over all slots (each slot gets total / slots)
+  int publish_every_steps = 1;            // training steps between refreshes of the weights streaming reads
 };
 
 struct HostStatus {
@@ -61,8 +69,9 @@ struct SaveOutcome {
 // and, on CUDA, holds the device context. Every method leaves the previous model in place when it fails.
 class ModelHost {
  public:
-  // `device` as MakeBackend takes it: "auto", "cpu" or "cuda".
-  ModelHost(std::string device, ServerMetrics& metrics);
+  // `device` as MakeBackend takes it: "auto", "cpu" or "cuda". `use_graphs` off runs the CUDA training step and
+  // streaming ticks kernel by kernel instead of as captured graphs (debugging).
+  ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true);
 
   // A new model with weights initialized from `seed` and the given normalizer (the identity when absent).
   // FAILED_PRECONDITION when a model exists and `replace` is false.
@@ -83,20 +92,41 @@ class ModelHost {
 
   HostStatus Status() const;
 
+  // ---- Streaming (the stream batcher calls these on the worker thread) ----
+  // The backend with streaming configured: slots and logs are allocated, and the current weights published, on
+  // the first call after a model is installed. FAILED_PRECONDITION without a model.
+  absl::StatusOr<Backend*> StreamingBackend();
+  // The weights version the published copy holds (0 before StreamingBackend configured the model).
+  int64_t published_weights_version() const { return published_weights_version_; }
+  int64_t log_entries_per_slot() const { return streaming_.log_entries_total / streaming_.slots; }
+  const StreamingConfig& streaming_config() const { return streaming_; }
+
  private:
   absl::Status RequireModel() const;
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                bool normalizer_fitted);
+  // After a change of the weights: refreshes the published copy when streaming runs and `due`.
+  absl::Status MaybePublish(bool due);
+
+  // MakeBackend for this host's device, with its graph setting.
+  absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
+                                                      std::vector<float> params) const;
 
   const std::string device_;
+  const bool use_graphs_;
   ServerMetrics& metrics_;
   std::unique_ptr<Backend> backend_;
+  TrainingCounters training_counters_;  // the backend's, as of its last training step
   OptimizerConfig optimizer_;
   int64_t step_ = 0;
   int64_t weights_version_ = 0;
   bool normalizer_fitted_ = false;
+  const StreamingConfig streaming_;
+  bool streaming_configured_ = false;  // on the current backend
+  int64_t published_weights_version_ = 0;
+  int steps_since_publish_ = 0;
   std::vector<float> logits_;  // Evaluate's output buffer, reused
 };
 

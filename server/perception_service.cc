@@ -6,6 +6,7 @@
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 #include "server/stopwatch.h"
+#include "server/streaming.h"
 #include "server/training.h"
 #include "spdlog/spdlog.h"
 
@@ -33,9 +34,15 @@ void Record(ServerMetrics& metrics, std::string_view method, const absl::Status&
 
 }  // namespace
 
-PerceptionService::PerceptionService(DeviceWorker& worker, const CheckpointDirectory& checkpoints, const Limits& limits,
+PerceptionService::PerceptionService(DeviceWorker& worker, StreamBatcher& streams, const StreamOptions& stream_options,
+                                     const CheckpointDirectory& checkpoints, const Limits& limits,
                                      ServerMetrics& metrics)
-    : worker_(worker), checkpoints_(checkpoints), limits_(limits), metrics_(metrics) {}
+    : worker_(worker),
+      streams_(streams),
+      stream_options_(stream_options),
+      checkpoints_(checkpoints),
+      limits_(limits),
+      metrics_(metrics) {}
 
 void PerceptionService::BeginDrain() { draining_ = true; }
 
@@ -67,6 +74,9 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
     limits.set_max_window(limits_.max_window);
     limits.set_queue_depth(limits_.queue_depth);
     response->set_queued_jobs(worker_.queued_jobs());
+    v1::StreamingStatus& streaming = *response->mutable_streaming();
+    streams_.FillStatus(streaming);
+    if (status.model.has_value()) streaming.set_weights_version(status.model->published_weights_version);
     return absl::OkStatus();
   });
 }
@@ -82,7 +92,9 @@ grpc::Status PerceptionService::InitModel(grpc::ServerContext*, const v1::InitMo
       ASSIGN_OR_RETURN(normalizer, NormalizerFromProto(request->normalizer()));
     }
     ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return ModelAfter(host.Init(config, optimizer, request->seed(), normalizer, request->replace()), host);
+      return streams_.ChangeModel(host, [&] {
+        return ModelAfter(host.Init(config, optimizer, request->seed(), normalizer, request->replace()), host);
+      });
     }));
     return absl::OkStatus();
   });
@@ -104,7 +116,7 @@ grpc::Status PerceptionService::SetOptimizer(grpc::ServerContext*, const v1::Set
   return Answer("SetOptimizer", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
     ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return ModelAfter(host.SetOptimizer(optimizer), host);
+      return streams_.ChangeModel(host, [&] { return ModelAfter(host.SetOptimizer(optimizer), host); });
     }));
     return absl::OkStatus();
   });
@@ -115,11 +127,13 @@ grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::L
   return Answer("LoadCheckpoint", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(request->name()));
     ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
-    return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) -> absl::Status {
-      ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer));
-      *response->mutable_model() = ToProto(*host.Status().model);
-      response->set_seconds(seconds);
-      return absl::OkStatus();
+    return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return streams_.ChangeModel(host, [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer));
+        *response->mutable_model() = ToProto(*host.Status().model);
+        response->set_seconds(seconds);
+        return absl::OkStatus();
+      });
     });
   });
 }
@@ -176,6 +190,51 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext*, const v1::Evaluat
     response->mutable_probabilities()->Assign(evaluation.probabilities.begin(), evaluation.probabilities.end());
     response->set_step(evaluation.step);
     response->set_device_seconds(evaluation.device_seconds);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionService::Stream(
+    grpc::CallbackServerContext*) {
+  return new StreamReactor(
+      streams_, stream_options_, [this] { return Admit(); },
+      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Stream", status, stopwatch); });
+}
+
+grpc::Status PerceptionService::SeedStream(grpc::ServerContext*, const v1::SeedStreamRequest* request,
+                                           v1::SeedStreamResponse* response) {
+  return Answer("SeedStream", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*response, streams_.Seed(*request));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::ReadConvictions(grpc::ServerContext*, const v1::ReadConvictionsRequest* request,
+                                                v1::ReadConvictionsResponse* response) {
+  return Answer("ReadConvictions", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*response, streams_.Read(*request));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::ResetStream(grpc::ServerContext*, const v1::ResetStreamRequest* request,
+                                            v1::ResetStreamResponse*) {
+  return Answer("ResetStream", [&] { return streams_.Reset(request->instrument()); });
+}
+
+grpc::Status PerceptionService::CloseStream(grpc::ServerContext*, const v1::CloseStreamRequest* request,
+                                            v1::CloseStreamResponse* response) {
+  return Answer("CloseStream", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const uint64_t processed, streams_.Close(request->instrument()));
+    response->set_processed_events(processed);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PerceptionService::ListStreams(grpc::ServerContext*, const v1::ListStreamsRequest*,
+                                            v1::ListStreamsResponse* response) {
+  return Answer("ListStreams", [&] {
+    *response = streams_.List();
     return absl::OkStatus();
   });
 }

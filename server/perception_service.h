@@ -11,15 +11,19 @@
 #include "server/device_worker.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
+#include "server/stream_batcher.h"
 
 namespace perception::server {
 
-// Unary calls are synchronous: the handler's thread validates, queues a job and waits for it. Train is a
-// callback stream (TrainReactor) so that it can read, run and answer in parallel without a thread of its own.
-class PerceptionService final : public v1::Perception::WithCallbackMethod_Train<v1::Perception::Service> {
+// Unary calls are synchronous: the handler's thread validates, queues a job and waits for it. Train and Stream
+// are callback streams (TrainReactor, StreamReactor) so that they read, run and answer in parallel without a
+// thread of their own.
+class PerceptionService final
+    : public v1::Perception::WithCallbackMethod_Train<v1::Perception::WithCallbackMethod_Stream<
+          v1::Perception::Service>> {
  public:
-  PerceptionService(DeviceWorker& worker, const CheckpointDirectory& checkpoints, const Limits& limits,
-                    ServerMetrics& metrics);
+  PerceptionService(DeviceWorker& worker, StreamBatcher& streams, const StreamOptions& stream_options,
+                    const CheckpointDirectory& checkpoints, const Limits& limits, ServerMetrics& metrics);
 
   // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; work already
   // queued finishes.
@@ -44,6 +48,19 @@ class PerceptionService final : public v1::Perception::WithCallbackMethod_Train<
   grpc::Status Evaluate(grpc::ServerContext* context, const v1::EvaluateRequest* request,
                         v1::EvaluateResponse* response) override;
 
+  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* Stream(
+      grpc::CallbackServerContext* context) override;
+  grpc::Status SeedStream(grpc::ServerContext* context, const v1::SeedStreamRequest* request,
+                          v1::SeedStreamResponse* response) override;
+  grpc::Status ReadConvictions(grpc::ServerContext* context, const v1::ReadConvictionsRequest* request,
+                               v1::ReadConvictionsResponse* response) override;
+  grpc::Status ResetStream(grpc::ServerContext* context, const v1::ResetStreamRequest* request,
+                           v1::ResetStreamResponse* response) override;
+  grpc::Status CloseStream(grpc::ServerContext* context, const v1::CloseStreamRequest* request,
+                           v1::CloseStreamResponse* response) override;
+  grpc::Status ListStreams(grpc::ServerContext* context, const v1::ListStreamsRequest* request,
+                           v1::ListStreamsResponse* response) override;
+
  private:
   // UNAVAILABLE while draining.
   absl::Status Admit() const;
@@ -52,6 +69,8 @@ class PerceptionService final : public v1::Perception::WithCallbackMethod_Train<
   grpc::Status Answer(std::string_view method, Handler handler);
 
   DeviceWorker& worker_;
+  StreamBatcher& streams_;
+  const StreamOptions& stream_options_;
   const CheckpointDirectory& checkpoints_;
   const Limits limits_;
   ServerMetrics& metrics_;

@@ -23,6 +23,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
 #include "server/perception_service.h"
+#include "server/stream_batcher.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -30,6 +31,7 @@ ABSL_FLAG(std::string, listen, perception::v1::kDefaultAddress, "gRPC listen add
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address, host:port (port 0: any; empty: no metrics endpoint)");
 ABSL_FLAG(std::string, device, "auto", "compute device: auto (CUDA when a device is present), cpu or cuda");
+ABSL_FLAG(bool, graphs, true, "CUDA graphs for the training step and streaming ticks (--nographs: kernel by kernel)");
 ABSL_FLAG(std::string, checkpoint_dir, "checkpoints",
           "folder that checkpoint names are relative to; created when missing");
 ABSL_FLAG(std::string, load, "", "checkpoint name to load at startup");
@@ -43,6 +45,15 @@ ABSL_FLAG(std::string, checkpoint_on_exit, "", "checkpoint name to save the mode
 ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
           "on SIGTERM/SIGINT, how long health reports NOT_SERVING (and new calls UNAVAILABLE) before the listener "
           "closes, so that load balancers and clients notice");
+ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
+ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
+          "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "
+          "older entries are overwritten and counted)");
+ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many processed events...");
+ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
+ABSL_FLAG(int, publish_every_steps, 1,
+          "training steps between refreshes of the published weights that streaming reads");
+ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions page returns");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or critical");
 
 namespace perception::server {
@@ -78,22 +89,40 @@ absl::StatusOr<Limits> LimitsFromFlags() {
   return limits;
 }
 
+absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
+  StreamOptions options;
+  options.device = {absl::GetFlag(FLAGS_stream_slots), absl::GetFlag(FLAGS_stream_log_entries),
+                    absl::GetFlag(FLAGS_publish_every_steps)};
+  options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
+  options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
+  options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
+  if (options.device.slots < 1 || options.device.log_entries_total < options.device.slots ||
+      options.device.publish_every_steps < 1 || options.ack_every_events < 1 || options.ack_every_ms < 1 ||
+      options.max_read_count < 1) {
+    return absl::InvalidArgumentError(
+        "streaming flags must be positive, and --stream_log_entries at least --stream_slots");
+  }
+  return options;
+}
+
 // --load or --init_config.
-absl::Status PrepareModel(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
+absl::Status PrepareModel(DeviceWorker& worker, StreamBatcher& streams, const CheckpointDirectory& checkpoints) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
   if (!load.empty() && !preset.empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
   if (!load.empty()) {
     ASSIGN_OR_RETURN(const std::string path, checkpoints.Resolve(load));
-    return worker.Run(JobPriority::kTraining,
-                      [&](ModelHost& host) { return host.Load(path, OptimizerConfig{}).status(); });
+    return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return streams.ChangeModel(host, [&] { return host.Load(path, OptimizerConfig{}).status(); });
+    });
   }
   if (preset.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(preset));
   if (const int levels = absl::GetFlag(FLAGS_init_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
   RETURN_IF_ERROR(ValidateConfig(config));
   return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
-    return host.Init(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false);
+    return streams.ChangeModel(
+        host, [&] { return host.Init(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false); });
   });
 }
 
@@ -146,11 +175,15 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const CheckpointDirectory checkpoints,
                    CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
+  ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ServerMetrics metrics;
-  DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics), limits.queue_depth);
-  RETURN_IF_ERROR(PrepareModel(worker, checkpoints));
+  DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics, stream_options.device,
+                                                  absl::GetFlag(FLAGS_graphs)),
+                      limits.queue_depth);
+  StreamBatcher streams(worker, stream_options, metrics);
+  RETURN_IF_ERROR(PrepareModel(worker, streams, checkpoints));
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
-  PerceptionService service(worker, checkpoints, limits, metrics);
+  PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
   ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, limits));
 
   const int signal = WaitForTerminationSignal();

@@ -1,0 +1,284 @@
+// Live streaming through the daemon: LOBSTER replay, conviction export and the load generator.
+#include "client/stream_commands.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "engine/lobster.h"
+#include "engine/status_macros.h"
+
+namespace perception::client {
+namespace {
+
+// Event i of `data` as a stream event (the exchange time is the message time in nanoseconds).
+void FillLobsterEvent(const LobsterData& data, size_t i, v1::StreamEvent& event) {
+  const LobsterMessage& m = data.messages[i];
+  event.set_exchange_time_ns(std::llround(m.time * 1e9));
+  v1::LobsterEvent& l = *event.mutable_lobster();
+  const std::span<const int64_t> row = data.BookRow(i);
+  l.mutable_book()->Assign(row.begin(), row.end());
+  l.set_type(m.type);
+  l.set_order_id(m.order_id);
+  l.set_size(m.size);
+  l.set_price(m.price);
+  l.set_direction(m.direction);
+}
+
+// Paces a sender at `rate` events per second (0: no pacing).
+class Pacer {
+ public:
+  explicit Pacer(double rate) : rate_(rate), start_(absl::Now()) {}
+  void Wait(int64_t sent) const {
+    if (rate_ <= 0) return;
+    const absl::Time due = start_ + absl::Seconds(static_cast<double>(sent) / rate_);
+    if (const absl::Duration ahead = due - absl::Now(); ahead > absl::ZeroDuration()) absl::SleepFor(ahead);
+  }
+
+ private:
+  double rate_;
+  absl::Time start_;
+};
+
+double Percentile(std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const size_t index = std::min(sorted.size() - 1, static_cast<size_t>(std::ceil(q * sorted.size())) - 1);
+  return sorted[index];
+}
+
+}  // namespace
+
+absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
+  if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
+  ASSIGN_OR_RETURN(const LobsterData data,
+                   ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
+  const int64_t first = std::min<int64_t>(options.first, data.size());
+  const int64_t end = options.count > 0 ? std::min<int64_t>(first + options.count, data.size()) : data.size();
+  const int64_t n = end - first;
+  if (options.seed_window < 0 || options.seed_window >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
+                                                   n, " events to stream"));
+  }
+  if (options.seed_window > 0) {
+    v1::SeedStreamRequest seed;
+    seed.set_instrument(options.instrument);
+    for (int64_t i = 0; i < options.seed_window; ++i) FillLobsterEvent(data, first + i, *seed.add_events());
+    ASSIGN_OR_RETURN(const v1::SeedStreamResponse seeded, client.SeedStream(seed));
+    std::printf("seeded %s with %lld events in %.3f s\n", options.instrument.c_str(),
+                static_cast<long long>(seeded.events()), seeded.device_seconds());
+  }
+
+  absl::Mutex mu;
+  uint64_t acked = 0;  // guarded by mu
+  const std::unique_ptr<EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+    absl::MutexLock lock(&mu);
+    for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
+  });
+  // At full speed requests carry many events; paced, one event each so that each leaves on time.
+  const int per_request = options.rate > 0 ? 1 : 256;
+  const Pacer pacer(options.rate);
+  const absl::Time start = absl::Now();
+  v1::StreamRequest request;
+  for (int64_t i = options.seed_window; i < n;) {
+    request.Clear();
+    for (int k = 0; k < per_request && i < n; ++k, ++i) {
+      v1::StreamEvent& event = *request.add_events();
+      event.set_instrument(options.instrument);
+      event.set_seq(static_cast<uint64_t>(i + 1));
+      FillLobsterEvent(data, first + i, event);
+    }
+    pacer.Wait(i - options.seed_window);
+    if (!stream->Write(request)) break;  // the call ended early; Finish says why
+  }
+  RETURN_IF_ERROR(stream->Finish());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const int64_t streamed = n - options.seed_window;
+  absl::MutexLock lock(&mu);
+  if (acked != static_cast<uint64_t>(n)) {
+    return absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", n));
+  }
+  std::printf("streamed %lld events of %s (seq %d..%lld) in %.3f s: %.0f events/s; all acknowledged\n",
+              static_cast<long long>(streamed), options.instrument.c_str(), options.seed_window + 1,
+              static_cast<long long>(n), seconds, streamed / std::max(seconds, 1e-9));
+  return absl::OkStatus();
+}
+
+absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
+                              const std::string& out_path) {
+  if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
+  if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
+  if (from_seq == 0) {  // not given: from the oldest entry the log still holds
+    ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+    for (const v1::StreamInfo& stream : streams.streams()) {
+      if (stream.instrument() == instrument) from_seq = stream.oldest_retained_seq();
+    }
+  }
+  std::ofstream out(out_path);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", out_path));
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  request.set_from_seq(from_seq);
+  request.set_with_probabilities(true);
+  int64_t rows = 0, min_version = INT64_MAX, max_version = 0;
+  uint64_t first_seq = 0, last_seq = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
+    const int H = page.n_horizons();
+    if (rows == 0) {
+      out << "seq,conviction";
+      for (int h = 1; h <= H; ++h) out << ",p" << h;
+      out << "\n";
+      first_seq = page.first_seq();
+    }
+    for (int i = 0; i < page.convictions_size(); ++i) {
+      out << page.seqs(i) << absl::StrFormat(",%.9g", page.convictions(i));
+      for (int h = 0; h < H; ++h) out << absl::StrFormat(",%.9g", page.probabilities(i * H + h));
+      out << "\n";
+      last_seq = page.seqs(i);
+    }
+    if (page.convictions_size() > 0) {
+      min_version = std::min(min_version, page.min_weights_version());
+      max_version = std::max(max_version, page.max_weights_version());
+    }
+    rows += page.convictions_size();
+    if (page.convictions_size() == 0 || page.next_seq() >= page.end_seq()) break;
+    request.set_from_seq(page.next_seq());
+  }
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat("writing ", out_path, " failed"));
+  if (rows == 0) {
+    std::printf("no convictions of %s from seq %llu; wrote the header to %s\n", instrument.c_str(),
+                static_cast<unsigned long long>(from_seq), out_path.c_str());
+  } else {
+    std::printf("%lld convictions of %s (seq %llu..%llu, weights versions %lld..%lld) -> %s\n",
+                static_cast<long long>(rows), instrument.c_str(), static_cast<unsigned long long>(first_seq),
+                static_cast<unsigned long long>(last_seq), static_cast<long long>(min_version),
+                static_cast<long long>(max_version), out_path.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
+  if (options.instruments < 1 || options.events < 1 || options.connections < 1 || options.in_flight < 1) {
+    return absl::InvalidArgumentError("bench needs --instruments, --events, --connections and --in_flight >= 1");
+  }
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
+  if (!status.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
+  const int F = status.model().config().n_features();
+  const int C = std::min(options.connections, options.instruments);
+  const auto name = [](int i) { return absl::StrCat("bench-", i); };
+  for (int i = 0; i < options.instruments; ++i) {  // a fresh start: sequence numbers from 1
+    v1::CloseStreamRequest close;
+    close.set_instrument(name(i));
+    (void)client.CloseStream(close);
+  }
+
+  struct Connection {
+    std::vector<int> instruments;
+    int64_t rounds = 0;  // requests to send, one event per instrument each
+    std::vector<absl::Time> sent;  // by round
+    std::vector<double> latencies;
+    int64_t acked_events = 0;
+    absl::Status status;
+  };
+  std::vector<Connection> connections(C);
+  for (int i = 0; i < options.instruments; ++i) connections[i % C].instruments.push_back(i);
+  int64_t assigned = 0;
+  const int64_t rounds_total = (options.events + options.instruments - 1) / options.instruments;
+  for (Connection& c : connections) {
+    c.rounds = rounds_total;
+    assigned += c.rounds * static_cast<int64_t>(c.instruments.size());
+  }
+
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (int ci = 0; ci < C; ++ci) {
+    threads.emplace_back([&, ci] {
+      Connection& c = connections[ci];
+      c.sent.resize(c.rounds);
+      absl::Mutex mu;
+      std::vector<uint64_t> acked(options.instruments, 0);  // guarded by mu; by instrument
+      int64_t acked_rounds = 0;                               // guarded by mu: every instrument acked through it
+      const std::unique_ptr<EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+        const absl::Time now = absl::Now();
+        absl::MutexLock lock(&mu);
+        for (const v1::InstrumentAck& ack : response.acks()) {
+          int instrument = 0;
+          if (!absl::SimpleAtoi(ack.instrument().substr(6), &instrument)) continue;
+          for (uint64_t seq = acked[instrument] + 1; seq <= ack.last_seq(); ++seq) {
+            c.latencies.push_back(absl::ToDoubleSeconds(now - c.sent[seq - 1]));
+          }
+          c.acked_events += static_cast<int64_t>(ack.last_seq() - acked[instrument]);
+          acked[instrument] = ack.last_seq();
+        }
+        uint64_t through = UINT64_MAX;
+        for (const int i : c.instruments) through = std::min(through, acked[i]);
+        acked_rounds = static_cast<int64_t>(through);
+      });
+      const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
+      std::mt19937 rng(ci);
+      std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+      v1::StreamRequest request;
+      request.set_ack(true);
+      for (int64_t r = 0; r < c.rounds; ++r) {
+        request.clear_events();
+        for (const int i : c.instruments) {
+          v1::StreamEvent& event = *request.add_events();
+          event.set_instrument(name(i));
+          event.set_seq(static_cast<uint64_t>(r + 1));
+          v1::FeatureEvent& features = *event.mutable_features();
+          for (int f = 0; f < F; ++f) features.add_features(uniform(rng));
+          features.set_dt(0.01f);
+        }
+        pacer.Wait(r * static_cast<int64_t>(c.instruments.size()));
+        {
+          const auto may_send = [&] { return r - acked_rounds < options.in_flight; };
+          absl::MutexLock lock(&mu);
+          // A call the daemon ended acknowledges nothing more: the next Write fails and Finish says why.
+          while (!mu.AwaitWithTimeout(absl::Condition(&may_send), absl::Milliseconds(20)) && !stream->ended()) {
+          }
+          c.sent[r] = absl::Now();
+        }
+        if (!stream->Write(request)) break;
+      }
+      c.status = stream->Finish();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+
+  std::vector<double> latencies;
+  int64_t acked = 0;
+  std::vector<std::string> refusals;
+  for (const Connection& c : connections) {
+    latencies.insert(latencies.end(), c.latencies.begin(), c.latencies.end());
+    acked += c.acked_events;
+    if (!c.status.ok()) refusals.push_back(c.status.ToString());
+  }
+  std::sort(latencies.begin(), latencies.end());
+  std::printf(
+      "bench: %d instruments over %d connection(s), %lld events (%lld acknowledged) in %.3f s: %.0f events/s\n"
+      "latency (send to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
+      options.instruments, C, static_cast<long long>(assigned), static_cast<long long>(acked), seconds,
+      acked / std::max(seconds, 1e-9), 1e3 * Percentile(latencies, 0.5), 1e3 * Percentile(latencies, 0.99),
+      1e3 * Percentile(latencies, 0.999));
+  std::printf("rejected: %lld events%s\n", static_cast<long long>(assigned - acked), refusals.empty() ? "" : ":");
+  for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());
+  for (int i = 0; i < options.instruments; ++i) {
+    v1::CloseStreamRequest close;
+    close.set_instrument(name(i));
+    (void)client.CloseStream(close);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace perception::client

@@ -1,0 +1,43 @@
+// perceptionctl's live-streaming commands: replay a LOBSTER file as a feed, read convictions back, load-test.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/lobster_commands.h"
+#include "client/perception_client.h"
+
+namespace perception::client {
+
+struct StreamOptions {
+  LobsterFiles files;
+  std::string instrument;
+  double rate = 0;      // events per second; 0: as fast as the daemon takes them
+  int seed_window = 0;  // the first N events seed the state (SeedStream); streaming starts at event N + 1
+  int64_t first = 0;    // the first event of the files to use (0-based): seed window and stream start there
+  int64_t count = 0;    // events to use from `first` on; 0: all the rest
+};
+
+// Replays the files as a live feed of one instrument, event i of the files (1-based) with sequence number i, and
+// returns once the daemon acknowledged the last one; prints events/s.
+absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
+
+// Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
+// `seq,conviction,p1,...,pH` per event; prints what it wrote.
+absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
+                              const std::string& out_path);
+
+struct BenchOptions {
+  int instruments = 1;
+  int64_t events = 10000;  // in all, spread round-robin over the instruments
+  double rate = 0;         // events per second in all; 0: as fast as the daemon takes them
+  int connections = 1;     // Stream calls, each with its share of the instruments
+  int in_flight = 8;       // unacknowledged requests per connection (each holds one event per instrument)
+};
+
+// A load generator of synthetic feature events; reports events/s, latency (send to acknowledgement) p50, p99 and
+// p99.9, and what the daemon refused. Its instruments are named bench-0, bench-1, ... and closed at the end.
+absl::Status Bench(PerceptionClient& client, const BenchOptions& options);
+
+}  // namespace perception::client

@@ -1,0 +1,406 @@
+// The stream batcher: receipt and validation of live events, the ticks, and the log reads, seeds, resets, closes.
+#include "server/stream_batcher.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "engine/config.h"
+#include "engine/status_macros.h"
+#include "server/stopwatch.h"
+#include "spdlog/spdlog.h"
+
+namespace perception::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// "event 3 (instrument 'AAPL', seq 17): ": where a refused event sits in its request.
+std::string Where(int index, const v1::StreamEvent& event) {
+  return absl::StrCat("event ", index, " (instrument '", event.instrument(), "', seq ", event.seq(), "): ");
+}
+
+absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+// The checks that need no stream state: the payload's shape and values against the model's feature count.
+// `reason` names the metric label of a refusal.
+absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::string& reason) {
+  reason = "features";
+  if (event.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  switch (event.payload_case()) {
+    case v1::StreamEvent::kFeatures: {
+      const v1::FeatureEvent& f = event.features();
+      if (f.features_size() != n_features) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("has ", f.features_size(), " features but the model takes ", n_features));
+      }
+      for (int i = 0; i < f.features_size(); ++i) {
+        if (!std::isfinite(f.features(i))) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("feature %d is %g; features must be finite", i, f.features(i)));
+        }
+      }
+      if (!std::isfinite(f.dt()) || f.dt() < 0.f) {
+        return absl::InvalidArgumentError(absl::StrFormat("dt is %g; dt must be finite and >= 0 (seconds)", f.dt()));
+      }
+      return absl::OkStatus();
+    }
+    case v1::StreamEvent::kLobster: {
+      reason = "book";
+      const v1::LobsterEvent& l = event.lobster();
+      const int values = l.book_size();
+      if (values == 0 || values % 4 != 0 || LobsterFeatureCount(values / 4) != n_features) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "book row has ", values, " values but the model's ", n_features,
+            " features need 4 per level for (n_features - 8) / 4 levels"));
+      }
+      return ValidateLevelOne(std::span<const int64_t>(l.book().data(), values));
+    }
+    default:
+      return absl::InvalidArgumentError("carries neither a LOBSTER row nor a feature vector");
+  }
+}
+
+LobsterMessage MessageOf(const v1::LobsterEvent& l, double time) {
+  return {.time = time, .type = l.type(), .order_id = l.order_id(), .size = l.size(), .price = l.price(),
+          .direction = l.direction()};
+}
+
+double RelativeSeconds(int64_t time_ns, int64_t base_ns) { return static_cast<double>(time_ns - base_ns) * 1e-9; }
+
+}  // namespace
+
+StreamBatcher::StreamBatcher(DeviceWorker& worker, const StreamOptions& options, ServerMetrics& metrics)
+    : worker_(worker),
+      options_(options),
+      metrics_(metrics),
+      table_(options.device.slots, options.device.log_entries_total / options.device.slots),
+      queues_(options.device.slots) {}
+
+absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
+  if (absl::StatusOr<int> slot = table_.SlotOf(instrument); slot.ok()) return slot;
+  if (changing_model_) return absl::UnavailableError("the model is being replaced; retry");
+  ASSIGN_OR_RETURN(const int slot, table_.Open(instrument));
+  queues_[slot] = SlotQueue{};
+  queues_[slot].instrument = instrument;
+  metrics_.SetActiveStreams(table_.active());
+  return slot;
+}
+
+absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue,
+                                            LobsterFeaturizer* featurizer, std::span<float> x, float& dt) const {
+  if (event.has_features()) {
+    std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
+    dt = event.features().dt();
+    return absl::OkStatus();
+  }
+  const v1::LobsterEvent& l = event.lobster();
+  const int64_t base = queue.base_time_ns.value_or(event.exchange_time_ns());
+  ASSIGN_OR_RETURN(const double seconds,
+                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()),
+                                    MessageOf(l, RelativeSeconds(event.exchange_time_ns(), base)), x));
+  dt = static_cast<float>(seconds);
+  return absl::OkStatus();
+}
+
+absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
+  RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
+  reason = "capacity";
+  ASSIGN_OR_RETURN(const int slot, OpenLocked(event.instrument()));
+  SlotQueue& queue = queues_[slot];
+  std::vector<float>& x = accept_x_;
+  x.resize(n_features_);
+  float dt = 0;
+  std::optional<LobsterFeaturizer> trial;  // committed only once the sequence number is accepted too
+  reason = "book";
+  if (event.has_lobster()) {
+    ASSIGN_OR_RETURN(LobsterFeaturizer * featurizer, table_.Featurizer(slot, event.lobster().book_size() / 4));
+    trial = *featurizer;
+    RETURN_IF_ERROR(FeaturizeLocked(event, queue, &*trial, x, dt));
+  } else {
+    RETURN_IF_ERROR(FeaturizeLocked(event, queue, nullptr, x, dt));
+  }
+  reason = "sequence";
+  RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
+  if (trial.has_value()) {
+    *table_.Featurizer(slot, trial->levels()).value() = *trial;
+    if (!queue.base_time_ns.has_value()) queue.base_time_ns = event.exchange_time_ns();
+  }
+  queue.x.insert(queue.x.end(), x.begin(), x.end());
+  queue.events.push_back({dt, event.seq(), sink, Clock::now()});
+  ++pending_;
+  if (!queue.ready) {
+    queue.ready = true;
+    ready_.push_back(slot);
+  }
+  return absl::OkStatus();
+}
+
+StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request, StreamSink* sink) {
+  Submitted submitted;
+  absl::MutexLock lock(&mu_);
+  if (n_features_ == 0) {
+    metrics_.RejectStreamEvent("no_model");
+    submitted.status = absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
+    return submitted;
+  }
+  for (int i = 0; i < request.events_size(); ++i) {
+    std::string reason;
+    if (absl::Status status = AcceptLocked(request.events(i), sink, reason); !status.ok()) {
+      metrics_.RejectStreamEvent(reason);
+      submitted.status = Prefixed(status, Where(i, request.events(i)));
+      break;
+    }
+    ++submitted.accepted;
+  }
+  if (submitted.accepted > 0) ScheduleTickLocked();
+  return submitted;
+}
+
+void StreamBatcher::ScheduleTickLocked() {
+  if (tick_queued_ || ready_.empty()) return;
+  const absl::Status queued =
+      worker_.Enqueue(JobPriority::kStreaming, [this](ModelHost& host) { Tick(host); }, /*bounded=*/false);
+  if (queued.ok()) {
+    tick_queued_ = true;
+  } else {
+    spdlog::warn("streaming tick not queued: {}", queued.ToString());  // the worker stopped
+  }
+}
+
+void StreamBatcher::Tick(ModelHost& host) {
+  absl::StatusOr<Backend*> backend = host.StreamingBackend();
+  const int64_t version = host.published_weights_version();
+  tick_x_.clear();
+  tick_dt_.clear();
+  tick_slots_.clear();
+  tick_log_indices_.clear();
+  notices_.clear();
+  received_.clear();
+  {
+    absl::MutexLock lock(&mu_);
+    tick_queued_ = false;
+    size_t kept = 0;
+    for (const int slot : ready_) {
+      SlotQueue& queue = queues_[slot];
+      const Pending event = queue.events.front();
+      queue.events.pop_front();
+      tick_x_.insert(tick_x_.end(), queue.x.begin(), queue.x.begin() + n_features_);
+      queue.x.erase(queue.x.begin(), queue.x.begin() + n_features_);
+      tick_dt_.push_back(event.dt);
+      tick_slots_.push_back(slot);
+      notices_.push_back({event.sink, slot, event.seq});
+      received_.push_back(event.received);
+      if (backend.ok()) tick_log_indices_.push_back(table_.Append(slot, static_cast<uint64_t>(version)));
+      --pending_;
+      if (!queue.events.empty()) {
+        ready_[kept++] = slot;
+      } else {
+        queue.ready = false;
+      }
+    }
+    ready_.resize(kept);
+    metrics_.AddConvictionsOverwritten(table_.overwritten_total() - overwritten_reported_);
+    overwritten_reported_ = table_.overwritten_total();
+  }
+  if (notices_.empty()) return;
+  absl::Status status = backend.status();
+  const Stopwatch stopwatch;
+  if (status.ok()) status = (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
+  if (status.ok()) {
+    metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());
+    const Clock::time_point now = Clock::now();
+    for (const Clock::time_point received : received_) {
+      metrics_.ObserveStreamEventLatency(std::chrono::duration<double>(now - received).count());
+    }
+    Notify(notices_, version);
+  } else {
+    spdlog::error("streaming tick of {} events failed: {}", notices_.size(), status.ToString());
+    std::stable_sort(notices_.begin(), notices_.end(), [](const Notice& a, const Notice& b) { return a.sink < b.sink; });
+    for (size_t i = 0; i < notices_.size();) {
+      size_t j = i;
+      while (j < notices_.size() && notices_[j].sink == notices_[i].sink) ++j;
+      notices_[i].sink->OnFailed(status, static_cast<int64_t>(j - i));
+      i = j;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  ScheduleTickLocked();
+}
+
+void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
+  std::stable_sort(notices.begin(), notices.end(), [](const Notice& a, const Notice& b) { return a.sink < b.sink; });
+  for (size_t i = 0; i < notices.size();) {
+    processed_.clear();
+    size_t j = i;
+    // The slot's instrument name cannot change meanwhile: only this (the worker) thread closes streams.
+    for (; j < notices.size() && notices[j].sink == notices[i].sink; ++j) {
+      processed_.push_back({queues_[notices[j].slot].instrument, notices[j].seq});
+    }
+    notices[i].sink->OnProcessed(processed_, weights_version);
+    i = j;
+  }
+}
+
+absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument) const {
+  ASSIGN_OR_RETURN(const int slot, table_.SlotOf(instrument));
+  if (const size_t waiting = queues_[slot].events.size(); waiting > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("instrument '", instrument, "' has ", waiting,
+                                                      " events not yet processed; wait for their acknowledgement"));
+  }
+  return slot;
+}
+
+absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request) {
+  if (request.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
+  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
+    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    absl::MutexLock lock(&mu_);  // held through the seed: arriving events must see the seeded featurizer
+    const int F = n_features_;
+    const int n = request.events_size();
+    const bool lobster = request.events(0).has_lobster();
+    std::vector<float> x(static_cast<size_t>(n) * F), dt(n);
+    std::optional<LobsterFeaturizer> featurizer;
+    if (lobster) featurizer.emplace(request.events(0).lobster().book_size() / 4);
+    SlotQueue scratch;  // base time of a stream that does not exist yet
+    if (absl::StatusOr<int> slot = table_.SlotOf(request.instrument()); slot.ok()) {
+      scratch.base_time_ns = queues_[*slot].base_time_ns;
+    }
+    if (!scratch.base_time_ns.has_value()) scratch.base_time_ns = request.events(0).exchange_time_ns();
+    for (int i = 0; i < n; ++i) {
+      v1::StreamEvent event = request.events(i);
+      event.set_instrument(request.instrument());
+      std::string reason;
+      absl::Status status = CheckPayload(event, F, reason);
+      if (status.ok() && event.has_lobster() != lobster) {
+        status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
+      }
+      if (status.ok() && lobster && featurizer->levels() * 4 != event.lobster().book_size()) {
+        status = absl::InvalidArgumentError("book rows of one window must have the same level count");
+      }
+      if (status.ok()) {
+        status = FeaturizeLocked(event, scratch, lobster ? &*featurizer : nullptr,
+                                 std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i]);
+      }
+      if (!status.ok()) return Prefixed(status, absl::StrCat("seed window ", Where(i, event)));
+    }
+    if (!lobster) dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
+    absl::StatusOr<int> existing = IdleSlotLocked(request.instrument());
+    if (existing.status().code() == absl::StatusCode::kNotFound) existing = OpenLocked(request.instrument());
+    ASSIGN_OR_RETURN(const int slot, existing);
+    const Stopwatch stopwatch;
+    RETURN_IF_ERROR(backend->SeedSlot(slot, x, dt));
+    table_.ResetFeatures(slot);
+    if (lobster) *table_.Featurizer(slot, featurizer->levels()).value() = *featurizer;
+    queues_[slot].base_time_ns = scratch.base_time_ns;
+    v1::SeedStreamResponse response;
+    response.set_events(n);
+    response.set_weights_version(host.published_weights_version());
+    response.set_device_seconds(stopwatch.Seconds());
+    return response;
+  });
+}
+
+absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request) {
+  if (request.max_count() < 0) return absl::InvalidArgumentError("max_count must be >= 0");
+  const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
+                                                     : std::min(request.max_count(), options_.max_read_count);
+  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::ReadConvictionsResponse> {
+    StreamTable::LogRange range;
+    int slot = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      ASSIGN_OR_RETURN(slot, table_.SlotOf(request.instrument()));
+      ASSIGN_OR_RETURN(range, table_.Range(slot, request.from_seq(), max_count));
+    }
+    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    const int H = backend->config().n_horizons;
+    v1::ReadConvictionsResponse response;
+    response.set_first_seq(range.first_seq);
+    response.set_n_horizons(H);
+    response.set_next_seq(range.first_seq + range.count);
+    response.set_end_seq(range.next_seq);
+    response.set_oldest_retained_seq(range.oldest_retained_seq);
+    response.set_min_weights_version(static_cast<int64_t>(range.count > 0 ? range.min_weights_version : 0));
+    response.set_max_weights_version(static_cast<int64_t>(range.max_weights_version));
+    response.mutable_convictions()->Resize(static_cast<int>(range.count), 0.f);
+    if (request.with_probabilities()) response.mutable_probabilities()->Resize(static_cast<int>(range.count * H), 0.f);
+    int64_t done = 0;
+    for (const StreamTable::Segment& segment : range.segments) {
+      const std::span<float> convictions(response.mutable_convictions()->mutable_data() + done, segment.count);
+      std::span<float> probs;
+      if (request.with_probabilities()) {
+        probs = std::span<float>(response.mutable_probabilities()->mutable_data() + done * H, segment.count * H);
+      }
+      RETURN_IF_ERROR(backend->ReadLog(slot, segment.ring_begin, segment.count, convictions, probs));
+      done += segment.count;
+    }
+    response.mutable_seqs()->Reserve(static_cast<int>(range.count));
+    for (int64_t i = 0; i < range.count; ++i) response.add_seqs(range.first_seq + i);
+    return response;
+  });
+}
+
+absl::Status StreamBatcher::Reset(const std::string& instrument) {
+  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
+    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
+    RETURN_IF_ERROR(backend->ResetSlot(slot));
+    table_.ResetFeatures(slot);
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
+  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
+    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
+    uint64_t processed = 0;
+    for (const StreamTable::InstrumentInfo& info : table_.List()) {
+      if (info.instrument == instrument) processed = info.processed;
+    }
+    RETURN_IF_ERROR(backend->ResetSlot(slot));
+    RETURN_IF_ERROR(table_.Close(instrument));
+    queues_[slot] = SlotQueue{};
+    metrics_.SetActiveStreams(table_.active());
+    return processed;
+  });
+}
+
+v1::ListStreamsResponse StreamBatcher::List() const {
+  absl::MutexLock lock(&mu_);
+  v1::ListStreamsResponse response;
+  for (const StreamTable::InstrumentInfo& info : table_.List()) {
+    v1::StreamInfo& stream = *response.add_streams();
+    stream.set_instrument(info.instrument);
+    stream.set_slot(info.slot);
+    stream.set_processed_events(info.processed);
+    stream.set_pending_events(queues_[info.slot].events.size());
+    stream.set_last_accepted_seq(info.last_seq.value_or(0));
+    if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
+      stream.set_end_seq(range->next_seq);
+      stream.set_oldest_retained_seq(range->oldest_retained_seq);
+    }
+  }
+  return response;
+}
+
+void StreamBatcher::FillStatus(v1::StreamingStatus& status) const {
+  absl::MutexLock lock(&mu_);
+  status.set_slots(table_.capacity());
+  status.set_active_streams(table_.active());
+  status.set_log_entries_per_slot(table_.log_entries_per_slot());
+  status.set_publish_every_steps(options_.device.publish_every_steps);
+  status.set_ack_every_events(options_.ack_every_events);
+  status.set_ack_every_ms(options_.ack_every_ms);
+  status.set_pending_events(pending_);
+  status.set_max_read_count(options_.max_read_count);
+  status.set_overwritten_total(table_.overwritten_total());
+}
+
+}  // namespace perception::server

@@ -1,0 +1,161 @@
+// The stream batcher: live events of many instruments coalesced into one batched device step per tick.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/stream_table.h"
+#include "perception/v1/perception.pb.h"
+#include "server/device_worker.h"
+#include "server/metrics.h"
+#include "server/model_host.h"
+
+namespace perception::server {
+
+// Streaming's flags.
+struct StreamOptions {
+  StreamingConfig device;        // slots, log capacity, publishing (the model host's part)
+  int ack_every_events = 1000;   // a Stream acknowledges after this many processed events...
+  int ack_every_ms = 50;         // ...or this long after the first unacknowledged one
+  int64_t max_read_count = 65536;      // most convictions per ReadConvictions page
+  int64_t max_unprocessed_per_call = 16384;  // a Stream call reads no further request while it has this many
+                                             // accepted events not yet processed (back-pressure on the client)
+};
+
+// What one Stream call hears back about the events it submitted; called on the device worker's thread, outside
+// the batcher's lock. After the call that delivers its last outstanding event, the batcher no longer touches it.
+class StreamSink {
+ public:
+  struct Processed {
+    std::string_view instrument;  // valid during the call
+    uint64_t seq;
+  };
+  virtual void OnProcessed(std::span<const Processed> events, int64_t weights_version) = 0;
+  // `count` of the sink's events were dropped unprocessed because the device failed them (`status` says why).
+  virtual void OnFailed(const absl::Status& status, int64_t count) = 0;
+
+ protected:
+  ~StreamSink() = default;
+};
+
+// Thread-safe. gRPC handlers validate and queue events here (Submit), featurizing LOBSTER rows on arrival with the
+// instrument's featurizer so that a bad row is refused at once with nothing processed; the device worker runs the
+// ticks. Each tick takes the oldest pending event of EVERY instrument that has one (so instruments advance at the
+// same pace however busy the others are, and each instrument's events keep their order), appends their log
+// entries, and runs one ForwardStepInto under the published weights. At most one tick job waits in the worker's
+// streaming queue; it queues the next while events remain. Reads, seeds, resets and closes are streaming-priority
+// jobs too, so they see the logs between ticks.
+class StreamBatcher {
+ public:
+  StreamBatcher(DeviceWorker& worker, const StreamOptions& options, ServerMetrics& metrics);
+
+  // Validates and queues `request`'s events in order for `sink`. Returns how many were accepted; a refusal stops
+  // at the refused event (its index, instrument and sequence number in the message), the ones before it stay
+  // accepted. Every accepted event reaches the sink through OnProcessed or OnFailed.
+  struct Submitted {
+    int64_t accepted = 0;
+    absl::Status status;
+  };
+  Submitted Submit(const v1::StreamRequest& request, StreamSink* sink);
+
+  absl::StatusOr<v1::SeedStreamResponse> Seed(const v1::SeedStreamRequest& request);
+  absl::StatusOr<v1::ReadConvictionsResponse> Read(const v1::ReadConvictionsRequest& request);
+  absl::Status Reset(const std::string& instrument);
+  absl::StatusOr<uint64_t> Close(const std::string& instrument);  // the events it processed
+  v1::ListStreamsResponse List() const;
+  // Everything but the weights version (the model host's).
+  void FillStatus(v1::StreamingStatus& status) const;
+
+  // Runs `change` (on the worker thread: InitModel, LoadCheckpoint, SetOptimizer), which replaces the backend and
+  // with it every state slot and log, only while no stream is live: FAILED_PRECONDITION otherwise. New streams are
+  // refused (UNAVAILABLE) while it runs; afterwards the batcher takes the new model's feature count.
+  template <typename Change>
+  auto ChangeModel(ModelHost& host, Change change) -> decltype(change());
+
+ private:
+  struct Pending {
+    float dt;
+    uint64_t seq;
+    StreamSink* sink;
+    std::chrono::steady_clock::time_point received;
+  };
+  struct SlotQueue {
+    std::string instrument;
+    std::deque<Pending> events;
+    std::deque<float> x;                 // [events, F] features of the pending events
+    bool ready = false;                  // in ready_
+    std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
+  };
+  struct Notice {
+    StreamSink* sink;
+    int slot;
+    uint64_t seq;
+  };
+
+  // The instrument's slot for a new event, opening the stream on first use.
+  absl::StatusOr<int> OpenLocked(const std::string& instrument) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success).
+  absl::Status FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue, LobsterFeaturizer* featurizer,
+                               std::span<float> x, float& dt) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One tick on the worker thread.
+  void Tick(ModelHost& host);
+  // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
+  void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+
+  DeviceWorker& worker_;
+  const StreamOptions options_;
+  ServerMetrics& metrics_;
+
+  mutable absl::Mutex mu_;
+  StreamTable table_ ABSL_GUARDED_BY(mu_);
+  std::vector<SlotQueue> queues_ ABSL_GUARDED_BY(mu_);  // by slot
+  std::vector<int> ready_ ABSL_GUARDED_BY(mu_);         // slots with pending events
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
+  bool tick_queued_ ABSL_GUARDED_BY(mu_) = false;
+  bool changing_model_ ABSL_GUARDED_BY(mu_) = false;
+  int n_features_ ABSL_GUARDED_BY(mu_) = 0;  // the model's; 0 without one
+  uint64_t overwritten_reported_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<float> accept_x_ ABSL_GUARDED_BY(mu_);  // one event's features, reused
+
+  // The tick's buffers, reused (worker thread only).
+  std::vector<float> tick_x_, tick_dt_;
+  std::vector<int32_t> tick_slots_;
+  std::vector<int64_t> tick_log_indices_;
+  std::vector<Notice> notices_;
+  std::vector<std::chrono::steady_clock::time_point> received_;
+  std::vector<StreamSink::Processed> processed_;
+};
+
+template <typename Change>
+auto StreamBatcher::ChangeModel(ModelHost& host, Change change) -> decltype(change()) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (table_.active() > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          table_.active(), " live stream(s) hold state on the current model; close them (CloseStream) first"));
+    }
+    changing_model_ = true;
+  }
+  auto result = change();
+  const HostStatus status = host.Status();
+  absl::MutexLock lock(&mu_);
+  changing_model_ = false;
+  n_features_ = status.model.has_value() ? status.model->config.n_features : 0;
+  return result;
+}
+
+}  // namespace perception::server

@@ -1,0 +1,161 @@
+// The Stream call's reactor.
+#include "server/streaming.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "server/proto_convert.h"
+
+namespace perception::server {
+
+template <typename Change>
+void StreamReactor::Update(Change change) {
+  std::optional<grpc::Status> finish;
+  grpc::Alarm* cancel = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    change();
+    finish = AdvanceLocked();
+    if (cancel_alarm_ && alarm_pending_) cancel = alarm_.get();
+    cancel_alarm_ = false;
+  }
+  // Outside the lock: the alarm's callback takes it; once Finish is called, gRPC may delete the reactor (OnDone)
+  // on another thread at any time. The alarm outlives Cancel: it is destroyed with the reactor, after its callback.
+  if (cancel != nullptr) cancel->Cancel();
+  if (finish.has_value()) Finish(*std::move(finish));
+}
+
+StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options,
+                             absl::AnyInvocable<absl::Status() const> admit,
+                             absl::AnyInvocable<void(const absl::Status&)> on_finish)
+    : batcher_(batcher), options_(options), admit_(std::move(admit)), on_finish_(std::move(on_finish)) {
+  Update([] {});
+}
+
+void StreamReactor::OnReadDone(bool ok) {
+  Update([&] {
+    const std::unique_ptr<v1::StreamRequest> request = std::move(incoming_);
+    if (!ok) {
+      input_done_ = true;
+      return;
+    }
+    if (broken_ || !error_.ok()) return;
+    if (absl::Status admitted = admit_(); !admitted.ok()) {
+      error_ = std::move(admitted);
+      input_done_ = true;
+      return;
+    }
+    // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
+    const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
+    unprocessed_ += submitted.accepted;
+    submitted_ += submitted.accepted;
+    if (request->ack() && submitted.accepted > 0) ack_barriers_.push_back(submitted_);
+    if (!submitted.status.ok()) {
+      error_ = submitted.status;
+      input_done_ = true;
+    }
+  });
+}
+
+void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weights_version) {
+  Update([&] {
+    for (const Processed& event : events) {
+      unacked_[absl::string_view(event.instrument.data(), event.instrument.size())] = event.seq;
+    }
+    const auto n = static_cast<int64_t>(events.size());
+    unacked_events_ += n;
+    processed_ += n;
+    unprocessed_ -= n;
+    weights_version_ = weights_version;
+  });
+}
+
+void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
+  Update([&] {
+    unprocessed_ -= count;
+    if (error_.ok()) error_ = absl::InternalError(absl::StrCat("the device failed a streaming tick: ", status.message()));
+    input_done_ = true;
+  });
+}
+
+void StreamReactor::OnAlarm(bool ok) {
+  Update([&] {
+    alarm_pending_ = false;
+    alarm_fired_ = ok;
+  });
+}
+
+void StreamReactor::OnWriteDone(bool ok) {
+  Update([&] {
+    writing_ = false;
+    broken_ = broken_ || !ok;
+  });
+}
+
+void StreamReactor::OnCancel() {
+  Update([&] { broken_ = true; });
+}
+
+void StreamReactor::OnDone() { delete this; }
+
+bool StreamReactor::AckDueLocked() {
+  bool due = false;
+  while (!ack_barriers_.empty() && processed_ >= ack_barriers_.front()) {
+    ack_barriers_.pop_front();
+    due = true;
+  }
+  if (unacked_.empty()) return false;
+  const bool input_over = input_done_ && unprocessed_ == 0;
+  return due || alarm_fired_ || input_over || unacked_events_ >= options_.ack_every_events;
+}
+
+std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
+  if (finished_) return std::nullopt;
+  if (!broken_) {
+    // StartWrite, StartRead and Alarm::Set are safe under the lock: gRPC runs no reaction inside them.
+    if (!writing_ && AckDueLocked()) {
+      outgoing_.Clear();
+      for (const auto& [instrument, seq] : unacked_) {
+        v1::InstrumentAck& ack = *outgoing_.add_acks();
+        ack.set_instrument(instrument);
+        ack.set_last_seq(seq);
+      }
+      outgoing_.set_processed_events(processed_);
+      outgoing_.set_weights_version(weights_version_);
+      unacked_.clear();
+      unacked_events_ = 0;
+      alarm_fired_ = false;
+      writing_ = true;
+      StartWrite(&outgoing_);
+    }
+    if (!unacked_.empty() && !alarm_pending_) {
+      alarm_fired_ = false;
+      retired_alarm_ = std::move(alarm_);  // its callback has run; the one before it goes now
+      alarm_ = std::make_unique<grpc::Alarm>();
+      alarm_pending_ = true;
+      alarm_->Set(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.ack_every_ms),
+                  [this](bool ok) { OnAlarm(ok); });
+    }
+    if (incoming_ == nullptr && !input_done_ && unprocessed_ < options_.max_unprocessed_per_call) {
+      incoming_ = std::make_unique<v1::StreamRequest>();
+      StartRead(incoming_.get());
+    }
+  }
+  // The batcher refers to this reactor until every accepted event is processed, the response must outlive its
+  // write and the alarm its callback: finish only when all are done. A read still in progress is fine: it
+  // completes (not ok) once the call is finished.
+  const bool ending = broken_ || (input_done_ && unacked_.empty());
+  if (!ending || unprocessed_ > 0 || writing_) return std::nullopt;
+  if (alarm_pending_) {
+    cancel_alarm_ = true;
+    return std::nullopt;
+  }
+  finished_ = true;
+  const absl::Status status =
+      broken_ ? absl::CancelledError("the client cancelled the stream or stopped reading its acknowledgements")
+              : error_;
+  on_finish_(status);
+  return ToGrpcStatus(status);
+}
+
+}  // namespace perception::server

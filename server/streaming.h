@@ -1,0 +1,78 @@
+// The Stream call: a callback reactor that feeds one client's events to the stream batcher and acknowledges them.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/alarm.h"
+#include "grpcpp/support/server_callback.h"
+#include "perception/v1/perception.pb.h"
+#include "server/stream_batcher.h"
+
+namespace perception::server {
+
+// One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival);
+// no further request is read while options.max_unprocessed_per_call of the call's events wait for the device, so
+// a fast client is held back by gRPC's flow control rather than buffered. Acknowledgements carry, per instrument,
+// the last processed sequence number: one goes out after options.ack_every_events processed events, after
+// options.ack_every_ms from the first unacknowledged one (a gRPC alarm), when a request with `ack` is wholly
+// processed, and at the end. The first refusal, or the client's half-close, ends the input; the call finishes
+// once every accepted event is processed and acknowledged, with the refusal's status or OK. A client that
+// disconnects stops the acknowledgements, not the processing. The reactor deletes itself when gRPC is done.
+class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
+                            public StreamSink {
+ public:
+  // `admit` refuses new work while the daemon drains; `on_finish` sees the call's final status.
+  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, absl::AnyInvocable<absl::Status() const> admit,
+                absl::AnyInvocable<void(const absl::Status&)> on_finish);
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+  void OnProcessed(std::span<const Processed> events, int64_t weights_version) override;
+  void OnFailed(const absl::Status& status, int64_t count) override;
+
+ private:
+  void OnAlarm(bool ok);
+  template <typename Change>
+  void Update(Change change);
+  // Starts the reads, writes and alarm the state allows; the status to finish with once the call has ended.
+  std::optional<grpc::Status> AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AckDueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  StreamBatcher& batcher_;
+  const StreamOptions& options_;
+  const absl::AnyInvocable<absl::Status() const> admit_;
+  absl::AnyInvocable<void(const absl::Status&)> on_finish_;
+
+  absl::Mutex mu_;
+  std::unique_ptr<v1::StreamRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
+  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a request was refused
+  absl::Status error_ ABSL_GUARDED_BY(mu_);       // the first refusal or device failure
+  int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
+  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0, processed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<uint64_t> ack_barriers_ ABSL_GUARDED_BY(mu_);  // `submitted_` after each request with `ack`
+  absl::flat_hash_map<std::string, uint64_t> unacked_ ABSL_GUARDED_BY(mu_);  // instrument → last processed seq
+  int64_t unacked_events_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t weights_version_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  v1::StreamResponse outgoing_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_), retired_alarm_ ABSL_GUARDED_BY(mu_);
+  bool alarm_pending_ ABSL_GUARDED_BY(mu_) = false;  // set and its callback not yet run
+  bool alarm_fired_ ABSL_GUARDED_BY(mu_) = false;    // the ack interval has passed
+  bool cancel_alarm_ ABSL_GUARDED_BY(mu_) = false;   // the call is ending: cancel the pending alarm
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;         // cancelled, or the client stopped taking responses
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace perception::server

@@ -1,0 +1,648 @@
+// Live streaming against the real daemon (CPU): convictions equal `perception eval`'s over the same file, seeding
+// equals the concatenation, many instruments over several connections keep apart, training while streaming gives
+// convictions of whole published weights versions, ring overwrites and disconnects lose nothing acknowledged, and
+// bad events get clear errors while the daemon keeps serving.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "engine/backend.h"
+#include "engine/lobster.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace perception::e2e {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
+constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
+constexpr int kLevels = 10;
+
+// The float32 data of a .npy file written by perception eval (version 1.0 header).
+std::vector<float> ReadNpy(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (bytes.size() < 10) return {};
+  const size_t header = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9]) << 8;
+  std::vector<float> data((bytes.size() - 10 - header) / sizeof(float));
+  std::memcpy(data.data(), bytes.data() + 10 + header, data.size() * sizeof(float));
+  return data;
+}
+
+std::vector<float> ConvictionsOf(const std::vector<float>& logits, int H) {
+  std::vector<float> out;
+  for (size_t i = 0; i + H <= logits.size(); i += H) {
+    out.push_back(Conviction<float>(std::span<const float>(logits).subspan(i, H)));
+  }
+  return out;
+}
+
+v1::StreamEvent LobsterEvent(const LobsterData& data, size_t i, const std::string& instrument, uint64_t seq) {
+  v1::StreamEvent event;
+  event.set_instrument(instrument);
+  event.set_seq(seq);
+  const LobsterMessage& m = data.messages[i];
+  event.set_exchange_time_ns(std::llround(m.time * 1e9));
+  const std::span<const int64_t> row = data.BookRow(i);
+  event.mutable_lobster()->mutable_book()->Assign(row.begin(), row.end());
+  event.mutable_lobster()->set_type(m.type);
+  event.mutable_lobster()->set_order_id(m.order_id);
+  event.mutable_lobster()->set_size(m.size);
+  event.mutable_lobster()->set_price(m.price);
+  event.mutable_lobster()->set_direction(m.direction);
+  return event;
+}
+
+v1::StreamEvent FeatureEvent(const testing::RandomBatch& series, int F, int t, const std::string& instrument,
+                             uint64_t seq) {
+  v1::StreamEvent event;
+  event.set_instrument(instrument);
+  event.set_seq(seq);
+  event.mutable_features()->mutable_features()->Assign(series.x.begin() + t * F, series.x.begin() + (t + 1) * F);
+  event.mutable_features()->set_dt(series.dt[t]);
+  return event;
+}
+
+// Streams `requests` through one Stream call and returns its status; `acked` gets the last acknowledged seq by
+// instrument.
+absl::Status StreamAll(client::PerceptionClient& client, const std::vector<v1::StreamRequest>& requests,
+                       std::map<std::string, uint64_t>* acked = nullptr) {
+  absl::Mutex mu;
+  std::map<std::string, uint64_t> last;
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+    absl::MutexLock lock(&mu);
+    for (const v1::InstrumentAck& ack : response.acks()) {
+      EXPECT_GT(ack.last_seq(), last[ack.instrument()]) << "acknowledgements only move forward";
+      last[ack.instrument()] = ack.last_seq();
+    }
+  });
+  for (const v1::StreamRequest& request : requests) {
+    if (!stream->Write(request)) break;
+  }
+  const absl::Status status = stream->Finish();
+  absl::MutexLock lock(&mu);
+  if (acked != nullptr) *acked = last;
+  return status;
+}
+
+// Every retained conviction of `instrument` from `from_seq`, read in pages of `page`; checks that the pages are
+// contiguous.
+struct Log {
+  std::vector<uint64_t> seqs;
+  std::vector<float> convictions, probabilities;
+  int64_t min_version = std::numeric_limits<int64_t>::max(), max_version = 0;
+};
+Log ReadAll(client::PerceptionClient& client, const std::string& instrument, uint64_t from_seq, int64_t page) {
+  Log log;
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  request.set_from_seq(from_seq);
+  request.set_max_count(page);
+  request.set_with_probabilities(true);
+  while (true) {
+    absl::StatusOr<v1::ReadConvictionsResponse> response = client.ReadConvictions(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    if (!response.ok() || response->convictions_size() == 0) break;
+    EXPECT_LE(response->convictions_size(), page);
+    EXPECT_EQ(response->seqs_size(), response->convictions_size());
+    EXPECT_EQ(response->probabilities_size(), response->convictions_size() * response->n_horizons());
+    log.seqs.insert(log.seqs.end(), response->seqs().begin(), response->seqs().end());
+    log.convictions.insert(log.convictions.end(), response->convictions().begin(), response->convictions().end());
+    log.probabilities.insert(log.probabilities.end(), response->probabilities().begin(),
+                             response->probabilities().end());
+    log.min_version = std::min(log.min_version, response->min_weights_version());
+    log.max_version = std::max(log.max_version, response->max_weights_version());
+    if (response->next_seq() >= response->end_seq()) break;
+    request.set_from_seq(response->next_seq());
+  }
+  for (size_t i = 1; i < log.seqs.size(); ++i) EXPECT_EQ(log.seqs[i], log.seqs[i - 1] + 1) << "contiguous at " << i;
+  return log;
+}
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& expected, double tolerance,
+                const std::string& what) {
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - expected[i]));
+  EXPECT_LE(worst, tolerance) << what;
+}
+
+// The model the daemon creates from `seed` (identity normalizer), as a local CPU backend.
+std::unique_ptr<Backend> LocalModel(const ModelConfig& config, uint64_t seed) {
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, seed, params);
+  return MakeCpuBackend(config, OptimizerConfig{}, std::move(params));
+}
+
+std::vector<float> OfflineConvictions(Backend& backend, const testing::RandomBatch& series, int from, int to) {
+  const int F = backend.config().n_features, H = backend.config().n_horizons;
+  std::vector<float> logits(series.dt.size() * H);
+  EXPECT_TRUE(backend.ForwardStream(series.x, series.dt, logits).ok());
+  std::vector<float> all = ConvictionsOf(logits, H);
+  (void)F;
+  return {all.begin() + from, all.begin() + to};
+}
+
+class StreamingTest : public ::testing::Test {
+ protected:
+  void StartDaemon(std::vector<std::string> flags) {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(dir_ / "checkpoints", flags);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+  }
+  client::PerceptionClient& client() { return daemon_->client(); }
+
+  // A tiny model for 10 book levels (F = 48), saved as `name` and evaluated offline by `perception eval` over the
+  // AAPL sample: its logits [999, H].
+  std::vector<float> InitLevel10AndEval(const std::string& name) {
+    v1::InitModelRequest init = TinyInitRequest(5);
+    init.set_levels(kLevels);
+    EXPECT_TRUE(client().InitModel(init).ok());
+    v1::SaveCheckpointRequest save;
+    save.set_name(name);
+    EXPECT_TRUE(client().SaveCheckpoint(save).ok());
+    const std::filesystem::path logits = dir_ / "logits.npy";
+    const CommandResult eval = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ",
+                                                       (dir_ / "checkpoints" / name).string(), " --lobster ",
+                                                       kOrderbook, ",", kMessages, " --out ", logits.string()));
+    EXPECT_EQ(eval.exit_code, 0) << eval.output;
+    return ReadNpy(logits);
+  }
+
+  const ScopedTempDir temp_{"streaming"};
+  const std::filesystem::path& dir_ = temp_.path();
+  std::unique_ptr<Daemon> daemon_;
+};
+
+TEST_F(StreamingTest, StreamedConvictionsEqualPerceptionEval) {
+  StartDaemon({"--stream_slots=4", "--stream_log_entries=8000", "--stream_ack_events=100"});
+  const std::vector<float> logits = InitLevel10AndEval("aapl.safetensors");
+  const int H = TinyConfig().n_horizons;
+  ASSERT_EQ(logits.size(), 999u * H);
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok()) << data.status();
+
+  std::vector<v1::StreamRequest> requests;
+  for (size_t i = 0; i < data->size(); ++i) {
+    if (i % 37 == 0) requests.emplace_back();  // requests of various sizes
+    *requests.back().add_events() = LobsterEvent(*data, i, "AAPL", i + 1);
+  }
+  std::map<std::string, uint64_t> acked;
+  ASSERT_TRUE(StreamAll(client(), requests, &acked).ok());
+  EXPECT_EQ(acked["AAPL"], 999u) << "the call ends once the last event is acknowledged";
+
+  const Log log = ReadAll(client(), "AAPL", 1, 300);
+  ASSERT_EQ(log.seqs.size(), 999u);
+  EXPECT_EQ(log.seqs.front(), 1u);
+  ExpectNear(log.convictions, ConvictionsOf(logits, H), 1e-6, "convictions vs perception eval");
+  std::vector<float> probabilities;
+  for (const float logit : logits) probabilities.push_back(1.f / (1.f + std::exp(-logit)));
+  ExpectNear(log.probabilities, probabilities, 1e-6, "probabilities vs perception eval");
+  absl::StatusOr<v1::GetStatusResponse> status = client().GetStatus();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(log.min_version, status->model().weights_version());
+  EXPECT_EQ(log.max_version, status->model().weights_version());
+  EXPECT_EQ(status->streaming().weights_version(), status->model().weights_version());
+  EXPECT_EQ(status->streaming().active_streams(), 1);
+}
+
+TEST_F(StreamingTest, SeedThenStreamEqualsEvalOverTheConcatenation) {
+  StartDaemon({"--stream_slots=2", "--stream_log_entries=4000"});
+  const std::vector<float> logits = InitLevel10AndEval("seed.safetensors");
+  const int H = TinyConfig().n_horizons;
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok());
+  constexpr int kSeed = 300;
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("AAPL");
+  for (int i = 0; i < kSeed; ++i) *seed.add_events() = LobsterEvent(*data, i, "", 0);
+  absl::StatusOr<v1::SeedStreamResponse> seeded = client().SeedStream(seed);
+  ASSERT_TRUE(seeded.ok()) << seeded.status();
+  EXPECT_EQ(seeded->events(), kSeed);
+
+  std::vector<v1::StreamRequest> requests(1);
+  for (size_t i = kSeed; i < data->size(); ++i) *requests[0].add_events() = LobsterEvent(*data, i, "AAPL", i + 1);
+  ASSERT_TRUE(StreamAll(client(), requests).ok());
+  const Log log = ReadAll(client(), "AAPL", 0, 1000);
+  ASSERT_EQ(log.seqs.size(), 999u - kSeed);
+  EXPECT_EQ(log.seqs.front(), static_cast<uint64_t>(kSeed + 1));
+  const std::vector<float> all = ConvictionsOf(logits, H);
+  ExpectNear(log.convictions, {all.begin() + kSeed, all.end()}, 1e-6, "seeded stream vs eval of the whole file");
+
+  // Reset forgets state, previous mid and time: the next events behave like a fresh stream's, seq continuing.
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("AAPL");
+  ASSERT_TRUE(client().ResetStream(reset).ok());
+  std::vector<v1::StreamRequest> again(1);
+  for (int i = 0; i < 50; ++i) *again[0].add_events() = LobsterEvent(*data, i, "AAPL", 1000 + i);
+  ASSERT_TRUE(StreamAll(client(), again).ok());
+  const Log fresh = ReadAll(client(), "AAPL", 1000, 1000);
+  ExpectNear(fresh.convictions, {all.begin(), all.begin() + 50}, 1e-6, "after ResetStream");
+}
+
+TEST_F(StreamingTest, ManyInstrumentsOverSeveralConnectionsKeepApart) {
+  StartDaemon({"--init_config=tiny", "--stream_slots=16", "--stream_log_entries=16000", "--stream_ack_events=7",
+               "--stream_ack_ms=5"});
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  constexpr int kInstruments = 12, kConnections = 4;
+  std::vector<testing::RandomBatch> series;
+  for (int s = 0; s < kInstruments; ++s) series.push_back(testing::MakeRandomBatch(config, 1, 60 + 13 * s, 300 + s));
+  const auto name = [](int s) { return absl::StrCat("SYM", s); };
+
+  std::vector<std::thread> connections;
+  std::vector<absl::Status> statuses(kConnections);
+  std::vector<std::map<std::string, uint64_t>> acked(kConnections);
+  for (int c = 0; c < kConnections; ++c) {
+    connections.emplace_back([&, c] {
+      client::PerceptionClient client(daemon_->target());
+      // This connection's instruments (s % kConnections == c), interleaved event by event, a few per request;
+      // sequence numbers start at 100·s + 1.
+      std::vector<v1::StreamRequest> requests(1);
+      std::vector<int> next(kInstruments, 0);
+      for (bool more = true; more;) {
+        more = false;
+        for (int s = c; s < kInstruments; s += kConnections) {
+          const int t = next[s];
+          if (t >= static_cast<int>(series[s].dt.size())) continue;
+          more = true;
+          if (requests.back().events_size() >= 1 + (t + s) % 5) requests.emplace_back();
+          *requests.back().add_events() = FeatureEvent(series[s], F, t, name(s), 100 * s + 1 + t);
+          ++next[s];
+        }
+      }
+      statuses[c] = StreamAll(client, requests, &acked[c]);
+    });
+  }
+  for (std::thread& t : connections) t.join();
+  for (const absl::Status& status : statuses) EXPECT_TRUE(status.ok()) << status;
+
+  const std::unique_ptr<Backend> local = LocalModel(config, 1);
+  for (int s = 0; s < kInstruments; ++s) {
+    SCOPED_TRACE(name(s));
+    const int n = static_cast<int>(series[s].dt.size());
+    EXPECT_EQ(acked[s % kConnections][name(s)], static_cast<uint64_t>(100 * s + n));
+    const Log log = ReadAll(client(), name(s), 0, 50);
+    ASSERT_EQ(log.seqs.size(), static_cast<size_t>(n)) << "none lost, none duplicated";
+    EXPECT_EQ(log.seqs.front(), static_cast<uint64_t>(100 * s + 1));
+    ExpectNear(log.convictions, OfflineConvictions(*local, series[s], 0, n), 1e-6, "vs its own offline run");
+  }
+
+  // A repeated or a skipped sequence number: refused with the expected one named, nothing processed twice.
+  const int n0 = static_cast<int>(series[0].dt.size());
+  std::vector<v1::StreamRequest> repeated(1);
+  *repeated[0].add_events() = FeatureEvent(series[1], F, 0, name(0), n0);  // SYM0 ended at seq n0
+  absl::Status status = StreamAll(client(), repeated);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr(absl::StrCat("sequence number ", n0, " out of order, expected ", n0 + 1, " (repeated)")));
+  std::vector<v1::StreamRequest> skipped(1);
+  *skipped[0].add_events() = FeatureEvent(series[1], F, 0, name(0), n0 + 5);
+  status = StreamAll(client(), skipped);
+  EXPECT_THAT(std::string(status.message()), HasSubstr(absl::StrCat("expected ", n0 + 1, " (skipped)")));
+  EXPECT_EQ(ReadAll(client(), name(0), 0, 1000).seqs.size(), static_cast<size_t>(n0));
+  absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok());
+  ASSERT_EQ(streams->streams_size(), kInstruments);
+  EXPECT_EQ(streams->streams(0).instrument(), "SYM0");
+  EXPECT_EQ(streams->streams(0).last_accepted_seq(), static_cast<uint64_t>(n0));
+  EXPECT_EQ(streams->streams(0).pending_events(), 0u);
+}
+
+TEST_F(StreamingTest, TrainingWhileStreamingGivesConvictionsOfWholePublishedVersions) {
+  StartDaemon({"--init_config=tiny", "--stream_slots=2", "--stream_log_entries=20000"});
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  constexpr int kSteps = 30;
+  std::vector<testing::RandomBatch> batches;
+  for (int i = 0; i < kSteps; ++i) batches.push_back(testing::MakeRandomBatch(config, config.batch, config.window, 40 + i));
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 5000, 9);
+
+  // Events stream in small acknowledged requests before, during and after training.
+  absl::Mutex mu;
+  bool trained = false;  // guarded by mu
+  int sent = 0;
+  std::thread streamer([&] {
+    client::PerceptionClient client(daemon_->target());
+    absl::Mutex ack_mu;
+    uint64_t acked = 0;
+    const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+      absl::MutexLock lock(&ack_mu);
+      for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+    });
+    for (int after_training = 0; after_training < 3 && sent + 4 <= 5000;) {
+      v1::StreamRequest request;
+      request.set_ack(true);
+      for (int k = 0; k < 4; ++k, ++sent) *request.add_events() = FeatureEvent(series, F, sent, "LIVE", sent + 1);
+      ASSERT_TRUE(stream->Write(request));
+      const auto done = [&] { return acked == static_cast<uint64_t>(sent); };
+      absl::MutexLock lock(&ack_mu, absl::Condition(&done));
+      absl::MutexLock trained_lock(&mu);
+      if (trained) ++after_training;
+    }
+    EXPECT_TRUE(stream->Finish().ok());
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  std::vector<int64_t> steps;
+  const absl::Status training = client().Train(
+      kSteps, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[i], config); },
+      [&](const v1::TrainStepResponse& response) { steps.push_back(response.step()); });
+  {
+    absl::MutexLock lock(&mu);
+    trained = true;
+  }
+  streamer.join();
+  ASSERT_TRUE(training.ok()) << training;
+  EXPECT_EQ(steps.size(), static_cast<size_t>(kSteps));
+
+  // Each event's weights version, one entry per page; versions are 1 (init) + steps.
+  std::vector<int64_t> versions;
+  v1::ReadConvictionsRequest one;
+  one.set_instrument("LIVE");
+  one.set_max_count(1);
+  for (int t = 0; t < sent; ++t) {
+    one.set_from_seq(t + 1);
+    absl::StatusOr<v1::ReadConvictionsResponse> entry = client().ReadConvictions(one);
+    ASSERT_TRUE(entry.ok()) << entry.status();
+    ASSERT_EQ(entry->min_weights_version(), entry->max_weights_version());
+    versions.push_back(entry->min_weights_version());
+  }
+  EXPECT_EQ(versions.front(), 1);
+  EXPECT_EQ(versions.back(), 1 + kSteps) << "published after every step";
+  EXPECT_TRUE(std::is_sorted(versions.begin(), versions.end()));
+  std::set<int64_t> seen(versions.begin(), versions.end());
+  EXPECT_GT(seen.size(), 2u) << "streaming kept going while training ran";
+
+  // Offline: the same steps give the weights of each version; replaying every event under its own version's
+  // whole weights gives the daemon's convictions.
+  const std::unique_ptr<Backend> trainer = LocalModel(config, 1);
+  std::vector<Checkpoint> by_version = {Checkpoint{}, *trainer->ExportState()};
+  for (const testing::RandomBatch& batch : batches) {
+    ASSERT_TRUE(trainer->TrainStep(batch.view()).ok());
+    by_version.push_back(*trainer->ExportState());
+  }
+  const std::unique_ptr<Backend> replay = LocalModel(config, 1);
+  ASSERT_TRUE(replay->ConfigureStreaming(1, sent).ok());
+  for (int t = 0; t < sent; ++t) {
+    if (t == 0 || versions[t] != versions[t - 1]) {
+      ASSERT_TRUE(replay->ImportState(by_version[versions[t]]).ok());
+      ASSERT_TRUE(replay->PublishWeights().ok());
+    }
+    const int32_t slot = 0;
+    const int64_t index = t;
+    ASSERT_TRUE(replay->ForwardStepInto({std::span<const float>(series.x).subspan(t * F, F),
+                                         std::span<const float>(series.dt).subspan(t, 1), {&slot, 1}, {&index, 1}})
+                    .ok());
+  }
+  std::vector<float> expected(sent);
+  ASSERT_TRUE(replay->ReadLog(0, 0, sent, expected, {}).ok());
+  ExpectNear(ReadAll(client(), "LIVE", 1, 10000).convictions, expected, 1e-5, "each under its whole version");
+}
+
+TEST_F(StreamingTest, RingOverwriteIsReportedAndDisconnectsLoseNothingAcknowledged) {
+  StartDaemon({"--init_config=tiny", "--stream_slots=2", "--stream_log_entries=100"});  // 50 entries per slot
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 80, 21);
+  std::vector<v1::StreamRequest> requests(1);
+  for (int t = 0; t < 80; ++t) *requests[0].add_events() = FeatureEvent(series, F, t, "RING", t + 1);
+  ASSERT_TRUE(StreamAll(client(), requests).ok());
+  v1::ReadConvictionsRequest old;
+  old.set_instrument("RING");
+  old.set_from_seq(1);
+  absl::StatusOr<v1::ReadConvictionsResponse> refused = client().ReadConvictions(old);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("the oldest retained is 31"));
+  const Log log = ReadAll(client(), "RING", 31, 64);
+  ASSERT_EQ(log.seqs.size(), 50u);
+  EXPECT_EQ(log.seqs.front(), 31u);
+  const std::unique_ptr<Backend> local = LocalModel(config, 1);
+  ExpectNear(log.convictions, OfflineConvictions(*local, series, 30, 80), 1e-6, "retained entries");
+  absl::StatusOr<v1::GetStatusResponse> status = client().GetStatus();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->streaming().overwritten_total(), 30u);
+  absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_convictions_overwritten_total 30\n"));
+
+  // A client that disconnects mid-stream: everything acknowledged is in the log; it resumes after the last
+  // accepted event and the log equals the whole series.
+  const testing::RandomBatch drop = testing::MakeRandomBatch(config, 1, 45, 22);
+  {
+    absl::Mutex mu;
+    uint64_t acked = 0;
+    std::unique_ptr<client::EventStream> stream = client().OpenStream([&](const v1::StreamResponse& response) {
+      absl::MutexLock lock(&mu);
+      for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+    });
+    for (int t = 0; t < 20; ++t) {
+      v1::StreamRequest request;
+      request.set_ack(t == 19);
+      *request.add_events() = FeatureEvent(drop, F, t, "DROP", t + 1);
+      ASSERT_TRUE(stream->Write(request));
+    }
+    {
+      const auto all = [&] { return acked == 20; };
+      absl::MutexLock lock(&mu, absl::Condition(&all));
+    }
+    for (int t = 20; t < 30; ++t) {
+      v1::StreamRequest request;
+      *request.add_events() = FeatureEvent(drop, F, t, "DROP", t + 1);
+      stream->Write(request);
+    }
+    stream.reset();  // cancels the call without half-closing it
+  }
+  // What the daemon accepted finishes processing: wait until the stream is idle and stays so.
+  uint64_t resume = 0;
+  for (int attempt = 0, stable = 0; attempt < 200 && stable < 5; ++attempt) {
+    absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+    ASSERT_TRUE(streams.ok());
+    for (const v1::StreamInfo& info : streams->streams()) {
+      if (info.instrument() != "DROP") continue;
+      const uint64_t idle_at = info.pending_events() == 0 ? info.last_accepted_seq() : 0;
+      stable = idle_at > 0 && idle_at == resume ? stable + 1 : 0;
+      resume = idle_at;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_GE(resume, 20u) << "everything acknowledged was kept";
+  std::vector<v1::StreamRequest> rest(1);
+  for (int t = static_cast<int>(resume); t < 45; ++t) *rest[0].add_events() = FeatureEvent(drop, F, t, "DROP", t + 1);
+  ASSERT_TRUE(StreamAll(client(), rest).ok());
+  const Log dropped = ReadAll(client(), "DROP", 1, 100);
+  ASSERT_EQ(dropped.seqs.size(), 45u);
+  ExpectNear(dropped.convictions, OfflineConvictions(*local, drop, 0, 45), 1e-6, "resumed stream");
+}
+
+void ExpectRefused(const absl::Status& status, absl::StatusCode code, const std::string& message_part) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
+  StartDaemon({"--stream_slots=2", "--stream_log_entries=200"});
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok());
+  const auto one = [](v1::StreamEvent event) {
+    std::vector<v1::StreamRequest> requests(1);
+    *requests[0].add_events() = std::move(event);
+    return requests;
+  };
+  ExpectRefused(StreamAll(client(), one(LobsterEvent(*data, 0, "A", 1))), absl::StatusCode::kFailedPrecondition,
+                "no model");
+  v1::InitModelRequest init = TinyInitRequest(5);
+  init.set_levels(kLevels);
+  ASSERT_TRUE(client().InitModel(init).ok());
+  const int F = LobsterFeatureCount(kLevels);
+
+  v1::StreamEvent features;
+  features.set_instrument("A");
+  features.set_seq(1);
+  features.mutable_features()->mutable_features()->Resize(F, 0.5f);
+  features.mutable_features()->set_dt(0.1f);
+  struct Case {
+    std::string name;
+    v1::StreamEvent event;
+    std::string message_part;
+  };
+  std::vector<Case> cases;
+  const auto spoil = [&](std::string name, std::function<void(v1::StreamEvent&)> change, std::string part) {
+    v1::StreamEvent event = name.rfind("book", 0) == 0 ? LobsterEvent(*data, 0, "A", 1) : features;
+    change(event);
+    cases.push_back({std::move(name), std::move(event), std::move(part)});
+  };
+  spoil("wrong feature count", [](v1::StreamEvent& e) { e.mutable_features()->mutable_features()->RemoveLast(); },
+        "event 0 (instrument 'A', seq 1): has 47 features but the model takes 48");
+  spoil("NaN feature",
+        [](v1::StreamEvent& e) { e.mutable_features()->set_features(3, std::numeric_limits<float>::quiet_NaN()); },
+        "feature 3 is nan; features must be finite");
+  spoil("negative dt", [](v1::StreamEvent& e) { e.mutable_features()->set_dt(-1.f); },
+        "dt is -1; dt must be finite and >= 0");
+  spoil("empty instrument", [](v1::StreamEvent& e) { e.clear_instrument(); }, "the instrument id is empty");
+  spoil("no payload", [](v1::StreamEvent& e) { e.clear_features(); }, "neither a LOBSTER row nor a feature vector");
+  spoil("book crossed", [](v1::StreamEvent& e) { e.mutable_lobster()->set_book(0, e.lobster().book(2)); },
+        "no mid: level 1 has ask");
+  spoil("book empty level 1", [](v1::StreamEvent& e) { e.mutable_lobster()->set_book(0, kEmptyAskPrice); },
+        "no mid: level 1 has ask 9999999999");
+  spoil("book of 4 levels", [](v1::StreamEvent& e) { e.mutable_lobster()->mutable_book()->Truncate(16); },
+        "book row has 16 values but the model's 48 features");
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ExpectRefused(StreamAll(client(), one(c.event)), absl::StatusCode::kInvalidArgument, c.message_part);
+  }
+  // A bad event in the middle of a request: the ones before it are processed and acknowledged, nothing after.
+  std::vector<v1::StreamRequest> middle(1);
+  for (int i = 0; i < 3; ++i) *middle[0].add_events() = LobsterEvent(*data, i, "A", i + 1);
+  *middle[0].add_events() = LobsterEvent(*data, 0, "A", 4);  // earlier than event 2: time goes back
+  *middle[0].add_events() = LobsterEvent(*data, 4, "A", 5);
+  std::map<std::string, uint64_t> acked;
+  ExpectRefused(StreamAll(client(), middle, &acked), absl::StatusCode::kInvalidArgument,
+                "event 3 (instrument 'A', seq 4): time");
+  EXPECT_EQ(acked["A"], 3u);
+  EXPECT_EQ(ReadAll(client(), "A", 0, 100).seqs.size(), 3u);
+  // Capacity: two slots.
+  ASSERT_TRUE(StreamAll(client(), one(LobsterEvent(*data, 0, "B", 1))).ok());
+  ExpectRefused(StreamAll(client(), one(LobsterEvent(*data, 0, "C", 1))), absl::StatusCode::kResourceExhausted,
+                "all 2 stream slots are in use");
+  // Unknown instruments on read, reset and close.
+  v1::ReadConvictionsRequest read;
+  read.set_instrument("ZZZ");
+  ExpectRefused(client().ReadConvictions(read).status(), absl::StatusCode::kNotFound, "unknown instrument 'ZZZ'");
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("ZZZ");
+  ExpectRefused(client().ResetStream(reset).status(), absl::StatusCode::kNotFound, "unknown instrument 'ZZZ'");
+  v1::CloseStreamRequest close;
+  close.set_instrument("ZZZ");
+  ExpectRefused(client().CloseStream(close).status(), absl::StatusCode::kNotFound, "unknown instrument 'ZZZ'");
+  // Replacing the model would discard live state: refused until the streams are closed.
+  ExpectRefused(client().InitModel(init).status(), absl::StatusCode::kFailedPrecondition, "live stream(s)");
+
+  // Still serving: A continues from seq 4 and its log is the offline run over events 0..4 of the file.
+  std::vector<v1::StreamRequest> rest(1);
+  *rest[0].add_events() = LobsterEvent(*data, 3, "A", 4);
+  *rest[0].add_events() = LobsterEvent(*data, 4, "A", 5);
+  ASSERT_TRUE(StreamAll(client(), rest).ok());
+  EXPECT_EQ(ReadAll(client(), "A", 0, 100).seqs.size(), 5u);
+  close.set_instrument("B");
+  absl::StatusOr<v1::CloseStreamResponse> closed = client().CloseStream(close);
+  ASSERT_TRUE(closed.ok());
+  EXPECT_EQ(closed->processed_events(), 1u);
+
+  absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 4"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 5"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 6\n"));
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_active_streams 1\n"));
+  ASSERT_STRNE(PERCEPTION_PROMTOOL, "");
+  std::ofstream(dir_ / "metrics.txt") << *metrics;
+  const CommandResult promtool =
+      RunCommand(absl::StrCat(PERCEPTION_PROMTOOL, " check metrics < ", (dir_ / "metrics.txt").string()));
+  EXPECT_EQ(promtool.exit_code, 0) << promtool.output;
+  EXPECT_EQ(promtool.output, "") << "promtool lint findings";
+}
+
+TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
+  StartDaemon({"--stream_slots=8", "--stream_log_entries=8000"});
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon_->target());
+  CommandResult init = RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10"));
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  CommandResult stream = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                 " --instrument AAPL --seed-window 100 --rate max"));
+  ASSERT_EQ(stream.exit_code, 0) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("seeded AAPL with 100 events"));
+  EXPECT_THAT(stream.output, HasSubstr("streamed 899 events of AAPL (seq 101..999)"));
+  EXPECT_THAT(stream.output, HasSubstr("events/s; all acknowledged"));
+  const std::filesystem::path csv = dir_ / "aapl.csv";
+  CommandResult convictions = RunCommand(absl::StrCat(ctl, " convictions --instrument AAPL --out ", csv.string()));
+  ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
+  EXPECT_THAT(convictions.output, HasSubstr("899 convictions of AAPL (seq 101..999"));
+  std::ifstream file(csv);
+  std::string header, first;
+  std::getline(file, header);
+  std::getline(file, first);
+  EXPECT_EQ(header, "seq,conviction,p1,p2,p3");
+  EXPECT_TRUE(absl::StartsWith(first, "101,")) << first;
+  int rows = 2;
+  for (std::string line; std::getline(file, line);) ++rows;
+  EXPECT_EQ(rows - 1, 899);
+
+  CommandResult paced = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                " --instrument SLOW --count 50 --rate 500"));
+  ASSERT_EQ(paced.exit_code, 0) << paced.output;
+  EXPECT_THAT(paced.output, HasSubstr("streamed 50 events of SLOW"));
+
+  CommandResult bench = RunCommand(absl::StrCat(ctl, " bench --instruments 5 --events 500 --connections 2"));
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  EXPECT_THAT(bench.output, HasSubstr("bench: 5 instruments over 2 connection(s), 500 events (500 acknowledged)"));
+  EXPECT_THAT(bench.output, HasSubstr("p99.9"));
+  EXPECT_THAT(bench.output, HasSubstr("rejected: 0 events"));
+  CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
+  EXPECT_THAT(over.output, HasSubstr("RESOURCE_EXHAUSTED"));
+  CommandResult unknown = RunCommand(absl::StrCat(ctl, " convictions --instrument NOPE --out ", csv.string()));
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("NOT_FOUND: unknown instrument 'NOPE'"));
+}
+
+}  // namespace
+}  // namespace perception::e2e
