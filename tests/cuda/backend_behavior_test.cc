@@ -21,16 +21,8 @@ using testing::MakeRandomBatch;
 using testing::RandomParams;
 using testing::RelativeError;
 
-std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, seed, params);
-  return params;
-}
-
-bool Contains(const absl::Status& status, const std::string& part) {
-  return std::string(status.message()).find(part) != std::string::npos;
-}
+using testing::Contains;
+using testing::InitialParams;
 
 // The one test here that runs on machines without a GPU.
 TEST(CudaBackendWithoutDevice, MakeBackendNamesTheMissingDevice) {

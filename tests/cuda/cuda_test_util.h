@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -21,6 +22,18 @@ namespace perception::testing {
       GTEST_SKIP() << "needs a CUDA device: " << _available.message();                      \
     }                                                                                      \
   } while (0)
+
+// Parameters initialized from `seed` (MODEL.md §4), unperturbed.
+inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, seed, params);
+  return params;
+}
+
+inline bool Contains(const absl::Status& status, const std::string& part) {
+  return std::string(status.message()).find(part) != std::string::npos;
+}
 
 // A device copy of a host vector (or zeros), downloaded on demand. Allocated through the counted allocator.
 template <typename T>

@@ -33,16 +33,8 @@ namespace {
 
 using testing::MakeRandomBatch;
 
-std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, seed, params);
-  return params;
-}
-
-bool Contains(const absl::Status& status, const std::string& part) {
-  return std::string(status.message()).find(part) != std::string::npos;
-}
+using testing::Contains;
+using testing::InitialParams;
 
 template <typename T>
 bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
