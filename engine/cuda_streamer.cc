@@ -11,7 +11,9 @@
 namespace perception {
 namespace {
 
-// Ticks of up to this many events give each event a cluster of 8 blocks.
+// Ticks of up to kFullClusterTickEvents events give each event a cluster of 8 blocks, up to kClusterTickEvents a
+// cluster of 4 (at 64 events, 4 measured 1.4x faster than 8 on small); larger ticks share weight rows instead.
+constexpr int kFullClusterTickEvents = 8;
 constexpr int kClusterTickEvents = 64;
 
 }  // namespace
@@ -196,7 +198,8 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   // Measured on the H200 (bench/RESULTS.md): small ticks are latency-bound and gain from spreading each product over
   // a full cluster; large ticks are bound by weight traffic and gain from sharing each weight row among more events.
-  if (n <= kClusterTickEvents) return {1, 8};
+  if (n <= kFullClusterTickEvents) return {1, 8};
+  if (n <= kClusterTickEvents) return {1, 4};
   return {std::min(4, max_group_), 1};
 }
 
