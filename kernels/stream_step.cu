@@ -112,8 +112,18 @@ __global__ void __launch_bounds__(kStreamThreads)
   const int blocks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
   const int first = static_cast<int>(blockIdx.x / blocks) * EG;
   const int count = min(EG, tick.n - first);
-  // Padding events (past n, or a negative slot in a tick padded to its graph's bucket) read zeros, write nothing.
-  auto slot_of = [&](int e) { return e < count ? tick.slots[first + e] : -1; };
+  // The tick's inputs may live in pinned host memory, where every read is a round trip over the bus: slot ids and
+  // Δt are read once here. Padding events (past n, or a negative slot in a tick padded to its graph's bucket) read
+  // zeros and write nothing.
+  __shared__ int slot_ids[EG];
+  __shared__ float event_dt[EG];
+  if (threadIdx.x < EG) {
+    const int e = threadIdx.x;
+    slot_ids[e] = e < count ? tick.slots[first + e] : -1;
+    event_dt[e] = e < count ? tick.dt[first + e] : 0.f;
+  }
+  __syncthreads();
+  auto slot_of = [&](int e) { return slot_ids[e]; };
   extern __shared__ float smem[];
   __shared__ float scratch[kReductionScratch];
   const EventLayout lay(w);
@@ -228,7 +238,7 @@ __global__ void __launch_bounds__(kStreamThreads)
     float* ev = smem + e * P;
     const int slot = slot_of(e);
     const bool valid = slot >= 0;
-    const float dt = valid ? tick.dt[first + e] : 0.f;
+    const float dt = valid ? event_dt[e] : 0.f;
     for (int u = tid; u < w.C; u += blockDim.x) {
       const float* hd = ev + lay.heads;
       const float tau = Sigmoid(hd[2 * w.C + u] * dt + hd[3 * w.C + u]);
