@@ -168,6 +168,11 @@ absl::Status CudaStreamer::PublishFromHost(std::span<const float> params) {
   return absl::OkStatus();
 }
 
+absl::Status CudaStreamer::CheckSlot(int slot) const {
+  if (slot >= 0 && slot < slots_) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat("slot ", slot, " is outside [0, ", slots_, ")"));
+}
+
 absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
   const size_t n = tick.size();
   if (n > static_cast<size_t>(slots_) || tick.x.size() != n * layout_.config().n_features || tick.slots.size() != n ||
@@ -176,9 +181,7 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
                                                    "event count, or the tick has more than ", slots_, " events"));
   }
   for (size_t i = 0; i < n; ++i) {
-    if (tick.slots[i] < 0 || tick.slots[i] >= slots_) {
-      return absl::OutOfRangeError(absl::StrCat("slot ", tick.slots[i], " is outside [0, ", slots_, ")"));
-    }
+    RETURN_IF_ERROR(CheckSlot(tick.slots[i]));
     if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
       return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log index ", tick.log_indices[i],
                                                      " outside [0, ", log_entries_, ")"));
@@ -254,7 +257,6 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   }
   CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
-  ++graph_replays_;
   return absl::OkStatus();
 }
 
@@ -292,12 +294,11 @@ absl::Status CudaStreamer::Capture(Staging& s, int bucket, TickGraph& graph) {
   graph.staging_x = s.x_host;
   graph.published = published_;
   graph.conv_state = state_.conv;
-  ++graph_captures_;
   return absl::OkStatus();
 }
 
 absl::Status CudaStreamer::ResetSlot(int slot) {
-  if (slot < 0 || slot >= slots_) return absl::OutOfRangeError(absl::StrCat("slot ", slot, " is outside [0, ", slots_, ")"));
+  RETURN_IF_ERROR(CheckSlot(slot));
   const ModelConfig& c = layout_.config();
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
   const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();

@@ -53,8 +53,6 @@ class CudaStreamer {
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
-  int64_t graph_captures() const { return graph_captures_; }
-  int64_t graph_replays() const { return graph_replays_; }
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
 
@@ -86,6 +84,7 @@ class CudaStreamer {
     const float *staging_x = nullptr, *published = nullptr, *conv_state = nullptr;
   };
 
+  absl::Status CheckSlot(int slot) const;
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
   int BucketFor(int n) const;
@@ -113,7 +112,6 @@ class CudaStreamer {
   int next_staging_ = 0;
   bool use_graphs_ = true;
   std::array<std::map<int, TickGraph>, 2> graphs_;  // per staging buffer, by bucket
-  int64_t graph_captures_ = 0, graph_replays_ = 0;
   std::unique_ptr<bool[]> slot_seen_;
 };
 
