@@ -3,7 +3,7 @@
 //
 //   reference_dump --config tiny --out DIR [--param-seed 1] [--batch-seed 2] [--state-seed 3]
 //                  [--batch B] [--window T] [--steps 10] [--lr 1e-2] [--max-norm 1.0]
-//                  [--threads 0] [--state-streams 8] [--device cpu]
+//                  [--threads 0] [--state-streams 8] [--device cpu|cuda] [--float32 on|off]
 //
 // DIR/init.safetensors   the random parameters (tests/test_util.h RandomParams: every tensor perturbed, a
 //                        random normalizer) as a checkpoint at step 0 (SaveCheckpoint), loaded by Python
@@ -21,9 +21,13 @@
 //                          its random initial state).
 //                        A float64 value v is stored as two F32 tensors, `<key>` = float(v) and
 //                        `<key>@lo` = float(v − float(v)), so Python recovers it to ~1e-14 relative.
-//                        Metadata: format, config (JSON), seeds, steps, lr, max_norm, weight_decay, device.
+//                        Metadata: format, config (JSON), seeds, steps, lr, max_norm, weight_decay, device,
+//                        runs (the prefixes present).
 //
-// --device is ready for a device backend's run (prefix `dev32`); only `cpu` exists today.
+// --device cuda adds the CUDA backend's float32 run (CudaModel, graphs on, as the daemon trains) under the prefix
+// `dev32`: logits, loss, every gradient, the S training losses and pre-clip gradient norms, and the parameters
+// after the S steps (the CUDA model computes no dx and has no per-stream state API here, so those keys are absent).
+// --float32 off skips the `cpu32` run (the float64 one is the reference every other run is compared with).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/checkpoint.h"
 #include "engine/config.h"
 #include "engine/cpu_reference.h"
@@ -44,8 +49,16 @@
 #include "engine/safetensors.h"
 #include "tests/test_util.h"
 
+#if PERCEPTION_HAVE_CUDA
+#include "engine/cuda_backend.h"
+#include "engine/cuda_model.h"
+#endif
+
 namespace perception {
 namespace {
+
+// The exit code of a run that cannot happen here (ctest's SKIP_RETURN_CODE, as compare.py's).
+constexpr int kSkipExitCode = 77;
 
 struct Options {
   std::string config = "tiny";
@@ -58,6 +71,7 @@ struct Options {
   double lr = 1e-2, max_norm = 1.0;
   int threads = 0;
   int state_streams = 8;
+  bool float32 = true;
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -65,7 +79,7 @@ struct Options {
                "reference_dump: %s\n"
                "usage: reference_dump --config tiny|small|large --out DIR [--param-seed N] [--batch-seed N]\n"
                "         [--state-seed N] [--batch B] [--window T] [--steps S] [--lr X] [--max-norm X]\n"
-               "         [--threads N] [--state-streams N] [--device cpu]\n",
+               "         [--threads N] [--state-streams N] [--device cpu|cuda] [--float32 on|off]\n",
                error.c_str());
   std::exit(2);
 }
@@ -98,6 +112,7 @@ Options ParseOptions(int argc, char** argv) {
     else if (flag == "--max-norm") as_double(o.max_norm);
     else if (flag == "--threads") as_int(o.threads);
     else if (flag == "--state-streams") as_int(o.state_streams);
+    else if (flag == "--float32" && (value == "on" || value == "off")) o.float32 = value == "on";
     else Usage(absl::StrCat("unknown flag ", flag));
   }
   if (o.out.empty()) Usage("--out is required");
@@ -237,6 +252,59 @@ RunResult<T> RunCpu(const Options& o, const ParamLayout& layout, const std::vect
   return r;
 }
 
+#if PERCEPTION_HAVE_CUDA
+// The CUDA backend's float32 run over the same parameters and batch: what RunCpu computes, less dx and the
+// carried-state and step-path outputs.
+RunResult<float> RunCuda(const Options& o, const ParamLayout& layout, const std::vector<float>& params,
+                         const testing::RandomBatch& batch) {
+  const ModelConfig& c = layout.config();
+  OptimizerConfig opt;
+  opt.lr = o.lr;
+  opt.max_grad_norm = o.max_norm;
+  auto model = CudaModel::Create(c, opt, params);
+  Check(model.status());
+  CudaModel& m = **model;
+  const BatchView<float> view = batch.view();
+  RunResult<float> r;
+  Check(m.StageBatch(view));
+  Check(m.EnqueueEvaluate(/*carry_state=*/false));
+  auto report = m.Wait();
+  Check(report.status());
+  r.logits.assign(m.StagedLogits().begin(), m.StagedLogits().end());
+  Check(m.EnqueueGradients());
+  report = m.Wait();
+  Check(report.status());
+  r.loss = static_cast<float>(report->loss);
+  auto grads = m.DownloadGrads();
+  Check(grads.status());
+  r.grads = std::move(*grads);
+  for (int step = 1; step <= o.steps; ++step) {
+    Check(m.StageBatch(view));
+    Check(m.EnqueueTrainStep());
+    report = m.Wait();
+    Check(report.status());
+    r.train_loss.push_back(static_cast<float>(report->loss));
+    r.train_grad_norm.push_back(static_cast<float>(report->grad_norm));
+  }
+  auto after = m.DownloadParams();
+  Check(after.status());
+  r.params_after = std::move(*after);
+  return r;
+}
+#endif
+
+// The keys of a device run (see RunCuda).
+void AddDeviceRun(Dump& dump, const std::string& prefix, const Options& o, const ParamLayout& layout, int B, int Tn,
+                  const RunResult<float>& r) {
+  const int64_t H = layout.config().n_horizons;
+  dump.Add<float>(prefix + ".logits", {B, Tn, H}, r.logits);
+  dump.Add<float>(prefix + ".loss", {1}, std::vector<float>{r.loss});
+  dump.AddTensors<float>(prefix + ".grad.", layout, r.grads, /*trained_only=*/true);
+  dump.Add<float>(prefix + ".train.loss", {o.steps}, r.train_loss);
+  dump.Add<float>(prefix + ".train.grad_norm", {o.steps}, r.train_grad_norm);
+  dump.AddTensors<float>(absl::StrCat(prefix, ".step", o.steps, "."), layout, r.params_after, /*trained_only=*/true);
+}
+
 template <typename T>
 void AddStates(Dump& dump, const std::string& prefix, const ModelConfig& c, const std::vector<StreamState<T>>& states) {
   const int64_t B = static_cast<int64_t>(states.size()), L = c.n_layers;
@@ -271,10 +339,17 @@ void AddRun(Dump& dump, const std::string& prefix, const Options& o, const Param
 
 int Main(int argc, char** argv) {
   const Options o = ParseOptions(argc, argv);
-  if (o.device != "cpu") {
-    // A device run (CUDA backend) would add its float32 results under the prefix `dev32` beside the CPU ones.
-    Usage(absl::StrCat("--device ", o.device, ": only 'cpu' is implemented in this build"));
+  if (o.device != "cpu" && o.device != "cuda") Usage(absl::StrCat("--device ", o.device, ": cpu or cuda"));
+#if PERCEPTION_HAVE_CUDA
+  if (o.device == "cuda") {
+    if (const absl::Status available = CudaDeviceAvailable(); !available.ok()) {
+      std::fprintf(stderr, "SKIP: --device cuda needs a CUDA device: %s\n", std::string(available.message()).c_str());
+      return kSkipExitCode;
+    }
   }
+#else
+  if (o.device == "cuda") Usage("--device cuda: this build has no CUDA backend (PERCEPTION_CUDA=OFF)");
+#endif
   absl::StatusOr<ModelConfig> named = NamedConfig(o.config);
   Check(named.status());
   ModelConfig config = *named;
@@ -301,8 +376,20 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr, "reference_dump: %s B=%d T=%d, %zu trained parameters; float64 run...\n", o.config.c_str(),
                B, Tn, layout.trained_count());
   const RunResult<double> r64 = RunCpu<double>(o, layout, params, batch, init_states);
-  std::fprintf(stderr, "reference_dump: float32 run...\n");
-  const RunResult<float> r32 = RunCpu<float>(o, layout, params, batch, init_states);
+  std::vector<std::string> runs = {"cpu64"};
+  RunResult<float> r32, dev32;
+  if (o.float32) {
+    std::fprintf(stderr, "reference_dump: float32 run...\n");
+    r32 = RunCpu<float>(o, layout, params, batch, init_states);
+    runs.push_back("cpu32");
+  }
+#if PERCEPTION_HAVE_CUDA
+  if (o.device == "cuda") {
+    std::fprintf(stderr, "reference_dump: CUDA float32 run...\n");
+    dev32 = RunCuda(o, layout, params, batch);
+    runs.push_back("dev32");
+  }
+#endif
 
   Checkpoint saved{config, r64.params_saved, r64.exp_avg_saved, r64.exp_avg_sq_saved, o.save_step};
   Check(SaveCheckpoint(dir + "step" + std::to_string(o.save_step) + ".safetensors", saved));
@@ -314,7 +401,8 @@ int Main(int argc, char** argv) {
   dump.Add("batch.mask", {B, Tn, config.n_horizons}, std::vector<float>(batch.mask));
   AddStates<float>(dump, "state.init.", config, init_states);
   AddRun<double>(dump, "cpu64", o, layout, B, Tn, r64);
-  AddRun<float>(dump, "cpu32", o, layout, B, Tn, r32);
+  if (o.float32) AddRun<float>(dump, "cpu32", o, layout, B, Tn, r32);
+  if (o.device == "cuda") AddDeviceRun(dump, "dev32", o, layout, B, Tn, dev32);
   const SafetensorsMetadata metadata = {
       {"format", "perception-reference-dump-v1"},
       {"config", ConfigToJson(config)},
@@ -328,7 +416,7 @@ int Main(int argc, char** argv) {
       {"max_norm", Exact(o.max_norm)},
       {"weight_decay", Exact(OptimizerConfig{}.weight_decay)},
       {"device", o.device},
-      {"runs", "cpu64,cpu32"},
+      {"runs", absl::StrJoin(runs, ",")},
   };
   Check(dump.Write(dir + "dump.safetensors", metadata));
   std::fprintf(stderr, "reference_dump: wrote %sdump.safetensors, init.safetensors, step%d.safetensors "
