@@ -186,6 +186,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&d_head_in_, M * d.DC);
   a.Reserve(&dp_, M * 4 * d.C);
   a.Reserve(&dbb_pre_, M * d.K);
+  a.Reserve(&cfc_heads_grad_, kernels::kCfcHeads * d.C * d.K);
   a.Reserve(&dh_, M * d.D);
   a.Reserve(&dy_, M * d.E);
   a.Reserve(&dxs_, M * d.E);
@@ -530,8 +531,9 @@ absl::Status CudaModel::HeadForward(int rows) {
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC, 1.f, pre2_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, 1.f, e1_, d.G));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, 1.f, gate_pre_, d.G));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_value.weight), d.G, 1.f, value_, d.G));
+  // Gate and value read the same e1: one batched launch (value's weight and output one stride past gate's).
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, 1.f, gate_pre_, d.G,
+                                 {2, 0, param(pl.grn_value.weight) - param(pl.grn_gate.weight), value_ - gate_pre_}));
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, 0.f, pre_ln_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
                                                               param(pl.grn_norm.bias), rows, d.G, nhat_, g_, ln_rstd_,
@@ -585,9 +587,19 @@ absl::Status CudaModel::CfcBackward(int rows) {
                                                   dbb_pre_, stream_));
   const int heads[kernels::kCfcHeads] = {pl.cfc_ff1.weight, pl.cfc_ff2.weight, pl.cfc_time_a.weight,
                                          pl.cfc_time_b.weight};
-  for (int j = 0; j < kernels::kCfcHeads; ++j) {
-    RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.K, d.C, dp_ + j * d.C, 4 * d.C, bb_, d.K, grad(heads[j]), d.K));
+  // The four heads' weight gradients as one product dp[rows, 4C]ᵀ · bb (one k = rows reduction instead of four),
+  // then one strided copy into the four tensors, which the layout keeps a bias apart.
+  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.K, kernels::kCfcHeads * d.C, dp_, 4 * d.C, bb_, d.K, cfc_heads_grad_,
+                                        d.K));
+  const size_t head_floats = static_cast<size_t>(d.C) * d.K;
+  for (int j = 1; j < kernels::kCfcHeads; ++j) {
+    if (grad(heads[j]) - grad(heads[j - 1]) != grad(heads[1]) - grad(heads[0])) {
+      return absl::InternalError("the CfC head weights are not evenly spaced in the parameter layout");
+    }
   }
+  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(grad(heads[0]), (grad(heads[1]) - grad(heads[0])) * sizeof(float),
+                                         cfc_heads_grad_, head_floats * sizeof(float), head_floats * sizeof(float),
+                                         kernels::kCfcHeads, cudaMemcpyDeviceToDevice, stream_));
   float* d_backbone = grad(pl.cfc_backbone.weight);  // [K, D + C]: the s columns, then W_c's
   RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.D, d.K, dbb_pre_, d.K, head_in_, d.DC, d_backbone, d.DC));
   RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.C, d.K, dbb_pre_, d.K, c_prev_, d.C, d_backbone + d.D, d.DC));

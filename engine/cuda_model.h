@@ -212,6 +212,7 @@ class CudaModel {
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
   float *dlogits_ = nullptr, *dg_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
+  float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
   StreamStates states_;
