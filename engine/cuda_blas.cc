@@ -3,7 +3,7 @@
 #include "engine/cuda_blas.h"
 
 #include <cstring>
-#include <string>
+#include <memory>
 
 #include "engine/cuda_check.h"
 
@@ -16,9 +16,10 @@ namespace {
 constexpr uint32_t kDeterministicReductions =
     CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
 
-// One tuned product: the shape (as in Blas::Shape, alignments aside) and the cuBLASLt algorithm configuration that
-// was fastest for it among the deterministic ones, timed offline on an H200 (132 SMs) with cuBLASLt `kTunedVersion`
-// as a CUDA graph of ten launches. A different device or library falls back to the heuristic.
+// One tuned product: the shape (as in Blas::Shape, bias and alignments aside) and the cuBLASLt algorithm
+// configuration that was fastest for it among the deterministic ones, timed offline on an H200 (132 SMs) with
+// cuBLASLt `kTunedVersion` as a CUDA graph of ten launches (bench/gemm_sweep.cc); a bias epilogue runs on the same
+// kernel. A different device or library, or a configuration the library refuses, falls back to the heuristic.
 struct Tuned {
   bool tf32;
   cublasOperation_t op_a, op_b;
@@ -48,7 +49,7 @@ constexpr Tuned kTuned[] = {
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 64, 5, 16384, 64, 5, 64, 1, 20, 15, 28, 132, 2, 0, 0, 0, 0},
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 192, 64, 16384, 192, 64, 192, 1, 20, 18, 28, 64, 4, 0, 0, 0, 0},
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 64, 64, 16384, 64, 64, 64, 1, 20, 15, 28, 132, 2, 0, 0, 0, 0},
-    {false, CUBLAS_OP_N, CUBLAS_OP_T, 128, 64, 16384, 128, 256, 128, 1, 20, 15, 28, 64, 2, 0, 0, 0, 0},
+    {false, CUBLAS_OP_N, CUBLAS_OP_T, 128, 256, 16384, 128, 256, 128, 1, 20, 20, 26, 64, 4, 0, 0, 0, 0},
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 128, 128, 16384, 192, 128, 192, 1, 20, 18, 28, 64, 4, 0, 0, 0, 0},
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 64, 128, 16384, 64, 128, 192, 1, 20, 15, 28, 64, 2, 0, 0, 0, 0},
     {false, CUBLAS_OP_N, CUBLAS_OP_T, 256, 128, 16384, 256, 128, 256, 1, 20, 18, 28, 32, 4, 0, 0, 0, 0},
@@ -65,7 +66,7 @@ constexpr Tuned kTuned[] = {
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 64, 5, 16384, 64, 5, 64, 1, 23, 15, 6, 64, 2, 0, 0, 0, 0},
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 192, 64, 16384, 192, 64, 192, 1, 21, 15, 12, 32, 2, 0, 0, 0, 0},
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 64, 64, 16384, 64, 64, 64, 1, 21, 15, 6, 64, 2, 0, 0, 0, 0},
-    {true, CUBLAS_OP_N, CUBLAS_OP_T, 128, 64, 16384, 128, 256, 128, 1, 21, 15, 6, 64, 4, 0, 0, 0, 0},
+    {true, CUBLAS_OP_N, CUBLAS_OP_T, 128, 256, 16384, 128, 256, 128, 1, 21, 17, 9, 32, 4, 0, 0, 0, 0},
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 128, 128, 16384, 192, 128, 192, 1, 21, 15, 12, 32, 2, 0, 0, 0, 0},
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 64, 128, 16384, 64, 128, 192, 1, 21, 15, 6, 64, 4, 0, 0, 0, 0},
     {true, CUBLAS_OP_N, CUBLAS_OP_T, 256, 128, 16384, 256, 128, 256, 1, 21, 17, 9, 32, 4, 0, 0, 0, 0},
@@ -114,10 +115,9 @@ Blas::~Blas() {
 
 bool Blas::TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t* algo) const {
   if (!tuned_device_) return false;
-  const auto [op_a, op_b, m, n, k, lda, ldb, ldc, count, sa, sb, sc, align_a, align_b, align_c] = shape;
   for (const Tuned& t : kTuned) {
-    if (t.tf32 != tf32_ || t.op_a != op_a || t.op_b != op_b || t.m != m || t.n != n || t.k != k || t.lda != lda ||
-        t.ldb != ldb || t.ldc != ldc || t.count != count) {
+    if (t.tf32 != tf32_ || t.op_a != shape.op_a || t.op_b != shape.op_b || t.m != shape.m || t.n != shape.n ||
+        t.k != shape.k || t.lda != shape.lda || t.ldb != shape.ldb || t.ldc != shape.ldc || t.count != shape.count) {
       continue;
     }
     const cublasComputeType_t compute = tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -142,10 +142,10 @@ bool Blas::TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t*
     }
     // The kernel's alignment needs against what this call's operands give.
     const std::pair<cublasLtMatmulAlgoCapAttributes_t, int> needs[] = {
-        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, align_a},
-        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES, align_b},
-        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, align_c},
-        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES, align_c}};
+        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, shape.align_a},
+        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES, shape.align_b},
+        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, shape.align_c},
+        {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES, shape.align_c}};
     for (const auto& [cap, have] : needs) {
       uint32_t need = 0;
       size_t written = 0;
@@ -160,19 +160,27 @@ bool Blas::TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t*
 }
 
 absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
-  const auto [op_a, op_b, m, n, k, lda, ldb, ldc, count, sa, sb, sc, align_a, align_b, align_c] = shape;
   Plan plan;
   const cublasComputeType_t compute = tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan.op, compute, CUDA_R_32F));
-  const auto ta = static_cast<cublasOperation_t>(op_a), tb = static_cast<cublasOperation_t>(op_b);
+  const auto ta = static_cast<cublasOperation_t>(shape.op_a), tb = static_cast<cublasOperation_t>(shape.op_b);
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (shape.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                                                          &shape.stride_bias, sizeof(shape.stride_bias)));
+  }
+  const int m = shape.m, n = shape.n, k = shape.k, count = shape.count;
   const bool a_n = ta == CUBLAS_OP_N, b_n = tb == CUBLAS_OP_N;
-  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_32F, a_n ? m : k, a_n ? k : m, lda));
-  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_32F, b_n ? k : n, b_n ? n : k, ldb));
-  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, m, n, ldc));
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_32F, a_n ? m : k, a_n ? k : m, shape.lda));
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_32F, b_n ? k : n, b_n ? n : k, shape.ldb));
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, m, n, shape.ldc));
   if (count > 1) {
-    const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{plan.a, sa}, {plan.b, sb}, {plan.c, sc}};
+    const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
+        {plan.a, shape.stride_a}, {plan.b, shape.stride_b}, {plan.c, shape.stride_c}};
     for (const auto& [layout, stride] : strided) {
       CUBLAS_RETURN_IF_ERROR(
           cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
@@ -182,31 +190,23 @@ absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
   }
   if (TunedAlgo(shape, plan, &plan.algo)) return plan;
 
-  cublasLtMatmulPreference_t preference = nullptr;
-  CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
-  const uint64_t workspace = workspace_bytes_;
-  const uint32_t reductions = kDeterministicReductions;
-  const uint32_t aligns[] = {static_cast<uint32_t>(align_a), static_cast<uint32_t>(align_b),
-                             static_cast<uint32_t>(align_c)};
+  cublasLtMatmulPreference_t raw = nullptr;
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&raw));
+  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)> preference(
+      raw, &cublasLtMatmulPreferenceDestroy);
+  auto prefer = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
+    return cublasLtMatmulPreferenceSetAttribute(preference.get(), attribute, &value, sizeof(value));
+  };
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{workspace_bytes_}));
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, kDeterministicReductions));
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(shape.align_a)));
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(shape.align_b)));
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(shape.align_c)));
+  CUBLAS_RETURN_IF_ERROR(prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(shape.align_c)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  for (const auto& [attribute, value, size] :
-       {std::tuple{CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<const void*>(&workspace), sizeof(workspace)},
-        std::tuple{CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, static_cast<const void*>(&reductions), sizeof(uint32_t)},
-        std::tuple{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<const void*>(&aligns[0]), sizeof(uint32_t)},
-        std::tuple{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<const void*>(&aligns[1]), sizeof(uint32_t)},
-        std::tuple{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<const void*>(&aligns[2]), sizeof(uint32_t)},
-        std::tuple{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<const void*>(&aligns[2]),
-                   sizeof(uint32_t)}}) {
-    if (status == CUBLAS_STATUS_SUCCESS) status = cublasLtMatmulPreferenceSetAttribute(preference, attribute, value, size);
-  }
-  if (status == CUBLAS_STATUS_SUCCESS) {
-    status = cublasLtMatmulAlgoGetHeuristic(handle_, plan.op, plan.a, plan.b, plan.c, plan.c, preference, 1, &result,
-                                            &found);
-  }
-  cublasLtMatmulPreferenceDestroy(preference);
-  CUBLAS_RETURN_IF_ERROR(status);
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle_, plan.op, plan.a, plan.b, plan.c, plan.c,
+                                                        preference.get(), 1, &result, &found));
   if (found == 0) {
     return absl::InternalError(absl::StrCat("cuBLASLt has no deterministic algorithm for a ", m, "x", n, "x", k,
                                             " product (batch ", count, ")"));
@@ -216,12 +216,12 @@ absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
 }
 
 absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,
-                        int64_t stride_a, const float* b, int ldb, int64_t stride_b, float beta, float* c, int ldc,
-                        int64_t stride_c, int count) {
-  const Shape shape{op_a,     op_b,     m,     n,
-                    k,        lda,      ldb,   ldc,
-                    count,    stride_a, stride_b, stride_c,
-                    Alignment(a, lda, stride_a), Alignment(b, ldb, stride_b), Alignment(c, ldc, stride_c)};
+                        int64_t stride_a, const float* b, int ldb, int64_t stride_b, const float* bias,
+                        int64_t stride_bias, float beta, float* c, int ldc, int64_t stride_c, int count) {
+  const Shape shape{op_a,     op_b,     m,        n,           k,
+                    lda,      ldb,      ldc,      count,       stride_a,
+                    stride_b, stride_c, stride_bias, bias != nullptr, Alignment(a, lda, stride_a),
+                    Alignment(b, ldb, stride_b), Alignment(c, ldc, stride_c)};
   auto it = plans_.find(shape);
   if (it == plans_.end()) {
     absl::StatusOr<Plan> plan = MakePlan(shape);
@@ -229,6 +229,10 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
     it = plans_.emplace(shape, *plan).first;
   }
   const Plan& plan = it->second;
+  if (bias != nullptr) {  // the descriptor is the shape's; the bias is this call's
+    CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
   const float one = 1.f;
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(handle_, plan.op, &one, a, plan.a, b, plan.b, &beta, c, plan.c, c, plan.c,
                                         &plan.algo, workspace_, workspace_bytes_, stream_));
@@ -236,21 +240,20 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
   return absl::OkStatus();
 }
 
-absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, float beta,
-                           float* y, int ldy, BlasBatch batch) {
-  return Gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, w, ldw, batch.second, x, ldx, batch.first, beta, y, ldy,
-              batch.out, batch.count);
+absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
+                           const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
+  return Gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, w, ldw, batch.w, x, ldx, batch.x, bias, batch.bias, beta, y,
+              ldy, batch.y, batch.count);
 }
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
-  return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, beta, dx, lddx, 0, 1);
+  return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, nullptr, 0, beta, dx, lddx, 0, 1);
 }
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
-                                  float* dw, int lddw, BlasBatch batch) {
-  return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, batch.second, dy, lddy, batch.first, 0.f, dw, lddw,
-              batch.out, batch.count);
+                                  float* dw, int lddw) {
+  return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, 0, dy, lddy, 0, nullptr, 0, 0.f, dw, lddw, 0, 1);
 }
 
 }  // namespace perception

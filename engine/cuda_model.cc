@@ -213,13 +213,6 @@ absl::Status CudaModel::BuildTables() {
   const Dims d(c);
   const int M = c.batch * c.window;
   const ParamLayout& pl = layout_;
-  bias_jobs_host_ = {
-      {h_[0], d.D, param(pl.embed.bias), d.D},          {cfc_u_, d.K, param(pl.cfc_backbone.bias), d.K},
-      {pre2_, d.G, param(pl.grn_fc2.bias), d.G},        {e1_, d.G, param(pl.grn_fc1.bias), d.G},
-      {gate_pre_, d.G, param(pl.grn_gate.bias), d.G},   {value_, d.G, param(pl.grn_value.bias), d.G},
-      {logits_, d.H, param(pl.head_out.bias), d.H},
-  };
-
   // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
   std::vector<kernels::ColumnSumJob> jobs;
   auto sum = [&](int tensor, const float* a, int lda, int cols, const float* b = nullptr, int ldb = 0,
@@ -255,14 +248,12 @@ absl::Status CudaModel::BuildTables() {
   kernels::ColumnSumJob* sum_jobs = nullptr;
   kernels::ColumnSumTile* tiles = nullptr;
   kernels::ColumnSumFinish* finishes = nullptr;
-  tables_.Reserve(&bias_jobs_, bias_jobs_host_.size());
   tables_.Reserve(&sum_jobs, jobs.size());
   tables_.Reserve(&tiles, plan.tiles.size());
   tables_.Reserve(&finishes, plan.finishes.size());
   tables_.Reserve(&sums_.partials, plan.partial_floats);
   tables_.Reserve(&chunks_, chunks_host_.size());
   RETURN_IF_ERROR(tables_.Allocate());
-  RETURN_IF_ERROR(CopyToDevice(bias_jobs_, bias_jobs_host_));
   RETURN_IF_ERROR(CopyToDevice(sum_jobs, jobs));
   RETURN_IF_ERROR(CopyToDevice(tiles, plan.tiles));
   RETURN_IF_ERROR(CopyToDevice(finishes, plan.finishes));
@@ -353,9 +344,9 @@ absl::Status CudaModel::EnqueueTrainStep() {
 
 CudaModel::BufferSet CudaModel::CurrentBuffers() const {
   // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
-  // (bias_jobs_, chunks_) and the cuBLAS workspace.
+  // (its first table, then chunks_) and the cuBLAS workspace.
   return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
-          report_, x_, h_[0], bias_jobs_, chunks_, blas_workspace_};
+          report_, x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
 }
 
 absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
@@ -479,10 +470,10 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
-  CUDA_RETURN_IF_ERROR(kernels::LaunchBiasFill(bias_jobs_, static_cast<int>(bias_jobs_host_.size()), rows, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F, 1.f, h_[0], d.D));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
+                                 param(layout_.embed.bias), 0.f, h_[0], d.D));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
@@ -500,7 +491,7 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
   const Layer& a = layers_[l];
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
                                                      h_[l + 1], stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, 0.f, a.zx, d.zd));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd));
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
   CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.conv_pre, a.xbc,
                                                   carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
@@ -509,7 +500,7 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
       kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.q, a.yn,
                                                           a.rstd_gate, stream_));
-  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, 1.f, h_[l + 1], d.D);
+  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D);
 }
 
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
@@ -517,7 +508,7 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), shape, cfc_packed_, stream_));
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
-                                 1.f, cfc_u_, d.K));
+                                 param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
@@ -528,17 +519,24 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
 absl::Status CudaModel::HeadForward(int rows) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC, 1.f, pre2_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, 1.f, e1_, d.G));
+  RETURN_IF_ERROR(
+      blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f, e1_, d.G));
   // Gate and value read the same e1: one batched launch (value's weight and output one stride past gate's).
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, 1.f, gate_pre_, d.G,
-                                 {2, 0, param(pl.grn_value.weight) - param(pl.grn_gate.weight), value_ - gate_pre_}));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, 0.f, pre_ln_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, param(pl.grn_gate.bias),
+                                 0.f, gate_pre_, d.G,
+                                 {.count = 2,
+                                  .w = param(pl.grn_value.weight) - param(pl.grn_gate.weight),
+                                  .y = value_ - gate_pre_,
+                                  .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
                                                               param(pl.grn_norm.bias), rows, d.G, nhat_, g_, ln_rstd_,
                                                               stream_));
-  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, 1.f, logits_, d.H);
+  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, param(pl.head_out.bias), 0.f,
+                        logits_, d.H);
 }
 
 // ---- backward (always the full configured batch) ----

@@ -22,7 +22,6 @@
 #include "engine/cuda_memory.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
-#include "kernels/bias_fill.h"
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
@@ -217,10 +216,8 @@ class CudaModel {
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
   StreamStates states_;
 
-  // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.
-  std::vector<kernels::BiasFillJob> bias_jobs_host_;
+  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.
   std::vector<kernels::AdamWChunk> chunks_host_;
-  kernels::BiasFillJob* bias_jobs_ = nullptr;
   kernels::ColumnSumBatch sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
 };
