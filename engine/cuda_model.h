@@ -105,7 +105,7 @@ class CudaModel {
   // Device bytes held by the model's buffers (activations, gradients, optimizer state, scratch, cuBLAS workspace).
   size_t device_bytes() const { return device_bytes_; }
   // FLOPs of every cuBLAS product issued so far.
-  double gemm_flops() const { return blas_->flops(); }
+  double gemm_flops() const { return blas_->flops() + grad_blas_->flops(); }
 
  private:
   // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
@@ -158,6 +158,9 @@ class CudaModel {
   absl::Status HeadBackward(int rows);
   absl::Status CfcBackward(int rows);
   absl::Status LayerBackward(int l, int rows);
+  absl::Status ForkGradients();
+  absl::Status MarkGradients();
+  absl::Status AwaitGradients();
   absl::Status OptimizerStep();
 
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
@@ -172,6 +175,11 @@ class CudaModel {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Blas> blas_;
+  // The weight-gradient products' stream and handle (the second half of the cuBLAS workspace), and the events that
+  // fork it from and join it to stream_ (see ForkGradients).
+  cudaStream_t grad_stream_ = nullptr;
+  std::unique_ptr<Blas> grad_blas_;
+  cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
   int staged_batch_ = 0, staged_window_ = 0;
