@@ -1,19 +1,29 @@
-// cuBLAS for the CUDA backend: one handle on one stream, its workspace set once, deterministic (no atomics), float32
-// or, opted in, TF32 tensor cores; and the three products of a linear layer in the model's row-major layout.
+// cuBLASLt for the CUDA backend: one handle on one stream, its workspace set once, an algorithm fixed per product
+// shape (a table tuned offline on the H200, else the first deterministic heuristic), no atomics, float32 or, opted
+// in, TF32 tensor cores; and the three products of a linear layer in the model's row-major layout.
 #pragma once
 
+#include <cstdint>
+#include <map>
 #include <memory>
 
-#include <cublas_v2.h>
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
 
 namespace perception {
 
+// `count` Forward products of one shape in one launch: the i-th reads and writes each operand at its pointer +
+// i·stride (in floats; stride 0 shares the operand, e.g. one x under several weights).
+struct BlasBatch {
+  int count = 1;
+  int64_t x = 0, w = 0, y = 0, bias = 0;
+};
+
 // Matrices are row-major with a leading dimension (row stride, in floats): activations [rows, features],
-// weights [out, in]. A product's beta scales what its output held (beta = 1 accumulates, e.g. onto a broadcast
-// bias or a residual stream).
+// weights [out, in]. A product's beta scales what its output held (beta = 1 accumulates, e.g. onto a residual
+// stream).
 class Blas {
  public:
   static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
@@ -22,9 +32,10 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
-  // y[rows, out] = x[rows, in] · w[out, in]ᵀ + beta·y
-  absl::Status Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, float beta,
-                       float* y, int ldy);
+  // y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y; bias may be null (none). The bias is the
+  // product's epilogue, so a layer's output needs no broadcast of its bias first.
+  absl::Status Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, const float* bias,
+                       float beta, float* y, int ldy, BlasBatch batch = {});
   // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx
   absl::Status BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw, float beta,
                             float* dx, int lddx);
@@ -36,11 +47,40 @@ class Blas {
   double flops() const { return flops_; }
 
  private:
-  explicit Blas(cublasHandle_t handle) : handle_(handle) {}
-  absl::Status Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,
-                    const float* b, int ldb, float beta, float* c, int ldc);
+  // A column-major product as cuBLASLt sees it: ops, m, n, k, leading dimensions, batch count and strides, whether a
+  // bias epilogue runs, and the byte alignment of each operand (which rules algorithms in or out).
+  struct Shape {
+    int op_a, op_b, m, n, k, lda, ldb, ldc, count;
+    int64_t stride_a, stride_b, stride_c, stride_bias;
+    bool bias;
+    int align_a, align_b, align_c;
+    auto operator<=>(const Shape&) const = default;
+  };
+  // Descriptors and the algorithm of one shape, fixed when the shape is first seen (an eager step, never a capture).
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
 
-  cublasHandle_t handle_;
+  Blas(cublasLtHandle_t handle, cudaStream_t stream, void* workspace, size_t workspace_bytes, bool tf32)
+      : handle_(handle), stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes), tf32_(tf32) {}
+  // c = op_a(a) · op_b(b) + bias + beta·c, column-major (bias: one per row of c, may be null), `count` times with
+  // the strides of a, b, c and bias.
+  absl::Status Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,
+                    int64_t stride_a, const float* b, int ldb, int64_t stride_b, const float* bias,
+                    int64_t stride_bias, float beta, float* c, int ldc, int64_t stride_c, int count);
+  absl::StatusOr<Plan> MakePlan(const Shape& shape);
+  // The tuned algorithm of `shape` on this device and library, if the table has one that the library accepts.
+  bool TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t* algo) const;
+
+  cublasLtHandle_t handle_;
+  cudaStream_t stream_;
+  void* workspace_;
+  size_t workspace_bytes_;
+  bool tf32_;
+  bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
+  std::map<Shape, Plan> plans_;
   double flops_ = 0;
 };
 

@@ -15,7 +15,8 @@
 namespace perception {
 namespace {
 
-// cuBLAS's recommended workspace on Hopper; set once, so no product allocates.
+// cuBLAS's recommended workspace on Hopper for each of the two streams' handles (split-K partials live there); set
+// once, so no product allocates.
 constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 
 // The config's sizes under MODEL.md's names.
@@ -104,9 +105,13 @@ CudaModel::~CudaModel() {
   for (auto& [shape, graph] : train_graphs_) {
     if (graph.exec) cudaGraphExecDestroy(graph.exec);
   }
-  if (step_start_) cudaEventDestroy(step_start_);
-  if (step_stop_) cudaEventDestroy(step_stop_);
+  if (grad_stream_) cudaStreamSynchronize(grad_stream_);
+  for (cudaEvent_t event : {step_start_, step_stop_, fork_, grads_done_}) {
+    if (event) cudaEventDestroy(event);
+  }
   blas_.reset();
+  grad_blas_.reset();
+  if (grad_stream_) cudaStreamDestroy(grad_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -119,11 +124,16 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_start_));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_stop_));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&grad_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
   ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.tf32));
+  ASSIGN_OR_RETURN(grad_blas_,
+                   Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.tf32));
   RETURN_IF_ERROR(BuildTables());
   device_bytes_ = buffers_.bytes() + tables_.bytes();
   CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice));
@@ -143,7 +153,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
   a.Reserve(&loss_partials_, 2 * kernels::kMaskedBceBlocks);
-  a.Reserve(&blas_workspace_, kBlasWorkspaceBytes);
+  a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
 
   a.Reserve(&x_, M * d.F);
   a.Reserve(&dt_, M);
@@ -186,6 +196,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&d_head_in_, M * d.DC);
   a.Reserve(&dp_, M * 4 * d.C);
   a.Reserve(&dbb_pre_, M * d.K);
+  a.Reserve(&cfc_heads_grad_, kernels::kCfcHeads * d.C * d.K);
   a.Reserve(&dh_, M * d.D);
   a.Reserve(&dy_, M * d.E);
   a.Reserve(&dxs_, M * d.E);
@@ -212,13 +223,6 @@ absl::Status CudaModel::BuildTables() {
   const Dims d(c);
   const int M = c.batch * c.window;
   const ParamLayout& pl = layout_;
-  bias_jobs_host_ = {
-      {h_[0], d.D, param(pl.embed.bias), d.D},          {cfc_u_, d.K, param(pl.cfc_backbone.bias), d.K},
-      {pre2_, d.G, param(pl.grn_fc2.bias), d.G},        {e1_, d.G, param(pl.grn_fc1.bias), d.G},
-      {gate_pre_, d.G, param(pl.grn_gate.bias), d.G},   {value_, d.G, param(pl.grn_value.bias), d.G},
-      {logits_, d.H, param(pl.head_out.bias), d.H},
-  };
-
   // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
   std::vector<kernels::ColumnSumJob> jobs;
   auto sum = [&](int tensor, const float* a, int lda, int cols, const float* b = nullptr, int ldb = 0,
@@ -254,14 +258,12 @@ absl::Status CudaModel::BuildTables() {
   kernels::ColumnSumJob* sum_jobs = nullptr;
   kernels::ColumnSumTile* tiles = nullptr;
   kernels::ColumnSumFinish* finishes = nullptr;
-  tables_.Reserve(&bias_jobs_, bias_jobs_host_.size());
   tables_.Reserve(&sum_jobs, jobs.size());
   tables_.Reserve(&tiles, plan.tiles.size());
   tables_.Reserve(&finishes, plan.finishes.size());
   tables_.Reserve(&sums_.partials, plan.partial_floats);
   tables_.Reserve(&chunks_, chunks_host_.size());
   RETURN_IF_ERROR(tables_.Allocate());
-  RETURN_IF_ERROR(CopyToDevice(bias_jobs_, bias_jobs_host_));
   RETURN_IF_ERROR(CopyToDevice(sum_jobs, jobs));
   RETURN_IF_ERROR(CopyToDevice(tiles, plan.tiles));
   RETURN_IF_ERROR(CopyToDevice(finishes, plan.finishes));
@@ -352,9 +354,9 @@ absl::Status CudaModel::EnqueueTrainStep() {
 
 CudaModel::BufferSet CudaModel::CurrentBuffers() const {
   // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
-  // (bias_jobs_, chunks_) and the cuBLAS workspace.
+  // (its first table, then chunks_) and the cuBLAS workspace.
   return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
-          report_, x_, h_[0], bias_jobs_, chunks_, blas_workspace_};
+          report_, x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
 }
 
 absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
@@ -478,10 +480,10 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
-  CUDA_RETURN_IF_ERROR(kernels::LaunchBiasFill(bias_jobs_, static_cast<int>(bias_jobs_host_.size()), rows, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F, 1.f, h_[0], d.D));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
+                                 param(layout_.embed.bias), 0.f, h_[0], d.D));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
@@ -499,7 +501,7 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
   const Layer& a = layers_[l];
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
                                                      h_[l + 1], stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, 0.f, a.zx, d.zd));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd));
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
   CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.conv_pre, a.xbc,
                                                   carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
@@ -508,7 +510,7 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
       kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.q, a.yn,
                                                           a.rstd_gate, stream_));
-  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, 1.f, h_[l + 1], d.D);
+  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D);
 }
 
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
@@ -516,7 +518,7 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), shape, cfc_packed_, stream_));
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
-                                 1.f, cfc_u_, d.K));
+                                 param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
@@ -527,19 +529,47 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
 absl::Status CudaModel::HeadForward(int rows) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC, 1.f, pre2_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, 1.f, e1_, d.G));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, 1.f, gate_pre_, d.G));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_value.weight), d.G, 1.f, value_, d.G));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, 0.f, pre_ln_, d.G));
+  RETURN_IF_ERROR(
+      blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f, e1_, d.G));
+  // Gate and value read the same e1: one batched launch (value's weight and output one stride past gate's).
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, param(pl.grn_gate.bias),
+                                 0.f, gate_pre_, d.G,
+                                 {.count = 2,
+                                  .w = param(pl.grn_value.weight) - param(pl.grn_gate.weight),
+                                  .y = value_ - gate_pre_,
+                                  .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
                                                               param(pl.grn_norm.bias), rows, d.G, nhat_, g_, ln_rstd_,
                                                               stream_));
-  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, 1.f, logits_, d.H);
+  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, param(pl.head_out.bias), 0.f,
+                        logits_, d.H);
 }
 
 // ---- backward (always the full configured batch) ----
+
+// The weight gradients run on grad_stream_ (grad_blas_): nothing on the main stream reads them before the optimizer,
+// so they overlap the chain of data gradients instead of lengthening it. ForkGradients lets grad_stream_ start on
+// what the main stream has produced so far; the main stream waits (AwaitGradients) for what grad_stream_ had marked
+// (MarkGradients) before it overwrites an input of a queued weight gradient, and before the optimizer.
+absl::Status CudaModel::ForkGradients() {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(grad_stream_, fork_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::MarkGradients() {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_done_, grad_stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::AwaitGradients() {
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, grads_done_));
+  return absl::OkStatus();
+}
 
 absl::Status CudaModel::Backward() {
   const Dims d(config());
@@ -549,31 +579,41 @@ absl::Status CudaModel::Backward() {
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[d.L], d.D, param(layout_.norm_f), rstd_f_, d_head_in_, d.DC,
                                                       rows, d.D, /*accumulate=*/false, dh_, d.D, stream_));
   for (int l = d.L - 1; l >= 0; --l) RETURN_IF_ERROR(LayerBackward(l, rows));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.F, d.D, dh_, d.D, xn_, d.F, grad(layout_.embed.weight), d.F));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.F, d.D, dh_, d.D, xn_, d.F, grad(layout_.embed.weight), d.F));
   CUDA_RETURN_IF_ERROR(kernels::LaunchColumnSums(sums_, stream_));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(MarkGradients());
+  return AwaitGradients();
 }
 
 absl::Status CudaModel::HeadBackward(int rows) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.H, dlogits_, d.H, param(pl.head_out.weight), d.G, 0.f, dg_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dg_, nhat_, ln_rstd_, param(pl.grn_norm.weight),
                                                                gate_pre_, value_, rows, d.G, d_pre_ln_, d_gate_pre_,
                                                                d_value_, stream_));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(
+      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
+  RETURN_IF_ERROR(
+      grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, d.G, e1_, d.G, grad(pl.grn_value.weight), d.G));
+  RETURN_IF_ERROR(
+      grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, d.G, e1_, d.G, grad(pl.grn_gate.weight), d.G));
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, d_value_, d.G, e1_, d.G, grad(pl.grn_value.weight), d.G));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, d.G, e1_, d.G, grad(pl.grn_gate.weight), d.G));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, d.G, param(pl.grn_value.weight), d.G, 0.f, de1_, d.G));
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, d.G, param(pl.grn_gate.weight), d.G, 1.f, de1_, d.G));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, d.G, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(
+      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, d.G, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
   return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, d.G, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC);
 }
 
@@ -585,12 +625,23 @@ absl::Status CudaModel::CfcBackward(int rows) {
                                                   dbb_pre_, stream_));
   const int heads[kernels::kCfcHeads] = {pl.cfc_ff1.weight, pl.cfc_ff2.weight, pl.cfc_time_a.weight,
                                          pl.cfc_time_b.weight};
-  for (int j = 0; j < kernels::kCfcHeads; ++j) {
-    RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.K, d.C, dp_ + j * d.C, 4 * d.C, bb_, d.K, grad(heads[j]), d.K));
+  RETURN_IF_ERROR(ForkGradients());
+  // The four heads' weight gradients as one product dp[rows, 4C]ᵀ · bb (one k = rows reduction instead of four),
+  // then one strided copy into the four tensors, which the layout keeps a bias apart.
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.K, kernels::kCfcHeads * d.C, dp_, 4 * d.C, bb_, d.K,
+                                             cfc_heads_grad_, d.K));
+  const size_t head_floats = static_cast<size_t>(d.C) * d.K;
+  for (int j = 1; j < kernels::kCfcHeads; ++j) {
+    if (grad(heads[j]) - grad(heads[j - 1]) != grad(heads[1]) - grad(heads[0])) {
+      return absl::InternalError("the CfC head weights are not evenly spaced in the parameter layout");
+    }
   }
+  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(grad(heads[0]), (grad(heads[1]) - grad(heads[0])) * sizeof(float),
+                                         cfc_heads_grad_, head_floats * sizeof(float), head_floats * sizeof(float),
+                                         kernels::kCfcHeads, cudaMemcpyDeviceToDevice, grad_stream_));
   float* d_backbone = grad(pl.cfc_backbone.weight);  // [K, D + C]: the s columns, then W_c's
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.D, d.K, dbb_pre_, d.K, head_in_, d.DC, d_backbone, d.DC));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.C, d.K, dbb_pre_, d.K, c_prev_, d.C, d_backbone + d.D, d.DC));
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.K, dbb_pre_, d.K, head_in_, d.DC, d_backbone, d.DC));
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.C, d.K, dbb_pre_, d.K, c_prev_, d.C, d_backbone + d.D, d.DC));
   return blas_->BackwardData(rows, d.D, d.K, dbb_pre_, d.K, param(pl.cfc_backbone.weight), d.DC, 1.f, d_head_in_,
                              d.DC);
 }
@@ -599,7 +650,9 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
+  RETURN_IF_ERROR(MarkGradients());  // the last read of dh_ before this layer's RMSNorm backward adds to it
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.q, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx,
                                                            d.zd, rows, d.E, dy_, a.dzx, d.zd, stream_));
@@ -610,8 +663,10 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   CUDA_RETURN_IF_ERROR(kernels::LaunchConvBackward(ConvInputOf(l, config().batch, config().window, nullptr),
                                                    a.conv_pre, conv_grad, a.dzx + d.E, d.zd, a.conv_partials,
                                                    stream_));
-  RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
+  RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
+  RETURN_IF_ERROR(AwaitGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
                                                       /*accumulate=*/true, dh_, d.D, stream_));
   return absl::OkStatus();

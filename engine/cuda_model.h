@@ -22,7 +22,6 @@
 #include "engine/cuda_memory.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
-#include "kernels/bias_fill.h"
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
@@ -106,7 +105,7 @@ class CudaModel {
   // Device bytes held by the model's buffers (activations, gradients, optimizer state, scratch, cuBLAS workspace).
   size_t device_bytes() const { return device_bytes_; }
   // FLOPs of every cuBLAS product issued so far.
-  double gemm_flops() const { return blas_->flops(); }
+  double gemm_flops() const { return blas_->flops() + grad_blas_->flops(); }
 
  private:
   // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
@@ -159,6 +158,9 @@ class CudaModel {
   absl::Status HeadBackward(int rows);
   absl::Status CfcBackward(int rows);
   absl::Status LayerBackward(int l, int rows);
+  absl::Status ForkGradients();
+  absl::Status MarkGradients();
+  absl::Status AwaitGradients();
   absl::Status OptimizerStep();
 
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
@@ -173,6 +175,11 @@ class CudaModel {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Blas> blas_;
+  // The weight-gradient products' stream and handle (the second half of the cuBLAS workspace), and the events that
+  // fork it from and join it to stream_ (see ForkGradients).
+  cudaStream_t grad_stream_ = nullptr;
+  std::unique_ptr<Blas> grad_blas_;
+  cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
   int staged_batch_ = 0, staged_window_ = 0;
@@ -212,14 +219,13 @@ class CudaModel {
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
   float *dlogits_ = nullptr, *dg_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
+  float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
   StreamStates states_;
 
-  // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.
-  std::vector<kernels::BiasFillJob> bias_jobs_host_;
+  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.
   std::vector<kernels::AdamWChunk> chunks_host_;
-  kernels::BiasFillJob* bias_jobs_ = nullptr;
   kernels::ColumnSumBatch sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
 };
