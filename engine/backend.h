@@ -29,6 +29,7 @@ struct TrainingCounters {
   int64_t timed_steps = 0;        // steps whose device time was read (every step waited for before the next)
   double last_step_seconds = 0;   // device time of the latest timed step: CUDA events recorded around its launch
   double total_step_seconds = 0;  // summed over the timed steps
+  int64_t replica_checks = 0;     // data-parallel parameter checksums compared across ranks (all equal)
 };
 
 // One tick of the streaming path: n events, at most one per slot, each with the ring index its conviction and
@@ -98,9 +99,13 @@ class Backend {
 std::unique_ptr<Backend> MakeCpuBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                         std::vector<float> params, int threads = 0);
 
+class NcclCommunicator;
+
 // The backend for `device`: "cpu", "cuda" (an error naming what is missing when this build has no CUDA backend
-// or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU).
+// or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU). With a `communicator`
+// the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
-                                                     const OptimizerConfig& optimizer, std::vector<float> params);
+                                                     const OptimizerConfig& optimizer, std::vector<float> params,
+                                                     std::shared_ptr<NcclCommunicator> communicator = nullptr);
 
 }  // namespace perception
