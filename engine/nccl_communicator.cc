@@ -40,7 +40,7 @@ uint64_t ParamChecksum(std::span<const float> params) {
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(std::string_view unique_id,
-                                                                           const NcclOptions& options) {
+                                                                           const DataParallelOptions& options) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("NCCL: rank ", options.rank, " does not fit a world of size ",
                                                    options.world_size));

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/backend.h"
 
 namespace perception {
 
@@ -25,22 +26,13 @@ inline constexpr size_t kNcclUniqueIdBytes = sizeof(ncclUniqueId);
 // must create it itself.
 absl::StatusOr<std::string> NewNcclUniqueId();
 
-struct NcclOptions {
-  int rank = 0;
-  int world_size = 1;
-  // How long joining, and any wait for a step with collectives in it, may take before the communicator is aborted.
-  absl::Duration timeout = absl::Seconds(60);
-  // Every this many optimizer steps the ranks compare a checksum of their parameters (0: never).
-  int64_t check_every = 100;
-};
-
 class NcclCommunicator {
  public:
   // Joins the communicator named by `unique_id` as options.rank of options.world_size on the current CUDA device.
   // Non-blocking underneath: if the other ranks have not all joined within options.timeout, the attempt is aborted
   // and DEADLINE_EXCEEDED returned, never a hang.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(std::string_view unique_id,
-                                                                  const NcclOptions& options);
+                                                                  const DataParallelOptions& options);
   ~NcclCommunicator();
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -65,14 +57,14 @@ class NcclCommunicator {
   absl::Status CheckReplicas(std::span<const float> params, int64_t step, cudaStream_t stream);
 
  private:
-  explicit NcclCommunicator(const NcclOptions& options) : options_(options) {}
+  explicit NcclCommunicator(const DataParallelOptions& options) : options_(options) {}
   // After a non-blocking call: polls until NCCL no longer reports it in progress, or aborts at `deadline`.
   absl::Status Await(ncclResult_t result, const char* what, absl::Time deadline);
   absl::Status Usable() const;
   // Aborts the communicator and remembers `reason` for every later call.
   absl::Status Abort(absl::Status reason);
 
-  const NcclOptions options_;
+  const DataParallelOptions options_;
   ncclComm_t comm_ = nullptr;
   absl::Status broken_;
   uint64_t* device_checksums_ = nullptr;  // [world_size] gathered, then this rank's own

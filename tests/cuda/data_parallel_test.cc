@@ -4,6 +4,7 @@
 // rank on the whole within MODEL.md §8, with the ranks' parameters bit-identical after 100 steps.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -122,6 +123,8 @@ TEST(DataParallel, WorldSizeOneThroughNcclIsBitIdenticalToThePlainPath) {
   const TrainingCounters counters = (*nccl)->training_counters();
   EXPECT_EQ(counters.graph_captures, 1);
   EXPECT_EQ(counters.graph_replays, 19);
+  std::printf("[data parallel] small, replayed step: %.1f us plain, %.1f us through NCCL at world size 1\n",
+              (*plain)->training_counters().last_step_seconds * 1e6, counters.last_step_seconds * 1e6);
 }
 
 // The same through the Backend interface, which also compares the parameter checksum every 5 steps.
