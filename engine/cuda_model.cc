@@ -327,6 +327,7 @@ absl::Status CudaModel::CopyInputsIn(int rows) {
 
 absl::Status CudaModel::EnqueueTrainStep() {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));  // refuses any other training shape, naming both
+  if (communicator_) RETURN_IF_ERROR(communicator_->Usable());  // an aborted job's graph must not replay
   step_timing_pending_ = false;                         // the previous step was not waited for: it stays untimed
   const auto [entry, added] = train_graphs_.try_emplace({staged_batch_, staged_window_});
   TrainGraph& graph = entry->second;

@@ -41,6 +41,10 @@ class NcclCommunicator {
   int world_size() const { return options_.world_size; }
   int64_t check_every() const { return options_.check_every; }
 
+  // OK until the communicator was aborted; then FAILED_PRECONDITION with the reason. A captured step must not be
+  // replayed after that: its collectives refer to the aborted communicator.
+  absl::Status Usable() const;
+
   // Enqueue on `stream` the in-place sum over all ranks of `count` values. Capturable: no host synchronization, so
   // a training graph records them. Every rank must issue the same sums in the same order. NCCL's ring reduces each
   // element once and broadcasts it, so every rank receives the same bits.
@@ -60,7 +64,6 @@ class NcclCommunicator {
   explicit NcclCommunicator(const DataParallelOptions& options) : options_(options) {}
   // After a non-blocking call: polls until NCCL no longer reports it in progress, or aborts at `deadline`.
   absl::Status Await(ncclResult_t result, const char* what, absl::Time deadline);
-  absl::Status Usable() const;
   // Aborts the communicator and remembers `reason` for every later call.
   absl::Status Abort(absl::Status reason);
 

@@ -168,7 +168,8 @@ int DeviceCount() {
 
 // Needs two GPUs (two ranks on one GPU are refused by NCCL): rank r on device r trains on windows [rB, (r+1)B) of
 // every global batch of 2B windows; a plain model on device 0 trains on the whole. Loss and gradients of the first
-// step within §8, parameters after 10 steps within §8, and the two ranks' parameters bit-identical after 100 steps.
+// step within §8, parameters after 10 steps within §8, the two ranks' parameters bit-identical after 100 steps, and a
+// stalled rank 1 failing rank 0's next step within the timeout.
 TEST(DataParallel, TwoRanksOnHalvesMatchOneRankOnTheWholeBatch) {
   SKIP_WITHOUT_CUDA_DEVICE();
   if (DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices (NCCL refuses two ranks on one GPU); found " << DeviceCount();
@@ -190,7 +191,8 @@ TEST(DataParallel, TwoRanksOnHalvesMatchOneRankOnTheWholeBatch) {
           created[r] = absl::InternalError("cudaSetDevice");
           return;
         }
-        auto communicator = NcclCommunicator::Create(*id, {.rank = r, .world_size = 2, .check_every = 10});
+        auto communicator = NcclCommunicator::Create(
+            *id, {.rank = r, .world_size = 2, .timeout = absl::Seconds(10), .check_every = 10});
         if (!communicator.ok()) {
           created[r] = communicator.status();
           return;
@@ -252,6 +254,17 @@ TEST(DataParallel, TwoRanksOnHalvesMatchOneRankOnTheWholeBatch) {
     }
   }
   EXPECT_TRUE(BitIdentical(*ranks[0]->DownloadParams(), *ranks[1]->DownloadParams())) << "after 100 steps";
+
+  // Rank 1 stalls (never enqueues its step): rank 0's step fails within the timeout instead of hanging, and its
+  // communicator stays aborted.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const auto last = MakeRandomBatch(whole_config, whole_config.batch, whole_config.window, 999);
+  const absl::Time start = absl::Now();
+  const auto stalled = Step(*ranks[0], Windows(last.view(), half_config, 0, half_config.batch));
+  EXPECT_EQ(stalled.status().code(), absl::StatusCode::kDeadlineExceeded) << stalled.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  const auto after = Step(*ranks[0], Windows(last.view(), half_config, 0, half_config.batch));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition) << after.status();
 }
 
 }  // namespace
