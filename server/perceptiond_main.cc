@@ -227,7 +227,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   builder.RegisterService(&rendezvous);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
-  server->GetHealthCheckService()->SetServingStatus(false);
+  server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), false);
+  server->GetHealthCheckService()->SetServingStatus(false);  // every service, the server's own ("") included
   spdlog::info("serving {} on {} (port {})", v1::Perception::service_full_name(), address, port);
   return server;
 }
