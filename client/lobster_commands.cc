@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/data_parallel.h"
 #include "client/training_progress.h"
 #include "engine/dataset.h"
 #include "engine/lobster.h"
@@ -46,23 +49,6 @@ absl::StatusOr<EventSeries> ReadSeries(const LobsterFiles& files, const v1::Mode
   }
   const std::vector<int> horizons(config.horizons().begin(), config.horizons().end());
   return BuildSeries(data, horizons);
-}
-
-// Windows [first, first + count) of `from` as a Batch message.
-void CopyWindows(const Batch& from, int first, int count, v1::Batch& to) {
-  to.set_batch(count);
-  to.set_window(from.window);
-  to.set_n_features(from.n_features);
-  to.set_n_horizons(from.n_horizons);
-  const auto copy = [&](const std::vector<float>& source, size_t per_window,
-                        google::protobuf::RepeatedField<float>* out) {
-    out->Assign(source.begin() + first * per_window, source.begin() + (first + count) * per_window);
-  };
-  const size_t T = from.window;
-  copy(from.x, T * from.n_features, to.mutable_x());
-  copy(from.dt, T, to.mutable_dt());
-  copy(from.labels, T * from.n_horizons, to.mutable_labels());
-  copy(from.mask, T * from.n_horizons, to.mutable_mask());
 }
 
 // Evaluates all of `windows` in requests within the daemon's batch and message limits.
@@ -128,10 +114,43 @@ absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, cons
   return absl::OkStatus();
 }
 
+// Every rank's Train stream at once, each on its own thread (their steps meet in the NCCL collectives), each fed
+// its slice of the same global batches; the progress shows rank 0's answers, whose loss is the global batch's.
+absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
+                        TrainingProgress& progress) {
+  std::vector<absl::Status> results(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = ranks[r]->Train(
+          steps, [&](int step, v1::TrainStepRequest& request) { batches.Shard(step, r, *request.mutable_batch()); },
+          [&](const v1::TrainStepResponse& response) {
+            if (r == 0) progress.Update(response.loss(), response.grad_norm());
+          });
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (!results[r].ok()) {
+      return absl::Status(results[r].code(), absl::StrCat(ranks.size() > 1 ? absl::StrCat("rank ", r, " (", ranks[r]->target(), "): ") : "",
+                                                          results[r].message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::Status TrainOnLobster(PerceptionClient& client, const TrainOptions& options) {
-  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, StatusWithModel(client));
+absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options) {
+  PerceptionClient& client = *ranks[0];
+  std::vector<v1::GetStatusResponse> statuses;
+  std::vector<std::string> targets;
+  for (PerceptionClient* rank : ranks) {
+    ASSIGN_OR_RETURN(statuses.emplace_back(), StatusWithModel(*rank));
+    targets.push_back(rank->target());
+  }
+  if (ranks.size() > 1) RETURN_IF_ERROR(CheckRanks(statuses, targets));
+  const v1::GetStatusResponse& status = statuses[0];
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
@@ -140,20 +159,17 @@ absl::Status TrainOnLobster(PerceptionClient& client, const TrainOptions& option
                    WindowSampler::Create(split.train, config.window(), config.warmup(), options.seed));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());
   if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
-  std::printf("%zu events: %zu train, %zu validation (%d windows); batches of %d x %d events on %s\n", series.size(),
-              split.train.size(), split.validation.size(), validation.batch, config.batch(), config.window(),
-              status.device().name().c_str());
-  RETURN_IF_ERROR(PrepareModel(client, status.model(), split.train, options.lr));
+  const int world_size = static_cast<int>(ranks.size());
+  std::printf("%zu events: %zu train, %zu validation (%d windows); batches of %d x %d events on %s%s\n",
+              series.size(), split.train.size(), split.validation.size(), validation.batch,
+              world_size * config.batch(), config.window(), status.device().name().c_str(),
+              world_size > 1 ? absl::StrCat(", split over ", world_size, " ranks").c_str() : "");
+  for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(PrepareModel(*rank, status.model(), split.train, options.lr));
 
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
-  Batch batch;
-  RETURN_IF_ERROR(client.Train(
-      options.steps,
-      [&](int, v1::TrainStepRequest& request) {
-        sampler.Sample(config.batch(), batch);
-        CopyWindows(batch, 0, batch.batch, *request.mutable_batch());
-      },
-      [&](const v1::TrainStepResponse& response) { progress.Update(response.loss(), response.grad_norm()); }));
+  ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,
+                         config.batch());
+  RETURN_IF_ERROR(TrainRanks(ranks, options.steps, batches, progress));
   progress.Finish();
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));

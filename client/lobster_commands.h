@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "absl/status/status.h"
@@ -26,7 +27,9 @@ struct TrainOptions {
 
 // Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training
 // windows through Train with a progress display, then prints the validation loss beside the class-prior baseline.
-absl::Status TrainOnLobster(PerceptionClient& client, const TrainOptions& options);
+// Several `ranks` are the daemons of one data-parallel job in rank order: each global batch of N·B windows is
+// sampled once and rank r trains on its windows [r·B, (r+1)·B) (client/data_parallel.h); rank 0 validates.
+absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options);
 
 // Evaluates every whole window of the files (the model's window unless `window` > 0) and prints the masked loss,
 // the per-horizon accuracy and the baseline of predicting the files' own class prior.

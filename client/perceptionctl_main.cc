@@ -2,6 +2,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,10 @@
 #include "perception/v1/default_address.h"
 
 ABSL_FLAG(std::string, target, perception::v1::kDefaultAddress, "perceptiond address, host:port");
+ABSL_FLAG(std::vector<std::string>, targets, {},
+          "the daemons of one data-parallel job (perceptiond --world_size), in rank order, instead of --target: "
+          "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
+          "goes to rank 0");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call (of each step while training)");
 ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
 ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
@@ -60,6 +66,8 @@ namespace {
 constexpr char kUsage[] = R"(perceptionctl: drive perceptiond over gRPC.
 
   perceptionctl [--target HOST:PORT] [--timeout D] [--wait D] COMMAND ...   (flags may also follow COMMAND)
+  perceptionctl --targets H:P,H:P,... status | init ... | train ... | checkpoint save|load NAME
+                                      (one data-parallel job, ranks in order; train's batch is N x the model's)
     status
     init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --lr_warmup_steps W --total_steps N --min_lr Y] [--replace]
@@ -109,6 +117,12 @@ absl::Status Status(PerceptionClient& client) {
   std::printf("streaming: %d of %d slots live, %lld log entries per slot, weights version %lld, %lld events pending\n",
               s.active_streams(), s.slots(), static_cast<long long>(s.log_entries_per_slot()),
               static_cast<long long>(s.weights_version()), static_cast<long long>(s.pending_events()));
+  if (status.has_data_parallel()) {
+    const v1::DataParallelStatus& p = status.data_parallel();
+    std::printf("data parallel: rank %d of %d, parameter checksum every %lld steps (%lld compared equal)\n", p.rank(),
+                p.world_size(), static_cast<long long>(p.replica_check_every()),
+                static_cast<long long>(p.replica_checks()));
+  }
   return absl::OkStatus();
 }
 
@@ -145,9 +159,9 @@ absl::StatusOr<LobsterFiles> LobsterFromFlags() {
   return LobsterFiles{files[0], files[1], absl::GetFlag(FLAGS_levels)};
 }
 
-absl::Status Train(PerceptionClient& client) {
+absl::Status Train(std::span<PerceptionClient* const> ranks) {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-  return TrainOnLobster(client,
+  return TrainOnLobster(ranks,
                         {files, absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_window),
                          absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_train_fraction), absl::GetFlag(FLAGS_seed),
                          absl::GetFlag(FLAGS_log_every)});
@@ -212,7 +226,40 @@ absl::Status ListStreams(PerceptionClient& client) {
   return absl::OkStatus();
 }
 
+// --targets: the commands that address every rank of a data-parallel job.
+absl::Status RunOnRanks(const std::vector<std::string>& targets, const std::vector<std::string>& args) {
+  std::vector<std::unique_ptr<PerceptionClient>> clients;
+  std::vector<PerceptionClient*> ranks;
+  for (const std::string& target : targets) {
+    ranks.push_back(clients.emplace_back(std::make_unique<PerceptionClient>(
+                                             target, ClientOptions{.timeout = absl::GetFlag(FLAGS_timeout)}))
+                        .get());
+    if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
+      RETURN_IF_ERROR(ranks.back()->WaitUntilServing(wait));
+    }
+  }
+  const std::string command = args.size() > 1 ? args[1] : "";
+  const auto each = [&](auto&& run) -> absl::Status {
+    for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(run(*rank));
+    return absl::OkStatus();
+  };
+  if (command == "status" && args.size() == 2) return each(Status);
+  if (command == "init" && args.size() == 2) return each(Init);
+  if (command == "train" && args.size() == 2) return Train(ranks);
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
+    return each([&](PerceptionClient& rank) { return LoadCheckpoint(rank, args[3]); });
+  }
+  // Every rank holds the same parameters (checked by checksum); rank 0 saves them.
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(*ranks[0], args[3]);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--targets applies to status, init, train and checkpoint save|load; give one --target for the rest (got: ",
+      absl::StrJoin(args.begin() + 1, args.end(), " "), ")"));
+}
+
 absl::Status Run(const std::vector<std::string>& args) {
+  if (const std::vector<std::string> targets = absl::GetFlag(FLAGS_targets); !targets.empty()) {
+    return RunOnRanks(targets, args);
+  }
   PerceptionClient client(absl::GetFlag(FLAGS_target), {.timeout = absl::GetFlag(FLAGS_timeout)});
   if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
     RETURN_IF_ERROR(client.WaitUntilServing(wait));
@@ -220,7 +267,7 @@ absl::Status Run(const std::vector<std::string>& args) {
   const std::string command = args.size() > 1 ? args[1] : "";
   if (command == "status" && args.size() == 2) return Status(client);
   if (command == "init" && args.size() == 2) return Init(client);
-  if (command == "train" && args.size() == 2) return Train(client);
+  if (command == "train" && args.size() == 2) return Train(std::span<PerceptionClient* const>({&client}));
   if (command == "eval" && args.size() == 2) return Eval(client);
   if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(client, args[3]);
   if (command == "checkpoint" && args.size() == 4 && args[2] == "load") return LoadCheckpoint(client, args[3]);

@@ -2,9 +2,11 @@
 #include "engine/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
 
 #if PERCEPTION_HAVE_CUDA
 #include "engine/cuda_backend.h"
+#include "engine/nccl_communicator.h"
 #endif
 
 namespace perception {
@@ -24,16 +26,39 @@ absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const floa
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
 
+absl::StatusOr<std::string> NewDataParallelId() {
+#if PERCEPTION_HAVE_CUDA
+  return NewNcclUniqueId();
+#else
+  return absl::FailedPreconditionError("data-parallel training needs NCCL: this build has no CUDA backend");
+#endif
+}
+
+absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::string& unique_id,
+                                                                   const DataParallelOptions& options) {
+#if PERCEPTION_HAVE_CUDA
+  RETURN_IF_ERROR(CudaDeviceAvailable());
+  ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> communicator, NcclCommunicator::Create(unique_id, options));
+  return std::shared_ptr<NcclCommunicator>(std::move(communicator));
+#else
+  return absl::FailedPreconditionError("data-parallel training needs NCCL: this build has no CUDA backend");
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
-                                                     const OptimizerConfig& optimizer, std::vector<float> params) {
-  if (device == "cpu") return MakeCpuBackend(config, optimizer, std::move(params));
-  if (device != "cuda" && device != "auto") {
+                                                     const OptimizerConfig& optimizer, std::vector<float> params,
+                                                     std::shared_ptr<NcclCommunicator> communicator) {
+  if (device != "cpu" && device != "cuda" && device != "auto") {
     return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
   }
+  if (communicator != nullptr && device == "cpu") {
+    return absl::FailedPreconditionError("data-parallel training runs on NCCL, which the CPU backend cannot join");
+  }
+  if (device == "cpu") return MakeCpuBackend(config, optimizer, std::move(params));
 #if PERCEPTION_HAVE_CUDA
   const absl::Status available = CudaDeviceAvailable();
-  if (available.ok()) return MakeCudaBackend(config, optimizer, std::move(params));
-  if (device == "cuda") return available;
+  if (available.ok()) return MakeCudaBackend(config, optimizer, std::move(params), {.communicator = communicator});
+  if (device == "cuda" || communicator != nullptr) return available;
 #else
   if (device == "cuda") {
     return absl::FailedPreconditionError("device cuda: this build has no CUDA backend (built with PERCEPTION_CUDA=OFF)");

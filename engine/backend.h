@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "engine/checkpoint.h"
 #include "engine/cpu_reference.h"
 #include "engine/optimizer.h"
@@ -29,6 +30,7 @@ struct TrainingCounters {
   int64_t timed_steps = 0;        // steps whose device time was read (every step waited for before the next)
   double last_step_seconds = 0;   // device time of the latest timed step: CUDA events recorded around its launch
   double total_step_seconds = 0;  // summed over the timed steps
+  int64_t replica_checks = 0;     // data-parallel parameter checksums compared across ranks (all equal)
 };
 
 // One tick of the streaming path: n events, at most one per slot, each with the ring index its conviction and
@@ -98,9 +100,31 @@ class Backend {
 std::unique_ptr<Backend> MakeCpuBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                         std::vector<float> params, int threads = 0);
 
+class NcclCommunicator;
+
+// One rank of a data-parallel job: N daemons, one GPU each, joined by one NCCL communicator.
+struct DataParallelOptions {
+  int rank = 0;
+  int world_size = 1;
+  // How long joining, and any wait for a step with collectives in it, may take before the communicator is aborted.
+  absl::Duration timeout = absl::Seconds(60);
+  // Every this many optimizer steps the ranks compare a checksum of their parameters (0: never).
+  int64_t check_every = 100;
+};
+
+// Rank 0's side of the bootstrap: a new NCCL unique id (opaque bytes) to hand to the other ranks. NCCL listens for
+// them in this process. FAILED_PRECONDITION in a build without CUDA.
+absl::StatusOr<std::string> NewDataParallelId();
+// Joins the job named by `unique_id` on the current CUDA device; DEADLINE_EXCEEDED when the others do not all join
+// within options.timeout. FAILED_PRECONDITION without a CUDA device or CUDA build.
+absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::string& unique_id,
+                                                                   const DataParallelOptions& options);
+
 // The backend for `device`: "cpu", "cuda" (an error naming what is missing when this build has no CUDA backend
-// or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU).
+// or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU). With a `communicator`
+// the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
-                                                     const OptimizerConfig& optimizer, std::vector<float> params);
+                                                     const OptimizerConfig& optimizer, std::vector<float> params,
+                                                     std::shared_ptr<NcclCommunicator> communicator = nullptr);
 
 }  // namespace perception

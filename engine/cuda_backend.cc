@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_streamer.h"
+#include "engine/nccl_communicator.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -31,10 +32,15 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(model_->StageBatch(batch));
     RETURN_IF_ERROR(model_->EnqueueTrainStep());
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+    RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
     return TrainStepResult{report.loss, report.grad_norm, report.step};
   }
 
-  TrainingCounters training_counters() const override { return model_->training_counters(); }
+  TrainingCounters training_counters() const override {
+    TrainingCounters counters = model_->training_counters();
+    counters.replica_checks = replica_checks_;
+    return counters;
+  }
   // One switch for the training graphs and the streaming ticks' graphs.
   void set_use_graphs(bool use_graphs) override {
     model_->set_use_graphs(use_graphs);
@@ -146,6 +152,19 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Data parallel: every check_every steps the ranks compare a checksum of their parameters, which identical
+  // updates keep bit-identical.
+  absl::Status MaybeCheckReplicas(int64_t step) {
+    NcclCommunicator* communicator = model_->communicator();
+    if (communicator == nullptr || communicator->check_every() == 0 || step % communicator->check_every() != 0) {
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(const std::vector<float> params, model_->DownloadParams());
+    RETURN_IF_ERROR(communicator->CheckReplicas(params, step, model_->stream()));
+    ++replica_checks_;
+    return absl::OkStatus();
+  }
+
   absl::Status RequireStreaming() const {
     if (streamer_) return absl::OkStatus();
     return absl::FailedPreconditionError("streaming is not configured on this backend (ConfigureStreaming first)");
@@ -153,6 +172,7 @@ class CudaBackend final : public Backend {
 
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<CudaStreamer> streamer_;
+  int64_t replica_checks_ = 0;
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
+#include "engine/nccl_communicator.h"
 #include "engine/status_macros.h"
 #include "kernels/loss.h"
 #include "kernels/norms.h"
@@ -128,6 +129,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
+  communicator_ = options.communicator;
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
@@ -327,6 +329,7 @@ absl::Status CudaModel::CopyInputsIn(int rows) {
 
 absl::Status CudaModel::EnqueueTrainStep() {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));  // refuses any other training shape, naming both
+  if (communicator_) RETURN_IF_ERROR(communicator_->Usable());  // an aborted job's graph must not replay
   step_timing_pending_ = false;                         // the previous step was not waited for: it stays untimed
   const auto [entry, added] = train_graphs_.try_emplace({staged_batch_, staged_window_});
   TrainGraph& graph = entry->second;
@@ -402,6 +405,7 @@ absl::Status CudaModel::EnqueueTrainStepEagerly() {
   RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
   RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
   RETURN_IF_ERROR(Backward());
+  RETURN_IF_ERROR(SumGradientsOverRanks());
   RETURN_IF_ERROR(OptimizerStep());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
@@ -412,6 +416,7 @@ absl::Status CudaModel::EnqueueGradients() {
   RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
   RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
   RETURN_IF_ERROR(Backward());
+  RETURN_IF_ERROR(SumGradientsOverRanks());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
@@ -438,7 +443,11 @@ absl::Status CudaModel::ResetStreamState() {
 }
 
 absl::StatusOr<kernels::StepReport> CudaModel::Wait() {
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the one synchronization of a step
+  if (communicator_) {  // a step with collectives in it: a dead peer must fail it, not hang it
+    RETURN_IF_ERROR(communicator_->Synchronize(stream_));
+  } else {
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the one synchronization of a step
+  }
   enqueued_since_wait_ = false;
   if (step_timing_pending_) {  // both events completed with the stream: reading them waits for nothing
     step_timing_pending_ = false;
@@ -489,8 +498,18 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
                                                      rstd_f_, nullptr, stream_));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));
   RETURN_IF_ERROR(HeadForward(rows));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBce(logits_, labels_, mask_, rows * d.H, with_gradient ? dlogits_ : nullptr,
-                                                loss_partials_, report_, stream_));
+  if (!with_gradient || !communicator_) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBce(logits_, labels_, mask_, rows * d.H,
+                                                  with_gradient ? dlogits_ : nullptr, loss_partials_, report_, stream_));
+    return absl::OkStatus();
+  }
+  // Data parallel: the loss is the masked mean over the GLOBAL batch, so the per-block loss and mask-count partials
+  // are summed over the ranks before the finish divides; each rank's d logits is then m·(σ − y)/(global Σm), its
+  // share of the global gradient, and the gradient sum over ranks is exactly that gradient.
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, stream_));
+  RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, 2 * kernels::kMaskedBceBlocks, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceFinish(logits_, labels_, mask_, rows * d.H, loss_partials_, dlogits_,
+                                                      report_, stream_));
   return absl::OkStatus();
 }
 
@@ -670,6 +689,14 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
                                                       /*accumulate=*/true, dh_, d.D, stream_));
   return absl::OkStatus();
+}
+
+// Between the backward and the clip: the sum of every rank's gradient share (see ForwardAndLoss), so all ranks clip
+// by the same norm and apply the same AdamW update to the same parameters.
+absl::Status CudaModel::SumGradientsOverRanks() {
+  if (!communicator_) return absl::OkStatus();
+  return communicator_->SumInPlace(grads_ + layout_.trained_begin(), layout_.total_size() - layout_.trained_begin(),
+                                   stream_);
 }
 
 absl::Status CudaModel::OptimizerStep() {

@@ -31,10 +31,16 @@
 
 namespace perception {
 
+class NcclCommunicator;
+
 struct CudaModelOptions {
   bool tf32 = false;  // TF32 tensor cores for the cuBLAS products (the kernels stay float32)
   // Training steps as CUDA graphs (see EnqueueTrainStep); false enqueues every step kernel by kernel, for debugging.
   bool graphs = true;
+  // Data-parallel training (engine/nccl_communicator.h): when set, every training step sums the loss partials and
+  // then the gradients over the ranks, inside the step (and its graph), before clipping and AdamW; Wait watches the
+  // communicator so a dead or stalled peer fails the step instead of hanging it.
+  std::shared_ptr<NcclCommunicator> communicator;
 };
 
 class CudaModel {
@@ -54,6 +60,8 @@ class CudaModel {
   // The parameters in device memory, current as of the work queued on stream().
   const float* device_params() const { return params_; }
   const std::string& device_name() const { return device_name_; }
+  // The data-parallel communicator, or null.
+  NcclCommunicator* communicator() const { return communicator_.get(); }
 
   // Host work only: copies `batch` (at most config.batch windows of at most config.window events) into the pinned
   // staging buffers, which the next Enqueue (or training graph) copies to the device. If work enqueued since the
@@ -161,6 +169,7 @@ class CudaModel {
   absl::Status ForkGradients();
   absl::Status MarkGradients();
   absl::Status AwaitGradients();
+  absl::Status SumGradientsOverRanks();
   absl::Status OptimizerStep();
 
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
@@ -180,6 +189,7 @@ class CudaModel {
   cudaStream_t grad_stream_ = nullptr;
   std::unique_ptr<Blas> grad_blas_;
   cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
+  std::shared_ptr<NcclCommunicator> communicator_;
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
   int staged_batch_ = 0, staged_window_ = 0;

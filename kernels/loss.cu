@@ -62,13 +62,25 @@ __global__ void __launch_bounds__(kThreads) MaskedBceFinishKernel(const float* l
 
 }  // namespace
 
-cudaError_t LaunchMaskedBce(const float* logits, const float* labels, const float* mask, int n, float* dlogits,
-                            double* partials, StepReport* report, cudaStream_t stream) {
+cudaError_t LaunchMaskedBcePartials(const float* logits, const float* labels, const float* mask, int n,
+                                    double* partials, cudaStream_t stream) {
   MaskedBcePartialsKernel<<<kMaskedBceBlocks, kThreads, 0, stream>>>(logits, labels, mask, n, partials);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMaskedBceFinish(const float* logits, const float* labels, const float* mask, int n,
+                                  const double* partials, float* dlogits, StepReport* report, cudaStream_t stream) {
   MaskedBceFinishKernel<<<kMaskedBceBlocks, kThreads, 0, stream>>>(logits, labels, mask, n, partials, dlogits,
                                                                    report);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchMaskedBce(const float* logits, const float* labels, const float* mask, int n, float* dlogits,
+                            double* partials, StepReport* report, cudaStream_t stream) {
+  if (const cudaError_t e = LaunchMaskedBcePartials(logits, labels, mask, n, partials, stream); e != cudaSuccess) {
+    return e;
+  }
+  return LaunchMaskedBceFinish(logits, labels, mask, n, partials, dlogits, report, stream);
 }
 
 }  // namespace perception::kernels

@@ -16,4 +16,11 @@ constexpr int kMaskedBceBlocks = 128;
 cudaError_t LaunchMaskedBce(const float* logits, const float* labels, const float* mask, int n, float* dlogits,
                             double* partials, StepReport* report, cudaStream_t stream);
 
+// LaunchMaskedBce's two launches, for data-parallel training, which sums `partials` across ranks in between: then
+// the count and the loss are the global batch's, and each rank's d logits its share of the global mean's gradient.
+cudaError_t LaunchMaskedBcePartials(const float* logits, const float* labels, const float* mask, int n,
+                                    double* partials, cudaStream_t stream);
+cudaError_t LaunchMaskedBceFinish(const float* logits, const float* labels, const float* mask, int n,
+                                  const double* partials, float* dlogits, StepReport* report, cudaStream_t stream);
+
 }  // namespace perception::kernels

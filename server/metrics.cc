@@ -124,6 +124,17 @@ ServerMetrics::ServerMetrics()
                                .Help("Training steps run as one replay of a captured CUDA graph.")
                                .Register(*registry_)
                                .Add({})),
+      replica_checks_(prometheus::BuildCounter()
+                          .Name("perception_replica_checks_total")
+                          .Help("Data-parallel parameter checksums compared across the ranks and found equal.")
+                          .Register(*registry_)
+                          .Add({})),
+      replica_divergences_(prometheus::BuildCounter()
+                               .Name("perception_replica_divergences_total")
+                               .Help("Data-parallel checks that found the ranks' parameters differing (the step "
+                                     "answered DATA_LOSS).")
+                               .Register(*registry_)
+                               .Add({})),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("perception_rpc_duration_seconds")
                         .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
@@ -217,6 +228,10 @@ void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t
   train_graph_captures_.Increment(static_cast<double>(graph_captures));
   train_graph_replays_.Increment(static_cast<double>(graph_replays));
 }
+
+void ServerMetrics::ObserveReplicaChecks(int64_t equal) { replica_checks_.Increment(static_cast<double>(equal)); }
+
+void ServerMetrics::ObserveReplicaDivergence() { replica_divergences_.Increment(); }
 
 void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds) {
   checkpoint_duration_.Add({{"operation", std::string(operation)}}, checkpoint_buckets_).Observe(seconds);

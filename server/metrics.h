@@ -22,6 +22,10 @@ class ServerMetrics {
 
   // One training step that ran on the device, and the CUDA graphs it captured (0 or 1) and replayed (0 or 1).
   void ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures, int64_t graph_replays);
+  // Data parallel: parameter checksums compared across the ranks and found equal, and a check that found them
+  // differing.
+  void ObserveReplicaChecks(int64_t equal);
+  void ObserveReplicaDivergence();
   // One checkpoint operation, "save" or "load", that succeeded.
   void ObserveCheckpoint(std::string_view operation, double seconds);
   // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total.
@@ -53,6 +57,8 @@ class ServerMetrics {
   prometheus::Gauge& train_loss_;
   prometheus::Counter& train_graph_captures_;
   prometheus::Counter& train_graph_replays_;
+  prometheus::Counter& replica_checks_;
+  prometheus::Counter& replica_divergences_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Family<prometheus::Counter>& rejected_;
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;

@@ -47,9 +47,23 @@ ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig
 absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
                                                                const OptimizerConfig& optimizer,
                                                                std::vector<float> params) const {
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(device_, config, optimizer, std::move(params)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   MakeBackend(device_, config, optimizer, std::move(params), communicator_));
   backend->set_use_graphs(use_graphs_);
   return backend;
+}
+
+absl::Status ModelHost::JoinDataParallel(const std::string& unique_id, const DataParallelOptions& options) {
+  if (backend_ != nullptr || communicator_ != nullptr) {
+    return absl::FailedPreconditionError("a daemon joins a data-parallel job once, before any model exists");
+  }
+  if (device_ == "cpu") {
+    return absl::FailedPreconditionError("data-parallel training runs on NCCL, which the CPU backend cannot join");
+  }
+  ASSIGN_OR_RETURN(communicator_, perception::JoinDataParallel(unique_id, options));
+  data_parallel_ = options;
+  spdlog::info("joined the data-parallel job as rank {} of {}", options.rank, options.world_size);
+  return absl::OkStatus();
 }
 
 absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
@@ -114,6 +128,11 @@ absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerC
 
 absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
   RETURN_IF_ERROR(RequireModel());
+  if (data_parallel_.has_value() && data_parallel_->rank != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("this daemon is rank ", data_parallel_->rank, " of ",
+                                                      data_parallel_->world_size,
+                                                      " of a data-parallel job: checkpoints are saved by rank 0"));
+  }
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
   RETURN_IF_ERROR(SaveCheckpoint(path, state));
@@ -136,7 +155,9 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch)
                                                    " x ", config.window, " (fixed when the model was created)"));
   }
   const Stopwatch stopwatch;
-  ASSIGN_OR_RETURN(const TrainStepResult result, backend_->TrainStep(batch));
+  absl::StatusOr<TrainStepResult> stepped = backend_->TrainStep(batch);
+  if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
+  ASSIGN_OR_RETURN(const TrainStepResult result, std::move(stepped));
   // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time
   // is its device time.
   const TrainingCounters counters = backend_->training_counters();
@@ -145,6 +166,7 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch)
   metrics_.ObserveTrainStep(outcome.device_seconds, result.loss,
                             counters.graph_captures - training_counters_.graph_captures,
                             counters.graph_replays - training_counters_.graph_replays);
+  metrics_.ObserveReplicaChecks(counters.replica_checks - training_counters_.replica_checks);
   training_counters_ = counters;
   step_ = result.step;
   ++weights_version_;
@@ -181,11 +203,12 @@ absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bo
 }
 
 HostStatus ModelHost::Status() const {
-  if (backend_ == nullptr) return {device_, 0, std::nullopt};
+  if (backend_ == nullptr) return {device_, 0, std::nullopt, data_parallel_, 0};
   return {backend_->device_name(), backend_->memory_bytes(),
           ModelInfo{backend_->config(), optimizer_, step_, weights_version_,
                     static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_,
-                    published_weights_version_}};
+                    published_weights_version_},
+          data_parallel_, training_counters_.replica_checks};
 }
 
 absl::Status ModelHost::RequireModel() const {

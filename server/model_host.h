@@ -37,6 +37,8 @@ struct HostStatus {
   std::string device_name;   // the backend's; the requested device ("auto", ...) before any model
   int64_t memory_bytes = 0;  // of that device; 0 before any model or when unknown
   std::optional<ModelInfo> model;
+  std::optional<DataParallelOptions> data_parallel;  // when this daemon is one rank of a data-parallel job
+  int64_t replica_checks = 0;                        // the current backend's (TrainingCounters::replica_checks)
 };
 
 struct TrainOutcome {
@@ -73,6 +75,10 @@ class ModelHost {
   // streaming ticks kernel by kernel instead of as captured graphs (debugging).
   ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true);
 
+  // Makes this daemon one rank of a data-parallel job: joins the NCCL communicator on the calling (device worker's)
+  // thread; every model installed afterwards trains through it. Once, before any model exists; CUDA only.
+  absl::Status JoinDataParallel(const std::string& unique_id, const DataParallelOptions& options);
+
   // A new model with weights initialized from `seed` and the given normalizer (the identity when absent).
   // FAILED_PRECONDITION when a model exists and `replace` is false.
   absl::Status Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
@@ -84,6 +90,7 @@ class ModelHost {
 
   // Replaces the model with the checkpoint at `path`, whatever its config; returns the seconds it took.
   absl::StatusOr<double> Load(const std::string& path, const OptimizerConfig& optimizer);
+  // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
   // `batch` must have the model's features and horizons and, for training, its (batch, window).
@@ -117,6 +124,8 @@ class ModelHost {
   const std::string device_;
   const bool use_graphs_;
   ServerMetrics& metrics_;
+  std::optional<DataParallelOptions> data_parallel_;
+  std::shared_ptr<NcclCommunicator> communicator_;  // outlives every backend that trains through it
   std::unique_ptr<Backend> backend_;
   TrainingCounters training_counters_;  // the backend's, as of its last training step
   OptimizerConfig optimizer_;

@@ -77,6 +77,13 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
     v1::StreamingStatus& streaming = *response->mutable_streaming();
     streams_.FillStatus(streaming);
     if (status.model.has_value()) streaming.set_weights_version(status.model->published_weights_version);
+    if (status.data_parallel.has_value()) {
+      v1::DataParallelStatus& parallel = *response->mutable_data_parallel();
+      parallel.set_rank(status.data_parallel->rank);
+      parallel.set_world_size(status.data_parallel->world_size);
+      parallel.set_replica_check_every(status.data_parallel->check_every);
+      parallel.set_replica_checks(status.replica_checks);
+    }
     return absl::OkStatus();
   });
 }

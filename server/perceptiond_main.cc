@@ -5,7 +5,9 @@
 #include <climits>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -23,6 +25,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
 #include "server/perception_service.h"
+#include "server/rendezvous.h"
 #include "server/stream_batcher.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -54,6 +57,18 @@ ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first 
 ABSL_FLAG(int, publish_every_steps, 1,
           "training steps between refreshes of the published weights that streaming reads");
 ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions page returns");
+ABSL_FLAG(int, world_size, 0,
+          "data-parallel training over NCCL: the number of daemons (one GPU each) in the job; 0: not data parallel. "
+          "1 still trains through the NCCL path");
+ABSL_FLAG(int, rank, 0, "with --world_size: this daemon's rank in [0, world_size); rank 0 creates the NCCL id");
+ABSL_FLAG(std::vector<std::string>, peers, {},
+          "with --world_size > 1: every rank's gRPC address (host:port), in rank order; the others fetch the NCCL id "
+          "from the first");
+ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
+          "with --world_size: how long joining the job, and a training step's collectives, may take before the step "
+          "fails (a peer died or stalled) and the communicator is aborted");
+ABSL_FLAG(int64_t, replica_check_every, 100,
+          "with --world_size: optimizer steps between checksums of the parameters compared across the ranks (0: none)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or critical");
 
 namespace perception::server {
@@ -105,6 +120,56 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   return options;
 }
 
+struct DataParallelFlags {
+  DataParallelOptions options;
+  std::vector<std::string> peers;
+};
+
+// --world_size, --rank, --peers and the rest; nullopt without --world_size.
+absl::StatusOr<std::optional<DataParallelFlags>> DataParallelFromFlags() {
+  const int world_size = absl::GetFlag(FLAGS_world_size), rank = absl::GetFlag(FLAGS_rank);
+  const std::vector<std::string> peers = absl::GetFlag(FLAGS_peers);
+  if (world_size == 0) {
+    if (rank != 0 || !peers.empty()) return absl::InvalidArgumentError("--rank and --peers need --world_size");
+    return std::nullopt;
+  }
+  if (world_size < 0 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank ", rank, " must be in [0, --world_size) and --world_size ", world_size, " positive"));
+  }
+  if (absl::GetFlag(FLAGS_device) == "cpu") {
+    return absl::InvalidArgumentError(
+        "--world_size needs the CUDA backend: data-parallel training runs on NCCL, which --device=cpu cannot join");
+  }
+  if (world_size > 1 && peers.size() != static_cast<size_t>(world_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("--peers must list the ", world_size,
+                                                   " ranks' gRPC addresses in rank order; it lists ", peers.size()));
+  }
+  const DataParallelOptions options{rank, world_size, absl::GetFlag(FLAGS_collective_timeout),
+                                    absl::GetFlag(FLAGS_replica_check_every)};
+  if (options.timeout <= absl::ZeroDuration() || options.check_every < 0) {
+    return absl::InvalidArgumentError("--collective_timeout must be positive and --replica_check_every at least 0");
+  }
+  return DataParallelFlags{options, peers};
+}
+
+// Rank 0 creates the NCCL unique id and publishes it on the Rendezvous service; the others fetch it from rank 0's
+// daemon; then every rank joins the communicator on the device worker's thread, within the timeout.
+absl::Status JoinDataParallel(DeviceWorker& worker, RendezvousService& rendezvous, const DataParallelFlags& flags) {
+  const DataParallelOptions& options = flags.options;
+  std::string unique_id;
+  if (options.rank == 0) {
+    ASSIGN_OR_RETURN(unique_id, NewDataParallelId());
+    rendezvous.Publish(unique_id);
+  } else {
+    ASSIGN_OR_RETURN(unique_id, FetchUniqueId(flags.peers[0], options.rank, options.world_size, options.timeout));
+  }
+  spdlog::info("rank {} of {}: joining the data-parallel job (timeout {})", options.rank, options.world_size,
+               absl::FormatDuration(options.timeout));
+  return worker.Run(JobPriority::kTraining,
+                    [&](ModelHost& host) { return host.JoinDataParallel(unique_id, options); });
+}
+
 // --load or --init_config.
 absl::Status PrepareModel(DeviceWorker& worker, StreamBatcher& streams, const CheckpointDirectory& checkpoints) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
@@ -128,7 +193,9 @@ absl::Status PrepareModel(DeviceWorker& worker, StreamBatcher& streams, const Ch
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
-  if (name.empty() || !worker.status().model.has_value()) return absl::OkStatus();
+  const HostStatus status = worker.status();
+  if (name.empty() || !status.model.has_value()) return absl::OkStatus();
+  if (status.data_parallel.has_value() && status.data_parallel->rank != 0) return absl::OkStatus();  // rank 0 saves
   ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name));
   return worker.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path).status(); });
 }
@@ -146,7 +213,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(ServerMetrics& m
   return server;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& service, const Limits& limits) {
+// Health stays NOT_SERVING until Serve has the model ready.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& service, RendezvousService& rendezvous,
+                                                        const Limits& limits) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   const std::string address = absl::GetFlag(FLAGS_listen);
@@ -155,9 +224,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
   builder.RegisterService(&service);
+  builder.RegisterService(&rendezvous);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
-  server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), true);
+  server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), false);
+  server->GetHealthCheckService()->SetServingStatus(false);  // every service, the server's own ("") included
   spdlog::info("serving {} on {} (port {})", v1::Perception::service_full_name(), address, port);
   return server;
 }
@@ -176,15 +247,22 @@ absl::Status Serve() {
                    CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
+  ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
   ServerMetrics metrics;
   DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics, stream_options.device,
                                                   absl::GetFlag(FLAGS_graphs)),
                       limits.queue_depth);
   StreamBatcher streams(worker, stream_options, metrics);
+  PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
+  RendezvousService rendezvous(data_parallel ? data_parallel->options.rank : 0,
+                               data_parallel ? data_parallel->options.world_size : 0);
+  // The listener opens first so that a data-parallel rank 0 can hand out the NCCL id while it joins; health says
+  // SERVING once the job is joined and the model is ready.
+  ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits));
+  if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
   RETURN_IF_ERROR(PrepareModel(worker, streams, checkpoints));
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
-  PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
-  ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, limits));
+  server->GetHealthCheckService()->SetServingStatus(true);
 
   const int signal = WaitForTerminationSignal();
   spdlog::info("{}: draining", strsignal(signal));

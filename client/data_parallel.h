@@ -1,0 +1,49 @@
+// perceptionctl's side of data-parallel training (perceptionctl train --targets): the ranks checked against the
+// targets, and every global batch sampled once and cut into per-rank slices.
+#pragma once
+
+#include <map>
+#include <span>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/dataset.h"
+#include "perception/v1/perception.pb.h"
+
+namespace perception::client {
+
+// Windows [first, first + count) of `from` as a Batch message.
+void CopyWindows(const Batch& from, int first, int count, v1::Batch& to);
+
+// OK when statuses[i] (target i's GetStatus) is rank i of a data-parallel job of statuses.size() ranks, every
+// rank with a model of the same config at the same step; otherwise FAILED_PRECONDITION naming the target.
+absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::span<const std::string> targets);
+
+// The global batches of a data-parallel run, each sampled once: rank r of N gets windows [r·B, (r+1)·B) of every
+// global batch of N·B windows, so N ranks see exactly the windows that one daemon would on N·B-window batches (and
+// with N = 1, exactly what a plain run samples). Thread-safe: each rank's stream takes its slices from its own
+// thread; a global batch is dropped once every rank has taken its slice.
+class ShardedBatches {
+ public:
+  // `sample` fills the next global batch of world_size · per_rank windows.
+  ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank);
+
+  // Rank `rank`'s slice of global batch `step` (0-based); each rank asks for each step once.
+  void Shard(int step, int rank, v1::Batch& out);
+
+ private:
+  struct Pending {
+    Batch batch;
+    int untaken = 0;  // ranks that have not taken their slice yet
+  };
+  const int world_size_, per_rank_;
+  absl::Mutex mu_;
+  absl::AnyInvocable<void(Batch&)> sample_ ABSL_GUARDED_BY(mu_);
+  int sampled_ ABSL_GUARDED_BY(mu_) = 0;  // global batches sampled so far
+  std::map<int, Pending> pending_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace perception::client

@@ -1,0 +1,91 @@
+// Data-parallel flags and the client's --targets against the real programs on this machine's CPU: the daemon
+// refuses a world size it cannot join (CPU device, bad rank, missing peers) and gives up cleanly when rank 0 never
+// hands out the NCCL id or is not rank 0 of a job; perceptionctl --targets checks that its targets are one job's
+// ranks in order, and saves checkpoints on rank 0 only. Training across ranks needs GPUs (tests/cuda).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace perception::e2e {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
+constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
+
+CommandResult RunDaemon(const std::string& flags) {
+  return RunCommand(absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ", flags));
+}
+
+TEST(DataParallelTest, TheDaemonRefusesWorldSizesItCannotJoin) {
+  const CommandResult cpu = RunDaemon("--device=cpu --world_size=2 --rank=0 --peers=127.0.0.1:1,127.0.0.1:2");
+  EXPECT_EQ(cpu.exit_code, 1);
+  EXPECT_THAT(cpu.output, HasSubstr("INVALID_ARGUMENT: --world_size needs the CUDA backend"));
+  const CommandResult rank = RunDaemon("--device=cuda --world_size=2 --rank=2 --peers=127.0.0.1:1,127.0.0.1:2");
+  EXPECT_EQ(rank.exit_code, 1);
+  EXPECT_THAT(rank.output, HasSubstr("--rank 2 must be in [0, --world_size)"));
+  const CommandResult peers = RunDaemon("--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1");
+  EXPECT_EQ(peers.exit_code, 1);
+  EXPECT_THAT(peers.output, HasSubstr("--peers must list the 2 ranks' gRPC addresses in rank order; it lists 1"));
+  const CommandResult alone = RunDaemon("--rank=1");
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_THAT(alone.output, HasSubstr("--rank and --peers need --world_size"));
+}
+
+// Rank 1 asks rank 0's daemon for the NCCL id over gRPC before it touches a device, so on any machine: a rank 0
+// that is not there times out, and a daemon that is not rank 0 of a job refuses at once.
+TEST(DataParallelTest, RankOneGivesUpCleanlyWithoutARankZero) {
+  const absl::Time start = absl::Now();
+  const CommandResult nobody =
+      RunDaemon("--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 --collective_timeout=2s");
+  EXPECT_EQ(nobody.exit_code, 1);
+  EXPECT_THAT(nobody.output, HasSubstr("DEADLINE_EXCEEDED: rank 1 of 2: rank 0 at 127.0.0.1:1 did not hand out the "
+                                       "NCCL unique id within 2s"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+
+  const ScopedTempDir temp("dp-plain");
+  absl::StatusOr<std::unique_ptr<Daemon>> plain = Daemon::Start(temp.path());
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  const CommandResult refused = RunDaemon(absl::StrCat("--device=cuda --world_size=2 --rank=1 --peers=",
+                                                       (*plain)->target(), ",127.0.0.1:2 --collective_timeout=30s"));
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.output, HasSubstr("FAILED_PRECONDITION: rank 0 at " + (*plain)->target() +
+                                        " refused rank 1: this daemon is not part of a data-parallel job"));
+}
+
+TEST(DataParallelTest, TargetsMustBeOneJobsRanksAndRankZeroSaves) {
+  const ScopedTempDir temp0("dp-a"), temp1("dp-b");
+  absl::StatusOr<std::unique_ptr<Daemon>> a = Daemon::Start(temp0.path()), b = Daemon::Start(temp1.path());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string ctl =
+      absl::StrCat(PERCEPTIONCTL_PATH, " --targets=", (*a)->target(), ",", (*b)->target());
+  const CommandResult init = RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --batch 4 --window 32"));
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  EXPECT_EQ((*a)->client().GetStatus()->model().config().batch(), 4);
+  EXPECT_EQ((*b)->client().GetStatus()->model().config().batch(), 4) << "init goes to every target";
+
+  const CommandResult train =
+      RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 2"));
+  EXPECT_EQ(train.exit_code, 1);
+  EXPECT_THAT(train.output, HasSubstr(absl::StrCat("FAILED_PRECONDITION: target 0 (", (*a)->target(),
+                                                   ") is not part of a data-parallel job; --targets must list the 2 "
+                                                   "ranks of one job in rank order")));
+
+  const CommandResult save = RunCommand(absl::StrCat(ctl, " checkpoint save ck.safetensors"));
+  ASSERT_EQ(save.exit_code, 0) << save.output;
+  EXPECT_TRUE(std::filesystem::exists(temp0.path() / "ck.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(temp1.path() / "ck.safetensors")) << "rank 0 alone saves";
+
+  const CommandResult other = RunCommand(absl::StrCat(ctl, " streams"));
+  EXPECT_EQ(other.exit_code, 1);
+  EXPECT_THAT(other.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
+}
+
+}  // namespace
+}  // namespace perception::e2e
