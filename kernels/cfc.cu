@@ -21,6 +21,18 @@ namespace cg = cooperative_groups;
 constexpr int kTileThreads = 512;
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// One mat-vec phase of a tile: a thread owns kR rows × kN inputs, kG lanes share a group of rows (the group's
+// inputs split over them), and input e of lane g is float e % 4 of float4 (e / 4)·kG + g: consecutive lanes read
+// consecutive float4s. More rows a thread means fewer shared-memory reads per multiply-add (their bandwidth, not the
+// FMAs, bounds a step), fewer rows means fewer shuffles in the reduction.
+template <int kRows, int kInputs, int kRowsPerThread>
+struct TilePhase {
+  static constexpr int kR = kRowsPerThread, kG = kTileThreads * kR / kRows, kN = kInputs / kG;
+  static_assert(kTileThreads * kR % kRows == 0 && kG <= kWarpSize && kN % 4 == 0 && kN * kG == kInputs);
+  __host__ __device__ static constexpr int Row(int tid, int r) { return tid / kG * kR + r; }
+  __host__ __device__ static constexpr int Input(int tid, int e) { return (e / 4 * kG + tid % kG) * 4 + e % 4; }
+};
+
 // Capacities C ≤ kUnits and K ≤ kBackbone (the weights are zero-padded up to them, so padded units and rows stay 0),
 // rows split over kCluster blocks.
 template <int kUnitsCap, int kBackboneCap, int kClusterSize>
@@ -28,19 +40,17 @@ struct CfcTile {
   static constexpr int kUnits = kUnitsCap, kBackbone = kBackboneCap, kCluster = kClusterSize;
   static constexpr int kRows = kBackbone / kCluster;   // backbone rows (outputs of W_c and of W_headsᵀ) of a block
   static constexpr int kOwnUnits = kUnits / kCluster;  // units (outputs of the heads and of W_cᵀ) of a block
-  // Forward: W_c one row a thread (groups of kGc lanes), the heads a unit's four rows a thread (groups of kGh).
-  static constexpr int kGc = kTileThreads / kRows, kWc = kUnits / kGc;
-  static constexpr int kGh = kTileThreads / kOwnUnits, kWh = kBackbone / kGh;
-  // Backward: W_headsᵀ four backbone rows a thread (groups of kGt), W_cᵀ one unit a thread (groups of kGu).
-  static constexpr int kGt = kTileThreads / (kRows / 4), kWt = 4 * kUnits / kGt;
-  static constexpr int kGu = kTileThreads / kOwnUnits, kWu = kBackbone / kGu;
-  static constexpr int kForwardSlots = kWc + 4 * kWh, kBackwardSlots = 4 * kWt + kWu;
+  // Forward: W_c, then the heads with two units' four heads a thread (rows u·4 + head, u the unit's index).
+  using Wc = TilePhase<kRows, kUnits, 4>;
+  using Heads = TilePhase<4 * kOwnUnits, kBackbone, 8>;
+  // Backward: W_headsᵀ (inputs h·kUnits + unit), then W_cᵀ; as many rows a thread as a warp's lanes allow.
+  using HeadsT = TilePhase<kRows, 4 * kUnits, std::min(8, kRows / 16)>;
+  using WcT = TilePhase<kOwnUnits, kBackbone, std::min(4, kOwnUnits / 16)>;
+  static constexpr int kForwardSlots = Wc::kR * Wc::kN + Heads::kR * Heads::kN;
+  static constexpr int kBackwardSlots = HeadsT::kR * HeadsT::kN + WcT::kR * WcT::kN;
   // Packed: for each block rank, [forward slots][thread] then [backward slots][thread]; then the biases [4][kUnits].
   static constexpr size_t kBiasOffset = static_cast<size_t>(kCluster) * (kForwardSlots + kBackwardSlots) * kTileThreads;
   static constexpr size_t kPackedFloats = kBiasOffset + 4 * kUnits;
-  static_assert(kTileThreads % kRows == 0 && kRows % 4 == 0 && kTileThreads % kOwnUnits == 0);
-  static_assert(kGc <= kWarpSize && kGh <= kWarpSize && kGt <= kWarpSize && kGu <= kWarpSize);
-  static_assert(kWc % 4 == 0 && kWh % 4 == 0 && kWt % 4 == 0 && kWu % 4 == 0);
 };
 using SmallTile = CfcTile<64, 128, 1>;
 using LargeTile = CfcTile<128, 256, 4>;
@@ -52,6 +62,10 @@ bool Fits(const CfcShape& s) {
 
 template <typename Tile>
 __global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
+  using Wc = typename Tile::Wc;
+  using Heads = typename Tile::Heads;
+  using HeadsT = typename Tile::HeadsT;
+  using WcT = typename Tile::WcT;
   const int C = shape.units, K = shape.backbone, in = shape.d_model + C;
   auto wc = [&](int k, int unit) {
     return k < K && unit < C ? w.backbone_weight[static_cast<size_t>(k) * in + shape.d_model + unit] : 0.f;
@@ -59,9 +73,8 @@ __global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
   auto head = [&](int h, int unit, int k) {
     return unit < C && k < K ? w.head_weight[h][static_cast<size_t>(unit) * K + k] : 0.f;
   };
-  // Input e of a thread in lane group g of width G reads float4 (e/4)·G + g: consecutive lanes, consecutive float4s.
-  auto input = [](int e, int g, int G) { return (e / 4 * G + g) * 4 + e % 4; };
   constexpr int kSlots = Tile::kForwardSlots + Tile::kBackwardSlots;
+  constexpr int kWc = Wc::kR * Wc::kN, kHeads = Heads::kR * Heads::kN, kHeadsT = HeadsT::kR * HeadsT::kN;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < Tile::kPackedFloats;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     float v;
@@ -71,78 +84,71 @@ __global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
     } else {
       const int tid = static_cast<int>(i % kTileThreads), slot = static_cast<int>(i / kTileThreads % kSlots);
       const int rank = static_cast<int>(i / kTileThreads / kSlots);
-      if (slot < Tile::kWc) {
-        v = wc(rank * Tile::kRows + tid / Tile::kGc, input(slot, tid % Tile::kGc, Tile::kGc));
+      if (slot < kWc) {
+        v = wc(rank * Tile::kRows + Wc::Row(tid, slot / Wc::kN), Wc::Input(tid, slot % Wc::kN));
       } else if (slot < Tile::kForwardSlots) {
-        const int s = slot - Tile::kWc;
-        v = head(s / Tile::kWh, rank * Tile::kOwnUnits + tid / Tile::kGh, input(s % Tile::kWh, tid % Tile::kGh, Tile::kGh));
-      } else if (slot < Tile::kForwardSlots + 4 * Tile::kWt) {
-        const int s = slot - Tile::kForwardSlots;
-        const int j = input(s % Tile::kWt, tid % Tile::kGt, Tile::kGt);  // d heads, packed [4][kUnits]
-        v = head(j / Tile::kUnits, j % Tile::kUnits, rank * Tile::kRows + tid / Tile::kGt * 4 + s / Tile::kWt);
+        const int s = slot - kWc, r = Heads::Row(tid, s / Heads::kN);
+        v = head(r % 4, rank * Tile::kOwnUnits + r / 4, Heads::Input(tid, s % Heads::kN));
+      } else if (slot < Tile::kForwardSlots + kHeadsT) {
+        const int s = slot - Tile::kForwardSlots, j = HeadsT::Input(tid, s % HeadsT::kN);
+        v = head(j / Tile::kUnits, j % Tile::kUnits, rank * Tile::kRows + HeadsT::Row(tid, s / HeadsT::kN));
       } else {
-        const int e = slot - Tile::kForwardSlots - 4 * Tile::kWt;
-        v = wc(input(e, tid % Tile::kGu, Tile::kGu), rank * Tile::kOwnUnits + tid / Tile::kGu);
+        const int s = slot - Tile::kForwardSlots - kHeadsT;
+        v = wc(WcT::Input(tid, s % WcT::kN), rank * Tile::kOwnUnits + WcT::Row(tid, s / WcT::kN));
       }
     }
     packed[i] = v;
   }
 }
 
-// Sums v over a group of G contiguous lanes (G a power of two, V ≤ G) and leaves the total of value g / (G / V) in
-// out: the first log2(V) butterfly steps each hand half of the values to the partner, so V·W values cost (V − 1 +
-// log2(G / V))·W shuffles instead of V·W·log2(G). Lanes holding the same value hold the same bits (a + b == b + a).
+// Sums v (V groups of W floats) over a group of G contiguous lanes (G a power of two, V ≤ G) and leaves the total of
+// group g / (G / V) in out: the first log2(V) butterfly steps each hand half of the values to the partner, so they
+// cost (V − 1 + log2(G / V))·W shuffles instead of V·W·log2(G). Lanes holding the same total hold the same bits
+// (a + b == b + a).
 template <int V, int W, int G>
-__device__ __forceinline__ void GroupReduceScatter(float (&v)[V][W], int g, float (&out)[W]) {
+__device__ __forceinline__ void GroupReduceScatter(float (&v)[V * W], int g, float (&out)[W]) {
   static_assert(V <= G && (V & (V - 1)) == 0 && (G & (G - 1)) == 0);
   if constexpr (G == 1) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) out[w] = v[0][w];
+    for (int w = 0; w < W; ++w) out[w] = v[w];
   } else if constexpr (V == 1) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) v[0][w] += __shfl_xor_sync(kFullMask, v[0][w], G / 2);
+    for (int w = 0; w < W; ++w) v[w] += __shfl_xor_sync(kFullMask, v[w], G / 2);
     GroupReduceScatter<1, W, G / 2>(v, g, out);
   } else {
-    constexpr int H = V / 2;
+    constexpr int H = V / 2 * W;
     const bool upper = (g & (G / 2)) != 0;
-    float next[H][W];
+    float next[H];
 #pragma unroll
     for (int i = 0; i < H; ++i) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float keep = upper ? v[H + i][w] : v[i][w], send = upper ? v[i][w] : v[H + i][w];
-        next[i][w] = keep + __shfl_xor_sync(kFullMask, send, G / 2);
-      }
+      const float keep = upper ? v[H + i] : v[i], send = upper ? v[i] : v[H + i];
+      next[i] = keep + __shfl_xor_sync(kFullMask, send, G / 2);
     }
-    GroupReduceScatter<H, W, G / 2>(next, g, out);
+    GroupReduceScatter<V / 2, W, G / 2>(next, g, out);
   }
 }
 
-// acc[s][r] += Σ_e w[r][e]·in[s][input e of lane group g], in as float4 rows of `stride` float4s.
-template <int S, int R, int N, int G>
-__device__ __forceinline__ void TileDot(const float (&w)[R][N], const float4* in, int stride, int g, float (&acc)[S][R]) {
+// A phase's mat-vec for S sequences: acc[s·R + r] = Σ_e w[r][e]·in[s][Input(e)], in as rows of `stride` float4s.
+template <typename Phase, int S>
+__device__ __forceinline__ void TileDot(const float (&w)[Phase::kR][Phase::kN], const float4* in, int stride,
+                                        float (&acc)[S * Phase::kR]) {
+  const int g = threadIdx.x % Phase::kG;
 #pragma unroll
-  for (int q = 0; q < N / 4; ++q) {
+  for (int i = 0; i < S * Phase::kR; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int q = 0; q < Phase::kN / 4; ++q) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      const float4 x = in[s * stride + q * G + g];
+      const float4 x = in[s * stride + q * Phase::kG + g];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        acc[s][r] = fmaf(w[r][4 * q], x.x, acc[s][r]);
-        acc[s][r] = fmaf(w[r][4 * q + 1], x.y, acc[s][r]);
-        acc[s][r] = fmaf(w[r][4 * q + 2], x.z, acc[s][r]);
-        acc[s][r] = fmaf(w[r][4 * q + 3], x.w, acc[s][r]);
+      for (int r = 0; r < Phase::kR; ++r) {
+        float& a = acc[s * Phase::kR + r];
+        a = fmaf(w[r][4 * q], x.x, a);
+        a = fmaf(w[r][4 * q + 1], x.y, a);
+        a = fmaf(w[r][4 * q + 2], x.z, a);
+        a = fmaf(w[r][4 * q + 3], x.w, a);
       }
     }
-  }
-}
-
-template <int S, int R>
-__device__ __forceinline__ void Zero(float (&acc)[S][R]) {
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[s][r] = 0.f;
   }
 }
 
@@ -153,6 +159,18 @@ __device__ __forceinline__ void LoadSlots(const float* packed, int slot0, float 
 #pragma unroll
     for (int e = 0; e < N; ++e) w[r][e] = packed[static_cast<size_t>(slot0 + r * N + e) * kTileThreads];
   }
+}
+
+// Where a thread's reduced total sits: sequence seq, row `row` of the phase (of this block), copy `copy` of
+// `copies` lanes that hold the same bits.
+struct TileValue {
+  int seq, row, copy, copies;
+};
+template <typename Phase, int S, int W>
+__device__ __forceinline__ TileValue TileValueOf(int tid) {
+  constexpr int kValues = S * Phase::kR / W, kCopies = Phase::kG / kValues;
+  const int g = tid % Phase::kG, value = g / kCopies, per_seq = Phase::kR / W;
+  return {value / per_seq, Phase::Row(tid, value % per_seq * W), g % kCopies, kCopies};
 }
 
 template <int kCluster>
@@ -174,14 +192,19 @@ __device__ __forceinline__ void PhaseBarrier() {
   }
 }
 
-// Stores v at `at` in every block of the cluster; the `copies` lanes holding the same value (copy index `copy`) share
-// the stores.
+// Stores v at `at` in every block of the cluster, the stores shared by the copies of the value.
 template <int kCluster>
-__device__ __forceinline__ void StoreToCluster(float* at, float v, int copy, int copies) {
+__device__ __forceinline__ void StoreToCluster(float* at, float v, const TileValue& where) {
   if constexpr (kCluster == 1) {
-    if (copy == 0) *at = v;
+    if (where.copy == 0) *at = v;
   } else {
-    for (int r = copy; r < kCluster; r += copies) *cg::this_cluster().map_shared_rank(at, r) = v;
+    // 32-bit shared::cluster addresses: the generic pointers of map_shared_rank cost registers the weights need.
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(at));
+    for (int r = where.copy; r < kCluster; r += where.copies) {
+      unsigned remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+      asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+    }
   }
 }
 
@@ -189,62 +212,64 @@ template <typename Tile, int kSeqs>
 __global__ void __launch_bounds__(kTileThreads, 1)
     CfcForwardTileKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
                          CfcActivations act, float* state_out) {
-  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone, kGc = Tile::kGc, kGh = Tile::kGh;
+  using Wc = typename Tile::Wc;
+  using Heads = typename Tile::Heads;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
   __shared__ __align__(16) float c[kSeqs][kC];  // c_{t−1}, then c_t
   __shared__ __align__(16) float bb[kSeqs][kK];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
   const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
   const float* mine = packed + static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) * kTileThreads + tid;
-  float wc[1][Tile::kWc], wh[4][Tile::kWh];
+  float wc[Wc::kR][Wc::kN], wh[Heads::kR][Heads::kN];
   LoadSlots(mine, 0, wc);
-  LoadSlots(mine, Tile::kWc, wh);
-  // Backbone phase: this thread ends with bb of sequence sc, row k.
-  const int gc = tid % kGc, k = rank * Tile::kRows + tid / kGc, sc = gc / (kGc / kSeqs), copy_c = gc % (kGc / kSeqs);
-  const bool k_valid = k < K && seq0 + sc < B, k_writer = k_valid && copy_c == 0;
-  const size_t row_c = static_cast<size_t>(seq0 + sc) * T;
-  // Heads phase: this thread ends with the four heads of sequence sh, unit i.
-  const int gh = tid % kGh, i = rank * Tile::kOwnUnits + tid / kGh, sh = gh / (kGh / kSeqs), copy_h = gh % (kGh / kSeqs);
-  const bool i_valid = i < C && seq0 + sh < B, i_writer = i_valid && copy_h == 0;
-  const size_t row_h = static_cast<size_t>(seq0 + sh) * T;
+  LoadSlots(mine, Wc::kR * Wc::kN, wh);
+  // This thread ends the W_c phase with bb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<Wc, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the heads phase with the four heads of sequence seq0 + at_i.seq, unit i.
+  const TileValue at_i = TileValueOf<Heads, kSeqs, 4>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row / 4;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
   float bias[4];
 #pragma unroll
   for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
-  float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + sh) * C + i] : 0.f;
+  float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + at_i.seq) * C + i] : 0.f;
   for (int j = tid; j < kSeqs * kC; j += kTileThreads) {
     const int s = j / kC, unit = j % kC;
     c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
   }
-  float u_next = k_valid ? u[row_c * K + k] : 0.f, dt_next = i_valid ? dt[row_h] : 0.f;
+  float u_next = k_valid ? u[row_k * K + k] : 0.f, dt_next = i_valid ? dt[row_i] : 0.f;
   PhaseBarrier<Tile::kCluster>();  // also: every block runs before the first distributed store
   for (int t = 0; t < T; ++t) {
     {
-      float acc[kSeqs][1], pre[1];
-      Zero(acc);
-      TileDot<kSeqs, 1, Tile::kWc, kGc>(wc, reinterpret_cast<const float4*>(&c[0][0]), kC / 4, gc, acc);
-      GroupReduceScatter<kSeqs, 1, kGc>(acc, gc, pre);
+      float acc[kSeqs * Wc::kR], pre[1];
+      TileDot<Wc, kSeqs>(wc, reinterpret_cast<const float4*>(&c[0][0]), kC / 4, acc);
+      GroupReduceScatter<kSeqs * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
       const float v_pre = pre[0] + u_next, v = LecunTanh(v_pre);
-      StoreToCluster<Tile::kCluster>(&bb[sc][k], v, copy_c, kGc / kSeqs);
+      StoreToCluster<Tile::kCluster>(&bb[at_k.seq][k], v, at_k);
       if (k_writer) {
-        const size_t at = (row_c + t) * K + k;
+        const size_t at = (row_k + t) * K + k;
         act.bb_pre[at] = v_pre;
         act.bb[at] = v;
       }
-      if (k_valid && t + 1 < T) u_next = u[(row_c + t + 1) * K + k];
+      if (k_valid && t + 1 < T) u_next = u[(row_k + t + 1) * K + k];
     }
     PhaseBarrier<Tile::kCluster>();
     {
-      float acc[kSeqs][4], heads[4];
-      Zero(acc);
-      TileDot<kSeqs, 4, Tile::kWh, kGh>(wh, reinterpret_cast<const float4*>(&bb[0][0]), kK / 4, gh, acc);
-      GroupReduceScatter<kSeqs, 4, kGh>(acc, gh, heads);
+      float acc[kSeqs * Heads::kR], heads[4];
+      TileDot<Heads, kSeqs>(wh, reinterpret_cast<const float4*>(&bb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
 #pragma unroll
       for (int h = 0; h < 4; ++h) heads[h] += bias[h];
       const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
       const float tau = Sigmoid(heads[kCfcTimeA] * dt_next + heads[kCfcTimeB]);
       const float next = f1 * (1.f - tau) + tau * f2;
-      StoreToCluster<Tile::kCluster>(&c[sh][i], next, copy_h, kGh / kSeqs);
+      StoreToCluster<Tile::kCluster>(&c[at_i.seq][i], next, at_i);
       if (i_writer) {
-        const size_t row = row_h + t;
+        const size_t row = row_i + t;
         float* gates = act.gates + row * 3 * C;
         gates[i] = f1;
         gates[C + i] = f2;
@@ -253,38 +278,39 @@ __global__ void __launch_bounds__(kTileThreads, 1)
         act.c[row * act.ldc + i] = next;
       }
       c_own = next;
-      if (i_valid && t + 1 < T) dt_next = dt[row_h + t + 1];
+      if (i_valid && t + 1 < T) dt_next = dt[row_i + t + 1];
     }
     PhaseBarrier<Tile::kCluster>();
   }
-  if (state_out && i_writer) state_out[static_cast<size_t>(seq0 + sh) * C + i] = c_own;
+  if (state_out && i_writer) state_out[static_cast<size_t>(seq0 + at_i.seq) * C + i] = c_own;
 }
 
 template <typename Tile, int kSeqs>
 __global__ void __launch_bounds__(kTileThreads, 1)
     CfcBackwardTileKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
                           const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre) {
-  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone, kGt = Tile::kGt, kGu = Tile::kGu;
+  using HeadsT = typename Tile::HeadsT;
+  using WcT = typename Tile::WcT;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
   __shared__ __align__(16) float dheads[kSeqs][4 * kC];  // d of the heads' pre-activations, packed order
   __shared__ __align__(16) float dbb[kSeqs][kK];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
   const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
   const float* mine = packed + (static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) +
                                 Tile::kForwardSlots) * kTileThreads + tid;
-  float wt[4][Tile::kWt], wu[1][Tile::kWu];
+  float wt[HeadsT::kR][HeadsT::kN], wu[WcT::kR][WcT::kN];
   LoadSlots(mine, 0, wt);
-  LoadSlots(mine, 4 * Tile::kWt, wu);
-  // W_headsᵀ phase: this thread ends with dbb of sequence sk, row k (its group's rows are 4·(tid / kGt) + 0..3).
-  constexpr int kCopiesK = kGt / (4 * kSeqs);
-  const int gt = tid % kGt, value = gt / kCopiesK, sk = value / 4, copy_k = gt % kCopiesK;
-  const int k = rank * Tile::kRows + tid / kGt * 4 + value % 4;
-  const bool k_valid = k < K && seq0 + sk < B, k_writer = k_valid && copy_k == 0;
-  const size_t row_k = static_cast<size_t>(seq0 + sk) * T;
-  // W_cᵀ phase: this thread ends with d c_{t−1} of sequence si, unit i, then the four d heads of step t − 1.
-  constexpr int kCopiesI = kGu / kSeqs;
-  const int gu = tid % kGu, i = rank * Tile::kOwnUnits + tid / kGu, si = gu / kCopiesI, copy_i = gu % kCopiesI;
-  const bool i_valid = i < C && seq0 + si < B, i_writer = i_valid && copy_i == 0;
-  const size_t row_i = static_cast<size_t>(seq0 + si) * T;
+  LoadSlots(mine, HeadsT::kR * HeadsT::kN, wu);
+  // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<HeadsT, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the W_cᵀ phase with d c_{t−1} of sequence seq0 + at_i.seq, unit i, then the four d heads of step t − 1.
+  const TileValue at_i = TileValueOf<WcT, kSeqs, 1>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
   // Step t's inputs of the d heads, loaded a step ahead.
   float grad_head = 0.f, f1 = 0.f, f2 = 0.f, tau = 0.f, dt_t = 0.f;
   auto load_step = [&](int t) {
@@ -303,14 +329,14 @@ __global__ void __launch_bounds__(kTileThreads, 1)
     const float d[4] = {grad * (1.f - tau) * (1.f - f1 * f1), grad * tau * (1.f - f2 * f2), d_tau_pre * dt_t,
                         d_tau_pre};
 #pragma unroll
-    for (int h = 0; h < 4; ++h) StoreToCluster<Tile::kCluster>(&dheads[si][h * kC + i], d[h], copy_i, kCopiesI);
+    for (int h = 0; h < 4; ++h) StoreToCluster<Tile::kCluster>(&dheads[at_i.seq][h * kC + i], d[h], at_i);
     if (i_writer) {
       float* out = dp + (row_i + t) * 4 * C;
 #pragma unroll
       for (int h = 0; h < 4; ++h) out[h * C + i] = d[h];
     }
   };
-  PhaseBarrier<Tile::kCluster>();  // also: every block runs before the first distributed store
+  PhaseBarrier<Tile::kCluster>();  // every block runs before the first distributed store
   load_step(T - 1);
   store_dheads(T - 1, 0.f);
   if (T > 1) load_step(T - 2);
@@ -318,30 +344,20 @@ __global__ void __launch_bounds__(kTileThreads, 1)
   PhaseBarrier<Tile::kCluster>();
   for (int t = T - 1; t >= 0; --t) {
     {
-      float acc[4 * kSeqs][1], total[1];
-      {
-        float by_seq[kSeqs][4];
-        Zero(by_seq);
-        TileDot<kSeqs, 4, Tile::kWt, kGt>(wt, reinterpret_cast<const float4*>(&dheads[0][0]), kC, gt, by_seq);
-#pragma unroll
-        for (int s = 0; s < kSeqs; ++s) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[4 * s + r][0] = by_seq[s][r];
-        }
-      }
-      GroupReduceScatter<4 * kSeqs, 1, kGt>(acc, gt, total);
+      float acc[kSeqs * HeadsT::kR], total[1];
+      TileDot<HeadsT, kSeqs>(wt, reinterpret_cast<const float4*>(&dheads[0][0]), kC, acc);
+      GroupReduceScatter<kSeqs * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
       const float v = total[0] * LecunTanhGrad(bb_pre_t);
-      StoreToCluster<Tile::kCluster>(&dbb[sk][k], v, copy_k, kCopiesK);
+      StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
       if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
       if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
     }
     PhaseBarrier<Tile::kCluster>();
     if (t == 0) break;  // no gradient flows into state_in
     {
-      float acc[kSeqs][1], dc[1];
-      Zero(acc);
-      TileDot<kSeqs, 1, Tile::kWu, kGu>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, gu, acc);
-      GroupReduceScatter<kSeqs, 1, kGu>(acc, gu, dc);
+      float acc[kSeqs * WcT::kR], dc[1];
+      TileDot<WcT, kSeqs>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
       store_dheads(t - 1, dc[0]);
       if (t > 1) load_step(t - 2);
     }
