@@ -1,10 +1,10 @@
-// CfC kernels. Shapes up to `large`'s (C ≤ 128, K ≤ 256) run the register tiles: a block of kTileThreads holds its
-// share of the recurrent weights in registers for the whole window (80 floats a thread), `small`'s all of them in one
-// block and `large`'s split over a cluster of four that exchange each phase's outputs through distributed shared
-// memory. Each phase is a mat-vec where a thread owns R rows × a slice of the inputs for all of the block's sequences:
-// it reads the inputs from shared memory as float4 broadcasts, and the lanes of its group sum their partial dot
-// products with a reduce-scatter of shuffles; two barriers a step. Larger shapes run the general kernels: three
-// barrier-separated phases a step, a thread per output, weights in shared memory when they fit.
+// CfC kernels. Shapes up to `large`'s (C ≤ 128, K ≤ 256) run the register tiles: a block holds its share of the
+// recurrent weights in registers for the whole window, `small`'s all of them in one block and `large`'s split over a
+// cluster of four that exchange each phase's outputs through distributed shared memory. Each phase is a mat-vec
+// where a thread owns R rows × a slice of the inputs for all of the block's sequences: it reads the inputs from
+// shared memory as float4 broadcasts, and the lanes of its group sum their partial dot products with a
+// reduce-scatter of shuffles; two barriers a step. Larger shapes run the general kernels: three barrier-separated
+// phases a step, a thread per output, weights in shared memory when they fit.
 #include "kernels/cfc.h"
 
 #include <algorithm>
@@ -18,42 +18,51 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kTileThreads = 512;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // One mat-vec phase of a tile: a thread owns kR rows × kN inputs, kG lanes share a group of rows (the group's
 // inputs split over them), and input e of lane g is float e % 4 of float4 (e / 4)·kG + g: consecutive lanes read
-// consecutive float4s. More rows a thread means fewer shared-memory reads per multiply-add (their bandwidth, not the
-// FMAs, bounds a step), fewer rows means fewer shuffles in the reduction.
-template <int kRows, int kInputs, int kRowsPerThread>
+// consecutive float4s. More rows a thread means fewer shared-memory reads per multiply-add, fewer rows means fewer
+// shuffles in the reduction.
+template <int kThreads, int kRows, int kInputs, int kRowsPerThread>
 struct TilePhase {
-  static constexpr int kR = kRowsPerThread, kG = kTileThreads * kR / kRows, kN = kInputs / kG;
-  static_assert(kTileThreads * kR % kRows == 0 && kG <= kWarpSize && kN % 4 == 0 && kN * kG == kInputs);
+  static constexpr int kR = kRowsPerThread, kG = kThreads * kR / kRows, kN = kInputs / kG;
+  static_assert(kThreads * kR % kRows == 0 && kG <= kWarpSize && kN % 4 == 0 && kN * kG == kInputs);
   __host__ __device__ static constexpr int Row(int tid, int r) { return tid / kG * kR + r; }
   __host__ __device__ static constexpr int Input(int tid, int e) { return (e / 4 * kG + tid % kG) * 4 + e % 4; }
 };
 
 // Capacities C ≤ kUnits and K ≤ kBackbone (the weights are zero-padded up to them, so padded units and rows stay 0),
-// rows split over kCluster blocks.
-template <int kUnitsCap, int kBackboneCap, int kClusterSize>
+// rows split over kCluster blocks of kThreads, each thread holding 5·kUnits·kBackbone / (kCluster·kThreads) weights
+// and up to kMaxSeqs sequences' accumulators in its registers. R are the rows a thread of each phase: the fewest that
+// keep both the instruction issue (multiply-adds plus the reduction's shuffles) and the shared-memory pipe (float4
+// reads plus shuffles) at or under the multiply-adds' share of a step.
+template <int kUnitsCap, int kBackboneCap, int kClusterSize, int kThreadsPerBlock, int kMaxSeqsPerBlock, int kRWc,
+          int kRHeads, int kRHeadsT, int kRWcT>
 struct CfcTile {
   static constexpr int kUnits = kUnitsCap, kBackbone = kBackboneCap, kCluster = kClusterSize;
+  static constexpr int kThreads = kThreadsPerBlock, kMaxSeqs = kMaxSeqsPerBlock;
   static constexpr int kRows = kBackbone / kCluster;   // backbone rows (outputs of W_c and of W_headsᵀ) of a block
   static constexpr int kOwnUnits = kUnits / kCluster;  // units (outputs of the heads and of W_cᵀ) of a block
-  // Forward: W_c, then the heads with two units' four heads a thread (rows u·4 + head, u the unit's index).
-  using Wc = TilePhase<kRows, kUnits, 4>;
-  using Heads = TilePhase<4 * kOwnUnits, kBackbone, 8>;
-  // Backward: W_headsᵀ (inputs h·kUnits + unit), then W_cᵀ; as many rows a thread as a warp's lanes allow.
-  using HeadsT = TilePhase<kRows, 4 * kUnits, std::min(8, kRows / 16)>;
-  using WcT = TilePhase<kOwnUnits, kBackbone, std::min(4, kOwnUnits / 16)>;
+  // Forward: W_c, then the heads with whole units' four heads a thread (rows u·4 + head, u the unit's index).
+  using Wc = TilePhase<kThreads, kRows, kUnits, kRWc>;
+  using Heads = TilePhase<kThreads, 4 * kOwnUnits, kBackbone, kRHeads>;
+  static_assert(kRHeads % 4 == 0);
+  // Backward: W_headsᵀ (inputs h·kUnits + unit), then W_cᵀ.
+  using HeadsT = TilePhase<kThreads, kRows, 4 * kUnits, kRHeadsT>;
+  using WcT = TilePhase<kThreads, kOwnUnits, kBackbone, kRWcT>;
   static constexpr int kForwardSlots = Wc::kR * Wc::kN + Heads::kR * Heads::kN;
   static constexpr int kBackwardSlots = HeadsT::kR * HeadsT::kN + WcT::kR * WcT::kN;
   // Packed: for each block rank, [forward slots][thread] then [backward slots][thread]; then the biases [4][kUnits].
-  static constexpr size_t kBiasOffset = static_cast<size_t>(kCluster) * (kForwardSlots + kBackwardSlots) * kTileThreads;
+  static constexpr size_t kBiasOffset = static_cast<size_t>(kCluster) * (kForwardSlots + kBackwardSlots) * kThreads;
   static constexpr size_t kPackedFloats = kBiasOffset + 4 * kUnits;
 };
-using SmallTile = CfcTile<64, 128, 1>;
-using LargeTile = CfcTile<128, 256, 4>;
+// 256 threads of 160 weights each: a step is bound by instruction issue, and twice the rows a thread of 512 threads
+// halves the per-warp reductions, nonlinearities and stores (H200, `small`: forward 95.7 -> 75.4 µs, backward
+// 82.7 -> 67.2 µs; `large`: 1.12 -> 0.73 ms, 1.00 -> 0.80 ms). `large` takes up to four sequences a cluster: only 30
+// clusters of four fit on an H200.
+using SmallTile = CfcTile<64, 128, 1, 256, 2, 4, 8, 8, 4>;
+using LargeTile = CfcTile<128, 256, 4, 256, 4, 4, 8, 8, 4>;
 
 template <typename Tile>
 bool Fits(const CfcShape& s) {
@@ -82,8 +91,8 @@ __global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
       const int j = static_cast<int>(i - Tile::kBiasOffset), unit = j % Tile::kUnits;
       v = unit < C ? w.head_bias[j / Tile::kUnits][unit] : 0.f;
     } else {
-      const int tid = static_cast<int>(i % kTileThreads), slot = static_cast<int>(i / kTileThreads % kSlots);
-      const int rank = static_cast<int>(i / kTileThreads / kSlots);
+      const int tid = static_cast<int>(i % Tile::kThreads), slot = static_cast<int>(i / Tile::kThreads % kSlots);
+      const int rank = static_cast<int>(i / Tile::kThreads / kSlots);
       if (slot < kWc) {
         v = wc(rank * Tile::kRows + Wc::Row(tid, slot / Wc::kN), Wc::Input(tid, slot % Wc::kN));
       } else if (slot < Tile::kForwardSlots) {
@@ -152,12 +161,12 @@ __device__ __forceinline__ void TileDot(const float (&w)[Phase::kR][Phase::kN], 
   }
 }
 
-template <int R, int N>
+template <int kThreads, int R, int N>
 __device__ __forceinline__ void LoadSlots(const float* packed, int slot0, float (&w)[R][N]) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int e = 0; e < N; ++e) w[r][e] = packed[static_cast<size_t>(slot0 + r * N + e) * kTileThreads];
+    for (int e = 0; e < N; ++e) w[r][e] = packed[static_cast<size_t>(slot0 + r * N + e) * kThreads];
   }
 }
 
@@ -209,7 +218,7 @@ __device__ __forceinline__ void StoreToCluster(float* at, float v, const TileVal
 }
 
 template <typename Tile, int kSeqs>
-__global__ void __launch_bounds__(kTileThreads, 1)
+__global__ void __launch_bounds__(Tile::kThreads, 1)
     CfcForwardTileKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
                          CfcActivations act, float* state_out) {
   using Wc = typename Tile::Wc;
@@ -219,10 +228,10 @@ __global__ void __launch_bounds__(kTileThreads, 1)
   __shared__ __align__(16) float bb[kSeqs][kK];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
   const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
-  const float* mine = packed + static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) * kTileThreads + tid;
+  const float* mine = packed + static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) * Tile::kThreads + tid;
   float wc[Wc::kR][Wc::kN], wh[Heads::kR][Heads::kN];
-  LoadSlots(mine, 0, wc);
-  LoadSlots(mine, Wc::kR * Wc::kN, wh);
+  LoadSlots<Tile::kThreads>(mine, 0, wc);
+  LoadSlots<Tile::kThreads>(mine, Wc::kR * Wc::kN, wh);
   // This thread ends the W_c phase with bb of sequence seq0 + at_k.seq, row k.
   const TileValue at_k = TileValueOf<Wc, kSeqs, 1>(tid);
   const int k = rank * Tile::kRows + at_k.row;
@@ -237,7 +246,7 @@ __global__ void __launch_bounds__(kTileThreads, 1)
 #pragma unroll
   for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
   float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + at_i.seq) * C + i] : 0.f;
-  for (int j = tid; j < kSeqs * kC; j += kTileThreads) {
+  for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
     const int s = j / kC, unit = j % kC;
     c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
   }
@@ -286,7 +295,7 @@ __global__ void __launch_bounds__(kTileThreads, 1)
 }
 
 template <typename Tile, int kSeqs>
-__global__ void __launch_bounds__(kTileThreads, 1)
+__global__ void __launch_bounds__(Tile::kThreads, 1)
     CfcBackwardTileKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
                           const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre) {
   using HeadsT = typename Tile::HeadsT;
@@ -297,10 +306,10 @@ __global__ void __launch_bounds__(kTileThreads, 1)
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
   const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
   const float* mine = packed + (static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) +
-                                Tile::kForwardSlots) * kTileThreads + tid;
+                                Tile::kForwardSlots) * Tile::kThreads + tid;
   float wt[HeadsT::kR][HeadsT::kN], wu[WcT::kR][WcT::kN];
-  LoadSlots(mine, 0, wt);
-  LoadSlots(mine, HeadsT::kR * HeadsT::kN, wu);
+  LoadSlots<Tile::kThreads>(mine, 0, wt);
+  LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
   // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
   const TileValue at_k = TileValueOf<HeadsT, kSeqs, 1>(tid);
   const int k = rank * Tile::kRows + at_k.row;
@@ -614,12 +623,14 @@ cudaError_t Dispatch(const CfcLaunch& plan, Launch launch) {
   }
 }
 
-// Launches a tile kernel with the fewest sequences per cluster (1, 2 or 4) whose clusters all run at once: fewer
-// sequences shorten every step, and a second wave would double the window's time.
-template <typename Tile, typename Kernels, typename... Args>
-cudaError_t LaunchTile(const CfcShape& shape, Kernels kernels, cudaStream_t stream, Args... args) {
+// Launches kernels[p], the tile kernel for 2^p sequences per cluster, with the fewest sequences whose clusters all
+// run at once (or the most a thread's registers hold): fewer sequences shorten every step, and a second wave would
+// double the window's time.
+template <typename Tile, typename Kernel, size_t kCount, typename... Args>
+cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStream_t stream, Args... args) {
+  static_assert(1 << (kCount - 1) == Tile::kMaxSeqs);
   cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(kTileThreads);
+  config.blockDim = dim3(Tile::kThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
@@ -638,7 +649,7 @@ cudaError_t LaunchTile(const CfcShape& shape, Kernels kernels, cudaStream_t stre
     }
   }
   int pick = 0;
-  while (pick < 2 && CeilDiv(shape.batch, 1 << pick) > capacity) ++pick;
+  while (pick + 1 < static_cast<int>(kCount) && CeilDiv(shape.batch, 1 << pick) > capacity) ++pick;
   config.gridDim = dim3(CeilDiv(shape.batch, 1 << pick) * Tile::kCluster);
   return cudaLaunchKernelEx(&config, kernels[pick], args...);
 }
@@ -672,8 +683,8 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
                              const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
-    const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {
-        CfcForwardTileKernel<SmallTile, 1>, CfcForwardTileKernel<SmallTile, 2>, CfcForwardTileKernel<SmallTile, 4>};
+    const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {CfcForwardTileKernel<SmallTile, 1>,
+                                                                      CfcForwardTileKernel<SmallTile, 2>};
     return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
   }
   if (Fits<LargeTile>(shape)) {
@@ -700,8 +711,8 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
                               cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
-    const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {
-        CfcBackwardTileKernel<SmallTile, 1>, CfcBackwardTileKernel<SmallTile, 2>, CfcBackwardTileKernel<SmallTile, 4>};
+    const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
+                                                                       CfcBackwardTileKernel<SmallTile, 2>};
     return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
                                  dbb_pre);
   }
