@@ -34,9 +34,9 @@ struct TilePhase {
 
 // Capacities C ≤ kUnits and K ≤ kBackbone (the weights are zero-padded up to them, so padded units and rows stay 0),
 // rows split over kCluster blocks of kThreads, each thread holding 5·kUnits·kBackbone / (kCluster·kThreads) weights
-// and up to kMaxSeqs sequences' accumulators in its registers. R are the rows a thread of each phase: the fewest that
-// keep both the instruction issue (multiply-adds plus the reduction's shuffles) and the shared-memory pipe (float4
-// reads plus shuffles) at or under the multiply-adds' share of a step.
+// and up to kMaxSeqs sequences' accumulators in its registers. R, the rows a thread of each phase, balances the
+// instructions issued (multiply-adds, the reduction's shuffles and selects) against the shared-memory pipe (float4
+// reads, shuffles); picked by counting both and measuring on the H200.
 template <int kUnitsCap, int kBackboneCap, int kClusterSize, int kThreadsPerBlock, int kMaxSeqsPerBlock, int kRWc,
           int kRHeads, int kRHeadsT, int kRWcT>
 struct CfcTile {
