@@ -1,21 +1,385 @@
-// Persistent CfC kernels: each block owns kSeqs sequences for the whole window and runs the time loop with three
-// barrier-separated phases per step (backbone, heads, state update). A thread computes one output for all of its
-// block's sequences, so every weight read from shared memory feeds kSeqs multiply-adds.
+// CfC kernels. Shapes up to `large`'s (C ≤ 128, K ≤ 256) run the register tiles: a block holds its share of the
+// recurrent weights in registers for the whole window, `small`'s all of them in one block and `large`'s split over a
+// cluster of four that exchange each phase's outputs through distributed shared memory. Each phase is a mat-vec
+// where a thread owns R rows × a slice of the inputs for all of the block's sequences: it reads the inputs from
+// shared memory as float4 broadcasts, and the lanes of its group sum their partial dot products with a
+// reduce-scatter of shuffles; two barriers a step. Larger shapes run the general kernels: three barrier-separated
+// phases a step, a thread per output, weights in shared memory when they fit.
 #include "kernels/cfc.h"
 
 #include <algorithm>
+
+#include <cooperative_groups.h>
 
 #include "kernels/common.cuh"
 
 namespace perception::kernels {
 namespace {
 
-// Packed layout, in floats: the forward's block [W_cᵀ: C×K][W_headsᵀ: K×4C][biases: 4C], then the backward's block
+namespace cg = cooperative_groups;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// One mat-vec phase of a tile: a thread owns kR rows × kN inputs, kG lanes share a group of rows (the group's
+// inputs split over them), and input e of lane g is float e % 4 of float4 (e / 4)·kG + g: consecutive lanes read
+// consecutive float4s. More rows a thread means fewer shared-memory reads per multiply-add, fewer rows means fewer
+// shuffles in the reduction.
+template <int kThreads, int kRows, int kInputs, int kRowsPerThread>
+struct TilePhase {
+  static constexpr int kR = kRowsPerThread, kG = kThreads * kR / kRows, kN = kInputs / kG;
+  static_assert(kThreads * kR % kRows == 0 && kG <= kWarpSize && kN % 4 == 0 && kN * kG == kInputs);
+  __host__ __device__ static constexpr int Row(int tid, int r) { return tid / kG * kR + r; }
+  __host__ __device__ static constexpr int Input(int tid, int e) { return (e / 4 * kG + tid % kG) * 4 + e % 4; }
+};
+
+// Capacities C ≤ kUnits and K ≤ kBackbone (the weights are zero-padded up to them, so padded units and rows stay 0),
+// rows split over kCluster blocks of kThreads, each thread holding 5·kUnits·kBackbone / (kCluster·kThreads) weights
+// and up to kMaxSeqs sequences' accumulators in its registers. R, the rows a thread of each phase, balances the
+// instructions issued (multiply-adds, the reduction's shuffles and selects) against the shared-memory pipe (float4
+// reads, shuffles); picked by counting both and measuring on the H200.
+template <int kUnitsCap, int kBackboneCap, int kClusterSize, int kThreadsPerBlock, int kMaxSeqsPerBlock, int kRWc,
+          int kRHeads, int kRHeadsT, int kRWcT>
+struct CfcTile {
+  static constexpr int kUnits = kUnitsCap, kBackbone = kBackboneCap, kCluster = kClusterSize;
+  static constexpr int kThreads = kThreadsPerBlock, kMaxSeqs = kMaxSeqsPerBlock;
+  static constexpr int kRows = kBackbone / kCluster;   // backbone rows (outputs of W_c and of W_headsᵀ) of a block
+  static constexpr int kOwnUnits = kUnits / kCluster;  // units (outputs of the heads and of W_cᵀ) of a block
+  // Forward: W_c, then the heads with whole units' four heads a thread (rows u·4 + head, u the unit's index).
+  using Wc = TilePhase<kThreads, kRows, kUnits, kRWc>;
+  using Heads = TilePhase<kThreads, 4 * kOwnUnits, kBackbone, kRHeads>;
+  static_assert(kRHeads % 4 == 0);
+  // Backward: W_headsᵀ (inputs h·kUnits + unit), then W_cᵀ.
+  using HeadsT = TilePhase<kThreads, kRows, 4 * kUnits, kRHeadsT>;
+  using WcT = TilePhase<kThreads, kOwnUnits, kBackbone, kRWcT>;
+  static constexpr int kForwardSlots = Wc::kR * Wc::kN + Heads::kR * Heads::kN;
+  static constexpr int kBackwardSlots = HeadsT::kR * HeadsT::kN + WcT::kR * WcT::kN;
+  // Packed: for each block rank, [forward slots][thread] then [backward slots][thread]; then the biases [4][kUnits].
+  static constexpr size_t kBiasOffset = static_cast<size_t>(kCluster) * (kForwardSlots + kBackwardSlots) * kThreads;
+  static constexpr size_t kPackedFloats = kBiasOffset + 4 * kUnits;
+};
+// 256 threads of 160 weights each: a step is bound by instruction issue, and twice the rows a thread of 512 threads
+// halves the per-warp reductions, nonlinearities and stores (H200, `small`: forward 95.7 -> 75.4 µs, backward
+// 82.7 -> 67.2 µs; `large`: 1.12 -> 0.73 ms, 1.00 -> 0.80 ms). `large` takes up to four sequences a cluster: only 30
+// clusters of four fit on an H200.
+using SmallTile = CfcTile<64, 128, 1, 256, 2, 4, 8, 8, 4>;
+using LargeTile = CfcTile<128, 256, 4, 256, 4, 4, 8, 8, 4>;
+
+template <typename Tile>
+bool Fits(const CfcShape& s) {
+  return s.units <= Tile::kUnits && s.backbone <= Tile::kBackbone;
+}
+
+template <typename Tile>
+__global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
+  using Wc = typename Tile::Wc;
+  using Heads = typename Tile::Heads;
+  using HeadsT = typename Tile::HeadsT;
+  using WcT = typename Tile::WcT;
+  const int C = shape.units, K = shape.backbone, in = shape.d_model + C;
+  auto wc = [&](int k, int unit) {
+    return k < K && unit < C ? w.backbone_weight[static_cast<size_t>(k) * in + shape.d_model + unit] : 0.f;
+  };
+  auto head = [&](int h, int unit, int k) {
+    return unit < C && k < K ? w.head_weight[h][static_cast<size_t>(unit) * K + k] : 0.f;
+  };
+  constexpr int kSlots = Tile::kForwardSlots + Tile::kBackwardSlots;
+  constexpr int kWc = Wc::kR * Wc::kN, kHeads = Heads::kR * Heads::kN, kHeadsT = HeadsT::kR * HeadsT::kN;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < Tile::kPackedFloats;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float v;
+    if (i >= Tile::kBiasOffset) {
+      const int j = static_cast<int>(i - Tile::kBiasOffset), unit = j % Tile::kUnits;
+      v = unit < C ? w.head_bias[j / Tile::kUnits][unit] : 0.f;
+    } else {
+      const int tid = static_cast<int>(i % Tile::kThreads), slot = static_cast<int>(i / Tile::kThreads % kSlots);
+      const int rank = static_cast<int>(i / Tile::kThreads / kSlots);
+      if (slot < kWc) {
+        v = wc(rank * Tile::kRows + Wc::Row(tid, slot / Wc::kN), Wc::Input(tid, slot % Wc::kN));
+      } else if (slot < Tile::kForwardSlots) {
+        const int s = slot - kWc, r = Heads::Row(tid, s / Heads::kN);
+        v = head(r % 4, rank * Tile::kOwnUnits + r / 4, Heads::Input(tid, s % Heads::kN));
+      } else if (slot < Tile::kForwardSlots + kHeadsT) {
+        const int s = slot - Tile::kForwardSlots, j = HeadsT::Input(tid, s % HeadsT::kN);
+        v = head(j / Tile::kUnits, j % Tile::kUnits, rank * Tile::kRows + HeadsT::Row(tid, s / HeadsT::kN));
+      } else {
+        const int s = slot - Tile::kForwardSlots - kHeadsT;
+        v = wc(WcT::Input(tid, s % WcT::kN), rank * Tile::kOwnUnits + WcT::Row(tid, s / WcT::kN));
+      }
+    }
+    packed[i] = v;
+  }
+}
+
+// Sums v (V groups of W floats) over a group of G contiguous lanes (G a power of two, V ≤ G) and leaves the total of
+// group g / (G / V) in out: the first log2(V) butterfly steps each hand half of the values to the partner, so they
+// cost (V − 1 + log2(G / V))·W shuffles instead of V·W·log2(G). Lanes holding the same total hold the same bits
+// (a + b == b + a).
+template <int V, int W, int G>
+__device__ __forceinline__ void GroupReduceScatter(float (&v)[V * W], int g, float (&out)[W]) {
+  static_assert(V <= G && (V & (V - 1)) == 0 && (G & (G - 1)) == 0);
+  if constexpr (G == 1) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) out[w] = v[w];
+  } else if constexpr (V == 1) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) v[w] += __shfl_xor_sync(kFullMask, v[w], G / 2);
+    GroupReduceScatter<1, W, G / 2>(v, g, out);
+  } else {
+    constexpr int H = V / 2 * W;
+    const bool upper = (g & (G / 2)) != 0;
+    float next[H];
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const float keep = upper ? v[H + i] : v[i], send = upper ? v[i] : v[H + i];
+      next[i] = keep + __shfl_xor_sync(kFullMask, send, G / 2);
+    }
+    GroupReduceScatter<V / 2, W, G / 2>(next, g, out);
+  }
+}
+
+// A phase's mat-vec for S sequences: acc[s·R + r] = Σ_e w[r][e]·in[s][Input(e)], in as rows of `stride` float4s.
+template <typename Phase, int S>
+__device__ __forceinline__ void TileDot(const float (&w)[Phase::kR][Phase::kN], const float4* in, int stride,
+                                        float (&acc)[S * Phase::kR]) {
+  const int g = threadIdx.x % Phase::kG;
+#pragma unroll
+  for (int i = 0; i < S * Phase::kR; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int q = 0; q < Phase::kN / 4; ++q) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const float4 x = in[s * stride + q * Phase::kG + g];
+#pragma unroll
+      for (int r = 0; r < Phase::kR; ++r) {
+        float& a = acc[s * Phase::kR + r];
+        a = fmaf(w[r][4 * q], x.x, a);
+        a = fmaf(w[r][4 * q + 1], x.y, a);
+        a = fmaf(w[r][4 * q + 2], x.z, a);
+        a = fmaf(w[r][4 * q + 3], x.w, a);
+      }
+    }
+  }
+}
+
+template <int kThreads, int R, int N>
+__device__ __forceinline__ void LoadSlots(const float* packed, int slot0, float (&w)[R][N]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) w[r][e] = packed[static_cast<size_t>(slot0 + r * N + e) * kThreads];
+  }
+}
+
+// Where a thread's reduced total sits: sequence seq, row `row` of the phase (of this block), copy `copy` of
+// `copies` lanes that hold the same bits.
+struct TileValue {
+  int seq, row, copy, copies;
+};
+template <typename Phase, int S, int W>
+__device__ __forceinline__ TileValue TileValueOf(int tid) {
+  constexpr int kValues = S * Phase::kR / W, kCopies = Phase::kG / kValues;
+  const int g = tid % Phase::kG, value = g / kCopies, per_seq = Phase::kR / W;
+  return {value / per_seq, Phase::Row(tid, value % per_seq * W), g % kCopies, kCopies};
+}
+
+template <int kCluster>
+__device__ __forceinline__ int ClusterRank() {
+  if constexpr (kCluster == 1) {
+    return 0;
+  } else {
+    return static_cast<int>(cg::this_cluster().block_rank());
+  }
+}
+
+// Every block of the cluster has finished the phase and its shared-memory stores are visible.
+template <int kCluster>
+__device__ __forceinline__ void PhaseBarrier() {
+  if constexpr (kCluster == 1) {
+    __syncthreads();
+  } else {
+    cg::this_cluster().sync();
+  }
+}
+
+// Stores v at `at` in every block of the cluster, the stores shared by the copies of the value.
+template <int kCluster>
+__device__ __forceinline__ void StoreToCluster(float* at, float v, const TileValue& where) {
+  if constexpr (kCluster == 1) {
+    if (where.copy == 0) *at = v;
+  } else {
+    // 32-bit shared::cluster addresses: the generic pointers of map_shared_rank cost registers the weights need.
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(at));
+    for (int r = where.copy; r < kCluster; r += where.copies) {
+      unsigned remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+      asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+    }
+  }
+}
+
+template <typename Tile, int kSeqs>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    CfcForwardTileKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
+                         CfcActivations act, float* state_out) {
+  using Wc = typename Tile::Wc;
+  using Heads = typename Tile::Heads;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
+  __shared__ __align__(16) float c[kSeqs][kC];  // c_{t−1}, then c_t
+  __shared__ __align__(16) float bb[kSeqs][kK];
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
+  const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
+  const float* mine = packed + static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) * Tile::kThreads + tid;
+  float wc[Wc::kR][Wc::kN], wh[Heads::kR][Heads::kN];
+  LoadSlots<Tile::kThreads>(mine, 0, wc);
+  LoadSlots<Tile::kThreads>(mine, Wc::kR * Wc::kN, wh);
+  // This thread ends the W_c phase with bb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<Wc, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the heads phase with the four heads of sequence seq0 + at_i.seq, unit i.
+  const TileValue at_i = TileValueOf<Heads, kSeqs, 4>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row / 4;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
+  float bias[4];
+#pragma unroll
+  for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
+  float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + at_i.seq) * C + i] : 0.f;
+  for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
+    const int s = j / kC, unit = j % kC;
+    c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
+  }
+  float u_next = k_valid ? u[row_k * K + k] : 0.f, dt_next = i_valid ? dt[row_i] : 0.f;
+  PhaseBarrier<Tile::kCluster>();  // also: every block runs before the first distributed store
+  for (int t = 0; t < T; ++t) {
+    {
+      float acc[kSeqs * Wc::kR], pre[1];
+      TileDot<Wc, kSeqs>(wc, reinterpret_cast<const float4*>(&c[0][0]), kC / 4, acc);
+      GroupReduceScatter<kSeqs * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
+      const float v_pre = pre[0] + u_next, v = LecunTanh(v_pre);
+      StoreToCluster<Tile::kCluster>(&bb[at_k.seq][k], v, at_k);
+      if (k_writer) {
+        const size_t at = (row_k + t) * K + k;
+        act.bb_pre[at] = v_pre;
+        act.bb[at] = v;
+      }
+      if (k_valid && t + 1 < T) u_next = u[(row_k + t + 1) * K + k];
+    }
+    PhaseBarrier<Tile::kCluster>();
+    {
+      float acc[kSeqs * Heads::kR], heads[4];
+      TileDot<Heads, kSeqs>(wh, reinterpret_cast<const float4*>(&bb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) heads[h] += bias[h];
+      const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
+      const float tau = Sigmoid(heads[kCfcTimeA] * dt_next + heads[kCfcTimeB]);
+      const float next = f1 * (1.f - tau) + tau * f2;
+      StoreToCluster<Tile::kCluster>(&c[at_i.seq][i], next, at_i);
+      if (i_writer) {
+        const size_t row = row_i + t;
+        float* gates = act.gates + row * 3 * C;
+        gates[i] = f1;
+        gates[C + i] = f2;
+        gates[2 * C + i] = tau;
+        act.c_prev[row * C + i] = c_own;
+        act.c[row * act.ldc + i] = next;
+      }
+      c_own = next;
+      if (i_valid && t + 1 < T) dt_next = dt[row_i + t + 1];
+    }
+    PhaseBarrier<Tile::kCluster>();
+  }
+  if (state_out && i_writer) state_out[static_cast<size_t>(seq0 + at_i.seq) * C + i] = c_own;
+}
+
+template <typename Tile, int kSeqs>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    CfcBackwardTileKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
+                          const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre) {
+  using HeadsT = typename Tile::HeadsT;
+  using WcT = typename Tile::WcT;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
+  __shared__ __align__(16) float dheads[kSeqs][4 * kC];  // d of the heads' pre-activations, packed order
+  __shared__ __align__(16) float dbb[kSeqs][kK];
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
+  const int rank = ClusterRank<Tile::kCluster>(), seq0 = blockIdx.x / Tile::kCluster * kSeqs;
+  const float* mine = packed + (static_cast<size_t>(rank) * (Tile::kForwardSlots + Tile::kBackwardSlots) +
+                                Tile::kForwardSlots) * Tile::kThreads + tid;
+  float wt[HeadsT::kR][HeadsT::kN], wu[WcT::kR][WcT::kN];
+  LoadSlots<Tile::kThreads>(mine, 0, wt);
+  LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
+  // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<HeadsT, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the W_cᵀ phase with d c_{t−1} of sequence seq0 + at_i.seq, unit i, then the four d heads of step t − 1.
+  const TileValue at_i = TileValueOf<WcT, kSeqs, 1>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
+  // Step t's inputs of the d heads, loaded a step ahead.
+  float grad_head = 0.f, f1 = 0.f, f2 = 0.f, tau = 0.f, dt_t = 0.f;
+  auto load_step = [&](int t) {
+    if (!i_valid) return;
+    const size_t row = row_i + t;
+    grad_head = dc_head[row * ld_dc_head + i];
+    const float* g = gates + row * 3 * C;
+    f1 = g[i];
+    f2 = g[C + i];
+    tau = g[2 * C + i];
+    dt_t = dt[row];
+  };
+  // d heads of step t from d c_t = dc + d c_t from the head.
+  auto store_dheads = [&](int t, float dc) {
+    const float grad = dc + grad_head, d_tau_pre = grad * (f2 - f1) * tau * (1.f - tau);
+    const float d[4] = {grad * (1.f - tau) * (1.f - f1 * f1), grad * tau * (1.f - f2 * f2), d_tau_pre * dt_t,
+                        d_tau_pre};
+#pragma unroll
+    for (int h = 0; h < 4; ++h) StoreToCluster<Tile::kCluster>(&dheads[at_i.seq][h * kC + i], d[h], at_i);
+    if (i_writer) {
+      float* out = dp + (row_i + t) * 4 * C;
+#pragma unroll
+      for (int h = 0; h < 4; ++h) out[h * C + i] = d[h];
+    }
+  };
+  PhaseBarrier<Tile::kCluster>();  // every block runs before the first distributed store
+  load_step(T - 1);
+  store_dheads(T - 1, 0.f);
+  if (T > 1) load_step(T - 2);
+  float bb_pre_t = k_valid ? bb_pre[(row_k + T - 1) * K + k] : 0.f;
+  PhaseBarrier<Tile::kCluster>();
+  for (int t = T - 1; t >= 0; --t) {
+    {
+      float acc[kSeqs * HeadsT::kR], total[1];
+      TileDot<HeadsT, kSeqs>(wt, reinterpret_cast<const float4*>(&dheads[0][0]), kC, acc);
+      GroupReduceScatter<kSeqs * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
+      const float v = total[0] * LecunTanhGrad(bb_pre_t);
+      StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
+      if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
+      if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
+    }
+    PhaseBarrier<Tile::kCluster>();
+    if (t == 0) break;  // no gradient flows into state_in
+    {
+      float acc[kSeqs * WcT::kR], dc[1];
+      TileDot<WcT, kSeqs>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
+      store_dheads(t - 1, dc[0]);
+      if (t > 1) load_step(t - 2);
+    }
+    PhaseBarrier<Tile::kCluster>();
+  }
+}
+
+// The general kernels' packed layout, in floats: the forward's block [W_cᵀ: C×K][W_headsᵀ: K×4C][biases: 4C], then the backward's block
 // [W_heads: 4C×K][W_c: K×C].
 __host__ __device__ inline size_t ForwardWeightFloats(int C, int K) { return 5ull * C * K + 4ull * C; }
 __host__ __device__ inline size_t BackwardWeightFloats(int C, int K) { return 5ull * C * K; }
 
-__global__ void CfcPackWeightsKernel(CfcWeights w, CfcShape shape, float* packed) {
+__global__ void CfcPackGeneralKernel(CfcWeights w, CfcShape shape, float* packed) {
   const int C = shape.units, K = shape.backbone, C4 = 4 * C, in = shape.d_model + C;
   const size_t CK = static_cast<size_t>(C) * K, total = ForwardWeightFloats(C, K) + BackwardWeightFloats(C, K);
   auto wc = [&](int k, int c) { return w.backbone_weight[static_cast<size_t>(k) * in + shape.d_model + c]; };
@@ -54,7 +418,7 @@ __device__ const float* StageWeights(const float* global, size_t floats, float* 
 }
 
 template <int kSeqs, bool kShared>
-__global__ void CfcForwardKernel(CfcShape shape, const float* packed, const float* u, const float* dt,
+__global__ void CfcForwardGeneralKernel(CfcShape shape, const float* packed, const float* u, const float* dt,
                                  const float* state_in, CfcActivations act, float* state_out) {
   extern __shared__ float shared[];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, C4 = 4 * C;
@@ -135,7 +499,7 @@ __global__ void CfcForwardKernel(CfcShape shape, const float* packed, const floa
 }
 
 template <int kSeqs, bool kShared>
-__global__ void CfcBackwardKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
+__global__ void CfcBackwardGeneralKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
                                   const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp,
                                   float* dbb_pre) {
   extern __shared__ float shared[];
@@ -210,7 +574,7 @@ __global__ void CfcBackwardKernel(CfcShape shape, const float* packed, const flo
   }
 }
 
-// How a CfC kernel is launched on this device: sequences per block (enough blocks to cover the multiprocessors,
+// How a general kernel is launched on this device: sequences per block (enough blocks to cover the multiprocessors,
 // fewer than one block per sequence when the batch is larger), and whether the weights fit in shared memory.
 struct CfcLaunch {
   int seqs = 1;
@@ -220,12 +584,16 @@ struct CfcLaunch {
   int blocks = 0;
 };
 
+cudaError_t Multiprocessors(int* sms) {
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 cudaError_t PlanCfcLaunch(const CfcShape& shape, size_t weight_floats, int per_seq_floats, CfcLaunch* plan) {
   int device = 0, sms = 0, max_shared = 0;
+  if (const cudaError_t e = Multiprocessors(&sms); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
-    return e;
-  }
   if (const cudaError_t e = cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       e != cudaSuccess) {
     return e;
@@ -255,6 +623,37 @@ cudaError_t Dispatch(const CfcLaunch& plan, Launch launch) {
   }
 }
 
+// Launches kernels[p], the tile kernel for 2^p sequences per cluster, with the fewest sequences whose clusters all
+// run at once (or the most a thread's registers hold): fewer sequences shorten every step, and a second wave would
+// double the window's time.
+template <typename Tile, typename Kernel, size_t kCount, typename... Args>
+cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStream_t stream, Args... args) {
+  static_assert(1 << (kCount - 1) == Tile::kMaxSeqs);
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(Tile::kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = Tile::kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = Tile::kCluster > 1 ? 1 : 0;
+  int capacity = 0;
+  if constexpr (Tile::kCluster == 1) {
+    if (const cudaError_t e = Multiprocessors(&capacity); e != cudaSuccess) return e;
+  } else {
+    config.gridDim = dim3(Tile::kCluster);
+    if (const cudaError_t e = cudaOccupancyMaxActiveClusters(&capacity, kernels[0], &config); e != cudaSuccess) {
+      return e;
+    }
+  }
+  int pick = 0;
+  while (pick + 1 < static_cast<int>(kCount) && CeilDiv(shape.batch, 1 << pick) > capacity) ++pick;
+  config.gridDim = dim3(CeilDiv(shape.batch, 1 << pick) * Tile::kCluster);
+  return cudaLaunchKernelEx(&config, kernels[pick], args...);
+}
+
 bool ValidShape(const CfcShape& s) {
   return s.batch > 0 && s.window > 0 && s.d_model > 0 && s.units > 0 && s.backbone > 0;
 }
@@ -262,19 +661,37 @@ bool ValidShape(const CfcShape& s) {
 }  // namespace
 
 size_t CfcPackedFloats(const CfcShape& shape) {
+  if (Fits<SmallTile>(shape)) return SmallTile::kPackedFloats;
+  if (Fits<LargeTile>(shape)) return LargeTile::kPackedFloats;
   return ForwardWeightFloats(shape.units, shape.backbone) + BackwardWeightFloats(shape.units, shape.backbone);
 }
 
 cudaError_t LaunchCfcPackWeights(const CfcWeights& weights, const CfcShape& shape, float* packed, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
-  CfcPackWeightsKernel<<<GridFor(static_cast<long long>(CfcPackedFloats(shape)), 256), 256, 0, stream>>>(weights, shape,
-                                                                                                      packed);
+  const dim3 grid = GridFor(static_cast<long long>(CfcPackedFloats(shape)), 256);
+  if (Fits<SmallTile>(shape)) {
+    CfcPackTileKernel<SmallTile><<<grid, 256, 0, stream>>>(weights, shape, packed);
+  } else if (Fits<LargeTile>(shape)) {
+    CfcPackTileKernel<LargeTile><<<grid, 256, 0, stream>>>(weights, shape, packed);
+  } else {
+    CfcPackGeneralKernel<<<grid, 256, 0, stream>>>(weights, shape, packed);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const float* u, const float* dt,
                              const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
+  if (Fits<SmallTile>(shape)) {
+    const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {CfcForwardTileKernel<SmallTile, 1>,
+                                                                      CfcForwardTileKernel<SmallTile, 2>};
+    return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
+  }
+  if (Fits<LargeTile>(shape)) {
+    const decltype(&CfcForwardTileKernel<LargeTile, 1>) kernels[] = {
+        CfcForwardTileKernel<LargeTile, 1>, CfcForwardTileKernel<LargeTile, 2>, CfcForwardTileKernel<LargeTile, 4>};
+    return LaunchTile<LargeTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
+  }
   CfcLaunch plan;
   const int per_seq = shape.units + shape.backbone + 4 * shape.units;
   if (const cudaError_t e = PlanCfcLaunch(shape, ForwardWeightFloats(shape.units, shape.backbone), per_seq, &plan);
@@ -282,7 +699,7 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
     return e;
   }
   return Dispatch(plan, [&]<int kSeqs, bool kShared>() {
-    const auto kernel = CfcForwardKernel<kSeqs, kShared>;
+    const auto kernel = CfcForwardGeneralKernel<kSeqs, kShared>;
     if (const cudaError_t e = AllowSharedMemory(kernel, plan.shared_bytes); e != cudaSuccess) return e;
     kernel<<<plan.blocks, plan.threads, plan.shared_bytes, stream>>>(shape, packed, u, dt, state_in, act, state_out);
     return cudaGetLastError();
@@ -293,6 +710,18 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
                               const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre,
                               cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
+  if (Fits<SmallTile>(shape)) {
+    const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
+                                                                       CfcBackwardTileKernel<SmallTile, 2>};
+    return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
+                                 dbb_pre);
+  }
+  if (Fits<LargeTile>(shape)) {
+    const decltype(&CfcBackwardTileKernel<LargeTile, 1>) kernels[] = {
+        CfcBackwardTileKernel<LargeTile, 1>, CfcBackwardTileKernel<LargeTile, 2>, CfcBackwardTileKernel<LargeTile, 4>};
+    return LaunchTile<LargeTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
+                                 dbb_pre);
+  }
   CfcLaunch plan;
   const int per_seq = shape.units + 4 * shape.units + shape.backbone;
   if (const cudaError_t e = PlanCfcLaunch(shape, BackwardWeightFloats(shape.units, shape.backbone), per_seq, &plan);
@@ -300,7 +729,7 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
     return e;
   }
   return Dispatch(plan, [&]<int kSeqs, bool kShared>() {
-    const auto kernel = CfcBackwardKernel<kSeqs, kShared>;
+    const auto kernel = CfcBackwardGeneralKernel<kSeqs, kShared>;
     if (const cudaError_t e = AllowSharedMemory(kernel, plan.shared_bytes); e != cudaSuccess) return e;
     kernel<<<plan.blocks, plan.threads, plan.shared_bytes, stream>>>(shape, packed, dt, gates, bb_pre, dc_head,
                                                                      ld_dc_head, dp, dbb_pre);

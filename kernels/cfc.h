@@ -1,8 +1,8 @@
 // The closed-form continuous-time cell over a whole window (MODEL.md §2.4). The backbone input is [s_t ; c_{t−1}]:
 // the s_t half does not depend on the recurrence, so the caller computes u = s·W_sᵀ + b_backbone for all steps with
 // one GEMM, and the kernels here run only the recurrent part — W_c (K×C) and the four C×K heads — with the whole time
-// loop inside ONE launch forward and ONE launch backward, weights in shared memory when they fit (`small`: 160 KB)
-// and read through the cache otherwise.
+// loop inside ONE launch forward and ONE launch backward, the weights held in registers (over a cluster of blocks for
+// `large`) up to C = 128, K = 256, and in shared memory or read through the cache beyond.
 #pragma once
 
 #include <cstddef>
@@ -28,8 +28,9 @@ struct CfcShape {
 // Floats of the packed weights written by LaunchCfcPackWeights.
 size_t CfcPackedFloats(const CfcShape& shape);
 
-// Lays the recurrent weights out for the two kernels (transposed for the forward, as stored for the backward), so that
-// consecutive threads read consecutive addresses. Run whenever the parameters change (once per step).
+// Lays the recurrent weights out for the two kernels (each thread's register slice, or transposed for the forward
+// and as stored for the backward beyond the register tiles), so that consecutive threads read consecutive addresses.
+// Run whenever the parameters change (once per step).
 cudaError_t LaunchCfcPackWeights(const CfcWeights& weights, const CfcShape& shape, float* packed, cudaStream_t stream);
 
 // What the forward keeps for the backward and the head.
