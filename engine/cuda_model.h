@@ -111,9 +111,10 @@ class CudaModel {
  private:
   // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
   struct Layer {
-    float *rstd = nullptr, *r = nullptr, *zx = nullptr, *conv_pre = nullptr, *xbc = nullptr, *y = nullptr;
-    float *q = nullptr, *rstd_gate = nullptr, *yn = nullptr;
+    float *rstd = nullptr, *r = nullptr, *zx = nullptr, *xbc = nullptr, *y = nullptr;
+    float *rstd_gate = nullptr, *yn = nullptr;
     float *dr = nullptr, *dyn = nullptr, *dzx = nullptr, *ssm_partials = nullptr, *conv_partials = nullptr;
+    float *norm_partials = nullptr, *mixer_norm_partials = nullptr;  // the norm backwards' weight-gradient partials
   };
   // The carried per-sequence state of config.batch sequences (MODEL.md §3): [conv: L][B][W−1][E+2N], then
   // [ssm: L][B][Hh][P][N], then [cfc: B][C]. A carried evaluation reads `in` and writes `out`, then copies it to `in`.
@@ -214,6 +215,7 @@ class CudaModel {
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
+  float *norm_f_partials_ = nullptr, *grn_norm_partials_ = nullptr;  // weight (and bias) partials of the norms
   StreamStates states_;
 
   // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.

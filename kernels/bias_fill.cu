@@ -1,20 +1,20 @@
-// Bias broadcast for many outputs at once: blockIdx.y picks the job, a grid-stride loop covers its rows × cols.
+// Bias broadcast for many outputs at once: blockIdx.y picks the job, each warp fills whole rows (lanes over the
+// columns), so no index is divided per element.
 #include "kernels/bias_fill.h"
 #include "kernels/common.cuh"
 
 namespace perception::kernels {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kWarps = 8;
 constexpr int kBlocksPerJob = 256;
 
-__global__ void BiasFillKernel(const BiasFillJob* jobs, int rows) {
+__global__ void __launch_bounds__(kWarps * kWarpSize) BiasFillKernel(const BiasFillJob* jobs, int rows) {
   const BiasFillJob job = jobs[blockIdx.y];
-  const long long n = static_cast<long long>(rows) * job.cols;
-  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int r = static_cast<int>(i / job.cols), c = static_cast<int>(i % job.cols);
-    job.dst[static_cast<size_t>(r) * job.ld + c] = job.bias[c];
+  const int lane = threadIdx.x % kWarpSize;
+  for (int r = blockIdx.x * kWarps + threadIdx.x / kWarpSize; r < rows; r += gridDim.x * kWarps) {
+    float* dst = job.dst + static_cast<size_t>(r) * job.ld;
+    for (int c = lane; c < job.cols; c += kWarpSize) dst[c] = job.bias[c];
   }
 }
 
@@ -22,7 +22,7 @@ __global__ void BiasFillKernel(const BiasFillJob* jobs, int rows) {
 
 cudaError_t LaunchBiasFill(const BiasFillJob* jobs, int count, int rows, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  BiasFillKernel<<<dim3(kBlocksPerJob, count), kThreads, 0, stream>>>(jobs, rows);
+  BiasFillKernel<<<dim3(kBlocksPerJob, count), kWarps * kWarpSize, 0, stream>>>(jobs, rows);
   return cudaGetLastError();
 }
 

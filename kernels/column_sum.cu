@@ -16,6 +16,8 @@ __global__ void __launch_bounds__(kWarpSize * kRowLanes)
   const int tx = threadIdx.x % kWarpSize, ty = threadIdx.x / kWarpSize, col = tile.col0 + tx;
   float sum = 0.f;
   if (col < job.cols) {
+    // Unrolled so that a thread's loads of several rows are in flight together (the loop has no stores).
+#pragma unroll 8
     for (int r = tile.row_begin + ty; r < tile.row_end; r += kRowLanes) {
       float v = job.a[static_cast<size_t>(r) * job.lda + col];
       if (job.b) v *= job.b[static_cast<size_t>(r) * job.ldb + col];
@@ -39,6 +41,7 @@ __global__ void ColumnSumFinishKernel(const ColumnSumJob* jobs, const ColumnSumF
   const int col = f.col0 + threadIdx.x;
   if (col >= job.cols) return;
   float total = 0.f;
+#pragma unroll 8
   for (int chunk = 0; chunk < f.chunks; ++chunk) total += partials[f.partial + static_cast<size_t>(chunk) * job.cols + col];
   job.out[col] = total;
 }
