@@ -198,7 +198,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dxs_, M * d.E);
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
   a.Reserve(&norm_f_partials_, norm_partial_rows * d.D);
-  a.Reserve(&grn_norm_partials_, norm_partial_rows * 2 * d.G);
+  a.Reserve(&grn_partials_, norm_partial_rows * 4 * d.G);
 
   states_.layers = d.L;
   states_.conv_per_layer = static_cast<size_t>(c.batch) * c.conv_state_size();
@@ -253,10 +253,10 @@ absl::Status CudaModel::BuildTables() {
   for (int j = 0; j < kernels::kCfcHeads; ++j) sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
   sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
   sum(pl.grn_fc1.bias, de1_, d.G, d.G);
-  sum(pl.grn_gate.bias, d_gate_pre_, d.G, d.G);
-  sum(pl.grn_value.bias, d_value_, d.G, d.G);
-  sum(pl.grn_norm.weight, grn_norm_partials_, 2 * d.G, d.G, nullptr, 0, nullptr, P);
-  sum(pl.grn_norm.bias, grn_norm_partials_ + d.G, 2 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_value.bias, grn_partials_ + 3 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_norm.weight, grn_partials_, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_norm.bias, grn_partials_ + d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
   sum(pl.head_out.bias, dlogits_, d.H, d.H);
   const kernels::ColumnSumPlan plan = kernels::PlanColumnSums(jobs);
 
@@ -571,7 +571,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.H, dlogits_, d.H, param(pl.head_out.weight), d.G, 0.f, dg_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dg_, nhat_, ln_rstd_, param(pl.grn_norm.weight),
                                                                gate_pre_, value_, rows, d.G, d_pre_ln_, d_gate_pre_,
-                                                               d_value_, grn_norm_partials_, stream_));
+                                                               d_value_, grn_partials_, stream_));
   RETURN_IF_ERROR(blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC));

@@ -215,7 +215,9 @@ class CudaModel {
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
-  float *norm_f_partials_ = nullptr, *grn_norm_partials_ = nullptr;  // weight (and bias) partials of the norms
+  // Per-block gradient partials of the norm backwards: norm_f's weight; the GRN norm's weight and bias and the
+  // gate's and value's biases.
+  float *norm_f_partials_ = nullptr, *grn_partials_ = nullptr;
   StreamStates states_;
 
   // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.

@@ -206,8 +206,8 @@ template <int V>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormBackwardKernel(const float* dg, const float* nhat, const float* rstd, const float* w,
                                    const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
-                                   float* d_gate_pre, float* d_value, float* dwb_partials) {
-  float dw[V] = {}, db[V] = {};
+                                   float* d_gate_pre, float* d_value, float* partials) {
+  float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
@@ -233,16 +233,21 @@ __global__ void __launch_bounds__(kThreads)
       if (i >= cols) break;
       const float dpre = r * (dgr[j] * w[i] - mean_dn - n[j] * mean_dn_n);
       const float sg = Sigmoid(gate[j]);
+      const float dv = dpre * sg, dgt = dpre * val[j] * sg * (1.f - sg);
       d_pre_ln[base + i] = dpre;
-      d_value[base + i] = dpre * sg;
-      d_gate_pre[base + i] = dpre * val[j] * sg * (1.f - sg);
+      d_value[base + i] = dv;
+      d_gate_pre[base + i] = dgt;
       dw[j] += dgr[j] * n[j];
       db[j] += dgr[j];
+      dgate[j] += dgt;
+      dval[j] += dv;
     }
   }
-  float* out = dwb_partials + static_cast<size_t>(blockIdx.x) * 2 * cols;
+  float* out = partials + static_cast<size_t>(blockIdx.x) * 4 * cols;
   WriteBlockSums(dw, cols, out);
   WriteBlockSums(db, cols, out + cols);
+  WriteBlockSums(dgate, cols, out + 2 * cols);
+  WriteBlockSums(dval, cols, out + 3 * cols);
 }
 
 // Calls op.template operator()<V>() with the fewest values per lane that hold `cols`.
@@ -311,11 +316,11 @@ cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, 
 
 cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
                                            const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* dwb_partials,
+                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
                                            cudaStream_t stream) {
   return ForRowWidth(cols, [&]<int V>() {
     GrnGateLayerNormBackwardKernel<V><<<NormPartialRows(rows), kThreads, 0, stream>>>(
-        dg, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, dwb_partials);
+        dg, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
     return cudaGetLastError();
   });
 }

@@ -44,10 +44,11 @@ cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, 
 
 // From dg: d pre_ln = rstd·(dg⊙w − mean(dg⊙w) − nhat·mean(dg⊙w⊙nhat)), then the gate's
 // d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙ σ'(gate_pre). All dense.
-// dwb_partials [NormPartialRows(rows), 2·cols]: Σ dg ⊙ nhat (d w), then Σ dg (d b).
+// partials [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and Σ d value (the
+// gate's and the value's bias gradients).
 cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
                                            const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* dwb_partials,
+                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
                                            cudaStream_t stream);
 
 }  // namespace perception::kernels

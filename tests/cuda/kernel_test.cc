@@ -197,7 +197,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
       }
     }
     const Floats nhat_f(nhat_cpu.begin(), nhat_cpu.end()), rstd_f(rstd_cpu.begin(), rstd_cpu.end());
-    Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols), dwb_cpu(2 * cols, 0.0);
+    Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols), sums_cpu(4 * cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       double mean_dn = 0, mean_dn_n = 0;
       for (int i = 0; i < cols; ++i) {
@@ -210,18 +210,20 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         dpre_cpu[k] = dpre;
         dvalue_cpu[k] = dpre * sg;
         dgate_cpu[k] = dpre * value[k] * sg * (1 - sg);
-        dwb_cpu[i] += double(dg[k]) * nhat_f[k];
-        dwb_cpu[cols + i] += dg[k];
+        sums_cpu[i] += double(dg[k]) * nhat_f[k];
+        sums_cpu[cols + i] += dg[k];
+        sums_cpu[2 * cols + i] += dgate_cpu[k];
+        sums_cpu[3 * cols + i] += dvalue_cpu[k];
       }
     }
     DeviceArray<float> pre_ln(skip), dgate_in(gate), dvalue_in(value), dw(w), db(b), nhat(rows * cols), g(rows * cols);
     DeviceArray<float> rstd(rows), ddg(dg), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
-        dval(rows * cols), dwb_parts(kernels::NormPartialRows(rows) * 2 * cols);
+        dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
                                                      rows, cols, nhat.get(), g.get(), rstd.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
                                                       dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
-                                                      dwb_parts.get(), nullptr), cudaSuccess);
+                                                      parts.get(), nullptr), cudaSuccess);
     EXPECT_CLOSE(pre_ln.Download(), x_cpu);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
@@ -229,7 +231,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
     EXPECT_CLOSE(dpre.Download(), dpre_cpu);
     EXPECT_CLOSE(dgt.Download(), dgate_cpu);
     EXPECT_CLOSE(dval.Download(), dvalue_cpu);
-    EXPECT_CLOSE(ColumnSums(dwb_parts.Download(), 2 * cols), dwb_cpu);
+    EXPECT_CLOSE(ColumnSums(parts.Download(), 4 * cols), sums_cpu);
   }
 }
 
