@@ -38,6 +38,12 @@ absl::Status CheckKernelLimits(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA backend: d_conv ", c.d_conv, " exceeds the conv's limit of ",
                                                    kernels::kMaxConvWidth));
   }
+  for (const int width : {c.d_model, c.d_inner(), c.grn_hidden}) {
+    if (width > kernels::kMaxNormWidth) {
+      return absl::InvalidArgumentError(absl::StrCat("CUDA backend: a normalized width of ", width,
+                                                     " exceeds the norms' limit of ", kernels::kMaxNormWidth));
+    }
+  }
   if (c.headdim > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds 1024"));
   }
@@ -146,6 +152,7 @@ void CudaModel::ReserveBuffers() {
   const ModelConfig& c = config();
   const Dims d(c);
   const size_t M = static_cast<size_t>(c.batch) * c.window, total = layout_.total_size();
+  const size_t norm_partial_rows = kernels::NormPartialRows(c.batch * c.window);
   CudaArena& a = buffers_;
   a.Reserve(&params_, total);
   a.Reserve(&grads_, total);
@@ -169,10 +176,8 @@ void CudaModel::ReserveBuffers() {
     a.Reserve(&layer.rstd, M);
     a.Reserve(&layer.r, M * d.D);
     a.Reserve(&layer.zx, M * d.zd);
-    a.Reserve(&layer.conv_pre, M * d.cd);
     a.Reserve(&layer.xbc, M * d.cd);
     a.Reserve(&layer.y, M * d.E);
-    a.Reserve(&layer.q, M * d.E);
     a.Reserve(&layer.rstd_gate, M);
     a.Reserve(&layer.yn, M * d.E);
     a.Reserve(&layer.dr, M * d.D);
@@ -180,6 +185,8 @@ void CudaModel::ReserveBuffers() {
     a.Reserve(&layer.dzx, M * d.zd);
     a.Reserve(&layer.ssm_partials, M * 2 * d.Hh);
     a.Reserve(&layer.conv_partials, static_cast<size_t>(c.batch) * (d.cd * d.W + d.cd));
+    a.Reserve(&layer.norm_partials, norm_partial_rows * d.D);
+    a.Reserve(&layer.mixer_norm_partials, norm_partial_rows * d.E);
   }
   a.Reserve(&rstd_f_, M);
   a.Reserve(&head_in_, M * d.DC);
@@ -203,6 +210,8 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dy_, M * d.E);
   a.Reserve(&dxs_, M * d.E);
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
+  a.Reserve(&norm_f_partials_, norm_partial_rows * d.D);
+  a.Reserve(&grn_partials_, norm_partial_rows * 4 * d.G);
 
   states_.layers = d.L;
   states_.conv_per_layer = static_cast<size_t>(c.batch) * c.conv_state_size();
@@ -223,7 +232,7 @@ void CudaModel::ReserveBuffers() {
 absl::Status CudaModel::BuildTables() {
   const ModelConfig& c = config();
   const Dims d(c);
-  const int M = c.batch * c.window;
+  const int M = c.batch * c.window, P = kernels::NormPartialRows(M);
   const ParamLayout& pl = layout_;
   // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
   std::vector<kernels::ColumnSumJob> jobs;
@@ -236,24 +245,24 @@ absl::Status CudaModel::BuildTables() {
     const LayerTensors& lt = pl.layers[l];
     const Layer& a = layers_[l];
     const int conv_ld = d.cd * d.W + d.cd;
-    sum(lt.norm, a.dr, d.D, d.D, h_[l], d.D, a.rstd);
+    sum(lt.norm, a.norm_partials, d.D, d.D, nullptr, 0, nullptr, P);
     sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, nullptr, 0, nullptr, c.batch);
     sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, nullptr, 0, nullptr, c.batch);
     sum(lt.dt_bias, a.dzx + d.E + d.cd, d.zd, d.Hh);
     sum(lt.a_log, a.ssm_partials, 2 * d.Hh, d.Hh);
     sum(lt.d, a.ssm_partials + d.Hh, 2 * d.Hh, d.Hh);
-    sum(lt.mixer_norm, a.dyn, d.E, d.E, a.q, d.E, a.rstd_gate);
+    sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, nullptr, 0, nullptr, P);
   }
-  sum(pl.norm_f, d_head_in_, d.DC, d.D, h_[d.L], d.D, rstd_f_);
+  sum(pl.norm_f, norm_f_partials_, d.D, d.D, nullptr, 0, nullptr, P);
   sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
   const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
   for (int j = 0; j < kernels::kCfcHeads; ++j) sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
   sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
   sum(pl.grn_fc1.bias, de1_, d.G, d.G);
-  sum(pl.grn_gate.bias, d_gate_pre_, d.G, d.G);
-  sum(pl.grn_value.bias, d_value_, d.G, d.G);
-  sum(pl.grn_norm.weight, dg_, d.G, d.G, nhat_, d.G);
-  sum(pl.grn_norm.bias, dg_, d.G, d.G);
+  sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_value.bias, grn_partials_ + 3 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_norm.weight, grn_partials_, 4 * d.G, d.G, nullptr, 0, nullptr, P);
+  sum(pl.grn_norm.bias, grn_partials_ + d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
   sum(pl.head_out.bias, dlogits_, d.H, d.H);
   const kernels::ColumnSumPlan plan = kernels::PlanColumnSums(jobs);
 
@@ -522,12 +531,12 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
                                                      h_[l + 1], stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd));
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
-  CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.conv_pre, a.xbc,
+  CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.xbc,
                                                   carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
   const kernels::SsmInput ssm = SsmInputOf(l, batch, window, carry_state ? states_.Ssm(states_.in, l) : nullptr);
   CUDA_RETURN_IF_ERROR(
       kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.q, a.yn,
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.yn,
                                                           a.rstd_gate, stream_));
   return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D);
 }
@@ -596,7 +605,8 @@ absl::Status CudaModel::Backward() {
   RETURN_IF_ERROR(HeadBackward(rows));
   RETURN_IF_ERROR(CfcBackward(rows));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[d.L], d.D, param(layout_.norm_f), rstd_f_, d_head_in_, d.DC,
-                                                      rows, d.D, /*accumulate=*/false, dh_, d.D, stream_));
+                                                      rows, d.D, /*accumulate=*/false, dh_, d.D, norm_f_partials_,
+                                                      stream_));
   for (int l = d.L - 1; l >= 0; --l) RETURN_IF_ERROR(LayerBackward(l, rows));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.F, d.D, dh_, d.D, xn_, d.F, grad(layout_.embed.weight), d.F));
@@ -613,7 +623,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.H, dlogits_, d.H, param(pl.head_out.weight), d.G, 0.f, dg_, d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dg_, nhat_, ln_rstd_, param(pl.grn_norm.weight),
                                                                gate_pre_, value_, rows, d.G, d_pre_ln_, d_gate_pre_,
-                                                               d_value_, stream_));
+                                                               d_value_, grn_partials_, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
@@ -673,21 +683,21 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
   RETURN_IF_ERROR(MarkGradients());  // the last read of dh_ before this layer's RMSNorm backward adds to it
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.q, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx,
-                                                           d.zd, rows, d.E, dy_, a.dzx, d.zd, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
+                                                           rows, d.E, dy_, a.dzx, d.zd, a.mixer_norm_partials,
+                                                           stream_));
   const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials};
   CUDA_RETURN_IF_ERROR(kernels::LaunchSsmScanBackward(SsmInputOf(l, config().batch, config().window, nullptr), dy_,
                                                       ssm_grad, stream_));
   const kernels::ConvOutputGrad conv_grad{dxs_, d.E, dbc_, d.Hh};
-  CUDA_RETURN_IF_ERROR(kernels::LaunchConvBackward(ConvInputOf(l, config().batch, config().window, nullptr),
-                                                   a.conv_pre, conv_grad, a.dzx + d.E, d.zd, a.conv_partials,
-                                                   stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchConvBackward(ConvInputOf(l, config().batch, config().window, nullptr), conv_grad,
+                                                   a.dzx + d.E, d.zd, a.conv_partials, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
   RETURN_IF_ERROR(AwaitGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
-                                                      /*accumulate=*/true, dh_, d.D, stream_));
+                                                      /*accumulate=*/true, dh_, d.D, a.norm_partials, stream_));
   return absl::OkStatus();
 }
 

@@ -118,9 +118,10 @@ class CudaModel {
  private:
   // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
   struct Layer {
-    float *rstd = nullptr, *r = nullptr, *zx = nullptr, *conv_pre = nullptr, *xbc = nullptr, *y = nullptr;
-    float *q = nullptr, *rstd_gate = nullptr, *yn = nullptr;
+    float *rstd = nullptr, *r = nullptr, *zx = nullptr, *xbc = nullptr, *y = nullptr;
+    float *rstd_gate = nullptr, *yn = nullptr;
     float *dr = nullptr, *dyn = nullptr, *dzx = nullptr, *ssm_partials = nullptr, *conv_partials = nullptr;
+    float *norm_partials = nullptr, *mixer_norm_partials = nullptr;  // the norm backwards' weight-gradient partials
   };
   // The carried per-sequence state of config.batch sequences (MODEL.md §3): [conv: L][B][W−1][E+2N], then
   // [ssm: L][B][Hh][P][N], then [cfc: B][C]. A carried evaluation reads `in` and writes `out`, then copies it to `in`.
@@ -232,6 +233,9 @@ class CudaModel {
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
+  // Per-block gradient partials of the norm backwards: norm_f's weight; the GRN norm's weight and bias and the
+  // gate's and value's biases.
+  float *norm_f_partials_ = nullptr, *grn_partials_ = nullptr;
   StreamStates states_;
 
   // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.

@@ -1,5 +1,5 @@
 // Deterministic column sums: launch 1 sums each (job, 32 columns, chunk of rows) tile with 8 row lanes per column,
-// lanes added in order; launch 2 adds each column's chunk partials in order.
+// lanes added in order; launch 2 adds each column's chunk partials the same way (8 lanes, then the lanes in order).
 #include "kernels/column_sum.h"
 #include "kernels/common.cuh"
 
@@ -7,6 +7,7 @@ namespace perception::kernels {
 namespace {
 
 constexpr int kRowLanes = 8;
+static_assert(kColumnSumFinishColumns == kWarpSize, "a finish block's lanes span its columns");
 
 __global__ void __launch_bounds__(kWarpSize * kRowLanes)
     ColumnSumTilesKernel(const ColumnSumJob* jobs, const ColumnSumTile* tiles, float* partials) {
@@ -16,6 +17,8 @@ __global__ void __launch_bounds__(kWarpSize * kRowLanes)
   const int tx = threadIdx.x % kWarpSize, ty = threadIdx.x / kWarpSize, col = tile.col0 + tx;
   float sum = 0.f;
   if (col < job.cols) {
+    // Unrolled so that a thread's loads of several rows are in flight together (the loop has no stores).
+#pragma unroll 8
     for (int r = tile.row_begin + ty; r < tile.row_end; r += kRowLanes) {
       float v = job.a[static_cast<size_t>(r) * job.lda + col];
       if (job.b) v *= job.b[static_cast<size_t>(r) * job.ldb + col];
@@ -32,15 +35,26 @@ __global__ void __launch_bounds__(kWarpSize * kRowLanes)
   }
 }
 
-__global__ void ColumnSumFinishKernel(const ColumnSumJob* jobs, const ColumnSumFinish* finishes,
-                                      const float* partials) {
+__global__ void __launch_bounds__(kWarpSize * kRowLanes)
+    ColumnSumFinishKernel(const ColumnSumJob* jobs, const ColumnSumFinish* finishes, const float* partials) {
+  __shared__ float lanes[kRowLanes][kWarpSize];
   const ColumnSumFinish f = finishes[blockIdx.x];
   const ColumnSumJob& job = jobs[f.job];
-  const int col = f.col0 + threadIdx.x;
-  if (col >= job.cols) return;
-  float total = 0.f;
-  for (int chunk = 0; chunk < f.chunks; ++chunk) total += partials[f.partial + static_cast<size_t>(chunk) * job.cols + col];
-  job.out[col] = total;
+  const int tx = threadIdx.x % kWarpSize, ty = threadIdx.x / kWarpSize, col = f.col0 + tx;
+  float sum = 0.f;
+  if (col < job.cols) {
+#pragma unroll 8
+    for (int chunk = ty; chunk < f.chunks; chunk += kRowLanes) {
+      sum += partials[f.partial + static_cast<size_t>(chunk) * job.cols + col];
+    }
+  }
+  lanes[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0 && col < job.cols) {
+    float total = 0.f;
+    for (int i = 0; i < kRowLanes; ++i) total += lanes[i][tx];
+    job.out[col] = total;
+  }
 }
 
 int Chunks(const ColumnSumJob& job) { return CeilDiv(job.rows, kColumnSumChunkRows); }
@@ -72,8 +86,8 @@ cudaError_t LaunchColumnSums(const ColumnSumBatch& batch, cudaStream_t stream) {
   ColumnSumTilesKernel<<<batch.tile_count, kWarpSize * kRowLanes, 0, stream>>>(batch.jobs, batch.tiles,
                                                                                batch.partials);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  ColumnSumFinishKernel<<<batch.finish_count, kColumnSumFinishColumns, 0, stream>>>(batch.jobs, batch.finishes,
-                                                                                    batch.partials);
+  ColumnSumFinishKernel<<<batch.finish_count, kWarpSize * kRowLanes, 0, stream>>>(batch.jobs, batch.finishes,
+                                                                                  batch.partials);
   return cudaGetLastError();
 }
 

@@ -55,7 +55,8 @@ struct ColumnSumBatch {
   float* partials = nullptr;
 };
 
-constexpr int kColumnSumFinishColumns = 256;
+// 32 columns per finish block, each column's chunks split over 8 lanes: the chunk partials are read in parallel.
+constexpr int kColumnSumFinishColumns = 32;
 
 cudaError_t LaunchColumnSums(const ColumnSumBatch& batch, cudaStream_t stream);
 

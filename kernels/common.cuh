@@ -12,10 +12,11 @@ constexpr float kNormEps = 1e-5f;
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int RoundUpToWarp(int n) { return CeilDiv(n, kWarpSize) * kWarpSize; }
 
+// 1/(1 + e^−v) for v ≥ 0, e^v/(1 + e^v) below: the same bits as those two branches, from one expf and one division
+// without a branch, so a warp whose lanes straddle 0 does not evaluate both (and Silu/SiluGrad of one value share it).
 __device__ __forceinline__ float Sigmoid(float v) {
-  if (v >= 0.f) return 1.f / (1.f + expf(-v));
-  const float e = expf(v);
-  return e / (1.f + e);
+  const float e = expf(-fabsf(v));
+  return (v >= 0.f ? 1.f : e) / (1.f + e);
 }
 __device__ __forceinline__ float Softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 __device__ __forceinline__ float SoftplusGrad(float v) { return v > 20.f ? 1.f : Sigmoid(v); }

@@ -6,7 +6,7 @@
 
 namespace perception::kernels {
 
-// The widest kernel the backward supports (it keeps W taps per thread in registers).
+// The widest kernel supported (both directions are instantiated per width, W taps in registers).
 constexpr int kMaxConvWidth = 8;
 
 // Shapes and inputs common to both directions. Rows are r = b·window + t.
@@ -19,9 +19,10 @@ struct ConvInput {
   const float* state_in = nullptr;  // [batch, width−1, channels], or null for a zero history
 };
 
-// pre[r,c] = bias[c] + Σ_k weight[c,k]·hist[t+k, c] over the history [state ; window], out = silu(pre), both
-// [rows, channels] dense. `state_out` (may be null) receives each sequence's last width−1 history rows.
-cudaError_t LaunchConvForward(const ConvInput& in, float* pre, float* out, float* state_out, cudaStream_t stream);
+// out[r,c] = silu(bias[c] + Σ_k weight[c,k]·hist[t+k, c]) over the history [state ; window], [rows, channels] dense.
+// `state_out` (may be null) receives each sequence's last width−1 history rows. The pre-activation is not stored:
+// the backward recomputes it from the history it reads anyway.
+cudaError_t LaunchConvForward(const ConvInput& in, float* out, float* state_out, cudaStream_t stream);
 
 // Where the gradient of the conv output comes from: the SSM's dxs for the first `inner` channels, and for the
 // remaining 2N channels (B then C) the sum over heads of its per-head partials.
@@ -34,8 +35,8 @@ struct ConvOutputGrad {
 
 // dx[r,c] (row stride lddx) = d loss / d raw input; per-sequence parameter partials `partials`
 // [batch, channels·width + channels]: first d weight in the weight's layout, then d bias. Their sum over the batch
-// is the gradient (a column sum). `pre` is the forward's pre-activation. No gradient flows into state_in.
-cudaError_t LaunchConvBackward(const ConvInput& in, const float* pre, const ConvOutputGrad& grad, float* dx,
-                               int lddx, float* partials, cudaStream_t stream);
+// is the gradient (a column sum). No gradient flows into state_in.
+cudaError_t LaunchConvBackward(const ConvInput& in, const ConvOutputGrad& grad, float* dx, int lddx, float* partials,
+                               cudaStream_t stream);
 
 }  // namespace perception::kernels

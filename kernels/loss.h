@@ -8,7 +8,7 @@
 namespace perception::kernels {
 
 // Blocks of the loss launches; `partials` holds 2 doubles per block.
-constexpr int kMaskedBceBlocks = 128;
+constexpr int kMaskedBceBlocks = 256;
 
 // Over n values: report->loss_sum = Σ m·bce(l, y), report->mask_count = Σ m, report->loss = sum / max(count, 1),
 // summed in double in a fixed order. When `dlogits` is non-null it receives m·(σ(l) − y)/max(Σm, 1). Two launches:

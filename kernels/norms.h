@@ -1,11 +1,18 @@
 // Row normalizations of PerceptionNet, forward and backward, one warp per row: the pre-norm and final RMSNorm
 // (MODEL.md §2.2.1, §2.3), the gated RMSNorm of the Mamba2 block (§2.2.6) and the GRN's gate + LayerNorm (§2.5).
-// Weight and bias gradients are not formed here: they are column sums over rows (kernels/column_sum.h).
+// The backward launches also sum their weight (and bias) gradients over each block's rows: `partials` of
+// NormPartialRows(rows) rows, whose column sums (kernels/column_sum.h) are the gradients.
 #pragma once
 
 #include <cuda_runtime.h>
 
 namespace perception::kernels {
+
+// The widest row supported: each lane keeps its share of a row in registers.
+constexpr int kMaxNormWidth = 1024;
+
+// Rows of the weight-gradient partials a backward launch over `rows` rows writes.
+int NormPartialRows(int rows);
 
 // y = v / sqrt(mean(v²) + eps) ⊙ w for each of `rows` rows of `cols`; rstd[row] = 1/sqrt(mean(v²) + eps).
 // `residual` (may be null) receives a copy of v, [rows, cols] dense: the residual stream the block's output adds to.
@@ -13,19 +20,21 @@ cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int ro
                                  float* rstd, float* residual, cudaStream_t stream);
 
 // The input gradient of RmsNorm: g = rstd·dy⊙w − v·rstd³·Σ(dy⊙w⊙v)/cols; dv = g, or dv += g when `accumulate`
-// (a pre-norm's gradient joins the residual stream's).
+// (a pre-norm's gradient joins the residual stream's). dw_partials [NormPartialRows(rows), cols]: Σ dy⊙v·rstd.
 cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const float* rstd, const float* dy,
                                   int lddy, int rows, int cols, bool accumulate, float* dv, int lddv,
-                                  cudaStream_t stream);
+                                  float* dw_partials, cudaStream_t stream);
 
-// q = y ⊙ silu(z); yn = rmsnorm(q, w); rstd per row. y, q, yn are [rows, cols] dense; z has row stride ldz.
+// yn = rmsnorm(y ⊙ silu(z), w); rstd per row. y, yn are [rows, cols] dense; z has row stride ldz. The gated
+// q = y ⊙ silu(z) is not stored: the backward recomputes it from the y and z it reads anyway.
 cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, const float* w, int rows, int cols,
-                                      float* q, float* yn, float* rstd, cudaStream_t stream);
+                                      float* yn, float* rstd, cudaStream_t stream);
 
 // From d yn: dq by the RmsNorm backward, then dy = dq ⊙ silu(z) (dense) and dz = dq ⊙ y ⊙ silu'(z) (stride lddz).
-cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* q, const float* rstd, const float* w,
-                                       const float* y, const float* z, int ldz, int rows, int cols, float* dy,
-                                       float* dz, int lddz, cudaStream_t stream);
+// dw_partials [NormPartialRows(rows), cols]: Σ d yn ⊙ q · rstd.
+cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, const float* w, const float* y,
+                                       const float* z, int ldz, int rows, int cols, float* dy, float* dz, int lddz,
+                                       float* dw_partials, cudaStream_t stream);
 
 // The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value, written back into pre_ln; then
 // nhat = (x − mean)·rstd and g = nhat ⊙ w + b. All [rows, cols] dense; rstd per row.
@@ -35,8 +44,11 @@ cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, 
 
 // From dg: d pre_ln = rstd·(dg⊙w − mean(dg⊙w) − nhat·mean(dg⊙w⊙nhat)), then the gate's
 // d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙ σ'(gate_pre). All dense.
+// partials [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and Σ d value (the
+// gate's and the value's bias gradients).
 cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
                                            const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, cudaStream_t stream);
+                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
+                                           cudaStream_t stream);
 
 }  // namespace perception::kernels

@@ -8,6 +8,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr double kPi = 3.141592653589793;
+constexpr int kPerThread = kAdamWChunkFloats / kThreads;
+static_assert(kAdamWChunkFloats % kThreads == 0);
 
 // engine/optimizer.cc's LearningRate, on the device.
 __device__ double LearningRate(const AdamWConfig& c, int64_t step) {
@@ -38,6 +40,20 @@ __global__ void __launch_bounds__(kThreads)
     ClipAdamWKernel(const AdamWChunk* chunks, int count, const double* partials, const int64_t* step_counter,
                     AdamWConfig c, float* params, float* grads, float* exp_avg, float* exp_avg_sq,
                     StepReport* report) {
+  const AdamWChunk chunk = chunks[blockIdx.x];
+  // Every load of the thread's floats first, before the norm's barriers and any store: the four arrays are distinct,
+  // but the compiler cannot know it, and interleaved loads and stores would cost one memory latency per float.
+  float g[kPerThread], p[kPerThread], m[kPerThread], v[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= chunk.count) break;
+    const size_t k = chunk.offset + i;
+    g[j] = grads[k];
+    p[j] = params[k];
+    m[j] = exp_avg[k];
+    v[j] = exp_avg_sq[k];
+  }
   __shared__ double scratch[kThreads / kWarpSize];
   double part = 0.0;
   for (int i = threadIdx.x; i < count; i += kThreads) part += partials[i];
@@ -50,16 +66,20 @@ __global__ void __launch_bounds__(kThreads)
   const float step_size = static_cast<float>(lr) / bias_correction1;
   const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2), eps = static_cast<float>(c.eps);
   const float decay = static_cast<float>(1.0 - lr * c.weight_decay);
-  const AdamWChunk chunk = chunks[blockIdx.x];
-  for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= chunk.count) break;
     const size_t k = chunk.offset + i;
-    const float g = grads[k] * scale;
-    grads[k] = g;
-    if (chunk.weight_decay) params[k] *= decay;
-    exp_avg[k] = b1 * exp_avg[k] + (1.f - b1) * g;
-    exp_avg_sq[k] = b2 * exp_avg_sq[k] + (1.f - b2) * g * g;
-    const float denom = sqrtf(exp_avg_sq[k]) / bias_correction2_sqrt + eps;
-    params[k] -= step_size * exp_avg[k] / denom;
+    const float gk = g[j] * scale;
+    grads[k] = gk;
+    if (chunk.weight_decay) p[j] *= decay;
+    m[j] = b1 * m[j] + (1.f - b1) * gk;
+    v[j] = b2 * v[j] + (1.f - b2) * gk * gk;
+    const float denom = sqrtf(v[j]) / bias_correction2_sqrt + eps;
+    exp_avg[k] = m[j];
+    exp_avg_sq[k] = v[j];
+    params[k] = p[j] - step_size * m[j] / denom;
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     report->grad_norm = norm;

@@ -18,7 +18,8 @@ struct AdamWChunk {
   int count = 0;
   int weight_decay = 0;  // 1 where MODEL.md §4 marks the tensor for decoupled weight decay
 };
-constexpr int kAdamWChunkFloats = 4096;
+// Small enough that the chunks outnumber the SMs several times over (a thread updates 4 floats of its chunk).
+constexpr int kAdamWChunkFloats = 1024;
 
 // OptimizerConfig as the device reads it.
 struct AdamWConfig {

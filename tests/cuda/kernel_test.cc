@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "engine/optimizer.h"
-#include "kernels/bias_fill.h"
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
@@ -41,6 +40,13 @@ double Silu(double v) { return v * Sigmoid(v); }
 double SiluGrad(double v) { return Sigmoid(v) * (1 + v * (1 - Sigmoid(v))); }
 double LecunTanh(double v) { return 1.7159 * std::tanh(0.666 * v); }
 double LecunTanhGrad(double v) { return 1.7159 * 0.666 * (1 - std::pow(std::tanh(0.666 * v), 2)); }
+
+// The sums over rows of a [rows, cols] array of per-block partials.
+Doubles ColumnSums(const Floats& partials, int cols) {
+  Doubles sums(cols, 0.0);
+  for (size_t k = 0; k < partials.size(); ++k) sums[k % cols] += partials[k];
+  return sums;
+}
 
 #define EXPECT_CLOSE(gpu, cpu) EXPECT_LE(RelativeError(gpu, cpu), kTolerance) << #gpu
 
@@ -88,7 +94,7 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
     const Floats v = RandomFloats(rows * ldv, 10, -2, 2), w = RandomFloats(cols, 11, .5, 1.5);
     const Floats dy = RandomFloats(rows * ldy, 12), dv0 = RandomFloats(rows * ldv, 13);
     Doubles y_cpu(rows * ldy, 0), rstd_cpu(rows), residual_cpu(rows * cols), g(cols);
-    Doubles dv_assign(rows * ldv), dv_accumulate(rows * ldv);
+    Doubles dv_assign(rows * ldv), dv_accumulate(rows * ldv), dw_cpu(cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       rstd_cpu[r] = RmsNormRow(&v[r * ldv], w.data(), cols, &y_cpu[r * ldy]);
       for (int i = 0; i < cols; ++i) residual_cpu[r * cols + i] = v[r * ldv + i];
@@ -96,19 +102,21 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
     const Floats rstd_f(rstd_cpu.begin(), rstd_cpu.end());
     for (int r = 0; r < rows; ++r) {
       RmsNormBackwardRow(&v[r * ldv], w.data(), rstd_f[r], &dy[r * ldy], cols, g.data());
+      for (int i = 0; i < cols; ++i) dw_cpu[i] += double(dy[r * ldy + i]) * v[r * ldv + i] * rstd_f[r];
       for (int i = 0; i < ldv; ++i) {
         dv_assign[r * ldv + i] = i < cols ? g[i] : 0.0;
         dv_accumulate[r * ldv + i] = dv0[r * ldv + i] + (i < cols ? g[i] : 0.0);
       }
     }
     DeviceArray<float> dvv(v), dw(w), y(rows * ldy), rstd(rows), residual(rows * cols), ddy(dy), rstd_in(rstd_f);
-    DeviceArray<float> da(rows * ldv), dacc(dv0);
+    DeviceArray<float> da(rows * ldv), dacc(dv0), dw_parts(kernels::NormPartialRows(rows) * cols);
     ASSERT_EQ(kernels::LaunchRmsNormForward(dvv.get(), ldv, dw.get(), rows, cols, y.get(), ldy, rstd.get(),
                                             residual.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
-                                             false, da.get(), ldv, nullptr), cudaSuccess);
+                                             false, da.get(), ldv, dw_parts.get(), nullptr), cudaSuccess);
+    EXPECT_CLOSE(ColumnSums(dw_parts.Download(), cols), dw_cpu);
     ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
-                                             true, dacc.get(), ldv, nullptr), cudaSuccess);
+                                             true, dacc.get(), ldv, dw_parts.get(), nullptr), cudaSuccess);
     EXPECT_CLOSE(y.Download(), y_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
     EXPECT_CLOSE(residual.Download(), residual_cpu);
@@ -125,6 +133,7 @@ TEST(KernelTest, GatedRmsNormForwardAndBackward) {
     const Floats y = RandomFloats(rows * cols, 20, -2, 2), z = RandomFloats(rows * ldz, 21, -3, 3);
     const Floats w = RandomFloats(cols, 22, .5, 1.5), dyn = RandomFloats(rows * cols, 23);
     Doubles q_cpu(rows * cols), yn_cpu(rows * cols), rstd_cpu(rows), dy_cpu(rows * cols), dz_cpu(rows * ldz, 0.0);
+    Doubles dw_cpu(cols, 0.0);
     Floats q_f(rows * cols), g_row(cols);
     Doubles dq(cols);
     for (int r = 0; r < rows; ++r) {
@@ -144,20 +153,22 @@ TEST(KernelTest, GatedRmsNormForwardAndBackward) {
         const double zi = z[r * ldz + i];
         dy_cpu[r * cols + i] = dq[i] * Silu(zi);
         dz_cpu[r * ldz + i] = dq[i] * y[r * cols + i] * SiluGrad(zi);
+        dw_cpu[i] += double(dyn[r * cols + i]) * q_f[r * cols + i] * rstd_f[r];
       }
     }
-    DeviceArray<float> dy_in(y), dz_in(z), dw(w), q(rows * cols), yn(rows * cols), rstd(rows);
-    DeviceArray<float> ddyn(dyn), dq_in(q_f), drstd(rstd_f), dy(rows * cols), dz(rows * ldz);
-    ASSERT_EQ(kernels::LaunchGatedRmsNormForward(dy_in.get(), dz_in.get(), ldz, dw.get(), rows, cols, q.get(), yn.get(),
+    DeviceArray<float> dy_in(y), dz_in(z), dw(w), yn(rows * cols), rstd(rows);
+    DeviceArray<float> ddyn(dyn), drstd(rstd_f), dy(rows * cols), dz(rows * ldz);
+    DeviceArray<float> dw_parts(kernels::NormPartialRows(rows) * cols);
+    ASSERT_EQ(kernels::LaunchGatedRmsNormForward(dy_in.get(), dz_in.get(), ldz, dw.get(), rows, cols, yn.get(),
                                                  rstd.get(), nullptr), cudaSuccess);
-    ASSERT_EQ(kernels::LaunchGatedRmsNormBackward(ddyn.get(), dq_in.get(), drstd.get(), dw.get(), dy_in.get(),
-                                                  dz_in.get(), ldz, rows, cols, dy.get(), dz.get(), ldz, nullptr),
+    ASSERT_EQ(kernels::LaunchGatedRmsNormBackward(ddyn.get(), drstd.get(), dw.get(), dy_in.get(), dz_in.get(), ldz, rows,
+                                                  cols, dy.get(), dz.get(), ldz, dw_parts.get(), nullptr),
               cudaSuccess);
-    EXPECT_CLOSE(q.Download(), q_cpu);
     EXPECT_CLOSE(yn.Download(), yn_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
     EXPECT_CLOSE(dy.Download(), dy_cpu);
     EXPECT_CLOSE(dz.Download(), dz_cpu);
+    EXPECT_CLOSE(ColumnSums(dw_parts.Download(), cols), dw_cpu);
   }
 }
 
@@ -185,7 +196,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
       }
     }
     const Floats nhat_f(nhat_cpu.begin(), nhat_cpu.end()), rstd_f(rstd_cpu.begin(), rstd_cpu.end());
-    Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols);
+    Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols), sums_cpu(4 * cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       double mean_dn = 0, mean_dn_n = 0;
       for (int i = 0; i < cols; ++i) {
@@ -198,16 +209,20 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         dpre_cpu[k] = dpre;
         dvalue_cpu[k] = dpre * sg;
         dgate_cpu[k] = dpre * value[k] * sg * (1 - sg);
+        sums_cpu[i] += double(dg[k]) * nhat_f[k];
+        sums_cpu[cols + i] += dg[k];
+        sums_cpu[2 * cols + i] += dgate_cpu[k];
+        sums_cpu[3 * cols + i] += dvalue_cpu[k];
       }
     }
     DeviceArray<float> pre_ln(skip), dgate_in(gate), dvalue_in(value), dw(w), db(b), nhat(rows * cols), g(rows * cols);
     DeviceArray<float> rstd(rows), ddg(dg), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
-        dval(rows * cols);
+        dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
                                                      rows, cols, nhat.get(), g.get(), rstd.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
                                                       dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
-                                                      nullptr), cudaSuccess);
+                                                      parts.get(), nullptr), cudaSuccess);
     EXPECT_CLOSE(pre_ln.Download(), x_cpu);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
@@ -215,6 +230,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
     EXPECT_CLOSE(dpre.Download(), dpre_cpu);
     EXPECT_CLOSE(dgt.Download(), dgate_cpu);
     EXPECT_CLOSE(dval.Download(), dvalue_cpu);
+    EXPECT_CLOSE(ColumnSums(parts.Download(), 4 * cols), sums_cpu);
   }
 }
 
@@ -279,16 +295,14 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
         }
       }
     }
-    DeviceArray<float> dx_in(x), dweight(weight), dbias(bias), dstate(state), dpre_out(rows * CH), dout(rows * CH);
-    DeviceArray<float> dstate_out(std::max(1, B * carried * CH)), ddxs(dxs), ddbc(dbc), dpre_in(pre_f);
+    DeviceArray<float> dx_in(x), dweight(weight), dbias(bias), dstate(state), dout(rows * CH);
+    DeviceArray<float> dstate_out(std::max(1, B * carried * CH)), ddxs(dxs), ddbc(dbc);
     DeviceArray<float> ddx(rows * ldx), dpart(B * (CH * W + CH));
     const kernels::ConvInput in{B, T, CH, W, dx_in.get(), ldx, dweight.get(), dbias.get(),
                                 k.with_state ? dstate.get() : nullptr};
-    ASSERT_EQ(kernels::LaunchConvForward(in, dpre_out.get(), dout.get(), carried ? dstate_out.get() : nullptr, nullptr),
-              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchConvForward(in, dout.get(), carried ? dstate_out.get() : nullptr, nullptr), cudaSuccess);
     const kernels::ConvOutputGrad grad{ddxs.get(), k.inner, ddbc.get(), k.heads};
-    ASSERT_EQ(kernels::LaunchConvBackward(in, dpre_in.get(), grad, ddx.get(), ldx, dpart.get(), nullptr), cudaSuccess);
-    EXPECT_CLOSE(dpre_out.Download(), pre);
+    ASSERT_EQ(kernels::LaunchConvBackward(in, grad, ddx.get(), ldx, dpart.get(), nullptr), cudaSuccess);
     EXPECT_CLOSE(dout.Download(), out);
     if (carried) {
       EXPECT_CLOSE(dstate_out.Download(), state_out);
@@ -594,21 +608,6 @@ TEST(KernelTest, ColumnSumsOfManyJobsAtOnce) {
   ASSERT_EQ(kernels::LaunchColumnSums(batch, nullptr), cudaSuccess);
   for (size_t s = 0; s < shapes.size(); ++s) {
     EXPECT_LE(RelativeError(arrays[4 * s + 3]->Download(), expected[s]), kTolerance) << "job " << s;
-  }
-}
-
-TEST(KernelTest, BiasFillBroadcastsEveryJob) {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  const int rows = 37;
-  const Floats b1 = RandomFloats(5, 120), b2 = RandomFloats(130, 121);
-  DeviceArray<float> db1(b1), db2(b2), out1(Floats(rows * 9, 7.f)), out2(rows * 130);
-  const std::vector<kernels::BiasFillJob> jobs = {{out1.get(), 9, db1.get(), 5}, {out2.get(), 130, db2.get(), 130}};
-  DeviceArray<kernels::BiasFillJob> djobs(jobs);
-  ASSERT_EQ(kernels::LaunchBiasFill(djobs.get(), 2, rows, nullptr), cudaSuccess);
-  const Floats o1 = out1.Download(), o2 = out2.Download();
-  for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < 9; ++c) EXPECT_EQ(o1[r * 9 + c], c < 5 ? b1[c] : 7.f);
-    for (int c = 0; c < 130; ++c) EXPECT_EQ(o2[r * 130 + c], b2[c]);
   }
 }
 
