@@ -1,14 +1,21 @@
-// The selective scan. One block per (head, sequence), one thread per row p of the head's state s[p, 0..N), which it
-// keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
+// The selective scan, two ways.
 //
-// The backward needs, at each step t walking back in time, the adjoint gs_t = ds_t + dy_t ⊗ C_t (registers again)
-// and, for d dt and d A_log, w_t = a_t·⟨gs_t, s_{t−1}⟩ with a_t = exp(dt_t·A). Storing every s_t would cost
-// B·T·E·N floats per layer, so instead the exact identity
+// Windows of up to kTile (64) steps — the training step of `small` — take the quadratic ("SSD") form below: one
+// block per (head, sequence) stages the whole window in shared memory and forms the time × time products on the
+// FMA pipes, with no sequential dependence at all; its backward computes w_t = a_t·⟨gs_t, s_{t−1}⟩ (for d dt and
+// d A_log) as a sum of terms that all carry a_t, so float32 holds it for any decay.
+//
+// Longer windows take the recurrence: one thread per row p of the head's state s[p, 0..N), which it keeps in
+// registers; B, C, dt and the decay of the next steps are staged in shared memory. Its backward needs, at each step
+// t walking back in time, the adjoint gs_t = ds_t + dy_t ⊗ C_t (registers again) and w_t. Storing every s_t would
+// cost B·T·E·N floats per layer, so instead the exact identity
 //     ⟨gs_t, s_t⟩ = a_t·⟨gs_t, s_{t−1}⟩ + ⟨gs_t, u_t⟩,  u_t = dt_t·xs_t ⊗ B_t,  and  ⟨gs_t, s_t⟩ = yC_t + w_{t+1}
 // with yC_t = Σ_p dy_t[p]·(s_t[p]·C_t) gives w_t = yC_t + w_{t+1} − dt_t·Σ_p xs_t[p]·(gs_t[p]·B_t): a forward pass
 // recomputes the states for yC_t (and d C), a reverse pass carries gs. The subtraction cancels when a_t is tiny,
 // and float32 would lose w_t's digits then (relative error ~ε/a_t); both passes therefore run in double, which
 // keeps w_t to ~1e-12 for any decay. Per-step sums over p go through shared memory in index order (deterministic).
+#include <cuda_pipeline.h>
+
 #include "kernels/common.cuh"
 #include "kernels/ssm.h"
 
@@ -261,6 +268,442 @@ __global__ void SsmScanBackwardKernel(SsmInput in, const float* dy, SsmGrad grad
   }
 }
 
+// ---- The backward of windows of up to kTile steps, in the quadratic ("SSD") form ----
+//
+// With L(k,j) = Π_{i=j+1..k} a_i = exp(A·(cs_k − cs_j)) (cs the running sum of dt, in double, so the difference
+// keeps its digits), XD[k,j] = dy_k·x_j and CB[k,j] = C_k·B_j, the unrolled scan gives for j ≤ k:
+//     d C_k = Σ_j M1[k,j]·B_j,   d B_j = Σ_k M1[k,j]·C_k,   dxb_j = Σ_k M2[k,j]·dy_k   (M1 = L·dt_j·XD, M2 = L·CB),
+//     w_t = a_t·⟨gs_t, s_{t−1}⟩ = Σ_{k≥t} Σ_{j<t} M1[k,j]·CB[k,j],
+// plus, with a state_in S, d C_k += Λ_k·dy_k·S and w_t += Σ_{k≥t} Λ_k·(dy_k·S·C_k), Λ_k = L(k,−1). Every term of
+// w_t carries the factor a_t, so nothing cancels and float32 holds it for any decay. The products run from shared
+// memory on 4×4 register tiles of 16-row groups (rows r, r+16, r+32, r+48), skipping the groups above the diagonal.
+constexpr int kTile = 64, kTileThreads = 256;
+
+// Shared-memory plan of one block, the same on the host and the device. Strides are ≡ 4 (mod 32) floats so that
+// 16-byte loads of 8 consecutive rows hit distinct banks.
+struct TileLayout {
+  int pc, nc;          // headdim and d_state padded to multiples of 4
+  int sp, sn, sq, sbc;  // row strides of [t][p], [t][n], [t][t] and the [t][d B | d C] output
+  int dy, xg, m1, m1t, m2t, b, c, s, vec, floats;  // offsets in floats (xg: x, then G, then the d B | d C output)
+
+  __host__ __device__ explicit TileLayout(const SsmInput& in, bool with_state) {
+    pc = (in.headdim + 3) / 4 * 4;
+    nc = (in.d_state + 3) / 4 * 4;
+    sp = pc + 4;
+    sn = nc + 4;
+    sq = kTile + 4;
+    sbc = 2 * nc + 4;
+    const int rows_tt = kTile * sq, rows_p = kTile * sp;
+    dy = 2 * kTile;  // after cs, kTile doubles
+    xg = dy + rows_p;
+    m1 = xg + Max(Max(rows_p, rows_tt), kTile * sbc);
+    m1t = m1 + Max(rows_tt, rows_p);
+    m2t = m1t + Max(rows_tt, rows_p);
+    b = m2t + rows_tt;
+    c = b + kTile * sn;
+    s = c + kTile * sn;
+    vec = s + (with_state ? pc * sn : 0);
+    floats = vec + kTileVectors * kTile + (nc / 4) * kTile;
+  }
+  // Per-step vectors after `vec`: dt, softplus', w, d D, and 4 partial column sums of w.
+  static constexpr int kTileVectors = 8;
+  __host__ __device__ static constexpr int Max(int a, int b) { return a > b ? a : b; }
+};
+
+// acc[i][c] += Σ_q A[(r + 16i)·lda + q]·Bt[(col + 16c)·ldb + q] over q < depth (a multiple of 4): a Gram tile of two
+// [time][depth] arrays; with kLower only the group pairs i ≥ c (on or below the diagonal) are formed.
+template <bool kLower>
+__device__ __forceinline__ void GramTile(const float* A, int lda, const float* Bt, int ldb, int depth, int r, int col,
+                                         float (&acc)[4][4]) {
+  for (int q = 0; q < depth; q += 4) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = *reinterpret_cast<const float4*>(A + (r + 16 * i) * lda + q);
+      b[i] = *reinterpret_cast<const float4*>(Bt + (col + 16 * i) * ldb + q);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (kLower && i < c) continue;
+        float v = acc[i][c];
+        v = fmaf(a[i].x, b[c].x, v);
+        v = fmaf(a[i].y, b[c].y, v);
+        v = fmaf(a[i].z, b[c].z, v);
+        v = fmaf(a[i].w, b[c].w, v);
+        acc[i][c] = v;
+      }
+    }
+  }
+}
+
+enum class Band { kFull, kLower, kUpper };
+
+// acc[i][c] += Σ_q A[(r + 16i)·lda + q]·Bm[q·ldb + col4 + c] over q < depth. With a band, depth is kTile and A is a
+// [time][time] array that vanishes above (kLower: q > row) or below (kUpper: q < row) the diagonal, so the 16-step
+// segments that lie wholly in the vanishing part are skipped for each row group.
+template <Band kBand>
+__device__ __forceinline__ void RowTile(const float* A, int lda, const float* Bm, int ldb, int depth, int r, int col4,
+                                        float (&acc)[4][4]) {
+  auto step = [&](int q, int first, int last) {  // row groups first..last take part
+    float4 b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) b[u] = *reinterpret_cast<const float4*>(Bm + (q + u) * ldb + col4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < first || i > last) continue;
+      const float4 a = *reinterpret_cast<const float4*>(A + (r + 16 * i) * lda + q);
+      const float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float bv[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[u], bv[c], acc[i][c]);
+      }
+    }
+  };
+  if constexpr (kBand == Band::kFull) {
+    for (int q = 0; q < depth; q += 4) step(q, 0, 3);
+  } else {
+#pragma unroll
+    for (int seg = 0; seg < 4; ++seg) {
+#pragma unroll
+      for (int q = 16 * seg; q < 16 * seg + 16; q += 4) {
+        if constexpr (kBand == Band::kLower) {
+          step(q, seg, 3);
+        } else {
+          step(q, 0, seg);
+        }
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void StoreTile(float* out, int ld, int r, int col4, const float (&acc)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    *reinterpret_cast<float4*>(out + (r + 16 * i) * ld + col4) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void Zero(float (&acc)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[i][c] = 0.f;
+  }
+}
+
+// Warp 0 of a block: dt and softplus' of the window's steps (zero past T) and cs, the running sum of dt in double.
+__device__ void StageSteps(const SsmInput& in, int b, int h, double* cs, float* vdt, float* vdtg) {
+  const int lane = threadIdx.x % kWarpSize;
+  const size_t row0 = static_cast<size_t>(b) * in.window;
+  double run = 0.0;
+  for (int t0 = 0; t0 < kTile; t0 += kWarpSize) {
+    const int t = t0 + lane;
+    float d = 0.f, g = 0.f;
+    if (t < in.window) {
+      const float pre = in.dt_raw[(row0 + t) * in.ld_dt_raw + h] + in.dt_bias[h];
+      d = Softplus(pre);
+      g = SoftplusGrad(pre);
+    }
+    vdt[t] = d;
+    if (vdtg) vdtg[t] = g;
+    double v = d;
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const double up = __shfl_up_sync(0xffffffffu, v, offset);
+      if (lane >= offset) v += up;
+    }
+    cs[t] = run + v;
+    run += __shfl_sync(0xffffffffu, v, kWarpSize - 1);
+  }
+}
+
+// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block).
+// The copies are asynchronous (all of a thread's loads in flight at once): callers end the staging with StagingDone().
+__device__ void StageRows(const float* src, size_t ld, int rows, int cols, int padded, float* dst, int stride,
+                          int padded_rows = kTile) {
+  for (int i = threadIdx.x; i < padded_rows * padded; i += blockDim.x) {
+    const int t = i / padded, c = i % padded;
+    if (t < rows && c < cols) {
+      __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, sizeof(float));
+    } else {
+      dst[t * stride + c] = 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ void StagingDone() {
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kTileThreads, 2) SsmTileBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+  extern __shared__ double2 shared_tile[];
+  const bool with_state = in.state_in != nullptr;
+  const TileLayout lay(in, with_state);
+  double* cs = reinterpret_cast<double*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sdy = base + lay.dy, *const sx = base + lay.xg, *const sm1 = base + lay.m1;
+  float *const sm1t = base + lay.m1t, *const sm2t = base + lay.m2t, *const sb = base + lay.b, *const sc = base + lay.c;
+  float *const ss = base + lay.s, *const vdt = base + lay.vec, *const vdtg = vdt + kTile, *const vw = vdtg + kTile;
+  float *const vdiag = vw + kTile, *const vwpart = vdiag + kTile, *const vzpart = vwpart + 4 * kTile;
+  float* const sg = sx;    // G once x is consumed, then the d B | d C tile
+  float* const sbc = sx;
+  float* const sdxb = sm1;  // dxb once M1 is consumed
+  float* const sxf = sm1t;  // x again once M1ᵀ is consumed
+
+  const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h];
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  // Stage the window, zero past T, headdim and d_state, so that the products need no bounds.
+  if (warp == 0) StageSteps(in, b, h, cs, vdt, vdtg);
+  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  if (with_state) StageRows(in.state_in + StateOffset(in, b, h, 0), N, P, N, lay.nc, ss, lay.sn, lay.pc);
+  StagingDone();
+
+  // XD and CB on the lower triangle, then M1, M1ᵀ, M2ᵀ and G = M1·CB strictly below the diagonal.
+  {
+    const int r = tid % 16, col = tid / 16;
+    float xd[4][4], cb[4][4];
+    Zero(xd);
+    Zero(cb);
+    GramTile<true>(sdy, lay.sp, sx, lay.sp, lay.pc, r, col, xd);
+    GramTile<true>(sc, lay.sn, sb, lay.sn, lay.nc, r, col, cb);
+    __syncthreads();  // x is read by all; G takes its place
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k = r + 16 * i, j = col + 16 * c;
+        float m1 = 0.f, m2 = 0.f, g = 0.f;
+        if (i >= c && k >= j) {
+          const float L = expf(static_cast<float>(static_cast<double>(A) * (cs[k] - cs[j])));
+          m1 = L * vdt[j] * xd[i][c];
+          m2 = L * cb[i][c];
+          if (k > j) g = m1 * cb[i][c];
+          if (k == j) vdiag[k] = xd[i][c];
+        }
+        sm1[k * lay.sq + j] = m1;
+        sm1t[j * lay.sq + k] = m1;
+        sm2t[j * lay.sq + k] = m2;
+        sg[k * lay.sq + j] = g;
+      }
+    }
+  }
+  __syncthreads();
+
+  // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j]: exclusive scans along the rows (a warp per row), then
+  // partial column sums over k ≡ part (mod 4), added in order.
+  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
+    float* row = sg + k * lay.sq;
+    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
+      if (lane >= offset) {
+        v0 += u0;
+        v1 += u1;
+      }
+    }
+    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
+    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
+    row[lane] = lane == 0 ? 0.f : e0;
+    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+  }
+  __syncthreads();
+  {
+    const int t = tid % kTile, part = tid / kTile;
+    float sum = 0.f;
+    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * lay.sq + t];
+    vwpart[part * kTile + t] = sum;
+  }
+  __syncthreads();
+  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+  // (vw is next read after two more barriers.)
+
+  // d C (rows k) and d B (rows j), into the [t][d B | d C] tile where G was.
+  const int bc_slots = 4 * lay.nc;
+  for (int slot = tid; slot < 2 * bc_slots; slot += kTileThreads) {
+    const bool is_dc = slot < bc_slots;
+    const int local = is_dc ? slot : slot - bc_slots, r = local % 16, col4 = local / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    if (is_dc) {
+      RowTile<Band::kLower>(sm1, lay.sq, sb, lay.sn, kTile, r, col4, acc);
+      if (with_state) {
+        float st[4][4];
+        Zero(st);
+        RowTile<Band::kFull>(sdy, lay.sp, ss, lay.sn, lay.pc, r, col4, st);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int k = r + 16 * i;
+          const float lam = expf(static_cast<float>(static_cast<double>(A) * cs[k]));
+          float z = 0.f;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            st[i][c] *= lam;
+            acc[i][c] += st[i][c];
+            z = fmaf(sc[k * lay.sn + col4 + c], st[i][c], z);
+          }
+          vzpart[col4 / 4 * kTile + k] = z;
+        }
+      }
+    } else {
+      RowTile<Band::kUpper>(sm1t, lay.sq, sc, lay.sn, kTile, r, col4, acc);
+    }
+    StoreTile(sbc, lay.sbc, r, col4 + (is_dc ? lay.nc : 0), acc);
+  }
+  __syncthreads();
+  if (with_state && tid == 0) {  // w_t += Σ_{k≥t} z_k, z_k = Λ_k·dy_k·S·C_k
+    float suffix = 0.f;
+    for (int k = kTile - 1; k >= 0; --k) {
+      float z = 0.f;
+      for (int q = 0; q < lay.nc / 4; ++q) z += vzpart[q * kTile + k];
+      suffix += z;
+      vw[k] += suffix;
+    }
+  }
+
+  // dxb (rows j) where M1 was, while x comes back for the last phase where M1ᵀ was.
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sxf, lay.sp);
+  __pipeline_commit();
+  for (int slot = tid; slot < 4 * lay.pc; slot += kTileThreads) {
+    const int r = slot % 16, col4 = slot / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    RowTile<Band::kUpper>(sm2t, lay.sq, sdy, lay.sp, kTile, r, col4, acc);
+    StoreTile(sdxb, lay.sp, r, col4, acc);
+  }
+  StagingDone();
+
+  // One warp per step: d xs, d B | d C, d dt_raw and the A_log / D terms.
+  for (int t = warp; t < T; t += kTileThreads / kWarpSize) {
+    const size_t row = row0 + t;
+    const float dt = vdt[t];
+    float direct = 0.f;  // Σ_p dxb·x
+    for (int p = lane; p < P; p += kWarpSize) {
+      const float dxb = sdxb[t * lay.sp + p];
+      direct = fmaf(dxb, sxf[t * lay.sp + p], direct);
+      grad.dxs[row * E + h * P + p] = sdy[t * lay.sp + p] * Dh + dxb * dt;
+    }
+    direct = WarpSum(direct);
+    float* dbc = grad.dbc + (row * H + h) * 2 * N;
+    for (int n = lane; n < 2 * N; n += kWarpSize) dbc[n] = sbc[t * lay.sbc + (n < N ? n : lay.nc + n - N)];
+    if (lane == 0) {
+      const float w = vw[t];
+      grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
+      grad.param_partials[row * 2 * H + h] = w * dt * A;
+      grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+    }
+  }
+}
+
+// The forward of a window of up to kTile steps in the same form: y_k = Σ_{j≤k} L(k,j)·dt_j·CB[k,j]·x_j + D·x_k
+// (+ Λ_k·S·C_k), and the final state Σ_j L(T−1,j)·dt_j·x_j ⊗ B_j (+ Λ_{T−1}·S).
+struct ForwardTileLayout {
+  int pc, nc, sp, sn, sq;
+  int x, m, y, b, c, st, vec, floats;  // offsets in floats; st: Sᵀ [n][p]
+  __host__ __device__ explicit ForwardTileLayout(const SsmInput& in, bool with_state) {
+    pc = (in.headdim + 3) / 4 * 4;
+    nc = (in.d_state + 3) / 4 * 4;
+    sp = pc + 4;
+    sn = nc + 4;
+    sq = kTile + 4;
+    x = 2 * kTile;  // after cs
+    m = x + kTile * sp;
+    y = m + kTile * sq;
+    b = y + kTile * sp;
+    c = b + kTile * sn;
+    st = c + kTile * sn;
+    vec = st + (with_state ? nc * sp : 0);
+    floats = vec + 2 * kTile;  // dt, then L(T−1,j)·dt_j
+  }
+};
+
+__global__ void __launch_bounds__(kTileThreads, 2) SsmTileForwardKernel(SsmInput in, float* y, float* state_out) {
+  extern __shared__ double2 shared_tile[];
+  const bool with_state = in.state_in != nullptr;
+  const ForwardTileLayout lay(in, with_state);
+  double* cs = reinterpret_cast<double*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sx = base + lay.x, *const sm = base + lay.m, *const sy = base + lay.y, *const sb = base + lay.b;
+  float *const sc = base + lay.c, *const sst = base + lay.st, *const vdt = base + lay.vec, *const vcoef = vdt + kTile;
+  const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h];
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (tid < kWarpSize) StageSteps(in, b, h, cs, vdt, nullptr);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  if (with_state) {
+    for (int i = tid; i < lay.nc * lay.pc; i += kTileThreads) {
+      const int n = i / lay.pc, p = i % lay.pc;
+      sst[n * lay.sp + p] = (p < P && n < N) ? in.state_in[StateOffset(in, b, h, p) + n] : 0.f;
+    }
+  }
+  StagingDone();
+  {
+    const int r = tid % 16, col = tid / 16;
+    float cb[4][4];
+    Zero(cb);
+    GramTile<true>(sc, lay.sn, sb, lay.sn, lay.nc, r, col, cb);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k = r + 16 * i, j = col + 16 * c;
+        float m = 0.f;
+        if (i >= c && k >= j) m = expf(static_cast<float>(static_cast<double>(A) * (cs[k] - cs[j]))) * vdt[j] * cb[i][c];
+        sm[k * lay.sq + j] = m;
+      }
+    }
+  }
+  if (tid < kTile) vcoef[tid] = expf(static_cast<float>(static_cast<double>(A) * (cs[kTile - 1] - cs[tid]))) * vdt[tid];
+  __syncthreads();
+  for (int slot = tid; slot < 4 * lay.pc; slot += kTileThreads) {
+    const int r = slot % 16, col4 = slot / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    RowTile<Band::kLower>(sm, lay.sq, sx, lay.sp, kTile, r, col4, acc);
+    if (with_state) {
+      float st[4][4];
+      Zero(st);
+      RowTile<Band::kFull>(sc, lay.sn, sst, lay.sp, lay.nc, r, col4, st);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float lam = expf(static_cast<float>(static_cast<double>(A) * cs[r + 16 * i]));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(lam, st[i][c], acc[i][c]);
+      }
+    }
+    StoreTile(sy, lay.sp, r, col4, acc);
+  }
+  __syncthreads();
+  for (int i = tid; i < T * P; i += kTileThreads) {
+    const int t = i / P, p = i % P;
+    y[(row0 + t) * E + h * P + p] = fmaf(Dh, sx[t * lay.sp + p], sy[t * lay.sp + p]);
+  }
+  if (state_out) {
+    const float lam = expf(static_cast<float>(static_cast<double>(A) * cs[kTile - 1]));
+    for (int i = tid; i < P * N; i += kTileThreads) {
+      const int p = i / N, n = i % N;
+      float v = with_state ? lam * sst[n * lay.sp + p] : 0.f;
+      for (int j = 0; j < T; ++j) v = fmaf(vcoef[j] * sx[j * lay.sp + p], sb[j * lay.sn + n], v);
+      state_out[StateOffset(in, b, h, p) + n] = v;
+    }
+  }
+}
+
 template <int kN>
 cudaError_t LaunchForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   const size_t bytes = Stage<float, kN, kForwardStageSteps>::Bytes();
@@ -293,15 +736,30 @@ bool ValidShape(const SsmInput& in) {
   return in.batch > 0 && in.window > 0 && in.heads > 0 && in.headdim > 0 && in.headdim <= 1024 && in.d_state > 0;
 }
 
+// Windows the one-tile kernels take (their shared memory stays within a block's 227 KB for headdim ≤ 128).
+bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2 * kTile; }
+
 }  // namespace
 
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
+  if (FitsTile(in)) {
+    const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmTileForwardKernel, bytes); e != cudaSuccess) return e;
+    SsmTileForwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y, state_out);
+    return cudaGetLastError();
+  }
   return WithStateWidth(in.d_state, [&]<int kN>() { return LaunchForward<kN>(in, y, state_out, stream); });
 }
 
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
+  if (FitsTile(in)) {
+    const size_t bytes = TileLayout(in, in.state_in != nullptr).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmTileBackwardKernel, bytes); e != cudaSuccess) return e;
+    SsmTileBackwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, dy, grad);
+    return cudaGetLastError();
+  }
   return WithStateWidth(in.d_state, [&]<int kN>() { return LaunchBackward<kN>(in, dy, grad, stream); });
 }
 

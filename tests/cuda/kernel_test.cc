@@ -378,7 +378,8 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
   for (const SsmCase k : {SsmCase{1, 1, 1, 1, 1, false}, SsmCase{2, 9, 4, 4, 3, true}, SsmCase{1, 70, 3, 64, 32, true},
                           SsmCase{2, 37, 2, 33, 64, false}, SsmCase{1, 100, 2, 16, 16, true},
-                          SsmCase{3, 5, 1, 70, 8, true}}) {
+                          SsmCase{3, 5, 1, 70, 8, true}, SsmCase{2, 64, 2, 64, 32, false},
+                          SsmCase{1, 64, 2, 64, 64, true}, SsmCase{1, 50, 1, 128, 16, true}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " H" << k.heads << " P" << k.headdim
                                       << " N" << k.d_state);
     const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
