@@ -36,8 +36,9 @@ absl::Status CheckKernelLimits(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA backend: d_conv ", c.d_conv, " exceeds the conv's limit of ",
                                                    kernels::kMaxConvWidth));
   }
-  if (c.headdim > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds 1024"));
+  if (c.headdim > kernels::kMaxSsmHeaddim) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds the scan's limit of ",
+                                                   kernels::kMaxSsmHeaddim));
   }
   return absl::OkStatus();
 }
@@ -190,6 +191,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dy_, M * d.E);
   a.Reserve(&dxs_, M * d.E);
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
+  a.Reserve(&ssm_scratch_, kernels::SsmBackwardScratchFloats(c.batch, c.window, d.Hh, d.P, d.N));
 
   states_.layers = d.L;
   states_.conv_per_layer = static_cast<size_t>(c.batch) * c.conv_state_size();
@@ -603,7 +605,7 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.q, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx,
                                                            d.zd, rows, d.E, dy_, a.dzx, d.zd, stream_));
-  const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials};
+  const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials, ssm_scratch_};
   CUDA_RETURN_IF_ERROR(kernels::LaunchSsmScanBackward(SsmInputOf(l, config().batch, config().window, nullptr), dy_,
                                                       ssm_grad, stream_));
   const kernels::ConvOutputGrad conv_grad{dxs_, d.E, dbc_, d.Hh};

@@ -214,6 +214,7 @@ class CudaModel {
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
+  float* ssm_scratch_ = nullptr;  // the chunked scan backward's boundary states and adjoints (windows over 64 steps)
   StreamStates states_;
 
   // Device tables, built once: bias broadcasts, column sums (the gradients that sum over events), AdamW chunks.
