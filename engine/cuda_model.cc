@@ -44,8 +44,9 @@ absl::Status CheckKernelLimits(const ModelConfig& c) {
                                                      " exceeds the norms' limit of ", kernels::kMaxNormWidth));
     }
   }
-  if (c.headdim > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds 1024"));
+  if (c.headdim > kernels::kMaxSsmHeaddim) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA backend: headdim ", c.headdim, " exceeds the scan's limit of ",
+                                                   kernels::kMaxSsmHeaddim));
   }
   return absl::OkStatus();
 }
@@ -212,6 +213,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
   a.Reserve(&norm_f_partials_, norm_partial_rows * d.D);
   a.Reserve(&grn_partials_, norm_partial_rows * 4 * d.G);
+  a.Reserve(&ssm_scratch_, kernels::SsmBackwardScratchFloats(c.batch, c.window, d.Hh, d.P, d.N));
 
   states_.layers = d.L;
   states_.conv_per_layer = static_cast<size_t>(c.batch) * c.conv_state_size();
@@ -686,7 +688,7 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
                                                            rows, d.E, dy_, a.dzx, d.zd, a.mixer_norm_partials,
                                                            stream_));
-  const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials};
+  const kernels::SsmGrad ssm_grad{dxs_, dbc_, a.dzx + d.E + d.cd, d.zd, a.ssm_partials, ssm_scratch_};
   CUDA_RETURN_IF_ERROR(kernels::LaunchSsmScanBackward(SsmInputOf(l, config().batch, config().window, nullptr), dy_,
                                                       ssm_grad, stream_));
   const kernels::ConvOutputGrad conv_grad{dxs_, d.E, dbc_, d.Hh};

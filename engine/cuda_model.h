@@ -236,6 +236,7 @@ class CudaModel {
   // Per-block gradient partials of the norm backwards: norm_f's weight; the GRN norm's weight and bias and the
   // gate's and value's biases.
   float *norm_f_partials_ = nullptr, *grn_partials_ = nullptr;
+  float* ssm_scratch_ = nullptr;  // the chunked scan backward's boundary states and adjoints (windows over 64 steps)
   StreamStates states_;
 
   // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.

@@ -1,39 +1,37 @@
-// The selective scan. One block per (head, sequence), one thread per row p of the head's state s[p, 0..N), which it
-// keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
+// The selective scan in its quadratic ("SSD") form: one block per (head, sequence) stages a chunk of up to kTile (64)
+// steps in shared memory and forms the time × time products on the FMA pipes, with no sequential dependence inside
+// the chunk. The backward computes w_t = a_t·⟨gs_t, s_{t−1}⟩ (for d dt and d A_log) as a sum of terms that all carry
+// a_t, so float32 holds it for any decay; longer windows run it chunk by chunk from the last, with the states at the
+// chunk boundaries computed first and the adjoint of each chunk's start state handed to the chunk before.
 //
-// The backward needs, at each step t walking back in time, the adjoint gs_t = ds_t + dy_t ⊗ C_t (registers again)
-// and, for d dt and d A_log, w_t = a_t·⟨gs_t, s_{t−1}⟩ with a_t = exp(dt_t·A). Storing every s_t would cost
-// B·T·E·N floats per layer, so instead the exact identity
-//     ⟨gs_t, s_t⟩ = a_t·⟨gs_t, s_{t−1}⟩ + ⟨gs_t, u_t⟩,  u_t = dt_t·xs_t ⊗ B_t,  and  ⟨gs_t, s_t⟩ = yC_t + w_{t+1}
-// with yC_t = Σ_p dy_t[p]·(s_t[p]·C_t) gives w_t = yC_t + w_{t+1} − dt_t·Σ_p xs_t[p]·(gs_t[p]·B_t): a forward pass
-// recomputes the states for yC_t (and d C), a reverse pass carries gs. The subtraction cancels when a_t is tiny,
-// and float32 would lose w_t's digits then (relative error ~ε/a_t); both passes therefore run in double, which
-// keeps w_t to ~1e-12 for any decay. Per-step sums over p go through shared memory in index order (deterministic).
+// The forward of longer windows (evaluation and `large`) is the recurrence: one thread per row p of the head's state
+// s[p, 0..N), which it keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+
 #include "kernels/common.cuh"
 #include "kernels/ssm.h"
 
 namespace perception::kernels {
 namespace {
 
-constexpr int kForwardStageSteps = 32, kBackwardStageSteps = 16;
+constexpr int kForwardStageSteps = 32;
 
-// Per-step inputs of up to kSteps steps, staged for the whole block: B and C as [step][B: kN | C: kN] in type T
-// (zero past d_state, so the state loops need no bounds and load 16 bytes at a time), and dt, exp(dt·A), softplus'.
-// The backward stages B and C in double, converted once here instead of once per state element.
-template <typename T, int kN, int kSteps>
+// Per-step inputs of up to kSteps steps, staged for the whole block: B and C as [step][B: kN | C: kN] (zero past
+// d_state, so the state loops need no bounds and load 16 bytes at a time), dt and exp(dt·A).
+template <int kN, int kSteps>
 struct Stage {
-  T* bc;
+  float* bc;
   float* dt;
   float* decay;
-  float* dt_grad;
 
-  __host__ __device__ static constexpr size_t Bytes() { return kSteps * (2 * kN * sizeof(T) + 3 * sizeof(float)); }
+  __host__ __device__ static constexpr size_t Bytes() { return kSteps * (2 * kN + 2) * sizeof(float); }
   __device__ static Stage At(void* base) {
     Stage s;
-    s.bc = static_cast<T*>(base);
-    s.dt = reinterpret_cast<float*>(s.bc + kSteps * 2 * kN);
+    s.bc = static_cast<float*>(base);
+    s.dt = s.bc + kSteps * 2 * kN;
     s.decay = s.dt + kSteps;
-    s.dt_grad = s.decay + kSteps;
     return s;
   }
 
@@ -43,15 +41,13 @@ struct Stage {
     for (int i = threadIdx.x; i < len * 2 * kN; i += blockDim.x) {
       const int step = i / (2 * kN), half = (i / kN) % 2, n = i % kN;  // half 0: B, 1: C
       const size_t row = static_cast<size_t>(b) * in.window + t0 + step;
-      bc[i] = n < N ? static_cast<T>(in.xbc[row * in.ld_xbc + inner + half * N + n]) : T(0);
+      bc[i] = n < N ? in.xbc[row * in.ld_xbc + inner + half * N + n] : 0.f;
     }
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
       const size_t row = static_cast<size_t>(b) * in.window + t0 + i;
-      const float pre = in.dt_raw[row * in.ld_dt_raw + h] + in.dt_bias[h];
-      const float d = Softplus(pre);
+      const float d = Softplus(in.dt_raw[row * in.ld_dt_raw + h] + in.dt_bias[h]);
       dt[i] = d;
       decay[i] = expf(d * A);
-      dt_grad[i] = SoftplusGrad(pre);
     }
   }
 };
@@ -63,7 +59,7 @@ __device__ __forceinline__ size_t StateOffset(const SsmInput& in, int b, int h, 
 template <int kN>
 __global__ void SsmScanForwardKernel(SsmInput in, float* y, float* state_out) {
   extern __shared__ float4 shared_f4[];
-  using ForwardStage = Stage<float, kN, kForwardStageSteps>;
+  using ForwardStage = Stage<kN, kForwardStageSteps>;
   const ForwardStage stage = ForwardStage::At(shared_f4);
   const int N = in.d_state, P = in.headdim, E = in.heads * P;
   const int h = blockIdx.x, b = blockIdx.y, p = threadIdx.x;
@@ -109,172 +105,666 @@ __global__ void SsmScanForwardKernel(SsmInput in, float* y, float* state_out) {
   }
 }
 
-// Shared memory of the backward: the stage, yC per step, per-warp partial sums (double buffered), and the [N][P+1]
-// table whose columns are summed over p (double buffered, padded against bank conflicts).
-template <int kN>
-struct BackwardShared {
-  using BackwardStage = Stage<double, kN, kBackwardStageSteps>;
-  BackwardStage stage;
-  double* yc;         // [window]
-  double* warp_sums;  // [2][warps][3]
-  float* columns;     // [2][N][P+1]
+// ---- The backward of windows of up to kTile steps, in the quadratic ("SSD") form ----
+//
+// With L(k,j) = Π_{i=j+1..k} a_i = exp(A·(cs_k − cs_j)) (cs the running sum of dt, in double, so the difference
+// keeps its digits), XD[k,j] = dy_k·x_j and CB[k,j] = C_k·B_j, the unrolled scan gives for j ≤ k:
+//     d C_k = Σ_j M1[k,j]·B_j,   d B_j = Σ_k M1[k,j]·C_k,   dxb_j = Σ_k M2[k,j]·dy_k   (M1 = L·dt_j·XD, M2 = L·CB),
+//     w_t = a_t·⟨gs_t, s_{t−1}⟩ = Σ_{k≥t} Σ_{j<t} M1[k,j]·CB[k,j],
+// plus, with a state_in S, d C_k += Λ_k·dy_k·S and w_t += Σ_{k≥t} Λ_k·(dy_k·S·C_k), Λ_k = L(k,−1). Every term of
+// w_t carries the factor a_t, so nothing cancels and float32 holds it for any decay. The products run from shared
+// memory on 4×4 register tiles of 16-row groups (rows r, r+16, r+32, r+48), skipping the groups above the diagonal.
+constexpr int kTile = 64, kTileThreads = 256;
 
-  static size_t Bytes(const SsmInput& in, int warps) {
-    return BackwardStage::Bytes() + sizeof(double) * (in.window + 2 * warps * 3) +
-           sizeof(float) * 2 * in.d_state * (in.headdim + 1);
-  }
-  __device__ static BackwardShared At(void* base, const SsmInput& in, int warps) {
-    BackwardShared s;
-    s.stage = BackwardStage::At(base);
-    s.yc = reinterpret_cast<double*>(static_cast<char*>(base) + BackwardStage::Bytes());
-    s.warp_sums = s.yc + in.window;
-    s.columns = reinterpret_cast<float*>(s.warp_sums + 2 * warps * 3);
-    return s;
-  }
+// One chunk of the window for the backward: its steps [t0, t0 + kTile) ∩ [0, T), the state at its start, and the
+// adjoint of its end state (from the chunk after it); it emits the adjoint of its start state for the chunk before.
+// A window of up to kTile steps is one chunk with neither adjoint.
+struct TileChunk {
+  int t0 = 0;
+  const float* state = nullptr;  // [batch, heads, P, N] like state_in, or null for a zero state
+  const float* ds_in = nullptr;  // [batch, heads, P, N], or null for the window's last chunk
+  float* ds_out = nullptr;       // [batch, heads, P, N], or null for the window's first chunk
 };
 
-// Column n of `columns` summed over p in order, for n = thread, thread + blockDim, ...; out[n] receives it.
-__device__ __forceinline__ void SumColumns(const float* columns, int N, int P, float* out) {
-  for (int n = threadIdx.x; n < N; n += blockDim.x) {
-    float sum = 0.f;
-    for (int q = 0; q < P; ++q) sum += columns[n * (P + 1) + q];
-    out[n] = sum;
+// Shared-memory plan of one backward block, the same on the host and the device. Strides are ≡ 4 (mod 32) floats so
+// that 16-byte loads of 8 consecutive rows hit distinct banks.
+struct TileLayout {
+  int pc, nc;           // headdim and d_state padded to multiples of 4
+  int sp, sn, sq, sbc;  // row strides of [t][p], [t][n], [t][t] and the [t][d B | d C] output
+  int dy, x, m1, m1t, m2t, b, c, s, g, ds, dst, vec, floats;  // offsets in floats
+
+  __host__ __device__ TileLayout(const SsmInput& in, const TileChunk& chunk, bool chunked) {
+    pc = (in.headdim + 3) / 4 * 4;
+    nc = (in.d_state + 3) / 4 * 4;
+    sp = pc + 4;
+    sn = nc + 4;
+    sq = kTile + 4;
+    sbc = 2 * nc + 4;
+    const int rows_tt = kTile * sq, rows_p = kTile * sp, rows_bc = kTile * sbc;
+    dy = 2 * kTile;  // after cs (float pairs)
+    x = dy + rows_p;
+    // One window: G, then the d B | d C tile, take x's place (x comes back where M1ᵀ was, for the last phase).
+    // Chunks keep x (their end-state terms read it late) and give G its own room.
+    m1 = x + (chunked ? rows_p : Max(Max(rows_p, rows_tt), rows_bc));
+    m1t = m1 + Max(rows_tt, rows_p);
+    m2t = m1t + Max(rows_tt, rows_p);
+    b = m2t + rows_tt;
+    c = b + kTile * sn;
+    s = c + kTile * sn;
+    g = s + (chunk.state ? pc * sn : 0);
+    ds = g + (chunked ? Max(rows_tt, rows_bc) : 0);
+    dst = ds + (chunk.ds_in ? pc * sn : 0);
+    vec = dst + (chunk.ds_in ? nc * sp : 0);
+    floats = vec + kTileVectors * kTile + 2 * (nc / 4) * kTile + kWarpSize;
+  }
+  // Per-step vectors after `vec`: dt, softplus', w, d D, 4 partial column sums of w; then per-column-group partials
+  // of the state's and the end adjoint's terms of w, and a block-sum scratch.
+  static constexpr int kTileVectors = 8;
+  __host__ __device__ static constexpr int Max(int a, int b) { return a > b ? a : b; }
+};
+
+// acc[i][c] += Σ_q A[(r + 16i)·lda + q]·Bt[(col + 16c)·ldb + q] over q < depth (a multiple of 4): a Gram tile of two
+// [time][depth] arrays; with kLower only the group pairs i ≥ c (on or below the diagonal) are formed.
+template <bool kLower>
+__device__ __forceinline__ void GramTile(const float* A, int lda, const float* Bt, int ldb, int depth, int r, int col,
+                                         float (&acc)[4][4]) {
+  for (int q = 0; q < depth; q += 4) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = *reinterpret_cast<const float4*>(A + (r + 16 * i) * lda + q);
+      b[i] = *reinterpret_cast<const float4*>(Bt + (col + 16 * i) * ldb + q);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (kLower && i < c) continue;
+        float v = acc[i][c];
+        v = fmaf(a[i].x, b[c].x, v);
+        v = fmaf(a[i].y, b[c].y, v);
+        v = fmaf(a[i].z, b[c].z, v);
+        v = fmaf(a[i].w, b[c].w, v);
+        acc[i][c] = v;
+      }
+    }
   }
 }
 
-template <int kN>
-__global__ void SsmScanBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
-  extern __shared__ double2 shared_d2[];
-  const int warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const BackwardShared<kN> sh = BackwardShared<kN>::At(shared_d2, in, warps);
-  const auto& stage = sh.stage;
-  const int N = in.d_state, P = in.headdim, H = in.heads, E = H * P;
-  const int h = blockIdx.x, b = blockIdx.y, p = threadIdx.x;
-  const bool active = p < P;
-  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h];
-  int buf = 0;
+enum class Band { kFull, kLower, kUpper };
 
-  // Forward in time: recompute s_t, emit d C_t = Σ_p dy_t[p]·s_t[p], keep yC_t.
-  double s[kN];
+// acc[i][c] += Σ_q A[(r + 16i)·lda + q]·Bm[q·ldb + col4 + c] over q < depth. With a band, depth is kTile and A is a
+// [time][time] array that vanishes above (kLower: q > row) or below (kUpper: q < row) the diagonal, so the 16-step
+// segments that lie wholly in the vanishing part are skipped for each row group.
+template <Band kBand>
+__device__ __forceinline__ void RowTile(const float* A, int lda, const float* Bm, int ldb, int depth, int r, int col4,
+                                        float (&acc)[4][4]) {
+  auto step = [&](int q, int first, int last) {  // row groups first..last take part
+    float4 b[4];
 #pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    s[n] = (active && n < N && in.state_in) ? in.state_in[StateOffset(in, b, h, p) + n] : 0.0;
-  }
-  for (int t0 = 0; t0 < in.window; t0 += kBackwardStageSteps) {
-    const int len = min(kBackwardStageSteps, in.window - t0);
-    __syncthreads();
-    stage.Load(in, b, h, t0, len, A);
-    __syncthreads();
-    for (int i = 0; i < len; ++i) {
-      const size_t row = static_cast<size_t>(b) * in.window + t0 + i;
-      const double x = active ? in.xbc[row * in.ld_xbc + h * P + p] : 0.f;
-      const double dyv = active ? dy[row * E + h * P + p] : 0.f;
-      const double xv = x * stage.dt[i], decay = stage.decay[i];
-      const double2* B2 = reinterpret_cast<const double2*>(stage.bc + i * 2 * kN);
-      const double2* C2 = B2 + kN / 2;
-      float* columns = sh.columns + buf * N * (P + 1);
-      double cs = 0.0;
+    for (int u = 0; u < 4; ++u) b[u] = *reinterpret_cast<const float4*>(Bm + (q + u) * ldb + col4);
 #pragma unroll
-      for (int q = 0; q < kN / 2; ++q) {
-        const double2 bq = B2[q], cq = C2[q];
-        const double bn[2] = {bq.x, bq.y}, cn[2] = {cq.x, cq.y};
+    for (int i = 0; i < 4; ++i) {
+      if (i < first || i > last) continue;
+      const float4 a = *reinterpret_cast<const float4*>(A + (r + 16 * i) * lda + q);
+      const float av[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int n = 2 * q + r;
-          s[n] = decay * s[n] + xv * bn[r];
-          cs += cn[r] * s[n];
-          if (active && n < N) columns[n * (P + 1) + p] = static_cast<float>(dyv * s[n]);
+      for (int u = 0; u < 4; ++u) {
+        const float bv[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(av[u], bv[c], acc[i][c]);
+      }
+    }
+  };
+  if constexpr (kBand == Band::kFull) {
+    for (int q = 0; q < depth; q += 4) step(q, 0, 3);
+  } else {
+#pragma unroll
+    for (int seg = 0; seg < 4; ++seg) {
+#pragma unroll
+      for (int q = 16 * seg; q < 16 * seg + 16; q += 4) {
+        if constexpr (kBand == Band::kLower) {
+          step(q, seg, 3);
+        } else {
+          step(q, 0, seg);
         }
       }
-      const double yc = WarpSum(dyv * cs);
-      if (lane == 0) sh.warp_sums[(buf * warps + warp) * 3] = yc;
-      __syncthreads();
-      SumColumns(columns, N, P, grad.dbc + (row * H + h) * 2 * N + N);
-      if (threadIdx.x == 0) {
-        double total = 0.0;
-        for (int w = 0; w < warps; ++w) total += sh.warp_sums[(buf * warps + w) * 3];
-        sh.yc[t0 + i] = total;
+    }
+  }
+}
+
+__device__ __forceinline__ void StoreTile(float* out, int ld, int r, int col4, const float (&acc)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    *reinterpret_cast<float4*>(out + (r + 16 * i) * ld + col4) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void Zero(float (&acc)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[i][c] = 0.f;
+  }
+}
+
+// exp(A·(cs_k − cs_j)) = Π_{i=j+1..k} a_i, and exp(A·cs_k) = Π_{i≤k} a_i; a2 = A·log2(e).
+__device__ __forceinline__ float DecayBetween(const float2* cs, int k, int j, float a2) {
+  return exp2f(a2 * ((cs[k].x - cs[j].x) + (cs[k].y - cs[j].y)));
+}
+__device__ __forceinline__ float DecayFromStart(const float2* cs, int k, float a2) {
+  return exp2f(a2 * (cs[k].x + cs[k].y));
+}
+
+// Warp 0 of a block: dt and softplus' of the steps row0.. row0 + len − 1 (zero past len, up to kTile) and cs, the
+// running sum of dt, summed in double and kept as float pairs hi + lo: then hi_k − hi_j rounds only once, and the
+// decays between any two steps keep their digits without FP64 in the products' epilogues.
+__device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, float2* cs, float* vdt, float* vdtg) {
+  const int lane = threadIdx.x % kWarpSize;
+  double run = 0.0;
+  for (int t0 = 0; t0 < kTile; t0 += kWarpSize) {
+    const int t = t0 + lane;
+    float d = 0.f, g = 0.f;
+    if (t < len) {
+      const float pre = in.dt_raw[(row0 + t) * in.ld_dt_raw + h] + in.dt_bias[h];
+      d = Softplus(pre);
+      g = SoftplusGrad(pre);
+    }
+    vdt[t] = d;
+    if (vdtg) vdtg[t] = g;
+    double v = d;
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const double up = __shfl_up_sync(0xffffffffu, v, offset);
+      if (lane >= offset) v += up;
+    }
+    const double sum = run + v;
+    const float hi = static_cast<float>(sum);
+    cs[t] = make_float2(hi, static_cast<float>(sum - hi));
+    run += __shfl_sync(0xffffffffu, v, kWarpSize - 1);
+  }
+}
+
+// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block).
+// The copies are asynchronous (all of a thread's loads in flight at once): callers end the staging with StagingDone().
+__device__ void StageRows(const float* src, size_t ld, int rows, int cols, int padded, float* dst, int stride,
+                          int padded_rows = kTile) {
+  if (cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {  // 16 bytes at a time
+    const int chunks = padded / 4;
+    for (int i = threadIdx.x; i < padded_rows * chunks; i += blockDim.x) {
+      const int t = i / chunks, c = (i - t * chunks) * 4;
+      if (t < rows && c < cols) {
+        __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, 4 * sizeof(float));
+      } else {
+        *reinterpret_cast<float4*>(dst + t * stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      buf ^= 1;
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < padded_rows * padded; i += blockDim.x) {
+    const int t = i / padded, c = i % padded;
+    if (t < rows && c < cols) {
+      __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, sizeof(float));
+    } else {
+      dst[t * stride + c] = 0.f;
+    }
+  }
+}
+
+// dst[c·stride + t] = src[t·ld + c]: StageRows transposed (4 bytes at a time), zero up to padded_rows × padded.
+__device__ void StageTransposed(const float* src, size_t ld, int rows, int cols, int padded_rows, int padded,
+                                float* dst, int stride) {
+  for (int i = threadIdx.x; i < padded_rows * padded; i += blockDim.x) {
+    const int t = i / padded, c = i % padded;
+    if (t < rows && c < cols) {
+      __pipeline_memcpy_async(dst + c * stride + t, src + t * ld + c, sizeof(float));
+    } else {
+      dst[c * stride + t] = 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ void StagingDone() {
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+}
+
+// The backward of one chunk (kChunked) or of a whole window of up to kTile steps. A chunk's start state S adds
+// Λ_k·dy_k·S to d C_k and Σ_{k≥t} Λ_k·(dy_k·S·C_k) to w_t; the adjoint dS of its end state adds
+// L(end,j)·dt_j·x_jᵀ·dS to d B_j, L(end,j)·dS·B_j to dxb_j and Σ_{j<t} L(end,j)·dt_j·x_jᵀ·dS·B_j + Λ_end·⟨dS, S⟩ to
+// w_t — again sums of terms that carry a_t; the start state's adjoint is Λ_end·dS + Σ_k Λ_k·dy_k ⊗ C_k.
+template <bool kChunked>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    SsmTileBackwardKernel(SsmInput in, const float* dy, SsmGrad grad, TileChunk chunk) {
+  extern __shared__ double2 shared_tile[];
+  const bool with_state = chunk.state != nullptr, with_ds = kChunked && chunk.ds_in != nullptr;
+  const TileLayout lay(in, chunk, kChunked);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sdy = base + lay.dy, *const sx = base + lay.x, *const sm1 = base + lay.m1;
+  float *const sm1t = base + lay.m1t, *const sm2t = base + lay.m2t, *const sb = base + lay.b, *const sc = base + lay.c;
+  float *const ss = base + lay.s, *const sds = base + lay.ds, *const sdst = base + lay.dst;
+  float *const vdt = base + lay.vec, *const vdtg = vdt + kTile, *const vw = vdtg + kTile, *const vdiag = vw + kTile;
+  float *const vwpart = vdiag + kTile, *const vzpart = vwpart + 4 * kTile, *const vvpart = vzpart + lay.nc / 4 * kTile;
+  float* const vscratch = vvpart + lay.nc / 4 * kTile;
+  float* const sg = kChunked ? base + lay.g : sx;  // G, then the d B | d C tile
+  float* const sbc = sg;
+  float* const sdxb = sm1;                       // dxb once M1 is consumed
+  float* const sxf = kChunked ? sx : sm1t;       // x for the last phase
+  float* const sdyt = sm1t;                      // chunks: dyᵀ [p][k] once M1ᵀ is consumed
+
+  const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int len = min(kTile, T - chunk.t0);
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T + chunk.t0;
+
+  // Stage the chunk, zero past its length, headdim and d_state, so that the products need no bounds.
+  if (warp == 0) StageSteps(in, row0, len, h, cs, vdt, vdtg);
+  StageRows(dy + row0 * E + h * P, E, len, P, lay.pc, sdy, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, len, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, len, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, len, N, lay.nc, sc, lay.sn);
+  if (with_state) StageRows(chunk.state + StateOffset(in, b, h, 0), N, P, N, lay.nc, ss, lay.sn, lay.pc);
+  if (with_ds) {
+    StageRows(chunk.ds_in + StateOffset(in, b, h, 0), N, P, N, lay.nc, sds, lay.sn, lay.pc);
+    StageTransposed(chunk.ds_in + StateOffset(in, b, h, 0), N, P, N, lay.pc, lay.nc, sdst, lay.sp);
+  }
+  StagingDone();
+  float ds_dot_state = 0.f;  // ⟨dS, S⟩
+  if (with_ds && with_state) {
+    float part = 0.f;
+    for (int i = tid; i < lay.pc * lay.nc; i += kTileThreads) {
+      const int p = i / lay.nc, n = i % lay.nc;
+      part = fmaf(sds[p * lay.sn + n], ss[p * lay.sn + n], part);
+    }
+    ds_dot_state = BlockSum(part, vscratch);
+  }
+
+  // XD and CB on the lower triangle, then M1, M1ᵀ, M2ᵀ and G = M1·CB strictly below the diagonal.
+  {
+    const int r = tid % 16, col = tid / 16;
+    float xd[4][4], cb[4][4];
+    Zero(xd);
+    Zero(cb);
+    GramTile<true>(sdy, lay.sp, sx, lay.sp, lay.pc, r, col, xd);
+    GramTile<true>(sc, lay.sn, sb, lay.sn, lay.nc, r, col, cb);
+    if (!kChunked) __syncthreads();  // x is read by all; G takes its place
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k = r + 16 * i, j = col + 16 * c;
+        float m1 = 0.f, m2 = 0.f, g = 0.f;
+        if (i >= c && k >= j) {
+          const float L = DecayBetween(cs, k, j, a2);
+          m1 = L * vdt[j] * xd[i][c];
+          m2 = L * cb[i][c];
+          if (k > j) g = m1 * cb[i][c];
+          if (k == j) vdiag[k] = xd[i][c];
+        }
+        sm1[k * lay.sq + j] = m1;
+        sm1t[j * lay.sq + k] = m1;
+        sm2t[j * lay.sq + k] = m2;
+        sg[k * lay.sq + j] = g;
+      }
+    }
+  }
+  __syncthreads();
+
+  // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j]: exclusive scans along the rows (a warp per row), then
+  // partial column sums over k ≡ part (mod 4), added in order.
+  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
+    float* row = sg + k * lay.sq;
+    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
+      if (lane >= offset) {
+        v0 += u0;
+        v1 += u1;
+      }
+    }
+    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
+    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
+    row[lane] = lane == 0 ? 0.f : e0;
+    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+  }
+  __syncthreads();
+  {
+    const int t = tid % kTile, part = tid / kTile;
+    float sum = 0.f;
+    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * lay.sq + t];
+    vwpart[part * kTile + t] = sum;
+  }
+  __syncthreads();
+  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+  // (vw is next read after two more barriers.)
+
+  // d C (rows k) and d B (rows j), into the [t][d B | d C] tile where G was.
+  const int bc_slots = 4 * lay.nc;
+  for (int slot = tid; slot < 2 * bc_slots; slot += kTileThreads) {
+    const bool is_dc = slot < bc_slots;
+    const int local = is_dc ? slot : slot - bc_slots, r = local % 16, col4 = local / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    if (is_dc) {
+      RowTile<Band::kLower>(sm1, lay.sq, sb, lay.sn, kTile, r, col4, acc);
+      if (with_state) {
+        float st[4][4];
+        Zero(st);
+        RowTile<Band::kFull>(sdy, lay.sp, ss, lay.sn, lay.pc, r, col4, st);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int k = r + 16 * i;
+          const float lam = DecayFromStart(cs, k, a2);
+          float z = 0.f;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            st[i][c] *= lam;
+            acc[i][c] += st[i][c];
+            z = fmaf(sc[k * lay.sn + col4 + c], st[i][c], z);
+          }
+          vzpart[col4 / 4 * kTile + k] = z;
+        }
+      }
+    } else {
+      RowTile<Band::kUpper>(sm1t, lay.sq, sc, lay.sn, kTile, r, col4, acc);
+      if (with_ds) {
+        float st[4][4];
+        Zero(st);
+        RowTile<Band::kFull>(sx, lay.sp, sds, lay.sn, lay.pc, r, col4, st);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = r + 16 * i;
+          const float coef = DecayBetween(cs, kTile - 1, j, a2) * vdt[j];
+          float v = 0.f;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            st[i][c] *= coef;
+            acc[i][c] += st[i][c];
+            v = fmaf(sb[j * lay.sn + col4 + c], st[i][c], v);
+          }
+          vvpart[col4 / 4 * kTile + j] = v;
+        }
+      }
+    }
+    StoreTile(sbc, lay.sbc, r, col4 + (is_dc ? lay.nc : 0), acc);
+  }
+  __syncthreads();
+  if (with_state || with_ds) {  // the column groups' partials of z_k and v_j summed in order, into their first row
+    if (tid < kTile) {
+      float z = 0.f, v = 0.f;
+      for (int q = 0; q < lay.nc / 4; ++q) {
+        z += with_state ? vzpart[q * kTile + tid] : 0.f;
+        v += with_ds ? vvpart[q * kTile + tid] : 0.f;
+      }
+      vzpart[tid] = z;
+      vvpart[tid] = v;
+    }
+    __syncthreads();
+  }
+  if (tid == 0 && with_state) {  // w_t += Σ_{k≥t} z_k, z_k = Λ_k·dy_k·S·C_k
+    float suffix = 0.f;
+    for (int k = kTile - 1; k >= 0; --k) {
+      suffix += vzpart[k];
+      vw[k] += suffix;
+    }
+  }
+  if (tid == 0 && with_ds) {  // w_t += Σ_{j<t} v_j + Λ_end·⟨dS, S⟩, v_j = L(end,j)·dt_j·x_jᵀ·dS·B_j
+    const float end_term = DecayFromStart(cs, kTile - 1, a2) * ds_dot_state;
+    float prefix = 0.f;
+    for (int t = 0; t < kTile; ++t) {
+      vw[t] += prefix + end_term;
+      prefix += vvpart[t];
     }
   }
 
-  // Backward in time: carry the adjoint, emit d xs, d B, d dt_raw and the A_log / D terms.
-  double ds[kN];
+  // dxb (rows j) where M1 was; meanwhile x comes back for the last phase (one window), or dyᵀ and Λ_k·C_k are
+  // prepared for the start state's adjoint (chunks).
+  if (!kChunked) {
+    StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, len, P, lay.pc, sxf, lay.sp);
+  } else if (chunk.ds_out) {
+    StageTransposed(dy + row0 * E + h * P, E, len, P, kTile, lay.pc, sdyt, lay.sq);
+    for (int i = tid; i < kTile * lay.nc; i += kTileThreads) sc[i / lay.nc * lay.sn + i % lay.nc] *=
+        DecayFromStart(cs, i / lay.nc, a2);
+  }
+  __pipeline_commit();
+  for (int slot = tid; slot < 4 * lay.pc; slot += kTileThreads) {
+    const int r = slot % 16, col4 = slot / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    RowTile<Band::kUpper>(sm2t, lay.sq, sdy, lay.sp, kTile, r, col4, acc);
+    if (with_ds) {
+      float st[4][4];
+      Zero(st);
+      RowTile<Band::kFull>(sb, lay.sn, sdst, lay.sp, lay.nc, r, col4, st);
 #pragma unroll
-  for (int n = 0; n < kN; ++n) ds[n] = 0.0;
-  double w_next = 0.0;  // w_{t+1}, kept by thread 0
-  for (int t0 = (in.window - 1) / kBackwardStageSteps * kBackwardStageSteps; t0 >= 0; t0 -= kBackwardStageSteps) {
-    const int len = min(kBackwardStageSteps, in.window - t0);
-    __syncthreads();
-    stage.Load(in, b, h, t0, len, A);
-    __syncthreads();
-    for (int i = len - 1; i >= 0; --i) {
-      const size_t row = static_cast<size_t>(b) * in.window + t0 + i;
-      const double x = active ? in.xbc[row * in.ld_xbc + h * P + p] : 0.f;
-      const double dyv = active ? dy[row * E + h * P + p] : 0.f;
-      const double dt = stage.dt[i], decay = stage.decay[i], xdt = x * dt;
-      const double2* B2 = reinterpret_cast<const double2*>(stage.bc + i * 2 * kN);
-      const double2* C2 = B2 + kN / 2;
-      float* columns = sh.columns + buf * N * (P + 1);
-      double dxb = 0.0;  // Σ_n gs[p,n]·B[n]
+      for (int i = 0; i < 4; ++i) {
+        const float L = DecayBetween(cs, kTile - 1, r + 16 * i, a2);
 #pragma unroll
-      for (int q = 0; q < kN / 2; ++q) {
-        const double2 bq = B2[q], cq = C2[q];
-        const double bn[2] = {bq.x, bq.y}, cn[2] = {cq.x, cq.y};
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(L, st[i][c], acc[i][c]);
+      }
+    }
+    StoreTile(sdxb, lay.sp, r, col4, acc);
+  }
+  StagingDone();
+
+  if (kChunked && chunk.ds_out) {  // rows p of the start state's adjoint (headdim ≤ kTile)
+    const float lam_end = DecayFromStart(cs, kTile - 1, a2);
+    for (int slot = tid; slot < 4 * lay.nc; slot += kTileThreads) {
+      const int r = slot % 16, col4 = slot / 16 * 4;
+      float acc[4][4];
+      Zero(acc);
+      RowTile<Band::kFull>(sdyt, lay.sq, sc, lay.sn, kTile, r, col4, acc);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int n = 2 * q + r;
-          const double gs = ds[n] + dyv * cn[r];
-          dxb += gs * bn[r];
-          if (active && n < N) columns[n * (P + 1) + p] = static_cast<float>(gs * xdt);
-          ds[n] = gs * decay;
+      for (int i = 0; i < 4; ++i) {
+        const int p = r + 16 * i;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = col4 + c;
+          if (p >= P || n >= N) continue;
+          const float carried = with_ds ? lam_end * sds[p * lay.sn + n] : 0.f;
+          chunk.ds_out[StateOffset(in, b, h, p) + n] = acc[i][c] + carried;
         }
       }
-      if (active) grad.dxs[row * E + h * P + p] = static_cast<float>(dyv * Dh + dxb * dt);
-      const double gu = WarpSum(xdt * dxb), dt_direct = WarpSum(dxb * x), d_skip = WarpSum(dyv * x);
-      if (lane == 0) {
-        double* slot = sh.warp_sums + (buf * warps + warp) * 3;
-        slot[0] = gu;
-        slot[1] = dt_direct;
-        slot[2] = d_skip;
+    }
+  }
+
+  // One warp per step: d xs, d B | d C, d dt_raw and the A_log / D terms.
+  for (int t = warp; t < len; t += kTileThreads / kWarpSize) {
+    const size_t row = row0 + t;
+    const float dt = vdt[t];
+    float direct = 0.f;  // Σ_p dxb·x
+    for (int p = lane; p < P; p += kWarpSize) {
+      const float dxb = sdxb[t * lay.sp + p];
+      direct = fmaf(dxb, sxf[t * lay.sp + p], direct);
+      grad.dxs[row * E + h * P + p] = sdy[t * lay.sp + p] * Dh + dxb * dt;
+    }
+    direct = WarpSum(direct);
+    float* dbc = grad.dbc + (row * H + h) * 2 * N;
+    for (int n = lane; n < 2 * N; n += kWarpSize) dbc[n] = sbc[t * lay.sbc + (n < N ? n : lay.nc + n - N)];
+    if (lane == 0) {
+      const float w = vw[t];
+      grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
+      grad.param_partials[row * 2 * H + h] = w * dt * A;
+      grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+    }
+  }
+}
+
+// For the chunked backward: the state at the end of every chunk but the last, S_c = Λ·S_{c−1} +
+// Σ_j L(end,j)·dt_j·x_j ⊗ B_j, into states [chunk][batch, heads, P, N]; one block per (head, sequence), a 4×4 tile of
+// the state per thread (headdim, d_state ≤ 64).
+__global__ void __launch_bounds__(kTileThreads) SsmChunkStatesKernel(SsmInput in, float* states) {
+  extern __shared__ double2 shared_tile[];
+  const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
+  const int pc = (P + 3) / 4 * 4, nc = (N + 3) / 4 * 4, sp = pc + 4, sn = nc + 4;
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float *const sx = reinterpret_cast<float*>(shared_tile) + 2 * kTile, *const sb = sx + kTile * sp;
+  float *const vdt = sb + kTile * sn, *const vcoef = vdt + kTile;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const float a2 = -expf(in.a_log[h]) * 1.44269504f;
+  const size_t per_chunk = static_cast<size_t>(in.batch) * in.heads * P * N;
+  const bool active = tid < (pc / 4) * (nc / 4);
+  const int p0 = 4 * (tid % (pc / 4)), n0 = 4 * (tid / (pc / 4));
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int p = p0 + i, n = n0 + c;
+      acc[i][c] = (active && in.state_in && p < P && n < N) ? in.state_in[StateOffset(in, b, h, p) + n] : 0.f;
+    }
+  }
+  for (int chunk = 0; (chunk + 1) * kTile < T; ++chunk) {
+    const size_t row0 = static_cast<size_t>(b) * T + chunk * kTile;
+    if (chunk > 0) __syncthreads();  // the previous chunk's stage is consumed
+    if (tid < kWarpSize) StageSteps(in, row0, kTile, h, cs, vdt, nullptr);
+    StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, kTile, P, pc, sx, sp);
+    StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, kTile, N, nc, sb, sn);
+    StagingDone();
+    if (tid < kTile) vcoef[tid] = DecayBetween(cs, kTile - 1, tid, a2) * vdt[tid];
+    __syncthreads();
+    if (!active) continue;
+    const float lam = DecayFromStart(cs, kTile - 1, a2);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][c] *= lam;
+    }
+    for (int j = 0; j < kTile; ++j) {
+      const float coef = vcoef[j];
+      const float4 xv = *reinterpret_cast<const float4*>(sx + j * sp + p0);
+      const float4 bv = *reinterpret_cast<const float4*>(sb + j * sn + n0);
+      const float xs[4] = {coef * xv.x, coef * xv.y, coef * xv.z, coef * xv.w}, bn[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(xs[i], bn[c], acc[i][c]);
       }
-      __syncthreads();
-      SumColumns(columns, N, P, grad.dbc + (row * H + h) * 2 * N);
-      if (threadIdx.x == 0) {
-        double gu_total = 0.0, dt_total = 0.0, d_total = 0.0;
-        for (int w = 0; w < warps; ++w) {
-          const double* slot = sh.warp_sums + (buf * warps + w) * 3;
-          gu_total += slot[0];
-          dt_total += slot[1];
-          d_total += slot[2];
-        }
-        const double w_t = w_next + sh.yc[t0 + i] - gu_total;  // a_t·⟨gs_t, s_{t−1}⟩
-        w_next = w_t;
-        const double d_dt = dt_total + w_t * A;
-        grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = static_cast<float>(d_dt * stage.dt_grad[i]);
-        grad.param_partials[row * 2 * H + h] = static_cast<float>(w_t * dt * A);
-        grad.param_partials[row * 2 * H + H + h] = static_cast<float>(d_total);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int p = p0 + i, n = n0 + c;
+        if (p < P && n < N) states[chunk * per_chunk + StateOffset(in, b, h, p) + n] = acc[i][c];
       }
-      buf ^= 1;
+    }
+  }
+}
+
+// The forward of a window of up to kTile steps in the same form: y_k = Σ_{j≤k} L(k,j)·dt_j·CB[k,j]·x_j + D·x_k
+// (+ Λ_k·S·C_k), and the final state Σ_j L(T−1,j)·dt_j·x_j ⊗ B_j (+ Λ_{T−1}·S).
+struct ForwardTileLayout {
+  int pc, nc, sp, sn, sq;
+  int x, m, y, b, c, st, vec, floats;  // offsets in floats; st: Sᵀ [n][p]
+  __host__ __device__ explicit ForwardTileLayout(const SsmInput& in, bool with_state) {
+    pc = (in.headdim + 3) / 4 * 4;
+    nc = (in.d_state + 3) / 4 * 4;
+    sp = pc + 4;
+    sn = nc + 4;
+    sq = kTile + 4;
+    x = 2 * kTile;  // after cs (float pairs)
+    m = x + kTile * sp;
+    y = m + kTile * sq;
+    b = y + kTile * sp;
+    c = b + kTile * sn;
+    st = c + kTile * sn;
+    vec = st + (with_state ? nc * sp : 0);
+    floats = vec + 2 * kTile;  // dt, then L(T−1,j)·dt_j
+  }
+};
+
+__global__ void __launch_bounds__(kTileThreads, 3) SsmTileForwardKernel(SsmInput in, float* y, float* state_out) {
+  extern __shared__ double2 shared_tile[];
+  const bool with_state = in.state_in != nullptr;
+  const ForwardTileLayout lay(in, with_state);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sx = base + lay.x, *const sm = base + lay.m, *const sy = base + lay.y, *const sb = base + lay.b;
+  float *const sc = base + lay.c, *const sst = base + lay.st, *const vdt = base + lay.vec, *const vcoef = vdt + kTile;
+  const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (tid < kWarpSize) StageSteps(in, row0, T, h, cs, vdt, nullptr);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  if (with_state) StageTransposed(in.state_in + StateOffset(in, b, h, 0), N, P, N, lay.pc, lay.nc, sst, lay.sp);
+  StagingDone();
+  {
+    const int r = tid % 16, col = tid / 16;
+    float cb[4][4];
+    Zero(cb);
+    GramTile<true>(sc, lay.sn, sb, lay.sn, lay.nc, r, col, cb);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k = r + 16 * i, j = col + 16 * c;
+        float m = 0.f;
+        if (i >= c && k >= j) m = DecayBetween(cs, k, j, a2) * vdt[j] * cb[i][c];
+        sm[k * lay.sq + j] = m;
+      }
+    }
+  }
+  if (tid < kTile) vcoef[tid] = DecayBetween(cs, kTile - 1, tid, a2) * vdt[tid];
+  __syncthreads();
+  for (int slot = tid; slot < 4 * lay.pc; slot += kTileThreads) {
+    const int r = slot % 16, col4 = slot / 16 * 4;
+    float acc[4][4];
+    Zero(acc);
+    RowTile<Band::kLower>(sm, lay.sq, sx, lay.sp, kTile, r, col4, acc);
+    if (with_state) {
+      float st[4][4];
+      Zero(st);
+      RowTile<Band::kFull>(sc, lay.sn, sst, lay.sp, lay.nc, r, col4, st);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float lam = DecayFromStart(cs, r + 16 * i, a2);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(lam, st[i][c], acc[i][c]);
+      }
+    }
+    StoreTile(sy, lay.sp, r, col4, acc);
+  }
+  __syncthreads();
+  float* const y0 = y + row0 * E + h * P;
+  if (P % 4 == 0 && reinterpret_cast<uintptr_t>(y0) % 16 == 0) {
+    const int chunks = P / 4;
+    for (int i = tid; i < T * chunks; i += kTileThreads) {
+      const int t = i / chunks, p = (i - t * chunks) * 4;
+      const float4 xv = *reinterpret_cast<const float4*>(sx + t * lay.sp + p);
+      const float4 yv = *reinterpret_cast<const float4*>(sy + t * lay.sp + p);
+      *reinterpret_cast<float4*>(y0 + static_cast<size_t>(t) * E + p) =
+          make_float4(fmaf(Dh, xv.x, yv.x), fmaf(Dh, xv.y, yv.y), fmaf(Dh, xv.z, yv.z), fmaf(Dh, xv.w, yv.w));
+    }
+  } else {
+    for (int i = tid; i < T * P; i += kTileThreads) {
+      const int t = i / P, p = i % P;
+      y0[static_cast<size_t>(t) * E + p] = fmaf(Dh, sx[t * lay.sp + p], sy[t * lay.sp + p]);
+    }
+  }
+  if (state_out) {
+    const float lam = DecayFromStart(cs, kTile - 1, a2);
+    for (int i = tid; i < P * N; i += kTileThreads) {
+      const int p = i / N, n = i % N;
+      float v = with_state ? lam * sst[n * lay.sp + p] : 0.f;
+      for (int j = 0; j < T; ++j) v = fmaf(vcoef[j] * sx[j * lay.sp + p], sb[j * lay.sn + n], v);
+      state_out[StateOffset(in, b, h, p) + n] = v;
     }
   }
 }
 
 template <int kN>
 cudaError_t LaunchForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
-  const size_t bytes = Stage<float, kN, kForwardStageSteps>::Bytes();
+  const size_t bytes = Stage<kN, kForwardStageSteps>::Bytes();
   if (const cudaError_t e = AllowSharedMemory(SsmScanForwardKernel<kN>, bytes); e != cudaSuccess) return e;
   SsmScanForwardKernel<kN><<<dim3(in.heads, in.batch), RoundUpToWarp(in.headdim), bytes, stream>>>(in, y, state_out);
-  return cudaGetLastError();
-}
-
-template <int kN>
-cudaError_t LaunchBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {
-  const int threads = RoundUpToWarp(in.headdim);
-  const size_t bytes = BackwardShared<kN>::Bytes(in, threads / kWarpSize);
-  if (const cudaError_t e = AllowSharedMemory(SsmScanBackwardKernel<kN>, bytes); e != cudaSuccess) return e;
-  SsmScanBackwardKernel<kN><<<dim3(in.heads, in.batch), threads, bytes, stream>>>(in, dy, grad);
   return cudaGetLastError();
 }
 
@@ -290,19 +780,67 @@ cudaError_t WithStateWidth(int d_state, Launch launch) {
 }
 
 bool ValidShape(const SsmInput& in) {
-  return in.batch > 0 && in.window > 0 && in.heads > 0 && in.headdim > 0 && in.headdim <= 1024 && in.d_state > 0;
+  return in.batch > 0 && in.window > 0 && in.heads > 0 && in.headdim > 0 && in.headdim <= 1024 && in.d_state > 0 &&
+         in.d_state <= kMaxSsmState;
 }
+
+// Windows the one-tile kernels take (their shared memory stays within a block's 227 KB for headdim ≤ 128 and
+// d_state ≤ 64).
+bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2 * kTile; }
 
 }  // namespace
 
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
+  if (FitsTile(in)) {
+    const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmTileForwardKernel, bytes); e != cudaSuccess) return e;
+    SsmTileForwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y, state_out);
+    return cudaGetLastError();
+  }
   return WithStateWidth(in.d_state, [&]<int kN>() { return LaunchForward<kN>(in, y, state_out, stream); });
 }
 
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
-  return WithStateWidth(in.d_state, [&]<int kN>() { return LaunchBackward<kN>(in, dy, grad, stream); });
+  const dim3 grid(in.heads, in.batch);
+  if (FitsTile(in)) {
+    const TileChunk whole{0, in.state_in, nullptr, nullptr};
+    const size_t bytes = TileLayout(in, whole, false).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmTileBackwardKernel<false>, bytes); e != cudaSuccess) return e;
+    SsmTileBackwardKernel<false><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad, whole);
+    return cudaGetLastError();
+  }
+  if (in.headdim > kMaxSsmHeaddim || grad.scratch == nullptr) return cudaErrorInvalidValue;
+  // The states at the chunk boundaries first, then the chunks from the last to the first, each handing the adjoint
+  // of its start state to the one before through two alternating buffers.
+  const int chunks = CeilDiv(in.window, kTile);
+  const size_t per_chunk = static_cast<size_t>(in.batch) * in.heads * in.headdim * in.d_state;
+  float* const states = grad.scratch;
+  float* const adjoints[2] = {states + (chunks - 1) * per_chunk, states + chunks * per_chunk};
+  const int pc = (in.headdim + 3) / 4 * 4, nc = (in.d_state + 3) / 4 * 4;
+  const size_t state_bytes = (2 * kTile + kTile * (pc + 4) + kTile * (nc + 4) + 2 * kTile) * sizeof(float);
+  if (const cudaError_t e = AllowSharedMemory(SsmChunkStatesKernel, state_bytes); e != cudaSuccess) return e;
+  SsmChunkStatesKernel<<<grid, kTileThreads, state_bytes, stream>>>(in, states);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const TileChunk largest{0, states, states, adjoints[0]};
+  if (const cudaError_t e = AllowSharedMemory(SsmTileBackwardKernel<true>, TileLayout(in, largest, true).floats * 4);
+      e != cudaSuccess) {
+    return e;
+  }
+  for (int c = chunks - 1; c >= 0; --c) {
+    const TileChunk chunk{c * kTile, c == 0 ? in.state_in : states + (c - 1) * per_chunk,
+                          c == chunks - 1 ? nullptr : adjoints[(c + 1) % 2], c == 0 ? nullptr : adjoints[c % 2]};
+    const size_t bytes = TileLayout(in, chunk, true).floats * sizeof(float);
+    SsmTileBackwardKernel<true><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad, chunk);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+size_t SsmBackwardScratchFloats(int batch, int window, int heads, int headdim, int d_state) {
+  if (window <= kTile) return 0;
+  return static_cast<size_t>(CeilDiv(window, kTile) + 1) * batch * heads * headdim * d_state;
 }
 
 }  // namespace perception::kernels

@@ -7,8 +7,11 @@
 
 namespace perception::kernels {
 
-// The largest d_state the scan supports (each thread keeps one row of the state, d_state values, in registers).
+// The largest d_state the scan supports (the recurrence keeps a row of the state, d_state values, per thread in
+// registers; the tile kernels stage [64][d_state] blocks in shared memory).
 constexpr int kMaxSsmState = 64;
+// The largest headdim the backward supports for windows longer than 64 steps (up to 128 for shorter ones).
+constexpr int kMaxSsmHeaddim = 64;
 
 // Rows are r = b·window + t. E = heads·headdim.
 struct SsmInput {
@@ -33,9 +36,14 @@ struct SsmGrad {
   float* d_dt_raw = nullptr;  // head h of row r at d_dt_raw[r·ld_d_dt_raw + h]
   int ld_d_dt_raw = 0;
   float* param_partials = nullptr;  // [rows, 2·heads]: each row's term of d A_log (first heads) and of d D
+  float* scratch = nullptr;         // SsmBackwardScratchFloats(...) floats; windows of up to 64 steps need none
 };
 
 // No gradient flows into state_in (it is read, when given, to recompute the states).
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream);
+
+// Windows longer than 64 steps run the backward in chunks of 64: the state at each chunk boundary, and the adjoint
+// handed from one chunk to the one before, live in this scratch.
+size_t SsmBackwardScratchFloats(int batch, int window, int heads, int headdim, int d_state);
 
 }  // namespace perception::kernels

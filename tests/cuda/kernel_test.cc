@@ -3,6 +3,7 @@
 // one normalized error ‖gpu − cpu‖/‖cpu‖ per output (infinite on NaN), float32 kernels held to 1e-5.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -392,7 +393,9 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
   for (const SsmCase k : {SsmCase{1, 1, 1, 1, 1, false}, SsmCase{2, 9, 4, 4, 3, true}, SsmCase{1, 70, 3, 64, 32, true},
                           SsmCase{2, 37, 2, 33, 64, false}, SsmCase{1, 100, 2, 16, 16, true},
-                          SsmCase{3, 5, 1, 70, 8, true}}) {
+                          SsmCase{3, 5, 1, 70, 8, true}, SsmCase{2, 64, 2, 64, 32, false},
+                          SsmCase{1, 64, 2, 64, 64, true}, SsmCase{1, 50, 1, 128, 16, true},
+                          SsmCase{2, 200, 2, 64, 64, false}, SsmCase{1, 130, 1, 8, 5, true}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " H" << k.heads << " P" << k.headdim
                                       << " N" << k.d_state);
     const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
@@ -410,7 +413,8 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
     const kernels::SsmInput in{B, T, H, P, N, dxbc.get(), ld_xbc, ddt_raw.get(), ld_dt, dbias.get(), dalog.get(),
                                dd.get(), k.with_state ? dstate.get() : nullptr};
     ASSERT_EQ(kernels::LaunchSsmScanForward(in, y.get(), state_out.get(), nullptr), cudaSuccess);
-    const kernels::SsmGrad grad{dxs.get(), dbc.get(), d_dt_raw.get(), ld_dt, partials.get()};
+    DeviceArray<float> scratch(std::max<size_t>(1, kernels::SsmBackwardScratchFloats(B, T, H, P, N)));
+    const kernels::SsmGrad grad{dxs.get(), dbc.get(), d_dt_raw.get(), ld_dt, partials.get(), scratch.get()};
     ASSERT_EQ(kernels::LaunchSsmScanBackward(in, ddy.get(), grad, nullptr), cudaSuccess);
     EXPECT_CLOSE(y.Download(), ref.y);
     EXPECT_CLOSE(state_out.Download(), ref.state_out);
