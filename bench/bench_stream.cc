@@ -106,9 +106,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     row.host_step_us = Percentile(host, 0.5);
     // Sweep the launch shapes eagerly, to check the default choice.
     row.best_shape_us = 1e30;
-    for (int group = 1; group <= streamer->max_events_per_group(); group *= 2) {
-      for (int cluster : {1, 2, 4, 8}) {
+    for (int group : kStreamGroupSizes) {
+      for (int cluster : kStreamClusterSizes) {
         const StreamLaunchShape shape{group, cluster};
+        if (!streamer->Supports(shape)) continue;
         ASSIGN_OR_RETURN(std::vector<double> t,
                          TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
         if (Percentile(t, 0.5) < row.best_shape_us) {
