@@ -23,6 +23,7 @@ ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", 
           "instruments per tick");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
+ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of the sweep");
 
 namespace perception {
 namespace {
@@ -112,6 +113,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
         if (!streamer->Supports(shape)) continue;
         ASSIGN_OR_RETURN(std::vector<double> t,
                          TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
+        if (absl::GetFlag(FLAGS_print_shapes)) {
+          std::printf("  %-6s %6d  group %d cluster %2d  eager %9.2f us\n", name.c_str(), n, group, cluster,
+                      Percentile(t, 0.5));
+        }
         if (Percentile(t, 0.5) < row.best_shape_us) {
           row.best_shape_us = Percentile(t, 0.5);
           row.best_shape = shape;

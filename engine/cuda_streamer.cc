@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -95,14 +96,14 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
-      int& clusters = max_clusters_[gi][ci];
-      const cudaError_t error = kernels::StreamStepMaxClusters(weights_, kStreamGroupSizes[gi], kStreamClusterSizes[ci],
-                                                               max_shared_bytes_, &clusters);
+      kernels::StreamShapeFit& fit = fits_[gi][ci];
+      const cudaError_t error = kernels::FitStreamStep(weights_, kStreamGroupSizes[gi], kStreamClusterSizes[ci],
+                                                       max_shared_bytes_, &fit);
       // Clusters above 8 blocks are optional hardware: a device without them refuses the query, which only rules
       // the shape out.
       if (error != cudaSuccess && kStreamClusterSizes[ci] > 8) {
         cudaGetLastError();
-        clusters = 0;
+        fit = kernels::StreamShapeFit{};
         continue;
       }
       CUDA_RETURN_IF_ERROR(error);
@@ -223,25 +224,31 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
   return status;
 }
 
-int CudaStreamer::MaxClusters(StreamLaunchShape shape) const {
-  const int g = IndexOf(kStreamGroupSizes, shape.events_per_group), c = IndexOf(kStreamClusterSizes, shape.cluster_size);
-  return g < 0 || c < 0 ? 0 : max_clusters_[g][c];
+kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
+  const int g = IndexOf(kStreamGroupSizes, shape.events_per_group),
+            c = IndexOf(kStreamClusterSizes, shape.cluster_size);
+  return g < 0 || c < 0 ? kernels::StreamShapeFit{} : fits_[g][c];
 }
 
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
-  // Clusters of 8 hold all of `small`'s weights in shared memory. A tick takes the fewest events per group that still
-  // gives every group its own resident cluster (each group is a chain of dependent stages, so groups run in
-  // parallel, not one after another); beyond that, the largest group, which shares each weight among more events.
-  constexpr int kCluster = 8;
-  StreamLaunchShape largest{1, kCluster};
-  for (int group : kStreamGroupSizes) {
-    const StreamLaunchShape shape{group, kCluster};
-    const int clusters = MaxClusters(shape);
-    if (clusters == 0) break;
-    if ((n + group - 1) / group <= clusters) return shape;
-    largest = shape;
+  // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 1,024 instruments): every group is a
+  // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
+  // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
+  // add exchange work); when none holds them, the widest one-wave cluster (more blocks, fewer global reads each).
+  // Ticks too large for one wave of one-event clusters share weights among events in single-block clusters.
+  std::optional<StreamLaunchShape> widest;
+  for (int cluster : kStreamClusterSizes) {
+    const StreamLaunchShape shape{1, cluster};
+    if (Fit(shape).max_clusters < n) continue;
+    if (Fit(shape).weights_resident) return shape;
+    widest = shape;
   }
-  return largest;
+  if (widest) return *widest;
+  for (int group : kStreamGroupSizes) {
+    const StreamLaunchShape shape{group, 1};
+    if ((n + group - 1) / group <= Fit(shape).max_clusters) return shape;
+  }
+  return {kStreamGroupSizes.back(), 1};
 }
 
 int CudaStreamer::BucketFor(int n) const {
@@ -274,7 +281,8 @@ absl::Status CudaStreamer::EnqueueTick(Staging& s, int n, StreamLaunchShape shap
   // is a few kilobytes, and copy commands would cost more than the reads.
   const kernels::StreamTickInput input{n, s.x_host, s.dt_host, s.slots_host, log ? s.log_host : nullptr};
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,
-                                                 shape.cluster_size, MaxClusters(shape), max_shared_bytes_, stream_));
+                                                 shape.cluster_size, Fit(shape).max_clusters, max_shared_bytes_,
+                                                 stream_));
   return absl::OkStatus();
 }
 

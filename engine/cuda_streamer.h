@@ -39,7 +39,7 @@ class CudaStreamer {
   cudaStream_t stream() const { return stream_; }
   int slots() const { return slots_; }
   // Whether ticks can launch with this shape on this device (clusters of 16 need a device that co-schedules them).
-  bool Supports(StreamLaunchShape shape) const { return MaxClusters(shape) > 0; }
+  bool Supports(StreamLaunchShape shape) const { return Fit(shape).max_clusters > 0; }
 
   // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
   // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
@@ -87,8 +87,8 @@ class CudaStreamer {
   };
 
   absl::Status CheckSlot(int slot) const;
-  // Resident clusters of a shape (0: unsupported).
-  int MaxClusters(StreamLaunchShape shape) const;
+  // How a shape fits this device (no clusters: unsupported).
+  kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
   absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
@@ -107,8 +107,8 @@ class CudaStreamer {
   const int slots_;
   const int64_t log_entries_;
   size_t max_shared_bytes_ = 0;
-  // Resident clusters per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
-  std::array<std::array<int, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> max_clusters_{};
+  // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
+  std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};

@@ -26,16 +26,23 @@ constexpr int kRowGroups = kStreamThreads / kLanesPerRow;
 constexpr int kMaxEvents = 8;
 constexpr int kXPerThread = 4;  // the tick's raw features are read into registers: EG·F ≤ kXPerThread·kStreamThreads
 constexpr int kMaxStages = 2 * kStreamMaxLayers + 7;
+// Results cross the cluster at the end of the embedding, of in_proj, the SSM and out_proj of every layer, of the
+// CfC's two products and of the GRN's three.
+constexpr int kMaxExchanges = 3 * kStreamMaxLayers + 6;
+constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges;
 
 __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 
 enum StageKind : int { kEmbed, kInProj, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kFc1, kGateValue, kHeadOut };
 
+// How a product's rows are spread: over the cluster (results exchanged), all on rank 0 (the head's tail), or all on
+// every block (the embedding, when its weights fit everywhere: one exchange fewer).
+enum StageMode : int { kSplit, kRankZero, kEveryRank };
+
 // One product in the pack: `units` row units of `outputs` weight rows each (padded to in_pad with zeros) followed by
 // `params` per-unit constants (biases, conv taps), `stride` floats per unit.
 struct PackStage {
-  int kind, layer, units, outputs, in, in_pad, params, stride, pack;
-  bool local;  // computed whole by rank 0 (the head's output layer), not split over the cluster
+  int kind, layer, units, outputs, in, in_pad, params, stride, pack, mode;
 };
 
 // Where everything lives: the pack (independent of the launch) and one block's shared memory for a launch shape.
@@ -61,12 +68,12 @@ struct StreamPlan {
 };
 
 __host__ __device__ inline void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
-  if (s.local) {
-    r0 = 0;
-    r1 = rank == 0 ? s.units : 0;
-  } else {
+  if (s.mode == kSplit) {
     r0 = rank * s.units / cluster;
     r1 = (rank + 1) * s.units / cluster;
+  } else {
+    r0 = 0;
+    r1 = s.mode == kEveryRank || rank == 0 ? s.units : 0;
   }
 }
 
@@ -75,23 +82,23 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   p.F = w.F, p.D = w.D, p.L = w.L, p.E = w.E, p.P = w.P, p.Hh = w.Hh, p.N = w.N, p.W = w.W, p.C = w.C, p.K = w.K,
   p.G = w.G, p.H = w.H;
   int at = 0;
-  auto add = [&](int kind, int layer, int units, int outputs, int in, int params, bool local) {
+  auto add = [&](int kind, int layer, int units, int outputs, int in, int params, int mode) {
     PackStage& s = p.stage[p.stages++];
-    s = PackStage{kind, layer, units, outputs, in, Align4(in), params, outputs * Align4(in) + Align4(params), at, local};
+    s = PackStage{kind, layer, units, outputs, in, Align4(in), params, outputs * Align4(in) + Align4(params), at, mode};
     at += units * s.stride;
   };
   const int zd = 2 * w.E + 2 * w.N + w.Hh, DC = w.D + w.C;
-  add(kEmbed, 0, w.D, 1, w.F, 1, false);
+  add(kEmbed, 0, w.D, 1, w.F, 1, kSplit);
   for (int l = 0; l < w.L; ++l) {
-    add(kInProj, l, zd, 1, w.D, w.W + 1, false);  // conv taps and bias on the xBC rows, dt_bias on the dt rows
-    add(kOutProj, l, w.D, 1, w.E, 0, false);
+    add(kInProj, l, zd, 1, w.D, w.W + 1, kSplit);  // conv taps and bias on the xBC rows, dt_bias on the dt rows
+    add(kOutProj, l, w.D, 1, w.E, 0, kSplit);
   }
-  add(kBackbone, 0, w.K, 1, DC, 1, false);
-  add(kCfcHeads, 0, w.C, 4, w.K, 4, false);  // ff1, ff2, time_a, time_b of one unit together: its owner updates c
-  add(kFc2Skip, 0, w.G, 2, DC, 1, false);
-  add(kFc1, 0, w.G, 1, w.G, 1, false);
-  add(kGateValue, 0, w.G, 2, w.G, 2, false);
-  add(kHeadOut, 0, w.H, 1, w.G, 1, true);
+  add(kBackbone, 0, w.K, 1, DC, 1, kSplit);
+  add(kCfcHeads, 0, w.C, 4, w.K, 4, kSplit);  // ff1, ff2, time_a, time_b of one unit together: its owner updates c
+  add(kFc2Skip, 0, w.G, 2, DC, 1, kSplit);
+  add(kFc1, 0, w.G, 1, w.G, 1, kSplit);
+  add(kGateValue, 0, w.G, 2, w.G, 2, kSplit);
+  add(kHeadOut, 0, w.H, 1, w.G, 1, kRankZero);
   p.shared_pack = at;
   int sh = 0;
   auto take = [&sh](int n) {
@@ -115,16 +122,17 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   return p;
 }
 
-// Lays one block's shared memory out for a launch shape; false when the activations do not fit. Then the shared
-// vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's order).
-bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
+// Lays one block's shared memory out for a launch shape with the stages' current modes; false when the activations do
+// not fit. Then the shared vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's
+// order). `all_resident` tells whether every stage's rows found room.
+bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, bool* all_resident) {
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
   const int E = p.E, cd = E + 2 * p.N, zd = 2 * E + 2 * p.N + p.Hh, W1 = p.W - 1;
   int at = 0;
   p.bars = at;
-  at += Align4(2 * (kMaxStages + 1));  // one 8-byte mbarrier per stage and one for the shared vectors
+  at += Align4(2 * kBarriers);  // 8-byte mbarriers
   p.meta = at;
   at += 4 * kMaxEvents;  // slot ids, Δt, log positions (8 bytes)
   p.conv_channels = 0;
@@ -164,14 +172,31 @@ bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes
   const int ssm = events * p.L * p.ssm_rows * p.N;
   p.ssm_base = at + ssm <= budget ? at : -1;
   if (p.ssm_base >= 0) at += Align4(ssm);
+  *all_resident = p.ssm_base >= 0;
   for (int s = 0; s < p.stages; ++s) {
     const PackStage& st = p.stage[s];
-    const int rows = st.local ? st.units : CeilDiv(st.units, cluster);
+    const int rows = st.mode == kSplit ? CeilDiv(st.units, cluster) : st.units;
     p.stage_at[s] = at + rows * st.stride <= budget ? at : -1;
     if (p.stage_at[s] >= 0) at += rows * st.stride;
+    *all_resident = *all_resident && p.stage_at[s] >= 0;
   }
   p.floats = at;
   return true;
+}
+
+// Picks the stages' modes for a launch shape: the embedding on every block and the GRN's fc1 and gate/value on rank
+// 0 alone (two and one exchanges fewer) when everything still fits in shared memory, else split products.
+bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
+  const int embed = 0, fc1 = p.stages - 3, gate_value = p.stages - 2;
+  const int modes[3][2] = {{kEveryRank, kRankZero}, {kEveryRank, kSplit}, {kSplit, kSplit}};
+  for (const auto& mode : modes) {
+    p.stage[embed].mode = cluster > 1 ? mode[0] : kSplit;
+    p.stage[fc1].mode = p.stage[gate_value].mode = cluster > 1 ? mode[1] : kSplit;
+    bool all_resident = false;
+    if (!Layout(p, events, cluster, max_shared_bytes, &all_resident)) return false;
+    if (all_resident) return true;
+  }
+  return true;  // split products, as many of them resident as fit
 }
 
 bool Supported(const StreamWeights& w) {
@@ -291,6 +316,37 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar) {
       "}\n" ::"r"(SharedAddress(bar))
       : "memory");
 }
+// Distributed shared memory: this block's shared address as seen in block `rank`, and a 4-byte store there that
+// signals the barrier at `remote_bar` (also in block `rank`) when it lands.
+__device__ __forceinline__ uint32_t MapToRank(uint32_t address, int rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+__device__ __forceinline__ void StoreRemote(uint32_t address, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(address),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
+}
+// Waits for phase `parity` of an exchange barrier, whose bytes come from every block of the cluster.
+__device__ __forceinline__ void ExchangeWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SharedAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+// The cluster barrier in halves: arrive (releasing this block's earlier writes, the barriers' initialization among
+// them) and wait, so that work can run in between.
+__device__ __forceinline__ void ClusterArrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
@@ -384,19 +440,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const cg::cluster_group cluster = cg::this_cluster();
   const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, lane = tid % kLanesPerRow, group = tid / kLanesPerRow;
-  const int E = p.E, N = p.N, cd = E + 2 * N, W1 = p.W - 1, pe = p.per_event;
+  const int E = p.E, N = p.N, cd = E + 2 * N, zd = 2 * E + 2 * N + p.Hh, W1 = p.W - 1, pe = p.per_event;
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
   const size_t ssm_per_layer = static_cast<size_t>(E) * N;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + p.bars);
+  uint64_t* exchange_bars = bars + 1 + kMaxStages;
   int* slot_ids = reinterpret_cast<int*>(smem + p.meta);
   float* event_dt = smem + p.meta + kMaxEvents;
   int64_t* log_at = reinterpret_cast<int64_t*>(smem + p.meta + 2 * kMaxEvents);
   float* ev = smem + p.ev_base;
   const float* sh = smem + p.shared;
+  const int cfc_stage = 1 + 2 * p.L;
+  // Exchanges in chain order, and the floats each block receives per event in each.
+  const int x_backbone = 1 + 3 * p.L, exchanges = x_backbone + 5;
+  auto exchange_floats = [&](int x) {
+    if (x == 0) return p.D;
+    if (x < x_backbone) return (x - 1) % 3 == 0 ? zd : (x - 1) % 3 == 1 ? E : p.D;
+    const int tail[5] = {p.K, p.C, 2 * p.G, p.G, p.G};
+    return tail[x - x_backbone];
+  };
+  auto exchanged = [&](int si) { return R > 1 && p.stage[si].mode == kSplit; };
+  auto exchange_stage = [&](int x) {
+    if (x == 0) return 0;
+    if (x < x_backbone) return (x - 1) % 3 == 2 ? 2 + 2 * ((x - 1) / 3) : 1 + 2 * ((x - 1) / 3);
+    return cfc_stage + x - x_backbone;
+  };
 
   // Every copy of the launch starts now, in the order the chain needs them.
   if (tid == 0) {
-    for (int b = 0; b <= p.stages; ++b) BarrierInit(bars + b);
+    for (int b = 0; b < 1 + p.stages; ++b) BarrierInit(bars + b);
+    for (int x = 0; x < exchanges; ++x) BarrierInit(exchange_bars + x);
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -414,18 +487,39 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   }
   // Activations start at zero: the products read their zero padding.
   for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
-  float* remote[2] = {nullptr, nullptr};  // lane j of a row group stores results into blocks j and j + 8
-  for (int k = 0; k < 2; ++k) {
-    if (lane + kLanesPerRow * k < R) remote[k] = cluster.map_shared_rank(ev, lane + kLanesPerRow * k);
+  // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
+  uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
+  const int remotes = (R > lane) + (R > lane + kLanesPerRow);
+  for (int k = 0; k < remotes; ++k) {
+    remote_ev[k] = MapToRank(SharedAddress(ev), lane + kLanesPerRow * k);
+    remote_bars[k] = MapToRank(SharedAddress(exchange_bars), lane + kLanesPerRow * k);
   }
-  auto put = [&](int e, int offset, float v) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      if (remote[k]) remote[k][e * pe + offset] = v;
+  // Result v of exchange x for event e at `offset` of its activations, into every block of the cluster.
+  auto put = [&](int x, int e, int offset, float v) {
+    for (int k = 0; k < remotes; ++k) {
+      StoreRemote(remote_ev[k] + (e * pe + offset) * sizeof(float), v, remote_bars[k] + x * sizeof(uint64_t));
+    }
+  };
+  // A stage's result: exchanged, or kept by the block that computed it (lane 0 of the row group stores it).
+  auto emit = [&](int si, int x, int e, int offset, float v) {
+    if (exchanged(si)) {
+      put(x, e, offset, v);
+    } else if (lane == 0) {
+      ev[e * pe + offset] = v;
+    }
+  };
+  // Waits for the stage's results: every block's share of exchange x, or this block's own.
+  int phase = 0;
+  auto finish = [&](int si, int x) {
+    if (exchanged(si)) {
+      ExchangeWait(exchange_bars + x, phase & 1);
+    } else {
+      __syncthreads();
     }
   };
   __syncthreads();
-  cluster.sync();  // every block is running before any distributed shared-memory store
+  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  ClusterArrive();
 
   // This block's conv channels (the xBC rows of its in_proj share) and SSM rows.
   int in0, in1;
@@ -434,20 +528,30 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int q0 = rank * E / R, q1 = (rank + 1) * E / R;
   const int groups = CeilDiv(tick.n, EG);
   for (int group_index = static_cast<int>(blockIdx.x) / R; group_index < groups;
-       group_index += static_cast<int>(gridDim.x) / R) {
+       group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     const int first = group_index * EG;
-    // The tick lives in pinned host memory, where every read is a bus round trip: all of it is read at once.
-    if (tid < EG) {
-      const bool in_tick = first + tid < tick.n;
-      slot_ids[tid] = in_tick ? tick.slots[first + tid] : -1;
-      event_dt[tid] = in_tick ? tick.dt[first + tid] : 0.f;
-      log_at[tid] = in_tick && tick.log_indices ? tick.log_indices[first + tid] : 0;
+    if (tid == 0) {
+      // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
+      for (int x = 0; x < exchanges; ++x) {
+        if (exchanged(exchange_stage(x))) BarrierExpect(exchange_bars + x, exchange_floats(x) * EG * sizeof(float));
+      }
     }
+    // The tick lives in pinned host memory, where every read is a bus round trip: all of it is read at once, into
+    // registers, before anything is stored.
+    const bool reads_event = tid < EG && first + tid < tick.n;
+    const int slot_read = reads_event ? tick.slots[first + tid] : -1;
+    const float dt_read = reads_event ? tick.dt[first + tid] : 0.f;
+    const int64_t log_read = reads_event && tick.log_indices ? tick.log_indices[first + tid] : 0;
     float x_raw[kXPerThread];
 #pragma unroll
     for (int k = 0; k < kXPerThread; ++k) {
       const int i = tid + k * kStreamThreads;
       x_raw[k] = i < EG * p.F && first + i / p.F < tick.n ? tick.x[static_cast<size_t>(first) * p.F + i] : 0.f;
+    }
+    if (tid < EG) {
+      slot_ids[tid] = slot_read;
+      event_dt[tid] = dt_read;
+      log_at[tid] = log_read;
     }
     __syncthreads();
     // The carried states of this block's rows, copied asynchronously (padding events get zeros).
@@ -492,21 +596,23 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         ev[e * pe + p.xn + f] = slot_ids[e] >= 0 ? (x_raw[k] - sh[p.mean + f]) * sh[p.inv_std + f] : 0.f;
       }
     }
+    if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
     Products<EG, 1>(p, 0, pack, smem, bars, rank, p.xn, [&](int u, const float(&acc)[1][EG], const float* prm, int) {
 #pragma unroll
-      for (int e = 0; e < EG; ++e) put(e, p.h + u, acc[0][e] + prm[0]);
+      for (int e = 0; e < EG; ++e) emit(0, 0, e, p.h + u, acc[0][e] + prm[0]);
     });
-    cluster.sync();
+    finish(0, 0);
 
     for (int l = 0; l < p.L; ++l) {
+      const int si_in = 1 + 2 * l, si_out = 2 + 2 * l, x_in = 1 + 3 * l, x_ssm = 2 + 3 * l, x_out = 3 + 3 * l;
       if (l == 0) CopyAsyncWaitAll();  // the states are needed from here on (the norm's barrier publishes them)
       RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
       // in_proj; the owner of an xBC row also runs its causal conv (and advances the conv state), the owner of a dt
       // row its softplus.
-      Products<EG, 1>(p, 1 + 2 * l, pack, smem, bars, rank, p.r, [&](int u, const float(&acc)[1][EG], const float* prm,
-                                                                          int row_lane) {
+      Products<EG, 1>(p, si_in, pack, smem, bars, rank, p.r, [&](int u, const float(&acc)[1][EG], const float* prm,
+                                                                     int row_lane) {
 #pragma unroll
         for (int e = 0; e < EG; ++e) {
           const float v = acc[0][e];
@@ -526,12 +632,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
           } else if (u >= E + cd) {
             out = Softplus(v + prm[0]);
           }
-          put(e, p.zx + u, out);
+          emit(si_in, x_in, e, p.zx + u, out);
         }
       });
-      cluster.sync();
+      finish(si_in, x_in);
 
-      // SSM rows (h, p) of this block: eight lanes over the state dimension; the owner also applies the gate.
+      // SSM rows (h, p) of this block: eight lanes over the state dimension; the owner also applies the gate. The
+      // rows split like a split product's.
       for (int base = q0; base < q1; base += kRowGroups) {
         const int hp = base + group;
         const bool active = hp < q1;
@@ -564,63 +671,69 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 #pragma unroll
           for (int e = 0; e < EG; ++e) {
             const float* z = ev + e * pe + p.zx;
-            put(e, p.y + hp, (y[e] + Dh * z[E + hp]) * Silu(z[hp]));
+            emit(si_in, x_ssm, e, p.y + hp, (y[e] + Dh * z[E + hp]) * Silu(z[hp]));
           }
         }
       }
-      cluster.sync();
+      finish(si_in, x_ssm);
 
       RmsNormEvents<EG>(ev, pe, p.y, p.yn, sh + p.mixer_norm[l], E);
-      Products<EG, 1>(p, 2 + 2 * l, pack, smem, bars, rank, p.yn,
+      Products<EG, 1>(p, si_out, pack, smem, bars, rank, p.yn,
                       [&](int u, const float(&acc)[1][EG], const float*, int) {
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) put(e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
+                        for (int e = 0; e < EG; ++e) emit(si_out, x_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
                       });
-      cluster.sync();
+      finish(si_out, x_out);
     }
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
-    const int cfc_stage = 1 + 2 * p.L;
     RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, rank, p.a, [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+    Products<EG, 1>(p, cfc_stage, pack, smem, bars, rank, p.a,
+                    [&](int u, const float(&acc)[1][EG], const float* prm, int) {
 #pragma unroll
-      for (int e = 0; e < EG; ++e) put(e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
-    });
-    cluster.sync();
+                      for (int e = 0; e < EG; ++e)
+                        emit(cfc_stage, x_backbone, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
+                    });
+    finish(cfc_stage, x_backbone);
     Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, rank, p.bb,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane) {
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
                         const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
                         const float c = tanhf(acc[0][e] + prm[0]) * (1.f - tau) + tau * tanhf(acc[1][e] + prm[1]);
-                        put(e, p.a + p.D + u, c);  // the head reads [s ; c_t]
+                        emit(cfc_stage + 1, x_backbone + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
                         if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
                       }
                     });
-    cluster.sync();
+    finish(cfc_stage + 1, x_backbone + 1);
     Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, rank, p.a,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int) {
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        put(e, p.e2 + u, Elu(acc[0][e] + prm[0]));
-                        put(e, p.skip + u, acc[1][e]);
+                        emit(cfc_stage + 2, x_backbone + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
+                        emit(cfc_stage + 2, x_backbone + 2, e, p.skip + u, acc[1][e]);
                       }
                     });
-    cluster.sync();
-    Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, rank, p.e2,
-                    [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+    finish(cfc_stage + 2, x_backbone + 2);
+    // fc1 and gate/value run on every block (split) or on rank 0 alone.
+    if (exchanged(cfc_stage + 3) || rank == 0) {
+      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, rank, p.e2,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int) {
 #pragma unroll
-                      for (int e = 0; e < EG; ++e) put(e, p.e1 + u, acc[0][e] + prm[0]);
-                    });
-    cluster.sync();
-    Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, rank, p.e1,
-                    [&](int u, const float(&acc)[2][EG], const float* prm, int) {
+                        for (int e = 0; e < EG; ++e)
+                          emit(cfc_stage + 3, x_backbone + 3, e, p.e1 + u, acc[0][e] + prm[0]);
+                      });
+      finish(cfc_stage + 3, x_backbone + 3);
+      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, rank, p.e1,
+                      [&](int u, const float(&acc)[2][EG], const float* prm, int) {
 #pragma unroll
-                      for (int e = 0; e < EG; ++e) {
-                        put(e, p.pre + u, ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
-                      }
-                    });
-    cluster.sync();
+                        for (int e = 0; e < EG; ++e) {
+                          emit(cfc_stage + 4, x_backbone + 4, e, p.pre + u,
+                               ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                        }
+                      });
+      finish(cfc_stage + 4, x_backbone + 4);
+    }
 
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
@@ -666,6 +779,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
   }
+  // A block leaves only once every block has received all it was sent (each arrives after its last wait), so no
+  // store into a block's shared memory is in flight when it exits.
+  ClusterArriveRelaxed();
+  ClusterWait();
 }
 
 template <int EG>
@@ -709,9 +826,15 @@ cudaError_t Prepare(size_t max_shared_bytes) {
   return cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
-bool ValidShape(int events_per_group, int cluster_size) {
-  return (events_per_group == 1 || events_per_group == 2 || events_per_group == 4 || events_per_group == 8) &&
-         cluster_size >= 1 && cluster_size <= kStreamMaxCluster;
+// The plan of a launch shape; false when the model or the shape is unsupported or the activations do not fit.
+bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+             StreamPlan* plan) {
+  const bool valid_shape =
+      (events_per_group == 1 || events_per_group == 2 || events_per_group == 4 || events_per_group == 8) &&
+      cluster_size >= 1 && cluster_size <= kStreamMaxCluster;
+  if (!Supported(w) || !valid_shape) return false;
+  *plan = MakePackPlan(w);
+  return PlaceLaunch(*plan, events_per_group, cluster_size, max_shared_bytes);
 }
 
 }  // namespace
@@ -725,13 +848,6 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
   return cudaGetLastError();
 }
 
-size_t StreamStepSharedBytes(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes) {
-  if (!Supported(w) || !ValidShape(events_per_group, cluster_size)) return 0;
-  StreamPlan plan = MakePackPlan(w);
-  if (!PlaceLaunch(plan, events_per_group, cluster_size, max_shared_bytes)) return 0;
-  return static_cast<size_t>(plan.floats) * sizeof(float);
-}
-
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error : {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
                             Prepare<8>(max_shared_bytes)}) {
@@ -740,17 +856,17 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   return cudaSuccess;
 }
 
-cudaError_t StreamStepMaxClusters(const StreamWeights& w, int events_per_group, int cluster_size,
-                                  size_t max_shared_bytes, int* clusters) {
-  *clusters = 0;
-  if (StreamStepSharedBytes(w, events_per_group, cluster_size, max_shared_bytes) == 0) return cudaSuccess;
-  StreamPlan plan = MakePackPlan(w);
-  PlaceLaunch(plan, events_per_group, cluster_size, max_shared_bytes);
+cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+                          StreamShapeFit* fit) {
+  *fit = StreamShapeFit{};
+  StreamPlan plan;
+  if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan)) return cudaSuccess;
+  fit->weights_resident = std::all_of(plan.stage_at, plan.stage_at + plan.stages, [](int at) { return at >= 0; });
   switch (events_per_group) {
-    case 1: return MaxClusters<1>(plan, clusters);
-    case 2: return MaxClusters<2>(plan, clusters);
-    case 4: return MaxClusters<4>(plan, clusters);
-    default: return MaxClusters<8>(plan, clusters);
+    case 1: return MaxClusters<1>(plan, &fit->max_clusters);
+    case 2: return MaxClusters<2>(plan, &fit->max_clusters);
+    case 4: return MaxClusters<4>(plan, &fit->max_clusters);
+    default: return MaxClusters<8>(plan, &fit->max_clusters);
   }
 }
 
@@ -758,9 +874,10 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
                              const StreamTickInput& tick, int events_per_group, int cluster_size, int max_clusters,
                              size_t max_shared_bytes, cudaStream_t stream) {
   if (tick.n <= 0) return cudaSuccess;
-  if (!Supported(w) || !ValidShape(events_per_group, cluster_size) || max_clusters < 1) return cudaErrorInvalidValue;
-  StreamPlan plan = MakePackPlan(w);
-  if (!PlaceLaunch(plan, events_per_group, cluster_size, max_shared_bytes)) return cudaErrorInvalidValue;
+  StreamPlan plan;
+  if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan) || max_clusters < 1) {
+    return cudaErrorInvalidValue;
+  }
   switch (events_per_group) {
     case 1: return Launch<1>(plan, pack, slots, tick, max_clusters, stream);
     case 2: return Launch<2>(plan, pack, slots, tick, max_clusters, stream);

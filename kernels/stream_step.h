@@ -54,16 +54,18 @@ size_t StreamPackSize(const StreamWeights& w);
 // Fills `pack` (StreamPackSize floats of device memory) from the tensors `w` points at, on `stream`.
 cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t stream);
 
-// Dynamic shared memory a block needs for `events_per_group` events in clusters of `cluster_size` blocks within a
-// budget of `max_shared_bytes` (weights that do not fit are read from the pack in global memory instead); 0 when even
-// the activations do not fit.
-size_t StreamStepSharedBytes(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes);
-
 // Raises the kernels' shared-memory limits to `max_shared_bytes` and allows clusters of 16 (once, not capturable).
 cudaError_t PrepareStreamStep(size_t max_shared_bytes);
-// How many clusters of this shape can be resident at once (0: the shape cannot launch on this device).
-cudaError_t StreamStepMaxClusters(const StreamWeights& w, int events_per_group, int cluster_size,
-                                  size_t max_shared_bytes, int* clusters);
+
+// How a launch shape (events per group, blocks per cluster) fits this device within `max_shared_bytes` of shared
+// memory per block: how many of its clusters can be resident at once (0: it cannot launch) and whether every weight
+// the step reads has room in shared memory (else some products read the pack in global memory).
+struct StreamShapeFit {
+  int max_clusters = 0;
+  bool weights_resident = false;
+};
+cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+                          StreamShapeFit* fit);
 
 // Launches min(ceil(n / events_per_group), max_clusters) thread-block clusters of `cluster_size` blocks (1..16);
 // each cluster loads its blocks' share of the pack into shared memory once (asynchronously, in stage order, so the
