@@ -23,6 +23,7 @@ ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", 
           "instruments per tick");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
+ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of the sweep");
 
 namespace perception {
 namespace {
@@ -106,11 +107,16 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     row.host_step_us = Percentile(host, 0.5);
     // Sweep the launch shapes eagerly, to check the default choice.
     row.best_shape_us = 1e30;
-    for (int group = 1; group <= streamer->max_events_per_group(); group *= 2) {
-      for (int cluster : {1, 2, 4, 8}) {
+    for (int group : kStreamGroupSizes) {
+      for (int cluster : kStreamClusterSizes) {
         const StreamLaunchShape shape{group, cluster};
+        if (!streamer->Supports(shape)) continue;
         ASSIGN_OR_RETURN(std::vector<double> t,
                          TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
+        if (absl::GetFlag(FLAGS_print_shapes)) {
+          std::printf("  %-6s %6d  group %d cluster %2d  eager %9.2f us\n", name.c_str(), n, group, cluster,
+                      Percentile(t, 0.5));
+        }
         if (Percentile(t, 0.5) < row.best_shape_us) {
           row.best_shape_us = Percentile(t, 0.5);
           row.best_shape = shape;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -11,10 +12,12 @@
 namespace perception {
 namespace {
 
-// Ticks of up to kFullClusterTickEvents events give each event a cluster of 8 blocks, up to kClusterTickEvents a
-// cluster of 4 (at 64 events, 4 measured 1.4x faster than 8 on small); larger ticks share weight rows instead.
-constexpr int kFullClusterTickEvents = 8;
-constexpr int kClusterTickEvents = 64;
+// Index of a value in one of the shape tables, or -1.
+template <size_t N>
+int IndexOf(const std::array<int, N>& values, int value) {
+  const auto it = std::find(values.begin(), values.end(), value);
+  return it == values.end() ? -1 : static_cast<int>(it - values.begin());
+}
 
 }  // namespace
 
@@ -61,6 +64,11 @@ absl::Status CudaStreamer::Initialize() {
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
   const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
   device_.Reserve(&published_, layout_.total_size());
+  const size_t pack_size = kernels::StreamPackSize(WeightsAt(published_));
+  if (pack_size == 0) {
+    return absl::InvalidArgumentError("the streaming kernel does not support this model's dimensions");
+  }
+  device_.Reserve(&pack_, pack_size);
   device_.Reserve(&state_.conv, S * conv);
   device_.Reserve(&state_.ssm, S * ssm);
   device_.Reserve(&state_.cfc, S * c.cfc_units);
@@ -84,15 +92,27 @@ absl::Status CudaStreamer::Initialize() {
   cudaDeviceProp properties{};
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
-  max_group_ = kernels::StreamStepMaxGroup(weights_, properties.sharedMemPerBlockOptin);
-  if (max_group_ == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("the streaming step of this model needs ",
-                                                   kernels::StreamStepSharedBytes(weights_, 1),
-                                                   " bytes of shared memory per block; the device offers ",
-                                                   properties.sharedMemPerBlockOptin));
+  max_shared_bytes_ = properties.sharedMemPerBlockOptin;
+  CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
+  for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
+    for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
+      kernels::StreamShapeFit& fit = fits_[gi][ci];
+      const cudaError_t error = kernels::FitStreamStep(weights_, kStreamGroupSizes[gi], kStreamClusterSizes[ci],
+                                                       max_shared_bytes_, &fit);
+      // Clusters above 8 blocks are optional hardware: a device without them refuses the query, which only rules
+      // the shape out.
+      if (error != cudaSuccess && kStreamClusterSizes[ci] > 8) {
+        cudaGetLastError();
+        fit = kernels::StreamShapeFit{};
+        continue;
+      }
+      CUDA_RETURN_IF_ERROR(error);
+    }
   }
-  for (int group = 1; group <= max_group_; group *= 2) {
-    CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(weights_, group));
+  if (!Supports(ShapeFor(1))) {
+    return absl::InvalidArgumentError(absl::StrCat("the streaming step of this model does not fit the ",
+                                                   properties.sharedMemPerBlockOptin,
+                                                   " bytes of shared memory a block may use on this device"));
   }
   return absl::OkStatus();
 }
@@ -155,6 +175,11 @@ absl::Status CudaStreamer::Publish(const float* device_params, cudaStream_t sour
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, published_ready_, 0));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, device_params, layout_.total_size() * sizeof(float),
                                        cudaMemcpyDeviceToDevice, stream_));
+  return Pack();
+}
+
+absl::Status CudaStreamer::Pack() {
+  CUDA_RETURN_IF_ERROR(kernels::PackStreamWeights(weights_, pack_, stream_));
   return absl::OkStatus();
 }
 
@@ -164,6 +189,7 @@ absl::Status CudaStreamer::PublishFromHost(std::span<const float> params) {
                                                    layout_.total_size()));
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice, stream_));
+  RETURN_IF_ERROR(Pack());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
@@ -198,12 +224,31 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
   return status;
 }
 
+kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
+  const int g = IndexOf(kStreamGroupSizes, shape.events_per_group),
+            c = IndexOf(kStreamClusterSizes, shape.cluster_size);
+  return g < 0 || c < 0 ? kernels::StreamShapeFit{} : fits_[g][c];
+}
+
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
-  // Measured on the H200 (bench/RESULTS.md): small ticks are latency-bound and gain from spreading each product over
-  // a full cluster; large ticks are bound by weight traffic and gain from sharing each weight row among more events.
-  if (n <= kFullClusterTickEvents) return {1, 8};
-  if (n <= kClusterTickEvents) return {1, 4};
-  return {std::min(4, max_group_), 1};
+  // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 1,024 instruments): every group is a
+  // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
+  // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
+  // add exchange work); when none holds them, the widest one-wave cluster (more blocks, fewer global reads each).
+  // Ticks too large for one wave of one-event clusters share weights among events in single-block clusters.
+  std::optional<StreamLaunchShape> widest;
+  for (int cluster : kStreamClusterSizes) {
+    const StreamLaunchShape shape{1, cluster};
+    if (Fit(shape).max_clusters < n) continue;
+    if (Fit(shape).weights_resident) return shape;
+    widest = shape;
+  }
+  if (widest) return *widest;
+  for (int group : kStreamGroupSizes) {
+    const StreamLaunchShape shape{group, 1};
+    if ((n + group - 1) / group <= Fit(shape).max_clusters) return shape;
+  }
+  return {kStreamGroupSizes.back(), 1};
 }
 
 int CudaStreamer::BucketFor(int n) const {
@@ -235,8 +280,9 @@ absl::Status CudaStreamer::EnqueueTick(Staging& s, int n, StreamLaunchShape shap
   // The kernel reads the tick straight from pinned host memory (mapped into the device's address space): a tick
   // is a few kilobytes, and copy commands would cost more than the reads.
   const kernels::StreamTickInput input{n, s.x_host, s.dt_host, s.slots_host, log ? s.log_host : nullptr};
-  CUDA_RETURN_IF_ERROR(
-      kernels::LaunchStreamStep(weights_, state_, input, shape.events_per_group, shape.cluster_size, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,
+                                                 shape.cluster_size, Fit(shape).max_clusters, max_shared_bytes_,
+                                                 stream_));
   return absl::OkStatus();
 }
 
@@ -252,7 +298,7 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   TickGraph& graph = graphs_[index][bucket];
   if (!graph.exec) RETURN_IF_ERROR(Capture(s, bucket, graph));
   // Pointer stability: a replay must run over exactly the buffers it was captured with.
-  if (graph.staging_x != s.x_host || graph.published != published_ || graph.conv_state != state_.conv) {
+  if (graph.staging_x != s.x_host || graph.pack != pack_ || graph.conv_state != state_.conv) {
     return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
   }
   CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
@@ -267,8 +313,7 @@ absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape)
 }
 
 absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape shape) {
-  if (shape.events_per_group > max_group_ || shape.events_per_group < 1 || shape.cluster_size < 1 ||
-      shape.cluster_size > 8) {
+  if (!Supports(shape)) {
     return absl::InvalidArgumentError(absl::StrCat("launch shape ", shape.events_per_group, " events per group, ",
                                                    shape.cluster_size, " blocks per cluster is not supported"));
   }
@@ -292,7 +337,7 @@ absl::Status CudaStreamer::Capture(Staging& s, int bucket, TickGraph& graph) {
   cudaGraphDestroy(captured);
   CUDA_RETURN_IF_ERROR(instantiated);
   graph.staging_x = s.x_host;
-  graph.published = published_;
+  graph.pack = pack_;
   graph.conv_state = state_.conv;
   return absl::OkStatus();
 }

@@ -23,6 +23,8 @@ struct StreamLaunchShape {
   int events_per_group = 1;
   int cluster_size = 8;
 };
+constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
+constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
 
 class CudaStreamer {
  public:
@@ -36,11 +38,11 @@ class CudaStreamer {
 
   cudaStream_t stream() const { return stream_; }
   int slots() const { return slots_; }
-  // The largest events-per-group whose shared memory fits this device.
-  int max_events_per_group() const { return max_group_; }
+  // Whether ticks can launch with this shape on this device (clusters of 16 need a device that co-schedules them).
+  bool Supports(StreamLaunchShape shape) const { return Fit(shape).max_clusters > 0; }
 
-  // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done;
-  // ticks queued afterwards read it, ticks queued before read the previous set.
+  // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
+  // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
   absl::Status Publish(const float* device_params, cudaStream_t source);
   // Uploads a host parameter set into the published weights (synchronous; for tests and the CPU-built models).
   absl::Status PublishFromHost(std::span<const float> params);
@@ -81,10 +83,13 @@ class CudaStreamer {
   // A tick graph and the buffers it was captured over.
   struct TickGraph {
     cudaGraphExec_t exec = nullptr;
-    const float *staging_x = nullptr, *published = nullptr, *conv_state = nullptr;
+    const float *staging_x = nullptr, *pack = nullptr, *conv_state = nullptr;
   };
 
   absl::Status CheckSlot(int slot) const;
+  // How a shape fits this device (no clusters: unsupported).
+  kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
+  absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
   int BucketFor(int n) const;
@@ -101,11 +106,14 @@ class CudaStreamer {
   const ParamLayout& layout_;
   const int slots_;
   const int64_t log_entries_;
-  int max_group_ = 1;
+  size_t max_shared_bytes_ = 0;
+  // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
+  std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
-  float* published_ = nullptr;
+  float* published_ = nullptr;  // the parameter set as published, which the pack is built from
+  float* pack_ = nullptr;
   kernels::StreamSlots state_{};
   kernels::StreamWeights weights_{};
   std::array<Staging, 2> staging_{};

@@ -1,9 +1,15 @@
-// The streaming step kernel: a thread-block cluster per group of events carries them through the whole model.
-// Every block keeps the activations of its group in shared memory; matrix products are split by rows over the
-// cluster's blocks (a warp per row, lanes over the input) and each result row is stored into every block's shared
-// memory through distributed shared memory, then the cluster synchronizes. Elementwise stages and norms are
-// recomputed by every block (cheap), so only the products and the SSM rows cross blocks. Sums run in a fixed order.
+// The streaming step kernel: a thread-block cluster carries groups of events through the whole model. A tick is a
+// chain of about a dozen dependent products, so what sets its latency is how long each link waits: every block
+// starts bulk copies of its rows of every product (and the norms' weights) into shared memory at launch, in stage
+// order, and each stage waits only for its own rows, so the loads run under the chain instead of inside it. The
+// states of the block's rows are prefetched the same way. Matrix products are split by rows over the cluster's blocks
+// (eight lanes per row, four consecutive inputs per lane) and each result is stored into every block's shared memory
+// through distributed shared memory, fused with what the row's owner can finish alone (the causal conv, softplus,
+// the SSM gate, the residual, the CfC update, the GRN gate), then the cluster synchronizes. Norms are recomputed by
+// every block. Every sum runs in one fixed order, whatever the launch shape.
 #include <cooperative_groups.h>
+
+#include <algorithm>
 
 #include "kernels/common.cuh"
 #include "kernels/stream_step.h"
@@ -15,351 +21,868 @@ namespace cg = cooperative_groups;
 
 constexpr int kStreamThreads = 256;
 constexpr int kStreamWarps = kStreamThreads / kWarpSize;
+constexpr int kLanesPerRow = 8;
+constexpr int kRowGroups = kStreamThreads / kLanesPerRow;
+constexpr int kMaxEvents = 8;
+constexpr int kXPerThread = 4;  // the tick's raw features are read into registers: EG·F ≤ kXPerThread·kStreamThreads
+constexpr int kMaxStages = 2 * kStreamMaxLayers + 7;
+// Results cross the cluster at the end of the embedding, of in_proj, the SSM and out_proj of every layer, of the
+// CfC's two products and of the GRN's three.
+constexpr int kMaxExchanges = 3 * kStreamMaxLayers + 6;
+constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges;
 
 __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 
-// Offsets (in floats) of each activation inside one event's shared-memory region.
-struct EventLayout {
-  int xn, h, r, zx, xbc, conv_old, y, yn, proj, a, bb, heads, fs, e2, e1, gv, g, logits, per_event;
+enum StageKind : int { kEmbed, kInProj, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kFc1, kGateValue, kHeadOut };
 
-  __host__ __device__ explicit EventLayout(const StreamWeights& w) {
-    const int cd = w.E + 2 * w.N, zd = 2 * w.E + 2 * w.N + w.Hh;
-    int at = 0;
-    auto take = [&at](int n) {
-      const int start = at;
-      at += Align4(n);
-      return start;
-    };
-    xn = take(w.F);
-    h = take(w.D);
-    r = take(w.D);
-    zx = take(zd);
-    xbc = take(cd);
-    conv_old = take(w.L * (w.W - 1) * cd);
-    y = take(w.E);
-    yn = take(w.E);
-    proj = take(w.D);
-    a = take(w.D + w.C);
-    bb = take(w.K);
-    heads = take(4 * w.C);
-    fs = take(2 * w.G);
-    e2 = take(w.G);
-    e1 = take(w.G);
-    gv = take(2 * w.G);
-    g = take(w.G);
-    logits = take(w.H);
-    per_event = at;
-  }
+// How a product's rows are spread: over the cluster (results exchanged), all on rank 0 (the head's tail), or all on
+// every block (the embedding, when its weights fit everywhere: one exchange fewer).
+enum StageMode : int { kSplit, kRankZero, kEveryRank };
+
+// One product in the pack: `units` row units of `outputs` weight rows each (padded to in_pad with zeros) followed by
+// `params` per-unit constants (biases, conv taps), `stride` floats per unit.
+struct PackStage {
+  int kind, layer, units, outputs, in, in_pad, params, stride, pack, mode;
 };
 
-constexpr int kReductionScratch = kStreamWarps;
+// Where everything lives: the pack (independent of the launch) and one block's shared memory for a launch shape.
+// All offsets are in floats and multiples of 4.
+struct StreamPlan {
+  int F, D, L, E, P, Hh, N, W, C, K, G, H;
+  int stages;
+  PackStage stage[kMaxStages];
+  // Vectors every block needs whole (norms, SSM constants), at shared_pack in the pack; offsets within the section.
+  int shared_pack, shared_size;
+  int mean, inv_std, norm[kStreamMaxLayers], mixer_norm[kStreamMaxLayers], a_log[kStreamMaxLayers],
+      skip_d[kStreamMaxLayers], norm_f, ln_w, ln_b;
+  int pack_size;
 
-struct MatvecSegment {
-  const float* weight;  // [rows, in] row-major
-  const float* bias;    // [rows] or null
-  int rows;
-  int out;  // offset of the result in each event's region
+  // A launch shape: clusters of `cluster` blocks, groups of `events` events.
+  int cluster, events;
+  int bars, meta, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
+  int ev_base, per_event;                        // event e's activations at ev_base + e·per_event
+  int xn, h, r, zx, y, yn, a, bb, e2, skip, e1, pre, g, logits, conv;  // offsets within an event's activations
+  int conv_channels, ssm_rows;
+  int ssm_base;  // the block's SSM rows per event and layer, or −1 when they are read from global memory
+  int floats;
 };
 
-// out[e][seg.out + row] = W·in[e] (+ b) for every row of the segments, rows split over the cluster's warps; each
-// result is stored into every block of the cluster, then the cluster synchronizes.
-template <int EG, int SEGMENTS>
-__device__ void ClusterMatvec(const cg::cluster_group& cluster, const MatvecSegment (&segments)[SEGMENTS], int in,
-                              int in_len, float* smem, int per_event) {
-  const int blocks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  int total = 0;
-  for (const MatvecSegment& s : segments) total += s.rows;
-  for (int row = rank * kStreamWarps + warp; row < total; row += blocks * kStreamWarps) {
-    int local = row, seg = 0;
-    while (local >= segments[seg].rows) local -= segments[seg++].rows;
-    const MatvecSegment& s = segments[seg];
-    const float* weights = s.weight + static_cast<size_t>(local) * in_len;
-    float acc[EG];
-#pragma unroll
-    for (int e = 0; e < EG; ++e) acc[e] = 0.f;
-    for (int i = lane; i < in_len; i += kWarpSize) {
-      const float wv = __ldg(weights + i);
-#pragma unroll
-      for (int e = 0; e < EG; ++e) acc[e] += wv * smem[e * per_event + in + i];
-    }
-    const float bias = s.bias ? __ldg(s.bias + local) : 0.f;
-#pragma unroll
-    for (int e = 0; e < EG; ++e) acc[e] = WarpSum(acc[e]) + bias;
-    if (lane < blocks) {
-      float* remote = cluster.map_shared_rank(smem, lane);
-#pragma unroll
-      for (int e = 0; e < EG; ++e) remote[e * per_event + s.out + local] = acc[e];
-    }
+__host__ __device__ inline void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
+  if (s.mode == kSplit) {
+    r0 = rank * s.units / cluster;
+    r1 = (rank + 1) * s.units / cluster;
+  } else {
+    r0 = 0;
+    r1 = s.mode == kEveryRank || rank == 0 ? s.units : 0;
   }
-  cluster.sync();
 }
 
-// out = v / sqrt(mean(v²) + eps) ⊙ w over n values, computed by the whole block (deterministic order).
-__device__ void BlockRmsNorm(const float* v, const float* w, int n, float* out, float* scratch) {
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += v[i] * v[i];
-  const float rstd = 1.f / sqrtf(BlockSum(ss, scratch) / n + kNormEps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = v[i] * rstd * __ldg(w + i);
+StreamPlan MakePackPlan(const StreamWeights& w) {
+  StreamPlan p{};
+  p.F = w.F, p.D = w.D, p.L = w.L, p.E = w.E, p.P = w.P, p.Hh = w.Hh, p.N = w.N, p.W = w.W, p.C = w.C, p.K = w.K,
+  p.G = w.G, p.H = w.H;
+  int at = 0;
+  auto add = [&](int kind, int layer, int units, int outputs, int in, int params, int mode) {
+    PackStage& s = p.stage[p.stages++];
+    s = PackStage{kind, layer, units, outputs, in, Align4(in), params, outputs * Align4(in) + Align4(params), at, mode};
+    at += units * s.stride;
+  };
+  const int zd = 2 * w.E + 2 * w.N + w.Hh, DC = w.D + w.C;
+  add(kEmbed, 0, w.D, 1, w.F, 1, kSplit);
+  for (int l = 0; l < w.L; ++l) {
+    add(kInProj, l, zd, 1, w.D, w.W + 1, kSplit);  // conv taps and bias on the xBC rows, dt_bias on the dt rows
+    add(kOutProj, l, w.D, 1, w.E, 0, kSplit);
+  }
+  add(kBackbone, 0, w.K, 1, DC, 1, kSplit);
+  add(kCfcHeads, 0, w.C, 4, w.K, 4, kSplit);  // ff1, ff2, time_a, time_b of one unit together: its owner updates c
+  add(kFc2Skip, 0, w.G, 2, DC, 1, kSplit);
+  add(kFc1, 0, w.G, 1, w.G, 1, kSplit);
+  add(kGateValue, 0, w.G, 2, w.G, 2, kSplit);
+  add(kHeadOut, 0, w.H, 1, w.G, 1, kRankZero);
+  p.shared_pack = at;
+  int sh = 0;
+  auto take = [&sh](int n) {
+    const int start = sh;
+    sh += Align4(n);
+    return start;
+  };
+  p.mean = take(w.F);
+  p.inv_std = take(w.F);
+  for (int l = 0; l < w.L; ++l) {
+    p.norm[l] = take(w.D);
+    p.mixer_norm[l] = take(w.E);
+    p.a_log[l] = take(w.Hh);
+    p.skip_d[l] = take(w.Hh);
+  }
+  p.norm_f = take(w.D);
+  p.ln_w = take(w.G);
+  p.ln_b = take(w.G);
+  p.shared_size = sh;
+  p.pack_size = at + sh;
+  return p;
+}
+
+// Lays one block's shared memory out for a launch shape with the stages' current modes; false when the activations do
+// not fit. Then the shared vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's
+// order). `all_resident` tells whether every stage's rows found room.
+bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, bool* all_resident) {
+  p.cluster = cluster;
+  p.events = events;
+  const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
+  const int E = p.E, cd = E + 2 * p.N, zd = 2 * E + 2 * p.N + p.Hh, W1 = p.W - 1;
+  int at = 0;
+  p.bars = at;
+  at += Align4(2 * kBarriers);  // 8-byte mbarriers
+  p.meta = at;
+  at += 4 * kMaxEvents;  // slot ids, Δt, log positions (8 bytes)
+  p.conv_channels = 0;
+  for (int r = 0; r < cluster; ++r) {
+    int r0, r1;
+    RowRange(p.stage[1], cluster, r, r0, r1);
+    p.conv_channels = std::max(p.conv_channels, std::min(r1, E + cd) - std::max(r0, E));
+  }
+  p.ssm_rows = CeilDiv(E, cluster);
+  int ev = 0;
+  auto take = [&ev](int n) {
+    const int start = ev;
+    ev += Align4(n);
+    return start;
+  };
+  p.xn = take(p.F);
+  p.h = take(p.D);
+  p.r = take(p.D);
+  p.zx = take(zd);
+  p.y = take(E);
+  p.yn = take(E);
+  p.a = take(p.D + p.C);
+  p.bb = take(p.K);
+  p.e2 = take(p.G);
+  p.skip = take(p.G);
+  p.e1 = take(p.G);
+  p.pre = take(p.G);
+  p.g = take(p.G);
+  p.logits = take(p.H);
+  p.conv = take(p.L * W1 * p.conv_channels);
+  p.per_event = ev;
+  p.ev_base = at;
+  at += events * ev;
+  p.shared = at;
+  at += p.shared_size;
+  if (at > budget) return false;
+  const int ssm = events * p.L * p.ssm_rows * p.N;
+  p.ssm_base = at + ssm <= budget ? at : -1;
+  if (p.ssm_base >= 0) at += Align4(ssm);
+  *all_resident = p.ssm_base >= 0;
+  for (int s = 0; s < p.stages; ++s) {
+    const PackStage& st = p.stage[s];
+    const int rows = st.mode == kSplit ? CeilDiv(st.units, cluster) : st.units;
+    p.stage_at[s] = at + rows * st.stride <= budget ? at : -1;
+    if (p.stage_at[s] >= 0) at += rows * st.stride;
+    *all_resident = *all_resident && p.stage_at[s] >= 0;
+  }
+  p.floats = at;
+  return true;
+}
+
+// Picks the stages' modes for a launch shape: the embedding on every block and the GRN's fc1 and gate/value on rank
+// 0 alone (two and one exchanges fewer) when everything still fits in shared memory, else split products.
+bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
+  const int embed = 0, fc1 = p.stages - 3, gate_value = p.stages - 2;
+  const int modes[3][2] = {{kEveryRank, kRankZero}, {kEveryRank, kSplit}, {kSplit, kSplit}};
+  for (const auto& mode : modes) {
+    p.stage[embed].mode = cluster > 1 ? mode[0] : kSplit;
+    p.stage[fc1].mode = p.stage[gate_value].mode = cluster > 1 ? mode[1] : kSplit;
+    bool all_resident = false;
+    if (!Layout(p, events, cluster, max_shared_bytes, &all_resident)) return false;
+    if (all_resident) return true;
+  }
+  return true;  // split products, as many of them resident as fit
+}
+
+bool Supported(const StreamWeights& w) {
+  return w.L >= 1 && w.L <= kStreamMaxLayers && w.W >= 1 && w.W <= kStreamMaxConvTaps &&
+         w.F * kMaxEvents <= kXPerThread * kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
+}
+
+// ---- Pack construction (once per published parameter set) ----
+
+__device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int u, int m) {
+  const int DC = w.D + w.C;
+  switch (s.kind) {
+    case kEmbed: return w.embed_w + static_cast<size_t>(u) * w.F;
+    case kInProj: return w.layers[s.layer].in_proj + static_cast<size_t>(u) * w.D;
+    case kOutProj: return w.layers[s.layer].out_proj + static_cast<size_t>(u) * w.E;
+    case kBackbone: return w.backbone_w + static_cast<size_t>(u) * DC;
+    case kCfcHeads: {
+      const float* heads[4] = {w.ff1_w, w.ff2_w, w.time_a_w, w.time_b_w};
+      return heads[m] + static_cast<size_t>(u) * w.K;
+    }
+    case kFc2Skip: return (m == 0 ? w.fc2_w : w.skip_w) + static_cast<size_t>(u) * DC;
+    case kFc1: return w.fc1_w + static_cast<size_t>(u) * w.G;
+    case kGateValue: return (m == 0 ? w.gate_w : w.value_w) + static_cast<size_t>(u) * w.G;
+    default: return w.out_w + static_cast<size_t>(u) * w.G;
+  }
+}
+
+__device__ float PackParam(const StreamWeights& w, const PackStage& s, int u, int q) {
+  switch (s.kind) {
+    case kEmbed: return w.embed_b[u];
+    case kInProj: {
+      const StreamLayerWeights& lw = w.layers[s.layer];
+      const int cd = w.E + 2 * w.N;
+      if (u >= w.E && u < w.E + cd) return q < w.W ? lw.conv_weight[(u - w.E) * w.W + q] : lw.conv_bias[u - w.E];
+      if (u >= w.E + cd && q == 0) return lw.dt_bias[u - w.E - cd];
+      return 0.f;
+    }
+    case kBackbone: return w.backbone_b[u];
+    case kCfcHeads: {
+      const float* biases[4] = {w.ff1_b, w.ff2_b, w.time_a_b, w.time_b_b};
+      return biases[q][u];
+    }
+    case kFc2Skip: return w.fc2_b[u];
+    case kFc1: return w.fc1_b[u];
+    case kGateValue: return q == 0 ? w.gate_b[u] : w.value_b[u];
+    case kHeadOut: return w.out_b[u];
+    default: return 0.f;
+  }
+}
+
+__device__ float SharedValue(const StreamWeights& w, const StreamPlan& p, int i) {
+  auto in = [i](int start, int len) { return i >= start && i < start + len; };
+  if (in(p.mean, w.F)) return w.norm_mean[i - p.mean];
+  if (in(p.inv_std, w.F)) return w.norm_inv_std[i - p.inv_std];
+  for (int l = 0; l < w.L; ++l) {
+    const StreamLayerWeights& lw = w.layers[l];
+    if (in(p.norm[l], w.D)) return lw.norm[i - p.norm[l]];
+    if (in(p.mixer_norm[l], w.E)) return lw.mixer_norm[i - p.mixer_norm[l]];
+    if (in(p.a_log[l], w.Hh)) return lw.a_log[i - p.a_log[l]];
+    if (in(p.skip_d[l], w.Hh)) return lw.d[i - p.skip_d[l]];
+  }
+  if (in(p.norm_f, w.D)) return w.norm_f[i - p.norm_f];
+  if (in(p.ln_w, w.G)) return w.ln_w[i - p.ln_w];
+  if (in(p.ln_b, w.G)) return w.ln_b[i - p.ln_b];
+  return 0.f;  // alignment padding
+}
+
+__global__ void PackKernel(const __grid_constant__ StreamWeights w, const __grid_constant__ StreamPlan p, float* pack) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.pack_size; i += gridDim.x * blockDim.x) {
+    float v = 0.f;
+    if (i >= p.shared_pack) {
+      v = SharedValue(w, p, i - p.shared_pack);
+    } else {
+      int si = 0;
+      while (si + 1 < p.stages && i >= p.stage[si + 1].pack) ++si;
+      const PackStage& s = p.stage[si];
+      const int offset = i - s.pack, u = offset / s.stride, o = offset % s.stride;
+      if (o < s.outputs * s.in_pad) {
+        const int m = o / s.in_pad, k = o % s.in_pad;
+        if (k < s.in) v = PackRow(w, s, u, m)[k];
+      } else if (o - s.outputs * s.in_pad < s.params) {
+        v = PackParam(w, s, u, o - s.outputs * s.in_pad);
+      }
+    }
+    pack[i] = v;
+  }
+}
+
+// ---- Asynchronous copies and barriers (PTX) ----
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void BarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+}
+__device__ __forceinline__ void BarrierInitFence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arrives once, expecting `bytes` of bulk copies to complete the barrier's first phase.
+__device__ __forceinline__ void BarrierExpect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCopy(float* dst, const float* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   SharedAddress(dst)),
+               "l"(src), "r"(bytes), "r"(SharedAddress(bar))
+               : "memory");
+}
+// Waits for the barrier's first phase (every barrier here completes exactly once per launch).
+__device__ __forceinline__ void BarrierWait(uint64_t* bar) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SharedAddress(bar))
+      : "memory");
+}
+// Distributed shared memory: this block's shared address as seen in block `rank`, and a 4-byte store there that
+// signals the barrier at `remote_bar` (also in block `rank`) when it lands.
+__device__ __forceinline__ uint32_t MapToRank(uint32_t address, int rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+__device__ __forceinline__ void StoreRemote(uint32_t address, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(address),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
+}
+// Waits for phase `parity` of an exchange barrier, whose bytes come from every block of the cluster.
+__device__ __forceinline__ void ExchangeWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SharedAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+// The cluster barrier in halves: arrive (releasing this block's earlier writes, the barriers' initialization among
+// them) and wait, so that work can run in between.
+__device__ __forceinline__ void ClusterArrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
+__device__ __forceinline__ float RowSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v;
+}
+
+// ---- The step ----
+
+// The block's rows of stage `si`, `outputs` products each, for every event of the group: row group (eight lanes)
+// g takes rows r0+g, r0+g+32, …; lane j sums inputs 4j..4j+3, 4j+32.., in order, then the group adds its lanes.
+// `epilogue(u, acc, params, lane)` receives the finished sums of row unit u (every lane of the group gets them).
+template <int EG, int M, typename Epilogue>
+__device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
+                                         int rank, int in_offset, Epilogue&& epilogue) {
+  const PackStage& s = p.stage[si];
+  int r0, r1;
+  RowRange(s, p.cluster, rank, r0, r1);
+  const float* weights;
+  if (p.stage_at[si] >= 0) {
+    BarrierWait(bars + 1 + si);
+    weights = smem + p.stage_at[si];
+  } else {
+    weights = pack + s.pack + static_cast<size_t>(r0) * s.stride;
+  }
+  const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
+  const float* in = smem + p.ev_base + in_offset;
+  for (int base = r0; base < r1; base += kRowGroups) {
+    const int u = base + group;
+    const bool active = u < r1;
+    const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
+    float acc[M][EG];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int e = 0; e < EG; ++e) acc[m][e] = 0.f;
+    }
+    if (active) {
+      for (int i = lane * 4; i < s.in_pad; i += 4 * kLanesPerRow) {
+        float4 x[EG];
+#pragma unroll
+        for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * p.per_event + i);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float4 wv = *reinterpret_cast<const float4*>(wu + m * s.in_pad + i);
+#pragma unroll
+          for (int e = 0; e < EG; ++e) {
+            acc[m][e] += wv.x * x[e].x;
+            acc[m][e] += wv.y * x[e].y;
+            acc[m][e] += wv.z * x[e].z;
+            acc[m][e] += wv.w * x[e].w;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int e = 0; e < EG; ++e) acc[m][e] = RowSum(acc[m][e]);
+    }
+    if (active) epilogue(u, acc, wu + M * s.in_pad, lane);
+  }
+}
+
+// out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes.
+template <int EG>
+__device__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int e = warp; e < EG; e += kStreamWarps) {
+    const float* v = ev + e * per_event + in;
+    float* o = ev + e * per_event + out;
+    float ss = 0.f;
+    for (int i = lane; i < n; i += kWarpSize) ss += v[i] * v[i];
+    const float rstd = 1.f / sqrtf(WarpSum(ss) / n + kNormEps);
+    for (int i = lane; i < n; i += kWarpSize) o[i] = v[i] * rstd * w[i];
+  }
   __syncthreads();
 }
 
 template <int EG>
-__global__ void __launch_bounds__(kStreamThreads)
-    StreamStepKernel(const __grid_constant__ StreamWeights w, const __grid_constant__ StreamSlots st,
-                     const __grid_constant__ StreamTickInput tick) {
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    StreamStepKernel(const __grid_constant__ StreamPlan p, const float* __restrict__ pack,
+                     const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
+  extern __shared__ __align__(16) float smem[];
   const cg::cluster_group cluster = cg::this_cluster();
-  const int blocks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const int first = static_cast<int>(blockIdx.x / blocks) * EG;
-  const int count = min(EG, tick.n - first);
-  // The tick's inputs may live in pinned host memory, where every read is a round trip over the bus: slot ids and
-  // Δt are read once here. Padding events (past n, or a negative slot in a tick padded to its graph's bucket) read
-  // zeros and write nothing.
-  __shared__ int slot_ids[EG];
-  __shared__ float event_dt[EG];
-  if (threadIdx.x < EG) {
-    const int e = threadIdx.x;
-    slot_ids[e] = e < count ? tick.slots[first + e] : -1;
-    event_dt[e] = e < count ? tick.dt[first + e] : 0.f;
+  const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x, lane = tid % kLanesPerRow, group = tid / kLanesPerRow;
+  const int E = p.E, N = p.N, cd = E + 2 * N, zd = 2 * E + 2 * N + p.Hh, W1 = p.W - 1, pe = p.per_event;
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  const size_t ssm_per_layer = static_cast<size_t>(E) * N;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + p.bars);
+  uint64_t* exchange_bars = bars + 1 + kMaxStages;
+  int* slot_ids = reinterpret_cast<int*>(smem + p.meta);
+  float* event_dt = smem + p.meta + kMaxEvents;
+  int64_t* log_at = reinterpret_cast<int64_t*>(smem + p.meta + 2 * kMaxEvents);
+  float* ev = smem + p.ev_base;
+  const float* sh = smem + p.shared;
+  const int cfc_stage = 1 + 2 * p.L;
+  // Exchanges in chain order, and the floats each block receives per event in each.
+  const int x_backbone = 1 + 3 * p.L, exchanges = x_backbone + 5;
+  auto exchange_floats = [&](int x) {
+    if (x == 0) return p.D;
+    if (x < x_backbone) return (x - 1) % 3 == 0 ? zd : (x - 1) % 3 == 1 ? E : p.D;
+    const int tail[5] = {p.K, p.C, 2 * p.G, p.G, p.G};
+    return tail[x - x_backbone];
+  };
+  auto exchanged = [&](int si) { return R > 1 && p.stage[si].mode == kSplit; };
+  auto exchange_stage = [&](int x) {
+    if (x == 0) return 0;
+    if (x < x_backbone) return (x - 1) % 3 == 2 ? 2 + 2 * ((x - 1) / 3) : 1 + 2 * ((x - 1) / 3);
+    return cfc_stage + x - x_backbone;
+  };
+
+  // Every copy of the launch starts now, in the order the chain needs them.
+  if (tid == 0) {
+    for (int b = 0; b < 1 + p.stages; ++b) BarrierInit(bars + b);
+    for (int x = 0; x < exchanges; ++x) BarrierInit(exchange_bars + x);
+    BarrierInitFence();
+    BarrierExpect(bars, p.shared_size * sizeof(float));
+    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
+    for (int si = 0; si < p.stages; ++si) {
+      if (p.stage_at[si] < 0) continue;
+      int r0, r1;
+      RowRange(p.stage[si], R, rank, r0, r1);
+      const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
+      BarrierExpect(bars + 1 + si, bytes);
+      if (bytes > 0) {
+        BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
+                 bars + 1 + si);
+      }
+    }
   }
+  // Activations start at zero: the products read their zero padding.
+  for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
+  // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
+  uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
+  const int remotes = (R > lane) + (R > lane + kLanesPerRow);
+  for (int k = 0; k < remotes; ++k) {
+    remote_ev[k] = MapToRank(SharedAddress(ev), lane + kLanesPerRow * k);
+    remote_bars[k] = MapToRank(SharedAddress(exchange_bars), lane + kLanesPerRow * k);
+  }
+  // Result v of exchange x for event e at `offset` of its activations, into every block of the cluster.
+  auto put = [&](int x, int e, int offset, float v) {
+    for (int k = 0; k < remotes; ++k) {
+      StoreRemote(remote_ev[k] + (e * pe + offset) * sizeof(float), v, remote_bars[k] + x * sizeof(uint64_t));
+    }
+  };
+  // A stage's result: exchanged, or kept by the block that computed it (lane 0 of the row group stores it).
+  auto emit = [&](int si, int x, int e, int offset, float v) {
+    if (exchanged(si)) {
+      put(x, e, offset, v);
+    } else if (lane == 0) {
+      ev[e * pe + offset] = v;
+    }
+  };
+  // Waits for the stage's results: every block's share of exchange x, or this block's own.
+  int phase = 0;
+  auto finish = [&](int si, int x) {
+    if (exchanged(si)) {
+      ExchangeWait(exchange_bars + x, phase & 1);
+    } else {
+      __syncthreads();
+    }
+  };
   __syncthreads();
-  auto slot_of = [&](int e) { return slot_ids[e]; };
-  extern __shared__ float smem[];
-  __shared__ float scratch[kReductionScratch];
-  const EventLayout lay(w);
-  const int P = lay.per_event, tid = threadIdx.x;
-  const int E = w.E, N = w.N, cd = E + 2 * N, zd = 2 * E + 2 * N + w.Hh, W1 = w.W - 1, DC = w.D + w.C;
-  const size_t conv_per_slot = static_cast<size_t>(w.L) * W1 * cd;
-  const size_t ssm_per_layer = static_cast<size_t>(w.Hh) * w.P * N;
+  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  ClusterArrive();
 
-  // Inputs: standardized features, the carried conv rows and c_{t−1}; padding events are zeros and never written.
-  for (int e = 0; e < EG; ++e) {
-    float* ev = smem + e * P;
-    const int slot = slot_of(e);
-    const bool valid = slot >= 0;
-    for (int f = tid; f < w.F; f += blockDim.x) {
-      ev[lay.xn + f] = valid ? (tick.x[static_cast<size_t>(first + e) * w.F + f] - __ldg(w.norm_mean + f)) *
-                                   __ldg(w.norm_inv_std + f)
-                             : 0.f;
+  // This block's conv channels (the xBC rows of its in_proj share) and SSM rows.
+  int in0, in1;
+  RowRange(p.stage[1], R, rank, in0, in1);
+  const int c0 = max(in0, E) - E, c1 = min(in1, E + cd) - E;
+  const int q0 = rank * E / R, q1 = (rank + 1) * E / R;
+  const int groups = CeilDiv(tick.n, EG);
+  for (int group_index = static_cast<int>(blockIdx.x) / R; group_index < groups;
+       group_index += static_cast<int>(gridDim.x) / R, ++phase) {
+    const int first = group_index * EG;
+    if (tid == 0) {
+      // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
+      for (int x = 0; x < exchanges; ++x) {
+        if (exchanged(exchange_stage(x))) BarrierExpect(exchange_bars + x, exchange_floats(x) * EG * sizeof(float));
+      }
     }
-    for (size_t i = tid; i < conv_per_slot; i += blockDim.x) {
-      ev[lay.conv_old + i] = valid ? st.conv[static_cast<size_t>(slot) * conv_per_slot + i] : 0.f;
+    // The tick lives in pinned host memory, where every read is a bus round trip: all of it is read at once, into
+    // registers, before anything is stored.
+    const bool reads_event = tid < EG && first + tid < tick.n;
+    const int slot_read = reads_event ? tick.slots[first + tid] : -1;
+    const float dt_read = reads_event ? tick.dt[first + tid] : 0.f;
+    const int64_t log_read = reads_event && tick.log_indices ? tick.log_indices[first + tid] : 0;
+    float x_raw[kXPerThread];
+#pragma unroll
+    for (int k = 0; k < kXPerThread; ++k) {
+      const int i = tid + k * kStreamThreads;
+      x_raw[k] = i < EG * p.F && first + i / p.F < tick.n ? tick.x[static_cast<size_t>(first) * p.F + i] : 0.f;
     }
-    for (int u = tid; u < w.C; u += blockDim.x) ev[lay.a + w.D + u] = valid ? st.cfc[slot * w.C + u] : 0.f;
-  }
-  cluster.sync();  // every block is running before any distributed shared-memory store
-
-  ClusterMatvec<EG>(cluster, {MatvecSegment{w.embed_w, w.embed_b, w.D, lay.h}}, lay.xn, w.F, smem, P);
-
-  for (int l = 0; l < w.L; ++l) {
-    const StreamLayerWeights& lw = w.layers[l];
-    for (int e = 0; e < EG; ++e) BlockRmsNorm(smem + e * P + lay.h, lw.norm, w.D, smem + e * P + lay.r, scratch);
-    ClusterMatvec<EG>(cluster, {MatvecSegment{lw.in_proj, nullptr, zd, lay.zx}}, lay.r, w.D, smem, P);
-
-    // Causal conv over the carried rows and the new input; this block's share of channels updates the state.
-    for (int e = 0; e < EG; ++e) {
-      float* ev = smem + e * P;
-      const float* old_rows = ev + lay.conv_old + l * W1 * cd;
-      const float* x_new = ev + lay.zx + E;
-      const int slot = slot_of(e);
-      for (int c = tid; c < cd; c += blockDim.x) {
-        float acc = __ldg(lw.conv_bias + c) + __ldg(lw.conv_weight + c * w.W + W1) * x_new[c];
-        for (int k = 0; k < W1; ++k) acc += __ldg(lw.conv_weight + c * w.W + k) * old_rows[k * cd + c];
-        ev[lay.xbc + c] = Silu(acc);
-        if (slot >= 0 && c % blocks == rank) {
-          float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd;
-          for (int k = 0; k + 1 < W1; ++k) state[k * cd + c] = old_rows[(k + 1) * cd + c];
-          if (W1 > 0) state[(W1 - 1) * cd + c] = x_new[c];
+    if (tid < EG) {
+      slot_ids[tid] = slot_read;
+      event_dt[tid] = dt_read;
+      log_at[tid] = log_read;
+    }
+    __syncthreads();
+    // The carried states of this block's rows, copied asynchronously (padding events get zeros).
+    const int nc = max(c1 - c0, 0);
+    for (int i = tid; i < EG * p.L * W1 * nc; i += kStreamThreads) {
+      const int c = c0 + i % nc, lk = i / nc % (p.L * W1), e = i / nc / (p.L * W1);
+      float* dst = ev + e * pe + p.conv + lk * p.conv_channels + (c - c0);
+      if (slot_ids[e] >= 0) {
+        CopyAsync4(dst, st.conv + slot_ids[e] * conv_per_slot + static_cast<size_t>(lk) * cd + c);
+      } else {
+        *dst = 0.f;
+      }
+    }
+    if (p.ssm_base >= 0) {
+      const int per_layer = (q1 - q0) * N;
+      for (int i = tid; i < EG * p.L * per_layer; i += kStreamThreads) {
+        const int o = i % per_layer, l = i / per_layer % p.L, e = i / per_layer / p.L;
+        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N + o;
+        if (slot_ids[e] >= 0) {
+          CopyAsync4(dst, st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer +
+                              static_cast<size_t>(q0) * N + o);
+        } else {
+          *dst = 0.f;
         }
       }
     }
+    for (int i = tid; i < EG * p.C; i += kStreamThreads) {
+      const int e = i / p.C, u = i % p.C;
+      float* dst = ev + e * pe + p.a + p.D + u;
+      if (slot_ids[e] >= 0) {
+        CopyAsync4(dst, st.cfc + slot_ids[e] * p.C + u);
+      } else {
+        *dst = 0.f;
+      }
+    }
+    BarrierWait(bars);
+#pragma unroll
+    for (int k = 0; k < kXPerThread; ++k) {
+      const int i = tid + k * kStreamThreads;
+      if (i < EG * p.F) {
+        const int e = i / p.F, f = i % p.F;
+        ev[e * pe + p.xn + f] = slot_ids[e] >= 0 ? (x_raw[k] - sh[p.mean + f]) * sh[p.inv_std + f] : 0.f;
+      }
+    }
+    if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    // SSM rows (h, p) split over the cluster's warps; lanes over the state dimension.
-    {
-      const int lane = tid % kWarpSize, warp = tid / kWarpSize;
-      for (int hp = rank * kStreamWarps + warp; hp < E; hp += blocks * kStreamWarps) {
-        const int head = hp / w.P;
-        const float A = -expf(__ldg(lw.a_log + head)), Dh = __ldg(lw.d + head), bias = __ldg(lw.dt_bias + head);
+    Products<EG, 1>(p, 0, pack, smem, bars, rank, p.xn, [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+#pragma unroll
+      for (int e = 0; e < EG; ++e) emit(0, 0, e, p.h + u, acc[0][e] + prm[0]);
+    });
+    finish(0, 0);
+
+    for (int l = 0; l < p.L; ++l) {
+      const int si_in = 1 + 2 * l, si_out = 2 + 2 * l, x_in = 1 + 3 * l, x_ssm = 2 + 3 * l, x_out = 3 + 3 * l;
+      if (l == 0) CopyAsyncWaitAll();  // the states are needed from here on (the norm's barrier publishes them)
+      RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
+      // in_proj; the owner of an xBC row also runs its causal conv (and advances the conv state), the owner of a dt
+      // row its softplus.
+      Products<EG, 1>(p, si_in, pack, smem, bars, rank, p.r, [&](int u, const float(&acc)[1][EG], const float* prm,
+                                                                     int row_lane) {
+#pragma unroll
+        for (int e = 0; e < EG; ++e) {
+          const float v = acc[0][e];
+          float out = v;
+          if (u >= E && u < E + cd) {
+            const int c = u - E;
+            const float* old_rows = ev + e * pe + p.conv + l * W1 * p.conv_channels + (c - c0);
+            float conv = prm[p.W] + prm[W1] * v;
+            for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
+            out = Silu(conv);
+            const int slot = slot_ids[e];
+            if (row_lane == 0 && slot >= 0 && W1 > 0) {
+              float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + c;
+              for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+              state[(W1 - 1) * cd] = v;
+            }
+          } else if (u >= E + cd) {
+            out = Softplus(v + prm[0]);
+          }
+          emit(si_in, x_in, e, p.zx + u, out);
+        }
+      });
+      finish(si_in, x_in);
+
+      // SSM rows (h, p) of this block: eight lanes over the state dimension; the owner also applies the gate. The
+      // rows split like a split product's.
+      for (int base = q0; base < q1; base += kRowGroups) {
+        const int hp = base + group;
+        const bool active = hp < q1;
+        const int head = active ? hp / p.P : 0;
+        const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
         float y[EG];
 #pragma unroll
         for (int e = 0; e < EG; ++e) {
-          const float* ev = smem + e * P;
-          const float dt = Softplus(ev[lay.zx + E + cd + head] + bias);
-          const float decay = expf(dt * A), x = ev[lay.xbc + hp];
-          const int slot = slot_of(e);
-          float* s = slot >= 0 ? st.ssm + slot * (w.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(hp) * N
-                               : nullptr;
+          y[e] = 0.f;
+          if (!active) continue;
+          const float* z = ev + e * pe + p.zx;
+          const float dt = z[E + cd + head], decay = expf(dt * A), x = z[E + hp];
+          const int slot = slot_ids[e];
+          float* global_state = slot >= 0 ? st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer +
+                                                static_cast<size_t>(hp) * N
+                                          : nullptr;
+          const float* state =
+              p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N : global_state;
           float acc = 0.f;
-          for (int n = lane; n < N; n += kWarpSize) {
-            const float s_new = decay * (s ? s[n] : 0.f) + dt * x * ev[lay.xbc + E + n];
-            if (s) s[n] = s_new;
-            acc += ev[lay.xbc + E + N + n] * s_new;
+          for (int n = lane; n < N; n += kLanesPerRow) {
+            const float s_new = decay * (state ? state[n] : 0.f) + dt * x * z[2 * E + n];
+            if (global_state) global_state[n] = s_new;
+            acc += z[2 * E + N + n] * s_new;
           }
-          y[e] = WarpSum(acc) + Dh * x;
+          y[e] = acc;
         }
-        if (lane < blocks) {
-          float* remote = cluster.map_shared_rank(smem, lane);
 #pragma unroll
-          for (int e = 0; e < EG; ++e) remote[e * P + lay.y + hp] = y[e];
+        for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
+        if (active) {
+#pragma unroll
+          for (int e = 0; e < EG; ++e) {
+            const float* z = ev + e * pe + p.zx;
+            emit(si_in, x_ssm, e, p.y + hp, (y[e] + Dh * z[E + hp]) * Silu(z[hp]));
+          }
         }
       }
-      cluster.sync();
+      finish(si_in, x_ssm);
+
+      RmsNormEvents<EG>(ev, pe, p.y, p.yn, sh + p.mixer_norm[l], E);
+      Products<EG, 1>(p, si_out, pack, smem, bars, rank, p.yn,
+                      [&](int u, const float(&acc)[1][EG], const float*, int) {
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) emit(si_out, x_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
+                      });
+      finish(si_out, x_out);
     }
 
-    // Gate, gated RMSNorm, out_proj, residual.
-    for (int e = 0; e < EG; ++e) {
-      float* ev = smem + e * P;
-      for (int i = tid; i < E; i += blockDim.x) ev[lay.y + i] *= Silu(ev[lay.zx + i]);
+    // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
+    RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    Products<EG, 1>(p, cfc_stage, pack, smem, bars, rank, p.a,
+                    [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+#pragma unroll
+                      for (int e = 0; e < EG; ++e)
+                        emit(cfc_stage, x_backbone, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
+                    });
+    finish(cfc_stage, x_backbone);
+    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, rank, p.bb,
+                    [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane) {
+#pragma unroll
+                      for (int e = 0; e < EG; ++e) {
+                        const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
+                        const float c = tanhf(acc[0][e] + prm[0]) * (1.f - tau) + tau * tanhf(acc[1][e] + prm[1]);
+                        emit(cfc_stage + 1, x_backbone + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
+                        if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
+                      }
+                    });
+    finish(cfc_stage + 1, x_backbone + 1);
+    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, rank, p.a,
+                    [&](int u, const float(&acc)[2][EG], const float* prm, int) {
+#pragma unroll
+                      for (int e = 0; e < EG; ++e) {
+                        emit(cfc_stage + 2, x_backbone + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
+                        emit(cfc_stage + 2, x_backbone + 2, e, p.skip + u, acc[1][e]);
+                      }
+                    });
+    finish(cfc_stage + 2, x_backbone + 2);
+    // fc1 and gate/value run on every block (split) or on rank 0 alone.
+    if (exchanged(cfc_stage + 3) || rank == 0) {
+      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, rank, p.e2,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+#pragma unroll
+                        for (int e = 0; e < EG; ++e)
+                          emit(cfc_stage + 3, x_backbone + 3, e, p.e1 + u, acc[0][e] + prm[0]);
+                      });
+      finish(cfc_stage + 3, x_backbone + 3);
+      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, rank, p.e1,
+                      [&](int u, const float(&acc)[2][EG], const float* prm, int) {
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) {
+                          emit(cfc_stage + 4, x_backbone + 4, e, p.pre + u,
+                               ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                        }
+                      });
+      finish(cfc_stage + 4, x_backbone + 4);
+    }
+
+    if (rank == 0) {
+      // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
+      // confident horizon, lowest on ties) and the log entry.
+      const int warp = tid / kWarpSize, wl = tid % kWarpSize;
+      for (int e = warp; e < EG; e += kStreamWarps) {
+        const float* pre = ev + e * pe + p.pre;
+        float sum = 0.f;
+        for (int i = wl; i < p.G; i += kWarpSize) sum += pre[i];
+        const float mean = WarpSum(sum) / p.G;
+        float var = 0.f;
+        for (int i = wl; i < p.G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
+        const float rstd = 1.f / sqrtf(WarpSum(var) / p.G + kNormEps);
+        for (int i = wl; i < p.G; i += kWarpSize) {
+          ev[e * pe + p.g + i] = (pre[i] - mean) * rstd * sh[p.ln_w + i] + sh[p.ln_b + i];
+        }
+      }
       __syncthreads();
-      BlockRmsNorm(ev + lay.y, lw.mixer_norm, E, ev + lay.yn, scratch);
-    }
-    ClusterMatvec<EG>(cluster, {MatvecSegment{lw.out_proj, nullptr, w.D, lay.proj}}, lay.yn, E, smem, P);
-    for (int e = 0; e < EG; ++e) {
-      float* ev = smem + e * P;
-      for (int i = tid; i < w.D; i += blockDim.x) ev[lay.h + i] += ev[lay.proj + i];
-    }
-    __syncthreads();
-  }
-
-  // Final norm into the CfC input [s ; c_{t−1}].
-  for (int e = 0; e < EG; ++e) BlockRmsNorm(smem + e * P + lay.h, w.norm_f, w.D, smem + e * P + lay.a, scratch);
-  ClusterMatvec<EG>(cluster, {MatvecSegment{w.backbone_w, w.backbone_b, w.K, lay.bb}}, lay.a, DC, smem, P);
-  for (int e = 0; e < EG; ++e) {
-    for (int k = tid; k < w.K; k += blockDim.x) smem[e * P + lay.bb + k] = LecunTanh(smem[e * P + lay.bb + k]);
-  }
-  __syncthreads();
-  ClusterMatvec<EG>(cluster,
-                    {MatvecSegment{w.ff1_w, w.ff1_b, w.C, lay.heads}, MatvecSegment{w.ff2_w, w.ff2_b, w.C, lay.heads + w.C},
-                     MatvecSegment{w.time_a_w, w.time_a_b, w.C, lay.heads + 2 * w.C},
-                     MatvecSegment{w.time_b_w, w.time_b_b, w.C, lay.heads + 3 * w.C}},
-                    lay.bb, w.K, smem, P);
-  for (int e = 0; e < EG; ++e) {
-    float* ev = smem + e * P;
-    const int slot = slot_of(e);
-    const bool valid = slot >= 0;
-    const float dt = valid ? event_dt[e] : 0.f;
-    for (int u = tid; u < w.C; u += blockDim.x) {
-      const float* hd = ev + lay.heads;
-      const float tau = Sigmoid(hd[2 * w.C + u] * dt + hd[3 * w.C + u]);
-      const float c = tanhf(hd[u]) * (1.f - tau) + tau * tanhf(hd[w.C + u]);
-      ev[lay.a + w.D + u] = c;  // the head reads [s ; c_t]
-      if (valid && rank == 0) st.cfc[slot * w.C + u] = c;
-    }
-  }
-  __syncthreads();
-
-  // GRN head.
-  ClusterMatvec<EG>(cluster,
-                    {MatvecSegment{w.fc2_w, w.fc2_b, w.G, lay.fs}, MatvecSegment{w.skip_w, nullptr, w.G, lay.fs + w.G}},
-                    lay.a, DC, smem, P);
-  for (int e = 0; e < EG; ++e) {
-    for (int i = tid; i < w.G; i += blockDim.x) smem[e * P + lay.e2 + i] = Elu(smem[e * P + lay.fs + i]);
-  }
-  __syncthreads();
-  ClusterMatvec<EG>(cluster, {MatvecSegment{w.fc1_w, w.fc1_b, w.G, lay.e1}}, lay.e2, w.G, smem, P);
-  ClusterMatvec<EG>(cluster,
-                    {MatvecSegment{w.gate_w, w.gate_b, w.G, lay.gv}, MatvecSegment{w.value_w, w.value_b, w.G, lay.gv + w.G}},
-                    lay.e1, w.G, smem, P);
-  for (int e = 0; e < EG; ++e) {
-    float* ev = smem + e * P;
-    for (int i = tid; i < w.G; i += blockDim.x) {
-      ev[lay.fs + w.G + i] += Sigmoid(ev[lay.gv + i]) * ev[lay.gv + w.G + i];
-    }
-    __syncthreads();
-    const float* pre = ev + lay.fs + w.G;
-    float sum = 0.f;
-    for (int i = tid; i < w.G; i += blockDim.x) sum += pre[i];
-    const float mean = BlockSum(sum, scratch) / w.G;
-    float var = 0.f;
-    for (int i = tid; i < w.G; i += blockDim.x) var += (pre[i] - mean) * (pre[i] - mean);
-    const float rstd = 1.f / sqrtf(BlockSum(var, scratch) / w.G + kNormEps);
-    for (int i = tid; i < w.G; i += blockDim.x) {
-      ev[lay.g + i] = (pre[i] - mean) * rstd * __ldg(w.ln_w + i) + __ldg(w.ln_b + i);
-    }
-    __syncthreads();
-  }
-  ClusterMatvec<EG>(cluster, {MatvecSegment{w.out_w, w.out_b, w.H, lay.logits}}, lay.g, w.G, smem, P);
-
-  // Probabilities, conviction (MODEL.md §2.8: the most confident horizon, lowest on ties) and the log entry.
-  if (rank == 0 && tid < EG && slot_of(tid) >= 0 && tick.log_indices) {
-    const int e = tid;
-    const float* logits = smem + e * P + lay.logits;
-    const int slot = slot_of(e);
-    const size_t entry = static_cast<size_t>(slot) * st.log_entries + tick.log_indices[first + e];
-    int best = 0;
-    float best_distance = -1.f;
-    for (int h = 0; h < w.H; ++h) {
-      const float p = Sigmoid(logits[h]);
-      st.probs[slot * w.H + h] = p;
-      st.log_probs[entry * w.H + h] = p;
-      if (fabsf(p - 0.5f) > best_distance) {
-        best_distance = fabsf(p - 0.5f);
-        best = h;
+      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, rank, p.g,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane) {
+                        if (row_lane != 0) return;
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                      });
+      __syncthreads();
+      if (tid < EG && slot_ids[tid] >= 0 && tick.log_indices) {
+        const float* logits = ev + tid * pe + p.logits;
+        const int slot = slot_ids[tid];
+        const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_at[tid];
+        int best = 0;
+        float best_distance = -1.f;
+        for (int h = 0; h < p.H; ++h) {
+          const float prob = Sigmoid(logits[h]);
+          st.probs[slot * p.H + h] = prob;
+          st.log_probs[entry * p.H + h] = prob;
+          if (fabsf(prob - 0.5f) > best_distance) {
+            best_distance = fabsf(prob - 0.5f);
+            best = h;
+          }
+        }
+        st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
       }
     }
-    st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
+    __syncthreads();  // the group's slot ids and buffers are free for the next group
   }
+  // A block leaves only once every block has received all it was sent (each arrives after its last wait), so no
+  // store into a block's shared memory is in flight when it exits.
+  ClusterArriveRelaxed();
+  ClusterWait();
 }
 
 template <int EG>
-cudaError_t Launch(const StreamWeights& w, const StreamSlots& slots, const StreamTickInput& tick, int cluster_size,
-                   cudaStream_t stream) {
-  const int groups = CeilDiv(tick.n, EG);
+cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, int clusters, cudaStream_t stream,
+                                cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(groups * cluster_size);
+  config.gridDim = dim3(clusters * plan.cluster);
   config.blockDim = dim3(kStreamThreads);
-  config.dynamicSmemBytes = StreamStepSharedBytes(w, EG);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.floats) * sizeof(float);
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_size;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = plan.cluster;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, StreamStepKernel<EG>, w, slots, tick);
+  return config;
 }
 
 template <int EG>
-cudaError_t Prepare(const StreamWeights& w) {
-  return cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(StreamStepSharedBytes(w, EG)));
+cudaError_t Launch(const StreamPlan& plan, const float* pack, const StreamSlots& slots, const StreamTickInput& tick,
+                   int max_clusters, cudaStream_t stream) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      LaunchConfig<EG>(plan, std::min(CeilDiv(tick.n, EG), max_clusters), stream, &attribute);
+  return cudaLaunchKernelEx(&config, StreamStepKernel<EG>, plan, pack, slots, tick);
+}
+
+template <int EG>
+cudaError_t MaxClusters(const StreamPlan& plan, int* clusters) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = LaunchConfig<EG>(plan, 1, nullptr, &attribute);
+  return cudaOccupancyMaxActiveClusters(clusters, StreamStepKernel<EG>, &config);
+}
+
+template <int EG>
+cudaError_t Prepare(size_t max_shared_bytes) {
+  cudaError_t error = cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(max_shared_bytes));
+  if (error != cudaSuccess) return error;
+  return cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+}
+
+// The plan of a launch shape; false when the model or the shape is unsupported or the activations do not fit.
+bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+             StreamPlan* plan) {
+  const bool valid_shape =
+      (events_per_group == 1 || events_per_group == 2 || events_per_group == 4 || events_per_group == 8) &&
+      cluster_size >= 1 && cluster_size <= kStreamMaxCluster;
+  if (!Supported(w) || !valid_shape) return false;
+  *plan = MakePackPlan(w);
+  return PlaceLaunch(*plan, events_per_group, cluster_size, max_shared_bytes);
 }
 
 }  // namespace
 
-size_t StreamStepSharedBytes(const StreamWeights& w, int events_per_group) {
-  return static_cast<size_t>(EventLayout(w).per_event) * events_per_group * sizeof(float);
+size_t StreamPackSize(const StreamWeights& w) { return Supported(w) ? MakePackPlan(w).pack_size : 0; }
+
+cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t stream) {
+  if (!Supported(w)) return cudaErrorInvalidValue;
+  const StreamPlan plan = MakePackPlan(w);
+  PackKernel<<<GridFor(plan.pack_size, 256, 1024), 256, 0, stream>>>(w, plan, pack);
+  return cudaGetLastError();
 }
 
-int StreamStepMaxGroup(const StreamWeights& w, size_t max_shared_bytes) {
-  for (int group = 8; group >= 1; group /= 2) {
-    if (StreamStepSharedBytes(w, group) + kReductionScratch * sizeof(float) <= max_shared_bytes) return group;
+cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
+  for (cudaError_t error : {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
+                            Prepare<8>(max_shared_bytes)}) {
+    if (error != cudaSuccess) return error;
   }
-  return 0;
+  return cudaSuccess;
 }
 
-cudaError_t PrepareStreamStep(const StreamWeights& w, int events_per_group) {
+cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+                          StreamShapeFit* fit) {
+  *fit = StreamShapeFit{};
+  StreamPlan plan;
+  if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan)) return cudaSuccess;
+  fit->weights_resident = std::all_of(plan.stage_at, plan.stage_at + plan.stages, [](int at) { return at >= 0; });
   switch (events_per_group) {
-    case 1: return Prepare<1>(w);
-    case 2: return Prepare<2>(w);
-    case 4: return Prepare<4>(w);
-    case 8: return Prepare<8>(w);
-    default: return cudaErrorInvalidValue;
+    case 1: return MaxClusters<1>(plan, &fit->max_clusters);
+    case 2: return MaxClusters<2>(plan, &fit->max_clusters);
+    case 4: return MaxClusters<4>(plan, &fit->max_clusters);
+    default: return MaxClusters<8>(plan, &fit->max_clusters);
   }
 }
 
-cudaError_t LaunchStreamStep(const StreamWeights& w, const StreamSlots& slots, const StreamTickInput& tick,
-                             int events_per_group, int cluster_size, cudaStream_t stream) {
+cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                             const StreamTickInput& tick, int events_per_group, int cluster_size, int max_clusters,
+                             size_t max_shared_bytes, cudaStream_t stream) {
   if (tick.n <= 0) return cudaSuccess;
-  if (cluster_size < 1 || cluster_size > 8 || w.L > kStreamMaxLayers) return cudaErrorInvalidValue;
+  StreamPlan plan;
+  if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan) || max_clusters < 1) {
+    return cudaErrorInvalidValue;
+  }
   switch (events_per_group) {
-    case 1: return Launch<1>(w, slots, tick, cluster_size, stream);
-    case 2: return Launch<2>(w, slots, tick, cluster_size, stream);
-    case 4: return Launch<4>(w, slots, tick, cluster_size, stream);
-    case 8: return Launch<8>(w, slots, tick, cluster_size, stream);
-    default: return cudaErrorInvalidValue;
+    case 1: return Launch<1>(plan, pack, slots, tick, max_clusters, stream);
+    case 2: return Launch<2>(plan, pack, slots, tick, max_clusters, stream);
+    case 4: return Launch<4>(plan, pack, slots, tick, max_clusters, stream);
+    default: return Launch<8>(plan, pack, slots, tick, max_clusters, stream);
   }
 }
 

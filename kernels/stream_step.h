@@ -2,6 +2,7 @@
 // layer, the CfC and the head, states updated in place, probabilities and convictions written to device buffers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -9,12 +10,15 @@
 namespace perception::kernels {
 
 constexpr int kStreamMaxLayers = 8;
+constexpr int kStreamMaxCluster = 16;
+constexpr int kStreamMaxConvTaps = 8;
 
 struct StreamLayerWeights {
   const float *norm, *in_proj, *conv_weight, *conv_bias, *dt_bias, *a_log, *d, *mixer_norm, *out_proj;
 };
 
-// Device pointers into the flat parameter buffer (the published copy) and the model's dimensions.
+// Device pointers into a flat parameter buffer and the model's dimensions. The step kernel does not read these
+// tensors: it reads the stream pack that PackStreamWeights builds from them.
 struct StreamWeights {
   int F, D, L, E, P, Hh, N, W, C, K, G, H;
   const float *norm_mean, *norm_inv_std, *embed_w, *embed_b;
@@ -43,18 +47,33 @@ struct StreamTickInput {
   const int64_t* log_indices;
 };
 
-// Shared-memory bytes the step kernel needs per block; 0 when the model does not fit (caller reports it).
-size_t StreamStepSharedBytes(const StreamWeights& w, int events_per_group);
+// The stream pack: every weight the step reads, rearranged once per published parameter set so that each block of
+// a cluster finds its rows of every product in one 16-byte-aligned run (padded rows, biases and per-row constants
+// next to their rows). Its size in floats; 0 if the model is outside what the kernel supports.
+size_t StreamPackSize(const StreamWeights& w);
+// Fills `pack` (StreamPackSize floats of device memory) from the tensors `w` points at, on `stream`.
+cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t stream);
 
-// Largest events-per-group (1, 2, 4 or 8) whose shared memory fits `max_shared_bytes`; 0 if even 1 does not.
-int StreamStepMaxGroup(const StreamWeights& w, size_t max_shared_bytes);
+// Raises the kernels' shared-memory limits to `max_shared_bytes` and allows clusters of 16 (once, not capturable).
+cudaError_t PrepareStreamStep(size_t max_shared_bytes);
 
-// Launches ceil(n / events_per_group) thread-block clusters of `cluster_size` blocks (1..8): each cluster carries
-// `events_per_group` events through the whole step; the blocks of a cluster split every matrix product by rows and
-// exchange results through distributed shared memory. Call PrepareStreamStep once first (it raises the kernels'
-// shared-memory limits; not capturable).
-cudaError_t PrepareStreamStep(const StreamWeights& w, int events_per_group);
-cudaError_t LaunchStreamStep(const StreamWeights& w, const StreamSlots& slots, const StreamTickInput& tick,
-                             int events_per_group, int cluster_size, cudaStream_t stream);
+// How a launch shape (events per group, blocks per cluster) fits this device within `max_shared_bytes` of shared
+// memory per block: how many of its clusters can be resident at once (0: it cannot launch) and whether every weight
+// the step reads has room in shared memory (else some products read the pack in global memory).
+struct StreamShapeFit {
+  int max_clusters = 0;
+  bool weights_resident = false;
+};
+cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
+                          StreamShapeFit* fit);
+
+// Launches min(ceil(n / events_per_group), max_clusters) thread-block clusters of `cluster_size` blocks (1..16);
+// each cluster loads its blocks' share of the pack into shared memory once (asynchronously, in stage order, so the
+// loads overlap the dependent chain) and carries groups of `events_per_group` events (1, 2, 4 or 8) through the
+// whole step. The blocks of a cluster split every product by rows and exchange results through distributed shared
+// memory. Each row is summed in one fixed order whatever the shape, so every shape gives the same bits.
+cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                             const StreamTickInput& tick, int events_per_group, int cluster_size, int max_clusters,
+                             size_t max_shared_bytes, cudaStream_t stream);
 
 }  // namespace perception::kernels
