@@ -108,7 +108,12 @@ absl::Status NcclCommunicator::Usable() const {
 }
 
 absl::Status NcclCommunicator::Abort(absl::Status reason) {
-  if (comm_ != nullptr) ncclCommAbort(comm_);
+  if (comm_ != nullptr) {
+    // ncclCommAbort stops this rank's collectives first, then reclaims the communicator, which within a node can wait
+    // on a peer that was killed (NVIDIA/nccl#863; seen on two H200s: the daemon's worker blocked there after a kill -9
+    // of rank 1). A detached thread finishes the abort, so the error reaches the caller now.
+    std::thread([comm = comm_] { ncclCommAbort(comm); }).detach();
+  }
   comm_ = nullptr;
   broken_ = reason;
   return reason;
