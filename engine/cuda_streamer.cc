@@ -235,7 +235,9 @@ StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
   // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
   // add exchange work); when none holds them, the widest one-wave cluster (more blocks, fewer global reads each).
-  // Ticks too large for one wave of one-event clusters share weights among events in single-block clusters.
+  // Ticks too large for one wave of one-event clusters share weights among events in single-block clusters; when even
+  // the largest group that fits a block needs more than one wave, its persistent clusters loop over the rest (a
+  // group too large for a block's shared memory is never chosen: `large` at 1,024 instruments).
   std::optional<StreamLaunchShape> widest;
   for (int cluster : kStreamClusterSizes) {
     const StreamLaunchShape shape{1, cluster};
@@ -244,11 +246,16 @@ StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
     widest = shape;
   }
   if (widest) return *widest;
+  std::optional<StreamLaunchShape> largest_group;
   for (int group : kStreamGroupSizes) {
     const StreamLaunchShape shape{group, 1};
+    if (!Supports(shape)) continue;
     if ((n + group - 1) / group <= Fit(shape).max_clusters) return shape;
+    largest_group = shape;
   }
-  return {kStreamGroupSizes.back(), 1};
+  if (largest_group) return *largest_group;
+  // No single-block shape fits: the lone event's shape, its clusters looping over the tick's events.
+  return n > 1 ? ShapeFor(1) : StreamLaunchShape{1, kStreamClusterSizes.back()};
 }
 
 int CudaStreamer::BucketFor(int n) const {

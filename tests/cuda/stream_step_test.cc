@@ -146,6 +146,29 @@ TEST_P(StreamStepTest, EveryLaunchShapeGivesTheSameBits) {
 
 INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small"));
 
+// Every tick size up to the slot count gets a shape this device can launch, for every named config; `large`, whose
+// groups of 8 events do not fit a block, runs ticks of 1, 64 and 1,024 instruments like the CPU step path.
+TEST(StreamStepManyTest, EveryTickSizeGetsALaunchableShape) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const std::string name : {"tiny", "small", "large"}) {
+    const ParamLayout layout(*NamedConfig(name));
+    auto streamer = CudaStreamer::Create(layout, 1024, 2);
+    ASSERT_TRUE(streamer.ok()) << name << ": " << streamer.status();
+    for (int n = 1; n <= 1024; ++n) {
+      const StreamLaunchShape shape = (*streamer)->ShapeFor(n);
+      ASSERT_TRUE((*streamer)->Supports(shape))
+          << name << ", " << n << " events: shape (" << shape.events_per_group << ", " << shape.cluster_size << ")";
+    }
+  }
+  StreamStepParity parity("large", 1024, 4);
+  std::vector<int32_t> slots(1024);
+  for (int s = 0; s < 1024; ++s) slots[s] = (s * 389) % 1024;  // every slot once, shuffled
+  parity.Tick({5}, 1);
+  parity.Tick(std::vector<int32_t>(slots.begin(), slots.begin() + 64), 2);
+  parity.Tick(slots, 3);
+  parity.ExpectLogsMatch();
+}
+
 TEST(StreamStepManyTest, AThousandInstrumentsInterleavedWithoutCrossTalkOrAllocation) {
   SKIP_WITHOUT_CUDA_DEVICE();
   StreamStepParity parity("tiny", 1000, 160);
