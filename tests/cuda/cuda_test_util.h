@@ -11,6 +11,8 @@
 
 #include "engine/cuda_backend.h"
 #include "engine/cuda_memory.h"
+#include "engine/cuda_model.h"
+#include "engine/optimizer.h"
 #include "engine/param_layout.h"
 
 namespace perception::testing {
@@ -70,5 +72,27 @@ inline std::vector<float> RandomFloats(size_t count, uint64_t seed, double lo = 
 }
 
 inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+template <typename T>
+bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Linear warmup over 5 steps, then cosine down to 1e-4 at `total_steps`: a learning rate that moves every step.
+inline OptimizerConfig WarmupCosine(int64_t total_steps) {
+  OptimizerConfig optimizer;
+  optimizer.schedule = LrSchedule::kWarmupCosine;
+  optimizer.warmup_steps = 5;
+  optimizer.total_steps = total_steps;
+  optimizer.min_lr = 1e-4;
+  return optimizer;
+}
+
+// One training step of `model` on `batch`, waited for.
+inline absl::StatusOr<kernels::StepReport> Step(CudaModel& model, const BatchView<float>& batch) {
+  if (absl::Status staged = model.StageBatch(batch); !staged.ok()) return staged;
+  if (absl::Status enqueued = model.EnqueueTrainStep(); !enqueued.ok()) return enqueued;
+  return model.Wait();
+}
 
 }  // namespace perception::testing

@@ -26,32 +26,15 @@ namespace perception {
 namespace {
 
 using testing::Contains;
+using testing::BitIdentical;
 using testing::InitialParams;
+using testing::Step;
+using testing::WarmupCosine;
 using testing::MakeRandomBatch;
 
 constexpr double kLossTolerance = 1e-5;      // MODEL.md §8
 constexpr double kGradientTolerance = 1e-4;  // MODEL.md §8
 constexpr double kParamsTolerance = 1e-4;    // MODEL.md §8, after 10 AdamW steps
-
-template <typename T>
-bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-OptimizerConfig WarmupCosine(int64_t total_steps) {
-  OptimizerConfig optimizer;
-  optimizer.schedule = LrSchedule::kWarmupCosine;
-  optimizer.warmup_steps = 5;
-  optimizer.total_steps = total_steps;
-  optimizer.min_lr = 1e-4;
-  return optimizer;
-}
-
-absl::StatusOr<kernels::StepReport> Step(CudaModel& model, const BatchView<float>& batch) {
-  if (absl::Status staged = model.StageBatch(batch); !staged.ok()) return staged;
-  if (absl::Status enqueued = model.EnqueueTrainStep(); !enqueued.ok()) return enqueued;
-  return model.Wait();
-}
 
 // Windows [first, first + count) of a batch.
 BatchView<float> Windows(const BatchView<float>& batch, const ModelConfig& c, int first, int count) {

@@ -34,12 +34,10 @@ namespace {
 using testing::MakeRandomBatch;
 
 using testing::Contains;
+using testing::BitIdentical;
 using testing::InitialParams;
-
-template <typename T>
-bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
+using testing::Step;
+using testing::WarmupCosine;
 
 std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
                                      uint64_t seed) {
@@ -48,21 +46,6 @@ std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerC
   auto model = CudaModel::Create(config, optimizer, InitialParams(config, seed), options);
   EXPECT_TRUE(model.ok()) << model.status();
   return model.ok() ? *std::move(model) : nullptr;
-}
-
-absl::StatusOr<kernels::StepReport> Step(CudaModel& model, const BatchView<float>& batch) {
-  if (absl::Status staged = model.StageBatch(batch); !staged.ok()) return staged;
-  if (absl::Status enqueued = model.EnqueueTrainStep(); !enqueued.ok()) return enqueued;
-  return model.Wait();
-}
-
-OptimizerConfig WarmupCosine(int64_t total_steps) {
-  OptimizerConfig optimizer;
-  optimizer.schedule = LrSchedule::kWarmupCosine;
-  optimizer.warmup_steps = 5;
-  optimizer.total_steps = total_steps;
-  optimizer.min_lr = 1e-4;
-  return optimizer;
 }
 
 // Twenty steps over a different batch each (so the staging is exercised under replay) with the learning rate moving
