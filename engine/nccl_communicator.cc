@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(std::
   const ncclResult_t started =
       ncclCommInitRankConfig(&communicator->comm_, options.world_size, id, options.rank, &config);
   RETURN_IF_ERROR(communicator->Await(started, "joining the communicator", deadline));
+  communicator->joined_ = true;
   return communicator;
 }
 
@@ -108,11 +109,13 @@ absl::Status NcclCommunicator::Usable() const {
 }
 
 absl::Status NcclCommunicator::Abort(absl::Status reason) {
-  if (comm_ != nullptr) {
+  if (comm_ != nullptr && joined_) {
     // ncclCommAbort stops this rank's collectives first, then reclaims the communicator, which within a node can wait
     // on a peer that was killed (NVIDIA/nccl#863; seen on two H200s: the daemon's worker blocked there after a kill -9
     // of rank 1). A detached thread finishes the abort, so the error reaches the caller now.
     std::thread([comm = comm_] { ncclCommAbort(comm); }).detach();
+  } else if (comm_ != nullptr) {
+    ncclCommAbort(comm_);  // a join that timed out: measured to return at once (the lone-rank tests)
   }
   comm_ = nullptr;
   broken_ = reason;

@@ -64,11 +64,13 @@ class NcclCommunicator {
   explicit NcclCommunicator(const DataParallelOptions& options) : options_(options) {}
   // After a non-blocking call: polls until NCCL no longer reports it in progress, or aborts at `deadline`.
   absl::Status Await(ncclResult_t result, const char* what, absl::Time deadline);
-  // Aborts the communicator and remembers `reason` for every later call.
+  // Aborts the communicator and remembers `reason` for every later call. Once the job has formed, the abort finishes
+  // on a detached thread (see the definition).
   absl::Status Abort(absl::Status reason);
 
   const DataParallelOptions options_;
   ncclComm_t comm_ = nullptr;
+  bool joined_ = false;  // every rank joined: an abort may then wait on peers, a failed join's abort does not
   absl::Status broken_;
   uint64_t* device_checksums_ = nullptr;  // [world_size] gathered, then this rank's own
 };
