@@ -1,5 +1,9 @@
-// Data-parallel training from the client: rank checks and per-rank slices of each global batch.
+// Data-parallel training from the client: rank checks, per-rank slices of each global batch, and the ranks' streams
+// run together.
 #include "client/data_parallel.h"
+
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -59,6 +63,37 @@ void ShardedBatches::Shard(int step, int rank, v1::Batch& out) {
   const auto it = pending_.find(step);
   CopyWindows(it->second.batch, rank * per_rank_, per_rank_, out);
   if (--it->second.untaken == 0) pending_.erase(it);
+}
+
+absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
+                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response) {
+  CallCancellation cancellation;
+  absl::Mutex mu;
+  std::optional<size_t> first_failure;  // guarded by mu
+  std::vector<absl::Status> results(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = ranks[r]->Train(
+          steps, [&](int step, v1::TrainStepRequest& request) { batches.Shard(step, r, *request.mutable_batch()); },
+          [&](const v1::TrainStepResponse& response) {
+            if (r == 0) on_rank0_response(response);
+          },
+          &cancellation);
+      if (results[r].ok()) return;
+      absl::MutexLock lock(&mu);
+      if (!first_failure) {
+        first_failure = r;
+        cancellation.Cancel();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  if (!first_failure) return absl::OkStatus();
+  const absl::Status& failed = results[*first_failure];
+  if (ranks.size() == 1) return failed;
+  return absl::Status(failed.code(), absl::StrCat("rank ", *first_failure, " (", ranks[*first_failure]->target(),
+                                                  "): ", failed.message(), " (the other ranks' streams were stopped)"));
 }
 
 }  // namespace perception::client

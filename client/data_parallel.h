@@ -1,5 +1,5 @@
 // perceptionctl's side of data-parallel training (perceptionctl train --targets): the ranks checked against the
-// targets, and every global batch sampled once and cut into per-rank slices.
+// targets, every global batch sampled once and cut into per-rank slices, and the ranks' streams run together.
 #pragma once
 
 #include <map>
@@ -8,8 +8,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "client/perception_client.h"
 #include "engine/dataset.h"
 #include "perception/v1/perception.pb.h"
 
@@ -45,5 +47,13 @@ class ShardedBatches {
   int sampled_ ABSL_GUARDED_BY(mu_) = 0;  // global batches sampled so far
   std::map<int, Pending> pending_ ABSL_GUARDED_BY(mu_);
 };
+
+// Streams `steps` steps to every rank at once (rank r trains on its slices of `batches`), one Train stream per rank
+// on its own thread; `on_rank0_response` sees rank 0's responses (every rank reports the global batch's loss). The
+// first rank to fail cancels the other ranks' streams, so a dead or failing rank ends the run at once instead of
+// leaving the others waiting on it; the status is that rank's failure, prefixed "rank R (target): " when there are
+// several ranks.
+absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
+                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response);
 
 }  // namespace perception::client

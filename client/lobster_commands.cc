@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -116,29 +115,6 @@ absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, cons
 
 // Every rank's Train stream at once, each on its own thread (their steps meet in the NCCL collectives), each fed
 // its slice of the same global batches; the progress shows rank 0's answers, whose loss is the global batch's.
-absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
-                        TrainingProgress& progress) {
-  std::vector<absl::Status> results(ranks.size());
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    threads.emplace_back([&, r] {
-      results[r] = ranks[r]->Train(
-          steps, [&](int step, v1::TrainStepRequest& request) { batches.Shard(step, r, *request.mutable_batch()); },
-          [&](const v1::TrainStepResponse& response) {
-            if (r == 0) progress.Update(response.loss(), response.grad_norm());
-          });
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    if (!results[r].ok()) {
-      return absl::Status(results[r].code(), absl::StrCat(ranks.size() > 1 ? absl::StrCat("rank ", r, " (", ranks[r]->target(), "): ") : "",
-                                                          results[r].message()));
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options) {
@@ -169,7 +145,9 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
   ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,
                          config.batch());
-  RETURN_IF_ERROR(TrainRanks(ranks, options.steps, batches, progress));
+  RETURN_IF_ERROR(TrainRanks(ranks, options.steps, batches, [&](const v1::TrainStepResponse& response) {
+    progress.Update(response.loss(), response.grad_norm());
+  }));
   progress.Finish();
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));

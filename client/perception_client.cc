@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -130,12 +131,39 @@ absl::StatusOr<v1::ListStreamsResponse> PerceptionClient::ListStreams() {
   return Call(&v1::Perception::Stub::ListStreams, *perception_, v1::ListStreamsRequest(), options_.timeout);
 }
 
+void CallCancellation::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (grpc::ClientContext* call : calls_) call->TryCancel();
+}
+
+bool CallCancellation::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
+void CallCancellation::Register(grpc::ClientContext* context) {
+  absl::MutexLock lock(&mu_);
+  calls_.insert(context);
+  if (cancelled_) context->TryCancel();
+}
+
+void CallCancellation::Unregister(grpc::ClientContext* context) {
+  absl::MutexLock lock(&mu_);
+  calls_.erase(context);
+}
+
 absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
-                                     absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response) {
+                                     absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
+                                     CallCancellation* cancellation) {
   grpc::ClientContext context;
   SetDeadline(context, options_.timeout * std::max(steps, 1));
   const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
       perception_->Train(&context);
+  if (cancellation != nullptr) cancellation->Register(&context);
+  const absl::Cleanup unregister = [&] {
+    if (cancellation != nullptr) cancellation->Unregister(&context);
+  };
 
   absl::Mutex mu;
   int answered = 0;           // guarded by mu

@@ -4,11 +4,14 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -39,6 +42,23 @@ class EventStream {
   std::thread reader_;
   std::atomic<bool> ended_ = false;
   bool finished_ = false;
+};
+
+// Cancels the calls that take it, from any thread, including calls that start after Cancel (perceptionctl train
+// --targets: one rank's failure stops the other ranks' streams instead of leaving them to wait on a dead peer).
+class CallCancellation {
+ public:
+  void Cancel();
+  bool cancelled() const;
+
+ private:
+  friend class PerceptionClient;
+  void Register(grpc::ClientContext* context);
+  void Unregister(grpc::ClientContext* context);
+
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 struct ClientOptions {
@@ -72,10 +92,12 @@ class PerceptionClient {
 
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
   // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
-  // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's.
+  // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's
+  // (CANCELLED when `cancellation` was cancelled).
   static constexpr int kTrainAhead = 4;
   absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
-                     absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response);
+                     absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
+                     CallCancellation* cancellation = nullptr);
 
   // The daemon's health (grpc.health.v1) for `service` ("" for the daemon as a whole).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(const std::string& service = "");

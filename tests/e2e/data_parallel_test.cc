@@ -1,14 +1,21 @@
 // Data-parallel flags and the client's --targets against the real programs on this machine's CPU: the daemon
 // refuses a world size it cannot join (CPU device, bad rank, missing peers) and gives up cleanly when rank 0 never
 // hands out the NCCL id or is not rank 0 of a job; perceptionctl --targets checks that its targets are one job's
-// ranks in order, and saves checkpoints on rank 0 only. Training across ranks needs GPUs (tests/cuda).
+// ranks in order, and saves checkpoints on rank 0 only; a rank that dies stops the client's other streams at once.
+// Training across ranks needs GPUs (tests/cuda).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/data_parallel.h"
+#include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
@@ -85,6 +92,59 @@ TEST(DataParallelTest, TargetsMustBeOneJobsRanksAndRankZeroSaves) {
   const CommandResult other = RunCommand(absl::StrCat(ctl, " streams"));
   EXPECT_EQ(other.exit_code, 1);
   EXPECT_THAT(other.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
+}
+
+// Two plain daemons driven as two ranks by the client's TrainRanks (on the CPU there is no NCCL job, so each trains
+// on its own slices alone, which is all the client's side needs): killing rank 1 mid-run ends the run within seconds
+// with rank 1's error and rank 0's stream cancelled, instead of rank 0 training on until its million steps are done
+// (or, in a real job, waiting on its dead peer).
+TEST(DataParallelTest, ARankThatDiesStopsTheOtherRanksStreams) {
+  const ScopedTempDir temp0("dp-kill-a"), temp1("dp-kill-b");
+  absl::StatusOr<std::unique_ptr<Daemon>> a = Daemon::Start(temp0.path()), b = Daemon::Start(temp1.path());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const CommandResult init = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --targets=", (*a)->target(), ",",
+                                                     (*b)->target(), " init --config tiny --batch 2 --window 8"));
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const v1::ModelConfig config = (*a)->client().GetStatus()->model().config();
+  const int per_rank = config.batch(), T = config.window(), F = config.n_features(), H = config.horizons_size();
+  Rng rng(7);
+  client::ShardedBatches batches(
+      [&](Batch& global) {
+        global = Batch{2 * per_rank, T, F, H, {}, {}, {}, {}};
+        for (int i = 0; i < 2 * per_rank * T * F; ++i) global.x.push_back(static_cast<float>(rng.Uniform(-1, 1)));
+        for (int i = 0; i < 2 * per_rank * T; ++i) global.dt.push_back(static_cast<float>(rng.Uniform(0, 1)));
+        for (int i = 0; i < 2 * per_rank * T * H; ++i) {
+          global.labels.push_back(rng.Uniform() < 0.5 ? 1.f : 0.f);
+          global.mask.push_back(1.f);
+        }
+      },
+      2, per_rank);
+
+  std::vector<client::PerceptionClient*> ranks = {&(*a)->client(), &(*b)->client()};
+  absl::Mutex mu;
+  int answered = 0;  // guarded by mu
+  absl::Status result;
+  absl::Time ended;
+  std::thread trainer([&] {
+    result = client::TrainRanks(ranks, 1000000, batches, [&](const v1::TrainStepResponse&) {
+      absl::MutexLock lock(&mu);
+      ++answered;
+    });
+    ended = absl::Now();
+  });
+  {
+    absl::MutexLock lock(&mu);
+    const auto warmed_up = [&] { return answered >= 20; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&warmed_up), absl::Seconds(60))) << "rank 0 never trained";
+  }
+  (*b)->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  trainer.join();
+  EXPECT_LT(ended - killed, absl::Seconds(10));
+  EXPECT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.message()), HasSubstr(absl::StrCat("rank 1 (", (*b)->target(), "): ")));
+  EXPECT_THAT(std::string(result.message()), HasSubstr("the other ranks' streams were stopped"));
+  EXPECT_TRUE((*a)->client().GetStatus().ok()) << "rank 0's daemon keeps serving after its stream was cancelled";
 }
 
 }  // namespace
