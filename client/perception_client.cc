@@ -137,11 +137,6 @@ void CallCancellation::Cancel() {
   for (grpc::ClientContext* call : calls_) call->TryCancel();
 }
 
-bool CallCancellation::cancelled() const {
-  absl::MutexLock lock(&mu_);
-  return cancelled_;
-}
-
 void CallCancellation::Register(grpc::ClientContext* context) {
   absl::MutexLock lock(&mu_);
   calls_.insert(context);

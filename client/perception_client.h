@@ -49,14 +49,13 @@ class EventStream {
 class CallCancellation {
  public:
   void Cancel();
-  bool cancelled() const;
 
  private:
   friend class PerceptionClient;
   void Register(grpc::ClientContext* context);
   void Unregister(grpc::ClientContext* context);
 
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
 };
