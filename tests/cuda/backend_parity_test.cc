@@ -19,14 +19,13 @@
 namespace perception {
 namespace {
 
+using testing::kGradientTolerance;
+using testing::kLogitsTolerance;
+using testing::kParamsTolerance;
 using testing::MakeRandomBatch;
 using testing::RandomParams;
 using testing::RelativeError;
 using testing::ToDouble;
-
-constexpr double kLogitsTolerance = 1e-5;    // MODEL.md §8
-constexpr double kGradientTolerance = 1e-4;  // MODEL.md §8
-constexpr double kParamsTolerance = 1e-4;    // MODEL.md §8, after 10 AdamW steps
 
 struct ParityCase {
   std::string config;

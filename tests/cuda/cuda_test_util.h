@@ -17,6 +17,11 @@
 
 namespace perception::testing {
 
+// MODEL.md §8: float32 against a float64 evaluation of the model.
+constexpr double kLogitsTolerance = 1e-5;    // logits and loss
+constexpr double kGradientTolerance = 1e-4;  // every gradient
+constexpr double kParamsTolerance = 1e-4;    // parameters after 10 AdamW steps
+
 // GPU tests call this first: without a usable device they skip, saying why.
 #define SKIP_WITHOUT_CUDA_DEVICE()                                                         \
   do {                                                                                     \
