@@ -293,18 +293,6 @@ RunResult<float> RunCuda(const Options& o, const ParamLayout& layout, const std:
 }
 #endif
 
-// The keys of a device run (see RunCuda).
-void AddDeviceRun(Dump& dump, const std::string& prefix, const Options& o, const ParamLayout& layout, int B, int Tn,
-                  const RunResult<float>& r) {
-  const int64_t H = layout.config().n_horizons;
-  dump.Add<float>(prefix + ".logits", {B, Tn, H}, r.logits);
-  dump.Add<float>(prefix + ".loss", {1}, std::vector<float>{r.loss});
-  dump.AddTensors<float>(prefix + ".grad.", layout, r.grads, /*trained_only=*/true);
-  dump.Add<float>(prefix + ".train.loss", {o.steps}, r.train_loss);
-  dump.Add<float>(prefix + ".train.grad_norm", {o.steps}, r.train_grad_norm);
-  dump.AddTensors<float>(absl::StrCat(prefix, ".step", o.steps, "."), layout, r.params_after, /*trained_only=*/true);
-}
-
 template <typename T>
 void AddStates(Dump& dump, const std::string& prefix, const ModelConfig& c, const std::vector<StreamState<T>>& states) {
   const int64_t B = static_cast<int64_t>(states.size()), L = c.n_layers;
@@ -328,10 +316,12 @@ void AddRun(Dump& dump, const std::string& prefix, const Options& o, const Param
   dump.Add<T>(prefix + ".logits", {B, Tn, H}, r.logits);
   dump.Add<T>(prefix + ".loss", {1}, std::vector<T>{r.loss});
   dump.AddTensors<T>(prefix + ".grad.", layout, r.grads, /*trained_only=*/true);
-  dump.Add<T>(prefix + ".dx", {B, Tn, F}, r.dx);
   dump.Add<T>(prefix + ".train.loss", {o.steps}, r.train_loss);
   dump.Add<T>(prefix + ".train.grad_norm", {o.steps}, r.train_grad_norm);
   dump.AddTensors<T>(absl::StrCat(prefix, ".step", o.steps, "."), layout, r.params_after, /*trained_only=*/true);
+  // A device run (RunCuda) computes no dx, carried state or step path: those keys are absent from its prefix.
+  if (r.dx.empty()) return;
+  dump.Add<T>(prefix + ".dx", {B, Tn, F}, r.dx);
   dump.Add<T>(prefix + ".state.logits", {static_cast<int64_t>(r.final_states.size()), Tn, H}, r.state_logits);
   AddStates<T>(dump, prefix + ".state.final.", c, r.final_states);
   dump.Add<T>(prefix + ".stream.logits", {Tn, H}, r.stream_logits);
@@ -402,7 +392,7 @@ int Main(int argc, char** argv) {
   AddStates<float>(dump, "state.init.", config, init_states);
   AddRun<double>(dump, "cpu64", o, layout, B, Tn, r64);
   if (o.float32) AddRun<float>(dump, "cpu32", o, layout, B, Tn, r32);
-  if (o.device == "cuda") AddDeviceRun(dump, "dev32", o, layout, B, Tn, dev32);
+  if (o.device == "cuda") AddRun<float>(dump, "dev32", o, layout, B, Tn, dev32);
   const SafetensorsMetadata metadata = {
       {"format", "perception-reference-dump-v1"},
       {"config", ConfigToJson(config)},
