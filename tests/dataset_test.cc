@@ -18,7 +18,7 @@ using ::testing::HasSubstr;
 const std::vector<int> kDefaultHorizons = {10, 20, 50, 100, 200};
 
 std::string AmznPath(const std::string& kind) {
-  return std::string(PERCEPTION_SHARED_DATA_DIR) + "/AMZN_2012-06-21_34200000_57600000_" + kind + "_1.csv";
+  return std::string(PERCEPTION_TEST_DATA_DIR) + "/AMZN_2012-06-21_34200000_57600000_" + kind + "_1.csv";
 }
 
 EventSeries AmznSeries(const std::vector<int>& horizons) {

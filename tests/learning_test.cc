@@ -13,8 +13,8 @@
 namespace perception {
 namespace {
 
-constexpr char kOrderbook[] = PERCEPTION_SHARED_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv";
-constexpr char kMessages[] = PERCEPTION_SHARED_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_message_1.csv";
+constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv";
+constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_message_1.csv";
 
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 

@@ -31,7 +31,7 @@ LobsterData ReadShipped(const std::string& dir, const std::string& stock, int le
 }
 
 LobsterData Aapl() { return ReadShipped(PERCEPTION_TEST_DATA_DIR, "AAPL", 10); }
-LobsterData Amzn() { return ReadShipped(PERCEPTION_SHARED_DATA_DIR, "AMZN", 1); }
+LobsterData Amzn() { return ReadShipped(PERCEPTION_TEST_DATA_DIR, "AMZN", 1); }
 
 // The features and Δt of file line `line` (1-based), streaming every earlier line first.
 struct Featurized {
