@@ -150,6 +150,21 @@ def random_batch(cfg: ref.ModelConfig, B: int, T: int, device, seed: int = 2):
 # Benchmarks
 
 
+def capture_after_warmup(warm, body):
+    """The PyTorch docs' whole-network capture: `warm` three times on a side stream (lazy optimizer state, cuBLAS
+    workspaces, autograd's streams), then `body` captured into one CUDAGraph; returns the graph and body's result."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            warm()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = body()
+    return graph, result
+
+
 def bench_train(cfg, B, T, device, mode, args) -> list:
     cuda = device.type == "cuda"
     if cuda:
@@ -190,19 +205,11 @@ def bench_train(cfg, B, T, device, mode, args) -> list:
     rows.append({**base, "impl": "eager", **r})
 
     if cuda and not args.no_graph:
-        # The PyTorch docs' whole-network capture: warm up on a side stream (lazy optimizer state, cuBLAS
-        # workspaces, autograd's streams), grads set to None so backward allocates them from the graph's
-        # pool, capture, replay.
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                eager_step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            static_loss = forward_backward()
+        def warm_step():
+            eager_step()
+            opt.zero_grad(set_to_none=True)  # so backward allocates the grads from the graph's pool
+
+        graph, static_loss = capture_after_warmup(warm_step, forward_backward)
 
         def graph_step():
             stage()
@@ -261,15 +268,7 @@ def bench_stream(cfg, streams, device, mode, args) -> list:
         r["kernels"] = count_kernels(compute)
     rows.append({**base, "impl": "eager", **r})
     if cuda and not args.no_graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                compute()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            compute()
+        graph, _ = capture_after_warmup(compute, compute)
 
         def graph_step():
             stage_in()
