@@ -411,23 +411,17 @@ absl::Status CudaModel::CheckReplay(const TrainGraph& graph) const {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::EnqueueTrainStepEagerly() {
-  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
-  RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
-  RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
-  RETURN_IF_ERROR(Backward());
-  RETURN_IF_ERROR(SumGradientsOverRanks());
-  RETURN_IF_ERROR(OptimizerStep());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
-  return absl::OkStatus();
-}
+absl::Status CudaModel::EnqueueTrainStepEagerly() { return EnqueueTrainingWork(/*optimizer_step=*/true); }
 
-absl::Status CudaModel::EnqueueGradients() {
+absl::Status CudaModel::EnqueueGradients() { return EnqueueTrainingWork(/*optimizer_step=*/false); }
+
+absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
   RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
   RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
+  if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
