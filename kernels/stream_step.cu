@@ -26,12 +26,12 @@ constexpr int kStreamWarps = kStreamThreads / kWarpSize;
 constexpr int kLanesPerRow = 8;
 constexpr int kRowGroups = kStreamThreads / kLanesPerRow;
 constexpr int kMaxEvents = 8;
-constexpr int kXPerThread = 4;  // the tick's raw features are read into registers: EG·F ≤ kXPerThread·kStreamThreads
 constexpr int kMaxStages = 3 * kStreamMaxLayers + 7;
 // Results cross the cluster at the end of the embedding, of the SSM and out_proj of every layer, of the CfC's two
 // products and of the GRN's three.
 constexpr int kMaxExchanges = 2 * kStreamMaxLayers + 6;
-constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges;
+// The launch's copies (shared vectors, then each stage's rows), the exchanges, and the group's bulk-copied SSM states.
+constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges + 1;
 
 __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 
@@ -64,7 +64,7 @@ struct StreamPlan {
 
   // A launch shape: clusters of `cluster` blocks, groups of `events` events.
   int cluster, events;
-  int bars, meta, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
+  int bars, meta, rows, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
   int ev_base, per_event;                        // event e's activations at ev_base + e·per_event
   int xn, h, r, bcdt, y, yn, a, bb, e2, skip, e1, pre, g, logits, conv;  // offsets within an event's activations
   // Conv state channels per layer and tap: the block's x channels (up to ssm_rows), then B's and C's (2N).
@@ -142,6 +142,8 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   at += Align4(2 * kBarriers);  // 8-byte mbarriers
   p.meta = at;
   at += 4 * kMaxEvents;  // slot ids, Δt, log positions (8 bytes)
+  p.rows = at;
+  at += Align4(2 * kMaxStages);  // the block's first and end row of every stage
   p.ssm_rows = CeilDiv(p.E, cluster);
   p.conv_channels = p.ssm_rows + 2 * p.N;
   int ev = 0;
@@ -203,7 +205,7 @@ bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes
 
 bool Supported(const StreamWeights& w) {
   return w.L >= 1 && w.L <= kStreamMaxLayers && w.W >= 1 && w.W <= kStreamMaxConvTaps &&
-         w.F * kMaxEvents <= kXPerThread * kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
+         w.F <= kStreamThreads && w.C <= kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
 }
 
 // ---- Pack construction (once per published parameter set) ----
@@ -334,7 +336,8 @@ __device__ __forceinline__ void StoreRemote(uint32_t address, float v, uint32_t 
                "r"(__float_as_uint(v)), "r"(remote_bar)
                : "memory");
 }
-// Waits for phase `parity` of an exchange barrier, whose bytes come from every block of the cluster.
+// Waits for phase `parity` of a barrier that completes once per group: an exchange's, whose bytes come from every
+// block of the cluster, or the group's SSM states'.
 __device__ __forceinline__ void ExchangeWait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -368,17 +371,59 @@ __device__ __forceinline__ float RowSum(float v) {
 
 // ---- The step ----
 
+template <int EG, int M>
+struct RowSums {
+  float v[M][EG];
+};
+
+// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
+// in order, then the group adds its lanes. Not inlined: a tick runs each instruction of the kernel about once, on an
+// SM whose instruction cache has not seen it, so one copy of the loop, fetched once, serves every product. Every
+// lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get zeros).
+template <int EG, int M>
+__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
+                                               bool active) {
+  RowSums<EG, M> sums;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
+  }
+  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+    float4 x[EG];
+#pragma unroll
+    for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 wv = *reinterpret_cast<const float4*>(wu + m * in_pad + i);
+#pragma unroll
+      for (int e = 0; e < EG; ++e) {
+        sums.v[m][e] += wv.x * x[e].x;
+        sums.v[m][e] += wv.y * x[e].y;
+        sums.v[m][e] += wv.z * x[e].z;
+        sums.v[m][e] += wv.w * x[e].w;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
+  }
+  return sums;
+}
+
 // The block's rows of stage `si`, `outputs` products each, for every event of the group: row group (eight lanes)
-// g takes rows r0+g, r0+g+32, …; lane j sums inputs 4j..4j+3, 4j+32.., in order, then the group adds its lanes.
+// g takes rows r0+g, r0+g+32, ….
 // `epilogue(u, acc, params, lane, active)` receives the finished sums of row unit u (every lane of the group gets
 // them); every row group of the block calls it, those past the block's last row with active = false (so that an
 // epilogue may use the whole warp), and they must not touch u's sums or params.
 template <int EG, int M, typename Epilogue>
 __device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
-                                         int rank, int in_offset, Epilogue&& epilogue) {
+                                         int in_offset, Epilogue&& epilogue) {
   const PackStage& s = p.stage[si];
-  int r0, r1;
-  RowRange(s, p.cluster, rank, r0, r1);
+  const int* rows = reinterpret_cast<const int*>(smem + p.rows);
+  const int r0 = rows[2 * si], r1 = rows[2 * si + 1];
   const float* weights;
   if (p.stage_at[si] >= 0) {
     BarrierWait(bars + 1 + si);
@@ -392,42 +437,14 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
     const int u = base + group;
     const bool active = u < r1;
     const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
-    float acc[M][EG];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < EG; ++e) acc[m][e] = 0.f;
-    }
-    if (active) {
-      for (int i = lane * 4; i < s.in_pad; i += 4 * kLanesPerRow) {
-        float4 x[EG];
-#pragma unroll
-        for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * p.per_event + i);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 wv = *reinterpret_cast<const float4*>(wu + m * s.in_pad + i);
-#pragma unroll
-          for (int e = 0; e < EG; ++e) {
-            acc[m][e] += wv.x * x[e].x;
-            acc[m][e] += wv.y * x[e].y;
-            acc[m][e] += wv.z * x[e].z;
-            acc[m][e] += wv.w * x[e].w;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < EG; ++e) acc[m][e] = RowSum(acc[m][e]);
-    }
-    epilogue(u, acc, wu + M * s.in_pad, lane, active);
+    const RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active);
+    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
   }
 }
 
 // out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes.
 template <int EG>
-__device__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int e = warp; e < EG; e += kStreamWarps) {
     const float* v = ev + e * per_event + in;
@@ -483,16 +500,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   int slot_read = -1;
   float dt_read = 0.f;
   int64_t log_read = 0;
-  float x_raw[kXPerThread];
+  float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
     const bool reads_event = tid < EG && first + tid < tick.n;
     slot_read = reads_event ? tick_slots[first + tid] : -1;
     dt_read = reads_event ? tick_dt[first + tid] : 0.f;
     log_read = reads_event && tick.logged ? tick_log[first + tid] : 0;
 #pragma unroll
-    for (int k = 0; k < kXPerThread; ++k) {
-      const int i = tid + k * kStreamThreads;
-      x_raw[k] = i < EG * p.F && first + i / p.F < tick.n ? tick_x[static_cast<size_t>(first) * p.F + i] : 0.f;
+    for (int e = 0; e < EG; ++e) {
+      x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
   const int groups = CeilDiv(tick.n, EG);
@@ -500,11 +516,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   read_group(group_index * EG);
 
   // Every copy of the launch starts now, in the order the chain needs them: one barrier per thread, then the
-  // copies from the lanes of warp 0, a stage per lane.
-  const int launch_bars = 1 + p.stages;
+  // copies from the lanes of warp 0, a stage per lane, which also leave the block's row range of their stage.
+  const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
+  uint64_t* state_bar = exchange_bars + kMaxExchanges;
+  const bool inits = tid < launch_bars || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
   if (tid < launch_bars) BarrierInit(bars + tid);
-  if (tid >= kWarpSize && tid < kWarpSize + exchanges) BarrierInit(exchange_bars + tid - kWarpSize);
-  if (tid < launch_bars || (tid >= kWarpSize && tid < kWarpSize + exchanges)) BarrierInitFence();
+  if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
+  if (tid == 2 * kWarpSize) BarrierInit(state_bar);
+  if (inits) BarrierInitFence();
   // Activations start at zero: the products read their zero padding.
   for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
   __syncthreads();
@@ -512,10 +531,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
   }
-  for (int si = tid; tid < kWarpSize && si < p.stages; si += kWarpSize) {
-    if (p.stage_at[si] < 0) continue;
+  int* rows = reinterpret_cast<int*>(smem + p.rows);
+  for (int si = tid; warp == 0 && si < p.stages; si += kWarpSize) {
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
+    rows[2 * si] = r0;
+    rows[2 * si + 1] = r1;
+    if (p.stage_at[si] < 0) continue;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
     BarrierExpect(bars + 1 + si, bytes);
     if (bytes > 0) {
@@ -556,15 +578,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
   ClusterArrive();
 
-  // This block's SSM rows (and x conv channels): the rows of its share of every layer's z/x product.
+  // This block's SSM rows (and x conv channels): the rows of its share of every layer's z/x product. A layer's rows
+  // of one slot's SSM state are one contiguous run, bulk-copied when its bytes allow (16-byte multiples).
   const int q0 = rank * E / R, q1 = (rank + 1) * E / R, nx = q1 - q0;
+  const bool bulk_states = p.ssm_base >= 0 && nx > 0 && N * sizeof(float) % 16 == 0;
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
-    if (tid == 0) {
-      // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
-      for (int x = 0; x < exchanges; ++x) {
-        if (exchanged(exchange_stage(x))) BarrierExpect(exchange_bars + x, exchange_floats(x) * EG * sizeof(float));
-      }
+    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
+    if (warp == 1 && warp_lane < exchanges && exchanged(exchange_stage(warp_lane))) {
+      BarrierExpect(exchange_bars + warp_lane, exchange_floats(warp_lane) * EG * sizeof(float));
     }
     if (tid < EG) {
       slot_ids[tid] = slot_read;
@@ -572,54 +594,70 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       log_at[tid] = log_read;
     }
     __syncthreads();
-    // The carried states of this block's rows, copied asynchronously (padding events get zeros): its x conv channels
-    // and every B and C channel, its SSM rows, the CfC state.
-    const int nch = nx + 2 * N;
-    for (int i = tid; i < EG * p.L * W1 * nch; i += kStreamThreads) {
-      const int j = i % nch, lk = i / nch % (p.L * W1), e = i / nch / (p.L * W1);
-      const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
-      float* dst = ev + e * pe + p.conv + lk * p.conv_channels + channel;
-      if (slot_ids[e] >= 0) {
-        CopyAsync4(dst, st.conv + slot_ids[e] * conv_per_slot + static_cast<size_t>(lk) * cd + c);
-      } else {
-        *dst = 0.f;
+    // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
+    // x conv channels and every B and C channel, the CfC state.
+    if (bulk_states && tid == 0) {
+      uint32_t bytes = 0;
+      for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
+      BarrierExpect(state_bar, bytes);
+      for (int e = 0; e < EG; ++e) {
+        for (int l = 0; slot_ids[e] >= 0 && l < p.L; ++l) {
+          BulkCopy(smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N,
+                   st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
+                   nx * N * sizeof(float), state_bar);
+        }
       }
     }
-    if (p.ssm_base >= 0) {
-      const int per_layer = nx * N;
-      for (int i = tid; i < EG * p.L * per_layer; i += kStreamThreads) {
-        const int o = i % per_layer, l = i / per_layer % p.L, e = i / per_layer / p.L;
-        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N + o;
-        if (slot_ids[e] >= 0) {
-          CopyAsync4(dst, st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer +
-                              static_cast<size_t>(q0) * N + o);
+#pragma unroll 1
+    for (int e = 0; e < EG; ++e) {
+      const int slot = slot_ids[e];
+#pragma unroll 1
+      for (int l = warp; p.ssm_base >= 0 && l < p.L; l += kStreamWarps) {
+        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
+        const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
+#pragma unroll 1
+        for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          if (slot >= 0) {
+            CopyAsync4(dst + o, src + o);
+          } else {
+            dst[o] = 0.f;
+          }
+        }
+      }
+#pragma unroll 1
+      for (int lk = warp; lk < p.L * W1; lk += kStreamWarps) {
+        float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
+        const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
+#pragma unroll 1
+        for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
+          const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+          if (slot >= 0) {
+            CopyAsync4(dst + channel, src + c);
+          } else {
+            dst[channel] = 0.f;
+          }
+        }
+      }
+      if (tid < p.C) {
+        float* dst = ev + e * pe + p.a + p.D + tid;
+        if (slot >= 0) {
+          CopyAsync4(dst, st.cfc + slot * p.C + tid);
         } else {
           *dst = 0.f;
         }
       }
     }
-    for (int i = tid; i < EG * p.C; i += kStreamThreads) {
-      const int e = i / p.C, u = i % p.C;
-      float* dst = ev + e * pe + p.a + p.D + u;
-      if (slot_ids[e] >= 0) {
-        CopyAsync4(dst, st.cfc + slot_ids[e] * p.C + u);
-      } else {
-        *dst = 0.f;
-      }
-    }
     BarrierWait(bars);
+    if (tid < p.F) {
 #pragma unroll
-    for (int k = 0; k < kXPerThread; ++k) {
-      const int i = tid + k * kStreamThreads;
-      if (i < EG * p.F) {
-        const int e = i / p.F, f = i % p.F;
-        ev[e * pe + p.xn + f] = slot_ids[e] >= 0 ? (x_raw[k] - sh[p.mean + f]) * sh[p.inv_std + f] : 0.f;
+      for (int e = 0; e < EG; ++e) {
+        ev[e * pe + p.xn + tid] = slot_ids[e] >= 0 ? (x_raw[e] - sh[p.mean + tid]) * sh[p.inv_std + tid] : 0.f;
       }
     }
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    Products<EG, 1>(p, 0, pack, smem, bars, rank, p.xn,
+    Products<EG, 1>(p, 0, pack, smem, bars, p.xn,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -630,10 +668,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int l = 0; l < p.L; ++l) {
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l, x_ssm = 1 + 2 * l, x_out = 2 + 2 * l;
       const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
-      if (l == 0) CopyAsyncWaitAll();  // the states are needed from here on (the norm's barrier publishes them)
+      if (l == 0) {  // the states are needed from here on (the norm's barrier publishes them)
+        CopyAsyncWaitAll();
+        if (bulk_states) ExchangeWait(state_bar, phase & 1);
+      }
       RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
       // B, C (causal conv, SiLU) and Δt (softplus), on every block; rank 0 advances B's and C's conv states.
-      Products<EG, 1>(p, si_bcdt, pack, smem, bars, rank, p.r,
+      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.r,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -643,11 +684,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
                             float conv = prm[p.W] + prm[W1] * v;
+#pragma unroll 1
                             for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
                             out = Silu(conv);
                             const int slot = slot_ids[e];
                             if (rank == 0 && row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
+#pragma unroll 1
                               for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
                               state[(W1 - 1) * cd] = v;
                             }
@@ -660,7 +703,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       __syncthreads();
       // z and x of this block's SSM rows (h, p); x's causal conv (its owner advances the conv state), then the SSM
       // update and readout (eight lanes over the state dimension) and the gate; y is exchanged.
-      Products<EG, 2>(p, si_heads, pack, smem, bars, rank, p.r,
+      Products<EG, 2>(p, si_heads, pack, smem, bars, p.r,
                       [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
                         const int head = active ? hp / p.P : 0;
                         const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
@@ -672,10 +715,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const int slot = slot_ids[e];
                           const float* old_rows = conv_rows + e * pe + hp - q0;
                           float conv = prm[p.W] + prm[W1] * acc[1][e];
+#pragma unroll 1
                           for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
                           xc[e] = Silu(conv);
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
+#pragma unroll 1
                             for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
@@ -706,7 +751,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       finish(si_heads, x_ssm);
 
       RmsNormEvents<EG>(ev, pe, p.y, p.yn, sh + p.mixer_norm[l], E);
-      Products<EG, 1>(p, si_out, pack, smem, bars, rank, p.yn,
+      Products<EG, 1>(p, si_out, pack, smem, bars, p.yn,
                       [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -717,7 +762,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
     RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, rank, p.a,
+    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -725,7 +770,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         emit(cfc_stage, x_backbone, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
     finish(cfc_stage, x_backbone);
-    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, rank, p.bb,
+    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -737,7 +782,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       }
                     });
     finish(cfc_stage + 1, x_backbone + 1);
-    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, rank, p.a,
+    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -749,7 +794,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     finish(cfc_stage + 2, x_backbone + 2);
     // fc1 and gate/value run on every block (split) or on rank 0 alone.
     if (exchanged(cfc_stage + 3) || rank == 0) {
-      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, rank, p.e2,
+      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, p.e2,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -757,7 +802,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           emit(cfc_stage + 3, x_backbone + 3, e, p.e1 + u, acc[0][e] + prm[0]);
                       });
       finish(cfc_stage + 3, x_backbone + 3);
-      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, rank, p.e1,
+      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, p.e1,
                       [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -772,21 +817,24 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
       // confident horizon, lowest on ties) and the log entry.
-      const int warp = tid / kWarpSize, wl = tid % kWarpSize;
+      const int wl = warp_lane;
       for (int e = warp; e < EG; e += kStreamWarps) {
         const float* pre = ev + e * pe + p.pre;
         float sum = 0.f;
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) sum += pre[i];
         const float mean = WarpSum(sum) / p.G;
         float var = 0.f;
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
         const float rstd = 1.f / sqrtf(WarpSum(var) / p.G + kNormEps);
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) {
           ev[e * pe + p.g + i] = (pre[i] - mean) * rstd * sh[p.ln_w + i] + sh[p.ln_b + i];
         }
       }
       __syncthreads();
-      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, rank, p.g,
+      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, p.g,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
 #pragma unroll
