@@ -377,9 +377,10 @@ struct RowSums {
 };
 
 // One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
-// in order, then the group adds its lanes. Not inlined: a tick runs each instruction of the kernel about once, on an
-// SM whose instruction cache has not seen it, so one copy of the loop, fetched once, serves every product. Every
-// lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get zeros).
+// in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
+// whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
+// product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
+// zeros).
 template <int EG, int M>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
                                                bool active) {
