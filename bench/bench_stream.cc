@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -23,7 +24,11 @@ ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", 
           "instruments per tick");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
+ABSL_FLAG(bool, sweep, true, "time every launch shape eagerly, to check the default choice");
 ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of the sweep");
+ABSL_FLAG(int, queue_us, 3000,
+          "hold the stream this long (a sleeping host function) before the timed ticks, so that the host queues them "
+          "ahead and the events time the device alone; 0: ticks are timed as the host submits them");
 
 namespace perception {
 namespace {
@@ -41,13 +46,22 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
 }
 
-// Device time of each tick between events recorded on the streamer's stream; `run` enqueues one tick.
+void CUDART_CB HoldStream(void* microseconds) {
+  std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int*>(microseconds)));
+}
+
+// Device time of each tick between events recorded on the streamer's stream; `run` enqueues one tick. A tick that
+// the device finishes faster than the host submits the next would otherwise be timed with the host's submission in
+// it, so the stream is held while the host queues the ticks (as far as the staging buffers let it).
 template <typename Run>
 absl::StatusOr<std::vector<double>> TimeTicks(CudaStreamer& streamer, int iterations, Run run) {
   for (int i = 0; i < 20; ++i) RETURN_IF_ERROR(run());
   RETURN_IF_ERROR(streamer.Synchronize());
   std::vector<cudaEvent_t> events(2 * iterations);
   for (cudaEvent_t& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  static int hold_us;
+  hold_us = absl::GetFlag(FLAGS_queue_us);
+  if (hold_us > 0) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(streamer.stream(), HoldStream, &hold_us));
   for (int i = 0; i < iterations; ++i) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i], streamer.stream()));
     RETURN_IF_ERROR(run());
@@ -105,12 +119,12 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
       host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
     }
     row.host_step_us = Percentile(host, 0.5);
-    // Sweep the launch shapes eagerly, to check the default choice.
-    row.best_shape_us = 1e30;
+    // Sweep the launch shapes eagerly, to check the default choice (0: not swept).
+    row.best_shape_us = absl::GetFlag(FLAGS_sweep) ? 1e30 : 0;
     for (int group : kStreamGroupSizes) {
       for (int cluster : kStreamClusterSizes) {
         const StreamLaunchShape shape{group, cluster};
-        if (!streamer->Supports(shape)) continue;
+        if (!absl::GetFlag(FLAGS_sweep) || !streamer->Supports(shape)) continue;
         ASSIGN_OR_RETURN(std::vector<double> t,
                          TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
         if (absl::GetFlag(FLAGS_print_shapes)) {
@@ -155,8 +169,9 @@ absl::Status Main() {
   for (const std::string& s : absl::GetFlag(FLAGS_instruments)) sizes.push_back(std::stoi(s));
   cudaDeviceProp properties{};
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, 0));
-  std::printf("bench_stream on %s: device time per tick (median of %d, CUDA events), inputs staged from pinned memory\n",
-              properties.name, absl::GetFlag(FLAGS_iterations));
+  std::printf("bench_stream on %s: device time per tick (median of %d, CUDA events; stream held %d us while the host "
+              "queues ticks), ticks of up to 8 events in the launch's parameters, larger ones staged in pinned memory\n",
+              properties.name, absl::GetFlag(FLAGS_iterations), absl::GetFlag(FLAGS_queue_us));
   std::vector<Row> all;
   for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
     ASSIGN_OR_RETURN(std::vector<Row> rows, BenchConfig(name, sizes, absl::GetFlag(FLAGS_iterations)));

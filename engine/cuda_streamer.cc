@@ -27,9 +27,14 @@ CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_ent
 CudaStreamer::~CudaStreamer() {
   // Errors cannot be reported from a destructor; the handles are released either way.
   if (stream_) cudaStreamSynchronize(stream_);
-  for (auto& per_staging : graphs_) {
-    for (auto& [bucket, graph] : per_staging) cudaGraphExecDestroy(graph.exec);
-  }
+  auto destroy = [](std::map<int, TickGraph>& graphs) {
+    for (auto& [bucket, graph] : graphs) {
+      cudaGraphExecDestroy(graph.exec);
+      cudaGraphDestroy(graph.graph);
+    }
+  };
+  for (auto& per_staging : graphs_) destroy(per_staging);
+  destroy(inline_graphs_);
   for (Staging& s : staging_) {
     if (s.copied) cudaEventDestroy(s.copied);
   }
@@ -231,13 +236,10 @@ kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
 }
 
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
-  // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 1,024 instruments): every group is a
+  // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 10,000 instruments): every group is a
   // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
   // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
   // add exchange work); when none holds them, the widest one-wave cluster (more blocks, fewer global reads each).
-  // Ticks too large for one wave of one-event clusters share weights among events in single-block clusters; when even
-  // the largest group that fits a block needs more than one wave, its persistent clusters loop over the rest (a
-  // group too large for a block's shared memory is never chosen: `large` at 1,024 instruments).
   std::optional<StreamLaunchShape> widest;
   for (int cluster : kStreamClusterSizes) {
     const StreamLaunchShape shape{1, cluster};
@@ -246,13 +248,22 @@ StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
     widest = shape;
   }
   if (widest) return *widest;
-  std::optional<StreamLaunchShape> largest_group;
+  // Larger ticks share weights among events in single-block clusters: the smallest group that covers the tick in one
+  // wave, unless its SSM states no longer fit in shared memory and a smaller group's do. A tick reads and writes
+  // every event's state, and prefetched states beat one wave: `small` at 1,024 and 10,000 instruments ran 3–10%
+  // faster with groups of 2 (states prefetched, persistent clusters looping) than of 8 (one wave, states read inside
+  // the chain). When even the largest group that fits a block needs more than one wave, its persistent clusters
+  // loop over the rest (a group too large for a block's shared memory is never chosen: `large` at 1,024).
+  std::optional<StreamLaunchShape> one_wave, largest_group, largest_resident;
   for (int group : kStreamGroupSizes) {
     const StreamLaunchShape shape{group, 1};
     if (!Supports(shape)) continue;
-    if ((n + group - 1) / group <= Fit(shape).max_clusters) return shape;
+    if (!one_wave && (n + group - 1) / group <= Fit(shape).max_clusters) one_wave = shape;
+    if (Fit(shape).states_resident) largest_resident = shape;
     largest_group = shape;
   }
+  if (one_wave && (Fit(*one_wave).states_resident || !largest_resident)) return *one_wave;
+  if (largest_resident) return *largest_resident;
   if (largest_group) return *largest_group;
   // No single-block shape fits: the lone event's shape, its clusters looping over the tick's events.
   return n > 1 ? ShapeFor(1) : StreamLaunchShape{1, kStreamClusterSizes.back()};
@@ -283,10 +294,37 @@ absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int pad
   return absl::OkStatus();
 }
 
-absl::Status CudaStreamer::EnqueueTick(Staging& s, int n, StreamLaunchShape shape, bool log) {
-  // The kernel reads the tick straight from pinned host memory (mapped into the device's address space): a tick
-  // is a few kilobytes, and copy commands would cost more than the reads.
-  const kernels::StreamTickInput input{n, s.x_host, s.dt_host, s.slots_host, log ? s.log_host : nullptr};
+bool CudaStreamer::Inline(int n) const {
+  return n <= kernels::kStreamInlineEvents && n * layout_.config().n_features <= kernels::kStreamInlineFloats;
+}
+
+kernels::StreamTickInput CudaStreamer::InlineInput(const StreamTick& tick, int padded, bool log) const {
+  kernels::StreamTickInput input{};
+  input.n = padded;
+  input.logged = log;
+  const size_t n = tick.size();
+  std::copy(tick.x.begin(), tick.x.end(), input.inline_x);
+  std::copy(tick.dt.begin(), tick.dt.end(), input.inline_dt);
+  std::copy(tick.slots.begin(), tick.slots.end(), input.inline_slots);
+  std::fill(input.inline_slots + n, input.inline_slots + padded, -1);  // padding: the kernel skips negative slots
+  if (log) std::copy(tick.log_indices.begin(), tick.log_indices.end(), input.inline_log);
+  return input;
+}
+
+kernels::StreamTickInput CudaStreamer::StagedInput(const Staging& s, int n, bool log) const {
+  // The kernel reads a staged tick straight from pinned host memory (mapped into the device's address space): copy
+  // commands would cost more than the reads.
+  kernels::StreamTickInput input{};
+  input.n = n;
+  input.logged = log;
+  input.x = s.x_host;
+  input.dt = s.dt_host;
+  input.slots = s.slots_host;
+  input.log_indices = s.log_host;
+  return input;
+}
+
+absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,
                                                  shape.cluster_size, Fit(shape).max_clusters, max_shared_bytes_,
                                                  stream_));
@@ -299,11 +337,22 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   if (n == 0) return absl::OkStatus();
   if (!use_graphs_) return StepEagerly(tick, ShapeFor(n));
   const int bucket = BucketFor(n);
+  if (Inline(bucket)) {
+    const kernels::StreamTickInput input = InlineInput(tick, bucket, /*log=*/true);
+    TickGraph& graph = inline_graphs_[bucket];
+    if (!graph.exec) RETURN_IF_ERROR(Capture(input, graph));
+    if (graph.pack != pack_ || graph.conv_state != state_.conv) {
+      return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
+    }
+    CUDA_RETURN_IF_ERROR(kernels::SetStreamStepTick(graph.exec, graph.node, input));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
+    return absl::OkStatus();
+  }
   int index = 0;
   Staging& s = NextStaging(&index);
   RETURN_IF_ERROR(StageTick(s, tick, bucket));
   TickGraph& graph = graphs_[index][bucket];
-  if (!graph.exec) RETURN_IF_ERROR(Capture(s, bucket, graph));
+  if (!graph.exec) RETURN_IF_ERROR(Capture(StagedInput(s, bucket, /*log=*/true), graph));
   // Pointer stability: a replay must run over exactly the buffers it was captured with.
   if (graph.staging_x != s.x_host || graph.pack != pack_ || graph.conv_state != state_.conv) {
     return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
@@ -325,25 +374,26 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
                                                    shape.cluster_size, " blocks per cluster is not supported"));
   }
   const int n = static_cast<int>(tick.size());
+  if (Inline(n)) return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
   int index = 0;
   Staging& s = NextStaging(&index);
   RETURN_IF_ERROR(StageTick(s, tick, n));
-  RETURN_IF_ERROR(EnqueueTick(s, n, shape, /*log=*/true));
+  RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, /*log=*/true), shape));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
   return absl::OkStatus();
 }
 
-absl::Status CudaStreamer::Capture(Staging& s, int bucket, TickGraph& graph) {
-  cudaGraph_t captured = nullptr;
+absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, TickGraph& graph) {
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const absl::Status enqueued = EnqueueTick(s, bucket, ShapeFor(bucket), /*log=*/true);
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &captured);
+  const absl::Status enqueued = EnqueueTick(input, ShapeFor(input.n));
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph.graph);
   RETURN_IF_ERROR(enqueued);
   CUDA_RETURN_IF_ERROR(ended);
-  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, captured, 0);
-  cudaGraphDestroy(captured);
-  CUDA_RETURN_IF_ERROR(instantiated);
-  graph.staging_x = s.x_host;
+  size_t nodes = 1;
+  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph.graph, &graph.node, &nodes));
+  if (nodes != 1) return absl::InternalError(absl::StrCat("a tick graph has ", nodes, " nodes, expected one kernel"));
+  CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
+  graph.staging_x = input.x;
   graph.pack = pack_;
   graph.conv_state = state_.conv;
   return absl::OkStatus();
@@ -369,11 +419,16 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
   RETURN_IF_ERROR(ResetSlot(slot));
   const int32_t slots[1] = {slot};
   for (size_t i = 0; i < dt.size(); ++i) {
+    const StreamTick event{x.subspan(i * F, F), dt.subspan(i, 1), slots, {}};
+    // Not logged: the states advance and nothing is logged, so the slot's earlier convictions stay intact.
+    if (Inline(1)) {
+      RETURN_IF_ERROR(EnqueueTick(InlineInput(event, 1, /*log=*/false), ShapeFor(1)));
+      continue;
+    }
     int index = 0;
     Staging& s = NextStaging(&index);
-    RETURN_IF_ERROR(StageTick(s, StreamTick{x.subspan(i * F, F), dt.subspan(i, 1), slots, {}}, 1));
-    // No log indices: the states advance and nothing is logged, so the slot's earlier convictions stay intact.
-    RETURN_IF_ERROR(EnqueueTick(s, 1, ShapeFor(1), /*log=*/false));
+    RETURN_IF_ERROR(StageTick(s, event, 1));
+    RETURN_IF_ERROR(EnqueueTick(StagedInput(s, 1, /*log=*/false), ShapeFor(1)));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
   }
   return absl::OkStatus();

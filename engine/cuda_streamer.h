@@ -47,10 +47,11 @@ class CudaStreamer {
   // Uploads a host parameter set into the published weights (synchronous; for tests and the CPU-built models).
   absl::Status PublishFromHost(std::span<const float> params);
 
-  // forward_step_into: stages the tick in pinned memory and replays the CUDA graph captured for its bucket (ticks
-  // are padded to the next power of two of events, up to the slot count; a bucket is captured on first use).
-  // Nothing waits for the device, except, rarely, for the tick two before this one, whose staging buffer is about
-  // to be reused. With graphs off, the same work is enqueued eagerly.
+  // forward_step_into: replays the CUDA graph captured for the tick's bucket (ticks are padded to the next power of
+  // two of events, up to the slot count; a bucket is captured on first use). A tick of up to 8 events travels in the
+  // launch's parameters (the graph's kernel node is updated); a larger one is staged in pinned memory. Nothing waits
+  // for the device, except, rarely, for the staged tick two before this one, whose staging buffer is about to be
+  // reused. With graphs off, the same work is enqueued eagerly.
   absl::Status Step(const StreamTick& tick);
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
@@ -80,8 +81,10 @@ class CudaStreamer {
     int64_t* log_host = nullptr;
     cudaEvent_t copied = nullptr;
   };
-  // A tick graph and the buffers it was captured over.
+  // A tick graph, its kernel node (whose tick an inline replay replaces) and the buffers it was captured over.
   struct TickGraph {
+    cudaGraph_t graph = nullptr;
+    cudaGraphNode_t node = nullptr;
     cudaGraphExec_t exec = nullptr;
     const float *staging_x = nullptr, *pack = nullptr, *conv_state = nullptr;
   };
@@ -93,15 +96,21 @@ class CudaStreamer {
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
   int BucketFor(int n) const;
+  // Whether a tick of `n` (padded) events travels in the launch's parameters.
+  bool Inline(int n) const;
+  // A tick's events, padded to `padded`, as launch parameters.
+  kernels::StreamTickInput InlineInput(const StreamTick& tick, int padded, bool log) const;
   Staging& NextStaging(int* index);
   // Waits until `s` is free (the tick that last read it has finished), copies the tick into its pinned buffers and
   // pads them to `padded` events.
   absl::Status StageTick(Staging& s, const StreamTick& tick, int padded);
-  // The device work of one tick of n staged events: the step kernel. (The caller records the staging buffer's
+  // A staged tick of n events as the kernel reads it.
+  kernels::StreamTickInput StagedInput(const Staging& s, int n, bool log) const;
+  // The device work of one tick: the step kernel. (For a staged tick the caller records the staging buffer's
   // `copied` event afterwards, outside any graph capture.)
-  absl::Status EnqueueTick(Staging& s, int n, StreamLaunchShape shape, bool log);
+  absl::Status EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape);
   absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
-  absl::Status Capture(Staging& s, int bucket, TickGraph& graph);
+  absl::Status Capture(const kernels::StreamTickInput& input, TickGraph& graph);
 
   const ParamLayout& layout_;
   const int slots_;
@@ -119,7 +128,8 @@ class CudaStreamer {
   std::array<Staging, 2> staging_{};
   int next_staging_ = 0;
   bool use_graphs_ = true;
-  std::array<std::map<int, TickGraph>, 2> graphs_;  // per staging buffer, by bucket
+  std::array<std::map<int, TickGraph>, 2> graphs_;  // staged ticks: per staging buffer, by bucket
+  std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
   std::unique_ptr<bool[]> slot_seen_;
 };
 

@@ -5,8 +5,10 @@
 // states of the block's rows are prefetched the same way. Matrix products are split by rows over the cluster's blocks
 // (eight lanes per row, four consecutive inputs per lane) and each result is stored into every block's shared memory
 // through distributed shared memory, fused with what the row's owner can finish alone (the causal conv, softplus,
-// the SSM gate, the residual, the CfC update, the GRN gate), then the cluster synchronizes. Norms are recomputed by
-// every block. Every sum runs in one fixed order, whatever the launch shape.
+// the residual, the CfC update, the GRN gate), then the cluster synchronizes. A layer's in_proj is split by SSM rows:
+// each block computes the z and x rows of its own SSM rows and, redundantly, the few B, C and Δt rows every SSM row
+// needs, so the SSM update and its gate follow in the same stage and a layer exchanges only y and out_proj's result.
+// Norms are recomputed by every block. Every sum runs in one fixed order, whatever the launch shape.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -24,19 +26,22 @@ constexpr int kStreamWarps = kStreamThreads / kWarpSize;
 constexpr int kLanesPerRow = 8;
 constexpr int kRowGroups = kStreamThreads / kLanesPerRow;
 constexpr int kMaxEvents = 8;
-constexpr int kXPerThread = 4;  // the tick's raw features are read into registers: EG·F ≤ kXPerThread·kStreamThreads
-constexpr int kMaxStages = 2 * kStreamMaxLayers + 7;
-// Results cross the cluster at the end of the embedding, of in_proj, the SSM and out_proj of every layer, of the
-// CfC's two products and of the GRN's three.
-constexpr int kMaxExchanges = 3 * kStreamMaxLayers + 6;
-constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges;
+constexpr int kMaxStages = 3 * kStreamMaxLayers + 7;
+// Results cross the cluster at the end of the embedding, of the SSM and out_proj of every layer, of the CfC's two
+// products and of the GRN's three.
+constexpr int kMaxExchanges = 2 * kStreamMaxLayers + 6;
+// The launch's copies (shared vectors, then each stage's rows), the exchanges, and the group's bulk-copied SSM states.
+constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges + 1;
 
 __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 
-enum StageKind : int { kEmbed, kInProj, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kFc1, kGateValue, kHeadOut };
+// kInProjShared: a layer's B, C and Δt rows of in_proj; kInProjHeads: its z and x rows, a unit per SSM row.
+enum StageKind : int {
+  kEmbed, kInProjShared, kInProjHeads, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kFc1, kGateValue, kHeadOut
+};
 
 // How a product's rows are spread: over the cluster (results exchanged), all on rank 0 (the head's tail), or all on
-// every block (the embedding, when its weights fit everywhere: one exchange fewer).
+// every block (in_proj's B, C and Δt rows; the embedding, when its weights fit everywhere: one exchange fewer).
 enum StageMode : int { kSplit, kRankZero, kEveryRank };
 
 // One product in the pack: `units` row units of `outputs` weight rows each (padded to in_pad with zeros) followed by
@@ -59,9 +64,10 @@ struct StreamPlan {
 
   // A launch shape: clusters of `cluster` blocks, groups of `events` events.
   int cluster, events;
-  int bars, meta, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
+  int bars, meta, rows, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
   int ev_base, per_event;                        // event e's activations at ev_base + e·per_event
-  int xn, h, r, zx, y, yn, a, bb, e2, skip, e1, pre, g, logits, conv;  // offsets within an event's activations
+  int xn, h, r, bcdt, y, yn, a, bb, e2, skip, e1, pre, g, logits, conv;  // offsets within an event's activations
+  // Conv state channels per layer and tap: the block's x channels (up to ssm_rows), then B's and C's (2N).
   int conv_channels, ssm_rows;
   int ssm_base;  // the block's SSM rows per event and layer, or −1 when they are read from global memory
   int floats;
@@ -87,10 +93,11 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
     s = PackStage{kind, layer, units, outputs, in, Align4(in), params, outputs * Align4(in) + Align4(params), at, mode};
     at += units * s.stride;
   };
-  const int zd = 2 * w.E + 2 * w.N + w.Hh, DC = w.D + w.C;
+  const int DC = w.D + w.C;
   add(kEmbed, 0, w.D, 1, w.F, 1, kSplit);
   for (int l = 0; l < w.L; ++l) {
-    add(kInProj, l, zd, 1, w.D, w.W + 1, kSplit);  // conv taps and bias on the xBC rows, dt_bias on the dt rows
+    add(kInProjShared, l, 2 * w.N + w.Hh, 1, w.D, w.W + 1, kEveryRank);  // conv taps and bias of B, C; dt_bias
+    add(kInProjHeads, l, w.E, 2, w.D, w.W + 1, kSplit);                   // z and x rows; x's conv taps and bias
     add(kOutProj, l, w.D, 1, w.E, 0, kSplit);
   }
   add(kBackbone, 0, w.K, 1, DC, 1, kSplit);
@@ -129,19 +136,16 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
-  const int E = p.E, cd = E + 2 * p.N, zd = 2 * E + 2 * p.N + p.Hh, W1 = p.W - 1;
+  const int W1 = p.W - 1;
   int at = 0;
   p.bars = at;
   at += Align4(2 * kBarriers);  // 8-byte mbarriers
   p.meta = at;
   at += 4 * kMaxEvents;  // slot ids, Δt, log positions (8 bytes)
-  p.conv_channels = 0;
-  for (int r = 0; r < cluster; ++r) {
-    int r0, r1;
-    RowRange(p.stage[1], cluster, r, r0, r1);
-    p.conv_channels = std::max(p.conv_channels, std::min(r1, E + cd) - std::max(r0, E));
-  }
-  p.ssm_rows = CeilDiv(E, cluster);
+  p.rows = at;
+  at += Align4(2 * kMaxStages);  // the block's first and end row of every stage
+  p.ssm_rows = CeilDiv(p.E, cluster);
+  p.conv_channels = p.ssm_rows + 2 * p.N;
   int ev = 0;
   auto take = [&ev](int n) {
     const int start = ev;
@@ -151,9 +155,9 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   p.xn = take(p.F);
   p.h = take(p.D);
   p.r = take(p.D);
-  p.zx = take(zd);
-  p.y = take(E);
-  p.yn = take(E);
+  p.bcdt = take(2 * p.N + p.Hh);
+  p.y = take(p.E);
+  p.yn = take(p.E);
   p.a = take(p.D + p.C);
   p.bb = take(p.K);
   p.e2 = take(p.G);
@@ -201,7 +205,7 @@ bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes
 
 bool Supported(const StreamWeights& w) {
   return w.L >= 1 && w.L <= kStreamMaxLayers && w.W >= 1 && w.W <= kStreamMaxConvTaps &&
-         w.F * kMaxEvents <= kXPerThread * kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
+         w.F <= kStreamThreads && w.C <= kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
 }
 
 // ---- Pack construction (once per published parameter set) ----
@@ -210,7 +214,8 @@ __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int 
   const int DC = w.D + w.C;
   switch (s.kind) {
     case kEmbed: return w.embed_w + static_cast<size_t>(u) * w.F;
-    case kInProj: return w.layers[s.layer].in_proj + static_cast<size_t>(u) * w.D;
+    case kInProjShared: return w.layers[s.layer].in_proj + static_cast<size_t>(2 * w.E + u) * w.D;
+    case kInProjHeads: return w.layers[s.layer].in_proj + static_cast<size_t>(m * w.E + u) * w.D;
     case kOutProj: return w.layers[s.layer].out_proj + static_cast<size_t>(u) * w.E;
     case kBackbone: return w.backbone_w + static_cast<size_t>(u) * DC;
     case kCfcHeads: {
@@ -227,12 +232,15 @@ __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int 
 __device__ float PackParam(const StreamWeights& w, const PackStage& s, int u, int q) {
   switch (s.kind) {
     case kEmbed: return w.embed_b[u];
-    case kInProj: {
+    case kInProjShared: {
       const StreamLayerWeights& lw = w.layers[s.layer];
-      const int cd = w.E + 2 * w.N;
-      if (u >= w.E && u < w.E + cd) return q < w.W ? lw.conv_weight[(u - w.E) * w.W + q] : lw.conv_bias[u - w.E];
-      if (u >= w.E + cd && q == 0) return lw.dt_bias[u - w.E - cd];
-      return 0.f;
+      const int c = w.E + u;  // the conv channel of a B or C row
+      if (u < 2 * w.N) return q < w.W ? lw.conv_weight[c * w.W + q] : lw.conv_bias[c];
+      return q == 0 ? lw.dt_bias[u - 2 * w.N] : 0.f;
+    }
+    case kInProjHeads: {
+      const StreamLayerWeights& lw = w.layers[s.layer];
+      return q < w.W ? lw.conv_weight[u * w.W + q] : lw.conv_bias[u];
     }
     case kBackbone: return w.backbone_b[u];
     case kCfcHeads: {
@@ -328,7 +336,8 @@ __device__ __forceinline__ void StoreRemote(uint32_t address, float v, uint32_t 
                "r"(__float_as_uint(v)), "r"(remote_bar)
                : "memory");
 }
-// Waits for phase `parity` of an exchange barrier, whose bytes come from every block of the cluster.
+// Waits for phase `parity` of a barrier that completes once per group: an exchange's, whose bytes come from every
+// block of the cluster, or the group's SSM states'.
 __device__ __forceinline__ void ExchangeWait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -362,15 +371,60 @@ __device__ __forceinline__ float RowSum(float v) {
 
 // ---- The step ----
 
+template <int EG, int M>
+struct RowSums {
+  float v[M][EG];
+};
+
+// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
+// in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
+// whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
+// product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
+// zeros).
+template <int EG, int M>
+__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
+                                               bool active) {
+  RowSums<EG, M> sums;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
+  }
+  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+    float4 x[EG];
+#pragma unroll
+    for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 wv = *reinterpret_cast<const float4*>(wu + m * in_pad + i);
+#pragma unroll
+      for (int e = 0; e < EG; ++e) {
+        sums.v[m][e] += wv.x * x[e].x;
+        sums.v[m][e] += wv.y * x[e].y;
+        sums.v[m][e] += wv.z * x[e].z;
+        sums.v[m][e] += wv.w * x[e].w;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
+  }
+  return sums;
+}
+
 // The block's rows of stage `si`, `outputs` products each, for every event of the group: row group (eight lanes)
-// g takes rows r0+g, r0+g+32, …; lane j sums inputs 4j..4j+3, 4j+32.., in order, then the group adds its lanes.
-// `epilogue(u, acc, params, lane)` receives the finished sums of row unit u (every lane of the group gets them).
+// g takes rows r0+g, r0+g+32, ….
+// `epilogue(u, acc, params, lane, active)` receives the finished sums of row unit u (every lane of the group gets
+// them); every row group of the block calls it, those past the block's last row with active = false (so that an
+// epilogue may use the whole warp), and they must not touch u's sums or params.
 template <int EG, int M, typename Epilogue>
 __device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
-                                         int rank, int in_offset, Epilogue&& epilogue) {
+                                         int in_offset, Epilogue&& epilogue) {
   const PackStage& s = p.stage[si];
-  int r0, r1;
-  RowRange(s, p.cluster, rank, r0, r1);
+  const int* rows = reinterpret_cast<const int*>(smem + p.rows);
+  const int r0 = rows[2 * si], r1 = rows[2 * si + 1];
   const float* weights;
   if (p.stage_at[si] >= 0) {
     BarrierWait(bars + 1 + si);
@@ -384,42 +438,14 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
     const int u = base + group;
     const bool active = u < r1;
     const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
-    float acc[M][EG];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < EG; ++e) acc[m][e] = 0.f;
-    }
-    if (active) {
-      for (int i = lane * 4; i < s.in_pad; i += 4 * kLanesPerRow) {
-        float4 x[EG];
-#pragma unroll
-        for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * p.per_event + i);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 wv = *reinterpret_cast<const float4*>(wu + m * s.in_pad + i);
-#pragma unroll
-          for (int e = 0; e < EG; ++e) {
-            acc[m][e] += wv.x * x[e].x;
-            acc[m][e] += wv.y * x[e].y;
-            acc[m][e] += wv.z * x[e].z;
-            acc[m][e] += wv.w * x[e].w;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < EG; ++e) acc[m][e] = RowSum(acc[m][e]);
-    }
-    if (active) epilogue(u, acc, wu + M * s.in_pad, lane);
+    const RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active);
+    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
   }
 }
 
 // out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes.
 template <int EG>
-__device__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int e = warp; e < EG; e += kStreamWarps) {
     const float* v = ev + e * per_event + in;
@@ -439,8 +465,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   extern __shared__ __align__(16) float smem[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
-  const int tid = threadIdx.x, lane = tid % kLanesPerRow, group = tid / kLanesPerRow;
-  const int E = p.E, N = p.N, cd = E + 2 * N, zd = 2 * E + 2 * N + p.Hh, W1 = p.W - 1, pe = p.per_event;
+  const int tid = threadIdx.x, lane = tid % kLanesPerRow;
+  const int E = p.E, N = p.N, cd = E + 2 * N, W1 = p.W - 1, pe = p.per_event;
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
   const size_t ssm_per_layer = static_cast<size_t>(E) * N;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + p.bars);
@@ -450,43 +476,76 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   int64_t* log_at = reinterpret_cast<int64_t*>(smem + p.meta + 2 * kMaxEvents);
   float* ev = smem + p.ev_base;
   const float* sh = smem + p.shared;
-  const int cfc_stage = 1 + 2 * p.L;
+  const int cfc_stage = 1 + 3 * p.L;
   // Exchanges in chain order, and the floats each block receives per event in each.
-  const int x_backbone = 1 + 3 * p.L, exchanges = x_backbone + 5;
+  const int x_backbone = 1 + 2 * p.L, exchanges = x_backbone + 5;
   auto exchange_floats = [&](int x) {
     if (x == 0) return p.D;
-    if (x < x_backbone) return (x - 1) % 3 == 0 ? zd : (x - 1) % 3 == 1 ? E : p.D;
+    if (x < x_backbone) return (x - 1) % 2 == 0 ? E : p.D;
     const int tail[5] = {p.K, p.C, 2 * p.G, p.G, p.G};
     return tail[x - x_backbone];
   };
   auto exchanged = [&](int si) { return R > 1 && p.stage[si].mode == kSplit; };
   auto exchange_stage = [&](int x) {
     if (x == 0) return 0;
-    if (x < x_backbone) return (x - 1) % 3 == 2 ? 2 + 2 * ((x - 1) / 3) : 1 + 2 * ((x - 1) / 3);
+    if (x < x_backbone) return 2 + 3 * ((x - 1) / 2) + (x - 1) % 2;
     return cfc_stage + x - x_backbone;
   };
 
-  // Every copy of the launch starts now, in the order the chain needs them.
-  if (tid == 0) {
-    for (int b = 0; b < 1 + p.stages; ++b) BarrierInit(bars + b);
-    for (int x = 0; x < exchanges; ++x) BarrierInit(exchange_bars + x);
-    BarrierInitFence();
-    BarrierExpect(bars, p.shared_size * sizeof(float));
-    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
-    for (int si = 0; si < p.stages; ++si) {
-      if (p.stage_at[si] < 0) continue;
-      int r0, r1;
-      RowRange(p.stage[si], R, rank, r0, r1);
-      const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
-      BarrierExpect(bars + 1 + si, bytes);
-      if (bytes > 0) {
-        BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
-                 bars + 1 + si);
-      }
+  // A group's events: read at once, into registers, before anything else (pinned host memory costs a bus round trip
+  // per read; inline events arrive with the launch's parameters).
+  const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  const float* tick_dt = tick.x ? tick.dt : tick.inline_dt;
+  const int32_t* tick_slots = tick.x ? tick.slots : tick.inline_slots;
+  const int64_t* tick_log = tick.x ? tick.log_indices : tick.inline_log;
+  int slot_read = -1;
+  float dt_read = 0.f;
+  int64_t log_read = 0;
+  float x_raw[EG];  // feature `tid` of each event
+  auto read_group = [&](int first) {
+    const bool reads_event = tid < EG && first + tid < tick.n;
+    slot_read = reads_event ? tick_slots[first + tid] : -1;
+    dt_read = reads_event ? tick_dt[first + tid] : 0.f;
+    log_read = reads_event && tick.logged ? tick_log[first + tid] : 0;
+#pragma unroll
+    for (int e = 0; e < EG; ++e) {
+      x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
-  }
+  };
+  const int groups = CeilDiv(tick.n, EG);
+  int group_index = static_cast<int>(blockIdx.x) / R;
+  read_group(group_index * EG);
+
+  // Every copy of the launch starts now, in the order the chain needs them: one barrier per thread, then the
+  // copies from the lanes of warp 0, a stage per lane, which also leave the block's row range of their stage.
+  const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
+  uint64_t* state_bar = exchange_bars + kMaxExchanges;
+  const bool inits = tid < launch_bars || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
+  if (tid < launch_bars) BarrierInit(bars + tid);
+  if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
+  if (tid == 2 * kWarpSize) BarrierInit(state_bar);
+  if (inits) BarrierInitFence();
   // Activations start at zero: the products read their zero padding.
   for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
+  __syncthreads();
+  if (tid == 0) {
+    BarrierExpect(bars, p.shared_size * sizeof(float));
+    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
+  }
+  int* rows = reinterpret_cast<int*>(smem + p.rows);
+  for (int si = tid; warp == 0 && si < p.stages; si += kWarpSize) {
+    int r0, r1;
+    RowRange(p.stage[si], R, rank, r0, r1);
+    rows[2 * si] = r0;
+    rows[2 * si + 1] = r1;
+    if (p.stage_at[si] < 0) continue;
+    const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
+    BarrierExpect(bars + 1 + si, bytes);
+    if (bytes > 0) {
+      BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
+               bars + 1 + si);
+    }
+  }
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
   const int remotes = (R > lane) + (R > lane + kLanesPerRow);
@@ -517,36 +576,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       __syncthreads();
     }
   };
-  __syncthreads();
   // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
   ClusterArrive();
 
-  // This block's conv channels (the xBC rows of its in_proj share) and SSM rows.
-  int in0, in1;
-  RowRange(p.stage[1], R, rank, in0, in1);
-  const int c0 = max(in0, E) - E, c1 = min(in1, E + cd) - E;
-  const int q0 = rank * E / R, q1 = (rank + 1) * E / R;
-  const int groups = CeilDiv(tick.n, EG);
-  for (int group_index = static_cast<int>(blockIdx.x) / R; group_index < groups;
-       group_index += static_cast<int>(gridDim.x) / R, ++phase) {
-    const int first = group_index * EG;
-    if (tid == 0) {
-      // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
-      for (int x = 0; x < exchanges; ++x) {
-        if (exchanged(exchange_stage(x))) BarrierExpect(exchange_bars + x, exchange_floats(x) * EG * sizeof(float));
-      }
-    }
-    // The tick lives in pinned host memory, where every read is a bus round trip: all of it is read at once, into
-    // registers, before anything is stored.
-    const bool reads_event = tid < EG && first + tid < tick.n;
-    const int slot_read = reads_event ? tick.slots[first + tid] : -1;
-    const float dt_read = reads_event ? tick.dt[first + tid] : 0.f;
-    const int64_t log_read = reads_event && tick.log_indices ? tick.log_indices[first + tid] : 0;
-    float x_raw[kXPerThread];
-#pragma unroll
-    for (int k = 0; k < kXPerThread; ++k) {
-      const int i = tid + k * kStreamThreads;
-      x_raw[k] = i < EG * p.F && first + i / p.F < tick.n ? tick.x[static_cast<size_t>(first) * p.F + i] : 0.f;
+  // This block's SSM rows (and x conv channels): the rows of its share of every layer's z/x product. A layer's rows
+  // of one slot's SSM state are one contiguous run, bulk-copied when its bytes allow (16-byte multiples).
+  const int q0 = rank * E / R, q1 = (rank + 1) * E / R, nx = q1 - q0;
+  const bool bulk_states = p.ssm_base >= 0 && nx > 0 && N * sizeof(float) % 16 == 0;
+  for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
+    if (phase > 0) read_group(group_index * EG);
+    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
+    if (warp == 1 && warp_lane < exchanges && exchanged(exchange_stage(warp_lane))) {
+      BarrierExpect(exchange_bars + warp_lane, exchange_floats(warp_lane) * EG * sizeof(float));
     }
     if (tid < EG) {
       slot_ids[tid] = slot_read;
@@ -554,132 +595,166 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       log_at[tid] = log_read;
     }
     __syncthreads();
-    // The carried states of this block's rows, copied asynchronously (padding events get zeros).
-    const int nc = max(c1 - c0, 0);
-    for (int i = tid; i < EG * p.L * W1 * nc; i += kStreamThreads) {
-      const int c = c0 + i % nc, lk = i / nc % (p.L * W1), e = i / nc / (p.L * W1);
-      float* dst = ev + e * pe + p.conv + lk * p.conv_channels + (c - c0);
-      if (slot_ids[e] >= 0) {
-        CopyAsync4(dst, st.conv + slot_ids[e] * conv_per_slot + static_cast<size_t>(lk) * cd + c);
-      } else {
-        *dst = 0.f;
+    // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
+    // x conv channels and every B and C channel, the CfC state.
+    if (bulk_states && tid == 0) {
+      uint32_t bytes = 0;
+      for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
+      BarrierExpect(state_bar, bytes);
+      for (int e = 0; e < EG; ++e) {
+        for (int l = 0; slot_ids[e] >= 0 && l < p.L; ++l) {
+          BulkCopy(smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N,
+                   st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
+                   nx * N * sizeof(float), state_bar);
+        }
       }
     }
-    if (p.ssm_base >= 0) {
-      const int per_layer = (q1 - q0) * N;
-      for (int i = tid; i < EG * p.L * per_layer; i += kStreamThreads) {
-        const int o = i % per_layer, l = i / per_layer % p.L, e = i / per_layer / p.L;
-        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N + o;
-        if (slot_ids[e] >= 0) {
-          CopyAsync4(dst, st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer +
-                              static_cast<size_t>(q0) * N + o);
+#pragma unroll 1
+    for (int e = 0; e < EG; ++e) {
+      const int slot = slot_ids[e];
+#pragma unroll 1
+      for (int l = warp; p.ssm_base >= 0 && l < p.L; l += kStreamWarps) {
+        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
+        const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
+#pragma unroll 1
+        for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          if (slot >= 0) {
+            CopyAsync4(dst + o, src + o);
+          } else {
+            dst[o] = 0.f;
+          }
+        }
+      }
+#pragma unroll 1
+      for (int lk = warp; lk < p.L * W1; lk += kStreamWarps) {
+        float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
+        const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
+#pragma unroll 1
+        for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
+          const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+          if (slot >= 0) {
+            CopyAsync4(dst + channel, src + c);
+          } else {
+            dst[channel] = 0.f;
+          }
+        }
+      }
+      if (tid < p.C) {
+        float* dst = ev + e * pe + p.a + p.D + tid;
+        if (slot >= 0) {
+          CopyAsync4(dst, st.cfc + slot * p.C + tid);
         } else {
           *dst = 0.f;
         }
       }
     }
-    for (int i = tid; i < EG * p.C; i += kStreamThreads) {
-      const int e = i / p.C, u = i % p.C;
-      float* dst = ev + e * pe + p.a + p.D + u;
-      if (slot_ids[e] >= 0) {
-        CopyAsync4(dst, st.cfc + slot_ids[e] * p.C + u);
-      } else {
-        *dst = 0.f;
-      }
-    }
     BarrierWait(bars);
+    if (tid < p.F) {
 #pragma unroll
-    for (int k = 0; k < kXPerThread; ++k) {
-      const int i = tid + k * kStreamThreads;
-      if (i < EG * p.F) {
-        const int e = i / p.F, f = i % p.F;
-        ev[e * pe + p.xn + f] = slot_ids[e] >= 0 ? (x_raw[k] - sh[p.mean + f]) * sh[p.inv_std + f] : 0.f;
+      for (int e = 0; e < EG; ++e) {
+        ev[e * pe + p.xn + tid] = slot_ids[e] >= 0 ? (x_raw[e] - sh[p.mean + tid]) * sh[p.inv_std + tid] : 0.f;
       }
     }
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    Products<EG, 1>(p, 0, pack, smem, bars, rank, p.xn, [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+    Products<EG, 1>(p, 0, pack, smem, bars, p.xn,
+                    [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
+                      if (!active) return;
 #pragma unroll
-      for (int e = 0; e < EG; ++e) emit(0, 0, e, p.h + u, acc[0][e] + prm[0]);
-    });
+                      for (int e = 0; e < EG; ++e) emit(0, 0, e, p.h + u, acc[0][e] + prm[0]);
+                    });
     finish(0, 0);
 
     for (int l = 0; l < p.L; ++l) {
-      const int si_in = 1 + 2 * l, si_out = 2 + 2 * l, x_in = 1 + 3 * l, x_ssm = 2 + 3 * l, x_out = 3 + 3 * l;
-      if (l == 0) CopyAsyncWaitAll();  // the states are needed from here on (the norm's barrier publishes them)
-      RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
-      // in_proj; the owner of an xBC row also runs its causal conv (and advances the conv state), the owner of a dt
-      // row its softplus.
-      Products<EG, 1>(p, si_in, pack, smem, bars, rank, p.r, [&](int u, const float(&acc)[1][EG], const float* prm,
-                                                                     int row_lane) {
-#pragma unroll
-        for (int e = 0; e < EG; ++e) {
-          const float v = acc[0][e];
-          float out = v;
-          if (u >= E && u < E + cd) {
-            const int c = u - E;
-            const float* old_rows = ev + e * pe + p.conv + l * W1 * p.conv_channels + (c - c0);
-            float conv = prm[p.W] + prm[W1] * v;
-            for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
-            out = Silu(conv);
-            const int slot = slot_ids[e];
-            if (row_lane == 0 && slot >= 0 && W1 > 0) {
-              float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + c;
-              for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
-              state[(W1 - 1) * cd] = v;
-            }
-          } else if (u >= E + cd) {
-            out = Softplus(v + prm[0]);
-          }
-          emit(si_in, x_in, e, p.zx + u, out);
-        }
-      });
-      finish(si_in, x_in);
-
-      // SSM rows (h, p) of this block: eight lanes over the state dimension; the owner also applies the gate. The
-      // rows split like a split product's.
-      for (int base = q0; base < q1; base += kRowGroups) {
-        const int hp = base + group;
-        const bool active = hp < q1;
-        const int head = active ? hp / p.P : 0;
-        const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
-        float y[EG];
-#pragma unroll
-        for (int e = 0; e < EG; ++e) {
-          y[e] = 0.f;
-          if (!active) continue;
-          const float* z = ev + e * pe + p.zx;
-          const float dt = z[E + cd + head], decay = expf(dt * A), x = z[E + hp];
-          const int slot = slot_ids[e];
-          float* global_state = slot >= 0 ? st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer +
-                                                static_cast<size_t>(hp) * N
-                                          : nullptr;
-          const float* state =
-              p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N : global_state;
-          float acc = 0.f;
-          for (int n = lane; n < N; n += kLanesPerRow) {
-            const float s_new = decay * (state ? state[n] : 0.f) + dt * x * z[2 * E + n];
-            if (global_state) global_state[n] = s_new;
-            acc += z[2 * E + N + n] * s_new;
-          }
-          y[e] = acc;
-        }
-#pragma unroll
-        for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
-        if (active) {
-#pragma unroll
-          for (int e = 0; e < EG; ++e) {
-            const float* z = ev + e * pe + p.zx;
-            emit(si_in, x_ssm, e, p.y + hp, (y[e] + Dh * z[E + hp]) * Silu(z[hp]));
-          }
-        }
+      const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l, x_ssm = 1 + 2 * l, x_out = 2 + 2 * l;
+      const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
+      if (l == 0) {  // the states are needed from here on (the norm's barrier publishes them)
+        CopyAsyncWaitAll();
+        if (bulk_states) ExchangeWait(state_bar, phase & 1);
       }
-      finish(si_in, x_ssm);
+      RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
+      // B, C (causal conv, SiLU) and Δt (softplus), on every block; rank 0 advances B's and C's conv states.
+      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.r,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
+                        if (!active) return;
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) {
+                          const float v = acc[0][e];
+                          float out;
+                          if (u < 2 * N) {
+                            const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
+                            float conv = prm[p.W] + prm[W1] * v;
+#pragma unroll 1
+                            for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
+                            out = Silu(conv);
+                            const int slot = slot_ids[e];
+                            if (rank == 0 && row_lane == 0 && slot >= 0 && W1 > 0) {
+                              float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
+#pragma unroll 1
+                              for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              state[(W1 - 1) * cd] = v;
+                            }
+                          } else {
+                            out = Softplus(v + prm[0]);
+                          }
+                          if (row_lane == 0) ev[e * pe + p.bcdt + u] = out;
+                        }
+                      });
+      __syncthreads();
+      // z and x of this block's SSM rows (h, p); x's causal conv (its owner advances the conv state), then the SSM
+      // update and readout (eight lanes over the state dimension) and the gate; y is exchanged.
+      Products<EG, 2>(p, si_heads, pack, smem, bars, p.r,
+                      [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
+                        const int head = active ? hp / p.P : 0;
+                        const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
+                        float y[EG], xc[EG];
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) {
+                          y[e] = xc[e] = 0.f;
+                          if (!active) continue;
+                          const int slot = slot_ids[e];
+                          const float* old_rows = conv_rows + e * pe + hp - q0;
+                          float conv = prm[p.W] + prm[W1] * acc[1][e];
+#pragma unroll 1
+                          for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
+                          xc[e] = Silu(conv);
+                          if (row_lane == 0 && slot >= 0 && W1 > 0) {
+                            float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
+#pragma unroll 1
+                            for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                            state[(W1 - 1) * cd] = acc[1][e];
+                          }
+                          const float* bcdt = ev + e * pe + p.bcdt;
+                          const float dt = bcdt[2 * N + head], decay = expf(dt * A);
+                          float* global_state = slot >= 0 ? st.ssm + slot * (p.L * ssm_per_layer) +
+                                                                l * ssm_per_layer + static_cast<size_t>(hp) * N
+                                                          : nullptr;
+                          const float* state =
+                              p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N
+                                              : global_state;
+                          float sum = 0.f;
+                          for (int n = row_lane; n < N; n += kLanesPerRow) {
+                            const float s_new = decay * (state ? state[n] : 0.f) + dt * xc[e] * bcdt[n];
+                            if (global_state) global_state[n] = s_new;
+                            sum += bcdt[N + n] * s_new;
+                          }
+                          y[e] = sum;
+                        }
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
+                        if (!active) return;
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) {
+                          emit(si_heads, x_ssm, e, p.y + hp, (y[e] + Dh * xc[e]) * Silu(acc[0][e]));
+                        }
+                      });
+      finish(si_heads, x_ssm);
 
       RmsNormEvents<EG>(ev, pe, p.y, p.yn, sh + p.mixer_norm[l], E);
-      Products<EG, 1>(p, si_out, pack, smem, bars, rank, p.yn,
-                      [&](int u, const float(&acc)[1][EG], const float*, int) {
+      Products<EG, 1>(p, si_out, pack, smem, bars, p.yn,
+                      [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
+                        if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) emit(si_out, x_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
                       });
@@ -688,15 +763,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
     RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, rank, p.a,
-                    [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a,
+                    [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
+                      if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e)
                         emit(cfc_stage, x_backbone, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
     finish(cfc_stage, x_backbone);
-    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, rank, p.bb,
-                    [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane) {
+    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb,
+                    [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
+                      if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
                         const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
@@ -706,8 +783,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       }
                     });
     finish(cfc_stage + 1, x_backbone + 1);
-    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, rank, p.a,
-                    [&](int u, const float(&acc)[2][EG], const float* prm, int) {
+    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a,
+                    [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
+                      if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
                         emit(cfc_stage + 2, x_backbone + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
@@ -717,15 +795,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     finish(cfc_stage + 2, x_backbone + 2);
     // fc1 and gate/value run on every block (split) or on rank 0 alone.
     if (exchanged(cfc_stage + 3) || rank == 0) {
-      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, rank, p.e2,
-                      [&](int u, const float(&acc)[1][EG], const float* prm, int) {
+      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, p.e2,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
+                        if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e)
                           emit(cfc_stage + 3, x_backbone + 3, e, p.e1 + u, acc[0][e] + prm[0]);
                       });
       finish(cfc_stage + 3, x_backbone + 3);
-      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, rank, p.e1,
-                      [&](int u, const float(&acc)[2][EG], const float* prm, int) {
+      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, p.e1,
+                      [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
+                        if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) {
                           emit(cfc_stage + 4, x_backbone + 4, e, p.pre + u,
@@ -738,28 +818,31 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
       // confident horizon, lowest on ties) and the log entry.
-      const int warp = tid / kWarpSize, wl = tid % kWarpSize;
+      const int wl = warp_lane;
       for (int e = warp; e < EG; e += kStreamWarps) {
         const float* pre = ev + e * pe + p.pre;
         float sum = 0.f;
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) sum += pre[i];
         const float mean = WarpSum(sum) / p.G;
         float var = 0.f;
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
         const float rstd = 1.f / sqrtf(WarpSum(var) / p.G + kNormEps);
+#pragma unroll 1
         for (int i = wl; i < p.G; i += kWarpSize) {
           ev[e * pe + p.g + i] = (pre[i] - mean) * rstd * sh[p.ln_w + i] + sh[p.ln_b + i];
         }
       }
       __syncthreads();
-      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, rank, p.g,
-                      [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane) {
-                        if (row_lane != 0) return;
+      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, p.g,
+                      [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
+                        if (!active || row_lane != 0) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
                       });
       __syncthreads();
-      if (tid < EG && slot_ids[tid] >= 0 && tick.log_indices) {
+      if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
         const float* logits = ev + tid * pe + p.logits;
         const int slot = slot_ids[tid];
         const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_at[tid];
@@ -862,12 +945,25 @@ cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int clus
   StreamPlan plan;
   if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan)) return cudaSuccess;
   fit->weights_resident = std::all_of(plan.stage_at, plan.stage_at + plan.stages, [](int at) { return at >= 0; });
+  fit->states_resident = plan.ssm_base >= 0;
   switch (events_per_group) {
     case 1: return MaxClusters<1>(plan, &fit->max_clusters);
     case 2: return MaxClusters<2>(plan, &fit->max_clusters);
     case 4: return MaxClusters<4>(plan, &fit->max_clusters);
     default: return MaxClusters<8>(plan, &fit->max_clusters);
   }
+}
+
+cudaError_t SetStreamStepTick(cudaGraphExec_t exec, cudaGraphNode_t node, const StreamTickInput& tick) {
+  cudaKernelNodeParams params;
+  const cudaError_t error = cudaGraphKernelNodeGetParams(node, &params);
+  if (error != cudaSuccess) return error;
+  // The kernel's arguments: the plan, the pack and the slots as captured, then the tick.
+  void* arguments[4] = {params.kernelParams[0], params.kernelParams[1], params.kernelParams[2],
+                        const_cast<StreamTickInput*>(&tick)};
+  params.kernelParams = arguments;
+  params.extra = nullptr;
+  return cudaGraphExecKernelNodeSetParams(exec, node, &params);
 }
 
 cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const StreamSlots& slots,

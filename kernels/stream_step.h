@@ -36,15 +36,26 @@ struct StreamSlots {
   int64_t log_entries;
 };
 
+// A tick of at most kStreamInlineEvents events whose raw features fit kStreamInlineFloats travels inside the launch's
+// parameters: the kernel finds it in device memory when it starts, where a tick in pinned host memory costs a bus
+// round trip before the first stage.
+constexpr int kStreamInlineEvents = 8;
+constexpr int kStreamInlineFloats = 384;
+
 // One tick: n events, distinct slots (a negative slot marks a padding event: nothing is read or written for it);
-// x [n,F] raw features, dt [n], slot ids, log ring positions (null: only the states advance, nothing is written to
-// the probabilities or the logs — how a stream is seeded).
+// x [n,F] raw features, dt [n], slot ids, log ring positions. `logged` false: only the states advance, nothing is
+// written to the probabilities or the logs (how a stream is seeded). x null: the events are the inline copies.
 struct StreamTickInput {
   int n;
+  bool logged;
   const float* x;
   const float* dt;
   const int32_t* slots;
   const int64_t* log_indices;
+  float inline_x[kStreamInlineFloats];
+  float inline_dt[kStreamInlineEvents];
+  int32_t inline_slots[kStreamInlineEvents];
+  int64_t inline_log[kStreamInlineEvents];
 };
 
 // The stream pack: every weight the step reads, rearranged once per published parameter set so that each block of
@@ -58,11 +69,13 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes);
 
 // How a launch shape (events per group, blocks per cluster) fits this device within `max_shared_bytes` of shared
-// memory per block: how many of its clusters can be resident at once (0: it cannot launch) and whether every weight
-// the step reads has room in shared memory (else some products read the pack in global memory).
+// memory per block: how many of its clusters can be resident at once (0: it cannot launch), whether every weight
+// the step reads has room in shared memory (else some products read the pack in global memory) and whether the
+// group's SSM states do (prefetched at the group's start; else the chain reads and writes them in global memory).
 struct StreamShapeFit {
   int max_clusters = 0;
   bool weights_resident = false;
+  bool states_resident = false;
 };
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
                           StreamShapeFit* fit);
@@ -75,5 +88,9 @@ cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int clus
 cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamTickInput& tick, int events_per_group, int cluster_size, int max_clusters,
                              size_t max_shared_bytes, cudaStream_t stream);
+// Replaces the tick of a captured step (`node`, the kernel node of the graph `exec` was instantiated from): the next
+// launch of `exec` reads `tick` (copied now); launches already queued keep theirs. The tick's event count and the
+// launch shape must be the captured ones.
+cudaError_t SetStreamStepTick(cudaGraphExec_t exec, cudaGraphNode_t node, const StreamTickInput& tick);
 
 }  // namespace perception::kernels
