@@ -101,14 +101,17 @@ TEST(ConcurrencyTest, AFullQueueAnswersResourceExhausted) {
   const std::filesystem::path& dir = temp.path();
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(dir / "checkpoints", {"--queue_depth=1"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  // `small` steps take a good fraction of a second on the CPU: one runs, one waits, the rest find the queue full.
+  // A `small` step of 128 windows takes seconds on the CPU: one runs, one waits, the rest find the queue full, even
+  // when a loaded machine is slow to start the client threads. (At 32 windows the test failed once under ctest -j2
+  // beside two compiles, its output lost; a starved client arriving after the queue drained is the likely cause.)
+  constexpr int kBatch = 128;
   v1::InitModelRequest init;
   init.set_config_name("small");
-  init.set_batch(32);
+  init.set_batch(kBatch);
   ASSERT_TRUE((*daemon)->client().InitModel(init).ok());
   ModelConfig small = *NamedConfig("small");
-  small.batch = 32;
-  const v1::TrainStepRequest step = TrainRequest(testing::MakeRandomBatch(small, 32, small.window, 3), small);
+  small.batch = kBatch;
+  const v1::TrainStepRequest step = TrainRequest(testing::MakeRandomBatch(small, kBatch, small.window, 3), small);
 
   constexpr int kClients = 6;
   std::vector<absl::Status> results(kClients);
