@@ -2,10 +2,13 @@
 // so each product is issued transposed (Yᵀ = W·Xᵀ and so on).
 #include "engine/cuda_blas.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "engine/cuda_check.h"
+#include "kernels/gemm_tf32x3.h"
 
 namespace perception {
 namespace {
@@ -88,11 +91,30 @@ cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAtt
 
 }  // namespace
 
+absl::StatusOr<Precision> ParsePrecision(std::string_view name) {
+  for (const Precision p : {Precision::kFloat32, Precision::kFloat32Tf32x3, Precision::kTf32}) {
+    if (name == PrecisionName(p)) return p;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown precision '", std::string(name), "' (fp32, 3xtf32 or tf32)"));
+}
+
+const char* PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFloat32:
+      return "fp32";
+    case Precision::kFloat32Tf32x3:
+      return "3xtf32";
+    case Precision::kTf32:
+      return "tf32";
+  }
+  return "?";
+}
+
 absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                   bool tf32) {
+                                                   Precision precision) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle));
-  std::unique_ptr<Blas> blas(new Blas(handle, stream, workspace, workspace_bytes, tf32));
+  std::unique_ptr<Blas> blas(new Blas(handle, stream, workspace, workspace_bytes, precision));
   int device = 0, sms = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -242,17 +264,40 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
+  if (precision_ == Precision::kFloat32Tf32x3 &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
+                                                          batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
+    flops_ += 2.0 * rows * in * out * batch.count;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, w, ldw, batch.w, x, ldx, batch.x, bias, batch.bias, beta, y,
               ldy, batch.y, batch.count);
 }
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
+  if (precision_ == Precision::kFloat32Tf32x3 &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
+    CUDA_RETURN_IF_ERROR(
+        kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
+    flops_ += 2.0 * rows * in * out;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, nullptr, 0, beta, dx, lddx, 0, 1);
 }
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
+  if (precision_ == Precision::kFloat32Tf32x3 &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
+    // The row slices' partials go to this stream's workspace, which only this stream's products use.
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
+                                                                 static_cast<float*>(workspace_), workspace_bytes_,
+                                                                 stream_));
+    flops_ += 2.0 * rows * in * out;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, 0, dy, lddy, 0, nullptr, 0, 0.f, dw, lddw, 0, 1);
 }
 
