@@ -1,6 +1,6 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
-// several row splits; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
+// several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
 // choice of kernel and tile per shape rests on measurements.
 #include <algorithm>
 #include <cstdio>
@@ -116,7 +116,9 @@ int Run() {
     }
   }
   auto blas = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32);
-  if (!blas.ok()) return 1;
+  // The engine's choice per product: the 3×TF32 kernels where Blas routes them, cuBLAS float32 elsewhere.
+  auto blas3x = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
+  if (!blas.ok() || !blas3x.ok()) return 1;
   const float* x = static_cast<const float*>(a->get());
   const float* w = static_cast<const float*>(b->get());
   float* y = static_cast<float*>(c->get());
@@ -138,10 +140,12 @@ int Run() {
     const int64_t sx = int64_t{p.rows} * p.in, sw = int64_t{p.out} * p.in, sy = int64_t{p.rows} * p.out;
     switch (p.form) {
       case Form::kForward:
-        add("cublas", [&] {
-          return (*blas)->Forward(p.rows, p.in, p.out, x, p.in, w, p.in, nullptr, 0.f, y, p.out,
-                                  {.count = p.count, .w = p.count > 1 ? sw : 0, .y = p.count > 1 ? sy : 0});
-        });
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x", [&] {
+            return b->Forward(p.rows, p.in, p.out, x, p.in, w, p.in, nullptr, 0.f, y, p.out,
+                              {.count = p.count, .w = p.count > 1 ? sw : 0, .y = p.count > 1 ? sy : 0});
+          });
+        }
         for (int t = 0; t < 4 && supported; ++t) {
           add(tile_names[t], [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, x, p.in, 0, w, p.in,
@@ -152,7 +156,10 @@ int Run() {
         }
         break;
       case Form::kBackwardData:
-        add("cublas", [&] { return (*blas)->BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y, p.in); });
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x",
+              [&] { return b->BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y, p.in); });
+        }
         for (int t = 0; t < 4 && supported; ++t) {
           add(tile_names[t], [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
@@ -162,9 +169,12 @@ int Run() {
         }
         break;
       case Form::kBackwardWeight:
-        add("cublas", [&] { return (*blas)->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
-        for (int t = 1; t < 4 && supported; ++t) {
-          for (const int splits : {0, 4, 8, 16, 32, 64}) {
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x",
+              [&] { return b->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
+        }
+        for (int t = 1; t < 4 && supported; t += 2) {
+          for (const int splits : {0, 8, 16, 32, 64}) {
             const std::string label = std::string(tile_names[t]) + "/" + (splits ? std::to_string(splits) : "auto");
             add(label.c_str(), [&] {
               CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y,

@@ -84,6 +84,11 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
+// Where the 3×TF32 kernels beat cuBLAS float32 on the H200 (bench_gemm, 16,384 rows): sums over at least 128 into
+// outputs at least 64 wide (weight gradients: at least 128 × 128). On narrower products cuBLAS's time is mostly
+// memory and launch, and the split's extra work does not pay.
+bool Tf32x3Pays(int k, int m, int n, int min_mn) { return k >= 128 && std::min(m, n) >= min_mn; }
+
 template <typename T>
 cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attribute, T value) {
   return cublasLtMatmulAlgoConfigSetAttribute(algo, attribute, &value, sizeof(value));
@@ -264,7 +269,7 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
-  if (precision_ == Precision::kFloat32Tf32x3 &&
+  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(in, rows, out, 64) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
@@ -277,7 +282,7 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
-  if (precision_ == Precision::kFloat32Tf32x3 &&
+  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(out, rows, in, 64) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
@@ -289,7 +294,7 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
-  if (precision_ == Precision::kFloat32Tf32x3 &&
+  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(rows, out, in, 128) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
     // The row slices' partials go to this stream's workspace, which only this stream's products use.
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,

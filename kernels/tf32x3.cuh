@@ -36,13 +36,18 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// d += a·b at float32 accuracy from split fragments; the two correction terms go in before the big one, so they are
-// summed while the accumulator is still small.
-__device__ __forceinline__ void Mma3xTf32(float (&d)[4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
-                                          const uint32_t (&b_big)[2], const uint32_t (&b_small)[2]) {
-  MmaTf32(d, a_small, b_big);
-  MmaTf32(d, a_big, b_small);
-  MmaTf32(d, a_big, b_big);
+// d[j] += a·b[j] for the N tiles of one mma row at float32 accuracy from split fragments. The two correction terms go
+// in before the big one, so they are summed while the accumulators are still small; each pass runs over all N tiles
+// before the next, so consecutive mma are independent instead of each waiting out the previous one's latency.
+template <int N>
+__device__ __forceinline__ void Mma3xTf32(float (&d)[N][4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
+                                          const uint32_t (&b_big)[N][2], const uint32_t (&b_small)[N][2]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) MmaTf32(d[j], a_small, b_big[j]);
+#pragma unroll
+  for (int j = 0; j < N; ++j) MmaTf32(d[j], a_big, b_small[j]);
+#pragma unroll
+  for (int j = 0; j < N; ++j) MmaTf32(d[j], a_big, b_big[j]);
 }
 
 }  // namespace perception::kernels
