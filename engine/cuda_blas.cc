@@ -84,10 +84,16 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
-// Where the 3×TF32 kernels beat cuBLAS float32 on the H200 (bench_gemm, 16,384 rows): sums over at least 128 into
-// outputs at least 64 wide (weight gradients: at least 128 × 128). On narrower products cuBLAS's time is mostly
-// memory and launch, and the split's extra work does not pay.
-bool Tf32x3Pays(int k, int m, int n, int min_mn) { return k >= 128 && std::min(m, n) >= min_mn; }
+// Where the 3×TF32 kernels beat cuBLAS float32 (its tuned table included), measured with bench_gemm on the H200 at
+// 16,384 rows. Forward: sums over at least 128 into outputs 64 to 1,023 wide (small's in_proj 68.5 µs against 75.7,
+// out_proj 25.9 against 33.4, CfC backbone 15.5 against 18.5, GRN 192→64 13.0 against 14.0; large's out_proj 348.6
+// against 350.6); large's in_proj (2,192 wide) is 810 against cuBLAS's 797, and over shorter sums cuBLAS's time is
+// mostly memory and launch. BackwardData: sums at least as long as the output is wide, from 128 (small's in_proj
+// 53.9 against 54.9, CfC backbone 15.4 against 16.5, large's in_proj 738 against 774; not out_proj, 28.8 against
+// 27.9). The weight gradients stay with cuBLAS: its split-K kernels were faster at every shape of the small and
+// large steps (small's in_proj 60.2 µs against 71.5 at the best split; large's 759 against 770).
+bool Tf32x3ForwardPays(int in, int out) { return in >= 128 && out >= 64 && out < 1024; }
+bool Tf32x3BackwardDataPays(int in, int out) { return out >= 128 && out >= in && in >= 128; }
 
 template <typename T>
 cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attribute, T value) {
@@ -269,7 +275,7 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
-  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(in, rows, out, 64) &&
+  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3ForwardPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
@@ -282,7 +288,7 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
-  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(out, rows, in, 64) &&
+  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3BackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
@@ -294,15 +300,6 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
-  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3Pays(rows, out, in, 128) &&
-      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
-    // The row slices' partials go to this stream's workspace, which only this stream's products use.
-    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
-                                                                 static_cast<float*>(workspace_), workspace_bytes_,
-                                                                 stream_));
-    flops_ += 2.0 * rows * in * out;
-    return absl::OkStatus();
-  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, 0, dy, lddy, 0, nullptr, 0, 0.f, dw, lddw, 0, 1);
 }
 
