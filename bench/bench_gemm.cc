@@ -123,8 +123,10 @@ int Run() {
   const float* w = static_cast<const float*>(b->get());
   float* y = static_cast<float*>(c->get());
   float* ws = static_cast<float*>(workspace->get());
-  const GemmTile tiles[] = {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64, GemmTile::k64x64};
-  const char* tile_names[] = {"auto", "128x128", "128x64", "64x64"};
+  const GemmTile tiles[] = {GemmTile::kAuto,   GemmTile::k128x128,      GemmTile::k128x64,
+                           GemmTile::k64x64, GemmTile::kWgmma128x128, GemmTile::kWgmma128x64};
+  const char* tile_names[] = {"auto", "128x128", "128x64", "64x64", "wg128x128", "wg128x64"};
+  constexpr int kTiles = 6;
   std::printf("[bench_gemm] µs per product (graph of %d, median of %d); cuBLAS fp32 vs 3xTF32 tiles\n", kLaunches,
               kRepeats);
   for (const Product& p : products) {
@@ -137,7 +139,7 @@ int Run() {
       line += buffer;
       if (!us.ok()) std::fprintf(stderr, "%s %s %s: %s\n", p.name, FormName(p.form), label, us.status().ToString().c_str());
     };
-    const int64_t sx = int64_t{p.rows} * p.in, sw = int64_t{p.out} * p.in, sy = int64_t{p.rows} * p.out;
+    const int64_t sw = int64_t{p.out} * p.in, sy = int64_t{p.rows} * p.out;
     switch (p.form) {
       case Form::kForward:
         for (Blas* b : {blas->get(), blas3x->get()}) {
@@ -146,7 +148,7 @@ int Run() {
                               {.count = p.count, .w = p.count > 1 ? sw : 0, .y = p.count > 1 ? sy : 0});
           });
         }
-        for (int t = 0; t < 4 && supported; ++t) {
+        for (int t = 0; t < kTiles && supported; ++t) {
           add(tile_names[t], [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, x, p.in, 0, w, p.in,
                                                                   p.count > 1 ? sw : 0, nullptr, 0, 0.f, y, p.out,
@@ -160,7 +162,7 @@ int Run() {
           add(b == blas->get() ? "cublas" : "blas3x",
               [&] { return b->BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y, p.in); });
         }
-        for (int t = 0; t < 4 && supported; ++t) {
+        for (int t = 0; t < kTiles && supported; ++t) {
           add(tile_names[t], [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
                                                                        p.in, stream, tiles[t]));
@@ -173,7 +175,8 @@ int Run() {
           add(b == blas->get() ? "cublas" : "blas3x",
               [&] { return b->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
         }
-        for (int t = 1; t < 4 && supported; t += 2) {
+        for (const int t : {1, 3, 4, 5}) {
+          if (!supported) break;
           for (const int splits : {0, 8, 16, 32, 64}) {
             const std::string label = std::string(tile_names[t]) + "/" + (splits ? std::to_string(splits) : "auto");
             add(label.c_str(), [&] {

@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* wo
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  blas->tf32x3_ = precision == Precision::kFloat32Tf32x3 && prop.major == 9 && prop.minor == 0;
   blas->tuned_device_ = sms == kTunedSms && std::strstr(prop.name, "H200") != nullptr &&
                         cublasLtGetVersion() == kTunedVersion;
   return blas;
@@ -275,7 +276,7 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
-  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3ForwardPays(in, out) &&
+  if (tf32x3_ && Tf32x3ForwardPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
@@ -288,7 +289,7 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
-  if (precision_ == Precision::kFloat32Tf32x3 && Tf32x3BackwardDataPays(in, out) &&
+  if (tf32x3_ && Tf32x3BackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));

@@ -18,7 +18,7 @@ namespace perception {
 
 // How the products are computed. kFloat32: cuBLAS float32 (SIMT), the default. kFloat32Tf32x3: float32 accuracy on
 // the TF32 tensor cores — the 3×TF32 kernels for the products they take and run faster (measured on the H200),
-// cuBLAS float32 for the rest. kTf32: cuBLAS on the TF32 tensor cores, inputs rounded to TF32 (a looser tolerance).
+// cuBLAS float32 for the rest and on devices other than Hopper (compute capability 9.0). kTf32: cuBLAS on the TF32 tensor cores, inputs rounded to TF32 (a looser tolerance).
 enum class Precision { kFloat32, kFloat32Tf32x3, kTf32 };
 // "fp32", "3xtf32", "tf32".
 absl::StatusOr<Precision> ParsePrecision(std::string_view name);
@@ -78,7 +78,6 @@ class Blas {
         stream_(stream),
         workspace_(workspace),
         workspace_bytes_(workspace_bytes),
-        precision_(precision),
         tf32_(precision == Precision::kTf32) {}
   // c = op_a(a) · op_b(b) + bias + beta·c, column-major (bias: one per row of c, may be null), `count` times with
   // the strides of a, b, c and bias.
@@ -93,8 +92,10 @@ class Blas {
   cudaStream_t stream_;
   void* workspace_;
   size_t workspace_bytes_;
-  Precision precision_;
   bool tf32_;  // cuBLAS on TF32 tensor cores
+  // The 3×TF32 kernels for the products they take: precision kFloat32Tf32x3 on a compute capability 9.0 device (they
+  // are built for sm_90a alone); cuBLAS float32 otherwise.
+  bool tf32x3_ = false;
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
   double flops_ = 0;

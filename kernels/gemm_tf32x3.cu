@@ -225,6 +225,325 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---- The wgmma kernel (sm_90a): warp-specialized and persistent. One producer warpgroup loads each k-tile of A and
+// B from global memory into registers, splits every value into its TF32 big and small parts and stores both into
+// shared memory in the K-major, 128-byte-swizzled layout that wgmma's descriptors read (transposing operands that are
+// not k-contiguous on the way); two consumer warpgroups each multiply 64 rows of the 128-row tile with three wgmma per
+// k-step of 8 (small·big, big·small, big·big). Stages are handed over through named barriers: FULL(s) when the
+// producer has stored stage s, EMPTY(s) when both consumers are done reading it. The blocks walk the output tiles in a
+// grid-stride loop, so the producer loads the next tile while the consumers store the last one.
+namespace wgmma {
+
+constexpr int kBm = 128;                  // two consumer warpgroups of 64 rows
+constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
+constexpr int kRowBytes = kBk * 4;        // one k-tile row of float32: exactly one 128-byte swizzle row
+constexpr int kStageBudget = 200 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
+
+// Byte offset of (row, k) in a K-major tile with the 128-byte swizzle: the 16-byte chunk index (k / 4) is XORed
+// with row % 8 (PTX ISA, "Shared memory matrix layout", swizzle mode 128B); 8-row groups are 1,024 bytes apart.
+__device__ __forceinline__ uint32_t Swizzled(int row, int k) {
+  return row * kRowBytes + ((((k >> 2) ^ row) & 7) << 4) + (k & 3) * 4;
+}
+
+// A wgmma shared-memory descriptor for a K-major 128-byte-swizzled operand at `address` (1,024-byte aligned, or
+// advanced from such an address by a k offset inside the swizzle row): stride 1,024 bytes between 8-row groups; the
+// leading offset is unused for swizzled K-major layouts.
+__device__ __forceinline__ uint64_t Descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | static_cast<uint64_t>(1) << 16 |
+         static_cast<uint64_t>(1024 >> 4) << 32 | static_cast<uint64_t>(1) << 62;
+}
+
+__device__ __forceinline__ void BarSync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void BarArrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void StoreShared(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v) : "memory");
+}
+__device__ __forceinline__ void StoreShared(uint32_t address, const uint32_t (&v)[4]) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
+// Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
+__device__ __forceinline__ void FenceOperand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d (+)= A·B over one k-step of 8 for a 64×N tile, A and B from shared-memory descriptors; scale_d = 0 ignores d.
+// d's layout per warp w of the warpgroup, g = lane / 4, t = lane % 4: d[4j + 2h + e] = (row 16w + g + 8h,
+// column 8j + 2t + e).
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<64> {
+  __device__ static void Run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+template <>
+struct Wgmma<128> {
+  __device__ static void Run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+// One operand's k-tile: X rows (of A, or columns of B) by kBk, read from global memory k-contiguous ([x][k]) or
+// x-contiguous ([k][x]) in 16-byte pieces by the producer's 128 threads.
+template <int X, bool kKContiguous>
+struct Operand {
+  static constexpr int kPieces = X * kBk / 4 / 128;
+  float4 v[kPieces];
+
+  // k-contiguous: 8 threads read one row's 128 bytes. x-contiguous: 8 threads read 8 k-rows, 4 pieces along x each,
+  // so that the transposed scalar stores of a warp spread over more banks.
+  __device__ static void Coordinates(int i, int tid, int& x, int& k) {
+    const int id = tid + 128 * i;
+    if (kKContiguous) {
+      x = id / 8;
+      k = id % 8 * 4;
+    } else {
+      const int rest = id / 8;
+      x = rest % (X / 4) * 4;
+      k = rest / (X / 4) * 8 + id % 8;
+    }
+  }
+  // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
+  __device__ void Load(const float* g, int64_t ld, int x0, int x_end, int k0, int k_end, int tid) {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      int x, k;
+      Coordinates(i, tid, x, k);
+      const int gx = x0 + x, gk = k0 + k;
+      v[i] = gx < x_end && gk < k_end
+                 ? *reinterpret_cast<const float4*>(g + (kKContiguous ? gx * ld + gk : gk * ld + gx))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  __device__ void Store(uint32_t big, uint32_t small, int tid) const {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      int x, k;
+      Coordinates(i, tid, x, k);
+      const float f[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      uint32_t b[4], s[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Tf32Split split = SplitTf32(f[e]);
+        b[e] = split.big;
+        s[e] = split.small;
+      }
+      if (kKContiguous) {
+        StoreShared(big + Swizzled(x, k), b);
+        StoreShared(small + Swizzled(x, k), s);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          StoreShared(big + Swizzled(x + e, k), b[e]);
+          StoreShared(small + Swizzled(x + e, k), s[e]);
+        }
+      }
+    }
+  }
+};
+
+template <int BN>
+struct Layout {
+  static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
+  static constexpr int kStageBytes = 2 * (kABytes + kBBytes);
+  static constexpr int kStages = kStageBudget / kStageBytes;
+  static constexpr size_t kShared = static_cast<size_t>(kStages) * kStageBytes + 1024;  // + alignment slack
+  static_assert(kStages >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  // Stage s: A big, A small, B big, B small.
+  __device__ static uint32_t ABig(uint32_t base, int s) { return base + s * kStageBytes; }
+  __device__ static uint32_t ASmall(uint32_t base, int s) { return ABig(base, s) + kABytes; }
+  __device__ static uint32_t BBig(uint32_t base, int s) { return ABig(base, s) + 2 * kABytes; }
+  __device__ static uint32_t BSmall(uint32_t base, int s) { return BBig(base, s) + kBBytes; }
+  // Named barrier ids (0 is __syncthreads's).
+  __device__ static int Full(int s) { return 1 + s; }
+  __device__ static int Empty(int s) { return 1 + kStages + s; }
+};
+
+struct TileCoordinates {
+  int z, m0, n0;
+};
+__device__ __forceinline__ TileCoordinates Coordinates(int tile, int tiles_m, int tiles_n, int bn) {
+  const int z = tile / (tiles_m * tiles_n), r = tile % (tiles_m * tiles_n);
+  return {z, r / tiles_n * kBm, r % tiles_n * bn};
+}
+__device__ __forceinline__ int KLength(const GemmParams& p, int z) {
+  return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
+}
+
+template <int BN, bool kAK, bool kBK>
+__global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
+  using L = Layout<BN>;
+  extern __shared__ unsigned char smem[];
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023) & ~1023u;
+  const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (group == 0) {  // producer
+    // The next k-tile's loads are issued before the current one is split and stored, so a DRAM round trip overlaps
+    // the stores and the wait for a free stage.
+    int tile = blockIdx.x, k0 = 0;
+    Operand<kBm, kAK> next_a;
+    Operand<BN, kBK> next_b;
+    auto load = [&] {
+      const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+      const int k_len = KLength(p, tc.z);
+      next_a.Load(p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, k0, k_len, tid);
+      next_b.Load(p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, k0, k_len, tid);
+    };
+    if (tile < tiles) load();
+    int it = 0;
+    for (; tile < tiles; ++it) {
+      const Operand<kBm, kAK> ta = next_a;
+      const Operand<BN, kBK> tb = next_b;
+      k0 += kBk;
+      if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
+        tile += gridDim.x;
+        k0 = 0;
+      }
+      if (tile < tiles) load();
+      const int s = it % L::kStages;
+      if (it >= L::kStages) BarSync(L::Empty(s));  // both consumers are done with this stage's last k-tile
+      ta.Store(L::ABig(base, s), L::ASmall(base, s), tid);
+      tb.Store(L::BBig(base, s), L::BSmall(base, s), tid);
+      // The stores are generic-proxy writes that wgmma reads through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      BarArrive(L::Full(s));
+    }
+    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
+    for (int j = max(0, it - L::kStages); j < it; ++j) BarSync(L::Empty(j % L::kStages));
+    return;
+  }
+
+  const int consumer = group - 1, warp = tid / 32, lane = tid % 32;
+  constexpr int kRegs = BN / 2;
+  float part[kRegs];
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kStages;
+      BarSync(L::Full(s));
+      const uint64_t a_big = Descriptor(L::ABig(base, s) + consumer * 64 * kRowBytes);
+      const uint64_t a_small = Descriptor(L::ASmall(base, s) + consumer * 64 * kRowBytes);
+      const uint64_t b_big = Descriptor(L::BBig(base, s)), b_small = Descriptor(L::BSmall(base, s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kBk / 8; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small + step, b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big + step, b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big + step, b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      BarArrive(L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+    }
+
+    float* c = p.c + tc.z * p.stride_c;
+    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
+    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tc.m0 + consumer * 64 + warp * 16 + g + 8 * h;
+      if (row >= p.m) continue;
+      float* c_row = c + static_cast<int64_t>(row) * p.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = tc.n0 + j * 8 + 2 * t;
+        float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+        if (pairs && col + 1 < p.n) {
+          if (bias != nullptr) {
+            v[0] += bias[col];
+            v[1] += bias[col + 1];
+          }
+          if (p.beta != 0.f) {
+            const float2 old = *reinterpret_cast<const float2*>(c_row + col);
+            v[0] += p.beta * old.x;
+            v[1] += p.beta * old.y;
+          }
+          *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
+          continue;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e >= p.n) continue;
+          if (bias != nullptr) v[e] += bias[col + e];
+          if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
+          c_row[col + e] = v[e];
+        }
+      }
+    }
+  }
+}
+
+template <int BN, bool kAK, bool kBK>
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
+  // An empty sum would have the producer hand over k-tiles that the consumers never take.
+  if (p.k <= 0) return cudaErrorInvalidValue;
+  const auto kernel = WgmmaKernel<BN, kAK, kBK>;
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<BN>::kShared);
+      e != cudaSuccess) {
+    return e;
+  }
+  int device = 0, sms = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
+    return e;
+  }
+  const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
+  kernel<<<std::min(tiles, sms), kThreads, Layout<BN>::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
+  return cudaGetLastError();
+}
+
+}  // namespace wgmma
+
 template <bool kAK, bool kBK>
 cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream) {
   switch (tile) {
@@ -234,6 +553,10 @@ cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream
       return Launch<128, 64, 32, 32, kAK, kBK>(p, count, stream);
     case GemmTile::k64x64:
       return Launch<64, 64, 32, 32, kAK, kBK>(p, count, stream);
+    case GemmTile::kWgmma128x128:
+      return wgmma::Launch<128, kAK, kBK>(p, count, stream);
+    case GemmTile::kWgmma128x64:
+      return wgmma::Launch<64, kAK, kBK>(p, count, stream);
     case GemmTile::kAuto:
       break;
   }
@@ -241,16 +564,17 @@ cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream
 }
 
 int TileRows(GemmTile tile) { return tile == GemmTile::k64x64 ? 64 : 128; }
-int TileCols(GemmTile tile) { return tile == GemmTile::k128x128 ? 128 : 64; }
+int TileCols(GemmTile tile) {
+  return tile == GemmTile::k128x128 || tile == GemmTile::kWgmma128x128 ? 128 : 64;
+}
 
 // The fastest tile per output width n and sum length k, measured with bench_gemm on the H200 (16,384 rows): 64×64 for
 // outputs up to 64 wide; 128×64 for wide outputs over short sums (small's in_proj, 580 over 128: 68.5 µs against
 // 73.4 for 128×128), where the finer column tiles waste less of the last one and two blocks fit per SM; 128×128
 // otherwise (out_proj 25.9 µs against 27.5; large's products).
-GemmTile RowMajorTile(GemmTile tile, int n, int k) {
+GemmTile RowMajorTile(GemmTile tile, int n, int /*k*/) {
   if (tile != GemmTile::kAuto) return tile;
-  if (n <= 64) return GemmTile::k64x64;
-  return n > 256 && k <= 256 ? GemmTile::k128x64 : GemmTile::k128x128;
+  return n <= 64 ? GemmTile::kWgmma128x64 : GemmTile::kWgmma128x128;
 }
 
 // dw[m, n] = Σ_s partials[s][m][n], the slices added in order; four columns per thread (n is a multiple of 4).
