@@ -36,12 +36,9 @@ struct GemmParams {
   int m, n, k, k_split;
 };
 
-__device__ __forceinline__ void CopyAsync16(float* dst, const float* src, bool valid) {
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const float* src, bool valid) {
   // src-size 0 reads nothing and zero-fills: out-of-range rows and k contribute zeros.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
@@ -72,7 +69,7 @@ struct Stage {
       const int gx = x0 + x, gk = k0 + k;
       const bool valid = gx < x_end && gk < k_end;
       const float* src = valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g;
-      CopyAsync16(s + At(x, k), src, valid);
+      CopyAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(s + At(x, k))), src, valid);
     }
   }
 };
@@ -237,7 +234,7 @@ namespace wgmma {
 constexpr int kBm = 128;                  // two consumer warpgroups of 64 rows
 constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
 constexpr int kRowBytes = kBk * 4;        // one k-tile row of float32: exactly one 128-byte swizzle row
-constexpr int kStageBudget = 200 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
+constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 
 // Byte offset of (row, k) in a K-major tile with the 128-byte swizzle: the 16-byte chunk index (k / 4) is XORed
 // with row % 8 (PTX ISA, "Shared memory matrix layout", swizzle mode 128B); 8-row groups are 1,024 bytes apart.
@@ -314,12 +311,13 @@ struct Wgmma<128> {
   }
 };
 
-// One operand's k-tile: X rows (of A, or columns of B) by kBk, read from global memory k-contiguous ([x][k]) or
-// x-contiguous ([k][x]) in 16-byte pieces by the producer's 128 threads.
+// One operand's k-tile: X rows (of A, or columns of B) by kBk, copied from global memory k-contiguous ([x][k]) or
+// x-contiguous ([k][x]) in 16-byte pieces by the producer's 128 threads into a raw stage (piece i of thread tid at
+// index 128·i + tid), then read back by the same thread, split and stored into the swizzled big and small tiles.
 template <int X, bool kKContiguous>
 struct Operand {
   static constexpr int kPieces = X * kBk / 4 / 128;
-  float4 v[kPieces];
+  static constexpr int kRawBytes = X * kBk * 4;
 
   // k-contiguous: 8 threads read one row's 128 bytes. x-contiguous: 8 threads read 8 k-rows, 4 pieces along x each,
   // so that the transposed scalar stores of a warp spread over more banks.
@@ -335,23 +333,27 @@ struct Operand {
     }
   }
   // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
-  __device__ void Load(const float* g, int64_t ld, int x0, int x_end, int k0, int k_end, int tid) {
+  __device__ static void Fetch(uint32_t raw, const float* g, int64_t ld, int x0, int x_end, int k0, int k_end,
+                               int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
       int x, k;
       Coordinates(i, tid, x, k);
       const int gx = x0 + x, gk = k0 + k;
-      v[i] = gx < x_end && gk < k_end
-                 ? *reinterpret_cast<const float4*>(g + (kKContiguous ? gx * ld + gk : gk * ld + gx))
-                 : make_float4(0.f, 0.f, 0.f, 0.f);
+      const bool valid = gx < x_end && gk < k_end;
+      CopyAsync16(raw + (128 * i + tid) * 16, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
-  __device__ void Store(uint32_t big, uint32_t small, int tid) const {
+  __device__ static void Split(uint32_t raw, uint32_t big, uint32_t small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
       int x, k;
       Coordinates(i, tid, x, k);
-      const float f[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      float f[4];
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                   : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
+                   : "r"(raw + (128 * i + tid) * 16)
+                   : "memory");
       uint32_t b[4], s[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -373,21 +375,26 @@ struct Operand {
   }
 };
 
-template <int BN>
+// Shared memory: kSplit stages of split operands (A big, A small, B big, B small) that the consumers read, then
+// kRaw stages of raw operands in flight from global memory, as many as the rest of the budget holds.
+template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
-  static constexpr int kStageBytes = 2 * (kABytes + kBBytes);
-  static constexpr int kStages = kStageBudget / kStageBytes;
-  static constexpr size_t kShared = static_cast<size_t>(kStages) * kStageBytes + 1024;  // + alignment slack
-  static_assert(kStages >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
-  // Stage s: A big, A small, B big, B small.
-  __device__ static uint32_t ABig(uint32_t base, int s) { return base + s * kStageBytes; }
+  static constexpr int kSplitBytes = 2 * (kABytes + kBBytes);
+  static constexpr int kSplit = 2;
+  static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
+  static constexpr int kRaw = std::min(4, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
+  static_assert(kRaw >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  __device__ static uint32_t ABig(uint32_t base, int s) { return base + s * kSplitBytes; }
   __device__ static uint32_t ASmall(uint32_t base, int s) { return ABig(base, s) + kABytes; }
   __device__ static uint32_t BBig(uint32_t base, int s) { return ABig(base, s) + 2 * kABytes; }
   __device__ static uint32_t BSmall(uint32_t base, int s) { return BBig(base, s) + kBBytes; }
+  __device__ static uint32_t RawA(uint32_t base, int r) { return base + kSplit * kSplitBytes + r * kRawBytes; }
+  __device__ static uint32_t RawB(uint32_t base, int r) { return RawA(base, r) + Operand<kBm, kAK>::kRawBytes; }
   // Named barrier ids (0 is __syncthreads's).
   __device__ static int Full(int s) { return 1 + s; }
-  __device__ static int Empty(int s) { return 1 + kStages + s; }
+  __device__ static int Empty(int s) { return 1 + kSplit + s; }
 };
 
 struct TileCoordinates {
@@ -403,44 +410,50 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
 
 template <int BN, bool kAK, bool kBK>
 __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
-  using L = Layout<BN>;
+  using L = Layout<BN, kAK, kBK>;
   extern __shared__ unsigned char smem[];
   const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023) & ~1023u;
   const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (group == 0) {  // producer
-    // The next k-tile's loads are issued before the current one is split and stored, so a DRAM round trip overlaps
-    // the stores and the wait for a free stage.
-    int tile = blockIdx.x, k0 = 0;
-    Operand<kBm, kAK> next_a;
-    Operand<BN, kBK> next_b;
-    auto load = [&] {
-      const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-      const int k_len = KLength(p, tc.z);
-      next_a.Load(p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, k0, k_len, tid);
-      next_b.Load(p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, k0, k_len, tid);
-    };
-    if (tile < tiles) load();
-    int it = 0;
-    for (; tile < tiles; ++it) {
-      const Operand<kBm, kAK> ta = next_a;
-      const Operand<BN, kBK> tb = next_b;
+    // k-tiles in the order the consumers take them: each block's tiles, each tile's k-tiles. The copies run kRaw − 1
+    // k-tiles ahead of the split, so DRAM latency hides behind the split and the math.
+    auto advance = [&](int& tile, int& k0) {
       k0 += kBk;
       if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
         tile += gridDim.x;
         k0 = 0;
       }
-      if (tile < tiles) load();
-      const int s = it % L::kStages;
-      if (it >= L::kStages) BarSync(L::Empty(s));  // both consumers are done with this stage's last k-tile
-      ta.Store(L::ABig(base, s), L::ASmall(base, s), tid);
-      tb.Store(L::BBig(base, s), L::BSmall(base, s), tid);
+    };
+    int fetch_tile = blockIdx.x, fetch_k0 = 0;
+    auto fetch = [&](int r) {
+      if (fetch_tile < tiles) {
+        const TileCoordinates tc = Coordinates(fetch_tile, tiles_m, tiles_n, BN);
+        const int k_len = KLength(p, tc.z);
+        Operand<kBm, kAK>::Fetch(L::RawA(base, r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
+        Operand<BN, kBK>::Fetch(L::RawB(base, r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
+        advance(fetch_tile, fetch_k0);
+      }
+      CopyAsyncCommit();  // empty groups past the end keep the group count uniform
+    };
+#pragma unroll
+    for (int r = 0; r < L::kRaw - 1; ++r) fetch(r);
+    int it = 0;
+    for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
+      // Raw stage (it − 1) % kRaw was read back by this thread in the last iteration, before its copies are issued.
+      fetch((it + L::kRaw - 1) % L::kRaw);
+      CopyAsyncWait<L::kRaw - 1>();
+      const int r = it % L::kRaw, s = it % L::kSplit;
+      if (it >= L::kSplit) BarSync(L::Empty(s));  // both consumers are done with this stage's last k-tile
+      Operand<kBm, kAK>::Split(L::RawA(base, r), L::ABig(base, s), L::ASmall(base, s), tid);
+      Operand<BN, kBK>::Split(L::RawB(base, r), L::BBig(base, s), L::BSmall(base, s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
     }
+    CopyAsyncWait<0>();
     // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
-    for (int j = max(0, it - L::kStages); j < it; ++j) BarSync(L::Empty(j % L::kStages));
+    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync(L::Empty(j % L::kSplit));
     return;
   }
 
@@ -457,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int til
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
     for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-      const int s = it % L::kStages;
+      const int s = it % L::kSplit;
       BarSync(L::Full(s));
       const uint64_t a_big = Descriptor(L::ABig(base, s) + consumer * 64 * kRowBytes);
       const uint64_t a_small = Descriptor(L::ASmall(base, s) + consumer * 64 * kRowBytes);
@@ -528,7 +541,7 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   if (p.k <= 0) return cudaErrorInvalidValue;
   const auto kernel = WgmmaKernel<BN, kAK, kBK>;
   if (const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<BN>::kShared);
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<BN, kAK, kBK>::kShared);
       e != cudaSuccess) {
     return e;
   }
@@ -538,7 +551,7 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
     return e;
   }
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, Layout<BN>::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
+  kernel<<<std::min(tiles, sms), kThreads, Layout<BN, kAK, kBK>::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
 
