@@ -123,10 +123,9 @@ int Run() {
   const float* w = static_cast<const float*>(b->get());
   float* y = static_cast<float*>(c->get());
   float* ws = static_cast<float*>(workspace->get());
-  const GemmTile tiles[] = {GemmTile::kAuto,   GemmTile::k128x128,      GemmTile::k128x64,
-                           GemmTile::k64x64, GemmTile::kWgmma128x128, GemmTile::kWgmma128x64};
-  const char* tile_names[] = {"auto", "128x128", "128x64", "64x64", "wg128x128", "wg128x64"};
-  constexpr int kTiles = 6;
+  const GemmTile tiles[] = {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64};
+  const char* tile_names[] = {"auto", "128x128", "128x64"};
+  constexpr int kTiles = 3;
   std::printf("[bench_gemm] µs per product (graph of %d, median of %d); cuBLAS fp32 vs 3xTF32 tiles\n", kLaunches,
               kRepeats);
   for (const Product& p : products) {
@@ -175,8 +174,7 @@ int Run() {
           add(b == blas->get() ? "cublas" : "blas3x",
               [&] { return b->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
         }
-        for (const int t : {1, 3, 4, 5}) {
-          if (!supported) break;
+        for (int t = 1; t < kTiles && supported; ++t) {
           for (const int splits : {0, 8, 16, 32, 64}) {
             const std::string label = std::string(tile_names[t]) + "/" + (splits ? std::to_string(splits) : "auto");
             add(label.c_str(), [&] {

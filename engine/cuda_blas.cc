@@ -84,16 +84,17 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
-// Where the 3×TF32 kernels beat cuBLAS float32 (its tuned table included), measured with bench_gemm on the H200 at
-// 16,384 rows. Forward: sums over at least 128 into outputs 64 to 1,023 wide (small's in_proj 68.5 µs against 75.7,
-// out_proj 25.9 against 33.4, CfC backbone 15.5 against 18.5, GRN 192→64 13.0 against 14.0; large's out_proj 348.6
-// against 350.6); large's in_proj (2,192 wide) is 810 against cuBLAS's 797, and over shorter sums cuBLAS's time is
-// mostly memory and launch. BackwardData: sums at least as long as the output is wide, from 128 (small's in_proj
-// 53.9 against 54.9, CfC backbone 15.4 against 16.5, large's in_proj 738 against 774; not out_proj, 28.8 against
-// 27.9). The weight gradients stay with cuBLAS: its split-K kernels were faster at every shape of the small and
-// large steps (small's in_proj 60.2 µs against 71.5 at the best split; large's 759 against 770).
-bool Tf32x3ForwardPays(int in, int out) { return in >= 128 && out >= 64 && out < 1024; }
-bool Tf32x3BackwardDataPays(int in, int out) { return out >= 128 && out >= in && in >= 128; }
+// Where the 3×TF32 kernels (wgmma) beat cuBLAS float32 (its tuned table included), measured with bench_gemm on the
+// H200 at 16,384 rows (session 3, round 2 of helper wgmma). Forward: sums over at least 64 into outputs at least 64
+// wide (small's in_proj 56.4 µs against 75.8, out_proj 22.1 against 33.6, CfC backbone 12.8 against 18.6, GRN 192→64
+// 12.2 against 14.0, 64→64 6.0 against 6.8; large's in_proj 632 against 798); not the embedding's sum over 40 (8.7
+// against 7.9) nor head_out's 5 outputs. BackwardData: sums and outputs of at least 128 (small's in_proj 50.7
+// against 55.0, out_proj 26.2 against 28.1, CfC backbone 15.7 against 16.5; large's in_proj 629 against 770); not
+// the GRN's 64-wide sums (14.9 against 14.6).
+bool Tf32x3ForwardPays(int in, int out) { return in >= 64 && out >= 64; }
+bool Tf32x3BackwardDataPays(int in, int out) { return out >= 128 && in >= 128; }
+// Weight gradients over at least 1,024 rows (round 3 measures them against cuBLAS's split-K).
+bool Tf32x3BackwardWeightPays(int rows) { return rows >= 1024; }
 
 template <typename T>
 cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attribute, T value) {
@@ -301,6 +302,14 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
+  if (tf32x3_ && Tf32x3BackwardWeightPays(rows) &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
+                                                                 static_cast<float*>(workspace_), workspace_bytes_,
+                                                                 stream_));
+    flops_ += 2.0 * rows * in * out;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, 0, dy, lddy, 0, nullptr, 0, 0.f, dw, lddw, 0, 1);
 }
 

@@ -1,7 +1,12 @@
-// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h: BM×BN block tiles over k in steps of 32 through a 3-stage cp.async
-// pipeline into padded shared memory (every fragment load conflict-free), each warp splitting its fragments once per
-// k-step of 8 and reusing them across its 16×8 mma tiles. Grid: one block per output tile (consecutive blocks walk
-// the columns of one row band, so the band's rows are read from DRAM once), times the batch or the row slices.
+// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. A producer
+// warpgroup copies each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
+// it reads each tile back k-contiguous (transposing operands stored the other way), splits every value into its TF32
+// big and small parts and stores both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
+// consumer warpgroups each multiply 64 rows of the 128-row block tile with three wgmma per k-step of 8 (small·big,
+// big·small, big·big). Stages change hands through named barriers: FULL(s) when the producer has stored stage s,
+// EMPTY(s) when both consumers are done with it. Blocks walk the output tiles (times the batch or the row slices) in a
+// grid-stride loop, consecutive tiles along one row band, so the producer loads the next tile while the consumers
+// store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -12,17 +17,21 @@
 namespace perception::kernels {
 namespace {
 
-constexpr int kBk = 32;     // k per pipeline stage
-constexpr int kStages = 3;  // stages in flight: two tiles loading while one is multiplied
-// Blocks the weight gradient's row split aims for: a few waves of blocks on an H200's 132 SMs, so the tail wave is
-// short, but no more, since each slice's partial is written and read back once more.
-constexpr int kTargetBlocks = 640;
+constexpr int kBk = 32;                   // k per stage: one 128-byte swizzle row of float32
+constexpr int kBm = 128;                  // block tile rows: two consumer warpgroups of 64
+constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
+constexpr int kRowBytes = kBk * 4;
+constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
+// The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
+// loads of one item overlap the math and stores of another, but no more, since every slice's partial is written and
+// read back once more.
+constexpr int kItemsPerSm = 2;
 // The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
 constexpr int kMinSliceTiles = 8;
 
-// C = A·B (+ bias + beta·C) with A [m, k] and B [k, n] as the template's layouts say, `gridDim.y` times: the z-th
-// reads and writes each operand at its pointer + z·stride, and with k_split > 0 covers k in
-// [z·k_split, min(k, (z+1)·k_split)) (the strides then step along k).
+// C = A·B (+ bias + beta·C) with A [m, k] and B [k, n] as the template's layouts say, `count` times: the z-th reads
+// and writes each operand at its pointer + z·stride, and with k_split > 0 covers k in [z·k_split, min(k,
+// (z+1)·k_split)) (the strides then step along k).
 struct GemmParams {
   const float* a;
   int64_t lda, stride_a;
@@ -46,196 +55,6 @@ __device__ __forceinline__ void CopyAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// One operand's stage in shared memory: X (rows of A or columns of B) by kBk, stored k-contiguous as [X][kBk + 4] or
-// X-contiguous as [kBk][X + 8]. The pads put the 32 lanes of a fragment load ((x g, k t) or (k t, x g) for g < 8,
-// t < 4) on 32 different banks, and keep every row 16-byte aligned for the copies.
-template <int X, bool kKContiguous>
-struct Stage {
-  static constexpr int kLd = kKContiguous ? kBk + 4 : X + 8;
-  static constexpr int kFloats = kKContiguous ? X * kLd : kBk * kLd;
-  __device__ static int At(int x, int k) { return kKContiguous ? x * kLd + k : k * kLd + x; }
-
-  // Copies the tile at (x0, k0) of `g` (leading dimension ld) into `s`, zero past x_end or k_end. Operands are
-  // contiguous in 4-float runs that are wholly in range or wholly out (GemmTf32x3Supports).
-  template <int kThreads>
-  __device__ static void Load(float* s, const float* g, int64_t ld, int x0, int x_end, int k0, int k_end, int tid) {
-    constexpr int kChunks = X * kBk / 4;
-    static_assert(kChunks % kThreads == 0);
-#pragma unroll
-    for (int i = 0; i < kChunks / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int x = kKContiguous ? c / (kBk / 4) : c % (X / 4) * 4;
-      const int k = kKContiguous ? c % (kBk / 4) * 4 : c / (X / 4);
-      const int gx = x0 + x, gk = k0 + k;
-      const bool valid = gx < x_end && gk < k_end;
-      const float* src = valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g;
-      CopyAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(s + At(x, k))), src, valid);
-    }
-  }
-};
-
-template <int BM, int BN, int WM, int WN, bool kAK, bool kBK>
-constexpr size_t SharedBytes() {
-  return sizeof(float) * kStages * (Stage<BM, kAK>::kFloats + Stage<BN, kBK>::kFloats);
-}
-
-// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. Warps tile the block
-// (BM / WM) × (BN / WN), each a WM×WN patch of 16×8 mma tiles. Warps of 64×32 hold 128 accumulators (the sum and
-// the k-tile's part), more than two blocks per SM leave registers for; smaller ones run two blocks per SM.
-template <int BM, int BN, int WM, int WN, bool kAK, bool kBK>
-__global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN), WM * WN >= 64 * 32 ? 1 : 2)
-    GemmTf32x3Kernel(GemmParams p) {
-  using SA = Stage<BM, kAK>;
-  using SB = Stage<BN, kBK>;
-  constexpr int kWarpsN = BN / WN, kThreads = 32 * (BM / WM) * kWarpsN;
-  constexpr int kTm = WM / 16, kTn = WN / 8;
-  extern __shared__ __align__(16) float smem[];
-  float* sa = smem;
-  float* sb = smem + kStages * SA::kFloats;
-
-  const int tiles_n = CeilDiv(p.n, BN);
-  const int m0 = blockIdx.x / tiles_n * BM, n0 = blockIdx.x % tiles_n * BN;
-  const int z = blockIdx.y;
-  const float* a = p.a + z * p.stride_a;
-  const float* b = p.b + z * p.stride_b;
-  float* c = p.c + z * p.stride_c;
-  const int k_len = p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
-
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int wm0 = warp / kWarpsN * WM, wn0 = warp % kWarpsN * WN;
-
-  float acc[kTm][kTn][4] = {};
-  const int ktiles = CeilDiv(k_len, kBk);
-  auto load = [&](int kt) {
-    const int stage = kt % kStages;
-    SA::template Load<kThreads>(sa + stage * SA::kFloats, a, p.lda, m0, p.m, kt * kBk, k_len, tid);
-    SB::template Load<kThreads>(sb + stage * SB::kFloats, b, p.ldb, n0, p.n, kt * kBk, k_len, tid);
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) load(s);
-    CopyAsyncCommit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    CopyAsyncWait<kStages - 2>();
-    // Tile kt is in for every thread, and every thread is done with the stage the next load overwrites.
-    __syncthreads();
-    if (kt + kStages - 1 < ktiles) load(kt + kStages - 1);
-    CopyAsyncCommit();
-    const float* ta = sa + kt % kStages * SA::kFloats;
-    const float* tb = sb + kt % kStages * SB::kFloats;
-    // The tensor cores round their running sum toward zero at every mma, a bias that grows with the length of the
-    // sum (over all of k = 2,192 it reached 1.5e-5 relative): each k-tile is summed from zero on the tensor cores
-    // and the k-tiles are added in float32, rounded to nearest.
-    float part[kTm][kTn][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kBk; ks += 8) {
-      // B's fragments split first, then A's one mma row at a time: fewer live registers than all of A at once.
-      uint32_t b_big[kTn][2], b_small[kTn][2];
-#pragma unroll
-      for (int j = 0; j < kTn; ++j) {
-        const int col = wn0 + j * 8 + g;
-        const float v[2] = {tb[SB::At(col, ks + t)], tb[SB::At(col, ks + t + 4)]};
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const Tf32Split split = SplitTf32(v[e]);
-          b_big[j][e] = split.big;
-          b_small[j][e] = split.small;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kTm; ++i) {
-        const int r = wm0 + i * 16 + g;
-        const float v[4] = {ta[SA::At(r, ks + t)], ta[SA::At(r + 8, ks + t)], ta[SA::At(r, ks + t + 4)],
-                            ta[SA::At(r + 8, ks + t + 4)]};
-        uint32_t a_big[4], a_small[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const Tf32Split split = SplitTf32(v[e]);
-          a_big[e] = split.big;
-          a_small[e] = split.small;
-        }
-        Mma3xTf32(part[i], a_big, a_small, b_big, b_small);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kTm; ++i) {
-#pragma unroll
-      for (int j = 0; j < kTn; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
-      }
-    }
-  }
-
-  // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
-  const float* bias = p.bias != nullptr ? p.bias + z * p.stride_bias : nullptr;
-  const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
-#pragma unroll
-  for (int i = 0; i < kTm; ++i) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = m0 + wm0 + i * 16 + g + 8 * half;
-      if (row >= p.m) continue;
-      float* c_row = c + row * p.ldc;
-#pragma unroll
-      for (int j = 0; j < kTn; ++j) {
-        const int col = n0 + wn0 + j * 8 + 2 * t;
-        float v[2] = {acc[i][j][2 * half], acc[i][j][2 * half + 1]};
-        if (pairs && col + 1 < p.n) {
-          if (bias != nullptr) {
-            v[0] += bias[col];
-            v[1] += bias[col + 1];
-          }
-          if (p.beta != 0.f) {
-            const float2 old = *reinterpret_cast<const float2*>(c_row + col);
-            v[0] += p.beta * old.x;
-            v[1] += p.beta * old.y;
-          }
-          *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
-          continue;
-        }
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (col + e >= p.n) continue;
-          if (bias != nullptr) v[e] += bias[col + e];
-          if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
-          c_row[col + e] = v[e];
-        }
-      }
-    }
-  }
-}
-
-template <int BM, int BN, int WM, int WN, bool kAK, bool kBK>
-cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
-  constexpr size_t kShared = SharedBytes<BM, BN, WM, WN, kAK, kBK>();
-  const auto kernel = GemmTf32x3Kernel<BM, BN, WM, WN, kAK, kBK>;
-  // Per launch rather than once: the attribute is per device, and a process may drive several.
-  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
-      e != cudaSuccess) {
-    return e;
-  }
-  const dim3 grid(CeilDiv(p.m, BM) * CeilDiv(p.n, BN), count);
-  kernel<<<grid, 32 * (BM / WM) * (BN / WN), kShared, stream>>>(p);
-  return cudaGetLastError();
-}
-
-// ---- The wgmma kernel (sm_90a): warp-specialized and persistent. One producer warpgroup loads each k-tile of A and
-// B from global memory into registers, splits every value into its TF32 big and small parts and stores both into
-// shared memory in the K-major, 128-byte-swizzled layout that wgmma's descriptors read (transposing operands that are
-// not k-contiguous on the way); two consumer warpgroups each multiply 64 rows of the 128-row tile with three wgmma per
-// k-step of 8 (small·big, big·small, big·big). Stages are handed over through named barriers: FULL(s) when the
-// producer has stored stage s, EMPTY(s) when both consumers are done reading it. The blocks walk the output tiles in a
-// grid-stride loop, so the producer loads the next tile while the consumers store the last one.
-namespace wgmma {
-
-constexpr int kBm = 128;                  // two consumer warpgroups of 64 rows
-constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
-constexpr int kRowBytes = kBk * 4;        // one k-tile row of float32: exactly one 128-byte swizzle row
-constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
-
 // Byte offset of (row, k) in a K-major tile with the 128-byte swizzle: the 16-byte chunk index (k / 4) is XORed
 // with row % 8 (PTX ISA, "Shared memory matrix layout", swizzle mode 128B); 8-row groups are 1,024 bytes apart.
 __device__ __forceinline__ uint32_t Swizzled(int row, int k) {
@@ -250,18 +69,12 @@ __device__ __forceinline__ uint64_t Descriptor(uint32_t address) {
          static_cast<uint64_t>(1024 >> 4) << 32 | static_cast<uint64_t>(1) << 62;
 }
 
+template <int kCount>
 __device__ __forceinline__ void BarSync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kCount) : "memory");
 }
 __device__ __forceinline__ void BarArrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
-}
-__device__ __forceinline__ void StoreShared(uint32_t address, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v) : "memory");
-}
-__device__ __forceinline__ void StoreShared(uint32_t address, const uint32_t (&v)[4]) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-               : "memory");
 }
 
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
@@ -311,72 +124,61 @@ struct Wgmma<128> {
   }
 };
 
-// One operand's k-tile: X rows (of A, or columns of B) by kBk, copied from global memory k-contiguous ([x][k]) or
-// x-contiguous ([k][x]) in 16-byte pieces by the producer's 128 threads into a raw stage (piece i of thread tid at
-// index 128·i + tid), then read back by the same thread, split and stored into the swizzled big and small tiles.
+// One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
+// it, k-contiguous ([x][kBk]) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
+// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x), split, and
+// stored as two 16-byte pieces into the swizzled big and small tiles. Both passes are free of bank conflicts.
 template <int X, bool kKContiguous>
 struct Operand {
-  static constexpr int kPieces = X * kBk / 4 / 128;
-  static constexpr int kRawBytes = X * kBk * 4;
+  static constexpr int kPieces = X * kBk / 4 / 128;  // per producer thread
+  static constexpr int kRawBytes = X * kRowBytes;
 
-  // k-contiguous: 8 threads read one row's 128 bytes. x-contiguous: 8 threads read 8 k-rows, 4 pieces along x each,
-  // so that the transposed scalar stores of a warp spread over more banks.
-  __device__ static void Coordinates(int i, int tid, int& x, int& k) {
-    const int id = tid + 128 * i;
-    if (kKContiguous) {
-      x = id / 8;
-      k = id % 8 * 4;
-    } else {
-      const int rest = id / 8;
-      x = rest % (X / 4) * 4;
-      k = rest / (X / 4) * 8 + id % 8;
-    }
-  }
   // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
   __device__ static void Fetch(uint32_t raw, const float* g, int64_t ld, int x0, int x_end, int k0, int k_end,
                                int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      int x, k;
-      Coordinates(i, tid, x, k);
+      const int id = tid + 128 * i;
+      // k-contiguous: 8 threads per row's 128 bytes; x-contiguous: consecutive threads along x.
+      const int x = kKContiguous ? id / 8 : id % (X / 4) * 4;
+      const int k = kKContiguous ? id % 8 * 4 : id / (X / 4);
       const int gx = x0 + x, gk = k0 + k;
       const bool valid = gx < x_end && gk < k_end;
-      CopyAsync16(raw + (128 * i + tid) * 16, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
+      const uint32_t at = raw + (kKContiguous ? x * kRowBytes + k * 4 : (k * X + x) * 4);
+      CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
-  __device__ static void Split(uint32_t raw, uint32_t big, uint32_t small, int tid) {
+  __device__ static void Split(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      int x, k;
-      Coordinates(i, tid, x, k);
+      const int id = tid + 128 * i;
+      const int x = kKContiguous ? id / 8 : id % X;
+      const int k = kKContiguous ? id % 8 * 4 : id / X * 4;
       float f[4];
-      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                   : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
-                   : "r"(raw + (128 * i + tid) * 16)
-                   : "memory");
-      uint32_t b[4], s[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const Tf32Split split = SplitTf32(f[e]);
-        b[e] = split.big;
-        s[e] = split.small;
-      }
       if (kKContiguous) {
-        StoreShared(big + Swizzled(x, k), b);
-        StoreShared(small + Swizzled(x, k), s);
+        const float4 v = *reinterpret_cast<const float4*>(raw + x * kRowBytes + k * 4);
+        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          StoreShared(big + Swizzled(x + e, k), b[e]);
-          StoreShared(small + Swizzled(x + e, k), s[e]);
-        }
+        for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
       }
+      uint4 b, s;
+      Tf32Split split = SplitTf32(f[0]);
+      b.x = split.big, s.x = split.small;
+      split = SplitTf32(f[1]);
+      b.y = split.big, s.y = split.small;
+      split = SplitTf32(f[2]);
+      b.z = split.big, s.z = split.small;
+      split = SplitTf32(f[3]);
+      b.w = split.big, s.w = split.small;
+      *reinterpret_cast<uint4*>(big + Swizzled(x, k)) = b;
+      *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
     }
   }
 };
 
-// Shared memory: kSplit stages of split operands (A big, A small, B big, B small) that the consumers read, then
-// kRaw stages of raw operands in flight from global memory, as many as the rest of the budget holds.
+// Shared memory: kSplit stages of split operands (A big, A small, B big, B small) that the consumers read, then kRaw
+// stages of raw operands in flight from global memory, as many as the rest of the budget holds (up to 4).
 template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
@@ -386,15 +188,16 @@ struct Layout {
   static constexpr int kRaw = std::min(4, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
   static_assert(kRaw >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
-  __device__ static uint32_t ABig(uint32_t base, int s) { return base + s * kSplitBytes; }
-  __device__ static uint32_t ASmall(uint32_t base, int s) { return ABig(base, s) + kABytes; }
-  __device__ static uint32_t BBig(uint32_t base, int s) { return ABig(base, s) + 2 * kABytes; }
-  __device__ static uint32_t BSmall(uint32_t base, int s) { return BBig(base, s) + kBBytes; }
-  __device__ static uint32_t RawA(uint32_t base, int r) { return base + kSplit * kSplitBytes + r * kRawBytes; }
-  __device__ static uint32_t RawB(uint32_t base, int r) { return RawA(base, r) + Operand<kBm, kAK>::kRawBytes; }
-  // Named barrier ids (0 is __syncthreads's).
-  __device__ static int Full(int s) { return 1 + s; }
-  __device__ static int Empty(int s) { return 1 + kSplit + s; }
+  __host__ __device__ static constexpr uint32_t ABig(int s) { return s * kSplitBytes; }
+  __host__ __device__ static constexpr uint32_t ASmall(int s) { return ABig(s) + kABytes; }
+  __host__ __device__ static constexpr uint32_t BBig(int s) { return ABig(s) + 2 * kABytes; }
+  __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
+  __host__ __device__ static constexpr uint32_t RawA(int r) { return kSplit * kSplitBytes + r * kRawBytes; }
+  __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + Operand<kBm, kAK>::kRawBytes; }
+  // Named barrier ids (0 is __syncthreads's): the stages' FULL and EMPTY, and the producer's own.
+  __host__ __device__ static constexpr int Full(int s) { return 1 + s; }
+  __host__ __device__ static constexpr int Empty(int s) { return 1 + kSplit + s; }
+  static constexpr int kProducer = 1 + 2 * kSplit;
 };
 
 struct TileCoordinates {
@@ -408,16 +211,19 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
 template <int BN, bool kAK, bool kBK>
-__global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
+__global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
   using L = Layout<BN, kAK, kBK>;
-  extern __shared__ unsigned char smem[];
-  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023) & ~1023u;
+  extern __shared__ unsigned char smem_unaligned[];
+  const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
+  unsigned char* smem = smem_unaligned + (base - unaligned);
   const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (group == 0) {  // producer
-    // k-tiles in the order the consumers take them: each block's tiles, each tile's k-tiles. The copies run kRaw − 1
-    // k-tiles ahead of the split, so DRAM latency hides behind the split and the math.
+    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
+    // kRaw − 1 k-tiles ahead of the split.
     auto advance = [&](int& tile, int& k0) {
       k0 += kBk;
       if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
@@ -430,30 +236,32 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int til
       if (fetch_tile < tiles) {
         const TileCoordinates tc = Coordinates(fetch_tile, tiles_m, tiles_n, BN);
         const int k_len = KLength(p, tc.z);
-        Operand<kBm, kAK>::Fetch(L::RawA(base, r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
-        Operand<BN, kBK>::Fetch(L::RawB(base, r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
+        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
+        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
         advance(fetch_tile, fetch_k0);
       }
-      CopyAsyncCommit();  // empty groups past the end keep the group count uniform
+      CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
     };
 #pragma unroll
     for (int r = 0; r < L::kRaw - 1; ++r) fetch(r);
     int it = 0;
     for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
-      // Raw stage (it − 1) % kRaw was read back by this thread in the last iteration, before its copies are issued.
+      CopyAsyncWait<L::kRaw - 2>();
+      // Every producer thread's copies of this k-tile have landed, and every producer thread is done reading the raw
+      // stage that the next copies overwrite (the last iteration's).
+      BarSync<128>(L::kProducer);
       fetch((it + L::kRaw - 1) % L::kRaw);
-      CopyAsyncWait<L::kRaw - 1>();
       const int r = it % L::kRaw, s = it % L::kSplit;
-      if (it >= L::kSplit) BarSync(L::Empty(s));  // both consumers are done with this stage's last k-tile
-      Operand<kBm, kAK>::Split(L::RawA(base, r), L::ABig(base, s), L::ASmall(base, s), tid);
-      Operand<BN, kBK>::Split(L::RawB(base, r), L::BBig(base, s), L::BSmall(base, s), tid);
+      if (it >= L::kSplit) BarSync<kThreads>(L::Empty(s));  // both consumers are done with this stage
+      Operand<kBm, kAK>::Split(smem + L::RawA(r), smem + L::ABig(s), smem + L::ASmall(s), tid);
+      Operand<BN, kBK>::Split(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
     }
     CopyAsyncWait<0>();
     // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
-    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync(L::Empty(j % L::kSplit));
+    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
     return;
   }
 
@@ -471,10 +279,10 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int til
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
     for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
       const int s = it % L::kSplit;
-      BarSync(L::Full(s));
-      const uint64_t a_big = Descriptor(L::ABig(base, s) + consumer * 64 * kRowBytes);
-      const uint64_t a_small = Descriptor(L::ASmall(base, s) + consumer * 64 * kRowBytes);
-      const uint64_t b_big = Descriptor(L::BBig(base, s)), b_small = Descriptor(L::BSmall(base, s));
+      BarSync<kThreads>(L::Full(s));
+      const uint64_t a_big = Descriptor(base + L::ABig(s) + consumer * 64 * kRowBytes);
+      const uint64_t a_small = Descriptor(base + L::ASmall(s) + consumer * 64 * kRowBytes);
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -497,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int til
       for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
 
+    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
     float* c = p.c + tc.z * p.stride_c;
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
@@ -535,59 +344,49 @@ __global__ void __launch_bounds__(kThreads, 1) WgmmaKernel(GemmParams p, int til
   }
 }
 
+cudaError_t MultiprocessorCount(int* sms) {
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 template <int BN, bool kAK, bool kBK>
 cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
-  const auto kernel = WgmmaKernel<BN, kAK, kBK>;
-  if (const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<BN, kAK, kBK>::kShared);
+  using L = Layout<BN, kAK, kBK>;
+  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK>;
+  // Per launch rather than once: the attribute is per device, and a process may drive several.
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kShared);
       e != cudaSuccess) {
     return e;
   }
-  int device = 0, sms = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
-    return e;
-  }
+  int sms = 0;
+  if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, Layout<BN, kAK, kBK>::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
-
-}  // namespace wgmma
 
 template <bool kAK, bool kBK>
 cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream) {
   switch (tile) {
     case GemmTile::k128x128:
-      return Launch<128, 128, 64, 32, kAK, kBK>(p, count, stream);
+      return Launch<128, kAK, kBK>(p, count, stream);
     case GemmTile::k128x64:
-      return Launch<128, 64, 32, 32, kAK, kBK>(p, count, stream);
-    case GemmTile::k64x64:
-      return Launch<64, 64, 32, 32, kAK, kBK>(p, count, stream);
-    case GemmTile::kWgmma128x128:
-      return wgmma::Launch<128, kAK, kBK>(p, count, stream);
-    case GemmTile::kWgmma128x64:
-      return wgmma::Launch<64, kAK, kBK>(p, count, stream);
+      return Launch<64, kAK, kBK>(p, count, stream);
     case GemmTile::kAuto:
       break;
   }
   return cudaErrorInvalidValue;
 }
 
-int TileRows(GemmTile tile) { return tile == GemmTile::k64x64 ? 64 : 128; }
-int TileCols(GemmTile tile) {
-  return tile == GemmTile::k128x128 || tile == GemmTile::kWgmma128x128 ? 128 : 64;
-}
+int TileCols(GemmTile tile) { return tile == GemmTile::k128x128 ? 128 : 64; }
 
-// The fastest tile per output width n and sum length k, measured with bench_gemm on the H200 (16,384 rows): 64×64 for
-// outputs up to 64 wide; 128×64 for wide outputs over short sums (small's in_proj, 580 over 128: 68.5 µs against
-// 73.4 for 128×128), where the finer column tiles waste less of the last one and two blocks fit per SM; 128×128
-// otherwise (out_proj 25.9 µs against 27.5; large's products).
-GemmTile RowMajorTile(GemmTile tile, int n, int /*k*/) {
+// 128 columns per tile except for outputs up to 64 wide, whose tiles would be half empty.
+GemmTile AutoTile(GemmTile tile, int n) {
   if (tile != GemmTile::kAuto) return tile;
-  return n <= 64 ? GemmTile::kWgmma128x64 : GemmTile::kWgmma128x128;
+  return n <= 64 ? GemmTile::k128x64 : GemmTile::k128x128;
 }
 
 // dw[m, n] = Σ_s partials[s][m][n], the slices added in order; four columns per thread (n is a multiple of 4).
@@ -621,25 +420,29 @@ cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, i
                                     GemmTile tile) {
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
   const GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
-  return LaunchTile<true, true>(RowMajorTile(tile, out, in), p, count, stream);
+  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                          float beta, float* dx, int lddx, cudaStream_t stream, GemmTile tile) {
   if (rows <= 0 || in <= 0) return cudaSuccess;
   const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
-  return LaunchTile<true, false>(RowMajorTile(tile, in, out), p, 1, stream);
+  return LaunchTile<true, false>(AutoTile(tile, in), p, 1, stream);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
                                            cudaStream_t stream, GemmTile tile, int splits) {
   if (in <= 0 || out <= 0) return cudaSuccess;
-  if (tile == GemmTile::kAuto) tile = out >= 512 && in >= 512 ? GemmTile::k128x128 : GemmTile::k64x64;
-  const int tiles = CeilDiv(out, TileRows(tile)) * CeilDiv(in, TileCols(tile));
+  tile = AutoTile(tile, in);
+  const int tiles = CeilDiv(out, kBm) * CeilDiv(in, TileCols(tile));
   const int ktiles = CeilDiv(std::max(rows, 1), kBk);
   const size_t slice_floats = static_cast<size_t>(out) * in;
-  if (splits <= 0) splits = std::min(CeilDiv(kTargetBlocks, tiles), std::max(ktiles / kMinSliceTiles, 1));
+  if (splits <= 0) {
+    int sms = 0;
+    if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
+    splits = std::min(CeilDiv(kItemsPerSm * sms, tiles), std::max(ktiles / kMinSliceTiles, 1));
+  }
   splits = static_cast<int>(std::min<size_t>(splits, workspace_bytes / (slice_floats * sizeof(float))));
   if (splits <= 1) {
     const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
@@ -655,9 +458,9 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
                      out,     in,   rows,
                      k_split};
   if (const cudaError_t e = LaunchTile<false, false>(tile, p, splits, stream); e != cudaSuccess) return e;
-  constexpr int kThreads = 256;
+  constexpr int kSumThreads = 256;
   const int quads = out * (in / 4);
-  SumSlicesKernel<<<CeilDiv(quads, kThreads), kThreads, 0, stream>>>(workspace, splits, out, in, dw, lddw);
+  SumSlicesKernel<<<CeilDiv(quads, kSumThreads), kSumThreads, 0, stream>>>(workspace, splits, out, in, dw, lddw);
   return cudaGetLastError();
 }
 

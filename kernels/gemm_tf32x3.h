@@ -11,8 +11,7 @@
 namespace perception::kernels {
 
 // The block tile (rows × columns of the output). kAuto picks by the product's shape; the others are for measuring.
-// kWgmma*: the warp-specialized wgmma kernel (sm_90a); the others mma.sync.
-enum class GemmTile { kAuto, k128x128, k128x64, k64x64, kWgmma128x128, kWgmma128x64 };
+enum class GemmTile { kAuto, k128x128, k128x64 };
 
 // Whether the kernels take these operands: every input pointer 16-byte aligned, every input leading dimension and
 // batch stride and each input's contiguous extent a multiple of 4 floats (the 16-byte asynchronous copies). `aligned`
