@@ -84,17 +84,24 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
-// Where the 3×TF32 kernels (wgmma) beat cuBLAS float32 (its tuned table included), measured with bench_gemm on the
-// H200 at 16,384 rows (session 3, round 2 of helper wgmma). Forward: sums over at least 64 into outputs at least 64
-// wide (small's in_proj 56.4 µs against 75.8, out_proj 22.1 against 33.6, CfC backbone 12.8 against 18.6, GRN 192→64
-// 12.2 against 14.0, 64→64 6.0 against 6.8; large's in_proj 632 against 798); not the embedding's sum over 40 (8.7
-// against 7.9) nor head_out's 5 outputs. BackwardData: sums and outputs of at least 128 (small's in_proj 50.7
-// against 55.0, out_proj 26.2 against 28.1, CfC backbone 15.7 against 16.5; large's in_proj 629 against 770); not
-// the GRN's 64-wide sums (14.9 against 14.6).
+// Where the 3×TF32 kernel (wgmma) beats cuBLAS float32 (its tuned table included), measured with bench_gemm on the
+// H200 at 16,384 rows (session 3, helper wgmma's round 3; µs, kernel against cuBLAS). Forward and BackwardData: sums
+// and outputs of at least 64 (small's in_proj 55.1 against 75.7 forward, 45.7 against 54.8 backward; out_proj 21.4
+// against 33.4, 22.3 against 28.2; CfC backbone 12.6 against 18.5, 12.4 against 16.5; GRN 192→64 12.0 against 14.1,
+// 13.0 against 14.6; 64→64 5.8 against 6.8, 5.8 against 6.5; large's in_proj 611 against 799, 569 against 774); not
+// the embedding's sum over 40 (8.8 against 7.9) nor head_out's 5 outputs (5.7 against 4.5). BackwardWeight, whose
+// row split pays a partial product per slice: only weights larger than 128×128 and both sides at least 128 (small's
+// in_proj 53.7 against 60.2, out_proj 28.6 against 30.2, CfC heads 28.7 against 30.0; not the CfC backbone's 128×128,
+// 27.3 against 21.9, nor the 64-wide GRN and CfC weights, e.g. 22.2 against 13.9), and below 512×512, where the
+// automatic split loses to cuBLAS (large's in_proj 777 against 758, out_proj 353 against 342; 8 slices would take
+// 607 and 270, but the split rule is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity
+// tests' small batch takes the kernel too.
 bool Tf32x3ForwardPays(int in, int out) { return in >= 64 && out >= 64; }
-bool Tf32x3BackwardDataPays(int in, int out) { return out >= 128 && in >= 128; }
-// Weight gradients over at least 1,024 rows (round 3 measures them against cuBLAS's split-K).
-bool Tf32x3BackwardWeightPays(int rows) { return rows >= 1024; }
+bool Tf32x3BackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
+bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
+  const int64_t size = int64_t{in} * out;
+  return rows >= 1024 && in >= 128 && out >= 128 && size > 128 * 128 && size < 512 * 512;
+}
 
 template <typename T>
 cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attribute, T value) {
@@ -302,7 +309,7 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
-  if (tf32x3_ && Tf32x3BackwardWeightPays(rows) &&
+  if (tf32x3_ && Tf32x3BackwardWeightPays(rows, in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
                                                                  static_cast<float*>(workspace_), workspace_bytes_,
