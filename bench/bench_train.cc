@@ -3,7 +3,7 @@
 // the model's own CUDA events around each step's launch (TrainingCounters::last_step_seconds); kernel launches per
 // step (one step captured into a graph, its kernel nodes counted); device allocations per step; and a roofline
 // estimate — FLOPs and bytes per step over ceilings measured in the same run (a 1 GiB device-to-device copy, an
-// 8192³ SGEMM). Prints one table; --json writes the same numbers.
+// 8192³ SGEMM, TF32 under --precision=tf32). Prints one table; --json writes the same numbers.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -27,7 +27,9 @@
 ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
 ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), after the warmup");
 ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
-ABSL_FLAG(bool, tf32, false, "TF32 tensor cores for the cuBLAS products (and for the SGEMM ceiling)");
+ABSL_FLAG(std::string, precision, "fp32",
+          "the products: fp32 (cuBLAS), 3xtf32 (float32-accurate on the TF32 tensor cores) or tf32 (also the SGEMM "
+          "ceiling's)");
 ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
 
 namespace perception {
@@ -35,7 +37,7 @@ namespace {
 
 struct Ceilings {
   double copy_bytes_per_s = 0;   // device-to-device copy, bytes read + written
-  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³ (TF32 with --tf32)
+  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³ (TF32 with --precision=tf32)
 };
 
 struct Launches {
@@ -173,13 +175,14 @@ absl::StatusOr<std::vector<double>> TimeSteps(CudaModel& model, int steps) {
   return us;
 }
 
-absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings, bool tf32, int warmup, int steps) {
+absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings, Precision precision, int warmup,
+                               int steps) {
   ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(name));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, 1, params);
   CudaModelOptions options;
-  options.tf32 = tf32;
+  options.precision = precision;
   options.graphs = false;  // eager first; the same model then captures and replays
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, OptimizerConfig{}, params, options));
   const auto batch = testing::MakeRandomBatch(config, config.batch, config.window, 2);
@@ -219,7 +222,12 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
 }
 
 int Run() {
-  const bool tf32 = absl::GetFlag(FLAGS_tf32);
+  const auto precision = ParsePrecision(absl::GetFlag(FLAGS_precision));
+  if (!precision.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(precision.status().message()).c_str());
+    return 1;
+  }
+  const bool tf32 = *precision == Precision::kTf32;
   auto ceilings = MeasureCeilings(tf32);
   if (!ceilings.ok()) {
     std::fprintf(stderr, "ceilings: %s\n", std::string(ceilings.status().message()).c_str());
@@ -229,19 +237,20 @@ int Run() {
   cudaDeviceProp properties{};
   cudaGetDevice(&device);
   cudaGetDeviceProperties(&properties, device);
-  std::printf("device %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
-              ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "", ceilings->sgemm_flops_per_s / 1e12);
+  std::printf("device %s; products %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
+              PrecisionName(*precision), ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "",
+              ceilings->sgemm_flops_per_s / 1e12);
   std::printf("%-6s %5s %4s %13s %14s %7s %9s %10s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T", "eager_us/step",
               "replay_us/step", "ratio", "eager_min", "replay_min", "kernels", "memcpys", "allocs/st", "GFLOP/st",
               "GB/st(est)", "roofline_us");
   nlohmann::ordered_json json;
   json["device"] = properties.name;
-  json["tf32"] = tf32;
+  json["precision"] = PrecisionName(*precision);
   json["copy_GBps"] = ceilings->copy_bytes_per_s / 1e9;
   json["sgemm_TFLOPs"] = ceilings->sgemm_flops_per_s / 1e12;
   int status = 0;
   for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
-    const auto r = Measure(name, *ceilings, tf32, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps));
+    const auto r = Measure(name, *ceilings, *precision, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_steps));
     if (!r.ok()) {
       std::printf("%-6s error: %s\n", name.c_str(), std::string(r.status().message()).c_str());
       json["configs"][name]["error"] = std::string(r.status().message());

@@ -12,7 +12,7 @@ run cuda_tests > "$out/cuda_tests.log" 2>&1; summary+=("cuda_tests: exit $? $(gr
 run engine_tests --gtest_filter='*Stream*' > "$out/engine_streaming.log" 2>&1
 summary+=("engine_tests streaming (cpu+cuda): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_streaming.log" | tr '\n' ' ')")
 run bench_train --json "$out/bench_train.json" > "$out/bench_train.log" 2>&1; summary+=("bench_train fp32: exit $?")
-run bench_train --tf32 --json "$out/bench_train_tf32.json" > "$out/bench_train_tf32.log" 2>&1; summary+=("bench_train tf32: exit $?")
+run bench_train --precision=tf32 --json "$out/bench_train_tf32.json" > "$out/bench_train_tf32.log" 2>&1; summary+=("bench_train tf32: exit $?")
 run bench_stream --configs tiny,small --json "$out/bench_stream.json" > "$out/bench_stream.log" 2>&1
 summary+=("bench_stream: exit $?")
 run bench_stream --configs large --instruments 1,64,1024 --iterations 50 --json "$out/bench_stream_large.json" \

@@ -2,10 +2,13 @@
 // so each product is issued transposed (Yᵀ = W·Xᵀ and so on).
 #include "engine/cuda_blas.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "engine/cuda_check.h"
+#include "kernels/gemm_tf32x3.h"
 
 namespace perception {
 namespace {
@@ -81,6 +84,25 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
+// Where the 3×TF32 kernel (wgmma) beats cuBLAS float32 (its tuned table included), measured with bench_gemm on the
+// H200 at 16,384 rows (session 3, helper wgmma's round 3; µs, kernel against cuBLAS). Forward and BackwardData: sums
+// and outputs of at least 64 (small's in_proj 55.1 against 75.7 forward, 45.7 against 54.8 backward; out_proj 21.4
+// against 33.4, 22.3 against 28.2; CfC backbone 12.6 against 18.5, 12.4 against 16.5; GRN 192→64 12.0 against 14.1,
+// 13.0 against 14.6; 64→64 5.8 against 6.8, 5.8 against 6.5; large's in_proj 611 against 799, 569 against 774); not
+// the embedding's sum over 40 (8.8 against 7.9) nor head_out's 5 outputs (5.7 against 4.5). BackwardWeight, whose
+// row split pays a partial product per slice: only weights larger than 128×128 and both sides at least 128 (small's
+// in_proj 53.7 against 60.2, out_proj 28.6 against 30.2, CfC heads 28.7 against 30.0; not the CfC backbone's 128×128,
+// 27.3 against 21.9, nor the 64-wide GRN and CfC weights, e.g. 22.2 against 13.9), and below 512×512, where the
+// automatic split loses to cuBLAS (large's in_proj 777 against 758, out_proj 353 against 342; 8 slices would take
+// 607 and 270, but the split rule is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity
+// tests' small batch takes the kernel too.
+bool Tf32x3ForwardPays(int in, int out) { return in >= 64 && out >= 64; }
+bool Tf32x3BackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
+bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
+  const int64_t size = int64_t{in} * out;
+  return rows >= 1024 && in >= 128 && out >= 128 && size > 128 * 128 && size < 512 * 512;
+}
+
 template <typename T>
 cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attribute, T value) {
   return cublasLtMatmulAlgoConfigSetAttribute(algo, attribute, &value, sizeof(value));
@@ -88,16 +110,36 @@ cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAtt
 
 }  // namespace
 
+absl::StatusOr<Precision> ParsePrecision(std::string_view name) {
+  for (const Precision p : {Precision::kFloat32, Precision::kFloat32Tf32x3, Precision::kTf32}) {
+    if (name == PrecisionName(p)) return p;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown precision '", std::string(name), "' (fp32, 3xtf32 or tf32)"));
+}
+
+const char* PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFloat32:
+      return "fp32";
+    case Precision::kFloat32Tf32x3:
+      return "3xtf32";
+    case Precision::kTf32:
+      return "tf32";
+  }
+  return "?";
+}
+
 absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                   bool tf32) {
+                                                   Precision precision) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle));
-  std::unique_ptr<Blas> blas(new Blas(handle, stream, workspace, workspace_bytes, tf32));
+  std::unique_ptr<Blas> blas(new Blas(handle, stream, workspace, workspace_bytes, precision));
   int device = 0, sms = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  blas->tf32x3_ = precision == Precision::kFloat32Tf32x3 && prop.major == 9 && prop.minor == 0;
   blas->tuned_device_ = sms == kTunedSms && std::strstr(prop.name, "H200") != nullptr &&
                         cublasLtGetVersion() == kTunedVersion;
   return blas;
@@ -242,17 +284,39 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
+  if (tf32x3_ && Tf32x3ForwardPays(in, out) &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
+                                                          batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
+    flops_ += 2.0 * rows * in * out * batch.count;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, w, ldw, batch.w, x, ldx, batch.x, bias, batch.bias, beta, y,
               ldy, batch.y, batch.count);
 }
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
+  if (tf32x3_ && Tf32x3BackwardDataPays(in, out) &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
+    CUDA_RETURN_IF_ERROR(
+        kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
+    flops_ += 2.0 * rows * in * out;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, nullptr, 0, beta, dx, lddx, 0, 1);
 }
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
+  if (tf32x3_ && Tf32x3BackwardWeightPays(rows, in, out) &&
+      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
+                                                                 static_cast<float*>(workspace_), workspace_bytes_,
+                                                                 stream_));
+    flops_ += 2.0 * rows * in * out;
+    return absl::OkStatus();
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, in, out, rows, x, ldx, 0, dy, lddy, 0, nullptr, 0, 0.f, dw, lddw, 0, 1);
 }
 

@@ -1,11 +1,13 @@
-// cuBLASLt for the CUDA backend: one handle on one stream, its workspace set once, an algorithm fixed per product
-// shape (a table tuned offline on the H200, else the first deterministic heuristic), no atomics, float32 or, opted
-// in, TF32 tensor cores; and the three products of a linear layer in the model's row-major layout.
+// The products of a linear layer for the CUDA backend, in the model's row-major layout: cuBLASLt (one handle on one
+// stream, its workspace set once, an algorithm fixed per product shape — a table tuned offline on the H200, else the
+// first deterministic heuristic — no atomics) in float32 or TF32, or float32-accurate on the TF32 tensor cores through
+// the 3×TF32 kernels of kernels/gemm_tf32x3.h.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string_view>
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -13,6 +15,14 @@
 #include "absl/status/statusor.h"
 
 namespace perception {
+
+// How the products are computed. kFloat32: cuBLAS float32 (SIMT), the default. kFloat32Tf32x3: float32 accuracy on
+// the TF32 tensor cores — the 3×TF32 kernels for the products they take and run faster (measured on the H200),
+// cuBLAS float32 for the rest and on devices other than Hopper (compute capability 9.0). kTf32: cuBLAS on the TF32 tensor cores, inputs rounded to TF32 (a looser tolerance).
+enum class Precision { kFloat32, kFloat32Tf32x3, kTf32 };
+// "fp32", "3xtf32", "tf32".
+absl::StatusOr<Precision> ParsePrecision(std::string_view name);
+const char* PrecisionName(Precision precision);
 
 // `count` Forward products of one shape in one launch: the i-th reads and writes each operand at its pointer +
 // i·stride (in floats; stride 0 shares the operand, e.g. one x under several weights).
@@ -27,7 +37,7 @@ struct BlasBatch {
 class Blas {
  public:
   static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                      bool tf32);
+                                                      Precision precision);
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
@@ -63,8 +73,12 @@ class Blas {
     cublasLtMatmulAlgo_t algo{};
   };
 
-  Blas(cublasLtHandle_t handle, cudaStream_t stream, void* workspace, size_t workspace_bytes, bool tf32)
-      : handle_(handle), stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes), tf32_(tf32) {}
+  Blas(cublasLtHandle_t handle, cudaStream_t stream, void* workspace, size_t workspace_bytes, Precision precision)
+      : handle_(handle),
+        stream_(stream),
+        workspace_(workspace),
+        workspace_bytes_(workspace_bytes),
+        tf32_(precision == Precision::kTf32) {}
   // c = op_a(a) · op_b(b) + bias + beta·c, column-major (bias: one per row of c, may be null), `count` times with
   // the strides of a, b, c and bias.
   absl::Status Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,
@@ -78,7 +92,10 @@ class Blas {
   cudaStream_t stream_;
   void* workspace_;
   size_t workspace_bytes_;
-  bool tf32_;
+  bool tf32_;  // cuBLAS on TF32 tensor cores
+  // The 3×TF32 kernels for the products they take: precision kFloat32Tf32x3 on a compute capability 9.0 device (they
+  // are built for sm_90a alone); cuBLAS float32 otherwise.
+  bool tf32x3_ = false;
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
   double flops_ = 0;

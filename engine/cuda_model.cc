@@ -140,9 +140,9 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
-  ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.tf32));
+  ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.precision));
   ASSIGN_OR_RETURN(grad_blas_,
-                   Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.tf32));
+                   Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.precision));
   RETURN_IF_ERROR(BuildTables());
   device_bytes_ = buffers_.bytes() + tables_.bytes();
   CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice));

@@ -34,7 +34,8 @@ namespace perception {
 class NcclCommunicator;
 
 struct CudaModelOptions {
-  bool tf32 = false;  // TF32 tensor cores for the cuBLAS products (the kernels stay float32)
+  // The linear-layer products' arithmetic (engine/cuda_blas.h); the other kernels stay float32.
+  Precision precision = Precision::kFloat32;
   // Training steps as CUDA graphs (see EnqueueTrainStep); false enqueues every step kernel by kernel, for debugging.
   bool graphs = true;
   // Data-parallel training (engine/nccl_communicator.h): when set, every training step sums the loss partials and

@@ -19,30 +19,13 @@ __device__ __forceinline__ uint32_t ToTf32(float x) {
   return bits;
 }
 
-// x − big is exact in float32, so big + small carries 21 of x's 24 mantissa bits.
+// big: x rounded to nearest (ties away) into TF32 with two integer operations instead of a conversion (the split is
+// the producer's bottleneck); the carry of a finite x rounds its magnitude up, into infinity past TF32's largest. A NaN
+// whose mantissa carries out may become ±0 or ±infinity as big, but then small = x − big is NaN, so NaN still reaches
+// the product. x − big is exact in float32, so big + small carries 21 of x's 24 mantissa bits.
 __device__ __forceinline__ Tf32Split SplitTf32(float x) {
-  const uint32_t big = ToTf32(x);
+  const uint32_t big = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
   return {big, ToTf32(x - __uint_as_float(big))};
-}
-
-// d += a·b over one m16n8k8 tile. With g = lane / 4 and t = lane % 4, the fragments are (PTX ISA, mma.m16n8k8 .tf32):
-// a (row-major 16×8): a[0] = (g, t), a[1] = (g+8, t), a[2] = (g, t+4), a[3] = (g+8, t+4);
-// b (8×8, k by n):    b[0] = (k t, n g), b[1] = (k t+4, n g);
-// d (16×8):           d[0], d[1] = (g, 2t), (g, 2t+1); d[2], d[3] = (g+8, 2t), (g+8, 2t+1).
-__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// d += a·b at float32 accuracy from split fragments; the two correction terms go in before the big one, so they are
-// summed while the accumulator is still small.
-__device__ __forceinline__ void Mma3xTf32(float (&d)[4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
-                                          const uint32_t (&b_big)[2], const uint32_t (&b_small)[2]) {
-  MmaTf32(d, a_small, b_big);
-  MmaTf32(d, a_big, b_small);
-  MmaTf32(d, a_big, b_big);
 }
 
 }  // namespace perception::kernels

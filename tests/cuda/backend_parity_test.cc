@@ -2,7 +2,8 @@
 // size with a reduced batch, so that the double reference stays quick), with random parameters, inputs, masks and Δt:
 // logits and loss within 1e-5, every gradient tensor within 1e-4, parameters and moments after 10 AdamW steps
 // within 1e-4 (relative norms; a NaN is an infinite error). Also streams in window chunks ≡ one long window,
-// evaluation of batches larger than the configured one, and TF32 held to a looser, stated tolerance.
+// evaluation of batches larger than the configured one; all of it again with the products in 3×TF32 (float32
+// accuracy on the tensor cores, held to the same tolerances); and TF32 held to a looser, stated tolerance.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,12 +31,16 @@ using testing::ToDouble;
 struct ParityCase {
   std::string config;
   int batch;
+  Precision precision = Precision::kFloat32;
 };
 
-void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.config << " batch " << c.batch; }
+void PrintTo(const ParityCase& c, std::ostream* os) {
+  *os << c.config << " batch " << c.batch << " " << PrecisionName(c.precision);
+}
 
 std::string CaseName(const ::testing::TestParamInfo<ParityCase>& info) {
-  return info.param.config + "_b" + std::to_string(info.param.batch);
+  return info.param.config + "_b" + std::to_string(info.param.batch) +
+         (info.param.precision == Precision::kFloat32 ? "" : std::string("_") + PrecisionName(info.param.precision));
 }
 
 ModelConfig ConfigOf(const ParityCase& c) {
@@ -73,8 +78,10 @@ class CudaParity : public ::testing::TestWithParam<ParityCase> {
     config_ = ConfigOf(GetParam());
     layout_ = std::make_unique<ParamLayout>(config_);
     params_ = RandomParams(*layout_, 7);
+    options_.precision = GetParam().precision;
   }
   ModelConfig config_;
+  CudaModelOptions options_;
   std::unique_ptr<ParamLayout> layout_;
   std::vector<float> params_;
 };
@@ -82,12 +89,16 @@ class CudaParity : public ::testing::TestWithParam<ParityCase> {
 INSTANTIATE_TEST_SUITE_P(Configs, CudaParity,
                          ::testing::Values(ParityCase{"tiny", 2}, ParityCase{"tiny", 5}, ParityCase{"small", 16}),
                          CaseName);
+INSTANTIATE_TEST_SUITE_P(Tf32x3, CudaParity,
+                         ::testing::Values(ParityCase{"tiny", 5, Precision::kFloat32Tf32x3},
+                                           ParityCase{"small", 16, Precision::kFloat32Tf32x3}),
+                         CaseName);
 
 TEST_P(CudaParity, LogitsAndLossMatchTheReference) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int B = config_.batch, T = config_.window;
   const auto batch = MakeRandomBatch(config_, B, T, 8);
-  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_);
+  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_, options_);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
   ASSERT_TRUE((*model)->EnqueueEvaluate(/*carry_state=*/false).ok());
@@ -110,7 +121,7 @@ TEST_P(CudaParity, EveryGradientMatchesTheReference) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int B = config_.batch, T = config_.window;
   const auto batch = MakeRandomBatch(config_, B, T, 9);
-  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_);
+  auto model = CudaModel::Create(config_, OptimizerConfig{}, params_, options_);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
   ASSERT_TRUE((*model)->EnqueueGradients().ok());
@@ -136,7 +147,7 @@ TEST_P(CudaParity, ParametersAfterTenAdamWStepsMatchTheReference) {
   optimizer.warmup_steps = 3;
   optimizer.total_steps = 10;
   optimizer.min_lr = 1e-4;
-  auto backend = MakeCudaBackend(config_, optimizer, params_);
+  auto backend = MakeCudaBackend(config_, optimizer, params_, options_);
   ASSERT_TRUE(backend.ok()) << backend.status();
 
   CpuReference<double> reference(*layout_);
@@ -167,7 +178,7 @@ TEST_P(CudaParity, StreamInWindowChunksEqualsOneLongWindow) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int n = 2 * config_.window + 3;  // two full chunks and a partial one, the state carried across
   const auto stream = MakeRandomBatch(config_, 1, n, 10);
-  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_);
+  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_, options_);
   ASSERT_TRUE(backend.ok()) << backend.status();
   std::vector<float> logits(static_cast<size_t>(n) * config_.n_horizons);
   ASSERT_TRUE((*backend)->ForwardStream(stream.x, stream.dt, logits).ok());
@@ -182,7 +193,7 @@ TEST_P(CudaParity, EvaluateRunsBatchesLargerThanTheConfiguredOne) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int B = 2 * config_.batch + 1, T = config_.window;
   const auto batch = MakeRandomBatch(config_, B, T, 11);
-  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_);
+  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_, options_);
   ASSERT_TRUE(backend.ok()) << backend.status();
   std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
   const auto loss = (*backend)->Evaluate(batch.view(), logits);
@@ -209,7 +220,7 @@ TEST(CudaParityTf32, SmallStaysWithinTheTf32Tolerance) {
   const std::vector<float> params = RandomParams(layout, 7);
   const auto batch = MakeRandomBatch(config, config.batch, config.window, 9);
   CudaModelOptions options;
-  options.tf32 = true;
+  options.precision = Precision::kTf32;
   auto model = CudaModel::Create(config, OptimizerConfig{}, params, options);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());

@@ -1,0 +1,205 @@
+// bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
+// its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
+// several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
+// choice of kernel and tile per shape rests on measurements.
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "engine/cuda_blas.h"
+#include "engine/cuda_check.h"
+#include "engine/cuda_memory.h"
+#include "engine/status_macros.h"
+#include "kernels/gemm_tf32x3.h"
+
+namespace perception {
+namespace {
+
+using kernels::GemmTile;
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // CudaModel's per-stream Blas workspace
+constexpr int kLaunches = 20, kRepeats = 5;
+
+enum class Form { kForward, kBackwardData, kBackwardWeight };
+const char* FormName(Form f) {
+  return f == Form::kForward ? "fwd" : f == Form::kBackwardData ? "bwd_data" : "bwd_weight";
+}
+
+struct Product {
+  const char* name;
+  Form form;
+  int rows, in, out, count = 1;
+};
+
+// µs per call of `enqueue` on `stream`: kLaunches calls captured into one graph, replayed kRepeats times, the median.
+absl::StatusOr<double> Time(cudaStream_t stream, const std::function<absl::Status()>& enqueue) {
+  RETURN_IF_ERROR(enqueue());  // eager first: plans, attributes
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  absl::Status status;
+  for (int i = 0; i < kLaunches && status.ok(); ++i) status = enqueue();
+  CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+  RETURN_IF_ERROR(status);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+  std::vector<double> us;
+  for (int r = 0; r < kRepeats; ++r) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+    us.push_back(1e3 * ms / kLaunches);
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventDestroy(start));
+  CUDA_RETURN_IF_ERROR(cudaEventDestroy(stop));
+  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
+  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+int Run() {
+  constexpr int R = 16384;
+  const Product products[] = {
+      {"s.embed", Form::kForward, R, 40, 128},
+      {"s.in_proj", Form::kForward, R, 128, 580},
+      {"s.out_proj", Form::kForward, R, 256, 128},
+      {"s.cfc_backbone", Form::kForward, R, 128, 128},
+      {"s.grn_192x64", Form::kForward, R, 192, 64},
+      {"s.grn_64x64", Form::kForward, R, 64, 64},
+      {"s.gate_value", Form::kForward, R, 64, 64, 2},
+      {"s.head_out", Form::kForward, R, 64, 5},
+      {"s.in_proj", Form::kBackwardData, R, 128, 580},
+      {"s.out_proj", Form::kBackwardData, R, 256, 128},
+      {"s.cfc_backbone", Form::kBackwardData, R, 128, 128},
+      {"s.grn_192x64", Form::kBackwardData, R, 192, 64},
+      {"s.grn_64x64", Form::kBackwardData, R, 64, 64},
+      {"s.in_proj", Form::kBackwardWeight, R, 128, 580},
+      {"s.out_proj", Form::kBackwardWeight, R, 256, 128},
+      {"s.embed", Form::kBackwardWeight, R, 40, 128},
+      {"s.cfc_heads", Form::kBackwardWeight, R, 128, 256},
+      {"s.cfc_backbone", Form::kBackwardWeight, R, 128, 128},
+      {"s.cfc_c", Form::kBackwardWeight, R, 64, 128},
+      {"s.grn_192x64", Form::kBackwardWeight, R, 192, 64},
+      {"s.grn_64x64", Form::kBackwardWeight, R, 64, 64},
+      {"l.in_proj", Form::kForward, R, 512, 2192},
+      {"l.out_proj", Form::kForward, R, 1024, 512},
+      {"l.in_proj", Form::kBackwardData, R, 512, 2192},
+      {"l.out_proj", Form::kBackwardData, R, 1024, 512},
+      {"l.in_proj", Form::kBackwardWeight, R, 512, 2192},
+      {"l.out_proj", Form::kBackwardWeight, R, 1024, 512},
+  };
+  cudaStream_t stream;
+  if (cudaStreamCreate(&stream) != cudaSuccess) return 1;
+  auto workspace = AllocateCuda(MemoryKind::kDevice, kWorkspaceBytes);
+  auto a = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
+  auto b = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
+  auto c = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
+  if (!workspace.ok() || !a.ok() || !b.ok() || !c.ok()) return 1;
+  // Inputs of ones/8: finite throughout; the values do not change the time.
+  for (const CudaAllocation* buffer : {&*a, &*b, &*c}) {
+    std::vector<float> ones(size_t{R} * 2192, 0.125f);
+    if (cudaMemcpy(buffer->get(), ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+      return 1;
+    }
+  }
+  auto blas = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32);
+  // The engine's choice per product: the 3×TF32 kernels where Blas routes them, cuBLAS float32 elsewhere.
+  auto blas3x = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
+  if (!blas.ok() || !blas3x.ok()) return 1;
+  const float* x = static_cast<const float*>(a->get());
+  const float* w = static_cast<const float*>(b->get());
+  float* y = static_cast<float*>(c->get());
+  float* ws = static_cast<float*>(workspace->get());
+  const GemmTile tiles[] = {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64};
+  const char* tile_names[] = {"auto", "128x128", "128x64"};
+  constexpr int kTiles = 3;
+  std::printf("[bench_gemm] µs per product (graph of %d, median of %d); cuBLAS fp32 vs 3xTF32 tiles\n", kLaunches,
+              kRepeats);
+  for (const Product& p : products) {
+    const bool supported = p.out % 4 == 0 || p.form == Form::kForward;
+    std::string line;
+    auto add = [&](const char* label, const std::function<absl::Status()>& enqueue) {
+      const auto us = Time(stream, enqueue);
+      char buffer[64];
+      std::snprintf(buffer, sizeof(buffer), " %s %.1f", label, us.ok() ? *us : -1.0);
+      line += buffer;
+      if (!us.ok()) std::fprintf(stderr, "%s %s %s: %s\n", p.name, FormName(p.form), label, us.status().ToString().c_str());
+    };
+    const int64_t sw = int64_t{p.out} * p.in, sy = int64_t{p.rows} * p.out;
+    switch (p.form) {
+      case Form::kForward:
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x", [&] {
+            return b->Forward(p.rows, p.in, p.out, x, p.in, w, p.in, nullptr, 0.f, y, p.out,
+                              {.count = p.count, .w = p.count > 1 ? sw : 0, .y = p.count > 1 ? sy : 0});
+          });
+        }
+        for (int t = 0; t < kTiles && supported; ++t) {
+          add(tile_names[t], [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, x, p.in, 0, w, p.in,
+                                                                  p.count > 1 ? sw : 0, nullptr, 0, 0.f, y, p.out,
+                                                                  p.count > 1 ? sy : 0, p.count, stream, tiles[t]));
+            return absl::OkStatus();
+          });
+        }
+        break;
+      case Form::kBackwardData:
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x",
+              [&] { return b->BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y, p.in); });
+        }
+        for (int t = 0; t < kTiles && supported; ++t) {
+          add(tile_names[t], [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
+                                                                       p.in, stream, tiles[t]));
+            return absl::OkStatus();
+          });
+        }
+        break;
+      case Form::kBackwardWeight:
+        for (Blas* b : {blas->get(), blas3x->get()}) {
+          add(b == blas->get() ? "cublas" : "blas3x",
+              [&] { return b->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
+        }
+        for (int t = 1; t < kTiles && supported; ++t) {
+          for (const int splits : {0, 8, 16, 32, 64}) {
+            const std::string label = std::string(tile_names[t]) + "/" + (splits ? std::to_string(splits) : "auto");
+            add(label.c_str(), [&] {
+              CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y,
+                                                                           p.in, ws, kWorkspaceBytes, stream, tiles[t],
+                                                                           splits));
+              return absl::OkStatus();
+            });
+          }
+        }
+        add("auto", [&] {
+          CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in,
+                                                                       ws, kWorkspaceBytes, stream));
+          return absl::OkStatus();
+        });
+        break;
+    }
+    std::printf("[bench_gemm] %-15s %-10s %5dx%4dx%4d%s:%s\n", p.name, FormName(p.form), p.rows, p.in, p.out,
+                p.count > 1 ? " x2" : "", line.c_str());
+  }
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
+}  // namespace
+}  // namespace perception
+
+int main() { return perception::Run(); }

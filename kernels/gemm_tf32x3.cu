@@ -1,0 +1,467 @@
+// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. A producer
+// warpgroup copies each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
+// it reads each tile back k-contiguous (transposing operands stored the other way), splits every value into its TF32
+// big and small parts and stores both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
+// consumer warpgroups each multiply 64 rows of the 128-row block tile with three wgmma per k-step of 8 (small·big,
+// big·small, big·big). Stages change hands through named barriers: FULL(s) when the producer has stored stage s,
+// EMPTY(s) when both consumers are done with it. Blocks walk the output tiles (times the batch or the row slices) in a
+// grid-stride loop, consecutive tiles along one row band, so the producer loads the next tile while the consumers
+// store the last one.
+#include "kernels/gemm_tf32x3.h"
+
+#include <algorithm>
+
+#include "kernels/common.cuh"
+#include "kernels/tf32x3.cuh"
+
+namespace perception::kernels {
+namespace {
+
+constexpr int kBk = 32;                   // k per stage: one 128-byte swizzle row of float32
+constexpr int kBm = 128;                  // block tile rows: two consumer warpgroups of 64
+constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
+constexpr int kRowBytes = kBk * 4;
+constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
+// The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
+// loads of one item overlap the math and stores of another, but no more, since every slice's partial is written and
+// read back once more.
+constexpr int kItemsPerSm = 2;
+// The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
+constexpr int kMinSliceTiles = 8;
+
+// C = A·B (+ bias + beta·C) with A [m, k] and B [k, n] as the template's layouts say, `count` times: the z-th reads
+// and writes each operand at its pointer + z·stride, and with k_split > 0 covers k in [z·k_split, min(k,
+// (z+1)·k_split)) (the strides then step along k).
+struct GemmParams {
+  const float* a;
+  int64_t lda, stride_a;
+  const float* b;
+  int64_t ldb, stride_b;
+  float* c;
+  int64_t ldc, stride_c;
+  const float* bias;
+  int64_t stride_bias;
+  float beta;
+  int m, n, k, k_split;
+};
+
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const float* src, bool valid) {
+  // src-size 0 reads nothing and zero-fills: out-of-range rows and k contribute zeros.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Byte offset of (row, k) in a K-major tile with the 128-byte swizzle: the 16-byte chunk index (k / 4) is XORed
+// with row % 8 (PTX ISA, "Shared memory matrix layout", swizzle mode 128B); 8-row groups are 1,024 bytes apart.
+__device__ __forceinline__ uint32_t Swizzled(int row, int k) {
+  return row * kRowBytes + ((((k >> 2) ^ row) & 7) << 4) + (k & 3) * 4;
+}
+
+// A wgmma shared-memory descriptor for a K-major 128-byte-swizzled operand at `address` (1,024-byte aligned, or
+// advanced from such an address by a k offset inside the swizzle row): stride 1,024 bytes between 8-row groups; the
+// leading offset is unused for swizzled K-major layouts.
+__device__ __forceinline__ uint64_t Descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | static_cast<uint64_t>(1) << 16 |
+         static_cast<uint64_t>(1024 >> 4) << 32 | static_cast<uint64_t>(1) << 62;
+}
+
+template <int kCount>
+__device__ __forceinline__ void BarSync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kCount) : "memory");
+}
+__device__ __forceinline__ void BarArrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
+__device__ __forceinline__ void FenceOperand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d (+)= A·B over one k-step of 8 for a 64×N tile, A and B from shared-memory descriptors; scale_d = 0 ignores d.
+// d's layout per warp w of the warpgroup, g = lane / 4, t = lane % 4: d[4j + 2h + e] = (row 16w + g + 8h,
+// column 8j + 2t + e).
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<64> {
+  __device__ static void Run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+template <>
+struct Wgmma<128> {
+  __device__ static void Run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+// One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
+// it, k-contiguous ([x][kBk]) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
+// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x), split, and
+// stored as two 16-byte pieces into the swizzled big and small tiles. Both passes are free of bank conflicts.
+template <int X, bool kKContiguous>
+struct Operand {
+  static constexpr int kPieces = X * kBk / 4 / 128;  // per producer thread
+  static constexpr int kRawBytes = X * kRowBytes;
+
+  // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
+  __device__ static void Fetch(uint32_t raw, const float* g, int64_t ld, int x0, int x_end, int k0, int k_end,
+                               int tid) {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int id = tid + 128 * i;
+      // k-contiguous: 8 threads per row's 128 bytes; x-contiguous: consecutive threads along x.
+      const int x = kKContiguous ? id / 8 : id % (X / 4) * 4;
+      const int k = kKContiguous ? id % 8 * 4 : id / (X / 4);
+      const int gx = x0 + x, gk = k0 + k;
+      const bool valid = gx < x_end && gk < k_end;
+      const uint32_t at = raw + (kKContiguous ? x * kRowBytes + k * 4 : (k * X + x) * 4);
+      CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
+    }
+  }
+  __device__ static void Split(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int id = tid + 128 * i;
+      const int x = kKContiguous ? id / 8 : id % X;
+      const int k = kKContiguous ? id % 8 * 4 : id / X * 4;
+      float f[4];
+      if (kKContiguous) {
+        const float4 v = *reinterpret_cast<const float4*>(raw + x * kRowBytes + k * 4);
+        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
+      }
+      uint4 b, s;
+      Tf32Split split = SplitTf32(f[0]);
+      b.x = split.big, s.x = split.small;
+      split = SplitTf32(f[1]);
+      b.y = split.big, s.y = split.small;
+      split = SplitTf32(f[2]);
+      b.z = split.big, s.z = split.small;
+      split = SplitTf32(f[3]);
+      b.w = split.big, s.w = split.small;
+      *reinterpret_cast<uint4*>(big + Swizzled(x, k)) = b;
+      *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
+    }
+  }
+};
+
+// Shared memory: kSplit stages of split operands (A big, A small, B big, B small) that the consumers read, then kRaw
+// stages of raw operands in flight from global memory, as many as the rest of the budget holds (up to 4).
+template <int BN, bool kAK, bool kBK>
+struct Layout {
+  static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
+  static constexpr int kSplitBytes = 2 * (kABytes + kBBytes);
+  static constexpr int kSplit = 2;
+  static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
+  static constexpr int kRaw = std::min(4, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
+  static_assert(kRaw >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  __host__ __device__ static constexpr uint32_t ABig(int s) { return s * kSplitBytes; }
+  __host__ __device__ static constexpr uint32_t ASmall(int s) { return ABig(s) + kABytes; }
+  __host__ __device__ static constexpr uint32_t BBig(int s) { return ABig(s) + 2 * kABytes; }
+  __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
+  __host__ __device__ static constexpr uint32_t RawA(int r) { return kSplit * kSplitBytes + r * kRawBytes; }
+  __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + Operand<kBm, kAK>::kRawBytes; }
+  // Named barrier ids (0 is __syncthreads's): the stages' FULL and EMPTY, and the producer's own.
+  __host__ __device__ static constexpr int Full(int s) { return 1 + s; }
+  __host__ __device__ static constexpr int Empty(int s) { return 1 + kSplit + s; }
+  static constexpr int kProducer = 1 + 2 * kSplit;
+};
+
+struct TileCoordinates {
+  int z, m0, n0;
+};
+__device__ __forceinline__ TileCoordinates Coordinates(int tile, int tiles_m, int tiles_n, int bn) {
+  const int z = tile / (tiles_m * tiles_n), r = tile % (tiles_m * tiles_n);
+  return {z, r / tiles_n * kBm, r % tiles_n * bn};
+}
+__device__ __forceinline__ int KLength(const GemmParams& p, int z) {
+  return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
+}
+
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
+template <int BN, bool kAK, bool kBK>
+__global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
+  using L = Layout<BN, kAK, kBK>;
+  extern __shared__ unsigned char smem_unaligned[];
+  const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
+  unsigned char* smem = smem_unaligned + (base - unaligned);
+  const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (group == 0) {  // producer
+    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
+    // kRaw − 1 k-tiles ahead of the split.
+    auto advance = [&](int& tile, int& k0) {
+      k0 += kBk;
+      if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
+        tile += gridDim.x;
+        k0 = 0;
+      }
+    };
+    int fetch_tile = blockIdx.x, fetch_k0 = 0;
+    auto fetch = [&](int r) {
+      if (fetch_tile < tiles) {
+        const TileCoordinates tc = Coordinates(fetch_tile, tiles_m, tiles_n, BN);
+        const int k_len = KLength(p, tc.z);
+        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
+        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
+        advance(fetch_tile, fetch_k0);
+      }
+      CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
+    };
+#pragma unroll
+    for (int r = 0; r < L::kRaw - 1; ++r) fetch(r);
+    int it = 0;
+    for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
+      CopyAsyncWait<L::kRaw - 2>();
+      // Every producer thread's copies of this k-tile have landed, and every producer thread is done reading the raw
+      // stage that the next copies overwrite (the last iteration's).
+      BarSync<128>(L::kProducer);
+      fetch((it + L::kRaw - 1) % L::kRaw);
+      const int r = it % L::kRaw, s = it % L::kSplit;
+      if (it >= L::kSplit) BarSync<kThreads>(L::Empty(s));  // both consumers are done with this stage
+      Operand<kBm, kAK>::Split(smem + L::RawA(r), smem + L::ABig(s), smem + L::ASmall(s), tid);
+      Operand<BN, kBK>::Split(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
+      // The stores are generic-proxy writes that wgmma reads through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      BarArrive(L::Full(s));
+    }
+    CopyAsyncWait<0>();
+    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
+    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
+    return;
+  }
+
+  const int consumer = group - 1, warp = tid / 32, lane = tid % 32;
+  constexpr int kRegs = BN / 2;
+  float part[kRegs];
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kSplit;
+      BarSync<kThreads>(L::Full(s));
+      const uint64_t a_big = Descriptor(base + L::ABig(s) + consumer * 64 * kRowBytes);
+      const uint64_t a_small = Descriptor(base + L::ASmall(s) + consumer * 64 * kRowBytes);
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kBk / 8; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small + step, b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big + step, b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big + step, b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      BarArrive(L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+    }
+
+    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
+    float* c = p.c + tc.z * p.stride_c;
+    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
+    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tc.m0 + consumer * 64 + warp * 16 + g + 8 * h;
+      if (row >= p.m) continue;
+      float* c_row = c + static_cast<int64_t>(row) * p.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = tc.n0 + j * 8 + 2 * t;
+        float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+        if (pairs && col + 1 < p.n) {
+          if (bias != nullptr) {
+            v[0] += bias[col];
+            v[1] += bias[col + 1];
+          }
+          if (p.beta != 0.f) {
+            const float2 old = *reinterpret_cast<const float2*>(c_row + col);
+            v[0] += p.beta * old.x;
+            v[1] += p.beta * old.y;
+          }
+          *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
+          continue;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e >= p.n) continue;
+          if (bias != nullptr) v[e] += bias[col + e];
+          if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
+          c_row[col + e] = v[e];
+        }
+      }
+    }
+  }
+}
+
+cudaError_t MultiprocessorCount(int* sms) {
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+template <int BN, bool kAK, bool kBK>
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
+  // An empty sum would have the producer hand over k-tiles that the consumers never take.
+  if (p.k <= 0) return cudaErrorInvalidValue;
+  using L = Layout<BN, kAK, kBK>;
+  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK>;
+  // Per launch rather than once: the attribute is per device, and a process may drive several.
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kShared);
+      e != cudaSuccess) {
+    return e;
+  }
+  int sms = 0;
+  if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
+  const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
+  return cudaGetLastError();
+}
+
+template <bool kAK, bool kBK>
+cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream) {
+  switch (tile) {
+    case GemmTile::k128x128:
+      return Launch<128, kAK, kBK>(p, count, stream);
+    case GemmTile::k128x64:
+      return Launch<64, kAK, kBK>(p, count, stream);
+    case GemmTile::kAuto:
+      break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+int TileCols(GemmTile tile) { return tile == GemmTile::k128x128 ? 128 : 64; }
+
+// 128 columns per tile except for outputs up to 64 wide, whose tiles would be half empty.
+GemmTile AutoTile(GemmTile tile, int n) {
+  if (tile != GemmTile::kAuto) return tile;
+  return n <= 64 ? GemmTile::k128x64 : GemmTile::k128x128;
+}
+
+// dw[m, n] = Σ_s partials[s][m][n], the slices added in order; four columns per thread (n is a multiple of 4).
+__global__ void SumSlicesKernel(const float* __restrict__ partials, int slices, int m, int n, float* dw, int lddw) {
+  const int quads = n / 4;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= m * quads) return;
+  const int row = idx / quads, col = idx % quads * 4;
+  const size_t slice = static_cast<size_t>(m) * n;
+  const float* src = partials + static_cast<size_t>(row) * n + col;
+  float4 sum = *reinterpret_cast<const float4*>(src);
+  for (int s = 1; s < slices; ++s) {
+    const float4 v = *reinterpret_cast<const float4*>(src + s * slice);
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  float* out = dw + static_cast<size_t>(row) * lddw + col;
+  out[0] = sum.x;
+  out[1] = sum.y;
+  out[2] = sum.z;
+  out[3] = sum.w;
+}
+
+}  // namespace
+
+cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
+                                    const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
+                                    float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
+                                    GemmTile tile) {
+  if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
+  const GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
+  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream);
+}
+
+cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
+                                         float beta, float* dx, int lddx, cudaStream_t stream, GemmTile tile) {
+  if (rows <= 0 || in <= 0) return cudaSuccess;
+  const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
+  return LaunchTile<true, false>(AutoTile(tile, in), p, 1, stream);
+}
+
+cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
+                                           int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
+                                           cudaStream_t stream, GemmTile tile, int splits) {
+  if (in <= 0 || out <= 0) return cudaSuccess;
+  tile = AutoTile(tile, in);
+  const int tiles = CeilDiv(out, kBm) * CeilDiv(in, TileCols(tile));
+  const int ktiles = CeilDiv(std::max(rows, 1), kBk);
+  const size_t slice_floats = static_cast<size_t>(out) * in;
+  if (splits <= 0) {
+    int sms = 0;
+    if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
+    splits = std::min(CeilDiv(kItemsPerSm * sms, tiles), std::max(ktiles / kMinSliceTiles, 1));
+  }
+  splits = static_cast<int>(std::min<size_t>(splits, workspace_bytes / (slice_floats * sizeof(float))));
+  if (splits <= 1) {
+    const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
+    return LaunchTile<false, false>(tile, p, 1, stream);
+  }
+  // Whole k-tiles per slice; the last slice takes what is left, so the count may come out lower.
+  const int k_split = CeilDiv(ktiles, splits) * kBk;
+  splits = CeilDiv(rows, k_split);
+  const GemmParams p{dy,      lddy, static_cast<int64_t>(k_split) * lddy,
+                     x,       ldx,  static_cast<int64_t>(k_split) * ldx,
+                     workspace, in, static_cast<int64_t>(slice_floats),
+                     nullptr, 0,    0.f,
+                     out,     in,   rows,
+                     k_split};
+  if (const cudaError_t e = LaunchTile<false, false>(tile, p, splits, stream); e != cudaSuccess) return e;
+  constexpr int kSumThreads = 256;
+  const int quads = out * (in / 4);
+  SumSlicesKernel<<<CeilDiv(quads, kSumThreads), kSumThreads, 0, stream>>>(workspace, splits, out, in, dw, lddw);
+  return cudaGetLastError();
+}
+
+}  // namespace perception::kernels

@@ -1,0 +1,44 @@
+// Float32-accurate products of a linear layer on the TF32 tensor cores (the 3×TF32 split of kernels/tf32x3.cuh):
+// the Forward, BackwardData and BackwardWeight of engine/cuda_blas.h, row-major, deterministic (the weight gradient's
+// split over rows sums its partials in a fixed order, no atomics), no allocation, capturable in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace perception::kernels {
+
+// The block tile (rows × columns of the output). kAuto picks by the product's shape; the others are for measuring.
+enum class GemmTile { kAuto, k128x128, k128x64 };
+
+// Whether the kernels take these operands: every input pointer 16-byte aligned, every input leading dimension and
+// batch stride and each input's contiguous extent a multiple of 4 floats (the 16-byte asynchronous copies). `aligned`
+// is the smallest byte alignment of the inputs' pointers, leading dimensions and strides; `contiguous` the extents
+// that the inputs are contiguous along (Forward: in; BackwardData: out and in; BackwardWeight: out and in).
+inline bool GemmTf32x3Supports(int aligned, int contiguous_a, int contiguous_b) {
+  return aligned % 16 == 0 && contiguous_a % 4 == 0 && contiguous_b % 4 == 0;
+}
+
+// y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y, `count` times (the i-th at each pointer + i·stride;
+// bias may be null). beta = 0 never reads y.
+cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
+                                    const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
+                                    float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
+                                    GemmTile tile = GemmTile::kAuto);
+
+// dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx.
+cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
+                                         float beta, float* dx, int lddx, cudaStream_t stream,
+                                         GemmTile tile = GemmTile::kAuto);
+
+// dw[out, in] = dy[rows, out]ᵀ · x[rows, in]. The rows are split into slices whose partial products go to
+// `workspace` (as many slices as the block count wants and `workspace_bytes` holds; the split depends only on the
+// shape and the workspace size, so reruns are bit-identical) and are then summed slice by slice in order.
+// `splits` > 0 forces that many slices (for measuring; still capped by the workspace).
+cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
+                                           int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
+                                           cudaStream_t stream, GemmTile tile = GemmTile::kAuto, int splits = 0);
+
+}  // namespace perception::kernels

@@ -1,0 +1,276 @@
+// The 3×TF32 products (kernels/gemm_tf32x3.h) against a double-precision CPU product at the small, large and tiny
+// configs' shapes and awkward ones: float32-level normalized error (printed beside cuBLAS float32's on the same
+// inputs) for every tile, bit-identical reruns, the same bits from a replayed CUDA graph; and Blas in the 3×TF32
+// precision, which routes what the kernels do not take to cuBLAS, at float32 accuracy on every shape.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/cuda_blas.h"
+#include "kernels/gemm_tf32x3.h"
+#include "tests/cuda/cuda_test_util.h"
+#include "tests/test_util.h"
+
+namespace perception {
+namespace {
+
+using kernels::GemmTile;
+using testing::BitIdentical;
+using testing::DeviceArray;
+using testing::RandomFloats;
+using testing::RelativeError;
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // CudaModel's per-stream Blas workspace
+// Float32 level: a 3×TF32 product keeps 21 of 24 mantissa bits per operand and accumulates in float32. Over the
+// 16,384-row weight gradients float32 accumulation itself loses more, so cuBLAS float32's own error (times 2) is
+// the bar where it is higher.
+constexpr double kFloat32Error = 2e-6;
+
+// y[rows, out] = x[rows, in] · w[out, in]ᵀ; the activations' leading dimensions are their width + pad.
+struct Product {
+  std::string name;
+  int rows, in, out, pad;
+};
+
+void PrintTo(const Product& p, std::ostream* os) { *os << p.name; }
+
+// The reference in double, every loop an axpy over the output's contiguous dimension.
+std::vector<double> ForwardReference(const Product& p, const std::vector<float>& x, const std::vector<float>& w,
+                                     const std::vector<float>& bias, double beta, const std::vector<float>& y0) {
+  const int ldx = p.in + p.pad;
+  std::vector<double> wt(static_cast<size_t>(p.in) * p.out), y(static_cast<size_t>(p.rows) * p.out);
+  for (int o = 0; o < p.out; ++o) {
+    for (int i = 0; i < p.in; ++i) wt[static_cast<size_t>(i) * p.out + o] = w[static_cast<size_t>(o) * p.in + i];
+  }
+  for (int r = 0; r < p.rows; ++r) {
+    double* row = &y[static_cast<size_t>(r) * p.out];
+    for (int o = 0; o < p.out; ++o) row[o] = bias[o] + beta * y0[static_cast<size_t>(r) * p.out + o];
+    for (int i = 0; i < p.in; ++i) {
+      const double v = x[static_cast<size_t>(r) * ldx + i];
+      const double* wrow = &wt[static_cast<size_t>(i) * p.out];
+      for (int o = 0; o < p.out; ++o) row[o] += v * wrow[o];
+    }
+  }
+  return y;
+}
+
+std::vector<double> BackwardDataReference(const Product& p, const std::vector<float>& dy, const std::vector<float>& w) {
+  const int lddy = p.out + p.pad;
+  std::vector<double> dx(static_cast<size_t>(p.rows) * p.in);
+  for (int r = 0; r < p.rows; ++r) {
+    double* row = &dx[static_cast<size_t>(r) * p.in];
+    for (int o = 0; o < p.out; ++o) {
+      const double v = dy[static_cast<size_t>(r) * lddy + o];
+      const float* wrow = &w[static_cast<size_t>(o) * p.in];
+      for (int i = 0; i < p.in; ++i) row[i] += v * wrow[i];
+    }
+  }
+  return dx;
+}
+
+std::vector<double> BackwardWeightReference(const Product& p, const std::vector<float>& dy,
+                                            const std::vector<float>& x) {
+  const int lddy = p.out + p.pad, ldx = p.in + p.pad;
+  std::vector<double> dw(static_cast<size_t>(p.out) * p.in);
+  for (int r = 0; r < p.rows; ++r) {
+    const float* xrow = &x[static_cast<size_t>(r) * ldx];
+    for (int o = 0; o < p.out; ++o) {
+      const double v = dy[static_cast<size_t>(r) * lddy + o];
+      double* row = &dw[static_cast<size_t>(o) * p.in];
+      for (int i = 0; i < p.in; ++i) row[i] += v * xrow[i];
+    }
+  }
+  return dw;
+}
+
+class GemmTf32x3Test : public ::testing::TestWithParam<Product> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CUDA_DEVICE();
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    workspace_.emplace(kWorkspaceBytes / sizeof(float));
+    auto blas = Blas::Create(stream_, workspace_->get(), kWorkspaceBytes, Precision::kFloat32);
+    ASSERT_TRUE(blas.ok()) << blas.status();
+    cublas_ = *std::move(blas);
+  }
+  void TearDown() override {
+    cublas_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // `out` starts as `init` before every run. cuBLAS float32 first, then each tile of the 3×TF32 kernels, each held to
+  // float32 level against `expected`; then auto's rerun and a captured graph's replay, bit for bit.
+  void Check(const char* form, const std::vector<double>& expected, const std::vector<float>& init,
+             const std::function<absl::Status(float* out)>& cublas,
+             const std::function<cudaError_t(GemmTile, float* out)>& launch) {
+    const DeviceArray<float> initial(init);
+    DeviceArray<float> out(init.size());
+    const size_t bytes = init.size() * sizeof(float);
+    auto reset = [&] {
+      ASSERT_EQ(cudaMemcpyAsync(out.get(), initial.get(), bytes, cudaMemcpyDeviceToDevice, stream_), cudaSuccess);
+    };
+    reset();
+    ASSERT_TRUE(cublas(out.get()).ok());
+    const double cublas_error = RelativeError(out.Download(), expected);
+    const double bar = std::max(kFloat32Error, 2 * cublas_error);
+    std::string line;
+    for (const GemmTile tile : {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64}) {
+      reset();
+      ASSERT_EQ(launch(tile, out.get()), cudaSuccess);
+      const double error = RelativeError(out.Download(), expected);
+      EXPECT_LE(error, bar) << form << " tile " << static_cast<int>(tile);
+      char buffer[32];
+      std::snprintf(buffer, sizeof(buffer), " %.2e", error);
+      line += buffer;
+    }
+    std::printf("[gemm] %-18s %-15s 3xTF32 (auto 128x128 128x64)%s | cuBLAS fp32 %.2e\n",
+                GetParam().name.c_str(), form, line.c_str(), cublas_error);
+
+    reset();
+    ASSERT_EQ(launch(GemmTile::kAuto, out.get()), cudaSuccess);
+    const std::vector<float> first = out.Download();
+    reset();
+    ASSERT_EQ(launch(GemmTile::kAuto, out.get()), cudaSuccess);
+    EXPECT_TRUE(BitIdentical(out.Download(), first)) << form << " rerun";
+
+    ASSERT_EQ(cudaMemsetAsync(out.get(), 0, bytes, stream_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    reset();
+    const cudaError_t captured = launch(GemmTile::kAuto, out.get());
+    ASSERT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
+    ASSERT_EQ(captured, cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 2; ++replay) ASSERT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
+    EXPECT_TRUE(BitIdentical(out.Download(), first)) << form << " graph replay";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  std::optional<DeviceArray<float>> workspace_;
+  std::unique_ptr<Blas> cublas_;
+};
+
+TEST_P(GemmTf32x3Test, ForwardWithBiasAndBeta) {
+  const Product& p = GetParam();
+  const int ldx = p.in + p.pad;
+  const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 1);
+  const auto w = RandomFloats(static_cast<size_t>(p.out) * p.in, 2);
+  const auto bias = RandomFloats(p.out, 3);
+  const auto y0 = RandomFloats(static_cast<size_t>(p.rows) * p.out, 4);
+  constexpr float kBeta = 0.5f;
+  const auto expected = ForwardReference(p, x, w, bias, kBeta, y0);
+  const DeviceArray<float> dx(x), dw(w), dbias(bias);
+  Check(
+      "forward", expected, y0,
+      [&](float* y) {
+        return cublas_->Forward(p.rows, p.in, p.out, dx.get(), ldx, dw.get(), p.in, dbias.get(), kBeta, y, p.out);
+      },
+      [&](GemmTile tile, float* y) {
+        return kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, 0, dbias.get(),
+                                                0, kBeta, y, p.out, 0, 1, stream_, tile);
+      });
+}
+
+TEST_P(GemmTf32x3Test, BackwardDataOverwritesWithBetaZero) {
+  const Product& p = GetParam();
+  const int lddy = p.out + p.pad;
+  const auto dy = RandomFloats(static_cast<size_t>(p.rows) * lddy, 5);
+  const auto w = RandomFloats(static_cast<size_t>(p.out) * p.in, 6);
+  const auto expected = BackwardDataReference(p, dy, w);
+  const DeviceArray<float> ddy(dy), dw(w);
+  // NaN where the output starts: beta = 0 must not read it.
+  const std::vector<float> init(static_cast<size_t>(p.rows) * p.in, std::numeric_limits<float>::quiet_NaN());
+  Check(
+      "backward_data", expected, init,
+      [&](float* dx) { return cublas_->BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f, dx, p.in); },
+      [&](GemmTile tile, float* dx) {
+        return kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f, dx,
+                                                     p.in, stream_, tile);
+      });
+}
+
+TEST_P(GemmTf32x3Test, BackwardWeightSplitOverRows) {
+  const Product& p = GetParam();
+  const int lddy = p.out + p.pad, ldx = p.in + p.pad;
+  const auto dy = RandomFloats(static_cast<size_t>(p.rows) * lddy, 7);
+  const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 8);
+  const auto expected = BackwardWeightReference(p, dy, x);
+  const DeviceArray<float> ddy(dy), dx(x);
+  const std::vector<float> init(static_cast<size_t>(p.out) * p.in, std::numeric_limits<float>::quiet_NaN());
+  Check(
+      "backward_weight", expected, init,
+      [&](float* dw) { return cublas_->BackwardWeight(p.rows, p.in, p.out, ddy.get(), lddy, dx.get(), ldx, dw, p.in); },
+      [&](GemmTile tile, float* dw) {
+        return kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, ddy.get(), lddy, dx.get(), ldx, dw, p.in,
+                                                       workspace_->get(), kWorkspaceBytes, stream_, tile);
+      });
+}
+
+// small: B·T = 16,384 rows (in_proj, out_proj, embed, GRN, the CfC backbone reading [s | c] at ld D + C); large's
+// widest products over fewer rows (the double reference stays quick); tiny's 8-wide ones; and sizes that are neither
+// tile multiples nor even.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmTf32x3Test,
+    ::testing::Values(Product{"small_in_proj", 16384, 128, 580, 0}, Product{"small_out_proj", 16384, 256, 128, 0},
+                      Product{"small_embed", 16384, 40, 128, 0}, Product{"small_grn", 16384, 64, 64, 0},
+                      Product{"small_cfc_backbone", 16384, 128, 128, 64}, Product{"large_in_proj", 520, 512, 2192, 0},
+                      Product{"large_out_proj", 520, 1024, 512, 0}, Product{"tiny_out_proj", 18, 16, 8, 0},
+                      Product{"tiny_8x8", 18, 8, 8, 0}, Product{"awkward", 1001, 36, 60, 4},
+                      Product{"awkward_wide", 77, 300, 132, 8}, Product{"one_row", 1, 4, 4, 0}),
+    [](const ::testing::TestParamInfo<Product>& info) { return info.param.name; });
+
+// Blas in the 3×TF32 precision on shapes the kernels take and shapes they leave to cuBLAS (head_out's 5 outputs,
+// tiny's in_proj of 42, odd widths): every product form at float32 accuracy.
+TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  {
+    DeviceArray<float> workspace(kWorkspaceBytes / sizeof(float));
+    auto blas = Blas::Create(stream, workspace.get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
+    ASSERT_TRUE(blas.ok()) << blas.status();
+    for (const Product& p : {Product{"head_out", 2000, 64, 5, 0}, Product{"tiny_in_proj", 18, 8, 42, 0},
+                             Product{"odd", 333, 37, 21, 0}, Product{"small_in_proj", 4096, 128, 580, 0}}) {
+      SCOPED_TRACE(p.name);
+      const auto x = RandomFloats(static_cast<size_t>(p.rows) * p.in, 11);
+      const auto w = RandomFloats(static_cast<size_t>(p.out) * p.in, 12);
+      const auto bias = RandomFloats(p.out, 13);
+      const auto dy = RandomFloats(static_cast<size_t>(p.rows) * p.out, 14);
+      const DeviceArray<float> dx_in(x), dw_in(w), dbias(bias), ddy(dy);
+      DeviceArray<float> y(static_cast<size_t>(p.rows) * p.out), dx(static_cast<size_t>(p.rows) * p.in),
+          dw(static_cast<size_t>(p.out) * p.in);
+      const std::vector<float> zeros(static_cast<size_t>(p.rows) * p.out);
+      ASSERT_TRUE((*blas)->Forward(p.rows, p.in, p.out, dx_in.get(), p.in, dw_in.get(), p.in, dbias.get(), 0.f, y.get(),
+                                   p.out)
+                      .ok());
+      ASSERT_TRUE((*blas)->BackwardData(p.rows, p.in, p.out, ddy.get(), p.out, dw_in.get(), p.in, 0.f, dx.get(), p.in)
+                      .ok());
+      ASSERT_TRUE(
+          (*blas)->BackwardWeight(p.rows, p.in, p.out, ddy.get(), p.out, dx_in.get(), p.in, dw.get(), p.in).ok());
+      const double forward = RelativeError(y.Download(), ForwardReference(p, x, w, bias, 0, zeros));
+      const double data = RelativeError(dx.Download(), BackwardDataReference(p, dy, w));
+      const double weight = RelativeError(dw.Download(), BackwardWeightReference(p, dy, x));
+      EXPECT_LE(forward, kFloat32Error);
+      EXPECT_LE(data, kFloat32Error);
+      EXPECT_LE(weight, kFloat32Error);
+      std::printf("[gemm] Blas 3xtf32 %-13s forward %.2e backward_data %.2e backward_weight %.2e\n", p.name.c_str(),
+                  forward, data, weight);
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace perception
