@@ -242,9 +242,11 @@ class CudaModel {
   float* ssm_scratch_ = nullptr;  // the chunked scan backward's boundary states and adjoints (windows over 64 steps)
   StreamStates states_;
 
-  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.
+  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks. head_sums_ are the
+  // head's and the CfC's, whose inputs are final once norm_f's backward has run: they run on grad_stream_ beside the
+  // layers' backward; sums_ are the layers' and the embedding's, at the end of the backward.
   std::vector<kernels::AdamWChunk> chunks_host_;
-  kernels::ColumnSumBatch sums_;
+  kernels::ColumnSumBatch sums_, head_sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
 };
 
