@@ -123,41 +123,32 @@ __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v,
   if (Lane() == 0) rstd[row] = r;
 }
 
-// The backward kernels issue the loads of a warp's next row before the arithmetic and stores of its current one
-// (two rows' inputs in registers), so each warp keeps a row of loads in flight instead of waiting a memory latency
-// per row.
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     RmsNormBackwardKernel(const float* v, int ldv, const float* w, const float* rstd, const float* dy, int lddy,
                           int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials) {
   float wr[V], dw[V] = {};
   LoadWeights<V, VW>(w, cols, wr);
-  float vr[2][V], dyr[2][V], old[2][V], r[2];
-  auto load = [&](int k) {
-    const int row = BackwardRow(k), s = k % 2;
-    if (row >= rows) return;
-    LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr[s]);
-    LoadRow<V, VW>(dy + static_cast<size_t>(row) * lddy, cols, dyr[s]);
-    if (accumulate) LoadRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, old[s]);
-    r[s] = rstd[row];
-  };
-  load(0);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    if (k + 1 < kRowsPerWarp) load(k + 1);
-    const int row = BackwardRow(k), s = k % 2;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
+    float vr[V], dyr[V], old[V];
+    LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr);
+    LoadRow<V, VW>(dy + static_cast<size_t>(row) * lddy, cols, dyr);
+    if (accumulate) LoadRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, old);
+    const float r = rstd[row];
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) dot += dyr[s][j] * wr[j] * vr[s][j];
+    for (int j = 0; j < V; ++j) dot += dyr[j] * wr[j] * vr[j];
     dot = WarpSum(dot);
-    const float coef = r[s] * r[s] * r[s] * dot / static_cast<float>(cols);
+    const float coef = r * r * r * dot / static_cast<float>(cols);
     float out[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float g = r[s] * dyr[s][j] * wr[j] - vr[s][j] * coef;
-      out[j] = accumulate ? old[s][j] + g : g;
-      dw[j] += dyr[s][j] * vr[s][j] * r[s];
+      const float g = r * dyr[j] * wr[j] - vr[j] * coef;
+      out[j] = accumulate ? old[j] + g : g;
+      dw[j] += dyr[j] * vr[j] * r;
     }
     StoreRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, out);
   }
@@ -194,38 +185,32 @@ __global__ void __launch_bounds__(kThreads)
                                int ldz, int rows, int cols, float* dy, float* dz, int lddz, float* dw_partials) {
   float wr[V], dw[V] = {};
   LoadWeights<V, VW>(w, cols, wr);
-  float g[2][V], yr[2][V], zr[2][V], r[2];
-  auto load = [&](int k) {
-    const int row = BackwardRow(k), s = k % 2;
-    if (row >= rows) return;
-    const size_t base = static_cast<size_t>(row) * cols;
-    LoadRow<V, VW>(dyn + base, cols, g[s]);
-    LoadRow<V, VW>(y + base, cols, yr[s]);
-    LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr[s]);
-    r[s] = rstd[row];
-  };
-  load(0);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    if (k + 1 < kRowsPerWarp) load(k + 1);
-    const int row = BackwardRow(k), s = k % 2;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
+    const size_t base = static_cast<size_t>(row) * cols;
+    float g[V], yr[V], zr[V];
+    LoadRow<V, VW>(dyn + base, cols, g);
+    LoadRow<V, VW>(y + base, cols, yr);
+    LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr);
+    const float r = rstd[row];
     float q[V], sz[V], dot = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      sz[j] = Silu(zr[s][j]);
-      q[j] = yr[s][j] * sz[j];
-      dot += g[s][j] * wr[j] * q[j];
+      sz[j] = Silu(zr[j]);
+      q[j] = yr[j] * sz[j];
+      dot += g[j] * wr[j] * q[j];
     }
     dot = WarpSum(dot);
-    const float coef = r[s] * r[s] * r[s] * dot / static_cast<float>(cols);
+    const float coef = r * r * r * dot / static_cast<float>(cols);
     float dyo[V], dzo[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dq = r[s] * g[s][j] * wr[j] - q[j] * coef;
+      const float dq = r * g[j] * wr[j] - q[j] * coef;
       dyo[j] = dq * sz[j];
-      dzo[j] = dq * yr[s][j] * SiluGrad(zr[s][j]);
-      dw[j] += g[s][j] * q[j] * r[s];
+      dzo[j] = dq * yr[j] * SiluGrad(zr[j]);
+      dw[j] += g[j] * q[j] * r;
     }
     StoreRow<V, VW>(dy + static_cast<size_t>(row) * cols, cols, dyo);
     StoreRow<V, VW>(dz + static_cast<size_t>(row) * lddz, cols, dzo);
@@ -279,44 +264,37 @@ __global__ void __launch_bounds__(kThreads)
                                    float* d_gate_pre, float* d_value, float* partials) {
   float wr[V], dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
   LoadWeights<V, VW>(w, cols, wr);
-  float dgr[2][V], n[2][V], gate[2][V], val[2][V], r[2];
-  auto load = [&](int k) {
-    const int row = BackwardRow(k), s = k % 2;
-    if (row >= rows) return;
-    const size_t base = static_cast<size_t>(row) * cols;
-    LoadRow<V, VW>(dg + base, cols, dgr[s]);
-    LoadRow<V, VW>(nhat + base, cols, n[s]);
-    LoadRow<V, VW>(gate_pre + base, cols, gate[s]);
-    LoadRow<V, VW>(value + base, cols, val[s]);
-    r[s] = rstd[row];
-  };
-  load(0);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    if (k + 1 < kRowsPerWarp) load(k + 1);
-    const int row = BackwardRow(k), s = k % 2;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;
+    float dgr[V], n[V], gate[V], val[V];
+    LoadRow<V, VW>(dg + base, cols, dgr);
+    LoadRow<V, VW>(nhat + base, cols, n);
+    LoadRow<V, VW>(gate_pre + base, cols, gate);
+    LoadRow<V, VW>(value + base, cols, val);
+    const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dn = dgr[s][j] * wr[j];
+      const float dn = dgr[j] * wr[j];
       mean_dn += dn;
-      mean_dn_n += dn * n[s][j];
+      mean_dn_n += dn * n[j];
     }
     mean_dn = WarpSum(mean_dn) / static_cast<float>(cols);
     mean_dn_n = WarpSum(mean_dn_n) / static_cast<float>(cols);
     float dpre[V], dv[V], dgt[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      dpre[j] = r[s] * (dgr[s][j] * wr[j] - mean_dn - n[s][j] * mean_dn_n);
-      const float sg = Sigmoid(gate[s][j]);
+      dpre[j] = r * (dgr[j] * wr[j] - mean_dn - n[j] * mean_dn_n);
+      const float sg = Sigmoid(gate[j]);
       dv[j] = dpre[j] * sg;
-      dgt[j] = dpre[j] * val[s][j] * sg * (1.f - sg);
+      dgt[j] = dpre[j] * val[j] * sg * (1.f - sg);
       // Padded columns hold 0 in every input but dpre (−r·mean_dn): keep them out of the sums.
       if (Column<VW>(j) < cols) {
-        dw[j] += dgr[s][j] * n[s][j];
-        db[j] += dgr[s][j];
+        dw[j] += dgr[j] * n[j];
+        db[j] += dgr[j];
         dgate[j] += dgt[j];
         dval[j] += dv[j];
       }
