@@ -508,6 +508,11 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
+  // The CfC's weights are packed on grad_stream_ while the layers run: the packing reads only parameters.
+  RETURN_IF_ERROR(ForkGradients());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
+                                                     grad_stream_));
+  RETURN_IF_ERROR(MarkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
@@ -554,10 +559,10 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const Dims d(config());
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), shape, cfc_packed_, stream_));
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
                                  param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
+  RETURN_IF_ERROR(AwaitGradients());  // the packed weights (ForwardAndLoss)
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
                                                  carry_state ? states_.Cfc(states_.out) : nullptr, stream_));
