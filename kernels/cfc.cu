@@ -8,7 +8,6 @@
 #include "kernels/cfc.h"
 
 #include <algorithm>
-#include <type_traits>
 
 #include <cooperative_groups.h>
 
@@ -218,10 +217,6 @@ __device__ __forceinline__ void StoreToCluster(float* at, float v, const TileVal
   }
 }
 
-// With an even number of sequences a block runs them as two halves half a step apart: each barrier-delimited phase
-// holds one half's W_c mat-vec and the other half's heads mat-vec, so every phase carries about the same
-// multiply-adds, and the reduction, nonlinearity and stores of one half overlap the other half's multiply-adds
-// instead of leaving the issue slots idle before the barrier.
 template <typename Tile, int kSeqs>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     CfcForwardTileKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
@@ -229,7 +224,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   using Wc = typename Tile::Wc;
   using Heads = typename Tile::Heads;
   constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
-  constexpr int kHalves = kSeqs % 2 == 0 ? 2 : 1, kPer = kSeqs / kHalves;  // sequences of a half
   __shared__ __align__(16) float c[kSeqs][kC];  // c_{t−1}, then c_t
   __shared__ __align__(16) float bb[kSeqs][kK];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
@@ -238,129 +232,68 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   float wc[Wc::kR][Wc::kN], wh[Heads::kR][Heads::kN];
   LoadSlots<Tile::kThreads>(mine, 0, wc);
   LoadSlots<Tile::kThreads>(mine, Wc::kR * Wc::kN, wh);
-  // In each half, this thread ends the W_c phase with bb of the half's sequence at_k.seq, row k, and the heads phase
-  // with the four heads of the half's sequence at_i.seq, unit i.
-  const TileValue at_k = TileValueOf<Wc, kPer, 1>(tid), at_i = TileValueOf<Heads, kPer, 4>(tid);
-  const int k = rank * Tile::kRows + at_k.row, i = rank * Tile::kOwnUnits + at_i.row / 4;
-  bool k_valid[kHalves], k_writer[kHalves], i_valid[kHalves], i_writer[kHalves];
-  size_t row_k[kHalves], row_i[kHalves];
-  float c_own[kHalves], u_next[kHalves], dt_next[kHalves];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    const int seq_k = seq0 + h * kPer + at_k.seq, seq_i = seq0 + h * kPer + at_i.seq;
-    k_valid[h] = k < K && seq_k < B;
-    k_writer[h] = k_valid[h] && at_k.copy == 0;
-    row_k[h] = static_cast<size_t>(seq_k) * T;
-    i_valid[h] = i < C && seq_i < B;
-    i_writer[h] = i_valid[h] && at_i.copy == 0;
-    row_i[h] = static_cast<size_t>(seq_i) * T;
-    c_own[h] = i_valid[h] && state_in ? state_in[static_cast<size_t>(seq_i) * C + i] : 0.f;
-    u_next[h] = k_valid[h] ? u[row_k[h] * K + k] : 0.f;
-    dt_next[h] = i_valid[h] ? dt[row_i[h]] : 0.f;
-  }
+  // This thread ends the W_c phase with bb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<Wc, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the heads phase with the four heads of sequence seq0 + at_i.seq, unit i.
+  const TileValue at_i = TileValueOf<Heads, kSeqs, 4>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row / 4;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
   float bias[4];
 #pragma unroll
   for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
+  float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + at_i.seq) * C + i] : 0.f;
   for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
     const int s = j / kC, unit = j % kC;
     c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
   }
-  auto backbone_dot = [&](int h, auto& acc) {
-    TileDot<Wc, kPer>(wc, reinterpret_cast<const float4*>(&c[h * kPer][0]), kC / 4, acc);
-  };
-  auto heads_dot = [&](int h, auto& acc) {
-    TileDot<Heads, kPer>(wh, reinterpret_cast<const float4*>(&bb[h * kPer][0]), kK / 4, acc);
-  };
-  // bb_t = lecun_tanh(W_c·c_{t−1} + u_t) of half h (no stores to global memory past the window).
-  auto backbone_finish = [&](auto half, int t, auto& acc) {
-    constexpr int h = decltype(half)::value;
-    float pre[1];
-    GroupReduceScatter<kPer * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
-    const float v_pre = pre[0] + u_next[h], v = LecunTanh(v_pre);
-    StoreToCluster<Tile::kCluster>(&bb[h * kPer + at_k.seq][k], v, at_k);
-    if (k_writer[h] && t < T) {
-      const size_t at = (row_k[h] + t) * K + k;
-      act.bb_pre[at] = v_pre;
-      act.bb[at] = v;
-    }
-    if (k_valid[h] && t + 1 < T) u_next[h] = u[(row_k[h] + t + 1) * K + k];
-  };
-  // c_t of half h from its heads.
-  auto heads_finish = [&](auto half, int t, auto& acc) {
-    constexpr int h = decltype(half)::value;
-    float heads[4];
-    GroupReduceScatter<kPer * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) heads[j] += bias[j];
-    const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
-    const float tau = Sigmoid(heads[kCfcTimeA] * dt_next[h] + heads[kCfcTimeB]);
-    const float next = f1 * (1.f - tau) + tau * f2;
-    StoreToCluster<Tile::kCluster>(&c[h * kPer + at_i.seq][i], next, at_i);
-    if (i_writer[h]) {
-      const size_t row = row_i[h] + t;
-      float* gates = act.gates + row * 3 * C;
-      gates[i] = f1;
-      gates[C + i] = f2;
-      gates[2 * C + i] = tau;
-      act.c_prev[row * C + i] = c_own[h];
-      act.c[row * act.ldc + i] = next;
-    }
-    c_own[h] = next;
-    if (i_valid[h] && t + 1 < T) dt_next[h] = dt[row_i[h] + t + 1];
-  };
-  constexpr std::integral_constant<int, 0> kFirst;
-  constexpr std::integral_constant<int, kHalves - 1> kSecond;
+  float u_next = k_valid ? u[row_k * K + k] : 0.f, dt_next = i_valid ? dt[row_i] : 0.f;
   PhaseBarrier<Tile::kCluster>();  // also: every block runs before the first distributed store
-  if constexpr (kHalves == 2) {
-    {  // the first half's bb_0 runs ahead
-      float acc[kPer * Wc::kR];
-      backbone_dot(0, acc);
-      backbone_finish(kFirst, 0, acc);
+  for (int t = 0; t < T; ++t) {
+    {
+      float acc[kSeqs * Wc::kR], pre[1];
+      TileDot<Wc, kSeqs>(wc, reinterpret_cast<const float4*>(&c[0][0]), kC / 4, acc);
+      GroupReduceScatter<kSeqs * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
+      const float v_pre = pre[0] + u_next, v = LecunTanh(v_pre);
+      StoreToCluster<Tile::kCluster>(&bb[at_k.seq][k], v, at_k);
+      if (k_writer) {
+        const size_t at = (row_k + t) * K + k;
+        act.bb_pre[at] = v_pre;
+        act.bb[at] = v;
+      }
+      if (k_valid && t + 1 < T) u_next = u[(row_k + t + 1) * K + k];
     }
     PhaseBarrier<Tile::kCluster>();
-    for (int t = 0; t < T; ++t) {
-      {
-        float heads[kPer * Heads::kR];
-        float backbone[kPer * Wc::kR];
-        heads_dot(0, heads);
-        backbone_dot(1, backbone);
-        heads_finish(kFirst, t, heads);
-        backbone_finish(kSecond, t, backbone);
-      }
-      PhaseBarrier<Tile::kCluster>();
-      {  // the first half's bb_{t+1} (computed but not stored past the window), the second half's c_t
-        float backbone[kPer * Wc::kR];
-        float heads[kPer * Heads::kR];
-        backbone_dot(0, backbone);
-        heads_dot(1, heads);
-        backbone_finish(kFirst, t + 1, backbone);
-        heads_finish(kSecond, t, heads);
-      }
-      PhaseBarrier<Tile::kCluster>();
-    }
-  } else {
-    for (int t = 0; t < T; ++t) {
-      {
-        float acc[kPer * Wc::kR];
-        backbone_dot(0, acc);
-        backbone_finish(kFirst, t, acc);
-      }
-      PhaseBarrier<Tile::kCluster>();
-      {
-        float acc[kPer * Heads::kR];
-        heads_dot(0, acc);
-        heads_finish(kFirst, t, acc);
-      }
-      PhaseBarrier<Tile::kCluster>();
-    }
-  }
+    {
+      float acc[kSeqs * Heads::kR], heads[4];
+      TileDot<Heads, kSeqs>(wh, reinterpret_cast<const float4*>(&bb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    if (state_out && i_writer[h]) state_out[static_cast<size_t>(seq0 + h * kPer + at_i.seq) * C + i] = c_own[h];
+      for (int h = 0; h < 4; ++h) heads[h] += bias[h];
+      const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
+      const float tau = Sigmoid(heads[kCfcTimeA] * dt_next + heads[kCfcTimeB]);
+      const float next = f1 * (1.f - tau) + tau * f2;
+      StoreToCluster<Tile::kCluster>(&c[at_i.seq][i], next, at_i);
+      if (i_writer) {
+        const size_t row = row_i + t;
+        float* gates = act.gates + row * 3 * C;
+        gates[i] = f1;
+        gates[C + i] = f2;
+        gates[2 * C + i] = tau;
+        act.c_prev[row * C + i] = c_own;
+        act.c[row * act.ldc + i] = next;
+      }
+      c_own = next;
+      if (i_valid && t + 1 < T) dt_next = dt[row_i + t + 1];
+    }
+    PhaseBarrier<Tile::kCluster>();
   }
+  if (state_out && i_writer) state_out[static_cast<size_t>(seq0 + at_i.seq) * C + i] = c_own;
 }
 
-// Two halves half a step apart, as the forward: one half's W_headsᵀ phase beside the other's W_cᵀ phase.
 template <typename Tile, int kSeqs>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     CfcBackwardTileKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
@@ -368,7 +301,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   using HeadsT = typename Tile::HeadsT;
   using WcT = typename Tile::WcT;
   constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
-  constexpr int kHalves = kSeqs % 2 == 0 ? 2 : 1, kPer = kSeqs / kHalves;
   __shared__ __align__(16) float dheads[kSeqs][4 * kC];  // d of the heads' pre-activations, packed order
   __shared__ __align__(16) float dbb[kSeqs][kK];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
@@ -378,119 +310,67 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   float wt[HeadsT::kR][HeadsT::kN], wu[WcT::kR][WcT::kN];
   LoadSlots<Tile::kThreads>(mine, 0, wt);
   LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
-  // In each half, this thread ends the W_headsᵀ phase with dbb of the half's sequence at_k.seq, row k, and the W_cᵀ
-  // phase with d c_{t−1} of the half's sequence at_i.seq, unit i, then the four d heads of step t − 1.
-  const TileValue at_k = TileValueOf<HeadsT, kPer, 1>(tid), at_i = TileValueOf<WcT, kPer, 1>(tid);
-  const int k = rank * Tile::kRows + at_k.row, i = rank * Tile::kOwnUnits + at_i.row;
-  bool k_valid[kHalves], k_writer[kHalves], i_valid[kHalves], i_writer[kHalves];
-  size_t row_k[kHalves], row_i[kHalves];
-  // Step t's inputs of the d heads, loaded a step ahead; bb_pre of the step the W_headsᵀ phase is at.
-  float grad_head[kHalves], f1[kHalves], f2[kHalves], tau[kHalves], dt_t[kHalves], bb_pre_t[kHalves];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    const int seq_k = seq0 + h * kPer + at_k.seq, seq_i = seq0 + h * kPer + at_i.seq;
-    k_valid[h] = k < K && seq_k < B;
-    k_writer[h] = k_valid[h] && at_k.copy == 0;
-    row_k[h] = static_cast<size_t>(seq_k) * T;
-    i_valid[h] = i < C && seq_i < B;
-    i_writer[h] = i_valid[h] && at_i.copy == 0;
-    row_i[h] = static_cast<size_t>(seq_i) * T;
-    grad_head[h] = f1[h] = f2[h] = tau[h] = dt_t[h] = 0.f;
-    bb_pre_t[h] = k_valid[h] ? bb_pre[(row_k[h] + T - 1) * K + k] : 0.f;
-  }
-  auto load_step = [&](auto half, int t) {
-    constexpr int h = decltype(half)::value;
-    if (!i_valid[h] || t < 0) return;
-    const size_t row = row_i[h] + t;
-    grad_head[h] = dc_head[row * ld_dc_head + i];
+  // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
+  const TileValue at_k = TileValueOf<HeadsT, kSeqs, 1>(tid);
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  // It ends the W_cᵀ phase with d c_{t−1} of sequence seq0 + at_i.seq, unit i, then the four d heads of step t − 1.
+  const TileValue at_i = TileValueOf<WcT, kSeqs, 1>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
+  // Step t's inputs of the d heads, loaded a step ahead.
+  float grad_head = 0.f, f1 = 0.f, f2 = 0.f, tau = 0.f, dt_t = 0.f;
+  auto load_step = [&](int t) {
+    if (!i_valid) return;
+    const size_t row = row_i + t;
+    grad_head = dc_head[row * ld_dc_head + i];
     const float* g = gates + row * 3 * C;
-    f1[h] = g[i];
-    f2[h] = g[C + i];
-    tau[h] = g[2 * C + i];
-    dt_t[h] = dt[row];
+    f1 = g[i];
+    f2 = g[C + i];
+    tau = g[2 * C + i];
+    dt_t = dt[row];
   };
-  // d heads of step t from d c_t = dc + d c_t from the head (nothing is stored for t < 0).
-  auto store_dheads = [&](auto half, int t, float dc) {
-    constexpr int h = decltype(half)::value;
-    const float grad = dc + grad_head[h], d_tau_pre = grad * (f2[h] - f1[h]) * tau[h] * (1.f - tau[h]);
-    const float d[4] = {grad * (1.f - tau[h]) * (1.f - f1[h] * f1[h]), grad * tau[h] * (1.f - f2[h] * f2[h]),
-                        d_tau_pre * dt_t[h], d_tau_pre};
+  // d heads of step t from d c_t = dc + d c_t from the head.
+  auto store_dheads = [&](int t, float dc) {
+    const float grad = dc + grad_head, d_tau_pre = grad * (f2 - f1) * tau * (1.f - tau);
+    const float d[4] = {grad * (1.f - tau) * (1.f - f1 * f1), grad * tau * (1.f - f2 * f2), d_tau_pre * dt_t,
+                        d_tau_pre};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) StoreToCluster<Tile::kCluster>(&dheads[h * kPer + at_i.seq][j * kC + i], d[j], at_i);
-    if (i_writer[h] && t >= 0) {
-      float* out = dp + (row_i[h] + t) * 4 * C;
+    for (int h = 0; h < 4; ++h) StoreToCluster<Tile::kCluster>(&dheads[at_i.seq][h * kC + i], d[h], at_i);
+    if (i_writer) {
+      float* out = dp + (row_i + t) * 4 * C;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) out[j * C + i] = d[j];
+      for (int h = 0; h < 4; ++h) out[h * C + i] = d[h];
     }
   };
-  auto heads_t_dot = [&](int h, auto& acc) {
-    TileDot<HeadsT, kPer>(wt, reinterpret_cast<const float4*>(&dheads[h * kPer][0]), kC, acc);
-  };
-  auto wc_t_dot = [&](int h, auto& acc) {
-    TileDot<WcT, kPer>(wu, reinterpret_cast<const float4*>(&dbb[h * kPer][0]), kK / 4, acc);
-  };
-  // dbb_t of half h.
-  auto heads_t_finish = [&](auto half, int t, auto& acc) {
-    constexpr int h = decltype(half)::value;
-    float total[1];
-    GroupReduceScatter<kPer * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
-    const float v = total[0] * LecunTanhGrad(bb_pre_t[h]);
-    StoreToCluster<Tile::kCluster>(&dbb[h * kPer + at_k.seq][k], v, at_k);
-    if (k_writer[h]) dbb_pre[(row_k[h] + t) * K + k] = v;
-    if (k_valid[h] && t > 0) bb_pre_t[h] = bb_pre[(row_k[h] + t - 1) * K + k];
-  };
-  // d c_{t−1} of half h, then its d heads of step t − 1 (the inputs of step t − 2 loaded next).
-  auto wc_t_finish = [&](auto half, int t, auto& acc) {
-    float dc[1];
-    GroupReduceScatter<kPer * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
-    store_dheads(half, t - 1, dc[0]);
-    load_step(half, t - 2);
-  };
-  constexpr std::integral_constant<int, 0> kFirst;
-  constexpr std::integral_constant<int, kHalves - 1> kSecond;
-  for (int j = tid; j < kSeqs * kK; j += Tile::kThreads) dbb[j / kK][j % kK] = 0.f;  // the second half's dbb_T
   PhaseBarrier<Tile::kCluster>();  // every block runs before the first distributed store
-  load_step(kFirst, T - 1);
-  store_dheads(kFirst, T - 1, 0.f);
-  load_step(kFirst, T - 2);
-  if constexpr (kHalves == 2) {
-    load_step(kSecond, T - 1);
-    PhaseBarrier<Tile::kCluster>();
-    for (int t = T - 1; t >= 0; --t) {
-      {  // the first half's dbb_t; the second half's d c_t (from dbb_{t+1}, 0 at t = T − 1) and d heads of step t
-        float heads_t[kPer * HeadsT::kR], wc_t[kPer * WcT::kR];
-        heads_t_dot(0, heads_t);
-        wc_t_dot(1, wc_t);
-        heads_t_finish(kFirst, t, heads_t);
-        wc_t_finish(kSecond, t + 1, wc_t);
-      }
-      PhaseBarrier<Tile::kCluster>();
-      {  // the first half's d heads of step t − 1 (none past the window's start), the second half's dbb_t
-        float wc_t[kPer * WcT::kR], heads_t[kPer * HeadsT::kR];
-        wc_t_dot(0, wc_t);
-        heads_t_dot(1, heads_t);
-        wc_t_finish(kFirst, t, wc_t);
-        heads_t_finish(kSecond, t, heads_t);
-      }
-      PhaseBarrier<Tile::kCluster>();
+  load_step(T - 1);
+  store_dheads(T - 1, 0.f);
+  if (T > 1) load_step(T - 2);
+  float bb_pre_t = k_valid ? bb_pre[(row_k + T - 1) * K + k] : 0.f;
+  PhaseBarrier<Tile::kCluster>();
+  for (int t = T - 1; t >= 0; --t) {
+    {
+      float acc[kSeqs * HeadsT::kR], total[1];
+      TileDot<HeadsT, kSeqs>(wt, reinterpret_cast<const float4*>(&dheads[0][0]), kC, acc);
+      GroupReduceScatter<kSeqs * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
+      const float v = total[0] * LecunTanhGrad(bb_pre_t);
+      StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
+      if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
+      if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
     }
-  } else {
     PhaseBarrier<Tile::kCluster>();
-    for (int t = T - 1; t >= 0; --t) {
-      {
-        float acc[kPer * HeadsT::kR];
-        heads_t_dot(0, acc);
-        heads_t_finish(kFirst, t, acc);
-      }
-      PhaseBarrier<Tile::kCluster>();
-      if (t == 0) break;  // no gradient flows into state_in
-      {
-        float acc[kPer * WcT::kR];
-        wc_t_dot(0, acc);
-        wc_t_finish(kFirst, t, acc);
-      }
-      PhaseBarrier<Tile::kCluster>();
+    if (t == 0) break;  // no gradient flows into state_in
+    {
+      float acc[kSeqs * WcT::kR], dc[1];
+      TileDot<WcT, kSeqs>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, acc);
+      GroupReduceScatter<kSeqs * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
+      store_dheads(t - 1, dc[0]);
+      if (t > 1) load_step(t - 2);
     }
+    PhaseBarrier<Tile::kCluster>();
   }
 }
 
