@@ -212,6 +212,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dxs_, M * d.E);
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
   a.Reserve(&norm_f_partials_, norm_partial_rows * d.D);
+  a.Reserve(&embed_bias_partials_, norm_partial_rows * d.D);
   a.Reserve(&grn_partials_, norm_partial_rows * 4 * d.G);
   a.Reserve(&ssm_scratch_, kernels::SsmBackwardScratchFloats(c.batch, c.window, d.Hh, d.P, d.N));
 
@@ -246,7 +247,7 @@ absl::Status CudaModel::BuildTables() {
   auto head_sum = [&](int tensor, const float* a, int lda, int cols, int rows = 0) {
     sum_into(head_jobs, tensor, a, lda, cols, rows);
   };
-  sum(pl.embed.bias, dh_, d.D, d.D);
+  sum(pl.embed.bias, embed_bias_partials_, d.D, d.D, P);
   for (int l = 0; l < d.L; ++l) {
     const LayerTensors& lt = pl.layers[l];
     const Layer& a = layers_[l];
@@ -621,7 +622,7 @@ absl::Status CudaModel::Backward() {
   RETURN_IF_ERROR(CfcBackward(rows));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[d.L], d.D, param(layout_.norm_f), rstd_f_, d_head_in_, d.DC,
                                                       rows, d.D, /*accumulate=*/false, dh_, d.D, norm_f_partials_,
-                                                      stream_));
+                                                      /*dv_partials=*/nullptr, stream_));
   // The head's and the CfC's sums are final here: off the main stream, beside the layers' backward.
   RETURN_IF_ERROR(ForkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchColumnSums(head_sums_, grad_stream_));
@@ -714,8 +715,10 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
   RETURN_IF_ERROR(AwaitGradients());
+  // Layer 0's writes the final d residual stream, whose column sums are the embedding's bias gradient.
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
-                                                      /*accumulate=*/true, dh_, d.D, a.norm_partials, stream_));
+                                                      /*accumulate=*/true, dh_, d.D, a.norm_partials,
+                                                      l == 0 ? embed_bias_partials_ : nullptr, stream_));
   return absl::OkStatus();
 }
 

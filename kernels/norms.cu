@@ -126,8 +126,9 @@ __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v,
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     RmsNormBackwardKernel(const float* v, int ldv, const float* w, const float* rstd, const float* dy, int lddy,
-                          int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials) {
-  float wr[V], dw[V] = {};
+                          int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials,
+                          float* dv_partials) {
+  float wr[V], dw[V] = {}, dv_sum[V] = {};
   LoadWeights<V, VW>(w, cols, wr);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
@@ -149,10 +150,12 @@ __global__ void __launch_bounds__(kThreads)
       const float g = r * dyr[j] * wr[j] - vr[j] * coef;
       out[j] = accumulate ? old[j] + g : g;
       dw[j] += dyr[j] * vr[j] * r;
+      dv_sum[j] += out[j];
     }
     StoreRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, out);
   }
   WriteBlockSums<V, VW>(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
+  if (dv_partials) WriteBlockSums<V, VW>(dv_sum, cols, dv_partials + static_cast<size_t>(blockIdx.x) * cols);
 }
 
 template <int V, int VW>
@@ -357,11 +360,11 @@ cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int ro
 
 cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const float* rstd, const float* dy,
                                   int lddy, int rows, int cols, bool accumulate, float* dv, int lddv,
-                                  float* dw_partials, cudaStream_t stream) {
+                                  float* dw_partials, float* dv_partials, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {v, dy, dv}, {ldv, lddy, lddv});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
     RmsNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
-        v, ldv, w, rstd, dy, lddy, rows, cols, accumulate, dv, lddv, dw_partials);
+        v, ldv, w, rstd, dy, lddy, rows, cols, accumulate, dv, lddv, dw_partials, dv_partials);
     return cudaGetLastError();
   });
 }
