@@ -57,11 +57,12 @@ __device__ __forceinline__ void LoadRow(const float* row, int cols, float (&out)
   }
 }
 
-// The weights (a parameter tensor, aligned to a float only) in the same columns as LoadRow's, by scalar loads.
-template <int V, int VW>
-__device__ __forceinline__ void LoadWeights(const float* w, int cols, float (&out)[V]) {
-#pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = Column<VW>(j) < cols ? w[Column<VW>(j)] : 0.f;
+// Weight (or bias) of a lane's value j, 0 past cols: a parameter tensor, aligned to a float only, read by scalar
+// loads where it is used (held in registers across rows it would crowd out the rows of the widest instances).
+template <int VW>
+__device__ __forceinline__ float WeightAt(const float* w, int j, int cols) {
+  const int i = Column<VW>(j);
+  return i < cols ? w[i] : 0.f;
 }
 
 template <int V, int VW>
@@ -79,6 +80,11 @@ __device__ __forceinline__ void StoreRow(float* row, int cols, const float (&v)[
     }
   }
 }
+
+// Blocks of an RMSNorm backward an SM must hold: two at 16 values a lane (at most 128 registers a thread), where the
+// compiler would otherwise take a few more and drop `large`'s 512-wide rows to one block an SM.
+template <int V>
+constexpr int kBackwardMinBlocks = V == 16 ? 2 : 1;
 
 __device__ __forceinline__ float RowRstd(float sum_squares, int cols) {
   return 1.f / sqrtf(sum_squares / static_cast<float>(cols) + kNormEps);
@@ -108,28 +114,26 @@ __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v,
                                                                  float* residual) {
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
-  float vr[V], wr[V];
+  float vr[V];
   LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr);
-  LoadWeights<V, VW>(w, cols, wr);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) ss += vr[j] * vr[j];
   const float r = RowRstd(WarpSum(ss), cols);
   float out[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = vr[j] * r * wr[j];
+  for (int j = 0; j < V; ++j) out[j] = vr[j] * r * WeightAt<VW>(w, j, cols);
   StoreRow<V, VW>(y + static_cast<size_t>(row) * ldy, cols, out);
   if (residual) StoreRow<V, VW>(residual + static_cast<size_t>(row) * cols, cols, vr);
   if (Lane() == 0) rstd[row] = r;
 }
 
 template <int V, int VW>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<V>)
     RmsNormBackwardKernel(const float* v, int ldv, const float* w, const float* rstd, const float* dy, int lddy,
                           int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials,
                           float* dv_partials) {
-  float wr[V], dw[V] = {}, dv_sum[V] = {};
-  LoadWeights<V, VW>(w, cols, wr);
+  float dw[V] = {}, dv_sum[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
@@ -141,13 +145,13 @@ __global__ void __launch_bounds__(kThreads)
     const float r = rstd[row];
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) dot += dyr[j] * wr[j] * vr[j];
+    for (int j = 0; j < V; ++j) dot += dyr[j] * WeightAt<VW>(w, j, cols) * vr[j];
     dot = WarpSum(dot);
     const float coef = r * r * r * dot / static_cast<float>(cols);
     float out[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float g = r * dyr[j] * wr[j] - vr[j] * coef;
+      const float g = r * dyr[j] * WeightAt<VW>(w, j, cols) - vr[j] * coef;
       out[j] = accumulate ? old[j] + g : g;
       dw[j] += dyr[j] * vr[j] * r;
       dv_sum[j] += out[j];
@@ -165,10 +169,9 @@ __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const floa
   const int row = ForwardRow();
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
-  float q[V], zr[V], wr[V];
+  float q[V], zr[V];
   LoadRow<V, VW>(y + base, cols, q);
   LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr);
-  LoadWeights<V, VW>(w, cols, wr);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const floa
   }
   const float r = RowRstd(WarpSum(ss), cols);
 #pragma unroll
-  for (int j = 0; j < V; ++j) q[j] = q[j] * r * wr[j];
+  for (int j = 0; j < V; ++j) q[j] = q[j] * r * WeightAt<VW>(w, j, cols);
   StoreRow<V, VW>(yn + base, cols, q);
   if (Lane() == 0) rstd[row] = r;
 }
@@ -186,8 +189,7 @@ template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GatedRmsNormBackwardKernel(const float* dyn, const float* rstd, const float* w, const float* y, const float* z,
                                int ldz, int rows, int cols, float* dy, float* dz, int lddz, float* dw_partials) {
-  float wr[V], dw[V] = {};
-  LoadWeights<V, VW>(w, cols, wr);
+  float dw[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
@@ -203,14 +205,14 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < V; ++j) {
       sz[j] = Silu(zr[j]);
       q[j] = yr[j] * sz[j];
-      dot += g[j] * wr[j] * q[j];
+      dot += g[j] * WeightAt<VW>(w, j, cols) * q[j];
     }
     dot = WarpSum(dot);
     const float coef = r * r * r * dot / static_cast<float>(cols);
     float dyo[V], dzo[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dq = r * g[j] * wr[j] - q[j] * coef;
+      const float dq = r * g[j] * WeightAt<VW>(w, j, cols) - q[j] * coef;
       dyo[j] = dq * sz[j];
       dzo[j] = dq * yr[j] * SiluGrad(zr[j]);
       dw[j] += g[j] * q[j] * r;
@@ -228,12 +230,10 @@ __global__ void __launch_bounds__(kThreads)
   const int row = ForwardRow();
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
-  float x[V], gate[V], val[V], wr[V], br[V];
+  float x[V], gate[V], val[V];
   LoadRow<V, VW>(pre_ln + base, cols, x);
   LoadRow<V, VW>(gate_pre + base, cols, gate);
   LoadRow<V, VW>(value + base, cols, val);
-  LoadWeights<V, VW>(w, cols, wr);
-  LoadWeights<V, VW>(b, cols, br);
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     n[j] = (x[j] - mean) * r;
-    out[j] = n[j] * wr[j] + br[j];
+    out[j] = n[j] * WeightAt<VW>(w, j, cols) + WeightAt<VW>(b, j, cols);
   }
   StoreRow<V, VW>(pre_ln + base, cols, x);
   StoreRow<V, VW>(nhat + base, cols, n);
@@ -265,8 +265,7 @@ __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormBackwardKernel(const float* dg, const float* nhat, const float* rstd, const float* w,
                                    const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
                                    float* d_gate_pre, float* d_value, float* partials) {
-  float wr[V], dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
-  LoadWeights<V, VW>(w, cols, wr);
+  float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
@@ -281,7 +280,7 @@ __global__ void __launch_bounds__(kThreads)
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dn = dgr[j] * wr[j];
+      const float dn = dgr[j] * WeightAt<VW>(w, j, cols);
       mean_dn += dn;
       mean_dn_n += dn * n[j];
     }
@@ -290,7 +289,7 @@ __global__ void __launch_bounds__(kThreads)
     float dpre[V], dv[V], dgt[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      dpre[j] = r * (dgr[j] * wr[j] - mean_dn - n[j] * mean_dn_n);
+      dpre[j] = r * (dgr[j] * WeightAt<VW>(w, j, cols) - mean_dn - n[j] * mean_dn_n);
       const float sg = Sigmoid(gate[j]);
       dv[j] = dpre[j] * sg;
       dgt[j] = dpre[j] * val[j] * sg * (1.f - sg);
