@@ -715,7 +715,8 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
   RETURN_IF_ERROR(AwaitGradients());
-  // Layer 0's writes the final d residual stream, whose column sums are the embedding's bias gradient.
+  // Layer 0's RMSNorm backward writes the final d residual stream, whose column sums are the embedding's bias
+  // gradient.
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
                                                       /*accumulate=*/true, dh_, d.D, a.norm_partials,
                                                       l == 0 ? embed_bias_partials_ : nullptr, stream_));
