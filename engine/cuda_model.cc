@@ -212,6 +212,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&dxs_, M * d.E);
   a.Reserve(&dbc_, M * d.Hh * 2 * d.N);
   a.Reserve(&norm_f_partials_, norm_partial_rows * d.D);
+  a.Reserve(&embed_bias_partials_, norm_partial_rows * d.D);
   a.Reserve(&grn_partials_, norm_partial_rows * 4 * d.G);
   a.Reserve(&ssm_scratch_, kernels::SsmBackwardScratchFloats(c.batch, c.window, d.Hh, d.P, d.N));
 
@@ -237,55 +238,69 @@ absl::Status CudaModel::BuildTables() {
   const int M = c.batch * c.window, P = kernels::NormPartialRows(M);
   const ParamLayout& pl = layout_;
   // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
-  std::vector<kernels::ColumnSumJob> jobs;
-  auto sum = [&](int tensor, const float* a, int lda, int cols, const float* b = nullptr, int ldb = 0,
-                 const float* row_scale = nullptr, int rows = 0) {
-    jobs.push_back({a, lda, b, ldb, row_scale, rows ? rows : M, cols, grad(tensor)});
+  std::vector<kernels::ColumnSumJob> jobs, head_jobs;
+  auto sum_into = [&](std::vector<kernels::ColumnSumJob>& to, int tensor, const float* a, int lda, int cols,
+                      int rows = 0) { to.push_back({a, lda, nullptr, 0, nullptr, rows ? rows : M, cols, grad(tensor)}); };
+  auto sum = [&](int tensor, const float* a, int lda, int cols, int rows = 0) {
+    sum_into(jobs, tensor, a, lda, cols, rows);
   };
-  sum(pl.embed.bias, dh_, d.D, d.D);
+  auto head_sum = [&](int tensor, const float* a, int lda, int cols, int rows = 0) {
+    sum_into(head_jobs, tensor, a, lda, cols, rows);
+  };
+  sum(pl.embed.bias, embed_bias_partials_, d.D, d.D, P);
   for (int l = 0; l < d.L; ++l) {
     const LayerTensors& lt = pl.layers[l];
     const Layer& a = layers_[l];
     const int conv_ld = d.cd * d.W + d.cd;
-    sum(lt.norm, a.norm_partials, d.D, d.D, nullptr, 0, nullptr, P);
-    sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, nullptr, 0, nullptr, c.batch);
-    sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, nullptr, 0, nullptr, c.batch);
+    sum(lt.norm, a.norm_partials, d.D, d.D, P);
+    sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, c.batch);
+    sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, c.batch);
     sum(lt.dt_bias, a.dzx + d.E + d.cd, d.zd, d.Hh);
     sum(lt.a_log, a.ssm_partials, 2 * d.Hh, d.Hh);
     sum(lt.d, a.ssm_partials + d.Hh, 2 * d.Hh, d.Hh);
-    sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, nullptr, 0, nullptr, P);
+    sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, P);
   }
-  sum(pl.norm_f, norm_f_partials_, d.D, d.D, nullptr, 0, nullptr, P);
-  sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
+  head_sum(pl.norm_f, norm_f_partials_, d.D, d.D, P);
+  head_sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
   const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
-  for (int j = 0; j < kernels::kCfcHeads; ++j) sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
-  sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
-  sum(pl.grn_fc1.bias, de1_, d.G, d.G);
-  sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
-  sum(pl.grn_value.bias, grn_partials_ + 3 * d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
-  sum(pl.grn_norm.weight, grn_partials_, 4 * d.G, d.G, nullptr, 0, nullptr, P);
-  sum(pl.grn_norm.bias, grn_partials_ + d.G, 4 * d.G, d.G, nullptr, 0, nullptr, P);
-  sum(pl.head_out.bias, dlogits_, d.H, d.H);
-  const kernels::ColumnSumPlan plan = kernels::PlanColumnSums(jobs);
+  for (int j = 0; j < kernels::kCfcHeads; ++j) head_sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
+  head_sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
+  head_sum(pl.grn_fc1.bias, de1_, d.G, d.G);
+  head_sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, P);
+  head_sum(pl.grn_value.bias, grn_partials_ + 3 * d.G, 4 * d.G, d.G, P);
+  head_sum(pl.grn_norm.weight, grn_partials_, 4 * d.G, d.G, P);
+  head_sum(pl.grn_norm.bias, grn_partials_ + d.G, 4 * d.G, d.G, P);
+  head_sum(pl.head_out.bias, dlogits_, d.H, d.H);
 
-  kernels::ColumnSumJob* sum_jobs = nullptr;
-  kernels::ColumnSumTile* tiles = nullptr;
-  kernels::ColumnSumFinish* finishes = nullptr;
-  tables_.Reserve(&sum_jobs, jobs.size());
-  tables_.Reserve(&tiles, plan.tiles.size());
-  tables_.Reserve(&finishes, plan.finishes.size());
-  tables_.Reserve(&sums_.partials, plan.partial_floats);
+  struct Staged {
+    const std::vector<kernels::ColumnSumJob>* jobs;
+    kernels::ColumnSumPlan plan;
+    kernels::ColumnSumBatch* batch;
+    kernels::ColumnSumJob* device_jobs = nullptr;
+    kernels::ColumnSumTile* tiles = nullptr;
+    kernels::ColumnSumFinish* finishes = nullptr;
+  };
+  Staged staged[] = {{&jobs, kernels::PlanColumnSums(jobs), &sums_},
+                     {&head_jobs, kernels::PlanColumnSums(head_jobs), &head_sums_}};
+  for (Staged& s : staged) {
+    tables_.Reserve(&s.device_jobs, s.jobs->size());
+    tables_.Reserve(&s.tiles, s.plan.tiles.size());
+    tables_.Reserve(&s.finishes, s.plan.finishes.size());
+    tables_.Reserve(&s.batch->partials, s.plan.partial_floats);
+  }
   tables_.Reserve(&chunks_, chunks_host_.size());
   RETURN_IF_ERROR(tables_.Allocate());
-  RETURN_IF_ERROR(CopyToDevice(sum_jobs, jobs));
-  RETURN_IF_ERROR(CopyToDevice(tiles, plan.tiles));
-  RETURN_IF_ERROR(CopyToDevice(finishes, plan.finishes));
   RETURN_IF_ERROR(CopyToDevice(chunks_, chunks_host_));
-  sums_.jobs = sum_jobs;
-  sums_.tiles = tiles;
-  sums_.tile_count = static_cast<int>(plan.tiles.size());
-  sums_.finishes = finishes;
-  sums_.finish_count = static_cast<int>(plan.finishes.size());
+  for (Staged& s : staged) {
+    RETURN_IF_ERROR(CopyToDevice(s.device_jobs, *s.jobs));
+    RETURN_IF_ERROR(CopyToDevice(s.tiles, s.plan.tiles));
+    RETURN_IF_ERROR(CopyToDevice(s.finishes, s.plan.finishes));
+    s.batch->jobs = s.device_jobs;
+    s.batch->tiles = s.tiles;
+    s.batch->tile_count = static_cast<int>(s.plan.tiles.size());
+    s.batch->finishes = s.finishes;
+    s.batch->finish_count = static_cast<int>(s.plan.finishes.size());
+  }
   return absl::OkStatus();
 }
 
@@ -494,6 +509,11 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
+  // The CfC's weights are packed on grad_stream_ while the layers run: the packing reads only parameters.
+  RETURN_IF_ERROR(ForkGradients());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
+                                                     grad_stream_));
+  RETURN_IF_ERROR(MarkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
@@ -540,10 +560,10 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const Dims d(config());
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), shape, cfc_packed_, stream_));
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
                                  param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
+  RETURN_IF_ERROR(AwaitGradients());  // the packed weights (ForwardAndLoss)
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
                                                  carry_state ? states_.Cfc(states_.out) : nullptr, stream_));
@@ -602,7 +622,10 @@ absl::Status CudaModel::Backward() {
   RETURN_IF_ERROR(CfcBackward(rows));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[d.L], d.D, param(layout_.norm_f), rstd_f_, d_head_in_, d.DC,
                                                       rows, d.D, /*accumulate=*/false, dh_, d.D, norm_f_partials_,
-                                                      stream_));
+                                                      /*dv_partials=*/nullptr, stream_));
+  // The head's and the CfC's sums are final here: off the main stream, beside the layers' backward.
+  RETURN_IF_ERROR(ForkGradients());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchColumnSums(head_sums_, grad_stream_));
   for (int l = d.L - 1; l >= 0; --l) RETURN_IF_ERROR(LayerBackward(l, rows));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.F, d.D, dh_, d.D, xn_, d.F, grad(layout_.embed.weight), d.F));
@@ -692,8 +715,11 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
   RETURN_IF_ERROR(AwaitGradients());
+  // Layer 0's RMSNorm backward writes the final d residual stream, whose column sums are the embedding's bias
+  // gradient.
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
-                                                      /*accumulate=*/true, dh_, d.D, a.norm_partials, stream_));
+                                                      /*accumulate=*/true, dh_, d.D, a.norm_partials,
+                                                      l == 0 ? embed_bias_partials_ : nullptr, stream_));
   return absl::OkStatus();
 }
 

@@ -238,14 +238,16 @@ class CudaModel {
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
   // Per-block gradient partials of the norm backwards: norm_f's weight; the GRN norm's weight and bias and the
-  // gate's and value's biases.
-  float *norm_f_partials_ = nullptr, *grn_partials_ = nullptr;
+  // gate's and value's biases; the embedding's bias (the column sums of layer 0's d residual stream).
+  float *norm_f_partials_ = nullptr, *grn_partials_ = nullptr, *embed_bias_partials_ = nullptr;
   float* ssm_scratch_ = nullptr;  // the chunked scan backward's boundary states and adjoints (windows over 64 steps)
   StreamStates states_;
 
-  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks.
+  // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks. head_sums_ are the
+  // head's and the CfC's, whose inputs are final once norm_f's backward has run: they run on grad_stream_ beside the
+  // layers' backward; sums_ are the layers' and the embedding's, at the end of the backward.
   std::vector<kernels::AdamWChunk> chunks_host_;
-  kernels::ColumnSumBatch sums_;
+  kernels::ColumnSumBatch sums_, head_sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
 };
 

@@ -1,7 +1,11 @@
-// Row normalizations, one warp per row, instantiated per V = values per lane: lane l keeps columns l + 32j (j < V)
-// of its row in registers, so a row is read from memory once, with all of a lane's loads in flight together. Row
-// sums are warp butterflies; the backward blocks own a fixed range of rows and add their warps' weight-gradient
-// sums in warp order, so every result is deterministic. The formulas follow engine/cpu_reference.cc term by term.
+// Row normalizations, one warp per row, instantiated per V = values per lane: lane l keeps V columns of its row in
+// registers (runs of four consecutive columns, read and written as float4, where the rows allow), so a row is read
+// from memory once, with all of a lane's loads in flight together. Row sums are warp butterflies; the backward blocks
+// own a fixed range of rows and add their warps' weight-gradient sums in warp order, so every result is
+// deterministic. The formulas follow engine/cpu_reference.cc term by term.
+#include <cstdint>
+#include <initializer_list>
+
 #include "kernels/common.cuh"
 #include "kernels/norms.h"
 
@@ -15,7 +19,14 @@ constexpr int kBlockRows = kWarps * kRowsPerWarp;
 
 __device__ __forceinline__ int Warp() { return threadIdx.x / kWarpSize; }
 __device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }
-__device__ __forceinline__ int Column(int j) { return Lane() + j * kWarpSize; }
+
+// A lane's V values of a row come in runs of VW consecutive columns: value j sits in column Column<VW>(j), so a warp
+// reads each run as one coalesced vector load per lane (VW = 4: float4), a quarter of the load instructions of
+// scalar columns. VW > 1 needs cols % 4 == 0 and every row start on a 16-byte boundary (the launchers check).
+template <int VW>
+__device__ __forceinline__ int Column(int j) {
+  return j / VW * (kWarpSize * VW) + Lane() * VW + j % VW;
+}
 
 // The forward kernels: one row per warp.
 __device__ __forceinline__ int ForwardRow() { return blockIdx.x * kWarps + Warp(); }
@@ -23,87 +34,135 @@ dim3 ForwardGrid(int rows) { return dim3(CeilDiv(rows, kWarps)); }
 // The backward kernels: rows blockIdx.x·kBlockRows + warp + kWarps·k for k < kRowsPerWarp.
 __device__ __forceinline__ int BackwardRow(int k) { return blockIdx.x * kBlockRows + Warp() + kWarps * k; }
 
-template <int V>
+// Columns past `cols` read as 0.
+template <int V, int VW>
 __device__ __forceinline__ void LoadRow(const float* row, int cols, float (&out)[V]) {
+  static_assert(V % VW == 0 && (VW == 1 || VW == 2 || VW == 4));
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = Column(j) < cols ? row[Column(j)] : 0.f;
+  for (int j = 0; j < V; j += VW) {
+    const int i = Column<VW>(j);
+    if constexpr (VW == 4) {
+      const float4 q = i < cols ? *reinterpret_cast<const float4*>(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      out[j] = q.x;
+      out[j + 1] = q.y;
+      out[j + 2] = q.z;
+      out[j + 3] = q.w;
+    } else if constexpr (VW == 2) {
+      const float2 q = i < cols ? *reinterpret_cast<const float2*>(row + i) : make_float2(0.f, 0.f);
+      out[j] = q.x;
+      out[j + 1] = q.y;
+    } else {
+      out[j] = i < cols ? row[i] : 0.f;
+    }
+  }
 }
+
+// Weight (or bias) of a lane's value j, 0 past cols: a parameter tensor, aligned to a float only, read by scalar
+// loads where it is used (held in registers across rows it would crowd out the rows of the widest instances).
+template <int VW>
+__device__ __forceinline__ float WeightAt(const float* w, int j, int cols) {
+  const int i = Column<VW>(j);
+  return i < cols ? w[i] : 0.f;
+}
+
+template <int V, int VW>
+__device__ __forceinline__ void StoreRow(float* row, int cols, const float (&v)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; j += VW) {
+    const int i = Column<VW>(j);
+    if (i >= cols) break;
+    if constexpr (VW == 4) {
+      *reinterpret_cast<float4*>(row + i) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+    } else if constexpr (VW == 2) {
+      *reinterpret_cast<float2*>(row + i) = make_float2(v[j], v[j + 1]);
+    } else {
+      row[i] = v[j];
+    }
+  }
+}
+
+// Blocks of an RMSNorm backward an SM must hold: two at 16 values a lane (at most 128 registers a thread), where the
+// compiler would otherwise take a few more and drop `large`'s 512-wide rows to one block an SM.
+template <int V>
+constexpr int kBackwardMinBlocks = V == 16 ? 2 : 1;
 
 __device__ __forceinline__ float RowRstd(float sum_squares, int cols) {
   return 1.f / sqrtf(sum_squares / static_cast<float>(cols) + kNormEps);
 }
 
-// Adds every warp's per-lane sums `acc` (column Column(j) in acc[j]) in warp order and writes the totals of the
+// Adds every warp's per-lane sums `acc` (column Column<VW>(j) in acc[j]) in warp order and writes the totals of the
 // first `cols` columns to out. Every thread of the block must call it.
-template <int V>
+template <int V, int VW>
 __device__ void WriteBlockSums(const float (&acc)[V], int cols, float* out) {
   __shared__ float scratch[kWarps][V][kWarpSize];
 #pragma unroll
   for (int j = 0; j < V; ++j) scratch[Warp()][j][Lane()] = acc[j];
   __syncthreads();
   for (int i = threadIdx.x; i < cols; i += kThreads) {
+    const int j = i / (kWarpSize * VW) * VW + i % VW, lane = i % (kWarpSize * VW) / VW;
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += scratch[w][i / kWarpSize][i % kWarpSize];
+    for (int w = 0; w < kWarps; ++w) total += scratch[w][j][lane];
     out[i] = total;
   }
   __syncthreads();  // scratch may be reused by a following call
 }
 
-template <int V>
+template <int V, int VW>
 __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v, int ldv, const float* w, int rows,
                                                                  int cols, float* y, int ldy, float* rstd,
                                                                  float* residual) {
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
   float vr[V];
-  LoadRow(v + static_cast<size_t>(row) * ldv, cols, vr);
+  LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) ss += vr[j] * vr[j];
   const float r = RowRstd(WarpSum(ss), cols);
-  float* yr = y + static_cast<size_t>(row) * ldy;
+  float out[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int i = Column(j);
-    if (i >= cols) break;
-    yr[i] = vr[j] * r * w[i];
-    if (residual) residual[static_cast<size_t>(row) * cols + i] = vr[j];
-  }
+  for (int j = 0; j < V; ++j) out[j] = vr[j] * r * WeightAt<VW>(w, j, cols);
+  StoreRow<V, VW>(y + static_cast<size_t>(row) * ldy, cols, out);
+  if (residual) StoreRow<V, VW>(residual + static_cast<size_t>(row) * cols, cols, vr);
   if (Lane() == 0) rstd[row] = r;
 }
 
-template <int V>
-__global__ void __launch_bounds__(kThreads)
+template <int V, int VW>
+__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<V>)
     RmsNormBackwardKernel(const float* v, int ldv, const float* w, const float* rstd, const float* dy, int lddy,
-                          int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials) {
-  float dw[V] = {};
+                          int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials,
+                          float* dv_partials) {
+  float dw[V] = {}, dv_sum[V] = {};
+#pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
-    float vr[V], dyr[V];
-    LoadRow(v + static_cast<size_t>(row) * ldv, cols, vr);
-    LoadRow(dy + static_cast<size_t>(row) * lddy, cols, dyr);
+    float vr[V], dyr[V], old[V];
+    LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr);
+    LoadRow<V, VW>(dy + static_cast<size_t>(row) * lddy, cols, dyr);
+    if (accumulate) LoadRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, old);
+    const float r = rstd[row];
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) dot += Column(j) < cols ? dyr[j] * w[Column(j)] * vr[j] : 0.f;
+    for (int j = 0; j < V; ++j) dot += dyr[j] * WeightAt<VW>(w, j, cols) * vr[j];
     dot = WarpSum(dot);
-    const float r = rstd[row];
     const float coef = r * r * r * dot / static_cast<float>(cols);
-    float* dvr = dv + static_cast<size_t>(row) * lddv;
+    float out[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int i = Column(j);
-      if (i >= cols) break;
-      const float g = r * dyr[j] * w[i] - vr[j] * coef;
-      dvr[i] = accumulate ? dvr[i] + g : g;
+      const float g = r * dyr[j] * WeightAt<VW>(w, j, cols) - vr[j] * coef;
+      out[j] = accumulate ? old[j] + g : g;
       dw[j] += dyr[j] * vr[j] * r;
+      dv_sum[j] += out[j];
     }
+    StoreRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, out);
   }
-  WriteBlockSums(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
+  WriteBlockSums<V, VW>(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
+  if (dv_partials) WriteBlockSums<V, VW>(dv_sum, cols, dv_partials + static_cast<size_t>(blockIdx.x) * cols);
 }
 
-template <int V>
+template <int V, int VW>
 __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const float* y, const float* z, int ldz,
                                                                       const float* w, int rows, int cols, float* yn,
                                                                       float* rstd) {
@@ -111,8 +170,8 @@ __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const floa
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
   float q[V], zr[V];
-  LoadRow(y + base, cols, q);
-  LoadRow(z + static_cast<size_t>(row) * ldz, cols, zr);
+  LoadRow<V, VW>(y + base, cols, q);
+  LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -121,51 +180,50 @@ __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const floa
   }
   const float r = RowRstd(WarpSum(ss), cols);
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int i = Column(j);
-    if (i >= cols) break;
-    yn[base + i] = q[j] * r * w[i];
-  }
+  for (int j = 0; j < V; ++j) q[j] = q[j] * r * WeightAt<VW>(w, j, cols);
+  StoreRow<V, VW>(yn + base, cols, q);
   if (Lane() == 0) rstd[row] = r;
 }
 
-template <int V>
+template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GatedRmsNormBackwardKernel(const float* dyn, const float* rstd, const float* w, const float* y, const float* z,
                                int ldz, int rows, int cols, float* dy, float* dz, int lddz, float* dw_partials) {
   float dw[V] = {};
+#pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;
-    float g[V], yr[V], zr[V], q[V];
-    LoadRow(dyn + base, cols, g);
-    LoadRow(y + base, cols, yr);
-    LoadRow(z + static_cast<size_t>(row) * ldz, cols, zr);
-    float dot = 0.f;
+    float g[V], yr[V], zr[V];
+    LoadRow<V, VW>(dyn + base, cols, g);
+    LoadRow<V, VW>(y + base, cols, yr);
+    LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr);
+    const float r = rstd[row];
+    float q[V], sz[V], dot = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      q[j] = yr[j] * Silu(zr[j]);
-      dot += Column(j) < cols ? g[j] * w[Column(j)] * q[j] : 0.f;
+      sz[j] = Silu(zr[j]);
+      q[j] = yr[j] * sz[j];
+      dot += g[j] * WeightAt<VW>(w, j, cols) * q[j];
     }
     dot = WarpSum(dot);
-    const float r = rstd[row];
     const float coef = r * r * r * dot / static_cast<float>(cols);
-    float* dzr = dz + static_cast<size_t>(row) * lddz;
+    float dyo[V], dzo[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int i = Column(j);
-      if (i >= cols) break;
-      const float dq = r * g[j] * w[i] - q[j] * coef;
-      dy[base + i] = dq * Silu(zr[j]);
-      dzr[i] = dq * yr[j] * SiluGrad(zr[j]);
+      const float dq = r * g[j] * WeightAt<VW>(w, j, cols) - q[j] * coef;
+      dyo[j] = dq * sz[j];
+      dzo[j] = dq * yr[j] * SiluGrad(zr[j]);
       dw[j] += g[j] * q[j] * r;
     }
+    StoreRow<V, VW>(dy + static_cast<size_t>(row) * cols, cols, dyo);
+    StoreRow<V, VW>(dz + static_cast<size_t>(row) * lddz, cols, dzo);
   }
-  WriteBlockSums(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
+  WriteBlockSums<V, VW>(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
 }
 
-template <int V>
+template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormForwardKernel(float* pre_ln, const float* gate_pre, const float* value, const float* w,
                                   const float* b, int rows, int cols, float* nhat, float* g, float* rstd) {
@@ -173,9 +231,9 @@ __global__ void __launch_bounds__(kThreads)
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
   float x[V], gate[V], val[V];
-  LoadRow(pre_ln + base, cols, x);
-  LoadRow(gate_pre + base, cols, gate);
-  LoadRow(value + base, cols, val);
+  LoadRow<V, VW>(pre_ln + base, cols, x);
+  LoadRow<V, VW>(gate_pre + base, cols, gate);
+  LoadRow<V, VW>(value + base, cols, val);
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -187,78 +245,100 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const float d = x[j] - mean;
-    var += Column(j) < cols ? d * d : 0.f;
+    var += Column<VW>(j) < cols ? d * d : 0.f;
   }
   const float r = 1.f / sqrtf(WarpSum(var) / static_cast<float>(cols) + kNormEps);
+  float n[V], out[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int i = Column(j);
-    if (i >= cols) break;
-    const float n = (x[j] - mean) * r;
-    pre_ln[base + i] = x[j];
-    nhat[base + i] = n;
-    g[base + i] = n * w[i] + b[i];
+    n[j] = (x[j] - mean) * r;
+    out[j] = n[j] * WeightAt<VW>(w, j, cols) + WeightAt<VW>(b, j, cols);
   }
+  StoreRow<V, VW>(pre_ln + base, cols, x);
+  StoreRow<V, VW>(nhat + base, cols, n);
+  StoreRow<V, VW>(g + base, cols, out);
   if (Lane() == 0) rstd[row] = r;
 }
 
-template <int V>
+template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormBackwardKernel(const float* dg, const float* nhat, const float* rstd, const float* w,
                                    const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
                                    float* d_gate_pre, float* d_value, float* partials) {
   float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
+#pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;
     float dgr[V], n[V], gate[V], val[V];
-    LoadRow(dg + base, cols, dgr);
-    LoadRow(nhat + base, cols, n);
-    LoadRow(gate_pre + base, cols, gate);
-    LoadRow(value + base, cols, val);
+    LoadRow<V, VW>(dg + base, cols, dgr);
+    LoadRow<V, VW>(nhat + base, cols, n);
+    LoadRow<V, VW>(gate_pre + base, cols, gate);
+    LoadRow<V, VW>(value + base, cols, val);
+    const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dn = Column(j) < cols ? dgr[j] * w[Column(j)] : 0.f;
+      const float dn = dgr[j] * WeightAt<VW>(w, j, cols);
       mean_dn += dn;
       mean_dn_n += dn * n[j];
     }
     mean_dn = WarpSum(mean_dn) / static_cast<float>(cols);
     mean_dn_n = WarpSum(mean_dn_n) / static_cast<float>(cols);
-    const float r = rstd[row];
+    float dpre[V], dv[V], dgt[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int i = Column(j);
-      if (i >= cols) break;
-      const float dpre = r * (dgr[j] * w[i] - mean_dn - n[j] * mean_dn_n);
+      dpre[j] = r * (dgr[j] * WeightAt<VW>(w, j, cols) - mean_dn - n[j] * mean_dn_n);
       const float sg = Sigmoid(gate[j]);
-      const float dv = dpre * sg, dgt = dpre * val[j] * sg * (1.f - sg);
-      d_pre_ln[base + i] = dpre;
-      d_value[base + i] = dv;
-      d_gate_pre[base + i] = dgt;
-      dw[j] += dgr[j] * n[j];
-      db[j] += dgr[j];
-      dgate[j] += dgt;
-      dval[j] += dv;
+      dv[j] = dpre[j] * sg;
+      dgt[j] = dpre[j] * val[j] * sg * (1.f - sg);
+      // Padded columns hold 0 in every input but dpre (−r·mean_dn): keep them out of the sums.
+      if (Column<VW>(j) < cols) {
+        dw[j] += dgr[j] * n[j];
+        db[j] += dgr[j];
+        dgate[j] += dgt[j];
+        dval[j] += dv[j];
+      }
     }
+    StoreRow<V, VW>(d_pre_ln + base, cols, dpre);
+    StoreRow<V, VW>(d_value + base, cols, dv);
+    StoreRow<V, VW>(d_gate_pre + base, cols, dgt);
   }
   float* out = partials + static_cast<size_t>(blockIdx.x) * 4 * cols;
-  WriteBlockSums(dw, cols, out);
-  WriteBlockSums(db, cols, out + cols);
-  WriteBlockSums(dgate, cols, out + 2 * cols);
-  WriteBlockSums(dval, cols, out + 3 * cols);
+  WriteBlockSums<V, VW>(dw, cols, out);
+  WriteBlockSums<V, VW>(db, cols, out + cols);
+  WriteBlockSums<V, VW>(dgate, cols, out + 2 * cols);
+  WriteBlockSums<V, VW>(dval, cols, out + 3 * cols);
 }
 
-// Calls op.template operator()<V>() with the fewest values per lane that hold `cols`.
+// Whether every row of the given matrices starts on a 16-byte boundary and the rows are whole float4s: then the
+// kernels read and write them as vectors.
+bool Vectorizable(int cols, std::initializer_list<const float*> bases, std::initializer_list<int> strides) {
+  if (cols % 4 != 0) return false;
+  for (const float* p : bases) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  for (const int ld : strides) {
+    if (ld % 4 != 0) return false;
+  }
+  return true;
+}
+
+// Calls op.template operator()<V, VW>() with the fewest values per lane V that hold `cols`, in runs of
+// VW = min(4, V) columns when `vectorizable`, else of single columns.
 template <typename Op>
-cudaError_t ForRowWidth(int cols, Op&& op) {
+cudaError_t ForRowWidth(int cols, bool vectorizable, Op&& op) {
   if (cols < 1) return cudaErrorInvalidValue;
-  if (cols <= 2 * kWarpSize) return op.template operator()<2>();
-  if (cols <= 4 * kWarpSize) return op.template operator()<4>();
-  if (cols <= 8 * kWarpSize) return op.template operator()<8>();
-  if (cols <= 16 * kWarpSize) return op.template operator()<16>();
-  if (cols <= 32 * kWarpSize) return op.template operator()<32>();
+  auto run = [&]<int V>() {
+    constexpr int kVector = V < 4 ? V : 4;
+    return vectorizable ? op.template operator()<V, kVector>() : op.template operator()<V, 1>();
+  };
+  if (cols <= 2 * kWarpSize) return run.template operator()<2>();
+  if (cols <= 4 * kWarpSize) return run.template operator()<4>();
+  if (cols <= 8 * kWarpSize) return run.template operator()<8>();
+  if (cols <= 16 * kWarpSize) return run.template operator()<16>();
+  if (cols <= 32 * kWarpSize) return run.template operator()<32>();
   return cudaErrorInvalidValue;
 }
 static_assert(kMaxNormWidth == 32 * kWarpSize, "ForRowWidth's widest instance is kMaxNormWidth");
@@ -269,27 +349,31 @@ int NormPartialRows(int rows) { return CeilDiv(rows, kBlockRows); }
 
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
                                  float* rstd, float* residual, cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    RmsNormForwardKernel<V><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
-                                                                         residual);
+  const bool vec = Vectorizable(cols, {v, y, residual}, {ldv, ldy});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    RmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
+                                                                             residual);
     return cudaGetLastError();
   });
 }
 
 cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const float* rstd, const float* dy,
                                   int lddy, int rows, int cols, bool accumulate, float* dv, int lddv,
-                                  float* dw_partials, cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    RmsNormBackwardKernel<V><<<NormPartialRows(rows), kThreads, 0, stream>>>(v, ldv, w, rstd, dy, lddy, rows, cols,
-                                                                              accumulate, dv, lddv, dw_partials);
+                                  float* dw_partials, float* dv_partials, cudaStream_t stream) {
+  const bool vec = Vectorizable(cols, {v, dy, dv}, {ldv, lddy, lddv});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    RmsNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
+        v, ldv, w, rstd, dy, lddy, rows, cols, accumulate, dv, lddv, dw_partials, dv_partials);
     return cudaGetLastError();
   });
 }
 
 cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, const float* w, int rows, int cols,
                                       float* yn, float* rstd, cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    GatedRmsNormForwardKernel<V><<<ForwardGrid(rows), kThreads, 0, stream>>>(y, z, ldz, w, rows, cols, yn, rstd);
+  const bool vec = Vectorizable(cols, {y, z, yn}, {ldz});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    GatedRmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(y, z, ldz, w, rows, cols, yn,
+                                                                                 rstd);
     return cudaGetLastError();
   });
 }
@@ -297,9 +381,10 @@ cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, c
 cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, const float* w, const float* y,
                                        const float* z, int ldz, int rows, int cols, float* dy, float* dz, int lddz,
                                        float* dw_partials, cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    GatedRmsNormBackwardKernel<V><<<NormPartialRows(rows), kThreads, 0, stream>>>(dyn, rstd, w, y, z, ldz, rows, cols,
-                                                                                   dy, dz, lddz, dw_partials);
+  const bool vec = Vectorizable(cols, {dyn, y, z, dy, dz}, {ldz, lddz});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    GatedRmsNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
+        dyn, rstd, w, y, z, ldz, rows, cols, dy, dz, lddz, dw_partials);
     return cudaGetLastError();
   });
 }
@@ -307,9 +392,10 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
 cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, const float* value, const float* w,
                                           const float* b, int rows, int cols, float* nhat, float* g, float* rstd,
                                           cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    GrnGateLayerNormForwardKernel<V><<<ForwardGrid(rows), kThreads, 0, stream>>>(pre_ln, gate_pre, value, w, b, rows,
-                                                                                  cols, nhat, g, rstd);
+  const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(pre_ln, gate_pre, value, w, b,
+                                                                                      rows, cols, nhat, g, rstd);
     return cudaGetLastError();
   });
 }
@@ -318,8 +404,9 @@ cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, c
                                            const float* gate_pre, const float* value, int rows, int cols,
                                            float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
                                            cudaStream_t stream) {
-  return ForRowWidth(cols, [&]<int V>() {
-    GrnGateLayerNormBackwardKernel<V><<<NormPartialRows(rows), kThreads, 0, stream>>>(
+  const bool vec = Vectorizable(cols, {dg, nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
+  return ForRowWidth(cols, vec, [&]<int V, int VW>() {
+    GrnGateLayerNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
         dg, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
     return cudaGetLastError();
   });

@@ -21,9 +21,10 @@ cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int ro
 
 // The input gradient of RmsNorm: g = rstd·dy⊙w − v·rstd³·Σ(dy⊙w⊙v)/cols; dv = g, or dv += g when `accumulate`
 // (a pre-norm's gradient joins the residual stream's). dw_partials [NormPartialRows(rows), cols]: Σ dy⊙v·rstd.
+// dv_partials (may be null), the same shape: Σ dv as written, for a bias gradient that sums the result over rows.
 cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const float* rstd, const float* dy,
                                   int lddy, int rows, int cols, bool accumulate, float* dv, int lddv,
-                                  float* dw_partials, cudaStream_t stream);
+                                  float* dw_partials, float* dv_partials, cudaStream_t stream);
 
 // yn = rmsnorm(y ⊙ silu(z), w); rstd per row. y, yn are [rows, cols] dense; z has row stride ldz. The gated
 // q = y ⊙ silu(z) is not stored: the backward recomputes it from the y and z it reads anyway.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "engine/optimizer.h"
@@ -89,9 +90,14 @@ void RmsNormBackwardRow(const float* v, const float* w, double rstd, const float
 
 TEST(KernelTest, RmsNormForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const auto& [rows, cols] : {std::pair{1, 5}, {13, 8}, {77, 129}, {300, 512}}) {
-    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
-    const int ldv = cols + 3, ldy = cols + 5;
+  // Row strides past cols: odd ones take the scalar path, multiples of 4 (with cols) the float4 path.
+  struct Case {
+    int rows, cols, ldv_pad, ldy_pad;
+  };
+  for (const auto& [rows, cols, ldv_pad, ldy_pad] :
+       {Case{1, 5, 3, 5}, {13, 8, 3, 5}, {77, 129, 3, 5}, {300, 512, 3, 5}, {70, 128, 4, 8}, {45, 64, 0, 4}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " +" << ldv_pad << " +" << ldy_pad);
+    const int ldv = cols + ldv_pad, ldy = cols + ldy_pad;
     const Floats v = RandomFloats(rows * ldv, 10, -2, 2), w = RandomFloats(cols, 11, .5, 1.5);
     const Floats dy = RandomFloats(rows * ldy, 12), dv0 = RandomFloats(rows * ldv, 13);
     Doubles y_cpu(rows * ldy, 0), rstd_cpu(rows), residual_cpu(rows * cols), g(cols);
@@ -110,14 +116,21 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
       }
     }
     DeviceArray<float> dvv(v), dw(w), y(rows * ldy), rstd(rows), residual(rows * cols), ddy(dy), rstd_in(rstd_f);
+    Doubles dv_sums(cols, 0.0);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < cols; ++i) dv_sums[i] += dv_accumulate[r * ldv + i];
+    }
     DeviceArray<float> da(rows * ldv), dacc(dv0), dw_parts(kernels::NormPartialRows(rows) * cols);
+    DeviceArray<float> dv_parts(kernels::NormPartialRows(rows) * cols);
     ASSERT_EQ(kernels::LaunchRmsNormForward(dvv.get(), ldv, dw.get(), rows, cols, y.get(), ldy, rstd.get(),
                                             residual.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
-                                             false, da.get(), ldv, dw_parts.get(), nullptr), cudaSuccess);
+                                             false, da.get(), ldv, dw_parts.get(), nullptr, nullptr), cudaSuccess);
     EXPECT_CLOSE(ColumnSums(dw_parts.Download(), cols), dw_cpu);
     ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
-                                             true, dacc.get(), ldv, dw_parts.get(), nullptr), cudaSuccess);
+                                             true, dacc.get(), ldv, dw_parts.get(), dv_parts.get(), nullptr),
+              cudaSuccess);
+    EXPECT_CLOSE(ColumnSums(dv_parts.Download(), cols), dv_sums);
     EXPECT_CLOSE(y.Download(), y_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
     EXPECT_CLOSE(residual.Download(), residual_cpu);
@@ -128,9 +141,11 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
 
 TEST(KernelTest, GatedRmsNormForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const auto& [rows, cols] : {std::pair{1, 5}, {9, 16}, {70, 256}, {33, 1024}}) {
-    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
-    const int ldz = 2 * cols + 7;
+  // An odd ldz takes the scalar path, a multiple of 4 (with cols) the float4 path.
+  for (const auto& [rows, cols, ldz_pad] :
+       {std::tuple{1, 5, 7}, {9, 16, 7}, {70, 256, 7}, {33, 1024, 7}, {70, 256, 4}, {41, 128, 8}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " ldz +" << ldz_pad);
+    const int ldz = 2 * cols + ldz_pad;
     const Floats y = RandomFloats(rows * cols, 20, -2, 2), z = RandomFloats(rows * ldz, 21, -3, 3);
     const Floats w = RandomFloats(cols, 22, .5, 1.5), dyn = RandomFloats(rows * cols, 23);
     Doubles q_cpu(rows * cols), yn_cpu(rows * cols), rstd_cpu(rows), dy_cpu(rows * cols), dz_cpu(rows * ldz, 0.0);
