@@ -43,9 +43,10 @@ enum StageKind : int {
   kEmbed, kInProjShared, kInProjHeads, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kGateValue, kHeadOut
 };
 
-// How a product's rows are spread: over the cluster (results exchanged), all on rank 0 (the head's tail), or all on
-// every block (the embedding, when its weights fit everywhere: one exchange fewer).
-enum StageMode : int { kSplit, kRankZero, kEveryRank };
+// How a product's rows are spread: over the cluster (results exchanged), or all on rank 0 (the head's output). Every
+// product but the last is split, the embedding and the GRN's gate/value too: one row per row group and an exchange
+// measured faster than all rows on every block (or on rank 0) and no exchange.
+enum StageMode : int { kSplit, kRankZero };
 
 // One product in the pack: `units` row units of `outputs` weight rows each (padded to in_pad with zeros) followed by
 // `params` per-unit constants (biases, conv taps), `stride` floats per unit.
@@ -84,7 +85,7 @@ __host__ __device__ inline void RowRange(const PackStage& s, int cluster, int ra
     r1 = (rank + 1) * s.units / cluster;
   } else {
     r0 = 0;
-    r1 = s.mode == kEveryRank || rank == 0 ? s.units : 0;
+    r1 = rank == 0 ? s.units : 0;
   }
 }
 
@@ -131,10 +132,9 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   return p;
 }
 
-// Lays one block's shared memory out for a launch shape with the stages' current modes; false when the activations do
-// not fit. Then the shared vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's
-// order). `all_resident` tells whether every stage's rows found room.
-bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, bool* all_resident) {
+// Lays one block's shared memory out for a launch shape; false when the activations do not fit. Then the shared
+// vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's order).
+bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
@@ -177,31 +177,14 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   const int ssm = events * p.L * p.ssm_rows * p.N;
   p.ssm_base = at + ssm <= budget ? at : -1;
   if (p.ssm_base >= 0) at += Align4(ssm);
-  *all_resident = p.ssm_base >= 0;
   for (int s = 0; s < p.stages; ++s) {
     const PackStage& st = p.stage[s];
     const int rows = st.mode == kSplit ? CeilDiv(st.units, cluster) : st.units;
     p.stage_at[s] = at + rows * st.stride <= budget ? at : -1;
     if (p.stage_at[s] >= 0) at += rows * st.stride;
-    *all_resident = *all_resident && p.stage_at[s] >= 0;
   }
   p.floats = at;
   return true;
-}
-
-// Picks the stages' modes for a launch shape: the embedding on every block and the GRN's gate/value on rank 0 alone
-// (one exchange fewer each) when everything still fits in shared memory, else split products.
-bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
-  const int embed = 0, gate_value = p.stages - 2;
-  const int modes[3][2] = {{kEveryRank, kRankZero}, {kEveryRank, kSplit}, {kSplit, kSplit}};
-  for (const auto& mode : modes) {
-    p.stage[embed].mode = cluster > 1 ? mode[0] : kSplit;
-    p.stage[gate_value].mode = cluster > 1 ? mode[1] : kSplit;
-    bool all_resident = false;
-    if (!Layout(p, events, cluster, max_shared_bytes, &all_resident)) return false;
-    if (all_resident) return true;
-  }
-  return true;  // split products, as many of them resident as fit
 }
 
 bool Supported(const StreamWeights& w) {
@@ -852,19 +835,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       }
                     });
     finish(cfc_stage + 2);
-    // gate/value (of fc1's output, folded in) run on every block (split) or on rank 0 alone.
-    if (exchanged(cfc_stage + 3) || rank == 0) {
-      Products<EG, 2>(p, cfc_stage + 3, pack, smem, bars, p.e2, 0, 0,
-                      [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
-                        if (!active) return;
+    // gate/value, of fc1's output (folded in).
+    Products<EG, 2>(p, cfc_stage + 3, pack, smem, bars, p.e2, 0, 0,
+                    [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
+                      if (!active) return;
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) {
-                          emit(cfc_stage + 3, e, p.pre + u,
-                               ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
-                        }
-                      });
-      finish(cfc_stage + 3);
-    }
+                      for (int e = 0; e < EG; ++e) {
+                        emit(cfc_stage + 3, e, p.pre + u,
+                             ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                      }
+                    });
+    finish(cfc_stage + 3);
 
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
@@ -968,7 +949,7 @@ bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, siz
       cluster_size >= 1 && cluster_size <= kStreamMaxCluster;
   if (!Supported(w) || !valid_shape) return false;
   *plan = MakePackPlan(w);
-  return PlaceLaunch(*plan, events_per_group, cluster_size, max_shared_bytes);
+  return Layout(*plan, events_per_group, cluster_size, max_shared_bytes);
 }
 
 }  // namespace
