@@ -6,9 +6,11 @@
 // (eight lanes per row, four consecutive inputs per lane) and each result is stored into every block's shared memory
 // through distributed shared memory, fused with what the row's owner can finish alone (the causal conv, softplus,
 // the residual, the CfC update, the GRN gate), then the cluster synchronizes. A layer's in_proj is split by SSM rows:
-// each block computes the z and x rows of its own SSM rows and, redundantly, the few B, C and Δt rows every SSM row
-// needs, so the SSM update and its gate follow in the same stage and a layer exchanges only y and out_proj's result.
-// Norms are recomputed by every block. Every sum runs in one fixed order, whatever the launch shape.
+// each block computes its share of the few B, C and Δt rows every SSM row needs and sends them out first, then the z
+// and x rows of its own SSM rows, so the exchange's latency hides under that product and the SSM update and its gate
+// follow in the same stage. A layer's two RMSNorms are folded into the products that read them (the weights into the
+// rows, 1/rms applied to the sums), and the GRN's fc1 into gate and value. Every sum runs in one fixed order, whatever
+// the launch shape.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -26,10 +28,11 @@ constexpr int kStreamWarps = kStreamThreads / kWarpSize;
 constexpr int kLanesPerRow = 8;
 constexpr int kRowGroups = kStreamThreads / kLanesPerRow;
 constexpr int kMaxEvents = 8;
-constexpr int kMaxStages = 3 * kStreamMaxLayers + 7;
-// Results cross the cluster at the end of the embedding, of the SSM and out_proj of every layer, of the CfC's two
-// products and of the GRN's three.
-constexpr int kMaxExchanges = 2 * kStreamMaxLayers + 6;
+constexpr int kMaxStages = 3 * kStreamMaxLayers + 6;
+// Results cross the cluster at the end of every stage but the head's output (exchange x belongs to stage x); which
+// ones do depends on the stages' modes.
+constexpr int kMaxExchanges = kMaxStages - 1;
+static_assert(kMaxExchanges <= kWarpSize, "a warp's lanes arm the exchanges");
 // The launch's copies (shared vectors, then each stage's rows), the exchanges, and the group's bulk-copied SSM states.
 constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges + 1;
 
@@ -37,12 +40,13 @@ __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 
 // kInProjShared: a layer's B, C and Δt rows of in_proj; kInProjHeads: its z and x rows, a unit per SSM row.
 enum StageKind : int {
-  kEmbed, kInProjShared, kInProjHeads, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kFc1, kGateValue, kHeadOut
+  kEmbed, kInProjShared, kInProjHeads, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kGateValue, kHeadOut
 };
 
-// How a product's rows are spread: over the cluster (results exchanged), all on rank 0 (the head's tail), or all on
-// every block (in_proj's B, C and Δt rows; the embedding, when its weights fit everywhere: one exchange fewer).
-enum StageMode : int { kSplit, kRankZero, kEveryRank };
+// How a product's rows are spread: over the cluster (results exchanged), or all on rank 0 (the head's output). Every
+// product but the last is split, the embedding and the GRN's gate/value too: one row per row group and an exchange
+// measured faster than all rows on every block (or on rank 0) and no exchange.
+enum StageMode : int { kSplit, kRankZero };
 
 // One product in the pack: `units` row units of `outputs` weight rows each (padded to in_pad with zeros) followed by
 // `params` per-unit constants (biases, conv taps), `stride` floats per unit.
@@ -56,17 +60,19 @@ struct StreamPlan {
   int F, D, L, E, P, Hh, N, W, C, K, G, H;
   int stages;
   PackStage stage[kMaxStages];
-  // Vectors every block needs whole (norms, SSM constants), at shared_pack in the pack; offsets within the section.
+  // Vectors every block needs whole (standardization, SSM constants, the final norms), at shared_pack in the pack;
+  // offsets within the section. (A layer's two RMSNorm weights are folded into the rows of the product that reads the
+  // norm.)
   int shared_pack, shared_size;
-  int mean, inv_std, norm[kStreamMaxLayers], mixer_norm[kStreamMaxLayers], a_log[kStreamMaxLayers],
-      skip_d[kStreamMaxLayers], norm_f, ln_w, ln_b;
+  int mean, inv_std, a_log[kStreamMaxLayers], skip_d[kStreamMaxLayers], norm_f, ln_w, ln_b;
   int pack_size;
 
   // A launch shape: clusters of `cluster` blocks, groups of `events` events.
   int cluster, events;
   int bars, meta, rows, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
   int ev_base, per_event;                        // event e's activations at ev_base + e·per_event
-  int xn, h, r, bcdt, y, yn, a, bb, e2, skip, e1, pre, g, logits, conv;  // offsets within an event's activations
+  int xn, h, bcdt, y, a, bb, e2, skip, pre, g, logits, conv;  // offsets within an event's activations
+  int rstd_h, rstd_y;  // 1/rms of h and y, for groups of several events
   // Conv state channels per layer and tap: the block's x channels (up to ssm_rows), then B's and C's (2N).
   int conv_channels, ssm_rows;
   int ssm_base;  // the block's SSM rows per event and layer, or −1 when they are read from global memory
@@ -79,7 +85,7 @@ __host__ __device__ inline void RowRange(const PackStage& s, int cluster, int ra
     r1 = (rank + 1) * s.units / cluster;
   } else {
     r0 = 0;
-    r1 = s.mode == kEveryRank || rank == 0 ? s.units : 0;
+    r1 = rank == 0 ? s.units : 0;
   }
 }
 
@@ -96,15 +102,14 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   const int DC = w.D + w.C;
   add(kEmbed, 0, w.D, 1, w.F, 1, kSplit);
   for (int l = 0; l < w.L; ++l) {
-    add(kInProjShared, l, 2 * w.N + w.Hh, 1, w.D, w.W + 1, kEveryRank);  // conv taps and bias of B, C; dt_bias
+    add(kInProjShared, l, 2 * w.N + w.Hh, 1, w.D, w.W + 1, kSplit);  // conv taps and bias of B, C; dt_bias
     add(kInProjHeads, l, w.E, 2, w.D, w.W + 1, kSplit);                   // z and x rows; x's conv taps and bias
     add(kOutProj, l, w.D, 1, w.E, 0, kSplit);
   }
   add(kBackbone, 0, w.K, 1, DC, 1, kSplit);
   add(kCfcHeads, 0, w.C, 4, w.K, 4, kSplit);  // ff1, ff2, time_a, time_b of one unit together: its owner updates c
   add(kFc2Skip, 0, w.G, 2, DC, 1, kSplit);
-  add(kFc1, 0, w.G, 1, w.G, 1, kSplit);
-  add(kGateValue, 0, w.G, 2, w.G, 2, kSplit);
+  add(kGateValue, 0, w.G, 2, w.G, 2, kSplit);  // of e2: fc1 is folded into gate and value
   add(kHeadOut, 0, w.H, 1, w.G, 1, kRankZero);
   p.shared_pack = at;
   int sh = 0;
@@ -116,8 +121,6 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   p.mean = take(w.F);
   p.inv_std = take(w.F);
   for (int l = 0; l < w.L; ++l) {
-    p.norm[l] = take(w.D);
-    p.mixer_norm[l] = take(w.E);
     p.a_log[l] = take(w.Hh);
     p.skip_d[l] = take(w.Hh);
   }
@@ -129,10 +132,9 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   return p;
 }
 
-// Lays one block's shared memory out for a launch shape with the stages' current modes; false when the activations do
-// not fit. Then the shared vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's
-// order). `all_resident` tells whether every stage's rows found room.
-bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, bool* all_resident) {
+// Lays one block's shared memory out for a launch shape; false when the activations do not fit. Then the shared
+// vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's order).
+bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
@@ -154,19 +156,18 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   };
   p.xn = take(p.F);
   p.h = take(p.D);
-  p.r = take(p.D);
   p.bcdt = take(2 * p.N + p.Hh);
   p.y = take(p.E);
-  p.yn = take(p.E);
   p.a = take(p.D + p.C);
   p.bb = take(p.K);
   p.e2 = take(p.G);
   p.skip = take(p.G);
-  p.e1 = take(p.G);
   p.pre = take(p.G);
   p.g = take(p.G);
   p.logits = take(p.H);
   p.conv = take(p.L * W1 * p.conv_channels);
+  p.rstd_h = take(1);
+  p.rstd_y = take(1);
   p.per_event = ev;
   p.ev_base = at;
   at += events * ev;
@@ -176,31 +177,14 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes, boo
   const int ssm = events * p.L * p.ssm_rows * p.N;
   p.ssm_base = at + ssm <= budget ? at : -1;
   if (p.ssm_base >= 0) at += Align4(ssm);
-  *all_resident = p.ssm_base >= 0;
   for (int s = 0; s < p.stages; ++s) {
     const PackStage& st = p.stage[s];
     const int rows = st.mode == kSplit ? CeilDiv(st.units, cluster) : st.units;
     p.stage_at[s] = at + rows * st.stride <= budget ? at : -1;
     if (p.stage_at[s] >= 0) at += rows * st.stride;
-    *all_resident = *all_resident && p.stage_at[s] >= 0;
   }
   p.floats = at;
   return true;
-}
-
-// Picks the stages' modes for a launch shape: the embedding on every block and the GRN's fc1 and gate/value on rank
-// 0 alone (two and one exchanges fewer) when everything still fits in shared memory, else split products.
-bool PlaceLaunch(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
-  const int embed = 0, fc1 = p.stages - 3, gate_value = p.stages - 2;
-  const int modes[3][2] = {{kEveryRank, kRankZero}, {kEveryRank, kSplit}, {kSplit, kSplit}};
-  for (const auto& mode : modes) {
-    p.stage[embed].mode = cluster > 1 ? mode[0] : kSplit;
-    p.stage[fc1].mode = p.stage[gate_value].mode = cluster > 1 ? mode[1] : kSplit;
-    bool all_resident = false;
-    if (!Layout(p, events, cluster, max_shared_bytes, &all_resident)) return false;
-    if (all_resident) return true;
-  }
-  return true;  // split products, as many of them resident as fit
 }
 
 bool Supported(const StreamWeights& w) {
@@ -223,9 +207,27 @@ __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int 
       return heads[m] + static_cast<size_t>(u) * w.K;
     }
     case kFc2Skip: return (m == 0 ? w.fc2_w : w.skip_w) + static_cast<size_t>(u) * DC;
-    case kFc1: return w.fc1_w + static_cast<size_t>(u) * w.G;
     case kGateValue: return (m == 0 ? w.gate_w : w.value_w) + static_cast<size_t>(u) * w.G;
     default: return w.out_w + static_cast<size_t>(u) * w.G;
+  }
+}
+
+// Weight k of output m of row unit u as the kernel reads it. A layer's RMSNorm weights are folded into the products
+// that read the norm: rmsnorm(v, w)·Wᵀ = (v·(W ⊙ w)ᵀ) / rms(v). The GRN's fc1 is folded into gate and value, as no
+// activation lies between them: gate(fc1(e)) = (W_gate·W_fc1)·e + W_gate·b_fc1 + b_gate (in double), one product
+// fewer in the chain.
+__device__ float PackWeight(const StreamWeights& w, const PackStage& s, int u, int m, int k) {
+  const float* row = PackRow(w, s, u, m);
+  switch (s.kind) {
+    case kInProjShared:
+    case kInProjHeads: return row[k] * w.layers[s.layer].norm[k];
+    case kOutProj: return row[k] * w.layers[s.layer].mixer_norm[k];
+    case kGateValue: {
+      double sum = 0.0;
+      for (int j = 0; j < w.G; ++j) sum += static_cast<double>(row[j]) * w.fc1_w[static_cast<size_t>(j) * w.G + k];
+      return static_cast<float>(sum);
+    }
+    default: return row[k];
   }
 }
 
@@ -248,8 +250,12 @@ __device__ float PackParam(const StreamWeights& w, const PackStage& s, int u, in
       return biases[q][u];
     }
     case kFc2Skip: return w.fc2_b[u];
-    case kFc1: return w.fc1_b[u];
-    case kGateValue: return q == 0 ? w.gate_b[u] : w.value_b[u];
+    case kGateValue: {
+      const float* row = PackRow(w, s, u, q);
+      double sum = q == 0 ? w.gate_b[u] : w.value_b[u];
+      for (int j = 0; j < w.G; ++j) sum += static_cast<double>(row[j]) * w.fc1_b[j];
+      return static_cast<float>(sum);
+    }
     case kHeadOut: return w.out_b[u];
     default: return 0.f;
   }
@@ -261,8 +267,6 @@ __device__ float SharedValue(const StreamWeights& w, const StreamPlan& p, int i)
   if (in(p.inv_std, w.F)) return w.norm_inv_std[i - p.inv_std];
   for (int l = 0; l < w.L; ++l) {
     const StreamLayerWeights& lw = w.layers[l];
-    if (in(p.norm[l], w.D)) return lw.norm[i - p.norm[l]];
-    if (in(p.mixer_norm[l], w.E)) return lw.mixer_norm[i - p.mixer_norm[l]];
     if (in(p.a_log[l], w.Hh)) return lw.a_log[i - p.a_log[l]];
     if (in(p.skip_d[l], w.Hh)) return lw.d[i - p.skip_d[l]];
   }
@@ -284,7 +288,7 @@ __global__ void PackKernel(const __grid_constant__ StreamWeights w, const __grid
       const int offset = i - s.pack, u = offset / s.stride, o = offset % s.stride;
       if (o < s.outputs * s.in_pad) {
         const int m = o / s.in_pad, k = o % s.in_pad;
-        if (k < s.in) v = PackRow(w, s, u, m)[k];
+        if (k < s.in) v = PackWeight(w, s, u, m, k);
       } else if (o - s.outputs * s.in_pad < s.params) {
         v = PackParam(w, s, u, o - s.outputs * s.in_pad);
       }
@@ -374,17 +378,29 @@ __device__ __forceinline__ float RowSum(float v) {
 template <int EG, int M>
 struct RowSums {
   float v[M][EG];
+  float squares;  // Σ input² of a lone event, when asked for (a folded RMSNorm's)
 };
+
+// A lane's share of Σ v² in the products' order (its inputs 4j..4j+3, 4j+32, …), one step.
+__device__ __forceinline__ float AddSquares(float sum, float4 x) {
+  sum = fmaf(x.x, x.x, sum);
+  sum = fmaf(x.y, x.y, sum);
+  sum = fmaf(x.z, x.z, sum);
+  return fmaf(x.w, x.w, sum);
+}
+__device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f / sqrtf(squares / n + kNormEps); }
 
 // One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
 // in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
 // product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
-// zeros).
+// zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
+// product needs no pass of its own; the sum has the bits of NormScales's.
 template <int EG, int M>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
-                                               bool active) {
+                                               bool active, bool squares) {
   RowSums<EG, M> sums;
+  sums.squares = 0.f;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -394,6 +410,7 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
     float4 x[EG];
 #pragma unroll
     for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+    if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const float4 wv = *reinterpret_cast<const float4*>(wu + m * in_pad + i);
@@ -406,6 +423,7 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
       }
     }
   }
+  if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -414,14 +432,35 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
   return sums;
 }
 
+// For groups of several events: 1/rms of each event's in[0, n) (n_pad with its zero padding) at `out` of its
+// activations, a row group per event summing in SumRows's order (so every launch shape gets the same bits), then the
+// block synchronizes. A lone event's products sum the squares themselves instead, under the product.
+template <int EG>
+__device__ __noinline__ void NormScales(float* ev, int per_event, int in, int n, int n_pad, int out) {
+  const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
+  if (threadIdx.x < RoundUpToWarp(EG * kLanesPerRow)) {  // whole warps: the row sum's shuffles take every lane
+    const float* v = ev + group * per_event + in;
+    float squares = 0.f;
+    for (int i = lane * 4; group < EG && i < n_pad; i += 4 * kLanesPerRow) {
+      squares = AddSquares(squares, *reinterpret_cast<const float4*>(v + i));
+    }
+    squares = RowSum(squares);
+    if (group < EG && lane == 0) ev[group * per_event + out] = InverseRms(squares, n);
+  }
+  __syncthreads();
+}
+
 // The block's rows of stage `si`, `outputs` products each, for every event of the group: row group (eight lanes)
 // g takes rows r0+g, r0+g+32, ….
+// With norm_n > 0 the input is the RMSNorm of its first norm_n values (the weight is in the rows): the sums are scaled
+// by 1/rms, which a lone event's first row of each row group computes under the product and larger groups read from
+// `rstd_offset` of each event's activations (NormScales).
 // `epilogue(u, acc, params, lane, active)` receives the finished sums of row unit u (every lane of the group gets
 // them); every row group of the block calls it, those past the block's last row with active = false (so that an
 // epilogue may use the whole warp), and they must not touch u's sums or params.
 template <int EG, int M, typename Epilogue>
 __device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
-                                         int in_offset, Epilogue&& epilogue) {
+                                         int in_offset, int norm_n, int rstd_offset, Epilogue&& epilogue) {
   const PackStage& s = p.stage[si];
   const int* rows = reinterpret_cast<const int*>(smem + p.rows);
   const int r0 = rows[2 * si], r1 = rows[2 * si + 1];
@@ -434,11 +473,21 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
   }
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
   const float* in = smem + p.ev_base + in_offset;
+  float lone_rstd = 1.f;
   for (int base = r0; base < r1; base += kRowGroups) {
     const int u = base + group;
     const bool active = u < r1;
     const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
-    const RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active);
+    RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, norm_n > 0 && base == r0);
+    if (norm_n > 0 && active) {
+      if (EG == 1 && base == r0) lone_rstd = InverseRms(sums.squares, norm_n);
+#pragma unroll
+      for (int e = 0; e < EG; ++e) {
+        const float rstd = EG == 1 ? lone_rstd : smem[p.ev_base + e * p.per_event + rstd_offset];
+#pragma unroll
+        for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd;
+      }
+    }
     epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
   }
 }
@@ -476,21 +525,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   int64_t* log_at = reinterpret_cast<int64_t*>(smem + p.meta + 2 * kMaxEvents);
   float* ev = smem + p.ev_base;
   const float* sh = smem + p.shared;
-  const int cfc_stage = 1 + 3 * p.L;
-  // Exchanges in chain order, and the floats each block receives per event in each.
-  const int x_backbone = 1 + 2 * p.L, exchanges = x_backbone + 5;
-  auto exchange_floats = [&](int x) {
-    if (x == 0) return p.D;
-    if (x < x_backbone) return (x - 1) % 2 == 0 ? E : p.D;
-    const int tail[5] = {p.K, p.C, 2 * p.G, p.G, p.G};
-    return tail[x - x_backbone];
-  };
+  const int cfc_stage = 1 + 3 * p.L, exchanges = p.stages - 1;
   auto exchanged = [&](int si) { return R > 1 && p.stage[si].mode == kSplit; };
-  auto exchange_stage = [&](int x) {
-    if (x == 0) return 0;
-    if (x < x_backbone) return 2 + 3 * ((x - 1) / 2) + (x - 1) % 2;
-    return cfc_stage + x - x_backbone;
-  };
 
   // A group's events: read at once, into registers, before anything else (pinned host memory costs a bus round trip
   // per read; inline events arrive with the launch's parameters).
@@ -553,25 +589,25 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     remote_ev[k] = MapToRank(SharedAddress(ev), lane + kLanesPerRow * k);
     remote_bars[k] = MapToRank(SharedAddress(exchange_bars), lane + kLanesPerRow * k);
   }
-  // Result v of exchange x for event e at `offset` of its activations, into every block of the cluster.
+  // Result v of stage x's exchange for event e at `offset` of its activations, into every block of the cluster.
   auto put = [&](int x, int e, int offset, float v) {
     for (int k = 0; k < remotes; ++k) {
       StoreRemote(remote_ev[k] + (e * pe + offset) * sizeof(float), v, remote_bars[k] + x * sizeof(uint64_t));
     }
   };
   // A stage's result: exchanged, or kept by the block that computed it (lane 0 of the row group stores it).
-  auto emit = [&](int si, int x, int e, int offset, float v) {
+  auto emit = [&](int si, int e, int offset, float v) {
     if (exchanged(si)) {
-      put(x, e, offset, v);
+      put(si, e, offset, v);
     } else if (lane == 0) {
       ev[e * pe + offset] = v;
     }
   };
-  // Waits for the stage's results: every block's share of exchange x, or this block's own.
+  // Waits for the stage's results: every block's share of its exchange, or this block's own.
   int phase = 0;
-  auto finish = [&](int si, int x) {
+  auto finish = [&](int si) {
     if (exchanged(si)) {
-      ExchangeWait(exchange_bars + x, phase & 1);
+      ExchangeWait(exchange_bars + si, phase & 1);
     } else {
       __syncthreads();
     }
@@ -586,8 +622,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
     // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
-    if (warp == 1 && warp_lane < exchanges && exchanged(exchange_stage(warp_lane))) {
-      BarrierExpect(exchange_bars + warp_lane, exchange_floats(warp_lane) * EG * sizeof(float));
+    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
+      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
+      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
     }
     if (tid < EG) {
       slot_ids[tid] = slot_read;
@@ -658,24 +695,26 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    Products<EG, 1>(p, 0, pack, smem, bars, p.xn,
+    Products<EG, 1>(p, 0, pack, smem, bars, p.xn, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
-                      for (int e = 0; e < EG; ++e) emit(0, 0, e, p.h + u, acc[0][e] + prm[0]);
+                      for (int e = 0; e < EG; ++e) emit(0, e, p.h + u, acc[0][e] + prm[0]);
                     });
-    finish(0, 0);
+    // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies.
+    CopyAsyncWaitAll();
+    if (exchanged(0)) __syncthreads();
+    finish(0);
 
     for (int l = 0; l < p.L; ++l) {
-      const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l, x_ssm = 1 + 2 * l, x_out = 2 + 2 * l;
+      const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
+      const bool bcdt_exchanged = exchanged(si_bcdt);
       const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
-      if (l == 0) {  // the states are needed from here on (the norm's barrier publishes them)
-        CopyAsyncWaitAll();
-        if (bulk_states) ExchangeWait(state_bar, phase & 1);
-      }
-      RmsNormEvents<EG>(ev, pe, p.h, p.r, sh + p.norm[l], p.D);
-      // B, C (causal conv, SiLU) and Δt (softplus), on every block; rank 0 advances B's and C's conv states.
-      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.r,
+      if (l == 0 && bulk_states) ExchangeWait(state_bar, phase & 1);
+      // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
+      // owner advances its conv state.
+      if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
+      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -689,7 +728,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                             for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
                             out = Silu(conv);
                             const int slot = slot_ids[e];
-                            if (rank == 0 && row_lane == 0 && slot >= 0 && W1 > 0) {
+                            if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
 #pragma unroll 1
                               for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
@@ -698,14 +737,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           } else {
                             out = Softplus(v + prm[0]);
                           }
-                          if (row_lane == 0) ev[e * pe + p.bcdt + u] = out;
+                          emit(si_bcdt, e, p.bcdt + u, out);
                         }
                       });
-      __syncthreads();
-      // z and x of this block's SSM rows (h, p); x's causal conv (its owner advances the conv state), then the SSM
-      // update and readout (eight lanes over the state dimension) and the gate; y is exchanged.
-      Products<EG, 2>(p, si_heads, pack, smem, bars, p.r,
+      if (!bcdt_exchanged) __syncthreads();
+      // z and x of this block's SSM rows (h, p) of the same norm; x's causal conv (its owner advances the conv state),
+      // then (once B, C and Δt are in) the SSM update and readout (eight lanes over the state dimension) and the gate;
+      // y is exchanged.
+      Products<EG, 2>(p, si_heads, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
+                        if (active && bcdt_exchanged) ExchangeWait(exchange_bars + si_bcdt, phase & 1);
                         const int head = active ? hp / p.P : 0;
                         const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
                         float y[EG], xc[EG];
@@ -746,74 +787,65 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) {
-                          emit(si_heads, x_ssm, e, p.y + hp, (y[e] + Dh * xc[e]) * Silu(acc[0][e]));
+                          emit(si_heads, e, p.y + hp, (y[e] + Dh * xc[e]) * Silu(acc[0][e]));
                         }
                       });
-      finish(si_heads, x_ssm);
+      finish(si_heads);
 
-      RmsNormEvents<EG>(ev, pe, p.y, p.yn, sh + p.mixer_norm[l], E);
-      Products<EG, 1>(p, si_out, pack, smem, bars, p.yn,
+      // out_proj of the gated RMSNorm (folded) of y.
+      if constexpr (EG > 1) NormScales<EG>(ev, pe, p.y, E, Align4(E), p.rstd_y);
+      Products<EG, 1>(p, si_out, pack, smem, bars, p.y, E, p.rstd_y,
                       [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
                         if (!active) return;
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) emit(si_out, x_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
+                        for (int e = 0; e < EG; ++e) emit(si_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
                       });
-      finish(si_out, x_out);
+      finish(si_out);
     }
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
     RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a,
+    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e)
-                        emit(cfc_stage, x_backbone, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
+                        emit(cfc_stage, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
-    finish(cfc_stage, x_backbone);
-    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb,
+    finish(cfc_stage);
+    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb, 0, 0,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
                         const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
                         const float c = tanhf(acc[0][e] + prm[0]) * (1.f - tau) + tau * tanhf(acc[1][e] + prm[1]);
-                        emit(cfc_stage + 1, x_backbone + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
+                        emit(cfc_stage + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
                         if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
                       }
                     });
-    finish(cfc_stage + 1, x_backbone + 1);
-    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a,
+    finish(cfc_stage + 1);
+    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        emit(cfc_stage + 2, x_backbone + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
-                        emit(cfc_stage + 2, x_backbone + 2, e, p.skip + u, acc[1][e]);
+                        emit(cfc_stage + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
+                        emit(cfc_stage + 2, e, p.skip + u, acc[1][e]);
                       }
                     });
-    finish(cfc_stage + 2, x_backbone + 2);
-    // fc1 and gate/value run on every block (split) or on rank 0 alone.
-    if (exchanged(cfc_stage + 3) || rank == 0) {
-      Products<EG, 1>(p, cfc_stage + 3, pack, smem, bars, p.e2,
-                      [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
-                        if (!active) return;
+    finish(cfc_stage + 2);
+    // gate/value, of fc1's output (folded in).
+    Products<EG, 2>(p, cfc_stage + 3, pack, smem, bars, p.e2, 0, 0,
+                    [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
+                      if (!active) return;
 #pragma unroll
-                        for (int e = 0; e < EG; ++e)
-                          emit(cfc_stage + 3, x_backbone + 3, e, p.e1 + u, acc[0][e] + prm[0]);
-                      });
-      finish(cfc_stage + 3, x_backbone + 3);
-      Products<EG, 2>(p, cfc_stage + 4, pack, smem, bars, p.e1,
-                      [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
-                        if (!active) return;
-#pragma unroll
-                        for (int e = 0; e < EG; ++e) {
-                          emit(cfc_stage + 4, x_backbone + 4, e, p.pre + u,
-                               ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
-                        }
-                      });
-      finish(cfc_stage + 4, x_backbone + 4);
-    }
+                      for (int e = 0; e < EG; ++e) {
+                        emit(cfc_stage + 3, e, p.pre + u,
+                             ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                      }
+                    });
+    finish(cfc_stage + 3);
 
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
@@ -835,7 +867,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         }
       }
       __syncthreads();
-      Products<EG, 1>(p, cfc_stage + 5, pack, smem, bars, p.g,
+      Products<EG, 1>(p, cfc_stage + 4, pack, smem, bars, p.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
 #pragma unroll
@@ -917,7 +949,7 @@ bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, siz
       cluster_size >= 1 && cluster_size <= kStreamMaxCluster;
   if (!Supported(w) || !valid_shape) return false;
   *plan = MakePackPlan(w);
-  return PlaceLaunch(*plan, events_per_group, cluster_size, max_shared_bytes);
+  return Layout(*plan, events_per_group, cluster_size, max_shared_bytes);
 }
 
 }  // namespace
