@@ -47,24 +47,34 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params,
-                                                     std::shared_ptr<NcclCommunicator> communicator) {
+                                                     std::shared_ptr<NcclCommunicator> communicator,
+                                                     Precision precision) {
   if (device != "cpu" && device != "cuda" && device != "auto") {
     return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
   }
   if (communicator != nullptr && device == "cpu") {
     return absl::FailedPreconditionError("data-parallel training runs on NCCL, which the CPU backend cannot join");
   }
-  if (device == "cpu") return MakeCpuBackend(config, optimizer, std::move(params));
+  const auto cpu = [&]() -> absl::StatusOr<std::unique_ptr<Backend>> {
+    if (precision != Precision::kFloat32) {
+      return absl::FailedPreconditionError(absl::StrCat("precision ", PrecisionName(precision),
+                                                        " is the CUDA backend's; the CPU backend computes in fp32"));
+    }
+    return MakeCpuBackend(config, optimizer, std::move(params));
+  };
+  if (device == "cpu") return cpu();
 #if PERCEPTION_HAVE_CUDA
   const absl::Status available = CudaDeviceAvailable();
-  if (available.ok()) return MakeCudaBackend(config, optimizer, std::move(params), {.communicator = communicator});
+  if (available.ok()) {
+    return MakeCudaBackend(config, optimizer, std::move(params), {.precision = precision, .communicator = communicator});
+  }
   if (device == "cuda" || communicator != nullptr) return available;
 #else
   if (device == "cuda") {
     return absl::FailedPreconditionError("device cuda: this build has no CUDA backend (built with PERCEPTION_CUDA=OFF)");
   }
 #endif
-  return MakeCpuBackend(config, optimizer, std::move(params));
+  return cpu();
 }
 
 }  // namespace perception

@@ -12,6 +12,7 @@
 #include "engine/cpu_reference.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
+#include "engine/precision.h"
 
 namespace perception {
 
@@ -122,9 +123,11 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 
 // The backend for `device`: "cpu", "cuda" (an error naming what is missing when this build has no CUDA backend
 // or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU). With a `communicator`
-// the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be.
+// the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be. `precision`
+// is the CUDA backend's product arithmetic; a backend that resolves to the CPU refuses any but kFloat32.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params,
-                                                     std::shared_ptr<NcclCommunicator> communicator = nullptr);
+                                                     std::shared_ptr<NcclCommunicator> communicator = nullptr,
+                                                     Precision precision = Precision::kFloat32);
 
 }  // namespace perception

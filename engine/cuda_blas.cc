@@ -110,25 +110,6 @@ cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAtt
 
 }  // namespace
 
-absl::StatusOr<Precision> ParsePrecision(std::string_view name) {
-  for (const Precision p : {Precision::kFloat32, Precision::kFloat32Tf32x3, Precision::kTf32}) {
-    if (name == PrecisionName(p)) return p;
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown precision '", std::string(name), "' (fp32, 3xtf32 or tf32)"));
-}
-
-const char* PrecisionName(Precision precision) {
-  switch (precision) {
-    case Precision::kFloat32:
-      return "fp32";
-    case Precision::kFloat32Tf32x3:
-      return "3xtf32";
-    case Precision::kTf32:
-      return "tf32";
-  }
-  return "?";
-}
-
 absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
                                                    Precision precision) {
   cublasLtHandle_t handle = nullptr;

@@ -7,22 +7,14 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <string_view>
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "engine/precision.h"
 
 namespace perception {
-
-// How the products are computed. kFloat32: cuBLAS float32 (SIMT), the default. kFloat32Tf32x3: float32 accuracy on
-// the TF32 tensor cores — the 3×TF32 kernels for the products they take and run faster (measured on the H200),
-// cuBLAS float32 for the rest and on devices other than Hopper (compute capability 9.0). kTf32: cuBLAS on the TF32 tensor cores, inputs rounded to TF32 (a looser tolerance).
-enum class Precision { kFloat32, kFloat32Tf32x3, kTf32 };
-// "fp32", "3xtf32", "tf32".
-absl::StatusOr<Precision> ParsePrecision(std::string_view name);
-const char* PrecisionName(Precision precision);
 
 // `count` Forward products of one shape in one launch: the i-th reads and writes each operand at its pointer +
 // i·stride (in floats; stride 0 shares the operand, e.g. one x under several weights).

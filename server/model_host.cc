@@ -41,14 +41,16 @@ absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig
 
 }  // namespace
 
-ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming, bool use_graphs)
-    : device_(std::move(device)), use_graphs_(use_graphs), metrics_(metrics), streaming_(streaming) {}
+ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming, bool use_graphs,
+                     Precision precision)
+    : device_(std::move(device)), use_graphs_(use_graphs), precision_(precision), metrics_(metrics),
+      streaming_(streaming) {}
 
 absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
                                                                const OptimizerConfig& optimizer,
                                                                std::vector<float> params) const {
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(device_, config, optimizer, std::move(params), communicator_));
+                   MakeBackend(device_, config, optimizer, std::move(params), communicator_, precision_));
   backend->set_use_graphs(use_graphs_);
   return backend;
 }

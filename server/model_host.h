@@ -12,6 +12,7 @@
 #include "engine/config.h"
 #include "engine/dataset.h"
 #include "engine/optimizer.h"
+#include "engine/precision.h"
 #include "server/metrics.h"
 
 namespace perception::server {
@@ -71,9 +72,11 @@ struct SaveOutcome {
 // and, on CUDA, holds the device context. Every method leaves the previous model in place when it fails.
 class ModelHost {
  public:
-  // `device` as MakeBackend takes it: "auto", "cpu" or "cuda". `use_graphs` off runs the CUDA training step and
-  // streaming ticks kernel by kernel instead of as captured graphs (debugging).
-  ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true);
+  // `device` and `precision` as MakeBackend takes them: "auto", "cpu" or "cuda", and the CUDA products' arithmetic.
+  // `use_graphs` off runs the CUDA training step and streaming ticks kernel by kernel instead of as captured graphs
+  // (debugging).
+  ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true,
+            Precision precision = Precision::kFloat32);
 
   // Makes this daemon one rank of a data-parallel job: joins the NCCL communicator on the calling (device worker's)
   // thread; every model installed afterwards trains through it. Once, before any model exists; CUDA only.
@@ -117,12 +120,13 @@ class ModelHost {
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
-  // MakeBackend for this host's device, with its graph setting.
+  // MakeBackend for this host's device, with its precision and graph setting.
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                       std::vector<float> params) const;
 
   const std::string device_;
   const bool use_graphs_;
+  const Precision precision_;
   ServerMetrics& metrics_;
   std::optional<DataParallelOptions> data_parallel_;
   std::shared_ptr<NcclCommunicator> communicator_;  // outlives every backend that trains through it

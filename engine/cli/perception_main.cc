@@ -19,11 +19,15 @@
 #include "engine/dataset.h"
 #include "engine/lobster.h"
 #include "engine/npy.h"
+#include "engine/precision.h"
 #include "engine/status_macros.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
 ABSL_FLAG(std::string, graphs, "on", "CUDA graphs for the training step: on, or off to run it eagerly (debugging)");
+ABSL_FLAG(std::string, precision, "fp32",
+          "the CUDA backend's linear-layer products: fp32 (cuBLAS float32), 3xtf32 (float32 accuracy on the TF32 "
+          "tensor cores) or tf32 (inputs rounded to TF32)");
 ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
 ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
@@ -110,8 +114,9 @@ absl::Status Train() {
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
+  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params)));
+                   MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params), nullptr, precision));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {}", backend->device_name());
 
@@ -167,8 +172,9 @@ absl::Status Eval() {
                                                    LobsterFeatureCount(data.levels)));
   }
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(absl::GetFlag(FLAGS_device), config, OptimizerConfig{}, checkpoint.params));
+  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(absl::GetFlag(FLAGS_device), config, OptimizerConfig{},
+                                                                 checkpoint.params, nullptr, precision));
   const size_t n = series.size();
   const int F = config.n_features, H = config.n_horizons;
   std::vector<float> logits(n * H);

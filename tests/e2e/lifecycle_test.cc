@@ -1,5 +1,5 @@
-// The daemon's life as operators see it: health and reflection, draining on SIGTERM/SIGINT with exit code 0,
-// and /metrics scraped from the running binary.
+// The daemon's life as operators see it: flags refused before it serves, health and reflection, draining on
+// SIGTERM/SIGINT with exit code 0, and /metrics scraped from the running binary.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -42,6 +42,18 @@ std::vector<std::string> ListServices(const std::string& target) {
   }
   EXPECT_TRUE(stream->Finish().ok());
   return names;
+}
+
+// --precision is checked before the daemon serves: an unknown name, or a CUDA precision on --device=cpu, ends it
+// with the reason and exit code 1.
+TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
+  const std::string daemon = absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ");
+  const CommandResult unknown = RunCommand(daemon + "--precision=fp16");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (fp32, 3xtf32 or tf32)"));
+  const CommandResult cpu = RunCommand(daemon + "--device=cpu --precision=3xtf32");
+  EXPECT_EQ(cpu.exit_code, 1);
+  EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
 }
 
 TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {

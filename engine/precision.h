@@ -1,0 +1,20 @@
+// The arithmetic of the CUDA backend's linear-layer products (engine/cuda_blas.h), chosen per model: a CUDA-free
+// header, so flags and the backend factory can name it in a build without CUDA.
+#pragma once
+
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace perception {
+
+// kFloat32: cuBLAS float32 (SIMT), the default. kFloat32Tf32x3: float32 accuracy on the TF32 tensor cores — the
+// 3×TF32 kernels for the products they take and run faster (measured on the H200), cuBLAS float32 for the rest and on
+// devices other than Hopper (compute capability 9.0). kTf32: cuBLAS on the TF32 tensor cores, inputs rounded to TF32
+// (a looser tolerance). The CPU backend computes in float32 and knows only kFloat32.
+enum class Precision { kFloat32, kFloat32Tf32x3, kTf32 };
+// "fp32", "3xtf32", "tf32".
+absl::StatusOr<Precision> ParsePrecision(std::string_view name);
+const char* PrecisionName(Precision precision);
+
+}  // namespace perception
