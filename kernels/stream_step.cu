@@ -796,9 +796,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.y, E, Align4(E), p.rstd_y);
       Products<EG, 1>(p, si_out, pack, smem, bars, p.y, E, p.rstd_y,
                       [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
+                        // Every lane of the row group reads the residual h[u] before any lane writes the new one
+                        // into it (racecheck flagged the unordered read and write).
+                        const unsigned active_lanes = __ballot_sync(0xffffffffu, active);
                         if (!active) return;
+                        float out[EG];
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) emit(si_out, e, p.h + u, ev[e * pe + p.h + u] + acc[0][e]);
+                        for (int e = 0; e < EG; ++e) out[e] = ev[e * pe + p.h + u] + acc[0][e];
+                        __syncwarp(active_lanes);
+#pragma unroll
+                        for (int e = 0; e < EG; ++e) emit(si_out, e, p.h + u, out[e]);
                       });
       finish(si_out);
     }
