@@ -552,34 +552,41 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
 
-  // Every copy of the launch starts now, in the order the chain needs them: one barrier per thread, then the
-  // copies from the lanes of warp 0, a stage per lane, which also leave the block's row range of their stage.
+  // The exchanges' and the states' barriers, and the activations at zero (the products read their zero padding):
+  // everything the other blocks may touch, so that this block arrives at the cluster barrier before its copies.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const bool inits = tid < launch_bars || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
-  if (tid < launch_bars) BarrierInit(bars + tid);
+  const bool inits = (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
   if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
   if (tid == 2 * kWarpSize) BarrierInit(state_bar);
   if (inits) BarrierInitFence();
-  // Activations start at zero: the products read their zero padding.
-  for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
-  __syncthreads();
-  if (tid == 0) {
-    BarrierExpect(bars, p.shared_size * sizeof(float));
-    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
-  }
+  float4* ev4 = reinterpret_cast<float4*>(ev);
+  for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  ClusterArrive();
+  // Every copy of the launch starts now, in the order the chain needs them: launch barrier b (the shared vectors,
+  // then stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its copy and leaves the
+  // block's row range of its stage. The warps issue in parallel, and each reads the plan at one index at a time.
   int* rows = reinterpret_cast<int*>(smem + p.rows);
-  for (int si = tid; warp == 0 && si < p.stages; si += kWarpSize) {
+  for (int b = warp; warp_lane == 0 && b < launch_bars; b += kStreamWarps) {
+    BarrierInit(bars + b);
+    BarrierInitFence();
+    if (b == 0) {
+      BarrierExpect(bars, p.shared_size * sizeof(float));
+      BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
+      continue;
+    }
+    const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
     rows[2 * si] = r0;
     rows[2 * si + 1] = r1;
     if (p.stage_at[si] < 0) continue;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
-    BarrierExpect(bars + 1 + si, bytes);
+    BarrierExpect(bars + b, bytes);
     if (bytes > 0) {
       BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
-               bars + 1 + si);
+               bars + b);
     }
   }
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
@@ -612,9 +619,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       __syncthreads();
     }
   };
-  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
-  ClusterArrive();
-
   // This block's SSM rows (and x conv channels): the rows of its share of every layer's z/x product. A layer's rows
   // of one slot's SSM state are one contiguous run, bulk-copied when its bytes allow (16-byte multiples).
   const int q0 = rank * E / R, q1 = (rank + 1) * E / R, nx = q1 - q0;
