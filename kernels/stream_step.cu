@@ -552,43 +552,44 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
 
-  // The exchanges' and the states' barriers, and the activations at zero (the products read their zero padding):
-  // everything the other blocks may touch, so that this block arrives at the cluster barrier before its copies.
+  // Launch barrier b (the shared vectors, then stage b − 1's rows) belongs to lane 0 of warp b mod 8, which
+  // initializes it, starts its copy and leaves the block's row range of its stage: the warps issue in parallel, each
+  // reading the plan at one index at a time. The exchanges' barriers belong to the lanes of warp 1.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const bool inits = (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
+  const bool issues = warp_lane == 0 && warp < launch_bars;
+  for (int b = warp; issues && b < launch_bars; b += kStreamWarps) BarrierInit(bars + b);
   if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
   if (tid == 2 * kWarpSize) BarrierInit(state_bar);
-  if (inits) BarrierInitFence();
-  float4* ev4 = reinterpret_cast<float4*>(ev);
-  for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
-  ClusterArrive();
-  // Every copy of the launch starts now, in the order the chain needs them: launch barrier b (the shared vectors,
-  // then stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its copy and leaves the
-  // block's row range of its stage. The warps issue in parallel, and each reads the plan at one index at a time.
+  if (issues || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize) BarrierInitFence();
   int* rows = reinterpret_cast<int*>(smem + p.rows);
-  for (int b = warp; warp_lane == 0 && b < launch_bars; b += kStreamWarps) {
-    BarrierInit(bars + b);
-    BarrierInitFence();
+  auto issue = [&](int b) {
     if (b == 0) {
       BarrierExpect(bars, p.shared_size * sizeof(float));
       BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
-      continue;
+      return;
     }
     const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
     rows[2 * si] = r0;
     rows[2 * si + 1] = r1;
-    if (p.stage_at[si] < 0) continue;
+    if (p.stage_at[si] < 0) return;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
     BarrierExpect(bars + b, bytes);
     if (bytes > 0) {
       BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
                bars + b);
     }
-  }
+  };
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier.
+  if (issues) issue(warp);
+  // Activations start at zero: the products read their zero padding.
+  float4* ev4 = reinterpret_cast<float4*>(ev);
+  for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  ClusterArrive();
+  for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
   const int remotes = (R > lane) + (R > lane + kLanesPerRow);
