@@ -626,17 +626,19 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const bool bulk_states = p.ssm_base >= 0 && nx > 0 && N * sizeof(float) % 16 == 0;
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
-    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
-    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
-      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
-    }
     if (tid < EG) {
       slot_ids[tid] = slot_read;
       event_dt[tid] = dt_read;
       log_at[tid] = log_read;
     }
     __syncthreads();
+    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile). After
+    // the block barrier: a warp's mbarrier.init runs one address at a time for all its lanes, so without a barrier
+    // between them racecheck sees another lane's initialization race with this lane's arming.
+    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
+      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
+      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    }
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0) {
