@@ -548,27 +548,29 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  if (tid == 0) {
+    BarrierInit(bars);
+    BarrierInitFence();
+    BarrierExpect(bars, p.shared_size * sizeof(float));
+    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
+  }
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
 
-  // Launch barrier b (the shared vectors, then stage b − 1's rows) belongs to lane 0 of warp b mod 8, which
-  // initializes it, starts its copy and leaves the block's row range of its stage: the warps issue in parallel, each
-  // reading the plan at one index at a time. The exchanges' barriers belong to the lanes of warp 1.
+  // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
+  // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
+  // index at a time. The exchanges' barriers belong to the lanes of warp 1.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
   const bool issues = warp_lane == 0 && warp < launch_bars;
-  for (int b = warp; issues && b < launch_bars; b += kStreamWarps) BarrierInit(bars + b);
+  for (int b = warp > 0 ? warp : kStreamWarps; issues && b < launch_bars; b += kStreamWarps) BarrierInit(bars + b);
   if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
   if (tid == 2 * kWarpSize) BarrierInit(state_bar);
   if (issues || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize) BarrierInitFence();
   int* rows = reinterpret_cast<int*>(smem + p.rows);
   auto issue = [&](int b) {
-    if (b == 0) {
-      BarrierExpect(bars, p.shared_size * sizeof(float));
-      BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
-      return;
-    }
     const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
@@ -583,7 +585,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
   };
   // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier.
-  if (issues) issue(warp);
+  if (issues && warp > 0) issue(warp);
   // Activations start at zero: the products read their zero padding.
   float4* ev4 = reinterpret_cast<float4*>(ev);
   for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
