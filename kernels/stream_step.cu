@@ -548,40 +548,50 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  if (tid == 0) {
+    BarrierInit(bars);
+    BarrierInitFence();
+    BarrierExpect(bars, p.shared_size * sizeof(float));
+    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
+  }
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
 
-  // Every copy of the launch starts now, in the order the chain needs them: one barrier per thread, then the
-  // copies from the lanes of warp 0, a stage per lane, which also leave the block's row range of their stage.
+  // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
+  // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
+  // index at a time. The exchanges' barriers belong to the lanes of warp 1.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const bool inits = tid < launch_bars || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize;
-  if (tid < launch_bars) BarrierInit(bars + tid);
+  const bool issues = warp_lane == 0 && warp < launch_bars;
+  for (int b = warp > 0 ? warp : kStreamWarps; issues && b < launch_bars; b += kStreamWarps) BarrierInit(bars + b);
   if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
   if (tid == 2 * kWarpSize) BarrierInit(state_bar);
-  if (inits) BarrierInitFence();
-  // Activations start at zero: the products read their zero padding.
-  for (int i = tid; i < EG * pe; i += kStreamThreads) ev[i] = 0.f;
-  __syncthreads();
-  if (tid == 0) {
-    BarrierExpect(bars, p.shared_size * sizeof(float));
-    BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
-  }
+  if (issues || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize) BarrierInitFence();
   int* rows = reinterpret_cast<int*>(smem + p.rows);
-  for (int si = tid; warp == 0 && si < p.stages; si += kWarpSize) {
+  auto issue = [&](int b) {
+    const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
     rows[2 * si] = r0;
     rows[2 * si + 1] = r1;
-    if (p.stage_at[si] < 0) continue;
+    if (p.stage_at[si] < 0) return;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
-    BarrierExpect(bars + 1 + si, bytes);
+    BarrierExpect(bars + b, bytes);
     if (bytes > 0) {
       BulkCopy(smem + p.stage_at[si], pack + p.stage[si].pack + static_cast<size_t>(r0) * p.stage[si].stride, bytes,
-               bars + 1 + si);
+               bars + b);
     }
-  }
+  };
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier.
+  if (issues && warp > 0) issue(warp);
+  // Activations start at zero: the products read their zero padding.
+  float4* ev4 = reinterpret_cast<float4*>(ev);
+  for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  ClusterArrive();
+  for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
   const int remotes = (R > lane) + (R > lane + kLanesPerRow);
@@ -612,26 +622,25 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       __syncthreads();
     }
   };
-  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
-  ClusterArrive();
-
   // This block's SSM rows (and x conv channels): the rows of its share of every layer's z/x product. A layer's rows
   // of one slot's SSM state are one contiguous run, bulk-copied when its bytes allow (16-byte multiples).
   const int q0 = rank * E / R, q1 = (rank + 1) * E / R, nx = q1 - q0;
   const bool bulk_states = p.ssm_base >= 0 && nx > 0 && N * sizeof(float) % 16 == 0;
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
-    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile).
-    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
-      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
-    }
     if (tid < EG) {
       slot_ids[tid] = slot_read;
       event_dt[tid] = dt_read;
       log_at[tid] = log_read;
     }
     __syncthreads();
+    // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile). After
+    // the block barrier: a warp's mbarrier.init runs one address at a time for all its lanes, so without a barrier
+    // between them racecheck sees another lane's initialization race with this lane's arming.
+    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
+      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
+      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    }
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0) {
