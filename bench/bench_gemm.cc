@@ -2,7 +2,6 @@
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
 // several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
 // choice of kernel and tile per shape rests on measurements.
-#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -11,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
+#include "bench/graph_timing.h"
 #include "engine/cuda_blas.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
@@ -36,38 +36,12 @@ struct Product {
   int rows, in, out, count = 1;
 };
 
-// µs per call of `enqueue` on `stream`: kLaunches calls captured into one graph, replayed kRepeats times, the median.
+// µs per call of `enqueue` on `stream`, after one eager call (plans, attributes): kLaunches calls as one replayed
+// graph, the median of kRepeats.
 absl::StatusOr<double> Time(cudaStream_t stream, const std::function<absl::Status()>& enqueue) {
-  RETURN_IF_ERROR(enqueue());  // eager first: plans, attributes
+  RETURN_IF_ERROR(enqueue());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  cudaGraph_t graph = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  absl::Status status;
-  for (int i = 0; i < kLaunches && status.ok(); ++i) status = enqueue();
-  CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
-  RETURN_IF_ERROR(status);
-  cudaGraphExec_t exec = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
-  std::vector<double> us;
-  for (int r = 0; r < kRepeats; ++r) {
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
-    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
-    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
-    us.push_back(1e3 * ms / kLaunches);
-  }
-  CUDA_RETURN_IF_ERROR(cudaEventDestroy(start));
-  CUDA_RETURN_IF_ERROR(cudaEventDestroy(stop));
-  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
-  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return MedianGraphMicroseconds(stream, kLaunches, kRepeats, enqueue);
 }
 
 int Run() {

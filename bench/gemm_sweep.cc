@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "bench/graph_timing.h"
+
 #define CK(x)                                                                      \
   do {                                                                             \
     cudaError_t e = (x);                                                           \
@@ -124,34 +126,17 @@ struct Problem {
   float beta;
 };
 
+// µs per launch: ten launches as one replayed graph, the median of three.
 double TimeIt(const std::function<void()>& launch) {
-  constexpr int kInner = 10;
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kInner; ++i) launch();
-  CK(cudaStreamEndCapture(stream, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, stream));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int r = 0; r < 3; ++r) {
-    CK(cudaEventRecord(e0, stream));
-    CK(cudaGraphLaunch(ge, stream));
-    CK(cudaEventRecord(e1, stream));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
+  const absl::StatusOr<double> us = perception::MedianGraphMicroseconds(stream, 10, 3, [&] {
+    launch();
+    return absl::OkStatus();
+  });
+  if (!us.ok()) {
+    fprintf(stderr, "%s\n", std::string(us.status().message()).c_str());
+    exit(1);
   }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  std::sort(t.begin(), t.end());
-  return t[1] * 1000.0 / kInner;
+  return *us;
 }
 
 bool Run(const Problem& p, const cublasLtMatmulAlgo_t* algo) {
