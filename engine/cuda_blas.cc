@@ -96,8 +96,7 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
 // automatic split loses to cuBLAS (large's in_proj 777 against 758, out_proj 353 against 342; 8 slices would take
 // 607 and 270, but the split rule is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity
 // tests' small batch takes the kernel too.
-bool Tf32x3ForwardPays(int in, int out) { return in >= 64 && out >= 64; }
-bool Tf32x3BackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
+bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
   const int64_t size = int64_t{in} * out;
   return rows >= 1024 && in >= 128 && out >= 128 && size > 128 * 128 && size < 512 * 512;
@@ -265,7 +264,7 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
-  if (tf32x3_ && Tf32x3ForwardPays(in, out) &&
+  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
@@ -278,7 +277,7 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx) {
-  if (tf32x3_ && Tf32x3BackwardDataPays(in, out) &&
+  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
