@@ -83,6 +83,13 @@ absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   return o;
 }
 
+// The backend of --device with the products of --precision.
+absl::StatusOr<std::unique_ptr<Backend>> BackendFromFlags(const ModelConfig& config, const OptimizerConfig& optimizer,
+                                                          std::vector<float> params) {
+  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
+  return MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params), nullptr, precision);
+}
+
 absl::StatusOr<ModelConfig> TrainingConfig(int levels) {
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(absl::GetFlag(FLAGS_config)));
   config.n_features = LobsterFeatureCount(levels);
@@ -114,9 +121,7 @@ absl::Status Train() {
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
-  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params), nullptr, precision));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {}", backend->device_name());
 
@@ -172,9 +177,7 @@ absl::Status Eval() {
                                                    LobsterFeatureCount(data.levels)));
   }
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
-  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(absl::GetFlag(FLAGS_device), config, OptimizerConfig{},
-                                                                 checkpoint.params, nullptr, precision));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, OptimizerConfig{}, checkpoint.params));
   const size_t n = series.size();
   const int F = config.n_features, H = config.n_horizons;
   std::vector<float> logits(n * H);
