@@ -52,6 +52,7 @@ echo "perceptionctl exit $? $(awk "BEGIN{print $(date +%s.%N) - $killed}") s aft
 # Rank 0's step in flight waited on the dead peer: after the collective timeout it must have failed and aborted the
 # communicator, so a further step is refused with the reason (FAILED_PRECONDITION) rather than hanging.
 sleep "${timeout%s}"; sleep 5
-"$bundle/env" perceptionctl --target=127.0.0.1:50800 --timeout=10s train --lobster "$ob" "$msg" --steps 1 2>&1 | tail -1
-grep -E 'NCCL|DEADLINE|ABORTED' "$out/rank0.log" | tail -2
+"$bundle/env" perceptionctl --target=127.0.0.1:50800 --timeout=10s train --lobster "$ob" "$msg" --steps 1 2>&1 | tail -2
+echo "perceptionctl exit ${PIPESTATUS[0]} for a step on rank 0 alone"
+grep -E 'NCCL|DEADLINE|ABORTED|FAILED_PRECONDITION' "$out/rank0.log" | tail -3
 stop

@@ -307,6 +307,7 @@ int main(int argc, char** argv) {
       absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
   const absl::Status status = perception::client::Run({positional.begin(), positional.end()});
   if (!status.ok()) {
+    std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
     std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                  std::string(status.message()).c_str());
     return 1;

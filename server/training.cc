@@ -1,6 +1,8 @@
 // The device side of a training step and the Train stream's reactor.
 #include "server/training.h"
 
+#include <algorithm>
+
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 
@@ -113,11 +115,15 @@ std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
   // still in progress is fine: it completes (not ok) once the stream is finished.
   if (running_ > 0 || writing_) return std::nullopt;
   finished_ = true;
+  // A step that failed says more than the cancellation it caused: a data-parallel client cancels every rank's
+  // stream when one rank fails, and this rank's own step may then fail on the dead peer's collective.
   absl::Status status;
-  if (broken_) {
+  const auto failed = std::find_if(steps_.begin(), steps_.end(),
+                                   [](const Step& step) { return step.result.has_value() && !step.result->ok(); });
+  if (failed != steps_.end()) {
+    status = failed->result->status();
+  } else if (broken_) {
     status = absl::CancelledError("the client cancelled the stream or stopped reading its responses");
-  } else if (!steps_.empty()) {
-    status = steps_.front().result->status();
   }
   on_finish_(status);
   return ToGrpcStatus(status);
