@@ -12,6 +12,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/ssm.h"
+#include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
@@ -330,6 +331,37 @@ __device__ __forceinline__ void StagingDone() {
   __syncthreads();
 }
 
+// w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j] (G [k][j] with row stride sq, read only for j < t ≤ k):
+// exclusive scans along the rows (a warp per row), then partial column sums over k ≡ part (mod 4), added in order
+// into w[t] by thread t (no barrier after it). By the whole block of kTileThreads, after a barrier over G.
+__device__ void SumsOfG(float* sg, int sq, float* vwpart, float* vw) {
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
+    float* row = sg + k * sq;
+    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
+      if (lane >= offset) {
+        v0 += u0;
+        v1 += u1;
+      }
+    }
+    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
+    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
+    row[lane] = lane == 0 ? 0.f : e0;
+    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+  }
+  __syncthreads();
+  {
+    const int t = tid % kTile, part = tid / kTile;
+    float sum = 0.f;
+    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * sq + t];
+    vwpart[part * kTile + t] = sum;
+  }
+  __syncthreads();
+  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+}
+
 // The backward of one chunk (kChunked) or of a whole window of up to kTile steps. A chunk's start state S adds
 // Λ_k·dy_k·S to d C_k and Σ_{k≥t} Λ_k·(dy_k·S·C_k) to w_t; the adjoint dS of its end state adds
 // L(end,j)·dt_j·x_jᵀ·dS to d B_j, L(end,j)·dS·B_j to dxb_j and Σ_{j<t} L(end,j)·dt_j·x_jᵀ·dS·B_j + Λ_end·⟨dS, S⟩ to
@@ -413,32 +445,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   }
   __syncthreads();
 
-  // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j]: exclusive scans along the rows (a warp per row), then
-  // partial column sums over k ≡ part (mod 4), added in order.
-  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
-    float* row = sg + k * lay.sq;
-    float v0 = row[lane], v1 = row[lane + kWarpSize];
-    for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
-      if (lane >= offset) {
-        v0 += u0;
-        v1 += u1;
-      }
-    }
-    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
-    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
-    row[lane] = lane == 0 ? 0.f : e0;
-    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
-  }
-  __syncthreads();
-  {
-    const int t = tid % kTile, part = tid / kTile;
-    float sum = 0.f;
-    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * lay.sq + t];
-    vwpart[part * kTile + t] = sum;
-  }
-  __syncthreads();
-  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+  SumsOfG(sg, lay.sq, vwpart, vw);
   // (vw is next read after two more barriers.)
 
   // d C (rows k) and d B (rows j), into the [t][d B | d C] tile where G was.
@@ -589,6 +596,297 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
       grad.param_partials[row * 2 * H + h] = w * dt * A;
       grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+    }
+  }
+}
+
+// ---- The backward of windows of up to kTile steps from a zero state (training), on the tensor cores ----
+//
+// The products of SsmTileBackwardKernel as float32-accurate 3×TF32 products (kernels/tf32x3.cuh) on m16n8k8 tiles:
+// each warp forms XD and CB for its 16×8 tiles of the lower triangle and turns them into M1, M2 and G in registers;
+// then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from shared memory straight to global memory.
+// Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after the first products and G takes its place.
+
+// Element (r, k) of a [rows][depth] operand at p[r·rs + k·ks].
+struct MmaOperand {
+  const float* p;
+  int rs, ks;
+  __device__ float At(int r, int k) const { return p[r * rs + k * ks]; }
+};
+
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·n_step + col, k): this lane's fragment of 16×8 tile
+// q < tiles (k1 − k0 a multiple of 8). The tensor cores truncate their running sum at every mma, so big·big has its
+// own accumulator and the cross terms, 2⁻¹¹ of it, another.
+template <int kTiles>
+__device__ __forceinline__ void MmaStrip(MmaOperand a, int m0, MmaOperand b, int n0, int n_step, int tiles, int k0,
+                                         int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  for (int k = k0; k < k1; k += 8) {
+    const float av[4] = {a.At(m0 + g, k + t), a.At(m0 + g + 8, k + t), a.At(m0 + g, k + t + 4),
+                         a.At(m0 + g + 8, k + t + 4)};
+    uint32_t ab[4], as[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Tf32Split split = SplitTf32(av[e]);
+      ab[e] = split.big;
+      as[e] = split.small;
+    }
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      if (q >= tiles) break;
+      const int n = n0 + q * n_step + g;
+      const Tf32Split b0 = SplitTf32(b.At(n, k + t)), b1 = SplitTf32(b.At(n, k + t + 4));
+      const uint32_t bb[2] = {b0.big, b1.big}, bs[2] = {b0.small, b1.small};
+      MmaTf32(small[q], ab, bs);
+      MmaTf32(small[q], as, bb);
+      MmaTf32(big[q], ab, bb);
+    }
+  }
+}
+
+// Shared-memory plan of SsmMmaBackwardKernel. Row strides are ≡ 4 (mod 8) floats, so that a fragment's 32 loads
+// (8 rows × 4 consecutive columns) hit distinct banks.
+struct MmaTileLayout {
+  static constexpr int kSq = kTile + 4;  // row stride of the [time][time] arrays
+  int pc, nc, sp, sn;                    // headdim and d_state padded to multiples of 8; their row strides
+  int dy, xg, b, c, m1, m2, vec, floats;  // offsets in floats; xg: x [t][p], then G [k][j]
+
+  __host__ __device__ explicit MmaTileLayout(const SsmInput& in) {
+    pc = (in.headdim + 7) / 8 * 8;
+    nc = (in.d_state + 7) / 8 * 8;
+    sp = pc + 4;
+    sn = nc + 4;
+    dy = 2 * kTile;  // after cs (float pairs)
+    xg = dy + kTile * sp;
+    b = xg + kTile * kSq;
+    c = b + kTile * sn;
+    m1 = c + kTile * sn;
+    m2 = m1 + kTile * kSq;
+    vec = m2 + kTile * kSq;
+    floats = vec + kVectors * kTile;
+  }
+  // Per-step vectors: dt, softplus', w, d D, 4 partial column sums of w, 4 of Σ_p dxb·x (one per row block).
+  static constexpr int kVectors = 12;
+};
+
+__global__ void __launch_bounds__(kTileThreads, 2)
+    SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+  extern __shared__ double2 shared_tile[];
+  constexpr int sq = MmaTileLayout::kSq, kBlocks = kTile / 16;  // 16-row blocks of the time axis
+  const MmaTileLayout lay(in);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sdy = base + lay.dy, *const sx = base + lay.xg, *const sg = sx, *const sb = base + lay.b;
+  float *const sc = base + lay.c, *const sm1 = base + lay.m1, *const sm2 = base + lay.m2;
+  float *const vdt = base + lay.vec, *const vdtg = vdt + kTile, *const vw = vdtg + kTile, *const vdiag = vw + kTile;
+  float *const vwpart = vdiag + kTile, *const vdirect = vwpart + 4 * kTile;
+
+  const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
+  const int g = tid % kWarpSize / 4, t4 = tid % 4;
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
+  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  StagingDone();
+
+  // XD and CB on the 16×8 tiles (row block i, column group c ≤ 2i + 1) that reach the lower triangle: 20 tiles, the
+  // u-th of them on warp u mod 8; row block i's tiles start at u = i(i + 1).
+  constexpr int kLowerTiles = kBlocks * (kBlocks + 1), kPerWarp = CeilDiv(kLowerTiles, kTileThreads / kWarpSize);
+  float xd[kPerWarp][4], cb[kPerWarp][4];
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int u = warp + s * (kTileThreads / kWarpSize);
+    if (u >= kLowerTiles) break;
+    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
+    float big[1][4], small[1][4];
+    Zero(big);
+    Zero(small);
+    MmaStrip<1>({sdy, lay.sp, 1}, 16 * i, {sx, lay.sp, 1}, 8 * c, 0, 1, 0, lay.pc, big, small);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xd[s][e] = big[0][e] + small[0][e];
+    Zero(big);
+    Zero(small);
+    MmaStrip<1>({sc, lay.sn, 1}, 16 * i, {sb, lay.sn, 1}, 8 * c, 0, 1, 0, lay.nc, big, small);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cb[s][e] = big[0][e] + small[0][e];
+  }
+  __syncthreads();  // x is consumed; G takes its place
+
+  // M1, M2 and G on those tiles (G right of them is stale x: it reaches only R[k,t] for t > k, never read), and the
+  // tiles' column sums of M2·XD into their row block's partial of Σ_p dxb·x.
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int u = warp + s * (kTileThreads / kWarpSize);
+    if (u >= kLowerTiles) break;
+    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
+    float direct[2] = {0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
+      float m1 = 0.f, m2 = 0.f, gv = 0.f;
+      if (k >= j) {
+        const float L = DecayBetween(cs, k, j, a2);
+        m1 = L * vdt[j] * xd[s][e];
+        m2 = L * cb[s][e];
+        if (k > j) gv = m1 * cb[s][e];
+        if (k == j) vdiag[k] = xd[s][e];
+        direct[e % 2] = fmaf(m2, xd[s][e], direct[e % 2]);
+      }
+      sm1[k * sq + j] = m1;
+      sm2[k * sq + j] = m2;
+      sg[k * sq + j] = gv;
+    }
+#pragma unroll
+    for (int offset = 4; offset < kWarpSize; offset *= 2) {
+      direct[0] += __shfl_xor_sync(0xffffffffu, direct[0], offset);
+      direct[1] += __shfl_xor_sync(0xffffffffu, direct[1], offset);
+    }
+    if (g == 0) {
+      vdirect[i * kTile + 8 * c + 2 * t4] = direct[0];
+      vdirect[i * kTile + 8 * c + 2 * t4 + 1] = direct[1];
+    }
+  }
+  __syncthreads();
+  SumsOfG(sg, sq, vwpart, vw);
+
+  // Per step: d dt_raw and the A_log / D terms (vw[t] was written by this thread).
+  if (tid < T) {
+    const int t = tid;
+    float direct = 0.f;
+    for (int i = t / 16; i < kBlocks; ++i) direct += vdirect[i * kTile + t];
+    const size_t row = row0 + t;
+    const float w = vw[t];
+    grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
+    grad.param_partials[row * 2 * H + h] = w * vdt[t] * A;
+    grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+  }
+
+  // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
+  // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
+  {
+    const int i = warp / 2, parity = warp % 2, tiles = (lay.nc / 8 - parity + 1) / 2;
+    float big[4][4], small[4][4];
+    auto store = [&](int offset) {  // offset 0: d B, N: d C
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (q >= tiles) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int k = 16 * i + g + 8 * (e / 2), n = 8 * parity + 16 * q + 2 * t4 + e % 2;
+          if (k < T && n < N) grad.dbc[((row0 + k) * H + h) * 2 * N + offset + n] = big[q][e] + small[q][e];
+        }
+      }
+    };
+    Zero(big);
+    Zero(small);
+    MmaStrip<4>({sm1, sq, 1}, 16 * i, {sb, 1, lay.sn}, 8 * parity, 16, tiles, 0, 16 * (i + 1), big, small);
+    store(N);
+    Zero(big);
+    Zero(small);
+    MmaStrip<4>({sm1, 1, sq}, 16 * i, {sc, 1, lay.sn}, 8 * parity, 16, tiles, 16 * i, kTile, big, small);
+    store(0);
+  }
+
+  // dxb, then d xs = D·dy + dt·dxb, of row blocks warp / 4 and 3 − warp / 4 (depths k ≥ j of 4 and 1, or 3 and 2
+  // blocks) on column groups 2q and 2q + 1, q = warp mod 4.
+  {
+    const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+    for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
+      const int i = pass == 0 ? warp / 4 : kBlocks - 1 - warp / 4;
+      float big[2][4], small[2][4];
+      Zero(big);
+      Zero(small);
+      MmaStrip<2>({sm2, 1, sq}, 16 * i, {sdy, 1, lay.sp}, 16 * q, 8, tiles, 16 * i, kTile, big, small);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (r >= tiles) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 16 * i + g + 8 * (e / 2), p = 16 * q + 8 * r + 2 * t4 + e % 2;
+          if (j < T && p < P) {
+            grad.dxs[(row0 + j) * E + h * P + p] = sdy[j * lay.sp + p] * Dh + (big[r][e] + small[r][e]) * vdt[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+// The forward of a window of up to kTile steps from a zero state, without the final state (training), on the tensor
+// cores like SsmMmaBackwardKernel: M = L·dt_j·CB on the lower triangle's 16×8 tiles, then y = M·x + D·x.
+struct MmaForwardLayout {
+  int pc, nc, sp, sn;
+  int x, b, c, m, vec, floats;  // offsets in floats
+  __host__ __device__ explicit MmaForwardLayout(const SsmInput& in) {
+    pc = (in.headdim + 7) / 8 * 8;
+    nc = (in.d_state + 7) / 8 * 8;
+    sp = pc + 4;
+    sn = nc + 4;
+    x = 2 * kTile;  // after cs (float pairs)
+    b = x + kTile * sp;
+    c = b + kTile * sn;
+    m = c + kTile * sn;
+    vec = m + kTile * MmaTileLayout::kSq;
+    floats = vec + kTile;  // dt
+  }
+};
+
+__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput in, float* y) {
+  extern __shared__ double2 shared_tile[];
+  constexpr int sq = MmaTileLayout::kSq, kBlocks = kTile / 16;
+  const MmaForwardLayout lay(in);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sx = base + lay.x, *const sb = base + lay.b, *const sc = base + lay.c, *const sm = base + lay.m;
+  float* const vdt = base + lay.vec;
+  const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
+  const int g = tid % kWarpSize / 4, t4 = tid % 4;
+  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  StagingDone();
+
+  constexpr int kLowerTiles = kBlocks * (kBlocks + 1);
+  for (int u = warp; u < kLowerTiles; u += kTileThreads / kWarpSize) {
+    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
+    float big[1][4], small[1][4];
+    Zero(big);
+    Zero(small);
+    MmaStrip<1>({sc, lay.sn, 1}, 16 * i, {sb, lay.sn, 1}, 8 * c, 0, 1, 0, lay.nc, big, small);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
+      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // Row blocks warp / 4 and 3 − warp / 4 (depths j ≤ k of 1 and 4, or 2 and 3 blocks) on column groups 2q, 2q + 1.
+  const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+  for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
+    const int i = pass == 0 ? warp / 4 : kBlocks - 1 - warp / 4;
+    float big[2][4], small[2][4];
+    Zero(big);
+    Zero(small);
+    MmaStrip<2>({sm, sq, 1}, 16 * i, {sx, 1, lay.sp}, 16 * q, 8, tiles, 0, 16 * (i + 1), big, small);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r >= tiles) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), p = 16 * q + 8 * r + 2 * t4 + e % 2;
+        if (k < T && p < P) y[(row0 + k) * E + h * P + p] = fmaf(Dh, sx[k * lay.sp + p], big[r][e] + small[r][e]);
+      }
     }
   }
 }
@@ -792,6 +1090,12 @@ bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2
 
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
+  if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
+    const size_t bytes = MmaForwardLayout(in).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel, bytes); e != cudaSuccess) return e;
+    SsmMmaForwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
+    return cudaGetLastError();
+  }
   if (FitsTile(in)) {
     const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
     if (const cudaError_t e = AllowSharedMemory(SsmTileForwardKernel, bytes); e != cudaSuccess) return e;
@@ -804,6 +1108,12 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
   const dim3 grid(in.heads, in.batch);
+  if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
+    const size_t bytes = MmaTileLayout(in).floats * sizeof(float);
+    if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel, bytes); e != cudaSuccess) return e;
+    SsmMmaBackwardKernel<<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+    return cudaGetLastError();
+  }
   if (FitsTile(in)) {
     const TileChunk whole{0, in.state_in, nullptr, nullptr};
     const size_t bytes = TileLayout(in, whole, false).floats * sizeof(float);
