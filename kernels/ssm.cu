@@ -600,86 +600,161 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   }
 }
 
-// ---- The backward of windows of up to kTile steps from a zero state (training), on the tensor cores ----
+// ---- Windows of up to kTile steps from a zero state (training), on the tensor cores ----
 //
-// The products of SsmTileBackwardKernel as float32-accurate 3×TF32 products (kernels/tf32x3.cuh) on m16n8k8 tiles:
-// each warp forms XD and CB for its 16×8 tiles of the lower triangle and turns them into M1, M2 and G in registers;
-// then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from shared memory straight to global memory.
-// Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after the first products and G takes its place.
+// The products of SsmTileBackwardKernel and SsmTileForwardKernel as float32-accurate 3×TF32 products
+// (kernels/tf32x3.cuh) on m16n8k8 tiles. The backward: each warp forms XD and CB for its 16×16 strips of the lower
+// triangle and turns them into M1, M2 and G in registers; then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from
+// shared memory straight to global memory. Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after
+// the first products and G takes its place.
 
-// Element (r, k) of a [rows][depth] operand at p[r·rs + k·ks].
+// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs].
+template <int kRs, int kKs>
 struct MmaOperand {
   const float* p;
-  int rs, ks;
-  __device__ float At(int r, int k) const { return p[r * rs + k * ks]; }
+  __device__ float At(int r, int k) const { return p[r * kRs + k * kKs]; }
 };
 
-// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·n_step + col, k): this lane's fragment of 16×8 tile
-// q < tiles (k1 − k0 a multiple of 8). The tensor cores truncate their running sum at every mma, so big·big has its
-// own accumulator and the cross terms, 2⁻¹¹ of it, another.
+// One k-step of 8 for the 16×8 tiles q < tiles: big[q] += A_big·B_big, small[q] += A_big·B_small + A_small·B_big, from
+// this lane's float32 fragments a and b[q]. The tensor cores truncate their running sum at every mma, so big·big has
+// its own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles.
 template <int kTiles>
-__device__ __forceinline__ void MmaStrip(MmaOperand a, int m0, MmaOperand b, int n0, int n_step, int tiles, int k0,
-                                         int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+__device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[kTiles][2], int tiles,
+                                          float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  uint32_t ab[4], as[4], bb[kTiles][2], bs[kTiles][2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const Tf32Split split = SplitTf32(a[e]);
+    ab[e] = split.big;
+    as[e] = split.small;
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const Tf32Split split = SplitTf32(b[q][e]);
+      bb[q][e] = split.big;
+      bs[q][e] = split.small;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+    if (q < tiles) MmaTf32(big[q], ab, bb[q]);
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+    if (q < tiles) MmaTf32(small[q], ab, bs[q]);
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+    if (q < tiles) MmaTf32(small[q], as, bb[q]);
+  }
+}
+
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile
+// q < tiles (k1 − k0 a multiple of 8).
+template <int kTiles, int kNStep, typename OperandA, typename OperandB>
+__device__ __forceinline__ void MmaStrip(OperandA a, int m0, OperandB b, int n0, int tiles, int k0, int k1,
+                                         float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   for (int k = k0; k < k1; k += 8) {
     const float av[4] = {a.At(m0 + g, k + t), a.At(m0 + g + 8, k + t), a.At(m0 + g, k + t + 4),
                          a.At(m0 + g + 8, k + t + 4)};
-    uint32_t ab[4], as[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const Tf32Split split = SplitTf32(av[e]);
-      ab[e] = split.big;
-      as[e] = split.small;
-    }
+    float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
-      if (q >= tiles) break;
-      const int n = n0 + q * n_step + g;
-      const Tf32Split b0 = SplitTf32(b.At(n, k + t)), b1 = SplitTf32(b.At(n, k + t + 4));
-      const uint32_t bb[2] = {b0.big, b1.big}, bs[2] = {b0.small, b1.small};
-      MmaTf32(small[q], ab, bs);
-      MmaTf32(small[q], as, bb);
-      MmaTf32(big[q], ab, bb);
+      bv[q][0] = q < tiles ? b.At(n0 + q * kNStep + g, k + t) : 0.f;
+      bv[q][1] = q < tiles ? b.At(n0 + q * kNStep + g, k + t + 4) : 0.f;
+    }
+    Mma3xTf32(av, bv, tiles, big, small);
+  }
+}
+
+// The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
+// (depth a multiple of 16, row strides ≡ 16 (mod 32) floats): a lane loads 4 consecutive depths of a row with one
+// conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and B share it.
+template <int kTiles, int kLdA, int kLdB>
+__device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
+                                          float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  const float* pa = A + (m0 + g) * kLdA + 4 * t;
+  const float* pb = B + (n0 + g) * kLdB + 4 * t;
+  for (int k = 0; k < depth; k += 16) {
+    const float4 lo = *reinterpret_cast<const float4*>(pa + k);
+    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + k);
+    float4 bq[kTiles];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + k);
+    {
+      const float a[4] = {lo.x, hi.x, lo.y, hi.y};
+      float b[kTiles][2];
+#pragma unroll
+      for (int q = 0; q < kTiles; ++q) {
+        b[q][0] = bq[q].x;
+        b[q][1] = bq[q].y;
+      }
+      Mma3xTf32(a, b, kTiles, big, small);
+    }
+    {
+      const float a[4] = {lo.z, hi.z, lo.w, hi.w};
+      float b[kTiles][2];
+#pragma unroll
+      for (int q = 0; q < kTiles; ++q) {
+        b[q][0] = bq[q].z;
+        b[q][1] = bq[q].w;
+      }
+      Mma3xTf32(a, b, kTiles, big, small);
     }
   }
 }
 
-// Shared-memory plan of SsmMmaBackwardKernel. Row strides are ≡ 4 (mod 8) floats, so that a fragment's 32 loads
-// (8 rows × 4 consecutive columns) hit distinct banks.
-struct MmaTileLayout {
-  static constexpr int kSq = kTile + 4;  // row stride of the [time][time] arrays
-  int pc, nc, sp, sn;                    // headdim and d_state padded to multiples of 8; their row strides
-  int dy, xg, b, c, m1, m2, vec, floats;  // offsets in floats; xg: x [t][p], then G [k][j]
+// The 16×16 strips (row block i, columns 16·cp..16·cp + 15, cp ≤ i) that reach the lower triangle of a [time][time]
+// array: strip s of the 10, row block i's first at s = i(i + 1)/2.
+constexpr int kTimeBlocks = kTile / 16, kLowerStrips = kTimeBlocks * (kTimeBlocks + 1) / 2;
+__device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ? 1 : s < 6 ? 2 : 3; }
 
-  __host__ __device__ explicit MmaTileLayout(const SsmInput& in) {
-    pc = (in.headdim + 7) / 8 * 8;
-    nc = (in.d_state + 7) / 8 * 8;
-    sp = pc + 4;
-    sn = nc + 4;
-    dy = 2 * kTile;  // after cs (float pairs)
-    xg = dy + kTile * sp;
-    b = xg + kTile * kSq;
-    c = b + kTile * sn;
-    m1 = c + kTile * sn;
-    m2 = m1 + kTile * kSq;
-    vec = m2 + kTile * kSq;
-    floats = vec + kVectors * kTile;
-  }
-  // Per-step vectors: dt, softplus', w, d D, 4 partial column sums of w, 4 of Σ_p dxb·x (one per row block).
-  static constexpr int kVectors = 12;
+// Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
+// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays have row strides ≡ 16 (mod 32) floats for
+// GramStrip's 16-byte loads, the [time][time] arrays ≡ 4 (mod 32) for MmaStrip's 4-byte ones.
+template <int kNc>
+struct MmaLayout {
+  static constexpr int kSp = kTile + 16, kSn = kNc + 16, kSq = kTile + 4;
+  int pc, nc;
+  __host__ __device__ explicit MmaLayout(const SsmInput& in)
+      : pc((in.headdim + 15) / 16 * 16), nc((in.d_state + 15) / 16 * 16) {}
+  // The backward: cs (float pairs), dy, x then G, B, C, M1, M2, and per-step vectors: dt, softplus', w, d D, 4
+  // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
+  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSp, kC = kB + kTile * kSn;
+  static constexpr int kM1 = kC + kTile * kSn, kM2 = kM1 + kTile * kSq, kVec = kM2 + kTile * kSq;
+  static constexpr int kBackwardFloats = kVec + 12 * kTile;
+  // The forward: cs, x, B, C, M, dt.
+  static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
+  static constexpr int kFvec = kFm + kTile * kSq, kForwardFloats = kFvec + kTile;
 };
 
-__global__ void __launch_bounds__(kTileThreads, 2)
-    SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+// Stores v0, v1 at out[0], out[1] (out[1] only where `both`), as one 8-byte store where `paired` (out 8-byte aligned).
+__device__ __forceinline__ void StorePair(float* out, float v0, float v1, bool paired, bool both) {
+  if (paired) {
+    *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+  } else {
+    out[0] = v0;
+    if (both) out[1] = v1;
+  }
+}
+
+template <int kNc>
+__global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
-  constexpr int sq = MmaTileLayout::kSq, kBlocks = kTile / 16;  // 16-row blocks of the time axis
-  const MmaTileLayout lay(in);
+  using Layout = MmaLayout<kNc>;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  const Layout lay(in);
   float2* cs = reinterpret_cast<float2*>(shared_tile);
   float* const base = reinterpret_cast<float*>(shared_tile);
-  float *const sdy = base + lay.dy, *const sx = base + lay.xg, *const sg = sx, *const sb = base + lay.b;
-  float *const sc = base + lay.c, *const sm1 = base + lay.m1, *const sm2 = base + lay.m2;
-  float *const vdt = base + lay.vec, *const vdtg = vdt + kTile, *const vw = vdtg + kTile, *const vdiag = vw + kTile;
-  float *const vwpart = vdiag + kTile, *const vdirect = vwpart + 4 * kTile;
+  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx;
+  float *const sb = base + Layout::kB, *const sc = base + Layout::kC, *const sm1 = base + Layout::kM1;
+  float *const sm2 = base + Layout::kM2, *const vdt = base + Layout::kVec, *const vdtg = vdt + kTile;
+  float *const vw = vdtg + kTile, *const vdiag = vw + kTile, *const vwpart = vdiag + kTile;
+  float* const vdirect = vwpart + 4 * kTile;
 
   const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
@@ -688,67 +763,77 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   const size_t row0 = static_cast<size_t>(b) * T;
 
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
-  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, lay.sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
-  // XD and CB on the 16×8 tiles (row block i, column group c ≤ 2i + 1) that reach the lower triangle: 20 tiles, the
-  // u-th of them on warp u mod 8; row block i's tiles start at u = i(i + 1).
-  constexpr int kLowerTiles = kBlocks * (kBlocks + 1), kPerWarp = CeilDiv(kLowerTiles, kTileThreads / kWarpSize);
-  float xd[kPerWarp][4], cb[kPerWarp][4];
+  // XD and CB on the strips of the lower triangle, strip s on warp s mod 8.
+  constexpr int kPerWarp = CeilDiv(kLowerStrips, kWarps);
+  float xd[kPerWarp][2][4], cb[kPerWarp][2][4];
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
-    const int u = warp + s * (kTileThreads / kWarpSize);
-    if (u >= kLowerTiles) break;
-    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
-    float big[1][4], small[1][4];
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+    float big[2][4], small[2][4];
     Zero(big);
     Zero(small);
-    MmaStrip<1>({sdy, lay.sp, 1}, 16 * i, {sx, lay.sp, 1}, 8 * c, 0, 1, 0, lay.pc, big, small);
+    GramStrip<2, sp, sp>(sdy, 16 * i, sx, 16 * cp, lay.pc, big, small);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) xd[s][e] = big[0][e] + small[0][e];
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xd[s][q][e] = big[q][e] + small[q][e];
+    }
     Zero(big);
     Zero(small);
-    MmaStrip<1>({sc, lay.sn, 1}, 16 * i, {sb, lay.sn, 1}, 8 * c, 0, 1, 0, lay.nc, big, small);
+    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) cb[s][e] = big[0][e] + small[0][e];
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cb[s][q][e] = big[q][e] + small[q][e];
+    }
   }
   __syncthreads();  // x is consumed; G takes its place
 
-  // M1, M2 and G on those tiles (G right of them is stale x: it reaches only R[k,t] for t > k, never read), and the
-  // tiles' column sums of M2·XD into their row block's partial of Σ_p dxb·x.
+  // M1, M2 and G on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and each
+  // strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
-    const int u = warp + s * (kTileThreads / kWarpSize);
-    if (u >= kLowerTiles) break;
-    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
-    float direct[2] = {0.f, 0.f};
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
-      float m1 = 0.f, m2 = 0.f, gv = 0.f;
-      if (k >= j) {
-        const float L = DecayBetween(cs, k, j, a2);
-        m1 = L * vdt[j] * xd[s][e];
-        m2 = L * cb[s][e];
-        if (k > j) gv = m1 * cb[s][e];
-        if (k == j) vdiag[k] = xd[s][e];
-        direct[e % 2] = fmaf(m2, xd[s][e], direct[e % 2]);
+    for (int q = 0; q < 2; ++q) {
+      float direct[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        const float x = xd[s][q][e], c = cb[s][q][e];
+        float m1 = 0.f, m2 = 0.f, gv = 0.f;
+        if (k >= j) {
+          const float L = DecayBetween(cs, k, j, a2);
+          m1 = L * vdt[j] * x;
+          m2 = L * c;
+          if (k > j) gv = m1 * c;
+          if (k == j) vdiag[k] = x;
+          direct[e % 2] = fmaf(m2, x, direct[e % 2]);
+        }
+        sm1[k * sq + j] = m1;
+        sm2[k * sq + j] = m2;
+        sg[k * sq + j] = gv;
       }
-      sm1[k * sq + j] = m1;
-      sm2[k * sq + j] = m2;
-      sg[k * sq + j] = gv;
-    }
 #pragma unroll
-    for (int offset = 4; offset < kWarpSize; offset *= 2) {
-      direct[0] += __shfl_xor_sync(0xffffffffu, direct[0], offset);
-      direct[1] += __shfl_xor_sync(0xffffffffu, direct[1], offset);
-    }
-    if (g == 0) {
-      vdirect[i * kTile + 8 * c + 2 * t4] = direct[0];
-      vdirect[i * kTile + 8 * c + 2 * t4 + 1] = direct[1];
+      for (int offset = 4; offset < kWarpSize; offset *= 2) {
+        direct[0] += __shfl_xor_sync(0xffffffffu, direct[0], offset);
+        direct[1] += __shfl_xor_sync(0xffffffffu, direct[1], offset);
+      }
+      if (g == 0) {
+        const int j = 16 * cp + 8 * q + 2 * t4;
+        vdirect[i * kTile + j] = direct[0];
+        vdirect[i * kTile + j + 1] = direct[1];
+      }
     }
   }
   __syncthreads();
@@ -758,7 +843,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   if (tid < T) {
     const int t = tid;
     float direct = 0.f;
-    for (int i = t / 16; i < kBlocks; ++i) direct += vdirect[i * kTile + t];
+    for (int i = t / 16; i < kTimeBlocks; ++i) direct += vdirect[i * kTile + t];
     const size_t row = row0 + t;
     const float w = vw[t];
     grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
@@ -769,26 +854,34 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
   // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
   {
+    constexpr int kTiles = kNc / 16;
     const int i = warp / 2, parity = warp % 2, tiles = (lay.nc / 8 - parity + 1) / 2;
-    float big[4][4], small[4][4];
+    const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
+    float big[kTiles][4], small[kTiles][4];
     auto store = [&](int offset) {  // offset 0: d B, N: d C
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < kTiles; ++q) {
         if (q >= tiles) break;
+        const int n = 8 * parity + 16 * q + 2 * t4;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int k = 16 * i + g + 8 * (e / 2), n = 8 * parity + 16 * q + 2 * t4 + e % 2;
-          if (k < T && n < N) grad.dbc[((row0 + k) * H + h) * 2 * N + offset + n] = big[q][e] + small[q][e];
+        for (int half = 0; half < 2; ++half) {
+          const int k = 16 * i + g + 8 * half;
+          if (k < T && n < N) {
+            StorePair(grad.dbc + ((row0 + k) * H + h) * 2 * N + offset + n, big[q][2 * half] + small[q][2 * half],
+                      big[q][2 * half + 1] + small[q][2 * half + 1], dbc_pairs, n + 1 < N);
+          }
         }
       }
     };
     Zero(big);
     Zero(small);
-    MmaStrip<4>({sm1, sq, 1}, 16 * i, {sb, 1, lay.sn}, 8 * parity, 16, tiles, 0, 16 * (i + 1), big, small);
+    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn>{sb}, 8 * parity, tiles, 0, 16 * (i + 1),
+                         big, small);
     store(N);
     Zero(big);
     Zero(small);
-    MmaStrip<4>({sm1, 1, sq}, 16 * i, {sc, 1, lay.sn}, 8 * parity, 16, tiles, 16 * i, kTile, big, small);
+    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn>{sc}, 8 * parity, tiles, 16 * i, kTile,
+                         big, small);
     store(0);
   }
 
@@ -796,20 +889,26 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   // blocks) on column groups 2q and 2q + 1, q = warp mod 4.
   {
     const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+    const bool dxs_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dxs) % 8 == 0;
     for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
-      const int i = pass == 0 ? warp / 4 : kBlocks - 1 - warp / 4;
+      const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
       float big[2][4], small[2][4];
       Zero(big);
       Zero(small);
-      MmaStrip<2>({sm2, 1, sq}, 16 * i, {sdy, 1, lay.sp}, 16 * q, 8, tiles, 16 * i, kTile, big, small);
+      MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big, small);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (r >= tiles) break;
+        const int p = 16 * q + 8 * r + 2 * t4;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = 16 * i + g + 8 * (e / 2), p = 16 * q + 8 * r + 2 * t4 + e % 2;
+        for (int half = 0; half < 2; ++half) {
+          const int j = 16 * i + g + 8 * half;
           if (j < T && p < P) {
-            grad.dxs[(row0 + j) * E + h * P + p] = sdy[j * lay.sp + p] * Dh + (big[r][e] + small[r][e]) * vdt[j];
+            const float dt = vdt[j];
+            StorePair(grad.dxs + (row0 + j) * E + h * P + p,
+                      sdy[j * sp + p] * Dh + (big[r][2 * half] + small[r][2 * half]) * dt,
+                      sdy[j * sp + p + 1] * Dh + (big[r][2 * half + 1] + small[r][2 * half + 1]) * dt, dxs_pairs,
+                      p + 1 < P);
           }
         }
       }
@@ -817,33 +916,18 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   }
 }
 
-// The forward of a window of up to kTile steps from a zero state, without the final state (training), on the tensor
-// cores like SsmMmaBackwardKernel: M = L·dt_j·CB on the lower triangle's 16×8 tiles, then y = M·x + D·x.
-struct MmaForwardLayout {
-  int pc, nc, sp, sn;
-  int x, b, c, m, vec, floats;  // offsets in floats
-  __host__ __device__ explicit MmaForwardLayout(const SsmInput& in) {
-    pc = (in.headdim + 7) / 8 * 8;
-    nc = (in.d_state + 7) / 8 * 8;
-    sp = pc + 4;
-    sn = nc + 4;
-    x = 2 * kTile;  // after cs (float pairs)
-    b = x + kTile * sp;
-    c = b + kTile * sn;
-    m = c + kTile * sn;
-    vec = m + kTile * MmaTileLayout::kSq;
-    floats = vec + kTile;  // dt
-  }
-};
-
+// The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
+// y = M·x + D·x.
+template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput in, float* y) {
   extern __shared__ double2 shared_tile[];
-  constexpr int sq = MmaTileLayout::kSq, kBlocks = kTile / 16;
-  const MmaForwardLayout lay(in);
+  using Layout = MmaLayout<kNc>;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  const Layout lay(in);
   float2* cs = reinterpret_cast<float2*>(shared_tile);
   float* const base = reinterpret_cast<float*>(shared_tile);
-  float *const sx = base + lay.x, *const sb = base + lay.b, *const sc = base + lay.c, *const sm = base + lay.m;
-  float* const vdt = base + lay.vec;
+  float *const sx = base + Layout::kFx, *const sb = base + Layout::kFb, *const sc = base + Layout::kFc;
+  float *const sm = base + Layout::kFm, *const vdt = base + Layout::kFvec;
   const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
@@ -851,41 +935,49 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   const size_t row0 = static_cast<size_t>(b) * T;
 
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, lay.sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, lay.sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, lay.sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
-  constexpr int kLowerTiles = kBlocks * (kBlocks + 1);
-  for (int u = warp; u < kLowerTiles; u += kTileThreads / kWarpSize) {
-    const int i = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3, c = u - i * (i + 1);
-    float big[1][4], small[1][4];
+  for (int strip = warp; strip < kLowerStrips; strip += kWarps) {
+    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+    float big[2][4], small[2][4];
     Zero(big);
     Zero(small);
-    MmaStrip<1>({sc, lay.sn, 1}, 16 * i, {sb, lay.sn, 1}, 8 * c, 0, 1, 0, lay.nc, big, small);
+    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
-      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[q][e] + small[q][e]) : 0.f;
+      }
     }
   }
   __syncthreads();
 
   // Row blocks warp / 4 and 3 − warp / 4 (depths j ≤ k of 1 and 4, or 2 and 3 blocks) on column groups 2q, 2q + 1.
   const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+  const bool y_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(y) % 8 == 0;
   for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
-    const int i = pass == 0 ? warp / 4 : kBlocks - 1 - warp / 4;
+    const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
     float big[2][4], small[2][4];
     Zero(big);
     Zero(small);
-    MmaStrip<2>({sm, sq, 1}, 16 * i, {sx, 1, lay.sp}, 16 * q, 8, tiles, 0, 16 * (i + 1), big, small);
+    MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (r >= tiles) break;
+      const int p = 16 * q + 8 * r + 2 * t4;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int k = 16 * i + g + 8 * (e / 2), p = 16 * q + 8 * r + 2 * t4 + e % 2;
-        if (k < T && p < P) y[(row0 + k) * E + h * P + p] = fmaf(Dh, sx[k * lay.sp + p], big[r][e] + small[r][e]);
+      for (int half = 0; half < 2; ++half) {
+        const int k = 16 * i + g + 8 * half;
+        if (k < T && p < P) {
+          StorePair(y + (row0 + k) * E + h * P + p, fmaf(Dh, sx[k * sp + p], big[r][2 * half] + small[r][2 * half]),
+                    fmaf(Dh, sx[k * sp + p + 1], big[r][2 * half + 1] + small[r][2 * half + 1]), y_pairs,
+                    p + 1 < P);
+        }
       }
     }
   }
@@ -1077,6 +1169,12 @@ cudaError_t WithStateWidth(int d_state, Launch launch) {
   return cudaErrorInvalidValue;
 }
 
+// Runs `launch.template operator()<kNc>()` with the tensor-core kernels' d_state capacity (32 or 64) that holds d_state.
+template <typename Launch>
+cudaError_t WithMmaStateWidth(int d_state, Launch launch) {
+  return d_state <= 32 ? launch.template operator()<32>() : launch.template operator()<64>();
+}
+
 bool ValidShape(const SsmInput& in) {
   return in.batch > 0 && in.window > 0 && in.heads > 0 && in.headdim > 0 && in.headdim <= 1024 && in.d_state > 0 &&
          in.d_state <= kMaxSsmState;
@@ -1091,10 +1189,12 @@ bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
-    const size_t bytes = MmaForwardLayout(in).floats * sizeof(float);
-    if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel, bytes); e != cudaSuccess) return e;
-    SsmMmaForwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
-    return cudaGetLastError();
+    return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
+      constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaForwardKernel<kNc><<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
+      return cudaGetLastError();
+    });
   }
   if (FitsTile(in)) {
     const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
@@ -1109,10 +1209,12 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (!ValidShape(in)) return cudaErrorInvalidValue;
   const dim3 grid(in.heads, in.batch);
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
-    const size_t bytes = MmaTileLayout(in).floats * sizeof(float);
-    if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel, bytes); e != cudaSuccess) return e;
-    SsmMmaBackwardKernel<<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
-    return cudaGetLastError();
+    return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
+      constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+      return cudaGetLastError();
+    });
   }
   if (FitsTile(in)) {
     const TileChunk whole{0, in.state_in, nullptr, nullptr};
