@@ -3,6 +3,9 @@
 // the chunk. The backward computes w_t = a_t·⟨gs_t, s_{t−1}⟩ (for d dt and d A_log) as a sum of terms that all carry
 // a_t, so float32 holds it for any decay; longer windows run it chunk by chunk from the last, with the states at the
 // chunk boundaries computed first and the adjoint of each chunk's start state handed to the chunk before.
+// Training's windows (up to kTile steps from a zero state, headdim ≤ 64) form the same products on the tensor cores
+// instead, as float32-accurate 3×TF32 products (SsmMma*Kernel): on the FMA pipes the instruction issue, not the
+// arithmetic, bounded them.
 //
 // The forward of longer windows (evaluation and `large`) is the recurrence: one thread per row p of the head's state
 // s[p, 0..N), which it keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
