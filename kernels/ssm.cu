@@ -615,19 +615,18 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 template <int kRs, int kKs>
 struct MmaOperand {
   const float* p;
-  __device__ float At(int r, int k) const { return p[r * kRs + k * kKs]; }
 };
 
-// One k-step of 8 for the 16×8 tiles q < tiles: big[q] += A_big·B_big, small[q] += A_big·B_small + A_small·B_big, from
-// this lane's float32 fragments a and b[q]. The tensor cores truncate their running sum at every mma, so big·big has
-// its own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles.
+// One k-step of 8 for the 16×8 tiles q: big[q] += A_big·B_big, small[q] += A_big·B_small + A_small·B_big, from this
+// lane's float32 fragments a and b[q]. The tensor cores truncate their running sum at every mma, so big·big has its
+// own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles.
 template <int kTiles>
-__device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[kTiles][2], int tiles,
-                                          float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+__device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[kTiles][2], float (&big)[kTiles][4],
+                                          float (&small)[kTiles][4]) {
   uint32_t ab[4], as[4], bb[kTiles][2], bs[kTiles][2];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const Tf32Split split = SplitTf32(a[e]);
+    const Tf32Split split = SplitTf32ForMma(a[e]);
     ab[e] = split.big;
     as[e] = split.small;
   }
@@ -635,41 +634,36 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
   for (int q = 0; q < kTiles; ++q) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const Tf32Split split = SplitTf32(b[q][e]);
+      const Tf32Split split = SplitTf32ForMma(b[q][e]);
       bb[q][e] = split.big;
       bs[q][e] = split.small;
     }
   }
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) {
-    if (q < tiles) MmaTf32(big[q], ab, bb[q]);
-  }
+  for (int q = 0; q < kTiles; ++q) MmaTf32(big[q], ab, bb[q]);
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) {
-    if (q < tiles) MmaTf32(small[q], ab, bs[q]);
-  }
+  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], ab, bs[q]);
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) {
-    if (q < tiles) MmaTf32(small[q], as, bb[q]);
-  }
+  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
 }
 
-// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile
-// q < tiles (k1 − k0 a multiple of 8).
-template <int kTiles, int kNStep, typename OperandA, typename OperandB>
-__device__ __forceinline__ void MmaStrip(OperandA a, int m0, OperandB b, int n0, int tiles, int k0, int k1,
-                                         float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
+// (k1 − k0 a multiple of 8). Tiles q ≥ tiles read zeros and are not to be used.
+template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb>
+__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb> b, int n0, int tiles,
+                                         int k0, int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
-  for (int k = k0; k < k1; k += 8) {
-    const float av[4] = {a.At(m0 + g, k + t), a.At(m0 + g + 8, k + t), a.At(m0 + g, k + t + 4),
-                         a.At(m0 + g + 8, k + t + 4)};
+  const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
+  const float* pb = b.p + (n0 + g) * kRb + (k0 + t) * kKb;
+  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kKb) {
+    const float av[4] = {pa[0], pa[8 * kRa], pa[4 * kKa], pa[8 * kRa + 4 * kKa]};
     float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
-      bv[q][0] = q < tiles ? b.At(n0 + q * kNStep + g, k + t) : 0.f;
-      bv[q][1] = q < tiles ? b.At(n0 + q * kNStep + g, k + t + 4) : 0.f;
+      bv[q][0] = q < tiles ? pb[q * kNStep * kRb] : 0.f;
+      bv[q][1] = q < tiles ? pb[q * kNStep * kRb + 4 * kKb] : 0.f;
     }
-    Mma3xTf32(av, bv, tiles, big, small);
+    Mma3xTf32(av, bv, big, small);
   }
 }
 
@@ -696,7 +690,7 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
         b[q][0] = bq[q].x;
         b[q][1] = bq[q].y;
       }
-      Mma3xTf32(a, b, kTiles, big, small);
+      Mma3xTf32(a, b, big, small);
     }
     {
       const float a[4] = {lo.z, hi.z, lo.w, hi.w};
@@ -706,7 +700,7 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
         b[q][0] = bq[q].z;
         b[q][1] = bq[q].w;
       }
-      Mma3xTf32(a, b, kTiles, big, small);
+      Mma3xTf32(a, b, big, small);
     }
   }
 }
@@ -772,9 +766,29 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
-  // XD and CB on the strips of the lower triangle, strip s on warp s mod 8.
+  // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
+  // one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp forms about the
+  // same number of tiles.
+  if (warp >= 2) {
+    const int first = warp < 6 ? 2 * (warp - 2) : warp + 2, last = warp < 6 ? first + 2 : first + 1;
+    for (int strip = first; strip < last; ++strip) {
+      const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+      float big[2][4], small[2][4];
+      Zero(big);
+      Zero(small);
+      GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+          sm2[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
+        }
+      }
+    }
+  }
   constexpr int kPerWarp = CeilDiv(kLowerStrips, kWarps);
-  float xd[kPerWarp][2][4], cb[kPerWarp][2][4];
+  float xd[kPerWarp][2][4];
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
@@ -789,19 +803,11 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
 #pragma unroll
       for (int e = 0; e < 4; ++e) xd[s][q][e] = big[q][e] + small[q][e];
     }
-    Zero(big);
-    Zero(small);
-    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) cb[s][q][e] = big[q][e] + small[q][e];
-    }
   }
-  __syncthreads();  // x is consumed; G takes its place
+  __syncthreads();  // x is consumed (G takes its place) and M2 is complete
 
-  // M1, M2 and G on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and each
-  // strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
+  // M1 and G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and
+  // each strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
@@ -813,19 +819,11 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        const float x = xd[s][q][e], c = cb[s][q][e];
-        float m1 = 0.f, m2 = 0.f, gv = 0.f;
-        if (k >= j) {
-          const float L = DecayBetween(cs, k, j, a2);
-          m1 = L * vdt[j] * x;
-          m2 = L * c;
-          if (k > j) gv = m1 * c;
-          if (k == j) vdiag[k] = x;
-          direct[e % 2] = fmaf(m2, x, direct[e % 2]);
-        }
-        sm1[k * sq + j] = m1;
-        sm2[k * sq + j] = m2;
-        sg[k * sq + j] = gv;
+        const float x = xd[s][q][e], m2 = sm2[k * sq + j], xdt = vdt[j] * x;
+        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * xdt : 0.f;
+        sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
+        if (k == j) vdiag[k] = x;
+        direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
       }
 #pragma unroll
       for (int offset = 4; offset < kWarpSize; offset *= 2) {
@@ -943,19 +941,17 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
-  for (int strip = warp; strip < kLowerStrips; strip += kWarps) {
-    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
-    float big[2][4], small[2][4];
+  // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
+  for (int tile = warp; tile < 2 * kLowerStrips; tile += kWarps) {
+    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * (strip - i * (i + 1) / 2) + tile % 2;
+    float big[1][4], small[1][4];
     Zero(big);
     Zero(small);
-    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+    GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[q][e] + small[q][e]) : 0.f;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
+      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
     }
   }
   __syncthreads();
