@@ -3,6 +3,9 @@
 // the chunk. The backward computes w_t = a_t·⟨gs_t, s_{t−1}⟩ (for d dt and d A_log) as a sum of terms that all carry
 // a_t, so float32 holds it for any decay; longer windows run it chunk by chunk from the last, with the states at the
 // chunk boundaries computed first and the adjoint of each chunk's start state handed to the chunk before.
+// Training's windows (up to kTile steps from a zero state, headdim ≤ 64) form the same products on the tensor cores
+// instead, as float32-accurate 3×TF32 products (SsmMma*Kernel): on the FMA pipes the instruction issue, not the
+// arithmetic, bounded them.
 //
 // The forward of longer windows (evaluation and `large`) is the recurrence: one thread per row p of the head's state
 // s[p, 0..N), which it keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
@@ -12,6 +15,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/ssm.h"
+#include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
@@ -330,6 +334,37 @@ __device__ __forceinline__ void StagingDone() {
   __syncthreads();
 }
 
+// w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j] (G [k][j] with row stride sq, read only for j < t ≤ k):
+// exclusive scans along the rows (a warp per row), then partial column sums over k ≡ part (mod 4), added in order
+// into w[t] by thread t (no barrier after it). By the whole block of kTileThreads, after a barrier over G.
+__device__ void SumsOfG(float* sg, int sq, float* vwpart, float* vw) {
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
+    float* row = sg + k * sq;
+    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
+      if (lane >= offset) {
+        v0 += u0;
+        v1 += u1;
+      }
+    }
+    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
+    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
+    row[lane] = lane == 0 ? 0.f : e0;
+    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+  }
+  __syncthreads();
+  {
+    const int t = tid % kTile, part = tid / kTile;
+    float sum = 0.f;
+    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * sq + t];
+    vwpart[part * kTile + t] = sum;
+  }
+  __syncthreads();
+  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+}
+
 // The backward of one chunk (kChunked) or of a whole window of up to kTile steps. A chunk's start state S adds
 // Λ_k·dy_k·S to d C_k and Σ_{k≥t} Λ_k·(dy_k·S·C_k) to w_t; the adjoint dS of its end state adds
 // L(end,j)·dt_j·x_jᵀ·dS to d B_j, L(end,j)·dS·B_j to dxb_j and Σ_{j<t} L(end,j)·dt_j·x_jᵀ·dS·B_j + Λ_end·⟨dS, S⟩ to
@@ -413,32 +448,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   }
   __syncthreads();
 
-  // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j]: exclusive scans along the rows (a warp per row), then
-  // partial column sums over k ≡ part (mod 4), added in order.
-  for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
-    float* row = sg + k * lay.sq;
-    float v0 = row[lane], v1 = row[lane + kWarpSize];
-    for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
-      if (lane >= offset) {
-        v0 += u0;
-        v1 += u1;
-      }
-    }
-    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
-    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
-    row[lane] = lane == 0 ? 0.f : e0;
-    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
-  }
-  __syncthreads();
-  {
-    const int t = tid % kTile, part = tid / kTile;
-    float sum = 0.f;
-    for (int k = t + (part - t % 4 + 4) % 4; k < kTile; k += 4) sum += sg[k * lay.sq + t];
-    vwpart[part * kTile + t] = sum;
-  }
-  __syncthreads();
-  if (tid < kTile) vw[tid] = ((vwpart[tid] + vwpart[kTile + tid]) + vwpart[2 * kTile + tid]) + vwpart[3 * kTile + tid];
+  SumsOfG(sg, lay.sq, vwpart, vw);
   // (vw is next read after two more barriers.)
 
   // d C (rows k) and d B (rows j), into the [t][d B | d C] tile where G was.
@@ -589,6 +599,385 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
       grad.param_partials[row * 2 * H + h] = w * dt * A;
       grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+    }
+  }
+}
+
+// ---- Windows of up to kTile steps from a zero state (training), on the tensor cores ----
+//
+// The products of SsmTileBackwardKernel and SsmTileForwardKernel as float32-accurate 3×TF32 products
+// (kernels/tf32x3.cuh) on m16n8k8 tiles. The backward: each warp forms XD and CB for its 16×16 strips of the lower
+// triangle and turns them into M1, M2 and G in registers; then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from
+// shared memory straight to global memory. Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after
+// the first products and G takes its place.
+
+// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs].
+template <int kRs, int kKs>
+struct MmaOperand {
+  const float* p;
+};
+
+// One k-step of 8 for the 16×8 tiles q: big[q] += A_big·B_big, small[q] += A_big·B_small + A_small·B_big, from this
+// lane's float32 fragments a and b[q]. The tensor cores truncate their running sum at every mma, so big·big has its
+// own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles.
+template <int kTiles>
+__device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[kTiles][2], float (&big)[kTiles][4],
+                                          float (&small)[kTiles][4]) {
+  uint32_t ab[4], as[4], bb[kTiles][2], bs[kTiles][2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const Tf32Split split = SplitTf32ForMma(a[e]);
+    ab[e] = split.big;
+    as[e] = split.small;
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const Tf32Split split = SplitTf32ForMma(b[q][e]);
+      bb[q][e] = split.big;
+      bs[q][e] = split.small;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) MmaTf32(big[q], ab, bb[q]);
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], ab, bs[q]);
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
+}
+
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
+// (k1 − k0 a multiple of 8). Tiles q ≥ tiles read zeros and are not to be used.
+template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb>
+__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb> b, int n0, int tiles,
+                                         int k0, int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
+  const float* pb = b.p + (n0 + g) * kRb + (k0 + t) * kKb;
+  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kKb) {
+    const float av[4] = {pa[0], pa[8 * kRa], pa[4 * kKa], pa[8 * kRa + 4 * kKa]};
+    float bv[kTiles][2];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      bv[q][0] = q < tiles ? pb[q * kNStep * kRb] : 0.f;
+      bv[q][1] = q < tiles ? pb[q * kNStep * kRb + 4 * kKb] : 0.f;
+    }
+    Mma3xTf32(av, bv, big, small);
+  }
+}
+
+// The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
+// (depth a multiple of 16, row strides ≡ 16 (mod 32) floats): a lane loads 4 consecutive depths of a row with one
+// conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and B share it.
+template <int kTiles, int kLdA, int kLdB>
+__device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
+                                          float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  const float* pa = A + (m0 + g) * kLdA + 4 * t;
+  const float* pb = B + (n0 + g) * kLdB + 4 * t;
+  for (int k = 0; k < depth; k += 16) {
+    const float4 lo = *reinterpret_cast<const float4*>(pa + k);
+    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + k);
+    float4 bq[kTiles];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + k);
+    {
+      const float a[4] = {lo.x, hi.x, lo.y, hi.y};
+      float b[kTiles][2];
+#pragma unroll
+      for (int q = 0; q < kTiles; ++q) {
+        b[q][0] = bq[q].x;
+        b[q][1] = bq[q].y;
+      }
+      Mma3xTf32(a, b, big, small);
+    }
+    {
+      const float a[4] = {lo.z, hi.z, lo.w, hi.w};
+      float b[kTiles][2];
+#pragma unroll
+      for (int q = 0; q < kTiles; ++q) {
+        b[q][0] = bq[q].z;
+        b[q][1] = bq[q].w;
+      }
+      Mma3xTf32(a, b, big, small);
+    }
+  }
+}
+
+// The 16×16 strips (row block i, columns 16·cp..16·cp + 15, cp ≤ i) that reach the lower triangle of a [time][time]
+// array: strip s of the 10, row block i's first at s = i(i + 1)/2.
+constexpr int kTimeBlocks = kTile / 16, kLowerStrips = kTimeBlocks * (kTimeBlocks + 1) / 2;
+__device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ? 1 : s < 6 ? 2 : 3; }
+
+// Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
+// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays have row strides ≡ 16 (mod 32) floats for
+// GramStrip's 16-byte loads, the [time][time] arrays ≡ 4 (mod 32) for MmaStrip's 4-byte ones.
+template <int kNc>
+struct MmaLayout {
+  static constexpr int kSp = kTile + 16, kSn = kNc + 16, kSq = kTile + 4;
+  int pc, nc;
+  __host__ __device__ explicit MmaLayout(const SsmInput& in)
+      : pc((in.headdim + 15) / 16 * 16), nc((in.d_state + 15) / 16 * 16) {}
+  // The backward: cs (float pairs), dy, x then G, B, C, M1, M2, and per-step vectors: dt, softplus', w, d D, 4
+  // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
+  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSp, kC = kB + kTile * kSn;
+  static constexpr int kM1 = kC + kTile * kSn, kM2 = kM1 + kTile * kSq, kVec = kM2 + kTile * kSq;
+  static constexpr int kBackwardFloats = kVec + 12 * kTile;
+  // The forward: cs, x, B, C, M, dt.
+  static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
+  static constexpr int kFvec = kFm + kTile * kSq, kForwardFloats = kFvec + kTile;
+};
+
+// Stores v0, v1 at out[0], out[1] (out[1] only where `both`), as one 8-byte store where `paired` (out 8-byte aligned).
+__device__ __forceinline__ void StorePair(float* out, float v0, float v1, bool paired, bool both) {
+  if (paired) {
+    *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+  } else {
+    out[0] = v0;
+    if (both) out[1] = v1;
+  }
+}
+
+template <int kNc>
+__global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+  extern __shared__ double2 shared_tile[];
+  using Layout = MmaLayout<kNc>;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  const Layout lay(in);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx;
+  float *const sb = base + Layout::kB, *const sc = base + Layout::kC, *const sm1 = base + Layout::kM1;
+  float *const sm2 = base + Layout::kM2, *const vdt = base + Layout::kVec, *const vdtg = vdt + kTile;
+  float *const vw = vdtg + kTile, *const vdiag = vw + kTile, *const vwpart = vdiag + kTile;
+  float* const vdirect = vwpart + 4 * kTile;
+
+  const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
+  const int g = tid % kWarpSize / 4, t4 = tid % 4;
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
+  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
+  StagingDone();
+
+  // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
+  // one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp forms about the
+  // same number of tiles.
+  if (warp >= 2) {
+    const int first = warp < 6 ? 2 * (warp - 2) : warp + 2, last = warp < 6 ? first + 2 : first + 1;
+    for (int strip = first; strip < last; ++strip) {
+      const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+      float big[2][4], small[2][4];
+      Zero(big);
+      Zero(small);
+      GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+          sm2[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
+        }
+      }
+    }
+  }
+  constexpr int kPerWarp = CeilDiv(kLowerStrips, kWarps);
+  float xd[kPerWarp][2][4];
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+    float big[2][4], small[2][4];
+    Zero(big);
+    Zero(small);
+    GramStrip<2, sp, sp>(sdy, 16 * i, sx, 16 * cp, lay.pc, big, small);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xd[s][q][e] = big[q][e] + small[q][e];
+    }
+  }
+  __syncthreads();  // x is consumed (G takes its place) and M2 is complete
+
+  // M1 and G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and
+  // each strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      float direct[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        const float x = xd[s][q][e], m2 = sm2[k * sq + j], xdt = vdt[j] * x;
+        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * xdt : 0.f;
+        sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
+        if (k == j) vdiag[k] = x;
+        direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
+      }
+#pragma unroll
+      for (int offset = 4; offset < kWarpSize; offset *= 2) {
+        direct[0] += __shfl_xor_sync(0xffffffffu, direct[0], offset);
+        direct[1] += __shfl_xor_sync(0xffffffffu, direct[1], offset);
+      }
+      if (g == 0) {
+        const int j = 16 * cp + 8 * q + 2 * t4;
+        vdirect[i * kTile + j] = direct[0];
+        vdirect[i * kTile + j + 1] = direct[1];
+      }
+    }
+  }
+  __syncthreads();
+  SumsOfG(sg, sq, vwpart, vw);
+
+  // Per step: d dt_raw and the A_log / D terms (vw[t] was written by this thread).
+  if (tid < T) {
+    const int t = tid;
+    float direct = 0.f;
+    for (int i = t / 16; i < kTimeBlocks; ++i) direct += vdirect[i * kTile + t];
+    const size_t row = row0 + t;
+    const float w = vw[t];
+    grad.d_dt_raw[row * grad.ld_d_dt_raw + h] = (direct + w * A) * vdtg[t];
+    grad.param_partials[row * 2 * H + h] = w * vdt[t] * A;
+    grad.param_partials[row * 2 * H + H + h] = vdiag[t];
+  }
+
+  // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
+  // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
+  {
+    constexpr int kTiles = kNc / 16;
+    const int i = warp / 2, parity = warp % 2, tiles = (lay.nc / 8 - parity + 1) / 2;
+    const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
+    float big[kTiles][4], small[kTiles][4];
+    auto store = [&](int offset) {  // offset 0: d B, N: d C
+#pragma unroll
+      for (int q = 0; q < kTiles; ++q) {
+        if (q >= tiles) break;
+        const int n = 8 * parity + 16 * q + 2 * t4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int k = 16 * i + g + 8 * half;
+          if (k < T && n < N) {
+            StorePair(grad.dbc + ((row0 + k) * H + h) * 2 * N + offset + n, big[q][2 * half] + small[q][2 * half],
+                      big[q][2 * half + 1] + small[q][2 * half + 1], dbc_pairs, n + 1 < N);
+          }
+        }
+      }
+    };
+    Zero(big);
+    Zero(small);
+    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn>{sb}, 8 * parity, tiles, 0, 16 * (i + 1),
+                         big, small);
+    store(N);
+    Zero(big);
+    Zero(small);
+    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn>{sc}, 8 * parity, tiles, 16 * i, kTile,
+                         big, small);
+    store(0);
+  }
+
+  // dxb, then d xs = D·dy + dt·dxb, of row blocks warp / 4 and 3 − warp / 4 (depths k ≥ j of 4 and 1, or 3 and 2
+  // blocks) on column groups 2q and 2q + 1, q = warp mod 4.
+  {
+    const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+    const bool dxs_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dxs) % 8 == 0;
+    for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
+      const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
+      float big[2][4], small[2][4];
+      Zero(big);
+      Zero(small);
+      MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big, small);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (r >= tiles) break;
+        const int p = 16 * q + 8 * r + 2 * t4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int j = 16 * i + g + 8 * half;
+          if (j < T && p < P) {
+            const float dt = vdt[j];
+            StorePair(grad.dxs + (row0 + j) * E + h * P + p,
+                      sdy[j * sp + p] * Dh + (big[r][2 * half] + small[r][2 * half]) * dt,
+                      sdy[j * sp + p + 1] * Dh + (big[r][2 * half + 1] + small[r][2 * half + 1]) * dt, dxs_pairs,
+                      p + 1 < P);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
+// y = M·x + D·x.
+template <int kNc>
+__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput in, float* y) {
+  extern __shared__ double2 shared_tile[];
+  using Layout = MmaLayout<kNc>;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  const Layout lay(in);
+  float2* cs = reinterpret_cast<float2*>(shared_tile);
+  float* const base = reinterpret_cast<float*>(shared_tile);
+  float *const sx = base + Layout::kFx, *const sb = base + Layout::kFb, *const sc = base + Layout::kFc;
+  float *const sm = base + Layout::kFm, *const vdt = base + Layout::kFvec;
+  const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
+  const int g = tid % kWarpSize / 4, t4 = tid % 4;
+  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
+  const size_t row0 = static_cast<size_t>(b) * T;
+
+  if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
+  StagingDone();
+
+  // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
+  for (int tile = warp; tile < 2 * kLowerStrips; tile += kWarps) {
+    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * (strip - i * (i + 1) / 2) + tile % 2;
+    float big[1][4], small[1][4];
+    Zero(big);
+    Zero(small);
+    GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
+      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // Row blocks warp / 4 and 3 − warp / 4 (depths j ≤ k of 1 and 4, or 2 and 3 blocks) on column groups 2q, 2q + 1.
+  const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
+  const bool y_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(y) % 8 == 0;
+  for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
+    const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
+    float big[2][4], small[2][4];
+    Zero(big);
+    Zero(small);
+    MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r >= tiles) break;
+      const int p = 16 * q + 8 * r + 2 * t4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int k = 16 * i + g + 8 * half;
+        if (k < T && p < P) {
+          StorePair(y + (row0 + k) * E + h * P + p, fmaf(Dh, sx[k * sp + p], big[r][2 * half] + small[r][2 * half]),
+                    fmaf(Dh, sx[k * sp + p + 1], big[r][2 * half + 1] + small[r][2 * half + 1]), y_pairs,
+                    p + 1 < P);
+        }
+      }
     }
   }
 }
@@ -779,6 +1168,12 @@ cudaError_t WithStateWidth(int d_state, Launch launch) {
   return cudaErrorInvalidValue;
 }
 
+// Runs `launch.template operator()<kNc>()` with the tensor-core kernels' d_state capacity (32 or 64) that holds d_state.
+template <typename Launch>
+cudaError_t WithMmaStateWidth(int d_state, Launch launch) {
+  return d_state <= 32 ? launch.template operator()<32>() : launch.template operator()<64>();
+}
+
 bool ValidShape(const SsmInput& in) {
   return in.batch > 0 && in.window > 0 && in.heads > 0 && in.headdim > 0 && in.headdim <= 1024 && in.d_state > 0 &&
          in.d_state <= kMaxSsmState;
@@ -792,6 +1187,14 @@ bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2
 
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
+  if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
+    return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
+      constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaForwardKernel<kNc><<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
+      return cudaGetLastError();
+    });
+  }
   if (FitsTile(in)) {
     const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
     if (const cudaError_t e = AllowSharedMemory(SsmTileForwardKernel, bytes); e != cudaSuccess) return e;
@@ -804,6 +1207,14 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
   const dim3 grid(in.heads, in.batch);
+  if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
+    return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
+      constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+      return cudaGetLastError();
+    });
+  }
   if (FitsTile(in)) {
     const TileChunk whole{0, in.state_in, nullptr, nullptr};
     const size_t bytes = TileLayout(in, whole, false).floats * sizeof(float);

@@ -410,7 +410,9 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
                           SsmCase{2, 37, 2, 33, 64, false}, SsmCase{1, 100, 2, 16, 16, true},
                           SsmCase{3, 5, 1, 70, 8, true}, SsmCase{2, 64, 2, 64, 32, false},
                           SsmCase{1, 64, 2, 64, 64, true}, SsmCase{1, 50, 1, 128, 16, true},
-                          SsmCase{2, 200, 2, 64, 64, false}, SsmCase{1, 130, 1, 8, 5, true}}) {
+                          SsmCase{2, 200, 2, 64, 64, false}, SsmCase{1, 130, 1, 8, 5, true},
+                          SsmCase{3, 64, 4, 64, 64, false}, SsmCase{2, 23, 3, 20, 12, false},
+                          SsmCase{4, 64, 2, 8, 32, false}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " H" << k.heads << " P" << k.headdim
                                       << " N" << k.d_state);
     const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
@@ -428,10 +430,13 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
     const kernels::SsmInput in{B, T, H, P, N, dxbc.get(), ld_xbc, ddt_raw.get(), ld_dt, dbias.get(), dalog.get(),
                                dd.get(), k.with_state ? dstate.get() : nullptr};
     ASSERT_EQ(kernels::LaunchSsmScanForward(in, y.get(), state_out.get(), nullptr), cudaSuccess);
+    DeviceArray<float> y_only(rows * E);  // without the final state, as training runs it
+    ASSERT_EQ(kernels::LaunchSsmScanForward(in, y_only.get(), nullptr, nullptr), cudaSuccess);
     DeviceArray<float> scratch(std::max<size_t>(1, kernels::SsmBackwardScratchFloats(B, T, H, P, N)));
     const kernels::SsmGrad grad{dxs.get(), dbc.get(), d_dt_raw.get(), ld_dt, partials.get(), scratch.get()};
     ASSERT_EQ(kernels::LaunchSsmScanBackward(in, ddy.get(), grad, nullptr), cudaSuccess);
     EXPECT_CLOSE(y.Download(), ref.y);
+    EXPECT_CLOSE(y_only.Download(), ref.y);
     EXPECT_CLOSE(state_out.Download(), ref.state_out);
     EXPECT_CLOSE(dxs.Download(), ref.dxs);
     EXPECT_CLOSE(dbc.Download(), ref.dbc);
