@@ -2,7 +2,8 @@
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
 // several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
 // choice of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
-// contains it (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
+// contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -43,6 +44,17 @@ absl::StatusOr<double> Time(cudaStream_t stream, const std::function<absl::Statu
   RETURN_IF_ERROR(enqueue());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return MedianGraphMicroseconds(stream, kLaunches, kRepeats, enqueue);
+}
+
+// Whether `only` is empty or one of its comma-separated parts occurs in `label`.
+bool Selected(const std::string& only, const std::string& label) {
+  if (only.empty()) return true;
+  for (size_t start = 0; start <= only.size();) {
+    const size_t end = std::min(only.find(',', start), only.size());
+    if (end > start && label.find(only.substr(start, end - start)) != std::string::npos) return true;
+    start = end + 1;
+  }
+  return false;
 }
 
 int Run(const std::string& only) {
@@ -104,7 +116,7 @@ int Run(const std::string& only) {
   std::printf("[bench_gemm] µs per product (graph of %d, median of %d); cuBLAS fp32 vs 3xTF32 tiles\n", kLaunches,
               kRepeats);
   for (const Product& p : products) {
-    if (!only.empty() && (std::string(p.name) + " " + FormName(p.form)).find(only) == std::string::npos) continue;
+    if (!Selected(only, std::string(p.name) + " " + FormName(p.form))) continue;
     const bool supported = p.out % 4 == 0 || p.form == Form::kForward;
     std::string line;
     auto add = [&](const char* label, const std::function<absl::Status()>& enqueue) {

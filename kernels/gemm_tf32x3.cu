@@ -1,12 +1,13 @@
 // The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. A producer
 // warpgroup copies each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
-// it reads each tile back k-contiguous (transposing operands stored the other way) into the K-major, 128-byte-swizzled
-// layout: B split into its TF32 big and small parts for wgmma's descriptors, A whole. Two consumer warpgroups each
-// load their 64 rows of A into registers, split them there, and issue three wgmma per k-step of 8 (small·big,
-// big·small, big·big) with A from registers and B from shared memory. Stages change hands through named barriers: FULL(s) when the producer has stored stage s,
-// EMPTY(s) when both consumers are done with it. Blocks walk the output tiles (times the batch or the row slices) in a
-// grid-stride loop, consecutive tiles along one row band, so the producer loads the next tile while the consumers
-// store the last one.
+// it reads B back k-contiguous (transposing it where it is stored the other way), splits every value into its TF32
+// big and small parts and stores both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
+// consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
+// from a k-contiguous transpose that the producer writes), split them there, and issue three wgmma per k-step of 8
+// (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change hands through named
+// barriers: FULL(s) when the producer has stored stage s, EMPTY(s) when both consumers are done with it. Blocks walk
+// the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row band, so
+// the producer loads the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -129,7 +130,7 @@ struct Wgmma<128> {
 };
 
 // One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
-// it, k-contiguous ([x][kBk]) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
+// it, k-contiguous ([x][kBk], swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
 // or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x) and stored into
 // the swizzled K-major layout: B split into its big and small tiles, A whole (the consumers split it in registers).
 // Both passes are free of bank conflicts.
@@ -149,7 +150,7 @@ struct Operand {
       const int k = kKContiguous ? id % 8 * 4 : id / (X / 4);
       const int gx = x0 + x, gk = k0 + k;
       const bool valid = gx < x_end && gk < k_end;
-      const uint32_t at = raw + (kKContiguous ? x * kRowBytes + k * 4 : (k * X + x) * 4);
+      const uint32_t at = raw + (kKContiguous ? Swizzled(x, k) : (k * X + x) * 4);
       CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
@@ -163,7 +164,7 @@ struct Operand {
       const int k = kKContiguous ? id % 8 * 4 : id / X * 4;
       float f[4];
       if (kKContiguous) {
-        const float4 v = *reinterpret_cast<const float4*>(raw + x * kRowBytes + k * 4);
+        const float4 v = *reinterpret_cast<const float4*>(raw + Swizzled(x, k));
         f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
       } else {
 #pragma unroll
@@ -188,17 +189,18 @@ struct Operand {
   }
 };
 
-// Shared memory: kSplit stages that the consumers read (A whole, B big, B small; K-major and swizzled), then kRaw
-// stages of raw operands in flight from global memory, as many as the rest of the budget holds (up to 4).
+// Shared memory: kSplit stages that the consumers read (B big, B small, and A transposed where A is x-contiguous;
+// K-major and swizzled), then kRaw stages of raw operands in flight from global memory, as many as the rest of the
+// budget holds (up to 5). A k-contiguous A's raw stage is already the consumers' layout: they read it there.
 template <int BN, bool kAK, bool kBK>
 struct Layout {
-  static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
+  static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
   static constexpr int kSplit = 2;
   static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
-  static constexpr int kRaw = std::min(4, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
-  static_assert(kRaw >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  static_assert(kRaw >= 3 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
@@ -234,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   if (group == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
     // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
-    // kRaw − 1 k-tiles ahead of the split.
+    // kRaw − 2 k-tiles ahead of the consumers.
     auto advance = [&](int& tile, int& k0) {
       k0 += kBk;
       if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
@@ -258,21 +260,23 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     int it = 0;
     for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
       CopyAsyncWait<L::kRaw - 2>();
-      // Every producer thread's copies of this k-tile have landed, and every producer thread is done reading the raw
-      // stage that the next copies overwrite (the last iteration's).
+      // Every producer thread's copies of this k-tile have landed.
       BarSync<128>(L::kProducer);
-      fetch((it + L::kRaw - 1) % L::kRaw);
       const int r = it % L::kRaw, s = it % L::kSplit;
-      if (it >= L::kSplit) BarSync<kThreads>(L::Empty(s));  // both consumers are done with this stage
-      Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
+      // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
+      if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
+      // The next copies overwrite k-tile it − 1's raw stage, which the consumers read (a k-contiguous A) until they
+      // are done with it; the producer threads read theirs before the barrier above.
+      if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
+      fetch((it + L::kRaw - 1) % L::kRaw);
     }
     CopyAsyncWait<0>();
-    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
-    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
+    // Take the consumers' last arrival, so that no barrier is left part-way at exit.
+    if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
     return;
   }
 
@@ -293,10 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
       const int s = it % L::kSplit;
       BarSync<kThreads>(L::Full(s));
-      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: half the
-      // producer's stores, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
       // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
-      const unsigned char* a_tile = smem + L::A(s);
+      const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
       for (int ks = 0; ks < kSteps; ++ks) {
