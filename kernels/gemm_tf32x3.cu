@@ -1,13 +1,13 @@
-// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. A producer
-// warpgroup copies each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
-// it reads B back k-contiguous (transposing it where it is stored the other way), splits every value into its TF32
-// big and small parts and stores both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
+// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
+// warpgroups copy each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
+// they read B back k-contiguous (transposing it where it is stored the other way), split every value into its TF32
+// big and small parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
 // consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
-// from a k-contiguous transpose that the producer writes), split them there, and issue three wgmma per k-step of 8 and
+// from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8 and
 // half of the columns (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change
-// hands through named barriers: FULL(s) when the producer has stored stage s, EMPTY(s) when both consumers are done
+// hands through named barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done
 // with it. Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles
-// along one row band, so the producer loads the next tile while the consumers store the last one.
+// along one row band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -20,11 +20,13 @@ namespace {
 
 constexpr int kBk = 32;                   // k per stage: one 128-byte swizzle row of float32
 constexpr int kBm = 128;                  // block tile rows: two consumer warpgroups of 64
-constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
+// Two producer warpgroups: one alone, a single warp per scheduler, left the consumers waiting on its latencies.
+constexpr int kProducerThreads = 2 * 128;
+constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, consumer 1
 // Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, two
-// partial sums and two half k-tiles' split A fragments; the producer needs few. 128·88 + 256·208 = 384·168, the
-// 64K register file.
-constexpr int kProducerRegisters = 88, kConsumerRegisters = 208;
+// partial sums and two half k-tiles' split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the
+// register file.
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 // The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
@@ -154,7 +156,7 @@ struct Wgmma<64> {
 // Both passes are free of bank conflicts.
 template <int X, bool kKContiguous>
 struct Operand {
-  static constexpr int kPieces = X * kBk / 4 / 128;  // per producer thread
+  static constexpr int kPieces = X * kBk / 4 / kProducerThreads;  // per producer thread
   static constexpr int kRawBytes = X * kRowBytes;
 
   // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
@@ -162,7 +164,7 @@ struct Operand {
                                int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int id = tid + 128 * i;
+      const int id = tid + kProducerThreads * i;
       // k-contiguous: 8 threads per row's 128 bytes; x-contiguous: consecutive threads along x.
       const int x = kKContiguous ? id / 8 : id % (X / 4) * 4;
       const int k = kKContiguous ? id % 8 * 4 : id / (X / 4);
@@ -177,7 +179,7 @@ struct Operand {
   __device__ static void Store(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int id = tid + 128 * i;
+      const int id = tid + kProducerThreads * i;
       const int x = kKContiguous ? id / 8 : id % X;
       const int k = kKContiguous ? id % 8 * 4 : id / X * 4;
       float f[4];
@@ -295,9 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
   unsigned char* smem = smem_unaligned + (base - unaligned);
-  const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int group = threadIdx.x / 128;
 
-  if (group == 0) {  // producer
+  if (threadIdx.x < kProducerThreads) {
+    const int tid = threadIdx.x;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
     // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
     // kRaw − 2 k-tiles ahead of the consumers.
@@ -325,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
       CopyAsyncWait<L::kRaw - 2>();
       // Every producer thread's copies of this k-tile have landed.
-      BarSync<128>(L::kProducer);
+      BarSync<kProducerThreads>(L::kProducer);
       const int r = it % L::kRaw, s = it % L::kSplit;
       // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
       if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-  const int consumer = group - 1, warp = tid / 32, lane = tid % 32;
+  const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kRegs = BN / 2, kHalfRegs = BN / 4, kSteps = kBk / 8 / 2;
   // The work is issued in wgmma groups of half the columns by half a k-tile, each group summed from zero into its
