@@ -3,11 +3,11 @@
 // they read B back k-contiguous (transposing it where it is stored the other way), split every value into its TF32
 // big and small parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
 // consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
-// from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8 and
-// half of the columns (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change
-// hands through named barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done
-// with it. Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles
-// along one row band, so the producers load the next tile while the consumers store the last one.
+// from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8
+// (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change hands through named
+// barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done with it. Blocks
+// walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row
+// band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -23,9 +23,9 @@ constexpr int kBm = 128;                  // block tile rows: two consumer warpg
 // Two producer warpgroups: one alone, a single warp per scheduler, left the consumers waiting on its latencies.
 constexpr int kProducerThreads = 2 * 128;
 constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, consumer 1
-// Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, two
-// partial sums and two half k-tiles' split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the
-// register file.
+// Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, its
+// k-tile's partial sum and its split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the register
+// file.
 constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
@@ -94,30 +94,6 @@ __device__ __forceinline__ void FenceRegister(uint32_t& r) { asm volatile("" : "
 template <int N>
 struct Wgmma;
 template <>
-struct Wgmma<32> {
-  __device__ static void Run(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-  }
-  // d = A·B: d's old values are not read, so the compiler need not keep them.
-  __device__ static void First(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0));
-  }
-};
-template <>
 struct Wgmma<64> {
   __device__ static void Run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
     asm volatile(
@@ -132,26 +108,33 @@ struct Wgmma<64> {
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
   }
-  // d = A·B: d's old values are not read, so the compiler need not keep them.
-  __device__ static void First(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+};
+template <>
+struct Wgmma<128> {
+  __device__ static void Run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0));
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
   }
 };
 
 // One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
-// it, k-contiguous ([x][kBk], swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x
-// (one 16-byte load, or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive
-// x) and stored into
+// it, k-contiguous ([x][kBk], swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
+// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x) and stored into
 // the swizzled K-major layout: B split into its big and small tiles, A whole (the consumers split it in registers).
 // Both passes are free of bank conflicts.
 template <int X, bool kKContiguous>
@@ -243,52 +226,6 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-template <int N>
-__device__ __forceinline__ void WaitGroup() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// C's tile rows row + {0, 8} (of the block tile) from a consumer lane's accumulator (the layout of Wgmma<BN>), + bias
-// + beta·C. Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
-template <int BN>
-__device__ __forceinline__ void StoreTile(const GemmParams& p, const TileCoordinates& tc, int row, int t,
-                                          const float (&acc)[BN / 2]) {
-  float* c = p.c + tc.z * p.stride_c;
-  const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
-  const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = tc.m0 + row + 8 * h;
-    if (r >= p.m) continue;
-    float* c_row = c + static_cast<int64_t>(r) * p.ldc;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = tc.n0 + j * 8 + 2 * t;
-      float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
-      if (pairs && col + 1 < p.n) {
-        if (bias != nullptr) {
-          v[0] += bias[col];
-          v[1] += bias[col + 1];
-        }
-        if (p.beta != 0.f) {
-          const float2 old = *reinterpret_cast<const float2*>(c_row + col);
-          v[0] += p.beta * old.x;
-          v[1] += p.beta * old.y;
-        }
-        *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
-        continue;
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (col + e >= p.n) continue;
-        if (bias != nullptr) v[e] += bias[col + e];
-        if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
-        c_row[col + e] = v[e];
-      }
-    }
-  }
-}
-
 // kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
 template <int BN, bool kAK, bool kBK>
 __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
@@ -350,101 +287,99 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
   const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  constexpr int kRegs = BN / 2, kHalfRegs = BN / 4, kSteps = kBk / 8 / 2;
-  // The work is issued in wgmma groups of half the columns by half a k-tile, each group summed from zero into its
-  // own partial (low or high half of the columns) and added into the accumulator in float32 when it is done. Within
-  // a k-tile one group runs while the warpgroup adds the other's partial and loads the next A fragments; only at the
-  // k-tile's end do both drain (keeping a group in flight across the loop's back edge while its partial is read makes
-  // ptxas serialize every wgmma). kHigh: the high half's offset in B's descriptor.
-  constexpr uint64_t kHigh = BN / 2 * kRowBytes >> 4;
-  using Fragments = uint32_t[2][kSteps][4];  // half a k-tile's A fragments: [big, small][k-step][register]
-
-  // Loads this warp's A fragments of half `half` of k-tile `it` (after waiting for its stage, for the first half)
-  // and splits them: here rather than by the producer, so wgmma reads no A from shared memory. Lanes of one load hit
-  // 32 distinct banks: the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks.
-  auto load = [&](Fragments& f, int it, int half) {
-    const int s = it % L::kSplit;
-    if (half == 0) BarSync<kThreads>(L::Full(s));
-    const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
+  constexpr int kRegs = BN / 2, kSteps = kBk / 8;
+  float part[kRegs];
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = (half * kSteps + ks) * 8 + t + 4 * (i / 2);
-        const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
-        f[0][ks][i] = split.big;
-        f[1][ks][i] = split.small;
-      }
-    }
-  };
-  // part = the product of half `half` of k-tile `it` over the columns at `columns`, as one committed wgmma group. The
-  // tensor cores round their running sum toward zero at every step, a bias that grows with the length of the sum:
-  // each group is summed from zero (scale_d = 0 on its first wgmma) and the groups are added in float32, rounded to
-  // nearest. The correction terms go in first, while the sum is still small.
-  auto issue = [&](float (&part)[kHalfRegs], Fragments& f, int it, int half, uint64_t columns) {
-    const int s = it % L::kSplit;
-    // 32 bytes along k per k-step inside the swizzle row, in 16-byte units.
-    const uint64_t k_offset = half * kSteps * 2 + columns;
-    const uint64_t b_big = Descriptor(base + L::BBig(s)) + k_offset;
-    const uint64_t b_small = Descriptor(base + L::BSmall(s)) + k_offset;
-#pragma unroll
-    for (int i = 0; i < kHalfRegs; ++i) FenceOperand(part[i]);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-      Wgmma<BN / 2>::Run(part, f[1][ks], b_big + ks * 2, ks);
-      Wgmma<BN / 2>::Run(part, f[0][ks], b_small + ks * 2, 1);
-      Wgmma<BN / 2>::Run(part, f[0][ks], b_big + ks * 2, 1);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  };
-
-  float acc[kRegs], low[kHalfRegs], high[kHalfRegs];
-#pragma unroll
-  for (int i = 0; i < kHalfRegs; ++i) low[i] = high[i] = 0.f;
-  // Adds a done group's partial (after the wait that covers it).
-  auto add = [&](float (&part)[kHalfRegs], int offset) {
-#pragma unroll
-    for (int i = 0; i < kHalfRegs; ++i) FenceOperand(part[i]), acc[offset + i] += part[i];
-  };
-  // The wgmma read `f` until the last wait: keep its registers from being reused before.
-  auto keep = [](Fragments& f) {
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) FenceRegister(f[0][ks][i]), FenceRegister(f[1][ks][i]);
-    }
-  };
-  Fragments first, second;  // the A fragments of a k-tile's two halves
+  for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
   int it = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-    const int k_tiles = CeilDiv(KLength(p, tc.z), kBk);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    load(first, it, 0);
-    for (int kt = 0;;) {
-      issue(low, first, it, 0, 0);
-      issue(high, first, it, 0, kHigh);
-      load(second, it, 1);
-      WaitGroup<1>();
-      add(low, 0);
-      issue(low, second, it, 1, 0);
-      WaitGroup<1>();
-      add(high, kHalfRegs);
-      keep(first);
-      issue(high, second, it, 1, kHigh);
-      const bool last = ++kt == k_tiles;
-      if (!last) load(first, it + 1, 0);  // ready before the drain
-      WaitGroup<0>();
-      add(low, 0);
-      add(high, kHalfRegs);
-      keep(second);
-      BarArrive(L::Empty(it % L::kSplit));
-      ++it;
-      if (last) break;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kSplit;
+      BarSync<kThreads>(L::Full(s));
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
+      }
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
+      BarArrive(L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
-    StoreTile<BN>(p, tc, consumer * 64 + warp * 16 + g, t, acc);
+
+    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
+    float* c = p.c + tc.z * p.stride_c;
+    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
+    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tc.m0 + consumer * 64 + warp * 16 + g + 8 * h;
+      if (row >= p.m) continue;
+      float* c_row = c + static_cast<int64_t>(row) * p.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = tc.n0 + j * 8 + 2 * t;
+        float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+        if (pairs && col + 1 < p.n) {
+          if (bias != nullptr) {
+            v[0] += bias[col];
+            v[1] += bias[col + 1];
+          }
+          if (p.beta != 0.f) {
+            const float2 old = *reinterpret_cast<const float2*>(c_row + col);
+            v[0] += p.beta * old.x;
+            v[1] += p.beta * old.y;
+          }
+          *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
+          continue;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e >= p.n) continue;
+          if (bias != nullptr) v[e] += bias[col + e];
+          if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
+          c_row[col + e] = v[e];
+        }
+      }
+    }
   }
 }
 
