@@ -1,7 +1,9 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
 // several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
-// choice of kernel and tile per shape rests on measurements.
+// choice of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
+// contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -44,7 +46,18 @@ absl::StatusOr<double> Time(cudaStream_t stream, const std::function<absl::Statu
   return MedianGraphMicroseconds(stream, kLaunches, kRepeats, enqueue);
 }
 
-int Run() {
+// Whether `only` is empty or one of its comma-separated parts occurs in `label`.
+bool Selected(const std::string& only, const std::string& label) {
+  if (only.empty()) return true;
+  for (size_t start = 0; start <= only.size();) {
+    const size_t end = std::min(only.find(',', start), only.size());
+    if (end > start && label.find(only.substr(start, end - start)) != std::string::npos) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+int Run(const std::string& only) {
   constexpr int R = 16384;
   const Product products[] = {
       {"s.embed", Form::kForward, R, 40, 128},
@@ -103,6 +116,7 @@ int Run() {
   std::printf("[bench_gemm] µs per product (graph of %d, median of %d); cuBLAS fp32 vs 3xTF32 tiles\n", kLaunches,
               kRepeats);
   for (const Product& p : products) {
+    if (!Selected(only, std::string(p.name) + " " + FormName(p.form))) continue;
     const bool supported = p.out % 4 == 0 || p.form == Form::kForward;
     std::string line;
     auto add = [&](const char* label, const std::function<absl::Status()>& enqueue) {
@@ -176,4 +190,4 @@ int Run() {
 }  // namespace
 }  // namespace perception
 
-int main() { return perception::Run(); }
+int main(int argc, char** argv) { return perception::Run(argc > 1 ? argv[1] : ""); }

@@ -85,16 +85,16 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
 }
 
 // Where the 3×TF32 kernel (wgmma) beats cuBLAS float32 (its tuned table included), measured with bench_gemm on the
-// H200 at 16,384 rows (session 3, helper wgmma's round 3; µs, kernel against cuBLAS). Forward and BackwardData: sums
-// and outputs of at least 64 (small's in_proj 55.1 against 75.7 forward, 45.7 against 54.8 backward; out_proj 21.4
-// against 33.4, 22.3 against 28.2; CfC backbone 12.6 against 18.5, 12.4 against 16.5; GRN 192→64 12.0 against 14.1,
-// 13.0 against 14.6; 64→64 5.8 against 6.8, 5.8 against 6.5; large's in_proj 611 against 799, 569 against 774); not
-// the embedding's sum over 40 (8.8 against 7.9) nor head_out's 5 outputs (5.7 against 4.5). BackwardWeight, whose
+// H200 at 16,384 rows (session 4, helper wgmma2's round 2; µs, kernel against cuBLAS). Forward and BackwardData: sums
+// and outputs of at least 64 (small's in_proj 49.8 against 75.7 forward, 40.0 against 54.7 backward; out_proj 18.7
+// against 33.3, 21.1 against 27.8; CfC backbone 11.3 against 18.5, 11.4 against 16.4; GRN 192→64 10.3 against 13.9,
+// 12.2 against 14.6; 64→64 5.5 against 6.8, 5.6 against 6.5; large's in_proj 544 against 798, 521 against 769); not
+// the embedding's sum over 40 (8.2 against 8.0) nor head_out's 5 outputs (5.3 against 4.6). BackwardWeight, whose
 // row split pays a partial product per slice: only weights larger than 128×128 and both sides at least 128 (small's
-// in_proj 53.7 against 60.2, out_proj 28.6 against 30.2, CfC heads 28.7 against 30.0; not the CfC backbone's 128×128,
-// 27.3 against 21.9, nor the 64-wide GRN and CfC weights, e.g. 22.2 against 13.9), and below 512×512, where the
-// automatic split loses to cuBLAS (large's in_proj 777 against 758, out_proj 353 against 342; 8 slices would take
-// 607 and 270, but the split rule is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity
+// in_proj 52.7 against 60.5, out_proj 28.3 against 30.3, CfC heads 28.3 against 30.1; not the CfC backbone's 128×128,
+// 26.7 against 21.9, nor the 64-wide GRN and CfC weights, e.g. 21.4 against 11.9), and below 512×512, where the
+// automatic split loses to cuBLAS (large's in_proj 789 against 759, out_proj 364 against 342; 8 slices would take
+// 620 and 279, but the split rule is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity
 // tests' small batch takes the kernel too.
 bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {

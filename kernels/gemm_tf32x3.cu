@@ -1,12 +1,13 @@
-// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. A producer
-// warpgroup copies each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
-// it reads each tile back k-contiguous (transposing operands stored the other way), splits every value into its TF32
-// big and small parts and stores both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
-// consumer warpgroups each multiply 64 rows of the 128-row block tile with three wgmma per k-step of 8 (small·big,
-// big·small, big·big). Stages change hands through named barriers: FULL(s) when the producer has stored stage s,
-// EMPTY(s) when both consumers are done with it. Blocks walk the output tiles (times the batch or the row slices) in a
-// grid-stride loop, consecutive tiles along one row band, so the producer loads the next tile while the consumers
-// store the last one.
+// The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
+// warpgroups copy each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
+// they read B back k-contiguous (transposing it where it is stored the other way), split every value into its TF32
+// big and small parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
+// consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
+// from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8
+// (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change hands through named
+// barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done with it. Blocks
+// walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row
+// band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -19,7 +20,13 @@ namespace {
 
 constexpr int kBk = 32;                   // k per stage: one 128-byte swizzle row of float32
 constexpr int kBm = 128;                  // block tile rows: two consumer warpgroups of 64
-constexpr int kThreads = 3 * 128;         // producer, consumer 0, consumer 1
+// Two producer warpgroups: one alone, a single warp per scheduler, left the consumers waiting on its latencies.
+constexpr int kProducerThreads = 2 * 128;
+constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, consumer 1
+// Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, its
+// k-tile's partial sum and its split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the register
+// file.
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 // The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
@@ -79,39 +86,40 @@ __device__ __forceinline__ void BarArrive(int id) {
 
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
 __device__ __forceinline__ void FenceOperand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void FenceRegister(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// d (+)= A·B over one k-step of 8 for a 64×N tile, A and B from shared-memory descriptors; scale_d = 0 ignores d.
-// d's layout per warp w of the warpgroup, g = lane / 4, t = lane % 4: d[4j + 2h + e] = (row 16w + g + 8h,
-// column 8j + 2t + e).
+// d (+)= A·B over one k-step of 8 for a 64×N tile, A from registers (a[i] = row 16w + g + 8·(i % 2), k t + 4·(i / 2)
+// for warp w of the warpgroup, g = lane / 4, t = lane % 4), B from a shared-memory descriptor; scale_d = 0 ignores d.
+// d's layout: d[4j + 2h + e] = (row 16w + g + 8h, column 8j + 2t + e).
 template <int N>
 struct Wgmma;
 template <>
 struct Wgmma<64> {
-  __device__ static void Run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+  __device__ static void Run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1;\n}\n"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(scale_d));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
   }
 };
 template <>
 struct Wgmma<128> {
-  __device__ static void Run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  __device__ static void Run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1;\n}\n"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -120,17 +128,18 @@ struct Wgmma<128> {
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(scale_d));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
   }
 };
 
 // One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
-// it, k-contiguous ([x][kBk]) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
-// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x), split, and
-// stored as two 16-byte pieces into the swizzled big and small tiles. Both passes are free of bank conflicts.
+// it, k-contiguous ([x][kBk], swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
+// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x) and stored into
+// the swizzled K-major layout: B split into its big and small tiles, A whole (the consumers split it in registers).
+// Both passes are free of bank conflicts.
 template <int X, bool kKContiguous>
 struct Operand {
-  static constexpr int kPieces = X * kBk / 4 / 128;  // per producer thread
+  static constexpr int kPieces = X * kBk / 4 / kProducerThreads;  // per producer thread
   static constexpr int kRawBytes = X * kRowBytes;
 
   // Zero past x_end or k_end: operands are contiguous in 4-float runs wholly in range or wholly out.
@@ -138,29 +147,35 @@ struct Operand {
                                int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int id = tid + 128 * i;
+      const int id = tid + kProducerThreads * i;
       // k-contiguous: 8 threads per row's 128 bytes; x-contiguous: consecutive threads along x.
       const int x = kKContiguous ? id / 8 : id % (X / 4) * 4;
       const int k = kKContiguous ? id % 8 * 4 : id / (X / 4);
       const int gx = x0 + x, gk = k0 + k;
       const bool valid = gx < x_end && gk < k_end;
-      const uint32_t at = raw + (kKContiguous ? x * kRowBytes + k * 4 : (k * X + x) * 4);
+      const uint32_t at = raw + (kKContiguous ? Swizzled(x, k) : (k * X + x) * 4);
       CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
-  __device__ static void Split(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
+  // kParts: split into big and small; else the float32 values go to `big` as they are.
+  template <bool kParts>
+  __device__ static void Store(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int id = tid + 128 * i;
+      const int id = tid + kProducerThreads * i;
       const int x = kKContiguous ? id / 8 : id % X;
       const int k = kKContiguous ? id % 8 * 4 : id / X * 4;
       float f[4];
       if (kKContiguous) {
-        const float4 v = *reinterpret_cast<const float4*>(raw + x * kRowBytes + k * 4);
+        const float4 v = *reinterpret_cast<const float4*>(raw + Swizzled(x, k));
         f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
+      }
+      if (!kParts) {
+        *reinterpret_cast<float4*>(big + Swizzled(x, k)) = make_float4(f[0], f[1], f[2], f[3]);
+        continue;
       }
       uint4 b, s;
       Tf32Split split = SplitTf32(f[0]);
@@ -177,20 +192,20 @@ struct Operand {
   }
 };
 
-// Shared memory: kSplit stages of split operands (A big, A small, B big, B small) that the consumers read, then kRaw
-// stages of raw operands in flight from global memory, as many as the rest of the budget holds (up to 4).
+// Shared memory: kSplit stages that the consumers read (B big, B small, and A transposed where A is x-contiguous;
+// K-major and swizzled), then kRaw stages of raw operands in flight from global memory, as many as the rest of the
+// budget holds (up to 5). A k-contiguous A's raw stage is already the consumers' layout: they read it there.
 template <int BN, bool kAK, bool kBK>
 struct Layout {
-  static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
-  static constexpr int kSplitBytes = 2 * (kABytes + kBBytes);
+  static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
+  static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
   static constexpr int kSplit = 2;
   static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
-  static constexpr int kRaw = std::min(4, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
-  static_assert(kRaw >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
-  __host__ __device__ static constexpr uint32_t ABig(int s) { return s * kSplitBytes; }
-  __host__ __device__ static constexpr uint32_t ASmall(int s) { return ABig(s) + kABytes; }
-  __host__ __device__ static constexpr uint32_t BBig(int s) { return ABig(s) + 2 * kABytes; }
+  static_assert(kRaw >= 3 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
+  __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
   __host__ __device__ static constexpr uint32_t RawA(int r) { return kSplit * kSplitBytes + r * kRawBytes; }
   __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + Operand<kBm, kAK>::kRawBytes; }
@@ -219,11 +234,13 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
   unsigned char* smem = smem_unaligned + (base - unaligned);
-  const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int group = threadIdx.x / 128;
 
-  if (group == 0) {  // producer
+  if (threadIdx.x < kProducerThreads) {
+    const int tid = threadIdx.x;
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
     // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
-    // kRaw − 1 k-tiles ahead of the split.
+    // kRaw − 2 k-tiles ahead of the consumers.
     auto advance = [&](int& tile, int& k0) {
       k0 += kBk;
       if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
@@ -247,26 +264,30 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     int it = 0;
     for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
       CopyAsyncWait<L::kRaw - 2>();
-      // Every producer thread's copies of this k-tile have landed, and every producer thread is done reading the raw
-      // stage that the next copies overwrite (the last iteration's).
-      BarSync<128>(L::kProducer);
-      fetch((it + L::kRaw - 1) % L::kRaw);
+      // Every producer thread's copies of this k-tile have landed.
+      BarSync<kProducerThreads>(L::kProducer);
       const int r = it % L::kRaw, s = it % L::kSplit;
-      if (it >= L::kSplit) BarSync<kThreads>(L::Empty(s));  // both consumers are done with this stage
-      Operand<kBm, kAK>::Split(smem + L::RawA(r), smem + L::ABig(s), smem + L::ASmall(s), tid);
-      Operand<BN, kBK>::Split(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
+      // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
+      if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
+      Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
+      // The next copies overwrite k-tile it − 1's raw stage, which the consumers read (a k-contiguous A) until they
+      // are done with it; the producer threads read theirs before the barrier above.
+      if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
+      fetch((it + L::kRaw - 1) % L::kRaw);
     }
     CopyAsyncWait<0>();
-    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
-    for (int j = max(0, it - L::kSplit); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
+    // Take the consumers' last arrival, so that no barrier is left part-way at exit.
+    if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
     return;
   }
 
-  const int consumer = group - 1, warp = tid / 32, lane = tid % 32;
-  constexpr int kRegs = BN / 2;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+  const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  constexpr int kRegs = BN / 2, kSteps = kBk / 8;
   float part[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
@@ -280,8 +301,21 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
       const int s = it % L::kSplit;
       BarSync<kThreads>(L::Full(s));
-      const uint64_t a_big = Descriptor(base + L::ABig(s) + consumer * 64 * kRowBytes);
-      const uint64_t a_small = Descriptor(base + L::ASmall(s) + consumer * 64 * kRowBytes);
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
+      }
       const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
@@ -290,16 +324,22 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
       // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
       // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
 #pragma unroll
-      for (int ks = 0; ks < kBk / 8; ++ks) {
+      for (int ks = 0; ks < kSteps; ++ks) {
         const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-        Wgmma<BN>::Run(part, a_small + step, b_big + step, ks);
-        Wgmma<BN>::Run(part, a_big + step, b_small + step, 1);
-        Wgmma<BN>::Run(part, a_big + step, b_big + step, 1);
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
       BarArrive(L::Empty(s));
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
@@ -309,7 +349,6 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     float* c = p.c + tc.z * p.stride_c;
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
-    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = tc.m0 + consumer * 64 + warp * 16 + g + 8 * h;
