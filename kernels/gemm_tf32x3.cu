@@ -29,12 +29,11 @@ constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, 
 constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
-// The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
-// loads of one item overlap the math and stores of another, but no more, since every slice's partial is written and
-// read back once more.
-constexpr int kItemsPerSm = 2;
 // The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
 constexpr int kMinSliceTiles = 8;
+// What one work item (a tile of one slice) of the weight gradient costs beyond its k-tiles, in k-tiles: the
+// pipeline's fill and the partial's store.
+constexpr int kItemOverheadTiles = 2;
 
 // C = A·B (+ bias + beta·C) with A [m, k] and B [k, n] as the template's layouts say, `count` times: the z-th reads
 // and writes each operand at its pointer + z·stride, and with k_split > 0 covers k in [z·k_split, min(k,
@@ -477,12 +476,23 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
   const int tiles = CeilDiv(out, kBm) * CeilDiv(in, TileCols(tile));
   const int ktiles = CeilDiv(std::max(rows, 1), kBk);
   const size_t slice_floats = static_cast<size_t>(out) * in;
+  const int most = static_cast<int>(std::min<size_t>(workspace_bytes / (slice_floats * sizeof(float)), ktiles));
   if (splits <= 0) {
     int sms = 0;
     if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
-    splits = std::min(CeilDiv(kItemsPerSm * sms, tiles), std::max(ktiles / kMinSliceTiles, 1));
+    // The blocks walk tiles × slices items in waves of `sms`: the slice count that minimizes the waves times each
+    // item's k-tiles (a wave part-full costs a full one: 4 slices of large's in_proj gradient, 288 items, took 3
+    // waves where 7 slices' 504 take 4 of less than half the length), the fewest slices among equals since every
+    // slice's partial is written and read back once more.
+    splits = 1;
+    int64_t best = -1;
+    for (int s = 1; s <= std::min(most, std::max(ktiles / kMinSliceTiles, 1)); ++s) {
+      const int slice_tiles = CeilDiv(ktiles, s), slices = CeilDiv(ktiles, slice_tiles);
+      const int64_t cost = int64_t{CeilDiv(tiles * slices, sms)} * (slice_tiles + kItemOverheadTiles);
+      if (best < 0 || cost < best) best = cost, splits = slices;
+    }
   }
-  splits = static_cast<int>(std::min<size_t>(splits, workspace_bytes / (slice_floats * sizeof(float))));
+  splits = std::min(splits, most);
   if (splits <= 1) {
     const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
     return LaunchTile<false, false>(tile, p, 1, stream);
