@@ -195,15 +195,20 @@ struct Operand {
 // Shared memory: kSplit stages that the consumers read (B big, B small, and A transposed where A is x-contiguous;
 // K-major and swizzled), then kRaw stages of raw operands in flight from global memory, as many as the rest of the
 // budget holds (up to 5). A k-contiguous A's raw stage is already the consumers' layout: they read it there.
+// Three split stages, where the raw stages left still hold four k-tiles, let the producers split up to two k-tiles
+// ahead of the consumers, so that one late handoff does not stall the next.
 template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
-  static constexpr int kSplit = 2;
   static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
+  static constexpr int kSplit = (kStageBudget - 3 * kSplitBytes) / kRawBytes >= 4 ? 3 : 2;
   static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  // A raw stage is refilled once the consumers are done with the k-tile it held (they read a k-contiguous A there),
+  // which the producers wait for kLag k-tiles behind the one they store; the copies then run kAhead k-tiles ahead.
+  static constexpr int kLag = kSplit - 1, kAhead = kRaw - kLag;
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
-  static_assert(kRaw >= 3 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  static_assert(kAhead >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
@@ -281,8 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
-    // kRaw − 2 k-tiles ahead of the consumers.
+    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles.
     auto advance = [&](int& tile, int& k0) {
       k0 += kBk;
       if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
@@ -302,27 +306,27 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
       CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
     };
 #pragma unroll
-    for (int r = 0; r < L::kRaw - 1; ++r) fetch(r);
+    for (int r = 0; r < L::kAhead; ++r) fetch(r);
     int it = 0;
     for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
-      CopyAsyncWait<L::kRaw - 2>();
+      CopyAsyncWait<L::kAhead - 1>();
       // Every producer thread's copies of this k-tile have landed.
       BarSync<kProducerThreads>(L::kProducer);
       const int r = it % L::kRaw, s = it % L::kSplit;
-      // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
+      // Stage s was last read in k-tile it − kSplit, whose EMPTY the previous iteration took.
       if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
-      // The next copies overwrite k-tile it − 1's raw stage, which the consumers read (a k-contiguous A) until they
-      // are done with it; the producer threads read theirs before the barrier above.
-      if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
-      fetch((it + L::kRaw - 1) % L::kRaw);
+      // The next copies overwrite k-tile it − kLag's raw stage, which the consumers read (a k-contiguous A) until
+      // they are done with it; the producer threads read theirs before the barriers since.
+      if (it >= L::kLag) BarSync<kThreads>(L::Empty((it - L::kLag) % L::kSplit));
+      fetch((it + L::kAhead) % L::kRaw);
     }
     CopyAsyncWait<0>();
-    // Take the consumers' last arrival, so that no barrier is left part-way at exit.
-    if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
+    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
+    for (int j = max(it - L::kLag, 0); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
     return;
   }
 
