@@ -5,10 +5,9 @@
 // consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
 // from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8
 // (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change hands through named
-// barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done with it. The
-// consumers load the next k-tile's A while the tensor cores work on this one, and store a finished tile while the
-// tensor cores work on the next tile's first k-tile. Blocks walk the output tiles (times the batch or the row slices)
-// in a grid-stride loop, consecutive tiles along one row band.
+// barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done with it. Blocks
+// walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row
+// band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -25,9 +24,9 @@ constexpr int kBm = 128;                  // block tile rows: two consumer warpg
 constexpr int kProducerThreads = 2 * 128;
 constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, consumer 1
 // Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, its
-// k-tile's partial sum, its split A fragments and the next k-tile's A values (208 spilled some); the producers need
-// few. 256·40 + 256·216 = 65,536, the register file.
-constexpr int kProducerRegisters = 40, kConsumerRegisters = 216;
+// k-tile's partial sum and its split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the register
+// file.
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 // The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
@@ -231,48 +230,6 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-// Stores a consumer's 64 rows of a finished tile (row0: this lane's first row in the block tile, t = lane % 4) with
-// the bias and beta·C. Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are
-// 8-byte aligned.
-template <int BN>
-__device__ __forceinline__ void StoreTile(const GemmParams& p, const TileCoordinates& tc, int row0, int t,
-                                          const float (&acc)[BN / 2]) {
-  float* c = p.c + tc.z * p.stride_c;
-  const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
-  const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = tc.m0 + row0 + 8 * h;
-    if (row >= p.m) continue;
-    float* c_row = c + static_cast<int64_t>(row) * p.ldc;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = tc.n0 + j * 8 + 2 * t;
-      float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
-      if (pairs && col + 1 < p.n) {
-        if (bias != nullptr) {
-          v[0] += bias[col];
-          v[1] += bias[col + 1];
-        }
-        if (p.beta != 0.f) {
-          const float2 old = *reinterpret_cast<const float2*>(c_row + col);
-          v[0] += p.beta * old.x;
-          v[1] += p.beta * old.y;
-        }
-        *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
-        continue;
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (col + e >= p.n) continue;
-        if (bias != nullptr) v[e] += bias[col + e];
-        if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
-        c_row[col + e] = v[e];
-      }
-    }
-  }
-}
-
 // kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
 template <int BN, bool kAK, bool kBK>
 __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
@@ -334,88 +291,99 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kRegs = BN / 2, kSteps = kBk / 8;
-  // This warp's A values for k-tile `it`'s four k-steps, loaded as soon as the stage is full, while the tensor cores
-  // still work on the k-tile before, and split in registers before its wgmma: no A split or store for the producer,
-  // and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the swizzle puts rows g = 0..7
-  // of one 16-byte chunk in different chunks).
-  float a_next[kSteps][4];
-  auto load_a = [&](int it) {
-    BarSync<kThreads>(L::Full(it % L::kSplit));
-    const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(it % L::kSplit));
+  float part[kRegs];
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
+  for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-        a_next[ks][i] = *reinterpret_cast<const float*>(a_tile + Swizzled(row, k));
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kSplit;
+      BarSync<kThreads>(L::Full(s));
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
+      }
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
+      BarArrive(L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+    }
+
+    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
+    float* c = p.c + tc.z * p.stride_c;
+    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
+    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tc.m0 + consumer * 64 + warp * 16 + g + 8 * h;
+      if (row >= p.m) continue;
+      float* c_row = c + static_cast<int64_t>(row) * p.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = tc.n0 + j * 8 + 2 * t;
+        float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+        if (pairs && col + 1 < p.n) {
+          if (bias != nullptr) {
+            v[0] += bias[col];
+            v[1] += bias[col + 1];
+          }
+          if (p.beta != 0.f) {
+            const float2 old = *reinterpret_cast<const float2*>(c_row + col);
+            v[0] += p.beta * old.x;
+            v[1] += p.beta * old.y;
+          }
+          *reinterpret_cast<float2*>(c_row + col) = make_float2(v[0], v[1]);
+          continue;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e >= p.n) continue;
+          if (bias != nullptr) v[e] += bias[col + e];
+          if (p.beta != 0.f) v[e] += p.beta * c_row[col + e];
+          c_row[col + e] = v[e];
+        }
       }
     }
-  };
-  float acc[kRegs], part[kRegs];
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) acc[i] = 0.f, part[i] = 0.f;
-  int tile = blockIdx.x, k0 = 0;
-  TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN), done = tc;
-  int k_len = KLength(p, tc.z);
-  if (tile < tiles) load_a(0);
-  bool finished = false;  // acc holds a whole tile's sum, not stored yet
-  for (int it = 0; tile < tiles; ++it) {
-    const int s = it % L::kSplit;
-    uint32_t a_big[kSteps][4], a_small[kSteps][4];
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const Tf32Split split = SplitTf32(a_next[ks][i]);
-        a_big[ks][i] = split.big;
-        a_small[ks][i] = split.small;
-      }
-    }
-    const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
-    // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
-    // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-      const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-      Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-      Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-      Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    // The last tile's sum is stored while the tensor cores start on this one.
-    if (finished) {
-      StoreTile<BN>(p, done, consumer * 64 + warp * 16 + g, t, acc);
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    }
-    k0 += kBk;
-    finished = k0 >= k_len;
-    if (finished) {
-      done = tc;
-      tile += gridDim.x;
-      k0 = 0;
-      tc = Coordinates(tile, tiles_m, tiles_n, BN);
-      k_len = KLength(p, tc.z);
-    }
-    if (tile < tiles) load_a(it + 1);
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-    // The wgmma read the A fragments until here: keep their registers from being reused before.
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
-    }
-    BarArrive(L::Empty(s));
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
   }
-  if (finished) StoreTile<BN>(p, done, consumer * 64 + warp * 16 + g, t, acc);
 }
 
 cudaError_t MultiprocessorCount(int* sms) {
