@@ -93,14 +93,12 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
 // 8.0) nor head_out's 5 outputs (r2 5.3 against 4.6). BackwardWeight, whose row split pays a partial product per
 // slice: only weights larger than 128×128 and both sides at least 128 (small's in_proj 47.6 against 60.0, out_proj
 // 25.9 against 30.3, r2 CfC heads 28.3 against 30.1; not the CfC backbone's 128×128, 24.5 against 22.0, nor the
-// 64-wide GRN and CfC weights, e.g. 20.6 against 12.0), and below 512×512, where the automatic split loses to cuBLAS
-// (r2 large's in_proj 789 against 759, out_proj 364 against 342; 8 slices would take 620 and 279, but the split rule
-// is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity tests' small batch takes the
-// kernel too.
+// 64-wide GRN and CfC weights, e.g. 20.6 against 12.0); large's too since the split rule fills the waves (helper
+// wgmma3's round 1, main's kernel: in_proj 517 against 758 with the 7 slices the rule picks, out_proj 227 against 341
+// with 8). Over at least 1,024 rows, so that the parity tests' small batch takes the kernel too.
 bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
-  const int64_t size = int64_t{in} * out;
-  return rows >= 1024 && in >= 128 && out >= 128 && size > 128 * 128 && size < 512 * 512;
+  return rows >= 1024 && in >= 128 && out >= 128 && int64_t{in} * out > 128 * 128;
 }
 
 template <typename T>
