@@ -194,18 +194,17 @@ struct Operand {
 // Shared memory: kSplit stages that the consumers read (B big, B small, and A transposed where A is x-contiguous;
 // K-major and swizzled), then kRaw stages of raw operands in flight from global memory, as many as the rest of the
 // budget holds (up to 5). A k-contiguous A's raw stage is already the consumers' layout: they read it there.
-// Three split stages, where the raw stages left still hold four k-tiles, let the producers split up to two k-tiles
-// ahead of the consumers, so that one late handoff does not stall the next.
 template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
   static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
-  static constexpr int kSplit = (kStageBudget - 3 * kSplitBytes) / kRawBytes >= 4 ? 3 : 2;
+  static constexpr int kSplit = 2;
   static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
-  // A raw stage is refilled once the consumers are done with the k-tile it held (they read a k-contiguous A there),
-  // which the producers wait for kLag k-tiles behind the one they store; the copies then run kAhead k-tiles ahead.
-  static constexpr int kLag = kSplit - 1, kAhead = kRaw - kLag;
+  // The copies run kAhead k-tiles ahead of the k-tile the producers store: a raw stage is refilled once the k-tile
+  // it held is done with, by the consumers two k-tiles behind where they read a k-contiguous A there, else by the
+  // producers' own split one behind.
+  static constexpr int kAhead = kAK ? kRaw - 2 : kRaw - 1;
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
   static_assert(kAhead >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
@@ -243,47 +242,60 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles.
-    auto advance = [&](int& tile, int& k0) {
-      k0 += kBk;
-      if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
-        tile += gridDim.x;
-        k0 = 0;
-      }
+    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. A tile's
+    // coordinates are worked out once (integer divisions), not per k-tile.
+    struct Walk {
+      int tile, k0, k_len;
+      TileCoordinates tc;
     };
-    int fetch_tile = blockIdx.x, fetch_k0 = 0;
+    auto start = [&](Walk& w, int tile) {
+      w.tile = tile;
+      w.k0 = 0;
+      w.tc = Coordinates(tile, tiles_m, tiles_n, BN);
+      w.k_len = KLength(p, w.tc.z);
+    };
+    auto next = [&](Walk& w) {
+      w.k0 += kBk;
+      if (w.k0 >= w.k_len) start(w, w.tile + gridDim.x);
+    };
+    Walk fetching, storing;
+    start(fetching, blockIdx.x);
+    start(storing, blockIdx.x);
     auto fetch = [&](int r) {
-      if (fetch_tile < tiles) {
-        const TileCoordinates tc = Coordinates(fetch_tile, tiles_m, tiles_n, BN);
-        const int k_len = KLength(p, tc.z);
-        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
-        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
-        advance(fetch_tile, fetch_k0);
+      if (fetching.tile < tiles) {
+        const TileCoordinates& tc = fetching.tc;
+        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetching.k0,
+                                 fetching.k_len, tid);
+        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
+                                fetching.k_len, tid);
+        next(fetching);
       }
       CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
     };
 #pragma unroll
     for (int r = 0; r < L::kAhead; ++r) fetch(r);
     int it = 0;
-    for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
+    for (; storing.tile < tiles; next(storing), ++it) {
       CopyAsyncWait<L::kAhead - 1>();
       // Every producer thread's copies of this k-tile have landed.
       BarSync<kProducerThreads>(L::kProducer);
       const int r = it % L::kRaw, s = it % L::kSplit;
-      // Stage s was last read in k-tile it − kSplit, whose EMPTY the previous iteration took.
+      // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
       if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
-      // The next copies overwrite k-tile it − kLag's raw stage, which the consumers read (a k-contiguous A) until
-      // they are done with it; the producer threads read theirs before the barriers since.
-      if (it >= L::kLag) BarSync<kThreads>(L::Empty((it - L::kLag) % L::kSplit));
+      // The next copies overwrite the raw stage of k-tile it − 2 (whose EMPTY the previous iteration took) or, where
+      // the consumers read no A there, of k-tile it − 1 (the producer threads read theirs before the barrier above);
+      // issued before waiting for the consumers to be done with k-tile it − 1, they stay off the path from that EMPTY
+      // to the next FULL.
       fetch((it + L::kAhead) % L::kRaw);
+      if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
     }
     CopyAsyncWait<0>();
-    // Take the consumers' last arrivals, so that no barrier is left part-way at exit.
-    for (int j = max(it - L::kLag, 0); j < it; ++j) BarSync<kThreads>(L::Empty(j % L::kSplit));
+    // Take the consumers' last arrival, so that no barrier is left part-way at exit.
+    if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
     return;
   }
 
@@ -486,7 +498,7 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
     if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
     // The blocks walk tiles × slices items in waves of `sms`: the slice count that minimizes the waves times each
     // item's k-tiles (a wave part-full costs a full one: 4 slices of large's in_proj gradient, 288 items, took 3
-    // waves where 7 slices' 504 take 4 of less than half the length), the fewest slices among equals since every
+    // waves where 7 slices' 504 take 4 of 58% the length), the fewest slices among equals since every
     // slice's partial is written and read back once more.
     splits = 1;
     int64_t best = -1;
