@@ -163,7 +163,7 @@ int Run(const std::string& only) {
               [&] { return b->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in); });
         }
         for (int t = 1; t < kTiles && supported; ++t) {
-          for (const int splits : {0, 8, 16, 32, 64}) {
+          for (const int splits : {0, 4, 7, 8, 26, 52, 64}) {
             const std::string label = std::string(tile_names[t]) + "/" + (splits ? std::to_string(splits) : "auto");
             add(label.c_str(), [&] {
               CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y,

@@ -85,22 +85,20 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
 }
 
 // Where the 3×TF32 kernel (wgmma) beats cuBLAS float32 (its tuned table included), measured with bench_gemm on the
-// H200 at 16,384 rows (session 4, helper wgmma2's round 3 on the merged kernel unless marked r2 = round 2's version
-// of it; µs, kernel against cuBLAS). Forward and BackwardData: sums and outputs of at least 64 (small's in_proj 47.6
-// against 75.5 forward, 36.3 against 54.6 backward; out_proj 17.6 against 33.3, 20.3 against 27.9; CfC backbone 11.4
-// against 18.5, 11.5 against 16.4; GRN 192→64 10.0 against 13.9, 12.4 against 14.5; 64→64 5.4 against 6.8, 5.4
-// against 6.5; large's in_proj 483 against 799, r2 521 against 769); not the embedding's sum over 40 (r2 8.2 against
-// 8.0) nor head_out's 5 outputs (r2 5.3 against 4.6). BackwardWeight, whose row split pays a partial product per
-// slice: only weights larger than 128×128 and both sides at least 128 (small's in_proj 47.6 against 60.0, out_proj
-// 25.9 against 30.3, r2 CfC heads 28.3 against 30.1; not the CfC backbone's 128×128, 24.5 against 22.0, nor the
-// 64-wide GRN and CfC weights, e.g. 20.6 against 12.0), and below 512×512, where the automatic split loses to cuBLAS
-// (r2 large's in_proj 789 against 759, out_proj 364 against 342; 8 slices would take 620 and 279, but the split rule
-// is not yet tuned for those shapes). Over at least 1,024 rows, so that the parity tests' small batch takes the
-// kernel too.
+// H200 at 16,384 rows (session 4; µs, kernel against cuBLAS; w3 = helper wgmma3's round 2 on the kernel at 2129850,
+// else helper wgmma2's round 3 on the kernel before it, r2 = its round 2). Forward and BackwardData: sums and
+// outputs of at least 64 (w3: small's in_proj 45.2 against 75.7 forward, 32.7 against 54.8 backward; out_proj 16.0
+// against 33.3, 18.8 against 27.9; CfC backbone 10.8 against 18.5, 11.0 against 16.4; large's in_proj 430 against
+// 798, 399 against 770; the GRN's, on the kernel before: 192→64 10.0 against 13.9, 12.4 against 14.5; 64→64 5.4
+// against 6.8, 5.4 against 6.5); not the embedding's sum over 40 (r2 8.2 against 8.0) nor head_out's 5 outputs (r2
+// 5.3 against 4.6). BackwardWeight, whose row split pays a partial product per slice: weights larger than 128×128
+// with both sides at least 128 (w3: small's in_proj 38.4 against 60.5, out_proj 24.6 against 30.4, large's in_proj
+// 441 against 759, out_proj 190 against 342; r2 CfC heads 28.3 against 30.1), not the CfC backbone's 128×128 (24.5
+// against 22.0) nor the 64-wide GRN and CfC weights (e.g. 20.6 against 12.0). Over at least 1,024 rows, so that the
+// parity tests' small batch takes the kernel too.
 bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
-  const int64_t size = int64_t{in} * out;
-  return rows >= 1024 && in >= 128 && out >= 128 && size > 128 * 128 && size < 512 * 512;
+  return rows >= 1024 && in >= 128 && out >= 128 && int64_t{in} * out > 128 * 128;
 }
 
 template <typename T>

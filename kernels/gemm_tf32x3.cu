@@ -29,12 +29,11 @@ constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, 
 constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
-// The weight gradient's row split aims for this many work items per SM (a tile of one slice each), so the blocks'
-// loads of one item overlap the math and stores of another, but no more, since every slice's partial is written and
-// read back once more.
-constexpr int kItemsPerSm = 2;
 // The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
 constexpr int kMinSliceTiles = 8;
+// What one work item (a tile of one slice) of the weight gradient costs beyond its k-tiles, in k-tiles: the
+// pipeline's fill and the partial's store.
+constexpr int kItemOverheadTiles = 2;
 
 // C = A·B (+ bias + beta·C) with A [m, k] and B [k, n] as the template's layouts say, `count` times: the z-th reads
 // and writes each operand at its pointer + z·stride, and with k_split > 0 covers k in [z·k_split, min(k,
@@ -199,11 +198,15 @@ template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
-  static constexpr int kSplit = 2;
   static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
+  static constexpr int kSplit = 2;
   static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
+  // The copies run kAhead k-tiles ahead of the k-tile the producers store: a raw stage is refilled once the k-tile
+  // it held is done with, by the consumers two k-tiles behind where they read a k-contiguous A there, else by the
+  // producers' own split one behind.
+  static constexpr int kAhead = kAK ? kRaw - 2 : kRaw - 1;
   static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
-  static_assert(kRaw >= 3 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  static_assert(kAhead >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
@@ -239,31 +242,41 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. The copies run
-    // kRaw − 2 k-tiles ahead of the consumers.
-    auto advance = [&](int& tile, int& k0) {
-      k0 += kBk;
-      if (k0 >= KLength(p, Coordinates(tile, tiles_m, tiles_n, BN).z)) {
-        tile += gridDim.x;
-        k0 = 0;
-      }
+    // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. A tile's
+    // coordinates are worked out once (integer divisions), not per k-tile.
+    struct Walk {
+      int tile, k0, k_len;
+      TileCoordinates tc;
     };
-    int fetch_tile = blockIdx.x, fetch_k0 = 0;
+    auto start = [&](Walk& w, int tile) {
+      w.tile = tile;
+      w.k0 = 0;
+      w.tc = Coordinates(tile, tiles_m, tiles_n, BN);
+      w.k_len = KLength(p, w.tc.z);
+    };
+    auto next = [&](Walk& w) {
+      w.k0 += kBk;
+      if (w.k0 >= w.k_len) start(w, w.tile + gridDim.x);
+    };
+    Walk fetching, storing;
+    start(fetching, blockIdx.x);
+    start(storing, blockIdx.x);
     auto fetch = [&](int r) {
-      if (fetch_tile < tiles) {
-        const TileCoordinates tc = Coordinates(fetch_tile, tiles_m, tiles_n, BN);
-        const int k_len = KLength(p, tc.z);
-        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetch_k0, k_len, tid);
-        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetch_k0, k_len, tid);
-        advance(fetch_tile, fetch_k0);
+      if (fetching.tile < tiles) {
+        const TileCoordinates& tc = fetching.tc;
+        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetching.k0,
+                                 fetching.k_len, tid);
+        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
+                                fetching.k_len, tid);
+        next(fetching);
       }
       CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
     };
 #pragma unroll
-    for (int r = 0; r < L::kRaw - 1; ++r) fetch(r);
+    for (int r = 0; r < L::kAhead; ++r) fetch(r);
     int it = 0;
-    for (int tile = blockIdx.x, k0 = 0; tile < tiles; advance(tile, k0), ++it) {
-      CopyAsyncWait<L::kRaw - 2>();
+    for (; storing.tile < tiles; next(storing), ++it) {
+      CopyAsyncWait<L::kAhead - 1>();
       // Every producer thread's copies of this k-tile have landed.
       BarSync<kProducerThreads>(L::kProducer);
       const int r = it % L::kRaw, s = it % L::kSplit;
@@ -273,10 +286,12 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       BarArrive(L::Full(s));
-      // The next copies overwrite k-tile it − 1's raw stage, which the consumers read (a k-contiguous A) until they
-      // are done with it; the producer threads read theirs before the barrier above.
+      // The next copies overwrite the raw stage of k-tile it − 2 (whose EMPTY the previous iteration took) or, where
+      // the consumers read no A there, of k-tile it − 1 (the producer threads read theirs before the barrier above);
+      // issued before waiting for the consumers to be done with k-tile it − 1, they stay off the path from that EMPTY
+      // to the next FULL.
+      fetch((it + L::kAhead) % L::kRaw);
       if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
-      fetch((it + L::kRaw - 1) % L::kRaw);
     }
     CopyAsyncWait<0>();
     // Take the consumers' last arrival, so that no barrier is left part-way at exit.
@@ -477,12 +492,23 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
   const int tiles = CeilDiv(out, kBm) * CeilDiv(in, TileCols(tile));
   const int ktiles = CeilDiv(std::max(rows, 1), kBk);
   const size_t slice_floats = static_cast<size_t>(out) * in;
+  const int most = static_cast<int>(std::min<size_t>(workspace_bytes / (slice_floats * sizeof(float)), ktiles));
   if (splits <= 0) {
     int sms = 0;
     if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
-    splits = std::min(CeilDiv(kItemsPerSm * sms, tiles), std::max(ktiles / kMinSliceTiles, 1));
+    // The blocks walk tiles × slices items in waves of `sms`: the slice count that minimizes the waves times each
+    // item's k-tiles (a wave part-full costs a full one: 4 slices of large's in_proj gradient, 288 items, took 3
+    // waves where 7 slices' 504 take 4 of 58% the length), the fewest slices among equals since every
+    // slice's partial is written and read back once more.
+    splits = 1;
+    int64_t best = -1;
+    for (int s = 1; s <= std::min(most, std::max(ktiles / kMinSliceTiles, 1)); ++s) {
+      const int slice_tiles = CeilDiv(ktiles, s), slices = CeilDiv(ktiles, slice_tiles);
+      const int64_t cost = int64_t{CeilDiv(tiles * slices, sms)} * (slice_tiles + kItemOverheadTiles);
+      if (best < 0 || cost < best) best = cost, splits = slices;
+    }
   }
-  splits = static_cast<int>(std::min<size_t>(splits, workspace_bytes / (slice_floats * sizeof(float))));
+  splits = std::min(splits, most);
   if (splits <= 1) {
     const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
     return LaunchTile<false, false>(tile, p, 1, stream);
