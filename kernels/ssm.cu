@@ -667,6 +667,11 @@ __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOper
   }
 }
 
+// Component i of v; with i known at compile time (unrolled loops) it is a register, not a local-memory index.
+__device__ __forceinline__ float Component(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 // The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
 // (depth a multiple of 16, row strides ≡ 16 (mod 32) floats): a lane loads 4 consecutive depths of a row with one
 // conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and B share it.
@@ -682,23 +687,16 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
     float4 bq[kTiles];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + k);
-    {
-      const float a[4] = {lo.x, hi.x, lo.y, hi.y};
+    // The first k-step takes depths 0 and 1 of each load (x, y), the second depths 2 and 3 (z, w).
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      const float a[4] = {Component(lo, 2 * step), Component(hi, 2 * step), Component(lo, 2 * step + 1),
+                          Component(hi, 2 * step + 1)};
       float b[kTiles][2];
 #pragma unroll
       for (int q = 0; q < kTiles; ++q) {
-        b[q][0] = bq[q].x;
-        b[q][1] = bq[q].y;
-      }
-      Mma3xTf32(a, b, big, small);
-    }
-    {
-      const float a[4] = {lo.z, hi.z, lo.w, hi.w};
-      float b[kTiles][2];
-#pragma unroll
-      for (int q = 0; q < kTiles; ++q) {
-        b[q][0] = bq[q].z;
-        b[q][1] = bq[q].w;
+        b[q][0] = Component(bq[q], 2 * step);
+        b[q][1] = Component(bq[q], 2 * step + 1);
       }
       Mma3xTf32(a, b, big, small);
     }
