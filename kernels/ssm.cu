@@ -678,6 +678,8 @@ __device__ __forceinline__ float Component(const float4& v, int i) {
 template <int kTiles, int kLdA, int kLdB>
 __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
                                           float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+  Zero(big);
+  Zero(small);
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = A + (m0 + g) * kLdA + 4 * t;
   const float* pb = B + (n0 + g) * kLdB + 4 * t;
@@ -707,6 +709,8 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
 // array: strip s of the 10, row block i's first at s = i(i + 1)/2.
 constexpr int kTimeBlocks = kTile / 16, kLowerStrips = kTimeBlocks * (kTimeBlocks + 1) / 2;
 __device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ? 1 : s < 6 ? 2 : 3; }
+// Strip s's column block, given its row block i.
+__device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (i + 1) / 2; }
 
 // Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
 // to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays have row strides ≡ 16 (mod 32) floats for
@@ -770,10 +774,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   if (warp >= 2) {
     const int first = warp < 6 ? 2 * (warp - 2) : warp + 2, last = warp < 6 ? first + 2 : first + 1;
     for (int strip = first; strip < last; ++strip) {
-      const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+      const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
       float big[2][4], small[2][4];
-      Zero(big);
-      Zero(small);
       GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -791,10 +793,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
-    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
     float big[2][4], small[2][4];
-    Zero(big);
-    Zero(small);
     GramStrip<2, sp, sp>(sdy, 16 * i, sx, 16 * cp, lay.pc, big, small);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
@@ -810,7 +810,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
-    const int i = StripRowBlock(strip), cp = strip - i * (i + 1) / 2;
+    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       float direct[2] = {0.f, 0.f};
@@ -941,10 +941,8 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
 
   // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
   for (int tile = warp; tile < 2 * kLowerStrips; tile += kWarps) {
-    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * (strip - i * (i + 1) / 2) + tile % 2;
+    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * StripColumnBlock(strip, i) + tile % 2;
     float big[1][4], small[1][4];
-    Zero(big);
-    Zero(small);
     GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
