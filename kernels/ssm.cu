@@ -741,6 +741,38 @@ __device__ __forceinline__ void StorePair(float* out, float v0, float v1, bool p
   }
 }
 
+// How both tensor-core kernels end: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
+// M and a [time][p] V, row stride ld. Warp w takes row blocks w / 4 and 3 − w / 4 (depths of 1 and 4, or 2 and 3
+// blocks, whichever side of the diagonal M's depth lies) on column groups 2q and 2q + 1, q = w mod 4;
+// product(i, q, tiles, big, small) adds row block i's sums into zeroed fragments.
+template <class Product, class Value>
+__device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out, int ld, Product product,
+                                               Value value) {
+  const int warp = threadIdx.x / kWarpSize, g = threadIdx.x % kWarpSize / 4, t4 = threadIdx.x % 4;
+  const int q = warp % 4, tiles = min(2, pc / 8 - 2 * q);
+  const bool pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
+    const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
+    float big[2][4], small[2][4];
+    Zero(big);
+    Zero(small);
+    product(i, q, tiles, big, small);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r >= tiles) break;
+      const int p = 16 * q + 8 * r + 2 * t4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = 16 * i + g + 8 * half;
+        if (t < T && p < P) {
+          StorePair(out + static_cast<size_t>(t) * ld + p, value(t, p, big[r][2 * half] + small[r][2 * half]),
+                    value(t, p + 1, big[r][2 * half + 1] + small[r][2 * half + 1]), pairs, p + 1 < P);
+        }
+      }
+    }
+  }
+}
+
 template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
@@ -884,35 +916,14 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     store(0);
   }
 
-  // dxb, then d xs = D·dy + dt·dxb, of row blocks warp / 4 and 3 − warp / 4 (depths k ≥ j of 4 and 1, or 3 and 2
-  // blocks) on column groups 2q and 2q + 1, q = warp mod 4.
-  {
-    const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
-    const bool dxs_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dxs) % 8 == 0;
-    for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
-      const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
-      float big[2][4], small[2][4];
-      Zero(big);
-      Zero(small);
-      MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big, small);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (r >= tiles) break;
-        const int p = 16 * q + 8 * r + 2 * t4;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int j = 16 * i + g + 8 * half;
-          if (j < T && p < P) {
-            const float dt = vdt[j];
-            StorePair(grad.dxs + (row0 + j) * E + h * P + p,
-                      sdy[j * sp + p] * Dh + (big[r][2 * half] + small[r][2 * half]) * dt,
-                      sdy[j * sp + p + 1] * Dh + (big[r][2 * half + 1] + small[r][2 * half + 1]) * dt, dxs_pairs,
-                      p + 1 < P);
-          }
-        }
-      }
-    }
-  }
+  // dxb (over k ≥ j), then d xs = D·dy + dt·dxb.
+  RowBlockPasses(
+      lay.pc, T, P, grad.dxs + row0 * E + h * P, E,
+      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
+        MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
+                       small);
+      },
+      [&](int j, int p, float dxb) { return sdy[j * sp + p] * Dh + dxb * vdt[j]; });
 }
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
@@ -952,30 +963,13 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   }
   __syncthreads();
 
-  // Row blocks warp / 4 and 3 − warp / 4 (depths j ≤ k of 1 and 4, or 2 and 3 blocks) on column groups 2q, 2q + 1.
-  const int q = warp % 4, tiles = min(2, lay.pc / 8 - 2 * q);
-  const bool y_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(y) % 8 == 0;
-  for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
-    const int i = pass == 0 ? warp / 4 : kTimeBlocks - 1 - warp / 4;
-    float big[2][4], small[2][4];
-    Zero(big);
-    Zero(small);
-    MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r >= tiles) break;
-      const int p = 16 * q + 8 * r + 2 * t4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int k = 16 * i + g + 8 * half;
-        if (k < T && p < P) {
-          StorePair(y + (row0 + k) * E + h * P + p, fmaf(Dh, sx[k * sp + p], big[r][2 * half] + small[r][2 * half]),
-                    fmaf(Dh, sx[k * sp + p + 1], big[r][2 * half + 1] + small[r][2 * half + 1]), y_pairs,
-                    p + 1 < P);
-        }
-      }
-    }
-  }
+  // y = M·x (over j ≤ k) + D·x.
+  RowBlockPasses(
+      lay.pc, T, P, y + row0 * E + h * P, E,
+      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
+        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
+      },
+      [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + p], mx); });
 }
 
 // For the chunked backward: the state at the end of every chunk but the last, S_c = Λ·S_{c−1} +
