@@ -1,13 +1,16 @@
 // The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
-// warpgroups copy each k-tile (32 deep) of A and B raw into shared memory with cp.async, several k-tiles ahead; then
-// they read B back k-contiguous (transposing it where it is stored the other way), split every value into its TF32
-// big and small parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read. Two
-// consumer warpgroups each load their 64 rows of A into registers (from the raw copy where A is k-contiguous, else
-// from a k-contiguous transpose that the producers write), split them there, and issue three wgmma per k-step of 8
-// (small·big, big·small, big·big) with A from registers and B from shared memory. Stages change hands through named
-// barriers: FULL(s) when the producers have stored stage s, EMPTY(s) when both consumers are done with it. Blocks
-// walk the output tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row
-// band, so the producers load the next tile while the consumers store the last one.
+// warpgroups copy each k-tile (32 deep) of A and B into shared memory with cp.async: A (where it is k-contiguous)
+// straight into the stage the consumers read, B raw several k-tiles ahead; they then read B back k-contiguous
+// (transposing it where it is stored the other way), split every value into its TF32 big and small parts and store
+// both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is transposed into
+// the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the stage into
+// registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from
+// registers and B from shared memory. Stages change hands through mbarriers: FULL(s) completes when every producer
+// thread has stored its part of stage s and its copies into it have landed (cp.async.mbarrier.arrive), EMPTY(s) when
+// every consumer thread is done with it. Unlike a named barrier, waiting on an mbarrier does not arrive on it, so
+// each consumer warpgroup runs at its own pace, up to the stage count ahead of the other. Blocks walk the output
+// tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row band, so the
+// producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -79,8 +82,25 @@ template <int kCount>
 __device__ __forceinline__ void BarSync(int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kCount) : "memory");
 }
-__device__ __forceinline__ void BarArrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+
+__device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
+}
+// Arrives once this thread's cp.async copies issued so far have landed; counts as no arrival of its own (the pending
+// count is raised first), so the thread still arrives as usual.
+__device__ __forceinline__ void MbarrierArriveOnCopies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// Until the phase of `parity` has completed.
+__device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}" ::"r"(
+          bar),
+      "r"(parity)
+      : "memory");
 }
 
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
@@ -191,31 +211,37 @@ struct Operand {
   }
 };
 
-// Shared memory: kSplit stages that the consumers read (B big, B small, and A transposed where A is x-contiguous;
-// K-major and swizzled), then kRaw stages of raw operands in flight from global memory, as many as the rest of the
-// budget holds (up to 5). A k-contiguous A's raw stage is already the consumers' layout: they read it there.
+// Shared memory: kStages stages that the consumers read (A, B big, B small; K-major and swizzled), then kRaw slots of
+// raw operands in flight from global memory (B, and A where it is x-contiguous), then the stages' mbarriers. The
+// budget goes to the stages first, as many as leave the raw slots their minimum (up to 6).
 template <int BN, bool kAK, bool kBK>
 struct Layout {
-  static constexpr int kABytes = kAK ? 0 : kBm * kRowBytes, kBBytes = BN * kRowBytes;
-  static constexpr int kSplitBytes = kABytes + 2 * kBBytes;
-  static constexpr int kRawBytes = Operand<kBm, kAK>::kRawBytes + Operand<BN, kBK>::kRawBytes;
-  static constexpr int kSplit = 2;
-  static constexpr int kRaw = std::min(5, (kStageBudget - kSplit * kSplitBytes) / kRawBytes);
-  // The copies run kAhead k-tiles ahead of the k-tile the producers store: a raw stage is refilled once the k-tile
-  // it held is done with, by the consumers two k-tiles behind where they read a k-contiguous A there, else by the
-  // producers' own split one behind.
-  static constexpr int kAhead = kAK ? kRaw - 2 : kRaw - 1;
-  static constexpr size_t kShared = static_cast<size_t>(kSplit) * kSplitBytes + kRaw * kRawBytes + 1024;  // + alignment
-  static_assert(kAhead >= 2 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
-  __host__ __device__ static constexpr uint32_t A(int s) { return s * kSplitBytes; }
+  static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + 2 * kBBytes;
+  static constexpr int kRawABytes = kAK ? 0 : Operand<kBm, false>::kRawBytes;
+  static constexpr int kRawBytes = kRawABytes + Operand<BN, kBK>::kRawBytes;
+  // Where both operands are k-contiguous, every producer thread splits exactly the pieces it copied, so its own
+  // cp.async wait is all the ordering the raw slots need: a slot is refilled one k-tile after its split. Otherwise
+  // the producers read each other's copies, after a barrier among them, and a slot is refilled only once the next
+  // k-tile's barrier has shown every producer done with it: two k-tiles after.
+  static constexpr bool kOwnCopies = kAK && kBK;
+  static constexpr int kMinRaw = kOwnCopies ? 2 : 4;
+  static constexpr int kStages = std::min(6, (kStageBudget - kMinRaw * kRawBytes) / kStageBytes);
+  static constexpr int kRaw = std::min(8, (kStageBudget - kStages * kStageBytes) / kRawBytes);
+  // The raw copies run kAhead k-tiles ahead of the k-tile the producers split.
+  static constexpr int kAhead = kOwnCopies ? kRaw - 1 : kRaw - 2;
+  static constexpr uint32_t kBarriers = kStages * kStageBytes + kRaw * kRawBytes;
+  static constexpr size_t kShared = kBarriers + 2 * 8 * kStages + 1024;  // + alignment
+  static_assert(kStages >= 2 && kAhead >= 1 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  __host__ __device__ static constexpr uint32_t A(int s) { return s * kStageBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
-  __host__ __device__ static constexpr uint32_t RawA(int r) { return kSplit * kSplitBytes + r * kRawBytes; }
-  __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + Operand<kBm, kAK>::kRawBytes; }
-  // Named barrier ids (0 is __syncthreads's): the stages' FULL and EMPTY, and the producer's own.
-  __host__ __device__ static constexpr int Full(int s) { return 1 + s; }
-  __host__ __device__ static constexpr int Empty(int s) { return 1 + kSplit + s; }
-  static constexpr int kProducer = 1 + 2 * kSplit;
+  __host__ __device__ static constexpr uint32_t RawA(int r) { return kStages * kStageBytes + r * kRawBytes; }
+  __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + kRawABytes; }
+  __host__ __device__ static constexpr uint32_t Full(int s) { return kBarriers + 8 * s; }
+  __host__ __device__ static constexpr uint32_t Empty(int s) { return kBarriers + 8 * (kStages + s); }
+  // The producers' own named barrier (0 is __syncthreads's).
+  static constexpr int kProducerBarrier = 1;
 };
 
 struct TileCoordinates {
@@ -238,6 +264,14 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
   unsigned char* smem = smem_unaligned + (base - unaligned);
   const int group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      MbarrierInit(base + L::Full(s), kProducerThreads);
+      MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
+    }
+  }
+  __syncthreads();
 
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
@@ -264,8 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     auto fetch = [&](int r) {
       if (fetching.tile < tiles) {
         const TileCoordinates& tc = fetching.tc;
-        Operand<kBm, kAK>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetching.k0,
-                                 fetching.k_len, tid);
+        if (!kAK) {
+          Operand<kBm, false>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetching.k0,
+                                     fetching.k_len, tid);
+        }
         Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
                                 fetching.k_len, tid);
         next(fetching);
@@ -274,28 +310,31 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
     };
 #pragma unroll
     for (int r = 0; r < L::kAhead; ++r) fetch(r);
-    int it = 0;
-    for (; storing.tile < tiles; next(storing), ++it) {
-      CopyAsyncWait<L::kAhead - 1>();
-      // Every producer thread's copies of this k-tile have landed.
-      BarSync<kProducerThreads>(L::kProducer);
-      const int r = it % L::kRaw, s = it % L::kSplit;
-      // Stage s was last read in k-tile it − 2, whose EMPTY the previous iteration took.
-      if (!kAK) Operand<kBm, kAK>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
+    for (int it = 0; storing.tile < tiles; next(storing), ++it) {
+      const int r = it % L::kRaw, s = it % L::kStages;
+      // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
+      if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
+      if (kAK) {
+        // A straight into the stage; FULL(s) waits for these copies too.
+        const TileCoordinates& tc = storing.tc;
+        Operand<kBm, true>::Fetch(base + L::A(s), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, storing.k0,
+                                  storing.k_len, tid);
+        MbarrierArriveOnCopies(base + L::Full(s));
+      }
+      // Into the slot of k-tile it − 1 (split by this thread alone, in program order before) or it − 2 (split by
+      // every producer before the last barrier among them).
+      fetch((it + L::kAhead) % L::kRaw);
+      // This thread's copies of k-tile it have landed (it is kAhead groups back).
+      CopyAsyncWait<L::kAhead>();
+      if (!L::kOwnCopies) BarSync<kProducerThreads>(L::kProducerBarrier);
+      if (!kAK) Operand<kBm, false>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      BarArrive(L::Full(s));
-      // The next copies overwrite the raw stage of k-tile it − 2 (whose EMPTY the previous iteration took) or, where
-      // the consumers read no A there, of k-tile it − 1 (the producer threads read theirs before the barrier above);
-      // issued before waiting for the consumers to be done with k-tile it − 1, they stay off the path from that EMPTY
-      // to the next FULL.
-      fetch((it + L::kAhead) % L::kRaw);
-      if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
+      MbarrierArrive(base + L::Full(s));
     }
+    // No copy may still be landing when the block exits.
     CopyAsyncWait<0>();
-    // Take the consumers' last arrival, so that no barrier is left part-way at exit.
-    if (it >= 1) BarSync<kThreads>(L::Empty((it - 1) % L::kSplit));
     return;
   }
 
@@ -314,12 +353,12 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
     for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-      const int s = it % L::kSplit;
-      BarSync<kThreads>(L::Full(s));
+      const int s = it % L::kStages;
+      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
       // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
       // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
       // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
-      const unsigned char* a_tile = smem + (kAK ? L::RawA(it % L::kRaw) : L::A(s));
+      const unsigned char* a_tile = smem + L::A(s);
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
       for (int ks = 0; ks < kSteps; ++ks) {
@@ -355,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
 #pragma unroll
         for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
       }
-      BarArrive(L::Empty(s));
+      MbarrierArrive(base + L::Empty(s));
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
