@@ -1,19 +1,23 @@
 // The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
-// warpgroups copy each k-tile (32 deep) of A and B into shared memory with cp.async: A (where it is k-contiguous)
-// straight into the stage the consumers read, B raw several k-tiles ahead; they then read B back k-contiguous
+// warpgroups bring each k-tile (32 deep) of A and B into shared memory: A (where it is k-contiguous) by one tensor
+// copy (TMA) straight into the stage the consumers read, B raw with cp.async several k-tiles ahead; they then read B
+// back k-contiguous
 // (transposing it where it is stored the other way), split every value into its TF32 big and small parts and store
 // both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is transposed into
 // the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the stage into
 // registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from
 // registers and B from shared memory. Stages change hands through mbarriers: FULL(s) completes when every producer
-// thread has stored its part of stage s and its copies into it have landed (cp.async.mbarrier.arrive), EMPTY(s) when
-// every consumer thread is done with it. Unlike a named barrier, waiting on an mbarrier does not arrive on it, so
+// warp has stored its part of stage s and A's tensor copy into it has landed, EMPTY(s) when every consumer warp is
+// done with it. Unlike a named barrier, waiting on an mbarrier does not arrive on it, so
 // each consumer warpgroup runs at its own pace, up to the stage count ahead of the other. Blocks walk the output
 // tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row band, so the
 // producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
+
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>
 
 #include "kernels/common.cuh"
 #include "kernels/tf32x3.cuh"
@@ -89,10 +93,23 @@ __device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
 __device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
 }
-// Arrives once this thread's cp.async copies issued so far have landed; counts as no arrival of its own (the pending
-// count is raised first), so the thread still arrives as usual.
-__device__ __forceinline__ void MbarrierArriveOnCopies(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+// One arrival for the whole warp, once every lane's shared-memory accesses before it are done: a warp's 32
+// arrivals would be 32 updates of one word.
+__device__ __forceinline__ void MbarrierArriveWarp(uint32_t bar) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) MbarrierArrive(bar);
+}
+// Arrives and expects `bytes` more of asynchronous copies before the phase completes.
+__device__ __forceinline__ void MbarrierArriveExpect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The box of `map` at (x0, x1, x2) into shared memory at `dst`, completing `bytes` on the mbarrier `bar`.
+__device__ __forceinline__ void TensorCopy(uint32_t dst, const CUtensorMap& map, int x0, int x1, int x2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar)
+      : "memory");
 }
 // Until the phase of `parity` has completed.
 __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
@@ -257,7 +274,9 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
 
 // kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
 template <int BN, bool kAK, bool kBK>
-__global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, int tiles_m, int tiles_n, int tiles) {
+// a_map: A's tensor map where A is k-contiguous (dimensions k, m, batch), for its tensor copies.
+__global__ void __launch_bounds__(kThreads, 1)
+    GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, int tiles_m, int tiles_n, int tiles) {
   using L = Layout<BN, kAK, kBK>;
   extern __shared__ unsigned char smem_unaligned[];
   const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
@@ -267,8 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      MbarrierInit(base + L::Full(s), kProducerThreads);
-      MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
+      // Every producer warp, and A's expected bytes where its tensor copy fills the stage.
+      MbarrierInit(base + L::Full(s), kProducerThreads / 32 + (kAK ? 1 : 0));
+      MbarrierInit(base + L::Empty(s), (kThreads - kProducerThreads) / 32);
     }
   }
   __syncthreads();
@@ -314,12 +334,12 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
       const int r = it % L::kRaw, s = it % L::kStages;
       // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
       if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
-      if (kAK) {
-        // A straight into the stage; FULL(s) waits for these copies too.
+      if (kAK && tid == 0) {
+        // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too. A batch that shares A
+        // (stride 0) has one layer in the map.
         const TileCoordinates& tc = storing.tc;
-        Operand<kBm, true>::Fetch(base + L::A(s), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, storing.k0,
-                                  storing.k_len, tid);
-        MbarrierArriveOnCopies(base + L::Full(s));
+        MbarrierArriveExpect(base + L::Full(s), L::kABytes);
+        TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
       }
       // Into the slot of k-tile it − 1 (split by this thread alone, in program order before) or it − 2 (split by
       // every producer before the last barrier among them).
@@ -331,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      MbarrierArrive(base + L::Full(s));
+      MbarrierArriveWarp(base + L::Full(s));
     }
     // No copy may still be landing when the block exits.
     CopyAsyncWait<0>();
@@ -394,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmTf32x3Kernel(GemmParams p, in
 #pragma unroll
         for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
       }
-      MbarrierArrive(base + L::Empty(s));
+      MbarrierArriveWarp(base + L::Empty(s));
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
@@ -443,12 +463,46 @@ cudaError_t MultiprocessorCount(int* sms) {
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
+// The tensor map of a k-contiguous operand [layers][x][k] (leading dimension ld, layers `stride` apart; floats) in
+// boxes of kBk × kBm with the 128-byte swizzle of Swizzled(): a host-side encoding, no device call, so a launch
+// being captured into a graph may build it.
+cudaError_t KContiguousMap(const float* a, int k, int x, int64_t ld, int layers, int64_t stride, CUtensorMap* map) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return Encode{nullptr};
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(x), static_cast<cuuint64_t>(layers)};
+  // A single layer's stride is never used; any valid one does.
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 4,
+                                 static_cast<cuuint64_t>(layers > 1 ? stride : ld * x) * 4};
+  const cuuint32_t box[3] = {kBk, kBm, 1}, element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(a), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <int BN, bool kAK, bool kBK>
 cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
   using L = Layout<BN, kAK, kBK>;
   const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK>;
+  CUtensorMap a_map{};
+  if (kAK) {
+    if (const cudaError_t e = KContiguousMap(p.a, p.k, p.m, p.lda, p.stride_a != 0 ? count : 1, p.stride_a, &a_map);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   // Per launch rather than once: the attribute is per device, and a process may drive several.
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kShared);
       e != cudaSuccess) {
@@ -457,7 +511,7 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, tiles_m, tiles_n, tiles);
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
 
