@@ -362,64 +362,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kRegs = BN / 2, kSteps = kBk / 8;
-  float part[kRegs];
+  float part[kRegs], acc[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
-  int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-    const int k_len = KLength(p, tc.z);
-    float acc[kRegs];
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-      const int s = it % L::kStages;
-      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
-      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
-      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
-      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
-      const unsigned char* a_tile = smem + L::A(s);
-      uint32_t a_big[kSteps][4], a_small[kSteps][4];
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
-          a_big[ks][i] = split.big;
-          a_small[ks][i] = split.small;
-        }
-      }
-      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
-      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
-      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      // The wgmma read the A fragments until here: keep their registers from being reused before.
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
-      }
-      MbarrierArriveWarp(base + L::Empty(s));
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
-    }
 
-    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
+  // Each lane holds column pairs (2t, 2t + 1) of acc: stored as one float2 where the output's rows are 8-byte aligned.
+  auto store = [&](const TileCoordinates& tc) {
     float* c = p.c + tc.z * p.stride_c;
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
@@ -454,7 +402,66 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+  };
+
+  int it = 0;
+  // The tile whose sum acc holds, stored while the next tile's first k-tile is on the tensor cores.
+  TileCoordinates finished{};
+  bool holding = false;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kStages;
+      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      const unsigned char* a_tile = smem + L::A(s);
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
+      }
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      if (k0 == 0 && holding) store(finished);
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
+      MbarrierArriveWarp(base + L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] = k0 == 0 ? part[i] : acc[i] + part[i];
+    }
+    finished = tc;
+    holding = true;
   }
+  if (holding) store(finished);
 }
 
 cudaError_t MultiprocessorCount(int* sms) {
