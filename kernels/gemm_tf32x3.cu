@@ -1,17 +1,16 @@
 // The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
 // warpgroups bring each k-tile (32 deep) of A and B into shared memory: A (where it is k-contiguous) by one tensor
 // copy (TMA) straight into the stage the consumers read, B raw with cp.async several k-tiles ahead; they then read B
-// back k-contiguous
-// (transposing it where it is stored the other way), split every value into its TF32 big and small parts and store
-// both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is transposed into
-// the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the stage into
-// registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from
-// registers and B from shared memory. Stages change hands through mbarriers: FULL(s) completes when every producer
-// warp has stored its part of stage s and A's tensor copy into it has landed, EMPTY(s) when every consumer warp is
-// done with it. Unlike a named barrier, waiting on an mbarrier does not arrive on it, so
-// each consumer warpgroup runs at its own pace, up to the stage count ahead of the other. Blocks walk the output
-// tiles (times the batch or the row slices) in a grid-stride loop, consecutive tiles along one row band, so the
-// producers load the next tile while the consumers store the last one.
+// back k-contiguous (transposing it where it is stored the other way), split every value into its TF32 big and small
+// parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is
+// transposed into the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the
+// stage into registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with
+// A from registers and B from shared memory; a finished tile is stored while the next tile's first k-tile runs.
+// Stages change hands through mbarriers: FULL(s) completes when every producer warp has stored its part of stage s
+// and A's tensor copy into it has landed, EMPTY(s) when every consumer warp is done with it. Unlike a named barrier,
+// waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the stage count
+// ahead of the other. Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop,
+// consecutive tiles along one row band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -93,8 +92,8 @@ __device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
 __device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
 }
-// One arrival for the whole warp, once every lane's shared-memory accesses before it are done: a warp's 32
-// arrivals would be 32 updates of one word.
+// One arrival for the whole warp, once every lane's shared-memory accesses before it are done (one update of the
+// barrier instead of 32).
 __device__ __forceinline__ void MbarrierArriveWarp(uint32_t bar) {
   __syncwarp();
   if (threadIdx.x % 32 == 0) MbarrierArrive(bar);
@@ -272,9 +271,9 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n].
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. a_map: A's tensor map
+// where A is k-contiguous (dimensions k, m, batch), for its tensor copies.
 template <int BN, bool kAK, bool kBK>
-// a_map: A's tensor map where A is k-contiguous (dimensions k, m, batch), for its tensor copies.
 __global__ void __launch_bounds__(kThreads, 1)
     GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, int tiles_m, int tiles_n, int tiles) {
   using L = Layout<BN, kAK, kBK>;
@@ -332,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < L::kAhead; ++r) fetch(r);
     for (int it = 0; storing.tile < tiles; next(storing), ++it) {
       const int r = it % L::kRaw, s = it % L::kStages;
-      // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
+      // Stage s last held k-tile it − kStages: wait until every consumer warp is done with it.
       if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
       if (kAK && tid == 0) {
         // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too. A batch that shares A
