@@ -5,11 +5,12 @@
 // parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is
 // transposed into the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the
 // stage into registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with
-// A from registers and B from shared memory; a finished tile is stored while the next tile's first k-tile runs.
-// Stages change hands through mbarriers: FULL(s) completes when every producer warp has stored its part of stage s
-// and A's tensor copy into it has landed, EMPTY(s) when every consumer warp is done with it. Unlike a named barrier,
-// waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the stage count
-// ahead of the other. Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop,
+// A from registers and B from shared memory.
+// Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
+// and A's tensor copy into it has landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
+// barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
+// stage count ahead of the other. Every thread arrives itself (not one lane per warp after __syncwarp), which
+// compute-sanitizer's racecheck follows: it reports the one-lane-per-warp handoff (bench/racecheck_probe.cu). Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop,
 // consecutive tiles along one row band, so the producers load the next tile while the consumers store the last one.
 #include "kernels/gemm_tf32x3.h"
 
@@ -91,12 +92,6 @@ __device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
 }
 __device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
-}
-// One arrival for the whole warp, once every lane's shared-memory accesses before it are done (one update of the
-// barrier instead of 32).
-__device__ __forceinline__ void MbarrierArriveWarp(uint32_t bar) {
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) MbarrierArrive(bar);
 }
 // Arrives and expects `bytes` more of asynchronous copies before the phase completes.
 __device__ __forceinline__ void MbarrierArriveExpect(uint32_t bar, uint32_t bytes) {
@@ -237,15 +232,16 @@ struct Layout {
   static constexpr int kRawABytes = kAK ? 0 : Operand<kBm, false>::kRawBytes;
   static constexpr int kRawBytes = kRawABytes + Operand<BN, kBK>::kRawBytes;
   // Where both operands are k-contiguous, every producer thread splits exactly the pieces it copied, so its own
-  // cp.async wait is all the ordering the raw slots need: a slot is refilled one k-tile after its split. Otherwise
-  // the producers read each other's copies, after a barrier among them, and a slot is refilled only once the next
-  // k-tile's barrier has shown every producer done with it: two k-tiles after.
+  // cp.async wait is all the ordering the raw slots need. Otherwise the producers read each other's copies, after a
+  // barrier among them.
   static constexpr bool kOwnCopies = kAK && kBK;
-  static constexpr int kMinRaw = kOwnCopies ? 2 : 4;
+  // The raw copies run kAhead = kRaw − 1 k-tiles ahead of the k-tile the producers split. B of the forward and
+  // backward-data products is a weight (in L2): one k-tile ahead does; the weight gradient's operands are
+  // activations, three ahead.
+  static constexpr int kMinRaw = kAK ? 2 : 4;
   static constexpr int kStages = std::min(6, (kStageBudget - kMinRaw * kRawBytes) / kStageBytes);
   static constexpr int kRaw = std::min(8, (kStageBudget - kStages * kStageBytes) / kRawBytes);
-  // The raw copies run kAhead k-tiles ahead of the k-tile the producers split.
-  static constexpr int kAhead = kOwnCopies ? kRaw - 1 : kRaw - 2;
+  static constexpr int kAhead = kRaw - 1;
   static constexpr uint32_t kBarriers = kStages * kStageBytes + kRaw * kRawBytes;
   static constexpr size_t kShared = kBarriers + 2 * 8 * kStages + 1024;  // + alignment
   static_assert(kStages >= 2 && kAhead >= 1 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
@@ -285,9 +281,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // Every producer warp, and A's expected bytes where its tensor copy fills the stage.
-      MbarrierInit(base + L::Full(s), kProducerThreads / 32 + (kAK ? 1 : 0));
-      MbarrierInit(base + L::Empty(s), (kThreads - kProducerThreads) / 32);
+      // Every producer thread, and A's expected bytes where its tensor copy fills the stage.
+      MbarrierInit(base + L::Full(s), kProducerThreads + (kAK ? 1 : 0));
+      MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
     }
   }
   __syncthreads();
@@ -331,7 +327,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < L::kAhead; ++r) fetch(r);
     for (int it = 0; storing.tile < tiles; next(storing), ++it) {
       const int r = it % L::kRaw, s = it % L::kStages;
-      // Stage s last held k-tile it − kStages: wait until every consumer warp is done with it.
+      // This thread's copies of k-tile it have landed (kAhead − 1 groups are younger); with the barrier, every
+      // producer thread's have, and every producer is done splitting k-tile it − 1.
+      CopyAsyncWait<L::kAhead - 1>();
+      if (!L::kOwnCopies) BarSync<kProducerThreads>(L::kProducerBarrier);
+      // Into the slot of k-tile it − 1, before waiting for the consumers: off the path from their EMPTY to FULL.
+      fetch((it + L::kAhead) % L::kRaw);
+      // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
       if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
       if (kAK && tid == 0) {
         // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too. A batch that shares A
@@ -340,17 +342,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         MbarrierArriveExpect(base + L::Full(s), L::kABytes);
         TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
       }
-      // Into the slot of k-tile it − 1 (split by this thread alone, in program order before) or it − 2 (split by
-      // every producer before the last barrier among them).
-      fetch((it + L::kAhead) % L::kRaw);
-      // This thread's copies of k-tile it have landed (it is kAhead groups back).
-      CopyAsyncWait<L::kAhead>();
-      if (!L::kOwnCopies) BarSync<kProducerThreads>(L::kProducerBarrier);
       if (!kAK) Operand<kBm, false>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
       Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      MbarrierArriveWarp(base + L::Full(s));
+      MbarrierArrive(base + L::Full(s));
     }
     // No copy may still be landing when the block exits.
     CopyAsyncWait<0>();
@@ -361,12 +357,64 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kRegs = BN / 2, kSteps = kBk / 8;
-  float part[kRegs], acc[kRegs];
+  float part[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kStages;
+      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
+      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      const unsigned char* a_tile = smem + L::A(s);
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
+      }
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
+      MbarrierArrive(base + L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+    }
 
-  // Each lane holds column pairs (2t, 2t + 1) of acc: stored as one float2 where the output's rows are 8-byte aligned.
-  auto store = [&](const TileCoordinates& tc) {
+    // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
     float* c = p.c + tc.z * p.stride_c;
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
@@ -401,66 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-  };
-
-  int it = 0;
-  // The tile whose sum acc holds, stored while the next tile's first k-tile is on the tensor cores.
-  TileCoordinates finished{};
-  bool holding = false;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-    const int k_len = KLength(p, tc.z);
-    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-      const int s = it % L::kStages;
-      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
-      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
-      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
-      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
-      const unsigned char* a_tile = smem + L::A(s);
-      uint32_t a_big[kSteps][4], a_small[kSteps][4];
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
-          a_big[ks][i] = split.big;
-          a_small[ks][i] = split.small;
-        }
-      }
-      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
-      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
-      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      if (k0 == 0 && holding) store(finished);
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      // The wgmma read the A fragments until here: keep their registers from being reused before.
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
-      }
-      MbarrierArriveWarp(base + L::Empty(s));
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = k0 == 0 ? part[i] : acc[i] + part[i];
-    }
-    finished = tc;
-    holding = true;
   }
-  if (holding) store(finished);
 }
 
 cudaError_t MultiprocessorCount(int* sms) {
