@@ -5,7 +5,9 @@
 // parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is
 // transposed into the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the
 // stage into registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with
-// A from registers and B from shared memory.
+// A from registers and B from shared memory. Where A is k-contiguous (the forward and backward-data products, whose
+// outputs are large against their short sums) a consumer hands a finished tile to tensor stores (TMA) in boxes of
+// 64 × 32 through two shared-memory buffers and goes on to the next tile while they drain.
 // Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
 // and A's tensor copy into it has landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
 // barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
@@ -36,6 +38,11 @@ constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, 
 constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
+// The output's tensor-store boxes: a consumer warpgroup's 64 rows by one 128-byte swizzle row of columns.
+constexpr int kOutRows = 64, kOutCols = kBk, kOutBoxBytes = kOutRows * kRowBytes;
+// How a tile reaches the output: st.global from registers (any beta), a tensor store (beta 0) or a tensor reduce-add
+// (beta 1, y += the tile; the L2's float32 add flushes subnormal results to zero).
+enum class StoreMode : int { kRegisters, kTensor, kTensorAdd };
 // The fewest k-tiles a row slice gets, so the pipeline's fill stays small against its steady state.
 constexpr int kMinSliceTiles = 8;
 // What one work item (a tile of one slice) of the weight gradient costs beyond its k-tiles, in k-tiles: the
@@ -104,6 +111,21 @@ __device__ __forceinline__ void TensorCopy(uint32_t dst, const CUtensorMap& map,
       "[%5];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar)
       : "memory");
+}
+// The box at `src` into the tensor of `map` at (x0, x1, x2), stored or added; one bulk group per call.
+__device__ __forceinline__ void TensorStore(StoreMode mode, const CUtensorMap& map, uint32_t src, int x0, int x1,
+                                            int x2) {
+  const uint64_t m = reinterpret_cast<uint64_t>(&map);
+  if (mode == StoreMode::kTensorAdd) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m),
+                 "r"(src), "r"(x0), "r"(x1), "r"(x2)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m), "r"(src),
+                 "r"(x0), "r"(x1), "r"(x2)
+                 : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 // Until the phase of `parity` has completed.
 __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
@@ -223,8 +245,9 @@ struct Operand {
 };
 
 // Shared memory: kStages stages that the consumers read (A, B big, B small; K-major and swizzled), then kRaw slots of
-// raw operands in flight from global memory (B, and A where it is x-contiguous), then the stages' mbarriers. The
-// budget goes to the stages first, as many as leave the raw slots their minimum (up to 6).
+// raw operands in flight from global memory (B, and A where it is x-contiguous), then the output boxes (two per
+// consumer, where A is k-contiguous), then the stages' mbarriers. The budget goes to the stages first, as many as
+// leave the raw slots their minimum (up to 6).
 template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
@@ -239,10 +262,14 @@ struct Layout {
   // backward-data products is a weight (in L2): one k-tile ahead does; the weight gradient's operands are
   // activations, three ahead.
   static constexpr int kMinRaw = kAK ? 2 : 4;
-  static constexpr int kStages = std::min(6, (kStageBudget - kMinRaw * kRawBytes) / kStageBytes);
-  static constexpr int kRaw = std::min(8, (kStageBudget - kStages * kStageBytes) / kRawBytes);
+  static constexpr bool kTensorStores = kAK;
+  static constexpr int kOutBytes = kTensorStores ? 2 * 2 * kOutBoxBytes : 0;
+  static constexpr int kBudget = kStageBudget - kOutBytes;
+  static constexpr int kStages = std::min(6, (kBudget - kMinRaw * kRawBytes) / kStageBytes);
+  static constexpr int kRaw = std::min(8, (kBudget - kStages * kStageBytes) / kRawBytes);
   static constexpr int kAhead = kRaw - 1;
-  static constexpr uint32_t kBarriers = kStages * kStageBytes + kRaw * kRawBytes;
+  static constexpr uint32_t kOut = kStages * kStageBytes + kRaw * kRawBytes;
+  static constexpr uint32_t kBarriers = kOut + kOutBytes;
   static constexpr size_t kShared = kBarriers + 2 * 8 * kStages + 1024;  // + alignment
   static_assert(kStages >= 2 && kAhead >= 1 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kStageBytes; }
@@ -250,10 +277,13 @@ struct Layout {
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
   __host__ __device__ static constexpr uint32_t RawA(int r) { return kStages * kStageBytes + r * kRawBytes; }
   __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + kRawABytes; }
+  // Output box buffer b (0, 1) of consumer c.
+  __host__ __device__ static constexpr uint32_t Out(int c, int b) { return kOut + (2 * c + b) * kOutBoxBytes; }
   __host__ __device__ static constexpr uint32_t Full(int s) { return kBarriers + 8 * s; }
   __host__ __device__ static constexpr uint32_t Empty(int s) { return kBarriers + 8 * (kStages + s); }
-  // The producers' own named barrier (0 is __syncthreads's).
+  // Named barriers (0 is __syncthreads's): the producers' own, and each consumer warpgroup's for its output boxes.
   static constexpr int kProducerBarrier = 1;
+  __host__ __device__ static constexpr int OutBarrier(int c) { return 2 + c; }
 };
 
 struct TileCoordinates {
@@ -267,11 +297,13 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. a_map: A's tensor map
-// where A is k-contiguous (dimensions k, m, batch), for its tensor copies.
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. Where A is
+// k-contiguous: a_map is A's tensor map (k, m, batch) for its tensor copies, c_map C's (n, m, batch) for the tensor
+// stores of `store`.
 template <int BN, bool kAK, bool kBK>
 __global__ void __launch_bounds__(kThreads, 1)
-    GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, int tiles_m, int tiles_n, int tiles) {
+    GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap c_map,
+                     StoreMode store, int tiles_m, int tiles_n, int tiles) {
   using L = Layout<BN, kAK, kBK>;
   extern __shared__ unsigned char smem_unaligned[];
   const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
@@ -360,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float part[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
-  int it = 0;
+  int it = 0, boxes = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
     const int k_len = KLength(p, tc.z);
@@ -414,9 +446,43 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
 
+    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
+    if (L::kTensorStores && store != StoreMode::kRegisters) {
+      // Box by box of 32 columns: this warpgroup writes its rows into a free buffer (swizzled, so that a warp's
+      // float2 stores hit every bank once), and one thread hands it to a tensor store.
+      const bool leader = threadIdx.x % 128 == 0;
+#pragma unroll
+      for (int q = 0; q < BN / kOutCols; ++q, ++boxes) {
+        const uint32_t buffer = base + L::Out(consumer, boxes % 2);
+        // The store issued from this buffer two boxes ago has read it out.
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        BarSync<128>(L::OutBarrier(consumer));
+#pragma unroll
+        for (int jj = 0; jj < kOutCols / 8; ++jj) {
+          const int j = q * (kOutCols / 8) + jj, col = tc.n0 + j * 8 + 2 * t;
+          float b0 = -0.f, b1 = -0.f;  // x + −0 is x, bit for bit (+0 would turn −0 into +0)
+          if (bias != nullptr) {
+            if (col < p.n) b0 = bias[col];
+            if (col + 1 < p.n) b1 = bias[col + 1];
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t at = buffer + Swizzled(warp * 16 + g + 8 * h, jj * 8 + 2 * t);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc[4 * j + 2 * h] + b0),
+                         "f"(acc[4 * j + 2 * h + 1] + b1)
+                         : "memory");
+          }
+        }
+        // Generic-proxy writes that the tensor store reads through the async proxy; rows and columns past the
+        // output are not stored.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        BarSync<128>(L::OutBarrier(consumer));
+        if (leader) TensorStore(store, c_map, buffer, tc.n0 + q * kOutCols, tc.m0 + consumer * kOutRows, tc.z);
+      }
+      continue;
+    }
     // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
     float* c = p.c + tc.z * p.stride_c;
-    const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 8 == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -450,6 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  // The tensor stores have completed before the block exits.
+  if (L::kTensorStores && threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 cudaError_t MultiprocessorCount(int* sms) {
@@ -458,10 +526,11 @@ cudaError_t MultiprocessorCount(int* sms) {
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-// The tensor map of a k-contiguous operand [layers][x][k] (leading dimension ld, layers `stride` apart; floats) in
-// boxes of kBk × kBm with the 128-byte swizzle of Swizzled(): a host-side encoding, no device call, so a launch
-// being captured into a graph may build it.
-cudaError_t KContiguousMap(const float* a, int k, int x, int64_t ld, int layers, int64_t stride, CUtensorMap* map) {
+// The tensor map of a row-major [layers][rows][cols] float32 tensor (leading dimension ld, layers `stride` apart; in
+// floats) in boxes of box_cols × box_rows (box_cols · 4 = 128 bytes) with the 128-byte swizzle of Swizzled(): a
+// host-side encoding, no device call, so a launch being captured into a graph may build it.
+cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers, int64_t stride, int box_cols,
+                      int box_rows, CUtensorMap* map) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -474,11 +543,13 @@ cudaError_t KContiguousMap(const float* a, int k, int x, int64_t ld, int layers,
     return reinterpret_cast<Encode>(fn);
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(x), static_cast<cuuint64_t>(layers)};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(layers)};
   // A single layer's stride is never used; any valid one does.
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * 4,
-                                 static_cast<cuuint64_t>(layers > 1 ? stride : ld * x) * 4};
-  const cuuint32_t box[3] = {kBk, kBm, 1}, element_strides[3] = {1, 1, 1};
+                                 static_cast<cuuint64_t>(layers > 1 ? stride : ld * rows) * 4};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1},
+                   element_strides[3] = {1, 1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(a), dims, strides, box,
                             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -491,11 +562,22 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   if (p.k <= 0) return cudaErrorInvalidValue;
   using L = Layout<BN, kAK, kBK>;
   const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK>;
-  CUtensorMap a_map{};
+  CUtensorMap a_map{}, c_map{};
+  StoreMode store = StoreMode::kRegisters;
   if (kAK) {
-    if (const cudaError_t e = KContiguousMap(p.a, p.k, p.m, p.lda, p.stride_a != 0 ? count : 1, p.stride_a, &a_map);
+    if (const cudaError_t e =
+            TensorMap(p.a, p.k, p.m, p.lda, p.stride_a != 0 ? count : 1, p.stride_a, kBk, kBm, &a_map);
         e != cudaSuccess) {
       return e;
+    }
+    // Tensor stores take 16-byte aligned rows and layers, and beta 0 or 1; the rest stores from registers.
+    if ((p.beta == 0.f || p.beta == 1.f) && reinterpret_cast<uintptr_t>(p.c) % 16 == 0 && p.ldc % 4 == 0 &&
+        (count == 1 || (p.stride_c != 0 && p.stride_c % 4 == 0))) {
+      if (const cudaError_t e = TensorMap(p.c, p.n, p.m, p.ldc, count, p.stride_c, kOutCols, kOutRows, &c_map);
+          e != cudaSuccess) {
+        return e;
+      }
+      store = p.beta == 0.f ? StoreMode::kTensor : StoreMode::kTensorAdd;
     }
   }
   // Per launch rather than once: the attribute is per device, and a process may drive several.
@@ -506,7 +588,7 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, tiles_m, tiles_n, tiles);
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, store, tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
 
