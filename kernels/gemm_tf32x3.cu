@@ -1,19 +1,22 @@
 // The 3×TF32 GEMM behind kernels/gemm_tf32x3.h on wgmma (sm_90a), warp-specialized and persistent. Two producer
-// warpgroups bring each k-tile (32 deep) of A and B into shared memory: A (where it is k-contiguous) by one tensor
-// copy (TMA) straight into the stage the consumers read, B raw with cp.async several k-tiles ahead; they then read B
-// back k-contiguous (transposing it where it is stored the other way), split every value into its TF32 big and small
-// parts and store both into the K-major, 128-byte-swizzled layout that wgmma's descriptors read (an x-contiguous A is
-// transposed into the stage the same way, unsplit). Two consumer warpgroups each load their 64 rows of A from the
-// stage into registers, split them there, and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with
-// A from registers and B from shared memory. Where A is k-contiguous (the forward and backward-data products, whose
-// outputs are large against their short sums) a consumer hands a finished tile to tensor stores (TMA) in boxes of
-// 64 × 32 through two shared-memory buffers and goes on to the next tile while they drain.
+// warpgroups bring each k-tile (32 deep) of A and B into shared memory: A by tensor copies (TMA) straight into the
+// stage the consumers read (one 128 × 32 box where A is k-contiguous, four 32 × 32 boxes along m where it is
+// m-contiguous), B raw with cp.async several k-tiles ahead; they then read B back k-contiguous (transposing it where
+// it is stored the other way), split every value into its TF32 big and small parts and store both into the K-major,
+// 128-byte-swizzled layout that wgmma's descriptors read. Two consumer warpgroups each load their 64 rows of A from
+// the stage into registers (reading an m-contiguous A across its boxes), split them there, and issue three wgmma per
+// k-step of 8 (small·big, big·small, big·big) with A from registers and B from shared memory. Where A is
+// k-contiguous (the forward and backward-data products, whose outputs are large against their short sums) a consumer
+// hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory buffers and goes on to
+// the next tile while they drain.
 // Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
-// and A's tensor copy into it has landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
+// and A's tensor copies into it have landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
 // barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
-// stage count ahead of the other. Every thread arrives itself (not one lane per warp after __syncwarp), which
-// compute-sanitizer's racecheck follows: it reports the one-lane-per-warp handoff (bench/racecheck_probe.cu). Blocks walk the output tiles (times the batch or the row slices) in a grid-stride loop,
-// consecutive tiles along one row band, so the producers load the next tile while the consumers store the last one.
+// stage count ahead of the other. Every thread arrives itself: compute-sanitizer's racecheck reports hazards where
+// one lane per warp arrives after __syncwarp, an ordering it does not follow (as it does not follow bar.arrive →
+// bar.sync; bench/racecheck_probe.cu). Blocks walk the output tiles (times the batch or the row slices) in a
+// grid-stride loop, consecutive tiles along one row band, so the producers load the next tile while the consumers
+// store the last one.
 #include "kernels/gemm_tf32x3.h"
 
 #include <algorithm>
@@ -40,6 +43,8 @@ constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 // The output's tensor-store boxes: a consumer warpgroup's 64 rows by one 128-byte swizzle row of columns.
 constexpr int kOutRows = 64, kOutCols = kBk, kOutBoxBytes = kOutRows * kRowBytes;
+// An m-contiguous A's tensor-copy boxes: 32 of m (one 128-byte swizzle row) by the k-tile's kBk rows.
+constexpr int kMBox = 32, kMBoxBytes = kBk * kRowBytes;
 // How a tile reaches the output: st.global from registers (any beta), a tensor store (beta 0) or a tensor reduce-add
 // (beta 1, y += the tile; the L2's float32 add flushes subnormal results to zero).
 enum class StoreMode : int { kRegisters, kTensor, kTensorAdd };
@@ -184,11 +189,10 @@ struct Wgmma<128> {
   }
 };
 
-// One operand's k-tile: X rows (of A, or columns of B) by kBk. Copied raw in 16-byte pieces as global memory holds
-// it, k-contiguous ([x][kBk], swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load,
-// or four 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x) and stored into
-// the swizzled K-major layout: B split into its big and small tiles, A whole (the consumers split it in registers).
-// Both passes are free of bank conflicts.
+// B's k-tile: X columns by kBk. Copied raw in 16-byte pieces as global memory holds it, k-contiguous ([x][kBk],
+// swizzled as below) or x-contiguous ([kBk][X]); read back as 4 consecutive k of one x (one 16-byte load, or four
+// 4-byte loads down the columns of an x-contiguous tile, consecutive lanes on consecutive x), split into its big and
+// small parts and stored into the swizzled K-major layout. Both passes are free of bank conflicts.
 template <int X, bool kKContiguous>
 struct Operand {
   static constexpr int kPieces = X * kBk / 4 / kProducerThreads;  // per producer thread
@@ -209,8 +213,7 @@ struct Operand {
       CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
-  // kParts: split into big and small; else the float32 values go to `big` as they are.
-  template <bool kParts>
+  // Split into big and small.
   __device__ static void Store(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
@@ -224,10 +227,6 @@ struct Operand {
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
-      }
-      if (!kParts) {
-        *reinterpret_cast<float4*>(big + Swizzled(x, k)) = make_float4(f[0], f[1], f[2], f[3]);
-        continue;
       }
       uint4 b, s;
       Tf32Split split = SplitTf32(f[0]);
@@ -244,24 +243,22 @@ struct Operand {
   }
 };
 
-// Shared memory: kStages stages that the consumers read (A, B big, B small; K-major and swizzled), then kRaw slots of
-// raw operands in flight from global memory (B, and A where it is x-contiguous), then the output boxes (two per
-// consumer, where A is k-contiguous), then the stages' mbarriers. The budget goes to the stages first, as many as
+// Shared memory: kStages stages that the consumers read (A as its tensor copies land, B big, B small; K-major and
+// swizzled), then kRaw slots of B raw in flight from global memory, then the output boxes (two per consumer, where A
+// is k-contiguous), then the stages' mbarriers. The budget goes to the stages first, as many as
 // leave the raw slots their minimum (up to 6).
 template <int BN, bool kAK, bool kBK>
 struct Layout {
   static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kStageBytes = kABytes + 2 * kBBytes;
-  static constexpr int kRawABytes = kAK ? 0 : Operand<kBm, false>::kRawBytes;
-  static constexpr int kRawBytes = kRawABytes + Operand<BN, kBK>::kRawBytes;
-  // Where both operands are k-contiguous, every producer thread splits exactly the pieces it copied, so its own
-  // cp.async wait is all the ordering the raw slots need. Otherwise the producers read each other's copies, after a
-  // barrier among them.
-  static constexpr bool kOwnCopies = kAK && kBK;
+  static constexpr int kRawBytes = Operand<BN, kBK>::kRawBytes;
+  // Where B is k-contiguous, every producer thread splits exactly the pieces it copied, so its own cp.async wait is
+  // all the ordering the raw slots need. Otherwise the producers read each other's copies, after a barrier among them.
+  static constexpr bool kOwnCopies = kBK;
   // The raw copies run kAhead = kRaw − 1 k-tiles ahead of the k-tile the producers split. B of the forward and
-  // backward-data products is a weight (in L2): one k-tile ahead does; the weight gradient's operands are
-  // activations, three ahead.
-  static constexpr int kMinRaw = kAK ? 2 : 4;
+  // backward-data products is a weight (in L2): one k-tile ahead does; the weight gradient's B is an activation, at
+  // least four ahead.
+  static constexpr int kMinRaw = kAK ? 2 : 5;
   static constexpr bool kTensorStores = kAK;
   static constexpr int kOutBytes = kTensorStores ? 2 * 2 * kOutBoxBytes : 0;
   static constexpr int kBudget = kStageBudget - kOutBytes;
@@ -275,8 +272,7 @@ struct Layout {
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kStageBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
-  __host__ __device__ static constexpr uint32_t RawA(int r) { return kStages * kStageBytes + r * kRawBytes; }
-  __host__ __device__ static constexpr uint32_t RawB(int r) { return RawA(r) + kRawABytes; }
+  __host__ __device__ static constexpr uint32_t RawB(int r) { return kStages * kStageBytes + r * kRawBytes; }
   // Output box buffer b (0, 1) of consumer c.
   __host__ __device__ static constexpr uint32_t Out(int c, int b) { return kOut + (2 * c + b) * kOutBoxBytes; }
   __host__ __device__ static constexpr uint32_t Full(int s) { return kBarriers + 8 * s; }
@@ -297,9 +293,9 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. Where A is
-// k-contiguous: a_map is A's tensor map (k, m, batch) for its tensor copies, c_map C's (n, m, batch) for the tensor
-// stores of `store`.
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. a_map: A's tensor map
+// for its tensor copies ((k, m, batch) where A is k-contiguous, else (m, k)). Where A is k-contiguous, c_map is C's
+// (n, m, batch) for the tensor stores of `store`.
 template <int BN, bool kAK, bool kBK>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap c_map,
@@ -313,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // Every producer thread, and A's expected bytes where its tensor copy fills the stage.
-      MbarrierInit(base + L::Full(s), kProducerThreads + (kAK ? 1 : 0));
+      // Every producer thread, and A's expected bytes.
+      MbarrierInit(base + L::Full(s), kProducerThreads + 1);
       MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
     }
   }
@@ -345,10 +341,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto fetch = [&](int r) {
       if (fetching.tile < tiles) {
         const TileCoordinates& tc = fetching.tc;
-        if (!kAK) {
-          Operand<kBm, false>::Fetch(base + L::RawA(r), p.a + tc.z * p.stride_a, p.lda, tc.m0, p.m, fetching.k0,
-                                     fetching.k_len, tid);
-        }
         Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
                                 fetching.k_len, tid);
         next(fetching);
@@ -367,15 +359,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       fetch((it + L::kAhead) % L::kRaw);
       // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
       if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
-      if (kAK && tid == 0) {
-        // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too. A batch that shares A
-        // (stride 0) has one layer in the map.
+      if (tid == 0) {
+        // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too.
         const TileCoordinates& tc = storing.tc;
         MbarrierArriveExpect(base + L::Full(s), L::kABytes);
-        TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
+        if (kAK) {
+          // A batch that shares A (stride 0) has one layer in the map.
+          TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
+        } else {
+          // [k][m]: boxes of 32 rows of m; the z-th row slice starts at row z·k_split of the one-layer map.
+          for (int b = 0; b < kBm / kMBox; ++b) {
+            TensorCopy(base + L::A(s) + b * kMBoxBytes, a_map, tc.m0 + b * kMBox, tc.z * p.k_split + storing.k0, 0,
+                       base + L::Full(s));
+          }
+        }
       }
-      if (!kAK) Operand<kBm, false>::template Store<false>(smem + L::RawA(r), smem + L::A(s), nullptr, tid);
-      Operand<BN, kBK>::template Store<true>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
+      Operand<BN, kBK>::Store(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
       // The stores are generic-proxy writes that wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       MbarrierArrive(base + L::Full(s));
@@ -403,8 +402,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = it % L::kStages;
       MbarrierWait(base + L::Full(s), it / L::kStages % 2);
       // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
-      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks (the
-      // swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks).
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
+      // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
+      // lanes share one where it is m-contiguous.
       const unsigned char* a_tile = smem + L::A(s);
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + Swizzled(row, k)));
+          // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
+          const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
+          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + at));
           a_big[ks][i] = split.big;
           a_small[ks][i] = split.small;
         }
@@ -579,6 +581,9 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
       }
       store = p.beta == 0.f ? StoreMode::kTensor : StoreMode::kTensorAdd;
     }
+  } else {
+    // [k][m] over all of k: row slice z starts at row z·k_split.
+    if (const cudaError_t e = TensorMap(p.a, p.m, p.k, p.lda, 1, 0, kMBox, kBk, &a_map); e != cudaSuccess) return e;
   }
   // Per launch rather than once: the attribute is per device, and a process may drive several.
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kShared);
