@@ -663,6 +663,10 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
                                            cudaStream_t stream, GemmTile tile, int splits) {
   if (in <= 0 || out <= 0) return cudaSuccess;
+  // Where 128-wide tiles would leave at most two per slice, 64-wide ones measured faster (H200, 16,384 rows, µs:
+  // CfC backbone 128×128 18.5 against 22.1, out_proj 256→128 23.0 against 23.9, CfC heads 23.0 against 23.8; small's
+  // in_proj, five tiles, 43.5 against 36.4).
+  if (tile == GemmTile::kAuto && CeilDiv(out, kBm) * CeilDiv(in, 128) <= 2) tile = GemmTile::k128x64;
   tile = AutoTile(tile, in);
   const int tiles = CeilDiv(out, kBm) * CeilDiv(in, TileCols(tile));
   const int ktiles = CeilDiv(std::max(rows, 1), kBk);
