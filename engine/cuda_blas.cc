@@ -85,20 +85,19 @@ int Alignment(const void* pointer, int ld, int64_t stride) {
 }
 
 // Where the 3×TF32 kernel (wgmma) beats cuBLAS float32 (its tuned table included), measured with bench_gemm on the
-// H200 at 16,384 rows (session 4; µs, kernel against cuBLAS; w3 = helper wgmma3's round 2 on the kernel at 2129850,
-// else helper wgmma2's round 3 on the kernel before it, r2 = its round 2). Forward and BackwardData: sums and
-// outputs of at least 64 (w3: small's in_proj 45.2 against 75.7 forward, 32.7 against 54.8 backward; out_proj 16.0
-// against 33.3, 18.8 against 27.9; CfC backbone 10.8 against 18.5, 11.0 against 16.4; large's in_proj 430 against
-// 798, 399 against 770; the GRN's, on the kernel before: 192→64 10.0 against 13.9, 12.4 against 14.5; 64→64 5.4
-// against 6.8, 5.4 against 6.5); not the embedding's sum over 40 (r2 8.2 against 8.0) nor head_out's 5 outputs (r2
-// 5.3 against 4.6). BackwardWeight, whose row split pays a partial product per slice: weights larger than 128×128
-// with both sides at least 128 (w3: small's in_proj 38.4 against 60.5, out_proj 24.6 against 30.4, large's in_proj
-// 441 against 759, out_proj 190 against 342; r2 CfC heads 28.3 against 30.1), not the CfC backbone's 128×128 (24.5
-// against 22.0) nor the 64-wide GRN and CfC weights (e.g. 20.6 against 12.0). Over at least 1,024 rows, so that the
-// parity tests' small batch takes the kernel too.
-bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 64 && out >= 64; }
+// H200 at 16,384 rows (session 5, helper gemm5's round 4 on the kernel at 61cf14e; µs, kernel against cuBLAS).
+// Forward and BackwardData: in at least 40 and out at least 64 (small's in_proj 36.0 against 76.0
+// forward, 29.0 against 54.7 backward; out_proj 14.5 against 33.5, 16.1 against 28.0; CfC backbone 9.6 against
+// 18.5, 9.5 against 16.5; the GRN's 192→64 8.2 against 14.0, 10.9 against 14.6, 64→64 5.1 against 6.8, 5.1 against
+// 6.5; the embedding's sum over 40 7.3 against 8.0; large's in_proj 390 against 798, 358 against 777, out_proj 171
+// against 353, 178 against 354); not head_out's 5 outputs (5.3 against 4.6). BackwardWeight, whose row split pays a
+// partial product per slice: weights of at least 128×128 (small's in_proj 36.4 against 60.4, out_proj 23.0 against
+// 30.4, CfC heads 22.9 against 30.2, CfC backbone 18.5 against 22.1; large's in_proj 416 against 759, out_proj 180
+// against 342), not the narrower embedding, GRN and CfC weights (e.g. the embedding's 18.0 against 13.5, the GRN's
+// 64×64 17.7 against 12.0). Over at least 1,024 rows, so that the parity tests' small batch takes the kernel too.
+bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 40 && out >= 64; }
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
-  return rows >= 1024 && in >= 128 && out >= 128 && int64_t{in} * out > 128 * 128;
+  return rows >= 1024 && in >= 128 && out >= 128;
 }
 
 template <typename T>

@@ -157,31 +157,36 @@ class GemmTf32x3Test : public ::testing::TestWithParam<Product> {
     cudaGraphDestroy(graph);
   }
 
+  // y = x·wᵀ + bias + beta·y0 (beta 1 adds onto y, e.g. the residual stream: the kernels' tensor reduce-add; other
+  // betas store from registers).
+  void CheckForward(const char* form, float beta, unsigned seed) {
+    const Product& p = GetParam();
+    const int ldx = p.in + p.pad;
+    const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, seed);
+    const auto w = RandomFloats(static_cast<size_t>(p.out) * p.in, seed + 1);
+    const auto bias = RandomFloats(p.out, seed + 2);
+    const auto y0 = RandomFloats(static_cast<size_t>(p.rows) * p.out, seed + 3);
+    const auto expected = ForwardReference(p, x, w, bias, beta, y0);
+    const DeviceArray<float> dx(x), dw(w), dbias(bias);
+    Check(
+        form, expected, y0,
+        [&](float* y) {
+          return cublas_->Forward(p.rows, p.in, p.out, dx.get(), ldx, dw.get(), p.in, dbias.get(), beta, y, p.out);
+        },
+        [&](GemmTile tile, float* y) {
+          return kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, 0,
+                                                  dbias.get(), 0, beta, y, p.out, 0, 1, stream_, tile);
+        });
+  }
+
   cudaStream_t stream_ = nullptr;
   std::optional<DeviceArray<float>> workspace_;
   std::unique_ptr<Blas> cublas_;
 };
 
-TEST_P(GemmTf32x3Test, ForwardWithBiasAndBeta) {
-  const Product& p = GetParam();
-  const int ldx = p.in + p.pad;
-  const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 1);
-  const auto w = RandomFloats(static_cast<size_t>(p.out) * p.in, 2);
-  const auto bias = RandomFloats(p.out, 3);
-  const auto y0 = RandomFloats(static_cast<size_t>(p.rows) * p.out, 4);
-  constexpr float kBeta = 0.5f;
-  const auto expected = ForwardReference(p, x, w, bias, kBeta, y0);
-  const DeviceArray<float> dx(x), dw(w), dbias(bias);
-  Check(
-      "forward", expected, y0,
-      [&](float* y) {
-        return cublas_->Forward(p.rows, p.in, p.out, dx.get(), ldx, dw.get(), p.in, dbias.get(), kBeta, y, p.out);
-      },
-      [&](GemmTile tile, float* y) {
-        return kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, 0, dbias.get(),
-                                                0, kBeta, y, p.out, 0, 1, stream_, tile);
-      });
-}
+TEST_P(GemmTf32x3Test, ForwardWithBiasAndBeta) { CheckForward("forward", 0.5f, 1); }
+
+TEST_P(GemmTf32x3Test, ForwardWithBiasAddsOntoTheOutputWithBetaOne) { CheckForward("forward_beta1", 1.f, 21); }
 
 TEST_P(GemmTf32x3Test, BackwardDataOverwritesWithBetaZero) {
   const Product& p = GetParam();
