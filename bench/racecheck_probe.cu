@@ -12,7 +12,13 @@
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/mbarrier.cuh"
+
 namespace {
+
+using perception::kernels::MbarrierArrive;
+using perception::kernels::MbarrierInit;
+using perception::kernels::MbarrierWait;
 
 constexpr int kRounds = 64;
 
@@ -27,20 +33,6 @@ __device__ __forceinline__ void BarArrive(int id) {
 __device__ constexpr int Full(int stage) { return 1 + stage; }
 __device__ constexpr int Empty(int stage) { return 3 + stage; }
 constexpr int kProducerBarrier = 5;
-
-__device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}" ::"r"(
-          bar),
-      "r"(parity)
-      : "memory");
-}
 
 struct Features {
   bool race;            // the control: the producers store the value once more after arriving on FULL

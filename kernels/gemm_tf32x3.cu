@@ -25,6 +25,7 @@
 #include <cudaTypedefs.h>
 
 #include "kernels/common.cuh"
+#include "kernels/mbarrier.cuh"
 #include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
@@ -99,16 +100,6 @@ __device__ __forceinline__ void BarSync(int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kCount) : "memory");
 }
 
-__device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar) : "memory");
-}
-// Arrives and expects `bytes` more of asynchronous copies before the phase completes.
-__device__ __forceinline__ void MbarrierArriveExpect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
 // The box of `map` at (x0, x1, x2) into shared memory at `dst`, completing `bytes` on the mbarrier `bar`.
 __device__ __forceinline__ void TensorCopy(uint32_t dst, const CUtensorMap& map, int x0, int x1, int x2, uint32_t bar) {
   asm volatile(
@@ -131,14 +122,6 @@ __device__ __forceinline__ void TensorStore(StoreMode mode, const CUtensorMap& m
                  : "memory");
   }
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Until the phase of `parity` has completed.
-__device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}" ::"r"(
-          bar),
-      "r"(parity)
-      : "memory");
 }
 
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma that owns it.
@@ -302,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                      StoreMode store, int tiles_m, int tiles_n, int tiles) {
   using L = Layout<BN, kAK, kBK>;
   extern __shared__ unsigned char smem_unaligned[];
-  const uint32_t unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t unaligned = SharedAddress(smem_unaligned);
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
   unsigned char* smem = smem_unaligned + (base - unaligned);
   const int group = threadIdx.x / 128;
