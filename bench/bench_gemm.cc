@@ -183,7 +183,7 @@ int Run(const std::string& only) {
             return absl::OkStatus();
           });
         }
-        for (const int slices : {0, 22, 44, 66, 132, 264}) {
+        for (const int slices : {0, 33, 44, 66, 88, 132, 264}) {
           const std::string label = "ffma/" + (slices ? std::to_string(slices) : std::string("auto"));
           add(label.c_str(), [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in, ws,
