@@ -1,6 +1,6 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
-// several row splits (and the FFMA kernel of kernels/skinny_grad.h at several), and as Blas routes it in the 3×TF32
+// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), and as Blas routes it in the 3×TF32
 // precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
 // of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
 // contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
@@ -183,13 +183,16 @@ int Run(const std::string& only) {
             return absl::OkStatus();
           });
         }
-        for (const int slices : {0, 33, 44, 66, 88, 132, 264}) {
-          const std::string label = "ffma/" + (slices ? std::to_string(slices) : std::string("auto"));
-          add(label.c_str(), [&] {
-            CUDA_RETURN_IF_ERROR(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in, ws,
-                                                                 kWorkspaceBytes, stream, slices));
-            return absl::OkStatus();
-          });
+        for (const auto math : {kernels::SkinnyMath::kTf32x3, kernels::SkinnyMath::kFfma}) {
+          for (const int slices : {0, 44, 66, 88, 132, 264}) {
+            const std::string label = std::string(math == kernels::SkinnyMath::kFfma ? "ffma/" : "mma/") +
+                                      (slices ? std::to_string(slices) : std::string("auto"));
+            add(label.c_str(), [&] {
+              CUDA_RETURN_IF_ERROR(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in,
+                                                                   ws, kWorkspaceBytes, stream, slices, math));
+              return absl::OkStatus();
+            });
+          }
         }
         break;
     }

@@ -100,8 +100,8 @@ bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 40 && out >
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
   return rows >= 1024 && in >= 128 && out >= 128;
 }
-// The narrow weight gradients, which neither the 3×TF32 kernel nor cuBLAS's SIMT sgemm (plus its split-K reduce)
-// fill: the FFMA kernel of kernels/skinny_grad.h (float32 products, as cuBLAS float32's).
+// The narrow weight gradients, which neither the wgmma kernel nor cuBLAS's SIMT sgemm (plus its split-K reduce) fill:
+// kernels/skinny_grad.h (3×TF32 on mma.sync).
 bool SkinnyBackwardWeightPays(int in, int out) { return std::min(in, out) <= 64 && std::max(in, out) <= 192; }
 
 template <typename T>

@@ -1,28 +1,29 @@
-// The narrow weight gradients in float32 FFMA (kernels/skinny_grad.h): cuBLAS runs them as a SIMT sgemm plus a
-// split-K reduce, and the 3×TF32 wgmma kernel's 128-row tiles are mostly empty on them.
+// The narrow weight gradients (kernels/skinny_grad.h): cuBLAS runs them as a SIMT sgemm plus a split-K reduce, and
+// the 3×TF32 wgmma kernel's 128-row tiles are mostly empty on them.
 #include "kernels/skinny_grad.h"
 
 #include <algorithm>
 
 #include "kernels/common.cuh"
+#include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
 
 constexpr int kT = kSkinnyTile;
 constexpr int kThreads = 256;
-// The block's threads are four groups of 64, each an 8 × 8 grid of threads holding 8 × 8 outputs (64 FFMA per four
-// 16-byte shared loads); the groups take different rows of each staged chunk and are added in order at the end.
-constexpr int kGroups = kThreads / 64;
-constexpr int kChunk = 32;  // rows per stage: one 32 × 64 tile of dy and one of x, 16 KB
-// Stages in flight: one staged chunk at a time (loaded into registers during the previous chunk) kept a block waiting
-// on memory (16 KB in flight per SM, ~1.2 µs a chunk on the H200 against ~0.5 µs of FFMA); three fill the 48 KB of
-// static shared memory and need no registers.
+constexpr int kChunk = 32;  // rows per stage: one 32 × 64 tile of dy and one of x
+// Row pitch of a stage in floats: 64 + 8 puts the tensor-core fragments' 4 rows × 8 columns on 32 distinct banks
+// (72·t + g mod 32 = 8t + g) and keeps every row 16-byte aligned for the FFMA path's vector loads.
+constexpr int kLd = kT + 8;
+// Stages in flight: one staged chunk at a time (loaded into registers during the previous one) kept a block waiting
+// on memory (16 KB in flight per SM, ~1.2 µs a chunk on the H200); three need no registers.
 constexpr int kStages = 3;
-constexpr int kGroupRows = kChunk / kGroups;
+constexpr int kStageFloats = 2 * kChunk * kLd;
+constexpr int kSharedBytes = kStages * kStageFloats * static_cast<int>(sizeof(float));
 constexpr int kLoads = kChunk * kT / kThreads;  // floats of each operand a thread copies per stage
 constexpr int kTileFloats = kT * kT;
-static_assert(kStages * 2 * kChunk * kT >= kTileFloats, "the group reduction reuses the stages for one tile");
+static_assert(kStages * kStageFloats >= kTileFloats, "the group reduction reuses the stages for one tile");
 
 // A 4-byte asynchronous copy into shared memory, zero-filled where `valid` is false (src then only names a mapped
 // address; nothing is read).
@@ -31,19 +32,35 @@ __device__ __forceinline__ void CopyAsync4(float* dst, const float* src, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
+// How a block's 8 warps cover its 64 × 64 tile and the chunk's 32 rows. The groups take different rows of each chunk
+// and are added in order at the end.
+// kTf32x3 (mma.sync m16n8k8, kernels/tf32x3.cuh): two groups of four warps, each warp a 32 × 32 quadrant over 16 rows
+// (two k-steps of 2 × 4 fragments, three products each); a chunk's products are summed from zero on the tensor cores
+// (which round toward zero) and added to the float32 sums.
+// kFfma: four groups of 64 threads, each thread 8 × 8 outputs over 8 rows: 64 FFMA per four 16-byte shared loads,
+// which keeps the shared-memory pipe as busy as the FMA units (measured ~2× slower than the FMA bound on the H200).
+template <SkinnyMath kMath>
+struct Layout {
+  static constexpr int kGroups = kMath == SkinnyMath::kTf32x3 ? 2 : 4;
+  static constexpr int kOutputs = kT * kT * kGroups / kThreads;  // per thread
+  static constexpr int kGroupRows = kChunk / kGroups;
+};
+
 // One block: the tile (blockIdx.x, row-major over the out × in tiles) over the rows of slice blockIdx.y. Its sum goes
 // to dw (partials null: a single slice) or to partials[slice][tile] as a full 64 × 64 tile.
+template <SkinnyMath kMath>
 __global__ void __launch_bounds__(kThreads, 2)
     SkinnyWeightGradKernel(int rows, int in, int out, const float* __restrict__ dy, int lddy,
                            const float* __restrict__ x, int ldx, int slice_rows, float* __restrict__ dw, int lddw,
                            float* __restrict__ partials) {
-  // [stage][0]: dy's columns o0.., [stage][1]: x's columns i0..
-  __shared__ __align__(16) float stage[kStages][2][kChunk][kT];
+  using L = Layout<kMath>;
+  // Stage s: [0][row][col] dy's columns o0.., [1][row][col] x's columns i0.., rows kLd apart.
+  extern __shared__ __align__(16) float shared[];
   const int tiles_in = CeilDiv(in, kT);
   const int o0 = blockIdx.x / tiles_in * kT, i0 = blockIdx.x % tiles_in * kT;
   const int r_begin = blockIdx.y * slice_rows, r_end = min(rows, r_begin + slice_rows);
   const int chunks = CeilDiv(max(r_end - r_begin, 0), kChunk);
-  const int t = threadIdx.x, group = t / 64, ty = t % 64 / 8, tx = t % 8;
+  const int t = threadIdx.x;
   // Copies: a thread moves column `lcol` of rows lrow, lrow + 4, …: each warp reads 128 contiguous bytes of a row.
   const int lcol = t % kT, lrow = t / kT;
   constexpr int kRowStep = kThreads / kT;
@@ -54,87 +71,135 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto issue = [&](int c) {
     if (c < chunks) {
       const int r0 = r_begin + c * kChunk;
-      float(*s)[kChunk][kT] = stage[c % kStages];
+      float* s = shared + c % kStages * kStageFloats;
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) {
-        const int r = r0 + lrow + j * kRowStep;
+        const int row = lrow + j * kRowStep, r = r0 + row;
         const bool row_in = r < r_end;
         const size_t rr = row_in ? r : r_begin;
-        CopyAsync4(&s[0][lrow + j * kRowStep][lcol], dy_col + rr * lddy, o_in && row_in);
-        CopyAsync4(&s[1][lrow + j * kRowStep][lcol], x_col + rr * ldx, i_in && row_in);
+        CopyAsync4(s + row * kLd + lcol, dy_col + rr * lddy, o_in && row_in);
+        CopyAsync4(s + (kChunk + row) * kLd + lcol, x_col + rr * ldx, i_in && row_in);
       }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  float acc[8][8] = {};
+
+  const int group = t / (kThreads / L::kGroups);
+  float acc[L::kOutputs] = {};
+  // The tile row and column of acc[k].
+  auto out_row = [&](int k) {
+    if constexpr (kMath == SkinnyMath::kTf32x3) {
+      const int q = t % 128 / 32, g = t % 32 / 4;
+      return q / 2 * 32 + k / 16 * 16 + g + k % 4 / 2 * 8;
+    } else {
+      const int ty = t % 64 / 8, a = k / 8;
+      return (a < 4 ? 0 : 32) + ty * 4 + a % 4;
+    }
+  };
+  auto out_col = [&](int k) {
+    if constexpr (kMath == SkinnyMath::kTf32x3) {
+      const int q = t % 128 / 32, tq = t % 4;
+      return q % 2 * 32 + k / 4 % 4 * 8 + 2 * tq + k % 2;
+    } else {
+      const int tx = t % 8, b = k % 8;
+      return (b < 4 ? 0 : 32) + tx * 4 + b % 4;
+    }
+  };
+
 #pragma unroll
   for (int c = 0; c < kStages - 1; ++c) issue(c);
   for (int c = 0; c < chunks; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");  // this thread's copies of chunk c
     __syncthreads();  // everyone's copies of chunk c have landed, and chunk c − 1's stage is consumed
     issue(c + kStages - 1);
-    const float(*s)[kChunk][kT] = stage[c % kStages];
+    const float* sdy = shared + c % kStages * kStageFloats + group * L::kGroupRows * kLd;
+    const float* sx = sdy + kChunk * kLd;
+    if constexpr (kMath == SkinnyMath::kTf32x3) {
+      // A = dyᵀ (m: out, k: rows), B = x (k: rows, n: in); acc[(mi·4 + ni)·4 + r] is fragment (mi, ni)'s d[r].
+      const int q = t % 128 / 32, g = t % 32 / 4, tq = t % 4;
+      const int m0 = q / 2 * 32, n0 = q % 2 * 32;
+      float d[L::kOutputs] = {};
 #pragma unroll
-    for (int k = 0; k < kGroupRows; ++k) {
-      const int row = group * kGroupRows + k;
-      const float4 a0 = *reinterpret_cast<const float4*>(&s[0][row][ty * 4]);
-      const float4 a1 = *reinterpret_cast<const float4*>(&s[0][row][32 + ty * 4]);
-      const float4 b0 = *reinterpret_cast<const float4*>(&s[1][row][tx * 4]);
-      const float4 b1 = *reinterpret_cast<const float4*>(&s[1][row][32 + tx * 4]);
-      const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      for (int k0 = 0; k0 < L::kGroupRows; k0 += 8) {
+        const float* r_lo = sdy + (k0 + tq) * kLd;
+        const float* r_hi = r_lo + 4 * kLd;
+        Tf32Split a[2][4], b[4][2];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+        for (int mi = 0; mi < 2; ++mi) {
+          const int m = m0 + mi * 16 + g;
+          a[mi][0] = SplitTf32ForMma(r_lo[m]);
+          a[mi][1] = SplitTf32ForMma(r_lo[m + 8]);
+          a[mi][2] = SplitTf32ForMma(r_hi[m]);
+          a[mi][3] = SplitTf32ForMma(r_hi[m + 8]);
+        }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        for (int ni = 0; ni < 4; ++ni) {
+          const int n = n0 + ni * 8 + g;
+          b[ni][0] = SplitTf32ForMma(sx[(k0 + tq) * kLd + n]);
+          b[ni][1] = SplitTf32ForMma(sx[(k0 + tq + 4) * kLd + n]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const uint32_t a_big[4] = {a[mi][0].big, a[mi][1].big, a[mi][2].big, a[mi][3].big};
+          const uint32_t a_small[4] = {a[mi][0].small, a[mi][1].small, a[mi][2].small, a[mi][3].small};
+#pragma unroll
+          for (int ni = 0; ni < 4; ++ni) {
+            const uint32_t b_big[2] = {b[ni][0].big, b[ni][1].big};
+            const uint32_t b_small[2] = {b[ni][0].small, b[ni][1].small};
+            float(&f)[4] = *reinterpret_cast<float(*)[4]>(&d[(mi * 4 + ni) * 4]);
+            // The small cross terms first, so that they are not lost under the big product.
+            MmaTf32(f, a_small, b_big);
+            MmaTf32(f, a_big, b_small);
+            MmaTf32(f, a_big, b_big);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < L::kOutputs; ++k) acc[k] += d[k];
+    } else {
+      const int ty = t % 64 / 8, tx = t % 8;
+#pragma unroll
+      for (int k = 0; k < L::kGroupRows; ++k) {
+        const float4 a0 = *reinterpret_cast<const float4*>(sdy + k * kLd + ty * 4);
+        const float4 a1 = *reinterpret_cast<const float4*>(sdy + k * kLd + 32 + ty * 4);
+        const float4 b0 = *reinterpret_cast<const float4*>(sx + k * kLd + tx * 4);
+        const float4 b1 = *reinterpret_cast<const float4*>(sx + k * kLd + 32 + tx * 4);
+        const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i * 8 + j] = fmaf(a[i], b[j], acc[i * 8 + j]);
+        }
       }
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");  // only empty groups remain, but the stages are reused below
-  // Output (o, i) of this thread's acc[a][b] within the tile: rows ty·4 + a and 32 + ty·4 + a − 4, columns likewise.
-  auto tile_row = [&](int a) { return (a < 4 ? 0 : 32) + ty * 4 + a % 4; };
-  float* sum = &stage[0][0][0][0];
-  for (int g = 1; g < kGroups; ++g) {  // group 0 += group 1, then group 2, then group 3
+  float* sum = shared;  // one 64 × 64 tile
+  for (int g = 1; g < L::kGroups; ++g) {  // group 0 += group 1, then group 2, …
     __syncthreads();
     if (group == g) {
 #pragma unroll
-      for (int a = 0; a < 8; ++a) {
-        float* dst = sum + tile_row(a) * kT + tx * 4;
-        *reinterpret_cast<float4*>(dst) = make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
-        *reinterpret_cast<float4*>(dst + 32) = make_float4(acc[a][4], acc[a][5], acc[a][6], acc[a][7]);
-      }
+      for (int k = 0; k < L::kOutputs; ++k) sum[out_row(k) * kT + out_col(k)] = acc[k];
     }
     __syncthreads();
     if (group == 0) {
 #pragma unroll
-      for (int a = 0; a < 8; ++a) {
-        const float* src = sum + tile_row(a) * kT + tx * 4;
-#pragma unroll
-        for (int b = 0; b < 8; ++b) acc[a][b] += src[b < 4 ? b : 32 + b - 4];
-      }
+      for (int k = 0; k < L::kOutputs; ++k) acc[k] += sum[out_row(k) * kT + out_col(k)];
     }
   }
   if (group != 0) return;
   if (partials == nullptr) {
 #pragma unroll
-    for (int a = 0; a < 8; ++a) {
-      const int o = o0 + tile_row(a);
-      if (o >= out) continue;
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        const int i = i0 + (b < 4 ? 0 : 32) + tx * 4 + b % 4;
-        if (i < in) dw[static_cast<size_t>(o) * lddw + i] = acc[a][b];
-      }
+    for (int k = 0; k < L::kOutputs; ++k) {
+      const int o = o0 + out_row(k), i = i0 + out_col(k);
+      if (o < out && i < in) dw[static_cast<size_t>(o) * lddw + i] = acc[k];
     }
     return;
   }
   float* tile = partials + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kTileFloats;
 #pragma unroll
-  for (int a = 0; a < 8; ++a) {
-    float* dst = tile + tile_row(a) * kT + tx * 4;
-    *reinterpret_cast<float4*>(dst) = make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
-    *reinterpret_cast<float4*>(dst + 32) = make_float4(acc[a][4], acc[a][5], acc[a][6], acc[a][7]);
-  }
+  for (int k = 0; k < L::kOutputs; ++k) tile[out_row(k) * kT + out_col(k)] = acc[k];
 }
 
 // dw[o, i] = Σ_s partials[s][tile of (o, i)][(o, i) within it]. Unlike gemm_tf32x3's SumSlicesKernel (dense
@@ -182,7 +247,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
 
 cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                    float* dw, int lddw, float* workspace, size_t workspace_bytes, cudaStream_t stream,
-                                   int slices) {
+                                   int slices, SkinnyMath math) {
   if (in <= 0 || out <= 0) return cudaSuccess;
   rows = std::max(rows, 0);
   const int tiles = CeilDiv(out, kT) * CeilDiv(in, kT);
@@ -195,8 +260,8 @@ cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, i
     if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
       return e;
     }
-    // One block per SM: a block's 64 × 64 tile is FFMA-bound, and every further slice's partial is written and read
-    // back once more.
+    // One block per SM (H200, 16,384 rows, the FFMA path: 64 × 64 8.7 µs at 132 slices against 9.7 at 264, 192 × 64
+    // 16.7 at 44 against 17.7 at 88): every further slice's partial is written and read back once more.
     slices = std::max(sms / tiles, 1);
   }
   slices = std::max(std::min(slices, most), 1);
@@ -204,14 +269,16 @@ cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, i
   const int slice_rows = CeilDiv(chunks, slices) * kChunk;
   slices = CeilDiv(chunks * kChunk, slice_rows);
   const dim3 grid(tiles, slices);
-  if (slices == 1) {
-    SkinnyWeightGradKernel<<<grid, kThreads, 0, stream>>>(rows, in, out, dy, lddy, x, ldx, slice_rows, dw, lddw,
-                                                          nullptr);
-    return cudaGetLastError();
+  auto kernel = math == SkinnyMath::kFfma ? SkinnyWeightGradKernel<SkinnyMath::kFfma>
+                                          : SkinnyWeightGradKernel<SkinnyMath::kTf32x3>;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+      e != cudaSuccess) {
+    return e;
   }
-  SkinnyWeightGradKernel<<<grid, kThreads, 0, stream>>>(rows, in, out, dy, lddy, x, ldx, slice_rows, nullptr, 0,
-                                                        workspace);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  kernel<<<grid, kThreads, kSharedBytes, stream>>>(rows, in, out, dy, lddy, x, ldx, slice_rows,
+                                                   slices == 1 ? dw : nullptr, lddw,
+                                                   slices == 1 ? nullptr : workspace);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || slices == 1) return e;
   SumSkinnySlicesKernel<<<CeilDiv(out * in, 32), kSumWarps * 32, 0, stream>>>(workspace, slices, in, out, dw, lddw);
   return cudaGetLastError();
 }

@@ -1,7 +1,8 @@
-// The FFMA weight gradient (kernels/skinny_grad.h) against a double-precision CPU product on every narrow weight
-// gradient of the small config and awkward shapes (rows not a multiple of a chunk, widths not multiples of the tile,
-// odd leading dimensions, a dw wider than its rows): float32-level error (beside cuBLAS float32's on the same inputs)
-// at several row splits, dw's padding untouched, bit-identical reruns and graph replays, and Blas routing them to it.
+// The narrow weight gradient (kernels/skinny_grad.h, 3×TF32 and FFMA) against a double-precision CPU product on every
+// narrow weight gradient of the small config and awkward shapes (rows not a multiple of a chunk, widths not multiples
+// of the tile, odd leading dimensions, a dw wider than its rows): float32-level error (beside cuBLAS float32's on the
+// same inputs) at several row splits, dw's padding untouched, bit-identical reruns and graph replays, and Blas routing
+// them to it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -123,26 +124,25 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   }
   const double bar = std::max(kFloat32Error, 2 * cublas_error);
 
-  // Auto, one slice (straight into dw), a few, many, more than the rows allow; then a workspace too small for two.
-  std::string line;
-  for (const int slices : {0, 1, 3, 64, 100000}) {
-    reset();
-    ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                              workspace_->get(), kWorkspaceBytes, stream_, slices),
-              cudaSuccess);
-    const double error = error_of(dw.Download());
-    EXPECT_LE(error, bar) << "slices " << slices;
-    char buffer[32];
-    std::snprintf(buffer, sizeof(buffer), " %.2e", error);
-    line += buffer;
+  // Each kind of arithmetic at auto, one slice (straight into dw), a few, many, more than the rows allow, and with a
+  // workspace too small for two.
+  for (const auto math : {kernels::SkinnyMath::kTf32x3, kernels::SkinnyMath::kFfma}) {
+    std::string line;
+    for (const int slices : {0, 1, 3, 64, 100000, -1}) {
+      reset();
+      ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(),
+                                                p.lddw, workspace_->get(), slices < 0 ? sizeof(float) : kWorkspaceBytes,
+                                                stream_, std::max(slices, 0), math),
+                cudaSuccess);
+      const double error = error_of(dw.Download());
+      EXPECT_LE(error, bar) << (math == kernels::SkinnyMath::kFfma ? "FFMA" : "3xTF32") << " slices " << slices;
+      char buffer[32];
+      std::snprintf(buffer, sizeof(buffer), " %.2e", error);
+      line += buffer;
+    }
+    std::printf("[skinny] %-16s %-6s (auto 1 3 64 max no-workspace)%s | cuBLAS fp32 %.2e\n", p.name.c_str(),
+                math == kernels::SkinnyMath::kFfma ? "FFMA" : "3xTF32", line.c_str(), cublas_error);
   }
-  reset();
-  ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                            workspace_->get(), sizeof(float), stream_),
-            cudaSuccess);
-  EXPECT_LE(error_of(dw.Download()), bar) << "no workspace";
-  std::printf("[skinny] %-16s FFMA (auto 1 3 64 max)%s | cuBLAS fp32 %.2e\n", p.name.c_str(), line.c_str(),
-              cublas_error);
 
   reset();
   ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
@@ -178,7 +178,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   reset();
   ASSERT_TRUE((*blas3x)->BackwardWeight(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw).ok());
   const std::vector<float> routed = dw.Download();
-  EXPECT_TRUE(BitIdentical(routed, first)) << "Blas 3xtf32 did not take the FFMA kernel";
+  EXPECT_TRUE(BitIdentical(routed, first)) << "Blas 3xtf32 did not take the narrow kernel";
 }
 
 // small (B·T = 16,384 rows): the embedding (40 → 128), GRN skip and fc2 (192 → 64), value, gate and fc1 (64 → 64),
