@@ -16,8 +16,8 @@ constexpr int kChunk = 32;  // rows per stage: one 32 × 64 tile of dy and one o
 // Row pitch of a stage in floats: 64 + 8 puts the tensor-core fragments' 4 rows × 8 columns on 32 distinct banks
 // (72·t + g mod 32 = 8t + g) and keeps every row 16-byte aligned for the FFMA path's vector loads.
 constexpr int kLd = kT + 8;
-// Stages in flight: one staged chunk at a time (loaded into registers during the previous one) kept a block waiting
-// on memory (16 KB in flight per SM, ~1.2 µs a chunk on the H200); three need no registers.
+// Chunks in flight by cp.async, which holds no registers for them (staging through registers, one chunk ahead, took
+// 16 of them and left one chunk in flight).
 constexpr int kStages = 3;
 constexpr int kStageFloats = 2 * kChunk * kLd;
 constexpr int kSharedBytes = kStages * kStageFloats * static_cast<int>(sizeof(float));
@@ -37,8 +37,9 @@ __device__ __forceinline__ void CopyAsync4(float* dst, const float* src, bool va
 // kTf32x3 (mma.sync m16n8k8, kernels/tf32x3.cuh): two groups of four warps, each warp a 32 × 32 quadrant over 16 rows
 // (two k-steps of 2 × 4 fragments, three products each); a chunk's products are summed from zero on the tensor cores
 // (which round toward zero) and added to the float32 sums.
-// kFfma: four groups of 64 threads, each thread 8 × 8 outputs over 8 rows: 64 FFMA per four 16-byte shared loads,
-// which keeps the shared-memory pipe as busy as the FMA units (measured ~2× slower than the FMA bound on the H200).
+// kFfma: four groups of 64 threads, each thread 8 × 8 outputs over 8 rows: 64 FFMA per four 16-byte shared loads.
+// On the H200 at 16,384 rows the two take about the same time (64 × 64: 9.6 µs 3×TF32, 8.8 FFMA; 192 × 64: 16.9,
+// 16.8; both well over their arithmetic), so what bounds them is moving the operands, not the products.
 template <SkinnyMath kMath>
 struct Layout {
   static constexpr int kGroups = kMath == SkinnyMath::kTf32x3 ? 2 : 4;
@@ -204,9 +205,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // dw[o, i] = Σ_s partials[s][tile of (o, i)][(o, i) within it]. Unlike gemm_tf32x3's SumSlicesKernel (dense
 // [slice][out][in] partials, in a multiple of 4, a thread per four outputs over every slice), the partials here are
-// whole 64 × 64 tiles, dw may be any width, and a block takes 32 outputs with its warps over interleaved slices:
-// one thread per output walking 132 slices took ~8 µs of latency on the H200. Warp w adds slices w, w + kSumWarps,
-// … in order, then warp 0 adds the warps' sums in order.
+// whole 64 × 64 tiles, dw may be any width, and a block takes 32 outputs with its warps over interleaved slices, so
+// that no thread walks a chain of 128 dependent loads (ncu on the H200, small's step, caches flushed: 3.3–4.1 µs a
+// sum). Warp w adds slices w, w + kSumWarps, … in order, then warp 0 adds the warps' sums in order.
 constexpr int kSumWarps = 16;
 constexpr int kSliceBatch = 4;  // loads a lane issues before it adds them
 __global__ void __launch_bounds__(kSumWarps * 32)
@@ -260,8 +261,8 @@ cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, i
     if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
       return e;
     }
-    // One block per SM (H200, 16,384 rows, the FFMA path: 64 × 64 8.7 µs at 132 slices against 9.7 at 264, 192 × 64
-    // 16.7 at 44 against 17.7 at 88): every further slice's partial is written and read back once more.
+    // One block per SM (H200, 16,384 rows, 3×TF32: 64 × 64 9.5 µs at 132 slices against 11.0 at 264, 192 × 64 16.9
+    // at 44 against 17.7 at 88; FFMA alike): every further slice's partial is written and read back once more.
     slices = std::max(sms / tiles, 1);
   }
   slices = std::max(std::min(slices, most), 1);
