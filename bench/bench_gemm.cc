@@ -1,7 +1,8 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
-// several row splits, and as Blas routes it in the 3×TF32 precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's
-// choice of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
+// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), and as Blas routes it in the 3×TF32
+// precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
+// of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
 // contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
 #include <algorithm>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "engine/cuda_memory.h"
 #include "engine/status_macros.h"
 #include "kernels/gemm_tf32x3.h"
+#include "kernels/skinny_grad.h"
 
 namespace perception {
 namespace {
@@ -81,6 +83,7 @@ int Run(const std::string& only) {
       {"s.cfc_c", Form::kBackwardWeight, R, 64, 128},
       {"s.grn_192x64", Form::kBackwardWeight, R, 192, 64},
       {"s.grn_64x64", Form::kBackwardWeight, R, 64, 64},
+      {"s.head_out", Form::kBackwardWeight, R, 64, 5},
       {"l.in_proj", Form::kForward, R, 512, 2192},
       {"l.out_proj", Form::kForward, R, 1024, 512},
       {"l.in_proj", Form::kBackwardData, R, 512, 2192},
@@ -173,11 +176,24 @@ int Run(const std::string& only) {
             });
           }
         }
-        add("auto", [&] {
-          CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in,
-                                                                       ws, kWorkspaceBytes, stream));
-          return absl::OkStatus();
-        });
+        if (supported) {
+          add("auto", [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y,
+                                                                         p.in, ws, kWorkspaceBytes, stream));
+            return absl::OkStatus();
+          });
+        }
+        for (const auto math : {kernels::SkinnyMath::kTf32x3, kernels::SkinnyMath::kFfma}) {
+          for (const int slices : {0, 44, 66, 88, 132, 264}) {
+            const std::string label = std::string(math == kernels::SkinnyMath::kFfma ? "ffma/" : "mma/") +
+                                      (slices ? std::to_string(slices) : std::string("auto"));
+            add(label.c_str(), [&] {
+              CUDA_RETURN_IF_ERROR(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in,
+                                                                   ws, kWorkspaceBytes, stream, slices, math));
+              return absl::OkStatus();
+            });
+          }
+        }
         break;
     }
     std::printf("[bench_gemm] %-15s %-10s %5dx%4dx%4d%s:%s\n", p.name, FormName(p.form), p.rows, p.in, p.out,

@@ -1,7 +1,7 @@
 // The products of a linear layer for the CUDA backend, in the model's row-major layout: cuBLASLt (one handle on one
 // stream, its workspace set once, an algorithm fixed per product shape — a table tuned offline on the H200, else the
 // first deterministic heuristic — no atomics) in float32 or TF32, or float32-accurate on the TF32 tensor cores through
-// the 3×TF32 kernels of kernels/gemm_tf32x3.h.
+// the 3×TF32 kernels of kernels/gemm_tf32x3.h and, for the narrow weight gradients, kernels/skinny_grad.h.
 #pragma once
 
 #include <cstdint>
@@ -88,6 +88,9 @@ class Blas {
   // The 3×TF32 kernels for the products they take: precision kFloat32Tf32x3 on a compute capability 9.0 device (they
   // are built for sm_90a alone); cuBLAS float32 otherwise.
   bool tf32x3_ = false;
+  // The narrow weight gradients on kernels/skinny_grad.h: precision kFloat32Tf32x3 on any device (its mma.sync is
+  // sm_80 on). kFloat32 keeps cuBLAS and its tuned table, the baseline the 3×TF32 kernels are measured against.
+  bool skinny_ = false;
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
   double flops_ = 0;
