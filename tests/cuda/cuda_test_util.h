@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,12 @@ constexpr double kParamsTolerance = 1e-4;    // parameters after 10 AdamW steps
       GTEST_SKIP() << "needs a CUDA device: " << _available.message();                      \
     }                                                                                      \
   } while (0)
+
+// The product kernels' tests: CudaModel's per-stream Blas workspace, and their bar. Float32 level: a 3×TF32 product
+// keeps 21 of 24 mantissa bits per operand and accumulates in float32. Over the 16,384-row weight gradients float32
+// accumulation itself loses more, so cuBLAS float32's own error (times 2) is the bar where it is higher.
+constexpr size_t kBlasWorkspaceBytes = 32u << 20;
+constexpr double kFloat32ProductError = 2e-6;
 
 // Parameters initialized from `seed` (MODEL.md §4), unperturbed.
 inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
@@ -66,6 +73,24 @@ class DeviceArray {
   }
   size_t count_;
   CudaAllocation allocation_;
+};
+
+// A parameterized test of the product kernels: a stream of its own and a Blas-sized workspace (skipped without a
+// device; a derived SetUp returns at once when IsSkipped()).
+template <typename Param>
+class ProductTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CUDA_DEVICE();
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    workspace_.emplace(kBlasWorkspaceBytes / sizeof(float));
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  std::optional<DeviceArray<float>> workspace_;
 };
 
 // `count` floats uniform in [lo, hi), fixed by `seed`.

@@ -27,12 +27,9 @@ using testing::BitIdentical;
 using testing::DeviceArray;
 using testing::RandomFloats;
 using testing::RelativeError;
+using testing::kBlasWorkspaceBytes;
+using testing::kFloat32ProductError;
 
-constexpr size_t kWorkspaceBytes = 32u << 20;  // CudaModel's per-stream Blas workspace
-// Float32 level: a 3×TF32 product keeps 21 of 24 mantissa bits per operand and accumulates in float32. Over the
-// 16,384-row weight gradients float32 accumulation itself loses more, so cuBLAS float32's own error (times 2) is
-// the bar where it is higher.
-constexpr double kFloat32Error = 2e-6;
 
 // y[rows, out] = x[rows, in] · w[out, in]ᵀ; the activations' leading dimensions are their width + pad.
 struct Product {
@@ -91,19 +88,18 @@ std::vector<double> BackwardWeightReference(const Product& p, const std::vector<
   return dw;
 }
 
-class GemmTf32x3Test : public ::testing::TestWithParam<Product> {
+class GemmTf32x3Test : public testing::ProductTest<Product> {
  protected:
   void SetUp() override {
-    SKIP_WITHOUT_CUDA_DEVICE();
-    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
-    workspace_.emplace(kWorkspaceBytes / sizeof(float));
-    auto blas = Blas::Create(stream_, workspace_->get(), kWorkspaceBytes, Precision::kFloat32);
+    ProductTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    auto blas = Blas::Create(stream_, workspace_->get(), kBlasWorkspaceBytes, Precision::kFloat32);
     ASSERT_TRUE(blas.ok()) << blas.status();
     cublas_ = *std::move(blas);
   }
   void TearDown() override {
     cublas_.reset();
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    ProductTest::TearDown();
   }
 
   // `out` starts as `init` before every run. cuBLAS float32 first, then each tile of the 3×TF32 kernels, each held to
@@ -120,7 +116,7 @@ class GemmTf32x3Test : public ::testing::TestWithParam<Product> {
     reset();
     ASSERT_TRUE(cublas(out.get()).ok());
     const double cublas_error = RelativeError(out.Download(), expected);
-    const double bar = std::max(kFloat32Error, 2 * cublas_error);
+    const double bar = std::max(kFloat32ProductError, 2 * cublas_error);
     std::string line;
     for (const GemmTile tile : {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64}) {
       reset();
@@ -179,8 +175,6 @@ class GemmTf32x3Test : public ::testing::TestWithParam<Product> {
         });
   }
 
-  cudaStream_t stream_ = nullptr;
-  std::optional<DeviceArray<float>> workspace_;
   std::unique_ptr<Blas> cublas_;
 };
 
@@ -219,7 +213,7 @@ TEST_P(GemmTf32x3Test, BackwardWeightSplitOverRows) {
       [&](float* dw) { return cublas_->BackwardWeight(p.rows, p.in, p.out, ddy.get(), lddy, dx.get(), ldx, dw, p.in); },
       [&](GemmTile tile, float* dw) {
         return kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, ddy.get(), lddy, dx.get(), ldx, dw, p.in,
-                                                       workspace_->get(), kWorkspaceBytes, stream_, tile);
+                                                       workspace_->get(), kBlasWorkspaceBytes, stream_, tile);
       });
 }
 
@@ -243,8 +237,8 @@ TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   {
-    DeviceArray<float> workspace(kWorkspaceBytes / sizeof(float));
-    auto blas = Blas::Create(stream, workspace.get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
+    DeviceArray<float> workspace(kBlasWorkspaceBytes / sizeof(float));
+    auto blas = Blas::Create(stream, workspace.get(), kBlasWorkspaceBytes, Precision::kFloat32Tf32x3);
     ASSERT_TRUE(blas.ok()) << blas.status();
     for (const Product& p : {Product{"head_out", 2000, 64, 5, 0}, Product{"tiny_in_proj", 18, 8, 42, 0},
                              Product{"odd", 333, 37, 21, 0}, Product{"small_in_proj", 4096, 128, 580, 0}}) {
@@ -267,9 +261,9 @@ TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
       const double forward = RelativeError(y.Download(), ForwardReference(p, x, w, bias, 0, zeros));
       const double data = RelativeError(dx.Download(), BackwardDataReference(p, dy, w));
       const double weight = RelativeError(dw.Download(), BackwardWeightReference(p, dy, x));
-      EXPECT_LE(forward, kFloat32Error);
-      EXPECT_LE(data, kFloat32Error);
-      EXPECT_LE(weight, kFloat32Error);
+      EXPECT_LE(forward, kFloat32ProductError);
+      EXPECT_LE(data, kFloat32ProductError);
+      EXPECT_LE(weight, kFloat32ProductError);
       std::printf("[gemm] Blas 3xtf32 %-13s forward %.2e backward_data %.2e backward_weight %.2e\n", p.name.c_str(),
                   forward, data, weight);
     }

@@ -25,10 +25,9 @@ using testing::BitIdentical;
 using testing::DeviceArray;
 using testing::RandomFloats;
 using testing::RelativeError;
+using testing::kBlasWorkspaceBytes;
+using testing::kFloat32ProductError;
 
-constexpr size_t kWorkspaceBytes = 32u << 20;  // CudaModel's per-stream Blas workspace
-// As gemm_tf32x3_test: float32 level, or twice cuBLAS float32's own error where its accumulation loses more.
-constexpr double kFloat32Error = 2e-6;
 constexpr float kUntouched = 12345.f;  // dw's padding columns, which the kernel must not write
 
 // dw[out, in] (leading dimension lddw) = dy[rows, out]ᵀ · x[rows, in] at leading dimensions lddy, ldx.
@@ -69,20 +68,7 @@ std::vector<float> Dense(const Product& p, const std::vector<float>& dw, bool* p
   return dense;
 }
 
-class SkinnyGradTest : public ::testing::TestWithParam<Product> {
- protected:
-  void SetUp() override {
-    SKIP_WITHOUT_CUDA_DEVICE();
-    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
-    workspace_.emplace(kWorkspaceBytes / sizeof(float));
-  }
-  void TearDown() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-
-  cudaStream_t stream_ = nullptr;
-  std::optional<DeviceArray<float>> workspace_;
-};
+using SkinnyGradTest = testing::ProductTest<Product>;
 
 TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) {
   const Product& p = GetParam();
@@ -115,14 +101,14 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
 
   double cublas_error = 0;  // no product to compare over no rows
   if (p.rows > 0) {
-    auto cublas = Blas::Create(stream_, workspace_->get(), kWorkspaceBytes, Precision::kFloat32);
+    auto cublas = Blas::Create(stream_, workspace_->get(), kBlasWorkspaceBytes, Precision::kFloat32);
     ASSERT_TRUE(cublas.ok()) << cublas.status();
     reset();
     ASSERT_TRUE(
         (*cublas)->BackwardWeight(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw).ok());
     cublas_error = error_of(dw.Download());
   }
-  const double bar = std::max(kFloat32Error, 2 * cublas_error);
+  const double bar = std::max(kFloat32ProductError, 2 * cublas_error);
 
   // Each kind of arithmetic at auto, one slice (straight into dw), a few, many, more than the rows allow, and with a
   // workspace too small for two.
@@ -130,9 +116,10 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
     std::string line;
     for (const int slices : {0, 1, 3, 64, 100000, -1}) {
       reset();
+      const size_t workspace_bytes = slices < 0 ? sizeof(float) : kBlasWorkspaceBytes;
       ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(),
-                                                p.lddw, workspace_->get(), slices < 0 ? sizeof(float) : kWorkspaceBytes,
-                                                stream_, std::max(slices, 0), math),
+                                                p.lddw, workspace_->get(), workspace_bytes, stream_,
+                                                std::max(slices, 0), math),
                 cudaSuccess);
       const double error = error_of(dw.Download());
       EXPECT_LE(error, bar) << (math == kernels::SkinnyMath::kFfma ? "FFMA" : "3xTF32") << " slices " << slices;
@@ -146,12 +133,12 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
 
   reset();
   ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                            workspace_->get(), kWorkspaceBytes, stream_),
+                                            workspace_->get(), kBlasWorkspaceBytes, stream_),
             cudaSuccess);
   const std::vector<float> first = dw.Download();
   reset();
   ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                            workspace_->get(), kWorkspaceBytes, stream_),
+                                            workspace_->get(), kBlasWorkspaceBytes, stream_),
             cudaSuccess);
   EXPECT_TRUE(BitIdentical(dw.Download(), first)) << "rerun";
 
@@ -160,7 +147,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   reset();
   const cudaError_t captured =
       kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                      workspace_->get(), kWorkspaceBytes, stream_);
+                                      workspace_->get(), kBlasWorkspaceBytes, stream_);
   ASSERT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
   ASSERT_EQ(captured, cudaSuccess);
   cudaGraphExec_t exec = nullptr;
@@ -173,7 +160,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
 
   // Blas in the 3×TF32 precision routes every shape here (none wider than 192, none with both sides over 64) to this
   // kernel: the same bits.
-  auto blas3x = Blas::Create(stream_, workspace_->get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
+  auto blas3x = Blas::Create(stream_, workspace_->get(), kBlasWorkspaceBytes, Precision::kFloat32Tf32x3);
   ASSERT_TRUE(blas3x.ok()) << blas3x.status();
   reset();
   ASSERT_TRUE((*blas3x)->BackwardWeight(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw).ok());
