@@ -18,13 +18,18 @@
 
 namespace perception {
 
-// How one tick is laid out over the GPU: events per cluster group and blocks per cluster (see kernels/stream_step.h).
+// How one tick is laid out over the GPU: events per cluster group and blocks per cluster (see kernels/stream_step.h),
+// or the wide path (grid-wide kernels over tiles of 8 events).
 struct StreamLaunchShape {
   int events_per_group = 1;
   int cluster_size = 8;
+  bool wide = false;
 };
 constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
 constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
+constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
+// Ticks of at least this many events take the wide path (where it fits).
+constexpr int kStreamWideFrom = 64;
 
 class CudaStreamer {
  public:
@@ -39,7 +44,7 @@ class CudaStreamer {
   cudaStream_t stream() const { return stream_; }
   int slots() const { return slots_; }
   // Whether ticks can launch with this shape on this device (clusters of 16 need a device that co-schedules them).
-  bool Supports(StreamLaunchShape shape) const { return Fit(shape).max_clusters > 0; }
+  bool Supports(StreamLaunchShape shape) const { return shape.wide ? wide_fits_ : Fit(shape).max_clusters > 0; }
 
   // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
   // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
@@ -124,6 +129,8 @@ class CudaStreamer {
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;
   kernels::StreamSlots state_{};
+  kernels::StreamWideScratch wide_{};
+  bool wide_fits_ = false;
   kernels::StreamWeights weights_{};
   std::array<Staging, 2> staging_{};
   int next_staging_ = 0;

@@ -363,6 +363,9 @@ __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wa
 __device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
+__device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
@@ -371,6 +374,78 @@ __device__ __forceinline__ float RowSum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 2);
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v;
+}
+
+// ---- Per-unit math of the step, one copy for the cluster kernel and the wide path (so both give the same bits) ----
+
+// A channel's causal conv before its SiLU: the bias, the newest tap times v, then the carried inputs oldest first
+// (old[k·stride]); prm holds the W taps, oldest first, then the bias.
+__device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, const float* old, size_t stride) {
+  float conv = prm[W1 + 1] + prm[W1] * v;
+#pragma unroll 1
+  for (int k = 0; k < W1; ++k) conv += prm[k] * old[k * stride];
+  return conv;
+}
+
+// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n for n = lane,
+// lane + 8, …, stored to `out` when given (state null: a zero state), and the lane's part of Σ C n·state n.
+__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt,
+                                             float x, int N, int lane) {
+  float sum = 0.f;
+  for (int n = lane; n < N; n += kLanesPerRow) {
+    const float s_new = decay * (state ? state[n] : 0.f) + dt * x * bc[n];
+    if (out) out[n] = s_new;
+    sum += bc[N + n] * s_new;
+  }
+  return sum;
+}
+
+// y of an SSM row after the skip and the gate.
+__device__ __forceinline__ float GatedY(float y, float skip_d, float xc, float z) { return (y + skip_d * xc) * Silu(z); }
+
+// The CfC update of one unit from its four heads' sums (ff1, ff2, time_a, time_b) and biases.
+__device__ __forceinline__ float CfcUnit(float ff1, float ff2, float time_a, float time_b, const float* prm, float dt) {
+  const float tau = Sigmoid((time_a + prm[2]) * dt + (time_b + prm[3]));
+  return tanhf(ff1 + prm[0]) * (1.f - tau) + tau * tanhf(ff2 + prm[1]);
+}
+
+// The GRN's pre-norm output: the skip plus the gated value.
+__device__ __forceinline__ float GrnPre(float skip, float gate, float value, const float* prm) {
+  return skip + Sigmoid(gate + prm[0]) * (value + prm[1]);
+}
+
+// The GRN's layer norm of one event, by one whole warp.
+__device__ __forceinline__ void GrnLayerNorm(const float* pre, float* out, const float* ln_w, const float* ln_b, int G,
+                                             int lane) {
+  float sum = 0.f;
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) sum += pre[i];
+  const float mean = WarpSum(sum) / G;
+  float var = 0.f;
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
+  const float rstd = 1.f / sqrtf(WarpSum(var) / G + kNormEps);
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i];
+}
+
+// Probabilities, conviction (MODEL.md §2.8: the most confident horizon, lowest on ties) and the log entry of one
+// logged event.
+__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
+                                             int H) {
+  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+  int best = 0;
+  float best_distance = -1.f;
+  for (int h = 0; h < H; ++h) {
+    const float prob = Sigmoid(logits[h]);
+    st.probs[slot * H + h] = prob;
+    st.log_probs[entry * H + h] = prob;
+    if (fabsf(prob - 0.5f) > best_distance) {
+      best_distance = fabsf(prob - 0.5f);
+      best = h;
+    }
+  }
+  st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
 }
 
 // ---- The step ----
@@ -732,10 +807,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           float out;
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            float conv = prm[p.W] + prm[W1] * v;
-#pragma unroll 1
-                            for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
-                            out = Silu(conv);
+                            out = Silu(ConvTaps(prm, W1, v, old_rows, p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
@@ -765,10 +837,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = conv_rows + e * pe + hp - q0;
-                          float conv = prm[p.W] + prm[W1] * acc[1][e];
-#pragma unroll 1
-                          for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
-                          xc[e] = Silu(conv);
+                          xc[e] = Silu(ConvTaps(prm, W1, acc[1][e], old_rows, p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
 #pragma unroll 1
@@ -783,20 +852,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const float* state =
                               p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N
                                               : global_state;
-                          float sum = 0.f;
-                          for (int n = row_lane; n < N; n += kLanesPerRow) {
-                            const float s_new = decay * (state ? state[n] : 0.f) + dt * xc[e] * bcdt[n];
-                            if (global_state) global_state[n] = s_new;
-                            sum += bcdt[N + n] * s_new;
-                          }
-                          y[e] = sum;
+                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt, xc[e], N, row_lane);
                         }
 #pragma unroll
                         for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
                         if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) {
-                          emit(si_heads, e, p.y + hp, (y[e] + Dh * xc[e]) * Silu(acc[0][e]));
+                          emit(si_heads, e, p.y + hp, GatedY(y[e], Dh, xc[e], acc[0][e]));
                         }
                       });
       finish(si_heads);
@@ -834,8 +897,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
-                        const float c = tanhf(acc[0][e] + prm[0]) * (1.f - tau) + tau * tanhf(acc[1][e] + prm[1]);
+                        const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, event_dt[e]);
                         emit(cfc_stage + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
                         if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
                       }
@@ -857,30 +919,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        emit(cfc_stage + 3, e, p.pre + u,
-                             ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                        emit(cfc_stage + 3, e, p.pre + u, GrnPre(ev[e * pe + p.skip + u], acc[0][e], acc[1][e], prm));
                       }
                     });
     finish(cfc_stage + 3);
 
     if (rank == 0) {
-      // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
-      // confident horizon, lowest on ties) and the log entry.
-      const int wl = warp_lane;
+      // Layer norm (a warp per event), the output layer, then the outputs.
       for (int e = warp; e < EG; e += kStreamWarps) {
-        const float* pre = ev + e * pe + p.pre;
-        float sum = 0.f;
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) sum += pre[i];
-        const float mean = WarpSum(sum) / p.G;
-        float var = 0.f;
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
-        const float rstd = 1.f / sqrtf(WarpSum(var) / p.G + kNormEps);
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) {
-          ev[e * pe + p.g + i] = (pre[i] - mean) * rstd * sh[p.ln_w + i] + sh[p.ln_b + i];
-        }
+        GrnLayerNorm(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
       }
       __syncthreads();
       Products<EG, 1>(p, cfc_stage + 4, pack, smem, bars, p.g, 0, 0,
@@ -891,21 +938,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       });
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
-        const float* logits = ev + tid * pe + p.logits;
-        const int slot = slot_ids[tid];
-        const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_at[tid];
-        int best = 0;
-        float best_distance = -1.f;
-        for (int h = 0; h < p.H; ++h) {
-          const float prob = Sigmoid(logits[h]);
-          st.probs[slot * p.H + h] = prob;
-          st.log_probs[entry * p.H + h] = prob;
-          if (fabsf(prob - 0.5f) > best_distance) {
-            best_distance = fabsf(prob - 0.5f);
-            best = h;
-          }
-        }
-        st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
+        WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
       }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
@@ -914,6 +947,375 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // store into a block's shared memory is in flight when it exits.
   ClusterArriveRelaxed();
   ClusterWait();
+}
+
+// ---- The wide path: a tick of many events as a few grid-wide kernels ----
+//
+// The cluster kernel carries a group through the whole chain, so each group's blocks stream every weight and its
+// states inside a latency-bound chain. For ticks of many events the wide path runs each link for all the tick's
+// events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
+// SumRows, in its order), activations between the links in device scratch. Per layer, one kernel for B, C and Δt,
+// one for z and x with the conv, the SSM update and the gate (the state traffic: a block's rows of its tile's states
+// are copied asynchronously at its start, under the product), one for out_proj; then one for the CfC and the head.
+
+constexpr int kWideEvents = kMaxEvents;
+
+struct WideArgs {
+  StreamPlan p;  // the pack's plan (MakePackPlan)
+  const float* pack;
+  StreamSlots st;
+  StreamWideScratch scratch;
+  int n;
+  bool logged;
+};
+
+// The slot of a tick's event (−1: padding, or past the tick's end).
+__device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
+  return event < a.n ? a.scratch.slots[event] : -1;
+}
+
+// Copies `len` floats of each tile event (row stride `stride` in `src`) to ev + e·per_event, zeros in their padding
+// to a multiple of 4 and for events past the tick's end.
+__device__ void LoadTile(float* ev, int per_event, const float* src, int stride, int len, int first, int n) {
+  const int padded = Align4(len);
+  for (int i = threadIdx.x; i < kWideEvents * padded; i += blockDim.x) {
+    const int e = i / padded, k = i % padded;
+    ev[e * per_event + k] = k < len && first + e < n ? src[static_cast<size_t>(first + e) * stride + k] : 0.f;
+  }
+}
+
+// Rows [u0, u1) of stage s for the tile whose inputs are at in + e·per_event, summed as Products sums them (scaled by
+// the events' 1/rms at rstd + e·per_event when rstd is given); epilogue as Products's.
+template <int M, typename Epilogue>
+__device__ __forceinline__ void TileRows(const PackStage& s, const float* pack, const float* in, int per_event,
+                                         const float* rstd, int u0, int u1, Epilogue&& epilogue) {
+  const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
+  for (int base = u0; base < u1; base += kRowGroups) {
+    const int u = base + group;
+    const bool active = u < u1;
+    const float* wu = pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
+    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
+    if (rstd && active) {
+#pragma unroll
+      for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd[e * per_event];
+      }
+    }
+    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+  }
+}
+
+// Standardization and the embedding; the tick's slots, Δt and log positions into scratch for the later kernels.
+__global__ void __launch_bounds__(kStreamThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
+                                                                  const __grid_constant__ StreamTickInput tick) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  const StreamPlan& p = a.p;
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F);
+  const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  if (tid < kWideEvents) {
+    const int e = first + tid;
+    const int32_t* tick_slots = tick.x ? tick.slots : tick.inline_slots;
+    const int slot = e < a.n ? tick_slots[e] : -1;
+    slot_s[tid] = slot;
+    if (e < a.n) {
+      a.scratch.slots[e] = slot;
+      a.scratch.dt[e] = (tick.x ? tick.dt : tick.inline_dt)[e];
+      a.scratch.log[e] = tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e] : 0;
+    }
+  }
+  __syncthreads();
+  const float* shared = a.pack + p.shared_pack;
+  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
+    const int e = i / pe, f = i % pe;
+    smem[i] = f < p.F && slot_s[e] >= 0
+                  ? (tick_x[static_cast<size_t>(first + e) * p.F + f] - shared[p.mean + f]) * shared[p.inv_std + f]
+                  : 0.f;
+  }
+  __syncthreads();
+  TileRows<1>(p.stage[0], a.pack, smem, pe, nullptr, 0, p.D,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = acc[0][e] + prm[0];
+                }
+              });
+}
+
+// Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded).
+__global__ void __launch_bounds__(kStreamThreads) WideSharedKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  __shared__ float zero;  // the carried inputs of a padding event
+  const StreamPlan& p = a.p;
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, D4 = Align4(p.D), pe = D4 + 4;
+  const int N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
+  if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
+  if (tid == 0) zero = 0.f;
+  LoadTile(smem, pe, a.scratch.h, p.D, p.D, first, a.n);
+  __syncthreads();
+  NormScales<kWideEvents>(smem, pe, 0, p.D, D4, D4);
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  TileRows<1>(p.stage[1 + 3 * l], a.pack, smem, pe, smem + D4, 0, BC,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  if (first + e >= a.n) continue;
+                  const float v = acc[0][e];
+                  float out;
+                  if (u < 2 * N) {
+                    const int slot = slot_s[e];
+                    float* state = slot >= 0 ? a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd +
+                                                   p.E + u
+                                             : nullptr;
+                    out = Silu(ConvTaps(prm, W1, v, state ? state : &zero, state ? cd : 0));
+                    if (state && W1 > 0) {
+#pragma unroll 1
+                      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
+                      state[(W1 - 1) * cd] = v;
+                    }
+                  } else {
+                    out = Softplus(v + prm[0]);
+                  }
+                  a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
+                }
+              });
+}
+
+// Layer l's z and x for SSM rows [u0, u0 + 32) of the tile (blockIdx.y), x's causal conv, the SSM update and readout
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) are
+// copied into shared memory asynchronously at the start and land under the product; the new states are stored
+// straight from the update.
+__global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  __shared__ float zero;
+  const StreamPlan& p = a.p;
+  const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
+  const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
+  const bool active = u < u1;
+  const int tile_state = Align4(kRowGroups * N), D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
+  float* states = smem;
+  float* h = states + kWideEvents * tile_state;
+  float* bc_tile = h + kWideEvents * pe_h;
+  if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
+  if (tid == 0) zero = 0.f;
+  __syncthreads();
+  const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
+  const int len = (u1 - u0) * N;
+#pragma unroll 1
+  for (int e = 0; e < kWideEvents; ++e) {
+    const int slot = slot_s[e];
+    float* dst = states + e * tile_state;
+    const size_t at = slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N;
+    if (slot < 0) {
+      for (int i = tid; i < len; i += blockDim.x) dst[i] = 0.f;
+    } else if (at % 4 == 0 && len % 4 == 0) {
+      for (int i = 4 * tid; i < len; i += 4 * blockDim.x) CopyAsync16(dst + i, a.st.ssm + at + i);
+    } else {
+      for (int i = tid; i < len; i += blockDim.x) CopyAsync4(dst + i, a.st.ssm + at + i);
+    }
+  }
+  LoadTile(h, pe_h, a.scratch.h, p.D, p.D, first, a.n);
+  LoadTile(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n);
+  __syncthreads();
+  NormScales<kWideEvents>(h, pe_h, 0, p.D, D4, D4);
+  const PackStage& s = p.stage[2 + 3 * l];
+  const float* wu = a.pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
+  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
+    }
+  }
+  CopyAsyncWaitAll();
+  __syncthreads();
+  const float* prm = wu + 2 * s.in_pad;
+  const float* shared = a.pack + p.shared_pack;
+  const int head = active ? u / p.P : 0;
+  const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
+  const size_t conv_at = static_cast<size_t>(l) * W1 * cd + u, conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  float y[kWideEvents], xc[kWideEvents];
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) {
+    y[e] = xc[e] = 0.f;
+    if (!active) continue;
+    const int slot = slot_s[e];
+    const float* conv_state = slot >= 0 ? a.st.conv + slot * conv_per_slot + conv_at : &zero;
+    xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], conv_state, slot >= 0 ? cd : 0));
+    const float* bc = bc_tile + e * pe_b;
+    const float dt = bc[2 * N + head], decay = expf(dt * A);
+    float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+    y[e] = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
+  }
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
+  __syncwarp();  // every lane of the row has read its conv state before lane 0 advances it
+  if (!active || lane != 0) return;
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) {
+    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
+    const int slot = slot_s[e];
+    if (slot >= 0 && W1 > 0) {
+      float* state = a.st.conv + slot * conv_per_slot + conv_at;
+#pragma unroll 1
+      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
+      state[(W1 - 1) * cd] = sums.v[1][e];
+    }
+  }
+}
+
+// Layer l's out_proj of the gated RMSNorm (folded) of y, for d_model rows [u0, u0 + 32) (blockIdx.y), added to the
+// residual.
+__global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  const StreamPlan& p = a.p;
+  const int first = blockIdx.x * kWideEvents, E4 = Align4(p.E), pe = E4 + 4;
+  const int u0 = blockIdx.y * kRowGroups, u1 = min(p.D, u0 + kRowGroups);
+  LoadTile(smem, pe, a.scratch.y, p.E, p.E, first, a.n);
+  __syncthreads();
+  NormScales<kWideEvents>(smem, pe, 0, p.E, E4, E4);
+  TileRows<1>(p.stage[3 + 3 * l], a.pack, smem, pe, smem + E4, u0, u1,
+              [&](int u, const float(&acc)[1][kWideEvents], const float*, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  if (first + e >= a.n) continue;
+                  float* h = a.scratch.h + static_cast<size_t>(first + e) * p.D + u;
+                  *h = *h + acc[0][e];
+                }
+              });
+}
+
+// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events.
+struct WideHeadLayout {
+  int a, h, bb, e2, skip, pre, g, logits, per_event;
+};
+__host__ __device__ inline WideHeadLayout HeadLayout(const StreamPlan& p) {
+  WideHeadLayout o{};
+  int at = 0;
+  auto take = [&at](int n) {
+    const int start = at;
+    at += Align4(n);
+    return start;
+  };
+  o.a = take(p.D + p.C);
+  o.h = take(p.D);
+  o.bb = take(p.K);
+  o.e2 = take(p.G);
+  o.skip = take(p.G);
+  o.pre = take(p.G);
+  o.g = take(p.G);
+  o.logits = take(p.H);
+  o.per_event = at;
+  return o;
+}
+
+__global__ void __launch_bounds__(kStreamThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
+  extern __shared__ __align__(16) float ev[];
+  __shared__ int slot_s[kWideEvents];
+  __shared__ float dt_s[kWideEvents];
+  __shared__ int64_t log_s[kWideEvents];
+  const StreamPlan& p = a.p;
+  const WideHeadLayout o = HeadLayout(p);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = o.per_event;
+  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
+  if (tid < kWideEvents) {
+    const int e = first + tid;
+    slot_s[tid] = WideSlot(a, e);
+    dt_s[tid] = e < a.n ? a.scratch.dt[e] : 0.f;
+    log_s[tid] = e < a.n ? a.scratch.log[e] : 0;
+  }
+  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) ev[i] = 0.f;
+  __syncthreads();
+  for (int i = tid; i < kWideEvents * p.D; i += blockDim.x) {
+    const int e = i / p.D, k = i % p.D;
+    if (first + e < a.n) ev[e * pe + o.h + k] = a.scratch.h[static_cast<size_t>(first + e) * p.D + k];
+  }
+  for (int i = tid; i < kWideEvents * p.C; i += blockDim.x) {
+    const int e = i / p.C, k = i % p.C;
+    if (slot_s[e] >= 0) ev[e * pe + o.a + p.D + k] = a.st.cfc[slot_s[e] * p.C + k];
+  }
+  __syncthreads();
+  const float* shared = a.pack + p.shared_pack;
+  RmsNormEvents<kWideEvents>(ev, pe, o.h, o.a, shared + p.norm_f, p.D);
+  TileRows<1>(p.stage[cfc_stage], a.pack, ev + o.a, pe, nullptr, 0, p.K,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.bb + u] = LecunTanh(acc[0][e] + prm[0]);
+              });
+  __syncthreads();
+  TileRows<4>(p.stage[cfc_stage + 1], a.pack, ev + o.bb, pe, nullptr, 0, p.C,
+              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, dt_s[e]);
+                  ev[e * pe + o.a + p.D + u] = c;  // the head reads [s ; c_t]
+                  if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
+                }
+              });
+  __syncthreads();
+  TileRows<2>(p.stage[cfc_stage + 2], a.pack, ev + o.a, pe, nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  ev[e * pe + o.e2 + u] = Elu(acc[0][e] + prm[0]);
+                  ev[e * pe + o.skip + u] = acc[1][e];
+                }
+              });
+  __syncthreads();
+  TileRows<2>(p.stage[cfc_stage + 3], a.pack, ev + o.e2, pe, nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) {
+                  ev[e * pe + o.pre + u] = GrnPre(ev[e * pe + o.skip + u], acc[0][e], acc[1][e], prm);
+                }
+              });
+  __syncthreads();
+  for (int e = warp; e < kWideEvents; e += kStreamWarps) {
+    GrnLayerNorm(ev + e * pe + o.pre, ev + e * pe + o.g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
+  }
+  __syncthreads();
+  TileRows<1>(p.stage[cfc_stage + 4], a.pack, ev + o.g, pe, nullptr, 0, p.H,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                if (!active || lane != 0) return;
+#pragma unroll
+                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.logits + u] = acc[0][e] + prm[0];
+              });
+  __syncthreads();
+  if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
+    WriteOutputs(ev + tid * pe + o.logits, a.st, slot_s[tid], log_s[tid], p.H);
+  }
+}
+
+// Shared memory (bytes) of each wide kernel.
+struct WideShared {
+  size_t embed, shared, ssm, out, head;
+};
+WideShared WideSharedBytes(const StreamPlan& p) {
+  const int BC = 2 * p.N + p.Hh;
+  WideShared s;
+  s.embed = sizeof(float) * kWideEvents * Align4(p.F);
+  s.shared = sizeof(float) * kWideEvents * (Align4(p.D) + 4);
+  s.ssm = sizeof(float) * kWideEvents * (Align4(kRowGroups * p.N) + Align4(p.D) + 4 + Align4(BC));
+  s.out = sizeof(float) * kWideEvents * (Align4(p.E) + 4);
+  s.head = sizeof(float) * kWideEvents * HeadLayout(p).per_event;
+  return s;
+}
+
+bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
+  const WideShared s = WideSharedBytes(p);
+  return std::max({s.embed, s.shared, s.ssm, s.out, s.head}) <= max_shared_bytes;
 }
 
 template <int EG>
@@ -980,11 +1382,44 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 }
 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
-  for (cudaError_t error : {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-                            Prepare<8>(max_shared_bytes)}) {
+  const int bytes = static_cast<int>(max_shared_bytes);
+  for (cudaError_t error :
+       {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
+        Prepare<8>(max_shared_bytes),
+        cudaFuncSetAttribute(WideEmbedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        cudaFuncSetAttribute(WideSharedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        cudaFuncSetAttribute(WideSsmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        cudaFuncSetAttribute(WideOutKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        cudaFuncSetAttribute(WideHeadKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)}) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
+}
+
+bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes) {
+  return Supported(w) && WideFits(MakePackPlan(w), max_shared_bytes);
+}
+
+cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                             const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
+                             cudaStream_t stream) {
+  if (tick.n <= 0) return cudaSuccess;
+  if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
+  const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
+  const StreamPlan& p = a.p;
+  const WideShared bytes = WideSharedBytes(p);
+  const unsigned tiles = CeilDiv(tick.n, kWideEvents);
+  WideEmbedKernel<<<tiles, kStreamThreads, bytes.embed, stream>>>(a, tick);
+  cudaError_t error = cudaGetLastError();
+  for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
+    WideSharedKernel<<<tiles, kStreamThreads, bytes.shared, stream>>>(a, l);
+    WideSsmKernel<<<dim3(tiles, CeilDiv(p.E, kRowGroups)), kStreamThreads, bytes.ssm, stream>>>(a, l);
+    WideOutKernel<<<dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes.out, stream>>>(a, l);
+    error = cudaGetLastError();
+  }
+  if (error != cudaSuccess) return error;
+  WideHeadKernel<<<tiles, kStreamThreads, bytes.head, stream>>>(a);
+  return cudaGetLastError();
 }
 
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
