@@ -14,6 +14,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "kernels/common.cuh"
 #include "kernels/stream_step.h"
@@ -470,8 +471,9 @@ __device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f /
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
 // product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
 // zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's.
-template <int EG, int M>
+// product needs no pass of its own; the sum has the bits of NormScales's. kUnroll unrolls the loop (the wide path's
+// rows come from L2, and unrolled their loads are in flight together); the sums' order is the same for any factor.
+template <int EG, int M, int kUnroll = 1>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
                                                bool active, bool squares) {
   RowSums<EG, M> sums;
@@ -481,7 +483,7 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
   }
-  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+  auto step = [&](int i) {
     float4 x[EG];
 #pragma unroll
     for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
@@ -497,6 +499,13 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
         sums.v[m][e] += wv.w * x[e].w;
       }
     }
+  };
+  if constexpr (kUnroll == 1) {
+    for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) step(i);
+  } else {
+    const int end = active ? in_pad : 0;
+#pragma unroll kUnroll
+    for (int i = lane * 4; i < end; i += 4 * kLanesPerRow) step(i);
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
@@ -959,6 +968,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // are copied asynchronously at its start, under the product), one for out_proj; then one for the CfC and the head.
 
 constexpr int kWideEvents = kMaxEvents;
+// SumRows's unroll factor for M products a row (fewer for more products, whose loads take more registers).
+template <int M>
+constexpr int kWideUnroll = M >= 4 ? 2 : 4;
+// Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
+// product in one or two passes, at most 128 registers a thread).
+constexpr int kWideThreads = 512;
 
 struct WideArgs {
   StreamPlan p;  // the pack's plan (MakePackPlan)
@@ -968,6 +983,14 @@ struct WideArgs {
   int n;
   bool logged;
 };
+
+// Programmatic dependent launch: each wide kernel but the first may launch before the one ahead of it has finished.
+// It reads what this tick's earlier kernels wrote only after WaitForPriorKernels (which returns once the kernel ahead
+// has completed, its stores visible), and lets the next kernel launch right after that wait, so a kernel that starts
+// finds every kernel before the one ahead of it complete: before its own wait it reads only what the kernel ahead
+// does not write (the tick's slots, its own states).
+__device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void LetNextKernelLaunch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The slot of a tick's event (−1: padding, or past the tick's end).
 __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
@@ -990,11 +1013,12 @@ template <int M, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* pack, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
-  for (int base = u0; base < u1; base += kRowGroups) {
+  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow) {
     const int u = base + group;
     const bool active = u < u1;
     const float* wu = pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
-    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
+    RowSums<kWideEvents, M> sums =
+        SumRows<kWideEvents, M, kWideUnroll<M>>(wu, in, s.in_pad, per_event, lane, active, false);
     if (rstd && active) {
 #pragma unroll
       for (int e = 0; e < kWideEvents; ++e) {
@@ -1007,13 +1031,14 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* pack, 
 }
 
 // Standardization and the embedding; the tick's slots, Δt and log positions into scratch for the later kernels.
-__global__ void __launch_bounds__(kStreamThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
+__global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
                                                                   const __grid_constant__ StreamTickInput tick) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   const StreamPlan& p = a.p;
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F);
   const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  LetNextKernelLaunch();
   if (tid < kWideEvents) {
     const int e = first + tid;
     const int32_t* tick_slots = tick.x ? tick.slots : tick.inline_slots;
@@ -1045,13 +1070,15 @@ __global__ void __launch_bounds__(kStreamThreads) WideEmbedKernel(const __grid_c
 }
 
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded).
-__global__ void __launch_bounds__(kStreamThreads) WideSharedKernel(const __grid_constant__ WideArgs a, int l) {
+__global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   __shared__ float zero;  // the carried inputs of a padding event
   const StreamPlan& p = a.p;
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, D4 = Align4(p.D), pe = D4 + 4;
   const int N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
   if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
   if (tid == 0) zero = 0.f;
   LoadTile(smem, pe, a.scratch.h, p.D, p.D, first, a.n);
@@ -1120,13 +1147,15 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
       for (int i = tid; i < len; i += blockDim.x) CopyAsync4(dst + i, a.st.ssm + at + i);
     }
   }
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
   LoadTile(h, pe_h, a.scratch.h, p.D, p.D, first, a.n);
   LoadTile(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n);
   __syncthreads();
   NormScales<kWideEvents>(h, pe_h, 0, p.D, D4, D4);
   const PackStage& s = p.stage[2 + 3 * l];
   const float* wu = a.pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
-  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
+  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2, kWideUnroll<2>>(wu, h, s.in_pad, pe_h, lane, active, false);
   if (active) {
 #pragma unroll
     for (int e = 0; e < kWideEvents; ++e) {
@@ -1178,6 +1207,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_con
   const StreamPlan& p = a.p;
   const int first = blockIdx.x * kWideEvents, E4 = Align4(p.E), pe = E4 + 4;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(p.D, u0 + kRowGroups);
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
   LoadTile(smem, pe, a.scratch.y, p.E, p.E, first, a.n);
   __syncthreads();
   NormScales<kWideEvents>(smem, pe, 0, p.E, E4, E4);
@@ -1217,7 +1248,7 @@ __host__ __device__ inline WideHeadLayout HeadLayout(const StreamPlan& p) {
   return o;
 }
 
-__global__ void __launch_bounds__(kStreamThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
+__global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
   extern __shared__ __align__(16) float ev[];
   __shared__ int slot_s[kWideEvents];
   __shared__ float dt_s[kWideEvents];
@@ -1234,13 +1265,14 @@ __global__ void __launch_bounds__(kStreamThreads) WideHeadKernel(const __grid_co
   }
   for (int i = tid; i < kWideEvents * pe; i += blockDim.x) ev[i] = 0.f;
   __syncthreads();
-  for (int i = tid; i < kWideEvents * p.D; i += blockDim.x) {
-    const int e = i / p.D, k = i % p.D;
-    if (first + e < a.n) ev[e * pe + o.h + k] = a.scratch.h[static_cast<size_t>(first + e) * p.D + k];
-  }
   for (int i = tid; i < kWideEvents * p.C; i += blockDim.x) {
     const int e = i / p.C, k = i % p.C;
     if (slot_s[e] >= 0) ev[e * pe + o.a + p.D + k] = a.st.cfc[slot_s[e] * p.C + k];
+  }
+  WaitForPriorKernels();
+  for (int i = tid; i < kWideEvents * p.D; i += blockDim.x) {
+    const int e = i / p.D, k = i % p.D;
+    if (first + e < a.n) ev[e * pe + o.h + k] = a.scratch.h[static_cast<size_t>(first + e) * p.D + k];
   }
   __syncthreads();
   const float* shared = a.pack + p.shared_pack;
@@ -1311,6 +1343,22 @@ WideShared WideSharedBytes(const StreamPlan& p) {
   s.out = sizeof(float) * kWideEvents * (Align4(p.E) + 4);
   s.head = sizeof(float) * kWideEvents * HeadLayout(p).per_event;
   return s;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, size_t bytes, cudaStream_t stream,
+                             bool after_prior, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = after_prior ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
@@ -1409,17 +1457,19 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const StreamPlan& p = a.p;
   const WideShared bytes = WideSharedBytes(p);
   const unsigned tiles = CeilDiv(tick.n, kWideEvents);
-  WideEmbedKernel<<<tiles, kStreamThreads, bytes.embed, stream>>>(a, tick);
-  cudaError_t error = cudaGetLastError();
+  // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
+  cudaError_t error = LaunchWideKernel(WideEmbedKernel, dim3(tiles), kWideThreads, bytes.embed, stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    WideSharedKernel<<<tiles, kStreamThreads, bytes.shared, stream>>>(a, l);
-    WideSsmKernel<<<dim3(tiles, CeilDiv(p.E, kRowGroups)), kStreamThreads, bytes.ssm, stream>>>(a, l);
-    WideOutKernel<<<dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes.out, stream>>>(a, l);
-    error = cudaGetLastError();
+    error = LaunchWideKernel(WideSharedKernel, dim3(tiles), kWideThreads, bytes.shared, stream, true, a, l);
+    if (error != cudaSuccess) return error;
+    error = LaunchWideKernel(WideSsmKernel, dim3(tiles, CeilDiv(p.E, kRowGroups)), kStreamThreads, bytes.ssm, stream,
+                             true, a, l);
+    if (error != cudaSuccess) return error;
+    error = LaunchWideKernel(WideOutKernel, dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes.out, stream,
+                             true, a, l);
   }
   if (error != cudaSuccess) return error;
-  WideHeadKernel<<<tiles, kStreamThreads, bytes.head, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchWideKernel(WideHeadKernel, dim3(tiles), kWideThreads, bytes.head, stream, true, a);
 }
 
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
