@@ -997,11 +997,12 @@ __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
   return event < a.n ? a.scratch.slots[event] : -1;
 }
 
-// Copies `len` floats of each tile event (row stride `stride` in `src`) to ev + e·per_event, zeros in their padding
-// to a multiple of 4 and for events past the tick's end.
-__device__ void LoadTile(float* ev, int per_event, const float* src, int stride, int len, int first, int n) {
+// Copies `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to ev + e·per_event,
+// zeros in their padding to a multiple of 4 and for events past the tick's end.
+__device__ void LoadTile(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
+                         int events = kWideEvents) {
   const int padded = Align4(len);
-  for (int i = threadIdx.x; i < kWideEvents * padded; i += blockDim.x) {
+  for (int i = threadIdx.x; i < events * padded; i += blockDim.x) {
     const int e = i / padded, k = i % padded;
     ev[e * per_event + k] = k < len && first + e < n ? src[static_cast<size_t>(first + e) * stride + k] : 0.f;
   }
@@ -1112,30 +1113,31 @@ __global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_co
               });
 }
 
-// Layer l's z and x for SSM rows [u0, u0 + 32) of the tile (blockIdx.y), x's causal conv, the SSM update and readout
-// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) are
-// copied into shared memory asynchronously at the start and land under the product; the new states are stored
-// straight from the update.
+// Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of kSsmEvents events, x's causal conv, the SSM update
+// and readout and the gate, as the cluster kernel's z/x stage computes them, a tile of kWideEvents at a time (the
+// second tile's rows come from L1). The rows' states (one contiguous run per event) are copied into shared memory
+// asynchronously at the start and land under the first product; the new states are stored straight from the update.
+constexpr int kSsmTiles = 2, kSsmEvents = kSsmTiles * kWideEvents;
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
-  __shared__ int slot_s[kWideEvents];
+  __shared__ int slot_s[kSsmEvents];
   __shared__ float zero;
   const StreamPlan& p = a.p;
   const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
-  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
+  const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
   const int tile_state = Align4(kRowGroups * N), D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
   float* states = smem;
-  float* h = states + kWideEvents * tile_state;
-  float* bc_tile = h + kWideEvents * pe_h;
-  if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
+  float* h = states + kSsmEvents * tile_state;
+  float* bc_tile = h + kSsmEvents * pe_h;
+  if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
   if (tid == 0) zero = 0.f;
   __syncthreads();
   const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
   const int len = (u1 - u0) * N;
 #pragma unroll 1
-  for (int e = 0; e < kWideEvents; ++e) {
+  for (int e = 0; e < kSsmEvents; ++e) {
     const int slot = slot_s[e];
     float* dst = states + e * tile_state;
     const size_t at = slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N;
@@ -1149,53 +1151,61 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   }
   WaitForPriorKernels();
   LetNextKernelLaunch();
-  LoadTile(h, pe_h, a.scratch.h, p.D, p.D, first, a.n);
-  LoadTile(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n);
+  LoadTile(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
+  LoadTile(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
   __syncthreads();
-  NormScales<kWideEvents>(h, pe_h, 0, p.D, D4, D4);
+  NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const PackStage& s = p.stage[2 + 3 * l];
   const float* wu = a.pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
-  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2, kWideUnroll<2>>(wu, h, s.in_pad, pe_h, lane, active, false);
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
-    }
-  }
-  CopyAsyncWaitAll();
-  __syncthreads();
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
   const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
   const size_t conv_at = static_cast<size_t>(l) * W1 * cd + u, conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  float y[kWideEvents], xc[kWideEvents];
-#pragma unroll
-  for (int e = 0; e < kWideEvents; ++e) {
-    y[e] = xc[e] = 0.f;
-    if (!active) continue;
-    const int slot = slot_s[e];
-    const float* conv_state = slot >= 0 ? a.st.conv + slot * conv_per_slot + conv_at : &zero;
-    xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], conv_state, slot >= 0 ? cd : 0));
-    const float* bc = bc_tile + e * pe_b;
-    const float dt = bc[2 * N + head], decay = expf(dt * A);
-    float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-    y[e] = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
-  }
-#pragma unroll
-  for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
-  __syncwarp();  // every lane of the row has read its conv state before lane 0 advances it
-  if (!active || lane != 0) return;
-#pragma unroll
-  for (int e = 0; e < kWideEvents; ++e) {
-    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
-    const int slot = slot_s[e];
-    if (slot >= 0 && W1 > 0) {
-      float* state = a.st.conv + slot * conv_per_slot + conv_at;
 #pragma unroll 1
-      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
-      state[(W1 - 1) * cd] = sums.v[1][e];
+  for (int t = 0; t < kSsmTiles; ++t) {
+    const int t0 = t * kWideEvents;
+    const float* h_tile = h + t0 * pe_h;
+    RowSums<kWideEvents, 2> sums =
+        SumRows<kWideEvents, 2, kWideUnroll<2>>(wu, h_tile, s.in_pad, pe_h, lane, active, false);
+    if (active) {
+#pragma unroll
+      for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) sums.v[m][e] *= h_tile[e * pe_h + D4];
+      }
+    }
+    if (t == 0) {
+      CopyAsyncWaitAll();
+      __syncthreads();
+    }
+    float y[kWideEvents], xc[kWideEvents];
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+      y[e] = xc[e] = 0.f;
+      if (!active) continue;
+      const int slot = slot_s[t0 + e];
+      const float* conv_state = slot >= 0 ? a.st.conv + slot * conv_per_slot + conv_at : &zero;
+      xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], conv_state, slot >= 0 ? cd : 0));
+      const float* bc = bc_tile + (t0 + e) * pe_b;
+      const float dt = bc[2 * N + head], decay = expf(dt * A);
+      float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+      y[e] = SsmRowShare(states + (t0 + e) * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
+    }
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
+    __syncwarp();  // every lane of the row has read its conv state before lane 0 advances it
+    if (!active || lane != 0) continue;
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+      const int event = first + t0 + e, slot = slot_s[t0 + e];
+      if (event < a.n) a.scratch.y[static_cast<size_t>(event) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
+      if (slot >= 0 && W1 > 0) {
+        float* state = a.st.conv + slot * conv_per_slot + conv_at;
+#pragma unroll 1
+        for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
+        state[(W1 - 1) * cd] = sums.v[1][e];
+      }
     }
   }
 }
@@ -1339,7 +1349,7 @@ WideShared WideSharedBytes(const StreamPlan& p) {
   WideShared s;
   s.embed = sizeof(float) * kWideEvents * Align4(p.F);
   s.shared = sizeof(float) * kWideEvents * (Align4(p.D) + 4);
-  s.ssm = sizeof(float) * kWideEvents * (Align4(kRowGroups * p.N) + Align4(p.D) + 4 + Align4(BC));
+  s.ssm = sizeof(float) * kSsmEvents * (Align4(kRowGroups * p.N) + Align4(p.D) + 4 + Align4(BC));
   s.out = sizeof(float) * kWideEvents * (Align4(p.E) + 4);
   s.head = sizeof(float) * kWideEvents * HeadLayout(p).per_event;
   return s;
@@ -1462,8 +1472,8 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
     error = LaunchWideKernel(WideSharedKernel, dim3(tiles), kWideThreads, bytes.shared, stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(WideSsmKernel, dim3(tiles, CeilDiv(p.E, kRowGroups)), kStreamThreads, bytes.ssm, stream,
-                             true, a, l);
+    error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
+                             kStreamThreads, bytes.ssm, stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(WideOutKernel, dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes.out, stream,
                              true, a, l);
