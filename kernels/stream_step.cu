@@ -1371,9 +1371,23 @@ cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, 
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// The wide kernels' static shared memory (a few slot ids) comes out of a block's limit too: at most this much.
+constexpr size_t kWideStaticBytes = 256;
+
 bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
   const WideShared s = WideSharedBytes(p);
-  return std::max({s.embed, s.shared, s.ssm, s.out, s.head}) <= max_shared_bytes;
+  return std::max({s.embed, s.shared, s.ssm, s.out, s.head}) + kWideStaticBytes <= max_shared_bytes;
+}
+
+// Raises a wide kernel's dynamic shared-memory limit to what its static shared memory leaves of the block's.
+template <typename... Params>
+cudaError_t PrepareWide(void (*kernel)(Params...), size_t max_shared_bytes) {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
+  if (error != cudaSuccess) return error;
+  if (attributes.sharedSizeBytes > kWideStaticBytes) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(max_shared_bytes - attributes.sharedSizeBytes));
 }
 
 template <int EG>
@@ -1440,15 +1454,11 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 }
 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
-  const int bytes = static_cast<int>(max_shared_bytes);
   for (cudaError_t error :
        {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-        Prepare<8>(max_shared_bytes),
-        cudaFuncSetAttribute(WideEmbedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        cudaFuncSetAttribute(WideSharedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        cudaFuncSetAttribute(WideSsmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        cudaFuncSetAttribute(WideOutKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        cudaFuncSetAttribute(WideHeadKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)}) {
+        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel, max_shared_bytes),
+        PrepareWide(WideSharedKernel, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
+        PrepareWide(WideOutKernel, max_shared_bytes), PrepareWide(WideHeadKernel, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
