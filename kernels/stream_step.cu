@@ -964,16 +964,19 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // states inside a latency-bound chain. For ticks of many events the wide path runs each link for all the tick's
 // events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
 // SumRows, in its order), activations between the links in device scratch. Per layer, one kernel for B, C and Δt,
-// one for z and x with the conv, the SSM update and the gate (the state traffic: a block's rows of its tile's states
-// are copied asynchronously at its start, under the product), one for out_proj; then one for the CfC and the head.
+// one for z and x with the conv, the SSM update and the gate (the state traffic), one for out_proj; then one for the
+// CfC and the head. Like the cluster kernel, a block starts every copy it needs at once (its rows of the products,
+// its states, its inputs: asynchronous copies into shared memory) and waits once, so that no global round trip sits
+// inside its chain; the stores go out from the epilogues.
 
 constexpr int kWideEvents = kMaxEvents;
-// SumRows's unroll factor for M products a row (fewer for more products, whose loads take more registers).
-template <int M>
-constexpr int kWideUnroll = M >= 4 ? 2 : 4;
 // Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
 // product in one or two passes, at most 128 registers a thread).
 constexpr int kWideThreads = 512;
+// SumRows's unroll factor for the head's rows, which it reads from L2 (fewer for more products a row, whose loads take
+// more registers).
+template <int M>
+constexpr int kWideUnroll = M >= 4 ? 2 : 4;
 
 struct WideArgs {
   StreamPlan p;  // the pack's plan (MakePackPlan)
@@ -988,7 +991,7 @@ struct WideArgs {
 // It reads what this tick's earlier kernels wrote only after WaitForPriorKernels (which returns once the kernel ahead
 // has completed, its stores visible), and lets the next kernel launch right after that wait, so a kernel that starts
 // finds every kernel before the one ahead of it complete: before its own wait it reads only what the kernel ahead
-// does not write (the tick's slots, its own states).
+// does not write (the pack, the tick's slots, its own states).
 __device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void LetNextKernelLaunch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
@@ -997,29 +1000,66 @@ __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
   return event < a.n ? a.scratch.slots[event] : -1;
 }
 
-// Copies `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to ev + e·per_event,
-// zeros in their padding to a multiple of 4 and for events past the tick's end.
-__device__ void LoadTile(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
-                         int events = kWideEvents) {
-  const int padded = Align4(len);
-  for (int i = threadIdx.x; i < events * padded; i += blockDim.x) {
-    const int e = i / padded, k = i % padded;
-    ev[e * per_event + k] = k < len && first + e < n ? src[static_cast<size_t>(first + e) * stride + k] : 0.f;
+// Starts copying n floats from src (global) to dst (shared): 16-byte pieces when both are 16-byte aligned.
+__device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int n) {
+  if (((reinterpret_cast<uintptr_t>(src) | SharedAddress(dst)) & 15) == 0 && n % 4 == 0) {
+    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) CopyAsync16(dst + i, src + i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) CopyAsync4(dst + i, src + i);
   }
 }
 
-// Rows [u0, u1) of stage s for the tile whose inputs are at in + e·per_event, summed as Products sums them (scaled by
-// the events' 1/rms at rstd + e·per_event when rstd is given); epilogue as Products's.
-template <int M, typename Epilogue>
-__device__ __forceinline__ void TileRows(const PackStage& s, const float* pack, const float* in, int per_event,
+// Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end.
+__device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
+                              int events) {
+  const int padded = Align4(len);
+  for (int i = threadIdx.x; i < events * padded; i += blockDim.x) {
+    const int e = i / padded, k = i % padded;
+    if (k < len && first + e < n) {
+      CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
+    } else {
+      ev[e * per_event + k] = 0.f;
+    }
+  }
+}
+
+// Starts copying channels [c0, c0 + channels) of layer l's carried conv inputs (W − 1 taps, oldest first) of each of
+// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
+__device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
+                              int l, int c0, int channels, int stride) {
+  const int W1 = p.W - 1, cd = p.E + 2 * p.N, per_event = W1 * channels;
+  const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  for (int i = threadIdx.x; i < events * per_event; i += blockDim.x) {
+    const int e = i / per_event, k = i % per_event / channels, c = i % channels, slot = slots[e];
+    float* to = dst + (e * W1 + k) * stride + c;
+    if (slot >= 0) {
+      CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
+    } else {
+      *to = 0.f;
+    }
+  }
+}
+
+// Starts an L1 prefetch of n floats (a stage's rows, read from L2 one stage later).
+__device__ __forceinline__ void PrefetchL1(const float* p, int n) {
+  for (int i = 32 * threadIdx.x; i < n; i += 32 * blockDim.x) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
+  }
+}
+
+// Rows [u0, u1) of stage s (row u0's weights at `rows`, shared or global memory) for the tile whose inputs are at
+// in + e·per_event, summed as Products sums them (scaled by the events' 1/rms at rstd + e·per_event when rstd is
+// given); epilogue as Products's.
+template <int M, int kUnroll, typename Epilogue>
+__device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
   for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow) {
     const int u = base + group;
     const bool active = u < u1;
-    const float* wu = pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
-    RowSums<kWideEvents, M> sums =
-        SumRows<kWideEvents, M, kWideUnroll<M>>(wu, in, s.in_pad, per_event, lane, active, false);
+    const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
+    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M, kUnroll>(wu, in, s.in_pad, per_event, lane, active, false);
     if (rstd && active) {
 #pragma unroll
       for (int e = 0; e < kWideEvents; ++e) {
@@ -1031,19 +1071,78 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* pack, 
   }
 }
 
+// Shared memory of each wide kernel, in floats, and where its parts start.
+struct WideLayout {
+  int embed_x, embed_rows, embed;                              // standardized inputs, rows
+  int shared_h, shared_conv, shared_rows, shared;              // h (1/rms after each), B/C conv inputs, rows
+  int ssm_states, ssm_rows, ssm_conv, ssm_h, ssm_bc, ssm;      // states, rows, x conv inputs, h, B/C/Δt
+  int out_y, out_h, out_rows, out;                             // y (1/rms after each), residual, rows
+  int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event, head;
+};
+constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
+__host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
+  WideLayout o{};
+  const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
+  int at = 0;
+  auto take = [&at](int n) {
+    const int start = at;
+    at += Align4(n);
+    return start;
+  };
+  o.embed_x = take(kWideEvents * Align4(p.F));
+  o.embed_rows = take(p.D * p.stage[0].stride);
+  o.embed = at;
+  at = 0;
+  o.shared_h = take(kWideEvents * (D4 + 4));
+  o.shared_conv = take(kWideEvents * W1 * 2 * p.N);
+  o.shared_rows = take(BC * p.stage[1].stride);
+  o.shared = at;
+  at = 0;
+  o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
+  o.ssm_rows = take(kRowGroups * p.stage[2].stride);
+  o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
+  o.ssm_h = take(kSsmEvents * (D4 + 4));
+  o.ssm_bc = take(kSsmEvents * Align4(BC));
+  o.ssm = at;
+  at = 0;
+  o.out_y = take(kWideEvents * (E4 + 4));
+  o.out_h = take(kWideEvents * kRowGroups);
+  o.out_rows = take(kRowGroups * p.stage[3].stride);
+  o.out = at;
+  at = 0;
+  o.head_a = take(p.D + p.C);
+  o.head_h = take(p.D);
+  o.head_bb = take(p.K);
+  o.head_e2 = take(p.G);
+  o.head_skip = take(p.G);
+  o.head_pre = take(p.G);
+  o.head_g = take(p.G);
+  o.head_logits = take(p.H);
+  o.head_per_event = at;
+  o.head = kWideEvents * at;
+  return o;
+}
+
 // Standardization and the embedding; the tick's slots, Δt and log positions into scratch for the later kernels.
 __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
-                                                                  const __grid_constant__ StreamTickInput tick) {
+                                                                const __grid_constant__ StreamTickInput tick) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F);
-  const float* tick_x = tick.x ? tick.x : tick.inline_x;
   LetNextKernelLaunch();
+  CopyRowsAsync(smem + o.embed_rows, a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
+  // The tick's reads (pinned host memory, a bus round trip) at once.
+  const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  float* xn = smem + o.embed_x;
+  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
+    const int e = i / pe, f = i % pe;
+    xn[i] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
+  }
   if (tid < kWideEvents) {
     const int e = first + tid;
-    const int32_t* tick_slots = tick.x ? tick.slots : tick.inline_slots;
-    const int slot = e < a.n ? tick_slots[e] : -1;
+    const int slot = e < a.n ? (tick.x ? tick.slots : tick.inline_slots)[e] : -1;
     slot_s[tid] = slot;
     if (e < a.n) {
       a.scratch.slots[e] = slot;
@@ -1055,157 +1154,151 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
   const float* shared = a.pack + p.shared_pack;
   for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
     const int e = i / pe, f = i % pe;
-    smem[i] = f < p.F && slot_s[e] >= 0
-                  ? (tick_x[static_cast<size_t>(first + e) * p.F + f] - shared[p.mean + f]) * shared[p.inv_std + f]
-                  : 0.f;
+    xn[i] = f < p.F && slot_s[e] >= 0 ? (xn[i] - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
   }
+  CopyAsyncWaitAll();
   __syncthreads();
-  TileRows<1>(p.stage[0], a.pack, smem, pe, nullptr, 0, p.D,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  TileRows<1, 1>(p.stage[0], smem + o.embed_rows, smem + o.embed_x, pe, nullptr, 0, p.D,
+                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                   if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = acc[0][e] + prm[0];
-                }
-              });
+                   for (int e = 0; e < kWideEvents; ++e) {
+                     if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = acc[0][e] + prm[0];
+                   }
+                 });
 }
 
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded).
 __global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
-  __shared__ float zero;  // the carried inputs of a padding event
   const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, D4 = Align4(p.D), pe = D4 + 4;
   const int N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
+  const PackStage& s = p.stage[1 + 3 * l];
+  CopyRowsAsync(smem + o.shared_rows, a.pack + s.pack, BC * s.stride);
   WaitForPriorKernels();
   LetNextKernelLaunch();
+  float* h = smem + o.shared_h;
+  float* conv = smem + o.shared_conv;
+  LoadTileAsync(h, pe, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
   if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
-  if (tid == 0) zero = 0.f;
-  LoadTile(smem, pe, a.scratch.h, p.D, p.D, first, a.n);
   __syncthreads();
-  NormScales<kWideEvents>(smem, pe, 0, p.D, D4, D4);
+  LoadConvAsync(conv, p, a.st, slot_s, kWideEvents, l, p.E, 2 * N, 2 * N);
+  CopyAsyncWaitAll();
+  __syncthreads();
+  NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1>(p.stage[1 + 3 * l], a.pack, smem, pe, smem + D4, 0, BC,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  TileRows<1, 1>(s, smem + o.shared_rows, h, pe, h + D4, 0, BC,
+                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                   if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  if (first + e >= a.n) continue;
-                  const float v = acc[0][e];
-                  float out;
-                  if (u < 2 * N) {
-                    const int slot = slot_s[e];
-                    float* state = slot >= 0 ? a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd +
-                                                   p.E + u
-                                             : nullptr;
-                    out = Silu(ConvTaps(prm, W1, v, state ? state : &zero, state ? cd : 0));
-                    if (state && W1 > 0) {
+                   for (int e = 0; e < kWideEvents; ++e) {
+                     if (first + e >= a.n) continue;
+                     const float v = acc[0][e];
+                     float out;
+                     if (u < 2 * N) {
+                       const float* old = conv + e * W1 * 2 * N + u;
+                       out = Silu(ConvTaps(prm, W1, v, old, 2 * N));
+                       const int slot = slot_s[e];
+                       if (slot >= 0 && W1 > 0) {
+                         float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + p.E + u;
 #pragma unroll 1
-                      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
-                      state[(W1 - 1) * cd] = v;
-                    }
-                  } else {
-                    out = Softplus(v + prm[0]);
-                  }
-                  a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
-                }
-              });
+                         for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * 2 * N];
+                         state[(W1 - 1) * cd] = v;
+                       }
+                     } else {
+                       out = Softplus(v + prm[0]);
+                     }
+                     a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
+                   }
+                 });
 }
 
-// Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of kSsmEvents events, x's causal conv, the SSM update
-// and readout and the gate, as the cluster kernel's z/x stage computes them, a tile of kWideEvents at a time (the
-// second tile's rows come from L1). The rows' states (one contiguous run per event) are copied into shared memory
-// asynchronously at the start and land under the first product; the new states are stored straight from the update.
-constexpr int kSsmTiles = 2, kSsmEvents = kSsmTiles * kWideEvents;
+// Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' weights, states (one contiguous run per
+// event) and carried conv inputs are copied into shared memory before the kernel waits for the one ahead; the new
+// states are stored straight from the update.
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
-  __shared__ float zero;
   const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
   const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
   const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
-  const int tile_state = Align4(kRowGroups * N), D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
-  float* states = smem;
-  float* h = states + kSsmEvents * tile_state;
-  float* bc_tile = h + kSsmEvents * pe_h;
+  const int tile_state = kRowGroups * N, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
+  const PackStage& s = p.stage[2 + 3 * l];
+  float* states = smem + o.ssm_states;
+  float* conv = smem + o.ssm_conv;
+  float* h = smem + o.ssm_h;
+  float* bc_tile = smem + o.ssm_bc;
+  const float* rows = smem + o.ssm_rows;
+  CopyRowsAsync(smem + o.ssm_rows, a.pack + s.pack + static_cast<size_t>(u0) * s.stride, (u1 - u0) * s.stride);
   if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
-  if (tid == 0) zero = 0.f;
   __syncthreads();
   const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
   const int len = (u1 - u0) * N;
 #pragma unroll 1
   for (int e = 0; e < kSsmEvents; ++e) {
     const int slot = slot_s[e];
-    float* dst = states + e * tile_state;
-    const size_t at = slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N;
     if (slot < 0) {
-      for (int i = tid; i < len; i += blockDim.x) dst[i] = 0.f;
-    } else if (at % 4 == 0 && len % 4 == 0) {
-      for (int i = 4 * tid; i < len; i += 4 * blockDim.x) CopyAsync16(dst + i, a.st.ssm + at + i);
+      for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
     } else {
-      for (int i = tid; i < len; i += blockDim.x) CopyAsync4(dst + i, a.st.ssm + at + i);
+      CopyRowsAsync(states + e * tile_state, a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N,
+                    len);
     }
   }
+  LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
   WaitForPriorKernels();
   LetNextKernelLaunch();
-  LoadTile(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
-  LoadTile(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
+  LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
+  CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
-  const PackStage& s = p.stage[2 + 3 * l];
-  const float* wu = a.pack + s.pack + static_cast<size_t>(active ? u : u0) * s.stride;
+  const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
+  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
+    }
+  }
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
   const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
-  const size_t conv_at = static_cast<size_t>(l) * W1 * cd + u, conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  float y[kWideEvents], xc[kWideEvents];
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) {
+    y[e] = xc[e] = 0.f;
+    if (!active) continue;
+    const int slot = slot_s[e];
+    const float* old = conv + e * W1 * kRowGroups + (u - u0);
+    xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], old, kRowGroups));
+    const float* bc = bc_tile + e * pe_b;
+    const float dt = bc[2 * N + head], decay = expf(dt * A);
+    float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+    y[e] = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
+  }
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
+  if (!active || lane != 0) return;
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) {
+    const int slot = slot_s[e];
+    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
+    if (slot >= 0 && W1 > 0) {
+      const float* old = conv + e * W1 * kRowGroups + (u - u0);
+      float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
 #pragma unroll 1
-  for (int t = 0; t < kSsmTiles; ++t) {
-    const int t0 = t * kWideEvents;
-    const float* h_tile = h + t0 * pe_h;
-    RowSums<kWideEvents, 2> sums =
-        SumRows<kWideEvents, 2, kWideUnroll<2>>(wu, h_tile, s.in_pad, pe_h, lane, active, false);
-    if (active) {
-#pragma unroll
-      for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-        for (int m = 0; m < 2; ++m) sums.v[m][e] *= h_tile[e * pe_h + D4];
-      }
-    }
-    if (t == 0) {
-      CopyAsyncWaitAll();
-      __syncthreads();
-    }
-    float y[kWideEvents], xc[kWideEvents];
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) {
-      y[e] = xc[e] = 0.f;
-      if (!active) continue;
-      const int slot = slot_s[t0 + e];
-      const float* conv_state = slot >= 0 ? a.st.conv + slot * conv_per_slot + conv_at : &zero;
-      xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], conv_state, slot >= 0 ? cd : 0));
-      const float* bc = bc_tile + (t0 + e) * pe_b;
-      const float dt = bc[2 * N + head], decay = expf(dt * A);
-      float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-      y[e] = SsmRowShare(states + (t0 + e) * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
-    }
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
-    __syncwarp();  // every lane of the row has read its conv state before lane 0 advances it
-    if (!active || lane != 0) continue;
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) {
-      const int event = first + t0 + e, slot = slot_s[t0 + e];
-      if (event < a.n) a.scratch.y[static_cast<size_t>(event) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
-      if (slot >= 0 && W1 > 0) {
-        float* state = a.st.conv + slot * conv_per_slot + conv_at;
-#pragma unroll 1
-        for (int k = 0; k + 1 < W1; ++k) state[k * cd] = state[(k + 1) * cd];
-        state[(W1 - 1) * cd] = sums.v[1][e];
-      }
+      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
+      state[(W1 - 1) * cd] = sums.v[1][e];
     }
   }
 }
@@ -1215,58 +1308,45 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
 __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
   const int first = blockIdx.x * kWideEvents, E4 = Align4(p.E), pe = E4 + 4;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(p.D, u0 + kRowGroups);
+  const PackStage& s = p.stage[3 + 3 * l];
+  CopyRowsAsync(smem + o.out_rows, a.pack + s.pack + static_cast<size_t>(u0) * s.stride, (u1 - u0) * s.stride);
   WaitForPriorKernels();
   LetNextKernelLaunch();
-  LoadTile(smem, pe, a.scratch.y, p.E, p.E, first, a.n);
+  float* y = smem + o.out_y;
+  float* residual = smem + o.out_h;
+  LoadTileAsync(y, pe, a.scratch.y, p.E, p.E, first, a.n, kWideEvents);
+  LoadTileAsync(residual, kRowGroups, a.scratch.h + u0, p.D, u1 - u0, first, a.n, kWideEvents);
+  CopyAsyncWaitAll();
   __syncthreads();
-  NormScales<kWideEvents>(smem, pe, 0, p.E, E4, E4);
-  TileRows<1>(p.stage[3 + 3 * l], a.pack, smem, pe, smem + E4, u0, u1,
-              [&](int u, const float(&acc)[1][kWideEvents], const float*, int lane, bool active) {
-                if (!active || lane != 0) return;
+  NormScales<kWideEvents>(y, pe, 0, p.E, E4, E4);
+  TileRows<1, 1>(s, smem + o.out_rows, y, pe, y + E4, u0, u1,
+                 [&](int u, const float(&acc)[1][kWideEvents], const float*, int lane, bool active) {
+                   if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  if (first + e >= a.n) continue;
-                  float* h = a.scratch.h + static_cast<size_t>(first + e) * p.D + u;
-                  *h = *h + acc[0][e];
-                }
-              });
+                   for (int e = 0; e < kWideEvents; ++e) {
+                     if (first + e >= a.n) continue;
+                     a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = residual[e * kRowGroups + u - u0] + acc[0][e];
+                   }
+                 });
 }
 
-// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events.
-struct WideHeadLayout {
-  int a, h, bb, e2, skip, pre, g, logits, per_event;
-};
-__host__ __device__ inline WideHeadLayout HeadLayout(const StreamPlan& p) {
-  WideHeadLayout o{};
-  int at = 0;
-  auto take = [&at](int n) {
-    const int start = at;
-    at += Align4(n);
-    return start;
-  };
-  o.a = take(p.D + p.C);
-  o.h = take(p.D);
-  o.bb = take(p.K);
-  o.e2 = take(p.G);
-  o.skip = take(p.G);
-  o.pre = take(p.G);
-  o.g = take(p.G);
-  o.logits = take(p.H);
-  o.per_event = at;
-  return o;
-}
-
+// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events. Its
+// rows (too many for shared memory) come from L2, each stage's prefetched into L1 under the stage before.
 __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
   extern __shared__ __align__(16) float ev[];
   __shared__ int slot_s[kWideEvents];
   __shared__ float dt_s[kWideEvents];
   __shared__ int64_t log_s[kWideEvents];
   const StreamPlan& p = a.p;
-  const WideHeadLayout o = HeadLayout(p);
-  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = o.per_event;
+  const WideLayout o = MakeWideLayout(p);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = o.head_per_event;
   const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
+  auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
+  auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
+  prefetch(cfc_stage);
   if (tid < kWideEvents) {
     const int e = first + tid;
     slot_s[tid] = WideSlot(a, e);
@@ -1277,82 +1357,72 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
   __syncthreads();
   for (int i = tid; i < kWideEvents * p.C; i += blockDim.x) {
     const int e = i / p.C, k = i % p.C;
-    if (slot_s[e] >= 0) ev[e * pe + o.a + p.D + k] = a.st.cfc[slot_s[e] * p.C + k];
+    if (slot_s[e] >= 0) CopyAsync4(ev + e * pe + o.head_a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
   }
   WaitForPriorKernels();
-  for (int i = tid; i < kWideEvents * p.D; i += blockDim.x) {
-    const int e = i / p.D, k = i % p.D;
-    if (first + e < a.n) ev[e * pe + o.h + k] = a.scratch.h[static_cast<size_t>(first + e) * p.D + k];
-  }
+  LoadTileAsync(ev + o.head_h, pe, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
+  CopyAsyncWaitAll();
   __syncthreads();
   const float* shared = a.pack + p.shared_pack;
-  RmsNormEvents<kWideEvents>(ev, pe, o.h, o.a, shared + p.norm_f, p.D);
-  TileRows<1>(p.stage[cfc_stage], a.pack, ev + o.a, pe, nullptr, 0, p.K,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
+  prefetch(cfc_stage + 1);
+  TileRows<1, kWideUnroll<1>>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
+                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                                if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.bb + u] = LecunTanh(acc[0][e] + prm[0]);
-              });
+                                for (int e = 0; e < kWideEvents; ++e) {
+                                  ev[e * pe + o.head_bb + u] = LecunTanh(acc[0][e] + prm[0]);
+                                }
+                              });
   __syncthreads();
-  TileRows<4>(p.stage[cfc_stage + 1], a.pack, ev + o.bb, pe, nullptr, 0, p.C,
-              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  prefetch(cfc_stage + 2);
+  TileRows<4, kWideUnroll<4>>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
+                              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int lane, bool active) {
+                                if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, dt_s[e]);
-                  ev[e * pe + o.a + p.D + u] = c;  // the head reads [s ; c_t]
-                  if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
-                }
-              });
+                                for (int e = 0; e < kWideEvents; ++e) {
+                                  const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, dt_s[e]);
+                                  ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
+                                  if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
+                                }
+                              });
   __syncthreads();
-  TileRows<2>(p.stage[cfc_stage + 2], a.pack, ev + o.a, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  prefetch(cfc_stage + 3);
+  TileRows<2, kWideUnroll<2>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
+                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
+                                if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  ev[e * pe + o.e2 + u] = Elu(acc[0][e] + prm[0]);
-                  ev[e * pe + o.skip + u] = acc[1][e];
-                }
-              });
+                                for (int e = 0; e < kWideEvents; ++e) {
+                                  ev[e * pe + o.head_e2 + u] = Elu(acc[0][e] + prm[0]);
+                                  ev[e * pe + o.head_skip + u] = acc[1][e];
+                                }
+                              });
   __syncthreads();
-  TileRows<2>(p.stage[cfc_stage + 3], a.pack, ev + o.e2, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  prefetch(cfc_stage + 4);
+  TileRows<2, kWideUnroll<2>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
+                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
+                                if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) {
-                  ev[e * pe + o.pre + u] = GrnPre(ev[e * pe + o.skip + u], acc[0][e], acc[1][e], prm);
-                }
-              });
+                                for (int e = 0; e < kWideEvents; ++e) {
+                                  ev[e * pe + o.head_pre + u] =
+                                      GrnPre(ev[e * pe + o.head_skip + u], acc[0][e], acc[1][e], prm);
+                                }
+                              });
   __syncthreads();
   for (int e = warp; e < kWideEvents; e += kStreamWarps) {
-    GrnLayerNorm(ev + e * pe + o.pre, ev + e * pe + o.g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
+    GrnLayerNorm(ev + e * pe + o.head_pre, ev + e * pe + o.head_g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
   }
   __syncthreads();
-  TileRows<1>(p.stage[cfc_stage + 4], a.pack, ev + o.g, pe, nullptr, 0, p.H,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                if (!active || lane != 0) return;
+  TileRows<1, kWideUnroll<1>>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
+                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
+                                if (!active || lane != 0) return;
 #pragma unroll
-                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.logits + u] = acc[0][e] + prm[0];
-              });
+                                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.head_logits + u] = acc[0][e] + prm[0];
+                              });
   __syncthreads();
   if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
-    WriteOutputs(ev + tid * pe + o.logits, a.st, slot_s[tid], log_s[tid], p.H);
+    WriteOutputs(ev + tid * pe + o.head_logits, a.st, slot_s[tid], log_s[tid], p.H);
   }
-}
-
-// Shared memory (bytes) of each wide kernel.
-struct WideShared {
-  size_t embed, shared, ssm, out, head;
-};
-WideShared WideSharedBytes(const StreamPlan& p) {
-  const int BC = 2 * p.N + p.Hh;
-  WideShared s;
-  s.embed = sizeof(float) * kWideEvents * Align4(p.F);
-  s.shared = sizeof(float) * kWideEvents * (Align4(p.D) + 4);
-  s.ssm = sizeof(float) * kSsmEvents * (Align4(kRowGroups * p.N) + Align4(p.D) + 4 + Align4(BC));
-  s.out = sizeof(float) * kWideEvents * (Align4(p.E) + 4);
-  s.head = sizeof(float) * kWideEvents * HeadLayout(p).per_event;
-  return s;
 }
 
 template <typename... Params, typename... Args>
@@ -1375,8 +1445,8 @@ cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, 
 constexpr size_t kWideStaticBytes = 256;
 
 bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
-  const WideShared s = WideSharedBytes(p);
-  return std::max({s.embed, s.shared, s.ssm, s.out, s.head}) + kWideStaticBytes <= max_shared_bytes;
+  const WideLayout o = MakeWideLayout(p);
+  return sizeof(float) * std::max({o.embed, o.shared, o.ssm, o.out, o.head}) + kWideStaticBytes <= max_shared_bytes;
 }
 
 // Raises a wide kernel's dynamic shared-memory limit to what its static shared memory leaves of the block's.
@@ -1475,21 +1545,22 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
   const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
   const StreamPlan& p = a.p;
-  const WideShared bytes = WideSharedBytes(p);
+  const WideLayout o = MakeWideLayout(p);
+  auto bytes = [](int floats) { return sizeof(float) * floats; };
   const unsigned tiles = CeilDiv(tick.n, kWideEvents);
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
-  cudaError_t error = LaunchWideKernel(WideEmbedKernel, dim3(tiles), kWideThreads, bytes.embed, stream, false, a, tick);
+  cudaError_t error = LaunchWideKernel(WideEmbedKernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(WideSharedKernel, dim3(tiles), kWideThreads, bytes.shared, stream, true, a, l);
+    error = LaunchWideKernel(WideSharedKernel, dim3(tiles), kWideThreads, bytes(o.shared), stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
-                             kStreamThreads, bytes.ssm, stream, true, a, l);
+                             kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(WideOutKernel, dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes.out, stream,
+    error = LaunchWideKernel(WideOutKernel, dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes(o.out), stream,
                              true, a, l);
   }
   if (error != cudaSuccess) return error;
-  return LaunchWideKernel(WideHeadKernel, dim3(tiles), kWideThreads, bytes.head, stream, true, a);
+  return LaunchWideKernel(WideHeadKernel, dim3(tiles), kWideThreads, bytes(o.head), stream, true, a);
 }
 
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
