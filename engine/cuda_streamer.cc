@@ -1,4 +1,4 @@
-// CUDA streaming: device-resident slot states and conviction logs, staged ticks, one step kernel per tick.
+// CUDA streaming: device-resident slot states and conviction logs, staged ticks, the step kernels of each tick.
 #include "engine/cuda_streamer.h"
 
 #include <algorithm>

@@ -1,5 +1,6 @@
 // The streaming half of the CUDA backend: per-slot states, probabilities and conviction logs in device memory, the
-// published weights, and forward_step_into as one kernel launch per tick on a high-priority stream.
+// published weights, and forward_step_into as one graph per tick on a high-priority stream (one kernel for small
+// ticks, a few grid-wide ones for large ticks).
 #pragma once
 
 #include <array>
