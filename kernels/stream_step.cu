@@ -471,9 +471,8 @@ __device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f /
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
 // product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
 // zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's. kUnroll unrolls the loop (the wide path's
-// rows come from L2, and unrolled their loads are in flight together); the sums' order is the same for any factor.
-template <int EG, int M, int kUnroll = 1>
+// product needs no pass of its own; the sum has the bits of NormScales's.
+template <int EG, int M>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
                                                bool active, bool squares) {
   RowSums<EG, M> sums;
@@ -483,7 +482,7 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
   }
-  auto step = [&](int i) {
+  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
     float4 x[EG];
 #pragma unroll
     for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
@@ -499,13 +498,6 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
         sums.v[m][e] += wv.w * x[e].w;
       }
     }
-  };
-  if constexpr (kUnroll == 1) {
-    for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) step(i);
-  } else {
-    const int end = active ? in_pad : 0;
-#pragma unroll kUnroll
-    for (int i = lane * 4; i < end; i += 4 * kLanesPerRow) step(i);
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
@@ -965,18 +957,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
 // SumRows, in its order), activations between the links in device scratch. Per layer, one kernel for B, C and Δt,
 // one for z and x with the conv, the SSM update and the gate (the state traffic), one for out_proj; then one for the
-// CfC and the head. Like the cluster kernel, a block starts every copy it needs at once (its rows of the products,
-// its states, its inputs: asynchronous copies into shared memory) and waits once, so that no global round trip sits
-// inside its chain; the stores go out from the epilogues.
+// CfC and the head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as
+// asynchronous copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip
+// sits inside its chain; the stores go out from the epilogues. And like it, a block runs most of its code once on an
+// SM whose instruction cache is cold, so loops over a tile's events are not unrolled.
 
 constexpr int kWideEvents = kMaxEvents;
 // Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
 // product in one or two passes, at most 128 registers a thread).
 constexpr int kWideThreads = 512;
-// SumRows's unroll factor for the head's rows, which it reads from L2 (fewer for more products a row, whose loads take
-// more registers).
-template <int M>
-constexpr int kWideUnroll = M >= 4 ? 2 : 4;
 
 struct WideArgs {
   StreamPlan p;  // the pack's plan (MakePackPlan)
@@ -1048,10 +1037,10 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
   }
 }
 
-// Rows [u0, u1) of stage s (row u0's weights at `rows`, shared or global memory) for the tile whose inputs are at
+// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at
 // in + e·per_event, summed as Products sums them (scaled by the events' 1/rms at rstd + e·per_event when rstd is
 // given); epilogue as Products's.
-template <int M, int kUnroll, typename Epilogue>
+template <int M, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
@@ -1059,7 +1048,7 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
     const int u = base + group;
     const bool active = u < u1;
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M, kUnroll>(wu, in, s.in_pad, per_event, lane, active, false);
+    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
     if (rstd && active) {
 #pragma unroll
       for (int e = 0; e < kWideEvents; ++e) {
@@ -1073,10 +1062,10 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
 
 // Shared memory of each wide kernel, in floats, and where its parts start.
 struct WideLayout {
-  int embed_x, embed_rows, embed;                              // standardized inputs, rows
-  int shared_h, shared_conv, shared_rows, shared;              // h (1/rms after each), B/C conv inputs, rows
-  int ssm_states, ssm_rows, ssm_conv, ssm_h, ssm_bc, ssm;      // states, rows, x conv inputs, h, B/C/Δt
-  int out_y, out_h, out_rows, out;                             // y (1/rms after each), residual, rows
+  int embed_x, embed;                            // standardized inputs
+  int shared_h, shared_conv, shared;             // h (1/rms after each), B/C conv inputs
+  int ssm_states, ssm_conv, ssm_h, ssm_bc, ssm;  // states, x conv inputs, h, B/C/Δt
+  int out_y, out_h, out;                         // y (1/rms after each), residual
   int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event, head;
 };
 constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
@@ -1090,16 +1079,13 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
     return start;
   };
   o.embed_x = take(kWideEvents * Align4(p.F));
-  o.embed_rows = take(p.D * p.stage[0].stride);
   o.embed = at;
   at = 0;
   o.shared_h = take(kWideEvents * (D4 + 4));
   o.shared_conv = take(kWideEvents * W1 * 2 * p.N);
-  o.shared_rows = take(BC * p.stage[1].stride);
   o.shared = at;
   at = 0;
   o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
-  o.ssm_rows = take(kRowGroups * p.stage[2].stride);
   o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
   o.ssm_h = take(kSsmEvents * (D4 + 4));
   o.ssm_bc = take(kSsmEvents * Align4(BC));
@@ -1107,7 +1093,6 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   at = 0;
   o.out_y = take(kWideEvents * (E4 + 4));
   o.out_h = take(kWideEvents * kRowGroups);
-  o.out_rows = take(kRowGroups * p.stage[3].stride);
   o.out = at;
   at = 0;
   o.head_a = take(p.D + p.C);
@@ -1132,23 +1117,24 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
   const WideLayout o = MakeWideLayout(p);
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F);
   LetNextKernelLaunch();
-  CopyRowsAsync(smem + o.embed_rows, a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
-  // The tick's reads (pinned host memory, a bus round trip) at once.
+  PrefetchL1(a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
+  // The tick's reads (pinned host memory, a bus round trip each) all issued before any of their results is used.
   const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  const int e0 = first + tid;
+  const bool reads_event = tid < kWideEvents && e0 < a.n;
+  const int slot = reads_event ? (tick.x ? tick.slots : tick.inline_slots)[e0] : -1;
+  const float dt = reads_event ? (tick.x ? tick.dt : tick.inline_dt)[e0] : 0.f;
+  const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
   for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
     const int e = i / pe, f = i % pe;
     xn[i] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
   }
-  if (tid < kWideEvents) {
-    const int e = first + tid;
-    const int slot = e < a.n ? (tick.x ? tick.slots : tick.inline_slots)[e] : -1;
-    slot_s[tid] = slot;
-    if (e < a.n) {
-      a.scratch.slots[e] = slot;
-      a.scratch.dt[e] = (tick.x ? tick.dt : tick.inline_dt)[e];
-      a.scratch.log[e] = tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e] : 0;
-    }
+  if (tid < kWideEvents) slot_s[tid] = slot;
+  if (reads_event) {
+    a.scratch.slots[e0] = slot;
+    a.scratch.dt[e0] = dt;
+    a.scratch.log[e0] = log_index;
   }
   __syncthreads();
   const float* shared = a.pack + p.shared_pack;
@@ -1156,9 +1142,8 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
     const int e = i / pe, f = i % pe;
     xn[i] = f < p.F && slot_s[e] >= 0 ? (xn[i] - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
   }
-  CopyAsyncWaitAll();
   __syncthreads();
-  TileRows<1, 1>(p.stage[0], smem + o.embed_rows, smem + o.embed_x, pe, nullptr, 0, p.D,
+  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, smem + o.embed_x, pe, nullptr, 0, p.D,
                  [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
                    if (!active || lane != 0) return;
 #pragma unroll
@@ -1177,7 +1162,7 @@ __global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_co
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, D4 = Align4(p.D), pe = D4 + 4;
   const int N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
   const PackStage& s = p.stage[1 + 3 * l];
-  CopyRowsAsync(smem + o.shared_rows, a.pack + s.pack, BC * s.stride);
+  PrefetchL1(a.pack + s.pack, BC * s.stride);
   WaitForPriorKernels();
   LetNextKernelLaunch();
   float* h = smem + o.shared_h;
@@ -1190,10 +1175,10 @@ __global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_co
   __syncthreads();
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1, 1>(s, smem + o.shared_rows, h, pe, h + D4, 0, BC,
+  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
                  [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
                    if (!active || lane != 0) return;
-#pragma unroll
+#pragma unroll 1
                    for (int e = 0; e < kWideEvents; ++e) {
                      if (first + e >= a.n) continue;
                      const float v = acc[0][e];
@@ -1235,8 +1220,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   float* conv = smem + o.ssm_conv;
   float* h = smem + o.ssm_h;
   float* bc_tile = smem + o.ssm_bc;
-  const float* rows = smem + o.ssm_rows;
-  CopyRowsAsync(smem + o.ssm_rows, a.pack + s.pack + static_cast<size_t>(u0) * s.stride, (u1 - u0) * s.stride);
+  const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
+  PrefetchL1(rows, (u1 - u0) * s.stride);
   if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
   __syncthreads();
   const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
@@ -1273,28 +1258,22 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   const int head = active ? u / p.P : 0;
   const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  float y[kWideEvents], xc[kWideEvents];
-#pragma unroll
+#pragma unroll 1
   for (int e = 0; e < kWideEvents; ++e) {
-    y[e] = xc[e] = 0.f;
-    if (!active) continue;
     const int slot = slot_s[e];
     const float* old = conv + e * W1 * kRowGroups + (u - u0);
-    xc[e] = Silu(ConvTaps(prm, W1, sums.v[1][e], old, kRowGroups));
-    const float* bc = bc_tile + e * pe_b;
-    const float dt = bc[2 * N + head], decay = expf(dt * A);
-    float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-    y[e] = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc[e], N, lane);
-  }
-#pragma unroll
-  for (int e = 0; e < kWideEvents; ++e) y[e] = RowSum(y[e]);
-  if (!active || lane != 0) return;
-#pragma unroll
-  for (int e = 0; e < kWideEvents; ++e) {
-    const int slot = slot_s[e];
-    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y[e], Dh, xc[e], sums.v[0][e]);
+    float xc = 0.f, y = 0.f;
+    if (active) {
+      xc = Silu(ConvTaps(prm, W1, sums.v[1][e], old, kRowGroups));
+      const float* bc = bc_tile + e * pe_b;
+      const float dt = bc[2 * N + head], decay = expf(dt * A);
+      float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+      y = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc, N, lane);
+    }
+    y = RowSum(y);
+    if (!active || lane != 0) continue;
+    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, sums.v[0][e]);
     if (slot >= 0 && W1 > 0) {
-      const float* old = conv + e * W1 * kRowGroups + (u - u0);
       float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
 #pragma unroll 1
       for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
@@ -1312,7 +1291,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_con
   const int first = blockIdx.x * kWideEvents, E4 = Align4(p.E), pe = E4 + 4;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(p.D, u0 + kRowGroups);
   const PackStage& s = p.stage[3 + 3 * l];
-  CopyRowsAsync(smem + o.out_rows, a.pack + s.pack + static_cast<size_t>(u0) * s.stride, (u1 - u0) * s.stride);
+  const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
+  PrefetchL1(rows, (u1 - u0) * s.stride);
   WaitForPriorKernels();
   LetNextKernelLaunch();
   float* y = smem + o.out_y;
@@ -1322,7 +1302,7 @@ __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_con
   CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kWideEvents>(y, pe, 0, p.E, E4, E4);
-  TileRows<1, 1>(s, smem + o.out_rows, y, pe, y + E4, u0, u1,
+  TileRows<1>(s, rows, y, pe, y + E4, u0, u1,
                  [&](int u, const float(&acc)[1][kWideEvents], const float*, int lane, bool active) {
                    if (!active || lane != 0) return;
 #pragma unroll
@@ -1333,8 +1313,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_con
                  });
 }
 
-// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events. Its
-// rows (too many for shared memory) come from L2, each stage's prefetched into L1 under the stage before.
+// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events. Each
+// stage's rows are prefetched into L1 under the stage before.
 __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
   extern __shared__ __align__(16) float ev[];
   __shared__ int slot_s[kWideEvents];
@@ -1366,20 +1346,20 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
-  TileRows<1, kWideUnroll<1>>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
+  TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
                               [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
                                 if (!active || lane != 0) return;
-#pragma unroll
+#pragma unroll 1
                                 for (int e = 0; e < kWideEvents; ++e) {
                                   ev[e * pe + o.head_bb + u] = LecunTanh(acc[0][e] + prm[0]);
                                 }
                               });
   __syncthreads();
   prefetch(cfc_stage + 2);
-  TileRows<4, kWideUnroll<4>>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
+  TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
                               [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int lane, bool active) {
                                 if (!active || lane != 0) return;
-#pragma unroll
+#pragma unroll 1
                                 for (int e = 0; e < kWideEvents; ++e) {
                                   const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, dt_s[e]);
                                   ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
@@ -1388,10 +1368,10 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
                               });
   __syncthreads();
   prefetch(cfc_stage + 3);
-  TileRows<2, kWideUnroll<2>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
+  TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
                               [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
                                 if (!active || lane != 0) return;
-#pragma unroll
+#pragma unroll 1
                                 for (int e = 0; e < kWideEvents; ++e) {
                                   ev[e * pe + o.head_e2 + u] = Elu(acc[0][e] + prm[0]);
                                   ev[e * pe + o.head_skip + u] = acc[1][e];
@@ -1399,10 +1379,10 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
                               });
   __syncthreads();
   prefetch(cfc_stage + 4);
-  TileRows<2, kWideUnroll<2>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
+  TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
                               [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
                                 if (!active || lane != 0) return;
-#pragma unroll
+#pragma unroll 1
                                 for (int e = 0; e < kWideEvents; ++e) {
                                   ev[e * pe + o.head_pre + u] =
                                       GrnPre(ev[e * pe + o.head_skip + u], acc[0][e], acc[1][e], prm);
@@ -1413,7 +1393,7 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
     GrnLayerNorm(ev + e * pe + o.head_pre, ev + e * pe + o.head_g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
   }
   __syncthreads();
-  TileRows<1, kWideUnroll<1>>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
+  TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
                               [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
                                 if (!active || lane != 0) return;
 #pragma unroll
