@@ -989,6 +989,16 @@ __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
   return event < a.n ? a.scratch.slots[event] : -1;
 }
 
+// The epilogues spread a tile's events over the lanes of a row (lane e finishes event e), so a row's scalar work is
+// not repeated in every lane: lane e's own entry of a row's sums, which every lane holds.
+static_assert(kLanesPerRow == kWideEvents, "a row's lanes take one event each");
+__device__ __forceinline__ float LaneEvent(const float (&v)[kWideEvents], int lane) {
+  float mine = v[0];
+#pragma unroll
+  for (int e = 1; e < kWideEvents; ++e) mine = lane == e ? v[e] : mine;
+  return mine;
+}
+
 // Starts copying n floats from src (global) to dst (shared): 16-byte pieces when both are 16-byte aligned.
 __device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int n) {
   if (((reinterpret_cast<uintptr_t>(src) | SharedAddress(dst)) & 15) == 0 && n % 4 == 0) {
@@ -1003,12 +1013,14 @@ __device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int 
 __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
                               int events) {
   const int padded = Align4(len);
-  for (int i = threadIdx.x; i < events * padded; i += blockDim.x) {
-    const int e = i / padded, k = i % padded;
-    if (k < len && first + e < n) {
-      CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
-    } else {
-      ev[e * per_event + k] = 0.f;
+#pragma unroll 1
+  for (int e = 0; e < events; ++e) {
+    for (int k = threadIdx.x; k < padded; k += blockDim.x) {
+      if (k < len && first + e < n) {
+        CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
+      } else {
+        ev[e * per_event + k] = 0.f;
+      }
     }
   }
 }
@@ -1017,15 +1029,18 @@ __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int st
 // `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
 __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
                               int l, int c0, int channels, int stride) {
-  const int W1 = p.W - 1, cd = p.E + 2 * p.N, per_event = W1 * channels;
+  const int W1 = p.W - 1, cd = p.E + 2 * p.N;
   const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  for (int i = threadIdx.x; i < events * per_event; i += blockDim.x) {
-    const int e = i / per_event, k = i % per_event / channels, c = i % channels, slot = slots[e];
-    float* to = dst + (e * W1 + k) * stride + c;
-    if (slot >= 0) {
-      CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
-    } else {
-      *to = 0.f;
+#pragma unroll 1
+  for (int ek = 0; ek < events * W1; ++ek) {
+    const int e = ek / W1, k = ek % W1, slot = slots[e];
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+      float* to = dst + ek * stride + c;
+      if (slot >= 0) {
+        CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
+      } else {
+        *to = 0.f;
+      }
     }
   }
 }
@@ -1126,9 +1141,11 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
   const float dt = reads_event ? (tick.x ? tick.dt : tick.inline_dt)[e0] : 0.f;
   const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
-  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
-    const int e = i / pe, f = i % pe;
-    xn[i] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
+#pragma unroll 1
+  for (int e = 0; e < kWideEvents; ++e) {
+    for (int f = tid; f < pe; f += blockDim.x) {
+      xn[e * pe + f] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
+    }
   }
   if (tid < kWideEvents) slot_s[tid] = slot;
   if (reads_event) {
@@ -1138,18 +1155,18 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
   }
   __syncthreads();
   const float* shared = a.pack + p.shared_pack;
-  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) {
-    const int e = i / pe, f = i % pe;
-    xn[i] = f < p.F && slot_s[e] >= 0 ? (xn[i] - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
+#pragma unroll 1
+  for (int e = 0; e < kWideEvents; ++e) {
+    for (int f = tid; f < pe; f += blockDim.x) {
+      float& v = xn[e * pe + f];
+      v = f < p.F && slot_s[e] >= 0 ? (v - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
+    }
   }
   __syncthreads();
   TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, smem + o.embed_x, pe, nullptr, 0, p.D,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                   if (!active || lane != 0) return;
-#pragma unroll
-                   for (int e = 0; e < kWideEvents; ++e) {
-                     if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = acc[0][e] + prm[0];
-                   }
+                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                   const float v = LaneEvent(acc[0], e);
+                   if (active && first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v + prm[0];
                  });
 }
 
@@ -1176,12 +1193,9 @@ __global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_co
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
   TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                   if (!active || lane != 0) return;
-#pragma unroll 1
-                   for (int e = 0; e < kWideEvents; ++e) {
-                     if (first + e >= a.n) continue;
-                     const float v = acc[0][e];
+                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                   const float v = LaneEvent(acc[0], e);
+                   if (active && first + e < a.n) {
                      float out;
                      if (u < 2 * N) {
                        const float* old = conv + e * W1 * 2 * N + u;
@@ -1258,27 +1272,38 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   const int head = active ? u / p.P : 0;
   const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
+  // state dimension), then its gate and conv state.
+  const int e = lane, slot = slot_s[e];
+  const float z = LaneEvent(sums.v[0], e), x = LaneEvent(sums.v[1], e);
+  const float* old = conv + e * W1 * kRowGroups + (u - u0);
+  float xc = 0.f, dt = 0.f, decay = 0.f, y = 0.f;
+  if (active) {
+    xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
+    dt = bc_tile[e * pe_b + 2 * N + head];
+    decay = expf(dt * A);
+  }
 #pragma unroll 1
-  for (int e = 0; e < kWideEvents; ++e) {
-    const int slot = slot_s[e];
-    const float* old = conv + e * W1 * kRowGroups + (u - u0);
-    float xc = 0.f, y = 0.f;
+  for (int k = 0; k < kWideEvents; ++k) {
+    const float xc_k = __shfl_sync(0xffffffffu, xc, k, kLanesPerRow);
+    const float dt_k = __shfl_sync(0xffffffffu, dt, k, kLanesPerRow);
+    const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
+    float y_k = 0.f;
     if (active) {
-      xc = Silu(ConvTaps(prm, W1, sums.v[1][e], old, kRowGroups));
-      const float* bc = bc_tile + e * pe_b;
-      const float dt = bc[2 * N + head], decay = expf(dt * A);
-      float* out = slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-      y = SsmRowShare(states + e * tile_state + (u - u0) * N, out, bc, decay, dt, xc, N, lane);
+      const int slot_k = slot_s[k];
+      float* out = slot_k >= 0 ? a.st.ssm + slot_k * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+      y_k = SsmRowShare(states + k * tile_state + (u - u0) * N, out, bc_tile + k * pe_b, decay_k, dt_k, xc_k, N, lane);
     }
-    y = RowSum(y);
-    if (!active || lane != 0) continue;
-    if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, sums.v[0][e]);
-    if (slot >= 0 && W1 > 0) {
-      float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
+    y_k = RowSum(y_k);
+    if (lane == k) y = y_k;
+  }
+  if (!active) return;
+  if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
+  if (slot >= 0 && W1 > 0) {
+    float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
 #pragma unroll 1
-      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
-      state[(W1 - 1) * cd] = sums.v[1][e];
-    }
+    for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
+    state[(W1 - 1) * cd] = x;
   }
 }
 
@@ -1303,12 +1328,10 @@ __global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_con
   __syncthreads();
   NormScales<kWideEvents>(y, pe, 0, p.E, E4, E4);
   TileRows<1>(s, rows, y, pe, y + E4, u0, u1,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float*, int lane, bool active) {
-                   if (!active || lane != 0) return;
-#pragma unroll
-                   for (int e = 0; e < kWideEvents; ++e) {
-                     if (first + e >= a.n) continue;
-                     a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = residual[e * kRowGroups + u - u0] + acc[0][e];
+                 [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
+                   const float v = LaneEvent(acc[0], e);
+                   if (active && first + e < a.n) {
+                     a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = residual[e * kRowGroups + u - u0] + v;
                    }
                  });
 }
@@ -1347,46 +1370,36 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
   TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
-                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                                if (!active || lane != 0) return;
-#pragma unroll 1
-                                for (int e = 0; e < kWideEvents; ++e) {
-                                  ev[e * pe + o.head_bb + u] = LecunTanh(acc[0][e] + prm[0]);
-                                }
+                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                                const float v = LaneEvent(acc[0], e);
+                                if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
                               });
   __syncthreads();
   prefetch(cfc_stage + 2);
   TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
-                              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int lane, bool active) {
-                                if (!active || lane != 0) return;
-#pragma unroll 1
-                                for (int e = 0; e < kWideEvents; ++e) {
-                                  const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, dt_s[e]);
-                                  ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
-                                  if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
-                                }
+                              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
+                                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
+                                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
+                                if (!active) return;
+                                const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
+                                ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
+                                if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
                               });
   __syncthreads();
   prefetch(cfc_stage + 3);
   TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
-                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
-                                if (!active || lane != 0) return;
-#pragma unroll 1
-                                for (int e = 0; e < kWideEvents; ++e) {
-                                  ev[e * pe + o.head_e2 + u] = Elu(acc[0][e] + prm[0]);
-                                  ev[e * pe + o.head_skip + u] = acc[1][e];
-                                }
+                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
+                                if (!active) return;
+                                ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
+                                ev[e * pe + o.head_skip + u] = skip;
                               });
   __syncthreads();
   prefetch(cfc_stage + 4);
   TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
-                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int lane, bool active) {
-                                if (!active || lane != 0) return;
-#pragma unroll 1
-                                for (int e = 0; e < kWideEvents; ++e) {
-                                  ev[e * pe + o.head_pre + u] =
-                                      GrnPre(ev[e * pe + o.head_skip + u], acc[0][e], acc[1][e], prm);
-                                }
+                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
+                                if (active) ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
                               });
   __syncthreads();
   for (int e = warp; e < kWideEvents; e += kStreamWarps) {
@@ -1394,10 +1407,9 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
   }
   __syncthreads();
   TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
-                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int lane, bool active) {
-                                if (!active || lane != 0) return;
-#pragma unroll
-                                for (int e = 0; e < kWideEvents; ++e) ev[e * pe + o.head_logits + u] = acc[0][e] + prm[0];
+                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                                const float v = LaneEvent(acc[0], e);
+                                if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
                               });
   __syncthreads();
   if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
