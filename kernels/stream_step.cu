@@ -955,9 +955,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // The cluster kernel carries a group through the whole chain, so each group's blocks stream every weight and its
 // states inside a latency-bound chain. For ticks of many events the wide path runs each link for all the tick's
 // events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
-// SumRows, in its order), activations between the links in device scratch. Per layer, one kernel for B, C and Δt,
-// one for z and x with the conv, the SSM update and the gate (the state traffic), one for out_proj; then one for the
-// CfC and the head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as
+// SumRows, in its order), activations between the links in device scratch. One kernel for the embedding and layer
+// 0's B, C and Δt; per layer, one for z and x with the conv, the SSM update and the gate (the state traffic, split
+// by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as
 // asynchronous copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip
 // sits inside its chain; the stores go out from the epilogues. And like it, a block runs most of its code once on an
 // SM whose instruction cache is cold, so loops over a tile's events are not unrolled.
@@ -1077,11 +1077,10 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
 
 // Shared memory of each wide kernel, in floats, and where its parts start.
 struct WideLayout {
-  int embed_x, embed;                            // standardized inputs
-  int shared_h, shared_conv, shared;             // h (1/rms after each), B/C conv inputs
+  int embed_x, embed_h, embed_conv, embed;       // standardized inputs, h (1/rms after each), B/C conv inputs
   int ssm_states, ssm_conv, ssm_h, ssm_bc, ssm;  // states, x conv inputs, h, B/C/Δt
-  int out_y, out_h, out;                         // y (1/rms after each), residual
-  int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event, head;
+  int out_y, out_h, out_conv, out_head, out;     // y (1/rms after each), then h and B/C conv inputs, or the head's
+  int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event;  // within out_head
 };
 constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
 __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
@@ -1094,21 +1093,15 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
     return start;
   };
   o.embed_x = take(kWideEvents * Align4(p.F));
+  o.embed_h = take(kWideEvents * (D4 + 4));
+  o.embed_conv = take(kWideEvents * W1 * 2 * p.N);
   o.embed = at;
-  at = 0;
-  o.shared_h = take(kWideEvents * (D4 + 4));
-  o.shared_conv = take(kWideEvents * W1 * 2 * p.N);
-  o.shared = at;
   at = 0;
   o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
   o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
   o.ssm_h = take(kSsmEvents * (D4 + 4));
   o.ssm_bc = take(kSsmEvents * Align4(BC));
   o.ssm = at;
-  at = 0;
-  o.out_y = take(kWideEvents * (E4 + 4));
-  o.out_h = take(kWideEvents * kRowGroups);
-  o.out = at;
   at = 0;
   o.head_a = take(p.D + p.C);
   o.head_h = take(p.D);
@@ -1119,20 +1112,57 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   o.head_g = take(p.G);
   o.head_logits = take(p.H);
   o.head_per_event = at;
-  o.head = kWideEvents * at;
+  at = 0;
+  o.out_y = take(kWideEvents * (E4 + 4));
+  o.out_h = o.out_head = at;  // the last layer's kernel keeps the head's activations where the others keep h
+  o.out_conv = o.out_h + Align4(kWideEvents * (D4 + 4));
+  const int layer_part = o.out_conv - o.out_h + Align4(kWideEvents * W1 * 2 * p.N);
+  o.out = at + (layer_part > kWideEvents * o.head_per_event ? layer_part : kWideEvents * o.head_per_event);
   return o;
 }
 
-// Standardization and the embedding; the tick's slots, Δt and log positions into scratch for the later kernels.
+// Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
+// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory.
+__device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
+  const StreamPlan& p = a.p;
+  const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
+  const PackStage& s = p.stage[1 + 3 * l];
+  NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (!active || first + e >= a.n) return;
+                float out;
+                if (u < 2 * N) {
+                  const float* old = conv + e * W1 * 2 * N + u;
+                  out = Silu(ConvTaps(prm, W1, v, old, 2 * N));
+                  const int slot = slot_s[e];
+                  if (slot >= 0 && W1 > 0) {
+                    float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + p.E + u;
+#pragma unroll 1
+                    for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * 2 * N];
+                    state[(W1 - 1) * cd] = v;
+                  }
+                } else {
+                  out = Softplus(v + prm[0]);
+                }
+                a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
+              });
+}
+
+// Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
+// for the later kernels.
 __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
                                                                 const __grid_constant__ StreamTickInput tick) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
-  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F), pe_h = Align4(p.D) + 4;
   LetNextKernelLaunch();
   PrefetchL1(a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
+  PrefetchL1(a.pack + p.stage[1].pack, p.stage[1].units * p.stage[1].stride);
   // The tick's reads (pinned host memory, a bus round trip each) all issued before any of their results is used.
   const float* tick_x = tick.x ? tick.x : tick.inline_x;
   const int e0 = first + tid;
@@ -1141,12 +1171,14 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
   const float dt = reads_event ? (tick.x ? tick.dt : tick.inline_dt)[e0] : 0.f;
   const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
+  float* h = smem + o.embed_h;
 #pragma unroll 1
   for (int e = 0; e < kWideEvents; ++e) {
     for (int f = tid; f < pe; f += blockDim.x) {
       xn[e * pe + f] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
     }
   }
+  for (int i = tid; i < kWideEvents * pe_h; i += blockDim.x) h[i] = 0.f;
   if (tid < kWideEvents) slot_s[tid] = slot;
   if (reads_event) {
     a.scratch.slots[e0] = slot;
@@ -1154,6 +1186,7 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
     a.scratch.log[e0] = log_index;
   }
   __syncthreads();
+  LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
   const float* shared = a.pack + p.shared_pack;
 #pragma unroll 1
   for (int e = 0; e < kWideEvents; ++e) {
@@ -1163,62 +1196,23 @@ __global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_con
     }
   }
   __syncthreads();
-  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, smem + o.embed_x, pe, nullptr, 0, p.D,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                   const float v = LaneEvent(acc[0], e);
-                   if (active && first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v + prm[0];
-                 });
-}
-
-// Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded).
-__global__ void __launch_bounds__(kWideThreads) WideSharedKernel(const __grid_constant__ WideArgs a, int l) {
-  extern __shared__ __align__(16) float smem[];
-  __shared__ int slot_s[kWideEvents];
-  const StreamPlan& p = a.p;
-  const WideLayout o = MakeWideLayout(p);
-  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, D4 = Align4(p.D), pe = D4 + 4;
-  const int N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
-  const PackStage& s = p.stage[1 + 3 * l];
-  PrefetchL1(a.pack + s.pack, BC * s.stride);
-  WaitForPriorKernels();
-  LetNextKernelLaunch();
-  float* h = smem + o.shared_h;
-  float* conv = smem + o.shared_conv;
-  LoadTileAsync(h, pe, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
-  if (tid < kWideEvents) slot_s[tid] = WideSlot(a, first + tid);
-  __syncthreads();
-  LoadConvAsync(conv, p, a.st, slot_s, kWideEvents, l, p.E, 2 * N, 2 * N);
+  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e) + prm[0];
+                if (!active) return;
+                h[e * pe_h + u] = v;
+                if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v;
+              });
   CopyAsyncWaitAll();
   __syncthreads();
-  NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
-  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                   const float v = LaneEvent(acc[0], e);
-                   if (active && first + e < a.n) {
-                     float out;
-                     if (u < 2 * N) {
-                       const float* old = conv + e * W1 * 2 * N + u;
-                       out = Silu(ConvTaps(prm, W1, v, old, 2 * N));
-                       const int slot = slot_s[e];
-                       if (slot >= 0 && W1 > 0) {
-                         float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + p.E + u;
-#pragma unroll 1
-                         for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * 2 * N];
-                         state[(W1 - 1) * cd] = v;
-                       }
-                     } else {
-                       out = Softplus(v + prm[0]);
-                     }
-                     a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
-                   }
-                 });
+  SharedPhase(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
-// and the gate, as the cluster kernel's z/x stage computes them. The rows' weights, states (one contiguous run per
-// event) and carried conv inputs are copied into shared memory before the kernel waits for the one ahead; the new
-// states are stored straight from the update.
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) and
+// carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but layer 0's, whose
+// kernel ahead writes the tick's slots), its rows prefetched into L1; the new states are stored straight from the
+// update.
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
@@ -1236,23 +1230,27 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
   PrefetchL1(rows, (u1 - u0) * s.stride);
-  if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
-  __syncthreads();
   const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
-  const int len = (u1 - u0) * N;
+  auto copy_states = [&] {
+    if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
+    __syncthreads();
+    const int len = (u1 - u0) * N;
 #pragma unroll 1
-  for (int e = 0; e < kSsmEvents; ++e) {
-    const int slot = slot_s[e];
-    if (slot < 0) {
-      for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
-    } else {
-      CopyRowsAsync(states + e * tile_state, a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N,
-                    len);
+    for (int e = 0; e < kSsmEvents; ++e) {
+      const int slot = slot_s[e];
+      if (slot < 0) {
+        for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
+      } else {
+        CopyRowsAsync(states + e * tile_state,
+                      a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N, len);
+      }
     }
-  }
-  LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
+    LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
+  };
+  if (l > 0) copy_states();
   WaitForPriorKernels();
   LetNextKernelLaunch();
+  if (l == 0) copy_states();
   LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
   LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
   CopyAsyncWaitAll();
@@ -1307,65 +1305,16 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   }
 }
 
-// Layer l's out_proj of the gated RMSNorm (folded) of y, for d_model rows [u0, u0 + 32) (blockIdx.y), added to the
-// residual.
-__global__ void __launch_bounds__(kStreamThreads) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
-  extern __shared__ __align__(16) float smem[];
+// The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
+// head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
+// stage before.
+__device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
-  const int first = blockIdx.x * kWideEvents, E4 = Align4(p.E), pe = E4 + 4;
-  const int u0 = blockIdx.y * kRowGroups, u1 = min(p.D, u0 + kRowGroups);
-  const PackStage& s = p.stage[3 + 3 * l];
-  const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
-  PrefetchL1(rows, (u1 - u0) * s.stride);
-  WaitForPriorKernels();
-  LetNextKernelLaunch();
-  float* y = smem + o.out_y;
-  float* residual = smem + o.out_h;
-  LoadTileAsync(y, pe, a.scratch.y, p.E, p.E, first, a.n, kWideEvents);
-  LoadTileAsync(residual, kRowGroups, a.scratch.h + u0, p.D, u1 - u0, first, a.n, kWideEvents);
-  CopyAsyncWaitAll();
-  __syncthreads();
-  NormScales<kWideEvents>(y, pe, 0, p.E, E4, E4);
-  TileRows<1>(s, rows, y, pe, y + E4, u0, u1,
-                 [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
-                   const float v = LaneEvent(acc[0], e);
-                   if (active && first + e < a.n) {
-                     a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = residual[e * kRowGroups + u - u0] + v;
-                   }
-                 });
-}
-
-// The final norm, the CfC (its state advanced) and the GRN head of a tile, then the outputs of its logged events. Each
-// stage's rows are prefetched into L1 under the stage before.
-__global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_constant__ WideArgs a) {
-  extern __shared__ __align__(16) float ev[];
-  __shared__ int slot_s[kWideEvents];
-  __shared__ float dt_s[kWideEvents];
-  __shared__ int64_t log_s[kWideEvents];
-  const StreamPlan& p = a.p;
-  const WideLayout o = MakeWideLayout(p);
-  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = o.head_per_event;
+  const int tid = threadIdx.x, pe = o.head_per_event;
   const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
   auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
   auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
-  prefetch(cfc_stage);
-  if (tid < kWideEvents) {
-    const int e = first + tid;
-    slot_s[tid] = WideSlot(a, e);
-    dt_s[tid] = e < a.n ? a.scratch.dt[e] : 0.f;
-    log_s[tid] = e < a.n ? a.scratch.log[e] : 0;
-  }
-  for (int i = tid; i < kWideEvents * pe; i += blockDim.x) ev[i] = 0.f;
-  __syncthreads();
-  for (int i = tid; i < kWideEvents * p.C; i += blockDim.x) {
-    const int e = i / p.C, k = i % p.C;
-    if (slot_s[e] >= 0) CopyAsync4(ev + e * pe + o.head_a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
-  }
-  WaitForPriorKernels();
-  LoadTileAsync(ev + o.head_h, pe, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
-  CopyAsyncWaitAll();
-  __syncthreads();
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
@@ -1417,6 +1366,69 @@ __global__ void __launch_bounds__(kWideThreads) WideHeadKernel(const __grid_cons
   }
 }
 
+// Layer l's out_proj of the gated RMSNorm (folded) of y, every row, added to the residual; then the next layer's B, C
+// and Δt, or after the last layer the CfC and the head.
+__global__ void __launch_bounds__(kWideThreads) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  __shared__ float dt_s[kWideEvents];
+  __shared__ int64_t log_s[kWideEvents];
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, E4 = Align4(p.E), pe_y = E4 + 4;
+  const bool last = l + 1 == p.L;
+  const PackStage& s = p.stage[3 + 3 * l];
+  PrefetchL1(a.pack + s.pack, p.D * s.stride);
+  // Before the wait: the tile's slots (written two kernels back) and what only this kernel writes, the next layer's
+  // carried B/C conv inputs or the CfC states.
+  if (tid < kWideEvents) {
+    const int e = first + tid;
+    slot_s[tid] = WideSlot(a, e);
+    dt_s[tid] = e < a.n ? a.scratch.dt[e] : 0.f;
+    log_s[tid] = e < a.n ? a.scratch.log[e] : 0;
+  }
+  float* y = smem + o.out_y;
+  float* h = smem + (last ? o.out_head + o.head_h : o.out_h);
+  const int pe_h = last ? o.head_per_event : Align4(p.D) + 4;
+  if (last) {
+    for (int i = tid; i < kWideEvents * o.head_per_event; i += blockDim.x) smem[o.out_head + i] = 0.f;
+  }
+  __syncthreads();
+  if (last) {
+#pragma unroll 1
+    for (int e = 0; e < kWideEvents; ++e) {
+      for (int k = tid; slot_s[e] >= 0 && k < p.C; k += blockDim.x) {
+        CopyAsync4(smem + o.out_head + e * pe_h + o.head_a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
+      }
+    }
+  } else {
+    LoadConvAsync(smem + o.out_conv, p, a.st, slot_s, kWideEvents, l + 1, p.E, 2 * p.N, 2 * p.N);
+  }
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
+  LoadTileAsync(y, pe_y, a.scratch.y, p.E, p.E, first, a.n, kWideEvents);
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
+  CopyAsyncWaitAll();
+  __syncthreads();
+  NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
+  const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
+  PrefetchL1(a.pack + next.pack, next.units * next.stride);
+  TileRows<1>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
+              [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (!active) return;
+                const float out = h[e * pe_h + u] + v;
+                h[e * pe_h + u] = out;
+                if (!last && first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = out;
+              });
+  __syncthreads();
+  if (last) {
+    HeadPhase(a, smem + o.out_head, slot_s, dt_s, log_s);
+  } else {
+    SharedPhase(a, l + 1, h, smem + o.out_conv, slot_s, first);
+  }
+}
+
 template <typename... Params, typename... Args>
 cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, size_t bytes, cudaStream_t stream,
                              bool after_prior, Args&&... args) {
@@ -1438,7 +1450,7 @@ constexpr size_t kWideStaticBytes = 256;
 
 bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
   const WideLayout o = MakeWideLayout(p);
-  return sizeof(float) * std::max({o.embed, o.shared, o.ssm, o.out, o.head}) + kWideStaticBytes <= max_shared_bytes;
+  return sizeof(float) * std::max({o.embed, o.ssm, o.out}) + kWideStaticBytes <= max_shared_bytes;
 }
 
 // Raises a wide kernel's dynamic shared-memory limit to what its static shared memory leaves of the block's.
@@ -1519,8 +1531,7 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
        {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
         Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel, max_shared_bytes),
-        PrepareWide(WideSharedKernel, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
-        PrepareWide(WideOutKernel, max_shared_bytes), PrepareWide(WideHeadKernel, max_shared_bytes)}) {
+        PrepareWide(WideSsmKernel, max_shared_bytes), PrepareWide(WideOutKernel, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
@@ -1543,16 +1554,12 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error = LaunchWideKernel(WideEmbedKernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(WideSharedKernel, dim3(tiles), kWideThreads, bytes(o.shared), stream, true, a, l);
-    if (error != cudaSuccess) return error;
     error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
                              kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(WideOutKernel, dim3(tiles, CeilDiv(p.D, kRowGroups)), kStreamThreads, bytes(o.out), stream,
-                             true, a, l);
+    error = LaunchWideKernel(WideOutKernel, dim3(tiles), kWideThreads, bytes(o.out), stream, true, a, l);
   }
-  if (error != cudaSuccess) return error;
-  return LaunchWideKernel(WideHeadKernel, dim3(tiles), kWideThreads, bytes(o.head), stream, true, a);
+  return error;
 }
 
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
