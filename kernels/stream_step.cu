@@ -1009,14 +1009,15 @@ __device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int 
 }
 
 // Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
-// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end.
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. A warp a row.
 __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
                               int events) {
-  const int padded = Align4(len);
+  const int padded = Align4(len), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 #pragma unroll 1
-  for (int e = 0; e < events; ++e) {
-    for (int k = threadIdx.x; k < padded; k += blockDim.x) {
-      if (k < len && first + e < n) {
+  for (int e = warp; e < events; e += blockDim.x / kWarpSize) {
+    const bool present = first + e < n;
+    for (int k = lane; k < padded; k += kWarpSize) {
+      if (k < len && present) {
         CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
       } else {
         ev[e * per_event + k] = 0.f;
@@ -1029,12 +1030,12 @@ __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int st
 // `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
 __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
                               int l, int c0, int channels, int stride) {
-  const int W1 = p.W - 1, cd = p.E + 2 * p.N;
+  const int W1 = p.W - 1, cd = p.E + 2 * p.N, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
 #pragma unroll 1
-  for (int ek = 0; ek < events * W1; ++ek) {
-    const int e = ek / W1, k = ek % W1, slot = slots[e];
-    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+  for (int ek = warp; ek < events * W1; ek += blockDim.x / kWarpSize) {  // a warp a tap of an event
+    const int e = ek / W1, k = ek - e * W1, slot = slots[e];
+    for (int c = lane; c < channels; c += kWarpSize) {
       float* to = dst + ek * stride + c;
       if (slot >= 0) {
         CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);

@@ -194,19 +194,21 @@ TEST_P(StreamStepTest, TheWidePathGivesTheClusterKernelsBits) {
 
 TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  // Ticks of 64 to 150 events take the wide path (graphs; padded to buckets of 128 and 150 under the mask), between
+  // Ticks of 257 to 700 events take the wide path (graphs; padded to buckets of 512 and 700 under the mask), between
   // single-instrument ticks on the cluster kernel, over seeded and random states.
-  StreamStepParity parity(GetParam(), 150, 32);
-  ASSERT_TRUE(parity.streamer().ShapeFor(kStreamWideFrom).wide);
+  constexpr int kSlots = 700;
+  static_assert(kStreamWideFrom <= 512, "the buckets below must take the wide path");
+  StreamStepParity parity(GetParam(), kSlots, 16);
+  ASSERT_TRUE(parity.streamer().ShapeFor(512).wide);
   parity.Seed(20, 30, 5);
   parity.Seed(99, 3, 6);
   Rng rng(4);
   uint64_t seed = 900;
-  for (int round = 0; round < 8; ++round) {
-    std::vector<int32_t> slots(150);
-    for (int s = 0; s < 150; ++s) slots[s] = s;
+  for (int round = 0; round < 5; ++round) {
+    std::vector<int32_t> slots(kSlots);
+    for (int s = 0; s < kSlots; ++s) slots[s] = s;
     for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
-    slots.resize(64 + rng.Below(87));
+    slots.resize(257 + rng.Below(kSlots - 256));
     parity.Tick(slots, ++seed);
     parity.Tick({20}, ++seed);
   }
