@@ -388,30 +388,11 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
   return conv;
 }
 
-// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n, stored to `out` when
-// given (state null: a zero state), and the lane's part of Σ C n·state n. When N is a multiple of 4 (state, out and
-// bc 16-byte aligned) lane j takes the runs of four n = 4c…4c + 3 for c = j, j + 8, …, as 16-byte accesses; else
-// n = j, j + 8, ….
+// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n for n = lane,
+// lane + 8, …, stored to `out` when given (state null: a zero state), and the lane's part of Σ C n·state n.
 __device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt,
                                              float x, int N, int lane) {
   float sum = 0.f;
-  if (N % 4 == 0) {
-    for (int n = 4 * lane; n < N; n += 4 * kLanesPerRow) {
-      const float4 old = state ? *reinterpret_cast<const float4*>(state + n) : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 b = *reinterpret_cast<const float4*>(bc + n), c = *reinterpret_cast<const float4*>(bc + N + n);
-      float4 s_new;
-      s_new.x = decay * old.x + dt * x * b.x;
-      s_new.y = decay * old.y + dt * x * b.y;
-      s_new.z = decay * old.z + dt * x * b.z;
-      s_new.w = decay * old.w + dt * x * b.w;
-      if (out) *reinterpret_cast<float4*>(out + n) = s_new;
-      sum += c.x * s_new.x;
-      sum += c.y * s_new.y;
-      sum += c.z * s_new.z;
-      sum += c.w * s_new.w;
-    }
-    return sum;
-  }
   for (int n = lane; n < N; n += kLanesPerRow) {
     const float s_new = decay * (state ? state[n] : 0.f) + dt * x * bc[n];
     if (out) out[n] = s_new;
