@@ -105,6 +105,7 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   max_shared_bytes_ = properties.sharedMemPerBlockOptin;
+  sm_count_ = properties.multiProcessorCount;
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
@@ -344,7 +345,7 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
       wide_input.x = wide_.x;
     }
     CUDA_RETURN_IF_ERROR(
-        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, wide_input, max_shared_bytes_, stream_));
+        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, wide_input, max_shared_bytes_, sm_count_, stream_));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,

@@ -1152,10 +1152,16 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
               });
 }
 
+// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
+// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
+// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
+// 10,000 (one: 1,250.0).
+
 // Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
 // for the later kernels.
-__global__ void __launch_bounds__(kWideThreads) WideEmbedKernel(const __grid_constant__ WideArgs a,
-                                                                const __grid_constant__ StreamTickInput tick) {
+template <int kBlocks>
+__global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const __grid_constant__ WideArgs a,
+                                                                         const __grid_constant__ StreamTickInput tick) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   const StreamPlan& p = a.p;
@@ -1369,7 +1375,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
 
 // Layer l's out_proj of the gated RMSNorm (folded) of y, every row, added to the residual; then the next layer's B, C
 // and Δt, or after the last layer the CfC and the head.
-__global__ void __launch_bounds__(kWideThreads) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
+template <int kBlocks>
+__global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   __shared__ float dt_s[kWideEvents];
@@ -1531,8 +1538,9 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
        {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel, max_shared_bytes),
-        PrepareWide(WideSsmKernel, max_shared_bytes), PrepareWide(WideOutKernel, max_shared_bytes)}) {
+        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
+        PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
@@ -1544,21 +1552,24 @@ bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes) {
 
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             cudaStream_t stream) {
+                             int sm_count, cudaStream_t stream) {
   if (tick.n <= 0) return cudaSuccess;
   if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
   const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
   auto bytes = [](int floats) { return sizeof(float) * floats; };
-  const unsigned tiles = CeilDiv(tick.n, kWideEvents);
+  const int tiles = CeilDiv(tick.n, kWideEvents);
+  const bool one_wave = tiles <= sm_count;
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
-  cudaError_t error = LaunchWideKernel(WideEmbedKernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
+  cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
+                                       bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
     error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
                              kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(WideOutKernel, dim3(tiles), kWideThreads, bytes(o.out), stream, true, a, l);
+    error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
+                             stream, true, a, l);
   }
   return error;
 }

@@ -102,9 +102,10 @@ struct StreamWideScratch {
 };
 // Whether the wide path's kernels fit `max_shared_bytes` of shared memory per block.
 bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes);
+// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM).
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             cudaStream_t stream);
+                             int sm_count, cudaStream_t stream);
 
 // Replaces the tick of a captured step (`node`, the kernel node of the graph `exec` was instantiated from): the next
 // launch of `exec` reads `tick` (copied now); launches already queued keep theirs. The tick's event count and the

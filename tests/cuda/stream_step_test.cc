@@ -215,6 +215,28 @@ TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
   parity.ExpectLogsMatch();
 }
 
+TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Ticks of 1,100 to 1,200 events (more tiles of 8 than the H200's 132 multiprocessors: the per-tile kernels at two
+  // blocks an SM) on the wide path through graphs, and on single-block clusters of 8-event groups: the same bits,
+  // and the CPU's results.
+  constexpr int kSlots = 1200;
+  StreamStepParity cluster(GetParam(), kSlots, 4), wide(GetParam(), kSlots, 4);
+  ASSERT_TRUE(wide.streamer().ShapeFor(kSlots).wide);
+  Rng rng(11);
+  for (int tick = 0; tick < 3; ++tick) {
+    std::vector<int32_t> slots(kSlots);
+    for (int s = 0; s < kSlots; ++s) slots[s] = s;
+    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    slots.resize(1100 + rng.Below(101));
+    cluster.Tick(slots, 40 + tick, StreamLaunchShape{8, 1});
+    wide.Tick(slots, 40 + tick);
+  }
+  EXPECT_EQ(cluster.Logs(), wide.Logs());
+  cluster.ExpectLogsMatch();
+  wide.ExpectLogsMatch();
+}
+
 INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small"));
 
 // Every tick size up to the slot count gets a shape this device can launch, for every named config; `large`, whose
