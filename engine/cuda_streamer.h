@@ -29,8 +29,8 @@ struct StreamLaunchShape {
 constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
 constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
 constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
-// Ticks of at least this many events take the wide path (where it fits): on the H200 (`small`, eager, bdf71a4) the
-// best cluster shape still won at 256 events (81.2 against 107.8 µs) and the wide path at 512 (138.5).
+// Ticks of at least this many events take the wide path (where it fits): on the H200 (`small`, eager, af81d15) the
+// best cluster shape still won at 256 events (81.5 against 94.4 µs), the wide path at 512 (111.3, the best shape).
 constexpr int kStreamWideFrom = 512;
 
 class CudaStreamer {

@@ -402,7 +402,9 @@ __device__ __forceinline__ float SsmRowShare(const float* state, float* out, con
 }
 
 // y of an SSM row after the skip and the gate.
-__device__ __forceinline__ float GatedY(float y, float skip_d, float xc, float z) { return (y + skip_d * xc) * Silu(z); }
+__device__ __forceinline__ float GatedY(float y, float skip_d, float xc, float z) {
+  return (y + skip_d * xc) * Silu(z);
+}
 
 // The CfC update of one unit from its four heads' sums (ff1, ff2, time_a, time_b) and biases.
 __device__ __forceinline__ float CfcUnit(float ff1, float ff2, float time_a, float time_b, const float* prm, float dt) {
@@ -957,10 +959,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
 // SumRows, in its order), activations between the links in device scratch. One kernel for the embedding and layer
 // 0's B, C and Δt; per layer, one for z and x with the conv, the SSM update and the gate (the state traffic, split
-// by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as
-// asynchronous copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip
-// sits inside its chain; the stores go out from the epilogues. And like it, a block runs most of its code once on an
-// SM whose instruction cache is cold, so loops over a tile's events are not unrolled.
+// by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the
+// head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as asynchronous
+// copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip sits inside its
+// chain; the stores go out from the epilogues, whose scalar work the eight lanes of a row share (one event each).
 
 constexpr int kWideEvents = kMaxEvents;
 // Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
@@ -982,7 +984,9 @@ struct WideArgs {
 // finds every kernel before the one ahead of it complete: before its own wait it reads only what the kernel ahead
 // does not write (the pack, the tick's slots, its own states).
 __device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void LetNextKernelLaunch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void LetNextKernelLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // The slot of a tick's event (−1: padding, or past the tick's end).
 __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
@@ -1326,47 +1330,48 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
   TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
-                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                                const float v = LaneEvent(acc[0], e);
-                                if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
-                              });
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
+              });
   __syncthreads();
   prefetch(cfc_stage + 2);
   TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
-                              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
-                                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
-                                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
-                                if (!active) return;
-                                const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
-                                ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
-                                if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
-                              });
+              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
+                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
+                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
+                if (!active) return;
+                const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
+                ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
+                if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
+              });
   __syncthreads();
   prefetch(cfc_stage + 3);
   TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
-                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
-                                if (!active) return;
-                                ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
-                                ev[e * pe + o.head_skip + u] = skip;
-                              });
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
+                if (!active) return;
+                ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
+                ev[e * pe + o.head_skip + u] = skip;
+              });
   __syncthreads();
   prefetch(cfc_stage + 4);
   TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
-                              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
-                                if (active) ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
-                              });
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
+                if (!active) return;
+                ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
+              });
   __syncthreads();
   for (int e = warp; e < kWideEvents; e += kStreamWarps) {
     GrnLayerNorm(ev + e * pe + o.head_pre, ev + e * pe + o.head_g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
   }
   __syncthreads();
   TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
-                              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                                const float v = LaneEvent(acc[0], e);
-                                if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
-                              });
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
+              });
   __syncthreads();
   if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
     WriteOutputs(ev + tid * pe + o.head_logits, a.st, slot_s[tid], log_s[tid], p.H);

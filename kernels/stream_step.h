@@ -91,9 +91,10 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
                              size_t max_shared_bytes, cudaStream_t stream);
 // The wide path, for ticks of many events: 1 + 2·layers grid-wide kernels per tick (standardization, embedding and
 // layer 0's B, C and Δt; per layer z, x, the conv, the SSM update and the gate, then out_proj with the next layer's
-// B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every row summed in the cluster kernel's order (the
-// same bits as LaunchStreamStep). Scratch holds, per event of the largest tick: h [D], bcdt [2N + Hh], y [E], the
-// slot, Δt and log position, and room for a tick's raw features [F] (where the caller may copy a staged tick's).
+// B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every
+// row summed in the cluster kernel's order (the same bits as LaunchStreamStep). Scratch holds, per event of the
+// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position, and room for a tick's raw features [F]
+// (where the caller may copy a staged tick's).
 struct StreamWideScratch {
   float *h, *bcdt, *y, *x;
   int32_t* slots;
