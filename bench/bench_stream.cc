@@ -41,6 +41,10 @@ struct Row {
   int64_t allocations = 0;
 };
 
+std::string ShapeName(StreamLaunchShape shape) {
+  return shape.wide ? "wide" : absl::StrCat("group ", shape.events_per_group, ", cluster ", shape.cluster_size);
+}
+
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
@@ -121,28 +125,28 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     row.host_step_us = Percentile(host, 0.5);
     // Sweep the launch shapes eagerly, to check the default choice (0: not swept).
     row.best_shape_us = absl::GetFlag(FLAGS_sweep) ? 1e30 : 0;
+    std::vector<StreamLaunchShape> shapes;
     for (int group : kStreamGroupSizes) {
-      for (int cluster : kStreamClusterSizes) {
-        const StreamLaunchShape shape{group, cluster};
-        if (!absl::GetFlag(FLAGS_sweep) || !streamer->Supports(shape)) continue;
-        ASSIGN_OR_RETURN(std::vector<double> t,
-                         TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
-        if (absl::GetFlag(FLAGS_print_shapes)) {
-          std::printf("  %-6s %6d  group %d cluster %2d  eager %9.2f us\n", name.c_str(), n, group, cluster,
-                      Percentile(t, 0.5));
-        }
-        if (Percentile(t, 0.5) < row.best_shape_us) {
-          row.best_shape_us = Percentile(t, 0.5);
-          row.best_shape = shape;
-        }
+      for (int cluster : kStreamClusterSizes) shapes.push_back({group, cluster});
+    }
+    shapes.push_back(kStreamWideShape);
+    for (const StreamLaunchShape shape : shapes) {
+      if (!absl::GetFlag(FLAGS_sweep) || !streamer->Supports(shape)) continue;
+      ASSIGN_OR_RETURN(std::vector<double> t,
+                       TimeTicks(*streamer, std::max(20, iterations / 4), [&] { return streamer->Step(tick, shape); }));
+      if (absl::GetFlag(FLAGS_print_shapes)) {
+        std::printf("  %-6s %6d  %s  eager %9.2f us\n", name.c_str(), n, ShapeName(shape).c_str(), Percentile(t, 0.5));
+      }
+      if (Percentile(t, 0.5) < row.best_shape_us) {
+        row.best_shape_us = Percentile(t, 0.5);
+        row.best_shape = shape;
       }
     }
     rows.push_back(row);
     std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f)  eager %9.2f us  lone tick wall %9.2f us  best eager %9.2f us "
-                "(group %d, cluster %d; default %d, %d)  allocations %lld\n",
+                "(%s; default %s)  allocations %lld\n",
                 name.c_str(), n, row.graph_median_us, row.graph_p99_us, row.eager_median_us, row.host_step_us,
-                row.best_shape_us, row.best_shape.events_per_group, row.best_shape.cluster_size,
-                row.default_shape.events_per_group, row.default_shape.cluster_size,
+                row.best_shape_us, ShapeName(row.best_shape).c_str(), ShapeName(row.default_shape).c_str(),
                 static_cast<long long>(row.allocations));
     std::fflush(stdout);
   }
@@ -157,7 +161,8 @@ std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
         ",\"graph_p99_us\":", r.graph_p99_us, ",\"eager_median_us\":", r.eager_median_us,
         ",\"lone_tick_wall_us\":", r.host_step_us, ",\"best_eager_us\":", r.best_shape_us,
         ",\"best_group\":", r.best_shape.events_per_group, ",\"best_cluster\":", r.best_shape.cluster_size,
-        ",\"default_group\":", r.default_shape.events_per_group, ",\"default_cluster\":", r.default_shape.cluster_size,
+        ",\"best_wide\":", r.best_shape.wide ? "true" : "false", ",\"default_group\":", r.default_shape.events_per_group,
+        ",\"default_cluster\":", r.default_shape.cluster_size, ",\"default_wide\":", r.default_shape.wide ? "true" : "false",
         ",\"allocations\":", r.allocations, "}"));
   }
   return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "]}\n");

@@ -1,4 +1,4 @@
-// CUDA streaming: device-resident slot states and conviction logs, staged ticks, one step kernel per tick.
+// CUDA streaming: device-resident slot states and conviction logs, staged ticks, the step kernels of each tick.
 #include "engine/cuda_streamer.h"
 
 #include <algorithm>
@@ -80,6 +80,13 @@ absl::Status CudaStreamer::Initialize() {
   device_.Reserve(&state_.probs, S * H);
   device_.Reserve(&state_.log_convictions, S * log_entries_);
   device_.Reserve(&state_.log_probs, S * log_entries_ * H);
+  device_.Reserve(&wide_.h, S * c.d_model);
+  device_.Reserve(&wide_.bcdt, S * (2 * c.d_state + c.n_heads()));
+  device_.Reserve(&wide_.y, S * c.d_inner());
+  device_.Reserve(&wide_.x, S * F);
+  device_.Reserve(&wide_.slots, S);
+  device_.Reserve(&wide_.dt, S);
+  device_.Reserve(&wide_.log, S);
   for (Staging& s : staging_) {
     pinned_.Reserve(&s.x_host, S * F);
     pinned_.Reserve(&s.dt_host, S);
@@ -98,7 +105,9 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   max_shared_bytes_ = properties.sharedMemPerBlockOptin;
+  sm_count_ = properties.multiProcessorCount;
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
+  wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
       kernels::StreamShapeFit& fit = fits_[gi][ci];
@@ -236,6 +245,7 @@ kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
 }
 
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
+  if (n >= kStreamWideFrom && wide_fits_) return kStreamWideShape;
   // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 10,000 instruments): every group is a
   // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
   // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
@@ -325,6 +335,19 @@ kernels::StreamTickInput CudaStreamer::StagedInput(const Staging& s, int n, bool
 }
 
 absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
+  if (shape.wide) {
+    // A staged tick's features come in by one copy: thousands of the kernel's own small reads over the bus took
+    // longer.
+    kernels::StreamTickInput wide_input = input;
+    if (input.x) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(wide_.x, input.x, sizeof(float) * input.n * layout_.config().n_features,
+                                           cudaMemcpyHostToDevice, stream_));
+      wide_input.x = wide_.x;
+    }
+    CUDA_RETURN_IF_ERROR(
+        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, wide_input, max_shared_bytes_, sm_count_, stream_));
+    return absl::OkStatus();
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,
                                                  shape.cluster_size, Fit(shape).max_clusters, max_shared_bytes_,
                                                  stream_));
@@ -389,9 +412,13 @@ absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, TickGr
   const cudaError_t ended = cudaStreamEndCapture(stream_, &graph.graph);
   RETURN_IF_ERROR(enqueued);
   CUDA_RETURN_IF_ERROR(ended);
-  size_t nodes = 1;
-  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph.graph, &graph.node, &nodes));
-  if (nodes != 1) return absl::InternalError(absl::StrCat("a tick graph has ", nodes, " nodes, expected one kernel"));
+  // An inline tick's graph is the one kernel whose tick each replay replaces (ShapeFor never gives such ticks the
+  // wide path).
+  if (!input.x) {
+    size_t nodes = 1;
+    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph.graph, &graph.node, &nodes));
+    if (nodes != 1) return absl::InternalError(absl::StrCat("a tick graph has ", nodes, " nodes, expected one kernel"));
+  }
   CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
   graph.staging_x = input.x;
   graph.pack = pack_;

@@ -1,5 +1,6 @@
 // The streaming half of the CUDA backend: per-slot states, probabilities and conviction logs in device memory, the
-// published weights, and forward_step_into as one kernel launch per tick on a high-priority stream.
+// published weights, and forward_step_into as one graph per tick on a high-priority stream (one kernel for small
+// ticks, a few grid-wide ones for large ticks).
 #pragma once
 
 #include <array>
@@ -18,13 +19,19 @@
 
 namespace perception {
 
-// How one tick is laid out over the GPU: events per cluster group and blocks per cluster (see kernels/stream_step.h).
+// How one tick is laid out over the GPU: events per cluster group and blocks per cluster (see kernels/stream_step.h),
+// or the wide path (grid-wide kernels over tiles of 8 events).
 struct StreamLaunchShape {
   int events_per_group = 1;
   int cluster_size = 8;
+  bool wide = false;
 };
 constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
 constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
+constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
+// Ticks of at least this many events take the wide path (where it fits): on the H200 (`small`, eager, af81d15) the
+// best cluster shape still won at 256 events (81.5 against 94.4 µs), the wide path at 512 (111.3, the best shape).
+constexpr int kStreamWideFrom = 512;
 
 class CudaStreamer {
  public:
@@ -39,7 +46,7 @@ class CudaStreamer {
   cudaStream_t stream() const { return stream_; }
   int slots() const { return slots_; }
   // Whether ticks can launch with this shape on this device (clusters of 16 need a device that co-schedules them).
-  bool Supports(StreamLaunchShape shape) const { return Fit(shape).max_clusters > 0; }
+  bool Supports(StreamLaunchShape shape) const { return shape.wide ? wide_fits_ : Fit(shape).max_clusters > 0; }
 
   // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
   // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
@@ -116,6 +123,7 @@ class CudaStreamer {
   const int slots_;
   const int64_t log_entries_;
   size_t max_shared_bytes_ = 0;
+  int sm_count_ = 0;
   // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
   std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
   cudaStream_t stream_ = nullptr;
@@ -124,6 +132,8 @@ class CudaStreamer {
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;
   kernels::StreamSlots state_{};
+  kernels::StreamWideScratch wide_{};
+  bool wide_fits_ = false;
   kernels::StreamWeights weights_{};
   std::array<Staging, 2> staging_{};
   int next_staging_ = 0;

@@ -14,6 +14,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "kernels/common.cuh"
 #include "kernels/stream_step.h"
@@ -363,6 +364,9 @@ __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wa
 __device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
+__device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
@@ -371,6 +375,80 @@ __device__ __forceinline__ float RowSum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 2);
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v;
+}
+
+// ---- Per-unit math of the step, one copy for the cluster kernel and the wide path (so both give the same bits) ----
+
+// A channel's causal conv before its SiLU: the bias, the newest tap times v, then the carried inputs oldest first
+// (old[k·stride]); prm holds the W taps, oldest first, then the bias.
+__device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, const float* old, size_t stride) {
+  float conv = prm[W1 + 1] + prm[W1] * v;
+#pragma unroll 1
+  for (int k = 0; k < W1; ++k) conv += prm[k] * old[k * stride];
+  return conv;
+}
+
+// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n for n = lane,
+// lane + 8, …, stored to `out` when given (state null: a zero state), and the lane's part of Σ C n·state n.
+__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt,
+                                             float x, int N, int lane) {
+  float sum = 0.f;
+  for (int n = lane; n < N; n += kLanesPerRow) {
+    const float s_new = decay * (state ? state[n] : 0.f) + dt * x * bc[n];
+    if (out) out[n] = s_new;
+    sum += bc[N + n] * s_new;
+  }
+  return sum;
+}
+
+// y of an SSM row after the skip and the gate.
+__device__ __forceinline__ float GatedY(float y, float skip_d, float xc, float z) {
+  return (y + skip_d * xc) * Silu(z);
+}
+
+// The CfC update of one unit from its four heads' sums (ff1, ff2, time_a, time_b) and biases.
+__device__ __forceinline__ float CfcUnit(float ff1, float ff2, float time_a, float time_b, const float* prm, float dt) {
+  const float tau = Sigmoid((time_a + prm[2]) * dt + (time_b + prm[3]));
+  return tanhf(ff1 + prm[0]) * (1.f - tau) + tau * tanhf(ff2 + prm[1]);
+}
+
+// The GRN's pre-norm output: the skip plus the gated value.
+__device__ __forceinline__ float GrnPre(float skip, float gate, float value, const float* prm) {
+  return skip + Sigmoid(gate + prm[0]) * (value + prm[1]);
+}
+
+// The GRN's layer norm of one event, by one whole warp.
+__device__ __forceinline__ void GrnLayerNorm(const float* pre, float* out, const float* ln_w, const float* ln_b, int G,
+                                             int lane) {
+  float sum = 0.f;
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) sum += pre[i];
+  const float mean = WarpSum(sum) / G;
+  float var = 0.f;
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
+  const float rstd = 1.f / sqrtf(WarpSum(var) / G + kNormEps);
+#pragma unroll 1
+  for (int i = lane; i < G; i += kWarpSize) out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i];
+}
+
+// Probabilities, conviction (MODEL.md §2.8: the most confident horizon, lowest on ties) and the log entry of one
+// logged event.
+__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
+                                             int H) {
+  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+  int best = 0;
+  float best_distance = -1.f;
+  for (int h = 0; h < H; ++h) {
+    const float prob = Sigmoid(logits[h]);
+    st.probs[slot * H + h] = prob;
+    st.log_probs[entry * H + h] = prob;
+    if (fabsf(prob - 0.5f) > best_distance) {
+      best_distance = fabsf(prob - 0.5f);
+      best = h;
+    }
+  }
+  st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
 }
 
 // ---- The step ----
@@ -732,10 +810,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           float out;
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            float conv = prm[p.W] + prm[W1] * v;
-#pragma unroll 1
-                            for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
-                            out = Silu(conv);
+                            out = Silu(ConvTaps(prm, W1, v, old_rows, p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
@@ -765,10 +840,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = conv_rows + e * pe + hp - q0;
-                          float conv = prm[p.W] + prm[W1] * acc[1][e];
-#pragma unroll 1
-                          for (int k = 0; k < W1; ++k) conv += prm[k] * old_rows[k * p.conv_channels];
-                          xc[e] = Silu(conv);
+                          xc[e] = Silu(ConvTaps(prm, W1, acc[1][e], old_rows, p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
 #pragma unroll 1
@@ -783,20 +855,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const float* state =
                               p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N
                                               : global_state;
-                          float sum = 0.f;
-                          for (int n = row_lane; n < N; n += kLanesPerRow) {
-                            const float s_new = decay * (state ? state[n] : 0.f) + dt * xc[e] * bcdt[n];
-                            if (global_state) global_state[n] = s_new;
-                            sum += bcdt[N + n] * s_new;
-                          }
-                          y[e] = sum;
+                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt, xc[e], N, row_lane);
                         }
 #pragma unroll
                         for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
                         if (!active) return;
 #pragma unroll
                         for (int e = 0; e < EG; ++e) {
-                          emit(si_heads, e, p.y + hp, (y[e] + Dh * xc[e]) * Silu(acc[0][e]));
+                          emit(si_heads, e, p.y + hp, GatedY(y[e], Dh, xc[e], acc[0][e]));
                         }
                       });
       finish(si_heads);
@@ -834,8 +900,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        const float tau = Sigmoid((acc[2][e] + prm[2]) * event_dt[e] + (acc[3][e] + prm[3]));
-                        const float c = tanhf(acc[0][e] + prm[0]) * (1.f - tau) + tau * tanhf(acc[1][e] + prm[1]);
+                        const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, event_dt[e]);
                         emit(cfc_stage + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
                         if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
                       }
@@ -857,30 +922,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        emit(cfc_stage + 3, e, p.pre + u,
-                             ev[e * pe + p.skip + u] + Sigmoid(acc[0][e] + prm[0]) * (acc[1][e] + prm[1]));
+                        emit(cfc_stage + 3, e, p.pre + u, GrnPre(ev[e * pe + p.skip + u], acc[0][e], acc[1][e], prm));
                       }
                     });
     finish(cfc_stage + 3);
 
     if (rank == 0) {
-      // Layer norm (a warp per event), the output layer, then probabilities, conviction (MODEL.md §2.8: the most
-      // confident horizon, lowest on ties) and the log entry.
-      const int wl = warp_lane;
+      // Layer norm (a warp per event), the output layer, then the outputs.
       for (int e = warp; e < EG; e += kStreamWarps) {
-        const float* pre = ev + e * pe + p.pre;
-        float sum = 0.f;
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) sum += pre[i];
-        const float mean = WarpSum(sum) / p.G;
-        float var = 0.f;
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
-        const float rstd = 1.f / sqrtf(WarpSum(var) / p.G + kNormEps);
-#pragma unroll 1
-        for (int i = wl; i < p.G; i += kWarpSize) {
-          ev[e * pe + p.g + i] = (pre[i] - mean) * rstd * sh[p.ln_w + i] + sh[p.ln_b + i];
-        }
+        GrnLayerNorm(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
       }
       __syncthreads();
       Products<EG, 1>(p, cfc_stage + 4, pack, smem, bars, p.g, 0, 0,
@@ -891,21 +941,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       });
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
-        const float* logits = ev + tid * pe + p.logits;
-        const int slot = slot_ids[tid];
-        const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_at[tid];
-        int best = 0;
-        float best_distance = -1.f;
-        for (int h = 0; h < p.H; ++h) {
-          const float prob = Sigmoid(logits[h]);
-          st.probs[slot * p.H + h] = prob;
-          st.log_probs[entry * p.H + h] = prob;
-          if (fabsf(prob - 0.5f) > best_distance) {
-            best_distance = fabsf(prob - 0.5f);
-            best = h;
-          }
-        }
-        st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
+        WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
       }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
@@ -914,6 +950,531 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // store into a block's shared memory is in flight when it exits.
   ClusterArriveRelaxed();
   ClusterWait();
+}
+
+// ---- The wide path: a tick of many events as a few grid-wide kernels ----
+//
+// The cluster kernel carries a group through the whole chain, so each group's blocks stream every weight and its
+// states inside a latency-bound chain. For ticks of many events the wide path runs each link for all the tick's
+// events at once instead: tiles of kWideEvents events, every row read once per tile (the cluster kernel's row sums,
+// SumRows, in its order), activations between the links in device scratch. One kernel for the embedding and layer
+// 0's B, C and Δt; per layer, one for z and x with the conv, the SSM update and the gate (the state traffic, split
+// by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the
+// head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as asynchronous
+// copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip sits inside its
+// chain; the stores go out from the epilogues, whose scalar work the eight lanes of a row share (one event each).
+
+constexpr int kWideEvents = kMaxEvents;
+// Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
+// product in one or two passes, at most 128 registers a thread).
+constexpr int kWideThreads = 512;
+
+struct WideArgs {
+  StreamPlan p;  // the pack's plan (MakePackPlan)
+  const float* pack;
+  StreamSlots st;
+  StreamWideScratch scratch;
+  int n;
+  bool logged;
+};
+
+// Programmatic dependent launch: each wide kernel but the first may launch before the one ahead of it has finished.
+// It reads what this tick's earlier kernels wrote only after WaitForPriorKernels (which returns once the kernel ahead
+// has completed, its stores visible), and lets the next kernel launch right after that wait, so a kernel that starts
+// finds every kernel before the one ahead of it complete: before its own wait it reads only what the kernel ahead
+// does not write (the pack, the tick's slots, its own states).
+__device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void LetNextKernelLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// The slot of a tick's event (−1: padding, or past the tick's end).
+__device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
+  return event < a.n ? a.scratch.slots[event] : -1;
+}
+
+// The epilogues spread a tile's events over the lanes of a row (lane e finishes event e), so a row's scalar work is
+// not repeated in every lane: lane e's own entry of a row's sums, which every lane holds.
+static_assert(kLanesPerRow == kWideEvents, "a row's lanes take one event each");
+__device__ __forceinline__ float LaneEvent(const float (&v)[kWideEvents], int lane) {
+  float mine = v[0];
+#pragma unroll
+  for (int e = 1; e < kWideEvents; ++e) mine = lane == e ? v[e] : mine;
+  return mine;
+}
+
+// Starts copying n floats from src (global) to dst (shared): 16-byte pieces when both are 16-byte aligned.
+__device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int n) {
+  if (((reinterpret_cast<uintptr_t>(src) | SharedAddress(dst)) & 15) == 0 && n % 4 == 0) {
+    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) CopyAsync16(dst + i, src + i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) CopyAsync4(dst + i, src + i);
+  }
+}
+
+// Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. A warp a row.
+__device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
+                              int events) {
+  const int padded = Align4(len), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+#pragma unroll 1
+  for (int e = warp; e < events; e += blockDim.x / kWarpSize) {
+    const bool present = first + e < n;
+    for (int k = lane; k < padded; k += kWarpSize) {
+      if (k < len && present) {
+        CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
+      } else {
+        ev[e * per_event + k] = 0.f;
+      }
+    }
+  }
+}
+
+// Starts copying channels [c0, c0 + channels) of layer l's carried conv inputs (W − 1 taps, oldest first) of each of
+// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
+__device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
+                              int l, int c0, int channels, int stride) {
+  const int W1 = p.W - 1, cd = p.E + 2 * p.N, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
+#pragma unroll 1
+  for (int ek = warp; ek < events * W1; ek += blockDim.x / kWarpSize) {  // a warp a tap of an event
+    const int e = ek / W1, k = ek - e * W1, slot = slots[e];
+    for (int c = lane; c < channels; c += kWarpSize) {
+      float* to = dst + ek * stride + c;
+      if (slot >= 0) {
+        CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
+      } else {
+        *to = 0.f;
+      }
+    }
+  }
+}
+
+// Starts an L1 prefetch of n floats (a stage's rows, read from L2 one stage later).
+__device__ __forceinline__ void PrefetchL1(const float* p, int n) {
+  for (int i = 32 * threadIdx.x; i < n; i += 32 * blockDim.x) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
+  }
+}
+
+// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at
+// in + e·per_event, summed as Products sums them (scaled by the events' 1/rms at rstd + e·per_event when rstd is
+// given); epilogue as Products's.
+template <int M, typename Epilogue>
+__device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
+                                         const float* rstd, int u0, int u1, Epilogue&& epilogue) {
+  const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
+  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow) {
+    const int u = base + group;
+    const bool active = u < u1;
+    const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
+    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
+    if (rstd && active) {
+#pragma unroll
+      for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd[e * per_event];
+      }
+    }
+    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+  }
+}
+
+// Shared memory of each wide kernel, in floats, and where its parts start.
+struct WideLayout {
+  int embed_x, embed_h, embed_conv, embed;       // standardized inputs, h (1/rms after each), B/C conv inputs
+  int ssm_states, ssm_conv, ssm_h, ssm_bc, ssm;  // states, x conv inputs, h, B/C/Δt
+  int out_y, out_h, out_conv, out_head, out;     // y (1/rms after each), then h and B/C conv inputs, or the head's
+  int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event;  // within out_head
+};
+constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
+__host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
+  WideLayout o{};
+  const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
+  int at = 0;
+  auto take = [&at](int n) {
+    const int start = at;
+    at += Align4(n);
+    return start;
+  };
+  o.embed_x = take(kWideEvents * Align4(p.F));
+  o.embed_h = take(kWideEvents * (D4 + 4));
+  o.embed_conv = take(kWideEvents * W1 * 2 * p.N);
+  o.embed = at;
+  at = 0;
+  o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
+  o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
+  o.ssm_h = take(kSsmEvents * (D4 + 4));
+  o.ssm_bc = take(kSsmEvents * Align4(BC));
+  o.ssm = at;
+  at = 0;
+  o.head_a = take(p.D + p.C);
+  o.head_h = take(p.D);
+  o.head_bb = take(p.K);
+  o.head_e2 = take(p.G);
+  o.head_skip = take(p.G);
+  o.head_pre = take(p.G);
+  o.head_g = take(p.G);
+  o.head_logits = take(p.H);
+  o.head_per_event = at;
+  at = 0;
+  o.out_y = take(kWideEvents * (E4 + 4));
+  o.out_h = o.out_head = at;  // the last layer's kernel keeps the head's activations where the others keep h
+  o.out_conv = o.out_h + Align4(kWideEvents * (D4 + 4));
+  const int layer_part = o.out_conv - o.out_h + Align4(kWideEvents * W1 * 2 * p.N);
+  o.out = at + (layer_part > kWideEvents * o.head_per_event ? layer_part : kWideEvents * o.head_per_event);
+  return o;
+}
+
+// Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
+// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory.
+__device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
+  const StreamPlan& p = a.p;
+  const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
+  const PackStage& s = p.stage[1 + 3 * l];
+  NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (!active || first + e >= a.n) return;
+                float out;
+                if (u < 2 * N) {
+                  const float* old = conv + e * W1 * 2 * N + u;
+                  out = Silu(ConvTaps(prm, W1, v, old, 2 * N));
+                  const int slot = slot_s[e];
+                  if (slot >= 0 && W1 > 0) {
+                    float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + p.E + u;
+#pragma unroll 1
+                    for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * 2 * N];
+                    state[(W1 - 1) * cd] = v;
+                  }
+                } else {
+                  out = Softplus(v + prm[0]);
+                }
+                a.scratch.bcdt[static_cast<size_t>(first + e) * BC + u] = out;
+              });
+}
+
+// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
+// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
+// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
+// 10,000 (one: 1,250.0).
+
+// Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
+// for the later kernels.
+template <int kBlocks>
+__global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const __grid_constant__ WideArgs a,
+                                                                         const __grid_constant__ StreamTickInput tick) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F), pe_h = Align4(p.D) + 4;
+  LetNextKernelLaunch();
+  PrefetchL1(a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
+  PrefetchL1(a.pack + p.stage[1].pack, p.stage[1].units * p.stage[1].stride);
+  // The tick's reads (pinned host memory, a bus round trip each) all issued before any of their results is used.
+  const float* tick_x = tick.x ? tick.x : tick.inline_x;
+  const int e0 = first + tid;
+  const bool reads_event = tid < kWideEvents && e0 < a.n;
+  const int slot = reads_event ? (tick.x ? tick.slots : tick.inline_slots)[e0] : -1;
+  const float dt = reads_event ? (tick.x ? tick.dt : tick.inline_dt)[e0] : 0.f;
+  const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
+  float* xn = smem + o.embed_x;
+  float* h = smem + o.embed_h;
+#pragma unroll 1
+  for (int e = 0; e < kWideEvents; ++e) {
+    for (int f = tid; f < pe; f += blockDim.x) {
+      xn[e * pe + f] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
+    }
+  }
+  for (int i = tid; i < kWideEvents * pe_h; i += blockDim.x) h[i] = 0.f;
+  if (tid < kWideEvents) slot_s[tid] = slot;
+  if (reads_event) {
+    a.scratch.slots[e0] = slot;
+    a.scratch.dt[e0] = dt;
+    a.scratch.log[e0] = log_index;
+  }
+  __syncthreads();
+  LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
+  const float* shared = a.pack + p.shared_pack;
+#pragma unroll 1
+  for (int e = 0; e < kWideEvents; ++e) {
+    for (int f = tid; f < pe; f += blockDim.x) {
+      float& v = xn[e * pe + f];
+      v = f < p.F && slot_s[e] >= 0 ? (v - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
+    }
+  }
+  __syncthreads();
+  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e) + prm[0];
+                if (!active) return;
+                h[e * pe_h + u] = v;
+                if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v;
+              });
+  CopyAsyncWaitAll();
+  __syncthreads();
+  SharedPhase(a, 0, h, smem + o.embed_conv, slot_s, first);
+}
+
+// Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) and
+// carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but layer 0's, whose
+// kernel ahead writes the tick's slots), its rows prefetched into L1; the new states are stored straight from the
+// update.
+__global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kSsmEvents];
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
+  const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
+  const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
+  const bool active = u < u1;
+  const int tile_state = kRowGroups * N, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
+  const PackStage& s = p.stage[2 + 3 * l];
+  float* states = smem + o.ssm_states;
+  float* conv = smem + o.ssm_conv;
+  float* h = smem + o.ssm_h;
+  float* bc_tile = smem + o.ssm_bc;
+  const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
+  PrefetchL1(rows, (u1 - u0) * s.stride);
+  const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
+  auto copy_states = [&] {
+    if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
+    __syncthreads();
+    const int len = (u1 - u0) * N;
+#pragma unroll 1
+    for (int e = 0; e < kSsmEvents; ++e) {
+      const int slot = slot_s[e];
+      if (slot < 0) {
+        for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
+      } else {
+        CopyRowsAsync(states + e * tile_state,
+                      a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N, len);
+      }
+    }
+    LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
+  };
+  if (l > 0) copy_states();
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
+  if (l == 0) copy_states();
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
+  LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
+  CopyAsyncWaitAll();
+  __syncthreads();
+  NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
+  const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
+  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
+    }
+  }
+  const float* prm = wu + 2 * s.in_pad;
+  const float* shared = a.pack + p.shared_pack;
+  const int head = active ? u / p.P : 0;
+  const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
+  const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
+  // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
+  // state dimension), then its gate and conv state.
+  const int e = lane, slot = slot_s[e];
+  const float z = LaneEvent(sums.v[0], e), x = LaneEvent(sums.v[1], e);
+  const float* old = conv + e * W1 * kRowGroups + (u - u0);
+  float xc = 0.f, dt = 0.f, decay = 0.f, y = 0.f;
+  if (active) {
+    xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
+    dt = bc_tile[e * pe_b + 2 * N + head];
+    decay = expf(dt * A);
+  }
+#pragma unroll 1
+  for (int k = 0; k < kWideEvents; ++k) {
+    const float xc_k = __shfl_sync(0xffffffffu, xc, k, kLanesPerRow);
+    const float dt_k = __shfl_sync(0xffffffffu, dt, k, kLanesPerRow);
+    const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
+    float y_k = 0.f;
+    if (active) {
+      const int slot_k = slot_s[k];
+      float* out = slot_k >= 0 ? a.st.ssm + slot_k * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
+      y_k = SsmRowShare(states + k * tile_state + (u - u0) * N, out, bc_tile + k * pe_b, decay_k, dt_k, xc_k, N, lane);
+    }
+    y_k = RowSum(y_k);
+    if (lane == k) y = y_k;
+  }
+  if (!active) return;
+  if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
+  if (slot >= 0 && W1 > 0) {
+    float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
+#pragma unroll 1
+    for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
+    state[(W1 - 1) * cd] = x;
+  }
+}
+
+// The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
+// head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
+// stage before.
+__device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  const int tid = threadIdx.x, pe = o.head_per_event;
+  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
+  auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
+  auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
+  const float* shared = a.pack + p.shared_pack;
+  RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
+  prefetch(cfc_stage + 1);
+  TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
+              });
+  __syncthreads();
+  prefetch(cfc_stage + 2);
+  TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
+              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
+                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
+                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
+                if (!active) return;
+                const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
+                ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
+                if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
+              });
+  __syncthreads();
+  prefetch(cfc_stage + 3);
+  TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
+                if (!active) return;
+                ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
+                ev[e * pe + o.head_skip + u] = skip;
+              });
+  __syncthreads();
+  prefetch(cfc_stage + 4);
+  TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
+                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
+                if (!active) return;
+                ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
+              });
+  __syncthreads();
+  for (int e = warp; e < kWideEvents; e += kStreamWarps) {
+    GrnLayerNorm(ev + e * pe + o.head_pre, ev + e * pe + o.head_g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
+  }
+  __syncthreads();
+  TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
+              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
+              });
+  __syncthreads();
+  if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
+    WriteOutputs(ev + tid * pe + o.head_logits, a.st, slot_s[tid], log_s[tid], p.H);
+  }
+}
+
+// Layer l's out_proj of the gated RMSNorm (folded) of y, every row, added to the residual; then the next layer's B, C
+// and Δt, or after the last layer the CfC and the head.
+template <int kBlocks>
+__global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int slot_s[kWideEvents];
+  __shared__ float dt_s[kWideEvents];
+  __shared__ int64_t log_s[kWideEvents];
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, E4 = Align4(p.E), pe_y = E4 + 4;
+  const bool last = l + 1 == p.L;
+  const PackStage& s = p.stage[3 + 3 * l];
+  PrefetchL1(a.pack + s.pack, p.D * s.stride);
+  // Before the wait: the tile's slots (written two kernels back) and what only this kernel writes, the next layer's
+  // carried B/C conv inputs or the CfC states.
+  if (tid < kWideEvents) {
+    const int e = first + tid;
+    slot_s[tid] = WideSlot(a, e);
+    dt_s[tid] = e < a.n ? a.scratch.dt[e] : 0.f;
+    log_s[tid] = e < a.n ? a.scratch.log[e] : 0;
+  }
+  float* y = smem + o.out_y;
+  float* h = smem + (last ? o.out_head + o.head_h : o.out_h);
+  const int pe_h = last ? o.head_per_event : Align4(p.D) + 4;
+  if (last) {
+    for (int i = tid; i < kWideEvents * o.head_per_event; i += blockDim.x) smem[o.out_head + i] = 0.f;
+  }
+  __syncthreads();
+  if (last) {
+#pragma unroll 1
+    for (int e = 0; e < kWideEvents; ++e) {
+      for (int k = tid; slot_s[e] >= 0 && k < p.C; k += blockDim.x) {
+        CopyAsync4(smem + o.out_head + e * pe_h + o.head_a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
+      }
+    }
+  } else {
+    LoadConvAsync(smem + o.out_conv, p, a.st, slot_s, kWideEvents, l + 1, p.E, 2 * p.N, 2 * p.N);
+  }
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
+  LoadTileAsync(y, pe_y, a.scratch.y, p.E, p.E, first, a.n, kWideEvents);
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kWideEvents);
+  CopyAsyncWaitAll();
+  __syncthreads();
+  NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
+  const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
+  PrefetchL1(a.pack + next.pack, next.units * next.stride);
+  TileRows<1>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
+              [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
+                const float v = LaneEvent(acc[0], e);
+                if (!active) return;
+                const float out = h[e * pe_h + u] + v;
+                h[e * pe_h + u] = out;
+                if (!last && first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = out;
+              });
+  __syncthreads();
+  if (last) {
+    HeadPhase(a, smem + o.out_head, slot_s, dt_s, log_s);
+  } else {
+    SharedPhase(a, l + 1, h, smem + o.out_conv, slot_s, first);
+  }
+}
+
+template <typename... Params, typename... Args>
+cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, size_t bytes, cudaStream_t stream,
+                             bool after_prior, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = after_prior ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// The wide kernels' static shared memory (a few slot ids) comes out of a block's limit too: at most this much.
+constexpr size_t kWideStaticBytes = 256;
+
+bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
+  const WideLayout o = MakeWideLayout(p);
+  return sizeof(float) * std::max({o.embed, o.ssm, o.out}) + kWideStaticBytes <= max_shared_bytes;
+}
+
+// Raises a wide kernel's dynamic shared-memory limit to what its static shared memory leaves of the block's.
+template <typename... Params>
+cudaError_t PrepareWide(void (*kernel)(Params...), size_t max_shared_bytes) {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
+  if (error != cudaSuccess) return error;
+  if (attributes.sharedSizeBytes > kWideStaticBytes) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(max_shared_bytes - attributes.sharedSizeBytes));
 }
 
 template <int EG>
@@ -980,11 +1541,42 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 }
 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
-  for (cudaError_t error : {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-                            Prepare<8>(max_shared_bytes)}) {
+  for (cudaError_t error :
+       {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
+        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
+        PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
+}
+
+bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes) {
+  return Supported(w) && WideFits(MakePackPlan(w), max_shared_bytes);
+}
+
+cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                             const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
+                             int sm_count, cudaStream_t stream) {
+  if (tick.n <= 0) return cudaSuccess;
+  if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
+  const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
+  auto bytes = [](int floats) { return sizeof(float) * floats; };
+  const int tiles = CeilDiv(tick.n, kWideEvents);
+  const bool one_wave = tiles <= sm_count;
+  // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
+  cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
+                                       bytes(o.embed), stream, false, a, tick);
+  for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
+    error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
+                             kStreamThreads, bytes(o.ssm), stream, true, a, l);
+    if (error != cudaSuccess) return error;
+    error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
+                             stream, true, a, l);
+  }
+  return error;
 }
 
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,

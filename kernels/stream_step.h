@@ -65,7 +65,8 @@ size_t StreamPackSize(const StreamWeights& w);
 // Fills `pack` (StreamPackSize floats of device memory) from the tensors `w` points at, on `stream`.
 cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t stream);
 
-// Raises the kernels' shared-memory limits to `max_shared_bytes` and allows clusters of 16 (once, not capturable).
+// Raises the kernels' shared-memory limits (the wide path's too) to `max_shared_bytes` and allows clusters of 16
+// (once, not capturable).
 cudaError_t PrepareStreamStep(size_t max_shared_bytes);
 
 // How a launch shape (events per group, blocks per cluster) fits this device within `max_shared_bytes` of shared
@@ -88,6 +89,25 @@ cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int clus
 cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamTickInput& tick, int events_per_group, int cluster_size, int max_clusters,
                              size_t max_shared_bytes, cudaStream_t stream);
+// The wide path, for ticks of many events: 1 + 2·layers grid-wide kernels per tick (standardization, embedding and
+// layer 0's B, C and Δt; per layer z, x, the conv, the SSM update and the gate, then out_proj with the next layer's
+// B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every
+// row summed in the cluster kernel's order (the same bits as LaunchStreamStep). Scratch holds, per event of the
+// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position, and room for a tick's raw features [F]
+// (where the caller may copy a staged tick's).
+struct StreamWideScratch {
+  float *h, *bcdt, *y, *x;
+  int32_t* slots;
+  float* dt;
+  int64_t* log;
+};
+// Whether the wide path's kernels fit `max_shared_bytes` of shared memory per block.
+bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes);
+// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM).
+cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                             const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
+                             int sm_count, cudaStream_t stream);
+
 // Replaces the tick of a captured step (`node`, the kernel node of the graph `exec` was instantiated from): the next
 // launch of `exec` reads `tick` (copied now); launches already queued keep theirs. The tick's event count and the
 // launch shape must be the captured ones.

@@ -86,6 +86,20 @@ class StreamStepParity {
     }
   }
 
+  // Every logged slot's convictions and probabilities, in slot order, as read back.
+  std::vector<float> Logs() {
+    const int H = config_.n_horizons;
+    std::vector<float> all;
+    for (auto& [slot, per_event] : expected_) {
+      const int64_t count = static_cast<int64_t>(per_event.size());
+      std::vector<float> convictions(count), probs(count * H);
+      EXPECT_TRUE(streamer_->ReadLog(slot, 0, count, convictions, probs).ok());
+      all.insert(all.end(), convictions.begin(), convictions.end());
+      all.insert(all.end(), probs.begin(), probs.end());
+    }
+    return all;
+  }
+
   CudaStreamer& streamer() { return *streamer_; }
   const ModelConfig& config() const { return config_; }
 
@@ -125,23 +139,102 @@ TEST_P(StreamStepTest, EveryLaunchShapeGivesTheSameBits) {
   // Each row of every product is summed in one order whatever the shape (and whether its weights come from shared or
   // global memory), so results are bit-identical.
   const std::vector<int32_t> slots = {3, 0, 9, 4, 8, 1, 2};
-  std::vector<std::vector<float>> results;
+  std::vector<StreamLaunchShape> shapes;
   for (int group : kStreamGroupSizes) {
-    for (int cluster : kStreamClusterSizes) {
-      StreamStepParity parity(GetParam(), 10, 4);
-      if (!parity.streamer().Supports(StreamLaunchShape{group, cluster})) continue;
-      parity.Tick(slots, 77, StreamLaunchShape{group, cluster});
-      parity.Tick(slots, 78, StreamLaunchShape{group, cluster});
-      std::vector<float> convictions(2), all;
-      for (int32_t slot : slots) {
-        ASSERT_TRUE(parity.streamer().ReadLog(slot, 0, 2, convictions, {}).ok());
-        all.insert(all.end(), convictions.begin(), convictions.end());
-      }
-      results.push_back(all);
-      parity.ExpectLogsMatch();
-    }
+    for (int cluster : kStreamClusterSizes) shapes.push_back({group, cluster});
   }
+  shapes.push_back(kStreamWideShape);
+  std::vector<std::vector<float>> results;
+  for (const StreamLaunchShape shape : shapes) {
+    StreamStepParity parity(GetParam(), 10, 4);
+    if (!parity.streamer().Supports(shape)) continue;
+    parity.Tick(slots, 77, shape);
+    parity.Tick(slots, 78, shape);
+    std::vector<float> convictions(2), all;
+    for (int32_t slot : slots) {
+      ASSERT_TRUE(parity.streamer().ReadLog(slot, 0, 2, convictions, {}).ok());
+      all.insert(all.end(), convictions.begin(), convictions.end());
+    }
+    results.push_back(all);
+    parity.ExpectLogsMatch();
+  }
+  ASSERT_TRUE(StreamStepParity(GetParam(), 10, 4).streamer().Supports(kStreamWideShape));
   for (const auto& r : results) EXPECT_EQ(r, results.front());
+}
+
+TEST_P(StreamStepTest, TheWidePathGivesTheClusterKernelsBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Staged ticks of 9 to 40 events (tiles with events past the tick's end) over warm states, seeded and random, on
+  // the wide path and on single-block clusters of 8-event groups: every log entry and probability bit-identical.
+  StreamStepParity cluster(GetParam(), 40, 64), wide(GetParam(), 40, 64);
+  const StreamLaunchShape cluster_shape{8, 1};
+  ASSERT_TRUE(cluster.streamer().Supports(cluster_shape));
+  ASSERT_TRUE(wide.streamer().Supports(kStreamWideShape));
+  for (StreamStepParity* parity : {&cluster, &wide}) {
+    parity->Seed(7, 23, 5);
+    parity->Seed(12, 2, 6);
+  }
+  Rng rng(3);
+  uint64_t seed = 500;
+  for (int round = 0; round < 10; ++round) {
+    std::vector<int32_t> slots;
+    for (int s = 0; s < 40; ++s) {
+      if (rng.Uniform() < 0.25 + 0.07 * round) slots.push_back(s);
+    }
+    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    if (slots.size() < 9) slots = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11};
+    ++seed;
+    cluster.Tick(slots, seed, cluster_shape);
+    wide.Tick(slots, seed, kStreamWideShape);
+  }
+  EXPECT_EQ(cluster.Logs(), wide.Logs());
+  cluster.ExpectLogsMatch();
+  wide.ExpectLogsMatch();
+}
+
+TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Ticks of 257 to 700 events take the wide path (graphs; padded to buckets of 512 and 700 under the mask), between
+  // single-instrument ticks on the cluster kernel, over seeded and random states.
+  constexpr int kSlots = 700;
+  static_assert(kStreamWideFrom <= 512, "the buckets below must take the wide path");
+  StreamStepParity parity(GetParam(), kSlots, 16);
+  ASSERT_TRUE(parity.streamer().ShapeFor(512).wide);
+  parity.Seed(20, 30, 5);
+  parity.Seed(99, 3, 6);
+  Rng rng(4);
+  uint64_t seed = 900;
+  for (int round = 0; round < 5; ++round) {
+    std::vector<int32_t> slots(kSlots);
+    for (int s = 0; s < kSlots; ++s) slots[s] = s;
+    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    slots.resize(257 + rng.Below(kSlots - 256));
+    parity.Tick(slots, ++seed);
+    parity.Tick({20}, ++seed);
+  }
+  parity.ExpectLogsMatch();
+}
+
+TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Ticks of 1,100 to 1,200 events (more tiles of 8 than the H200's 132 multiprocessors: the per-tile kernels at two
+  // blocks an SM) on the wide path through graphs, and on single-block clusters of 8-event groups: the same bits,
+  // and the CPU's results.
+  constexpr int kSlots = 1200;
+  StreamStepParity cluster(GetParam(), kSlots, 4), wide(GetParam(), kSlots, 4);
+  ASSERT_TRUE(wide.streamer().ShapeFor(kSlots).wide);
+  Rng rng(11);
+  for (int tick = 0; tick < 3; ++tick) {
+    std::vector<int32_t> slots(kSlots);
+    for (int s = 0; s < kSlots; ++s) slots[s] = s;
+    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    slots.resize(1100 + rng.Below(101));
+    cluster.Tick(slots, 40 + tick, StreamLaunchShape{8, 1});
+    wide.Tick(slots, 40 + tick);
+  }
+  EXPECT_EQ(cluster.Logs(), wide.Logs());
+  cluster.ExpectLogsMatch();
+  wide.ExpectLogsMatch();
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small"));
