@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/mbarrier.cuh"
 #include "kernels/stream_step.h"
 
 namespace perception::kernels {
@@ -300,17 +301,13 @@ __global__ void PackKernel(const __grid_constant__ StreamWeights w, const __grid
 
 // ---- Asynchronous copies and barriers (PTX) ----
 
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void BarrierInit(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
 }
 __device__ __forceinline__ void BarrierInitFence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Arrives once, expecting `bytes` of bulk copies to complete the barrier's first phase.
 __device__ __forceinline__ void BarrierExpect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)), "r"(bytes)
-               : "memory");
+  MbarrierArriveExpect(SharedAddress(bar), bytes);
 }
 __device__ __forceinline__ void BulkCopy(float* dst, const float* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
