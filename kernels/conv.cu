@@ -1,12 +1,8 @@
-// Causal depthwise conv + SiLU, instantiated per width W. Each thread takes one channel of a chunk of consecutive
-// steps of one sequence; a warp spans 32 adjacent channels, so every row access is coalesced. The forward loads its
-// chunk's history rows (and the W−1 past its end) into registers up front, so all of its loads are in flight
-// together; the backward's block first stages a window of history rows and output gradients in shared memory (each
-// element read once, four channels a load where the rows allow), recomputes each pre-activation from that history
-// rather than reading a stored one, and holds one sequence, adding its warps' weight partials in a fixed order
-// (deterministic, no atomics).
-#include <cstdint>
-
+// Causal depthwise conv + SiLU, instantiated per width W. A warp spans 32 adjacent channels of one sequence, a lane
+// per channel, so every row access is coalesced. A forward thread takes a chunk of consecutive steps and loads its
+// history rows (and the W−1 past its end) into registers up front, so all of its loads are in flight together; a
+// backward warp walks its whole sequence, recomputing each pre-activation from the history rather than reading a
+// stored one, and sums its weight partials over the steps in order (deterministic, no atomics).
 #include "kernels/common.cuh"
 #include "kernels/conv.h"
 
@@ -16,7 +12,6 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kForwardChunk = 16;  // steps per forward thread
-constexpr int kBackwardChunk = 8;  // steps per backward thread: a block's 8 warps cover a 64-step window at once
 
 // Row r of sequence b's history [state (width−1 rows) ; window rows], channel c; zero past the history's end.
 template <int W>
@@ -63,133 +58,119 @@ __global__ void __launch_bounds__(kThreads) ConvForwardKernel(ConvInput in, floa
   }
 }
 
-// VW consecutive floats from p, as one vector load where VW = 4 (p then on a 16-byte boundary).
-template <int VW>
-__device__ __forceinline__ void LoadVector(const float* p, float (&v)[VW]) {
-  if constexpr (VW == 4) {
-    const float4 q = *reinterpret_cast<const float4*>(p);
-    v[0] = q.x;
-    v[1] = q.y;
-    v[2] = q.z;
-    v[3] = q.w;
-  } else {
-    static_assert(VW == 1);
-    v[0] = *p;
+// The backward: one warp per sequence and 32 adjacent channels, a lane per channel, walking the sequence's steps in
+// order, so every row is read once and each pre-activation and its gradient are computed once. The rows of the next
+// K steps are loaded while the current K are worked through (the only latency a warp waits on is the first chunk's).
+// An output gradient of a B/C channel is the sum over heads of its partials: those of the first kHeadGroup heads are
+// held raw and added when their chunk comes up; any further heads are added then, loaded in groups.
+constexpr int kBackwardWarps = 4;
+constexpr int kBackwardThreads = kBackwardWarps * kWarpSize;
+constexpr int kHeadGroup = 4;
+
+template <int W, int K, int HG>
+__device__ __forceinline__ void ConvBackwardWarp(const ConvInput& in, const ConvOutputGrad& grad, int b, int c,
+                                                 float* dx, int lddx, float* partials) {
+  const int T = in.window;
+  float w[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) w[k] = in.weight[c * W + k];
+  const float bias = in.bias[c];
+  // Lane c's output gradients: dxs for c < inner, else the heads' partials (head h at + h·width).
+  const bool partial_sum = c >= grad.inner;
+  const int width = in.channels - grad.inner;
+  const float* g_col = partial_sum ? grad.dbc + static_cast<size_t>(b) * T * grad.heads * width + (c - grad.inner)
+                                   : grad.dxs + static_cast<size_t>(b) * T * grad.inner + c;
+  const int g_ld = partial_sum ? grad.heads * width : grad.inner;  // offsets within one sequence fit an int
+  const int heads = partial_sum ? grad.heads : 1;
+  const float* x_col = in.x + static_cast<size_t>(b) * T * in.ldx + c;
+  float* dx_col = dx + static_cast<size_t>(b) * T * lddx + c;
+
+  float x_next[K], g_next[K][HG];  // the next chunk's rows, in flight
+  const auto load = [&](int s0) {
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      const bool valid = s0 + i < T;
+      x_next[i] = valid ? x_col[(s0 + i) * in.ldx] : 0.f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) g_next[i][h] = valid && h < heads ? g_col[(s0 + i) * g_ld + h * width] : 0.f;
+    }
+  };
+  // hist: history rows s .. s + W − 1 for output s (the last, raw input s, filled in its step); dp: d pre-activation
+  // of outputs s − W + 1 .. s.
+  float hist[W], dp[W] = {}, dw[W] = {}, db = 0.f;
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    hist[k] = in.state_in ? in.state_in[(static_cast<size_t>(b) * (W - 1) + k) * in.channels + c] : 0.f;
   }
+  // Raw input t = s − (W − 1) is history row s: outputs t .. s read it through taps W − 1 .. 0, so its gradient is
+  // complete once output s's is known.
+  const auto emit = [&](int s) {
+    if (s < W - 1) return;
+    float d_input = 0.f;
+#pragma unroll
+    for (int k = 0; k < W; ++k) d_input += w[W - 1 - k] * dp[k];
+    dx_col[(s - (W - 1)) * lddx] = d_input;
+  };
+  load(0);
+  for (int s0 = 0; s0 < T; s0 += K) {
+    float x_now[K], g_now[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      x_now[i] = x_next[i];
+      g_now[i] = 0.f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) g_now[i] += g_next[i][h];  // heads in order
+    }
+#pragma unroll 4
+    for (int h = HG; h < heads; ++h) {
+#pragma unroll
+      for (int i = 0; i < K; ++i) g_now[i] += s0 + i < T ? g_col[(s0 + i) * g_ld + h * width] : 0.f;
+    }
+    if (s0 + K < T) load(s0 + K);
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      const int s = s0 + i;
+      if (s >= T) break;
+      hist[W - 1] = x_now[i];
+      const float d = g_now[i] * SiluGrad(Pre<W>(bias, w, hist));
+      db += d;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        dw[k] += d * hist[k];
+        dp[k] = k + 1 < W ? dp[k + 1] : d;
+      }
+      emit(s);
+#pragma unroll
+      for (int k = 0; k + 1 < W; ++k) hist[k] = hist[k + 1];
+    }
+  }
+  // Outputs past the window have no gradient: the last W − 1 raw inputs' sums end with zeros.
+#pragma unroll
+  for (int j = 0; j < W - 1; ++j) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) dp[k] = k + 1 < W ? dp[k + 1] : 0.f;
+    emit(T + j);
+  }
+  float* part = partials + static_cast<size_t>(b) * (in.channels * W + in.channels);
+#pragma unroll
+  for (int k = 0; k < W; ++k) part[c * W + k] = dw[k];
+  part[in.channels * W + c] = db;
 }
 
-// The backward's block: one sequence, kWarpSize channels, windows of kBackwardSteps steps. Its threads first copy a
-// window's history rows and output gradients into shared memory together (VW channels a load, every global element
-// read once), then each warp takes kBackwardChunk steps of it, a lane per channel, as the forward does.
-constexpr int kBackwardSteps = kWarps * kBackwardChunk;
-
-template <int W, int VW>
-__global__ void __launch_bounds__(kThreads)
+// Warps whose channels are all of the first `inner` read one row a step and have 8 steps in flight; those with B/C
+// channels read kHeadGroup partials a step and have 4, so both fit the registers that keep every warp of `small`
+// resident at once (≤ 96 a thread).
+template <int W>
+__global__ void __launch_bounds__(kBackwardThreads)
     ConvBackwardKernel(ConvInput in, ConvOutputGrad grad, float* dx, int lddx, float* partials) {
-  // Raw inputs t0 .. t0 + kBackwardSteps − 1 feed outputs up to W − 1 steps later, whose pre-activations read
-  // history rows up to 2W − 2 past the window.
-  constexpr int kOutputs = kBackwardSteps + W - 1, kRows = kBackwardSteps + 2 * W - 2;
-  constexpr int kRowVectors = kWarpSize / VW;
-  constexpr int kRowLoads = CeilDiv(kRows * kRowVectors, kThreads);
-  constexpr int kOutputLoads = CeilDiv(kOutputs * kRowVectors, kThreads);
-  __shared__ float hist[kRows][kWarpSize], dpre[kOutputs][kWarpSize];
-  __shared__ float sums[W + 1][kWarps][kWarpSize];  // per warp: d weight taps, then d bias
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int c0 = blockIdx.x * kWarpSize, c = c0 + lane, b = blockIdx.y, T = in.window;
-  float w[W], bias = 0.f;
-#pragma unroll
-  for (int k = 0; k < W; ++k) w[k] = c < in.channels ? in.weight[c * W + k] : 0.f;
-  if (c < in.channels) bias = in.bias[c];
-  float dw[W] = {}, db = 0.f;
-  for (int t0 = 0; t0 < T; t0 += kBackwardSteps) {
-    // Every load of the window is issued before the first store to shared memory.
-    float rows[kRowLoads][VW], outs[kOutputLoads][VW];
-#pragma unroll
-    for (int l = 0; l < kRowLoads; ++l) {
-      const int e = threadIdx.x + l * kThreads, j = e / kRowVectors, ch = c0 + e % kRowVectors * VW, r = t0 + j;
-#pragma unroll
-      for (int v = 0; v < VW; ++v) rows[l][v] = 0.f;
-      if (j >= kRows || ch >= in.channels) continue;
-      if (r < W - 1) {
-        if (in.state_in) {
-          LoadVector<VW>(in.state_in + (static_cast<size_t>(b) * (W - 1) + r) * in.channels + ch, rows[l]);
-        }
-      } else if (r < T + W - 1) {
-        LoadVector<VW>(in.x + static_cast<size_t>(b * T + r - (W - 1)) * in.ldx + ch, rows[l]);
-      }
-    }
-#pragma unroll
-    for (int l = 0; l < kOutputLoads; ++l) {
-      const int e = threadIdx.x + l * kThreads, i = e / kRowVectors, ch = c0 + e % kRowVectors * VW;
-#pragma unroll
-      for (int v = 0; v < VW; ++v) outs[l][v] = 0.f;
-      if (i >= kOutputs || ch >= in.channels || t0 + i >= T) continue;
-      const size_t row = static_cast<size_t>(b) * T + t0 + i;
-      if (ch < grad.inner) {
-        LoadVector<VW>(grad.dxs + row * grad.inner + ch, outs[l]);
-      } else {  // the sum over heads of the B/C partials, heads in order
-        const int width = in.channels - grad.inner;
-        const float* parts = grad.dbc + row * grad.heads * width + (ch - grad.inner);
-#pragma unroll 4
-        for (int h = 0; h < grad.heads; ++h) {
-          float p[VW];
-          LoadVector<VW>(parts + h * width, p);
-#pragma unroll
-          for (int v = 0; v < VW; ++v) outs[l][v] += p[v];
-        }
-      }
-    }
-#pragma unroll
-    for (int l = 0; l < kRowLoads; ++l) {
-      const int e = threadIdx.x + l * kThreads;
-      if (e < kRows * kRowVectors) {
-#pragma unroll
-        for (int v = 0; v < VW; ++v) hist[e / kRowVectors][e % kRowVectors * VW + v] = rows[l][v];
-      }
-    }
-#pragma unroll
-    for (int l = 0; l < kOutputLoads; ++l) {
-      const int e = threadIdx.x + l * kThreads;
-      if (e < kOutputs * kRowVectors) {
-#pragma unroll
-        for (int v = 0; v < VW; ++v) dpre[e / kRowVectors][e % kRowVectors * VW + v] = outs[l][v];
-      }
-    }
-    __syncthreads();
-    const int s0 = warp * kBackwardChunk;  // this warp's first step in the window
-    if (c < in.channels && t0 + s0 < T) {
-      float h[kBackwardChunk + 2 * W - 2], d[kBackwardChunk + W - 1];
-#pragma unroll
-      for (int j = 0; j < kBackwardChunk + 2 * W - 2; ++j) h[j] = hist[s0 + j][lane];
-#pragma unroll
-      for (int i = 0; i < kBackwardChunk + W - 1; ++i) d[i] = dpre[s0 + i][lane] * SiluGrad(Pre<W>(bias, w, h + i));
-#pragma unroll
-      for (int i = 0; i < kBackwardChunk; ++i) {
-        if (t0 + s0 + i >= T) break;
-        db += d[i];
-#pragma unroll
-        for (int k = 0; k < W; ++k) dw[k] += d[i] * h[i + k];
-        // Raw input t0 + s0 + i is history row t0 + s0 + i + W − 1: output t0 + s0 + i + k read it through tap
-        // W − 1 − k.
-        float d_input = 0.f;
-#pragma unroll
-        for (int k = 0; k < W; ++k) d_input += w[W - 1 - k] * d[i + k];
-        dx[static_cast<size_t>(b * T + t0 + s0 + i) * lddx + c] = d_input;
-      }
-    }
-    __syncthreads();  // the next window overwrites hist and dpre
-  }
-#pragma unroll
-  for (int k = 0; k < W; ++k) sums[k][warp][lane] = dw[k];
-  sums[W][warp][lane] = db;
-  __syncthreads();
-  if (c >= in.channels) return;
-  float* part = partials + static_cast<size_t>(b) * (in.channels * W + in.channels);
-  for (int k = warp; k <= W; k += kWarps) {
-    float total = 0.f;
-#pragma unroll
-    for (int v = 0; v < kWarps; ++v) total += sums[k][v][lane];
-    part[k < W ? c * W + k : in.channels * W + c] = total;
+  const int tiles = CeilDiv(in.channels, kWarpSize);
+  const int item = blockIdx.x * kBackwardWarps + threadIdx.x / kWarpSize;
+  const int c0 = item % tiles * kWarpSize, c = c0 + threadIdx.x % kWarpSize;
+  if (item >= in.batch * tiles || c >= in.channels) return;  // no barrier or shuffle in this kernel
+  if (c0 + kWarpSize <= grad.inner) {
+    ConvBackwardWarp<W, 8, 1>(in, grad, item / tiles, c, dx, lddx, partials);
+  } else {
+    ConvBackwardWarp<W, 4, kHeadGroup>(in, grad, item / tiles, c, dx, lddx, partials);
   }
 }
 
@@ -201,23 +182,11 @@ cudaError_t ForwardOfWidth(const ConvInput& in, float* out, float* state_out, cu
   return cudaGetLastError();
 }
 
-// Whether the backward may read its inputs VW = 4 channels at a time: every row of x, state_in, dxs and dbc starts on
-// a 16-byte boundary and the B/C channels split into whole vectors.
-bool BackwardVectorizable(const ConvInput& in, const ConvOutputGrad& grad) {
-  const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return in.ldx % 4 == 0 && in.channels % 4 == 0 && grad.inner % 4 == 0 && aligned(in.x) && aligned(in.state_in) &&
-         aligned(grad.dxs) && aligned(grad.dbc);
-}
-
 template <int W>
 cudaError_t BackwardOfWidth(const ConvInput& in, const ConvOutputGrad& grad, float* dx, int lddx, float* partials,
                             cudaStream_t stream) {
-  const dim3 grid(CeilDiv(in.channels, kWarpSize), in.batch);
-  if (BackwardVectorizable(in, grad)) {
-    ConvBackwardKernel<W, 4><<<grid, kThreads, 0, stream>>>(in, grad, dx, lddx, partials);
-  } else {
-    ConvBackwardKernel<W, 1><<<grid, kThreads, 0, stream>>>(in, grad, dx, lddx, partials);
-  }
+  const int warps = in.batch * CeilDiv(in.channels, kWarpSize);
+  ConvBackwardKernel<W><<<CeilDiv(warps, kBackwardWarps), kBackwardThreads, 0, stream>>>(in, grad, dx, lddx, partials);
   return cudaGetLastError();
 }
 
