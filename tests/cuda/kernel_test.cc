@@ -261,7 +261,7 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
                            ConvCase{3, 70, 37, 4, 30, 3, true}, ConvCase{1, 2, 7, 8, 1, 2, true},
                            ConvCase{2, 33, 9, 1, 9, 1, false}, ConvCase{1, 40, 11, 3, 5, 2, true},
                            ConvCase{3, 150, 72, 4, 48, 4, true}, ConvCase{2, 64, 96, 4, 64, 4, false},
-                           ConvCase{2, 20, 40, 8, 16, 2, true}}) {
+                           ConvCase{2, 20, 40, 8, 16, 2, true}, ConvCase{2, 24, 40, 4, 16, 6, true}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " ch" << k.channels << " W" << k.width);
     // Channels in whole float4s get rows on 16-byte boundaries (the backward's vector loads), the others odd rows.
     const int B = k.batch, T = k.window, CH = k.channels, W = k.width, rows = B * T, carried = W - 1;
