@@ -4,8 +4,6 @@
 // needs) into registers up front, so all of its loads are in flight together. The backward recomputes each
 // pre-activation from the history rather than reading a stored one, and sums its weight partials in a fixed order
 // (deterministic, no atomics).
-#include <cuda_pipeline.h>
-
 #include "kernels/common.cuh"
 #include "kernels/conv.h"
 
@@ -180,20 +178,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The backward walk computes each pre-activation and its gradient once. A warp's next chunk of rows is copied into
-// its own ring of kWalkStages chunks in shared memory (cp.async), so the rows in flight take no registers. Each lane
-// copies and reads only its own channel's column, so no lane waits on another. An output gradient of a B/C channel
-// is the sum over heads of its partials, of at most kHeadGroup heads here.
+// The backward walk computes each pre-activation and its gradient once. An output gradient of a B/C channel is the
+// sum over heads of its partials, of at most kHeadGroup heads here: they are held raw and added when their chunk
+// comes up.
 constexpr int kHeadGroup = 4;
-constexpr int kWalkStages = 2;
-constexpr int kRingRows = 40;  // a chunk's rows: 8 steps × (x + kHeadGroup partials), or 16 steps × (x + dxs)
 
 template <int W, int K, int HG>
 __device__ __forceinline__ void ConvBackwardWarp(const ConvInput& in, const ConvOutputGrad& grad, int b, int c,
-                                                 float (*ring)[kRingRows][kWarpSize], float* dx, int lddx,
-                                                 float* partials) {
-  static_assert(K * (1 + HG) <= kRingRows);
-  const int T = in.window, lane = threadIdx.x % kWarpSize;
+                                                 float* dx, int lddx, float* partials) {
+  const int T = in.window;
   float w[W];
 #pragma unroll
   for (int k = 0; k < W; ++k) w[k] = in.weight[c * W + k];
@@ -208,21 +201,15 @@ __device__ __forceinline__ void ConvBackwardWarp(const ConvInput& in, const Conv
   const float* x_col = in.x + static_cast<size_t>(b) * T * in.ldx + c;
   float* dx_col = dx + static_cast<size_t>(b) * T * lddx + c;
 
-  // Step s0 + i's raw input goes to row i·(1 + HG) of the stage, its gradient partials to the HG rows after it.
-  const auto copy = [&](int stage, int s0) {
+  float x_next[K], g_next[K][HG];  // the next chunk's rows, in flight
+  const auto load = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < K; ++i) {
-      if (s0 + i >= T) break;
-      __pipeline_memcpy_async(&ring[stage][i * (1 + HG)][lane], x_col + (s0 + i) * in.ldx, sizeof(float));
+      const bool valid = s0 + i < T;
+      x_next[i] = valid ? x_col[(s0 + i) * in.ldx] : 0.f;
 #pragma unroll
-      for (int h = 0; h < HG; ++h) {
-        if (h < heads) {
-          __pipeline_memcpy_async(&ring[stage][i * (1 + HG) + 1 + h][lane], g_col + (s0 + i) * g_ld + h * width,
-                                  sizeof(float));
-        }
-      }
+      for (int h = 0; h < HG; ++h) g_next[i][h] = valid && h < heads ? g_col[(s0 + i) * g_ld + h * width] : 0.f;
     }
-    __pipeline_commit();
   };
   // hist: history rows s .. s + W − 1 for output s (the last, raw input s, filled in its step); dp: d pre-activation
   // of outputs s − W + 1 .. s.
@@ -238,25 +225,23 @@ __device__ __forceinline__ void ConvBackwardWarp(const ConvInput& in, const Conv
     for (int k = 0; k < W; ++k) d_input += w[W - 1 - k] * dp[k];
     dx_col[(s - (W - 1)) * lddx] = d_input;
   };
-  static_assert(kWalkStages == 2);
-  copy(0, 0);
-  for (int s0 = 0, stage = 0; s0 < T; s0 += K, stage ^= 1) {
-    // The other stage was read in the previous chunk, whose reads have all returned: every one fed a computation.
-    if (s0 + K < T) {
-      copy(stage ^ 1, s0 + K);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
+  load(0);
+  for (int s0 = 0; s0 < T; s0 += K) {
+    float x_now[K], g_now[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      x_now[i] = x_next[i];
+      g_now[i] = 0.f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) g_now[i] += g_next[i][h];  // heads in order
     }
+    if (s0 + K < T) load(s0 + K);
 #pragma unroll
     for (int i = 0; i < K; ++i) {
       const int s = s0 + i;
       if (s >= T) break;
-      hist[W - 1] = ring[stage][i * (1 + HG)][lane];
-      float g = 0.f;
-#pragma unroll
-      for (int h = 0; h < HG; ++h) g += h < heads ? ring[stage][i * (1 + HG) + 1 + h][lane] : 0.f;  // heads in order
-      const float d = g * SiluGrad(Pre<W>(bias, w, hist));
+      hist[W - 1] = x_now[i];
+      const float d = g_now[i] * SiluGrad(Pre<W>(bias, w, hist));
       db += d;
 #pragma unroll
       for (int k = 0; k < W; ++k) {
@@ -281,20 +266,19 @@ __device__ __forceinline__ void ConvBackwardWarp(const ConvInput& in, const Conv
   part[in.channels * W + c] = db;
 }
 
-// Warps whose channels are all of the first `inner` read one row a step and take 16 steps a chunk; those with B/C
-// channels read kHeadGroup partials a step and take 8, so a chunk fills the ring either way.
+// Warps whose channels are all of the first `inner` read one row a step and have 8 steps in flight; those with B/C
+// channels read kHeadGroup partials a step and have 4, so both fit kWalkMinBlocks' registers.
 template <int W>
 __global__ void __launch_bounds__(kWalkThreads, kWalkMinBlocks)
     ConvBackwardWalkKernel(ConvInput in, ConvOutputGrad grad, float* dx, int lddx, float* partials) {
-  __shared__ float ring[kWalkWarps][kWalkStages][kRingRows][kWarpSize];
-  const int tiles = CeilDiv(in.channels, kWarpSize), warp = threadIdx.x / kWarpSize;
-  const int item = blockIdx.x * kWalkWarps + warp;
+  const int tiles = CeilDiv(in.channels, kWarpSize);
+  const int item = blockIdx.x * kWalkWarps + threadIdx.x / kWarpSize;
   const int c0 = item % tiles * kWarpSize, c = c0 + threadIdx.x % kWarpSize;
   if (item >= in.batch * tiles || c >= in.channels) return;  // no barrier or shuffle in this kernel
   if (c0 + kWarpSize <= grad.inner) {
-    ConvBackwardWarp<W, 16, 1>(in, grad, item / tiles, c, ring[warp], dx, lddx, partials);
+    ConvBackwardWarp<W, 8, 1>(in, grad, item / tiles, c, dx, lddx, partials);
   } else {
-    ConvBackwardWarp<W, 8, kHeadGroup>(in, grad, item / tiles, c, ring[warp], dx, lddx, partials);
+    ConvBackwardWarp<W, 4, kHeadGroup>(in, grad, item / tiles, c, dx, lddx, partials);
   }
 }
 
