@@ -1,9 +1,9 @@
 // Causal depthwise conv + SiLU, instantiated per width W. A warp spans 32 adjacent channels of one sequence, a lane
-// per channel, so every row access is coalesced. For short windows a warp walks its whole sequence in order; for long
-// ones each thread takes a chunk of consecutive steps and loads its history rows (and those past its end that it
-// needs) into registers up front, so all of its loads are in flight together. The backward recomputes each
-// pre-activation from the history rather than reading a stored one, and sums its weight partials in a fixed order
-// (deterministic, no atomics).
+// per channel, so every row access is coalesced. A forward thread (and a backward one for long windows) takes a chunk
+// of consecutive steps and loads its history rows (and those past its end that it needs) into registers up front, so
+// all of its loads are in flight together; for short windows a backward warp walks its whole sequence in order. The
+// backward recomputes each pre-activation from the history rather than reading a stored one, and sums its weight
+// partials in a fixed order (deterministic, no atomics).
 #include "kernels/common.cuh"
 #include "kernels/conv.h"
 
@@ -13,7 +13,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kForwardChunk = 16;  // steps per forward thread
-constexpr int kBackwardChunk = 8;  // steps per thread of the chunked backward: 8 warps cover 64 steps at once
+constexpr int kBackwardChunk = 8;  // steps per backward thread: a block's 8 warps cover a 64-step window at once
 
 // Row r of sequence b's history [state (width−1 rows) ; window rows], channel c; zero past the history's end.
 template <int W>
@@ -32,64 +32,8 @@ __device__ __forceinline__ float Pre(float bias, const float (&w)[W], const floa
   return acc;
 }
 
-// The walking kernels, for windows up to kWalkMaxWindow steps: a warp takes one sequence and 32 adjacent channels
-// and walks the steps in order, the rows of its next chunk of steps in flight while it works through the current one.
-// Every row is read once, and the warps are few enough that an SM holds all of `small`'s at once: kWalkMinBlocks
-// blocks of kWalkWarps (≤ 102 registers a thread).
-constexpr int kWalkWarps = 4;
-constexpr int kWalkThreads = kWalkWarps * kWarpSize;
-constexpr int kWalkMinBlocks = 5;
-constexpr int kWalkMaxWindow = 64;
-constexpr int kForwardWalkChunk = 16;
-
 template <int W>
-__global__ void __launch_bounds__(kWalkThreads, kWalkMinBlocks)
-    ConvForwardWalkKernel(ConvInput in, float* out, float* state_out) {
-  constexpr int K = kForwardWalkChunk;
-  const int tiles = CeilDiv(in.channels, kWarpSize);
-  const int item = blockIdx.x * kWalkWarps + threadIdx.x / kWarpSize;
-  const int c = item % tiles * kWarpSize + threadIdx.x % kWarpSize;
-  if (item >= in.batch * tiles || c >= in.channels) return;  // no barrier or shuffle in this kernel
-  const int b = item / tiles, T = in.window;
-  float w[W];
-#pragma unroll
-  for (int k = 0; k < W; ++k) w[k] = in.weight[c * W + k];
-  const float bias = in.bias[c];
-  // History rows s .. s + W − 1 for output s; the last, raw input s, is filled in its step.
-  float hist[W];
-#pragma unroll
-  for (int k = 0; k < W - 1; ++k) hist[k] = History<W>(in, b, k, c);
-  const float* x_col = in.x + static_cast<size_t>(b) * T * in.ldx + c;
-  float* out_col = out + static_cast<size_t>(b) * T * in.channels + c;
-  float x_next[K];
-  const auto load = [&](int s0) {
-#pragma unroll
-    for (int i = 0; i < K; ++i) x_next[i] = s0 + i < T ? x_col[(s0 + i) * in.ldx] : 0.f;
-  };
-  load(0);
-  for (int s0 = 0; s0 < T; s0 += K) {
-    float x_now[K];
-#pragma unroll
-    for (int i = 0; i < K; ++i) x_now[i] = x_next[i];
-    if (s0 + K < T) load(s0 + K);
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      if (s0 + i >= T) break;
-      hist[W - 1] = x_now[i];
-      out_col[(s0 + i) * in.channels] = Silu(Pre<W>(bias, w, hist));
-#pragma unroll
-      for (int k = 0; k + 1 < W; ++k) hist[k] = hist[k + 1];
-    }
-  }
-  if (state_out) {  // history rows window .. window + W − 2
-#pragma unroll
-    for (int k = 0; k < W - 1; ++k) state_out[(static_cast<size_t>(b) * (W - 1) + k) * in.channels + c] = hist[k];
-  }
-}
-
-// The forward for long windows: a thread takes a chunk of kForwardChunk steps.
-template <int W>
-__global__ void __launch_bounds__(kThreads) ConvForwardChunkKernel(ConvInput in, float* out, float* state_out) {
+__global__ void __launch_bounds__(kThreads) ConvForwardKernel(ConvInput in, float* out, float* state_out) {
   const int c = blockIdx.x * kWarpSize + threadIdx.x % kWarpSize;
   const int chunks_per_sequence = CeilDiv(in.window, kForwardChunk);
   const int chunk = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
@@ -178,9 +122,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The backward walk computes each pre-activation and its gradient once. An output gradient of a B/C channel is the
-// sum over heads of its partials, of at most kHeadGroup heads here: they are held raw and added when their chunk
-// comes up.
+// The backward walk, for windows up to kWalkMaxWindow steps: a warp takes one sequence and 32 adjacent channels and
+// walks the steps in order, the rows of its next chunk of steps in flight while it works through the current one.
+// Every row is read once, each pre-activation and its gradient computed once, and the warps are few enough that an
+// SM holds all of `small`'s at once: kWalkMinBlocks blocks of kWalkWarps (≤ 102 registers a thread). An output
+// gradient of a B/C channel is the sum over heads of its partials, of at most kHeadGroup heads here: they are held
+// raw and added when their chunk comes up.
+constexpr int kWalkWarps = 4;
+constexpr int kWalkThreads = kWalkWarps * kWarpSize;
+constexpr int kWalkMinBlocks = 5;
+constexpr int kWalkMaxWindow = 64;
 constexpr int kHeadGroup = 4;
 
 template <int W, int K, int HG>
@@ -284,14 +235,9 @@ __global__ void __launch_bounds__(kWalkThreads, kWalkMinBlocks)
 
 template <int W>
 cudaError_t ForwardOfWidth(const ConvInput& in, float* out, float* state_out, cudaStream_t stream) {
-  if (in.window <= kWalkMaxWindow) {
-    const int warps = in.batch * CeilDiv(in.channels, kWarpSize);
-    ConvForwardWalkKernel<W><<<CeilDiv(warps, kWalkWarps), kWalkThreads, 0, stream>>>(in, out, state_out);
-  } else {
-    const int chunks = in.batch * CeilDiv(in.window, kForwardChunk);
-    ConvForwardChunkKernel<W><<<dim3(CeilDiv(in.channels, kWarpSize), CeilDiv(chunks, kWarps)), kThreads, 0, stream>>>(
-        in, out, state_out);
-  }
+  const int chunks = in.batch * CeilDiv(in.window, kForwardChunk);
+  ConvForwardKernel<W><<<dim3(CeilDiv(in.channels, kWarpSize), CeilDiv(chunks, kWarps)), kThreads, 0, stream>>>(
+      in, out, state_out);
   return cudaGetLastError();
 }
 
