@@ -259,9 +259,13 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
   for (const ConvCase k : {ConvCase{1, 1, 5, 4, 3, 1, true}, ConvCase{2, 9, 22, 4, 16, 4, false},
                            ConvCase{3, 70, 37, 4, 30, 3, true}, ConvCase{1, 2, 7, 8, 1, 2, true},
-                           ConvCase{2, 33, 9, 1, 9, 1, false}, ConvCase{1, 40, 11, 3, 5, 2, true}}) {
+                           ConvCase{2, 33, 9, 1, 9, 1, false}, ConvCase{1, 40, 11, 3, 5, 2, true},
+                           ConvCase{3, 150, 72, 4, 48, 4, true}, ConvCase{2, 64, 96, 4, 64, 4, false},
+                           ConvCase{2, 20, 40, 8, 16, 2, true}, ConvCase{2, 24, 40, 4, 16, 6, true}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " ch" << k.channels << " W" << k.width);
-    const int B = k.batch, T = k.window, CH = k.channels, W = k.width, rows = B * T, ldx = CH + 3, carried = W - 1;
+    // Channels in whole float4s get rows on 16-byte boundaries (the backward's vector loads), the others odd rows.
+    const int B = k.batch, T = k.window, CH = k.channels, W = k.width, rows = B * T, carried = W - 1;
+    const int ldx = CH % 4 == 0 ? CH + 4 : CH + 3;
     const Floats x = RandomFloats(rows * ldx, 40, -2, 2), weight = RandomFloats(CH * W, 41), bias = RandomFloats(CH, 42);
     const Floats state = RandomFloats(std::max(1, B * carried * CH), 43);
     const int bc = CH - k.inner;
