@@ -584,15 +584,9 @@ struct CfcLaunch {
   int blocks = 0;
 };
 
-cudaError_t Multiprocessors(int* sms) {
-  int device = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-}
-
 cudaError_t PlanCfcLaunch(const CfcShape& shape, size_t weight_floats, int per_seq_floats, CfcLaunch* plan) {
   int device = 0, sms = 0, max_shared = 0;
-  if (const cudaError_t e = Multiprocessors(&sms); e != cudaSuccess) return e;
+  if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       e != cudaSuccess) {
@@ -641,7 +635,7 @@ cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStr
   config.numAttrs = Tile::kCluster > 1 ? 1 : 0;
   int capacity = 0;
   if constexpr (Tile::kCluster == 1) {
-    if (const cudaError_t e = Multiprocessors(&capacity); e != cudaSuccess) return e;
+    if (const cudaError_t e = MultiprocessorCount(&capacity); e != cudaSuccess) return e;
   } else {
     config.gridDim = dim3(Tile::kCluster);
     if (const cudaError_t e = cudaOccupancyMaxActiveClusters(&capacity, kernels[0], &config); e != cudaSuccess) {

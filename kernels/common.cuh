@@ -12,6 +12,13 @@ constexpr float kNormEps = 1e-5f;
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int RoundUpToWarp(int n) { return CeilDiv(n, kWarpSize) * kWarpSize; }
 
+// The current device's multiprocessors, for the launchers that size their grids by them.
+inline cudaError_t MultiprocessorCount(int* sms) {
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 // 1/(1 + e^−v) for v ≥ 0, e^v/(1 + e^v) below: the same bits as those two branches, from one expf and one division
 // without a branch, so a warp whose lanes straddle 0 does not evaluate both (and Silu/SiluGrad of one value share it).
 __device__ __forceinline__ float Sigmoid(float v) {

@@ -505,12 +505,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (L::kTensorStores && threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-cudaError_t MultiprocessorCount(int* sms) {
-  int device = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-}
-
 // The tensor map of a row-major [layers][rows][cols] float32 tensor (leading dimension ld, layers `stride` apart; in
 // floats) in boxes of box_cols × box_rows (box_cols · 4 = 128 bytes) with the 128-byte swizzle of Swizzled(): a
 // host-side encoding, no device call, so a launch being captured into a graph may build it.
