@@ -636,14 +636,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
-  // index at a time. The exchanges' barriers belong to the lanes of warp 1.
+  // index at a time. The exchanges' barriers and the states' follow in the same count, armed after a block barrier.
+  // One loop of lane 0s: an init under a warp-uniform predicate (what nvcc made of `if (warp == 1 && lane < n)`)
+  // is counted by racecheck as every lane's, at a stale address, whether or not the predicate holds.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const bool issues = warp_lane == 0 && warp < launch_bars;
-  for (int b = warp > 0 ? warp : kStreamWarps; issues && b < launch_bars; b += kStreamWarps) BarrierInit(bars + b);
-  if (warp == 1 && warp_lane < exchanges) BarrierInit(exchange_bars + warp_lane);
-  if (tid == 2 * kWarpSize) BarrierInit(state_bar);
-  if (issues || (warp == 1 && warp_lane < exchanges) || tid == 2 * kWarpSize) BarrierInitFence();
+  const int inits = launch_bars + exchanges + 1;
+  auto barrier = [&](int b) {
+    return b < launch_bars ? bars + b : b < launch_bars + exchanges ? exchange_bars + (b - launch_bars) : state_bar;
+  };
+  const bool issues = warp_lane == 0 && warp < launch_bars, initializes = warp_lane == 0 && warp < inits;
+  for (int b = warp > 0 ? warp : kStreamWarps; initializes && b < inits; b += kStreamWarps) BarrierInit(barrier(b));
+  if (initializes && (warp > 0 || kStreamWarps < inits)) BarrierInitFence();
   int* rows = reinterpret_cast<int*>(smem + p.rows);
   auto issue = [&](int b) {
     const int si = b - 1;
