@@ -741,6 +741,29 @@ __device__ __forceinline__ void StorePair(float* out, float v0, float v1, bool p
   }
 }
 
+// Stores a strip of m16n8 fragments (tile r's eight columns from col0 + step·r, this thread's two of them from
+// col0 + step·r + 2·(lane mod 4)): out[t·ld + c] = value(t, c, big + small) for rows t = row0 + lane / 4 and 8 below
+// it, rows < rows and columns < cols, as column pairs where `paired`.
+template <int kTiles, class Value>
+__device__ __forceinline__ void StoreStrip(float* out, size_t ld, int tiles, int row0, int rows, int col0, int step,
+                                           int cols, bool paired, const float (&big)[kTiles][4],
+                                           const float (&small)[kTiles][4], Value value) {
+  const int g = threadIdx.x % kWarpSize / 4, t4 = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < kTiles; ++r) {
+    if (r >= tiles) break;
+    const int c = col0 + step * r + 2 * t4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = row0 + g + 8 * half;
+      if (t < rows && c < cols) {
+        StorePair(out + t * ld + c, value(t, c, big[r][2 * half] + small[r][2 * half]),
+                  value(t, c + 1, big[r][2 * half + 1] + small[r][2 * half + 1]), paired, c + 1 < cols);
+      }
+    }
+  }
+}
+
 // How both tensor-core kernels end: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
 // M and a [time][p] V, row stride ld. Warp w takes row blocks w / 4 and 3 − w / 4 (depths of 1 and 4, or 2 and 3
 // blocks, whichever side of the diagonal M's depth lies) on column groups 2q and 2q + 1, q = w mod 4;
@@ -748,7 +771,7 @@ __device__ __forceinline__ void StorePair(float* out, float v0, float v1, bool p
 template <class Product, class Value>
 __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out, int ld, Product product,
                                                Value value) {
-  const int warp = threadIdx.x / kWarpSize, g = threadIdx.x % kWarpSize / 4, t4 = threadIdx.x % 4;
+  const int warp = threadIdx.x / kWarpSize;
   const int q = warp % 4, tiles = min(2, pc / 8 - 2 * q);
   const bool pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
   for (int pass = 0; pass < 2 && tiles > 0; ++pass) {
@@ -757,19 +780,7 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
     Zero(big);
     Zero(small);
     product(i, q, tiles, big, small);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r >= tiles) break;
-      const int p = 16 * q + 8 * r + 2 * t4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = 16 * i + g + 8 * half;
-        if (t < T && p < P) {
-          StorePair(out + static_cast<size_t>(t) * ld + p, value(t, p, big[r][2 * half] + small[r][2 * half]),
-                    value(t, p + 1, big[r][2 * half + 1] + small[r][2 * half + 1]), pairs, p + 1 < P);
-        }
-      }
-    }
+    StoreStrip(out, ld, tiles, 16 * i, T, 16 * q, 8, P, pairs, big, small, value);
   }
 }
 
@@ -890,19 +901,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
     float big[kTiles][4], small[kTiles][4];
     auto store = [&](int offset) {  // offset 0: d B, N: d C
-#pragma unroll
-      for (int q = 0; q < kTiles; ++q) {
-        if (q >= tiles) break;
-        const int n = 8 * parity + 16 * q + 2 * t4;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int k = 16 * i + g + 8 * half;
-          if (k < T && n < N) {
-            StorePair(grad.dbc + ((row0 + k) * H + h) * 2 * N + offset + n, big[q][2 * half] + small[q][2 * half],
-                      big[q][2 * half + 1] + small[q][2 * half + 1], dbc_pairs, n + 1 < N);
-          }
-        }
-      }
+      StoreStrip(grad.dbc + (row0 * H + h) * 2 * N + offset, static_cast<size_t>(H) * 2 * N, tiles, 16 * i, T,
+                 8 * parity, 16, N, dbc_pairs, big, small, [](int, int, float v) { return v; });
     };
     Zero(big);
     Zero(small);
