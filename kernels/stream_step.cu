@@ -385,15 +385,24 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
   return conv;
 }
 
-// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n for n = lane,
-// lane + 8, …, stored to `out` when given (state null: a zero state), and the lane's part of Σ C n·state n.
-__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt,
-                                             float x, int N, int lane) {
+// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + (Δt·x)·B n for n = lane,
+// lane + 8, …, stored to `out` when given (state null: a zero state; out may be state), and the lane's part of
+// Σ C n·state n. The roundings are spelled out, so that every caller gets the same bits. kN: N when known at compile
+// time (a multiple of 8: the loop unrolls whole), else 0.
+template <int kN = 0>
+__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt_x,
+                                             int N, int lane) {
   float sum = 0.f;
-  for (int n = lane; n < N; n += kLanesPerRow) {
-    const float s_new = decay * (state ? state[n] : 0.f) + dt * x * bc[n];
+  auto step = [&](int n) {
+    const float s_new = __fmaf_rn(decay, state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
     if (out) out[n] = s_new;
-    sum += bc[N + n] * s_new;
+    sum = __fmaf_rn(bc[N + n], s_new, sum);
+  };
+  if constexpr (kN > 0 && kN % kLanesPerRow == 0) {
+#pragma unroll
+    for (int i = 0; i < kN / kLanesPerRow; ++i) step(lane + i * kLanesPerRow);
+  } else {
+    for (int n = lane; n < N; n += kLanesPerRow) step(n);
   }
   return sum;
 }
@@ -470,8 +479,9 @@ __device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f /
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
 // product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
 // zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's.
-template <int EG, int M>
+// product needs no pass of its own; the sum has the bits of NormScales's. kAdd false: each lane's own part of every
+// sum, for the caller to add up in RowSum's order (LaneRowSum).
+template <int EG, int M, bool kAdd = true>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
                                                bool active, bool squares) {
   RowSums<EG, M> sums;
@@ -500,7 +510,7 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
+  for (int m = 0; kAdd && m < M; ++m) {
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
   }
@@ -852,7 +862,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const float* state =
                               p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N
                                               : global_state;
-                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt, xc[e], N, row_lane);
+                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt * xc[e], N, row_lane);
                         }
 #pragma unroll
                         for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
@@ -991,22 +1001,25 @@ __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
 }
 
 // The epilogues spread a tile's events over the lanes of a row (lane e finishes event e), so a row's scalar work is
-// not repeated in every lane: lane e's own entry of a row's sums, which every lane holds.
-static_assert(kLanesPerRow == kWideEvents, "a row's lanes take one event each");
-__device__ __forceinline__ float LaneEvent(const float (&v)[kWideEvents], int lane) {
-  float mine = v[0];
+// not repeated in every lane. Lane e's sum of event e from the row's lanes' parts v: RowSum's butterfly as a
+// reduce-scatter (each lane keeps the half of the events its next steps need and adds its partner's part of them),
+// the same pairs added in the same order as RowSum adds them, so the same bits, in 7 shuffles instead of 24.
+static_assert(kLanesPerRow == kWideEvents && kWideEvents == 8, "a row's lanes take one event each");
+__device__ __forceinline__ float LaneRowSum(const float (&v)[kWideEvents], int lane) {
+  float a[4], b[2];
+  const bool hi4 = lane & 4, hi2 = lane & 2, hi1 = lane & 1;
 #pragma unroll
-  for (int e = 1; e < kWideEvents; ++e) mine = lane == e ? v[e] : mine;
-  return mine;
-}
-
-// Starts copying n floats from src (global) to dst (shared): 16-byte pieces when both are 16-byte aligned.
-__device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int n) {
-  if (((reinterpret_cast<uintptr_t>(src) | SharedAddress(dst)) & 15) == 0 && n % 4 == 0) {
-    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) CopyAsync16(dst + i, src + i);
-  } else {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) CopyAsync4(dst + i, src + i);
+  for (int j = 0; j < 4; ++j) {
+    const float keep = hi4 ? v[j + 4] : v[j], send = hi4 ? v[j] : v[j + 4];
+    a[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
   }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float keep = hi2 ? a[j + 2] : a[j], send = hi2 ? a[j] : a[j + 2];
+    b[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+  }
+  const float keep = hi1 ? b[1] : b[0], send = hi1 ? b[0] : b[1];
+  return keep + __shfl_xor_sync(0xffffffffu, send, 1);
 }
 
 // Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
@@ -1054,9 +1067,23 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
   }
 }
 
-// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at
-// in + e·per_event, summed as Products sums them (scaled by the events' 1/rms at rstd + e·per_event when rstd is
-// given); epilogue as Products's.
+// Lane e's M sums of event e of row u (weights at wu) for the tile whose inputs are at in + e·per_event, summed as
+// Products sums them (scaled by the event's 1/rms at rstd + e·per_event when rstd is given). Every lane of the warp
+// calls it.
+template <int M>
+__device__ __forceinline__ void TileRowSums(float (&out)[M], const float* wu, const float* in, int in_pad,
+                                            int per_event, const float* rstd, int lane, bool active) {
+  const RowSums<kWideEvents, M> parts = SumRows<kWideEvents, M, false>(wu, in, in_pad, per_event, lane, active, false);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    out[m] = LaneRowSum(parts.v[m], lane);
+    if (rstd && active) out[m] *= rstd[lane * per_event];
+  }
+}
+
+// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
+// rstd + e·per_event when given); `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e,
+// and every row group calls it, as Products's.
 template <int M, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
@@ -1065,15 +1092,9 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
     const int u = base + group;
     const bool active = u < u1;
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
-    if (rstd && active) {
-#pragma unroll
-      for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd[e * per_event];
-      }
-    }
-    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+    float acc[M];
+    TileRowSums<M>(acc, wu, in, s.in_pad, per_event, rstd, lane, active);
+    epilogue(u, acc, wu + M * s.in_pad, lane, active);
   }
 }
 
@@ -1085,6 +1106,10 @@ struct WideLayout {
   int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event;  // within out_head
 };
 constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
+// Floats between two rows of SSM states in the SSM kernel's shared memory: 16-byte aligned, and when the rows would
+// start in the same bank, eight more, so that the four rows (eight lanes each) of a warp's update fall in four banks
+// apart.
+__host__ __device__ constexpr int SsmRowStride(int N) { return Align4(N) % 16 == 0 ? Align4(N) + 8 : Align4(N); }
 __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   WideLayout o{};
   const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
@@ -1099,7 +1124,7 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   o.embed_conv = take(kWideEvents * W1 * 2 * p.N);
   o.embed = at;
   at = 0;
-  o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
+  o.ssm_states = take(kSsmEvents * kRowGroups * SsmRowStride(p.N));
   o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
   o.ssm_h = take(kSsmEvents * (D4 + 4));
   o.ssm_bc = take(kSsmEvents * Align4(BC));
@@ -1132,8 +1157,8 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
   TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (!active || first + e >= a.n) return;
                 float out;
                 if (u < 2 * N) {
@@ -1205,8 +1230,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   }
   __syncthreads();
   TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e) + prm[0];
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0] + prm[0];
                 if (!active) return;
                 h[e * pe_h + u] = v;
                 if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v;
@@ -1217,20 +1242,24 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
-// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) and
-// carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but layer 0's, whose
-// kernel ahead writes the tick's slots), its rows prefetched into L1; the new states are stored straight from the
-// update.
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' states and carried conv inputs are copied
+// into shared memory before the kernel waits for the one ahead (but layer 0's, whose kernel ahead writes the tick's
+// slots), its rows prefetched into L1. The update runs in place in shared memory, whose rows lie SsmRowStride apart
+// so that the four rows a warp updates at once fall in different banks; then the new states go out whole rows at a
+// time, in 16-byte pieces when N allows. kN: d_state when it is a multiple of 8 known at compile time (the update
+// unrolls whole), else 0.
+template <int kN>
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
-  const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
+  const int N = kN > 0 ? kN : p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
   const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
+  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
-  const int tile_state = kRowGroups * N, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
+  const int Nr = SsmRowStride(N), tile_state = kRowGroups * Nr, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
   const PackStage& s = p.stage[2 + 3 * l];
   float* states = smem + o.ssm_states;
   float* conv = smem + o.ssm_conv;
@@ -1239,20 +1268,42 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
   PrefetchL1(rows, (u1 - u0) * s.stride);
   const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
+  // A warp moves rows_per_step whole rows of one event a step (consecutive rows: one contiguous run in global
+  // memory), `pieces` pieces of 4 floats a row (of 1 when N or the states are not 16-byte aligned).
+  const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(a.st.ssm) & 15) == 0;
+  const int pieces = vec4 ? N / 4 : N, rows_per_step = pieces >= kWarpSize ? 1 : kWarpSize / pieces;
+  const int sub = pieces >= kWarpSize ? 0 : warp_lane / pieces, piece0 = warp_lane - sub * pieces;
+  // fn(row in shared memory, row in global memory (null for a padding event), first piece, pieces) for each row of
+  // each event this lane moves.
+  auto each_row = [&](auto&& fn) {
+#pragma unroll 1
+    for (int q = warp * rows_per_step + sub; sub < rows_per_step && q < kSsmEvents * kRowGroups;
+         q += kStreamWarps * rows_per_step) {
+      const int k = q / kRowGroups, r = q % kRowGroups, slot = slot_s[k];
+      if (u0 + r >= u1) continue;
+      fn(states + k * tile_state + r * Nr,
+         slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0 + r) * N : nullptr);
+    }
+  };
   auto copy_states = [&] {
     if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
     __syncthreads();
-    const int len = (u1 - u0) * N;
+    each_row([&](float* to, const float* from) {
 #pragma unroll 1
-    for (int e = 0; e < kSsmEvents; ++e) {
-      const int slot = slot_s[e];
-      if (slot < 0) {
-        for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
-      } else {
-        CopyRowsAsync(states + e * tile_state,
-                      a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N, len);
+      for (int c = piece0; c < pieces; c += kWarpSize) {
+        if (vec4 && from) {
+          CopyAsync16(to + 4 * c, from + 4 * c);
+        } else if (vec4) {
+          *reinterpret_cast<float4*>(to + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+          if (from) {
+            CopyAsync4(to + c, from + c);
+          } else {
+            to[c] = 0.f;
+          }
+        }
       }
-    }
+    });
     LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
   };
   if (l > 0) copy_states();
@@ -1265,14 +1316,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
-    }
-  }
+  float zx[2];
+  TileRowSums<2>(zx, wu, h, s.in_pad, pe_h, h + D4, lane, active);
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
@@ -1281,36 +1326,43 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
   // state dimension), then its gate and conv state.
   const int e = lane, slot = slot_s[e];
-  const float z = LaneEvent(sums.v[0], e), x = LaneEvent(sums.v[1], e);
+  const float z = zx[0], x = zx[1];
   const float* old = conv + e * W1 * kRowGroups + (u - u0);
-  float xc = 0.f, dt = 0.f, decay = 0.f, y = 0.f;
+  float xc = 0.f, dt = 0.f, decay = 0.f;
   if (active) {
     xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
     dt = bc_tile[e * pe_b + 2 * N + head];
     decay = expf(dt * A);
   }
-#pragma unroll 1
-  for (int k = 0; k < kWideEvents; ++k) {
-    const float xc_k = __shfl_sync(0xffffffffu, xc, k, kLanesPerRow);
-    const float dt_k = __shfl_sync(0xffffffffu, dt, k, kLanesPerRow);
+  const float dt_x = dt * xc;
+  float* row = states + (active ? u - u0 : 0) * Nr;
+  float parts[kSsmEvents];
+#pragma unroll
+  for (int k = 0; k < kSsmEvents; ++k) {
+    const float dt_x_k = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
     const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
-    float y_k = 0.f;
-    if (active) {
-      const int slot_k = slot_s[k];
-      float* out = slot_k >= 0 ? a.st.ssm + slot_k * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-      y_k = SsmRowShare(states + k * tile_state + (u - u0) * N, out, bc_tile + k * pe_b, decay_k, dt_k, xc_k, N, lane);
-    }
-    y_k = RowSum(y_k);
-    if (lane == k) y = y_k;
+    float* state = row + k * tile_state;
+    parts[k] = active ? SsmRowShare<kN>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
   }
-  if (!active) return;
-  if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
-  if (slot >= 0 && W1 > 0) {
+  const float y = LaneRowSum(parts, lane);
+  if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
+  if (active && slot >= 0 && W1 > 0) {
     float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
 #pragma unroll 1
     for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
     state[(W1 - 1) * cd] = x;
   }
+  __syncthreads();
+  each_row([&](const float* from, float* to) {
+#pragma unroll 1
+    for (int c = piece0; to && c < pieces; c += kWarpSize) {
+      if (vec4) {
+        *reinterpret_cast<float4*>(to + 4 * c) = *reinterpret_cast<const float4*>(from + 4 * c);
+      } else {
+        to[c] = from[c];
+      }
+    }
+  });
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
@@ -1327,16 +1379,16 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
   TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
   prefetch(cfc_stage + 2);
   TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
-              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
-                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
-                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
+              [&](int u, const float(&acc)[4], const float* prm, int e, bool active) {
+                const float ff1 = acc[0], ff2 = acc[1],
+                            time_a = acc[2], time_b = acc[3];
                 if (!active) return;
                 const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
                 ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
@@ -1345,8 +1397,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   __syncthreads();
   prefetch(cfc_stage + 3);
   TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
+              [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
+                const float fc2 = acc[0], skip = acc[1];
                 if (!active) return;
                 ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
                 ev[e * pe + o.head_skip + u] = skip;
@@ -1354,8 +1406,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   __syncthreads();
   prefetch(cfc_stage + 4);
   TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
+              [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
+                const float gate = acc[0], value = acc[1];
                 if (!active) return;
                 ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
               });
@@ -1365,8 +1417,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   }
   __syncthreads();
   TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
               });
   __syncthreads();
@@ -1424,8 +1476,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
   PrefetchL1(a.pack + next.pack, next.units * next.stride);
   TileRows<1>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
-              [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+              [&](int u, const float(&acc)[1], const float*, int e, bool active) {
+                const float v = acc[0];
                 if (!active) return;
                 const float out = h[e * pe_h + u] + v;
                 h[e * pe_h + u] = out;
@@ -1541,7 +1593,8 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
        {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
         Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
-        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel<0>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<32>, max_shared_bytes), PrepareWide(WideSsmKernel<64>, max_shared_bytes),
         PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
@@ -1563,11 +1616,12 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   auto bytes = [](int floats) { return sizeof(float) * floats; };
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
+  void (*ssm_kernel)(WideArgs, int) = p.N == 32 ? WideSsmKernel<32> : p.N == 64 ? WideSsmKernel<64> : WideSsmKernel<0>;
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
                                        bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
+    error = LaunchWideKernel(ssm_kernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
                              kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
