@@ -474,14 +474,35 @@ __device__ __forceinline__ float AddSquares(float sum, float4 x) {
 }
 __device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f / sqrtf(squares / n + kNormEps); }
 
+// A lane's step of a row group's sums (SumRows): inputs i..i+3 of each event, in[e·per_event + i, +4).
+template <int EG>
+__device__ __forceinline__ void LoadInputs(float4 (&x)[EG], const float* in, int per_event, int i) {
+#pragma unroll
+  for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+}
+// ... and the products with them of M outputs' weights (output m's at w + m·in_pad), added to v[m][e] in order.
+template <int EG, int M>
+__device__ __forceinline__ void AddProducts(float (*v)[EG], const float* w, int in_pad, int i, const float4 (&x)[EG]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 wv = *reinterpret_cast<const float4*>(w + m * in_pad + i);
+#pragma unroll
+    for (int e = 0; e < EG; ++e) {
+      v[m][e] += wv.x * x[e].x;
+      v[m][e] += wv.y * x[e].y;
+      v[m][e] += wv.z * x[e].z;
+      v[m][e] += wv.w * x[e].w;
+    }
+  }
+}
+
 // One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
 // in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
 // product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
 // zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's. kAdd false: each lane's own part of every
-// sum, for the caller to add up in RowSum's order (LaneRowSum).
-template <int EG, int M, bool kAdd = true>
+// product needs no pass of its own; the sum has the bits of NormScales's.
+template <int EG, int M>
 __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
                                                bool active, bool squares) {
   RowSums<EG, M> sums;
@@ -493,24 +514,13 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
   }
   for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
     float4 x[EG];
-#pragma unroll
-    for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+    LoadInputs<EG>(x, in, per_event, i);
     if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 wv = *reinterpret_cast<const float4*>(wu + m * in_pad + i);
-#pragma unroll
-      for (int e = 0; e < EG; ++e) {
-        sums.v[m][e] += wv.x * x[e].x;
-        sums.v[m][e] += wv.y * x[e].y;
-        sums.v[m][e] += wv.z * x[e].z;
-        sums.v[m][e] += wv.w * x[e].w;
-      }
-    }
+    AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
-  for (int m = 0; kAdd && m < M; ++m) {
+  for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
   }
@@ -1067,34 +1077,62 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
   }
 }
 
-// Lane e's M sums of event e of row u (weights at wu) for the tile whose inputs are at in + e·per_event, summed as
-// Products sums them (scaled by the event's 1/rms at rstd + e·per_event when rstd is given). Every lane of the warp
-// calls it.
-template <int M>
-__device__ __forceinline__ void TileRowSums(float (&out)[M], const float* wu, const float* in, int in_pad,
-                                            int per_event, const float* rstd, int lane, bool active) {
-  const RowSums<kWideEvents, M> parts = SumRows<kWideEvents, M, false>(wu, in, in_pad, per_event, lane, active, false);
+// The wide path's row sums: R row units' M products (unit r's weights at wu + r·unit_stride) for every event of a
+// tile, each lane's own parts of SumRows's sums in SumRows's order, for LaneRowSum to add up. A load of the tile's
+// inputs serves R units, so the products read shared memory R times less often. Not inlined, as SumRows.
+template <int M, int R>
+__device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu, int unit_stride, const float* in,
+                                                                  int in_pad, int per_event, int lane, bool active) {
+  RowSums<kWideEvents, M * R> parts;
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    out[m] = LaneRowSum(parts.v[m], lane);
-    if (rstd && active) out[m] *= rstd[lane * per_event];
+  for (int m = 0; m < M * R; ++m) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) parts.v[m][e] = 0.f;
+  }
+  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+    float4 x[kWideEvents];
+    LoadInputs<kWideEvents>(x, in, per_event, i);
+#pragma unroll
+    for (int r = 0; r < R; ++r) AddProducts<kWideEvents, M>(parts.v + r * M, wu + r * unit_stride, in_pad, i, x);
+  }
+  return parts;
+}
+
+// Lane e's M sums of event e for R row units (weights at wu + r·unit_stride) of the tile whose inputs are at
+// in + e·per_event, with the bits of Products's (scaled by the event's 1/rms at rstd + e·per_event when rstd is
+// given). Every lane of the warp calls it.
+template <int M, int R = 1>
+__device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu, int unit_stride, const float* in,
+                                            int in_pad, int per_event, const float* rstd, int lane, bool active) {
+  const RowSums<kWideEvents, M * R> parts =
+      TileRowParts<M, R>(wu, unit_stride, in, in_pad, per_event, lane, active);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      out[r][m] = LaneRowSum(parts.v[r * M + m], lane);
+      if (rstd && active) out[r][m] *= rstd[lane * per_event];
+    }
   }
 }
 
 // Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
-// rstd + e·per_event when given); `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e,
-// and every row group calls it, as Products's.
-template <int M, typename Epilogue>
+// rstd + e·per_event when given), R consecutive rows a row group; `epilogue(u, acc, params, e, active)` receives lane
+// e's sums of row u for event e, and every row group calls it for each of its R rows, as Products's.
+template <int M, int R = 1, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
+  static_assert(R == 1 || R == 2, "a row group's last row may be past the end: it then sums its first row again");
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
-  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow) {
-    const int u = base + group;
+  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow * R) {
+    const int u = base + group * R;
     const bool active = u < u1;
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-    float acc[M];
-    TileRowSums<M>(acc, wu, in, s.in_pad, per_event, rstd, lane, active);
-    epilogue(u, acc, wu + M * s.in_pad, lane, active);
+    const int unit_stride = u + R - 1 < u1 ? s.stride : 0;
+    float acc[R][M];
+    TileRowSums<M, R>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
+#pragma unroll
+    for (int r = 0; r < R; ++r) epilogue(u + r, acc[r], wu + r * unit_stride + M * s.in_pad, lane, active && u + r < u1);
   }
 }
 
@@ -1149,14 +1187,16 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
 }
 
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
-// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory.
+// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory;
+// kR rows a row group (TileRows).
+template <int kR>
 __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
   const StreamPlan& p = a.p;
   const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
   const PackStage& s = p.stage[1 + 3 * l];
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+  TileRows<1, kR>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (!active || first + e >= a.n) return;
@@ -1181,7 +1221,10 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
 // The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
 // a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
 // Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
-// 10,000 (one: 1,250.0).
+// 10,000 (one: 1,250.0). With one block an SM, a row group of the one-output products takes two rows at a time (the
+// registers allow it), which halves their shared-memory reads and their passes over a stage's rows.
+template <int kBlocks>
+constexpr int kWideRowsPerGroup = kBlocks == 1 ? 2 : 1;
 
 // Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
 // for the later kernels.
@@ -1229,7 +1272,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
     }
   }
   __syncthreads();
-  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0] + prm[0];
                 if (!active) return;
@@ -1238,7 +1281,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
               });
   CopyAsyncWaitAll();
   __syncthreads();
-  SharedPhase(a, 0, h, smem + o.embed_conv, slot_s, first);
+  SharedPhase<kWideRowsPerGroup<kBlocks>>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
@@ -1316,8 +1359,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-  float zx[2];
-  TileRowSums<2>(zx, wu, h, s.in_pad, pe_h, h + D4, lane, active);
+  float zx[1][2];
+  TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
@@ -1326,7 +1369,7 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
   // state dimension), then its gate and conv state.
   const int e = lane, slot = slot_s[e];
-  const float z = zx[0], x = zx[1];
+  const float z = zx[0][0], x = zx[0][1];
   const float* old = conv + e * W1 * kRowGroups + (u - u0);
   float xc = 0.f, dt = 0.f, decay = 0.f;
   if (active) {
@@ -1367,7 +1410,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
 // head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
-// stage before.
+// stage before. kR: rows a row group of the one-output products (TileRows).
+template <int kR>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
@@ -1378,7 +1422,7 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
-  TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
+  TileRows<1, kR>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
@@ -1475,7 +1519,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
   const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
   PrefetchL1(a.pack + next.pack, next.units * next.stride);
-  TileRows<1>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
               [&](int u, const float(&acc)[1], const float*, int e, bool active) {
                 const float v = acc[0];
                 if (!active) return;
@@ -1485,9 +1529,9 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
               });
   __syncthreads();
   if (last) {
-    HeadPhase(a, smem + o.out_head, slot_s, dt_s, log_s);
+    HeadPhase<kWideRowsPerGroup<kBlocks>>(a, smem + o.out_head, slot_s, dt_s, log_s);
   } else {
-    SharedPhase(a, l + 1, h, smem + o.out_conv, slot_s, first);
+    SharedPhase<kWideRowsPerGroup<kBlocks>>(a, l + 1, h, smem + o.out_conv, slot_s, first);
   }
 }
 
