@@ -1033,19 +1033,26 @@ __device__ __forceinline__ float LaneRowSum(const float (&v)[kWideEvents], int l
 }
 
 // Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
-// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. A warp a row.
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. The block's threads
+// take the pieces of all the rows in turn: 16-byte pieces when the rows allow.
 __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
                               int events) {
-  const int padded = Align4(len), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const bool vec4 = len % 4 == 0 && stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  const int width = vec4 ? 4 : 1, pieces = Align4(len) / width;
 #pragma unroll 1
-  for (int e = warp; e < events; e += blockDim.x / kWarpSize) {
-    const bool present = first + e < n;
-    for (int k = lane; k < padded; k += kWarpSize) {
-      if (k < len && present) {
-        CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
-      } else {
-        ev[e * per_event + k] = 0.f;
-      }
+  for (int c = threadIdx.x; c < events * pieces; c += blockDim.x) {
+    const int e = c / pieces, k = (c - e * pieces) * width;
+    float* to = ev + e * per_event + k;
+    const float* from = src + static_cast<size_t>(first + e) * stride + k;
+    const bool present = k < len && first + e < n;
+    if (vec4 && present) {
+      CopyAsync16(to, from);
+    } else if (vec4) {
+      *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else if (present) {
+      CopyAsync4(to, from);
+    } else {
+      *to = 0.f;
     }
   }
 }
