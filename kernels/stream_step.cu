@@ -1086,8 +1086,10 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
 
 // The wide path's row sums: R row units' M products (unit r's weights at wu + r·unit_stride) for every event of a
 // tile, each lane's own parts of SumRows's sums in SumRows's order, for LaneRowSum to add up. A load of the tile's
-// inputs serves R units, so the products read shared memory R times less often. Not inlined, as SumRows.
-template <int M, int R>
+// inputs serves R units, so the products read shared memory R times less often; kSteps steps of the loop are
+// unrolled, so that a step's loads are in flight under the one before (where the registers allow). Not inlined, as
+// SumRows.
+template <int M, int R, int kSteps>
 __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu, int unit_stride, const float* in,
                                                                   int in_pad, int per_event, int lane, bool active) {
   RowSums<kWideEvents, M * R> parts;
@@ -1096,6 +1098,7 @@ __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu
 #pragma unroll
     for (int e = 0; e < kWideEvents; ++e) parts.v[m][e] = 0.f;
   }
+#pragma unroll(kSteps)
   for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
     float4 x[kWideEvents];
     LoadInputs<kWideEvents>(x, in, per_event, i);
@@ -1108,11 +1111,11 @@ __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu
 // Lane e's M sums of event e for R row units (weights at wu + r·unit_stride) of the tile whose inputs are at
 // in + e·per_event, with the bits of Products's (scaled by the event's 1/rms at rstd + e·per_event when rstd is
 // given). Every lane of the warp calls it.
-template <int M, int R = 1>
+template <int M, int R = 1, int kSteps = 1>
 __device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu, int unit_stride, const float* in,
                                             int in_pad, int per_event, const float* rstd, int lane, bool active) {
   const RowSums<kWideEvents, M * R> parts =
-      TileRowParts<M, R>(wu, unit_stride, in, in_pad, per_event, lane, active);
+      TileRowParts<M, R, kSteps>(wu, unit_stride, in, in_pad, per_event, lane, active);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -1124,9 +1127,10 @@ __device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu,
 }
 
 // Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
-// rstd + e·per_event when given), R consecutive rows a row group; `epilogue(u, acc, params, e, active)` receives lane
-// e's sums of row u for event e, and every row group calls it for each of its R rows, as Products's.
-template <int M, int R = 1, typename Epilogue>
+// rstd + e·per_event when given), R consecutive rows a row group, kSteps steps in flight (TileRowParts);
+// `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e, and every row group calls it
+// for each of its R rows, as Products's.
+template <int M, int R = 1, int kSteps = 1, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
   static_assert(R == 1 || R == 2, "a row group's last row may be past the end: it then sums its first row again");
@@ -1137,7 +1141,7 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
     const int unit_stride = u + R - 1 < u1 ? s.stride : 0;
     float acc[R][M];
-    TileRowSums<M, R>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
+    TileRowSums<M, R, kSteps>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
 #pragma unroll
     for (int r = 0; r < R; ++r) epilogue(u + r, acc[r], wu + r * unit_stride + M * s.in_pad, lane, active && u + r < u1);
   }
@@ -1193,17 +1197,28 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   return o;
 }
 
+// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
+// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
+// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
+// 10,000 (one: 1,250.0). With one block an SM, a row group of the one-output products takes two rows at a time (the
+// registers allow it), which halves their shared-memory reads and their passes over a stage's rows.
+template <int kBlocks>
+constexpr int kWideRowsPerGroup = kBlocks == 1 ? 2 : 1;
+// ... and a row group's products of at most two outputs, two steps in flight.
+template <int kBlocks>
+constexpr int kWideSteps = kBlocks == 1 ? 2 : 1;
+
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
-// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory;
-// kR rows a row group (TileRows).
-template <int kR>
+// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory,
+// in a per-tile kernel of kBlocks blocks an SM.
+template <int kBlocks>
 __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
   const StreamPlan& p = a.p;
   const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
   const PackStage& s = p.stage[1 + 3 * l];
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1, kR>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (!active || first + e >= a.n) return;
@@ -1225,13 +1240,6 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
               });
 }
 
-// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
-// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
-// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
-// 10,000 (one: 1,250.0). With one block an SM, a row group of the one-output products takes two rows at a time (the
-// registers allow it), which halves their shared-memory reads and their passes over a stage's rows.
-template <int kBlocks>
-constexpr int kWideRowsPerGroup = kBlocks == 1 ? 2 : 1;
 
 // Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
 // for the later kernels.
@@ -1255,12 +1263,17 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
   float* h = smem + o.embed_h;
-#pragma unroll 1
+  // Thread f reads feature f of every event of the tile and its standardization at once (one round trip, not one an
+  // event), before the slots arrive (F ≤ kStreamThreads < kWideThreads: a thread a feature).
+  static_assert(kStreamThreads < kWideThreads, "a thread of the embedding kernel a feature");
+  const float* shared = a.pack + p.shared_pack;
+  const bool feature = tid < p.F;
+  float x_raw[kWideEvents];
+#pragma unroll
   for (int e = 0; e < kWideEvents; ++e) {
-    for (int f = tid; f < pe; f += blockDim.x) {
-      xn[e * pe + f] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
-    }
+    x_raw[e] = feature && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
   }
+  const float mean = feature ? shared[p.mean + tid] : 0.f, inv_std = feature ? shared[p.inv_std + tid] : 0.f;
   for (int i = tid; i < kWideEvents * pe_h; i += blockDim.x) h[i] = 0.f;
   if (tid < kWideEvents) slot_s[tid] = slot;
   if (reads_event) {
@@ -1270,16 +1283,15 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   }
   __syncthreads();
   LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
-  const float* shared = a.pack + p.shared_pack;
-#pragma unroll 1
-  for (int e = 0; e < kWideEvents; ++e) {
-    for (int f = tid; f < pe; f += blockDim.x) {
-      float& v = xn[e * pe + f];
-      v = f < p.F && slot_s[e] >= 0 ? (v - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
+  if (tid < pe) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+      xn[e * pe + tid] = feature && slot_s[e] >= 0 ? (x_raw[e] - mean) * inv_std : 0.f;
     }
   }
   __syncthreads();
-  TileRows<1, kWideRowsPerGroup<kBlocks>>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[0], a.pack + p.stage[0].pack, xn, pe,
+                                                               nullptr, 0, p.D,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0] + prm[0];
                 if (!active) return;
@@ -1288,7 +1300,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
               });
   CopyAsyncWaitAll();
   __syncthreads();
-  SharedPhase<kWideRowsPerGroup<kBlocks>>(a, 0, h, smem + o.embed_conv, slot_s, first);
+  SharedPhase<kBlocks>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
@@ -1296,8 +1308,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
 // into shared memory before the kernel waits for the one ahead (but layer 0's, whose kernel ahead writes the tick's
 // slots), its rows prefetched into L1. The update runs in place in shared memory, whose rows lie SsmRowStride apart
 // so that the four rows a warp updates at once fall in different banks; then the new states go out whole rows at a
-// time, in 16-byte pieces when N allows. kN: d_state when it is a multiple of 8 known at compile time (the update
-// unrolls whole), else 0.
+// time. kN: d_state when it is a multiple of 8 known at compile time (the update unrolls whole; the states move in
+// 16-byte pieces, which the launch checks they are aligned for), else 0 (4-byte pieces).
 template <int kN>
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
@@ -1317,41 +1329,44 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
   PrefetchL1(rows, (u1 - u0) * s.stride);
-  const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
-  // A warp moves rows_per_step whole rows of one event a step (consecutive rows: one contiguous run in global
-  // memory), `pieces` pieces of 4 floats a row (of 1 when N or the states are not 16-byte aligned).
-  const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(a.st.ssm) & 15) == 0;
-  const int pieces = vec4 ? N / 4 : N, rows_per_step = pieces >= kWarpSize ? 1 : kWarpSize / pieces;
-  const int sub = pieces >= kWarpSize ? 0 : warp_lane / pieces, piece0 = warp_lane - sub * pieces;
-  // fn(row in shared memory, row in global memory (null for a padding event), first piece, pieces) for each row of
-  // each event this lane moves.
-  auto each_row = [&](auto&& fn) {
+  const int ssm_per_slot = p.L * E * N;
+  // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
+  // consecutive rows of an event at a time (one contiguous run in global memory).
+  constexpr int kWidth = kN > 0 ? 4 : 1;
+  const int pieces = N / kWidth, rows_per_step = pieces >= kWarpSize ? 1 : kWarpSize / pieces;
+  const int sub = pieces >= kWarpSize ? 0 : warp_lane / pieces, first_piece = (warp_lane - sub * pieces) * kWidth;
+  const int rows_per_pass = kStreamWarps * rows_per_step, first_row = warp * rows_per_step + sub;
+  const size_t layer_rows = (static_cast<size_t>(l) * E + u0) * N;
+  // fn(the piece in shared memory, the piece in global memory, whether the event has a slot) for each of the
+  // thread's pieces, the same ones of every event.
+  auto each_piece = [&](auto&& fn) {
 #pragma unroll 1
-    for (int q = warp * rows_per_step + sub; sub < rows_per_step && q < kSsmEvents * kRowGroups;
-         q += kStreamWarps * rows_per_step) {
-      const int k = q / kRowGroups, r = q % kRowGroups, slot = slot_s[k];
-      if (u0 + r >= u1) continue;
-      fn(states + k * tile_state + r * Nr,
-         slot >= 0 ? a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0 + r) * N : nullptr);
+    for (int r = first_row; sub < rows_per_step && r < u1 - u0; r += rows_per_pass) {
+#pragma unroll 1
+      for (int c = first_piece; c < N; c += kWarpSize * kWidth) {
+        float* const piece = a.st.ssm + layer_rows + r * N + c;
+#pragma unroll
+        for (int k = 0; k < kSsmEvents; ++k) {
+          const int slot = slot_s[k];
+          fn(states + k * tile_state + r * Nr + c, piece + static_cast<ptrdiff_t>(max(slot, 0)) * ssm_per_slot, slot >= 0);
+        }
+      }
     }
   };
   auto copy_states = [&] {
     if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
     __syncthreads();
-    each_row([&](float* to, const float* from) {
-#pragma unroll 1
-      for (int c = piece0; c < pieces; c += kWarpSize) {
-        if (vec4 && from) {
-          CopyAsync16(to + 4 * c, from + 4 * c);
-        } else if (vec4) {
-          *reinterpret_cast<float4*>(to + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    each_piece([](float* to, const float* from, bool present) {
+      if constexpr (kWidth == 4) {
+        if (present) {
+          CopyAsync16(to, from);
         } else {
-          if (from) {
-            CopyAsync4(to + c, from + c);
-          } else {
-            to[c] = 0.f;
-          }
+          *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
         }
+      } else if (present) {
+        CopyAsync4(to, from);
+      } else {
+        *to = 0.f;
       }
     });
     LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
@@ -1403,22 +1418,20 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
     state[(W1 - 1) * cd] = x;
   }
   __syncthreads();
-  each_row([&](const float* from, float* to) {
-#pragma unroll 1
-    for (int c = piece0; to && c < pieces; c += kWarpSize) {
-      if (vec4) {
-        *reinterpret_cast<float4*>(to + 4 * c) = *reinterpret_cast<const float4*>(from + 4 * c);
-      } else {
-        to[c] = from[c];
-      }
+  each_piece([](const float* from, float* to, bool present) {
+    if (!present) return;
+    if constexpr (kWidth == 4) {
+      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
+    } else {
+      *to = *from;
     }
   });
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
 // head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
-// stage before. kR: rows a row group of the one-output products (TileRows).
-template <int kR>
+// stage before. In a per-tile kernel of kBlocks blocks an SM.
+template <int kBlocks>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
@@ -1429,7 +1442,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
-  TileRows<1, kR>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[cfc_stage], stage_rows(cfc_stage),
+                                                               ev + o.head_a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
@@ -1447,7 +1461,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
               });
   __syncthreads();
   prefetch(cfc_stage + 3);
-  TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe,
+                                      nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float fc2 = acc[0], skip = acc[1];
                 if (!active) return;
@@ -1456,7 +1471,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
               });
   __syncthreads();
   prefetch(cfc_stage + 4);
-  TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe,
+                                      nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float gate = acc[0], value = acc[1];
                 if (!active) return;
@@ -1526,7 +1542,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
   const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
   PrefetchL1(a.pack + next.pack, next.units * next.stride);
-  TileRows<1, kWideRowsPerGroup<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
+                                                               p.D,
               [&](int u, const float(&acc)[1], const float*, int e, bool active) {
                 const float v = acc[0];
                 if (!active) return;
@@ -1536,9 +1553,9 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
               });
   __syncthreads();
   if (last) {
-    HeadPhase<kWideRowsPerGroup<kBlocks>>(a, smem + o.out_head, slot_s, dt_s, log_s);
+    HeadPhase<kBlocks>(a, smem + o.out_head, slot_s, dt_s, log_s);
   } else {
-    SharedPhase<kWideRowsPerGroup<kBlocks>>(a, l + 1, h, smem + o.out_conv, slot_s, first);
+    SharedPhase<kBlocks>(a, l + 1, h, smem + o.out_conv, slot_s, first);
   }
 }
 
@@ -1667,7 +1684,11 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   auto bytes = [](int floats) { return sizeof(float) * floats; };
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
-  void (*ssm_kernel)(WideArgs, int) = p.N == 32 ? WideSsmKernel<32> : p.N == 64 ? WideSsmKernel<64> : WideSsmKernel<0>;
+  const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
+  void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0>
+                                      : p.N == 32     ? WideSsmKernel<32>
+                                      : p.N == 64     ? WideSsmKernel<64>
+                                                      : WideSsmKernel<0>;
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
                                        bytes(o.embed), stream, false, a, tick);
