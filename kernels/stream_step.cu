@@ -388,14 +388,14 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
 // One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + (Δt·x)·B n for n = lane,
 // lane + 8, …, stored to `out` when given (state null: a zero state; out may be state), and the lane's part of
 // Σ C n·state n. The roundings are spelled out, so that every caller gets the same bits. kN: N when known at compile
-// time (a multiple of 8: the loop unrolls whole), else 0.
-template <int kN = 0>
+// time (a multiple of 8: the loop unrolls whole), else 0. kInPlace: state is given and out is state.
+template <int kN = 0, bool kInPlace = false>
 __device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt_x,
                                              int N, int lane) {
   float sum = 0.f;
   auto step = [&](int n) {
-    const float s_new = __fmaf_rn(decay, state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
-    if (out) out[n] = s_new;
+    const float s_new = __fmaf_rn(decay, kInPlace || state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
+    if (kInPlace || out) out[n] = s_new;
     sum = __fmaf_rn(bc[N + n], s_new, sum);
   };
   if constexpr (kN > 0 && kN % kLanesPerRow == 0) {
@@ -1058,20 +1058,25 @@ __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int st
 }
 
 // Starts copying channels [c0, c0 + channels) of layer l's carried conv inputs (W − 1 taps, oldest first) of each of
-// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
+// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots. A warp an event's tap at a time.
 __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
                               int l, int c0, int channels, int stride) {
   const int W1 = p.W - 1, cd = p.E + 2 * p.N, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
   const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
 #pragma unroll 1
-  for (int ek = warp; ek < events * W1; ek += blockDim.x / kWarpSize) {  // a warp a tap of an event
-    const int e = ek / W1, k = ek - e * W1, slot = slots[e];
-    for (int c = lane; c < channels; c += kWarpSize) {
-      float* to = dst + ek * stride + c;
-      if (slot >= 0) {
-        CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
-      } else {
-        *to = 0.f;
+  for (int k = 0; k < W1; ++k) {
+#pragma unroll 1
+    for (int e = warp; e < events; e += warps) {
+      const int slot = slots[e];
+      const float* from = st.conv + max(slot, 0) * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0;
+      float* to = dst + (e * W1 + k) * stride;
+      for (int c = lane; c < channels; c += kWarpSize) {
+        if (slot >= 0) {
+          CopyAsync4(to + c, from + c);
+        } else {
+          to[c] = 0.f;
+        }
       }
     }
   }
@@ -1407,7 +1412,7 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
     const float dt_x_k = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
     const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
     float* state = row + k * tile_state;
-    parts[k] = active ? SsmRowShare<kN>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
+    parts[k] = active ? SsmRowShare<kN, true>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
   }
   const float y = LaneRowSum(parts, lane);
   if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
