@@ -1319,7 +1319,6 @@ template <int kN>
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
-  __shared__ uint64_t tile_bar;
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
   const int N = kN > 0 ? kN : p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
@@ -1334,10 +1333,6 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   float* h = smem + o.ssm_h;
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
-  if (tid == 0) {
-    BarrierInit(&tile_bar);
-    BarrierInitFence();
-  }
   PrefetchL1(rows, (u1 - u0) * s.stride);
   const int ssm_per_slot = p.L * E * N;
   // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
@@ -1385,36 +1380,14 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   WaitForPriorKernels();
   LetNextKernelLaunch();
   if (l == 0) copy_states();
-  // The tile's h and B/C/Δt come in by bulk copies on their own barrier where their rows allow, so that the products
-  // start while the states are still on their way; else with the states.
-  const bool bulk_tiles = p.D % 4 == 0 && BC % 4 == 0 &&
-                          ((reinterpret_cast<uintptr_t>(a.scratch.h) | reinterpret_cast<uintptr_t>(a.scratch.bcdt)) &
-                           15) == 0;
-  if (bulk_tiles) {
-    const int present = min(kSsmEvents, a.n - first);
-    if (tid == 0) {
-      BarrierExpect(&tile_bar, present * (p.D + BC) * sizeof(float));
-      for (int e = 0; e < present; ++e) {
-        BulkCopy(h + e * pe_h, a.scratch.h + static_cast<size_t>(first + e) * p.D, p.D * sizeof(float), &tile_bar);
-        BulkCopy(bc_tile + e * pe_b, a.scratch.bcdt + static_cast<size_t>(first + e) * BC, BC * sizeof(float),
-                 &tile_bar);
-      }
-    }
-    for (int i = present * pe_h + tid; i < kSsmEvents * pe_h; i += blockDim.x) h[i] = 0.f;
-    for (int i = present * pe_b + tid; i < kSsmEvents * pe_b; i += blockDim.x) bc_tile[i] = 0.f;
-    BarrierWait(&tile_bar);
-  } else {
-    LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
-    LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
-    CopyAsyncWaitAll();
-  }
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
+  LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
+  CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
   float zx[1][2];
   TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
-  CopyAsyncWaitAll();  // the states and carried conv inputs
-  __syncthreads();
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
