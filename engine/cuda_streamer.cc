@@ -244,8 +244,15 @@ kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
   return g < 0 || c < 0 ? kernels::StreamShapeFit{} : fits_[g][c];
 }
 
+bool CudaStreamer::OneWaveHoldsWeights(int n) const {
+  return std::any_of(kStreamGroupSizes.begin(), kStreamGroupSizes.end(), [&](int group) {
+    const kernels::StreamShapeFit fit = Fit({group, 1});
+    return fit.weights_resident && (n + group - 1) / group <= fit.max_clusters;
+  });
+}
+
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
-  if (n >= kStreamWideFrom && wide_fits_) return kStreamWideShape;
+  if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
   // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 10,000 instruments): every group is a
   // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
   // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only

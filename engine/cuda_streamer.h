@@ -29,9 +29,13 @@ struct StreamLaunchShape {
 constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
 constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
 constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
-// Ticks of at least this many events take the wide path (where it fits): on the H200 (`small`, eager, af81d15) the
-// best cluster shape still won at 256 events (81.5 against 94.4 µs), the wide path at 512 (111.3, the best shape).
-constexpr int kStreamWideFrom = 512;
+// Ticks of at least this many events take the wide path (where it fits), unless a single-block cluster shape runs
+// them in one wave with all its weights in shared memory (ShapeFor). Eager sweeps of every shape on the H200
+// (b4abbf7): `small`, whose weights no block holds, ran wide from 256 events (76.8 against 89.5 µs for the best
+// cluster shape; at 128 the cluster shape won, 55.8 against 70.5); `tiny`'s cluster kernel, which holds all its
+// weights, won at 512 (32.8 against 46.7) and tied at 1,024 (53.5 against 54.0) while its groups of 8 fit one wave
+// (132 single-block clusters), and the wide path won from 2,048 (58.8).
+constexpr int kStreamWideFrom = 256;
 
 class CudaStreamer {
  public:
@@ -99,6 +103,8 @@ class CudaStreamer {
   absl::Status CheckSlot(int slot) const;
   // How a shape fits this device (no clusters: unsupported).
   kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
+  // Whether a single-block cluster shape runs a tick of n events in one wave with all its weights in shared memory.
+  bool OneWaveHoldsWeights(int n) const;
   absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;

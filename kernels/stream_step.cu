@@ -385,15 +385,24 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
   return conv;
 }
 
-// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + Δt·x·B n for n = lane,
-// lane + 8, …, stored to `out` when given (state null: a zero state), and the lane's part of Σ C n·state n.
-__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt,
-                                             float x, int N, int lane) {
+// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + (Δt·x)·B n for n = lane,
+// lane + 8, …, stored to `out` when given (state null: a zero state; out may be state), and the lane's part of
+// Σ C n·state n. The roundings are spelled out, so that every caller gets the same bits. kN: N when known at compile
+// time (a multiple of 8: the loop unrolls whole), else 0. kInPlace: state is given and out is state.
+template <int kN = 0, bool kInPlace = false>
+__device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt_x,
+                                             int N, int lane) {
   float sum = 0.f;
-  for (int n = lane; n < N; n += kLanesPerRow) {
-    const float s_new = decay * (state ? state[n] : 0.f) + dt * x * bc[n];
-    if (out) out[n] = s_new;
-    sum += bc[N + n] * s_new;
+  auto step = [&](int n) {
+    const float s_new = __fmaf_rn(decay, kInPlace || state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
+    if (kInPlace || out) out[n] = s_new;
+    sum = __fmaf_rn(bc[N + n], s_new, sum);
+  };
+  if constexpr (kN > 0 && kN % kLanesPerRow == 0) {
+#pragma unroll
+    for (int i = 0; i < kN / kLanesPerRow; ++i) step(lane + i * kLanesPerRow);
+  } else {
+    for (int n = lane; n < N; n += kLanesPerRow) step(n);
   }
   return sum;
 }
@@ -465,6 +474,28 @@ __device__ __forceinline__ float AddSquares(float sum, float4 x) {
 }
 __device__ __forceinline__ float InverseRms(float squares, int n) { return 1.f / sqrtf(squares / n + kNormEps); }
 
+// A lane's step of a row group's sums (SumRows): inputs i..i+3 of each event, in[e·per_event + i, +4).
+template <int EG>
+__device__ __forceinline__ void LoadInputs(float4 (&x)[EG], const float* in, int per_event, int i) {
+#pragma unroll
+  for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+}
+// ... and the products with them of M outputs' weights (output m's at w + m·in_pad), added to v[m][e] in order.
+template <int EG, int M>
+__device__ __forceinline__ void AddProducts(float (*v)[EG], const float* w, int in_pad, int i, const float4 (&x)[EG]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 wv = *reinterpret_cast<const float4*>(w + m * in_pad + i);
+#pragma unroll
+    for (int e = 0; e < EG; ++e) {
+      v[m][e] += wv.x * x[e].x;
+      v[m][e] += wv.y * x[e].y;
+      v[m][e] += wv.z * x[e].z;
+      v[m][e] += wv.w * x[e].w;
+    }
+  }
+}
+
 // One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
 // in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
 // whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
@@ -483,20 +514,9 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
   }
   for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
     float4 x[EG];
-#pragma unroll
-    for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
+    LoadInputs<EG>(x, in, per_event, i);
     if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 wv = *reinterpret_cast<const float4*>(wu + m * in_pad + i);
-#pragma unroll
-      for (int e = 0; e < EG; ++e) {
-        sums.v[m][e] += wv.x * x[e].x;
-        sums.v[m][e] += wv.y * x[e].y;
-        sums.v[m][e] += wv.z * x[e].z;
-        sums.v[m][e] += wv.w * x[e].w;
-      }
-    }
+    AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
@@ -856,7 +876,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const float* state =
                               p.ssm_base >= 0 ? smem + p.ssm_base + ((e * p.L + l) * p.ssm_rows + hp - q0) * N
                                               : global_state;
-                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt, xc[e], N, row_lane);
+                          y[e] = SsmRowShare(state, global_state, bcdt, decay, dt * xc[e], N, row_lane);
                         }
 #pragma unroll
                         for (int e = 0; e < EG; ++e) y[e] = RowSum(y[e]);
@@ -995,57 +1015,72 @@ __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
 }
 
 // The epilogues spread a tile's events over the lanes of a row (lane e finishes event e), so a row's scalar work is
-// not repeated in every lane: lane e's own entry of a row's sums, which every lane holds.
-static_assert(kLanesPerRow == kWideEvents, "a row's lanes take one event each");
-__device__ __forceinline__ float LaneEvent(const float (&v)[kWideEvents], int lane) {
-  float mine = v[0];
+// not repeated in every lane. Lane e's sum of event e from the row's lanes' parts v: RowSum's butterfly as a
+// reduce-scatter (each lane keeps the half of the events its next steps need and adds its partner's part of them),
+// the same pairs added in the same order as RowSum adds them, so the same bits, in 7 shuffles instead of 24.
+static_assert(kLanesPerRow == kWideEvents && kWideEvents == 8, "a row's lanes take one event each");
+__device__ __forceinline__ float LaneRowSum(const float (&v)[kWideEvents], int lane) {
+  float a[4], b[2];
+  const bool hi4 = lane & 4, hi2 = lane & 2, hi1 = lane & 1;
 #pragma unroll
-  for (int e = 1; e < kWideEvents; ++e) mine = lane == e ? v[e] : mine;
-  return mine;
-}
-
-// Starts copying n floats from src (global) to dst (shared): 16-byte pieces when both are 16-byte aligned.
-__device__ __forceinline__ void CopyRowsAsync(float* dst, const float* src, int n) {
-  if (((reinterpret_cast<uintptr_t>(src) | SharedAddress(dst)) & 15) == 0 && n % 4 == 0) {
-    for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) CopyAsync16(dst + i, src + i);
-  } else {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) CopyAsync4(dst + i, src + i);
+  for (int j = 0; j < 4; ++j) {
+    const float keep = hi4 ? v[j + 4] : v[j], send = hi4 ? v[j] : v[j + 4];
+    a[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
   }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float keep = hi2 ? a[j + 2] : a[j], send = hi2 ? a[j] : a[j + 2];
+    b[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+  }
+  const float keep = hi1 ? b[1] : b[0], send = hi1 ? b[0] : b[1];
+  return keep + __shfl_xor_sync(0xffffffffu, send, 1);
 }
 
 // Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
-// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. A warp a row.
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. The block's threads
+// take the pieces of all the rows in turn: 16-byte pieces when the rows allow.
 __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
                               int events) {
-  const int padded = Align4(len), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const bool vec4 = len % 4 == 0 && stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  const int width = vec4 ? 4 : 1, pieces = Align4(len) / width;
 #pragma unroll 1
-  for (int e = warp; e < events; e += blockDim.x / kWarpSize) {
-    const bool present = first + e < n;
-    for (int k = lane; k < padded; k += kWarpSize) {
-      if (k < len && present) {
-        CopyAsync4(ev + e * per_event + k, src + static_cast<size_t>(first + e) * stride + k);
-      } else {
-        ev[e * per_event + k] = 0.f;
-      }
+  for (int c = threadIdx.x; c < events * pieces; c += blockDim.x) {
+    const int e = c / pieces, k = (c - e * pieces) * width;
+    float* to = ev + e * per_event + k;
+    const float* from = src + static_cast<size_t>(first + e) * stride + k;
+    const bool present = k < len && first + e < n;
+    if (vec4 && present) {
+      CopyAsync16(to, from);
+    } else if (vec4) {
+      *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else if (present) {
+      CopyAsync4(to, from);
+    } else {
+      *to = 0.f;
     }
   }
 }
 
 // Starts copying channels [c0, c0 + channels) of layer l's carried conv inputs (W − 1 taps, oldest first) of each of
-// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots.
+// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots. A warp an event's tap at a time.
 __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
                               int l, int c0, int channels, int stride) {
   const int W1 = p.W - 1, cd = p.E + 2 * p.N, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
   const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
 #pragma unroll 1
-  for (int ek = warp; ek < events * W1; ek += blockDim.x / kWarpSize) {  // a warp a tap of an event
-    const int e = ek / W1, k = ek - e * W1, slot = slots[e];
-    for (int c = lane; c < channels; c += kWarpSize) {
-      float* to = dst + ek * stride + c;
-      if (slot >= 0) {
-        CopyAsync4(to, st.conv + slot * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0 + c);
-      } else {
-        *to = 0.f;
+  for (int k = 0; k < W1; ++k) {
+#pragma unroll 1
+    for (int e = warp; e < events; e += warps) {
+      const int slot = slots[e];
+      const float* from = st.conv + max(slot, 0) * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0;
+      float* to = dst + (e * W1 + k) * stride;
+      for (int c = lane; c < channels; c += kWarpSize) {
+        if (slot >= 0) {
+          CopyAsync4(to + c, from + c);
+        } else {
+          to[c] = 0.f;
+        }
       }
     }
   }
@@ -1058,26 +1093,66 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
   }
 }
 
-// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at
-// in + e·per_event, summed as Products sums them (scaled by the events' 1/rms at rstd + e·per_event when rstd is
-// given); epilogue as Products's.
-template <int M, typename Epilogue>
+// The wide path's row sums: R row units' M products (unit r's weights at wu + r·unit_stride) for every event of a
+// tile, each lane's own parts of SumRows's sums in SumRows's order, for LaneRowSum to add up. A load of the tile's
+// inputs serves R units, so the products read shared memory R times less often; kSteps steps of the loop are
+// unrolled, so that a step's loads are in flight under the one before (where the registers allow). Not inlined, as
+// SumRows.
+template <int M, int R, int kSteps>
+__device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu, int unit_stride, const float* in,
+                                                                  int in_pad, int per_event, int lane, bool active) {
+  RowSums<kWideEvents, M * R> parts;
+#pragma unroll
+  for (int m = 0; m < M * R; ++m) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) parts.v[m][e] = 0.f;
+  }
+#pragma unroll(kSteps)
+  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+    float4 x[kWideEvents];
+    LoadInputs<kWideEvents>(x, in, per_event, i);
+#pragma unroll
+    for (int r = 0; r < R; ++r) AddProducts<kWideEvents, M>(parts.v + r * M, wu + r * unit_stride, in_pad, i, x);
+  }
+  return parts;
+}
+
+// Lane e's M sums of event e for R row units (weights at wu + r·unit_stride) of the tile whose inputs are at
+// in + e·per_event, with the bits of Products's (scaled by the event's 1/rms at rstd + e·per_event when rstd is
+// given). Every lane of the warp calls it.
+template <int M, int R = 1, int kSteps = 1>
+__device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu, int unit_stride, const float* in,
+                                            int in_pad, int per_event, const float* rstd, int lane, bool active) {
+  const RowSums<kWideEvents, M * R> parts =
+      TileRowParts<M, R, kSteps>(wu, unit_stride, in, in_pad, per_event, lane, active);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      out[r][m] = LaneRowSum(parts.v[r * M + m], lane);
+      if (rstd && active) out[r][m] *= rstd[lane * per_event];
+    }
+  }
+}
+
+// Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
+// rstd + e·per_event when given), R consecutive rows a row group, kSteps steps in flight (TileRowParts);
+// `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e, and every row group calls it
+// for each of its R rows, as Products's.
+template <int M, int R = 1, int kSteps = 1, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
+  static_assert(R == 1 || R == 2, "a row group's last row may be past the end: it then sums its first row again");
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
-  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow) {
-    const int u = base + group;
+  for (int base = u0; base < u1; base += blockDim.x / kLanesPerRow * R) {
+    const int u = base + group * R;
     const bool active = u < u1;
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-    RowSums<kWideEvents, M> sums = SumRows<kWideEvents, M>(wu, in, s.in_pad, per_event, lane, active, false);
-    if (rstd && active) {
+    const int unit_stride = u + R - 1 < u1 ? s.stride : 0;
+    float acc[R][M];
+    TileRowSums<M, R, kSteps>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
 #pragma unroll
-      for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd[e * per_event];
-      }
-    }
-    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+    for (int r = 0; r < R; ++r) epilogue(u + r, acc[r], wu + r * unit_stride + M * s.in_pad, lane, active && u + r < u1);
   }
 }
 
@@ -1089,6 +1164,10 @@ struct WideLayout {
   int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event;  // within out_head
 };
 constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
+// Floats between two rows of SSM states in the SSM kernel's shared memory: 16-byte aligned, and when the rows would
+// start in the same bank, eight more, so that the four rows (eight lanes each) of a warp's update fall in four banks
+// apart.
+__host__ __device__ constexpr int SsmRowStride(int N) { return Align4(N) % 16 == 0 ? Align4(N) + 8 : Align4(N); }
 __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   WideLayout o{};
   const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
@@ -1103,7 +1182,7 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   o.embed_conv = take(kWideEvents * W1 * 2 * p.N);
   o.embed = at;
   at = 0;
-  o.ssm_states = take(kSsmEvents * kRowGroups * p.N);
+  o.ssm_states = take(kSsmEvents * kRowGroups * SsmRowStride(p.N));
   o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
   o.ssm_h = take(kSsmEvents * (D4 + 4));
   o.ssm_bc = take(kSsmEvents * Align4(BC));
@@ -1127,17 +1206,30 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   return o;
 }
 
+// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
+// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
+// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
+// 10,000 (one: 1,250.0). With one block an SM, a row group of the one-output products takes two rows at a time (the
+// registers allow it), which halves their shared-memory reads and their passes over a stage's rows.
+template <int kBlocks>
+constexpr int kWideRowsPerGroup = kBlocks == 1 ? 2 : 1;
+// ... and a row group's products of at most two outputs, two steps in flight.
+template <int kBlocks>
+constexpr int kWideSteps = kBlocks == 1 ? 2 : 1;
+
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
-// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory.
+// the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory,
+// in a per-tile kernel of kBlocks blocks an SM.
+template <int kBlocks>
 __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
   const StreamPlan& p = a.p;
   const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
   const PackStage& s = p.stage[1 + 3 * l];
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (!active || first + e >= a.n) return;
                 float out;
                 if (u < 2 * N) {
@@ -1157,10 +1249,6 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
               });
 }
 
-// The per-tile kernels (embedding, out_proj) at kBlocks blocks an SM: one (all the registers a thread wants) while
-// a tick's tiles fit one wave, two (64 registers, a few spilled) beyond, where more warps an SM hide more latency.
-// Measured on the H200 (`small`, a2769ca): two blocks took 190.0 µs at 1,024 instruments (one: 156.9) and 1,154.1 at
-// 10,000 (one: 1,250.0).
 
 // Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
 // for the later kernels.
@@ -1184,12 +1272,17 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
   float* h = smem + o.embed_h;
-#pragma unroll 1
+  // Thread f reads feature f of every event of the tile and its standardization at once (one round trip, not one an
+  // event), before the slots arrive (F ≤ kStreamThreads < kWideThreads: a thread a feature).
+  static_assert(kStreamThreads < kWideThreads, "a thread of the embedding kernel a feature");
+  const float* shared = a.pack + p.shared_pack;
+  const bool feature = tid < p.F;
+  float x_raw[kWideEvents];
+#pragma unroll
   for (int e = 0; e < kWideEvents; ++e) {
-    for (int f = tid; f < pe; f += blockDim.x) {
-      xn[e * pe + f] = f < p.F && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + f] : 0.f;
-    }
+    x_raw[e] = feature && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
   }
+  const float mean = feature ? shared[p.mean + tid] : 0.f, inv_std = feature ? shared[p.inv_std + tid] : 0.f;
   for (int i = tid; i < kWideEvents * pe_h; i += blockDim.x) h[i] = 0.f;
   if (tid < kWideEvents) slot_s[tid] = slot;
   if (reads_event) {
@@ -1199,42 +1292,45 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   }
   __syncthreads();
   LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
-  const float* shared = a.pack + p.shared_pack;
-#pragma unroll 1
-  for (int e = 0; e < kWideEvents; ++e) {
-    for (int f = tid; f < pe; f += blockDim.x) {
-      float& v = xn[e * pe + f];
-      v = f < p.F && slot_s[e] >= 0 ? (v - shared[p.mean + f]) * shared[p.inv_std + f] : 0.f;
+  if (tid < pe) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+      xn[e * pe + tid] = feature && slot_s[e] >= 0 ? (x_raw[e] - mean) * inv_std : 0.f;
     }
   }
   __syncthreads();
-  TileRows<1>(p.stage[0], a.pack + p.stage[0].pack, xn, pe, nullptr, 0, p.D,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e) + prm[0];
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[0], a.pack + p.stage[0].pack, xn, pe,
+                                                               nullptr, 0, p.D,
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0] + prm[0];
                 if (!active) return;
                 h[e * pe_h + u] = v;
                 if (first + e < a.n) a.scratch.h[static_cast<size_t>(first + e) * p.D + u] = v;
               });
   CopyAsyncWaitAll();
   __syncthreads();
-  SharedPhase(a, 0, h, smem + o.embed_conv, slot_s, first);
+  SharedPhase<kBlocks>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
-// and the gate, as the cluster kernel's z/x stage computes them. The rows' states (one contiguous run per event) and
-// carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but layer 0's, whose
-// kernel ahead writes the tick's slots), its rows prefetched into L1; the new states are stored straight from the
-// update.
+// and the gate, as the cluster kernel's z/x stage computes them. The rows' states and carried conv inputs are copied
+// into shared memory before the kernel waits for the one ahead (but layer 0's, whose kernel ahead writes the tick's
+// slots), its rows prefetched into L1. The update runs in place in shared memory, whose rows lie SsmRowStride apart
+// so that the four rows a warp updates at once fall in different banks; then the new states go out whole rows at a
+// time. kN: d_state when it is a multiple of 8 known at compile time (the update unrolls whole; the states move in
+// 16-byte pieces, which the launch checks they are aligned for), else 0 (4-byte pieces).
+template <int kN>
 __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
-  const int N = p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
+  const int N = kN > 0 ? kN : p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
   const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
+  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
-  const int tile_state = kRowGroups * N, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
+  const int Nr = SsmRowStride(N), tile_state = kRowGroups * Nr, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
   const PackStage& s = p.stage[2 + 3 * l];
   float* states = smem + o.ssm_states;
   float* conv = smem + o.ssm_conv;
@@ -1242,21 +1338,46 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
   PrefetchL1(rows, (u1 - u0) * s.stride);
-  const size_t ssm_per_slot = static_cast<size_t>(p.L) * E * N;
+  const int ssm_per_slot = p.L * E * N;
+  // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
+  // consecutive rows of an event at a time (one contiguous run in global memory).
+  constexpr int kWidth = kN > 0 ? 4 : 1;
+  const int pieces = N / kWidth, rows_per_step = pieces >= kWarpSize ? 1 : kWarpSize / pieces;
+  const int sub = pieces >= kWarpSize ? 0 : warp_lane / pieces, first_piece = (warp_lane - sub * pieces) * kWidth;
+  const int rows_per_pass = kStreamWarps * rows_per_step, first_row = warp * rows_per_step + sub;
+  const size_t layer_rows = (static_cast<size_t>(l) * E + u0) * N;
+  // fn(the piece in shared memory, the piece in global memory, whether the event has a slot) for each of the
+  // thread's pieces, the same ones of every event.
+  auto each_piece = [&](auto&& fn) {
+#pragma unroll 1
+    for (int r = first_row; sub < rows_per_step && r < u1 - u0; r += rows_per_pass) {
+#pragma unroll 1
+      for (int c = first_piece; c < N; c += kWarpSize * kWidth) {
+        float* const piece = a.st.ssm + layer_rows + r * N + c;
+#pragma unroll
+        for (int k = 0; k < kSsmEvents; ++k) {
+          const int slot = slot_s[k];
+          fn(states + k * tile_state + r * Nr + c, piece + static_cast<ptrdiff_t>(max(slot, 0)) * ssm_per_slot, slot >= 0);
+        }
+      }
+    }
+  };
   auto copy_states = [&] {
     if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
     __syncthreads();
-    const int len = (u1 - u0) * N;
-#pragma unroll 1
-    for (int e = 0; e < kSsmEvents; ++e) {
-      const int slot = slot_s[e];
-      if (slot < 0) {
-        for (int i = tid; i < len; i += blockDim.x) states[e * tile_state + i] = 0.f;
+    each_piece([](float* to, const float* from, bool present) {
+      if constexpr (kWidth == 4) {
+        if (present) {
+          CopyAsync16(to, from);
+        } else {
+          *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      } else if (present) {
+        CopyAsync4(to, from);
       } else {
-        CopyRowsAsync(states + e * tile_state,
-                      a.st.ssm + slot * ssm_per_slot + (static_cast<size_t>(l) * E + u0) * N, len);
+        *to = 0.f;
       }
-    }
+    });
     LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
   };
   if (l > 0) copy_states();
@@ -1269,14 +1390,8 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
-  RowSums<kWideEvents, 2> sums = SumRows<kWideEvents, 2>(wu, h, s.in_pad, pe_h, lane, active, false);
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < kWideEvents; ++e) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) sums.v[m][e] *= h[e * pe_h + D4];
-    }
-  }
+  float zx[1][2];
+  TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
@@ -1285,41 +1400,47 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
   // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
   // state dimension), then its gate and conv state.
   const int e = lane, slot = slot_s[e];
-  const float z = LaneEvent(sums.v[0], e), x = LaneEvent(sums.v[1], e);
+  const float z = zx[0][0], x = zx[0][1];
   const float* old = conv + e * W1 * kRowGroups + (u - u0);
-  float xc = 0.f, dt = 0.f, decay = 0.f, y = 0.f;
+  float xc = 0.f, dt = 0.f, decay = 0.f;
   if (active) {
     xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
     dt = bc_tile[e * pe_b + 2 * N + head];
     decay = expf(dt * A);
   }
-#pragma unroll 1
-  for (int k = 0; k < kWideEvents; ++k) {
-    const float xc_k = __shfl_sync(0xffffffffu, xc, k, kLanesPerRow);
-    const float dt_k = __shfl_sync(0xffffffffu, dt, k, kLanesPerRow);
+  const float dt_x = dt * xc;
+  float* row = states + (active ? u - u0 : 0) * Nr;
+  float parts[kSsmEvents];
+#pragma unroll
+  for (int k = 0; k < kSsmEvents; ++k) {
+    const float dt_x_k = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
     const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
-    float y_k = 0.f;
-    if (active) {
-      const int slot_k = slot_s[k];
-      float* out = slot_k >= 0 ? a.st.ssm + slot_k * ssm_per_slot + (static_cast<size_t>(l) * E + u) * N : nullptr;
-      y_k = SsmRowShare(states + k * tile_state + (u - u0) * N, out, bc_tile + k * pe_b, decay_k, dt_k, xc_k, N, lane);
-    }
-    y_k = RowSum(y_k);
-    if (lane == k) y = y_k;
+    float* state = row + k * tile_state;
+    parts[k] = active ? SsmRowShare<kN, true>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
   }
-  if (!active) return;
-  if (first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
-  if (slot >= 0 && W1 > 0) {
+  const float y = LaneRowSum(parts, lane);
+  if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
+  if (active && slot >= 0 && W1 > 0) {
     float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
 #pragma unroll 1
     for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
     state[(W1 - 1) * cd] = x;
   }
+  __syncthreads();
+  each_piece([](const float* from, float* to, bool present) {
+    if (!present) return;
+    if constexpr (kWidth == 4) {
+      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
+    } else {
+      *to = *from;
+    }
+  });
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
 // head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
-// stage before.
+// stage before. In a per-tile kernel of kBlocks blocks an SM.
+template <int kBlocks>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
@@ -1330,17 +1451,18 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
-  TileRows<1>(p.stage[cfc_stage], stage_rows(cfc_stage), ev + o.head_a, pe, nullptr, 0, p.K,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[cfc_stage], stage_rows(cfc_stage),
+                                                               ev + o.head_a, pe, nullptr, 0, p.K,
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
   prefetch(cfc_stage + 2);
   TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
-              [&](int u, const float(&acc)[4][kWideEvents], const float* prm, int e, bool active) {
-                const float ff1 = LaneEvent(acc[0], e), ff2 = LaneEvent(acc[1], e),
-                            time_a = LaneEvent(acc[2], e), time_b = LaneEvent(acc[3], e);
+              [&](int u, const float(&acc)[4], const float* prm, int e, bool active) {
+                const float ff1 = acc[0], ff2 = acc[1],
+                            time_a = acc[2], time_b = acc[3];
                 if (!active) return;
                 const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
                 ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
@@ -1348,18 +1470,20 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
               });
   __syncthreads();
   prefetch(cfc_stage + 3);
-  TileRows<2>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                const float fc2 = LaneEvent(acc[0], e), skip = LaneEvent(acc[1], e);
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe,
+                                      nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
+                const float fc2 = acc[0], skip = acc[1];
                 if (!active) return;
                 ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
                 ev[e * pe + o.head_skip + u] = skip;
               });
   __syncthreads();
   prefetch(cfc_stage + 4);
-  TileRows<2>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe, nullptr, 0, p.G,
-              [&](int u, const float(&acc)[2][kWideEvents], const float* prm, int e, bool active) {
-                const float gate = LaneEvent(acc[0], e), value = LaneEvent(acc[1], e);
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe,
+                                      nullptr, 0, p.G,
+              [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
+                const float gate = acc[0], value = acc[1];
                 if (!active) return;
                 ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
               });
@@ -1369,8 +1493,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   }
   __syncthreads();
   TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
-              [&](int u, const float(&acc)[1][kWideEvents], const float* prm, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+              [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
+                const float v = acc[0];
                 if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
               });
   __syncthreads();
@@ -1427,9 +1551,10 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
   const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
   PrefetchL1(a.pack + next.pack, next.units * next.stride);
-  TileRows<1>(s, a.pack + s.pack, y, pe_y, y + E4, 0, p.D,
-              [&](int u, const float(&acc)[1][kWideEvents], const float*, int e, bool active) {
-                const float v = LaneEvent(acc[0], e);
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
+                                                               p.D,
+              [&](int u, const float(&acc)[1], const float*, int e, bool active) {
+                const float v = acc[0];
                 if (!active) return;
                 const float out = h[e * pe_h + u] + v;
                 h[e * pe_h + u] = out;
@@ -1437,9 +1562,9 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
               });
   __syncthreads();
   if (last) {
-    HeadPhase(a, smem + o.out_head, slot_s, dt_s, log_s);
+    HeadPhase<kBlocks>(a, smem + o.out_head, slot_s, dt_s, log_s);
   } else {
-    SharedPhase(a, l + 1, h, smem + o.out_conv, slot_s, first);
+    SharedPhase<kBlocks>(a, l + 1, h, smem + o.out_conv, slot_s, first);
   }
 }
 
@@ -1545,7 +1670,8 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
        {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
         Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
-        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel<0>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<32>, max_shared_bytes), PrepareWide(WideSsmKernel<64>, max_shared_bytes),
         PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
@@ -1567,11 +1693,16 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   auto bytes = [](int floats) { return sizeof(float) * floats; };
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
+  const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
+  void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0>
+                                      : p.N == 32     ? WideSsmKernel<32>
+                                      : p.N == 64     ? WideSsmKernel<64>
+                                                      : WideSsmKernel<0>;
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
                                        bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(WideSsmKernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
+    error = LaunchWideKernel(ssm_kernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
                              kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),

@@ -194,21 +194,28 @@ TEST_P(StreamStepTest, TheWidePathGivesTheClusterKernelsBits) {
 
 TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  // Ticks of 257 to 700 events take the wide path (graphs; padded to buckets of 512 and 700 under the mask), between
-  // single-instrument ticks on the cluster kernel, over seeded and random states.
-  constexpr int kSlots = 700;
-  static_assert(kStreamWideFrom <= 512, "the buckets below must take the wide path");
-  StreamStepParity parity(GetParam(), kSlots, 16);
-  ASSERT_TRUE(parity.streamer().ShapeFor(512).wide);
+  // Ticks of up to 444 events past the smallest power of two that takes the wide path on this device (`small`: 256;
+  // `tiny`, whose cluster kernel holds its weights: past one wave of its groups) take the wide path (graphs; padded
+  // to power-of-two buckets, the last one to the slot count, under the mask), between single-instrument ticks on the
+  // cluster kernel, over seeded and random states.
+  int wide_from = kStreamWideFrom;
+  {
+    StreamStepParity probe(GetParam(), 1, 1);
+    while (wide_from <= (1 << 16) && !probe.streamer().ShapeFor(wide_from).wide) wide_from *= 2;
+  }
+  ASSERT_LE(wide_from, 1 << 16) << "no tick takes the wide path";
+  const int slots_total = wide_from + 444;
+  StreamStepParity parity(GetParam(), slots_total, 16);
+  ASSERT_TRUE(parity.streamer().ShapeFor(wide_from + 1).wide);
   parity.Seed(20, 30, 5);
   parity.Seed(99, 3, 6);
   Rng rng(4);
   uint64_t seed = 900;
   for (int round = 0; round < 5; ++round) {
-    std::vector<int32_t> slots(kSlots);
-    for (int s = 0; s < kSlots; ++s) slots[s] = s;
+    std::vector<int32_t> slots(slots_total);
+    for (int s = 0; s < slots_total; ++s) slots[s] = s;
     for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
-    slots.resize(257 + rng.Below(kSlots - 256));
+    slots.resize(wide_from + 1 + rng.Below(slots_total - wide_from));
     parity.Tick(slots, ++seed);
     parity.Tick({20}, ++seed);
   }
