@@ -374,6 +374,238 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   }
 }
 
+// The register tiles of one block (no cluster) with its sequences in two halves, A and B, B a quarter step behind:
+// each step of a half is four sub-phases (W_c's products, then their reduction and nonlinearity — its tail — then
+// the heads' products and tail), and every barrier-separated interval runs the products of one half beside the tail
+// of the other. The tails (reduce-scatter shuffles, tanh, exp, division) are chains of long latencies that used to
+// leave the block idle between the two barriers of a step; independent of the other half's products, they now
+// issue between them. Four barriers a step instead of two, each tail and product half as wide.
+template <typename Tile, int kSeqs>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    CfcForwardSkewKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
+                         CfcActivations act, float* state_out) {
+  static_assert(Tile::kCluster == 1 && kSeqs % 2 == 0);
+  using Wc = typename Tile::Wc;
+  using Heads = typename Tile::Heads;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone, kH = kSeqs / 2;
+  __shared__ __align__(16) float c[kSeqs][kC];  // c_{t−1}, then c_t
+  __shared__ __align__(16) float bb[kSeqs][kK];
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
+  const int seq0 = blockIdx.x * kSeqs;
+  float wc[Wc::kR][Wc::kN], wh[Heads::kR][Heads::kN];
+  LoadSlots<Tile::kThreads>(packed + tid, 0, wc);
+  LoadSlots<Tile::kThreads>(packed + tid, Wc::kR * Wc::kN, wh);
+  // In each half this thread ends W_c's tail with bb of the half's sequence at_k.seq, row k, and the heads' tail
+  // with the four heads of its sequence at_i.seq, unit i. Its pointers are at step 0 of those rows; the loads'
+  // are clamped into the tensors (a padded row or sequence reads a real one and never stores), so that no branch
+  // splits a tail from the products beside it.
+  const TileValue at_k = TileValueOf<Wc, kH, 1>(tid), at_i = TileValueOf<Heads, kH, 4>(tid);
+  const int k = at_k.row, i = at_i.row / 4;
+  bool k_writer[2], i_writer[2];
+  const float *u_at[2], *dt_at[2];
+  float *bb_pre_at[2], *bb_at[2], *gates_at[2], *c_prev_at[2], *c_at[2], *state_out_at[2];
+  float c_own[2], u_next[2], dt_next[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int seq_k = seq0 + h * kH + at_k.seq, seq_i = seq0 + h * kH + at_i.seq;
+    k_writer[h] = k < K && seq_k < B && at_k.copy == 0;
+    i_writer[h] = i < C && seq_i < B && at_i.copy == 0;
+    const size_t row_k = static_cast<size_t>(seq_k) * T, row_i = static_cast<size_t>(seq_i) * T;
+    const size_t load_k = static_cast<size_t>(min(seq_k, B - 1)) * T * K + min(k, K - 1);
+    const size_t load_i = static_cast<size_t>(min(seq_i, B - 1));
+    u_at[h] = u + load_k;
+    dt_at[h] = dt + load_i * T;
+    bb_pre_at[h] = act.bb_pre + row_k * K + k;
+    bb_at[h] = act.bb + row_k * K + k;
+    gates_at[h] = act.gates + row_i * 3 * C + i;
+    c_prev_at[h] = act.c_prev + row_i * C + i;
+    c_at[h] = act.c + row_i * act.ldc + i;
+    state_out_at[h] = state_out + static_cast<size_t>(seq_i) * C + i;
+    c_own[h] = state_in ? state_in[load_i * C + min(i, C - 1)] : 0.f;
+    u_next[h] = u_at[h][0];
+    dt_next[h] = dt_at[h][0];
+  }
+  float bias[4];
+#pragma unroll
+  for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
+  for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
+    const int s = j / kC, unit = j % kC;
+    c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
+  }
+  auto wc_products = [&](int h, float (&acc)[kH * Wc::kR]) {
+    TileDot<Wc, kH>(wc, reinterpret_cast<const float4*>(&c[h * kH][0]), kC / 4, acc);
+  };
+  auto wc_tail = [&](int h, int t, float (&acc)[kH * Wc::kR]) {
+    float pre[1];
+    GroupReduceScatter<kH * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
+    const float v_pre = pre[0] + u_next[h], v = LecunTanh(v_pre);
+    if (at_k.copy == 0) bb[h * kH + at_k.seq][k] = v;
+    const size_t at = static_cast<size_t>(t) * K;
+    if (k_writer[h]) {
+      bb_pre_at[h][at] = v_pre;
+      bb_at[h][at] = v;
+    }
+    u_next[h] = u_at[h][static_cast<size_t>(min(t + 1, T - 1)) * K];
+  };
+  auto heads_products = [&](int h, float (&acc)[kH * Heads::kR]) {
+    TileDot<Heads, kH>(wh, reinterpret_cast<const float4*>(&bb[h * kH][0]), kK / 4, acc);
+  };
+  auto heads_tail = [&](int h, int t, float (&acc)[kH * Heads::kR]) {
+    float heads[4];
+    GroupReduceScatter<kH * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) heads[j] += bias[j];
+    const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
+    const float tau = Sigmoid(heads[kCfcTimeA] * dt_next[h] + heads[kCfcTimeB]);
+    const float next = f1 * (1.f - tau) + tau * f2;
+    if (at_i.copy == 0) c[h * kH + at_i.seq][i] = next;
+    if (i_writer[h]) {
+      float* gates = gates_at[h] + static_cast<size_t>(t) * 3 * C;
+      gates[0] = f1;
+      gates[C] = f2;
+      gates[2 * C] = tau;
+      c_prev_at[h][static_cast<size_t>(t) * C] = c_own[h];
+      c_at[h][static_cast<size_t>(t) * act.ldc] = next;
+    }
+    c_own[h] = next;
+    dt_next[h] = dt_at[h][min(t + 1, T - 1)];
+  };
+  // The products come first in each interval: the division's rarely taken slow path ends the tail's basic block,
+  // and the scheduler interleaves only within one.
+  float wc_a[kH * Wc::kR], wc_b[kH * Wc::kR], heads_a[kH * Heads::kR], heads_b[kH * Heads::kR];
+  __syncthreads();
+  wc_products(0, wc_a);
+  for (int t = 0; t < T; ++t) {
+    wc_products(1, wc_b);
+    wc_tail(0, t, wc_a);
+    __syncthreads();
+    heads_products(0, heads_a);
+    wc_tail(1, t, wc_b);
+    __syncthreads();
+    heads_products(1, heads_b);
+    heads_tail(0, t, heads_a);
+    __syncthreads();
+    wc_products(0, wc_a);  // step t + 1's (unused after the last step)
+    heads_tail(1, t, heads_b);
+    __syncthreads();
+  }
+  if (state_out) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (i_writer[h]) *state_out_at[h] = c_own[h];
+    }
+  }
+}
+
+// The backward of CfcForwardSkewKernel, skewed the same way: per half and step, W_headsᵀ's products and tail (into
+// d bb_pre), then W_cᵀ's (into d c_{t−1} and the d heads of step t − 1).
+template <typename Tile, int kSeqs>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    CfcBackwardSkewKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
+                          const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre) {
+  static_assert(Tile::kCluster == 1 && kSeqs % 2 == 0);
+  using HeadsT = typename Tile::HeadsT;
+  using WcT = typename Tile::WcT;
+  constexpr int kC = Tile::kUnits, kK = Tile::kBackbone, kH = kSeqs / 2;
+  __shared__ __align__(16) float dheads[kSeqs][4 * kC];  // d of the heads' pre-activations, packed order
+  __shared__ __align__(16) float dbb[kSeqs][kK];
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, tid = threadIdx.x;
+  const int seq0 = blockIdx.x * kSeqs;
+  const float* mine = packed + static_cast<size_t>(Tile::kForwardSlots) * Tile::kThreads + tid;
+  float wt[HeadsT::kR][HeadsT::kN], wu[WcT::kR][WcT::kN];
+  LoadSlots<Tile::kThreads>(mine, 0, wt);
+  LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
+  // In each half this thread ends W_headsᵀ's tail with dbb of the half's sequence at_k.seq, row k, and W_cᵀ's with
+  // d c_{t−1} of its sequence at_i.seq, unit i, then the four d heads of step t − 1. Pointers and clamped loads as in
+  // the forward.
+  const TileValue at_k = TileValueOf<HeadsT, kH, 1>(tid), at_i = TileValueOf<WcT, kH, 1>(tid);
+  const int k = at_k.row, i = at_i.row;
+  bool k_writer[2], i_writer[2];
+  const float *dc_head_at[2], *gates_at[2], *dt_at[2], *bb_pre_at[2];
+  float *dp_at[2], *dbb_pre_at[2];
+  // Step t's inputs of the d heads and of d bb_pre, loaded a step ahead.
+  float grad_head[2], f1[2], f2[2], tau[2], dt_t[2], bb_pre_t[2];
+  auto load_step = [&](int h, int t) {
+    const size_t row = static_cast<size_t>(max(t, 0));
+    grad_head[h] = dc_head_at[h][row * ld_dc_head];
+    const float* g = gates_at[h] + row * 3 * C;
+    f1[h] = g[0];
+    f2[h] = g[C];
+    tau[h] = g[2 * C];
+    dt_t[h] = dt_at[h][row];
+  };
+  // d heads of step t from d c_t = dc + d c_t from the head.
+  auto store_dheads = [&](int h, int t, float dc) {
+    const float grad = dc + grad_head[h], d_tau_pre = grad * (f2[h] - f1[h]) * tau[h] * (1.f - tau[h]);
+    const float d[4] = {grad * (1.f - tau[h]) * (1.f - f1[h] * f1[h]), grad * tau[h] * (1.f - f2[h] * f2[h]),
+                        d_tau_pre * dt_t[h], d_tau_pre};
+    if (at_i.copy == 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dheads[h * kH + at_i.seq][j * kC + i] = d[j];
+    }
+    if (i_writer[h]) {
+      float* out = dp_at[h] + static_cast<size_t>(t) * 4 * C;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j * C] = d[j];
+    }
+  };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int seq_k = seq0 + h * kH + at_k.seq, seq_i = seq0 + h * kH + at_i.seq;
+    k_writer[h] = k < K && seq_k < B && at_k.copy == 0;
+    i_writer[h] = i < C && seq_i < B && at_i.copy == 0;
+    const size_t load_i = static_cast<size_t>(min(seq_i, B - 1)) * T, ic = min(i, C - 1);
+    dc_head_at[h] = dc_head + load_i * ld_dc_head + ic;
+    gates_at[h] = gates + load_i * 3 * C + ic;
+    dt_at[h] = dt + load_i;
+    bb_pre_at[h] = bb_pre + static_cast<size_t>(min(seq_k, B - 1)) * T * K + min(k, K - 1);
+    dp_at[h] = dp + static_cast<size_t>(seq_i) * T * 4 * C + i;
+    dbb_pre_at[h] = dbb_pre + static_cast<size_t>(seq_k) * T * K + k;
+    load_step(h, T - 1);
+    store_dheads(h, T - 1, 0.f);
+    load_step(h, T - 2);
+    bb_pre_t[h] = bb_pre_at[h][static_cast<size_t>(T - 1) * K];
+  }
+  auto headsT_products = [&](int h, float (&acc)[kH * HeadsT::kR]) {
+    TileDot<HeadsT, kH>(wt, reinterpret_cast<const float4*>(&dheads[h * kH][0]), kC, acc);
+  };
+  auto headsT_tail = [&](int h, int t, float (&acc)[kH * HeadsT::kR]) {
+    float total[1];
+    GroupReduceScatter<kH * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
+    const float v = total[0] * LecunTanhGrad(bb_pre_t[h]);
+    if (at_k.copy == 0) dbb[h * kH + at_k.seq][k] = v;
+    if (k_writer[h]) dbb_pre_at[h][static_cast<size_t>(t) * K] = v;
+    bb_pre_t[h] = bb_pre_at[h][static_cast<size_t>(max(t - 1, 0)) * K];
+  };
+  auto wcT_products = [&](int h, float (&acc)[kH * WcT::kR]) {
+    TileDot<WcT, kH>(wu, reinterpret_cast<const float4*>(&dbb[h * kH][0]), kK / 4, acc);
+  };
+  auto wcT_tail = [&](int h, int t, float (&acc)[kH * WcT::kR]) {  // t > 0
+    float dc[1];
+    GroupReduceScatter<kH * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
+    store_dheads(h, t - 1, dc[0]);
+    load_step(h, t - 2);
+  };
+  float headsT_a[kH * HeadsT::kR], headsT_b[kH * HeadsT::kR], wcT_a[kH * WcT::kR], wcT_b[kH * WcT::kR];
+  __syncthreads();
+  headsT_products(0, headsT_a);
+  for (int t = T - 1; t >= 0; --t) {
+    headsT_products(1, headsT_b);
+    headsT_tail(0, t, headsT_a);
+    __syncthreads();
+    wcT_products(0, wcT_a);
+    headsT_tail(1, t, headsT_b);
+    if (t == 0) break;  // no gradient flows into state_in
+    __syncthreads();
+    wcT_products(1, wcT_b);
+    wcT_tail(0, t, wcT_a);
+    __syncthreads();
+    headsT_products(0, headsT_a);  // step t − 1's
+    wcT_tail(1, t, wcT_b);
+    __syncthreads();
+  }
+}
+
 // The general kernels' packed layout, in floats: the forward's block [W_cᵀ: C×K][W_headsᵀ: K×4C][biases: 4C], then the backward's block
 // [W_heads: 4C×K][W_c: K×C].
 __host__ __device__ inline size_t ForwardWeightFloats(int C, int K) { return 5ull * C * K + 4ull * C; }
@@ -678,7 +910,7 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {CfcForwardTileKernel<SmallTile, 1>,
-                                                                      CfcForwardTileKernel<SmallTile, 2>};
+                                                                      CfcForwardSkewKernel<SmallTile, 2>};
     return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
   }
   if (Fits<LargeTile>(shape)) {
@@ -706,7 +938,7 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
-                                                                       CfcBackwardTileKernel<SmallTile, 2>};
+                                                                       CfcBackwardSkewKernel<SmallTile, 2>};
     return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
                                  dbb_pre);
   }
