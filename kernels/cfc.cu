@@ -342,30 +342,25 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
   // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
   const TileValue at_k = TileValueOf<HeadsT, kSeqs>(tid);
-  const int k = rank * Tile::kRows + at_k.row, seq_k = seq0 + at_k.seq;
-  const bool k_writer = k < K && seq_k < B && at_k.copy == 0;
+  const int k = rank * Tile::kRows + at_k.row;
+  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
+  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
   // It ends the W_cᵀ phase with d c_{t−1} of sequence seq0 + at_i.seq, unit i, then the four d heads of step t − 1.
   const TileValue at_i = TileValueOf<WcT, kSeqs>(tid);
-  const int i = rank * Tile::kOwnUnits + at_i.row, seq_i = seq0 + at_i.seq;
-  const bool i_writer = i < C && seq_i < B && at_i.copy == 0;
-  // Its rows at step 0, loads clamped into the tensors as in the forward.
-  const size_t load_i = static_cast<size_t>(min(seq_i, B - 1)) * T, ic = min(i, C - 1);
-  const float* dc_head_at = dc_head + load_i * ld_dc_head + ic;
-  const float* gates_at = gates + load_i * 3 * C + ic;
-  const float* dt_at = dt + load_i;
-  const float* bb_pre_at = bb_pre + static_cast<size_t>(min(seq_k, B - 1)) * T * K + min(k, K - 1);
-  float* dp_at = dp + static_cast<size_t>(seq_i) * T * 4 * C + i;
-  float* dbb_pre_at = dbb_pre + static_cast<size_t>(seq_k) * T * K + k;
-  // Step t's inputs of the d heads (t ≥ 0), loaded a step ahead.
-  float grad_head, f1, f2, tau, dt_t;
+  const int i = rank * Tile::kOwnUnits + at_i.row;
+  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
+  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
+  // Step t's inputs of the d heads, loaded a step ahead.
+  float grad_head = 0.f, f1 = 0.f, f2 = 0.f, tau = 0.f, dt_t = 0.f;
   auto load_step = [&](int t) {
-    const size_t row = static_cast<size_t>(max(t, 0));
-    grad_head = dc_head_at[row * ld_dc_head];
-    const float* g = gates_at + row * 3 * C;
-    f1 = g[0];
-    f2 = g[C];
-    tau = g[2 * C];
-    dt_t = dt_at[row];
+    if (!i_valid) return;
+    const size_t row = row_i + t;
+    grad_head = dc_head[row * ld_dc_head + i];
+    const float* g = gates + row * 3 * C;
+    f1 = g[i];
+    f2 = g[C + i];
+    tau = g[2 * C + i];
+    dt_t = dt[row];
   };
   // d heads of step t from d c_t = dc + d c_t from the head.
   auto store_dheads = [&](int t, float dc) {
@@ -375,16 +370,16 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #pragma unroll
     for (int h = 0; h < 4; ++h) StoreToCluster<Tile::kCluster>(&dheads[at_i.seq][h * kC + i], d[h], at_i);
     if (i_writer) {
-      float* out = dp_at + static_cast<size_t>(t) * 4 * C;
+      float* out = dp + (row_i + t) * 4 * C;
 #pragma unroll
-      for (int h = 0; h < 4; ++h) out[h * C] = d[h];
+      for (int h = 0; h < 4; ++h) out[h * C + i] = d[h];
     }
   };
   PhaseBarrier<Tile::kCluster>();  // every block runs before the first distributed store
   load_step(T - 1);
   store_dheads(T - 1, 0.f);
-  load_step(T - 2);
-  float bb_pre_t = bb_pre_at[static_cast<size_t>(T - 1) * K];
+  if (T > 1) load_step(T - 2);
+  float bb_pre_t = k_valid ? bb_pre[(row_k + T - 1) * K + k] : 0.f;
   PhaseBarrier<Tile::kCluster>();
   for (int t = T - 1; t >= 0; --t) {
     {
@@ -393,8 +388,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       TileReduce<HeadsT, kSeqs>(acc, total);
       const float v = total[0] * LecunTanhGrad(bb_pre_t);
       StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
-      if (k_writer) dbb_pre_at[static_cast<size_t>(t) * K] = v;
-      bb_pre_t = bb_pre_at[static_cast<size_t>(max(t - 1, 0)) * K];
+      if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
+      if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
     }
     PhaseBarrier<Tile::kCluster>();
     if (t == 0) break;  // no gradient flows into state_in
@@ -403,7 +398,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       TileDot<WcT, kSeqs>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, acc);
       TileReduce<WcT, kSeqs>(acc, dc);
       store_dheads(t - 1, dc[0]);
-      load_step(t - 2);
+      if (t > 1) load_step(t - 2);
     }
     PhaseBarrier<Tile::kCluster>();
   }
