@@ -53,8 +53,8 @@ struct TilePhase {
 // rows split over kCluster blocks of kThreads, each thread holding 5·kUnits·kBackbone / (kCluster·kThreads) weights
 // and up to kMaxSeqs sequences' accumulators in its registers. R, the rows a thread of each phase, balances the
 // instructions issued (multiply-adds, the reduction's shuffles) against the shared-memory pipe (float4 reads,
-// shuffles); picked by counting both and measuring on the H200 (small, with the XOR-ordered reductions: forward and
-// backward R of 4/8 and 8/4 against 2/4, 4/4, 4/2: none faster).
+// shuffles); picked by counting both and measuring on the H200 (small: the heads' R of 4 no faster than 8 with the
+// XOR-ordered reductions; W_headsᵀ/W_cᵀ's 4/2 slower than 8/4 before them).
 template <int kUnitsCap, int kBackboneCap, int kClusterSize, int kThreadsPerBlock, int kMaxSeqsPerBlock, int kRWc,
           int kRHeads, int kRHeadsT, int kRWcT>
 struct CfcTile {
