@@ -208,9 +208,6 @@ __device__ __forceinline__ TileValue TileValueOf(int tid) {
   return {value % S, Phase::Row(tid, value / S * Phase::kW), g % kCopies, kCopies};
 }
 
-// Starts bringing the line of p into L1 (no register waits on it).
-__device__ __forceinline__ void PrefetchL1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 template <int kCluster>
 __device__ __forceinline__ int ClusterRank() {
   if constexpr (kCluster == 1) {
@@ -357,9 +354,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int i = rank * Tile::kOwnUnits + at_i.row;
   const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
   const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
-  // Step t's inputs of the d heads, loaded a step ahead after an L1 prefetch a step before that: one step of the
-  // loop is about as long as a load from DRAM, and with the loads a step ahead only, they were still what the
-  // backward waited on most (long scoreboard) once the reductions lost their selects.
+  // Step t's inputs of the d heads, loaded a step ahead.
   float grad_head = 0.f, f1 = 0.f, f2 = 0.f, tau = 0.f, dt_t = 0.f;
   auto load_step = [&](int t) {
     if (!i_valid) return;
@@ -370,16 +365,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     f2 = g[C + i];
     tau = g[2 * C + i];
     dt_t = dt[row];
-  };
-  auto prefetch_step = [&](int t) {
-    if (!i_valid) return;
-    const size_t row = row_i + t;
-    PrefetchL1(dc_head + row * ld_dc_head + i);
-    const float* g = gates + row * 3 * C;
-    PrefetchL1(g + i);
-    PrefetchL1(g + C + i);
-    PrefetchL1(g + 2 * C + i);
-    PrefetchL1(dt + row);
   };
   // d heads of step t from d c_t = dc + d c_t from the head.
   auto store_dheads = [&](int t, float dc) {
@@ -398,9 +383,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   load_step(T - 1);
   store_dheads(T - 1, 0.f);
   if (T > 1) load_step(T - 2);
-  if (T > 2) prefetch_step(T - 3);
   float bb_pre_t = k_valid ? bb_pre[(row_k + T - 1) * K + k] : 0.f;
-  if (k_valid && T > 1) PrefetchL1(bb_pre + (row_k + T - 2) * K + k);
   PhaseBarrier<Tile::kCluster>();
   for (int t = T - 1; t >= 0; --t) {
     {
@@ -411,7 +394,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
       if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
       if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
-      if (k_valid && t > 1) PrefetchL1(bb_pre + (row_k + t - 2) * K + k);
     }
     PhaseBarrier<Tile::kCluster>();
     if (t == 0) break;  // no gradient flows into state_in
@@ -421,7 +403,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       TileReduce<WcT, kSeqs>(acc, dc);
       store_dheads(t - 1, dc[0]);
       if (t > 1) load_step(t - 2);
-      if (t > 2) prefetch_step(t - 3);
     }
     PhaseBarrier<Tile::kCluster>();
   }
