@@ -3,7 +3,10 @@
 // cluster of four that exchange each phase's outputs through distributed shared memory. Each phase is a mat-vec
 // where a thread owns R rows × a slice of the inputs for all of the block's sequences: it reads the inputs from
 // shared memory as float4 broadcasts, and the lanes of its group sum their partial dot products with a
-// reduce-scatter of shuffles; two barriers a step. Larger shapes run the general kernels: three barrier-separated
+// reduce-scatter of shuffles (no selects: each lane holds its rows in its own XOR order); two barriers a step. A step
+// is latency- and issue-bound (about 60% of issue slots used with two warps a scheduler): splitting a block's
+// sequences into halves that overlap each other's reductions measured slower, since every lane then runs a
+// reduction, nonlinearity and stores per half; tensor cores would pad two sequences to mma's eight columns. Larger shapes run the general kernels: three barrier-separated
 // phases a step, a thread per output, weights in shared memory when they fit.
 #include "kernels/cfc.h"
 
@@ -23,20 +26,35 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // One mat-vec phase of a tile: a thread owns kR rows × kN inputs, kG lanes share a group of rows (the group's
 // inputs split over them), and input e of lane g is float e % 4 of float4 (e / 4)·kG + g: consecutive lanes read
 // consecutive float4s. More rows a thread means fewer shared-memory reads per multiply-add, fewer rows means fewer
-// shuffles in the reduction.
-template <int kThreads, int kRows, int kInputs, int kRowsPerThread>
+// shuffles in the reduction. The reduction leaves kW consecutive rows (a unit's four heads) together on one lane.
+//
+// Each lane holds its rows (and sequences) in an order of its own, the natural one XOR the index of the value the
+// lane ends the reduction with (RowMask, SeqMask): then at every step of the reduce-scatter a lane keeps the first
+// half of its values and sends the second, the same registers on every lane, with no selects (a lane that kept the
+// upper half in the natural order now holds it first). The sums are the same as in the natural order, term for
+// term. The packing puts register row r's weights of row PackedRow(tid, r) there.
+template <int kThreads, int kRows, int kInputs, int kRowsPerThread, int kWidth = 1>
 struct TilePhase {
-  static constexpr int kR = kRowsPerThread, kG = kThreads * kR / kRows, kN = kInputs / kG;
+  static constexpr int kR = kRowsPerThread, kW = kWidth, kG = kThreads * kR / kRows, kN = kInputs / kG;
+  static constexpr int kGroups = kR / kW;  // a thread's groups of kW rows, each of which ends on one lane
   static_assert(kThreads * kR % kRows == 0 && kG <= kWarpSize && kN % 4 == 0 && kN * kG == kInputs);
+  static_assert(kR % kW == 0 && kGroups <= kG);
   __host__ __device__ static constexpr int Row(int tid, int r) { return tid / kG * kR + r; }
   __host__ __device__ static constexpr int Input(int tid, int e) { return (e / 4 * kG + tid % kG) * 4 + e % 4; }
+  __host__ __device__ static constexpr int RowMask(int tid) { return tid % kG / (kG / kGroups) * kW; }
+  __host__ __device__ static constexpr int PackedRow(int tid, int r) { return Row(tid, r ^ RowMask(tid)); }
+  template <int kSeqs>
+  __host__ __device__ static constexpr int SeqMask(int tid) {
+    return tid % kG / (kG / (kGroups * kSeqs)) % kSeqs;
+  }
 };
 
 // Capacities C ≤ kUnits and K ≤ kBackbone (the weights are zero-padded up to them, so padded units and rows stay 0),
 // rows split over kCluster blocks of kThreads, each thread holding 5·kUnits·kBackbone / (kCluster·kThreads) weights
 // and up to kMaxSeqs sequences' accumulators in its registers. R, the rows a thread of each phase, balances the
-// instructions issued (multiply-adds, the reduction's shuffles and selects) against the shared-memory pipe (float4
-// reads, shuffles); picked by counting both and measuring on the H200.
+// instructions issued (multiply-adds, the reduction's shuffles) against the shared-memory pipe (float4 reads,
+// shuffles); picked by counting both and measuring on the H200 (small: the heads' R of 4 no faster than 8 with the
+// XOR-ordered reductions; W_headsᵀ/W_cᵀ's 4/2 slower than 8/4 before them).
 template <int kUnitsCap, int kBackboneCap, int kClusterSize, int kThreadsPerBlock, int kMaxSeqsPerBlock, int kRWc,
           int kRHeads, int kRHeadsT, int kRWcT>
 struct CfcTile {
@@ -46,8 +64,7 @@ struct CfcTile {
   static constexpr int kOwnUnits = kUnits / kCluster;  // units (outputs of the heads and of W_cᵀ) of a block
   // Forward: W_c, then the heads with whole units' four heads a thread (rows u·4 + head, u the unit's index).
   using Wc = TilePhase<kThreads, kRows, kUnits, kRWc>;
-  using Heads = TilePhase<kThreads, 4 * kOwnUnits, kBackbone, kRHeads>;
-  static_assert(kRHeads % 4 == 0);
+  using Heads = TilePhase<kThreads, 4 * kOwnUnits, kBackbone, kRHeads, 4>;
   // Backward: W_headsᵀ (inputs h·kUnits + unit), then W_cᵀ.
   using HeadsT = TilePhase<kThreads, kRows, 4 * kUnits, kRHeadsT>;
   using WcT = TilePhase<kThreads, kOwnUnits, kBackbone, kRWcT>;
@@ -94,28 +111,28 @@ __global__ void CfcPackTileKernel(CfcWeights w, CfcShape shape, float* packed) {
       const int tid = static_cast<int>(i % Tile::kThreads), slot = static_cast<int>(i / Tile::kThreads % kSlots);
       const int rank = static_cast<int>(i / Tile::kThreads / kSlots);
       if (slot < kWc) {
-        v = wc(rank * Tile::kRows + Wc::Row(tid, slot / Wc::kN), Wc::Input(tid, slot % Wc::kN));
+        v = wc(rank * Tile::kRows + Wc::PackedRow(tid, slot / Wc::kN), Wc::Input(tid, slot % Wc::kN));
       } else if (slot < Tile::kForwardSlots) {
-        const int s = slot - kWc, r = Heads::Row(tid, s / Heads::kN);
+        const int s = slot - kWc, r = Heads::PackedRow(tid, s / Heads::kN);
         v = head(r % 4, rank * Tile::kOwnUnits + r / 4, Heads::Input(tid, s % Heads::kN));
       } else if (slot < Tile::kForwardSlots + kHeadsT) {
         const int s = slot - Tile::kForwardSlots, j = HeadsT::Input(tid, s % HeadsT::kN);
-        v = head(j / Tile::kUnits, j % Tile::kUnits, rank * Tile::kRows + HeadsT::Row(tid, s / HeadsT::kN));
+        v = head(j / Tile::kUnits, j % Tile::kUnits, rank * Tile::kRows + HeadsT::PackedRow(tid, s / HeadsT::kN));
       } else {
         const int s = slot - Tile::kForwardSlots - kHeadsT;
-        v = wc(WcT::Input(tid, s % WcT::kN), rank * Tile::kOwnUnits + WcT::Row(tid, s / WcT::kN));
+        v = wc(WcT::Input(tid, s % WcT::kN), rank * Tile::kOwnUnits + WcT::PackedRow(tid, s / WcT::kN));
       }
     }
     packed[i] = v;
   }
 }
 
-// Sums v (V groups of W floats) over a group of G contiguous lanes (G a power of two, V ≤ G) and leaves the total of
-// group g / (G / V) in out: the first log2(V) butterfly steps each hand half of the values to the partner, so they
-// cost (V − 1 + log2(G / V))·W shuffles instead of V·W·log2(G). Lanes holding the same total hold the same bits
-// (a + b == b + a).
+// Sums v (V groups of W floats) over a group of G contiguous lanes (G a power of two, V ≤ G), each lane holding the
+// groups in the order of TilePhase's masks, and leaves the total of group g / (G / V) in out: the first log2(V)
+// butterfly steps each hand half of the values to the partner, so they cost (V − 1 + log2(G / V))·W shuffles
+// instead of V·W·log2(G). Lanes holding the same total hold the same bits (a + b == b + a).
 template <int V, int W, int G>
-__device__ __forceinline__ void GroupReduceScatter(float (&v)[V * W], int g, float (&out)[W]) {
+__device__ __forceinline__ void GroupReduceScatter(float (&v)[V * W], float (&out)[W]) {
   static_assert(V <= G && (V & (V - 1)) == 0 && (G & (G - 1)) == 0);
   if constexpr (G == 1) {
 #pragma unroll
@@ -123,35 +140,38 @@ __device__ __forceinline__ void GroupReduceScatter(float (&v)[V * W], int g, flo
   } else if constexpr (V == 1) {
 #pragma unroll
     for (int w = 0; w < W; ++w) v[w] += __shfl_xor_sync(kFullMask, v[w], G / 2);
-    GroupReduceScatter<1, W, G / 2>(v, g, out);
+    GroupReduceScatter<1, W, G / 2>(v, out);
   } else {
     constexpr int H = V / 2 * W;
-    const bool upper = (g & (G / 2)) != 0;
     float next[H];
 #pragma unroll
-    for (int i = 0; i < H; ++i) {
-      const float keep = upper ? v[H + i] : v[i], send = upper ? v[i] : v[H + i];
-      next[i] = keep + __shfl_xor_sync(kFullMask, send, G / 2);
-    }
-    GroupReduceScatter<V / 2, W, G / 2>(next, g, out);
+    for (int i = 0; i < H; ++i) next[i] = v[i] + __shfl_xor_sync(kFullMask, v[H + i], G / 2);
+    GroupReduceScatter<V / 2, W, G / 2>(next, out);
   }
 }
 
-// A phase's mat-vec for S sequences: acc[s·R + r] = Σ_e w[r][e]·in[s][Input(e)], in as rows of `stride` float4s.
+// A phase's mat-vec for S sequences, in as rows of `stride` float4s: acc[(r / W·S + s)·W + r % W] =
+// Σ_e w[r][e]·in[s ^ SeqMask][Input(e)], w[r] holding row PackedRow(r) — the groups the reduce-scatter splits, with
+// the sequences as their lowest index bits so that the rows' order does not depend on S.
 template <typename Phase, int S>
 __device__ __forceinline__ void TileDot(const float (&w)[Phase::kR][Phase::kN], const float4* in, int stride,
                                         float (&acc)[S * Phase::kR]) {
-  const int g = threadIdx.x % Phase::kG;
+  static_assert(S * Phase::kGroups <= Phase::kG);
+  constexpr int kW = Phase::kW;
+  const float4* lane_in[S];
+  const int seq_mask = Phase::template SeqMask<S>(threadIdx.x);
+#pragma unroll
+  for (int s = 0; s < S; ++s) lane_in[s] = in + (s ^ seq_mask) * stride + threadIdx.x % Phase::kG;
 #pragma unroll
   for (int i = 0; i < S * Phase::kR; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int q = 0; q < Phase::kN / 4; ++q) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      const float4 x = in[s * stride + q * Phase::kG + g];
+      const float4 x = lane_in[s][q * Phase::kG];
 #pragma unroll
       for (int r = 0; r < Phase::kR; ++r) {
-        float& a = acc[s * Phase::kR + r];
+        float& a = acc[(r / kW * S + s) * kW + r % kW];
         a = fmaf(w[r][4 * q], x.x, a);
         a = fmaf(w[r][4 * q + 1], x.y, a);
         a = fmaf(w[r][4 * q + 2], x.z, a);
@@ -159,6 +179,12 @@ __device__ __forceinline__ void TileDot(const float (&w)[Phase::kR][Phase::kN], 
       }
     }
   }
+}
+
+// The reduce-scatter of a phase's products.
+template <typename Phase, int S>
+__device__ __forceinline__ void TileReduce(float (&acc)[S * Phase::kR], float (&out)[Phase::kW]) {
+  GroupReduceScatter<S * Phase::kGroups, Phase::kW, Phase::kG>(acc, out);
 }
 
 template <int kThreads, int R, int N>
@@ -175,11 +201,11 @@ __device__ __forceinline__ void LoadSlots(const float* packed, int slot0, float 
 struct TileValue {
   int seq, row, copy, copies;
 };
-template <typename Phase, int S, int W>
+template <typename Phase, int S>
 __device__ __forceinline__ TileValue TileValueOf(int tid) {
-  constexpr int kValues = S * Phase::kR / W, kCopies = Phase::kG / kValues;
-  const int g = tid % Phase::kG, value = g / kCopies, per_seq = Phase::kR / W;
-  return {value / per_seq, Phase::Row(tid, value % per_seq * W), g % kCopies, kCopies};
+  constexpr int kValues = S * Phase::kGroups, kCopies = Phase::kG / kValues;
+  const int g = tid % Phase::kG, value = g / kCopies;
+  return {value % S, Phase::Row(tid, value / S * Phase::kW), g % kCopies, kCopies};
 }
 
 template <int kCluster>
@@ -233,44 +259,53 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   LoadSlots<Tile::kThreads>(mine, 0, wc);
   LoadSlots<Tile::kThreads>(mine, Wc::kR * Wc::kN, wh);
   // This thread ends the W_c phase with bb of sequence seq0 + at_k.seq, row k.
-  const TileValue at_k = TileValueOf<Wc, kSeqs, 1>(tid);
-  const int k = rank * Tile::kRows + at_k.row;
-  const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
-  const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
+  const TileValue at_k = TileValueOf<Wc, kSeqs>(tid);
+  const int k = rank * Tile::kRows + at_k.row, seq_k = seq0 + at_k.seq;
+  const bool k_writer = k < K && seq_k < B && at_k.copy == 0;
   // It ends the heads phase with the four heads of sequence seq0 + at_i.seq, unit i.
-  const TileValue at_i = TileValueOf<Heads, kSeqs, 4>(tid);
-  const int i = rank * Tile::kOwnUnits + at_i.row / 4;
-  const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
-  const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
+  const TileValue at_i = TileValueOf<Heads, kSeqs>(tid);
+  const int i = rank * Tile::kOwnUnits + at_i.row / 4, seq_i = seq0 + at_i.seq;
+  const bool i_writer = i < C && seq_i < B && at_i.copy == 0;
+  // Its rows at step 0. Loads are clamped into the tensors (a padded row or sequence reads a real one and stores
+  // nothing) and a step's stores share one predicate, so no branch cuts a phase's tail into pieces.
+  const size_t row_k = static_cast<size_t>(seq_k) * T, row_i = static_cast<size_t>(seq_i) * T;
+  const size_t load_i = static_cast<size_t>(min(seq_i, B - 1));
+  const float* u_at = u + static_cast<size_t>(min(seq_k, B - 1)) * T * K + min(k, K - 1);
+  const float* dt_at = dt + load_i * T;
+  float* bb_pre_at = act.bb_pre + row_k * K + k;
+  float* bb_at = act.bb + row_k * K + k;
+  float* gates_at = act.gates + row_i * 3 * C + i;
+  float* c_prev_at = act.c_prev + row_i * C + i;
+  float* c_at = act.c + row_i * act.ldc + i;
   float bias[4];
 #pragma unroll
   for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
-  float c_own = i_valid && state_in ? state_in[static_cast<size_t>(seq0 + at_i.seq) * C + i] : 0.f;
+  float c_own = state_in ? state_in[load_i * C + min(i, C - 1)] : 0.f;
   for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
     const int s = j / kC, unit = j % kC;
     c[s][unit] = seq0 + s < B && unit < C && state_in ? state_in[static_cast<size_t>(seq0 + s) * C + unit] : 0.f;
   }
-  float u_next = k_valid ? u[row_k * K + k] : 0.f, dt_next = i_valid ? dt[row_i] : 0.f;
+  float u_next = u_at[0], dt_next = dt_at[0];
   PhaseBarrier<Tile::kCluster>();  // also: every block runs before the first distributed store
   for (int t = 0; t < T; ++t) {
+    const int next_t = min(t + 1, T - 1);
     {
       float acc[kSeqs * Wc::kR], pre[1];
       TileDot<Wc, kSeqs>(wc, reinterpret_cast<const float4*>(&c[0][0]), kC / 4, acc);
-      GroupReduceScatter<kSeqs * Wc::kR, 1, Wc::kG>(acc, tid % Wc::kG, pre);
+      TileReduce<Wc, kSeqs>(acc, pre);
       const float v_pre = pre[0] + u_next, v = LecunTanh(v_pre);
       StoreToCluster<Tile::kCluster>(&bb[at_k.seq][k], v, at_k);
       if (k_writer) {
-        const size_t at = (row_k + t) * K + k;
-        act.bb_pre[at] = v_pre;
-        act.bb[at] = v;
+        bb_pre_at[static_cast<size_t>(t) * K] = v_pre;
+        bb_at[static_cast<size_t>(t) * K] = v;
       }
-      if (k_valid && t + 1 < T) u_next = u[(row_k + t + 1) * K + k];
+      u_next = u_at[static_cast<size_t>(next_t) * K];
     }
     PhaseBarrier<Tile::kCluster>();
     {
       float acc[kSeqs * Heads::kR], heads[4];
       TileDot<Heads, kSeqs>(wh, reinterpret_cast<const float4*>(&bb[0][0]), kK / 4, acc);
-      GroupReduceScatter<kSeqs * Heads::kR / 4, 4, Heads::kG>(acc, tid % Heads::kG, heads);
+      TileReduce<Heads, kSeqs>(acc, heads);
 #pragma unroll
       for (int h = 0; h < 4; ++h) heads[h] += bias[h];
       const float f1 = tanhf(heads[kCfcFf1]), f2 = tanhf(heads[kCfcFf2]);
@@ -278,20 +313,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const float next = f1 * (1.f - tau) + tau * f2;
       StoreToCluster<Tile::kCluster>(&c[at_i.seq][i], next, at_i);
       if (i_writer) {
-        const size_t row = row_i + t;
-        float* gates = act.gates + row * 3 * C;
-        gates[i] = f1;
-        gates[C + i] = f2;
-        gates[2 * C + i] = tau;
-        act.c_prev[row * C + i] = c_own;
-        act.c[row * act.ldc + i] = next;
+        float* gates = gates_at + static_cast<size_t>(t) * 3 * C;
+        gates[0] = f1;
+        gates[C] = f2;
+        gates[2 * C] = tau;
+        c_prev_at[static_cast<size_t>(t) * C] = c_own;
+        c_at[static_cast<size_t>(t) * act.ldc] = next;
       }
       c_own = next;
-      if (i_valid && t + 1 < T) dt_next = dt[row_i + t + 1];
+      dt_next = dt_at[next_t];
     }
     PhaseBarrier<Tile::kCluster>();
   }
-  if (state_out && i_writer) state_out[static_cast<size_t>(seq0 + at_i.seq) * C + i] = c_own;
+  if (state_out && i_writer) state_out[static_cast<size_t>(seq_i) * C + i] = c_own;
 }
 
 template <typename Tile, int kSeqs>
@@ -311,12 +345,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   LoadSlots<Tile::kThreads>(mine, 0, wt);
   LoadSlots<Tile::kThreads>(mine, HeadsT::kR * HeadsT::kN, wu);
   // This thread ends the W_headsᵀ phase with dbb of sequence seq0 + at_k.seq, row k.
-  const TileValue at_k = TileValueOf<HeadsT, kSeqs, 1>(tid);
+  const TileValue at_k = TileValueOf<HeadsT, kSeqs>(tid);
   const int k = rank * Tile::kRows + at_k.row;
   const bool k_valid = k < K && seq0 + at_k.seq < B, k_writer = k_valid && at_k.copy == 0;
   const size_t row_k = static_cast<size_t>(seq0 + at_k.seq) * T;
   // It ends the W_cᵀ phase with d c_{t−1} of sequence seq0 + at_i.seq, unit i, then the four d heads of step t − 1.
-  const TileValue at_i = TileValueOf<WcT, kSeqs, 1>(tid);
+  const TileValue at_i = TileValueOf<WcT, kSeqs>(tid);
   const int i = rank * Tile::kOwnUnits + at_i.row;
   const bool i_valid = i < C && seq0 + at_i.seq < B, i_writer = i_valid && at_i.copy == 0;
   const size_t row_i = static_cast<size_t>(seq0 + at_i.seq) * T;
@@ -355,7 +389,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     {
       float acc[kSeqs * HeadsT::kR], total[1];
       TileDot<HeadsT, kSeqs>(wt, reinterpret_cast<const float4*>(&dheads[0][0]), kC, acc);
-      GroupReduceScatter<kSeqs * HeadsT::kR, 1, HeadsT::kG>(acc, tid % HeadsT::kG, total);
+      TileReduce<HeadsT, kSeqs>(acc, total);
       const float v = total[0] * LecunTanhGrad(bb_pre_t);
       StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
       if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
@@ -366,7 +400,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     {
       float acc[kSeqs * WcT::kR], dc[1];
       TileDot<WcT, kSeqs>(wu, reinterpret_cast<const float4*>(&dbb[0][0]), kK / 4, acc);
-      GroupReduceScatter<kSeqs * WcT::kR, 1, WcT::kG>(acc, tid % WcT::kG, dc);
+      TileReduce<WcT, kSeqs>(acc, dc);
       store_dheads(t - 1, dc[0]);
       if (t > 1) load_step(t - 2);
     }

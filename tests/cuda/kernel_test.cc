@@ -457,11 +457,12 @@ TEST(KernelTest, CfcForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
   // Shapes cover one sequence, tiny and padded ones in `small`'s register tile, several sequences per block (batch
   // above the multiprocessor or cluster count, the last block partly empty), `small`'s and `large`'s tiles exactly,
-  // `large`'s cluster tile padded, and the general kernels (a shape beyond `large`'s tile).
+  // `large`'s cluster tile padded, the general kernels (a shape beyond `large`'s tile), and `small`'s skewed pair
+  // kernels at its own C and K with the last block's second half empty, and over a single step.
   for (const CfcCase k : {CfcCase{1, 1, 3, 5, 7}, CfcCase{2, 9, 8, 5, 7}, CfcCase{3, 70, 16, 12, 20},
                           CfcCase{301, 5, 4, 6, 10}, CfcCase{5, 33, 8, 64, 128}, CfcCase{2, 20, 8, 128, 256},
                           CfcCase{40, 4, 8, 128, 256}, CfcCase{64, 6, 8, 100, 200}, CfcCase{150, 3, 4, 70, 20},
-                          CfcCase{3, 5, 4, 130, 9}}) {
+                          CfcCase{3, 5, 4, 130, 9}, CfcCase{263, 12, 8, 64, 128}, CfcCase{200, 1, 3, 5, 7}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " C" << k.units << " K" << k.backbone);
     const int B = k.batch, T = k.window, D = k.d_model, C = k.units, K = k.backbone, rows = B * T, ldc = C + 3;
     // Weights at their initialization scale (MODEL.md §4): much larger ones make the recurrence chaotic, and then
