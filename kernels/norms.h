@@ -15,9 +15,8 @@ constexpr int kMaxNormWidth = 1024;
 int NormPartialRows(int rows);
 
 // y = v / sqrt(mean(v²) + eps) ⊙ w for each of `rows` rows of `cols`; rstd[row] = 1/sqrt(mean(v²) + eps).
-// `residual` (may be null) receives a copy of v, [rows, cols] dense: the residual stream the block's output adds to.
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
-                                 float* rstd, float* residual, cudaStream_t stream);
+                                 float* rstd, cudaStream_t stream);
 
 // The input gradient of RmsNorm: g = rstd·dy⊙w − v·rstd³·Σ(dy⊙w⊙v)/cols; dv = g, or dv += g when `accumulate`
 // (a pre-norm's gradient joins the residual stream's). dw_partials [NormPartialRows(rows), cols]: Σ dy⊙v·rstd.
@@ -37,7 +36,7 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
                                        const float* z, int ldz, int rows, int cols, float* dy, float* dz, int lddz,
                                        float* dw_partials, cudaStream_t stream);
 
-// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value, written back into pre_ln; then
+// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value written back into pre_ln; then
 // nhat = (x − mean)·rstd and g = nhat ⊙ w + b. All [rows, cols] dense; rstd per row.
 cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, const float* value, const float* w,
                                           const float* b, int rows, int cols, float* nhat, float* g, float* rstd,
