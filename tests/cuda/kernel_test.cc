@@ -237,7 +237,6 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
                                                       dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
                                                       parts.get(), nullptr), cudaSuccess);
-    EXPECT_CLOSE(pre_ln.Download(), x_cpu);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
