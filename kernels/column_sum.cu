@@ -7,8 +7,6 @@ namespace perception::kernels {
 namespace {
 
 constexpr int kRowLanes = 8;
-constexpr int kLaneRows = kColumnSumChunkRows / kRowLanes;  // rows of a chunk each lane adds
-static_assert(kColumnSumChunkRows % kRowLanes == 0);
 static_assert(kColumnSumFinishColumns == kWarpSize, "a finish block's lanes span its columns");
 
 __global__ void __launch_bounds__(kWarpSize * kRowLanes)
@@ -19,29 +17,14 @@ __global__ void __launch_bounds__(kWarpSize * kRowLanes)
   const int tx = threadIdx.x % kWarpSize, ty = threadIdx.x / kWarpSize, col = tile.col0 + tx;
   float sum = 0.f;
   if (col < job.cols) {
-    // All of a thread's rows of the chunk are loaded before the first is added: a tile waits for one memory latency.
-    float v[kLaneRows];
-#pragma unroll
-    for (int k = 0; k < kLaneRows; ++k) {
-      const int r = tile.row_begin + ty + k * kRowLanes;
-      v[k] = r < tile.row_end ? job.a[static_cast<size_t>(r) * job.lda + col] : 0.f;
+    // Unrolled so that a thread's loads of several rows are in flight together (the loop has no stores).
+#pragma unroll 8
+    for (int r = tile.row_begin + ty; r < tile.row_end; r += kRowLanes) {
+      float v = job.a[static_cast<size_t>(r) * job.lda + col];
+      if (job.b) v *= job.b[static_cast<size_t>(r) * job.ldb + col];
+      if (job.row_scale) v *= job.row_scale[r];
+      sum += v;
     }
-    if (job.b) {
-#pragma unroll
-      for (int k = 0; k < kLaneRows; ++k) {
-        const int r = tile.row_begin + ty + k * kRowLanes;
-        if (r < tile.row_end) v[k] *= job.b[static_cast<size_t>(r) * job.ldb + col];
-      }
-    }
-    if (job.row_scale) {
-#pragma unroll
-      for (int k = 0; k < kLaneRows; ++k) {
-        const int r = tile.row_begin + ty + k * kRowLanes;
-        if (r < tile.row_end) v[k] *= job.row_scale[r];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kLaneRows; ++k) sum += v[k];
   }
   lanes[ty][tx] = sum;
   __syncthreads();
