@@ -520,7 +520,7 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
                                  param(layout_.embed.bias), 0.f, h_[0], d.D));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
-                                                     rstd_f_, stream_));
+                                                     rstd_f_, nullptr, stream_));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));
   RETURN_IF_ERROR(HeadForward(rows));
   if (!with_gradient || !communicator_) {
@@ -543,13 +543,8 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
   const int rows = batch * window;
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
-  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd, stream_));
-  // The residual stream's copy, which out_proj's product adds onto, goes on grad_stream_ beside in_proj's product, the
-  // conv and the scan, off the main stream's chain.
-  RETURN_IF_ERROR(ForkGradients());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_[l + 1], h_[l], static_cast<size_t>(rows) * d.D * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, grad_stream_));
-  RETURN_IF_ERROR(MarkGradients());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
+                                                     h_[l + 1], stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd));
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
   CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.xbc,
@@ -559,7 +554,6 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
       kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.yn,
                                                           a.rstd_gate, stream_));
-  RETURN_IF_ERROR(AwaitGradients());  // the copy of the residual stream
   return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D);
 }
 

@@ -115,7 +115,8 @@ __device__ void WriteBlockSums(const float (&acc)[V], int cols, float* out) {
 
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v, int ldv, const float* w, int rows,
-                                                                 int cols, float* y, int ldy, float* rstd) {
+                                                                 int cols, float* y, int ldy, float* rstd,
+                                                                 float* residual) {
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
   float vr[V];
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v,
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = vr[j] * r * WeightAt<VW>(w, j, cols);
   StoreRow<V, VW>(y + static_cast<size_t>(row) * ldy, cols, out);
+  if (residual) StoreRow<V, VW>(residual + static_cast<size_t>(row) * cols, cols, vr);
   if (Lane() == 0) rstd[row] = r;
 }
 
@@ -376,10 +378,11 @@ static_assert(kMaxNormWidth == 32 * kWarpSize, "ForRowWidth's widest instance is
 int NormPartialRows(int rows) { return CeilDiv(rows, kBlockRows); }
 
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
-                                 float* rstd, cudaStream_t stream) {
-  const bool vec = Vectorizable(cols, {v, y}, {ldv, ldy});
+                                 float* rstd, float* residual, cudaStream_t stream) {
+  const bool vec = Vectorizable(cols, {v, y, residual}, {ldv, ldy});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    RmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd);
+    RmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
+                                                                             residual);
     return cudaGetLastError();
   });
 }

@@ -15,8 +15,9 @@ constexpr int kMaxNormWidth = 1024;
 int NormPartialRows(int rows);
 
 // y = v / sqrt(mean(v²) + eps) ⊙ w for each of `rows` rows of `cols`; rstd[row] = 1/sqrt(mean(v²) + eps).
+// `residual` (may be null) receives a copy of v, [rows, cols] dense: the residual stream the block's output adds to.
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
-                                 float* rstd, cudaStream_t stream);
+                                 float* rstd, float* residual, cudaStream_t stream);
 
 // The input gradient of RmsNorm: g = rstd·dy⊙w − v·rstd³·Σ(dy⊙w⊙v)/cols; dv = g, or dv += g when `accumulate`
 // (a pre-norm's gradient joins the residual stream's). dw_partials [NormPartialRows(rows), cols]: Σ dy⊙v·rstd.

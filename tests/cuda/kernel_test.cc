@@ -100,10 +100,11 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
     const int ldv = cols + ldv_pad, ldy = cols + ldy_pad;
     const Floats v = RandomFloats(rows * ldv, 10, -2, 2), w = RandomFloats(cols, 11, .5, 1.5);
     const Floats dy = RandomFloats(rows * ldy, 12), dv0 = RandomFloats(rows * ldv, 13);
-    Doubles y_cpu(rows * ldy, 0), rstd_cpu(rows), g(cols);
+    Doubles y_cpu(rows * ldy, 0), rstd_cpu(rows), residual_cpu(rows * cols), g(cols);
     Doubles dv_assign(rows * ldv), dv_accumulate(rows * ldv), dw_cpu(cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       rstd_cpu[r] = RmsNormRow(&v[r * ldv], w.data(), cols, &y_cpu[r * ldy]);
+      for (int i = 0; i < cols; ++i) residual_cpu[r * cols + i] = v[r * ldv + i];
     }
     const Floats rstd_f(rstd_cpu.begin(), rstd_cpu.end());
     for (int r = 0; r < rows; ++r) {
@@ -114,15 +115,15 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
         dv_accumulate[r * ldv + i] = dv0[r * ldv + i] + (i < cols ? g[i] : 0.0);
       }
     }
-    DeviceArray<float> dvv(v), dw(w), y(rows * ldy), rstd(rows), ddy(dy), rstd_in(rstd_f);
+    DeviceArray<float> dvv(v), dw(w), y(rows * ldy), rstd(rows), residual(rows * cols), ddy(dy), rstd_in(rstd_f);
     Doubles dv_sums(cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       for (int i = 0; i < cols; ++i) dv_sums[i] += dv_accumulate[r * ldv + i];
     }
     DeviceArray<float> da(rows * ldv), dacc(dv0), dw_parts(kernels::NormPartialRows(rows) * cols);
     DeviceArray<float> dv_parts(kernels::NormPartialRows(rows) * cols);
-    ASSERT_EQ(kernels::LaunchRmsNormForward(dvv.get(), ldv, dw.get(), rows, cols, y.get(), ldy, rstd.get(), nullptr),
-              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchRmsNormForward(dvv.get(), ldv, dw.get(), rows, cols, y.get(), ldy, rstd.get(),
+                                            residual.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchRmsNormBackward(dvv.get(), ldv, dw.get(), rstd_in.get(), ddy.get(), ldy, rows, cols,
                                              false, da.get(), ldv, dw_parts.get(), nullptr, nullptr), cudaSuccess);
     EXPECT_CLOSE(ColumnSums(dw_parts.Download(), cols), dw_cpu);
@@ -132,6 +133,7 @@ TEST(KernelTest, RmsNormForwardAndBackward) {
     EXPECT_CLOSE(ColumnSums(dv_parts.Download(), cols), dv_sums);
     EXPECT_CLOSE(y.Download(), y_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
+    EXPECT_CLOSE(residual.Download(), residual_cpu);
     EXPECT_CLOSE(da.Download(), dv_assign);
     EXPECT_CLOSE(dacc.Download(), dv_accumulate);
   }
