@@ -86,11 +86,6 @@ __device__ __forceinline__ void StoreRow(float* row, int cols, const float (&v)[
 template <int V>
 constexpr int kBackwardMinBlocks = V == 16 ? 2 : 1;
 
-// Whether a backward warp loads its next row before it computes and stores the current one, so that its loads are
-// always in flight (two rows of inputs in registers); wider rows would spill.
-template <int V>
-constexpr bool kPrefetch = V <= 8;
-
 __device__ __forceinline__ float RowRstd(float sum_squares, int cols) {
   return 1.f / sqrtf(sum_squares / static_cast<float>(cols) + kNormEps);
 }
@@ -139,33 +134,26 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<V>)
                           int rows, int cols, bool accumulate, float* dv, int lddv, float* dw_partials,
                           float* dv_partials) {
   float dw[V] = {}, dv_sum[V] = {};
-  float vr[2][V], dyr[2][V], old[2][V];
-  const auto load = [&](int k, float(&vk)[V], float(&dyk)[V], float(&oldk)[V]) {
-    const int row = BackwardRow(k);
-    if (row >= rows) return;
-    LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vk);
-    LoadRow<V, VW>(dy + static_cast<size_t>(row) * lddy, cols, dyk);
-    if (accumulate) LoadRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, oldk);
-  };
-  if constexpr (kPrefetch<V>) load(0, vr[0], dyr[0], old[0]);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int row = BackwardRow(k), s = kPrefetch<V> ? k % 2 : 0;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
-    if constexpr (!kPrefetch<V>) load(k, vr[0], dyr[0], old[0]);
-    else if (k + 1 < kRowsPerWarp) load(k + 1, vr[1 - s], dyr[1 - s], old[1 - s]);
+    float vr[V], dyr[V], old[V];
+    LoadRow<V, VW>(v + static_cast<size_t>(row) * ldv, cols, vr);
+    LoadRow<V, VW>(dy + static_cast<size_t>(row) * lddy, cols, dyr);
+    if (accumulate) LoadRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, old);
     const float r = rstd[row];
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) dot += dyr[s][j] * WeightAt<VW>(w, j, cols) * vr[s][j];
+    for (int j = 0; j < V; ++j) dot += dyr[j] * WeightAt<VW>(w, j, cols) * vr[j];
     dot = WarpSum(dot);
     const float coef = r * r * r * dot / static_cast<float>(cols);
     float out[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float g = r * dyr[s][j] * WeightAt<VW>(w, j, cols) - vr[s][j] * coef;
-      out[j] = accumulate ? old[s][j] + g : g;
-      dw[j] += dyr[s][j] * vr[s][j] * r;
+      const float g = r * dyr[j] * WeightAt<VW>(w, j, cols) - vr[j] * coef;
+      out[j] = accumulate ? old[j] + g : g;
+      dw[j] += dyr[j] * vr[j] * r;
       dv_sum[j] += out[j];
     }
     StoreRow<V, VW>(dv + static_cast<size_t>(row) * lddv, cols, out);
@@ -202,39 +190,32 @@ __global__ void __launch_bounds__(kThreads)
     GatedRmsNormBackwardKernel(const float* dyn, const float* rstd, const float* w, const float* y, const float* z,
                                int ldz, int rows, int cols, float* dy, float* dz, int lddz, float* dw_partials) {
   float dw[V] = {};
-  float g[2][V], yr[2][V], zr[2][V];
-  const auto load = [&](int k, float(&gk)[V], float(&yk)[V], float(&zk)[V]) {
-    const int row = BackwardRow(k);
-    if (row >= rows) return;
-    const size_t base = static_cast<size_t>(row) * cols;
-    LoadRow<V, VW>(dyn + base, cols, gk);
-    LoadRow<V, VW>(y + base, cols, yk);
-    LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zk);
-  };
-  if constexpr (kPrefetch<V>) load(0, g[0], yr[0], zr[0]);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int row = BackwardRow(k), s = kPrefetch<V> ? k % 2 : 0;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
-    if constexpr (!kPrefetch<V>) load(k, g[0], yr[0], zr[0]);
-    else if (k + 1 < kRowsPerWarp) load(k + 1, g[1 - s], yr[1 - s], zr[1 - s]);
+    const size_t base = static_cast<size_t>(row) * cols;
+    float g[V], yr[V], zr[V];
+    LoadRow<V, VW>(dyn + base, cols, g);
+    LoadRow<V, VW>(y + base, cols, yr);
+    LoadRow<V, VW>(z + static_cast<size_t>(row) * ldz, cols, zr);
     const float r = rstd[row];
     float q[V], sz[V], dot = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      sz[j] = Silu(zr[s][j]);
-      q[j] = yr[s][j] * sz[j];
-      dot += g[s][j] * WeightAt<VW>(w, j, cols) * q[j];
+      sz[j] = Silu(zr[j]);
+      q[j] = yr[j] * sz[j];
+      dot += g[j] * WeightAt<VW>(w, j, cols) * q[j];
     }
     dot = WarpSum(dot);
     const float coef = r * r * r * dot / static_cast<float>(cols);
     float dyo[V], dzo[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float dq = r * g[s][j] * WeightAt<VW>(w, j, cols) - q[j] * coef;
+      const float dq = r * g[j] * WeightAt<VW>(w, j, cols) - q[j] * coef;
       dyo[j] = dq * sz[j];
-      dzo[j] = dq * yr[s][j] * SiluGrad(zr[s][j]);
-      dw[j] += g[s][j] * q[j] * r;
+      dzo[j] = dq * yr[j] * SiluGrad(zr[j]);
+      dw[j] += g[j] * q[j] * r;
     }
     StoreRow<V, VW>(dy + static_cast<size_t>(row) * cols, cols, dyo);
     StoreRow<V, VW>(dz + static_cast<size_t>(row) * lddz, cols, dzo);
@@ -284,28 +265,16 @@ __global__ void __launch_bounds__(kThreads)
                                    const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
                                    float* d_gate_pre, float* d_value, float* partials) {
   float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
-  float dgr2[2][V], n2[2][V], gate2[2][V], val2[2][V];
-  const auto load = [&](int k, float(&dgk)[V], float(&nk)[V], float(&gk)[V], float(&vk)[V]) {
-    const int row = BackwardRow(k);
-    if (row >= rows) return;
-    const size_t base = static_cast<size_t>(row) * cols;
-    LoadRow<V, VW>(dg + base, cols, dgk);
-    LoadRow<V, VW>(nhat + base, cols, nk);
-    LoadRow<V, VW>(gate_pre + base, cols, gk);
-    LoadRow<V, VW>(value + base, cols, vk);
-  };
-  if constexpr (kPrefetch<V>) load(0, dgr2[0], n2[0], gate2[0], val2[0]);
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int row = BackwardRow(k), s = kPrefetch<V> ? k % 2 : 0;
+    const int row = BackwardRow(k);
     if (row >= rows) break;
-    if constexpr (!kPrefetch<V>) load(k, dgr2[0], n2[0], gate2[0], val2[0]);
-    else if (k + 1 < kRowsPerWarp) load(k + 1, dgr2[1 - s], n2[1 - s], gate2[1 - s], val2[1 - s]);
     const size_t base = static_cast<size_t>(row) * cols;
-    const float(&dgr)[V] = dgr2[s];
-    const float(&n)[V] = n2[s];
-    const float(&gate)[V] = gate2[s];
-    const float(&val)[V] = val2[s];
+    float dgr[V], n[V], gate[V], val[V];
+    LoadRow<V, VW>(dg + base, cols, dgr);
+    LoadRow<V, VW>(nhat + base, cols, n);
+    LoadRow<V, VW>(gate_pre + base, cols, gate);
+    LoadRow<V, VW>(value + base, cols, val);
     const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
