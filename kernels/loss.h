@@ -11,15 +11,13 @@ namespace perception::kernels {
 constexpr int kMaskedBceBlocks = 256;
 
 // Over n values: report->loss_sum = Σ m·bce(l, y), report->mask_count = Σ m, report->loss = sum / max(count, 1),
-// summed in double in a fixed order. When `dlogits` is non-null it receives m·(σ(l) − y)/max(Σm, 1). Per-block sums
-// into `partials` [2·kMaskedBceBlocks], a grid barrier, then every block adds them in the same order: one cooperative
-// launch (the two below where the device cannot hold every block at once).
+// summed in double in a fixed order. When `dlogits` is non-null it receives m·(σ(l) − y)/max(Σm, 1). Two launches:
+// per-block sums into `partials` [2·kMaskedBceBlocks], then every block adds them in the same order.
 cudaError_t LaunchMaskedBce(const float* logits, const float* labels, const float* mask, int n, float* dlogits,
                             double* partials, StepReport* report, cudaStream_t stream);
 
-// LaunchMaskedBce's two phases as two launches, for data-parallel training, which sums `partials` across ranks in
-// between: then the count and the loss are the global batch's, and each rank's d logits its share of the global
-// mean's gradient.
+// LaunchMaskedBce's two launches, for data-parallel training, which sums `partials` across ranks in between: then
+// the count and the loss are the global batch's, and each rank's d logits its share of the global mean's gradient.
 cudaError_t LaunchMaskedBcePartials(const float* logits, const float* labels, const float* mask, int n,
                                     double* partials, cudaStream_t stream);
 cudaError_t LaunchMaskedBceFinish(const float* logits, const float* labels, const float* mask, int n,
