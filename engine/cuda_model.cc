@@ -733,7 +733,6 @@ absl::Status CudaModel::SumGradientsOverRanks() {
 
 absl::Status CudaModel::OptimizerStep() {
   const int chunks = static_cast<int>(chunks_host_.size());
-  CUDA_RETURN_IF_ERROR(kernels::LaunchGradNormPartials(chunks_, chunks, grads_, norm_partials_, step_, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchClipAdamW(chunks_, chunks, norm_partials_, step_, adamw_, params_, grads_,
                                                 exp_avg_, exp_avg_sq_, report_, stream_));
   return absl::OkStatus();

@@ -35,10 +35,26 @@ __global__ void __launch_bounds__(kThreads) MaskedBcePartialsKernel(const float*
   }
 }
 
+// Values per thread the finish loads before it sums the partials, so that their latency overlaps the sums' (small:
+// 320 values a block, 2 per thread); the rest of a longer range is read after.
+constexpr int kFinishHeld = 2;
+
 __global__ void __launch_bounds__(kThreads) MaskedBceFinishKernel(const float* logits, const float* labels,
                                                                   const float* mask, int n, const double* partials,
                                                                   float* dlogits, StepReport* report) {
   __shared__ double scratch[kThreads / kWarpSize];
+  int begin, end;
+  BlockRange(n, &begin, &end);
+  float held_logit[kFinishHeld], held_label[kFinishHeld], held_mask[kFinishHeld];
+#pragma unroll
+  for (int j = 0; j < kFinishHeld; ++j) {
+    const int i = begin + threadIdx.x + j * kThreads;
+    if (dlogits && i < end) {
+      held_logit[j] = logits[i];
+      held_label[j] = labels[i];
+      held_mask[j] = mask[i];
+    }
+  }
   double loss = 0.0, count = 0.0;
   for (int b = threadIdx.x; b < kMaskedBceBlocks; b += kThreads) {
     loss += partials[2 * b];
@@ -53,9 +69,12 @@ __global__ void __launch_bounds__(kThreads) MaskedBceFinishKernel(const float* l
   }
   if (!dlogits) return;
   const float denom = static_cast<float>(fmax(count, 1.0));
-  int begin, end;
-  BlockRange(n, &begin, &end);
-  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+#pragma unroll
+  for (int j = 0; j < kFinishHeld; ++j) {
+    const int i = begin + threadIdx.x + j * kThreads;
+    if (i < end) dlogits[i] = held_mask[j] * (Sigmoid(held_logit[j]) - held_label[j]) / denom;
+  }
+  for (int i = begin + threadIdx.x + kFinishHeld * kThreads; i < end; i += kThreads) {
     dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / denom;
   }
 }

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
-    GrnGateLayerNormForwardKernel(float* pre_ln, const float* gate_pre, const float* value, const float* w,
+    GrnGateLayerNormForwardKernel(const float* pre_ln, const float* gate_pre, const float* value, const float* w,
                                   const float* b, int rows, int cols, float* nhat, float* g, float* rstd) {
   const int row = ForwardRow();
   if (row >= rows) return;
@@ -254,7 +254,6 @@ __global__ void __launch_bounds__(kThreads)
     n[j] = (x[j] - mean) * r;
     out[j] = n[j] * WeightAt<VW>(w, j, cols) + WeightAt<VW>(b, j, cols);
   }
-  StoreRow<V, VW>(pre_ln + base, cols, x);
   StoreRow<V, VW>(nhat + base, cols, n);
   StoreRow<V, VW>(g + base, cols, out);
   if (Lane() == 0) rstd[row] = r;
@@ -389,9 +388,9 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
   });
 }
 
-cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, const float* value, const float* w,
-                                          const float* b, int rows, int cols, float* nhat, float* g, float* rstd,
-                                          cudaStream_t stream) {
+cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
+                                          const float* w, const float* b, int rows, int cols, float* nhat, float* g,
+                                          float* rstd, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
     GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(pre_ln, gate_pre, value, w, b,

@@ -37,11 +37,11 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
                                        const float* z, int ldz, int rows, int cols, float* dy, float* dz, int lddz,
                                        float* dw_partials, cudaStream_t stream);
 
-// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value, written back into pre_ln; then
+// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value (not stored: the backward needs only nhat); then
 // nhat = (x − mean)·rstd and g = nhat ⊙ w + b. All [rows, cols] dense; rstd per row.
-cudaError_t LaunchGrnGateLayerNormForward(float* pre_ln, const float* gate_pre, const float* value, const float* w,
-                                          const float* b, int rows, int cols, float* nhat, float* g, float* rstd,
-                                          cudaStream_t stream);
+cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
+                                          const float* w, const float* b, int rows, int cols, float* nhat, float* g,
+                                          float* rstd, cudaStream_t stream);
 
 // From dg: d pre_ln = rstd·(dg⊙w − mean(dg⊙w) − nhat·mean(dg⊙w⊙nhat)), then the gate's
 // d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙ σ'(gate_pre). All dense.

@@ -1,7 +1,7 @@
 // Global gradient-norm clipping and AdamW (MODEL.md §5, torch semantics as engine/optimizer.cc) over every trained
 // tensor at once, on the device: learning rate and bias corrections come from a step counter in device memory.
-// Two launches, because the clip scale needs the norm of the whole gradient: per-chunk sums of squares, then
-// clip + AdamW, whose blocks each add those partials in the same order.
+// One cooperative launch, because the clip scale needs the norm of the whole gradient: per-chunk sums of squares, a
+// grid barrier, then clip + AdamW, whose blocks each add those partials in the same order.
 #pragma once
 
 #include <cstdint>
@@ -30,14 +30,11 @@ struct AdamWConfig {
   double min_lr = 0;
 };
 
-// Increments *step (it then names the step being taken) and writes partials[i] = Σ g² over chunk i, in double.
-cudaError_t LaunchGradNormPartials(const AdamWChunk* chunks, int count, const float* grads, double* partials,
-                                   int64_t* step, cudaStream_t stream);
-
-// norm = sqrt(Σ partials); g ← g·min(1, max/(norm + 1e-6)) in place; θ ← θ(1 − lr·wd) where decayed; then
-// m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², θ ← θ − lr/(1−β1^step) · m / (sqrt(v)/sqrt(1−β2^step) + eps).
-// Writes report->grad_norm and report->step.
-cudaError_t LaunchClipAdamW(const AdamWChunk* chunks, int count, const double* partials, const int64_t* step,
+// Increments *step (it then names the step being taken); norm = sqrt(Σ g²) over every chunk (partials[i] = Σ g² of
+// chunk i in double, added in chunk order); g ← g·min(1, max/(norm + 1e-6)) in place; θ ← θ(1 − lr·wd) where
+// decayed; then m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², θ ← θ − lr/(1−β1^step) · m / (sqrt(v)/sqrt(1−β2^step) +
+// eps). Writes report->grad_norm and report->step. partials holds `count` doubles.
+cudaError_t LaunchClipAdamW(const AdamWChunk* chunks, int count, double* partials, int64_t* step,
                             const AdamWConfig& config, float* params, float* grads, float* exp_avg, float* exp_avg_sq,
                             StepReport* report, cudaStream_t stream);
 
