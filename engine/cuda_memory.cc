@@ -51,7 +51,10 @@ absl::StatusOr<CudaAllocation> AllocateCuda(MemoryKind kind, size_t bytes) {
   if (kind == MemoryKind::kDevice) {
     CUDA_RETURN_IF_ERROR(cudaMalloc(&allocation.ptr_, bytes));
     allocation_count.fetch_add(1);
-    CUDA_RETURN_IF_ERROR(cudaMemset(allocation.ptr_, 0, bytes));
+    // The zeros must be in place before any stream reads the memory. cudaMemset runs on the legacy default stream
+    // and returns before it has, and the backends' streams are non-blocking: nothing else orders them after it.
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(allocation.ptr_, 0, bytes, cudaStreamLegacy));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   } else {
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&allocation.ptr_, bytes));
     allocation_count.fetch_add(1);

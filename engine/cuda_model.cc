@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -79,9 +81,12 @@ std::vector<kernels::AdamWChunk> AdamWChunks(const ParamLayout& layout) {
   return chunks;
 }
 
+// Host data in on `stream`, ordered before the kernels that read it: a plain cudaMemcpy runs on the legacy default
+// stream, which the model's non-blocking streams do not wait for, and from pageable memory it may return before the
+// copy has landed. The callers synchronize `stream` once their copies are queued.
 template <typename T>
-absl::Status CopyToDevice(T* device, const std::vector<T>& host) {
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+absl::Status CopyToDevice(T* device, std::type_identity_t<std::span<const T>> host, cudaStream_t stream) {
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
 }
 
@@ -145,7 +150,8 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
                    Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.precision));
   RETURN_IF_ERROR(BuildTables());
   device_bytes_ = buffers_.bytes() + tables_.bytes();
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice));
+  RETURN_IF_ERROR(CopyToDevice(params_, params, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 
@@ -290,11 +296,11 @@ absl::Status CudaModel::BuildTables() {
   }
   tables_.Reserve(&chunks_, chunks_host_.size());
   RETURN_IF_ERROR(tables_.Allocate());
-  RETURN_IF_ERROR(CopyToDevice(chunks_, chunks_host_));
+  RETURN_IF_ERROR(CopyToDevice(chunks_, chunks_host_, stream_));
   for (Staged& s : staged) {
-    RETURN_IF_ERROR(CopyToDevice(s.device_jobs, *s.jobs));
-    RETURN_IF_ERROR(CopyToDevice(s.tiles, s.plan.tiles));
-    RETURN_IF_ERROR(CopyToDevice(s.finishes, s.plan.finishes));
+    RETURN_IF_ERROR(CopyToDevice(s.device_jobs, *s.jobs, stream_));
+    RETURN_IF_ERROR(CopyToDevice(s.tiles, s.plan.tiles, stream_));
+    RETURN_IF_ERROR(CopyToDevice(s.finishes, s.plan.finishes, stream_));
     s.batch->jobs = s.device_jobs;
     s.batch->tiles = s.tiles;
     s.batch->tile_count = static_cast<int>(s.plan.tiles.size());
@@ -766,11 +772,11 @@ absl::Status CudaModel::Upload(std::span<const float> params, std::span<const fl
     return absl::InvalidArgumentError(absl::StrCat("CUDA backend: uploads need ", n, " floats per array, got ",
                                                    params.size(), ", ", exp_avg.size(), ", ", exp_avg_sq.size()));
   }
+  RETURN_IF_ERROR(CopyToDevice(params_, params, stream_));
+  RETURN_IF_ERROR(CopyToDevice(exp_avg_, exp_avg, stream_));
+  RETURN_IF_ERROR(CopyToDevice(exp_avg_sq_, exp_avg_sq, stream_));
+  RETURN_IF_ERROR(CopyToDevice(step_, std::span<const int64_t>(&step, 1), stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(params_, params.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(exp_avg_, exp_avg.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(exp_avg_sq_, exp_avg_sq.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(step_, &step, sizeof(step), cudaMemcpyHostToDevice));
   return absl::OkStatus();
 }
 

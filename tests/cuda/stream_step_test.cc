@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include "engine/cpu_reference.h"
 #include "engine/cuda_streamer.h"
@@ -302,6 +304,21 @@ TEST(StreamStepManyTest, MalformedTicksAreRefused) {
   EXPECT_EQ(parity.streamer().Step({x, dt, outside, indices}).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(parity.streamer().Step({x, dt, fine, bad}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(parity.streamer().Step({x, dt, fine, indices}).ok());
+}
+
+
+TEST(StreamStepManyTest, TheStreamerIsReadyWhileTheLegacyStreamIsHeldBack) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // The streamer's buffers are zeroed when they are allocated and its stream is non-blocking, so the zeros must have
+  // landed when Create returns, not whenever the legacy default stream (held back here by a host function, as
+  // another process's work on the GPU can hold it) gets to them and wipes the published weights.
+  const cudaHostFn_t hold = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+  ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, hold, nullptr), cudaSuccess);
+  StreamStepParity parity("tiny", 10, 4);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  parity.Tick({3, 0, 9, 4}, 77);
+  parity.Tick({3, 0, 9, 4}, 78);
+  parity.ExpectLogsMatch();
 }
 
 }  // namespace
