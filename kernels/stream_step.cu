@@ -39,6 +39,15 @@ static_assert(kMaxExchanges <= kWarpSize, "a warp's lanes arm the exchanges");
 constexpr int kBarriers = 1 + kMaxStages + kMaxExchanges + 1;
 
 __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
+// A running count of floats that hands out 16-byte aligned runs in order: Take(n) is where the next n start.
+struct FloatRuns {
+  int at = 0;
+  __host__ __device__ int Take(int n) {
+    const int start = at;
+    at += Align4(n);
+    return start;
+  }
+};
 
 // kInProjShared: a layer's B, C and Δt rows of in_proj; kInProjHeads: its z and x rows, a unit per SSM row.
 enum StageKind : int {
@@ -114,23 +123,18 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
   add(kGateValue, 0, w.G, 2, w.G, 2, kSplit);  // of e2: fc1 is folded into gate and value
   add(kHeadOut, 0, w.H, 1, w.G, 1, kRankZero);
   p.shared_pack = at;
-  int sh = 0;
-  auto take = [&sh](int n) {
-    const int start = sh;
-    sh += Align4(n);
-    return start;
-  };
-  p.mean = take(w.F);
-  p.inv_std = take(w.F);
+  FloatRuns sh;
+  p.mean = sh.Take(w.F);
+  p.inv_std = sh.Take(w.F);
   for (int l = 0; l < w.L; ++l) {
-    p.a_log[l] = take(w.Hh);
-    p.skip_d[l] = take(w.Hh);
+    p.a_log[l] = sh.Take(w.Hh);
+    p.skip_d[l] = sh.Take(w.Hh);
   }
-  p.norm_f = take(w.D);
-  p.ln_w = take(w.G);
-  p.ln_b = take(w.G);
-  p.shared_size = sh;
-  p.pack_size = at + sh;
+  p.norm_f = sh.Take(w.D);
+  p.ln_w = sh.Take(w.G);
+  p.ln_b = sh.Take(w.G);
+  p.shared_size = sh.at;
+  p.pack_size = at + sh.at;
   return p;
 }
 
@@ -150,29 +154,24 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
   at += Align4(2 * kMaxStages);  // the block's first and end row of every stage
   p.ssm_rows = CeilDiv(p.E, cluster);
   p.conv_channels = p.ssm_rows + 2 * p.N;
-  int ev = 0;
-  auto take = [&ev](int n) {
-    const int start = ev;
-    ev += Align4(n);
-    return start;
-  };
-  p.xn = take(p.F);
-  p.h = take(p.D);
-  p.bcdt = take(2 * p.N + p.Hh);
-  p.y = take(p.E);
-  p.a = take(p.D + p.C);
-  p.bb = take(p.K);
-  p.e2 = take(p.G);
-  p.skip = take(p.G);
-  p.pre = take(p.G);
-  p.g = take(p.G);
-  p.logits = take(p.H);
-  p.conv = take(p.L * W1 * p.conv_channels);
-  p.rstd_h = take(1);
-  p.rstd_y = take(1);
-  p.per_event = ev;
+  FloatRuns ev;
+  p.xn = ev.Take(p.F);
+  p.h = ev.Take(p.D);
+  p.bcdt = ev.Take(2 * p.N + p.Hh);
+  p.y = ev.Take(p.E);
+  p.a = ev.Take(p.D + p.C);
+  p.bb = ev.Take(p.K);
+  p.e2 = ev.Take(p.G);
+  p.skip = ev.Take(p.G);
+  p.pre = ev.Take(p.G);
+  p.g = ev.Take(p.G);
+  p.logits = ev.Take(p.H);
+  p.conv = ev.Take(p.L * W1 * p.conv_channels);
+  p.rstd_h = ev.Take(1);
+  p.rstd_y = ev.Take(1);
+  p.per_event = ev.at;
   p.ev_base = at;
-  at += events * ev;
+  at += events * ev.at;
   p.shared = at;
   at += p.shared_size;
   if (at > budget) return false;
@@ -1171,38 +1170,33 @@ __host__ __device__ constexpr int SsmRowStride(int N) { return Align4(N) % 16 ==
 __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   WideLayout o{};
   const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
-  int at = 0;
-  auto take = [&at](int n) {
-    const int start = at;
-    at += Align4(n);
-    return start;
-  };
-  o.embed_x = take(kWideEvents * Align4(p.F));
-  o.embed_h = take(kWideEvents * (D4 + 4));
-  o.embed_conv = take(kWideEvents * W1 * 2 * p.N);
-  o.embed = at;
-  at = 0;
-  o.ssm_states = take(kSsmEvents * kRowGroups * SsmRowStride(p.N));
-  o.ssm_conv = take(kSsmEvents * W1 * kRowGroups);
-  o.ssm_h = take(kSsmEvents * (D4 + 4));
-  o.ssm_bc = take(kSsmEvents * Align4(BC));
-  o.ssm = at;
-  at = 0;
-  o.head_a = take(p.D + p.C);
-  o.head_h = take(p.D);
-  o.head_bb = take(p.K);
-  o.head_e2 = take(p.G);
-  o.head_skip = take(p.G);
-  o.head_pre = take(p.G);
-  o.head_g = take(p.G);
-  o.head_logits = take(p.H);
-  o.head_per_event = at;
-  at = 0;
-  o.out_y = take(kWideEvents * (E4 + 4));
-  o.out_h = o.out_head = at;  // the last layer's kernel keeps the head's activations where the others keep h
+  FloatRuns runs;
+  o.embed_x = runs.Take(kWideEvents * Align4(p.F));
+  o.embed_h = runs.Take(kWideEvents * (D4 + 4));
+  o.embed_conv = runs.Take(kWideEvents * W1 * 2 * p.N);
+  o.embed = runs.at;
+  runs.at = 0;
+  o.ssm_states = runs.Take(kSsmEvents * kRowGroups * SsmRowStride(p.N));
+  o.ssm_conv = runs.Take(kSsmEvents * W1 * kRowGroups);
+  o.ssm_h = runs.Take(kSsmEvents * (D4 + 4));
+  o.ssm_bc = runs.Take(kSsmEvents * Align4(BC));
+  o.ssm = runs.at;
+  runs.at = 0;
+  o.head_a = runs.Take(p.D + p.C);
+  o.head_h = runs.Take(p.D);
+  o.head_bb = runs.Take(p.K);
+  o.head_e2 = runs.Take(p.G);
+  o.head_skip = runs.Take(p.G);
+  o.head_pre = runs.Take(p.G);
+  o.head_g = runs.Take(p.G);
+  o.head_logits = runs.Take(p.H);
+  o.head_per_event = runs.at;
+  runs.at = 0;
+  o.out_y = runs.Take(kWideEvents * (E4 + 4));
+  o.out_h = o.out_head = runs.at;  // the last layer's kernel keeps the head's activations where the others keep h
   o.out_conv = o.out_h + Align4(kWideEvents * (D4 + 4));
   const int layer_part = o.out_conv - o.out_h + Align4(kWideEvents * W1 * 2 * p.N);
-  o.out = at + (layer_part > kWideEvents * o.head_per_event ? layer_part : kWideEvents * o.head_per_event);
+  o.out = runs.at + (layer_part > kWideEvents * o.head_per_event ? layer_part : kWideEvents * o.head_per_event);
   return o;
 }
 
