@@ -39,6 +39,7 @@ CudaStreamer::~CudaStreamer() {
     if (s.copied) cudaEventDestroy(s.copied);
   }
   if (published_ready_) cudaEventDestroy(published_ready_);
+  if (published_copied_) cudaEventDestroy(published_copied_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -64,6 +65,7 @@ absl::Status CudaStreamer::Initialize() {
   // Live inference goes ahead of training work queued on other streams.
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_copied_, cudaEventDisableTiming));
 
   const size_t S = slots_, H = c.n_horizons, F = c.n_features;
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
@@ -189,6 +191,10 @@ absl::Status CudaStreamer::Publish(const float* device_params, cudaStream_t sour
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, published_ready_, 0));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, device_params, layout_.total_size() * sizeof(float),
                                        cudaMemcpyDeviceToDevice, stream_));
+  // The copy waits behind every tick already queued on this stream; the source's next optimizer step must not
+  // overwrite the parameters before it has read them, or the published set would mix two steps.
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(published_copied_, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(source, published_copied_, 0));
   return Pack();
 }
 

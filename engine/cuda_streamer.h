@@ -54,6 +54,7 @@ class CudaStreamer {
 
   // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
   // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
+  // Work queued on `source` afterwards waits until the copy has read the parameters.
   absl::Status Publish(const float* device_params, cudaStream_t source);
   // Uploads a host parameter set into the published weights (synchronous; for tests and the CPU-built models).
   absl::Status PublishFromHost(std::span<const float> params);
@@ -133,7 +134,8 @@ class CudaStreamer {
   // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
   std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t published_ready_ = nullptr;
+  cudaEvent_t published_ready_ = nullptr;   // the source's parameters are final
+  cudaEvent_t published_copied_ = nullptr;  // the copy has read them: the source may overwrite them
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;

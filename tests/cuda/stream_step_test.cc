@@ -17,6 +17,7 @@
 namespace perception {
 namespace {
 
+using testing::DeviceArray;
 using testing::MakeRandomBatch;
 using testing::RandomParams;
 using testing::RelativeError;
@@ -103,6 +104,7 @@ class StreamStepParity {
   }
 
   CudaStreamer& streamer() { return *streamer_; }
+  const std::vector<float>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
 
  private:
@@ -318,6 +320,26 @@ TEST(StreamStepManyTest, TheStreamerIsReadyWhileTheLegacyStreamIsHeldBack) {
   ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
   parity.Tick({3, 0, 9, 4}, 77);
   parity.Tick({3, 0, 9, 4}, 78);
+  parity.ExpectLogsMatch();
+}
+
+TEST(StreamStepManyTest, APublishBehindBusyTicksServesThePublishedStepsWeights) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Publish copies the trainer's parameters on the streamer's stream, behind whatever ticks are queued there (a host
+  // function holds it here); the trainer's next update, queued right after, must not land before that copy has read
+  // them, or the streamer would serve the next step's weights (or a mix) as this step's.
+  StreamStepParity parity("tiny", 10, 4);
+  const DeviceArray<float> trainer_params(parity.params());
+  cudaStream_t trainer = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
+  const cudaHostFn_t hold = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+  ASSERT_EQ(cudaLaunchHostFunc(parity.streamer().stream(), hold, nullptr), cudaSuccess);
+  ASSERT_TRUE(parity.streamer().Publish(trainer_params.get(), trainer).ok());
+  // The trainer's next step: here it zeroes every parameter.
+  ASSERT_EQ(cudaMemsetAsync(trainer_params.get(), 0, parity.params().size() * sizeof(float), trainer), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(trainer), cudaSuccess);
+  parity.Tick({3, 0, 9}, 79);
   parity.ExpectLogsMatch();
 }
 
