@@ -1,0 +1,137 @@
+// launch_probe: what a streaming tick's launch costs before any work, measured the way bench_stream measures a tick
+// (each launch between two CUDA events, the stream held by a spinning kernel while the host queues them all, median
+// of the event gaps). Variants: nothing between the events, empty kernels of one block and of one cluster of 8
+// blocks (the small one-instrument tick's shape), with and without ~200 KB of dynamic shared memory, with a cluster
+// barrier, captured in a graph or launched plainly. `launch_probe` prints one line per variant.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+namespace {
+
+#define CHECK(call)                                                                        \
+  do {                                                                                     \
+    if (const cudaError_t error_ = (call); error_ != cudaSuccess) {                                  \
+      std::fprintf(stderr, "%s: %s (%s:%d)\n", #call, cudaGetErrorString(error_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+constexpr int kTicks = 400;
+
+__global__ void HoldKernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+__global__ void EmptyKernel() {}
+
+__global__ void ClusterBarrierKernel() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Touches its dynamic shared memory the way a tick's first stage would: one store and a block barrier.
+__global__ void SharedTouchKernel() {
+  extern __shared__ float smem[];
+  smem[threadIdx.x] = 1.f;
+  __syncthreads();
+}
+
+struct Shape {
+  const char* name;
+  void (*kernel)();
+  int blocks, threads, cluster;
+  size_t shared;
+};
+
+cudaError_t LaunchShape(const Shape& s, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(s.blocks);
+  config.blockDim = dim3(s.threads);
+  config.dynamicSmemBytes = s.shared;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = s.cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = s.cluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, s.kernel);
+}
+
+// Median µs between the events around each of kTicks enqueues, all queued behind a held stream.
+double MedianTick(cudaStream_t stream, const std::function<void()>& enqueue) {
+  std::vector<cudaEvent_t> events(kTicks + 1);
+  for (auto& e : events) CHECK(cudaEventCreate(&e));
+  for (int warm = 0; warm < 20; ++warm) enqueue();
+  CHECK(cudaStreamSynchronize(stream));
+  HoldKernel<<<1, 1, 0, stream>>>(6'000'000);  // ~3 ms at 1.98 GHz
+  CHECK(cudaEventRecord(events[0], stream));
+  for (int t = 0; t < kTicks; ++t) {
+    enqueue();
+    CHECK(cudaEventRecord(events[t + 1], stream));
+  }
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> us;
+  for (int t = 0; t < kTicks; ++t) {
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, events[t], events[t + 1]));
+    us.push_back(1e3 * ms);
+  }
+  for (auto& e : events) CHECK(cudaEventDestroy(e));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t stream;
+  int lowest = 0, highest = 0;
+  CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, highest));
+  constexpr size_t kBig = 200 * 1024;
+  for (auto kernel : {SharedTouchKernel, ClusterBarrierKernel}) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBig)));
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
+  const Shape shapes[] = {
+      {"empty, 1 block of 32", EmptyKernel, 1, 32, 1, 0},
+      {"empty, 8 blocks of 256", EmptyKernel, 8, 256, 1, 0},
+      {"empty, cluster of 8 x 256", EmptyKernel, 8, 256, 8, 0},
+      {"cluster barrier, cluster of 8 x 256", ClusterBarrierKernel, 8, 256, 8, 0},
+      {"shared 200 KB, 1 block of 256", SharedTouchKernel, 1, 256, 1, kBig},
+      {"shared 200 KB, 8 blocks of 256", SharedTouchKernel, 8, 256, 1, kBig},
+      {"shared 200 KB, cluster of 8 x 256", SharedTouchKernel, 8, 256, 8, kBig},
+      {"cluster barrier + 200 KB, cluster of 8 x 256", ClusterBarrierKernel, 8, 256, 8, kBig},
+      {"shared 200 KB, cluster of 16 x 256", SharedTouchKernel, 16, 256, 16, kBig},
+  };
+  std::printf("%-48s %12s %12s\n", "variant", "plain us", "graph us");
+  std::printf("%-48s %12.2f %12s\n", "nothing between the events", MedianTick(stream, [] {}), "-");
+  for (const Shape& s : shapes) {
+    const double plain = MedianTick(stream, [&] { CHECK(LaunchShape(s, stream)); });
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    CHECK(LaunchShape(s, stream));
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const double graphed = MedianTick(stream, [&] { CHECK(cudaGraphLaunch(exec, stream)); });
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    std::printf("%-48s %12.2f %12.2f\n", s.name, plain, graphed);
+  }
+  // The same 200 KB cluster tick with the shared-memory carveout preferred at its maximum.
+  CHECK(cudaFuncSetAttribute(SharedTouchKernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  const Shape carve{"shared 200 KB, cluster of 8, carveout 100%", SharedTouchKernel, 8, 256, 8, kBig};
+  std::printf("%-48s %12.2f %12s\n", carve.name, MedianTick(stream, [&] { CHECK(LaunchShape(carve, stream)); }), "-");
+  CHECK(cudaStreamDestroy(stream));
+  return 0;
+}
