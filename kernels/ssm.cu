@@ -289,18 +289,25 @@ __device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, floa
   }
 }
 
-// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block).
-// The copies are asynchronous (all of a thread's loads in flight at once): callers end the staging with StagingDone().
+// Column c of row t in the [time][·] arrays of the tensor-core kernels: odd rows swap their 16-float halves (rows of
+// at least 32 floats), which gives neighbouring rows the bank pattern of a row stride ≡ 16 (mod 32) floats, as
+// GramStrip's 16-byte loads need, without padding every row by 16 floats.
+__device__ __forceinline__ int Swizzled(int t, int c) { return c ^ ((t & 1) << 4); }
+
+// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block),
+// at column Swizzled(t, c) where `swizzled`. The copies are asynchronous (all of a thread's loads in flight at once):
+// callers end the staging with StagingDone().
 __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int padded, float* dst, int stride,
-                          int padded_rows = kTile) {
+                          int padded_rows = kTile, bool swizzled = false) {
+  auto at = [&](int t, int c) { return dst + t * stride + (swizzled ? Swizzled(t, c) : c); };
   if (cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {  // 16 bytes at a time
     const int chunks = padded / 4;
     for (int i = threadIdx.x; i < padded_rows * chunks; i += blockDim.x) {
       const int t = i / chunks, c = (i - t * chunks) * 4;
       if (t < rows && c < cols) {
-        __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, 4 * sizeof(float));
+        __pipeline_memcpy_async(at(t, c), src + t * ld + c, 4 * sizeof(float));
       } else {
-        *reinterpret_cast<float4*>(dst + t * stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(at(t, c)) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
     return;
@@ -308,9 +315,9 @@ __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int p
   for (int i = threadIdx.x; i < padded_rows * padded; i += blockDim.x) {
     const int t = i / padded, c = i % padded;
     if (t < rows && c < cols) {
-      __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, sizeof(float));
+      __pipeline_memcpy_async(at(t, c), src + t * ld + c, sizeof(float));
     } else {
-      dst[t * stride + c] = 0.f;
+      *at(t, c) = 0.f;
     }
   }
 }
@@ -609,11 +616,13 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // (kernels/tf32x3.cuh) on m16n8k8 tiles. The backward: each warp forms XD and CB for its 16×16 strips of the lower
 // triangle and turns them into M1, M2 and G in registers; then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from
 // shared memory straight to global memory. Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after
-// the first products and G takes its place.
+// the first products and G takes its place, then M1 (kept in registers as XD until G is summed) takes G's.
 
-// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs].
-template <int kRs, int kKs>
+// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs], or with kSwizzled (kRs = 1: a [depth][rows] array
+// staged by StageRows with `swizzled`) at p[Swizzled(k, r) + k·kKs].
+template <int kRs, int kKs, bool kSwizzled = false>
 struct MmaOperand {
+  static_assert(!kSwizzled || kRs == 1);
   const float* p;
 };
 
@@ -649,19 +658,27 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
 
 // big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
 // (k1 − k0 a multiple of 8). Tiles q ≥ tiles read zeros and are not to be used.
-template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb>
-__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb> b, int n0, int tiles,
-                                         int k0, int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb, bool kSwizzled>
+__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb, kSwizzled> b, int n0,
+                                         int tiles, int k0, int k1, float (&big)[kTiles][4],
+                                         float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
-  const float* pb = b.p + (n0 + g) * kRb + (k0 + t) * kKb;
+  const float* pb = b.p + (k0 + t) * kKb;
+  // This lane's depths k0 + t + 4u (k0 a multiple of 8) share the parity of t, and so the swizzle of their rows.
+  int nb[kTiles];
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) {
+    const int n = n0 + g + q * kNStep;
+    nb[q] = (kSwizzled ? Swizzled(t, n) : n) * kRb;
+  }
   for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kKb) {
     const float av[4] = {pa[0], pa[8 * kRa], pa[4 * kKa], pa[8 * kRa + 4 * kKa]};
     float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
-      bv[q][0] = q < tiles ? pb[q * kNStep * kRb] : 0.f;
-      bv[q][1] = q < tiles ? pb[q * kNStep * kRb + 4 * kKb] : 0.f;
+      bv[q][0] = q < tiles ? pb[nb[q]] : 0.f;
+      bv[q][1] = q < tiles ? pb[nb[q] + 4 * kKb] : 0.f;
     }
     Mma3xTf32(av, bv, big, small);
   }
@@ -673,22 +690,26 @@ __device__ __forceinline__ float Component(const float4& v, int i) {
 }
 
 // The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
-// (depth a multiple of 16, row strides ≡ 16 (mod 32) floats): a lane loads 4 consecutive depths of a row with one
-// conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and B share it.
+// staged by StageRows with `swizzled` (depth a multiple of 16, m0 and n0 multiples of 8): a lane loads 4
+// consecutive depths of a row with one conflict-free 16-byte load and hands them to two k-steps, as the mma's depth
+// order is free when A and B share it.
 template <int kTiles, int kLdA, int kLdB>
 __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
                                           float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   Zero(big);
   Zero(small);
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  // Every row this lane reads has the parity of g: Swizzled(g, k + 4t) = (k ^ swizzle) + 4t for k a multiple of 16.
+  const int swizzle = Swizzled(g, 0);
   const float* pa = A + (m0 + g) * kLdA + 4 * t;
   const float* pb = B + (n0 + g) * kLdB + 4 * t;
   for (int k = 0; k < depth; k += 16) {
-    const float4 lo = *reinterpret_cast<const float4*>(pa + k);
-    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + k);
+    const int ks = k ^ swizzle;
+    const float4 lo = *reinterpret_cast<const float4*>(pa + ks);
+    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + ks);
     float4 bq[kTiles];
 #pragma unroll
-    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + k);
+    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + ks);
     // The first k-step takes depths 0 and 1 of each load (x, y), the second depths 2 and 3 (z, w).
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
@@ -713,18 +734,20 @@ __device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ?
 __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (i + 1) / 2; }
 
 // Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
-// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays have row strides ≡ 16 (mod 32) floats for
-// GramStrip's 16-byte loads, the [time][time] arrays ≡ 4 (mod 32) for MmaStrip's 4-byte ones.
+// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays are swizzled (Swizzled) rows of 64 and kNc
+// floats for GramStrip's 16-byte loads, the [time][time] arrays have row strides ≡ 4 (mod 32) for MmaStrip's 4-byte
+// ones. Small enough for 3 backward and 4 forward blocks per multiprocessor at kNc = 32 (71,168 and 50,944 bytes),
+// which hide each other's staging and barriers.
 template <int kNc>
 struct MmaLayout {
-  static constexpr int kSp = kTile + 16, kSn = kNc + 16, kSq = kTile + 4;
+  static constexpr int kSp = kTile, kSn = kNc, kSq = kTile + 4;
   int pc, nc;
   __host__ __device__ explicit MmaLayout(const SsmInput& in)
       : pc((in.headdim + 15) / 16 * 16), nc((in.d_state + 15) / 16 * 16) {}
-  // The backward: cs (float pairs), dy, x then G, B, C, M1, M2, and per-step vectors: dt, softplus', w, d D, 4
+  // The backward: cs (float pairs), dy, x then G then M1, B, C, M2, and per-step vectors: dt, softplus', w, d D, 4
   // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
-  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSp, kC = kB + kTile * kSn;
-  static constexpr int kM1 = kC + kTile * kSn, kM2 = kM1 + kTile * kSq, kVec = kM2 + kTile * kSq;
+  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSq, kC = kB + kTile * kSn;
+  static constexpr int kM2 = kC + kTile * kSn, kVec = kM2 + kTile * kSq;
   static constexpr int kBackwardFloats = kVec + 12 * kTile;
   // The forward: cs, x, B, C, M, dt.
   static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
@@ -785,15 +808,15 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
 }
 
 template <int kNc>
-__global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
   constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
   const Layout lay(in);
   float2* cs = reinterpret_cast<float2*>(shared_tile);
   float* const base = reinterpret_cast<float*>(shared_tile);
-  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx;
-  float *const sb = base + Layout::kB, *const sc = base + Layout::kC, *const sm1 = base + Layout::kM1;
+  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx, *const sm1 = sx;
+  float *const sb = base + Layout::kB, *const sc = base + Layout::kC;
   float *const sm2 = base + Layout::kM2, *const vdt = base + Layout::kVec, *const vdtg = vdt + kTile;
   float *const vw = vdtg + kTile, *const vdiag = vw + kTile, *const vwpart = vdiag + kTile;
   float* const vdirect = vwpart + 4 * kTile;
@@ -804,11 +827,12 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
+  // Warp 0's copies go out before its dependent chain of StageSteps.
+  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp, kTile, true);
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp, kTile, true);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn, kTile, true);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn, kTile, true);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
-  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
   // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
@@ -847,8 +871,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   }
   __syncthreads();  // x is consumed (G takes its place) and M2 is complete
 
-  // M1 and G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and
-  // each strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
+  // G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and each
+  // strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x. M1 waits in XD for G's space.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
@@ -861,7 +885,6 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
         const float x = xd[s][q][e], m2 = sm2[k * sq + j], xdt = vdt[j] * x;
-        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * xdt : 0.f;
         sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
         if (k == j) vdiag[k] = x;
         direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
@@ -879,7 +902,23 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     }
   }
   __syncthreads();
-  SumsOfG(sg, sq, vwpart, vw);
+  SumsOfG(sg, sq, vwpart, vw);  // its last reads of G are behind a barrier
+
+  // M1 = L·dt_j·XD on the strips, in G's place.
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (vdt[j] * xd[s][q][e]) : 0.f;
+      }
+    }
+  }
 
   // Per step: d dt_raw and the A_log / D terms (vw[t] was written by this thread).
   if (tid < T) {
@@ -892,6 +931,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     grad.param_partials[row * 2 * H + h] = w * vdt[t] * A;
     grad.param_partials[row * 2 * H + H + h] = vdiag[t];
   }
+
+  __syncthreads();  // M1 is complete
 
   // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
   // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
@@ -906,12 +947,12 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     };
     Zero(big);
     Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn>{sb}, 8 * parity, tiles, 0, 16 * (i + 1),
-                         big, small);
+    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn, true>{sb}, 8 * parity, tiles, 0,
+                         16 * (i + 1), big, small);
     store(N);
     Zero(big);
     Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn>{sc}, 8 * parity, tiles, 16 * i, kTile,
+    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn, true>{sc}, 8 * parity, tiles, 16 * i, kTile,
                          big, small);
     store(0);
   }
@@ -920,16 +961,16 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   RowBlockPasses(
       lay.pc, T, P, grad.dxs + row0 * E + h * P, E,
       [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
+        MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
                        small);
       },
-      [&](int j, int p, float dxb) { return sdy[j * sp + p] * Dh + dxb * vdt[j]; });
+      [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
 }
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
 // y = M·x + D·x.
 template <int kNc>
-__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput in, float* y) {
+__global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
   constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
@@ -944,10 +985,10 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
+  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp, kTile, true);
+  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn, kTile, true);
+  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn, kTile, true);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
 
   // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
@@ -967,9 +1008,10 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   RowBlockPasses(
       lay.pc, T, P, y + row0 * E + h * P, E,
       [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
+        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp, true>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big,
+                       small);
       },
-      [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + p], mx); });
+      [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
 }
 
 // For the chunked backward: the state at the end of every chunk but the last, S_c = Λ·S_{c−1} +
