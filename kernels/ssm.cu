@@ -322,6 +322,29 @@ __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int p
   }
 }
 
+// StageRows into the tensor-core kernels' swizzled [kTile][kWidth] arrays, by kTileThreads threads: on the 16-byte
+// path each thread keeps one column and walks rows of one parity, so a copy costs a few instructions, not a division.
+template <int kWidth>
+__device__ void StageSwizzled(const float* src, size_t ld, int rows, int cols, int padded, float* dst) {
+  if (cols % 4 != 0 || ld % 4 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    StageRows(src, ld, rows, cols, padded, dst, kWidth, kTile, true);
+    return;
+  }
+  constexpr int kChunks = kWidth / 4, kRowStep = kTileThreads / kChunks;
+  static_assert(kTileThreads % kChunks == 0 && kRowStep % 2 == 0 && kTile % kRowStep == 0);
+  const int c = threadIdx.x % kChunks * 4, t0 = threadIdx.x / kChunks;
+  if (c >= padded) return;  // beyond what the products read
+  float* const d = dst + Swizzled(t0, c);  // the rows t0 + kRowStep·r share t0's parity
+#pragma unroll
+  for (int t = t0; t < kTile; t += kRowStep) {
+    if (t < rows && c < cols) {
+      __pipeline_memcpy_async(d + t * kWidth, src + t * ld + c, 4 * sizeof(float));
+    } else {
+      *reinterpret_cast<float4*>(d + t * kWidth) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
 // dst[c·stride + t] = src[t·ld + c]: StageRows transposed (4 bytes at a time), zero up to padded_rows × padded.
 __device__ void StageTransposed(const float* src, size_t ld, int rows, int cols, int padded_rows, int padded,
                                 float* dst, int stride) {
@@ -619,7 +642,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // the first products and G takes its place, then M1 (kept in registers as XD until G is summed) takes G's.
 
 // Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs], or with kSwizzled (kRs = 1: a [depth][rows] array
-// staged by StageRows with `swizzled`) at p[Swizzled(k, r) + k·kKs].
+// staged by StageSwizzled) at p[Swizzled(k, r) + k·kKs].
 template <int kRs, int kKs, bool kSwizzled = false>
 struct MmaOperand {
   static_assert(!kSwizzled || kRs == 1);
@@ -690,9 +713,9 @@ __device__ __forceinline__ float Component(const float4& v, int i) {
 }
 
 // The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
-// staged by StageRows with `swizzled` (depth a multiple of 16, m0 and n0 multiples of 8): a lane loads 4
-// consecutive depths of a row with one conflict-free 16-byte load and hands them to two k-steps, as the mma's depth
-// order is free when A and B share it.
+// staged by StageSwizzled (depth a multiple of 16, m0 and n0 multiples of 8): a lane loads 4 consecutive depths of a
+// row with one conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and
+// B share it.
 template <int kTiles, int kLdA, int kLdB>
 __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
                                           float (&big)[kTiles][4], float (&small)[kTiles][4]) {
@@ -828,10 +851,10 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const size_t row0 = static_cast<size_t>(b) * T;
 
   // Warp 0's copies go out before its dependent chain of StageSteps.
-  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp, kTile, true);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp, kTile, true);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn, kTile, true);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn, kTile, true);
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, lay.pc, sdy);
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
   StagingDone();
 
@@ -985,9 +1008,9 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp, kTile, true);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn, kTile, true);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn, kTile, true);
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
   StagingDone();
 
