@@ -365,24 +365,21 @@ __device__ __forceinline__ void StagingDone() {
 }
 
 // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j] (G [k][j] with row stride sq, read only for j < t ≤ k):
-// exclusive scans along the rows (a warp per row), then partial column sums over k ≡ part (mod 4), added in order
-// into w[t] by thread t (no barrier after it). By the whole block of kTileThreads, after a barrier over G.
+// exclusive scans along the rows (a warp per row, lane l scanning the sums of columns 2l and 2l + 1), then partial
+// column sums over k ≡ part (mod 4), added in order into w[t] by thread t (no barrier after it). By the whole block
+// of kTileThreads, after a barrier over G; sq even.
 __device__ void SumsOfG(float* sg, int sq, float* vwpart, float* vw) {
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
-    float* row = sg + k * sq;
-    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    float2* const row = reinterpret_cast<float2*>(sg + k * sq);
+    const float2 v = row[lane];
+    float sum = v.x + v.y;
     for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
-      if (lane >= offset) {
-        v0 += u0;
-        v1 += u1;
-      }
+      const float up = __shfl_up_sync(0xffffffffu, sum, offset);
+      if (lane >= offset) sum += up;
     }
-    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
-    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
-    row[lane] = lane == 0 ? 0.f : e0;
-    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+    const float before = __shfl_up_sync(0xffffffffu, sum, 1), e = lane == 0 ? 0.f : before;
+    row[lane] = make_float2(e, e + v.x);
   }
   __syncthreads();
   {
