@@ -289,10 +289,10 @@ __device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, floa
   }
 }
 
-// Column c of row t in the [time][·] arrays of the tensor-core kernels: odd rows swap their 16-float halves (rows of
-// at least 32 floats), which gives neighbouring rows the bank pattern of a row stride ≡ 16 (mod 32) floats, as
-// GramStrip's 16-byte loads need, without padding every row by 16 floats.
-__device__ __forceinline__ int Swizzled(int t, int c) { return c ^ ((t & 1) << 4); }
+// Column c of row t in the [time][·] arrays of the tensor-core kernels (rows of at least 32 floats): bits 4 and 3 of
+// the column flip with bits 0 and 1 of the row. No padding, and no bank conflicts for GramStrip's 16-byte loads (the
+// two rows of a quarter warp sit 16 floats apart) nor for MmaStrip's 4-byte loads of 8 columns at 4 consecutive rows.
+__device__ __forceinline__ int Swizzled(int t, int c) { return c ^ ((t & 1) << 4) ^ ((t & 2) << 2); }
 
 // dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block),
 // at column Swizzled(t, c) where `swizzled`. The copies are asynchronous (all of a thread's loads in flight at once):
@@ -331,10 +331,10 @@ __device__ void StageSwizzled(const float* src, size_t ld, int rows, int cols, i
     return;
   }
   constexpr int kChunks = kWidth / 4, kRowStep = kTileThreads / kChunks;
-  static_assert(kTileThreads % kChunks == 0 && kRowStep % 2 == 0 && kTile % kRowStep == 0);
+  static_assert(kTileThreads % kChunks == 0 && kRowStep % 4 == 0 && kTile % kRowStep == 0);
   const int c = threadIdx.x % kChunks * 4, t0 = threadIdx.x / kChunks;
   if (c >= padded) return;  // beyond what the products read
-  float* const d = dst + Swizzled(t0, c);  // the rows t0 + kRowStep·r share t0's parity
+  float* const d = dst + Swizzled(t0, c);  // the rows t0 + kRowStep·r share t0's swizzle
 #pragma unroll
   for (int t = t0; t < kTile; t += kRowStep) {
     if (t < rows && c < cols) {
@@ -685,7 +685,7 @@ __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOper
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
   const float* pb = b.p + (k0 + t) * kKb;
-  // This lane's depths k0 + t + 4u (k0 a multiple of 8) share the parity of t, and so the swizzle of their rows.
+  // This lane's depths k0 + t + 4u (k0 a multiple of 8) are ≡ t (mod 4), and so share the swizzle of their rows.
   int nb[kTiles];
 #pragma unroll
   for (int q = 0; q < kTiles; ++q) {
@@ -719,10 +719,10 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
   Zero(big);
   Zero(small);
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
-  // Every row this lane reads has the parity of g: Swizzled(g, k + 4t) = (k ^ swizzle) + 4t for k a multiple of 16.
-  const int swizzle = Swizzled(g, 0);
-  const float* pa = A + (m0 + g) * kLdA + 4 * t;
-  const float* pb = B + (n0 + g) * kLdB + 4 * t;
+  // Every row this lane reads is ≡ g (mod 8): Swizzled(row, k + 4t) = k ^ Swizzled(g, 4t) for k a multiple of 16.
+  const int swizzle = Swizzled(g, 4 * t);
+  const float* pa = A + (m0 + g) * kLdA;
+  const float* pb = B + (n0 + g) * kLdB;
   for (int k = 0; k < depth; k += 16) {
     const int ks = k ^ swizzle;
     const float4 lo = *reinterpret_cast<const float4*>(pa + ks);
@@ -756,18 +756,18 @@ __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (
 // Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
 // to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays are swizzled (Swizzled) rows of 64 and kNc
 // floats for GramStrip's 16-byte loads, the [time][time] arrays have row strides ≡ 4 (mod 32) for MmaStrip's 4-byte
-// ones. Small enough for 3 backward and 4 forward blocks per multiprocessor at kNc = 32 (71,168 and 50,944 bytes),
-// which hide each other's staging and barriers.
+// loads along rows, M2 (read only down its columns) ≡ 8. Small enough for 3 backward and 4 forward blocks per
+// multiprocessor at kNc = 32 (72,192 and 50,944 bytes), which hide each other's staging and barriers.
 template <int kNc>
 struct MmaLayout {
-  static constexpr int kSp = kTile, kSn = kNc, kSq = kTile + 4;
+  static constexpr int kSp = kTile, kSn = kNc, kSq = kTile + 4, kSq2 = kTile + 8;
   int pc, nc;
   __host__ __device__ explicit MmaLayout(const SsmInput& in)
       : pc((in.headdim + 15) / 16 * 16), nc((in.d_state + 15) / 16 * 16) {}
   // The backward: cs (float pairs), dy, x then G then M1, B, C, M2, and per-step vectors: dt, softplus', w, d D, 4
   // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
   static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSq, kC = kB + kTile * kSn;
-  static constexpr int kM2 = kC + kTile * kSn, kVec = kM2 + kTile * kSq;
+  static constexpr int kM2 = kC + kTile * kSn, kVec = kM2 + kTile * kSq2;
   static constexpr int kBackwardFloats = kVec + 12 * kTile;
   // The forward: cs, x, B, C, M, dt.
   static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
@@ -831,7 +831,8 @@ template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
-  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, sq2 = Layout::kSq2;
+  constexpr int kWarps = kTileThreads / kWarpSize;
   const Layout lay(in);
   float2* cs = reinterpret_cast<float2*>(shared_tile);
   float* const base = reinterpret_cast<float*>(shared_tile);
@@ -869,7 +870,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-          sm2[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
+          sm2[k * sq2 + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
         }
       }
     }
@@ -904,7 +905,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        const float x = xd[s][q][e], m2 = sm2[k * sq + j], xdt = vdt[j] * x;
+        const float x = xd[s][q][e], m2 = sm2[k * sq2 + j], xdt = vdt[j] * x;
         sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
         if (k == j) vdiag[k] = x;
         direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
@@ -981,7 +982,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   RowBlockPasses(
       lay.pc, T, P, grad.dxs + row0 * E + h * P, E,
       [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
+        MmaStrip<2, 8>(MmaOperand<1, sq2>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
                        small);
       },
       [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
