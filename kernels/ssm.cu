@@ -322,18 +322,18 @@ __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int p
   }
 }
 
-// StageRows into the tensor-core kernels' swizzled [kTile][kWidth] arrays, by kTileThreads threads: on the 16-byte
-// path each thread keeps one column and walks rows of one parity, so a copy costs a few instructions, not a division.
+// StageRows into the tensor-core kernels' swizzled [kTile][kWidth] arrays, zero up to kTile × kWidth (so MmaStrip
+// may read whole tiles past `cols`), by kTileThreads threads: on the 16-byte path each thread keeps one column and
+// walks rows of one swizzle, so a copy costs a few instructions, not a division.
 template <int kWidth>
-__device__ void StageSwizzled(const float* src, size_t ld, int rows, int cols, int padded, float* dst) {
+__device__ void StageSwizzled(const float* src, size_t ld, int rows, int cols, float* dst) {
   if (cols % 4 != 0 || ld % 4 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
-    StageRows(src, ld, rows, cols, padded, dst, kWidth, kTile, true);
+    StageRows(src, ld, rows, cols, kWidth, dst, kWidth, kTile, true);
     return;
   }
   constexpr int kChunks = kWidth / 4, kRowStep = kTileThreads / kChunks;
   static_assert(kTileThreads % kChunks == 0 && kRowStep % 4 == 0 && kTile % kRowStep == 0);
   const int c = threadIdx.x % kChunks * 4, t0 = threadIdx.x / kChunks;
-  if (c >= padded) return;  // beyond what the products read
   float* const d = dst + Swizzled(t0, c);  // the rows t0 + kRowStep·r share t0's swizzle
 #pragma unroll
   for (int t = t0; t < kTile; t += kRowStep) {
@@ -677,10 +677,11 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
 }
 
 // big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
-// (k1 − k0 a multiple of 8). Tiles q ≥ tiles read zeros and are not to be used.
+// (k1 − k0 a multiple of 8). Every tile is formed: B's rows past those staged read zeros, and their tiles are not
+// stored.
 template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb, bool kSwizzled>
 __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb, kSwizzled> b, int n0,
-                                         int tiles, int k0, int k1, float (&big)[kTiles][4],
+                                         int k0, int k1, float (&big)[kTiles][4],
                                          float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
@@ -697,8 +698,8 @@ __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOper
     float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
-      bv[q][0] = q < tiles ? pb[nb[q]] : 0.f;
-      bv[q][1] = q < tiles ? pb[nb[q] + 4 * kKb] : 0.f;
+      bv[q][0] = pb[nb[q]];
+      bv[q][1] = pb[nb[q] + 4 * kKb];
     }
     Mma3xTf32(av, bv, big, small);
   }
@@ -807,10 +808,10 @@ __device__ __forceinline__ void StoreStrip(float* out, size_t ld, int tiles, int
   }
 }
 
-// How both tensor-core kernels end: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
+// How the tensor-core forward ends: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
 // M and a [time][p] V, row stride ld. Warp w takes row blocks w / 4 and 3 − w / 4 (depths of 1 and 4, or 2 and 3
 // blocks, whichever side of the diagonal M's depth lies) on column groups 2q and 2q + 1, q = w mod 4;
-// product(i, q, tiles, big, small) adds row block i's sums into zeroed fragments.
+// product(i, q, big, small) adds row block i's sums into zeroed fragments.
 template <class Product, class Value>
 __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out, int ld, Product product,
                                                Value value) {
@@ -822,7 +823,7 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
     float big[2][4], small[2][4];
     Zero(big);
     Zero(small);
-    product(i, q, tiles, big, small);
+    product(i, q, big, small);
     StoreStrip(out, ld, tiles, 16 * i, T, 16 * q, 8, P, pairs, big, small, value);
   }
 }
@@ -849,10 +850,10 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const size_t row0 = static_cast<size_t>(b) * T;
 
   // Warp 0's copies go out before its dependent chain of StageSteps.
-  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, lay.pc, sdy);
-  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx);
-  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb);
-  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc);
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
   StagingDone();
 
@@ -955,37 +956,44 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 
   __syncthreads();  // M1 is complete
 
-  // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
-  // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
-  {
-    constexpr int kTiles = kNc / 16;
-    const int i = warp / 2, parity = warp % 2, tiles = (lay.nc / 8 - parity + 1) / 2;
-    const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
-    float big[kTiles][4], small[kTiles][4];
-    auto store = [&](int offset) {  // offset 0: d B, N: d C
-      StoreStrip(grad.dbc + (row0 * H + h) * 2 * N + offset, static_cast<size_t>(H) * 2 * N, tiles, 16 * i, T,
-                 8 * parity, 16, N, dbc_pairs, big, small, [](int, int, float v) { return v; });
-    };
-    Zero(big);
-    Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn, true>{sb}, 8 * parity, tiles, 0,
-                         16 * (i + 1), big, small);
-    store(N);
-    Zero(big);
-    Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn, true>{sc}, 8 * parity, tiles, 16 * i, kTile,
-                         big, small);
-    store(0);
-  }
-
-  // dxb (over k ≥ j), then d xs = D·dy + dt·dxb.
-  RowBlockPasses(
-      lay.pc, T, P, grad.dxs + row0 * E + h * P, E,
-      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<1, sq2>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
+  // The products on units of 16 rows × 32 columns, four 16×8 tiles that share each k-step's A fragment and its split:
+  // d C and d B of row block i (depths 16(i + 1) and 64 − 16i, 10 k-steps together), then dxb (over k ≥ j) of row
+  // blocks i and 3 − i (again 10 k-steps) and d xs = D·dy + dt·dxb. Warp w takes units w, w + 8, ...: at d_state ≤ 32
+  // and headdim ≤ 64 four of each, one per warp.
+  const int dbc_units = kTimeBlocks * ((lay.nc + 31) / 32), units = dbc_units + 2 * ((lay.pc + 31) / 32);
+  const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
+  float* const dxs = grad.dxs + row0 * E + h * P;
+  const bool dxs_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(dxs) % 8 == 0;
+  for (int unit = warp; unit < units; unit += kWarps) {
+    float big[4][4], small[4][4];
+    if (unit < dbc_units) {
+      const int i = unit % kTimeBlocks, col0 = 32 * (unit / kTimeBlocks), tiles = min(4, (lay.nc - col0) / 8);
+      auto store = [&](int offset) {  // offset 0: d B, N: d C
+        StoreStrip(grad.dbc + (row0 * H + h) * 2 * N + offset, static_cast<size_t>(H) * 2 * N, tiles, 16 * i, T, col0,
+                   8, N, dbc_pairs, big, small, [](int, int, float v) { return v; });
+      };
+      Zero(big);
+      Zero(small);
+      MmaStrip<4, 8>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn, true>{sb}, col0, 0, 16 * (i + 1), big, small);
+      store(N);
+      Zero(big);
+      Zero(small);
+      MmaStrip<4, 8>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn, true>{sc}, col0, 16 * i, kTile, big, small);
+      store(0);
+    } else {
+      const int pair = (unit - dbc_units) % 2, col0 = 32 * ((unit - dbc_units) / 2);
+      const int tiles = min(4, (lay.pc - col0) / 8);
+      for (int pass = 0; pass < 2; ++pass) {
+        const int i = pass == 0 ? pair : kTimeBlocks - 1 - pair;
+        Zero(big);
+        Zero(small);
+        MmaStrip<4, 8>(MmaOperand<1, sq2>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, col0, 16 * i, kTile, big,
                        small);
-      },
-      [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
+        StoreStrip(dxs, E, tiles, 16 * i, T, col0, 8, P, dxs_pairs, big, small,
+                   [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
+      }
+    }
+  }
 }
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
@@ -1006,9 +1014,9 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
-  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx);
-  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb);
-  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc);
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
   StagingDone();
 
@@ -1028,9 +1036,8 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   // y = M·x (over j ≤ k) + D·x.
   RowBlockPasses(
       lay.pc, T, P, y + row0 * E + h * P, E,
-      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp, true>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big,
-                       small);
+      [&](int i, int q, float (&big)[2][4], float (&small)[2][4]) {
+        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp, true>{sx}, 16 * q, 0, 16 * (i + 1), big, small);
       },
       [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
 }
