@@ -260,6 +260,31 @@ __device__ __forceinline__ float DecayBetween(const float2* cs, int k, int j, fl
 __device__ __forceinline__ float DecayFromStart(const float2* cs, int k, float a2) {
   return exp2f(a2 * (cs[k].x + cs[k].y));
 }
+// DecayBetween for the epilogues of the tensor-core kernels, where each lane forms those of its fragment of a strip
+// of 16×8 tiles (rows r0 + g and r0 + g + 8, columns c0 + 8q + 2·(lane mod 4) + {0, 1}), from cs loaded once, and
+// all of them (the callers select 0 above the diagonal, without a branch): ex2.approx.ftz is exp2f without its
+// fixups for results below 2⁻¹²⁶, which become 0 (far below what the float32 sums they enter keep).
+template <int kTiles>
+struct FragmentDecays {
+  float2 row[2], col[kTiles][2];
+  __device__ FragmentDecays(const float2* cs, int r0, int c0) {
+    const int g = threadIdx.x % kWarpSize / 4, t4 = threadIdx.x % 4;
+    row[0] = cs[r0 + g];
+    row[1] = cs[r0 + g + 8];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      col[q][0] = cs[c0 + 8 * q + 2 * t4];
+      col[q][1] = cs[c0 + 8 * q + 2 * t4 + 1];
+    }
+  }
+  // The decay of element e of tile q's fragment (rows g, g, g + 8, g + 8).
+  __device__ float operator()(int q, int e, float a2) const {
+    const float2 k = row[e / 2], j = col[q][e % 2];
+    float decay;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(decay) : "f"(a2 * ((k.x - j.x) + (k.y - j.y))));
+    return decay;
+  }
+};
 
 // Warp 0 of a block: dt and softplus' of the steps row0.. row0 + len − 1 (zero past len, up to kTile) and cs, the
 // running sum of dt, summed in double and kept as float pairs hi + lo: then hi_k − hi_j rounds only once, and the
@@ -866,12 +891,14 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
       const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
       float big[2][4], small[2][4];
       GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+      const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-          sm2[k * sq2 + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
+          const float m2 = decay(q, e, a2) * (big[q][e] + small[q][e]);
+          sm2[k * sq2 + j] = k >= j ? m2 : 0.f;
         }
       }
     }
@@ -932,12 +959,14 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
     const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (vdt[j] * xd[s][q][e]) : 0.f;
+        const float m1 = decay(q, e, a2) * (vdt[j] * xd[s][q][e]);
+        sm1[k * sq + j] = k >= j ? m1 : 0.f;
       }
     }
   }
@@ -1025,10 +1054,12 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
     const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * StripColumnBlock(strip, i) + tile % 2;
     float big[1][4], small[1][4];
     GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
+    const FragmentDecays<1> decay(cs, 16 * i, 8 * c);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
-      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
+      const float m = decay(0, e, a2) * vdt[j] * (big[0][e] + small[0][e]);
+      sm[k * sq + j] = k >= j ? m : 0.f;
     }
   }
   __syncthreads();
