@@ -1049,17 +1049,21 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
   StagingDone();
 
-  // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
-  for (int tile = warp; tile < 2 * kLowerStrips; tile += kWarps) {
-    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * StripColumnBlock(strip, i) + tile % 2;
-    float big[1][4], small[1][4];
-    GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
-    const FragmentDecays<1> decay(cs, 16 * i, 8 * c);
+  // On the 16×16 strips: warps 0 and 1 take two, about what three 16×8 tiles cost, with a quarter fewer instructions
+  // in all (each k-step's A fragment is split once for two tiles).
+  for (int strip = warp; strip < kLowerStrips; strip += kWarps) {
+    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+    float big[2][4], small[2][4];
+    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
-      const float m = decay(0, e, a2) * vdt[j] * (big[0][e] + small[0][e]);
-      sm[k * sq + j] = k >= j ? m : 0.f;
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        const float m = decay(q, e, a2) * vdt[j] * (big[q][e] + small[q][e]);
+        sm[k * sq + j] = k >= j ? m : 0.f;
+      }
     }
   }
   __syncthreads();
