@@ -260,6 +260,7 @@ __device__ __forceinline__ float DecayBetween(const float2* cs, int k, int j, fl
 __device__ __forceinline__ float DecayFromStart(const float2* cs, int k, float a2) {
   return exp2f(a2 * (cs[k].x + cs[k].y));
 }
+
 // DecayBetween for the epilogues of the tensor-core kernels, where each lane forms those of its fragment of a strip
 // of 16×8 tiles (rows r0 + g and r0 + g + 8, columns c0 + 8q + 2·(lane mod 4) + {0, 1}), from cs loaded once, and
 // all of them (the callers select 0 above the diagonal, without a branch): ex2.approx.ftz is exp2f without its
@@ -288,15 +289,24 @@ struct FragmentDecays {
 
 // Warp 0 of a block: dt and softplus' of the steps row0.. row0 + len − 1 (zero past len, up to kTile) and cs, the
 // running sum of dt, summed in double and kept as float pairs hi + lo: then hi_k − hi_j rounds only once, and the
-// decays between any two steps keep their digits without FP64 in the products' epilogues.
+// decays between any two steps keep their digits without FP64 in the products' epilogues. The loads all go out
+// first, so the block waits for one load's latency, not one per 32 steps.
 __device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, float2* cs, float* vdt, float* vdtg) {
   const int lane = threadIdx.x % kWarpSize;
+  const float bias = in.dt_bias[h];
+  float raw[kTile / kWarpSize];
+#pragma unroll
+  for (int s = 0; s < kTile / kWarpSize; ++s) {
+    const int t = s * kWarpSize + lane;
+    raw[s] = t < len ? in.dt_raw[(row0 + t) * in.ld_dt_raw + h] : 0.f;
+  }
   double run = 0.0;
-  for (int t0 = 0; t0 < kTile; t0 += kWarpSize) {
-    const int t = t0 + lane;
+#pragma unroll
+  for (int s = 0; s < kTile / kWarpSize; ++s) {
+    const int t = s * kWarpSize + lane;
     float d = 0.f, g = 0.f;
     if (t < len) {
-      const float pre = in.dt_raw[(row0 + t) * in.ld_dt_raw + h] + in.dt_bias[h];
+      const float pre = raw[s] + bias;
       d = Softplus(pre);
       g = SoftplusGrad(pre);
     }
@@ -871,16 +881,16 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
-  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
-  // Warp 0's copies go out before its dependent chain of StageSteps.
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
   StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
   StagingDone();
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
 
   // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
   // one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp forms about the
@@ -1040,14 +1050,15 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
-  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
   StagingDone();
+  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
 
   // On the 16×16 strips: warps 0 and 1 take two, about what three 16×8 tiles cost, with a quarter fewer instructions
   // in all (each k-step's A fragment is split once for two tiles).
