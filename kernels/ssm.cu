@@ -673,11 +673,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // shared memory straight to global memory. Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after
 // the first products and G takes its place, then M1 (kept in registers as XD until G is summed) takes G's.
 
-// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs], or with kSwizzled (kRs = 1: a [depth][rows] array
-// staged by StageSwizzled) at p[Swizzled(k, r) + k·kKs].
-template <int kRs, int kKs, bool kSwizzled = false>
+// Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs].
+template <int kRs, int kKs>
 struct MmaOperand {
-  static_assert(!kSwizzled || kRs == 1);
   const float* p;
 };
 
@@ -711,30 +709,26 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
   for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
 }
 
-// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
-// (k1 − k0 a multiple of 8). Every tile is formed: B's rows past those staged read zeros, and their tiles are not
-// stored.
-template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb, bool kSwizzled>
-__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb, kSwizzled> b, int n0,
-                                         int k0, int k1, float (&big)[kTiles][4],
-                                         float (&small)[kTiles][4]) {
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B[k][n0 + q·kNStep + col]: this lane's fragment of 16×8 tile q
+// (k1 − k0 a multiple of 8), B a [depth][kLdB] array staged by StageSwizzled. Every tile is formed: B's columns past
+// those staged read zeros, and their tiles are not stored.
+template <int kTiles, int kNStep, int kLdB, int kRa, int kKa>
+__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, const float* B, int n0, int k0, int k1,
+                                         float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
-  const float* pb = b.p + (k0 + t) * kKb;
+  const float* pb = B + (k0 + t) * kLdB;
   // This lane's depths k0 + t + 4u (k0 a multiple of 8) are ≡ t (mod 4), and so share the swizzle of their rows.
   int nb[kTiles];
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) {
-    const int n = n0 + g + q * kNStep;
-    nb[q] = (kSwizzled ? Swizzled(t, n) : n) * kRb;
-  }
-  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kKb) {
+  for (int q = 0; q < kTiles; ++q) nb[q] = Swizzled(t, n0 + g + q * kNStep);
+  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kLdB) {
     const float av[4] = {pa[0], pa[8 * kRa], pa[4 * kKa], pa[8 * kRa + 4 * kKa]};
     float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
       bv[q][0] = pb[nb[q]];
-      bv[q][1] = pb[nb[q] + 4 * kKb];
+      bv[q][1] = pb[nb[q] + 4 * kLdB];
     }
     Mma3xTf32(av, bv, big, small);
   }
@@ -1013,11 +1007,11 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
       };
       Zero(big);
       Zero(small);
-      MmaStrip<4, 8>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn, true>{sb}, col0, 0, 16 * (i + 1), big, small);
+      MmaStrip<4, 8, sn>(MmaOperand<sq, 1>{sm1}, 16 * i, sb, col0, 0, 16 * (i + 1), big, small);
       store(N);
       Zero(big);
       Zero(small);
-      MmaStrip<4, 8>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn, true>{sc}, col0, 16 * i, kTile, big, small);
+      MmaStrip<4, 8, sn>(MmaOperand<1, sq>{sm1}, 16 * i, sc, col0, 16 * i, kTile, big, small);
       store(0);
     } else {
       const int pair = (unit - dbc_units) % 2, col0 = 32 * ((unit - dbc_units) / 2);
@@ -1026,8 +1020,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
         const int i = pass == 0 ? pair : kTimeBlocks - 1 - pair;
         Zero(big);
         Zero(small);
-        MmaStrip<4, 8>(MmaOperand<1, sq2>{sm2}, 16 * i, MmaOperand<1, sp, true>{sdy}, col0, 16 * i, kTile, big,
-                       small);
+        MmaStrip<4, 8, sp>(MmaOperand<1, sq2>{sm2}, 16 * i, sdy, col0, 16 * i, kTile, big, small);
         StoreStrip(dxs, E, tiles, 16 * i, T, col0, 8, P, dxs_pairs, big, small,
                    [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
       }
@@ -1083,7 +1076,7 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   RowBlockPasses(
       lay.pc, T, P, y + row0 * E + h * P, E,
       [&](int i, int q, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp, true>{sx}, 16 * q, 0, 16 * (i + 1), big, small);
+        MmaStrip<2, 8, sp>(MmaOperand<sq, 1>{sm}, 16 * i, sx, 16 * q, 0, 16 * (i + 1), big, small);
       },
       [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
 }
