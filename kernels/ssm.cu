@@ -886,23 +886,21 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   StagingDone();
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
 
-  // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
-  // one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp forms about the
-  // same number of tiles.
+  // CB of the strips of the lower triangle (L·CB comes below, with the decays XD needs too), on warps 2..7 (two strips
+  // each on 2..5, one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp
+  // forms about the same number of tiles.
   if (warp >= 2) {
     const int first = warp < 6 ? 2 * (warp - 2) : warp + 2, last = warp < 6 ? first + 2 : first + 1;
     for (int strip = first; strip < last; ++strip) {
       const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
       float big[2][4], small[2][4];
       GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
-      const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-          const float m2 = decay(q, e, a2) * (big[q][e] + small[q][e]);
-          sm2[k * sq2 + j] = k >= j ? m2 : 0.f;
+          sm2[k * sq2 + j] = big[q][e] + small[q][e];
         }
       }
     }
@@ -922,25 +920,30 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
       for (int e = 0; e < 4; ++e) xd[s][q][e] = big[q][e] + small[q][e];
     }
   }
-  __syncthreads();  // x is consumed (G takes its place) and M2 is complete
+  __syncthreads();  // x is consumed (G takes its place) and CB is complete
 
-  // G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and each
-  // strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x. M1 waits in XD for G's space.
+  // On the strips, with each decay L formed once for M2 and M1: M2 = L·CB in CB's place, G = dt_j·XD·M2 (G right of
+  // the strips is stale: it reaches only R[k,t] for t > k, never read), each strip's column sums of M2·XD into its row
+  // block's partial of Σ_p dxb·x, and M1 = L·dt_j·XD, which waits in XD's registers for G's space.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
     const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       float direct[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        const float x = xd[s][q][e], m2 = sm2[k * sq2 + j], xdt = vdt[j] * x;
+        const float L = decay(q, e, a2), lcb = L * sm2[k * sq2 + j], m2 = k >= j ? lcb : 0.f;
+        const float x = xd[s][q][e], xdt = vdt[j] * x, m1 = L * xdt;
+        sm2[k * sq2 + j] = m2;
         sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
         if (k == j) vdiag[k] = x;
         direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
+        xd[s][q][e] = k >= j ? m1 : 0.f;
       }
 #pragma unroll
       for (int offset = 4; offset < kWarpSize; offset *= 2) {
@@ -957,20 +960,18 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   __syncthreads();
   SumsOfG(sg, sq, vwpart, vw);  // its last reads of G are behind a barrier
 
-  // M1 = L·dt_j·XD on the strips, in G's place.
+  // M1 on the strips, in G's place.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
     const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
-    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        const float m1 = decay(q, e, a2) * (vdt[j] * xd[s][q][e]);
-        sm1[k * sq + j] = k >= j ? m1 : 0.f;
+        sm1[k * sq + j] = xd[s][q][e];
       }
     }
   }
