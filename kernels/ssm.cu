@@ -1054,22 +1054,28 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   StagingDone();
   const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
 
-  // On the 16×16 strips: warps 0 and 1 take two, about what three 16×8 tiles cost, with a quarter fewer instructions
-  // in all (each k-step's A fragment is split once for two tiles).
-  for (int strip = warp; strip < kLowerStrips; strip += kWarps) {
-    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
-    float big[2][4], small[2][4];
-    GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
-    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
+  // M on kTiles 16×8 tiles of row block i from column c0.
+  auto form = [&]<int kTiles>(int i, int c0) {
+    float big[kTiles][4], small[kTiles][4];
+    GramStrip<kTiles, sn, sn>(sc, 16 * i, sb, c0, lay.nc, big, small);
+    const FragmentDecays<kTiles> decay(cs, 16 * i, c0);
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
+    for (int q = 0; q < kTiles; ++q) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        const int k = 16 * i + g + 8 * (e / 2), j = c0 + 8 * q + 2 * t4 + e % 2;
         const float m = decay(q, e, a2) * vdt[j] * (big[q][e] + small[q][e]);
         sm[k * sq + j] = k >= j ? m : 0.f;
       }
     }
+  };
+  // A strip per warp (its A fragments split once for both tiles), then the last two strips' four tiles on warps
+  // 0..3: no warp forms more than a strip and a tile.
+  static_assert(kLowerStrips > kWarps && kLowerStrips <= 2 * kWarps);
+  form.template operator()<2>(StripRowBlock(warp), 16 * StripColumnBlock(warp, StripRowBlock(warp)));
+  if (warp < 2 * (kLowerStrips - kWarps)) {
+    const int strip = kWarps + warp / 2, i = StripRowBlock(strip);
+    form.template operator()<1>(i, 16 * StripColumnBlock(strip, i) + 8 * (warp % 2));
   }
   __syncthreads();
 
