@@ -261,17 +261,52 @@ __device__ __forceinline__ float DecayFromStart(const float2* cs, int k, float a
   return exp2f(a2 * (cs[k].x + cs[k].y));
 }
 
+// DecayBetween for the epilogues of the tensor-core kernels, where each lane forms those of its fragment of a strip
+// of 16×8 tiles (rows r0 + g and r0 + g + 8, columns c0 + 8q + 2·(lane mod 4) + {0, 1}), from cs loaded once, and
+// all of them (the callers select 0 above the diagonal, without a branch): ex2.approx.ftz is exp2f without its
+// fixups for results below 2⁻¹²⁶, which become 0 (far below what the float32 sums they enter keep).
+template <int kTiles>
+struct FragmentDecays {
+  float2 row[2], col[kTiles][2];
+  __device__ FragmentDecays(const float2* cs, int r0, int c0) {
+    const int g = threadIdx.x % kWarpSize / 4, t4 = threadIdx.x % 4;
+    row[0] = cs[r0 + g];
+    row[1] = cs[r0 + g + 8];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      col[q][0] = cs[c0 + 8 * q + 2 * t4];
+      col[q][1] = cs[c0 + 8 * q + 2 * t4 + 1];
+    }
+  }
+  // The decay of element e of tile q's fragment (rows g, g, g + 8, g + 8).
+  __device__ float operator()(int q, int e, float a2) const {
+    const float2 k = row[e / 2], j = col[q][e % 2];
+    float decay;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(decay) : "f"(a2 * ((k.x - j.x) + (k.y - j.y))));
+    return decay;
+  }
+};
+
 // Warp 0 of a block: dt and softplus' of the steps row0.. row0 + len − 1 (zero past len, up to kTile) and cs, the
 // running sum of dt, summed in double and kept as float pairs hi + lo: then hi_k − hi_j rounds only once, and the
-// decays between any two steps keep their digits without FP64 in the products' epilogues.
+// decays between any two steps keep their digits without FP64 in the products' epilogues. The loads all go out
+// first, so the block waits for one load's latency, not one per 32 steps.
 __device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, float2* cs, float* vdt, float* vdtg) {
   const int lane = threadIdx.x % kWarpSize;
+  const float bias = in.dt_bias[h];
+  float raw[kTile / kWarpSize];
+#pragma unroll
+  for (int s = 0; s < kTile / kWarpSize; ++s) {
+    const int t = s * kWarpSize + lane;
+    raw[s] = t < len ? in.dt_raw[(row0 + t) * in.ld_dt_raw + h] : 0.f;
+  }
   double run = 0.0;
-  for (int t0 = 0; t0 < kTile; t0 += kWarpSize) {
-    const int t = t0 + lane;
+#pragma unroll
+  for (int s = 0; s < kTile / kWarpSize; ++s) {
+    const int t = s * kWarpSize + lane;
     float d = 0.f, g = 0.f;
     if (t < len) {
-      const float pre = in.dt_raw[(row0 + t) * in.ld_dt_raw + h] + in.dt_bias[h];
+      const float pre = raw[s] + bias;
       d = Softplus(pre);
       g = SoftplusGrad(pre);
     }
@@ -289,18 +324,25 @@ __device__ void StageSteps(const SsmInput& in, size_t row0, int len, int h, floa
   }
 }
 
-// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block).
-// The copies are asynchronous (all of a thread's loads in flight at once): callers end the staging with StagingDone().
+// Column c of row t in the [time][·] arrays of the tensor-core kernels (rows of at least 32 floats): bits 4 and 3 of
+// the column flip with bits 0 and 1 of the row. No padding, and no bank conflicts for GramStrip's 16-byte loads (the
+// two rows of a quarter warp sit 16 floats apart) nor for MmaStrip's 4-byte loads of 8 columns at 4 consecutive rows.
+__device__ __forceinline__ int Swizzled(int t, int c) { return c ^ ((t & 1) << 4) ^ ((t & 2) << 2); }
+
+// dst[t·stride + c] = src[t·ld + c] for t < rows, c < cols, and zero up to padded_rows × padded (by the whole block),
+// at column Swizzled(t, c) where `swizzled`. The copies are asynchronous (all of a thread's loads in flight at once):
+// callers end the staging with StagingDone().
 __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int padded, float* dst, int stride,
-                          int padded_rows = kTile) {
+                          int padded_rows = kTile, bool swizzled = false) {
+  auto at = [&](int t, int c) { return dst + t * stride + (swizzled ? Swizzled(t, c) : c); };
   if (cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {  // 16 bytes at a time
     const int chunks = padded / 4;
     for (int i = threadIdx.x; i < padded_rows * chunks; i += blockDim.x) {
       const int t = i / chunks, c = (i - t * chunks) * 4;
       if (t < rows && c < cols) {
-        __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, 4 * sizeof(float));
+        __pipeline_memcpy_async(at(t, c), src + t * ld + c, 4 * sizeof(float));
       } else {
-        *reinterpret_cast<float4*>(dst + t * stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(at(t, c)) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
     return;
@@ -308,9 +350,32 @@ __device__ void StageRows(const float* src, size_t ld, int rows, int cols, int p
   for (int i = threadIdx.x; i < padded_rows * padded; i += blockDim.x) {
     const int t = i / padded, c = i % padded;
     if (t < rows && c < cols) {
-      __pipeline_memcpy_async(dst + t * stride + c, src + t * ld + c, sizeof(float));
+      __pipeline_memcpy_async(at(t, c), src + t * ld + c, sizeof(float));
     } else {
-      dst[t * stride + c] = 0.f;
+      *at(t, c) = 0.f;
+    }
+  }
+}
+
+// StageRows into the tensor-core kernels' swizzled [kTile][kWidth] arrays, zero up to kTile × kWidth (so MmaStrip
+// may read whole tiles past `cols`), by kTileThreads threads: on the 16-byte path each thread keeps one column and
+// walks rows of one swizzle, so a copy costs a few instructions, not a division.
+template <int kWidth>
+__device__ void StageSwizzled(const float* src, size_t ld, int rows, int cols, float* dst) {
+  if (cols % 4 != 0 || ld % 4 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    StageRows(src, ld, rows, cols, kWidth, dst, kWidth, kTile, true);
+    return;
+  }
+  constexpr int kChunks = kWidth / 4, kRowStep = kTileThreads / kChunks;
+  static_assert(kTileThreads % kChunks == 0 && kRowStep % 4 == 0 && kTile % kRowStep == 0);
+  const int c = threadIdx.x % kChunks * 4, t0 = threadIdx.x / kChunks;
+  float* const d = dst + Swizzled(t0, c);  // the rows t0 + kRowStep·r share t0's swizzle
+#pragma unroll
+  for (int t = t0; t < kTile; t += kRowStep) {
+    if (t < rows && c < cols) {
+      __pipeline_memcpy_async(d + t * kWidth, src + t * ld + c, 4 * sizeof(float));
+    } else {
+      *reinterpret_cast<float4*>(d + t * kWidth) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 }
@@ -335,24 +400,21 @@ __device__ __forceinline__ void StagingDone() {
 }
 
 // w_t = Σ_{k≥t} R[k,t] with R[k,t] = Σ_{j<t} G[k,j] (G [k][j] with row stride sq, read only for j < t ≤ k):
-// exclusive scans along the rows (a warp per row), then partial column sums over k ≡ part (mod 4), added in order
-// into w[t] by thread t (no barrier after it). By the whole block of kTileThreads, after a barrier over G.
+// exclusive scans along the rows (a warp per row, lane l scanning the sums of columns 2l and 2l + 1), then partial
+// column sums over k ≡ part (mod 4), added in order into w[t] by thread t (no barrier after it). By the whole block
+// of kTileThreads, after a barrier over G; sq even.
 __device__ void SumsOfG(float* sg, int sq, float* vwpart, float* vw) {
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   for (int k = warp; k < kTile; k += kTileThreads / kWarpSize) {
-    float* row = sg + k * sq;
-    float v0 = row[lane], v1 = row[lane + kWarpSize];
+    float2* const row = reinterpret_cast<float2*>(sg + k * sq);
+    const float2 v = row[lane];
+    float sum = v.x + v.y;
     for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const float u0 = __shfl_up_sync(0xffffffffu, v0, offset), u1 = __shfl_up_sync(0xffffffffu, v1, offset);
-      if (lane >= offset) {
-        v0 += u0;
-        v1 += u1;
-      }
+      const float up = __shfl_up_sync(0xffffffffu, sum, offset);
+      if (lane >= offset) sum += up;
     }
-    const float total0 = __shfl_sync(0xffffffffu, v0, kWarpSize - 1);
-    const float e0 = __shfl_up_sync(0xffffffffu, v0, 1), e1 = __shfl_up_sync(0xffffffffu, v1, 1);
-    row[lane] = lane == 0 ? 0.f : e0;
-    row[lane + kWarpSize] = lane == 0 ? total0 : total0 + e1;
+    const float before = __shfl_up_sync(0xffffffffu, sum, 1), e = lane == 0 ? 0.f : before;
+    row[lane] = make_float2(e, e + v.x);
   }
   __syncthreads();
   {
@@ -609,7 +671,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // (kernels/tf32x3.cuh) on m16n8k8 tiles. The backward: each warp forms XD and CB for its 16×16 strips of the lower
 // triangle and turns them into M1, M2 and G in registers; then d C = M1·B, d B = M1ᵀ·C and dxb = M2ᵀ·dy go from
 // shared memory straight to global memory. Σ_p dxb_j·x_j is Σ_k M2[k,j]·XD[k,j], formed with M2, so x is dead after
-// the first products and G takes its place.
+// the first products and G takes its place, then M1 (kept in registers as XD until G is summed) takes G's.
 
 // Element (r, k) of a [rows][depth] operand at p[r·kRs + k·kKs].
 template <int kRs, int kKs>
@@ -647,21 +709,26 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
   for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
 }
 
-// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B(n0 + q·kNStep + col, k): this lane's fragment of 16×8 tile q
-// (k1 − k0 a multiple of 8). Tiles q ≥ tiles read zeros and are not to be used.
-template <int kTiles, int kNStep, int kRa, int kKa, int kRb, int kKb>
-__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, MmaOperand<kRb, kKb> b, int n0, int tiles,
-                                         int k0, int k1, float (&big)[kTiles][4], float (&small)[kTiles][4]) {
+// big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B[k][n0 + q·kNStep + col]: this lane's fragment of 16×8 tile q
+// (k1 − k0 a multiple of 8), B a [depth][kLdB] array staged by StageSwizzled. Every tile is formed: B's columns past
+// those staged read zeros, and their tiles are not stored.
+template <int kTiles, int kNStep, int kLdB, int kRa, int kKa>
+__device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, const float* B, int n0, int k0, int k1,
+                                         float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const float* pa = a.p + (m0 + g) * kRa + (k0 + t) * kKa;
-  const float* pb = b.p + (n0 + g) * kRb + (k0 + t) * kKb;
-  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kKb) {
+  const float* pb = B + (k0 + t) * kLdB;
+  // This lane's depths k0 + t + 4u (k0 a multiple of 8) are ≡ t (mod 4), and so share the swizzle of their rows.
+  int nb[kTiles];
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q) nb[q] = Swizzled(t, n0 + g + q * kNStep);
+  for (int k = k0; k < k1; k += 8, pa += 8 * kKa, pb += 8 * kLdB) {
     const float av[4] = {pa[0], pa[8 * kRa], pa[4 * kKa], pa[8 * kRa + 4 * kKa]};
     float bv[kTiles][2];
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
-      bv[q][0] = q < tiles ? pb[q * kNStep * kRb] : 0.f;
-      bv[q][1] = q < tiles ? pb[q * kNStep * kRb + 4 * kKb] : 0.f;
+      bv[q][0] = pb[nb[q]];
+      bv[q][1] = pb[nb[q] + 4 * kLdB];
     }
     Mma3xTf32(av, bv, big, small);
   }
@@ -673,22 +740,26 @@ __device__ __forceinline__ float Component(const float4& v, int i) {
 }
 
 // The Gram strip big[q] + small[q] = Σ_{k < depth} A[m0 + row][k]·B[n0 + 8q + col][k] of two [row][depth] arrays
-// (depth a multiple of 16, row strides ≡ 16 (mod 32) floats): a lane loads 4 consecutive depths of a row with one
-// conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and B share it.
+// staged by StageSwizzled (depth a multiple of 16, m0 and n0 multiples of 8): a lane loads 4 consecutive depths of a
+// row with one conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and
+// B share it.
 template <int kTiles, int kLdA, int kLdB>
 __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
                                           float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   Zero(big);
   Zero(small);
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
-  const float* pa = A + (m0 + g) * kLdA + 4 * t;
-  const float* pb = B + (n0 + g) * kLdB + 4 * t;
+  // Every row this lane reads is ≡ g (mod 8): Swizzled(row, k + 4t) = k ^ Swizzled(g, 4t) for k a multiple of 16.
+  const int swizzle = Swizzled(g, 4 * t);
+  const float* pa = A + (m0 + g) * kLdA;
+  const float* pb = B + (n0 + g) * kLdB;
   for (int k = 0; k < depth; k += 16) {
-    const float4 lo = *reinterpret_cast<const float4*>(pa + k);
-    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + k);
+    const int ks = k ^ swizzle;
+    const float4 lo = *reinterpret_cast<const float4*>(pa + ks);
+    const float4 hi = *reinterpret_cast<const float4*>(pa + 8 * kLdA + ks);
     float4 bq[kTiles];
 #pragma unroll
-    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + k);
+    for (int q = 0; q < kTiles; ++q) bq[q] = *reinterpret_cast<const float4*>(pb + 8 * q * kLdB + ks);
     // The first k-step takes depths 0 and 1 of each load (x, y), the second depths 2 and 3 (z, w).
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
@@ -713,18 +784,20 @@ __device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ?
 __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (i + 1) / 2; }
 
 // Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
-// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays have row strides ≡ 16 (mod 32) floats for
-// GramStrip's 16-byte loads, the [time][time] arrays ≡ 4 (mod 32) for MmaStrip's 4-byte ones.
+// to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays are swizzled (Swizzled) rows of 64 and kNc
+// floats for GramStrip's 16-byte loads, the [time][time] arrays have row strides ≡ 4 (mod 32) for MmaStrip's 4-byte
+// loads along rows, M2 (read only down its columns) ≡ 8. Small enough for 3 backward and 4 forward blocks per
+// multiprocessor at kNc = 32 (72,192 and 50,944 bytes), which hide each other's staging and barriers.
 template <int kNc>
 struct MmaLayout {
-  static constexpr int kSp = kTile + 16, kSn = kNc + 16, kSq = kTile + 4;
+  static constexpr int kSp = kTile, kSn = kNc, kSq = kTile + 4, kSq2 = kTile + 8;
   int pc, nc;
   __host__ __device__ explicit MmaLayout(const SsmInput& in)
       : pc((in.headdim + 15) / 16 * 16), nc((in.d_state + 15) / 16 * 16) {}
-  // The backward: cs (float pairs), dy, x then G, B, C, M1, M2, and per-step vectors: dt, softplus', w, d D, 4
+  // The backward: cs (float pairs), dy, x then G then M1, B, C, M2, and per-step vectors: dt, softplus', w, d D, 4
   // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
-  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSp, kC = kB + kTile * kSn;
-  static constexpr int kM1 = kC + kTile * kSn, kM2 = kM1 + kTile * kSq, kVec = kM2 + kTile * kSq;
+  static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSq, kC = kB + kTile * kSn;
+  static constexpr int kM2 = kC + kTile * kSn, kVec = kM2 + kTile * kSq2;
   static constexpr int kBackwardFloats = kVec + 12 * kTile;
   // The forward: cs, x, B, C, M, dt.
   static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
@@ -764,10 +837,10 @@ __device__ __forceinline__ void StoreStrip(float* out, size_t ld, int tiles, int
   }
 }
 
-// How both tensor-core kernels end: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
+// How the tensor-core forward ends: out[t][p] = value(t, p, Σ_k M[t][k]·V[k][p]) of a lower-triangular [time][time]
 // M and a [time][p] V, row stride ld. Warp w takes row blocks w / 4 and 3 − w / 4 (depths of 1 and 4, or 2 and 3
 // blocks, whichever side of the diagonal M's depth lies) on column groups 2q and 2q + 1, q = w mod 4;
-// product(i, q, tiles, big, small) adds row block i's sums into zeroed fragments.
+// product(i, q, big, small) adds row block i's sums into zeroed fragments.
 template <class Product, class Value>
 __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out, int ld, Product product,
                                                Value value) {
@@ -779,21 +852,22 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
     float big[2][4], small[2][4];
     Zero(big);
     Zero(small);
-    product(i, q, tiles, big, small);
+    product(i, q, big, small);
     StoreStrip(out, ld, tiles, 16 * i, T, 16 * q, 8, P, pairs, big, small, value);
   }
 }
 
 template <int kNc>
-__global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
-  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
+  constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, sq2 = Layout::kSq2;
+  constexpr int kWarps = kTileThreads / kWarpSize;
   const Layout lay(in);
   float2* cs = reinterpret_cast<float2*>(shared_tile);
   float* const base = reinterpret_cast<float*>(shared_tile);
-  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx;
-  float *const sb = base + Layout::kB, *const sc = base + Layout::kC, *const sm1 = base + Layout::kM1;
+  float *const sdy = base + Layout::kDy, *const sx = base + Layout::kXg, *const sg = sx, *const sm1 = sx;
+  float *const sb = base + Layout::kB, *const sc = base + Layout::kC;
   float *const sm2 = base + Layout::kM2, *const vdt = base + Layout::kVec, *const vdtg = vdt + kTile;
   float *const vw = vdtg + kTile, *const vdiag = vw + kTile, *const vwpart = vdiag + kTile;
   float* const vdirect = vwpart + 4 * kTile;
@@ -801,19 +875,20 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
   const int T = in.window, P = in.headdim, N = in.d_state, H = in.heads, E = H * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
-  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
-  StageRows(dy + row0 * E + h * P, E, T, P, lay.pc, sdy, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
+  const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
 
-  // CB of the strips of the lower triangle, turned into M2 = L·CB at once, on warps 2..7 (two strips each on 2..5,
-  // one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp forms about the
-  // same number of tiles.
+  // CB of the strips of the lower triangle (L·CB comes below, with the decays XD needs too), on warps 2..7 (two strips
+  // each on 2..5, one on 6 and 7); XD of strip s on warp s mod 8. For `small` (XD twice as deep as CB) every warp
+  // forms about the same number of tiles.
   if (warp >= 2) {
     const int first = warp < 6 ? 2 * (warp - 2) : warp + 2, last = warp < 6 ? first + 2 : first + 1;
     for (int strip = first; strip < last; ++strip) {
@@ -825,7 +900,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-          sm2[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * (big[q][e] + small[q][e]) : 0.f;
+          sm2[k * sq2 + j] = big[q][e] + small[q][e];
         }
       }
     }
@@ -845,26 +920,30 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
       for (int e = 0; e < 4; ++e) xd[s][q][e] = big[q][e] + small[q][e];
     }
   }
-  __syncthreads();  // x is consumed (G takes its place) and M2 is complete
+  __syncthreads();  // x is consumed (G takes its place) and CB is complete
 
-  // M1 and G = dt_j·XD·M2 on the strips (G right of them is stale: it reaches only R[k,t] for t > k, never read), and
-  // each strip's column sums of M2·XD into its row block's partial of Σ_p dxb·x.
+  // On the strips, with each decay L formed once for M2 and M1: M2 = L·CB in CB's place, G = dt_j·XD·M2 (G right of
+  // the strips is stale: it reaches only R[k,t] for t > k, never read), each strip's column sums of M2·XD into its row
+  // block's partial of Σ_p dxb·x, and M1 = L·dt_j·XD, which waits in XD's registers for G's space.
 #pragma unroll
   for (int s = 0; s < kPerWarp; ++s) {
     const int strip = warp + s * kWarps;
     if (strip >= kLowerStrips) break;
     const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+    const FragmentDecays<2> decay(cs, 16 * i, 16 * cp);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       float direct[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
-        const float x = xd[s][q][e], m2 = sm2[k * sq + j], xdt = vdt[j] * x;
-        sm1[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * xdt : 0.f;
+        const float L = decay(q, e, a2), lcb = L * sm2[k * sq2 + j], m2 = k >= j ? lcb : 0.f;
+        const float x = xd[s][q][e], xdt = vdt[j] * x, m1 = L * xdt;
+        sm2[k * sq2 + j] = m2;
         sg[k * sq + j] = k > j ? xdt * m2 : 0.f;
         if (k == j) vdiag[k] = x;
         direct[e % 2] = fmaf(m2, x, direct[e % 2]);  // M2 is zero above the diagonal
+        xd[s][q][e] = k >= j ? m1 : 0.f;
       }
 #pragma unroll
       for (int offset = 4; offset < kWarpSize; offset *= 2) {
@@ -879,7 +958,23 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     }
   }
   __syncthreads();
-  SumsOfG(sg, sq, vwpart, vw);
+  SumsOfG(sg, sq, vwpart, vw);  // its last reads of G are behind a barrier
+
+  // M1 on the strips, in G's place.
+#pragma unroll
+  for (int s = 0; s < kPerWarp; ++s) {
+    const int strip = warp + s * kWarps;
+    if (strip >= kLowerStrips) break;
+    const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = 16 * cp + 8 * q + 2 * t4 + e % 2;
+        sm1[k * sq + j] = xd[s][q][e];
+      }
+    }
+  }
 
   // Per step: d dt_raw and the A_log / D terms (vw[t] was written by this thread).
   if (tid < T) {
@@ -893,43 +988,51 @@ __global__ void __launch_bounds__(kTileThreads, 2) SsmMmaBackwardKernel(SsmInput
     grad.param_partials[row * 2 * H + H + h] = vdiag[t];
   }
 
-  // d C and d B of row block i = warp / 2, on the column groups ≡ warp (mod 2): the depth of d C (j ≤ k) grows with
-  // i as that of d B (k ≥ j) shrinks, so every warp forms the same number of tiles.
-  {
-    constexpr int kTiles = kNc / 16;
-    const int i = warp / 2, parity = warp % 2, tiles = (lay.nc / 8 - parity + 1) / 2;
-    const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
-    float big[kTiles][4], small[kTiles][4];
-    auto store = [&](int offset) {  // offset 0: d B, N: d C
-      StoreStrip(grad.dbc + (row0 * H + h) * 2 * N + offset, static_cast<size_t>(H) * 2 * N, tiles, 16 * i, T,
-                 8 * parity, 16, N, dbc_pairs, big, small, [](int, int, float v) { return v; });
-    };
-    Zero(big);
-    Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<sq, 1>{sm1}, 16 * i, MmaOperand<1, sn>{sb}, 8 * parity, tiles, 0, 16 * (i + 1),
-                         big, small);
-    store(N);
-    Zero(big);
-    Zero(small);
-    MmaStrip<kTiles, 16>(MmaOperand<1, sq>{sm1}, 16 * i, MmaOperand<1, sn>{sc}, 8 * parity, tiles, 16 * i, kTile,
-                         big, small);
-    store(0);
-  }
+  __syncthreads();  // M1 is complete
 
-  // dxb (over k ≥ j), then d xs = D·dy + dt·dxb.
-  RowBlockPasses(
-      lay.pc, T, P, grad.dxs + row0 * E + h * P, E,
-      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<1, sq>{sm2}, 16 * i, MmaOperand<1, sp>{sdy}, 16 * q, tiles, 16 * i, kTile, big,
-                       small);
-      },
-      [&](int j, int p, float dxb) { return sdy[j * sp + p] * Dh + dxb * vdt[j]; });
+  // The products on units of 16 rows × 32 columns, four 16×8 tiles that share each k-step's A fragment and its split:
+  // d C and d B of row block i (depths 16(i + 1) and 64 − 16i, 10 k-steps together), then dxb (over k ≥ j) of row
+  // blocks i and 3 − i (again 10 k-steps) and d xs = D·dy + dt·dxb. Warp w takes units w, w + 8, ...: at d_state ≤ 32
+  // and headdim ≤ 64 four of each, one per warp.
+  const int dbc_units = kTimeBlocks * ((lay.nc + 31) / 32), units = dbc_units + 2 * ((lay.pc + 31) / 32);
+  const bool dbc_pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(grad.dbc) % 8 == 0;
+  float* const dxs = grad.dxs + row0 * E + h * P;
+  const bool dxs_pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(dxs) % 8 == 0;
+  for (int unit = warp; unit < units; unit += kWarps) {
+    float big[4][4], small[4][4];
+    if (unit < dbc_units) {
+      const int i = unit % kTimeBlocks, col0 = 32 * (unit / kTimeBlocks), tiles = min(4, (lay.nc - col0) / 8);
+      auto store = [&](int offset) {  // offset 0: d B, N: d C
+        StoreStrip(grad.dbc + (row0 * H + h) * 2 * N + offset, static_cast<size_t>(H) * 2 * N, tiles, 16 * i, T, col0,
+                   8, N, dbc_pairs, big, small, [](int, int, float v) { return v; });
+      };
+      Zero(big);
+      Zero(small);
+      MmaStrip<4, 8, sn>(MmaOperand<sq, 1>{sm1}, 16 * i, sb, col0, 0, 16 * (i + 1), big, small);
+      store(N);
+      Zero(big);
+      Zero(small);
+      MmaStrip<4, 8, sn>(MmaOperand<1, sq>{sm1}, 16 * i, sc, col0, 16 * i, kTile, big, small);
+      store(0);
+    } else {
+      const int pair = (unit - dbc_units) % 2, col0 = 32 * ((unit - dbc_units) / 2);
+      const int tiles = min(4, (lay.pc - col0) / 8);
+      for (int pass = 0; pass < 2; ++pass) {
+        const int i = pass == 0 ? pair : kTimeBlocks - 1 - pair;
+        Zero(big);
+        Zero(small);
+        MmaStrip<4, 8, sp>(MmaOperand<1, sq2>{sm2}, 16 * i, sdy, col0, 16 * i, kTile, big, small);
+        StoreStrip(dxs, E, tiles, 16 * i, T, col0, 8, P, dxs_pairs, big, small,
+                   [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
+      }
+    }
+  }
 }
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
 // y = M·x + D·x.
 template <int kNc>
-__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput in, float* y) {
+__global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
   constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
@@ -941,35 +1044,48 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaForwardKernel(SsmInput 
   const int T = in.window, P = in.headdim, N = in.d_state, E = in.heads * P;
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
-  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
   const size_t row0 = static_cast<size_t>(b) * T;
 
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
+  StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
-  StageRows(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, lay.pc, sx, sp);
-  StageRows(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, lay.nc, sb, sn);
-  StageRows(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, lay.nc, sc, sn);
   StagingDone();
+  const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
 
-  // On 16×8 tiles (two per strip), spread more evenly over the warps than the strips.
-  for (int tile = warp; tile < 2 * kLowerStrips; tile += kWarps) {
-    const int strip = tile / 2, i = StripRowBlock(strip), c = 2 * StripColumnBlock(strip, i) + tile % 2;
-    float big[1][4], small[1][4];
-    GramStrip<1, sn, sn>(sc, 16 * i, sb, 8 * c, lay.nc, big, small);
+  // M on kTiles 16×8 tiles of row block i from column c0.
+  auto form = [&]<int kTiles>(int i, int c0) {
+    float big[kTiles][4], small[kTiles][4];
+    GramStrip<kTiles, sn, sn>(sc, 16 * i, sb, c0, lay.nc, big, small);
+    const FragmentDecays<kTiles> decay(cs, 16 * i, c0);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int k = 16 * i + g + 8 * (e / 2), j = 8 * c + 2 * t4 + e % 2;
-      sm[k * sq + j] = k >= j ? DecayBetween(cs, k, j, a2) * vdt[j] * (big[0][e] + small[0][e]) : 0.f;
+    for (int q = 0; q < kTiles; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = 16 * i + g + 8 * (e / 2), j = c0 + 8 * q + 2 * t4 + e % 2;
+        const float m = decay(q, e, a2) * vdt[j] * (big[q][e] + small[q][e]);
+        sm[k * sq + j] = k >= j ? m : 0.f;
+      }
     }
+  };
+  // A strip per warp (its A fragments split once for both tiles), then the last two strips' four tiles on warps
+  // 0..3: no warp forms more than a strip and a tile.
+  static_assert(kLowerStrips > kWarps && kLowerStrips <= 2 * kWarps);
+  form.template operator()<2>(StripRowBlock(warp), 16 * StripColumnBlock(warp, StripRowBlock(warp)));
+  if (warp < 2 * (kLowerStrips - kWarps)) {
+    const int strip = kWarps + warp / 2, i = StripRowBlock(strip);
+    form.template operator()<1>(i, 16 * StripColumnBlock(strip, i) + 8 * (warp % 2));
   }
   __syncthreads();
 
   // y = M·x (over j ≤ k) + D·x.
   RowBlockPasses(
       lay.pc, T, P, y + row0 * E + h * P, E,
-      [&](int i, int q, int tiles, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8>(MmaOperand<sq, 1>{sm}, 16 * i, MmaOperand<1, sp>{sx}, 16 * q, tiles, 0, 16 * (i + 1), big, small);
+      [&](int i, int q, float (&big)[2][4], float (&small)[2][4]) {
+        MmaStrip<2, 8, sp>(MmaOperand<sq, 1>{sm}, 16 * i, sx, 16 * q, 0, 16 * (i + 1), big, small);
       },
-      [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + p], mx); });
+      [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
 }
 
 // For the chunked backward: the state at the end of every chunk but the last, S_c = Λ·S_{c−1} +
