@@ -390,24 +390,24 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
   return conv;
 }
 
-// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + (Δt·x)·B n for n = lane,
-// lane + 8, …, stored to `out` when given (state null: a zero state; out may be state), and the lane's part of
-// Σ C n·state n. The roundings are spelled out, so that every caller gets the same bits. kN: N when known at compile
-// time (a multiple of 8: the loop unrolls whole), else 0. kInPlace: state is given and out is state.
-template <int kN = 0, bool kInPlace = false>
+// An element of an SSM row: its new state decay·state + (Δt·x)·B, and the readout's running sum with C·state added.
+// The roundings are spelled out, so that every caller gets the same bits.
+__device__ __forceinline__ float SsmState(float decay, float state, float dt_x, float b) {
+  return __fmaf_rn(decay, state, __fmul_rn(dt_x, b));
+}
+__device__ __forceinline__ float SsmReadout(float sum, float c, float state) { return __fmaf_rn(c, state, sum); }
+
+// One lane's share of an SSM row (d_state N, eight lanes): the new states of n = lane, lane + 8, …, stored to `out`
+// when given (state null: a zero state; out may be state), and the lane's part of the readout Σ C n·state n.
+// kInPlace: state is given and out is state.
+template <bool kInPlace = false>
 __device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt_x,
                                              int N, int lane) {
   float sum = 0.f;
-  auto step = [&](int n) {
-    const float s_new = __fmaf_rn(decay, kInPlace || state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
+  for (int n = lane; n < N; n += kLanesPerRow) {
+    const float s_new = SsmState(decay, kInPlace || state ? state[n] : 0.f, dt_x, bc[n]);
     if (kInPlace || out) out[n] = s_new;
-    sum = __fmaf_rn(bc[N + n], s_new, sum);
-  };
-  if constexpr (kN > 0 && kN % kLanesPerRow == 0) {
-#pragma unroll
-    for (int i = 0; i < kN / kLanesPerRow; ++i) step(lane + i * kLanesPerRow);
-  } else {
-    for (int n = lane; n < N; n += kLanesPerRow) step(n);
+    sum = SsmReadout(sum, bc[N + n], s_new);
   }
   return sum;
 }
@@ -1312,6 +1312,53 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   SharedPhase<kBlocks>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
+// The wide SSM kernel's in-place update of a row (event k's at row + k·tile_state, its B and C at bc + k·per_event)
+// for each of the tile's events: lane's part of event k's readout in parts[k]. With kN known (a multiple of 8) the
+// events go in batches whose loads all come before their math and stores, so that a warp has a batch's shared-memory
+// loads in flight at once rather than one event's chain at a time (a store may alias a later load, as the compiler
+// sees it, so it keeps them in order).
+template <int kN>
+__device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float* row, int tile_state, const float* bc,
+                                              int per_event, const float (&decay)[kSsmEvents],
+                                              const float (&dt_x)[kSsmEvents], int N, int lane) {
+  if constexpr (kN > 0) {
+    static_assert(kN % kLanesPerRow == 0, "a lane takes elements lane, lane + 8, …");
+    constexpr int kPer = kN / kLanesPerRow, kBatch = kPer <= 4 ? 4 : 2;
+    static_assert(kSsmEvents % kBatch == 0, "whole batches");
+#pragma unroll
+    for (int k0 = 0; k0 < kSsmEvents; k0 += kBatch) {
+      float s[kBatch][kPer], b[kBatch][kPer], c[kBatch][kPer];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int n = lane + i * kLanesPerRow;
+          s[j][i] = row[(k0 + j) * tile_state + n];
+          b[j][i] = bc[(k0 + j) * per_event + n];
+          c[j][i] = bc[(k0 + j) * per_event + kN + n];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const float s_new = SsmState(decay[k0 + j], s[j][i], dt_x[k0 + j], b[j][i]);
+          row[(k0 + j) * tile_state + lane + i * kLanesPerRow] = s_new;
+          sum = SsmReadout(sum, c[j][i], s_new);
+        }
+        parts[k0 + j] = sum;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSsmEvents; ++k) {
+      float* state = row + k * tile_state;
+      parts[k] = SsmRowShare<true>(state, state, bc + k * per_event, decay[k], dt_x[k], N, lane);
+    }
+  }
+}
+
 // Layer l's z and x for SSM rows [u0, u0 + 32) of a tile, x's causal conv, the SSM update and readout and the gate,
 // as the cluster kernel's z/x stage computes them. A block takes one row block (its rows stay in cache) and works
 // through that row block's tiles gridDim.x / row blocks apart, an item (a tile's 32 rows) at a time: with two
@@ -1436,14 +1483,15 @@ __global__ void __launch_bounds__(kStreamThreads, 2) WideSsmKernel(const __grid_
       decay = expf(dt * A);
     }
     const float dt_x = dt * xc;
-    float* row = states(b) + (active ? u - u0 : 0) * Nr;
-    float parts[kSsmEvents];
+    float dt_x_k[kSsmEvents], decay_k[kSsmEvents], parts[kSsmEvents];
 #pragma unroll
     for (int k = 0; k < kSsmEvents; ++k) {
-      const float dt_x_k = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
-      const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
-      float* state = row + k * tile_state;
-      parts[k] = active ? SsmRowShare<kN, true>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
+      dt_x_k[k] = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
+      decay_k[k] = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
+      parts[k] = 0.f;
+    }
+    if (active) {
+      WideSsmUpdate<kN>(parts, states(b) + (u - u0) * Nr, tile_state, bc_tile, pe_b, decay_k, dt_x_k, N, lane);
     }
     const float y = LaneRowSum(parts, lane);
     if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
