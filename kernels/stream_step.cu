@@ -364,12 +364,6 @@ __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most kPending of the thread's committed groups of copies are still in flight.
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
 __device__ __forceinline__ float RowSum(float v) {
@@ -1360,30 +1354,32 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 }
 
 // Layer l's z and x for SSM rows [u0, u0 + 32) of a tile, x's causal conv, the SSM update and readout and the gate,
-// as the cluster kernel's z/x stage computes them. A block takes one row block (its rows stay in cache) and works
-// through that row block's tiles gridDim.x / row blocks apart, an item (a tile's 32 rows) at a time: with two
-// buffers in shared memory (`buffers`, where they fit) the next item's states, carried conv inputs and tiles are
-// copied in while the current one is updated, so that a block's state traffic does not stop while it computes.
-// The first item's states and conv inputs are copied before the kernel waits for the one ahead (but layer 0's,
-// whose kernel ahead writes the tick's slots). The update runs in place in shared memory, whose rows lie
-// SsmRowStride apart so that the four rows a warp updates at once fall in different banks; then the new states go
-// out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile time (the update unrolls whole;
-// the states move in 16-byte pieces, which the launch checks they are aligned for), else 0 (4-byte pieces).
+// as the cluster kernel's z/x stage computes them; a block an item, the items of a tile's row blocks consecutive (so
+// that blocks running together share the tile's inputs and read neighbouring runs of each instrument's states). The
+// rows' states and carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but
+// layer 0's, whose kernel ahead writes the tick's slots), its rows prefetched into L1. The update runs in place in
+// shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
+// banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
+// time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
+// else 0 (4-byte pieces).
 template <int kN>
-__global__ void __launch_bounds__(kStreamThreads, 2) WideSsmKernel(const __grid_constant__ WideArgs a, int l,
-                                                                    int buffers) {
+__global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
-  __shared__ int slot_s[2][kSsmEvents];
+  __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
   const int N = kN > 0 ? kN : p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
-  const int tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
-  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
-  const int row_blocks = CeilDiv(E, kRowGroups), items = CeilDiv(a.n, kSsmEvents) * row_blocks;
-  const int u0 = static_cast<int>(blockIdx.x) % row_blocks * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
+  const int row_blocks = CeilDiv(E, kRowGroups), item = blockIdx.x;
+  const int first = item / row_blocks * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow;
+  const int lane = tid % kLanesPerRow, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
+  const int u0 = item % row_blocks * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
   const int Nr = SsmRowStride(N), tile_state = kRowGroups * Nr, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
   const PackStage& s = p.stage[2 + 3 * l];
+  float* states = smem + o.ssm_states;
+  float* conv = smem + o.ssm_conv;
+  float* h = smem + o.ssm_h;
+  float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
   PrefetchL1(rows, (u1 - u0) * s.stride);
   const int ssm_per_slot = p.L * E * N;
@@ -1394,10 +1390,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2) WideSsmKernel(const __grid_
   const int sub = pieces >= kWarpSize ? 0 : warp_lane / pieces, first_piece = (warp_lane - sub * pieces) * kWidth;
   const int rows_per_pass = kStreamWarps * rows_per_step, first_row = warp * rows_per_step + sub;
   const size_t layer_rows = (static_cast<size_t>(l) * E + u0) * N;
-  auto states = [&](int b) { return smem + b * o.ssm + o.ssm_states; };
   // fn(the piece in shared memory, the piece in global memory, whether the event has a slot) for each of the
-  // thread's pieces of buffer b, the same ones of every event.
-  auto each_piece = [&](int b, auto&& fn) {
+  // thread's pieces, the same ones of every event.
+  auto each_piece = [&](auto&& fn) {
 #pragma unroll 1
     for (int r = first_row; sub < rows_per_step && r < u1 - u0; r += rows_per_pass) {
 #pragma unroll 1
@@ -1405,19 +1400,16 @@ __global__ void __launch_bounds__(kStreamThreads, 2) WideSsmKernel(const __grid_
         float* const piece = a.st.ssm + layer_rows + r * N + c;
 #pragma unroll
         for (int k = 0; k < kSsmEvents; ++k) {
-          const int slot = slot_s[b][k];
-          fn(states(b) + k * tile_state + r * Nr + c, piece + static_cast<ptrdiff_t>(max(slot, 0)) * ssm_per_slot,
-             slot >= 0);
+          const int slot = slot_s[k];
+          fn(states + k * tile_state + r * Nr + c, piece + static_cast<ptrdiff_t>(max(slot, 0)) * ssm_per_slot, slot >= 0);
         }
       }
     }
   };
-  // Starts copying item `item`'s states and carried conv inputs into buffer b (once every thread is done with it).
-  auto copy_states = [&](int item, int b) {
+  auto copy_states = [&] {
+    if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
     __syncthreads();
-    if (tid < kSsmEvents) slot_s[b][tid] = WideSlot(a, item / row_blocks * kSsmEvents + tid);
-    __syncthreads();
-    each_piece(b, [](float* to, const float* from, bool present) {
+    each_piece([](float* to, const float* from, bool present) {
       if constexpr (kWidth == 4) {
         if (present) {
           CopyAsync16(to, from);
@@ -1430,92 +1422,62 @@ __global__ void __launch_bounds__(kStreamThreads, 2) WideSsmKernel(const __grid_
         *to = 0.f;
       }
     });
-    LoadConvAsync(smem + b * o.ssm + o.ssm_conv, p, a.st, slot_s[b], kSsmEvents, l, u0, u1 - u0, kRowGroups);
+    LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
   };
-  // ... and its h and B/C/Δt tiles, closing the item's group of copies.
-  auto copy_tiles = [&](int item, int b) {
-    const int first = item / row_blocks * kSsmEvents;
-    LoadTileAsync(smem + b * o.ssm + o.ssm_h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
-    LoadTileAsync(smem + b * o.ssm + o.ssm_bc, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
-    CopyAsyncCommit();
-  };
-  const int stride = gridDim.x;
-  int item = blockIdx.x;
-  if (l > 0) copy_states(item, 0);
+  if (l > 0) copy_states();
   WaitForPriorKernels();
   LetNextKernelLaunch();
-  if (l == 0) copy_states(item, 0);
-  copy_tiles(item, 0);
+  if (l == 0) copy_states();
+  LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
+  LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
+  CopyAsyncWaitAll();
+  __syncthreads();
+  NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
+  float zx[1][2];
+  TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
   const float A = -expf(shared[p.a_log[l] + head]), Dh = shared[p.skip_d[l] + head];
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-#pragma unroll 1
-  for (int b = 0; item < items; item += stride) {
-    const int next = item + stride, next_b = buffers == 2 ? b ^ 1 : b;
-    const bool ahead = buffers == 2 && next < items;
-    if (ahead) {
-      copy_states(next, next_b);
-      copy_tiles(next, next_b);
-      CopyAsyncWait<1>();
-    } else {
-      CopyAsyncWait<0>();
-    }
-    __syncthreads();
-    const int first = item / row_blocks * kSsmEvents;
-    float* const conv = smem + b * o.ssm + o.ssm_conv;
-    float* const h = smem + b * o.ssm + o.ssm_h;
-    const float* const bc_tile = smem + b * o.ssm + o.ssm_bc;
-    NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
-    float zx[1][2];
-    TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
-    // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
-    // state dimension), then its gate and conv state.
-    const int e = lane, slot = slot_s[b][e];
-    const float z = zx[0][0], x = zx[0][1];
-    const float* old = conv + e * W1 * kRowGroups + (u - u0);
-    float xc = 0.f, dt = 0.f, decay = 0.f;
-    if (active) {
-      xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
-      dt = bc_tile[e * pe_b + 2 * N + head];
-      decay = expf(dt * A);
-    }
-    const float dt_x = dt * xc;
-    float dt_x_k[kSsmEvents], decay_k[kSsmEvents], parts[kSsmEvents];
-#pragma unroll
-    for (int k = 0; k < kSsmEvents; ++k) {
-      dt_x_k[k] = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
-      decay_k[k] = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
-      parts[k] = 0.f;
-    }
-    if (active) {
-      WideSsmUpdate<kN>(parts, states(b) + (u - u0) * Nr, tile_state, bc_tile, pe_b, decay_k, dt_x_k, N, lane);
-    }
-    const float y = LaneRowSum(parts, lane);
-    if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
-    if (active && slot >= 0 && W1 > 0) {
-      float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
-#pragma unroll 1
-      for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
-      state[(W1 - 1) * cd] = x;
-    }
-    __syncthreads();
-    each_piece(b, [](const float* from, float* to, bool present) {
-      if (!present) return;
-      if constexpr (kWidth == 4) {
-        *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
-      } else {
-        *to = *from;
-      }
-    });
-    if (!ahead && next < items) {
-      copy_states(next, next_b);
-      copy_tiles(next, next_b);
-    }
-    b = next_b;
+  // Lane e finishes event e: its conv, Δt and decay, which the row's lanes share for the update (split over the
+  // state dimension), then its gate and conv state.
+  const int e = lane, slot = slot_s[e];
+  const float z = zx[0][0], x = zx[0][1];
+  const float* old = conv + e * W1 * kRowGroups + (u - u0);
+  float xc = 0.f, dt = 0.f, decay = 0.f;
+  if (active) {
+    xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
+    dt = bc_tile[e * pe_b + 2 * N + head];
+    decay = expf(dt * A);
   }
+  const float dt_x = dt * xc;
+  float dt_x_k[kSsmEvents], decay_k[kSsmEvents], parts[kSsmEvents];
+#pragma unroll
+  for (int k = 0; k < kSsmEvents; ++k) {
+    dt_x_k[k] = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
+    decay_k[k] = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
+    parts[k] = 0.f;
+  }
+  if (active) WideSsmUpdate<kN>(parts, states + (u - u0) * Nr, tile_state, bc_tile, pe_b, decay_k, dt_x_k, N, lane);
+  const float y = LaneRowSum(parts, lane);
+  if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
+  if (active && slot >= 0 && W1 > 0) {
+    float* state = a.st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + u;
+#pragma unroll 1
+    for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old[(k + 1) * kRowGroups];
+    state[(W1 - 1) * cd] = x;
+  }
+  __syncthreads();
+  each_piece([](const float* from, float* to, bool present) {
+    if (!present) return;
+    if constexpr (kWidth == 4) {
+      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
+    } else {
+      *to = *from;
+    }
+  });
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
@@ -1673,11 +1635,6 @@ bool WideFits(const StreamPlan& p, size_t max_shared_bytes) {
   return sizeof(float) * std::max({o.embed, o.ssm, o.out}) + kWideStaticBytes <= max_shared_bytes;
 }
 
-// Whether the SSM kernel's shared memory holds `buffers` items.
-bool WideSsmFits(const StreamPlan& p, int buffers, size_t max_shared_bytes) {
-  return sizeof(float) * buffers * MakeWideLayout(p).ssm + kWideStaticBytes <= max_shared_bytes;
-}
-
 // Raises a wide kernel's dynamic shared-memory limit to what its static shared memory leaves of the block's.
 template <typename... Params>
 cudaError_t PrepareWide(void (*kernel)(Params...), size_t max_shared_bytes) {
@@ -1780,25 +1737,16 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
   const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
-  void (*ssm_kernel)(WideArgs, int, int) = !states_aligned ? WideSsmKernel<0>
-                                           : p.N == 32     ? WideSsmKernel<32>
-                                           : p.N == 64     ? WideSsmKernel<64>
-                                                           : WideSsmKernel<0>;
-  // The SSM kernel: two buffers where they fit; as many blocks as the device holds at once, a multiple of the row
-  // blocks (each block keeps one), at most one an item.
-  const int buffers = WideSsmFits(p, 2, max_shared_bytes) ? 2 : 1;
-  int ssm_per_sm = 0;
-  cudaError_t error =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ssm_per_sm, ssm_kernel, kStreamThreads, bytes(buffers * o.ssm));
-  if (error != cudaSuccess) return error;
-  const int row_blocks = CeilDiv(p.E, kRowGroups), ssm_items = CeilDiv(tick.n, kSsmEvents) * row_blocks;
-  const int ssm_blocks = std::max(row_blocks, std::min(ssm_items, sm_count * ssm_per_sm) / row_blocks * row_blocks);
+  void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0>
+                                      : p.N == 32     ? WideSsmKernel<32>
+                                      : p.N == 64     ? WideSsmKernel<64>
+                                                      : WideSsmKernel<0>;
+  const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
-  error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
-                           bytes(o.embed), stream, false, a, tick);
+  cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
+                                       bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(buffers * o.ssm), stream, true, a,
-                             l, buffers);
+    error = LaunchWideKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
                              stream, true, a, l);
