@@ -1361,9 +1361,9 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
 // banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
-// else 0 (4-byte pieces).
+// else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows.
 template <int kN>
-__global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
+__global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
