@@ -981,12 +981,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // 0's B, C and Δt; per layer, one for z and x with the conv, the SSM update and the gate (the state traffic, split
 // by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the
 // head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as asynchronous
-// copies into shared memory; the embedding kernel's rows as L1 prefetches) and waits once, so that no global round
-// trip sits inside its chain; the stores go out from the epilogues, whose scalar work the eight lanes of a row share
-// (one event each). The SSM and out_proj/head kernels read their rows from L2 without prefetches: on the H200 (ncu,
-// `small`, 1,024 instruments) L1 hit only 10-12% of their loads either way, and the prefetches added L2 traffic (SSM
-// kernel 201 against 154 MB, out_proj + head 137 against 27 MB) for no time (SSM 34.6 / 33.8 µs a layer with them,
-// 33.9 / 33.4 without; out_proj + head 30.9 against 30.2).
+// copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip sits inside its
+// chain; the stores go out from the epilogues, whose scalar work the eight lanes of a row share (one event each).
 
 constexpr int kWideEvents = kMaxEvents;
 // Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
@@ -1089,7 +1085,7 @@ __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots
   }
 }
 
-// Starts an L1 prefetch of n floats (the embedding kernel's rows).
+// Starts an L1 prefetch of n floats (a stage's rows, read from L2 one stage later).
 __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
   for (int i = 32 * threadIdx.x; i < n; i += 32 * blockDim.x) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
@@ -1361,11 +1357,11 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // as the cluster kernel's z/x stage computes them; a block an item, the items of a tile's row blocks consecutive (so
 // that blocks running together share the tile's inputs and read neighbouring runs of each instrument's states). The
 // rows' states and carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but
-// layer 0's, whose kernel ahead writes the tick's slots). The update runs in place in shared memory, whose rows lie
-// SsmRowStride apart so that the four rows a warp updates at once fall in different banks; then the new states go
-// out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile time (the update unrolls whole;
-// the states move in 16-byte pieces, which the launch checks they are aligned for), else 0 (4-byte pieces). Four
-// blocks an SM (64 registers), as many as `small`'s shared memory allows.
+// layer 0's, whose kernel ahead writes the tick's slots), its rows prefetched into L1. The update runs in place in
+// shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
+// banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
+// time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
+// else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows.
 template <int kN>
 __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
@@ -1385,6 +1381,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
   float* h = smem + o.ssm_h;
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
+  PrefetchL1(rows, (u1 - u0) * s.stride);
   const int ssm_per_slot = p.L * E * N;
   // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
   // consecutive rows of an event at a time (one contiguous run in global memory).
@@ -1484,7 +1481,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
-// head's activations `ev`, then the outputs of its logged events. In a per-tile kernel of kBlocks blocks an SM.
+// head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
+// stage before. In a per-tile kernel of kBlocks blocks an SM.
 template <int kBlocks>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   const StreamPlan& p = a.p;
@@ -1492,8 +1490,10 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const int tid = threadIdx.x, pe = o.head_per_event;
   const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
   auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
+  auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
+  prefetch(cfc_stage + 1);
   TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[cfc_stage], stage_rows(cfc_stage),
                                                                ev + o.head_a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
@@ -1501,6 +1501,7 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
+  prefetch(cfc_stage + 2);
   TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
               [&](int u, const float(&acc)[4], const float* prm, int e, bool active) {
                 const float ff1 = acc[0], ff2 = acc[1],
@@ -1511,6 +1512,7 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
               });
   __syncthreads();
+  prefetch(cfc_stage + 3);
   TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe,
                                       nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
@@ -1520,6 +1522,7 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 ev[e * pe + o.head_skip + u] = skip;
               });
   __syncthreads();
+  prefetch(cfc_stage + 4);
   TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe,
                                       nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
@@ -1556,6 +1559,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, E4 = Align4(p.E), pe_y = E4 + 4;
   const bool last = l + 1 == p.L;
   const PackStage& s = p.stage[3 + 3 * l];
+  PrefetchL1(a.pack + s.pack, p.D * s.stride);
   // Before the wait: the tile's slots (written two kernels back) and what only this kernel writes, the next layer's
   // carried B/C conv inputs or the CfC states.
   if (tid < kWideEvents) {
@@ -1588,6 +1592,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
+  const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
+  PrefetchL1(a.pack + next.pack, next.units * next.stride);
   TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
                                                                p.D,
               [&](int u, const float(&acc)[1], const float*, int e, bool active) {
