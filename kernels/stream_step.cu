@@ -384,24 +384,24 @@ __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, con
   return conv;
 }
 
-// One lane's share of an SSM row (d_state N, eight lanes): state n ← decay·state n + (Δt·x)·B n for n = lane,
-// lane + 8, …, stored to `out` when given (state null: a zero state; out may be state), and the lane's part of
-// Σ C n·state n. The roundings are spelled out, so that every caller gets the same bits. kN: N when known at compile
-// time (a multiple of 8: the loop unrolls whole), else 0. kInPlace: state is given and out is state.
-template <int kN = 0, bool kInPlace = false>
+// An element of an SSM row: its new state decay·state + (Δt·x)·B, and the readout's running sum with C·state added.
+// The roundings are spelled out, so that every caller gets the same bits.
+__device__ __forceinline__ float SsmState(float decay, float state, float dt_x, float b) {
+  return __fmaf_rn(decay, state, __fmul_rn(dt_x, b));
+}
+__device__ __forceinline__ float SsmReadout(float sum, float c, float state) { return __fmaf_rn(c, state, sum); }
+
+// One lane's share of an SSM row (d_state N, eight lanes): the new states of n = lane, lane + 8, …, stored to `out`
+// when given (state null: a zero state; out may be state), and the lane's part of the readout Σ C n·state n.
+// kInPlace: state is given and out is state.
+template <bool kInPlace = false>
 __device__ __forceinline__ float SsmRowShare(const float* state, float* out, const float* bc, float decay, float dt_x,
                                              int N, int lane) {
   float sum = 0.f;
-  auto step = [&](int n) {
-    const float s_new = __fmaf_rn(decay, kInPlace || state ? state[n] : 0.f, __fmul_rn(dt_x, bc[n]));
+  for (int n = lane; n < N; n += kLanesPerRow) {
+    const float s_new = SsmState(decay, kInPlace || state ? state[n] : 0.f, dt_x, bc[n]);
     if (kInPlace || out) out[n] = s_new;
-    sum = __fmaf_rn(bc[N + n], s_new, sum);
-  };
-  if constexpr (kN > 0 && kN % kLanesPerRow == 0) {
-#pragma unroll
-    for (int i = 0; i < kN / kLanesPerRow; ++i) step(lane + i * kLanesPerRow);
-  } else {
-    for (int n = lane; n < N; n += kLanesPerRow) step(n);
+    sum = SsmReadout(sum, bc[N + n], s_new);
   }
   return sum;
 }
@@ -1306,23 +1306,73 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   SharedPhase<kBlocks>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
-// Layer l's z and x for SSM rows [u0, u0 + 32) (blockIdx.y) of a tile, x's causal conv, the SSM update and readout
-// and the gate, as the cluster kernel's z/x stage computes them. The rows' states and carried conv inputs are copied
-// into shared memory before the kernel waits for the one ahead (but layer 0's, whose kernel ahead writes the tick's
-// slots), its rows prefetched into L1. The update runs in place in shared memory, whose rows lie SsmRowStride apart
-// so that the four rows a warp updates at once fall in different banks; then the new states go out whole rows at a
-// time. kN: d_state when it is a multiple of 8 known at compile time (the update unrolls whole; the states move in
-// 16-byte pieces, which the launch checks they are aligned for), else 0 (4-byte pieces).
+// The wide SSM kernel's in-place update of a row (event k's at row + k·tile_state, its B and C at bc + k·per_event)
+// for each of the tile's events: lane's part of event k's readout in parts[k]. With kN known (a multiple of 8) the
+// events go in batches whose loads all come before their math and stores, so that a warp has a batch's shared-memory
+// loads in flight at once rather than one event's chain at a time (a store may alias a later load, as the compiler
+// sees it, so it keeps them in order).
 template <int kN>
-__global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
+__device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float* row, int tile_state, const float* bc,
+                                              int per_event, const float (&decay)[kSsmEvents],
+                                              const float (&dt_x)[kSsmEvents], int N, int lane) {
+  if constexpr (kN > 0) {
+    static_assert(kN % kLanesPerRow == 0, "a lane takes elements lane, lane + 8, …");
+    constexpr int kPer = kN / kLanesPerRow, kBatch = kPer <= 4 ? 4 : 2;
+    static_assert(kSsmEvents % kBatch == 0, "whole batches");
+#pragma unroll
+    for (int k0 = 0; k0 < kSsmEvents; k0 += kBatch) {
+      float s[kBatch][kPer], b[kBatch][kPer], c[kBatch][kPer];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int n = lane + i * kLanesPerRow;
+          s[j][i] = row[(k0 + j) * tile_state + n];
+          b[j][i] = bc[(k0 + j) * per_event + n];
+          c[j][i] = bc[(k0 + j) * per_event + kN + n];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const float s_new = SsmState(decay[k0 + j], s[j][i], dt_x[k0 + j], b[j][i]);
+          row[(k0 + j) * tile_state + lane + i * kLanesPerRow] = s_new;
+          sum = SsmReadout(sum, c[j][i], s_new);
+        }
+        parts[k0 + j] = sum;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSsmEvents; ++k) {
+      float* state = row + k * tile_state;
+      parts[k] = SsmRowShare<true>(state, state, bc + k * per_event, decay[k], dt_x[k], N, lane);
+    }
+  }
+}
+
+// Layer l's z and x for SSM rows [u0, u0 + 32) of a tile, x's causal conv, the SSM update and readout and the gate,
+// as the cluster kernel's z/x stage computes them; a block an item, the items of a tile's row blocks consecutive (so
+// that blocks running together share the tile's inputs and read neighbouring runs of each instrument's states). The
+// rows' states and carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but
+// layer 0's, whose kernel ahead writes the tick's slots), its rows prefetched into L1. The update runs in place in
+// shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
+// banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
+// time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
+// else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows.
+template <int kN>
+__global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
   const int N = kN > 0 ? kN : p.N, E = p.E, W1 = p.W - 1, cd = E + 2 * N, BC = 2 * N + p.Hh;
-  const int first = blockIdx.x * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow, lane = tid % kLanesPerRow;
-  const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
-  const int u0 = blockIdx.y * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
+  const int row_blocks = CeilDiv(E, kRowGroups), item = blockIdx.x;
+  const int first = item / row_blocks * kSsmEvents, tid = threadIdx.x, group = tid / kLanesPerRow;
+  const int lane = tid % kLanesPerRow, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
+  const int u0 = item % row_blocks * kRowGroups, u1 = min(E, u0 + kRowGroups), u = u0 + group;
   const bool active = u < u1;
   const int Nr = SsmRowStride(N), tile_state = kRowGroups * Nr, D4 = Align4(p.D), pe_h = D4 + 4, pe_b = Align4(BC);
   const PackStage& s = p.stage[2 + 3 * l];
@@ -1403,15 +1453,14 @@ __global__ void __launch_bounds__(kStreamThreads) WideSsmKernel(const __grid_con
     decay = expf(dt * A);
   }
   const float dt_x = dt * xc;
-  float* row = states + (active ? u - u0 : 0) * Nr;
-  float parts[kSsmEvents];
+  float dt_x_k[kSsmEvents], decay_k[kSsmEvents], parts[kSsmEvents];
 #pragma unroll
   for (int k = 0; k < kSsmEvents; ++k) {
-    const float dt_x_k = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
-    const float decay_k = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
-    float* state = row + k * tile_state;
-    parts[k] = active ? SsmRowShare<kN, true>(state, state, bc_tile + k * pe_b, decay_k, dt_x_k, N, lane) : 0.f;
+    dt_x_k[k] = __shfl_sync(0xffffffffu, dt_x, k, kLanesPerRow);
+    decay_k[k] = __shfl_sync(0xffffffffu, decay, k, kLanesPerRow);
+    parts[k] = 0.f;
   }
+  if (active) WideSsmUpdate<kN>(parts, states + (u - u0) * Nr, tile_state, bc_tile, pe_b, decay_k, dt_x_k, N, lane);
   const float y = LaneRowSum(parts, lane);
   if (active && first + e < a.n) a.scratch.y[static_cast<size_t>(first + e) * E + u] = GatedY(y, Dh, xc, z);
   if (active && slot >= 0 && W1 > 0) {
@@ -1692,12 +1741,12 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
                                       : p.N == 32     ? WideSsmKernel<32>
                                       : p.N == 64     ? WideSsmKernel<64>
                                                       : WideSsmKernel<0>;
+  const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
                                        bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(ssm_kernel, dim3(CeilDiv(tick.n, kSsmEvents), CeilDiv(p.E, kRowGroups)),
-                             kStreamThreads, bytes(o.ssm), stream, true, a, l);
+    error = LaunchWideKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
     error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
                              stream, true, a, l);
