@@ -60,7 +60,7 @@ struct Layout {
 // One block: the tile (blockIdx.x, row-major over the out × in tiles) over the rows of slice blockIdx.y; a cluster is
 // kCluster consecutive slices. One cluster writes dw; several write partials[cluster][tile] and the last sums them.
 template <SkinnyMath kMath>
-__global__ void __cluster_dims__(1, kCluster, 1) __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 2)
     SkinnyWeightGradKernel(int rows, int in, int out, const float* __restrict__ dy, int lddy,
                            const float* __restrict__ x, int ldx, int slice_rows, float* __restrict__ dw, int lddw,
                            float* __restrict__ partials, unsigned* __restrict__ counters) {
@@ -287,9 +287,22 @@ cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, i
       e != cudaSuccess) {
     return e;
   }
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(rows, in, out, dy, lddy, x, ldx, slice_rows, dw, lddw, workspace,
-                                                   counters);
-  return cudaGetLastError();
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim = {1, kCluster, 1};
+  // A cluster's blocks on distinct SMs: by default the scheduler packs them two to an SM (the occupancy), which left
+  // half the SMs idle and the kernel ~1.4× slower (H200, small's embedding gradient: 18.6 µs against 12.9).
+  attributes[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+  attributes[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, kernel, rows, in, out, dy, lddy, x, ldx, slice_rows, dw, lddw, workspace,
+                            counters);
 }
 
 }  // namespace perception::kernels
