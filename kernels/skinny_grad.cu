@@ -32,7 +32,8 @@ static_assert(kStages * kStageFloats >= kTileFloats, "the group reduction reuses
 // reaches global memory instead of one per slice.
 constexpr int kCluster = 8;
 constexpr int kPartFloats = kTileFloats / kCluster;  // the rows of the tile one rank of a cluster sums
-static_assert(kPartFloats == 2 * kThreads, "a rank's part is two floats a thread");
+constexpr int kPartWidth = kPartFloats / kThreads;  // adjacent columns a thread takes of its rank's part
+static_assert(kPartWidth * kThreads == kPartFloats && kT % kPartWidth == 0, "a part is whole columns of a thread");
 static_assert(kSkinnyCounters % kCluster == 0, "a tile's counters are one per rank");
 
 // A 4-byte asynchronous copy into shared memory, zero-filled where `valid` is false (src then only names a mapped
@@ -204,26 +205,28 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int k = 0; k < L::kOutputs; ++k) sum[out_row(k) * kT + out_col(k)] = acc[k];
   }
-  // The cluster's slices, added in rank order through distributed shared memory: rank r takes the tile's rows
-  // 8r … 8r + 7 (two adjacent columns a thread).
+  // The cluster's slices, added in rank order through distributed shared memory: rank r takes the tile's part r
+  // (kPartFloats / kT rows), kPartWidth adjacent columns a thread.
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = static_cast<int>(cluster.block_rank());
-  const int e = rank * kPartFloats + 2 * t;
-  float2 v = make_float2(0.f, 0.f);
+  const int e = rank * kPartFloats + kPartWidth * t;
+  float v[kPartWidth] = {};
 #pragma unroll
   for (int s = 0; s < kCluster; ++s) {
-    const float2 w = *reinterpret_cast<const float2*>(cluster.map_shared_rank(sum, s) + e);
-    v.x += w.x;
-    v.y += w.y;
+    const float* src = cluster.map_shared_rank(sum, s) + e;
+#pragma unroll
+    for (int j = 0; j < kPartWidth; ++j) v[j] += src[j];
   }
   cluster.sync();  // no block leaves while another still reads its tile
   const int o = o0 + e / kT, i = i0 + e % kT;
-  auto store = [&](float2 value) {
+  auto store = [&](const float(&value)[kPartWidth]) {
     if (o >= out) return;
     float* d = dw + static_cast<size_t>(o) * lddw + i;
-    if (i < in) d[0] = value.x;
-    if (i + 1 < in) d[1] = value.y;
+#pragma unroll
+    for (int j = 0; j < kPartWidth; ++j) {
+      if (i + j < in) d[j] = value[j];
+    }
   };
   const int clusters = gridDim.y / kCluster;
   if (clusters == 1) {
@@ -235,7 +238,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto part = [&](int c) {
     return partials + (static_cast<size_t>(c) * gridDim.x + blockIdx.x) * kTileFloats + e;
   };
-  *reinterpret_cast<float2*>(part(blockIdx.y / kCluster)) = v;
+  float* mine = part(blockIdx.y / kCluster);
+#pragma unroll
+  for (int j = 0; j < kPartWidth; ++j) mine[j] = v[j];
   __threadfence();
   __syncthreads();
   __shared__ bool last;
@@ -247,12 +252,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  float2 total = make_float2(0.f, 0.f);
+  float total[kPartWidth] = {};
 #pragma unroll 4
   for (int c = 0; c < clusters; ++c) {
-    const float2 w = __ldcg(reinterpret_cast<const float2*>(part(c)));  // from L2: other SMs wrote it
-    total.x += w.x;
-    total.y += w.y;
+    const float* src = part(c);
+#pragma unroll
+    for (int j = 0; j < kPartWidth; ++j) total[j] += __ldcg(src + j);  // from L2: other SMs wrote it
   }
   store(total);
 }
