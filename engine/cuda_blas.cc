@@ -100,8 +100,6 @@ bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 40 && out >
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
   return rows >= 1024 && in >= 128 && out >= 128;
 }
-constexpr size_t kSkinnyCounterBytes = kernels::kSkinnyCounters * sizeof(unsigned);
-
 // The narrow weight gradients, which neither the wgmma kernel nor cuBLAS's SIMT sgemm (plus its split-K reduce) fill:
 // kernels/skinny_grad.h in 3×TF32 (H200, 16,384 rows, µs, against cuBLAS float32: embedding 12.8 against 13.4, CfC
 // c part 12.9 against 14.0, GRN 192 → 64 16.9 against 18.8, 64 → 64 9.6 against 11.9, head_out 9.3 against 11.2; the
@@ -128,13 +126,7 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* wo
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   blas->tf32x3_ = precision == Precision::kFloat32Tf32x3 && prop.major == 9 && prop.minor == 0;
-  blas->skinny_ = precision == Precision::kFloat32Tf32x3 && prop.major >= 9;
-  if (blas->skinny_ && workspace_bytes >= kSkinnyCounterBytes) {
-    // The narrow weight gradients' counters: the workspace's last bytes, out of cuBLAS's and the partials' way.
-    blas->workspace_bytes_ -= kSkinnyCounterBytes;
-    blas->skinny_counters_ = reinterpret_cast<unsigned*>(static_cast<char*>(workspace) + blas->workspace_bytes_);
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(blas->skinny_counters_, 0, kSkinnyCounterBytes, stream));
-  }
+  blas->skinny_ = precision == Precision::kFloat32Tf32x3;
   blas->tuned_device_ = sms == kTunedSms && std::strstr(prop.name, "H200") != nullptr &&
                         cublasLtGetVersion() == kTunedVersion;
   return blas;
@@ -314,8 +306,7 @@ absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, in
   }
   if (skinny_ && SkinnyBackwardWeightPays(in, out)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchSkinnyWeightGrad(rows, in, out, dy, lddy, x, ldx, dw, lddw,
-                                                         static_cast<float*>(workspace_), workspace_bytes_,
-                                                         skinny_counters_, stream_));
+                                                         static_cast<float*>(workspace_), workspace_bytes_, stream_));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }

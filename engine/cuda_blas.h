@@ -88,11 +88,9 @@ class Blas {
   // The 3×TF32 kernels for the products they take: precision kFloat32Tf32x3 on a compute capability 9.0 device (they
   // are built for sm_90a alone); cuBLAS float32 otherwise.
   bool tf32x3_ = false;
-  // The narrow weight gradients on kernels/skinny_grad.h: precision kFloat32Tf32x3 on a compute capability 9.0 or
-  // later device (thread-block clusters). kFloat32 keeps cuBLAS and its tuned table, the baseline the 3×TF32 kernels
-  // are measured against.
+  // The narrow weight gradients on kernels/skinny_grad.h: precision kFloat32Tf32x3 on any device (its mma.sync is
+  // sm_80 on). kFloat32 keeps cuBLAS and its tuned table, the baseline the 3×TF32 kernels are measured against.
   bool skinny_ = false;
-  unsigned* skinny_counters_ = nullptr;  // its election counters, at the workspace's end (null: none fit)
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
   double flops_ = 0;

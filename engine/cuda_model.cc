@@ -245,27 +245,26 @@ absl::Status CudaModel::BuildTables() {
   const ParamLayout& pl = layout_;
   // Every gradient that is a sum over events: out[c] = Σ_rows a·b·row_scale (engine/cpu_reference.cc's `+=` loops).
   std::vector<kernels::ColumnSumJob> jobs, head_jobs;
-  std::vector<std::vector<kernels::ColumnSumJob>> layer_jobs(std::max(d.L - 1, 0));
   auto sum_into = [&](std::vector<kernels::ColumnSumJob>& to, int tensor, const float* a, int lda, int cols,
                       int rows = 0) { to.push_back({a, lda, nullptr, 0, nullptr, rows ? rows : M, cols, grad(tensor)}); };
+  auto sum = [&](int tensor, const float* a, int lda, int cols, int rows = 0) {
+    sum_into(jobs, tensor, a, lda, cols, rows);
+  };
   auto head_sum = [&](int tensor, const float* a, int lda, int cols, int rows = 0) {
     sum_into(head_jobs, tensor, a, lda, cols, rows);
   };
-  sum_into(jobs, pl.embed.bias, embed_bias_partials_, d.D, d.D, P);
+  sum(pl.embed.bias, embed_bias_partials_, d.D, d.D, P);
   for (int l = 0; l < d.L; ++l) {
     const LayerTensors& lt = pl.layers[l];
     const Layer& a = layers_[l];
     const int conv_ld = d.cd * d.W + d.cd;
-    auto layer_sum = [&](int tensor, const float* src, int lda, int cols, int rows = 0) {
-      sum_into(l == 0 ? jobs : layer_jobs[l - 1], tensor, src, lda, cols, rows);
-    };
-    layer_sum(lt.norm, a.norm_partials, d.D, d.D, P);
-    layer_sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, c.batch);
-    layer_sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, c.batch);
-    layer_sum(lt.dt_bias, a.dzx + d.E + d.cd, d.zd, d.Hh);
-    layer_sum(lt.a_log, a.ssm_partials, 2 * d.Hh, d.Hh);
-    layer_sum(lt.d, a.ssm_partials + d.Hh, 2 * d.Hh, d.Hh);
-    layer_sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, P);
+    sum(lt.norm, a.norm_partials, d.D, d.D, P);
+    sum(lt.conv_weight, a.conv_partials, conv_ld, d.cd * d.W, c.batch);
+    sum(lt.conv_bias, a.conv_partials + d.cd * d.W, conv_ld, d.cd, c.batch);
+    sum(lt.dt_bias, a.dzx + d.E + d.cd, d.zd, d.Hh);
+    sum(lt.a_log, a.ssm_partials, 2 * d.Hh, d.Hh);
+    sum(lt.d, a.ssm_partials + d.Hh, 2 * d.Hh, d.Hh);
+    sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, P);
   }
   head_sum(pl.norm_f, norm_f_partials_, d.D, d.D, P);
   head_sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
@@ -287,13 +286,8 @@ absl::Status CudaModel::BuildTables() {
     kernels::ColumnSumTile* tiles = nullptr;
     kernels::ColumnSumFinish* finishes = nullptr;
   };
-  // sums_ first: its jobs table opens the table arena (CurrentBuffers).
-  std::vector<Staged> staged = {{&jobs, kernels::PlanColumnSums(jobs), &sums_},
-                                {&head_jobs, kernels::PlanColumnSums(head_jobs), &head_sums_}};
-  layer_sums_.assign(layer_jobs.size(), {});
-  for (size_t l = 0; l < layer_jobs.size(); ++l) {
-    staged.push_back({&layer_jobs[l], kernels::PlanColumnSums(layer_jobs[l]), &layer_sums_[l]});
-  }
+  Staged staged[] = {{&jobs, kernels::PlanColumnSums(jobs), &sums_},
+                     {&head_jobs, kernels::PlanColumnSums(head_jobs), &head_sums_}};
   for (Staged& s : staged) {
     tables_.Reserve(&s.device_jobs, s.jobs->size());
     tables_.Reserve(&s.tiles, s.plan.tiles.size());
@@ -713,8 +707,6 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
   RETURN_IF_ERROR(MarkGradients());  // the last read of dh_ before this layer's RMSNorm backward adds to it
-  // The layer above's sums are final (its RMSNorm backward was the last to write them): beside this layer's SSM.
-  if (l + 1 < d.L) CUDA_RETURN_IF_ERROR(kernels::LaunchColumnSums(layer_sums_[l], grad_stream_));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
                                                            rows, d.E, dy_, a.dzx, d.zd, a.mixer_norm_partials,

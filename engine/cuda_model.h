@@ -245,11 +245,9 @@ class CudaModel {
 
   // Device tables, built once: column sums (the gradients that sum over events), AdamW chunks. head_sums_ are the
   // head's and the CfC's, whose inputs are final once norm_f's backward has run: they run on grad_stream_ beside the
-  // layers' backward; layer_sums_[l − 1] are layer l's (l ≥ 1), on grad_stream_ beside layer l − 1's backward; sums_
-  // are layer 0's and the embedding's, at the end of the backward.
+  // layers' backward; sums_ are the layers' and the embedding's, at the end of the backward.
   std::vector<kernels::AdamWChunk> chunks_host_;
   kernels::ColumnSumBatch sums_, head_sums_;
-  std::vector<kernels::ColumnSumBatch> layer_sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
 };
 

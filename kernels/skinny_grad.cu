@@ -4,15 +4,11 @@
 
 #include <algorithm>
 
-#include <cooperative_groups.h>
-
 #include "kernels/common.cuh"
 #include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kT = kSkinnyTile;
 constexpr int kThreads = 256;
@@ -28,13 +24,6 @@ constexpr int kSharedBytes = kStages * kStageFloats * static_cast<int>(sizeof(fl
 constexpr int kLoads = kChunk * kT / kThreads;  // floats of each operand a thread copies per stage
 constexpr int kTileFloats = kT * kT;
 static_assert(kStages * kStageFloats >= kTileFloats, "the group reduction reuses the stages for one tile");
-// Slices per thread-block cluster, which sums its tiles in distributed shared memory: one partial per cluster
-// reaches global memory instead of one per slice.
-constexpr int kCluster = 8;
-constexpr int kPartFloats = kTileFloats / kCluster;  // the rows of the tile one rank of a cluster sums
-constexpr int kPartWidth = kPartFloats / kThreads;  // adjacent columns a thread takes of its rank's part
-static_assert(kPartWidth * kThreads == kPartFloats && kT % kPartWidth == 0, "a part is whole columns of a thread");
-static_assert(kSkinnyCounters % kCluster == 0, "a tile's counters are one per rank");
 
 // A 4-byte asynchronous copy into shared memory, zero-filled where `valid` is false (src then only names a mapped
 // address; nothing is read).
@@ -58,13 +47,13 @@ struct Layout {
   static constexpr int kGroupRows = kChunk / kGroups;
 };
 
-// One block: the tile (blockIdx.x, row-major over the out × in tiles) over the rows of slice blockIdx.y; a cluster is
-// kCluster consecutive slices. One cluster writes dw; several write partials[cluster][tile] and the last sums them.
+// One block: the tile (blockIdx.x, row-major over the out × in tiles) over the rows of slice blockIdx.y. Its sum goes
+// to dw (partials null: a single slice) or to partials[slice][tile] as a full 64 × 64 tile.
 template <SkinnyMath kMath>
 __global__ void __launch_bounds__(kThreads, 2)
     SkinnyWeightGradKernel(int rows, int in, int out, const float* __restrict__ dy, int lddy,
                            const float* __restrict__ x, int ldx, int slice_rows, float* __restrict__ dw, int lddw,
-                           float* __restrict__ partials, unsigned* __restrict__ counters) {
+                           float* __restrict__ partials) {
   using L = Layout<kMath>;
   // Stage s: [0][row][col] dy's columns o0.., [1][row][col] x's columns i0.., rows kLd apart.
   extern __shared__ __align__(16) float shared[];
@@ -200,114 +189,96 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int k = 0; k < L::kOutputs; ++k) acc[k] += sum[out_row(k) * kT + out_col(k)];
     }
   }
-  __syncthreads();
-  if (group == 0) {
+  if (group != 0) return;
+  if (partials == nullptr) {
 #pragma unroll
-    for (int k = 0; k < L::kOutputs; ++k) sum[out_row(k) * kT + out_col(k)] = acc[k];
-  }
-  // The cluster's slices, added in rank order through distributed shared memory: rank r takes the tile's part r
-  // (kPartFloats / kT rows), kPartWidth adjacent columns a thread.
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int e = rank * kPartFloats + kPartWidth * t;
-  float v[kPartWidth] = {};
-#pragma unroll
-  for (int s = 0; s < kCluster; ++s) {
-    const float* src = cluster.map_shared_rank(sum, s) + e;
-#pragma unroll
-    for (int j = 0; j < kPartWidth; ++j) v[j] += src[j];
-  }
-  cluster.sync();  // no block leaves while another still reads its tile
-  const int o = o0 + e / kT, i = i0 + e % kT;
-  auto store = [&](const float(&value)[kPartWidth]) {
-    if (o >= out) return;
-    float* d = dw + static_cast<size_t>(o) * lddw + i;
-#pragma unroll
-    for (int j = 0; j < kPartWidth; ++j) {
-      if (i + j < in) d[j] = value[j];
+    for (int k = 0; k < L::kOutputs; ++k) {
+      const int o = o0 + out_row(k), i = i0 + out_col(k);
+      if (o < out && i < in) dw[static_cast<size_t>(o) * lddw + i] = acc[k];
     }
-  };
-  const int clusters = gridDim.y / kCluster;
-  if (clusters == 1) {
-    store(v);
     return;
   }
-  // Several clusters: each publishes its part, and the last of them to finish (elected by a counter per tile and
-  // part, which it resets for the next launch) adds every cluster's in cluster order.
-  auto part = [&](int c) {
-    return partials + (static_cast<size_t>(c) * gridDim.x + blockIdx.x) * kTileFloats + e;
-  };
-  float* mine = part(blockIdx.y / kCluster);
+  float* tile = partials + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kTileFloats;
 #pragma unroll
-  for (int j = 0; j < kPartWidth; ++j) mine[j] = v[j];
-  __threadfence();
-  __syncthreads();
-  __shared__ bool last;
-  if (t == 0) {
-    unsigned* counter = counters + blockIdx.x * kCluster + rank;
-    last = atomicAdd(counter, 1u) == static_cast<unsigned>(clusters - 1);
-    if (last) *counter = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float total[kPartWidth] = {};
-#pragma unroll 4
-  for (int c = 0; c < clusters; ++c) {
-    const float* src = part(c);
+  for (int k = 0; k < L::kOutputs; ++k) tile[out_row(k) * kT + out_col(k)] = acc[k];
+}
+
+// dw[o, i] = Σ_s partials[s][tile of (o, i)][(o, i) within it]. Unlike gemm_tf32x3's SumSlicesKernel (dense
+// [slice][out][in] partials, in a multiple of 4, a thread per four outputs over every slice), the partials here are
+// whole 64 × 64 tiles, dw may be any width, and a block takes 32 outputs with its warps over interleaved slices, so
+// that no thread walks a chain of 128 dependent loads (ncu on the H200, small's step, caches flushed: 3.3–4.1 µs a
+// sum). Warp w adds slices w, w + kSumWarps, … in order, then warp 0 adds the warps' sums in order.
+constexpr int kSumWarps = 16;
+constexpr int kSliceBatch = 4;  // loads a lane issues before it adds them
+__global__ void __launch_bounds__(kSumWarps * 32)
+    SumSkinnySlicesKernel(const float* __restrict__ partials, int slices, int in, int out, float* dw, int lddw) {
+  __shared__ float warp_sums[kSumWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int idx = blockIdx.x * 32 + lane;
+  const bool valid = idx < out * in;
+  const int o = valid ? idx / in : 0, i = valid ? idx % in : 0, tiles_in = CeilDiv(in, kT);
+  const size_t slice = static_cast<size_t>(CeilDiv(out, kT)) * tiles_in * kTileFloats;
+  const float* src = partials + static_cast<size_t>(o / kT * tiles_in + i / kT) * kTileFloats + o % kT * kT + i % kT;
+  float sum = 0.f;
+  if (valid) {
+    for (int s0 = warp; s0 < slices; s0 += kSumWarps * kSliceBatch) {
+      float v[kSliceBatch];
 #pragma unroll
-    for (int j = 0; j < kPartWidth; ++j) total[j] += __ldcg(src + j);  // from L2: other SMs wrote it
+      for (int j = 0; j < kSliceBatch; ++j) {
+        const int s = s0 + j * kSumWarps;
+        if (s < slices) v[j] = src[s * slice];
+      }
+#pragma unroll
+      for (int j = 0; j < kSliceBatch; ++j) {
+        if (s0 + j * kSumWarps >= slices) break;
+        sum += v[j];
+      }
+    }
   }
-  store(total);
+  warp_sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0 || !valid) return;
+  float total = warp_sums[0][lane];
+#pragma unroll
+  for (int w = 1; w < kSumWarps; ++w) total += warp_sums[w][lane];
+  dw[static_cast<size_t>(o) * lddw + i] = total;
 }
 
 }  // namespace
 
 cudaError_t LaunchSkinnyWeightGrad(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
-                                   float* dw, int lddw, float* workspace, size_t workspace_bytes, unsigned* counters,
-                                   cudaStream_t stream, int slices, SkinnyMath math) {
+                                   float* dw, int lddw, float* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                   int slices, SkinnyMath math) {
   if (in <= 0 || out <= 0) return cudaSuccess;
   rows = std::max(rows, 0);
   const int tiles = CeilDiv(out, kT) * CeilDiv(in, kT);
   const int chunks = std::max(CeilDiv(rows, kChunk), 1);
-  const size_t cluster_bytes = static_cast<size_t>(tiles) * kTileFloats * sizeof(float);  // one cluster's partial
-  int most = static_cast<int>(std::min<size_t>(workspace_bytes / cluster_bytes, CeilDiv(chunks, kCluster)));
-  if (counters == nullptr || tiles * kCluster > kSkinnyCounters) most = 1;
+  const size_t slice_bytes = static_cast<size_t>(tiles) * kTileFloats * sizeof(float);
+  const int most = static_cast<int>(std::min<size_t>(workspace_bytes / slice_bytes, chunks));
   if (slices <= 0) {
     int sms = 0;
     if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
-    // About one block per SM (H200, 16,384 rows, 3×TF32, with a separate sum of per-slice partials: 64 × 64 9.5 µs
-    // at 132 slices against 11.0 at 264, 192 × 64 16.9 at 44 against 17.7 at 88; FFMA alike).
+    // One block per SM (H200, 16,384 rows, 3×TF32: 64 × 64 9.5 µs at 132 slices against 11.0 at 264, 192 × 64 16.9
+    // at 44 against 17.7 at 88; FFMA alike): every further slice's partial is written and read back once more.
     slices = std::max(sms / tiles, 1);
   }
-  int clusters = std::max(std::min(slices / kCluster, most), 1);
-  // Whole chunks per slice; the last slices take what is left (possibly nothing), so the count may come out lower.
-  const int slice_rows = CeilDiv(chunks, clusters * kCluster) * kChunk;
-  clusters = CeilDiv(CeilDiv(chunks * kChunk, slice_rows), kCluster);
-  const dim3 grid(tiles, clusters * kCluster);
+  slices = std::max(std::min(slices, most), 1);
+  // Whole chunks per slice; the last slice takes what is left, so the count may come out lower.
+  const int slice_rows = CeilDiv(chunks, slices) * kChunk;
+  slices = CeilDiv(chunks * kChunk, slice_rows);
+  const dim3 grid(tiles, slices);
   auto kernel = math == SkinnyMath::kFfma ? SkinnyWeightGradKernel<SkinnyMath::kFfma>
                                           : SkinnyWeightGradKernel<SkinnyMath::kTf32x3>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
       e != cudaSuccess) {
     return e;
   }
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim = {1, kCluster, 1};
-  // A cluster's blocks on distinct SMs: by default the scheduler packs them two to an SM (the occupancy), which left
-  // half the SMs idle and the kernel ~1.4× slower (H200, small's embedding gradient: 18.6 µs against 12.9).
-  attributes[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-  attributes[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.stream = stream;
-  config.attrs = attributes;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, kernel, rows, in, out, dy, lddy, x, ldx, slice_rows, dw, lddw, workspace,
-                            counters);
+  kernel<<<grid, kThreads, kSharedBytes, stream>>>(rows, in, out, dy, lddy, x, ldx, slice_rows,
+                                                   slices == 1 ? dw : nullptr, lddw,
+                                                   slices == 1 ? nullptr : workspace);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || slices == 1) return e;
+  SumSkinnySlicesKernel<<<CeilDiv(out * in, 32), kSumWarps * 32, 0, stream>>>(workspace, slices, in, out, dw, lddw);
+  return cudaGetLastError();
 }
 
 }  // namespace perception::kernels

@@ -84,7 +84,6 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   }
   const DeviceArray<float> initial(init);
   DeviceArray<float> dw(init.size());
-  const DeviceArray<unsigned> counters(std::vector<unsigned>(kernels::kSkinnyCounters, 0u));
   auto reset = [&] {
     ASSERT_EQ(cudaMemcpyAsync(dw.get(), initial.get(), init.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
               cudaSuccess);
@@ -119,7 +118,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
       reset();
       const size_t workspace_bytes = slices < 0 ? sizeof(float) : kBlasWorkspaceBytes;
       ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(),
-                                                p.lddw, workspace_->get(), workspace_bytes, counters.get(), stream_,
+                                                p.lddw, workspace_->get(), workspace_bytes, stream_,
                                                 std::max(slices, 0), math),
                 cudaSuccess);
       const double error = error_of(dw.Download());
@@ -134,12 +133,12 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
 
   reset();
   ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                            workspace_->get(), kBlasWorkspaceBytes, counters.get(), stream_),
+                                            workspace_->get(), kBlasWorkspaceBytes, stream_),
             cudaSuccess);
   const std::vector<float> first = dw.Download();
   reset();
   ASSERT_EQ(kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                            workspace_->get(), kBlasWorkspaceBytes, counters.get(), stream_),
+                                            workspace_->get(), kBlasWorkspaceBytes, stream_),
             cudaSuccess);
   EXPECT_TRUE(BitIdentical(dw.Download(), first)) << "rerun";
 
@@ -148,7 +147,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   reset();
   const cudaError_t captured =
       kernels::LaunchSkinnyWeightGrad(p.rows, p.in, p.out, ddy.get(), p.lddy, dx.get(), p.ldx, dw.get(), p.lddw,
-                                      workspace_->get(), kBlasWorkspaceBytes, counters.get(), stream_);
+                                      workspace_->get(), kBlasWorkspaceBytes, stream_);
   ASSERT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
   ASSERT_EQ(captured, cudaSuccess);
   cudaGraphExec_t exec = nullptr;
