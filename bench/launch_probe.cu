@@ -7,19 +7,14 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <vector>
 
-namespace {
+#include "absl/status/statusor.h"
+#include "engine/cuda_check.h"
+#include "engine/status_macros.h"
 
-#define CHECK(call)                                                                        \
-  do {                                                                                     \
-    if (const cudaError_t error_ = (call); error_ != cudaSuccess) {                                  \
-      std::fprintf(stderr, "%s: %s (%s:%d)\n", #call, cudaGetErrorString(error_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+namespace {
 
 constexpr int kTicks = 400;
 
@@ -67,40 +62,54 @@ cudaError_t LaunchShape(const Shape& s, cudaStream_t stream) {
 }
 
 // Median µs between the events around each of kTicks enqueues, all queued behind a held stream.
-double MedianTick(cudaStream_t stream, const std::function<void()>& enqueue) {
+absl::StatusOr<double> MedianTick(cudaStream_t stream, const std::function<cudaError_t()>& enqueue) {
   std::vector<cudaEvent_t> events(kTicks + 1);
-  for (auto& e : events) CHECK(cudaEventCreate(&e));
-  for (int warm = 0; warm < 20; ++warm) enqueue();
-  CHECK(cudaStreamSynchronize(stream));
+  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  for (int warm = 0; warm < 20; ++warm) CUDA_RETURN_IF_ERROR(enqueue());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   HoldKernel<<<1, 1, 0, stream>>>(6'000'000);  // ~3 ms at 1.98 GHz
-  CHECK(cudaEventRecord(events[0], stream));
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(events[0], stream));
   for (int t = 0; t < kTicks; ++t) {
-    enqueue();
-    CHECK(cudaEventRecord(events[t + 1], stream));
+    CUDA_RETURN_IF_ERROR(enqueue());
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events[t + 1], stream));
   }
-  CHECK(cudaStreamSynchronize(stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   std::vector<double> us;
   for (int t = 0; t < kTicks; ++t) {
     float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, events[t], events[t + 1]));
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events[t], events[t + 1]));
     us.push_back(1e3 * ms);
   }
-  for (auto& e : events) CHECK(cudaEventDestroy(e));
+  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventDestroy(e));
   std::sort(us.begin(), us.end());
   return us[us.size() / 2];
 }
 
-}  // namespace
+// The same tick captured into a graph of one launch, replayed as bench_stream replays a tick.
+absl::StatusOr<double> MedianGraphTick(const Shape& s, cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CUDA_RETURN_IF_ERROR(LaunchShape(s, stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+  CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+  const absl::StatusOr<double> us = MedianTick(stream, [&] { return cudaGraphLaunch(exec, stream); });
+  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
+  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  return us;
+}
 
-int main() {
+absl::Status Probe() {
   cudaStream_t stream;
   int lowest = 0, highest = 0;
-  CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-  CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, highest));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, highest));
   constexpr size_t kBig = 200 * 1024;
   for (auto kernel : {SharedTouchKernel, ClusterBarrierKernel}) {
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBig)));
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBig)));
+    CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
   const Shape shapes[] = {
       {"empty, 1 block of 32", EmptyKernel, 1, 32, 1, 0},
@@ -114,24 +123,26 @@ int main() {
       {"shared 200 KB, cluster of 16 x 256", SharedTouchKernel, 16, 256, 16, kBig},
   };
   std::printf("%-48s %12s %12s\n", "variant", "plain us", "graph us");
-  std::printf("%-48s %12.2f %12s\n", "nothing between the events", MedianTick(stream, [] {}), "-");
+  ASSIGN_OR_RETURN(const double nothing, MedianTick(stream, [] { return cudaSuccess; }));
+  std::printf("%-48s %12.2f %12s\n", "nothing between the events", nothing, "-");
   for (const Shape& s : shapes) {
-    const double plain = MedianTick(stream, [&] { CHECK(LaunchShape(s, stream)); });
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    CHECK(LaunchShape(s, stream));
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double graphed = MedianTick(stream, [&] { CHECK(cudaGraphLaunch(exec, stream)); });
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
+    ASSIGN_OR_RETURN(const double plain, MedianTick(stream, [&] { return LaunchShape(s, stream); }));
+    ASSIGN_OR_RETURN(const double graphed, MedianGraphTick(s, stream));
     std::printf("%-48s %12.2f %12.2f\n", s.name, plain, graphed);
   }
   // The same 200 KB cluster tick with the shared-memory carveout preferred at its maximum.
-  CHECK(cudaFuncSetAttribute(SharedTouchKernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(SharedTouchKernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const Shape carve{"shared 200 KB, cluster of 8, carveout 100%", SharedTouchKernel, 8, 256, 8, kBig};
-  std::printf("%-48s %12.2f %12s\n", carve.name, MedianTick(stream, [&] { CHECK(LaunchShape(carve, stream)); }), "-");
-  CHECK(cudaStreamDestroy(stream));
-  return 0;
+  ASSIGN_OR_RETURN(const double carved, MedianTick(stream, [&] { return LaunchShape(carve, stream); }));
+  std::printf("%-48s %12.2f %12s\n", carve.name, carved, "-");
+  CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main() {
+  const absl::Status status = Probe();
+  if (!status.ok()) std::fprintf(stderr, "launch_probe: %s\n", status.ToString().c_str());
+  return status.ok() ? 0 : 1;
 }
