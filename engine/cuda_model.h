@@ -25,6 +25,7 @@
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
+#include "kernels/norms.h"
 #include "kernels/optimizer.h"
 #include "kernels/ssm.h"
 #include "kernels/step_report.h"
@@ -180,6 +181,7 @@ class CudaModel {
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::SsmInput SsmInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::CfcWeights CfcWeightsOf() const;
+  kernels::NormOutputLayer HeadOutputLayer() const;  // head_out, folded into the GRN LayerNorm's kernels
   const float* param(int tensor) const { return params_ + layout_.tensor(tensor).offset; }
   float* grad(int tensor) const { return grads_ + layout_.tensor(tensor).offset; }
   absl::StatusOr<std::vector<float>> DownloadFloats(const float* device) const;
@@ -232,7 +234,7 @@ class CudaModel {
   float *pre_ln_ = nullptr, *ln_rstd_ = nullptr, *nhat_ = nullptr, *g_ = nullptr, *logits_ = nullptr;
 
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
-  float *dlogits_ = nullptr, *dg_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
+  float *dlogits_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers

@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(kThreads)
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormForwardKernel(const float* pre_ln, const float* gate_pre, const float* value, const float* w,
-                                  const float* b, int rows, int cols, float* nhat, float* g, float* rstd) {
+                                  const float* b, NormOutputLayer layer, int rows, int cols, float* nhat, float* g,
+                                  float* rstd, float* logits) {
   const int row = ForwardRow();
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
@@ -257,24 +258,42 @@ __global__ void __launch_bounds__(kThreads)
   StoreRow<V, VW>(nhat + base, cols, n);
   StoreRow<V, VW>(g + base, cols, out);
   if (Lane() == 0) rstd[row] = r;
+  // The output layer from the g in registers: a warp sum a logit (padded columns of g are 0), lane k keeps logit k.
+  float mine = 0.f;
+  for (int k = 0; k < layer.outs; ++k) {
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) dot += out[j] * WeightAt<VW>(layer.w + static_cast<size_t>(k) * cols, j, cols);
+    dot = WarpSum(dot);
+    if (Lane() == k % kWarpSize) mine = dot + layer.b[k];
+    if (k % kWarpSize == kWarpSize - 1 || k == layer.outs - 1) {
+      const int k0 = k / kWarpSize * kWarpSize;
+      if (Lane() <= k - k0) logits[static_cast<size_t>(row) * layer.outs + k0 + Lane()] = mine;
+    }
+  }
 }
 
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
-    GrnGateLayerNormBackwardKernel(const float* dg, const float* nhat, const float* rstd, const float* w,
-                                   const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
-                                   float* d_gate_pre, float* d_value, float* partials) {
+    GrnGateLayerNormBackwardKernel(const float* dlogits, NormOutputLayer layer, const float* nhat, const float* rstd,
+                                   const float* w, const float* gate_pre, const float* value, int rows, int cols,
+                                   float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials) {
   float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;
-    float dgr[V], n[V], gate[V], val[V];
-    LoadRow<V, VW>(dg + base, cols, dgr);
+    float dgr[V] = {}, n[V], gate[V], val[V];
     LoadRow<V, VW>(nhat + base, cols, n);
     LoadRow<V, VW>(gate_pre + base, cols, gate);
     LoadRow<V, VW>(value + base, cols, val);
+    // dg = d logits · w_out, the output layer's input gradient (0 in padded columns), logits in order.
+    for (int k = 0; k < layer.outs; ++k) {
+      const float dl = dlogits[static_cast<size_t>(row) * layer.outs + k];
+#pragma unroll
+      for (int j = 0; j < V; ++j) dgr[j] += dl * WeightAt<VW>(layer.w + static_cast<size_t>(k) * cols, j, cols);
+    }
     const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
@@ -389,24 +408,25 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
 }
 
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
-                                          const float* w, const float* b, int rows, int cols, float* nhat, float* g,
-                                          float* rstd, cudaStream_t stream) {
+                                          const float* w, const float* b, const NormOutputLayer& out, int rows,
+                                          int cols, float* nhat, float* g, float* rstd, float* logits,
+                                          cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(pre_ln, gate_pre, value, w, b,
-                                                                                      rows, cols, nhat, g, rstd);
+    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(
+        pre_ln, gate_pre, value, w, b, out, rows, cols, nhat, g, rstd, logits);
     return cudaGetLastError();
   });
 }
 
-cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
-                                           const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
-                                           cudaStream_t stream) {
-  const bool vec = Vectorizable(cols, {dg, nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
+cudaError_t LaunchGrnGateLayerNormBackward(const float* dlogits, const NormOutputLayer& out, const float* nhat,
+                                           const float* rstd, const float* w, const float* gate_pre,
+                                           const float* value, int rows, int cols, float* d_pre_ln,
+                                           float* d_gate_pre, float* d_value, float* partials, cudaStream_t stream) {
+  const bool vec = Vectorizable(cols, {nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
     GrnGateLayerNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
-        dg, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
+        dlogits, out, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
     return cudaGetLastError();
   });
 }

@@ -190,12 +190,14 @@ TEST(KernelTest, GatedRmsNormForwardAndBackward) {
 
 TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const auto& [rows, cols] : {std::pair{1, 5}, {9, 6}, {70, 64}, {40, 128}}) {
-    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+  // (rows, cols, outputs of the folded output layer): more than 32 outputs take two runs of a warp's stores.
+  for (const auto& [rows, cols, outs] : {std::tuple{1, 5, 5}, {9, 6, 1}, {70, 64, 5}, {40, 128, 37}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " → " << outs);
     const Floats skip = RandomFloats(rows * cols, 30, -2, 2), gate = RandomFloats(rows * cols, 31, -3, 3);
     const Floats value = RandomFloats(rows * cols, 32), w = RandomFloats(cols, 33, .5, 1.5), b = RandomFloats(cols, 34);
-    const Floats dg = RandomFloats(rows * cols, 35);
-    Doubles x_cpu(rows * cols), nhat_cpu(rows * cols), g_cpu(rows * cols), rstd_cpu(rows);
+    const Floats w_out = RandomFloats(outs * cols, 36), b_out = RandomFloats(outs, 37);
+    const Floats dlogits = RandomFloats(rows * outs, 35);
+    Doubles x_cpu(rows * cols), nhat_cpu(rows * cols), g_cpu(rows * cols), rstd_cpu(rows), logits_cpu(rows * outs);
     for (int r = 0; r < rows; ++r) {
       double mean = 0, var = 0;
       for (int i = 0; i < cols; ++i) {
@@ -210,37 +212,53 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         nhat_cpu[k] = (x_cpu[k] - mean) * rstd_cpu[r];
         g_cpu[k] = nhat_cpu[k] * w[i] + b[i];
       }
+      for (int o = 0; o < outs; ++o) {
+        logits_cpu[r * outs + o] = b_out[o];
+        for (int i = 0; i < cols; ++i) logits_cpu[r * outs + o] += g_cpu[r * cols + i] * w_out[o * cols + i];
+      }
+    }
+    Doubles dg(rows * cols, 0.0);  // the output layer's input gradient, which the backward forms from d logits
+    for (int r = 0; r < rows; ++r) {
+      for (int o = 0; o < outs; ++o) {
+        for (int i = 0; i < cols; ++i) dg[r * cols + i] += double(dlogits[r * outs + o]) * w_out[o * cols + i];
+      }
     }
     const Floats nhat_f(nhat_cpu.begin(), nhat_cpu.end()), rstd_f(rstd_cpu.begin(), rstd_cpu.end());
     Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols), sums_cpu(4 * cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       double mean_dn = 0, mean_dn_n = 0;
       for (int i = 0; i < cols; ++i) {
-        mean_dn += double(dg[r * cols + i]) * w[i] / cols;
-        mean_dn_n += double(dg[r * cols + i]) * w[i] * nhat_f[r * cols + i] / cols;
+        mean_dn += dg[r * cols + i] * w[i] / cols;
+        mean_dn_n += dg[r * cols + i] * w[i] * nhat_f[r * cols + i] / cols;
       }
       for (int i = 0; i < cols; ++i) {
         const int k = r * cols + i;
-        const double dpre = rstd_f[r] * (double(dg[k]) * w[i] - mean_dn - nhat_f[k] * mean_dn_n), sg = Sigmoid(gate[k]);
+        const double dpre = rstd_f[r] * (dg[k] * w[i] - mean_dn - nhat_f[k] * mean_dn_n), sg = Sigmoid(gate[k]);
         dpre_cpu[k] = dpre;
         dvalue_cpu[k] = dpre * sg;
         dgate_cpu[k] = dpre * value[k] * sg * (1 - sg);
-        sums_cpu[i] += double(dg[k]) * nhat_f[k];
+        sums_cpu[i] += dg[k] * nhat_f[k];
         sums_cpu[cols + i] += dg[k];
         sums_cpu[2 * cols + i] += dgate_cpu[k];
         sums_cpu[3 * cols + i] += dvalue_cpu[k];
       }
     }
     DeviceArray<float> pre_ln(skip), dgate_in(gate), dvalue_in(value), dw(w), db(b), nhat(rows * cols), g(rows * cols);
-    DeviceArray<float> rstd(rows), ddg(dg), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
+    DeviceArray<float> dw_out(w_out), db_out(b_out), logits(rows * outs), ddlogits(dlogits);
+    DeviceArray<float> rstd(rows), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
         dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
+    const kernels::NormOutputLayer out{dw_out.get(), db_out.get(), outs};
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
-                                                     rows, cols, nhat.get(), g.get(), rstd.get(), nullptr), cudaSuccess);
-    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
-                                                      dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
-                                                      parts.get(), nullptr), cudaSuccess);
+                                                     out, rows, cols, nhat.get(), g.get(), rstd.get(), logits.get(),
+                                                     nullptr),
+              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
+                                                      dgate_in.get(), dvalue_in.get(), rows, cols, dpre.get(),
+                                                      dgt.get(), dval.get(), parts.get(), nullptr),
+              cudaSuccess);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
+    EXPECT_CLOSE(logits.Download(), logits_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
     EXPECT_CLOSE(dpre.Download(), dpre_cpu);
     EXPECT_CLOSE(dgt.Download(), dgate_cpu);
