@@ -168,7 +168,8 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&step_, 1);
   a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
-  a.Reserve(&loss_partials_, 2 * kernels::kMaskedBceBlocks);
+  a.Reserve(&loss_partials_, kernels::NormForwardBlocks(c.batch * c.window));
+  a.Reserve(&mask_count_, 1);
   a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
 
   a.Reserve(&x_, M * d.F);
@@ -519,6 +520,8 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   RETURN_IF_ERROR(ForkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
                                                      grad_stream_));
+  // So is the mask count that d logits divides by: it reads only the batch.
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
@@ -527,20 +530,20 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
-  RETURN_IF_ERROR(CfcForward(batch, window, carry_state));
-  RETURN_IF_ERROR(HeadForward(rows));
-  if (!with_gradient || !communicator_) {
-    CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBce(logits_, labels_, mask_, rows * d.H,
-                                                  with_gradient ? dlogits_ : nullptr, loss_partials_, report_, stream_));
-    return absl::OkStatus();
-  }
-  // Data parallel: the loss is the masked mean over the GLOBAL batch, so the per-block loss and mask-count partials
-  // are summed over the ranks before the finish divides; each rank's d logits is then m·(σ − y)/(global Σm), its
-  // share of the global gradient, and the gradient sum over ranks is exactly that gradient.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, stream_));
-  RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, 2 * kernels::kMaskedBceBlocks, stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceFinish(logits_, labels_, mask_, rows * d.H, loss_partials_, dlogits_,
-                                                      report_, stream_));
+  RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s pack and mask count
+  // Data parallel: the loss is the masked mean over the GLOBAL batch, so the mask count is summed over the ranks
+  // before the head divides by it, and the per-block loss sums before the report adds them; each rank's d logits is
+  // then m·(σ − y)/(global Σm), its share of the global gradient, and the gradient sum over ranks is exactly that
+  // gradient.
+  const bool all_ranks = with_gradient && communicator_;
+  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(mask_count_, 1, stream_));
+  RETURN_IF_ERROR(HeadForward(rows, with_gradient));
+  const int loss_blocks = kernels::NormForwardBlocks(rows);
+  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, loss_blocks, stream_));
+  // A training step's report waits for nothing of the backward: off the main stream, which joins it at the end.
+  if (with_gradient) RETURN_IF_ERROR(ForkGradients());
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, loss_blocks, mask_count_, report_,
+                                                      with_gradient ? grad_stream_ : stream_));
   return absl::OkStatus();
 }
 
@@ -580,7 +583,7 @@ kernels::NormOutputLayer CudaModel::HeadOutputLayer() const {
   return {param(layout_.head_out.weight), param(layout_.head_out.bias), config().n_horizons};
 }
 
-absl::Status CudaModel::HeadForward(int rows) {
+absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
@@ -596,10 +599,12 @@ absl::Status CudaModel::HeadForward(int rows) {
                                   .y = value_ - gate_pre_,
                                   .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
-  // head_out's 5 outputs from the g the LayerNorm holds in registers: no product launch (cuBLAS's took 7.4 µs).
+  // head_out's 5 outputs, their loss and d logits from the g the LayerNorm holds in registers: no product launch
+  // (cuBLAS's took 7.4 µs) and no loss launches on the main stream.
+  const kernels::NormOutputLoss loss{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr, loss_partials_};
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
-                                                              param(pl.grn_norm.bias), HeadOutputLayer(), rows, d.G,
-                                                              nhat_, g_, ln_rstd_, logits_, stream_));
+                                                              param(pl.grn_norm.bias), HeadOutputLayer(), loss, rows,
+                                                              d.G, nhat_, g_, ln_rstd_, logits_, stream_));
   return absl::OkStatus();
 }
 

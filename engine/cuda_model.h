@@ -167,7 +167,7 @@ class CudaModel {
   absl::Status ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
-  absl::Status HeadForward(int rows);
+  absl::Status HeadForward(int rows, bool with_gradient);
   absl::Status Backward();
   absl::Status HeadBackward(int rows);
   absl::Status CfcBackward(int rows);
@@ -214,7 +214,8 @@ class CudaModel {
   int64_t* step_ = nullptr;
   kernels::StepReport* report_ = nullptr;
   double* norm_partials_ = nullptr;
-  double* loss_partials_ = nullptr;
+  double* loss_partials_ = nullptr;  // the GRN forward's per-block loss sums
+  double* mask_count_ = nullptr;
   std::byte* blas_workspace_ = nullptr;
 
   // Inputs on the device and their pinned staging; pinned logits and report for the host.

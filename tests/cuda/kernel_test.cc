@@ -249,8 +249,8 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
     const kernels::NormOutputLayer out{dw_out.get(), db_out.get(), outs};
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
-                                                     out, rows, cols, nhat.get(), g.get(), rstd.get(), logits.get(),
-                                                     nullptr),
+                                                     out, kernels::NormOutputLoss{}, rows, cols, nhat.get(), g.get(),
+                                                     rstd.get(), logits.get(), nullptr),
               cudaSuccess);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
                                                       dgate_in.get(), dvalue_in.get(), rows, cols, dpre.get(),
@@ -581,32 +581,50 @@ TEST(KernelTest, CfcForwardAndBackward) {
   }
 }
 
-TEST(KernelTest, MaskedBceAndItsGradient) {
+// The loss where the GRN forward forms the logits: the mask count, each block's loss sum, d logits, the report.
+TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const int n : {1, 45, 81920}) {
+  constexpr int kCols = 64, kOuts = 5;
+  for (const int rows : {1, 9, 16384}) {
     for (const bool masked_out : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << n << (masked_out ? " all masked" : ""));
-      const Floats logits = RandomFloats(n, 80, -6, 6), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
+      SCOPED_TRACE(::testing::Message() << rows << " rows" << (masked_out ? ", all masked" : ""));
+      const int n = rows * kOuts;
+      const Floats skip = RandomFloats(rows * kCols, 83, -2, 2), gate = RandomFloats(rows * kCols, 84, -3, 3);
+      const Floats value = RandomFloats(rows * kCols, 85), w = RandomFloats(kCols, 86, .5, 1.5);
+      const Floats b = RandomFloats(kCols, 87), w_out = RandomFloats(kOuts * kCols, 88, -3, 3);
+      const Floats b_out = RandomFloats(kOuts, 89), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
       Floats labels(n), mask(n);
-      double sum = 0, count = 0;
       for (int i = 0; i < n; ++i) {
         labels[i] = coin[i] < .5f ? 1.f : 0.f;
         mask[i] = !masked_out && keep[i] < .8f ? 1.f : 0.f;
-        const double l = logits[i];
-        sum += mask[i] * (std::max(l, 0.0) - l * labels[i] + std::log1p(std::exp(-std::abs(l))));
-        count += mask[i];
+      }
+      DeviceArray<float> pre_ln(skip), dgate(gate), dvalue(value), dw(w), db(b), dw_out(w_out), db_out(b_out);
+      DeviceArray<float> nhat(rows * kCols), g(rows * kCols), rstd(rows), logits(n), dlabels(labels), dmask(mask), dd(n);
+      DeviceArray<double> count(1), partials(kernels::NormForwardBlocks(rows));
+      DeviceArray<kernels::StepReport> report(1);
+      ASSERT_EQ(kernels::LaunchMaskCount(dmask.get(), n, count.get(), nullptr), cudaSuccess);
+      const kernels::NormOutputLoss loss{dlabels.get(), dmask.get(), count.get(), dd.get(), partials.get()};
+      ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate.get(), dvalue.get(), dw.get(), db.get(),
+                                                       {dw_out.get(), db_out.get(), kOuts}, loss, rows, kCols,
+                                                       nhat.get(), g.get(), rstd.get(), logits.get(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(kernels::LaunchMaskedBceReport(partials.get(), kernels::NormForwardBlocks(rows), count.get(),
+                                               report.get(), nullptr),
+                cudaSuccess);
+      // The loss of the kernel's own logits (the logits themselves: GrnGateLayerNormForwardAndBackward).
+      const Floats l = logits.Download();
+      double sum = 0, total = 0;
+      for (int i = 0; i < n; ++i) {
+        const double li = l[i];
+        sum += mask[i] * (std::max(li, 0.0) - li * labels[i] + std::log1p(std::exp(-std::abs(li))));
+        total += mask[i];
       }
       Doubles dlogits(n);
-      for (int i = 0; i < n; ++i) dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / std::max(count, 1.0);
-      DeviceArray<float> dl(logits), dy(labels), dm(mask), dd(n);
-      DeviceArray<kernels::StepReport> report(1);
-      DeviceArray<double> partials(2 * kernels::kMaskedBceBlocks);
-      ASSERT_EQ(kernels::LaunchMaskedBce(dl.get(), dy.get(), dm.get(), n, dd.get(), partials.get(), report.get(), nullptr),
-                cudaSuccess);
+      for (int i = 0; i < n; ++i) dlogits[i] = mask[i] * (Sigmoid(l[i]) - labels[i]) / std::max(total, 1.0);
       const kernels::StepReport r = report.Download()[0];
-      EXPECT_EQ(r.mask_count, count);
+      EXPECT_EQ(r.mask_count, total);
       EXPECT_NEAR(r.loss_sum, sum, 1e-9 * std::max(1.0, sum));
-      EXPECT_NEAR(r.loss, sum / std::max(count, 1.0), 1e-9);
+      EXPECT_NEAR(r.loss, sum / std::max(total, 1.0), 1e-9);
       if (masked_out) {
         EXPECT_EQ(RelativeError(dd.Download(), Floats(n, 0.f)), 0.0);
       } else {
