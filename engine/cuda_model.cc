@@ -168,7 +168,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&step_, 1);
   a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
-  a.Reserve(&loss_partials_, kernels::NormForwardBlocks(c.batch * c.window));
+  a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
   a.Reserve(&mask_count_, 1);
   a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
 
@@ -532,18 +532,22 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
                                                      rstd_f_, nullptr, stream_));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s pack and mask count
   // Data parallel: the loss is the masked mean over the GLOBAL batch, so the mask count is summed over the ranks
-  // before the head divides by it, and the per-block loss sums before the report adds them; each rank's d logits is
-  // then m·(σ − y)/(global Σm), its share of the global gradient, and the gradient sum over ranks is exactly that
-  // gradient.
+  // before the head divides by it (each rank's d logits is then m·(σ − y)/(global Σm), its share of the global
+  // gradient, and the gradient sum over ranks is exactly that gradient), and the loss's partials before the report.
   const bool all_ranks = with_gradient && communicator_;
   if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(mask_count_, 1, stream_));
   RETURN_IF_ERROR(HeadForward(rows, with_gradient));
-  const int loss_blocks = kernels::NormForwardBlocks(rows);
-  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, loss_blocks, stream_));
-  // A training step's report waits for nothing of the backward: off the main stream, which joins it at the end.
-  if (with_gradient) RETURN_IF_ERROR(ForkGradients());
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, loss_blocks, mask_count_, report_,
-                                                      with_gradient ? grad_stream_ : stream_));
+  // Nothing of a training step reads the reported loss: on one rank it is summed on grad_stream_, beside the
+  // backward, which joins it at the end.
+  cudaStream_t loss_stream = stream_;
+  if (with_gradient && !communicator_) {
+    RETURN_IF_ERROR(ForkGradients());
+    loss_stream = grad_stream_;
+  }
+  CUDA_RETURN_IF_ERROR(
+      kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, loss_stream));
+  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, kernels::kMaskedBceBlocks, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_, loss_stream));
   return absl::OkStatus();
 }
 
@@ -599,11 +603,11 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
                                   .y = value_ - gate_pre_,
                                   .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
-  // head_out's 5 outputs, their loss and d logits from the g the LayerNorm holds in registers: no product launch
-  // (cuBLAS's took 7.4 µs) and no loss launches on the main stream.
-  const kernels::NormOutputLoss loss{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr, loss_partials_};
+  // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
+  // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
+  const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
-                                                              param(pl.grn_norm.bias), HeadOutputLayer(), loss, rows,
+                                                              param(pl.grn_norm.bias), HeadOutputLayer(), grad, rows,
                                                               d.G, nhat_, g_, ln_rstd_, logits_, stream_));
   return absl::OkStatus();
 }

@@ -214,7 +214,7 @@ class CudaModel {
   int64_t* step_ = nullptr;
   kernels::StepReport* report_ = nullptr;
   double* norm_partials_ = nullptr;
-  double* loss_partials_ = nullptr;  // the GRN forward's per-block loss sums
+  double* loss_partials_ = nullptr;
   double* mask_count_ = nullptr;
   std::byte* blas_workspace_ = nullptr;
 

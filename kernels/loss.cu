@@ -1,13 +1,13 @@
-// The masked BCE's two reductions over the batch, each in one block (thread t adds its values t, t + threads, ...
-// in order, then the warps in order): deterministic without atomics.
+// The masked BCE's sums over the batch, each in a fixed order (a thread adds its values in order, then the warps in
+// order; the loss's blocks over fixed ranges, then one block adds them in order): deterministic without atomics.
 #include "kernels/common.cuh"
 #include "kernels/loss.h"
 
 namespace perception::kernels {
 namespace {
 
+constexpr int kThreads = 256;
 constexpr int kCountThreads = 1024;
-constexpr int kReportThreads = 256;
 
 __global__ void __launch_bounds__(kCountThreads) MaskCountKernel(const float* mask, int n, double* count) {
   __shared__ double scratch[kCountThreads / kWarpSize];
@@ -19,12 +19,25 @@ __global__ void __launch_bounds__(kCountThreads) MaskCountKernel(const float* ma
   if (threadIdx.x == 0) *count = sum;
 }
 
-__global__ void __launch_bounds__(kReportThreads)
-    MaskedBceReportKernel(const double* partials, int blocks, const double* count, StepReport* report) {
-  __shared__ double scratch[kReportThreads / kWarpSize];
+__global__ void __launch_bounds__(kThreads) MaskedBcePartialsKernel(const float* logits, const float* labels,
+                                                                    const float* mask, int n, double* partials) {
+  __shared__ double scratch[kThreads / kWarpSize];
+  const int per_block = CeilDiv(n, kMaskedBceBlocks);
+  const int begin = min(n, static_cast<int>(blockIdx.x) * per_block), end = min(n, begin + per_block);
+  double loss = 0.0;
+  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+    const double l = logits[i], y = labels[i], m = mask[i];
+    loss += m * (fmax(l, 0.0) - l * y + log1p(exp(-fabs(l))));
+  }
+  loss = BlockSum(loss, scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = loss;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    MaskedBceReportKernel(const double* partials, const double* count, StepReport* report) {
+  __shared__ double scratch[kThreads / kWarpSize];
   double sum = 0.0;
-#pragma unroll 8
-  for (int b = threadIdx.x; b < blocks; b += kReportThreads) sum += partials[b];
+  for (int b = threadIdx.x; b < kMaskedBceBlocks; b += kThreads) sum += partials[b];
   sum = BlockSum(sum, scratch);
   if (threadIdx.x == 0) {
     report->loss_sum = sum;
@@ -40,9 +53,15 @@ cudaError_t LaunchMaskCount(const float* mask, int n, double* count, cudaStream_
   return cudaGetLastError();
 }
 
-cudaError_t LaunchMaskedBceReport(const double* partials, int blocks, const double* count, StepReport* report,
+cudaError_t LaunchMaskedBcePartials(const float* logits, const float* labels, const float* mask, int n,
+                                    double* partials, cudaStream_t stream) {
+  MaskedBcePartialsKernel<<<kMaskedBceBlocks, kThreads, 0, stream>>>(logits, labels, mask, n, partials);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMaskedBceReport(const double* partials, const double* count, StepReport* report,
                                   cudaStream_t stream) {
-  MaskedBceReportKernel<<<1, kReportThreads, 0, stream>>>(partials, blocks, count, report);
+  MaskedBceReportKernel<<<1, kThreads, 0, stream>>>(partials, count, report);
   return cudaGetLastError();
 }
 

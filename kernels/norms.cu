@@ -31,6 +31,7 @@ __device__ __forceinline__ int Column(int j) {
 
 // The forward kernels: one row per warp.
 __device__ __forceinline__ int ForwardRow() { return blockIdx.x * kWarps + Warp(); }
+dim3 ForwardGrid(int rows) { return dim3(CeilDiv(rows, kWarps)); }
 // The backward kernels: rows blockIdx.x·kBlockRows + warp + kWarps·k for k < kRowsPerWarp.
 __device__ __forceinline__ int BackwardRow(int k) { return blockIdx.x * kBlockRows + Warp() + kWarps * k; }
 
@@ -223,69 +224,75 @@ __global__ void __launch_bounds__(kThreads)
   WriteBlockSums<V, VW>(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
 }
 
+// Logits a warp sums at once: their butterflies interleave, one shuffle's latency covering the others'.
+constexpr int kLogitsPerPass = 8;
+
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormForwardKernel(const float* pre_ln, const float* gate_pre, const float* value, const float* w,
-                                  const float* b, NormOutputLayer layer, NormOutputLoss loss, int rows, int cols,
+                                  const float* b, NormOutputLayer layer, LogitGradient grad, int rows, int cols,
                                   float* nhat, float* g, float* rstd, float* logits) {
-  __shared__ double scratch[kWarps];
   const int row = ForwardRow();
-  const float denom = loss.dlogits ? static_cast<float>(fmax(*loss.mask_count, 1.0)) : 1.f;
-  double row_loss = 0.0;  // this lane's logits' m·bce
-  if (row < rows) {       // whole warps; every warp joins the block's loss sum below
-    const size_t base = static_cast<size_t>(row) * cols;
-    float x[V], gate[V], val[V];
-    LoadRow<V, VW>(pre_ln + base, cols, x);
-    LoadRow<V, VW>(gate_pre + base, cols, gate);
-    LoadRow<V, VW>(value + base, cols, val);
-    float sum = 0.f;
+  if (row >= rows) return;  // whole warps leave together
+  const float denom = grad.dlogits ? static_cast<float>(fmax(*grad.mask_count, 1.0)) : 1.f;
+  const size_t base = static_cast<size_t>(row) * cols;
+  float x[V], gate[V], val[V];
+  LoadRow<V, VW>(pre_ln + base, cols, x);
+  LoadRow<V, VW>(gate_pre + base, cols, gate);
+  LoadRow<V, VW>(value + base, cols, val);
+  float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      x[j] += Sigmoid(gate[j]) * val[j];
-      sum += x[j];
-    }
-    const float mean = WarpSum(sum) / static_cast<float>(cols);
-    float var = 0.f;
+  for (int j = 0; j < V; ++j) {
+    x[j] += Sigmoid(gate[j]) * val[j];
+    sum += x[j];
+  }
+  const float mean = WarpSum(sum) / static_cast<float>(cols);
+  float var = 0.f;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float d = x[j] - mean;
-      var += Column<VW>(j) < cols ? d * d : 0.f;
-    }
-    const float r = 1.f / sqrtf(WarpSum(var) / static_cast<float>(cols) + kNormEps);
-    float n[V], out[V];
+  for (int j = 0; j < V; ++j) {
+    const float d = x[j] - mean;
+    var += Column<VW>(j) < cols ? d * d : 0.f;
+  }
+  const float r = 1.f / sqrtf(WarpSum(var) / static_cast<float>(cols) + kNormEps);
+  float n[V], out[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      n[j] = (x[j] - mean) * r;
-      out[j] = n[j] * WeightAt<VW>(w, j, cols) + WeightAt<VW>(b, j, cols);
-    }
-    StoreRow<V, VW>(nhat + base, cols, n);
-    StoreRow<V, VW>(g + base, cols, out);
-    if (Lane() == 0) rstd[row] = r;
-    // The output layer from the g in registers: a warp sum a logit (padded columns of g are 0); lane k % 32 keeps
-    // logit k and, at the end of each run of 32, stores it and its loss terms.
-    float mine = 0.f;
-    for (int k = 0; k < layer.outs; ++k) {
-      float dot = 0.f;
+  for (int j = 0; j < V; ++j) {
+    n[j] = (x[j] - mean) * r;
+    out[j] = n[j] * WeightAt<VW>(w, j, cols) + WeightAt<VW>(b, j, cols);
+  }
+  StoreRow<V, VW>(nhat + base, cols, n);
+  StoreRow<V, VW>(g + base, cols, out);
+  if (Lane() == 0) rstd[row] = r;
+  // The output layer from the g in registers (padded columns of g are 0): each logit a warp sum in WarpSum's order,
+  // kLogitsPerPass of them at once; lane o then holds logit k0 + o and stores it and its gradient.
+  for (int k0 = 0; k0 < layer.outs; k0 += kLogitsPerPass) {
+    float dot[kLogitsPerPass];
 #pragma unroll
-      for (int j = 0; j < V; ++j) dot += out[j] * WeightAt<VW>(layer.w + static_cast<size_t>(k) * cols, j, cols);
-      dot = WarpSum(dot);
-      if (Lane() == k % kWarpSize) mine = dot + layer.b[k];
-      if (k % kWarpSize == kWarpSize - 1 || k == layer.outs - 1) {
-        const size_t i = static_cast<size_t>(row) * layer.outs + k - k % kWarpSize + Lane();
-        if (Lane() <= k % kWarpSize) {
-          logits[i] = mine;
-          if (loss.labels) {
-            const float y = loss.labels[i], m = loss.mask[i];
-            row_loss += MaskedBce(mine, y, m);
-            if (loss.dlogits) loss.dlogits[i] = MaskedBceGradient(mine, y, m, denom);
-          }
-        }
+    for (int o = 0; o < kLogitsPerPass; ++o) {
+      dot[o] = 0.f;
+      if (k0 + o < layer.outs) {
+        const float* w_out = layer.w + static_cast<size_t>(k0 + o) * cols;
+#pragma unroll
+        for (int j = 0; j < V; ++j) dot[o] += out[j] * WeightAt<VW>(w_out, j, cols);
       }
     }
-  }
-  if (loss.labels) {
-    const double total = BlockSum(row_loss, scratch);
-    if (threadIdx.x == 0) loss.loss_partials[blockIdx.x] = total;
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        if (k0 + o < layer.outs) dot[o] += __shfl_xor_sync(0xffffffffu, dot[o], offset);  // warp-uniform test
+      }
+    }
+    float mine = 0.f;
+#pragma unroll
+    for (int o = 0; o < kLogitsPerPass; ++o) mine = Lane() == o ? dot[o] : mine;
+    const int k = k0 + Lane();
+    if (Lane() < kLogitsPerPass && k < layer.outs) {
+      const size_t i = static_cast<size_t>(row) * layer.outs + k;
+      const float logit = mine + layer.b[k];
+      logits[i] = logit;
+      if (grad.dlogits) grad.dlogits[i] = MaskedBceGradient(logit, grad.labels[i], grad.mask[i], denom);
+    }
   }
 }
 
@@ -304,11 +311,22 @@ __global__ void __launch_bounds__(kThreads)
     LoadRow<V, VW>(nhat + base, cols, n);
     LoadRow<V, VW>(gate_pre + base, cols, gate);
     LoadRow<V, VW>(value + base, cols, val);
-    // dg = d logits · w_out, the output layer's input gradient (0 in padded columns), logits in order.
-    for (int k = 0; k < layer.outs; ++k) {
-      const float dl = dlogits[static_cast<size_t>(row) * layer.outs + k];
+    // dg = d logits · w_out, the output layer's input gradient (0 in padded columns), logits in order, a pass's
+    // loads first.
+    for (int k0 = 0; k0 < layer.outs; k0 += kLogitsPerPass) {
+      float dl[kLogitsPerPass];
 #pragma unroll
-      for (int j = 0; j < V; ++j) dgr[j] += dl * WeightAt<VW>(layer.w + static_cast<size_t>(k) * cols, j, cols);
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        dl[o] = k0 + o < layer.outs ? dlogits[static_cast<size_t>(row) * layer.outs + k0 + o] : 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        if (k0 + o < layer.outs) {
+          const float* w_out = layer.w + static_cast<size_t>(k0 + o) * cols;
+#pragma unroll
+          for (int j = 0; j < V; ++j) dgr[j] += dl[o] * WeightAt<VW>(w_out, j, cols);
+        }
+      }
     }
     const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
@@ -381,13 +399,11 @@ static_assert(kMaxNormWidth == 32 * kWarpSize, "ForRowWidth's widest instance is
 
 int NormPartialRows(int rows) { return CeilDiv(rows, kBlockRows); }
 
-int NormForwardBlocks(int rows) { return CeilDiv(rows, kWarps); }
-
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
                                  float* rstd, float* residual, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {v, y, residual}, {ldv, ldy});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    RmsNormForwardKernel<V, VW><<<NormForwardBlocks(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
+    RmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
                                                                              residual);
     return cudaGetLastError();
   });
@@ -408,7 +424,7 @@ cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, c
                                       float* yn, float* rstd, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {y, z, yn}, {ldz});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GatedRmsNormForwardKernel<V, VW><<<NormForwardBlocks(rows), kThreads, 0, stream>>>(y, z, ldz, w, rows, cols, yn,
+    GatedRmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(y, z, ldz, w, rows, cols, yn,
                                                                                  rstd);
     return cudaGetLastError();
   });
@@ -427,12 +443,12 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
 
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
                                           const float* w, const float* b, const NormOutputLayer& out,
-                                          const NormOutputLoss& loss, int rows, int cols, float* nhat, float* g,
+                                          const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
                                           float* rstd, float* logits, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GrnGateLayerNormForwardKernel<V, VW><<<NormForwardBlocks(rows), kThreads, 0, stream>>>(
-        pre_ln, gate_pre, value, w, b, out, loss, rows, cols, nhat, g, rstd, logits);
+    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(
+        pre_ln, gate_pre, value, w, b, out, grad, rows, cols, nhat, g, rstd, logits);
     return cudaGetLastError();
   });
 }

@@ -44,26 +44,21 @@ struct NormOutputLayer {
   int outs = 0;
 };
 
-// The masked BCE of the output layer's logits (MODEL.md §2.7), [rows, outs] each but the count, formed where the
-// logits are: each block's Σ m·bce goes to loss_partials[block] (NormForwardBlocks(rows) of them: the report adds
-// them, kernels/loss.h); d logits = m·(σ(l) − y)/max(*mask_count, 1) when dlogits is non-null.
-struct NormOutputLoss {
+// The masked BCE's gradient with respect to the output layer's logits (MODEL.md §2.7), formed where the logits are:
+// dlogits = m·(σ(l) − y)/max(*mask_count, 1), all [rows, outs] but the count.
+struct LogitGradient {
   const float* labels = nullptr;
   const float* mask = nullptr;
   const double* mask_count = nullptr;  // Σ mask over the whole batch (every rank's)
   float* dlogits = nullptr;
-  double* loss_partials = nullptr;
 };
 
-// Blocks of a forward launch over `rows` rows.
-int NormForwardBlocks(int rows);
-
 // The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value (not stored: the backward needs only nhat); then
-// nhat = (x − mean)·rstd and g = nhat ⊙ w + b, the output layer's logits [rows, out.outs] from g, and their loss.
-// All [rows, cols] dense; rstd per row.
+// nhat = (x − mean)·rstd and g = nhat ⊙ w + b, the output layer's logits [rows, out.outs] from g, and their gradient
+// when grad.dlogits is non-null. All [rows, cols] dense; rstd per row.
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
                                           const float* w, const float* b, const NormOutputLayer& out,
-                                          const NormOutputLoss& loss, int rows, int cols, float* nhat, float* g,
+                                          const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
                                           float* rstd, float* logits, cudaStream_t stream);
 
 // From d logits [rows, out.outs]: dg = d logits · out.w (not stored), then d pre_ln = rstd·(dg⊙w − mean(dg⊙w) −

@@ -249,7 +249,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
     const kernels::NormOutputLayer out{dw_out.get(), db_out.get(), outs};
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
-                                                     out, kernels::NormOutputLoss{}, rows, cols, nhat.get(), g.get(),
+                                                     out, kernels::LogitGradient{}, rows, cols, nhat.get(), g.get(),
                                                      rstd.get(), logits.get(), nullptr),
               cudaSuccess);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
@@ -581,7 +581,7 @@ TEST(KernelTest, CfcForwardAndBackward) {
   }
 }
 
-// The loss where the GRN forward forms the logits: the mask count, each block's loss sum, d logits, the report.
+// The loss of the logits the GRN forward forms: the mask count first, d logits in the forward, then the report.
 TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
   SKIP_WITHOUT_CUDA_DEVICE();
   constexpr int kCols = 64, kOuts = 5;
@@ -599,18 +599,19 @@ TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
         mask[i] = !masked_out && keep[i] < .8f ? 1.f : 0.f;
       }
       DeviceArray<float> pre_ln(skip), dgate(gate), dvalue(value), dw(w), db(b), dw_out(w_out), db_out(b_out);
-      DeviceArray<float> nhat(rows * kCols), g(rows * kCols), rstd(rows), logits(n), dlabels(labels), dmask(mask), dd(n);
-      DeviceArray<double> count(1), partials(kernels::NormForwardBlocks(rows));
+      DeviceArray<float> nhat(rows * kCols), g(rows * kCols), rstd(rows), logits(n), dd(n);
+      DeviceArray<float> dlabels(labels), dmask(mask);
+      DeviceArray<double> count(1), partials(kernels::kMaskedBceBlocks);
       DeviceArray<kernels::StepReport> report(1);
       ASSERT_EQ(kernels::LaunchMaskCount(dmask.get(), n, count.get(), nullptr), cudaSuccess);
-      const kernels::NormOutputLoss loss{dlabels.get(), dmask.get(), count.get(), dd.get(), partials.get()};
+      const kernels::LogitGradient grad{dlabels.get(), dmask.get(), count.get(), dd.get()};
       ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate.get(), dvalue.get(), dw.get(), db.get(),
-                                                       {dw_out.get(), db_out.get(), kOuts}, loss, rows, kCols,
+                                                       {dw_out.get(), db_out.get(), kOuts}, grad, rows, kCols,
                                                        nhat.get(), g.get(), rstd.get(), logits.get(), nullptr),
                 cudaSuccess);
-      ASSERT_EQ(kernels::LaunchMaskedBceReport(partials.get(), kernels::NormForwardBlocks(rows), count.get(),
-                                               report.get(), nullptr),
+      ASSERT_EQ(kernels::LaunchMaskedBcePartials(logits.get(), dlabels.get(), dmask.get(), n, partials.get(), nullptr),
                 cudaSuccess);
+      ASSERT_EQ(kernels::LaunchMaskedBceReport(partials.get(), count.get(), report.get(), nullptr), cudaSuccess);
       // The loss of the kernel's own logits (the logits themselves: GrnGateLayerNormForwardAndBackward).
       const Floats l = logits.Download();
       double sum = 0, total = 0;
