@@ -157,7 +157,6 @@ class CudaModel {
   absl::Status BuildTables();
 
   absl::Status RequireStaged(bool full_batch) const;
-  absl::Status CopyInputsIn(int rows);
   // The full-batch forward, loss, backward and gradient all-reduce, then (optimizer_step) clipping and AdamW, then
   // the report's copy out: the body of both EnqueueTrainStepEagerly and EnqueueGradients.
   absl::Status EnqueueTrainingWork(bool optimizer_step);
