@@ -584,15 +584,17 @@ TEST(KernelTest, CfcForwardAndBackward) {
 // The loss of the logits the GRN forward forms: the mask count first, d logits in the forward, then the report.
 TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  constexpr int kCols = 64, kOuts = 5;
-  for (const int rows : {1, 9, 16384}) {
+  constexpr int kCols = 64;
+  // (rows, outputs): the step's 5 logits a row, and 11, which take two passes of the forward's logits.
+  for (const auto& [rows, outs] : {std::pair{1, 5}, {9, 11}, {16384, 5}, {1000, 11}}) {
     for (const bool masked_out : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << rows << " rows" << (masked_out ? ", all masked" : ""));
-      const int n = rows * kOuts;
+      SCOPED_TRACE(::testing::Message() << rows << " rows, " << outs << " outputs"
+                                        << (masked_out ? ", all masked" : ""));
+      const int n = rows * outs;
       const Floats skip = RandomFloats(rows * kCols, 83, -2, 2), gate = RandomFloats(rows * kCols, 84, -3, 3);
       const Floats value = RandomFloats(rows * kCols, 85), w = RandomFloats(kCols, 86, .5, 1.5);
-      const Floats b = RandomFloats(kCols, 87), w_out = RandomFloats(kOuts * kCols, 88, -3, 3);
-      const Floats b_out = RandomFloats(kOuts, 89), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
+      const Floats b = RandomFloats(kCols, 87), w_out = RandomFloats(outs * kCols, 88, -3, 3);
+      const Floats b_out = RandomFloats(outs, 89), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
       Floats labels(n), mask(n);
       for (int i = 0; i < n; ++i) {
         labels[i] = coin[i] < .5f ? 1.f : 0.f;
@@ -606,7 +608,7 @@ TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
       ASSERT_EQ(kernels::LaunchMaskCount(dmask.get(), n, count.get(), nullptr), cudaSuccess);
       const kernels::LogitGradient grad{dlabels.get(), dmask.get(), count.get(), dd.get()};
       ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate.get(), dvalue.get(), dw.get(), db.get(),
-                                                       {dw_out.get(), db_out.get(), kOuts}, grad, rows, kCols,
+                                                       {dw_out.get(), db_out.get(), outs}, grad, rows, kCols,
                                                        nhat.get(), g.get(), rstd.get(), logits.get(), nullptr),
                 cudaSuccess);
       ASSERT_EQ(kernels::LaunchMaskedBcePartials(logits.get(), dlabels.get(), dmask.get(), n, partials.get(), nullptr),
