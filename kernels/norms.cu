@@ -234,6 +234,13 @@ __global__ void __launch_bounds__(kThreads)
                                   float* nhat, float* g, float* rstd, float* logits) {
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
+  // The count, and this lane's label and mask of the first pass of logits below, loaded before the row: their
+  // latency hides behind the row's instead of following it.
+  float label = 0.f, mask = 0.f;
+  if (grad.dlogits && Lane() < kLogitsPerPass && Lane() < layer.outs) {
+    label = grad.labels[static_cast<size_t>(row) * layer.outs + Lane()];
+    mask = grad.mask[static_cast<size_t>(row) * layer.outs + Lane()];
+  }
   const float denom = grad.dlogits ? static_cast<float>(fmax(*grad.mask_count, 1.0)) : 1.f;
   const size_t base = static_cast<size_t>(row) * cols;
   float x[V], gate[V], val[V];
@@ -291,7 +298,13 @@ __global__ void __launch_bounds__(kThreads)
       const size_t i = static_cast<size_t>(row) * layer.outs + k;
       const float logit = mine + layer.b[k];
       logits[i] = logit;
-      if (grad.dlogits) grad.dlogits[i] = MaskedBceGradient(logit, grad.labels[i], grad.mask[i], denom);
+      if (grad.dlogits) {
+        if (k0 > 0) {
+          label = grad.labels[i];
+          mask = grad.mask[i];
+        }
+        grad.dlogits[i] = MaskedBceGradient(logit, label, mask, denom);
+      }
     }
   }
 }
