@@ -168,7 +168,8 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&step_, 1);
   a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
-  a.Reserve(&loss_partials_, 2 * kernels::kMaskedBceBlocks);
+  a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
+  a.Reserve(&mask_count_, 1);
   a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
 
   a.Reserve(&x_, M * d.F);
@@ -208,7 +209,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&logits_, M * d.H);
 
   a.Reserve(&dlogits_, M * d.H);
-  for (float** buffer : {&dg_, &d_pre_ln_, &d_gate_pre_, &d_value_, &de1_, &d_pre2_}) a.Reserve(buffer, M * d.G);
+  for (float** buffer : {&d_pre_ln_, &d_gate_pre_, &d_value_, &de1_, &d_pre2_}) a.Reserve(buffer, M * d.G);
   a.Reserve(&d_head_in_, M * d.DC);
   a.Reserve(&dp_, M * 4 * d.C);
   a.Reserve(&dbb_pre_, M * d.K);
@@ -347,16 +348,6 @@ absl::Status CudaModel::RequireStaged(bool full_batch) const {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::CopyInputsIn(int rows) {
-  const size_t n = rows, F = config().n_features, H = config().n_horizons;
-  enqueued_since_wait_ = true;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * F * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(labels_, labels_host_, n * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(mask_, mask_host_, n * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  return absl::OkStatus();
-}
-
 // ---- training step: warmup → capture → replay ----
 
 absl::Status CudaModel::EnqueueTrainStep() {
@@ -438,7 +429,6 @@ absl::Status CudaModel::EnqueueGradients() { return EnqueueTrainingWork(/*optimi
 
 absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
-  RETURN_IF_ERROR(CopyInputsIn(config().batch * config().window));
   RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
@@ -450,7 +440,6 @@ absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
 absl::Status CudaModel::EnqueueEvaluate(bool carry_state) {
   RETURN_IF_ERROR(RequireStaged(/*full_batch=*/false));
   const int rows = staged_batch_ * staged_window_;
-  RETURN_IF_ERROR(CopyInputsIn(rows));
   RETURN_IF_ERROR(ForwardAndLoss(staged_batch_, staged_window_, carry_state, /*with_gradient=*/false));
   if (carry_state) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(states_.in, states_.out, states_.floats() * sizeof(float),
@@ -515,10 +504,23 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
-  // The CfC's weights are packed on grad_stream_ while the layers run: the packing reads only parameters.
+  const size_t n = rows;
+  // The batch in from the pinned staging: x on the main stream, which starts on it at once; dt, labels and mask,
+  // which nothing reads before the CfC, behind it on grad_stream_ (the copies share the host link: x goes first),
+  // beside the layers (H200, small: 19 µs a step off the main stream).
+  enqueued_since_wait_ = true;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
   RETURN_IF_ERROR(ForkGradients());
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(labels_, labels_host_, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(mask_, mask_host_, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
+  // So is the CfC's weight packing: it reads only parameters.
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
                                                      grad_stream_));
+  // So is the mask count that d logits divides by: it reads only the batch.
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
@@ -527,20 +529,24 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
-  RETURN_IF_ERROR(CfcForward(batch, window, carry_state));
-  RETURN_IF_ERROR(HeadForward(rows));
-  if (!with_gradient || !communicator_) {
-    CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBce(logits_, labels_, mask_, rows * d.H,
-                                                  with_gradient ? dlogits_ : nullptr, loss_partials_, report_, stream_));
-    return absl::OkStatus();
+  RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s copies and count
+  // Data parallel: the loss is the masked mean over the GLOBAL batch, so the mask count is summed over the ranks
+  // before the head divides by it (each rank's d logits is then m·(σ − y)/(global Σm), its share of the global
+  // gradient, and the gradient sum over ranks is exactly that gradient), and the loss's partials before the report.
+  const bool all_ranks = with_gradient && communicator_;
+  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(mask_count_, 1, stream_));
+  RETURN_IF_ERROR(HeadForward(rows, with_gradient));
+  // Nothing of a training step reads the reported loss: on one rank it is summed on grad_stream_, beside the
+  // backward, which joins it at the end.
+  cudaStream_t loss_stream = stream_;
+  if (with_gradient && !communicator_) {
+    RETURN_IF_ERROR(ForkGradients());
+    loss_stream = grad_stream_;
   }
-  // Data parallel: the loss is the masked mean over the GLOBAL batch, so the per-block loss and mask-count partials
-  // are summed over the ranks before the finish divides; each rank's d logits is then m·(σ − y)/(global Σm), its
-  // share of the global gradient, and the gradient sum over ranks is exactly that gradient.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, stream_));
-  RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, 2 * kernels::kMaskedBceBlocks, stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceFinish(logits_, labels_, mask_, rows * d.H, loss_partials_, dlogits_,
-                                                      report_, stream_));
+  CUDA_RETURN_IF_ERROR(
+      kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, loss_stream));
+  if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, kernels::kMaskedBceBlocks, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_, loss_stream));
   return absl::OkStatus();
 }
 
@@ -576,7 +582,11 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::HeadForward(int rows) {
+kernels::NormOutputLayer CudaModel::HeadOutputLayer() const {
+  return {param(layout_.head_out.weight), param(layout_.head_out.bias), config().n_horizons};
+}
+
+absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
@@ -592,11 +602,13 @@ absl::Status CudaModel::HeadForward(int rows) {
                                   .y = value_ - gate_pre_,
                                   .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
+  // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
+  // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
+  const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
-                                                              param(pl.grn_norm.bias), rows, d.G, nhat_, g_, ln_rstd_,
-                                                              stream_));
-  return blas_->Forward(rows, d.G, d.H, g_, d.G, param(pl.head_out.weight), d.G, param(pl.head_out.bias), 0.f,
-                        logits_, d.H);
+                                                              param(pl.grn_norm.bias), HeadOutputLayer(), grad, rows,
+                                                              d.G, nhat_, g_, ln_rstd_, logits_, stream_));
+  return absl::OkStatus();
 }
 
 // ---- backward (always the full configured batch) ----
@@ -645,10 +657,10 @@ absl::Status CudaModel::HeadBackward(int rows) {
   const ParamLayout& pl = layout_;
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.H, dlogits_, d.H, param(pl.head_out.weight), d.G, 0.f, dg_, d.G));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dg_, nhat_, ln_rstd_, param(pl.grn_norm.weight),
-                                                               gate_pre_, value_, rows, d.G, d_pre_ln_, d_gate_pre_,
-                                                               d_value_, grn_partials_, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dlogits_, HeadOutputLayer(), nhat_, ln_rstd_,
+                                                               param(pl.grn_norm.weight), gate_pre_, value_, rows,
+                                                               d.G, d_pre_ln_, d_gate_pre_, d_value_, grn_partials_,
+                                                               stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));

@@ -25,6 +25,7 @@
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
+#include "kernels/norms.h"
 #include "kernels/optimizer.h"
 #include "kernels/ssm.h"
 #include "kernels/step_report.h"
@@ -156,7 +157,6 @@ class CudaModel {
   absl::Status BuildTables();
 
   absl::Status RequireStaged(bool full_batch) const;
-  absl::Status CopyInputsIn(int rows);
   // The full-batch forward, loss, backward and gradient all-reduce, then (optimizer_step) clipping and AdamW, then
   // the report's copy out: the body of both EnqueueTrainStepEagerly and EnqueueGradients.
   absl::Status EnqueueTrainingWork(bool optimizer_step);
@@ -166,7 +166,7 @@ class CudaModel {
   absl::Status ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
-  absl::Status HeadForward(int rows);
+  absl::Status HeadForward(int rows, bool with_gradient);
   absl::Status Backward();
   absl::Status HeadBackward(int rows);
   absl::Status CfcBackward(int rows);
@@ -180,6 +180,7 @@ class CudaModel {
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::SsmInput SsmInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::CfcWeights CfcWeightsOf() const;
+  kernels::NormOutputLayer HeadOutputLayer() const;  // head_out, folded into the GRN LayerNorm's kernels
   const float* param(int tensor) const { return params_ + layout_.tensor(tensor).offset; }
   float* grad(int tensor) const { return grads_ + layout_.tensor(tensor).offset; }
   absl::StatusOr<std::vector<float>> DownloadFloats(const float* device) const;
@@ -213,6 +214,7 @@ class CudaModel {
   kernels::StepReport* report_ = nullptr;
   double* norm_partials_ = nullptr;
   double* loss_partials_ = nullptr;
+  double* mask_count_ = nullptr;
   std::byte* blas_workspace_ = nullptr;
 
   // Inputs on the device and their pinned staging; pinned logits and report for the host.
@@ -232,7 +234,7 @@ class CudaModel {
   float *pre_ln_ = nullptr, *ln_rstd_ = nullptr, *nhat_ = nullptr, *g_ = nullptr, *logits_ = nullptr;
 
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
-  float *dlogits_ = nullptr, *dg_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
+  float *dlogits_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers

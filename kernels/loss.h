@@ -1,4 +1,5 @@
-// The masked binary cross-entropy of MODEL.md §2.7 and its gradient with respect to the logits.
+// The masked binary cross-entropy of MODEL.md §2.7 over the batch: the mask count, which d logits divides by (the
+// kernel that forms the logits forms d logits too: kernels/norms.h), and the loss the step reports.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,20 +8,19 @@
 
 namespace perception::kernels {
 
-// Blocks of the loss launches; `partials` holds 2 doubles per block.
+// Blocks of the loss's first launch; its `partials` hold one double per block.
 constexpr int kMaskedBceBlocks = 256;
 
-// Over n values: report->loss_sum = Σ m·bce(l, y), report->mask_count = Σ m, report->loss = sum / max(count, 1),
-// summed in double in a fixed order. When `dlogits` is non-null it receives m·(σ(l) − y)/max(Σm, 1). Two launches:
-// per-block sums into `partials` [2·kMaskedBceBlocks], then every block adds them in the same order.
-cudaError_t LaunchMaskedBce(const float* logits, const float* labels, const float* mask, int n, float* dlogits,
-                            double* partials, StepReport* report, cudaStream_t stream);
+// *count = Σ mask over n values, in double, in a fixed order (one block).
+cudaError_t LaunchMaskCount(const float* mask, int n, double* count, cudaStream_t stream);
 
-// LaunchMaskedBce's two launches, for data-parallel training, which sums `partials` across ranks in between: then
-// the count and the loss are the global batch's, and each rank's d logits its share of the global mean's gradient.
+// partials[b] = Σ m·bce(l, y) over block b's fixed range of the n values, in double from the float logits.
 cudaError_t LaunchMaskedBcePartials(const float* logits, const float* labels, const float* mask, int n,
                                     double* partials, cudaStream_t stream);
-cudaError_t LaunchMaskedBceFinish(const float* logits, const float* labels, const float* mask, int n,
-                                  const double* partials, float* dlogits, StepReport* report, cudaStream_t stream);
+
+// report->loss_sum = Σ partials in a fixed order, report->mask_count = *count, report->loss = loss_sum / max(count,
+// 1) (one block). Data parallel: the partials and the count summed over the ranks in between give the global ones.
+cudaError_t LaunchMaskedBceReport(const double* partials, const double* count, StepReport* report,
+                                  cudaStream_t stream);
 
 }  // namespace perception::kernels

@@ -7,6 +7,7 @@
 #include <initializer_list>
 
 #include "kernels/common.cuh"
+#include "kernels/loss.cuh"
 #include "kernels/norms.h"
 
 namespace perception::kernels {
@@ -223,12 +224,24 @@ __global__ void __launch_bounds__(kThreads)
   WriteBlockSums<V, VW>(dw, cols, dw_partials + static_cast<size_t>(blockIdx.x) * cols);
 }
 
+// Logits a warp sums at once: their butterflies interleave, one shuffle's latency covering the others'.
+constexpr int kLogitsPerPass = 8;
+
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormForwardKernel(const float* pre_ln, const float* gate_pre, const float* value, const float* w,
-                                  const float* b, int rows, int cols, float* nhat, float* g, float* rstd) {
+                                  const float* b, NormOutputLayer layer, LogitGradient grad, int rows, int cols,
+                                  float* nhat, float* g, float* rstd, float* logits) {
   const int row = ForwardRow();
-  if (row >= rows) return;
+  if (row >= rows) return;  // whole warps leave together
+  // The count, and this lane's label and mask of the first pass of logits below, loaded before the row: their
+  // latency hides behind the row's instead of following it.
+  float label = 0.f, mask = 0.f;
+  if (grad.dlogits && Lane() < kLogitsPerPass && Lane() < layer.outs) {
+    label = grad.labels[static_cast<size_t>(row) * layer.outs + Lane()];
+    mask = grad.mask[static_cast<size_t>(row) * layer.outs + Lane()];
+  }
+  const float denom = grad.dlogits ? static_cast<float>(fmax(*grad.mask_count, 1.0)) : 1.f;
   const size_t base = static_cast<size_t>(row) * cols;
   float x[V], gate[V], val[V];
   LoadRow<V, VW>(pre_ln + base, cols, x);
@@ -257,24 +270,77 @@ __global__ void __launch_bounds__(kThreads)
   StoreRow<V, VW>(nhat + base, cols, n);
   StoreRow<V, VW>(g + base, cols, out);
   if (Lane() == 0) rstd[row] = r;
+  // The output layer from the g in registers (padded columns of g are 0): each logit a warp sum in WarpSum's order,
+  // kLogitsPerPass of them at once; lane o then holds logit k0 + o and stores it and its gradient.
+  for (int k0 = 0; k0 < layer.outs; k0 += kLogitsPerPass) {
+    float dot[kLogitsPerPass];
+#pragma unroll
+    for (int o = 0; o < kLogitsPerPass; ++o) {
+      dot[o] = 0.f;
+      if (k0 + o < layer.outs) {
+        const float* w_out = layer.w + static_cast<size_t>(k0 + o) * cols;
+#pragma unroll
+        for (int j = 0; j < V; ++j) dot[o] += out[j] * WeightAt<VW>(w_out, j, cols);
+      }
+    }
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        if (k0 + o < layer.outs) dot[o] += __shfl_xor_sync(0xffffffffu, dot[o], offset);  // warp-uniform test
+      }
+    }
+    float mine = 0.f;
+#pragma unroll
+    for (int o = 0; o < kLogitsPerPass; ++o) mine = Lane() == o ? dot[o] : mine;
+    const int k = k0 + Lane();
+    if (Lane() < kLogitsPerPass && k < layer.outs) {
+      const size_t i = static_cast<size_t>(row) * layer.outs + k;
+      const float logit = mine + layer.b[k];
+      logits[i] = logit;
+      if (grad.dlogits) {
+        if (k0 > 0) {
+          label = grad.labels[i];
+          mask = grad.mask[i];
+        }
+        grad.dlogits[i] = MaskedBceGradient(logit, label, mask, denom);
+      }
+    }
+  }
 }
 
 template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
-    GrnGateLayerNormBackwardKernel(const float* dg, const float* nhat, const float* rstd, const float* w,
-                                   const float* gate_pre, const float* value, int rows, int cols, float* d_pre_ln,
-                                   float* d_gate_pre, float* d_value, float* partials) {
+    GrnGateLayerNormBackwardKernel(const float* dlogits, NormOutputLayer layer, const float* nhat, const float* rstd,
+                                   const float* w, const float* gate_pre, const float* value, int rows, int cols,
+                                   float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials) {
   float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;
-    float dgr[V], n[V], gate[V], val[V];
-    LoadRow<V, VW>(dg + base, cols, dgr);
+    float dgr[V] = {}, n[V], gate[V], val[V];
     LoadRow<V, VW>(nhat + base, cols, n);
     LoadRow<V, VW>(gate_pre + base, cols, gate);
     LoadRow<V, VW>(value + base, cols, val);
+    // dg = d logits · w_out, the output layer's input gradient (0 in padded columns), logits in order, a pass's
+    // loads first.
+    for (int k0 = 0; k0 < layer.outs; k0 += kLogitsPerPass) {
+      float dl[kLogitsPerPass];
+#pragma unroll
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        dl[o] = k0 + o < layer.outs ? dlogits[static_cast<size_t>(row) * layer.outs + k0 + o] : 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < kLogitsPerPass; ++o) {
+        if (k0 + o < layer.outs) {
+          const float* w_out = layer.w + static_cast<size_t>(k0 + o) * cols;
+#pragma unroll
+          for (int j = 0; j < V; ++j) dgr[j] += dl[o] * WeightAt<VW>(w_out, j, cols);
+        }
+      }
+    }
     const float r = rstd[row];
     float mean_dn = 0.f, mean_dn_n = 0.f;
 #pragma unroll
@@ -389,24 +455,25 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
 }
 
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
-                                          const float* w, const float* b, int rows, int cols, float* nhat, float* g,
-                                          float* rstd, cudaStream_t stream) {
+                                          const float* w, const float* b, const NormOutputLayer& out,
+                                          const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
+                                          float* rstd, float* logits, cudaStream_t stream) {
   const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(pre_ln, gate_pre, value, w, b,
-                                                                                      rows, cols, nhat, g, rstd);
+    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(
+        pre_ln, gate_pre, value, w, b, out, grad, rows, cols, nhat, g, rstd, logits);
     return cudaGetLastError();
   });
 }
 
-cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
-                                           const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
-                                           cudaStream_t stream) {
-  const bool vec = Vectorizable(cols, {dg, nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
+cudaError_t LaunchGrnGateLayerNormBackward(const float* dlogits, const NormOutputLayer& out, const float* nhat,
+                                           const float* rstd, const float* w, const float* gate_pre,
+                                           const float* value, int rows, int cols, float* d_pre_ln,
+                                           float* d_gate_pre, float* d_value, float* partials, cudaStream_t stream) {
+  const bool vec = Vectorizable(cols, {nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
     GrnGateLayerNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
-        dg, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
+        dlogits, out, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
     return cudaGetLastError();
   });
 }

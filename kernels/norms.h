@@ -37,19 +37,37 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
                                        const float* z, int ldz, int rows, int cols, float* dy, float* dz, int lddz,
                                        float* dw_partials, cudaStream_t stream);
 
-// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value (not stored: the backward needs only nhat); then
-// nhat = (x − mean)·rstd and g = nhat ⊙ w + b. All [rows, cols] dense; rstd per row.
-cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
-                                          const float* w, const float* b, int rows, int cols, float* nhat, float* g,
-                                          float* rstd, cudaStream_t stream);
+// The GRN's output layer, folded into its LayerNorm's kernels: logits = g·wᵀ + b, w [outs, cols], b [outs].
+struct NormOutputLayer {
+  const float* w = nullptr;
+  const float* b = nullptr;
+  int outs = 0;
+};
 
-// From dg: d pre_ln = rstd·(dg⊙w − mean(dg⊙w) − nhat·mean(dg⊙w⊙nhat)), then the gate's
-// d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙ σ'(gate_pre). All dense.
-// partials [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and Σ d value (the
-// gate's and the value's bias gradients).
-cudaError_t LaunchGrnGateLayerNormBackward(const float* dg, const float* nhat, const float* rstd, const float* w,
-                                           const float* gate_pre, const float* value, int rows, int cols,
-                                           float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials,
-                                           cudaStream_t stream);
+// The masked BCE's gradient with respect to the output layer's logits (MODEL.md §2.7), formed where the logits are:
+// dlogits = m·(σ(l) − y)/max(*mask_count, 1), all [rows, outs] but the count.
+struct LogitGradient {
+  const float* labels = nullptr;
+  const float* mask = nullptr;
+  const double* mask_count = nullptr;  // Σ mask over the whole batch (every rank's)
+  float* dlogits = nullptr;
+};
+
+// The GRN's gate and LayerNorm: x = pre_ln + σ(gate_pre) ⊙ value (not stored: the backward needs only nhat); then
+// nhat = (x − mean)·rstd and g = nhat ⊙ w + b, the output layer's logits [rows, out.outs] from g, and their gradient
+// when grad.dlogits is non-null. All [rows, cols] dense; rstd per row.
+cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
+                                          const float* w, const float* b, const NormOutputLayer& out,
+                                          const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
+                                          float* rstd, float* logits, cudaStream_t stream);
+
+// From d logits [rows, out.outs]: dg = d logits · out.w (not stored), then d pre_ln = rstd·(dg⊙w − mean(dg⊙w) −
+// nhat·mean(dg⊙w⊙nhat)), and the gate's d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙
+// σ'(gate_pre). All dense. partials [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and
+// Σ d value (the gate's and the value's bias gradients).
+cudaError_t LaunchGrnGateLayerNormBackward(const float* dlogits, const NormOutputLayer& out, const float* nhat,
+                                           const float* rstd, const float* w, const float* gate_pre,
+                                           const float* value, int rows, int cols, float* d_pre_ln,
+                                           float* d_gate_pre, float* d_value, float* partials, cudaStream_t stream);
 
 }  // namespace perception::kernels

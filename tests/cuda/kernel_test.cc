@@ -190,12 +190,14 @@ TEST(KernelTest, GatedRmsNormForwardAndBackward) {
 
 TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const auto& [rows, cols] : {std::pair{1, 5}, {9, 6}, {70, 64}, {40, 128}}) {
-    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+  // (rows, cols, outputs of the folded output layer): more than 32 outputs take two runs of a warp's stores.
+  for (const auto& [rows, cols, outs] : {std::tuple{1, 5, 5}, {9, 6, 1}, {70, 64, 5}, {40, 128, 37}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " → " << outs);
     const Floats skip = RandomFloats(rows * cols, 30, -2, 2), gate = RandomFloats(rows * cols, 31, -3, 3);
     const Floats value = RandomFloats(rows * cols, 32), w = RandomFloats(cols, 33, .5, 1.5), b = RandomFloats(cols, 34);
-    const Floats dg = RandomFloats(rows * cols, 35);
-    Doubles x_cpu(rows * cols), nhat_cpu(rows * cols), g_cpu(rows * cols), rstd_cpu(rows);
+    const Floats w_out = RandomFloats(outs * cols, 36), b_out = RandomFloats(outs, 37);
+    const Floats dlogits = RandomFloats(rows * outs, 35);
+    Doubles x_cpu(rows * cols), nhat_cpu(rows * cols), g_cpu(rows * cols), rstd_cpu(rows), logits_cpu(rows * outs);
     for (int r = 0; r < rows; ++r) {
       double mean = 0, var = 0;
       for (int i = 0; i < cols; ++i) {
@@ -210,37 +212,53 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
         nhat_cpu[k] = (x_cpu[k] - mean) * rstd_cpu[r];
         g_cpu[k] = nhat_cpu[k] * w[i] + b[i];
       }
+      for (int o = 0; o < outs; ++o) {
+        logits_cpu[r * outs + o] = b_out[o];
+        for (int i = 0; i < cols; ++i) logits_cpu[r * outs + o] += g_cpu[r * cols + i] * w_out[o * cols + i];
+      }
+    }
+    Doubles dg(rows * cols, 0.0);  // the output layer's input gradient, which the backward forms from d logits
+    for (int r = 0; r < rows; ++r) {
+      for (int o = 0; o < outs; ++o) {
+        for (int i = 0; i < cols; ++i) dg[r * cols + i] += double(dlogits[r * outs + o]) * w_out[o * cols + i];
+      }
     }
     const Floats nhat_f(nhat_cpu.begin(), nhat_cpu.end()), rstd_f(rstd_cpu.begin(), rstd_cpu.end());
     Doubles dpre_cpu(rows * cols), dgate_cpu(rows * cols), dvalue_cpu(rows * cols), sums_cpu(4 * cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       double mean_dn = 0, mean_dn_n = 0;
       for (int i = 0; i < cols; ++i) {
-        mean_dn += double(dg[r * cols + i]) * w[i] / cols;
-        mean_dn_n += double(dg[r * cols + i]) * w[i] * nhat_f[r * cols + i] / cols;
+        mean_dn += dg[r * cols + i] * w[i] / cols;
+        mean_dn_n += dg[r * cols + i] * w[i] * nhat_f[r * cols + i] / cols;
       }
       for (int i = 0; i < cols; ++i) {
         const int k = r * cols + i;
-        const double dpre = rstd_f[r] * (double(dg[k]) * w[i] - mean_dn - nhat_f[k] * mean_dn_n), sg = Sigmoid(gate[k]);
+        const double dpre = rstd_f[r] * (dg[k] * w[i] - mean_dn - nhat_f[k] * mean_dn_n), sg = Sigmoid(gate[k]);
         dpre_cpu[k] = dpre;
         dvalue_cpu[k] = dpre * sg;
         dgate_cpu[k] = dpre * value[k] * sg * (1 - sg);
-        sums_cpu[i] += double(dg[k]) * nhat_f[k];
+        sums_cpu[i] += dg[k] * nhat_f[k];
         sums_cpu[cols + i] += dg[k];
         sums_cpu[2 * cols + i] += dgate_cpu[k];
         sums_cpu[3 * cols + i] += dvalue_cpu[k];
       }
     }
     DeviceArray<float> pre_ln(skip), dgate_in(gate), dvalue_in(value), dw(w), db(b), nhat(rows * cols), g(rows * cols);
-    DeviceArray<float> rstd(rows), ddg(dg), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
+    DeviceArray<float> dw_out(w_out), db_out(b_out), logits(rows * outs), ddlogits(dlogits);
+    DeviceArray<float> rstd(rows), dnhat(nhat_f), drstd(rstd_f), dpre(rows * cols), dgt(rows * cols),
         dval(rows * cols), parts(kernels::NormPartialRows(rows) * 4 * cols);
+    const kernels::NormOutputLayer out{dw_out.get(), db_out.get(), outs};
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate_in.get(), dvalue_in.get(), dw.get(), db.get(),
-                                                     rows, cols, nhat.get(), g.get(), rstd.get(), nullptr), cudaSuccess);
-    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddg.get(), dnhat.get(), drstd.get(), dw.get(), dgate_in.get(),
-                                                      dvalue_in.get(), rows, cols, dpre.get(), dgt.get(), dval.get(),
-                                                      parts.get(), nullptr), cudaSuccess);
+                                                     out, kernels::LogitGradient{}, rows, cols, nhat.get(), g.get(),
+                                                     rstd.get(), logits.get(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
+                                                      dgate_in.get(), dvalue_in.get(), rows, cols, dpre.get(),
+                                                      dgt.get(), dval.get(), parts.get(), nullptr),
+              cudaSuccess);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
+    EXPECT_CLOSE(logits.Download(), logits_cpu);
     EXPECT_CLOSE(rstd.Download(), rstd_cpu);
     EXPECT_CLOSE(dpre.Download(), dpre_cpu);
     EXPECT_CLOSE(dgt.Download(), dgate_cpu);
@@ -563,32 +581,53 @@ TEST(KernelTest, CfcForwardAndBackward) {
   }
 }
 
-TEST(KernelTest, MaskedBceAndItsGradient) {
+// The loss of the logits the GRN forward forms: the mask count first, d logits in the forward, then the report.
+TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (const int n : {1, 45, 81920}) {
+  constexpr int kCols = 64;
+  // (rows, outputs): the step's 5 logits a row, and 11, which take two passes of the forward's logits.
+  for (const auto& [rows, outs] : {std::pair{1, 5}, {9, 11}, {16384, 5}, {1000, 11}}) {
     for (const bool masked_out : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << n << (masked_out ? " all masked" : ""));
-      const Floats logits = RandomFloats(n, 80, -6, 6), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
+      SCOPED_TRACE(::testing::Message() << rows << " rows, " << outs << " outputs"
+                                        << (masked_out ? ", all masked" : ""));
+      const int n = rows * outs;
+      const Floats skip = RandomFloats(rows * kCols, 83, -2, 2), gate = RandomFloats(rows * kCols, 84, -3, 3);
+      const Floats value = RandomFloats(rows * kCols, 85), w = RandomFloats(kCols, 86, .5, 1.5);
+      const Floats b = RandomFloats(kCols, 87), w_out = RandomFloats(outs * kCols, 88, -3, 3);
+      const Floats b_out = RandomFloats(outs, 89), coin = RandomFloats(n, 81, 0, 1), keep = RandomFloats(n, 82, 0, 1);
       Floats labels(n), mask(n);
-      double sum = 0, count = 0;
       for (int i = 0; i < n; ++i) {
         labels[i] = coin[i] < .5f ? 1.f : 0.f;
         mask[i] = !masked_out && keep[i] < .8f ? 1.f : 0.f;
-        const double l = logits[i];
-        sum += mask[i] * (std::max(l, 0.0) - l * labels[i] + std::log1p(std::exp(-std::abs(l))));
-        count += mask[i];
+      }
+      DeviceArray<float> pre_ln(skip), dgate(gate), dvalue(value), dw(w), db(b), dw_out(w_out), db_out(b_out);
+      DeviceArray<float> nhat(rows * kCols), g(rows * kCols), rstd(rows), logits(n), dd(n);
+      DeviceArray<float> dlabels(labels), dmask(mask);
+      DeviceArray<double> count(1), partials(kernels::kMaskedBceBlocks);
+      DeviceArray<kernels::StepReport> report(1);
+      ASSERT_EQ(kernels::LaunchMaskCount(dmask.get(), n, count.get(), nullptr), cudaSuccess);
+      const kernels::LogitGradient grad{dlabels.get(), dmask.get(), count.get(), dd.get()};
+      ASSERT_EQ(kernels::LaunchGrnGateLayerNormForward(pre_ln.get(), dgate.get(), dvalue.get(), dw.get(), db.get(),
+                                                       {dw_out.get(), db_out.get(), outs}, grad, rows, kCols,
+                                                       nhat.get(), g.get(), rstd.get(), logits.get(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(kernels::LaunchMaskedBcePartials(logits.get(), dlabels.get(), dmask.get(), n, partials.get(), nullptr),
+                cudaSuccess);
+      ASSERT_EQ(kernels::LaunchMaskedBceReport(partials.get(), count.get(), report.get(), nullptr), cudaSuccess);
+      // The loss of the kernel's own logits (the logits themselves: GrnGateLayerNormForwardAndBackward).
+      const Floats l = logits.Download();
+      double sum = 0, total = 0;
+      for (int i = 0; i < n; ++i) {
+        const double li = l[i];
+        sum += mask[i] * (std::max(li, 0.0) - li * labels[i] + std::log1p(std::exp(-std::abs(li))));
+        total += mask[i];
       }
       Doubles dlogits(n);
-      for (int i = 0; i < n; ++i) dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / std::max(count, 1.0);
-      DeviceArray<float> dl(logits), dy(labels), dm(mask), dd(n);
-      DeviceArray<kernels::StepReport> report(1);
-      DeviceArray<double> partials(2 * kernels::kMaskedBceBlocks);
-      ASSERT_EQ(kernels::LaunchMaskedBce(dl.get(), dy.get(), dm.get(), n, dd.get(), partials.get(), report.get(), nullptr),
-                cudaSuccess);
+      for (int i = 0; i < n; ++i) dlogits[i] = mask[i] * (Sigmoid(l[i]) - labels[i]) / std::max(total, 1.0);
       const kernels::StepReport r = report.Download()[0];
-      EXPECT_EQ(r.mask_count, count);
+      EXPECT_EQ(r.mask_count, total);
       EXPECT_NEAR(r.loss_sum, sum, 1e-9 * std::max(1.0, sum));
-      EXPECT_NEAR(r.loss, sum / std::max(count, 1.0), 1e-9);
+      EXPECT_NEAR(r.loss, sum / std::max(total, 1.0), 1e-9);
       if (masked_out) {
         EXPECT_EQ(RelativeError(dd.Download(), Floats(n, 0.f)), 0.0);
       } else {
