@@ -410,7 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
       // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
       // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
-      // lanes share one where it is m-contiguous.
+      // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
+      // (SplitTf32ForMma): this split sits between a stage's arrival and its first wgmma, and the rounding one costs
+      // several instructions more per value.
       const unsigned char* a_tile = smem + L::A(s);
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
@@ -420,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
           // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
           const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
-          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + at));
+          const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
           a_big[ks][i] = split.big;
           a_small[ks][i] = split.small;
         }
