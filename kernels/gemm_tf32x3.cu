@@ -217,13 +217,13 @@ struct Operand {
         for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
       }
       uint4 b, s;
-      Tf32Split split = SplitTf32(f[0]);
+      Tf32Split split = SplitTf32ForMma(f[0]);
       b.x = split.big, s.x = split.small;
-      split = SplitTf32(f[1]);
+      split = SplitTf32ForMma(f[1]);
       b.y = split.big, s.y = split.small;
-      split = SplitTf32(f[2]);
+      split = SplitTf32ForMma(f[2]);
       b.z = split.big, s.z = split.small;
-      split = SplitTf32(f[3]);
+      split = SplitTf32ForMma(f[3]);
       b.w = split.big, s.w = split.small;
       *reinterpret_cast<uint4*>(big + Swizzled(x, k)) = b;
       *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
@@ -411,8 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
       // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
       // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
-      // (SplitTf32ForMma): this split sits between a stage's arrival and its first wgmma, and the rounding one costs
-      // several instructions more per value.
+      // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
       const unsigned char* a_tile = smem + L::A(s);
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
@@ -666,8 +665,8 @@ __global__ void SumSlicesKernel(const float* __restrict__ partials, int slices, 
 }
 
 // Tf32x3SplitJob's planes, a 32 × 32 tile of the weight a block: the transposed planes are written from a shared
-// tile, so that both writes are coalesced. The split is the producers' (SplitTf32), so a product from the planes has
-// the same bits as one that splits the weight itself.
+// tile, so that both writes are coalesced. The split is the producers' (SplitTf32ForMma), so a product from the
+// planes has the same bits as one that splits the weight itself.
 constexpr int kSplitTile = 32, kSplitRows = 8;
 __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
   const Tf32x3SplitJob job = jobs[blockIdx.z];
@@ -677,7 +676,7 @@ __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
   for (int i = threadIdx.y; i < kSplitTile; i += kSplitRows) {
     const int r = r0 + i, c = c0 + threadIdx.x;
     if (r < job.rows && c < job.cols) {
-      const Tf32Split split = SplitTf32(job.w[static_cast<int64_t>(r) * job.cols + c]);
+      const Tf32Split split = SplitTf32ForMma(job.w[static_cast<int64_t>(r) * job.cols + c]);
       job.big[static_cast<int64_t>(r) * job.cols + c] = __uint_as_float(split.big);
       job.small[static_cast<int64_t>(r) * job.cols + c] = __uint_as_float(split.small);
       big[i][threadIdx.x] = split.big;
