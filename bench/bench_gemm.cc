@@ -1,7 +1,8 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
-// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), and as Blas routes it in the 3×TF32
-// precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
+// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), as Blas routes it in the 3×TF32
+// precision, and, for the forward and backward data, from the weight's TF32 planes ("planes", split beforehand as
+// the engine does once a step; "split" times that launch); µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
 // of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
 // contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
 #include <algorithm>
