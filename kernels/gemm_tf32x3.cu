@@ -11,8 +11,7 @@
 // memory. Where A is
 // k-contiguous (the forward and backward-data products, whose outputs are large against their short sums) a consumer
 // hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory buffers and goes on to
-// the next tile while they drain; with B split already (one producer warpgroup, more registers for the consumers), the
-// next tile's first k-tile is on the tensor cores before the tile is stored.
+// the next tile while they drain.
 // Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
 // and A's tensor copies into it have landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
 // barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
@@ -37,20 +36,13 @@ namespace {
 
 constexpr int kBk = 32;                   // k per stage: one 128-byte swizzle row of float32
 constexpr int kBm = 128;                  // block tile rows: two consumer warpgroups of 64
-// Two producer warpgroups: one alone, a single warp per scheduler, left the consumers waiting on its latencies. Where B
-// comes split (kBP), one thread issues every copy: one producer warpgroup.
+// Two producer warpgroups: one alone, a single warp per scheduler, left the consumers waiting on its latencies.
 constexpr int kProducerThreads = 2 * 128;
-template <bool kBP>
-constexpr int kProducers = kBP ? 128 : kProducerThreads;
-template <bool kBP>
-constexpr int kThreads = kProducers<kBP> + 2 * 128;  // producers, consumer 0, consumer 1
+constexpr int kThreads = kProducerThreads + 2 * 128;  // producers, consumer 0, consumer 1
 // Registers per thread after the start (setmaxnreg): a consumer of a 128-column tile holds its accumulator, its
 // k-tile's partial sum and its split A fragments; the producers need few. 256·48 + 256·208 = 65,536, the register
-// file; with one producer warpgroup 128·24 + 256·240 = 64,512.
-template <bool kBP>
-constexpr int kProducerRegisters = kBP ? 24 : 48;
-template <bool kBP>
-constexpr int kConsumerRegisters = kBP ? 240 : 208;
+// file.
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 208;
 constexpr int kRowBytes = kBk * 4;
 constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H200 allows 227 KB per block)
 // The output's tensor-store boxes: a consumer warpgroup's 64 rows by one 128-byte swizzle row of columns.
@@ -290,7 +282,7 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
 // for its tensor copies ((k, m, batch) where A is k-contiguous, else (m, k)). Where A is k-contiguous, c_map is C's
 // (n, m, batch) for the tensor stores of `store`.
 template <int BN, bool kAK, bool kBK, bool kBP>
-__global__ void __launch_bounds__(kThreads<kBP>, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap c_map,
                      const __grid_constant__ CUtensorMap b_big_map, const __grid_constant__ CUtensorMap b_small_map,
                      StoreMode store, int tiles_m, int tiles_n, int tiles) {
@@ -306,14 +298,14 @@ __global__ void __launch_bounds__(kThreads<kBP>, 1)
     for (int s = 0; s < L::kStages; ++s) {
       // Every producer thread, and A's expected bytes (only the latter, and B's, where B comes split).
       MbarrierInit(base + L::Full(s), kBP ? 1 : kProducerThreads + 1);
-      MbarrierInit(base + L::Empty(s), 2 * 128);
+      MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
     }
   }
   __syncthreads();
 
-  if (threadIdx.x < kProducers<kBP>) {
+  if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters<kBP>));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
     // k-tiles in the order the consumers take them: each of this block's tiles, each tile's k-tiles. A tile's
     // coordinates are worked out once (integer divisions), not per k-tile.
     struct Walk {
@@ -398,69 +390,71 @@ __global__ void __launch_bounds__(kThreads<kBP>, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters<kBP>));
-  const int consumer = group - kProducers<kBP> / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+  const int consumer = group - kProducerThreads / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   constexpr int kRegs = BN / 2, kSteps = kBk / 8;
   float part[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
-  // The A fragments of the k-tile on the tensor cores.
-  uint32_t a_big[kSteps][4], a_small[kSteps][4];
-  // Issues k-tile `it` (stage it % kStages) into part once its stage is full.
-  auto issue = [&](int it) {
-    const int s = it % L::kStages;
-    MbarrierWait(base + L::Full(s), it / L::kStages % 2);
-    // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
-    // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
-    // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
-    // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
-    // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
-    const unsigned char* a_tile = smem + L::A(s);
+  int it = 0, boxes = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+    const int k_len = KLength(p, tc.z);
+    float acc[kRegs];
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+      const int s = it % L::kStages;
+      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
+      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
+      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
+      // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
+      // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
+      // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
+      const unsigned char* a_tile = smem + L::A(s);
+      uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-        // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
-        const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
-        const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
-        a_big[ks][i] = split.big;
-        a_small[ks][i] = split.small;
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+          // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
+          const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
+          const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
+          a_big[ks][i] = split.big;
+          a_small[ks][i] = split.small;
+        }
       }
+      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+      // The wgmma read the A fragments until here: keep their registers from being reused before.
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+      }
+      MbarrierArrive(base + L::Empty(s));
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
     }
-    const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
-    // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
-    // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-      const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-      Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-      Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-      Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  };
-  // Waits for k-tile `it` in part and hands its stage back.
-  auto retire = [&](int it) {
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-    // The wgmma read the A fragments until here: keep their registers from being reused before.
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
-    }
-    MbarrierArrive(base + L::Empty(it % L::kStages));
-  };
-  int boxes = 0;
-  // Stores a finished tile (plus the bias).
-  auto store_tile = [&](const TileCoordinates& tc, const float (&acc)[kRegs]) {
+
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
     if (L::kTensorStores && store != StoreMode::kRegisters) {
       // Box by box of 32 columns: this warpgroup writes its rows into a free buffer (swizzled, so that a warp's
@@ -494,7 +488,7 @@ __global__ void __launch_bounds__(kThreads<kBP>, 1)
         BarSync<128>(L::OutBarrier(consumer));
         if (leader) TensorStore(store, c_map, buffer, tc.n0 + q * kOutCols, tc.m0 + consumer * kOutRows, tc.z);
       }
-      return;
+      continue;
     }
     // Each lane holds column pairs (2t, 2t + 1): stored as one float2 where the output's rows are 8-byte aligned.
     float* c = p.c + tc.z * p.stride_c;
@@ -529,45 +523,6 @@ __global__ void __launch_bounds__(kThreads<kBP>, 1)
           c_row[col + e] = v[e];
         }
       }
-    }
-  };
-  int it = 0;
-  if constexpr (kBP) {
-    // The next tile's first k-tile goes to the tensor cores before this tile's output leaves, so that they are not
-    // idle while it does: with one producer warpgroup a consumer has the registers for both (with 208, ptxas spills).
-    if (blockIdx.x < tiles) issue(it);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-      const int k_len = KLength(p, tc.z);
-      float acc[kRegs];
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-      for (int k0 = 0;;) {
-        retire(it);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
-        ++it;
-        k0 += kBk;
-        if (k0 >= k_len) break;
-        issue(it);
-      }
-      if (tile + gridDim.x < tiles) issue(it);
-      store_tile(tc, acc);
-    }
-  } else {
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
-      const int k_len = KLength(p, tc.z);
-      float acc[kRegs];
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-      for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-        issue(it);
-        retire(it);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
-      }
-      store_tile(tc, acc);
     }
   }
   // The tensor stores have completed before the block exits.
@@ -648,7 +603,7 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const fl
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads<kBP>, L::kShared, stream>>>(p, a_map, c_map, b_big_map, b_small_map, store,
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, b_big_map, b_small_map, store,
                                                                  tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
