@@ -1,7 +1,8 @@
 // bench_gemm: each linear-layer product of the small (and large) training step timed in cuBLAS float32 (Blas, with
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
-// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), and as Blas routes it in the 3×TF32
-// precision; µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
+// several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), as Blas routes it in the 3×TF32
+// precision, and, for the forward and backward data, from the weight's TF32 planes ("planes", split beforehand as
+// the engine does once a step; "split" times that launch); µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
 // of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
 // contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
 #include <algorithm>
@@ -97,7 +98,11 @@ int Run(const std::string& only) {
   auto a = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
   auto b = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
   auto c = AllocateCuda(MemoryKind::kDevice, size_t{R} * 2192 * sizeof(float));
-  if (!workspace.ok() || !a.ok() || !b.ok() || !c.ok()) return 1;
+  // The weight's four TF32 planes (kernels::Tf32x3Planes), up to two weights of the largest product, and their job.
+  constexpr size_t kPlaneFloats = size_t{2} * 2192 * 1024;
+  auto planes = AllocateCuda(MemoryKind::kDevice, 4 * kPlaneFloats * sizeof(float));
+  auto split_job = AllocateCuda(MemoryKind::kDevice, sizeof(kernels::Tf32x3SplitJob));
+  if (!workspace.ok() || !a.ok() || !b.ok() || !c.ok() || !planes.ok() || !split_job.ok()) return 1;
   // Inputs of ones/8: finite throughout; the values do not change the time.
   for (const CudaAllocation* buffer : {&*a, &*b, &*c}) {
     std::vector<float> ones(size_t{R} * 2192, 0.125f);
@@ -130,6 +135,19 @@ int Run(const std::string& only) {
       if (!us.ok()) std::fprintf(stderr, "%s %s %s: %s\n", p.name, FormName(p.form), label, us.status().ToString().c_str());
     };
     const int64_t sw = int64_t{p.out} * p.in, sy = int64_t{p.rows} * p.out;
+    // The weight(s) split into planes once, as the engine does once a step; "split" times that launch.
+    float* plane = static_cast<float*>(planes->get());
+    const kernels::Tf32x3SplitJob job{w, p.count * p.out, p.in, plane, plane + kPlaneFloats, plane + 2 * kPlaneFloats,
+                                      plane + 3 * kPlaneFloats};
+    const kernels::Tf32x3Planes parts{job.big, job.small, job.big_t, job.small_t};
+    if (cudaMemcpy(split_job->get(), &job, sizeof(job), cudaMemcpyHostToDevice) != cudaSuccess) return 1;
+    const auto* device_job = static_cast<const kernels::Tf32x3SplitJob*>(split_job->get());
+    if (p.form != Form::kBackwardWeight) {
+      add("split", [&] {
+        CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(device_job, 1, job.rows, job.cols, stream));
+        return absl::OkStatus();
+      });
+    }
     switch (p.form) {
       case Form::kForward:
         for (Blas* b : {blas->get(), blas3x->get()}) {
@@ -146,6 +164,14 @@ int Run(const std::string& only) {
             return absl::OkStatus();
           });
         }
+        if (supported) {
+          add("planes", [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(
+                p.rows, p.in, p.out, x, p.in, 0, w, p.in, p.count > 1 ? sw : 0, nullptr, 0, 0.f, y, p.out,
+                p.count > 1 ? sy : 0, p.count, stream, GemmTile::kAuto, &parts));
+            return absl::OkStatus();
+          });
+        }
         break;
       case Form::kBackwardData:
         for (Blas* b : {blas->get(), blas3x->get()}) {
@@ -156,6 +182,13 @@ int Run(const std::string& only) {
           add(tile_names[t], [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
                                                                        p.in, stream, tiles[t]));
+            return absl::OkStatus();
+          });
+        }
+        if (supported) {
+          add("planes", [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
+                                                                       p.in, stream, GemmTile::kAuto, &parts));
             return absl::OkStatus();
           });
         }

@@ -125,7 +125,7 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* wo
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
-  blas->tf32x3_ = precision == Precision::kFloat32Tf32x3 && prop.major == 9 && prop.minor == 0;
+  blas->tf32x3_ = UsesTf32x3Kernels(precision, prop);
   blas->skinny_ = precision == Precision::kFloat32Tf32x3;
   blas->tuned_device_ = sms == kTunedSms && std::strstr(prop.name, "H200") != nullptr &&
                         cublasLtGetVersion() == kTunedVersion;
@@ -269,12 +269,18 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
   return absl::OkStatus();
 }
 
+bool Blas::UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device) {
+  return precision == Precision::kFloat32Tf32x3 && device.major == 9 && device.minor == 0;
+}
+
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
-                           const float* bias, float beta, float* y, int ldy, BlasBatch batch) {
+                           const float* bias, float beta, float* y, int ldy, BlasBatch batch,
+                           const kernels::Tf32x3Planes* planes) {
   if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
-                                                          batch.bias, beta, y, ldy, batch.y, batch.count, stream_));
+                                                          batch.bias, beta, y, ldy, batch.y, batch.count, stream_,
+                                                          kernels::GemmTile::kAuto, planes));
     flops_ += 2.0 * rows * in * out * batch.count;
     return absl::OkStatus();
   }
@@ -283,11 +289,12 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
 }
 
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
-                                float beta, float* dx, int lddx) {
+                                float beta, float* dx, int lddx, const kernels::Tf32x3Planes* planes) {
   if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(
-        kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_));
+        kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_,
+                                              kernels::GemmTile::kAuto, planes));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }

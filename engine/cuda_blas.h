@@ -15,6 +15,9 @@
 #include "engine/precision.h"
 
 namespace perception {
+namespace kernels {
+struct Tf32x3Planes;
+}  // namespace kernels
 
 // `count` Forward products of one shape in one launch: the i-th reads and writes each operand at its pointer +
 // i·stride (in floats; stride 0 shares the operand, e.g. one x under several weights).
@@ -30,17 +33,21 @@ class Blas {
  public:
   static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
                                                       Precision precision);
+  // Whether Blas runs products on the 3×TF32 wgmma kernels (kernels/gemm_tf32x3.h) on this device.
+  static bool UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device);
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
   // y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y; bias may be null (none). The bias is the
-  // product's epilogue, so a layer's output needs no broadcast of its bias first.
+  // product's epilogue, so a layer's output needs no broadcast of its bias first. `planes` (may be null): w's TF32
+  // parts, current, for the 3×TF32 kernels (kernels::Tf32x3Planes).
   absl::Status Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, const float* bias,
-                       float beta, float* y, int ldy, BlasBatch batch = {});
+                       float beta, float* y, int ldy, BlasBatch batch = {},
+                       const kernels::Tf32x3Planes* planes = nullptr);
   // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx
   absl::Status BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw, float beta,
-                            float* dx, int lddx);
+                            float* dx, int lddx, const kernels::Tf32x3Planes* planes = nullptr);
   // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]
   absl::Status BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx, float* dw,
                               int lddw);

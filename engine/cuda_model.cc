@@ -142,6 +142,8 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
   communicator_ = options.communicator;
+  // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
+  plane_floats_ = Blas::UsesTf32x3Kernels(options.precision, properties) ? (layout_.total_size() + 3) / 4 * 4 : 0;
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
@@ -171,6 +173,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
   a.Reserve(&mask_count_, 1);
   a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
+  if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_);
 
   a.Reserve(&x_, M * d.F);
   a.Reserve(&dt_, M);
@@ -296,8 +299,27 @@ absl::Status CudaModel::BuildTables() {
     tables_.Reserve(&s.batch->partials, s.plan.partial_floats);
   }
   tables_.Reserve(&chunks_, chunks_host_.size());
+  // Every weight whose Forward or BackwardData may run on the 3×TF32 kernels.
+  planes_of_.assign(layout_.tensors().size(), kernels::Tf32x3Planes{});
+  if (weight_planes_ != nullptr) {
+    std::vector<int> weights = {pl.embed.weight,    pl.cfc_backbone.weight, pl.grn_fc2.weight, pl.grn_fc1.weight,
+                                pl.grn_gate.weight, pl.grn_value.weight,    pl.grn_skip};
+    for (const LayerTensors& lt : pl.layers) weights.insert(weights.end(), {lt.in_proj, lt.out_proj});
+    for (const int tensor : weights) {
+      const TensorSpec& spec = layout_.tensor(tensor);
+      float* at[4];
+      for (int kind = 0; kind < 4; ++kind) at[kind] = weight_planes_ + kind * plane_floats_ + spec.offset;
+      const int rows = static_cast<int>(spec.shape[0]), cols = static_cast<int>(spec.shape[1]);
+      split_jobs_host_.push_back({param(tensor), rows, cols, at[0], at[1], at[2], at[3]});
+      planes_of_[tensor] = {at[0], at[1], at[2], at[3]};
+      split_rows_ = std::max(split_rows_, rows);
+      split_cols_ = std::max(split_cols_, cols);
+    }
+    tables_.Reserve(&split_jobs_, split_jobs_host_.size());
+  }
   RETURN_IF_ERROR(tables_.Allocate());
   RETURN_IF_ERROR(CopyToDevice(chunks_, chunks_host_, stream_));
+  if (split_jobs_ != nullptr) RETURN_IF_ERROR(CopyToDevice(split_jobs_, split_jobs_host_, stream_));
   for (Staged& s : staged) {
     RETURN_IF_ERROR(CopyToDevice(s.device_jobs, *s.jobs, stream_));
     RETURN_IF_ERROR(CopyToDevice(s.tiles, s.plan.tiles, stream_));
@@ -522,10 +544,15 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
+  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
+  if (split_jobs_ != nullptr) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
+                                                           split_rows_, split_cols_, stream_));
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
-                                 param(layout_.embed.bias), 0.f, h_[0], d.D));
+                                 param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
@@ -557,7 +584,8 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
   const Layer& a = layers_[l];
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
                                                      h_[l + 1], stream_));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd, {},
+                                 planes(lt.in_proj)));
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
   CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.xbc,
                                                   carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
@@ -566,14 +594,16 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
       kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.yn,
                                                           a.rstd_gate, stream_));
-  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D);
+  return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D, {},
+                        planes(lt.out_proj));
 }
 
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const Dims d(config());
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
-                                 param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K));
+                                 param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K, {},
+                                 planes(layout_.cfc_backbone.weight)));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
   RETURN_IF_ERROR(AwaitGradients());  // the packed weights (ForwardAndLoss)
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
@@ -590,18 +620,20 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G));
+                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight)));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
-  RETURN_IF_ERROR(
-      blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f, e1_, d.G));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f,
+                                 e1_, d.G, {}, planes(pl.grn_fc1.weight)));
   // Gate and value read the same e1: one batched launch (value's weight and output one stride past gate's).
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, param(pl.grn_gate.bias),
                                  0.f, gate_pre_, d.G,
                                  {.count = 2,
                                   .w = param(pl.grn_value.weight) - param(pl.grn_gate.weight),
                                   .y = value_ - gate_pre_,
-                                  .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)}));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G));
+                                  .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)},
+                                 planes(pl.grn_gate.weight)));
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G,
+                                 {}, planes(pl.grn_skip)));
   // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
   // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
   const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
@@ -668,19 +700,22 @@ absl::Status CudaModel::HeadBackward(int rows) {
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, d.G, e1_, d.G, grad(pl.grn_value.weight), d.G));
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, d.G, e1_, d.G, grad(pl.grn_gate.weight), d.G));
-  RETURN_IF_ERROR(
-      blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, d.G, param(pl.grn_value.weight), d.G, 0.f, de1_, d.G));
-  RETURN_IF_ERROR(
-      blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, d.G, param(pl.grn_gate.weight), d.G, 1.f, de1_, d.G));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
+                                      d.DC, planes(pl.grn_skip)));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, d.G, param(pl.grn_value.weight), d.G, 0.f, de1_, d.G,
+                                      planes(pl.grn_value.weight)));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, d.G, param(pl.grn_gate.weight), d.G, 1.f, de1_,
+                                      d.G, planes(pl.grn_gate.weight)));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, d.G));
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, d.G,
+                                      planes(pl.grn_fc1.weight)));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, d.G, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
-  return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, d.G, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC);
+  return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, d.G, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC,
+                             planes(pl.grn_fc2.weight));
 }
 
 absl::Status CudaModel::CfcBackward(int rows) {
@@ -709,7 +744,7 @@ absl::Status CudaModel::CfcBackward(int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.K, dbb_pre_, d.K, head_in_, d.DC, d_backbone, d.DC));
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.C, d.K, dbb_pre_, d.K, c_prev_, d.C, d_backbone + d.D, d.DC));
   return blas_->BackwardData(rows, d.D, d.K, dbb_pre_, d.K, param(pl.cfc_backbone.weight), d.DC, 1.f, d_head_in_,
-                             d.DC);
+                             d.DC, planes(pl.cfc_backbone.weight));
 }
 
 absl::Status CudaModel::LayerBackward(int l, int rows) {
@@ -719,7 +754,8 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
   RETURN_IF_ERROR(MarkGradients());  // the last read of dh_ before this layer's RMSNorm backward adds to it
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E));
+  RETURN_IF_ERROR(
+      blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E, planes(lt.out_proj)));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
                                                            rows, d.E, dy_, a.dzx, d.zd, a.mixer_norm_partials,
                                                            stream_));
@@ -731,7 +767,8 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
                                                    a.dzx + d.E, d.zd, a.conv_partials, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D));
+  RETURN_IF_ERROR(
+      blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D, planes(lt.in_proj)));
   RETURN_IF_ERROR(AwaitGradients());
   // Layer 0's RMSNorm backward writes the final d residual stream, whose column sums are the embedding's bias
   // gradient.

@@ -25,6 +25,7 @@
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
+#include "kernels/gemm_tf32x3.h"
 #include "kernels/norms.h"
 #include "kernels/optimizer.h"
 #include "kernels/ssm.h"
@@ -183,6 +184,10 @@ class CudaModel {
   kernels::NormOutputLayer HeadOutputLayer() const;  // head_out, folded into the GRN LayerNorm's kernels
   const float* param(int tensor) const { return params_ + layout_.tensor(tensor).offset; }
   float* grad(int tensor) const { return grads_ + layout_.tensor(tensor).offset; }
+  // A weight's TF32 parts for the 3×TF32 kernels (null where the products do not run on them).
+  const kernels::Tf32x3Planes* planes(int tensor) const {
+    return weight_planes_ != nullptr ? &planes_of_[tensor] : nullptr;
+  }
   absl::StatusOr<std::vector<float>> DownloadFloats(const float* device) const;
 
   ParamLayout layout_;
@@ -251,6 +256,17 @@ class CudaModel {
   std::vector<kernels::AdamWChunk> chunks_host_;
   kernels::ColumnSumBatch sums_, head_sums_;
   kernels::AdamWChunk* chunks_ = nullptr;
+
+  // Where the products run on the 3×TF32 kernels: the weights' TF32 big and small parts, as stored and transposed,
+  // split once a step at the start of the forward (kernels::Tf32x3Planes) rather than in every block of every
+  // product. Four planes of the flat layout's size, each parameter's parts at its offset in each: the gate and value
+  // weights' batch keeps its stride. planes_of_ by tensor index; split_jobs_ the device table of the split.
+  float* weight_planes_ = nullptr;
+  size_t plane_floats_ = 0;
+  std::vector<kernels::Tf32x3Planes> planes_of_;
+  std::vector<kernels::Tf32x3SplitJob> split_jobs_host_;
+  kernels::Tf32x3SplitJob* split_jobs_ = nullptr;
+  int split_rows_ = 0, split_cols_ = 0;
 };
 
 }  // namespace perception

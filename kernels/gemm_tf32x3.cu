@@ -3,9 +3,12 @@
 // stage the consumers read (one 128 × 32 box where A is k-contiguous, four 32 × 32 boxes along m where it is
 // m-contiguous), B raw with cp.async several k-tiles ahead; they then read B back k-contiguous (transposing it where
 // it is stored the other way), split every value into its TF32 big and small parts and store both into the K-major,
-// 128-byte-swizzled layout that wgmma's descriptors read. Two consumer warpgroups each load their 64 rows of A from
-// the stage into registers (reading an m-contiguous A across its boxes), split them there, and issue three wgmma per
-// k-step of 8 (small·big, big·small, big·big) with A from registers and B from shared memory. Where A is
+// 128-byte-swizzled layout that wgmma's descriptors read. Where a weight's TF32 parts come split already
+// (Tf32x3Planes, split once a step rather than by every block of every product), one producer thread brings both
+// parts by tensor copies beside A, and the stages take the raw slots' shared memory. Two consumer warpgroups each load
+// their 64 rows of A from the stage into registers (reading an m-contiguous A across its boxes), split them there,
+// and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from registers and B from shared
+// memory. Where A is
 // k-contiguous (the forward and backward-data products, whose outputs are large against their short sums) a consumer
 // hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory buffers and goes on to
 // the next tile while they drain.
@@ -46,6 +49,8 @@ constexpr int kStageBudget = 224 * 1024;  // shared memory for the stages (the H
 constexpr int kOutRows = 64, kOutCols = kBk, kOutBoxBytes = kOutRows * kRowBytes;
 // An m-contiguous A's tensor-copy boxes: 32 of m (one 128-byte swizzle row) by the k-tile's kBk rows.
 constexpr int kMBox = 32, kMBoxBytes = kBk * kRowBytes;
+// Named barriers (0 is __syncthreads's): the producers' own, then each consumer warpgroup's (Layout::OutBarrier).
+constexpr int kProducerBarrier = 1;
 // How a tile reaches the output: st.global from registers (any beta), a tensor store (beta 0) or a tensor reduce-add
 // (beta 1, y += the tile; the L2's float32 add flushes subnormal results to zero).
 enum class StoreMode : int { kRegisters, kTensor, kTensorAdd };
@@ -212,13 +217,13 @@ struct Operand {
         for (int e = 0; e < 4; ++e) f[e] = reinterpret_cast<const float*>(raw)[(k + e) * X + x];
       }
       uint4 b, s;
-      Tf32Split split = SplitTf32(f[0]);
+      Tf32Split split = SplitTf32ForMma(f[0]);
       b.x = split.big, s.x = split.small;
-      split = SplitTf32(f[1]);
+      split = SplitTf32ForMma(f[1]);
       b.y = split.big, s.y = split.small;
-      split = SplitTf32(f[2]);
+      split = SplitTf32ForMma(f[2]);
       b.z = split.big, s.z = split.small;
-      split = SplitTf32(f[3]);
+      split = SplitTf32ForMma(f[3]);
       b.w = split.big, s.w = split.small;
       *reinterpret_cast<uint4*>(big + Swizzled(x, k)) = b;
       *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
@@ -227,31 +232,28 @@ struct Operand {
 };
 
 // Shared memory: kStages stages that the consumers read (A as its tensor copies land, B big, B small; K-major and
-// swizzled), then kRaw slots of B raw in flight from global memory, then the output boxes (two per consumer, where A
-// is k-contiguous), then the stages' mbarriers. The budget goes to the stages first, as many as
-// leave the raw slots their minimum (up to 6).
-template <int BN, bool kAK, bool kBK>
+// swizzled), then kRaw slots of B raw in flight from global memory (none where B's planes come by tensor copies),
+// then the output boxes (two per consumer, where A is k-contiguous), then the stages' mbarriers. The budget goes to
+// the stages first, as many as leave the raw slots their minimum (up to 6).
+template <int BN, bool kAK, bool kBK, bool kBP>
 struct Layout {
   static constexpr int kABytes = kBm * kRowBytes, kBBytes = BN * kRowBytes;
   static constexpr int kStageBytes = kABytes + 2 * kBBytes;
   static constexpr int kRawBytes = Operand<BN, kBK>::kRawBytes;
-  // Where B is k-contiguous, every producer thread splits exactly the pieces it copied, so its own cp.async wait is
-  // all the ordering the raw slots need. Otherwise the producers read each other's copies, after a barrier among them.
-  static constexpr bool kOwnCopies = kBK;
   // The raw copies run kAhead = kRaw − 1 k-tiles ahead of the k-tile the producers split. B of the forward and
   // backward-data products is a weight (in L2): one k-tile ahead does; the weight gradient's B is an activation, at
   // least four ahead.
-  static constexpr int kMinRaw = kAK ? 2 : 5;
+  static constexpr int kMinRaw = kBP ? 0 : kAK ? 2 : 5;
   static constexpr bool kTensorStores = kAK;
   static constexpr int kOutBytes = kTensorStores ? 2 * 2 * kOutBoxBytes : 0;
   static constexpr int kBudget = kStageBudget - kOutBytes;
   static constexpr int kStages = std::min(6, (kBudget - kMinRaw * kRawBytes) / kStageBytes);
-  static constexpr int kRaw = std::min(8, (kBudget - kStages * kStageBytes) / kRawBytes);
+  static constexpr int kRaw = kBP ? 0 : std::min(8, (kBudget - kStages * kStageBytes) / kRawBytes);
   static constexpr int kAhead = kRaw - 1;
   static constexpr uint32_t kOut = kStages * kStageBytes + kRaw * kRawBytes;
   static constexpr uint32_t kBarriers = kOut + kOutBytes;
   static constexpr size_t kShared = kBarriers + 2 * 8 * kStages + 1024;  // + alignment
-  static_assert(kStages >= 2 && kAhead >= 1 && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
+  static_assert(kStages >= 2 && (kBP || kAhead >= 1) && kABytes % 1024 == 0 && kBBytes % 1024 == 0);
   __host__ __device__ static constexpr uint32_t A(int s) { return s * kStageBytes; }
   __host__ __device__ static constexpr uint32_t BBig(int s) { return A(s) + kABytes; }
   __host__ __device__ static constexpr uint32_t BSmall(int s) { return BBig(s) + kBBytes; }
@@ -260,8 +262,7 @@ struct Layout {
   __host__ __device__ static constexpr uint32_t Out(int c, int b) { return kOut + (2 * c + b) * kOutBoxBytes; }
   __host__ __device__ static constexpr uint32_t Full(int s) { return kBarriers + 8 * s; }
   __host__ __device__ static constexpr uint32_t Empty(int s) { return kBarriers + 8 * (kStages + s); }
-  // Named barriers (0 is __syncthreads's): the producers' own, and each consumer warpgroup's for its output boxes.
-  static constexpr int kProducerBarrier = 1;
+  // Each consumer warpgroup's named barrier for its output boxes.
   __host__ __device__ static constexpr int OutBarrier(int c) { return 2 + c; }
 };
 
@@ -276,14 +277,17 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
   return p.k_split > 0 ? min(p.k_split, p.k - z * p.k_split) : p.k;
 }
 
-// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. a_map: A's tensor map
+// kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. kBP: B's big and small
+// parts come split already, [n, k] (b_maps: their tensor maps, (k, n, batch)), by tensor copies. a_map: A's tensor map
 // for its tensor copies ((k, m, batch) where A is k-contiguous, else (m, k)). Where A is k-contiguous, c_map is C's
 // (n, m, batch) for the tensor stores of `store`.
-template <int BN, bool kAK, bool kBK>
+template <int BN, bool kAK, bool kBK, bool kBP>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap c_map,
+                     const __grid_constant__ CUtensorMap b_big_map, const __grid_constant__ CUtensorMap b_small_map,
                      StoreMode store, int tiles_m, int tiles_n, int tiles) {
-  using L = Layout<BN, kAK, kBK>;
+  static_assert(!kBP || (kAK && kBK));
+  using L = Layout<BN, kAK, kBK, kBP>;
   extern __shared__ unsigned char smem_unaligned[];
   const uint32_t unaligned = SharedAddress(smem_unaligned);
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
@@ -292,8 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // Every producer thread, and A's expected bytes.
-      MbarrierInit(base + L::Full(s), kProducerThreads + 1);
+      // Every producer thread, and A's expected bytes (only the latter, and B's, where B comes split).
+      MbarrierInit(base + L::Full(s), kBP ? 1 : kProducerThreads + 1);
       MbarrierInit(base + L::Empty(s), kThreads - kProducerThreads);
     }
   }
@@ -318,52 +322,71 @@ __global__ void __launch_bounds__(kThreads, 1)
       w.k0 += kBk;
       if (w.k0 >= w.k_len) start(w, w.tile + gridDim.x);
     };
-    Walk fetching, storing;
-    start(fetching, blockIdx.x);
-    start(storing, blockIdx.x);
-    auto fetch = [&](int r) {
-      if (fetching.tile < tiles) {
-        const TileCoordinates& tc = fetching.tc;
-        Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
-                                fetching.k_len, tid);
-        next(fetching);
+    if constexpr (kBP) {
+      // One thread issues every tensor copy; the rest have nothing to do.
+      if (tid != 0) return;
+      Walk w;
+      start(w, blockIdx.x);
+      for (int it = 0; w.tile < tiles; next(w), ++it) {
+        const int s = it % L::kStages;
+        if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
+        const TileCoordinates& tc = w.tc;
+        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        TensorCopy(base + L::A(s), a_map, w.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
+        const int zb = p.stride_b != 0 ? tc.z : 0;
+        TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
+        TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
       }
-      CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
-    };
+    } else {
+      Walk fetching, storing;
+      start(fetching, blockIdx.x);
+      start(storing, blockIdx.x);
+      auto fetch = [&](int r) {
+        if (fetching.tile < tiles) {
+          const TileCoordinates& tc = fetching.tc;
+          Operand<BN, kBK>::Fetch(base + L::RawB(r), p.b + tc.z * p.stride_b, p.ldb, tc.n0, p.n, fetching.k0,
+                                  fetching.k_len, tid);
+          next(fetching);
+        }
+        CopyAsyncCommit();  // empty groups past the end keep the count of groups in flight uniform
+      };
 #pragma unroll
-    for (int r = 0; r < L::kAhead; ++r) fetch(r);
-    for (int it = 0; storing.tile < tiles; next(storing), ++it) {
-      const int r = it % L::kRaw, s = it % L::kStages;
-      // This thread's copies of k-tile it have landed (kAhead − 1 groups are younger); with the barrier, every
-      // producer thread's have, and every producer is done splitting k-tile it − 1.
-      CopyAsyncWait<L::kAhead - 1>();
-      if (!L::kOwnCopies) BarSync<kProducerThreads>(L::kProducerBarrier);
-      // Into the slot of k-tile it − 1, before waiting for the consumers: off the path from their EMPTY to FULL.
-      fetch((it + L::kAhead) % L::kRaw);
-      // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
-      if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
-      if (tid == 0) {
-        // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too.
-        const TileCoordinates& tc = storing.tc;
-        MbarrierArriveExpect(base + L::Full(s), L::kABytes);
-        if (kAK) {
-          // A batch that shares A (stride 0) has one layer in the map.
-          TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
-        } else {
-          // [k][m]: boxes of 32 rows of m; the z-th row slice starts at row z·k_split of the one-layer map.
-          for (int b = 0; b < kBm / kMBox; ++b) {
-            TensorCopy(base + L::A(s) + b * kMBoxBytes, a_map, tc.m0 + b * kMBox, tc.z * p.k_split + storing.k0, 0,
-                       base + L::Full(s));
+      for (int r = 0; r < L::kAhead; ++r) fetch(r);
+      for (int it = 0; storing.tile < tiles; next(storing), ++it) {
+        const int r = it % L::kRaw, s = it % L::kStages;
+        // This thread's copies of k-tile it have landed (kAhead − 1 groups are younger); with the barrier, every
+        // producer thread's have, and every producer is done splitting k-tile it − 1.
+        CopyAsyncWait<L::kAhead - 1>();
+        // Where B is k-contiguous, every producer thread splits exactly the pieces it copied, so its own cp.async
+      // wait is all the ordering the raw slots need; otherwise the producers read each other's copies.
+      if (!kBK) BarSync<kProducerThreads>(kProducerBarrier);
+        // Into the slot of k-tile it − 1, before waiting for the consumers: off the path from their EMPTY to FULL.
+        fetch((it + L::kAhead) % L::kRaw);
+        // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.
+        if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
+        if (tid == 0) {
+          // A straight into the stage (zeros past m and k); FULL(s) waits for its bytes too.
+          const TileCoordinates& tc = storing.tc;
+          MbarrierArriveExpect(base + L::Full(s), L::kABytes);
+          if (kAK) {
+            // A batch that shares A (stride 0) has one layer in the map.
+            TensorCopy(base + L::A(s), a_map, storing.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
+          } else {
+            // [k][m]: boxes of 32 rows of m; the z-th row slice starts at row z·k_split of the one-layer map.
+            for (int b = 0; b < kBm / kMBox; ++b) {
+              TensorCopy(base + L::A(s) + b * kMBoxBytes, a_map, tc.m0 + b * kMBox, tc.z * p.k_split + storing.k0, 0,
+                         base + L::Full(s));
+            }
           }
         }
+        Operand<BN, kBK>::Store(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
+        // The stores are generic-proxy writes that wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        MbarrierArrive(base + L::Full(s));
       }
-      Operand<BN, kBK>::Store(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
-      // The stores are generic-proxy writes that wgmma reads through the async proxy.
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      MbarrierArrive(base + L::Full(s));
+      // No copy may still be landing when the block exits.
+      CopyAsyncWait<0>();
     }
-    // No copy may still be landing when the block exits.
-    CopyAsyncWait<0>();
     return;
   }
 
@@ -387,7 +410,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
       // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
       // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
-      // lanes share one where it is m-contiguous.
+      // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
+      // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
       const unsigned char* a_tile = smem + L::A(s);
       uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
@@ -397,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
           // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
           const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
-          const Tf32Split split = SplitTf32(*reinterpret_cast<const float*>(a_tile + at));
+          const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
           a_big[ks][i] = split.big;
           a_small[ks][i] = split.small;
         }
@@ -535,13 +559,22 @@ cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BN, bool kAK, bool kBK>
-cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
+// kBP: p.b is B's big part, b_small its small part, both as B would be.
+template <int BN, bool kAK, bool kBK, bool kBP = false>
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
-  using L = Layout<BN, kAK, kBK>;
-  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK>;
-  CUtensorMap a_map{}, c_map{};
+  using L = Layout<BN, kAK, kBK, kBP>;
+  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK, kBP>;
+  CUtensorMap a_map{}, c_map{}, b_big_map{}, b_small_map{};
+  if (kBP) {
+    const int layers = p.stride_b != 0 ? count : 1;
+    for (auto [b, map] : {std::pair{p.b, &b_big_map}, std::pair{b_small, &b_small_map}}) {
+      if (const cudaError_t e = TensorMap(b, p.k, p.n, p.ldb, layers, p.stride_b, kBk, BN, map); e != cudaSuccess) {
+        return e;
+      }
+    }
+  }
   StoreMode store = StoreMode::kRegisters;
   if (kAK) {
     if (const cudaError_t e =
@@ -570,17 +603,19 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream) {
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, store, tiles_m, tiles_n, tiles);
+  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, b_big_map, b_small_map, store,
+                                                                 tiles_m, tiles_n, tiles);
   return cudaGetLastError();
 }
 
-template <bool kAK, bool kBK>
-cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream) {
+template <bool kAK, bool kBK, bool kBP = false>
+cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream,
+                       const float* b_small = nullptr) {
   switch (tile) {
     case GemmTile::k128x128:
-      return Launch<128, kAK, kBK>(p, count, stream);
+      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small);
     case GemmTile::k128x64:
-      return Launch<64, kAK, kBK>(p, count, stream);
+      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small);
     case GemmTile::kAuto:
       break;
   }
@@ -629,22 +664,69 @@ __global__ void SumSlicesKernel(const float* __restrict__ partials, int slices, 
   out[3] = sum.w;
 }
 
+// Tf32x3SplitJob's planes, a 32 × 32 tile of the weight a block: the transposed planes are written from a shared
+// tile, so that both writes are coalesced. The split is the producers' (SplitTf32ForMma), so a product from the
+// planes has the same bits as one that splits the weight itself.
+constexpr int kSplitTile = 32, kSplitRows = 8;
+__global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
+  const Tf32x3SplitJob job = jobs[blockIdx.z];
+  const int r0 = blockIdx.y * kSplitTile, c0 = blockIdx.x * kSplitTile;
+  if (r0 >= job.rows || c0 >= job.cols) return;
+  __shared__ uint32_t big[kSplitTile][kSplitTile + 1], small[kSplitTile][kSplitTile + 1];
+  for (int i = threadIdx.y; i < kSplitTile; i += kSplitRows) {
+    const int r = r0 + i, c = c0 + threadIdx.x;
+    if (r < job.rows && c < job.cols) {
+      const Tf32Split split = SplitTf32ForMma(job.w[static_cast<int64_t>(r) * job.cols + c]);
+      job.big[static_cast<int64_t>(r) * job.cols + c] = __uint_as_float(split.big);
+      job.small[static_cast<int64_t>(r) * job.cols + c] = __uint_as_float(split.small);
+      big[i][threadIdx.x] = split.big;
+      small[i][threadIdx.x] = split.small;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kSplitTile; i += kSplitRows) {
+    const int c = c0 + i, r = r0 + threadIdx.x;
+    if (r < job.rows && c < job.cols) {
+      job.big_t[static_cast<int64_t>(c) * job.rows + r] = __uint_as_float(big[threadIdx.x][i]);
+      job.small_t[static_cast<int64_t>(c) * job.rows + r] = __uint_as_float(small[threadIdx.x][i]);
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile) {
+                                    GemmTile tile, const Tf32x3Planes* planes) {
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
-  const GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
+  GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
+  if (planes != nullptr && planes->big != nullptr) {
+    p.b = planes->big;
+    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small);
+  }
   return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
-                                         float beta, float* dx, int lddx, cudaStream_t stream, GemmTile tile) {
+                                         float beta, float* dx, int lddx, cudaStream_t stream, GemmTile tile,
+                                         const Tf32x3Planes* planes) {
   if (rows <= 0 || in <= 0) return cudaSuccess;
+  if (planes != nullptr && planes->big_t != nullptr) {
+    // dy · w is the forward product of dy under wᵀ, whose parts are [in, out].
+    const GemmParams p{dy, lddy, 0, planes->big_t, out, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
+    return LaunchTile<true, true, true>(AutoTile(tile, in), p, 1, stream, planes->small_t);
+  }
   const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
   return LaunchTile<true, false>(AutoTile(tile, in), p, 1, stream);
+}
+
+cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int max_rows, int max_cols,
+                                     cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  const dim3 grid(CeilDiv(max_cols, kSplitTile), CeilDiv(max_rows, kSplitTile), count);
+  SplitWeightsKernel<<<grid, dim3(kSplitTile, kSplitRows), 0, stream>>>(jobs);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,

@@ -21,17 +21,40 @@ inline bool GemmTf32x3Supports(int aligned, int contiguous_a, int contiguous_b) 
   return aligned % 16 == 0 && contiguous_a % 4 == 0 && contiguous_b % 4 == 0;
 }
 
+// A weight's TF32 big and small parts as LaunchTf32x3SplitWeights stores them: as the weight is, [out, in] with its
+// leading dimension and batch stride (big, small), and transposed, [in, out] with leading dimension out (big_t,
+// small_t; one weight, no batch). Given to Forward (big, small) or BackwardData (big_t, small_t), the kernel copies
+// B's parts into shared memory as they are instead of splitting the weight in every block: the same product, bit for
+// bit. Every pointer 16-byte aligned, and out a multiple of 4 for the transposed parts.
+struct Tf32x3Planes {
+  const float* big = nullptr;
+  const float* small = nullptr;
+  const float* big_t = nullptr;
+  const float* small_t = nullptr;
+};
+
+// One weight to split: w [rows, cols], contiguous, into big and small [rows, cols] and big_t and small_t [cols, rows].
+struct Tf32x3SplitJob {
+  const float* w;
+  int rows, cols;
+  float *big, *small, *big_t, *small_t;
+};
+
+// Every job of the device array `jobs` (`count` of them, none more than max_rows × max_cols) in one launch.
+cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int max_rows, int max_cols,
+                                     cudaStream_t stream);
+
 // y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y, `count` times (the i-th at each pointer + i·stride;
-// bias may be null). beta = 0 never reads y.
+// bias may be null). beta = 0 never reads y. `planes` (may be null): w's parts, current.
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile = GemmTile::kAuto);
+                                    GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr);
 
-// dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx.
+// dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx. `planes` (may be null): w's parts, current.
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                          float beta, float* dx, int lddx, cudaStream_t stream,
-                                         GemmTile tile = GemmTile::kAuto);
+                                         GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr);
 
 // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]. The rows are split into slices whose partial products go to
 // `workspace` (as many slices as the block count wants and `workspace_bytes` holds; the split depends only on the

@@ -217,6 +217,59 @@ TEST_P(GemmTf32x3Test, BackwardWeightSplitOverRows) {
       });
 }
 
+// A weight split once into its planes (LaunchTf32x3SplitWeights) gives the bits of the kernels that split it in every
+// block: forward with bias and beta (0.5 from registers, 1 by tensor reduce-add), a batch of two weights one stride
+// apart, and backward data from the transposed planes, at every tile.
+TEST_P(GemmTf32x3Test, WeightPlanesGiveTheSameBits) {
+  const Product& p = GetParam();
+  const int ldx = p.in + p.pad, lddy = p.out + p.pad;
+  const size_t sw = static_cast<size_t>(p.out) * p.in, sy = static_cast<size_t>(p.rows) * p.out;
+  const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 31);
+  const auto w = RandomFloats(2 * sw, 32);  // two weights, one after the other
+  const auto bias = RandomFloats(2 * p.out, 33);
+  const auto y0 = RandomFloats(2 * sy, 34);
+  const auto dy = RandomFloats(static_cast<size_t>(p.rows) * lddy, 35);
+  const DeviceArray<float> dx(x), dw(w), dbias(bias), ddy(dy), initial(y0);
+  // Each plane kind holds both weights' planes one stride apart, as CudaModel lays them out.
+  DeviceArray<float> planes(8 * sw);
+  float* const kinds[4] = {planes.get(), planes.get() + 2 * sw, planes.get() + 4 * sw, planes.get() + 6 * sw};
+  std::vector<kernels::Tf32x3SplitJob> jobs;
+  for (size_t i = 0; i < 2; ++i) {
+    jobs.push_back({dw.get() + i * sw, p.out, p.in, kinds[0] + i * sw, kinds[1] + i * sw, kinds[2] + i * sw,
+                    kinds[3] + i * sw});
+  }
+  const DeviceArray<kernels::Tf32x3SplitJob> device_jobs(jobs);
+  ASSERT_EQ(kernels::LaunchTf32x3SplitWeights(device_jobs.get(), 2, p.out, p.in, stream_), cudaSuccess);
+  const kernels::Tf32x3Planes parts{kinds[0], kinds[1], kinds[2], kinds[3]};
+
+  DeviceArray<float> y(2 * sy);
+  auto forward = [&](GemmTile tile, float beta, int count, const kernels::Tf32x3Planes* planes) {
+    EXPECT_EQ(cudaMemcpyAsync(y.get(), initial.get(), 2 * sy * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+              cudaSuccess);
+    EXPECT_EQ(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, sw, dbias.get(),
+                                               p.out, beta, y.get(), p.out, sy, count, stream_, tile, planes),
+              cudaSuccess);
+    return y.Download();
+  };
+  DeviceArray<float> dxo(static_cast<size_t>(p.rows) * p.in);
+  auto backward_data = [&](GemmTile tile, const kernels::Tf32x3Planes* planes) {
+    EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f,
+                                                    dxo.get(), p.in, stream_, tile, planes),
+              cudaSuccess);
+    return dxo.Download();
+  };
+  for (const GemmTile tile : {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64}) {
+    SCOPED_TRACE(static_cast<int>(tile));
+    for (const float beta : {0.5f, 1.f}) {
+      for (const int count : {1, 2}) {
+        EXPECT_TRUE(BitIdentical(forward(tile, beta, count, &parts), forward(tile, beta, count, nullptr)))
+            << "forward, beta " << beta << ", count " << count;
+      }
+    }
+    EXPECT_TRUE(BitIdentical(backward_data(tile, &parts), backward_data(tile, nullptr))) << "backward data";
+  }
+}
+
 // small: B·T = 16,384 rows (in_proj, out_proj, embed, GRN, the CfC backbone reading [s | c] at ld D + C); large's
 // widest products over fewer rows (the double reference stays quick); tiny's 8-wide ones; and sizes that are neither
 // tile multiples nor even.

@@ -1,6 +1,7 @@
 // The training step as a replayed CUDA graph (warmup → capture → replay, ARCHITECTURE.md): replay ≡ eager bit for bit
-// under a warmup + cosine schedule, other shapes and other buffers refused, an overfit on one fixed batch that follows
-// the eager trajectory, no allocation over a thousand replays, and the counters the daemon reads.
+// under a warmup + cosine schedule (float32 and 3×TF32 products), other shapes and other buffers refused, an overfit
+// on one fixed batch that follows the eager trajectory, no allocation over a thousand replays, and the counters the
+// daemon reads.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -40,9 +41,10 @@ using testing::Step;
 using testing::WarmupCosine;
 
 std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
-                                     uint64_t seed) {
+                                     uint64_t seed, Precision precision = Precision::kFloat32) {
   CudaModelOptions options;
   options.graphs = graphs;
+  options.precision = precision;
   auto model = CudaModel::Create(config, optimizer, InitialParams(config, seed), options);
   EXPECT_TRUE(model.ok()) << model.status();
   return model.ok() ? *std::move(model) : nullptr;
@@ -50,12 +52,11 @@ std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerC
 
 // Twenty steps over a different batch each (so the staging is exercised under replay) with the learning rate moving
 // every step (warmup then cosine, read from the device step counter): 1 eager step, 1 capture, 18 more replays.
-TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerOverTwentyStepsOfAWarmupCosineSchedule) {
-  SKIP_WITHOUT_CUDA_DEVICE();
+void ExpectReplayBitIdenticalToEager(Precision precision) {
   const ModelConfig config = *NamedConfig("small");
   const OptimizerConfig optimizer = WarmupCosine(20);
-  auto eager = MakeModel(config, optimizer, /*graphs=*/false, 4);
-  auto replayed = MakeModel(config, optimizer, /*graphs=*/true, 4);
+  auto eager = MakeModel(config, optimizer, /*graphs=*/false, 4, precision);
+  auto replayed = MakeModel(config, optimizer, /*graphs=*/true, 4, precision);
   ASSERT_TRUE(eager && replayed);
   for (int step = 1; step <= 20; ++step) {
     SCOPED_TRACE(::testing::Message() << "step " << step);
@@ -82,8 +83,20 @@ TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerOverTwentyStepsOfAWarmupCosi
   EXPECT_EQ(r.timed_steps, 20);
   EXPECT_GT(r.last_step_seconds, 0);
   EXPECT_GE(r.total_step_seconds, r.last_step_seconds);
-  std::printf("[graph] small: last step %.1f us eager, %.1f us replayed (device time, CUDA events)\n",
-              e.last_step_seconds * 1e6, r.last_step_seconds * 1e6);
+  std::printf("[graph] small %s: last step %.1f us eager, %.1f us replayed (device time, CUDA events)\n",
+              PrecisionName(precision), e.last_step_seconds * 1e6, r.last_step_seconds * 1e6);
+}
+
+TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerOverTwentyStepsOfAWarmupCosineSchedule) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ExpectReplayBitIdenticalToEager(Precision::kFloat32);
+}
+
+// The 3×TF32 products read the weights' TF32 parts, split inside the captured step: each replay splits that step's
+// weights.
+TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerIn3xTf32) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ExpectReplayBitIdenticalToEager(Precision::kFloat32Tf32x3);
 }
 
 // The model's buffers are sized for the config's (batch, window): any other training shape is refused, naming both,
