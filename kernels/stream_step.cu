@@ -42,7 +42,7 @@ __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 // A running count of floats that hands out 16-byte aligned runs in order: Take(n) is where the next n start.
 struct FloatRuns {
   int at = 0;
-  __host__ __device__ int Take(int n) {
+  __host__ __device__ constexpr int Take(int n) {
     const int start = at;
     at += Align4(n);
     return start;
@@ -63,6 +63,7 @@ enum StageMode : int { kSplit, kRankZero };
 // `params` per-unit constants (biases, conv taps), `stride` floats per unit.
 struct PackStage {
   int kind, layer, units, outputs, in, in_pad, params, stride, pack, mode;
+  bool operator==(const PackStage&) const = default;
 };
 
 // Where everything lives: the pack (independent of the launch) and one block's shared memory for a launch shape.
@@ -88,9 +89,10 @@ struct StreamPlan {
   int conv_channels, ssm_rows;
   int ssm_base;  // the block's SSM rows per event and layer, or −1 when they are read from global memory
   int floats;
+  bool operator==(const StreamPlan&) const = default;
 };
 
-__host__ __device__ inline void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
+__host__ __device__ constexpr void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
   if (s.mode == kSplit) {
     r0 = rank * s.units / cluster;
     r1 = (rank + 1) * s.units / cluster;
@@ -100,7 +102,7 @@ __host__ __device__ inline void RowRange(const PackStage& s, int cluster, int ra
   }
 }
 
-StreamPlan MakePackPlan(const StreamWeights& w) {
+__host__ __device__ constexpr StreamPlan MakePackPlan(const StreamWeights& w) {
   StreamPlan p{};
   p.F = w.F, p.D = w.D, p.L = w.L, p.E = w.E, p.P = w.P, p.Hh = w.Hh, p.N = w.N, p.W = w.W, p.C = w.C, p.K = w.K,
   p.G = w.G, p.H = w.H;
@@ -140,7 +142,7 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
 
 // Lays one block's shared memory out for a launch shape; false when the activations do not fit. Then the shared
 // vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's order).
-bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
+__host__ __device__ constexpr bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
@@ -192,6 +194,27 @@ bool Supported(const StreamWeights& w) {
   return w.L >= 1 && w.L <= kStreamMaxLayers && w.W >= 1 && w.W <= kStreamMaxConvTaps &&
          w.F <= kStreamThreads && w.C <= kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
 }
+
+// The one-event launch shapes of the shipped configs (engine/config.cc) whose plan is compiled into a kernel of its
+// own: a tick's chain is a run of instructions each executed once, and with the plan known at compile time its
+// offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. Any other shape
+// (or a device whose shared memory gives another layout) takes the kernel that reads the launch's plan. The shipped
+// `small`'s one-instrument tick: clusters of 8 with every weight in shared memory on a 227 KB device.
+constexpr size_t kFixedSharedBytes = 232448;
+__host__ __device__ constexpr StreamWeights SmallDims() {
+  StreamWeights w{};
+  w.F = 40, w.D = 128, w.L = 2, w.E = 256, w.P = 64, w.Hh = 4, w.N = 32, w.W = 4, w.C = 64, w.K = 128, w.G = 64,
+  w.H = 5;
+  return w;
+}
+constexpr int kFixedShapes = 1;
+__host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
+  StreamPlan p = MakePackPlan(SmallDims());
+  Layout(p, 1, 8, kFixedSharedBytes);
+  return p;
+}
+// In constant memory, so that what the kernel still reads at a run-time index costs what the launch's plan did.
+__constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0)};
 
 // ---- Pack construction (once per published parameter set) ----
 
@@ -495,15 +518,24 @@ __device__ __forceinline__ void AddProducts(float (*v)[EG], const float* w, int 
   }
 }
 
-// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
-// in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
-// whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
-// product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
-// zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's.
+// One step of a lane's sums (RowSumsOf): inputs i..i+3 of each event.
 template <int EG, int M>
-__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
-                                               bool active, bool squares) {
+__device__ __forceinline__ void SumStep(RowSums<EG, M>& sums, const float* wu, const float* in, int in_pad,
+                                        int per_event, int i, bool squares) {
+  float4 x[EG];
+  LoadInputs<EG>(x, in, per_event, i);
+  if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
+  AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
+}
+
+// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
+// in order, then the group adds its lanes. Every lane of the warp calls it (the lanes of a row past the block's rows
+// with active = false, and get zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so
+// that a norm folded into the product needs no pass of its own; the sum has the bits of NormScales's. kUnrolled (a
+// length known at compile time once inlined): the lane's steps as a loop of fixed count, unrolled.
+template <int EG, int M, bool kUnrolled>
+__device__ __forceinline__ RowSums<EG, M> RowSumsOf(const float* wu, const float* in, int in_pad, int per_event,
+                                                    int lane, bool active, bool squares) {
   RowSums<EG, M> sums;
   sums.squares = 0.f;
 #pragma unroll
@@ -511,11 +543,16 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
   }
-  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
-    float4 x[EG];
-    LoadInputs<EG>(x, in, per_event, i);
-    if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
-    AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
+  if constexpr (kUnrolled) {
+#pragma unroll
+    for (int j = 0; j < CeilDiv(in_pad, 4 * kLanesPerRow); ++j) {
+      const int i = lane * 4 + j * 4 * kLanesPerRow;
+      if (active && i < in_pad) SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+    }
+  } else {
+    for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+      SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+    }
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
@@ -524,6 +561,14 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
     for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
   }
   return sums;
+}
+// Not inlined where the lengths come from the launch's plan: a tick runs most of the kernel's instructions once, on
+// an SM whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves
+// every product.
+template <int EG, int M>
+__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
+                                               bool active, bool squares) {
+  return RowSumsOf<EG, M, false>(wu, in, in_pad, per_event, lane, active, squares);
 }
 
 // For groups of several events: 1/rms of each event's in[0, n) (n_pad with its zero padding) at `out` of its
@@ -552,12 +597,20 @@ __device__ __noinline__ void NormScales(float* ev, int per_event, int in, int n,
 // `epilogue(u, acc, params, lane, active)` receives the finished sums of row unit u (every lane of the group gets
 // them); every row group of the block calls it, those past the block's last row with active = false (so that an
 // epilogue may use the whole warp), and they must not touch u's sums or params.
-template <int EG, int M, typename Epilogue>
-__device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
-                                         int in_offset, int norm_n, int rstd_offset, Epilogue&& epilogue) {
+// kFixed: the plan is known at compile time (the block's rows follow from its rank; the sums are inlined).
+template <int EG, int M, bool kFixed, typename Epilogue>
+__device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, const float* pack, float* smem,
+                                         uint64_t* bars, int in_offset, int norm_n, int rstd_offset,
+                                         Epilogue&& epilogue) {
   const PackStage& s = p.stage[si];
-  const int* rows = reinterpret_cast<const int*>(smem + p.rows);
-  const int r0 = rows[2 * si], r1 = rows[2 * si + 1];
+  int r0, r1;
+  if constexpr (kFixed) {
+    RowRange(s, p.cluster, rank, r0, r1);
+  } else {
+    const int* rows = reinterpret_cast<const int*>(smem + p.rows);
+    r0 = rows[2 * si];
+    r1 = rows[2 * si + 1];
+  }
   const float* weights;
   if (p.stage_at[si] >= 0) {
     BarrierWait(bars + 1 + si);
@@ -572,7 +625,13 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
     const int u = base + group;
     const bool active = u < r1;
     const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
-    RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, norm_n > 0 && base == r0);
+    const bool squares = norm_n > 0 && base == r0;
+    RowSums<EG, M> sums;
+    if constexpr (kFixed) {
+      sums = RowSumsOf<EG, M, true>(wu, in, s.in_pad, p.per_event, lane, active, squares);
+    } else {
+      sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, squares);
+    }
     if (norm_n > 0 && active) {
       if (EG == 1 && base == r0) lone_rstd = InverseRms(sums.squares, norm_n);
 #pragma unroll
@@ -601,10 +660,13 @@ __device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int
   __syncthreads();
 }
 
-template <int EG>
+// kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread).
+template <int EG, int kShape>
 __global__ void __launch_bounds__(kStreamThreads, 1)
-    StreamStepKernel(const __grid_constant__ StreamPlan p, const float* __restrict__ pack,
+    StreamStepKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
                      const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
+  constexpr bool kFixed = kShape >= 0;
+  const StreamPlan& p = kFixed ? kFixedPlans[kFixed ? kShape : 0] : plan;
   extern __shared__ __align__(16) float smem[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
@@ -672,8 +734,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
-    rows[2 * si] = r0;
-    rows[2 * si + 1] = r1;
+    if constexpr (!kFixed) {  // (a fixed plan's products find their rows from the rank)
+      rows[2 * si] = r0;
+      rows[2 * si + 1] = r1;
+    }
     if (p.stage_at[si] < 0) return;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
     BarrierExpect(bars + b, bytes);
@@ -682,14 +746,29 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                bars + b);
     }
   };
-  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier.
-  if (issues && warp > 0) issue(warp);
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier. (A
+  // fixed plan: each warp's test of every barrier, so that the plan is read at compile-time indices only.)
+  if constexpr (kFixed) {
+#pragma unroll
+    for (int b = 1; b < kStreamWarps && b < launch_bars; ++b) {
+      if (issues && warp == b) issue(b);
+    }
+  } else if (issues && warp > 0) {
+    issue(warp);
+  }
   // Activations start at zero: the products read their zero padding.
   float4* ev4 = reinterpret_cast<float4*>(ev);
   for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
   ClusterArrive();
-  for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
+  if constexpr (kFixed) {
+#pragma unroll
+    for (int b = kStreamWarps; b < launch_bars; ++b) {
+      if (issues && warp == b % kStreamWarps) issue(b);
+    }
+  } else {
+    for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
+  }
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
   const int remotes = (R > lane) + (R > lane + kLanesPerRow);
@@ -735,9 +814,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile). After
     // the block barrier: a warp's mbarrier.init runs one address at a time for all its lanes, so without a barrier
     // between them racecheck sees another lane's initialization race with this lane's arming.
-    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
-      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    auto exchange_bytes = [&](int x) {  // (fc2 and skip send two results per unit)
+      return static_cast<uint32_t>(p.stage[x].units * (p.stage[x].kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    };
+    if constexpr (kFixed) {
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int x = 0; x < exchanges; ++x) {
+        if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+      }
+      if (warp == 1 && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
+    } else if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
+      BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
     }
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
@@ -802,7 +890,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    Products<EG, 1>(p, 0, pack, smem, bars, p.xn, 0, 0,
+    Products<EG, 1, kFixed>(p, 0, rank, pack, smem, bars, p.xn, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -813,6 +901,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (exchanged(0)) __syncthreads();
     finish(0);
 
+#pragma unroll  // (a fixed plan's layers: its stages' offsets become immediates)
     for (int l = 0; l < p.L; ++l) {
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
@@ -821,7 +910,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
-      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.h, p.D, p.rstd_h,
+      Products<EG, 1, kFixed>(p, si_bcdt, rank, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -848,7 +937,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       // z and x of this block's SSM rows (h, p) of the same norm; x's causal conv (its owner advances the conv state),
       // then (once B, C and Δt are in) the SSM update and readout (eight lanes over the state dimension) and the gate;
       // y is exchanged.
-      Products<EG, 2>(p, si_heads, pack, smem, bars, p.h, p.D, p.rstd_h,
+      Products<EG, 2, kFixed>(p, si_heads, rank, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
                         if (active && bcdt_exchanged) ExchangeWait(exchange_bars + si_bcdt, phase & 1);
                         const int head = active ? hp / p.P : 0;
@@ -889,7 +978,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
       // out_proj of the gated RMSNorm (folded) of y.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.y, E, Align4(E), p.rstd_y);
-      Products<EG, 1>(p, si_out, pack, smem, bars, p.y, E, p.rstd_y,
+      Products<EG, 1, kFixed>(p, si_out, rank, pack, smem, bars, p.y, E, p.rstd_y,
                       [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
                         // Every lane of the row group reads the residual h[u] before any lane writes the new one
                         // into it (racecheck flagged the unordered read and write).
@@ -907,7 +996,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
     RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a, 0, 0,
+    Products<EG, 1, kFixed>(p, cfc_stage, rank, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -915,7 +1004,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         emit(cfc_stage, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
     finish(cfc_stage);
-    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb, 0, 0,
+    Products<EG, 4, kFixed>(p, cfc_stage + 1, rank, pack, smem, bars, p.bb, 0, 0,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -926,7 +1015,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       }
                     });
     finish(cfc_stage + 1);
-    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 2, rank, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -937,7 +1026,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                     });
     finish(cfc_stage + 2);
     // gate/value, of fc1's output (folded in).
-    Products<EG, 2>(p, cfc_stage + 3, pack, smem, bars, p.e2, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 3, rank, pack, smem, bars, p.e2, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -953,7 +1042,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         GrnLayerNorm(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
       }
       __syncthreads();
-      Products<EG, 1>(p, cfc_stage + 4, pack, smem, bars, p.g, 0, 0,
+      Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
 #pragma unroll
@@ -1663,28 +1752,43 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, int clusters, cudaStream
   return config;
 }
 
+// The kernels of the fixed plans, by shape.
+using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
+constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>};
+
+// The kernel of a launch's plan: its fixed plan's own where it has one, else the one that reads the plan.
+template <int EG>
+auto KernelFor(const StreamPlan& plan) {
+  if constexpr (EG == 1) {
+    for (int shape = 0; shape < kFixedShapes; ++shape) {
+      if (plan == FixedPlan(shape)) return kFixedKernels[shape];
+    }
+  }
+  return StreamStepKernel<EG, -1>;
+}
+
 template <int EG>
 cudaError_t Launch(const StreamPlan& plan, const float* pack, const StreamSlots& slots, const StreamTickInput& tick,
                    int max_clusters, cudaStream_t stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config =
       LaunchConfig<EG>(plan, std::min(CeilDiv(tick.n, EG), max_clusters), stream, &attribute);
-  return cudaLaunchKernelEx(&config, StreamStepKernel<EG>, plan, pack, slots, tick);
+  return cudaLaunchKernelEx(&config, KernelFor<EG>(plan), plan, pack, slots, tick);
 }
 
 template <int EG>
 cudaError_t MaxClusters(const StreamPlan& plan, int* clusters) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = LaunchConfig<EG>(plan, 1, nullptr, &attribute);
-  return cudaOccupancyMaxActiveClusters(clusters, StreamStepKernel<EG>, &config);
+  return cudaOccupancyMaxActiveClusters(clusters, KernelFor<EG>(plan), &config);
 }
 
-template <int EG>
-cudaError_t Prepare(size_t max_shared_bytes) {
-  cudaError_t error = cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(max_shared_bytes));
+template <typename Kernel>
+cudaError_t Prepare(Kernel kernel, size_t max_shared_bytes) {
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_shared_bytes));
   if (error != cudaSuccess) return error;
-  return cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
 // The plan of a launch shape; false when the model or the shape is unsupported or the activations do not fit.
@@ -1711,12 +1815,16 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
-       {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
+       {Prepare(StreamStepKernel<1, -1>, max_shared_bytes), Prepare(StreamStepKernel<2, -1>, max_shared_bytes),
+        Prepare(StreamStepKernel<4, -1>, max_shared_bytes), Prepare(StreamStepKernel<8, -1>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
         PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel<0>, max_shared_bytes),
         PrepareWide(WideSsmKernel<32>, max_shared_bytes), PrepareWide(WideSsmKernel<64>, max_shared_bytes),
         PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
+  }
+  for (StreamStepKernelPointer kernel : kFixedKernels) {
+    if (const cudaError_t error = Prepare(kernel, max_shared_bytes); error != cudaSuccess) return error;
   }
   return cudaSuccess;
 }
