@@ -704,9 +704,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
-  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else. With a
+  // fixed plan, the first group's (its lone event's) SSM states follow at once (below): queued behind every stage's
+  // copy, their issue waited ~2,000 cycles for room, and the block with it.
+  constexpr bool kEarlyStates = kFixed && EG == 1;
   if (tid == 0) {
     BarrierInit(bars);
+    if constexpr (kEarlyStates) BarrierInit(exchange_bars + kMaxExchanges);  // (the states' barrier)
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -714,6 +718,20 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
+  if constexpr (kEarlyStates) {
+    static_assert(kFixedPlans[kFixed ? kShape : 0].ssm_base >= 0 && kFixedPlans[kFixed ? kShape : 0].N % 4 == 0,
+                  "a fixed plan's states are bulk-copied");
+    const int q0 = rank * E / R, nx = (rank + 1) * E / R - q0;
+    uint64_t* state_bar = exchange_bars + kMaxExchanges;
+    if (tid == 0) {
+      BarrierExpect(state_bar, slot_read >= 0 ? p.L * nx * N * sizeof(float) : 0);
+      for (int l = 0; slot_read >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
+        BulkCopy(smem + p.ssm_base + l * p.ssm_rows * N,
+                 st.ssm + slot_read * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
+                 nx * N * sizeof(float), state_bar);
+      }
+    }
+  }
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
@@ -722,7 +740,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // is counted by racecheck as every lane's, at a stale address, whether or not the predicate holds.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const int inits = launch_bars + exchanges + 1;
+  const int inits = launch_bars + exchanges + (kEarlyStates ? 0 : 1);
   auto barrier = [&](int b) {
     return b < launch_bars ? bars + b : b < launch_bars + exchanges ? exchange_bars + (b - launch_bars) : state_bar;
   };
@@ -829,7 +847,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
-    if (bulk_states && tid == 0) {
+    if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
       uint32_t bytes = 0;
       for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
       BarrierExpect(state_bar, bytes);
