@@ -398,12 +398,27 @@ __device__ __forceinline__ float RowSum(float v) {
 
 // ---- Per-unit math of the step, one copy for the cluster kernel and the wide path (so both give the same bits) ----
 
+// Calls f(i) for i = first, first + step, … below n, in order (first < step). kUnrolled (n known at compile time once
+// inlined, as with a fixed plan): as ceil(n / step) steps, unrolled.
+template <bool kUnrolled, typename F>
+__device__ __forceinline__ void StridedFor(int first, int n, int step, F&& f) {
+  if constexpr (kUnrolled) {
+#pragma unroll
+    for (int j = 0; j < CeilDiv(n, step); ++j) {
+      if (first + j * step < n) f(first + j * step);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = first; i < n; i += step) f(i);
+  }
+}
+
 // A channel's causal conv before its SiLU: the bias, the newest tap times v, then the carried inputs oldest first
 // (old[k·stride]); prm holds the W taps, oldest first, then the bias.
+template <bool kUnrolled = false>
 __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, const float* old, size_t stride) {
   float conv = prm[W1 + 1] + prm[W1] * v;
-#pragma unroll 1
-  for (int k = 0; k < W1; ++k) conv += prm[k] * old[k * stride];
+  StridedFor<kUnrolled>(0, W1, 1, [&](int k) { conv += prm[k] * old[k * stride]; });
   return conv;
 }
 
@@ -446,36 +461,44 @@ __device__ __forceinline__ float GrnPre(float skip, float gate, float value, con
 }
 
 // The GRN's layer norm of one event, by one whole warp.
+template <bool kUnrolled = false>
 __device__ __forceinline__ void GrnLayerNorm(const float* pre, float* out, const float* ln_w, const float* ln_b, int G,
                                              int lane) {
   float sum = 0.f;
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) sum += pre[i];
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { sum += pre[i]; });
   const float mean = WarpSum(sum) / G;
   float var = 0.f;
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { var += (pre[i] - mean) * (pre[i] - mean); });
   const float rstd = 1.f / sqrtf(WarpSum(var) / G + kNormEps);
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i];
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i]; });
 }
 
-// Probabilities, conviction (MODEL.md §2.8: the most confident horizon, lowest on ties) and the log entry of one
-// logged event.
-__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
-                                             int H) {
-  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+// The index of the most confident horizon of an event's probabilities (MODEL.md §2.8: lowest on ties), of each
+// horizon's probability prob(h).
+template <typename Prob>
+__device__ __forceinline__ int MostConfident(int H, Prob&& prob) {
   int best = 0;
   float best_distance = -1.f;
   for (int h = 0; h < H; ++h) {
-    const float prob = Sigmoid(logits[h]);
-    st.probs[slot * H + h] = prob;
-    st.log_probs[entry * H + h] = prob;
-    if (fabsf(prob - 0.5f) > best_distance) {
-      best_distance = fabsf(prob - 0.5f);
+    const float p = prob(h);
+    if (fabsf(p - 0.5f) > best_distance) {
+      best_distance = fabsf(p - 0.5f);
       best = h;
     }
   }
+  return best;
+}
+
+// Probabilities, conviction and the log entry of one logged event.
+__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
+                                             int H) {
+  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+  const int best = MostConfident(H, [&](int h) {
+    const float prob = Sigmoid(logits[h]);
+    st.probs[slot * H + h] = prob;
+    st.log_probs[entry * H + h] = prob;
+    return prob;
+  });
   st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
 }
 
@@ -645,19 +668,33 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, 
   }
 }
 
-// out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes.
-template <int EG>
-__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+// out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes. kUnrolled: n
+// known at compile time once inlined (a fixed plan).
+template <int EG, bool kUnrolled>
+__device__ __forceinline__ void RmsNormOf(float* ev, int per_event, int in, int out, const float* w, int n) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int e = warp; e < EG; e += kStreamWarps) {
     const float* v = ev + e * per_event + in;
     float* o = ev + e * per_event + out;
     float ss = 0.f;
-    for (int i = lane; i < n; i += kWarpSize) ss += v[i] * v[i];
+    if constexpr (kUnrolled) {
+      StridedFor<true>(lane, n, kWarpSize, [&](int i) { ss += v[i] * v[i]; });
+    } else {
+      for (int i = lane; i < n; i += kWarpSize) ss += v[i] * v[i];
+    }
     const float rstd = 1.f / sqrtf(WarpSum(ss) / n + kNormEps);
-    for (int i = lane; i < n; i += kWarpSize) o[i] = v[i] * rstd * w[i];
+    if constexpr (kUnrolled) {
+      StridedFor<true>(lane, n, kWarpSize, [&](int i) { o[i] = v[i] * rstd * w[i]; });
+    } else {
+      for (int i = lane; i < n; i += kWarpSize) o[i] = v[i] * rstd * w[i];
+    }
   }
   __syncthreads();
+}
+// Not inlined where n comes from the launch's plan (as SumRows).
+template <int EG>
+__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+  RmsNormOf<EG, false>(ev, per_event, in, out, w, n);
 }
 
 // kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread).
@@ -937,12 +974,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           float out;
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            out = Silu(ConvTaps(prm, W1, v, old_rows, p.conv_channels));
+                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
-#pragma unroll 1
-                              for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
+                                state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              });
                               state[(W1 - 1) * cd] = v;
                             }
                           } else {
@@ -967,11 +1005,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = conv_rows + e * pe + hp - q0;
-                          xc[e] = Silu(ConvTaps(prm, W1, acc[1][e], old_rows, p.conv_channels));
+                          xc[e] = Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
-#pragma unroll 1
-                            for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                            StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
+                              state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                            });
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
                           const float* bcdt = ev + e * pe + p.bcdt;
@@ -1013,7 +1052,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
-    RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    if constexpr (kFixed) {
+      RmsNormOf<EG, true>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    } else {
+      RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    }
     Products<EG, 1, kFixed>(p, cfc_stage, rank, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
@@ -1057,18 +1100,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then the outputs.
       for (int e = warp; e < EG; e += kStreamWarps) {
-        GrnLayerNorm(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
+        GrnLayerNorm<kFixed>(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
       }
       __syncthreads();
+      // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
+      // reads them for the conviction, so that the sigmoids run side by side.)
+      auto logged_entry = [&](int e) { return static_cast<size_t>(slot_ids[e]) * st.log_entries + log_at[e]; };
       Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
+                        if constexpr (kEarlyStates) {
+                          const float prob = Sigmoid(acc[0][0] + prm[0]);
+                          ev[p.logits + u] = prob;
+                          if (slot_ids[0] >= 0 && tick.logged) {
+                            st.probs[slot_ids[0] * p.H + u] = prob;
+                            st.log_probs[logged_entry(0) * p.H + u] = prob;
+                          }
+                        } else {
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                          for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                        }
                       });
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
-        WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
+        if constexpr (kEarlyStates) {
+          const float* probs = ev + p.logits;
+          const int best = MostConfident(p.H, [&](int h) { return probs[h]; });
+          st.log_convictions[logged_entry(0)] = 2.f * probs[best] - 1.f;  // (the bits of 2·σ(logit) − 1)
+        } else {
+          WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
+        }
       }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
