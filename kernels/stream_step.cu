@@ -741,7 +741,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
     const bool reads_event = tid < EG && first + tid < tick.n;
-    slot_read = reads_event ? tick_slots[first + tid] : -1;
+    // (A fixed plan reads an inline tick's slot from the parameters directly, not through a generic address: the
+    // states' copies wait for it.)
+    slot_read = !reads_event                ? -1
+                : kFixed && tick.x == nullptr ? tick.inline_slots[first + tid]
+                                              : tick_slots[first + tid];
     dt_read = reads_event ? tick_dt[first + tid] : 0.f;
     log_read = reads_event && tick.logged ? tick_log[first + tid] : 0;
 #pragma unroll
