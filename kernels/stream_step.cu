@@ -575,10 +575,12 @@ __device__ __forceinline__ RowSums<EG, M> RowSumsOf(const float* wu, const float
     for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
   }
   if constexpr (kUnrolled) {
+    if (active) {  // (one branch around the steps, so that their loads are issued together)
 #pragma unroll
-    for (int j = 0; j < CeilDiv(in_pad, 4 * kLanesPerRow); ++j) {
-      const int i = lane * 4 + j * 4 * kLanesPerRow;
-      if (active && i < in_pad) SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+      for (int j = 0; j < CeilDiv(in_pad, 4 * kLanesPerRow); ++j) {
+        const int i = lane * 4 + j * 4 * kLanesPerRow;
+        if (i < in_pad) SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+      }
     }
   } else {
     for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
@@ -651,6 +653,9 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, 
   }
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
   const float* in = smem + p.ev_base + in_offset;
+  // A fixed plan's inputs' padded length: a folded norm spans the whole input, and its length, unlike the stage's
+  // fields inside the layer loop, is a constant before the loops unroll, so that the sums' steps unroll fully.
+  const int fixed_in_pad = norm_n > 0 ? Align4(norm_n) : s.in_pad;
   float lone_rstd = 1.f;
   for (int base = r0; base < r1; base += kRowGroups) {
     const int u = base + group;
@@ -659,7 +664,7 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, 
     const bool squares = norm_n > 0 && base == r0;
     RowSums<EG, M> sums;
     if constexpr (kFixed) {
-      sums = RowSumsOf<EG, M, true>(wu, in, s.in_pad, p.per_event, lane, active, squares);
+      sums = RowSumsOf<EG, M, true>(wu, in, fixed_in_pad, p.per_event, lane, active, squares);
     } else {
       sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, squares);
     }
@@ -672,7 +677,7 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, 
         for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd;
       }
     }
-    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+    epilogue(u, sums.v, wu + M * (kFixed ? fixed_in_pad : s.in_pad), lane, active);
   }
 }
 
