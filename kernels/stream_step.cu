@@ -197,9 +197,10 @@ bool Supported(const StreamWeights& w) {
 
 // The one-event launch shapes of the shipped configs (engine/config.cc) whose plan is compiled into a kernel of its
 // own: a tick's chain is a run of instructions each executed once, and with the plan known at compile time its
-// offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. Any other shape
-// (or a device whose shared memory gives another layout) takes the kernel that reads the launch's plan. The shipped
-// `small`'s one-instrument tick: clusters of 8 with every weight in shared memory on a 227 KB device.
+// offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. A launch takes such a
+// kernel when its plan equals the fixed one (the layout records no budget, so any device with room for it); any
+// other shape takes the kernel that reads the launch's plan. One shape so far: `small`'s one-instrument tick,
+// clusters of 8 with every weight in shared memory (laid out within the H200's 227 KB).
 constexpr size_t kFixedSharedBytes = 232448;
 __host__ __device__ constexpr StreamWeights SmallDims() {
   StreamWeights w{};
@@ -209,11 +210,15 @@ __host__ __device__ constexpr StreamWeights SmallDims() {
 }
 constexpr int kFixedShapes = 1;
 __host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
-  StreamPlan p = MakePackPlan(SmallDims());
-  Layout(p, 1, 8, kFixedSharedBytes);
+  StreamPlan p{};
+  if (shape == 0) {
+    p = MakePackPlan(SmallDims());
+    Layout(p, 1, 8, kFixedSharedBytes);
+  }
   return p;
 }
-// In constant memory, so that what the kernel still reads at a run-time index costs what the launch's plan did.
+// In constant memory, where device code may read it: read at compile-time indices (all of the fixed kernels' reads),
+// its values become immediates.
 __constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0)};
 // Whether no product of a plan reads padding (every input's length a multiple of 4): then, with lone events, every
 // activation is written before it is read.
