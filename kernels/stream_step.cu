@@ -42,7 +42,7 @@ __host__ __device__ constexpr int Align4(int n) { return (n + 3) / 4 * 4; }
 // A running count of floats that hands out 16-byte aligned runs in order: Take(n) is where the next n start.
 struct FloatRuns {
   int at = 0;
-  __host__ __device__ int Take(int n) {
+  __host__ __device__ constexpr int Take(int n) {
     const int start = at;
     at += Align4(n);
     return start;
@@ -63,6 +63,7 @@ enum StageMode : int { kSplit, kRankZero };
 // `params` per-unit constants (biases, conv taps), `stride` floats per unit.
 struct PackStage {
   int kind, layer, units, outputs, in, in_pad, params, stride, pack, mode;
+  bool operator==(const PackStage&) const = default;
 };
 
 // Where everything lives: the pack (independent of the launch) and one block's shared memory for a launch shape.
@@ -88,9 +89,10 @@ struct StreamPlan {
   int conv_channels, ssm_rows;
   int ssm_base;  // the block's SSM rows per event and layer, or −1 when they are read from global memory
   int floats;
+  bool operator==(const StreamPlan&) const = default;
 };
 
-__host__ __device__ inline void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
+__host__ __device__ constexpr void RowRange(const PackStage& s, int cluster, int rank, int& r0, int& r1) {
   if (s.mode == kSplit) {
     r0 = rank * s.units / cluster;
     r1 = (rank + 1) * s.units / cluster;
@@ -100,7 +102,7 @@ __host__ __device__ inline void RowRange(const PackStage& s, int cluster, int ra
   }
 }
 
-StreamPlan MakePackPlan(const StreamWeights& w) {
+__host__ __device__ constexpr StreamPlan MakePackPlan(const StreamWeights& w) {
   StreamPlan p{};
   p.F = w.F, p.D = w.D, p.L = w.L, p.E = w.E, p.P = w.P, p.Hh = w.Hh, p.N = w.N, p.W = w.W, p.C = w.C, p.K = w.K,
   p.G = w.G, p.H = w.H;
@@ -140,7 +142,7 @@ StreamPlan MakePackPlan(const StreamWeights& w) {
 
 // Lays one block's shared memory out for a launch shape; false when the activations do not fit. Then the shared
 // vectors, the SSM rows and the stages' rows take what is left, in that order (the chain's order).
-bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
+__host__ __device__ constexpr bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
   p.cluster = cluster;
   p.events = events;
   const int budget = static_cast<int>(max_shared_bytes / sizeof(float));
@@ -191,6 +193,40 @@ bool Layout(StreamPlan& p, int events, int cluster, size_t max_shared_bytes) {
 bool Supported(const StreamWeights& w) {
   return w.L >= 1 && w.L <= kStreamMaxLayers && w.W >= 1 && w.W <= kStreamMaxConvTaps &&
          w.F <= kStreamThreads && w.C <= kStreamThreads && w.P > 0 && w.E == w.Hh * w.P;
+}
+
+// The one-event launch shapes of the shipped configs (engine/config.cc) whose plan is compiled into a kernel of its
+// own: a tick's chain is a run of instructions each executed once, and with the plan known at compile time its
+// offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. A launch takes such a
+// kernel when its plan equals the fixed one (the layout records no budget, so any device with room for it); any
+// other shape takes the kernel that reads the launch's plan. One shape so far: `small`'s one-instrument tick,
+// clusters of 8 with every weight in shared memory (laid out within the H200's 227 KB).
+constexpr size_t kFixedSharedBytes = 232448;
+__host__ __device__ constexpr StreamWeights SmallDims() {
+  StreamWeights w{};
+  w.F = 40, w.D = 128, w.L = 2, w.E = 256, w.P = 64, w.Hh = 4, w.N = 32, w.W = 4, w.C = 64, w.K = 128, w.G = 64,
+  w.H = 5;
+  return w;
+}
+constexpr int kFixedShapes = 1;
+__host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
+  StreamPlan p{};
+  if (shape == 0) {
+    p = MakePackPlan(SmallDims());
+    Layout(p, 1, 8, kFixedSharedBytes);
+  }
+  return p;
+}
+// In constant memory, where device code may read it: read at compile-time indices (all of the fixed kernels' reads),
+// its values become immediates.
+__constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0)};
+// Whether no product of a plan reads padding (every input's length a multiple of 4): then, with lone events, every
+// activation is written before it is read.
+__host__ __device__ constexpr bool Unpadded(const StreamPlan& p) {
+  for (int s = 0; s < p.stages; ++s) {
+    if (p.stage[s].in != p.stage[s].in_pad) return false;
+  }
+  return true;
 }
 
 // ---- Pack construction (once per published parameter set) ----
@@ -375,12 +411,27 @@ __device__ __forceinline__ float RowSum(float v) {
 
 // ---- Per-unit math of the step, one copy for the cluster kernel and the wide path (so both give the same bits) ----
 
+// Calls f(i) for i = first, first + step, … below n, in order (first < step). kUnrolled (n known at compile time once
+// inlined, as with a fixed plan): as ceil(n / step) steps, unrolled.
+template <bool kUnrolled, typename F>
+__device__ __forceinline__ void StridedFor(int first, int n, int step, F&& f) {
+  if constexpr (kUnrolled) {
+#pragma unroll
+    for (int j = 0; j < CeilDiv(n, step); ++j) {
+      if (first + j * step < n) f(first + j * step);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = first; i < n; i += step) f(i);
+  }
+}
+
 // A channel's causal conv before its SiLU: the bias, the newest tap times v, then the carried inputs oldest first
 // (old[k·stride]); prm holds the W taps, oldest first, then the bias.
+template <bool kUnrolled = false>
 __device__ __forceinline__ float ConvTaps(const float* prm, int W1, float v, const float* old, size_t stride) {
   float conv = prm[W1 + 1] + prm[W1] * v;
-#pragma unroll 1
-  for (int k = 0; k < W1; ++k) conv += prm[k] * old[k * stride];
+  StridedFor<kUnrolled>(0, W1, 1, [&](int k) { conv += prm[k] * old[k * stride]; });
   return conv;
 }
 
@@ -423,36 +474,44 @@ __device__ __forceinline__ float GrnPre(float skip, float gate, float value, con
 }
 
 // The GRN's layer norm of one event, by one whole warp.
+template <bool kUnrolled = false>
 __device__ __forceinline__ void GrnLayerNorm(const float* pre, float* out, const float* ln_w, const float* ln_b, int G,
                                              int lane) {
   float sum = 0.f;
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) sum += pre[i];
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { sum += pre[i]; });
   const float mean = WarpSum(sum) / G;
   float var = 0.f;
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) var += (pre[i] - mean) * (pre[i] - mean);
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { var += (pre[i] - mean) * (pre[i] - mean); });
   const float rstd = 1.f / sqrtf(WarpSum(var) / G + kNormEps);
-#pragma unroll 1
-  for (int i = lane; i < G; i += kWarpSize) out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i];
+  StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i]; });
 }
 
-// Probabilities, conviction (MODEL.md §2.8: the most confident horizon, lowest on ties) and the log entry of one
-// logged event.
-__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
-                                             int H) {
-  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+// The index of the most confident horizon of an event's probabilities (MODEL.md §2.8: lowest on ties), of each
+// horizon's probability prob(h).
+template <typename Prob>
+__device__ __forceinline__ int MostConfident(int H, Prob&& prob) {
   int best = 0;
   float best_distance = -1.f;
   for (int h = 0; h < H; ++h) {
-    const float prob = Sigmoid(logits[h]);
-    st.probs[slot * H + h] = prob;
-    st.log_probs[entry * H + h] = prob;
-    if (fabsf(prob - 0.5f) > best_distance) {
-      best_distance = fabsf(prob - 0.5f);
+    const float p = prob(h);
+    if (fabsf(p - 0.5f) > best_distance) {
+      best_distance = fabsf(p - 0.5f);
       best = h;
     }
   }
+  return best;
+}
+
+// Probabilities, conviction and the log entry of one logged event.
+__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
+                                             int H) {
+  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+  const int best = MostConfident(H, [&](int h) {
+    const float prob = Sigmoid(logits[h]);
+    st.probs[slot * H + h] = prob;
+    st.log_probs[entry * H + h] = prob;
+    return prob;
+  });
   st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
 }
 
@@ -495,15 +554,24 @@ __device__ __forceinline__ void AddProducts(float (*v)[EG], const float* w, int 
   }
 }
 
-// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
-// in order, then the group adds its lanes. Not inlined: a tick runs most of the kernel's instructions once, on an SM
-// whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves every
-// product. Every lane of the warp calls it (the lanes of a row past the block's rows with active = false, and get
-// zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so that a norm folded into the
-// product needs no pass of its own; the sum has the bits of NormScales's.
+// One step of a lane's sums (RowSumsOf): inputs i..i+3 of each event.
 template <int EG, int M>
-__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
-                                               bool active, bool squares) {
+__device__ __forceinline__ void SumStep(RowSums<EG, M>& sums, const float* wu, const float* in, int in_pad,
+                                        int per_event, int i, bool squares) {
+  float4 x[EG];
+  LoadInputs<EG>(x, in, per_event, i);
+  if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
+  AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
+}
+
+// One row unit's M products for every event of the group: lane j of the row group sums inputs 4j..4j+3, 4j+32..,
+// in order, then the group adds its lanes. Every lane of the warp calls it (the lanes of a row past the block's rows
+// with active = false, and get zeros). With `squares` (a lone event), the row group also sums its inputs' squares, so
+// that a norm folded into the product needs no pass of its own; the sum has the bits of NormScales's. kUnrolled (a
+// length known at compile time once inlined): the lane's steps as a loop of fixed count, unrolled.
+template <int EG, int M, bool kUnrolled>
+__device__ __forceinline__ RowSums<EG, M> RowSumsOf(const float* wu, const float* in, int in_pad, int per_event,
+                                                    int lane, bool active, bool squares) {
   RowSums<EG, M> sums;
   sums.squares = 0.f;
 #pragma unroll
@@ -511,11 +579,18 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
 #pragma unroll
     for (int e = 0; e < EG; ++e) sums.v[m][e] = 0.f;
   }
-  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
-    float4 x[EG];
-    LoadInputs<EG>(x, in, per_event, i);
-    if (EG == 1 && squares) sums.squares = AddSquares(sums.squares, x[0]);
-    AddProducts<EG, M>(sums.v, wu, in_pad, i, x);
+  if constexpr (kUnrolled) {
+    if (active) {  // (one branch around the steps, so that their loads are issued together)
+#pragma unroll
+      for (int j = 0; j < CeilDiv(in_pad, 4 * kLanesPerRow); ++j) {
+        const int i = lane * 4 + j * 4 * kLanesPerRow;
+        if (i < in_pad) SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+      }
+    }
+  } else {
+    for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
+      SumStep<EG, M>(sums, wu, in, in_pad, per_event, i, squares);
+    }
   }
   if (EG == 1 && squares) sums.squares = RowSum(sums.squares);
 #pragma unroll
@@ -524,6 +599,14 @@ __device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in,
     for (int e = 0; e < EG; ++e) sums.v[m][e] = RowSum(sums.v[m][e]);
   }
   return sums;
+}
+// Not inlined where the lengths come from the launch's plan: a tick runs most of the kernel's instructions once, on
+// an SM whose instruction cache is likely cold (ncu counts instruction-fetch stalls), so one copy of the loop serves
+// every product.
+template <int EG, int M>
+__device__ __noinline__ RowSums<EG, M> SumRows(const float* wu, const float* in, int in_pad, int per_event, int lane,
+                                               bool active, bool squares) {
+  return RowSumsOf<EG, M, false>(wu, in, in_pad, per_event, lane, active, squares);
 }
 
 // For groups of several events: 1/rms of each event's in[0, n) (n_pad with its zero padding) at `out` of its
@@ -552,12 +635,20 @@ __device__ __noinline__ void NormScales(float* ev, int per_event, int in, int n,
 // `epilogue(u, acc, params, lane, active)` receives the finished sums of row unit u (every lane of the group gets
 // them); every row group of the block calls it, those past the block's last row with active = false (so that an
 // epilogue may use the whole warp), and they must not touch u's sums or params.
-template <int EG, int M, typename Epilogue>
-__device__ __forceinline__ void Products(const StreamPlan& p, int si, const float* pack, float* smem, uint64_t* bars,
-                                         int in_offset, int norm_n, int rstd_offset, Epilogue&& epilogue) {
+// kFixed: the plan is known at compile time (the block's rows follow from its rank; the sums are inlined).
+template <int EG, int M, bool kFixed, typename Epilogue>
+__device__ __forceinline__ void Products(const StreamPlan& p, int si, int rank, const float* pack, float* smem,
+                                         uint64_t* bars, int in_offset, int norm_n, int rstd_offset,
+                                         Epilogue&& epilogue) {
   const PackStage& s = p.stage[si];
-  const int* rows = reinterpret_cast<const int*>(smem + p.rows);
-  const int r0 = rows[2 * si], r1 = rows[2 * si + 1];
+  int r0, r1;
+  if constexpr (kFixed) {
+    RowRange(s, p.cluster, rank, r0, r1);
+  } else {
+    const int* rows = reinterpret_cast<const int*>(smem + p.rows);
+    r0 = rows[2 * si];
+    r1 = rows[2 * si + 1];
+  }
   const float* weights;
   if (p.stage_at[si] >= 0) {
     BarrierWait(bars + 1 + si);
@@ -567,12 +658,21 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
   }
   const int group = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
   const float* in = smem + p.ev_base + in_offset;
+  // A fixed plan's inputs' padded length: a folded norm spans the whole input, and its length, unlike the stage's
+  // fields inside the layer loop, is a constant before the loops unroll, so that the sums' steps unroll fully.
+  const int fixed_in_pad = norm_n > 0 ? Align4(norm_n) : s.in_pad;
   float lone_rstd = 1.f;
   for (int base = r0; base < r1; base += kRowGroups) {
     const int u = base + group;
     const bool active = u < r1;
     const float* wu = weights + static_cast<size_t>(u - r0) * s.stride;
-    RowSums<EG, M> sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, norm_n > 0 && base == r0);
+    const bool squares = norm_n > 0 && base == r0;
+    RowSums<EG, M> sums;
+    if constexpr (kFixed) {
+      sums = RowSumsOf<EG, M, true>(wu, in, fixed_in_pad, p.per_event, lane, active, squares);
+    } else {
+      sums = SumRows<EG, M>(wu, in, s.in_pad, p.per_event, lane, active, squares);
+    }
     if (norm_n > 0 && active) {
       if (EG == 1 && base == r0) lone_rstd = InverseRms(sums.squares, norm_n);
 #pragma unroll
@@ -582,29 +682,46 @@ __device__ __forceinline__ void Products(const StreamPlan& p, int si, const floa
         for (int m = 0; m < M; ++m) sums.v[m][e] *= rstd;
       }
     }
-    epilogue(u, sums.v, wu + M * s.in_pad, lane, active);
+    epilogue(u, sums.v, wu + M * (kFixed ? fixed_in_pad : s.in_pad), lane, active);
   }
 }
 
-// out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes.
-template <int EG>
-__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+// out = v / sqrt(mean(v²) + eps) ⊙ w for each event (a warp per event), then the block synchronizes. kUnrolled: n
+// known at compile time once inlined (a fixed plan).
+template <int EG, bool kUnrolled>
+__device__ __forceinline__ void RmsNormOf(float* ev, int per_event, int in, int out, const float* w, int n) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int e = warp; e < EG; e += kStreamWarps) {
     const float* v = ev + e * per_event + in;
     float* o = ev + e * per_event + out;
     float ss = 0.f;
-    for (int i = lane; i < n; i += kWarpSize) ss += v[i] * v[i];
+    if constexpr (kUnrolled) {
+      StridedFor<true>(lane, n, kWarpSize, [&](int i) { ss += v[i] * v[i]; });
+    } else {
+      for (int i = lane; i < n; i += kWarpSize) ss += v[i] * v[i];
+    }
     const float rstd = 1.f / sqrtf(WarpSum(ss) / n + kNormEps);
-    for (int i = lane; i < n; i += kWarpSize) o[i] = v[i] * rstd * w[i];
+    if constexpr (kUnrolled) {
+      StridedFor<true>(lane, n, kWarpSize, [&](int i) { o[i] = v[i] * rstd * w[i]; });
+    } else {
+      for (int i = lane; i < n; i += kWarpSize) o[i] = v[i] * rstd * w[i];
+    }
   }
   __syncthreads();
 }
-
+// Not inlined where n comes from the launch's plan (as SumRows).
 template <int EG>
+__device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int out, const float* w, int n) {
+  RmsNormOf<EG, false>(ev, per_event, in, out, w, n);
+}
+
+// kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread).
+template <int EG, int kShape>
 __global__ void __launch_bounds__(kStreamThreads, 1)
-    StreamStepKernel(const __grid_constant__ StreamPlan p, const float* __restrict__ pack,
+    StreamStepKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
                      const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
+  constexpr bool kFixed = kShape >= 0;
+  const StreamPlan& p = kFixed ? kFixedPlans[kFixed ? kShape : 0] : plan;
   extern __shared__ __align__(16) float smem[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
@@ -634,7 +751,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
     const bool reads_event = tid < EG && first + tid < tick.n;
-    slot_read = reads_event ? tick_slots[first + tid] : -1;
+    // (A fixed plan reads an inline tick's slot from the parameters directly, not through a generic address: the
+    // states' copies wait for it.)
+    slot_read = !reads_event                ? -1
+                : kFixed && tick.x == nullptr ? tick.inline_slots[first + tid]
+                                              : tick_slots[first + tid];
     dt_read = reads_event ? tick_dt[first + tid] : 0.f;
     log_read = reads_event && tick.logged ? tick_log[first + tid] : 0;
 #pragma unroll
@@ -642,9 +763,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
-  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else. With a
+  // fixed plan, the first group's (its lone event's) SSM states follow at once (below): queued behind every stage's
+  // copy, their issue waited ~2,000 cycles for room, and the block with it.
+  constexpr bool kEarlyStates = kFixed && EG == 1;
   if (tid == 0) {
     BarrierInit(bars);
+    if constexpr (kEarlyStates) BarrierInit(exchange_bars + kMaxExchanges);  // (the states' barrier)
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -652,6 +777,20 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
+  if constexpr (kEarlyStates) {
+    static_assert(kFixedPlans[kFixed ? kShape : 0].ssm_base >= 0 && kFixedPlans[kFixed ? kShape : 0].N % 4 == 0,
+                  "a fixed plan's states are bulk-copied");
+    const int q0 = rank * E / R, nx = (rank + 1) * E / R - q0;
+    uint64_t* state_bar = exchange_bars + kMaxExchanges;
+    if (tid == 0) {
+      BarrierExpect(state_bar, slot_read >= 0 ? p.L * nx * N * sizeof(float) : 0);
+      for (int l = 0; slot_read >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
+        BulkCopy(smem + p.ssm_base + l * p.ssm_rows * N,
+                 st.ssm + slot_read * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
+                 nx * N * sizeof(float), state_bar);
+      }
+    }
+  }
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
@@ -660,7 +799,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // is counted by racecheck as every lane's, at a stale address, whether or not the predicate holds.
   const int launch_bars = 1 + p.stages, warp = tid / kWarpSize, warp_lane = tid % kWarpSize;
   uint64_t* state_bar = exchange_bars + kMaxExchanges;
-  const int inits = launch_bars + exchanges + 1;
+  const int inits = launch_bars + exchanges + (kEarlyStates ? 0 : 1);
   auto barrier = [&](int b) {
     return b < launch_bars ? bars + b : b < launch_bars + exchanges ? exchange_bars + (b - launch_bars) : state_bar;
   };
@@ -672,8 +811,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     const int si = b - 1;
     int r0, r1;
     RowRange(p.stage[si], R, rank, r0, r1);
-    rows[2 * si] = r0;
-    rows[2 * si + 1] = r1;
+    if constexpr (!kFixed) {  // (a fixed plan's products find their rows from the rank)
+      rows[2 * si] = r0;
+      rows[2 * si + 1] = r1;
+    }
     if (p.stage_at[si] < 0) return;
     const uint32_t bytes = (r1 - r0) * p.stage[si].stride * sizeof(float);
     BarrierExpect(bars + b, bytes);
@@ -682,14 +823,33 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                bars + b);
     }
   };
-  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier.
-  if (issues && warp > 0) issue(warp);
-  // Activations start at zero: the products read their zero padding.
-  float4* ev4 = reinterpret_cast<float4*>(ev);
-  for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  // The blocks' barriers must exist before the first exchange; the wait comes as late as it can.
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier. (A
+  // fixed plan: each warp's test of every barrier, so that the plan is read at compile-time indices only.)
+  if constexpr (kFixed) {
+#pragma unroll
+    for (int b = 1; b < kStreamWarps && b < launch_bars; ++b) {
+      if (issues && warp == b) issue(b);
+    }
+  } else if (issues && warp > 0) {
+    issue(warp);
+  }
+  // Activations start at zero: the products read their zero padding (a fixed plan's lone event without padding
+  // writes every activation before reading it, so it skips this). The blocks' barriers must exist before the first
+  // exchange; the wait comes as late as it can. (The arrive stays a release, ~1,200 cycles: with a relaxed one, which
+  // leaves the barriers' initialization to their fence, racecheck reported a hazard in the fixed kernel.)
+  if constexpr (!(kEarlyStates && Unpadded(kFixedPlans[kFixed ? kShape : 0]))) {
+    float4* ev4 = reinterpret_cast<float4*>(ev);
+    for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   ClusterArrive();
-  for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
+  if constexpr (kFixed) {
+#pragma unroll
+    for (int b = kStreamWarps; b < launch_bars; ++b) {
+      if (issues && warp == b % kStreamWarps) issue(b);
+    }
+  } else {
+    for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
+  }
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
   const int remotes = (R > lane) + (R > lane + kLanesPerRow);
@@ -735,13 +895,22 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     // Arms this group's exchanges (results may land before: the barrier's byte count goes negative meanwhile). After
     // the block barrier: a warp's mbarrier.init runs one address at a time for all its lanes, so without a barrier
     // between them racecheck sees another lane's initialization race with this lane's arming.
-    if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      const PackStage& s = p.stage[warp_lane];  // (fc2 and skip send two results per unit)
-      BarrierExpect(exchange_bars + warp_lane, s.units * (s.kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    auto exchange_bytes = [&](int x) {  // (fc2 and skip send two results per unit)
+      return static_cast<uint32_t>(p.stage[x].units * (p.stage[x].kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
+    };
+    if constexpr (kFixed) {
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int x = 0; x < exchanges; ++x) {
+        if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+      }
+      if (warp == 1 && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
+    } else if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
+      BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
     }
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
-    if (bulk_states && tid == 0) {
+    if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
       uint32_t bytes = 0;
       for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
       BarrierExpect(state_bar, bytes);
@@ -802,7 +971,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
 
-    Products<EG, 1>(p, 0, pack, smem, bars, p.xn, 0, 0,
+    Products<EG, 1, kFixed>(p, 0, rank, pack, smem, bars, p.xn, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -813,6 +982,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (exchanged(0)) __syncthreads();
     finish(0);
 
+#pragma unroll  // (a fixed plan's layers: its stages' offsets become immediates)
     for (int l = 0; l < p.L; ++l) {
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
@@ -821,7 +991,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
-      Products<EG, 1>(p, si_bcdt, pack, smem, bars, p.h, p.D, p.rstd_h,
+      Products<EG, 1, kFixed>(p, si_bcdt, rank, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active) return;
 #pragma unroll
@@ -830,12 +1000,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           float out;
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            out = Silu(ConvTaps(prm, W1, v, old_rows, p.conv_channels));
+                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
-#pragma unroll 1
-                              for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
+                                state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              });
                               state[(W1 - 1) * cd] = v;
                             }
                           } else {
@@ -848,7 +1019,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       // z and x of this block's SSM rows (h, p) of the same norm; x's causal conv (its owner advances the conv state),
       // then (once B, C and Δt are in) the SSM update and readout (eight lanes over the state dimension) and the gate;
       // y is exchanged.
-      Products<EG, 2>(p, si_heads, pack, smem, bars, p.h, p.D, p.rstd_h,
+      Products<EG, 2, kFixed>(p, si_heads, rank, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
                         if (active && bcdt_exchanged) ExchangeWait(exchange_bars + si_bcdt, phase & 1);
                         const int head = active ? hp / p.P : 0;
@@ -860,11 +1031,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = conv_rows + e * pe + hp - q0;
-                          xc[e] = Silu(ConvTaps(prm, W1, acc[1][e], old_rows, p.conv_channels));
+                          xc[e] = Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
-#pragma unroll 1
-                            for (int k = 0; k + 1 < W1; ++k) state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                            StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
+                              state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                            });
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
                           const float* bcdt = ev + e * pe + p.bcdt;
@@ -889,7 +1061,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
       // out_proj of the gated RMSNorm (folded) of y.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.y, E, Align4(E), p.rstd_y);
-      Products<EG, 1>(p, si_out, pack, smem, bars, p.y, E, p.rstd_y,
+      Products<EG, 1, kFixed>(p, si_out, rank, pack, smem, bars, p.y, E, p.rstd_y,
                       [&](int u, const float(&acc)[1][EG], const float*, int, bool active) {
                         // Every lane of the row group reads the residual h[u] before any lane writes the new one
                         // into it (racecheck flagged the unordered read and write).
@@ -906,8 +1078,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
-    RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
-    Products<EG, 1>(p, cfc_stage, pack, smem, bars, p.a, 0, 0,
+    if constexpr (kFixed) {
+      RmsNormOf<EG, true>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    } else {
+      RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+    }
+    Products<EG, 1, kFixed>(p, cfc_stage, rank, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -915,7 +1091,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         emit(cfc_stage, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
     finish(cfc_stage);
-    Products<EG, 4>(p, cfc_stage + 1, pack, smem, bars, p.bb, 0, 0,
+    Products<EG, 4, kFixed>(p, cfc_stage + 1, rank, pack, smem, bars, p.bb, 0, 0,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -926,7 +1102,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                       }
                     });
     finish(cfc_stage + 1);
-    Products<EG, 2>(p, cfc_stage + 2, pack, smem, bars, p.a, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 2, rank, pack, smem, bars, p.a, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -937,7 +1113,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                     });
     finish(cfc_stage + 2);
     // gate/value, of fc1's output (folded in).
-    Products<EG, 2>(p, cfc_stage + 3, pack, smem, bars, p.e2, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 3, rank, pack, smem, bars, p.e2, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
@@ -950,18 +1126,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then the outputs.
       for (int e = warp; e < EG; e += kStreamWarps) {
-        GrnLayerNorm(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
+        GrnLayerNorm<kFixed>(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
       }
       __syncthreads();
-      Products<EG, 1>(p, cfc_stage + 4, pack, smem, bars, p.g, 0, 0,
+      // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
+      // reads them for the conviction, so that the sigmoids run side by side.)
+      auto logged_entry = [&](int e) { return static_cast<size_t>(slot_ids[e]) * st.log_entries + log_at[e]; };
+      Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
+                        if constexpr (kEarlyStates) {
+                          const float prob = Sigmoid(acc[0][0] + prm[0]);
+                          ev[p.logits + u] = prob;
+                          if (slot_ids[0] >= 0 && tick.logged) {
+                            st.probs[slot_ids[0] * p.H + u] = prob;
+                            st.log_probs[logged_entry(0) * p.H + u] = prob;
+                          }
+                        } else {
 #pragma unroll
-                        for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                          for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                        }
                       });
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
-        WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
+        if constexpr (kEarlyStates) {
+          const float* probs = ev + p.logits;
+          const int best = MostConfident(p.H, [&](int h) { return probs[h]; });
+          st.log_convictions[logged_entry(0)] = 2.f * probs[best] - 1.f;  // (the bits of 2·σ(logit) − 1)
+        } else {
+          WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
+        }
       }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
@@ -1663,28 +1857,43 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, int clusters, cudaStream
   return config;
 }
 
+// The kernels of the fixed plans, by shape.
+using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
+constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>};
+
+// The kernel of a launch's plan: its fixed plan's own where it has one, else the one that reads the plan.
+template <int EG>
+auto KernelFor(const StreamPlan& plan) {
+  if constexpr (EG == 1) {
+    for (int shape = 0; shape < kFixedShapes; ++shape) {
+      if (plan == FixedPlan(shape)) return kFixedKernels[shape];
+    }
+  }
+  return StreamStepKernel<EG, -1>;
+}
+
 template <int EG>
 cudaError_t Launch(const StreamPlan& plan, const float* pack, const StreamSlots& slots, const StreamTickInput& tick,
                    int max_clusters, cudaStream_t stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config =
       LaunchConfig<EG>(plan, std::min(CeilDiv(tick.n, EG), max_clusters), stream, &attribute);
-  return cudaLaunchKernelEx(&config, StreamStepKernel<EG>, plan, pack, slots, tick);
+  return cudaLaunchKernelEx(&config, KernelFor<EG>(plan), plan, pack, slots, tick);
 }
 
 template <int EG>
 cudaError_t MaxClusters(const StreamPlan& plan, int* clusters) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = LaunchConfig<EG>(plan, 1, nullptr, &attribute);
-  return cudaOccupancyMaxActiveClusters(clusters, StreamStepKernel<EG>, &config);
+  return cudaOccupancyMaxActiveClusters(clusters, KernelFor<EG>(plan), &config);
 }
 
-template <int EG>
-cudaError_t Prepare(size_t max_shared_bytes) {
-  cudaError_t error = cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(max_shared_bytes));
+template <typename Kernel>
+cudaError_t Prepare(Kernel kernel, size_t max_shared_bytes) {
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_shared_bytes));
   if (error != cudaSuccess) return error;
-  return cudaFuncSetAttribute(StreamStepKernel<EG>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
 // The plan of a launch shape; false when the model or the shape is unsupported or the activations do not fit.
@@ -1711,12 +1920,16 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
-       {Prepare<1>(max_shared_bytes), Prepare<2>(max_shared_bytes), Prepare<4>(max_shared_bytes),
-        Prepare<8>(max_shared_bytes), PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
+       {Prepare(StreamStepKernel<1, -1>, max_shared_bytes), Prepare(StreamStepKernel<2, -1>, max_shared_bytes),
+        Prepare(StreamStepKernel<4, -1>, max_shared_bytes), Prepare(StreamStepKernel<8, -1>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
         PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel<0>, max_shared_bytes),
         PrepareWide(WideSsmKernel<32>, max_shared_bytes), PrepareWide(WideSsmKernel<64>, max_shared_bytes),
         PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
+  }
+  for (StreamStepKernelPointer kernel : kFixedKernels) {
+    if (const cudaError_t error = Prepare(kernel, max_shared_bytes); error != cudaSuccess) return error;
   }
   return cudaSuccess;
 }
