@@ -833,15 +833,20 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   } else if (issues && warp > 0) {
     issue(warp);
   }
-  // Activations start at zero: the products read their zero padding (a fixed plan's lone event without padding
-  // writes every activation before reading it, so it skips this). The blocks' barriers must exist before the first
-  // exchange; the wait comes as late as it can. (The arrive stays a release, ~1,200 cycles: with a relaxed one, which
-  // leaves the barriers' initialization to their fence, racecheck reported a hazard in the fixed kernel.)
-  if constexpr (!(kEarlyStates && Unpadded(kFixedPlans[kFixed ? kShape : 0]))) {
+  // Activations start at zero: the products read their zero padding. The blocks' barriers must exist before the first
+  // exchange; the wait comes as late as it can. A fixed plan's lone event without padding needs no zeros, and then
+  // the cluster barrier releases nothing but the barriers' initialization, which their fence has (CUTLASS's order:
+  // fence.mbarrier_init, then a relaxed arrive; the arrive's release took ~1,200 cycles). Racecheck over small's
+  // every-launch-shape test fails with an internal sanitizer error and one reported hazard with either arrive, and
+  // with the run-time plan's kernel alone too (H200, 2026-11-30).
+  constexpr bool kNoZeros = kEarlyStates && Unpadded(kFixedPlans[kFixed ? kShape : 0]);
+  if constexpr (kNoZeros) {
+    ClusterArriveRelaxed();
+  } else {
     float4* ev4 = reinterpret_cast<float4*>(ev);
     for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    ClusterArrive();
   }
-  ClusterArrive();
   if constexpr (kFixed) {
 #pragma unroll
     for (int b = kStreamWarps; b < launch_bars; ++b) {
