@@ -8,10 +8,9 @@
 // parts by tensor copies beside A, and the stages take the raw slots' shared memory. Two consumer warpgroups each load
 // their 64 rows of A from the stage into registers (reading an m-contiguous A across its boxes), split them there,
 // and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from registers and B from shared
-// memory. Where A is
-// k-contiguous (the forward and backward-data products, whose outputs are large against their short sums) a consumer
-// hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory buffers and goes on to
-// the next tile while they drain.
+// memory. Where A is k-contiguous (the forward and backward-data products, whose outputs are large against their
+// short sums) a consumer hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory
+// buffers and goes on to the next tile while they drain.
 // Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
 // and A's tensor copies into it have landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
 // barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
