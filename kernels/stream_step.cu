@@ -229,6 +229,17 @@ __host__ __device__ constexpr bool Unpadded(const StreamPlan& p) {
   return true;
 }
 
+// How many warps hold rows of stage si in the block with the most (row group g: threads 8g..8g+7).
+__host__ __device__ constexpr int RowWarps(const StreamPlan& p, int si) {
+  int most = 0;
+  for (int rank = 0; rank < p.cluster; ++rank) {
+    int r0 = 0, r1 = 0;
+    RowRange(p.stage[si], p.cluster, rank, r0, r1);
+    most = r1 - r0 > most ? r1 - r0 : most;
+  }
+  return CeilDiv((most < kRowGroups ? most : kRowGroups) * kLanesPerRow, kWarpSize);
+}
+
 // ---- Pack construction (once per published parameter set) ----
 
 __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int u, int m) {
@@ -400,6 +411,10 @@ __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// The barrier's pending count goes up by one until this thread's earlier cp.async copies have all landed.
+__device__ __forceinline__ void CopyAsyncArrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar)) : "memory");
+}
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
 __device__ __forceinline__ float RowSum(float v) {
@@ -767,9 +782,21 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // fixed plan, the first group's (its lone event's) SSM states follow at once (below): queued behind every stage's
   // copy, their issue waited ~2,000 cycles for room, and the block with it.
   constexpr bool kEarlyStates = kFixed && EG == 1;
+  // A fixed plan's lone event: the warps without rows of the embedding copy the carried conv and CfC states (and arm
+  // the exchanges) while it runs, not before it, and their copies complete the states' barrier (each copying thread
+  // arrives once), which layer 0 waits for anyway: no block barrier for them after the embedding. (Thread 0 had
+  // ~2,000 cycles of these before the embedding.)
+  constexpr bool kCarryUnder = kEarlyStates;
+  constexpr int kCarryWarp = kCarryUnder ? RowWarps(kFixedPlans[kFixed ? kShape : 0], 0) : 0;
+  static_assert(!kCarryUnder || (kCarryWarp < kStreamWarps &&
+                                 kFixedPlans[kFixed ? kShape : 0].C <= (kStreamWarps - kCarryWarp) * kWarpSize),
+                "a fixed plan's embedding leaves warps to copy the carried states");
   if (tid == 0) {
     BarrierInit(bars);
-    if constexpr (kEarlyStates) BarrierInit(exchange_bars + kMaxExchanges);  // (the states' barrier)
+    if constexpr (kEarlyStates) {  // (the states' barrier)
+      constexpr int kCarryThreads = kCarryUnder ? (kStreamWarps - kCarryWarp) * kWarpSize : 0;
+      MbarrierInit(SharedAddress(exchange_bars + kMaxExchanges), 1 + kCarryThreads);
+    }
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -903,16 +930,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     auto exchange_bytes = [&](int x) {  // (fc2 and skip send two results per unit)
       return static_cast<uint32_t>(p.stage[x].units * (p.stage[x].kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
     };
-    if constexpr (kFixed) {
-      uint32_t bytes = 0;
+    auto arm_exchanges = [&](int arming_warp) {
+      if constexpr (kFixed) {
+        uint32_t bytes = 0;
 #pragma unroll
-      for (int x = 0; x < exchanges; ++x) {
-        if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+        for (int x = 0; x < exchanges; ++x) {
+          if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+        }
+        if (warp == arming_warp && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
+      } else if (warp == arming_warp && warp_lane < exchanges && exchanged(warp_lane)) {
+        BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
       }
-      if (warp == 1 && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
-    } else if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
-    }
+    };
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
@@ -927,44 +956,53 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         }
       }
     }
+    // The carried conv and CfC states of the group's events (and its SSM rows where not bulk-copied; padding events
+    // get zeros), by warps first_warp on, each its share.
+    auto copy_carried = [&](int first_warp) {
+      const int w = warp - first_warp, warps = kStreamWarps - first_warp, t = tid - first_warp * kWarpSize;
 #pragma unroll 1
-    for (int e = 0; e < EG; ++e) {
-      const int slot = slot_ids[e];
+      for (int e = 0; e < EG; ++e) {
+        const int slot = slot_ids[e];
 #pragma unroll 1
-      for (int l = warp; p.ssm_base >= 0 && l < p.L; l += kStreamWarps) {
-        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
-        const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
+        for (int l = w; p.ssm_base >= 0 && l < p.L; l += warps) {
+          float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
+          const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
 #pragma unroll 1
-        for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+            if (slot >= 0) {
+              CopyAsync4(dst + o, src + o);
+            } else {
+              dst[o] = 0.f;
+            }
+          }
+        }
+#pragma unroll 1
+        for (int lk = w; lk < p.L * W1; lk += warps) {
+          float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
+          const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
+#pragma unroll 1
+          for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
+            const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+            if (slot >= 0) {
+              CopyAsync4(dst + channel, src + c);
+            } else {
+              dst[channel] = 0.f;
+            }
+          }
+        }
+        if (t < p.C) {
+          float* dst = ev + e * pe + p.a + p.D + t;
           if (slot >= 0) {
-            CopyAsync4(dst + o, src + o);
+            CopyAsync4(dst, st.cfc + slot * p.C + t);
           } else {
-            dst[o] = 0.f;
+            *dst = 0.f;
           }
         }
       }
-#pragma unroll 1
-      for (int lk = warp; lk < p.L * W1; lk += kStreamWarps) {
-        float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
-        const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
-#pragma unroll 1
-        for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
-          const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
-          if (slot >= 0) {
-            CopyAsync4(dst + channel, src + c);
-          } else {
-            dst[channel] = 0.f;
-          }
-        }
-      }
-      if (tid < p.C) {
-        float* dst = ev + e * pe + p.a + p.D + tid;
-        if (slot >= 0) {
-          CopyAsync4(dst, st.cfc + slot * p.C + tid);
-        } else {
-          *dst = 0.f;
-        }
-      }
+    };
+    if constexpr (!kCarryUnder) {
+      arm_exchanges(1);
+      copy_carried(0);
     }
     BarrierWait(bars);
     if (tid < p.F) {
@@ -975,6 +1013,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
+    if constexpr (kCarryUnder) {
+      if (warp >= kCarryWarp) {
+        arm_exchanges(kStreamWarps - 1);
+        copy_carried(kCarryWarp);
+        CopyAsyncArrive(state_bar);
+        MbarrierArrive(SharedAddress(state_bar));  // (releases the zeros of padding events)
+      }
+    }
 
     Products<EG, 1, kFixed>(p, 0, rank, pack, smem, bars, p.xn, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
@@ -982,9 +1028,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 #pragma unroll
                       for (int e = 0; e < EG; ++e) emit(0, e, p.h + u, acc[0][e] + prm[0]);
                     });
-    // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies.
-    CopyAsyncWaitAll();
-    if (exchanged(0)) __syncthreads();
+    // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies (or the
+    // states' barrier).
+    if constexpr (!kCarryUnder) {
+      CopyAsyncWaitAll();
+      if (exchanged(0)) __syncthreads();
+    }
     finish(0);
 
 #pragma unroll  // (a fixed plan's layers: its stages' offsets become immediates)
@@ -992,7 +1041,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
       const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
-      if (l == 0 && bulk_states) ExchangeWait(state_bar, phase & 1);
+      if (l == 0 && (bulk_states || kCarryUnder)) ExchangeWait(state_bar, phase & 1);
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
