@@ -779,8 +779,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
   };
   // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else. With a
-  // fixed plan, the first group's (its lone event's) SSM states follow at once (below): queued behind every stage's
-  // copy, their issue waited ~2,000 cycles for room, and the block with it.
+  // fixed plan, the first group's (its lone event's) SSM states are copied at once too (below), by the last warp
+  // (queued behind every stage's copy, their issue had waited ~2,000 cycles for room, and the block with it; on
+  // thread 0, which starts the shared vectors' copy and arrives last at the cluster barrier, they waited for the
+  // event's slot).
   constexpr bool kEarlyStates = kFixed && EG == 1;
   // A fixed plan's lone event: the warps without rows of the embedding copy the carried conv and CfC states (and arm
   // the exchanges) while it runs, not before it, and their copies complete the states' barrier (each copying thread
@@ -793,10 +795,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                 "a fixed plan's embedding leaves warps to copy the carried states");
   if (tid == 0) {
     BarrierInit(bars);
-    if constexpr (kEarlyStates) {  // (the states' barrier)
-      constexpr int kCarryThreads = kCarryUnder ? (kStreamWarps - kCarryWarp) * kWarpSize : 0;
-      MbarrierInit(SharedAddress(exchange_bars + kMaxExchanges), 1 + kCarryThreads);
-    }
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -809,11 +807,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                   "a fixed plan's states are bulk-copied");
     const int q0 = rank * E / R, nx = (rank + 1) * E / R - q0;
     uint64_t* state_bar = exchange_bars + kMaxExchanges;
-    if (tid == 0) {
-      BarrierExpect(state_bar, slot_read >= 0 ? p.L * nx * N * sizeof(float) : 0);
-      for (int l = 0; slot_read >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
+    if (tid == (kStreamWarps - 1) * kWarpSize) {
+      const int first = group_index * EG;
+      const int slot = first >= tick.n ? -1 : tick.x == nullptr ? tick.inline_slots[first] : tick_slots[first];
+      constexpr int kCarryThreads = kCarryUnder ? (kStreamWarps - kCarryWarp) * kWarpSize : 0;
+      MbarrierInit(SharedAddress(state_bar), 1 + kCarryThreads);
+      BarrierInitFence();
+      BarrierExpect(state_bar, slot >= 0 ? p.L * nx * N * sizeof(float) : 0);
+      for (int l = 0; slot >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
         BulkCopy(smem + p.ssm_base + l * p.ssm_rows * N,
-                 st.ssm + slot_read * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
+                 st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
                  nx * N * sizeof(float), state_bar);
       }
     }
