@@ -240,6 +240,13 @@ __host__ __device__ constexpr int RowWarps(const StreamPlan& p, int si) {
   return CeilDiv((most < kRowGroups ? most : kRowGroups) * kLanesPerRow, kWarpSize);
 }
 
+// Whether a lone event's carried states (its SSM rows, conv and CfC states) can be bulk-copied in a plan: every run
+// a multiple of 16 bytes at 16-byte aligned offsets (the slots' arrays are 256-byte aligned).
+__host__ __device__ constexpr bool BulkCarried(const StreamPlan& p) {
+  return p.ssm_base >= 0 && p.E % (4 * p.cluster) == 0 && p.N % 4 == 0 && p.ssm_rows % 4 == 0 &&
+         p.conv_channels % 4 == 0 && p.C % 4 == 0 && p.D % 4 == 0;
+}
+
 // ---- Pack construction (once per published parameter set) ----
 
 __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int u, int m) {
@@ -778,23 +785,27 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
-  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else. With a
-  // fixed plan, the first group's (its lone event's) SSM states are copied at once too (below), by the last warp
-  // (queued behind every stage's copy, their issue had waited ~2,000 cycles for room, and the block with it; on
-  // thread 0, which starts the shared vectors' copy and arrives last at the cluster barrier, they waited for the
-  // event's slot).
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  // A fixed plan's lone event (kEarlyStates): before the embedding only the shared vectors' and the embedding's rows
+  // are copied. The warps without rows of the embedding then start, while it runs, the copies of the first group's
+  // carried states (its SSM rows, conv and CfC states, bulk-copied), then every other stage's rows, and arm the
+  // exchanges; a later group's carried states are copied by the same warps. The states' copies complete the states'
+  // barrier (each of those threads arrives once), which layer 0 waits for anyway: no block barrier for them after the
+  // embedding. (Bulk copies are issued only as fast as the copy engine takes them: with every stage's copy issued
+  // before it, the block reached the embedding at ~3,200 cycles, H200 clock64 stamps.)
   constexpr bool kEarlyStates = kFixed && EG == 1;
-  // A fixed plan's lone event: the warps without rows of the embedding copy the carried conv and CfC states (and arm
-  // the exchanges) while it runs, not before it, and their copies complete the states' barrier (each copying thread
-  // arrives once), which layer 0 waits for anyway: no block barrier for them after the embedding. (Thread 0 had
-  // ~2,000 cycles of these before the embedding.)
   constexpr bool kCarryUnder = kEarlyStates;
   constexpr int kCarryWarp = kCarryUnder ? RowWarps(kFixedPlans[kFixed ? kShape : 0], 0) : 0;
   static_assert(!kCarryUnder || (kCarryWarp < kStreamWarps &&
                                  kFixedPlans[kFixed ? kShape : 0].C <= (kStreamWarps - kCarryWarp) * kWarpSize),
                 "a fixed plan's embedding leaves warps to copy the carried states");
+  static_assert(!kCarryUnder || BulkCarried(kFixedPlans[kFixed ? kShape : 0]), "a fixed plan's states are bulk-copied");
   if (tid == 0) {
     BarrierInit(bars);
+    if constexpr (kEarlyStates) {  // (the states' barrier)
+      constexpr int kCarryThreads = (kStreamWarps - kCarryWarp) * kWarpSize;
+      MbarrierInit(SharedAddress(exchange_bars + kMaxExchanges), 1 + kCarryThreads);
+    }
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -802,25 +813,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
-  if constexpr (kEarlyStates) {
-    static_assert(kFixedPlans[kFixed ? kShape : 0].ssm_base >= 0 && kFixedPlans[kFixed ? kShape : 0].N % 4 == 0,
-                  "a fixed plan's states are bulk-copied");
-    const int q0 = rank * E / R, nx = (rank + 1) * E / R - q0;
-    uint64_t* state_bar = exchange_bars + kMaxExchanges;
-    if (tid == (kStreamWarps - 1) * kWarpSize) {
-      const int first = group_index * EG;
-      const int slot = first >= tick.n ? -1 : tick.x == nullptr ? tick.inline_slots[first] : tick_slots[first];
-      constexpr int kCarryThreads = kCarryUnder ? (kStreamWarps - kCarryWarp) * kWarpSize : 0;
-      MbarrierInit(SharedAddress(state_bar), 1 + kCarryThreads);
-      BarrierInitFence();
-      BarrierExpect(state_bar, slot >= 0 ? p.L * nx * N * sizeof(float) : 0);
-      for (int l = 0; slot >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
-        BulkCopy(smem + p.ssm_base + l * p.ssm_rows * N,
-                 st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
-                 nx * N * sizeof(float), state_bar);
-      }
-    }
-  }
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
@@ -853,9 +845,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                bars + b);
     }
   };
-  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier. (A
-  // fixed plan: each warp's test of every barrier, so that the plan is read at compile-time indices only.)
-  if constexpr (kFixed) {
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier (a
+  // fixed plan's lone event: until the embedding). (A fixed plan: each warp's test of every barrier, so that the plan
+  // is read at compile-time indices only.)
+  if constexpr (kEarlyStates) {
+    if (issues && warp == 1) issue(1);
+  } else if constexpr (kFixed) {
 #pragma unroll
     for (int b = 1; b < kStreamWarps && b < launch_bars; ++b) {
       if (issues && warp == b) issue(b);
@@ -877,7 +872,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     ClusterArrive();
   }
-  if constexpr (kFixed) {
+  if constexpr (kEarlyStates) {
+    // (below)
+  } else if constexpr (kFixed) {
 #pragma unroll
     for (int b = kStreamWarps; b < launch_bars; ++b) {
       if (issues && warp == b % kStreamWarps) issue(b);
@@ -1007,6 +1004,38 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       arm_exchanges(1);
       copy_carried(0);
     }
+    // The first group's copies after the embedding's (lane 0 of the warps from kCarryWarp on, lane 0 of the first of
+    // them arming the states' barrier): the carried states in chunks over the warps, in the order they are read, then
+    // the stages' rows from stage 1 on, in turn. Copy q of the states: q < L an SSM layer's rows, then a conv tap's
+    // x channels and its B and C channels, then the CfC state.
+    auto late_copies = [&]() {
+      constexpr int kCarryWarps = kStreamWarps - kCarryWarp;
+      const int w = warp - kCarryWarp, slot = slot_ids[0];
+      const int state_copies = slot >= 0 ? p.L + 2 * p.L * W1 + 1 : 0;
+      if (w == 0) {
+        BarrierExpect(state_bar, slot >= 0 ? (p.L * nx * N + p.L * W1 * (nx + 2 * N) + p.C) * sizeof(float) : 0);
+      }
+#pragma unroll
+      for (int q = 0; q < p.L + 2 * p.L * W1 + 1; ++q) {
+        if (q >= state_copies || w != q * kCarryWarps / (p.L + 2 * p.L * W1 + 1)) continue;
+        if (q < p.L) {
+          BulkCopy(smem + p.ssm_base + q * p.ssm_rows * N,
+                   st.ssm + slot * (p.L * ssm_per_layer) + q * ssm_per_layer + static_cast<size_t>(q0) * N,
+                   nx * N * sizeof(float), state_bar);
+        } else if (q < p.L + 2 * p.L * W1) {
+          const int lk = (q - p.L) / 2, bc = (q - p.L) % 2;
+          BulkCopy(ev + p.conv + lk * p.conv_channels + (bc ? p.ssm_rows : 0),
+                   st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd + (bc ? E : q0),
+                   (bc ? 2 * N : nx) * sizeof(float), state_bar);
+        } else {
+          BulkCopy(ev + p.a + p.D, st.cfc + slot * p.C, p.C * sizeof(float), state_bar);
+        }
+      }
+#pragma unroll
+      for (int b = 2; b < launch_bars; ++b) {
+        if (w == (b - 2) % kCarryWarps) issue(b);
+      }
+    };
     BarrierWait(bars);
     if (tid < p.F) {
 #pragma unroll
@@ -1019,8 +1048,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if constexpr (kCarryUnder) {
       if (warp >= kCarryWarp) {
         arm_exchanges(kStreamWarps - 1);
-        copy_carried(kCarryWarp);
-        CopyAsyncArrive(state_bar);
+        if (phase == 0) {
+          if (warp_lane == 0) late_copies();
+        } else {
+          copy_carried(kCarryWarp);
+          CopyAsyncArrive(state_bar);
+        }
         MbarrierArrive(SharedAddress(state_bar));  // (releases the zeros of padding events)
       }
     }
