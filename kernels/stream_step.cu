@@ -1087,10 +1087,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 #pragma unroll
                         for (int e = 0; e < EG; ++e) {
                           const float v = acc[0][e];
+                          float out;
                           if (u < 2 * N) {
                             const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            // (sent before the conv state's advance)
-                            emit(si_bcdt, e, p.bcdt + u, Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, p.conv_channels)));
+                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
@@ -1100,8 +1100,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                               state[(W1 - 1) * cd] = v;
                             }
                           } else {
-                            emit(si_bcdt, e, p.bcdt + u, Softplus(v + prm[0]));
+                            out = Softplus(v + prm[0]);
                           }
+                          emit(si_bcdt, e, p.bcdt + u, out);
                         }
                       });
       if (!bcdt_exchanged) __syncthreads();
@@ -1110,7 +1111,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       // y is exchanged.
       Products<EG, 2, kFixed>(p, si_heads, rank, pack, smem, bars, p.h, p.D, p.rstd_h,
                       [&](int hp, const float(&acc)[2][EG], const float* prm, int row_lane, bool active) {
-                        // (x's conv first: it needs no result of the exchange, whose wait it may hide)
+                        if (active && bcdt_exchanged) ExchangeWait(exchange_bars + si_bcdt, phase & 1);
                         const int head = active ? hp / p.P : 0;
                         const float A = -expf(sh[p.a_log[l] + head]), Dh = sh[p.skip_d[l] + head];
                         float y[EG], xc[EG];
@@ -1128,12 +1129,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                             });
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
-                        }
-                        if (active && bcdt_exchanged) ExchangeWait(exchange_bars + si_bcdt, phase & 1);
-#pragma unroll
-                        for (int e = 0; e < EG; ++e) {
-                          if (!active) continue;
-                          const int slot = slot_ids[e];
                           const float* bcdt = ev + e * pe + p.bcdt;
                           const float dt = bcdt[2 * N + head], decay = expf(dt * A);
                           float* global_state = slot >= 0 ? st.ssm + slot * (p.L * ssm_per_layer) +
