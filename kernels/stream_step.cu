@@ -942,6 +942,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
       }
     };
+    if constexpr (!kCarryUnder) arm_exchanges(1);
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
@@ -1000,10 +1001,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         }
       }
     };
-    if constexpr (!kCarryUnder) {
-      arm_exchanges(1);
-      copy_carried(0);
-    }
+    if constexpr (!kCarryUnder) copy_carried(0);
     // The first group's copies after the embedding's (lane 0 of the warps from kCarryWarp on, lane 0 of the first of
     // them arming the states' barrier): the carried states in chunks over the warps, in the order they are read, then
     // the stages' rows from stage 1 on, in turn. Copy q of the states: q < L an SSM layer's rows, then a conv tap's
