@@ -229,6 +229,24 @@ __host__ __device__ constexpr bool Unpadded(const StreamPlan& p) {
   return true;
 }
 
+// How many warps hold rows of stage si in the block with the most (row group g: threads 8g..8g+7).
+__host__ __device__ constexpr int RowWarps(const StreamPlan& p, int si) {
+  int most = 0;
+  for (int rank = 0; rank < p.cluster; ++rank) {
+    int r0 = 0, r1 = 0;
+    RowRange(p.stage[si], p.cluster, rank, r0, r1);
+    most = r1 - r0 > most ? r1 - r0 : most;
+  }
+  return CeilDiv((most < kRowGroups ? most : kRowGroups) * kLanesPerRow, kWarpSize);
+}
+
+// Whether a lone event's carried states (its SSM rows, conv and CfC states) can be bulk-copied in a plan: every run
+// a multiple of 16 bytes at 16-byte aligned offsets (the slots' arrays are 256-byte aligned).
+__host__ __device__ constexpr bool BulkCarried(const StreamPlan& p) {
+  return p.ssm_base >= 0 && p.E % (4 * p.cluster) == 0 && p.N % 4 == 0 && p.ssm_rows % 4 == 0 &&
+         p.conv_channels % 4 == 0 && p.C % 4 == 0 && p.D % 4 == 0;
+}
+
 // ---- Pack construction (once per published parameter set) ----
 
 __device__ const float* PackRow(const StreamWeights& w, const PackStage& s, int u, int m) {
@@ -400,6 +418,10 @@ __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// The barrier's pending count goes up by one until this thread's earlier cp.async copies have all landed.
+__device__ __forceinline__ void CopyAsyncArrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar)) : "memory");
+}
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
 __device__ __forceinline__ float RowSum(float v) {
@@ -763,13 +785,27 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
-  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else. With a
-  // fixed plan, the first group's (its lone event's) SSM states follow at once (below): queued behind every stage's
-  // copy, their issue waited ~2,000 cycles for room, and the block with it.
+  // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
+  // A fixed plan's lone event (kEarlyStates): before the embedding only the shared vectors' and the embedding's rows
+  // are copied. The warps without rows of the embedding then start, while it runs, the copies of the first group's
+  // carried states (its SSM rows, conv and CfC states, bulk-copied), then every other stage's rows, and arm the
+  // exchanges; a later group's carried states are copied by the same warps. The states' copies complete the states'
+  // barrier (each of those threads arrives once), which layer 0 waits for anyway: no block barrier for them after the
+  // embedding. (Bulk copies are issued only as fast as the copy engine takes them: with every stage's copy issued
+  // before it, the block reached the embedding at ~3,200 cycles, H200 clock64 stamps.)
   constexpr bool kEarlyStates = kFixed && EG == 1;
+  constexpr bool kCarryUnder = kEarlyStates;
+  constexpr int kCarryWarp = kCarryUnder ? RowWarps(kFixedPlans[kFixed ? kShape : 0], 0) : 0;
+  static_assert(!kCarryUnder || (kCarryWarp < kStreamWarps &&
+                                 kFixedPlans[kFixed ? kShape : 0].C <= (kStreamWarps - kCarryWarp) * kWarpSize),
+                "a fixed plan's embedding leaves warps to copy the carried states");
+  static_assert(!kCarryUnder || BulkCarried(kFixedPlans[kFixed ? kShape : 0]), "a fixed plan's states are bulk-copied");
   if (tid == 0) {
     BarrierInit(bars);
-    if constexpr (kEarlyStates) BarrierInit(exchange_bars + kMaxExchanges);  // (the states' barrier)
+    if constexpr (kEarlyStates) {  // (the states' barrier)
+      constexpr int kCarryThreads = (kStreamWarps - kCarryWarp) * kWarpSize;
+      MbarrierInit(SharedAddress(exchange_bars + kMaxExchanges), 1 + kCarryThreads);
+    }
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
@@ -777,20 +813,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   const int groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
   read_group(group_index * EG);
-  if constexpr (kEarlyStates) {
-    static_assert(kFixedPlans[kFixed ? kShape : 0].ssm_base >= 0 && kFixedPlans[kFixed ? kShape : 0].N % 4 == 0,
-                  "a fixed plan's states are bulk-copied");
-    const int q0 = rank * E / R, nx = (rank + 1) * E / R - q0;
-    uint64_t* state_bar = exchange_bars + kMaxExchanges;
-    if (tid == 0) {
-      BarrierExpect(state_bar, slot_read >= 0 ? p.L * nx * N * sizeof(float) : 0);
-      for (int l = 0; slot_read >= 0 && l < p.L; ++l) {  // (as the group loop copies them)
-        BulkCopy(smem + p.ssm_base + l * p.ssm_rows * N,
-                 st.ssm + slot_read * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
-                 nx * N * sizeof(float), state_bar);
-      }
-    }
-  }
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
@@ -823,9 +845,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                bars + b);
     }
   };
-  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier. (A
-  // fixed plan: each warp's test of every barrier, so that the plan is read at compile-time indices only.)
-  if constexpr (kFixed) {
+  // The chain's first copies start at once; the rest wait until this block has arrived at the cluster barrier (a
+  // fixed plan's lone event: until the embedding). (A fixed plan: each warp's test of every barrier, so that the plan
+  // is read at compile-time indices only.)
+  if constexpr (kEarlyStates) {
+    if (issues && warp == 1) issue(1);
+  } else if constexpr (kFixed) {
 #pragma unroll
     for (int b = 1; b < kStreamWarps && b < launch_bars; ++b) {
       if (issues && warp == b) issue(b);
@@ -847,7 +872,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     ClusterArrive();
   }
-  if constexpr (kFixed) {
+  if constexpr (kEarlyStates) {
+    // (below)
+  } else if constexpr (kFixed) {
 #pragma unroll
     for (int b = kStreamWarps; b < launch_bars; ++b) {
       if (issues && warp == b % kStreamWarps) issue(b);
@@ -903,16 +930,19 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     auto exchange_bytes = [&](int x) {  // (fc2 and skip send two results per unit)
       return static_cast<uint32_t>(p.stage[x].units * (p.stage[x].kind == kFc2Skip ? 2 : 1) * EG * sizeof(float));
     };
-    if constexpr (kFixed) {
-      uint32_t bytes = 0;
+    auto arm_exchanges = [&](int arming_warp) {
+      if constexpr (kFixed) {
+        uint32_t bytes = 0;
 #pragma unroll
-      for (int x = 0; x < exchanges; ++x) {
-        if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+        for (int x = 0; x < exchanges; ++x) {
+          if (warp_lane == x && exchanged(x)) bytes = exchange_bytes(x);
+        }
+        if (warp == arming_warp && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
+      } else if (warp == arming_warp && warp_lane < exchanges && exchanged(warp_lane)) {
+        BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
       }
-      if (warp == 1 && bytes > 0) BarrierExpect(exchange_bars + warp_lane, bytes);
-    } else if (warp == 1 && warp_lane < exchanges && exchanged(warp_lane)) {
-      BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
-    }
+    };
+    if constexpr (!kCarryUnder) arm_exchanges(1);
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
@@ -927,45 +957,83 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         }
       }
     }
+    // The carried conv and CfC states of the group's events (and its SSM rows where not bulk-copied; padding events
+    // get zeros), by warps first_warp on, each its share.
+    auto copy_carried = [&](int first_warp) {
+      const int w = warp - first_warp, warps = kStreamWarps - first_warp, t = tid - first_warp * kWarpSize;
 #pragma unroll 1
-    for (int e = 0; e < EG; ++e) {
-      const int slot = slot_ids[e];
+      for (int e = 0; e < EG; ++e) {
+        const int slot = slot_ids[e];
 #pragma unroll 1
-      for (int l = warp; p.ssm_base >= 0 && l < p.L; l += kStreamWarps) {
-        float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
-        const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
+        for (int l = w; p.ssm_base >= 0 && l < p.L; l += warps) {
+          float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
+          const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
 #pragma unroll 1
-        for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+            if (slot >= 0) {
+              CopyAsync4(dst + o, src + o);
+            } else {
+              dst[o] = 0.f;
+            }
+          }
+        }
+#pragma unroll 1
+        for (int lk = w; lk < p.L * W1; lk += warps) {
+          float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
+          const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
+#pragma unroll 1
+          for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
+            const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+            if (slot >= 0) {
+              CopyAsync4(dst + channel, src + c);
+            } else {
+              dst[channel] = 0.f;
+            }
+          }
+        }
+        if (t < p.C) {
+          float* dst = ev + e * pe + p.a + p.D + t;
           if (slot >= 0) {
-            CopyAsync4(dst + o, src + o);
+            CopyAsync4(dst, st.cfc + slot * p.C + t);
           } else {
-            dst[o] = 0.f;
+            *dst = 0.f;
           }
         }
       }
-#pragma unroll 1
-      for (int lk = warp; lk < p.L * W1; lk += kStreamWarps) {
-        float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
-        const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
-#pragma unroll 1
-        for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
-          const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
-          if (slot >= 0) {
-            CopyAsync4(dst + channel, src + c);
-          } else {
-            dst[channel] = 0.f;
-          }
-        }
+    };
+    if constexpr (!kCarryUnder) copy_carried(0);
+    // The first group's copies after the embedding's (lane 0 of the warps from kCarryWarp on, lane 0 of the first of
+    // them arming the states' barrier): the carried states in chunks over the warps, in the order they are read, then
+    // the stages' rows from stage 1 on, in turn. Copy q of the states: q < L an SSM layer's rows, then a conv tap's
+    // x channels and its B and C channels, then the CfC state.
+    auto late_copies = [&]() {
+      constexpr int kCarryWarps = kStreamWarps - kCarryWarp;
+      const int w = warp - kCarryWarp, slot = slot_ids[0];
+      const int state_copies = slot >= 0 ? p.L + 2 * p.L * W1 + 1 : 0;
+      if (w == 0) {
+        BarrierExpect(state_bar, slot >= 0 ? (p.L * nx * N + p.L * W1 * (nx + 2 * N) + p.C) * sizeof(float) : 0);
       }
-      if (tid < p.C) {
-        float* dst = ev + e * pe + p.a + p.D + tid;
-        if (slot >= 0) {
-          CopyAsync4(dst, st.cfc + slot * p.C + tid);
+#pragma unroll
+      for (int q = 0; q < p.L + 2 * p.L * W1 + 1; ++q) {
+        if (q >= state_copies || w != q * kCarryWarps / (p.L + 2 * p.L * W1 + 1)) continue;
+        if (q < p.L) {
+          BulkCopy(smem + p.ssm_base + q * p.ssm_rows * N,
+                   st.ssm + slot * (p.L * ssm_per_layer) + q * ssm_per_layer + static_cast<size_t>(q0) * N,
+                   nx * N * sizeof(float), state_bar);
+        } else if (q < p.L + 2 * p.L * W1) {
+          const int lk = (q - p.L) / 2, bc = (q - p.L) % 2;
+          BulkCopy(ev + p.conv + lk * p.conv_channels + (bc ? p.ssm_rows : 0),
+                   st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd + (bc ? E : q0),
+                   (bc ? 2 * N : nx) * sizeof(float), state_bar);
         } else {
-          *dst = 0.f;
+          BulkCopy(ev + p.a + p.D, st.cfc + slot * p.C, p.C * sizeof(float), state_bar);
         }
       }
-    }
+#pragma unroll
+      for (int b = 2; b < launch_bars; ++b) {
+        if (w == (b - 2) % kCarryWarps) issue(b);
+      }
+    };
     BarrierWait(bars);
     if (tid < p.F) {
 #pragma unroll
@@ -975,6 +1043,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
+    if constexpr (kCarryUnder) {
+      if (warp >= kCarryWarp) {
+        arm_exchanges(kStreamWarps - 1);
+        if (phase == 0) {
+          if (warp_lane == 0) late_copies();
+        } else {
+          copy_carried(kCarryWarp);
+          CopyAsyncArrive(state_bar);
+        }
+        MbarrierArrive(SharedAddress(state_bar));  // (releases the zeros of padding events)
+      }
+    }
 
     Products<EG, 1, kFixed>(p, 0, rank, pack, smem, bars, p.xn, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
@@ -982,9 +1062,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 #pragma unroll
                       for (int e = 0; e < EG; ++e) emit(0, e, p.h + u, acc[0][e] + prm[0]);
                     });
-    // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies.
-    CopyAsyncWaitAll();
-    if (exchanged(0)) __syncthreads();
+    // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies (or the
+    // states' barrier).
+    if constexpr (!kCarryUnder) {
+      CopyAsyncWaitAll();
+      if (exchanged(0)) __syncthreads();
+    }
     finish(0);
 
 #pragma unroll  // (a fixed plan's layers: its stages' offsets become immediates)
@@ -992,7 +1075,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
       const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
-      if (l == 0 && bulk_states) ExchangeWait(state_bar, phase & 1);
+      if (l == 0 && (bulk_states || kCarryUnder)) ExchangeWait(state_bar, phase & 1);
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
