@@ -49,6 +49,25 @@ struct FloatRuns {
   }
 };
 
+// Where an event's head activations start, in the order the head writes them: [s ; c_t] (the final norm's output,
+// then the CfC state), the backbone, ELU(fc2), the skip, the GRN's pre-norm sum, its gated output and the logits. The
+// cluster kernel and the wide head lay them out alike.
+struct HeadRuns {
+  int a, bb, e2, skip, pre, g, logits;
+  bool operator==(const HeadRuns&) const = default;
+};
+__host__ __device__ constexpr HeadRuns TakeHeadRuns(FloatRuns& runs, int D, int C, int K, int G, int H) {
+  HeadRuns r{};
+  r.a = runs.Take(D + C);
+  r.bb = runs.Take(K);
+  r.e2 = runs.Take(G);
+  r.skip = runs.Take(G);
+  r.pre = runs.Take(G);
+  r.g = runs.Take(G);
+  r.logits = runs.Take(H);
+  return r;
+}
+
 // kInProjShared: a layer's B, C and Δt rows of in_proj; kInProjHeads: its z and x rows, a unit per SSM row.
 enum StageKind : int {
   kEmbed, kInProjShared, kInProjHeads, kOutProj, kBackbone, kCfcHeads, kFc2Skip, kGateValue, kHeadOut
@@ -83,7 +102,9 @@ struct StreamPlan {
   int cluster, events;
   int bars, meta, rows, shared, stage_at[kMaxStages];  // stage_at: −1 when the stage is read from the pack in global memory
   int ev_base, per_event;                        // event e's activations at ev_base + e·per_event
-  int xn, h, bcdt, y, a, bb, e2, skip, pre, g, logits, conv;  // offsets within an event's activations
+  int xn, h, bcdt, y;  // offsets within an event's activations: the layers', the head's, the carried conv inputs'
+  HeadRuns head;
+  int conv;
   int rstd_h, rstd_y;  // 1/rms of h and y, for groups of several events
   // Conv state channels per layer and tap: the block's x channels (up to ssm_rows), then B's and C's (2N).
   int conv_channels, ssm_rows;
@@ -161,13 +182,7 @@ __host__ __device__ constexpr bool Layout(StreamPlan& p, int events, int cluster
   p.h = ev.Take(p.D);
   p.bcdt = ev.Take(2 * p.N + p.Hh);
   p.y = ev.Take(p.E);
-  p.a = ev.Take(p.D + p.C);
-  p.bb = ev.Take(p.K);
-  p.e2 = ev.Take(p.G);
-  p.skip = ev.Take(p.G);
-  p.pre = ev.Take(p.G);
-  p.g = ev.Take(p.G);
-  p.logits = ev.Take(p.H);
+  p.head = TakeHeadRuns(ev, p.D, p.C, p.K, p.G, p.H);
   p.conv = ev.Take(p.L * W1 * p.conv_channels);
   p.rstd_h = ev.Take(1);
   p.rstd_y = ev.Take(1);
@@ -992,7 +1007,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
           }
         }
         if (t < p.C) {
-          float* dst = ev + e * pe + p.a + p.D + t;
+          float* dst = ev + e * pe + p.head.a + p.D + t;
           if (slot >= 0) {
             CopyAsync4(dst, st.cfc + slot * p.C + t);
           } else {
@@ -1026,7 +1041,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                    st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd + (bc ? E : q0),
                    (bc ? 2 * N : nx) * sizeof(float), state_bar);
         } else {
-          BulkCopy(ev + p.a + p.D, st.cfc + slot * p.C, p.C * sizeof(float), state_bar);
+          BulkCopy(ev + p.head.a + p.D, st.cfc + slot * p.C, p.C * sizeof(float), state_bar);
         }
       }
 #pragma unroll
@@ -1167,46 +1182,47 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
     // Final norm into the CfC input [s ; c_{t−1}], the CfC, then the GRN head.
     if constexpr (kFixed) {
-      RmsNormOf<EG, true>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+      RmsNormOf<EG, true>(ev, pe, p.h, p.head.a, sh + p.norm_f, p.D);
     } else {
-      RmsNormEvents<EG>(ev, pe, p.h, p.a, sh + p.norm_f, p.D);
+      RmsNormEvents<EG>(ev, pe, p.h, p.head.a, sh + p.norm_f, p.D);
     }
-    Products<EG, 1, kFixed>(p, cfc_stage, rank, pack, smem, bars, p.a, 0, 0,
+    Products<EG, 1, kFixed>(p, cfc_stage, rank, pack, smem, bars, p.head.a, 0, 0,
                     [&](int u, const float(&acc)[1][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e)
-                        emit(cfc_stage, e, p.bb + u, LecunTanh(acc[0][e] + prm[0]));
+                        emit(cfc_stage, e, p.head.bb + u, LecunTanh(acc[0][e] + prm[0]));
                     });
     finish(cfc_stage);
-    Products<EG, 4, kFixed>(p, cfc_stage + 1, rank, pack, smem, bars, p.bb, 0, 0,
+    Products<EG, 4, kFixed>(p, cfc_stage + 1, rank, pack, smem, bars, p.head.bb, 0, 0,
                     [&](int u, const float(&acc)[4][EG], const float* prm, int row_lane, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
                         const float c = CfcUnit(acc[0][e], acc[1][e], acc[2][e], acc[3][e], prm, event_dt[e]);
-                        emit(cfc_stage + 1, e, p.a + p.D + u, c);  // the head reads [s ; c_t]
+                        emit(cfc_stage + 1, e, p.head.a + p.D + u, c);  // the head reads [s ; c_t]
                         if (row_lane == 0 && slot_ids[e] >= 0) st.cfc[slot_ids[e] * p.C + u] = c;
                       }
                     });
     finish(cfc_stage + 1);
-    Products<EG, 2, kFixed>(p, cfc_stage + 2, rank, pack, smem, bars, p.a, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 2, rank, pack, smem, bars, p.head.a, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        emit(cfc_stage + 2, e, p.e2 + u, Elu(acc[0][e] + prm[0]));
-                        emit(cfc_stage + 2, e, p.skip + u, acc[1][e]);
+                        emit(cfc_stage + 2, e, p.head.e2 + u, Elu(acc[0][e] + prm[0]));
+                        emit(cfc_stage + 2, e, p.head.skip + u, acc[1][e]);
                       }
                     });
     finish(cfc_stage + 2);
     // gate/value, of fc1's output (folded in).
-    Products<EG, 2, kFixed>(p, cfc_stage + 3, rank, pack, smem, bars, p.e2, 0, 0,
+    Products<EG, 2, kFixed>(p, cfc_stage + 3, rank, pack, smem, bars, p.head.e2, 0, 0,
                     [&](int u, const float(&acc)[2][EG], const float* prm, int, bool active) {
                       if (!active) return;
 #pragma unroll
                       for (int e = 0; e < EG; ++e) {
-                        emit(cfc_stage + 3, e, p.pre + u, GrnPre(ev[e * pe + p.skip + u], acc[0][e], acc[1][e], prm));
+                        emit(cfc_stage + 3, e, p.head.pre + u,
+                             GrnPre(ev[e * pe + p.head.skip + u], acc[0][e], acc[1][e], prm));
                       }
                     });
     finish(cfc_stage + 3);
@@ -1214,35 +1230,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     if (rank == 0) {
       // Layer norm (a warp per event), the output layer, then the outputs.
       for (int e = warp; e < EG; e += kStreamWarps) {
-        GrnLayerNorm<kFixed>(ev + e * pe + p.pre, ev + e * pe + p.g, sh + p.ln_w, sh + p.ln_b, p.G, warp_lane);
+        GrnLayerNorm<kFixed>(ev + e * pe + p.head.pre, ev + e * pe + p.head.g, sh + p.ln_w, sh + p.ln_b, p.G,
+                             warp_lane);
       }
       __syncthreads();
       // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
       // reads them for the conviction, so that the sigmoids run side by side.)
       auto logged_entry = [&](int e) { return static_cast<size_t>(slot_ids[e]) * st.log_entries + log_at[e]; };
-      Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.g, 0, 0,
+      Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.head.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
                         if constexpr (kEarlyStates) {
                           const float prob = Sigmoid(acc[0][0] + prm[0]);
-                          ev[p.logits + u] = prob;
+                          ev[p.head.logits + u] = prob;
                           if (slot_ids[0] >= 0 && tick.logged) {
                             st.probs[slot_ids[0] * p.H + u] = prob;
                             st.log_probs[logged_entry(0) * p.H + u] = prob;
                           }
                         } else {
 #pragma unroll
-                          for (int e = 0; e < EG; ++e) ev[e * pe + p.logits + u] = acc[0][e] + prm[0];
+                          for (int e = 0; e < EG; ++e) ev[e * pe + p.head.logits + u] = acc[0][e] + prm[0];
                         }
                       });
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
         if constexpr (kEarlyStates) {
-          const float* probs = ev + p.logits;
+          const float* probs = ev + p.head.logits;
           const int best = MostConfident(p.H, [&](int h) { return probs[h]; });
           st.log_convictions[logged_entry(0)] = 2.f * probs[best] - 1.f;  // (the bits of 2·σ(logit) − 1)
         } else {
-          WriteOutputs(ev + tid * pe + p.logits, st, slot_ids[tid], log_at[tid], p.H);
+          WriteOutputs(ev + tid * pe + p.head.logits, st, slot_ids[tid], log_at[tid], p.H);
         }
       }
     }
@@ -1442,7 +1459,8 @@ struct WideLayout {
   int embed_x, embed_h, embed_conv, embed;       // standardized inputs, h (1/rms after each), B/C conv inputs
   int ssm_states, ssm_conv, ssm_h, ssm_bc, ssm;  // states, x conv inputs, h, B/C/Δt
   int out_y, out_h, out_conv, out_head, out;     // y (1/rms after each), then h and B/C conv inputs, or the head's
-  int head_a, head_h, head_bb, head_e2, head_skip, head_pre, head_g, head_logits, head_per_event;  // within out_head
+  HeadRuns head;                // an event's head activations within out_head, then its h (head_h); head_per_event
+  int head_h, head_per_event;   // floats an event
 };
 constexpr int kSsmEvents = kWideEvents;  // a block of the SSM kernel: rows [u0, u0 + 32) of a tile
 // Floats between two rows of SSM states in the SSM kernel's shared memory: 16-byte aligned, and when the rows would
@@ -1464,14 +1482,8 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   o.ssm_bc = runs.Take(kSsmEvents * Align4(BC));
   o.ssm = runs.at;
   runs.at = 0;
-  o.head_a = runs.Take(p.D + p.C);
+  o.head = TakeHeadRuns(runs, p.D, p.C, p.K, p.G, p.H);
   o.head_h = runs.Take(p.D);
-  o.head_bb = runs.Take(p.K);
-  o.head_e2 = runs.Take(p.G);
-  o.head_skip = runs.Take(p.G);
-  o.head_pre = runs.Take(p.G);
-  o.head_g = runs.Take(p.G);
-  o.head_logits = runs.Take(p.H);
   o.head_per_event = runs.at;
   runs.at = 0;
   o.out_y = runs.Take(kWideEvents * (E4 + 4));
@@ -1774,57 +1786,57 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
   auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
   const float* shared = a.pack + p.shared_pack;
-  RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head_a, shared + p.norm_f, p.D);
+  RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head.a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
   TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[cfc_stage], stage_rows(cfc_stage),
-                                                               ev + o.head_a, pe, nullptr, 0, p.K,
+                                                               ev + o.head.a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
-                if (active) ev[e * pe + o.head_bb + u] = LecunTanh(v + prm[0]);
+                if (active) ev[e * pe + o.head.bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
   prefetch(cfc_stage + 2);
-  TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head_bb, pe, nullptr, 0, p.C,
+  TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head.bb, pe, nullptr, 0, p.C,
               [&](int u, const float(&acc)[4], const float* prm, int e, bool active) {
                 const float ff1 = acc[0], ff2 = acc[1],
                             time_a = acc[2], time_b = acc[3];
                 if (!active) return;
                 const float c = CfcUnit(ff1, ff2, time_a, time_b, prm, dt_s[e]);
-                ev[e * pe + o.head_a + p.D + u] = c;  // the head reads [s ; c_t]
+                ev[e * pe + o.head.a + p.D + u] = c;  // the head reads [s ; c_t]
                 if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
               });
   __syncthreads();
   prefetch(cfc_stage + 3);
-  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head_a, pe,
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head.a, pe,
                                       nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float fc2 = acc[0], skip = acc[1];
                 if (!active) return;
-                ev[e * pe + o.head_e2 + u] = Elu(fc2 + prm[0]);
-                ev[e * pe + o.head_skip + u] = skip;
+                ev[e * pe + o.head.e2 + u] = Elu(fc2 + prm[0]);
+                ev[e * pe + o.head.skip + u] = skip;
               });
   __syncthreads();
   prefetch(cfc_stage + 4);
-  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head_e2, pe,
+  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head.e2, pe,
                                       nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float gate = acc[0], value = acc[1];
                 if (!active) return;
-                ev[e * pe + o.head_pre + u] = GrnPre(ev[e * pe + o.head_skip + u], gate, value, prm);
+                ev[e * pe + o.head.pre + u] = GrnPre(ev[e * pe + o.head.skip + u], gate, value, prm);
               });
   __syncthreads();
   for (int e = warp; e < kWideEvents; e += kStreamWarps) {
-    GrnLayerNorm(ev + e * pe + o.head_pre, ev + e * pe + o.head_g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
+    GrnLayerNorm(ev + e * pe + o.head.pre, ev + e * pe + o.head.g, shared + p.ln_w, shared + p.ln_b, p.G, warp_lane);
   }
   __syncthreads();
-  TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head_g, pe, nullptr, 0, p.H,
+  TileRows<1>(p.stage[cfc_stage + 4], stage_rows(cfc_stage + 4), ev + o.head.g, pe, nullptr, 0, p.H,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
-                if (active) ev[e * pe + o.head_logits + u] = v + prm[0];
+                if (active) ev[e * pe + o.head.logits + u] = v + prm[0];
               });
   __syncthreads();
   if (tid < kWideEvents && slot_s[tid] >= 0 && a.logged) {
-    WriteOutputs(ev + tid * pe + o.head_logits, a.st, slot_s[tid], log_s[tid], p.H);
+    WriteOutputs(ev + tid * pe + o.head.logits, a.st, slot_s[tid], log_s[tid], p.H);
   }
 }
 
@@ -1861,7 +1873,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
 #pragma unroll 1
     for (int e = 0; e < kWideEvents; ++e) {
       for (int k = tid; slot_s[e] >= 0 && k < p.C; k += blockDim.x) {
-        CopyAsync4(smem + o.out_head + e * pe_h + o.head_a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
+        CopyAsync4(smem + o.out_head + e * pe_h + o.head.a + p.D + k, a.st.cfc + slot_s[e] * p.C + k);
       }
     }
   } else {
