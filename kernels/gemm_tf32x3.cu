@@ -357,8 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // producer thread's have, and every producer is done splitting k-tile it − 1.
         CopyAsyncWait<L::kAhead - 1>();
         // Where B is k-contiguous, every producer thread splits exactly the pieces it copied, so its own cp.async
-      // wait is all the ordering the raw slots need; otherwise the producers read each other's copies.
-      if (!kBK) BarSync<kProducerThreads>(kProducerBarrier);
+        // wait is all the ordering the raw slots need; otherwise the producers read each other's copies.
+        if (!kBK) BarSync<kProducerThreads>(kProducerBarrier);
         // Into the slot of k-tile it − 1, before waiting for the consumers: off the path from their EMPTY to FULL.
         fetch((it + L::kAhead) % L::kRaw);
         // Stage s last held k-tile it − kStages: wait until every consumer thread is done with it.

@@ -758,7 +758,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     StreamStepKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
                      const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
   constexpr bool kFixed = kShape >= 0;
-  const StreamPlan& p = kFixed ? kFixedPlans[kFixed ? kShape : 0] : plan;
+  constexpr int kFixedIndex = kFixed ? kShape : 0;  // (0 where unused: the expressions below compile for any kShape)
+  const StreamPlan& p = kFixed ? kFixedPlans[kFixedIndex] : plan;
   extern __shared__ __align__(16) float smem[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int R = p.cluster, rank = static_cast<int>(cluster.block_rank());
@@ -809,12 +810,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // embedding. (Bulk copies are issued only as fast as the copy engine takes them: with every stage's copy issued
   // before it, the block reached the embedding at ~3,200 cycles, H200 clock64 stamps.)
   constexpr bool kEarlyStates = kFixed && EG == 1;
-  constexpr bool kCarryUnder = kEarlyStates;
-  constexpr int kCarryWarp = kCarryUnder ? RowWarps(kFixedPlans[kFixed ? kShape : 0], 0) : 0;
-  static_assert(!kCarryUnder || (kCarryWarp < kStreamWarps &&
-                                 kFixedPlans[kFixed ? kShape : 0].C <= (kStreamWarps - kCarryWarp) * kWarpSize),
+  constexpr int kCarryWarp = kEarlyStates ? RowWarps(kFixedPlans[kFixedIndex], 0) : 0;
+  static_assert(!kEarlyStates || (kCarryWarp < kStreamWarps &&
+                                  kFixedPlans[kFixedIndex].C <= (kStreamWarps - kCarryWarp) * kWarpSize),
                 "a fixed plan's embedding leaves warps to copy the carried states");
-  static_assert(!kCarryUnder || BulkCarried(kFixedPlans[kFixed ? kShape : 0]), "a fixed plan's states are bulk-copied");
+  static_assert(!kEarlyStates || BulkCarried(kFixedPlans[kFixedIndex]), "a fixed plan's states are bulk-copied");
   if (tid == 0) {
     BarrierInit(bars);
     if constexpr (kEarlyStates) {  // (the states' barrier)
@@ -879,7 +879,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // fence.mbarrier_init, then a relaxed arrive; the arrive's release took ~1,200 cycles). Racecheck over small's
   // every-launch-shape test fails with an internal sanitizer error and one reported hazard with either arrive, and
   // with the run-time plan's kernel alone too (H200, 2026-11-30).
-  constexpr bool kNoZeros = kEarlyStates && Unpadded(kFixedPlans[kFixed ? kShape : 0]);
+  constexpr bool kNoZeros = kEarlyStates && Unpadded(kFixedPlans[kFixedIndex]);
   if constexpr (kNoZeros) {
     ClusterArriveRelaxed();
   } else {
@@ -887,15 +887,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int i = tid; i < EG * pe / 4; i += kStreamThreads) ev4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     ClusterArrive();
   }
-  if constexpr (kEarlyStates) {
-    // (below)
-  } else if constexpr (kFixed) {
+  // (A fixed plan's lone event issues them under the embedding: late_copies below.)
+  if constexpr (!kFixed) {
+    for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
+  } else if constexpr (!kEarlyStates) {
 #pragma unroll
     for (int b = kStreamWarps; b < launch_bars; ++b) {
       if (issues && warp == b % kStreamWarps) issue(b);
     }
-  } else {
-    for (int b = warp + kStreamWarps; issues && b < launch_bars; b += kStreamWarps) issue(b);
   }
   // Lane j of a row group sends results to blocks j and j + 8: their activations and exchange barriers.
   uint32_t remote_ev[2] = {0, 0}, remote_bars[2] = {0, 0};
@@ -957,7 +956,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         BarrierExpect(exchange_bars + warp_lane, exchange_bytes(warp_lane));
       }
     };
-    if constexpr (!kCarryUnder) arm_exchanges(1);
+    if constexpr (!kEarlyStates) arm_exchanges(1);
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
     // x conv channels and every B and C channel, the CfC state.
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
@@ -1016,7 +1015,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         }
       }
     };
-    if constexpr (!kCarryUnder) copy_carried(0);
+    if constexpr (!kEarlyStates) copy_carried(0);
     // The first group's copies after the embedding's (lane 0 of the warps from kCarryWarp on, lane 0 of the first of
     // them arming the states' barrier): the carried states in chunks over the warps, in the order they are read, then
     // the stages' rows from stage 1 on, in turn. Copy q of the states: q < L an SSM layer's rows, then a conv tap's
@@ -1058,7 +1057,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
-    if constexpr (kCarryUnder) {
+    if constexpr (kEarlyStates) {
       if (warp >= kCarryWarp) {
         arm_exchanges(kStreamWarps - 1);
         if (phase == 0) {
@@ -1079,7 +1078,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                     });
     // The carried conv and CfC states are read from layer 0 on: a block barrier publishes each thread's copies (or the
     // states' barrier).
-    if constexpr (!kCarryUnder) {
+    if constexpr (!kEarlyStates) {
       CopyAsyncWaitAll();
       if (exchanged(0)) __syncthreads();
     }
@@ -1090,7 +1089,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
       const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
-      if (l == 0 && (bulk_states || kCarryUnder)) ExchangeWait(state_bar, phase & 1);
+      if (l == 0 && (bulk_states || kEarlyStates)) ExchangeWait(state_bar, phase & 1);
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
       if constexpr (EG > 1) NormScales<EG>(ev, pe, p.h, p.D, Align4(p.D), p.rstd_h);
