@@ -139,7 +139,7 @@ int Run(const std::string& only) {
     float* plane = static_cast<float*>(planes->get());
     const kernels::Tf32x3SplitJob job{w, p.count * p.out, p.in, plane, plane + kPlaneFloats, plane + 2 * kPlaneFloats,
                                       plane + 3 * kPlaneFloats};
-    const kernels::Tf32x3Planes parts{job.big, job.small, job.big_t, job.small_t};
+    const kernels::Tf32x3Planes parts{job.big, job.small, job.big_t, job.small_t, job.rows, job.cols};
     if (cudaMemcpy(split_job->get(), &job, sizeof(job), cudaMemcpyHostToDevice) != cudaSuccess) return 1;
     const auto* device_job = static_cast<const kernels::Tf32x3SplitJob*>(split_job->get());
     if (p.form != Form::kBackwardWeight) {

@@ -311,7 +311,7 @@ absl::Status CudaModel::BuildTables() {
       for (int kind = 0; kind < 4; ++kind) at[kind] = weight_planes_ + kind * plane_floats_ + spec.offset;
       const int rows = static_cast<int>(spec.shape[0]), cols = static_cast<int>(spec.shape[1]);
       split_jobs_host_.push_back({param(tensor), rows, cols, at[0], at[1], at[2], at[3]});
-      planes_of_[tensor] = {at[0], at[1], at[2], at[3]};
+      planes_of_[tensor] = {at[0], at[1], at[2], at[3], rows, cols};
       split_rows_ = std::max(split_rows_, rows);
       split_cols_ = std::max(split_cols_, cols);
     }

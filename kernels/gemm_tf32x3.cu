@@ -701,6 +701,8 @@ cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, i
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
   GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
   if (planes != nullptr && planes->big != nullptr) {
+    // The planes' layout is w's own: a w passed at another stride or wider than the split one has no planes here.
+    if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
     p.b = planes->big;
     return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small);
   }
@@ -712,8 +714,9 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
                                          const Tf32x3Planes* planes) {
   if (rows <= 0 || in <= 0) return cudaSuccess;
   if (planes != nullptr && planes->big_t != nullptr) {
-    // dy · w is the forward product of dy under wᵀ, whose parts are [in, out].
-    const GemmParams p{dy, lddy, 0, planes->big_t, out, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
+    if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
+    // dy · w is the forward product of dy under wᵀ, whose parts are [cols, rows]: its first `in` rows, `out` columns.
+    const GemmParams p{dy, lddy, 0, planes->big_t, planes->rows, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
     return LaunchTile<true, true, true>(AutoTile(tile, in), p, 1, stream, planes->small_t);
   }
   const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};

@@ -31,6 +31,7 @@ struct Tf32x3Planes {
   const float* small = nullptr;
   const float* big_t = nullptr;
   const float* small_t = nullptr;
+  int rows = 0, cols = 0;  // w's shape: big and small are [rows, cols], big_t and small_t [cols, rows]
 };
 
 // One weight to split: w [rows, cols], contiguous, into big and small [rows, cols] and big_t and small_t [cols, rows].

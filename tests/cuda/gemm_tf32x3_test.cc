@@ -240,7 +240,7 @@ TEST_P(GemmTf32x3Test, WeightPlanesGiveTheSameBits) {
   }
   const DeviceArray<kernels::Tf32x3SplitJob> device_jobs(jobs);
   ASSERT_EQ(kernels::LaunchTf32x3SplitWeights(device_jobs.get(), 2, p.out, p.in, stream_), cudaSuccess);
-  const kernels::Tf32x3Planes parts{kinds[0], kinds[1], kinds[2], kinds[3]};
+  const kernels::Tf32x3Planes parts{kinds[0], kinds[1], kinds[2], kinds[3], p.out, p.in};
 
   DeviceArray<float> y(2 * sy);
   auto forward = [&](GemmTile tile, float beta, int count, const kernels::Tf32x3Planes* planes) {
@@ -268,6 +268,17 @@ TEST_P(GemmTf32x3Test, WeightPlanesGiveTheSameBits) {
     }
     EXPECT_TRUE(BitIdentical(backward_data(tile, &parts), backward_data(tile, nullptr))) << "backward data";
   }
+  // Planes of a weight of another shape than the one passed are refused, not read at the wrong stride.
+  kernels::Tf32x3Planes other_shape = parts;
+  other_shape.cols = p.in + 4;
+  EXPECT_EQ(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, sw, dbias.get(),
+                                             p.out, 0.f, y.get(), p.out, sy, 1, stream_, GemmTile::kAuto, &other_shape),
+            cudaErrorInvalidValue);
+  other_shape = parts;
+  other_shape.rows = p.out - 1;
+  EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f, dxo.get(),
+                                                  p.in, stream_, GemmTile::kAuto, &other_shape),
+            cudaErrorInvalidValue);
 }
 
 // small: B·T = 16,384 rows (in_proj, out_proj, embed, GRN, the CfC backbone reading [s | c] at ld D + C); large's
