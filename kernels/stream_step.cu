@@ -797,18 +797,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
     const bool reads_event = tid < EG && first + tid < tick.n;
-    // (A fixed plan reads an inline tick from the parameters directly, not through a generic address, which is a
-    // load from memory: the states' copies wait for the slot, the first block barrier for Δt and the log position.)
+    // (A fixed plan reads an inline tick's slot, Δt and log position from the parameters directly, not through a
+    // generic address, which is a load from memory: the states' copies wait for the slot, the first block barrier for
+    // Δt and the log position. Not the features: a warp's constant loads at distinct addresses run one at a time,
+    // ~500 cycles for warp 0's 32, H200 clock64 stamps, and nothing reads them before the shared vectors are in.)
     const bool from_parameters = kFixed && tick.x == nullptr;
     slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
     dt_read = reads_event ? (from_parameters ? tick.inline_dt[first + tid] : tick_dt[first + tid]) : 0.f;
     log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid]) : 0;
 #pragma unroll
     for (int e = 0; e < EG; ++e) {
-      x_raw[e] = tid < p.F && first + e < tick.n
-                     ? (from_parameters ? tick.inline_x[(first + e) * p.F + tid]
-                                        : tick_x[static_cast<size_t>(first + e) * p.F + tid])
-                     : 0.f;
+      x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
     }
   };
   // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
