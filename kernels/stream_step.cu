@@ -804,7 +804,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     const bool from_parameters = kFixed && tick.x == nullptr;
     slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
     dt_read = reads_event ? (from_parameters ? tick.inline_dt[first + tid] : tick_dt[first + tid]) : 0.f;
-    log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid]) : 0;
+    log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid])
+                                          : 0;
 #pragma unroll
     for (int e = 0; e < EG; ++e) {
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
@@ -1155,7 +1156,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = kSlotConv ? conv_rows + hp : conv_rows + e * pe + hp - q0;
-                          xc[e] = Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, kSlotConv ? cd : p.conv_channels));
+                          xc[e] =
+                              Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, kSlotConv ? cd : p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
                             StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
