@@ -235,6 +235,14 @@ __host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
 // In constant memory, where device code may read it: read at compile-time indices (all of the fixed kernels' reads),
 // its values become immediates.
 __constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0)};
+// A fixed plan's lone event keeps its slot's carried conv inputs as the slot holds them ([L][W−1][E + 2N], every
+// channel), after the plan's floats: one bulk copy brings them in (the plan's own layout, the block's channels of
+// each layer and tap, took 2·L·(W−1) copies, and each bulk copy costs its thread ~150–190 cycles to issue).
+__host__ __device__ constexpr int SlotConvFloats(const StreamPlan& p) {
+  return Align4(p.L * (p.W - 1) * (p.E + 2 * p.N));
+}
+static_assert((FixedPlan(0).floats + SlotConvFloats(FixedPlan(0))) * sizeof(float) <= kFixedSharedBytes,
+              "the fixed plan's slot conv inputs fit");
 // Whether no product of a plan reads padding (every input's length a multiple of 4): then, with lone events, every
 // activation is written before it is read.
 __host__ __device__ constexpr bool Unpadded(const StreamPlan& p) {
@@ -789,13 +797,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
     const bool reads_event = tid < EG && first + tid < tick.n;
-    // (A fixed plan reads an inline tick's slot from the parameters directly, not through a generic address: the
-    // states' copies wait for it.)
-    slot_read = !reads_event                ? -1
-                : kFixed && tick.x == nullptr ? tick.inline_slots[first + tid]
-                                              : tick_slots[first + tid];
-    dt_read = reads_event ? tick_dt[first + tid] : 0.f;
-    log_read = reads_event && tick.logged ? tick_log[first + tid] : 0;
+    // (A fixed plan reads an inline tick's slot, Δt and log position from the parameters directly, not through a
+    // generic address, which is a load from memory: the states' copies wait for the slot, the first block barrier for
+    // Δt and the log position. Not the features: a warp's constant loads at distinct addresses run one at a time,
+    // ~500 cycles for warp 0's 32, H200 clock64 stamps, and nothing reads them before the shared vectors are in.)
+    const bool from_parameters = kFixed && tick.x == nullptr;
+    slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
+    dt_read = reads_event ? (from_parameters ? tick.inline_dt[first + tid] : tick_dt[first + tid]) : 0.f;
+    log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid])
+                                          : 0;
 #pragma unroll
     for (int e = 0; e < EG; ++e) {
       x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
@@ -930,6 +940,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // of one slot's SSM state are one contiguous run, bulk-copied when its bytes allow (16-byte multiples).
   const int q0 = rank * E / R, q1 = (rank + 1) * E / R, nx = q1 - q0;
   const bool bulk_states = p.ssm_base >= 0 && nx > 0 && N * sizeof(float) % 16 == 0;
+  // The carried conv inputs: a fixed plan's lone event's in the slot's layout, its whole run at conv_in
+  // (SlotConvFloats); else each event's at p.conv of its activations, per layer and tap the block's x channels, then
+  // every B and C channel.
+  constexpr bool kSlotConv = kEarlyStates;
+  float* const conv_in = smem + p.floats;
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
     if (tid < EG) {
@@ -991,17 +1006,29 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
             }
           }
         }
+        if constexpr (kSlotConv) {
+          const float* src = st.conv + slot * conv_per_slot;
 #pragma unroll 1
-        for (int lk = w; lk < p.L * W1; lk += warps) {
-          float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
-          const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
-#pragma unroll 1
-          for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
-            const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+          for (int i = 4 * t; i < p.L * W1 * cd; i += 4 * warps * kWarpSize) {
             if (slot >= 0) {
-              CopyAsync4(dst + channel, src + c);
+              CopyAsync16(conv_in + i, src + i);
             } else {
-              dst[channel] = 0.f;
+              *reinterpret_cast<float4*>(conv_in + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+          }
+        } else {
+#pragma unroll 1
+          for (int lk = w; lk < p.L * W1; lk += warps) {
+            float* dst = ev + e * pe + p.conv + lk * p.conv_channels;
+            const float* src = st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd;
+#pragma unroll 1
+            for (int j = warp_lane; j < nx + 2 * N; j += kWarpSize) {
+              const int channel = j < nx ? j : p.ssm_rows + j - nx, c = j < nx ? q0 + j : E + j - nx;
+              if (slot >= 0) {
+                CopyAsync4(dst + channel, src + c);
+              } else {
+                dst[channel] = 0.f;
+              }
             }
           }
         }
@@ -1017,28 +1044,24 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     };
     if constexpr (!kEarlyStates) copy_carried(0);
     // The first group's copies after the embedding's (lane 0 of the warps from kCarryWarp on, lane 0 of the first of
-    // them arming the states' barrier): the carried states in chunks over the warps, in the order they are read, then
-    // the stages' rows from stage 1 on, in turn. Copy q of the states: q < L an SSM layer's rows, then a conv tap's
-    // x channels and its B and C channels, then the CfC state.
+    // them arming the states' barrier): the carried states over the warps, then the stages' rows from stage 1 on, in
+    // turn. Copy q of the states: q = 0 the slot's conv inputs, then an SSM layer's rows each, then the CfC state.
     auto late_copies = [&]() {
       constexpr int kCarryWarps = kStreamWarps - kCarryWarp;
-      const int w = warp - kCarryWarp, slot = slot_ids[0];
-      const int state_copies = slot >= 0 ? p.L + 2 * p.L * W1 + 1 : 0;
+      const int w = warp - kCarryWarp, slot = slot_ids[0], runs = p.L + 2;
+      const int state_copies = slot >= 0 ? runs : 0;
       if (w == 0) {
-        BarrierExpect(state_bar, slot >= 0 ? (p.L * nx * N + p.L * W1 * (nx + 2 * N) + p.C) * sizeof(float) : 0);
+        BarrierExpect(state_bar, slot >= 0 ? (p.L * W1 * cd + p.L * nx * N + p.C) * sizeof(float) : 0);
       }
 #pragma unroll
-      for (int q = 0; q < p.L + 2 * p.L * W1 + 1; ++q) {
-        if (q >= state_copies || w != q * kCarryWarps / (p.L + 2 * p.L * W1 + 1)) continue;
-        if (q < p.L) {
-          BulkCopy(smem + p.ssm_base + q * p.ssm_rows * N,
-                   st.ssm + slot * (p.L * ssm_per_layer) + q * ssm_per_layer + static_cast<size_t>(q0) * N,
+      for (int q = 0; q < runs; ++q) {
+        if (q >= state_copies || w != q * kCarryWarps / runs) continue;
+        if (q == 0) {
+          BulkCopy(conv_in, st.conv + slot * conv_per_slot, p.L * W1 * cd * sizeof(float), state_bar);
+        } else if (q <= p.L) {
+          BulkCopy(smem + p.ssm_base + (q - 1) * p.ssm_rows * N,
+                   st.ssm + slot * (p.L * ssm_per_layer) + (q - 1) * ssm_per_layer + static_cast<size_t>(q0) * N,
                    nx * N * sizeof(float), state_bar);
-        } else if (q < p.L + 2 * p.L * W1) {
-          const int lk = (q - p.L) / 2, bc = (q - p.L) % 2;
-          BulkCopy(ev + p.conv + lk * p.conv_channels + (bc ? p.ssm_rows : 0),
-                   st.conv + slot * conv_per_slot + static_cast<size_t>(lk) * cd + (bc ? E : q0),
-                   (bc ? 2 * N : nx) * sizeof(float), state_bar);
         } else {
           BulkCopy(ev + p.head.a + p.D, st.cfc + slot * p.C, p.C * sizeof(float), state_bar);
         }
@@ -1088,7 +1111,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int l = 0; l < p.L; ++l) {
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
-      const float* conv_rows = ev + p.conv + l * W1 * p.conv_channels;  // event 0's, this layer
+      const float* conv_rows = kSlotConv ? conv_in + l * W1 * cd : ev + p.conv + l * W1 * p.conv_channels;  // event 0's
       if (l == 0 && (bulk_states || kEarlyStates)) ExchangeWait(state_bar, phase & 1);
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
@@ -1101,13 +1124,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           const float v = acc[0][e];
                           float out;
                           if (u < 2 * N) {
-                            const float* old_rows = conv_rows + e * pe + p.ssm_rows + u;
-                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, p.conv_channels));
+                            const float* old_rows = kSlotConv ? conv_rows + E + u : conv_rows + e * pe + p.ssm_rows + u;
+                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, kSlotConv ? cd : p.conv_channels));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
                               StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
-                                state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                                state[k * cd] = old_rows[(k + 1) * (kSlotConv ? cd : p.conv_channels)];
                               });
                               state[(W1 - 1) * cd] = v;
                             }
@@ -1132,12 +1155,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           y[e] = xc[e] = 0.f;
                           if (!active) continue;
                           const int slot = slot_ids[e];
-                          const float* old_rows = conv_rows + e * pe + hp - q0;
-                          xc[e] = Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, p.conv_channels));
+                          const float* old_rows = kSlotConv ? conv_rows + hp : conv_rows + e * pe + hp - q0;
+                          xc[e] =
+                              Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, kSlotConv ? cd : p.conv_channels));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
                             StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
-                              state[k * cd] = old_rows[(k + 1) * p.conv_channels];
+                              state[k * cd] = old_rows[(k + 1) * (kSlotConv ? cd : p.conv_channels)];
                             });
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
@@ -1939,13 +1963,12 @@ cudaError_t PrepareWide(void (*kernel)(Params...), size_t max_shared_bytes) {
                               static_cast<int>(max_shared_bytes - attributes.sharedSizeBytes));
 }
 
-template <int EG>
-cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, int clusters, cudaStream_t stream,
+cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, size_t bytes, int clusters, cudaStream_t stream,
                                 cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(clusters * plan.cluster);
   config.blockDim = dim3(kStreamThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(plan.floats) * sizeof(float);
+  config.dynamicSmemBytes = bytes;
   config.stream = stream;
   attribute->id = cudaLaunchAttributeClusterDimension;
   attribute->val.clusterDim.x = plan.cluster;
@@ -1960,31 +1983,40 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, int clusters, cudaStream
 using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
 constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>};
 
-// The kernel of a launch's plan: its fixed plan's own where it has one, else the one that reads the plan.
+// The kernel of a launch's plan and its shared memory: its fixed plan's own where it has one (and the device room for
+// the slot's conv inputs), else the one that reads the plan.
+struct StepKernel {
+  StreamStepKernelPointer kernel;
+  size_t bytes;
+};
 template <int EG>
-auto KernelFor(const StreamPlan& plan) {
+StepKernel KernelFor(const StreamPlan& plan, size_t max_shared_bytes) {
+  const size_t bytes = static_cast<size_t>(plan.floats) * sizeof(float);
   if constexpr (EG == 1) {
+    const size_t fixed_bytes = bytes + SlotConvFloats(plan) * sizeof(float);
     for (int shape = 0; shape < kFixedShapes; ++shape) {
-      if (plan == FixedPlan(shape)) return kFixedKernels[shape];
+      if (plan == FixedPlan(shape) && fixed_bytes <= max_shared_bytes) return {kFixedKernels[shape], fixed_bytes};
     }
   }
-  return StreamStepKernel<EG, -1>;
+  return {StreamStepKernel<EG, -1>, bytes};
 }
 
 template <int EG>
 cudaError_t Launch(const StreamPlan& plan, const float* pack, const StreamSlots& slots, const StreamTickInput& tick,
-                   int max_clusters, cudaStream_t stream) {
+                   int max_clusters, size_t max_shared_bytes, cudaStream_t stream) {
+  const StepKernel k = KernelFor<EG>(plan, max_shared_bytes);
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config =
-      LaunchConfig<EG>(plan, std::min(CeilDiv(tick.n, EG), max_clusters), stream, &attribute);
-  return cudaLaunchKernelEx(&config, KernelFor<EG>(plan), plan, pack, slots, tick);
+      LaunchConfig(plan, k.bytes, std::min(CeilDiv(tick.n, EG), max_clusters), stream, &attribute);
+  return cudaLaunchKernelEx(&config, k.kernel, plan, pack, slots, tick);
 }
 
 template <int EG>
-cudaError_t MaxClusters(const StreamPlan& plan, int* clusters) {
+cudaError_t MaxClusters(const StreamPlan& plan, size_t max_shared_bytes, int* clusters) {
+  const StepKernel k = KernelFor<EG>(plan, max_shared_bytes);
   cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = LaunchConfig<EG>(plan, 1, nullptr, &attribute);
-  return cudaOccupancyMaxActiveClusters(clusters, KernelFor<EG>(plan), &config);
+  const cudaLaunchConfig_t config = LaunchConfig(plan, k.bytes, 1, nullptr, &attribute);
+  return cudaOccupancyMaxActiveClusters(clusters, k.kernel, &config);
 }
 
 template <typename Kernel>
@@ -2074,10 +2106,10 @@ cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int clus
   fit->weights_resident = std::all_of(plan.stage_at, plan.stage_at + plan.stages, [](int at) { return at >= 0; });
   fit->states_resident = plan.ssm_base >= 0;
   switch (events_per_group) {
-    case 1: return MaxClusters<1>(plan, &fit->max_clusters);
-    case 2: return MaxClusters<2>(plan, &fit->max_clusters);
-    case 4: return MaxClusters<4>(plan, &fit->max_clusters);
-    default: return MaxClusters<8>(plan, &fit->max_clusters);
+    case 1: return MaxClusters<1>(plan, max_shared_bytes, &fit->max_clusters);
+    case 2: return MaxClusters<2>(plan, max_shared_bytes, &fit->max_clusters);
+    case 4: return MaxClusters<4>(plan, max_shared_bytes, &fit->max_clusters);
+    default: return MaxClusters<8>(plan, max_shared_bytes, &fit->max_clusters);
   }
 }
 
@@ -2102,10 +2134,10 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
     return cudaErrorInvalidValue;
   }
   switch (events_per_group) {
-    case 1: return Launch<1>(plan, pack, slots, tick, max_clusters, stream);
-    case 2: return Launch<2>(plan, pack, slots, tick, max_clusters, stream);
-    case 4: return Launch<4>(plan, pack, slots, tick, max_clusters, stream);
-    default: return Launch<8>(plan, pack, slots, tick, max_clusters, stream);
+    case 1: return Launch<1>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
+    case 2: return Launch<2>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
+    case 4: return Launch<4>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
+    default: return Launch<8>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
   }
 }
 
