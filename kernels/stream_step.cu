@@ -583,20 +583,22 @@ __device__ __forceinline__ void LoadInputs(float4 (&x)[EG], const float* in, int
 #pragma unroll
   for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
 }
-// ... and the products with them of M outputs' weights (output m's at w + m·in_pad), added to v[m][e] in order.
+// ... and the products with them of one output's weights wv, added to v[e] in order.
+template <int EG>
+__device__ __forceinline__ void AddProduct(float (&v)[EG], float4 wv, const float4 (&x)[EG]) {
+#pragma unroll
+  for (int e = 0; e < EG; ++e) {
+    v[e] += wv.x * x[e].x;
+    v[e] += wv.y * x[e].y;
+    v[e] += wv.z * x[e].z;
+    v[e] += wv.w * x[e].w;
+  }
+}
+// ... of M outputs' weights (output m's at w + m·in_pad), added to v[m][e].
 template <int EG, int M>
 __device__ __forceinline__ void AddProducts(float (*v)[EG], const float* w, int in_pad, int i, const float4 (&x)[EG]) {
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float4 wv = *reinterpret_cast<const float4*>(w + m * in_pad + i);
-#pragma unroll
-    for (int e = 0; e < EG; ++e) {
-      v[m][e] += wv.x * x[e].x;
-      v[m][e] += wv.y * x[e].y;
-      v[m][e] += wv.z * x[e].z;
-      v[m][e] += wv.w * x[e].w;
-    }
-  }
+  for (int m = 0; m < M; ++m) AddProduct<EG>(v[m], *reinterpret_cast<const float4*>(w + m * in_pad + i), x);
 }
 
 // One step of a lane's sums (RowSumsOf): inputs i..i+3 of each event.
@@ -1417,9 +1419,10 @@ __device__ __forceinline__ void PrefetchL1(const float* p, int n) {
 // The wide path's row sums: R row units' M products (unit r's weights at wu + r·unit_stride) for every event of a
 // tile, each lane's own parts of SumRows's sums in SumRows's order, for LaneRowSum to add up. A load of the tile's
 // inputs serves R units, so the products read shared memory R times less often; kSteps steps of the loop are
-// unrolled, so that a step's loads are in flight under the one before (where the registers allow). Not inlined, as
-// SumRows.
-template <int M, int R, int kSteps>
+// unrolled, so that a step's loads are in flight under the one before (where the registers allow), or with kBatched
+// the weights of kSteps steps are loaded before their products, so that one round trip to L2 serves them all (the
+// per-tile kernels' L1 prefetches of their rows mostly miss: 12-14% L1 hits). Not inlined, as SumRows.
+template <int M, int R, int kSteps, bool kBatched>
 __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu, int unit_stride, const float* in,
                                                                   int in_pad, int per_event, int lane, bool active) {
   RowSums<kWideEvents, M * R> parts;
@@ -1428,12 +1431,39 @@ __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu
 #pragma unroll
     for (int e = 0; e < kWideEvents; ++e) parts.v[m][e] = 0.f;
   }
-#pragma unroll(kSteps)
-  for (int i = lane * 4; active && i < in_pad; i += 4 * kLanesPerRow) {
-    float4 x[kWideEvents];
-    LoadInputs<kWideEvents>(x, in, per_event, i);
+  constexpr int kStep = 4 * kLanesPerRow;
+  if constexpr (kBatched) {
+    for (int i0 = lane * 4; active && i0 < in_pad; i0 += kSteps * kStep) {
+      float4 w[kSteps][R * M];
 #pragma unroll
-    for (int r = 0; r < R; ++r) AddProducts<kWideEvents, M>(parts.v + r * M, wu + r * unit_stride, in_pad, i, x);
+      for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const float* at = wu + r * unit_stride + m * in_pad + i0 + k * kStep;
+            if (i0 + k * kStep < in_pad) w[k][r * M + m] = *reinterpret_cast<const float4*>(at);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        if (i0 + k * kStep < in_pad) {
+          float4 x[kWideEvents];
+          LoadInputs<kWideEvents>(x, in, per_event, i0 + k * kStep);
+#pragma unroll
+          for (int j = 0; j < R * M; ++j) AddProduct<kWideEvents>(parts.v[j], w[k][j], x);
+        }
+      }
+    }
+  } else {
+#pragma unroll(kSteps)
+    for (int i = lane * 4; active && i < in_pad; i += kStep) {
+      float4 x[kWideEvents];
+      LoadInputs<kWideEvents>(x, in, per_event, i);
+#pragma unroll
+      for (int r = 0; r < R; ++r) AddProducts<kWideEvents, M>(parts.v + r * M, wu + r * unit_stride, in_pad, i, x);
+    }
   }
   return parts;
 }
@@ -1441,11 +1471,11 @@ __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu
 // Lane e's M sums of event e for R row units (weights at wu + r·unit_stride) of the tile whose inputs are at
 // in + e·per_event, with the bits of Products's (scaled by the event's 1/rms at rstd + e·per_event when rstd is
 // given). Every lane of the warp calls it.
-template <int M, int R = 1, int kSteps = 1>
+template <int M, int R = 1, int kSteps = 1, bool kBatched = false>
 __device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu, int unit_stride, const float* in,
                                             int in_pad, int per_event, const float* rstd, int lane, bool active) {
   const RowSums<kWideEvents, M * R> parts =
-      TileRowParts<M, R, kSteps>(wu, unit_stride, in, in_pad, per_event, lane, active);
+      TileRowParts<M, R, kSteps, kBatched>(wu, unit_stride, in, in_pad, per_event, lane, active);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -1457,10 +1487,10 @@ __device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu,
 }
 
 // Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
-// rstd + e·per_event when given), R consecutive rows a row group, kSteps steps in flight (TileRowParts);
+// rstd + e·per_event when given), R consecutive rows a row group, kSteps steps in flight (TileRowParts, kBatched);
 // `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e, and every row group calls it
 // for each of its R rows, as Products's.
-template <int M, int R = 1, int kSteps = 1, typename Epilogue>
+template <int M, int R = 1, int kSteps = 1, bool kBatched = false, typename Epilogue>
 __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, const float* in, int per_event,
                                          const float* rstd, int u0, int u1, Epilogue&& epilogue) {
   static_assert(R == 1 || R == 2, "a row group's last row may be past the end: it then sums its first row again");
@@ -1471,7 +1501,7 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
     const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
     const int unit_stride = u + R - 1 < u1 ? s.stride : 0;
     float acc[R][M];
-    TileRowSums<M, R, kSteps>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
+    TileRowSums<M, R, kSteps, kBatched>(acc, wu, unit_stride, in, s.in_pad, per_event, rstd, lane, active);
 #pragma unroll
     for (int r = 0; r < R; ++r) epilogue(u + r, acc[r], wu + r * unit_stride + M * s.in_pad, lane, active && u + r < u1);
   }
@@ -1524,21 +1554,27 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
 // registers allow it), which halves their shared-memory reads and their passes over a stage's rows.
 template <int kBlocks>
 constexpr int kWideRowsPerGroup = kBlocks == 1 ? 2 : 1;
-// ... and a row group's products of at most two outputs, two steps in flight.
-template <int kBlocks>
-constexpr int kWideSteps = kBlocks == 1 ? 2 : 1;
+// ... and a row group's products of at most two outputs, two steps in flight; in the long-row kernels (kBatched, one
+// block an SM) the weights of four steps loaded at once (TileRowParts). Measured on the H200 (perf-wide10, 3e4f04b):
+// `large`'s ticks 7% faster (1,024 instruments 1,887 -> 1,758 µs), but `small`'s 7-10 µs slower at 256 and 1,024
+// (the unrolled sums' instruction fetch), so only plans of long rows (kWideLongRows) take them.
+template <int kBlocks, bool kBatched>
+constexpr int kWideSteps = kBatched ? 4 : kBlocks == 1 ? 2 : 1;
+// The model width from which a plan's per-tile and SSM kernels load several steps' weights at once (`large`'s).
+constexpr int kWideLongRows = 512;
 
 // Layer l's B, C (causal conv, SiLU; each row's conv state advanced) and Δt (softplus) of its RMSNorm (folded), from
 // the tile's h (stride D4 + 4, zero padding, 1/rms stored after each) and carried B/C conv inputs in shared memory,
 // in a per-tile kernel of kBlocks blocks an SM.
-template <int kBlocks>
+template <int kBlocks, bool kBatched>
 __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* conv, const int* slot_s, int first) {
+  constexpr int kSteps = kWideSteps<kBlocks, kBatched>;
   const StreamPlan& p = a.p;
   const int D4 = Align4(p.D), pe = D4 + 4, N = p.N, W1 = p.W - 1, cd = p.E + 2 * N, BC = 2 * N + p.Hh;
   const PackStage& s = p.stage[1 + 3 * l];
   NormScales<kWideEvents>(h, pe, 0, p.D, D4, D4);
   const size_t conv_per_slot = static_cast<size_t>(p.L) * W1 * cd;
-  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(s, a.pack + s.pack, h, pe, h + D4, 0, BC,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (!active || first + e >= a.n) return;
@@ -1563,9 +1599,10 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
 
 // Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
 // for the later kernels.
-template <int kBlocks>
+template <int kBlocks, bool kBatched>
 __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const __grid_constant__ WideArgs a,
                                                                          const __grid_constant__ StreamTickInput tick) {
+  constexpr int kSteps = kWideSteps<kBlocks, kBatched>;
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   const StreamPlan& p = a.p;
@@ -1610,8 +1647,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
     }
   }
   __syncthreads();
-  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[0], a.pack + p.stage[0].pack, xn, pe,
-                                                               nullptr, 0, p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(p.stage[0], a.pack + p.stage[0].pack, xn, pe,
+                                                            nullptr, 0, p.D,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0] + prm[0];
                 if (!active) return;
@@ -1620,7 +1657,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
               });
   CopyAsyncWaitAll();
   __syncthreads();
-  SharedPhase<kBlocks>(a, 0, h, smem + o.embed_conv, slot_s, first);
+  SharedPhase<kBlocks, kBatched>(a, 0, h, smem + o.embed_conv, slot_s, first);
 }
 
 // The wide SSM kernel's in-place update of a row (event k's at row + k·tile_state, its B and C at bc + k·per_event)
@@ -1678,8 +1715,9 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
 // banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
-// else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows.
-template <int kN>
+// else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows. kBatched (long
+// rows): the weights of two steps of the row sums loaded at once.
+template <int kN, bool kBatched>
 __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
@@ -1752,7 +1790,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
   float zx[1][2];
-  TileRowSums<2>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
+  TileRowSums<2, 1, kBatched ? 2 : 1, kBatched>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
@@ -1800,8 +1838,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
 // head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
 // stage before. In a per-tile kernel of kBlocks blocks an SM.
-template <int kBlocks>
+template <int kBlocks, bool kBatched>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
+  constexpr int kSteps = kWideSteps<kBlocks, kBatched>;
   const StreamPlan& p = a.p;
   const WideLayout o = MakeWideLayout(p);
   const int tid = threadIdx.x, pe = o.head_per_event;
@@ -1811,15 +1850,17 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head.a, shared + p.norm_f, p.D);
   prefetch(cfc_stage + 1);
-  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(p.stage[cfc_stage], stage_rows(cfc_stage),
-                                                               ev + o.head.a, pe, nullptr, 0, p.K,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(p.stage[cfc_stage], stage_rows(cfc_stage),
+                                                            ev + o.head.a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
                 const float v = acc[0];
                 if (active) ev[e * pe + o.head.bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
   prefetch(cfc_stage + 2);
-  TileRows<4>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head.bb, pe, nullptr, 0, p.C,
+  // Four outputs a row: with kBatched the weights of two steps at once (the registers allow no more).
+  TileRows<4, 1, kBatched ? 2 : 1, kBatched>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head.bb, pe,
+                                             nullptr, 0, p.C,
               [&](int u, const float(&acc)[4], const float* prm, int e, bool active) {
                 const float ff1 = acc[0], ff2 = acc[1],
                             time_a = acc[2], time_b = acc[3];
@@ -1830,8 +1871,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
               });
   __syncthreads();
   prefetch(cfc_stage + 3);
-  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head.a, pe,
-                                      nullptr, 0, p.G,
+  TileRows<2, 1, kSteps, kBatched>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head.a, pe,
+                                   nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float fc2 = acc[0], skip = acc[1];
                 if (!active) return;
@@ -1840,8 +1881,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
               });
   __syncthreads();
   prefetch(cfc_stage + 4);
-  TileRows<2, 1, kWideSteps<kBlocks>>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head.e2, pe,
-                                      nullptr, 0, p.G,
+  TileRows<2, 1, kSteps, kBatched>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head.e2, pe,
+                                   nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
                 const float gate = acc[0], value = acc[1];
                 if (!active) return;
@@ -1865,8 +1906,9 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
 
 // Layer l's out_proj of the gated RMSNorm (folded) of y, every row, added to the residual; then the next layer's B, C
 // and Δt, or after the last layer the CfC and the head.
-template <int kBlocks>
+template <int kBlocks, bool kBatched>
 __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __grid_constant__ WideArgs a, int l) {
+  constexpr int kSteps = kWideSteps<kBlocks, kBatched>;
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kWideEvents];
   __shared__ float dt_s[kWideEvents];
@@ -1911,8 +1953,8 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
   const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
   PrefetchL1(a.pack + next.pack, next.units * next.stride);
-  TileRows<1, kWideRowsPerGroup<kBlocks>, kWideSteps<kBlocks>>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
-                                                               p.D,
+  TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
+                                                            p.D,
               [&](int u, const float(&acc)[1], const float*, int e, bool active) {
                 const float v = acc[0];
                 if (!active) return;
@@ -1922,9 +1964,9 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
               });
   __syncthreads();
   if (last) {
-    HeadPhase<kBlocks>(a, smem + o.out_head, slot_s, dt_s, log_s);
+    HeadPhase<kBlocks, kBatched>(a, smem + o.out_head, slot_s, dt_s, log_s);
   } else {
-    SharedPhase<kBlocks>(a, l + 1, h, smem + o.out_conv, slot_s, first);
+    SharedPhase<kBlocks, kBatched>(a, l + 1, h, smem + o.out_conv, slot_s, first);
   }
 }
 
@@ -2053,10 +2095,13 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
   for (cudaError_t error :
        {Prepare(StreamStepKernel<1, -1>, max_shared_bytes), Prepare(StreamStepKernel<2, -1>, max_shared_bytes),
         Prepare(StreamStepKernel<4, -1>, max_shared_bytes), Prepare(StreamStepKernel<8, -1>, max_shared_bytes),
-        PrepareWide(WideEmbedKernel<1>, max_shared_bytes),
-        PrepareWide(WideEmbedKernel<2>, max_shared_bytes), PrepareWide(WideSsmKernel<0>, max_shared_bytes),
-        PrepareWide(WideSsmKernel<32>, max_shared_bytes), PrepareWide(WideSsmKernel<64>, max_shared_bytes),
-        PrepareWide(WideOutKernel<1>, max_shared_bytes), PrepareWide(WideOutKernel<2>, max_shared_bytes)}) {
+        PrepareWide(WideEmbedKernel<1, false>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<1, true>, max_shared_bytes),
+        PrepareWide(WideEmbedKernel<2, false>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<0, false>, max_shared_bytes), PrepareWide(WideSsmKernel<32, false>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<64, false>, max_shared_bytes), PrepareWide(WideSsmKernel<64, true>, max_shared_bytes),
+        PrepareWide(WideOutKernel<1, false>, max_shared_bytes), PrepareWide(WideOutKernel<1, true>, max_shared_bytes),
+        PrepareWide(WideOutKernel<2, false>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
   }
   for (StreamStepKernelPointer kernel : kFixedKernels) {
@@ -2081,19 +2126,26 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
   const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
-  void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0>
-                                      : p.N == 32     ? WideSsmKernel<32>
-                                      : p.N == 64     ? WideSsmKernel<64>
-                                                      : WideSsmKernel<0>;
+  const bool long_rows = p.D >= kWideLongRows;  // then the batched weight loads (kWideSteps)
+  void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0, false>
+                                      : p.N == 32     ? WideSsmKernel<32, false>
+                                      : p.N != 64     ? WideSsmKernel<0, false>
+                                      : long_rows     ? WideSsmKernel<64, true>
+                                                      : WideSsmKernel<64, false>;
+  void (*embed_kernel)(WideArgs, StreamTickInput) = !one_wave  ? WideEmbedKernel<2, false>
+                                                    : long_rows ? WideEmbedKernel<1, true>
+                                                                : WideEmbedKernel<1, false>;
+  void (*out_kernel)(WideArgs, int) = !one_wave  ? WideOutKernel<2, false>
+                                      : long_rows ? WideOutKernel<1, true>
+                                                  : WideOutKernel<1, false>;
   const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
-  cudaError_t error = LaunchWideKernel(one_wave ? WideEmbedKernel<1> : WideEmbedKernel<2>, dim3(tiles), kWideThreads,
-                                       bytes(o.embed), stream, false, a, tick);
+  cudaError_t error =
+      LaunchWideKernel(embed_kernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
     error = LaunchWideKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(one_wave ? WideOutKernel<1> : WideOutKernel<2>, dim3(tiles), kWideThreads, bytes(o.out),
-                             stream, true, a, l);
+    error = LaunchWideKernel(out_kernel, dim3(tiles), kWideThreads, bytes(o.out), stream, true, a, l);
   }
   return error;
 }

@@ -265,6 +265,7 @@ TEST(StreamStepManyTest, EveryTickSizeGetsALaunchableShape) {
     }
   }
   StreamStepParity parity("large", 1024, 4);
+  ASSERT_TRUE(parity.streamer().ShapeFor(1024).wide) << "large's 1,024-event tick checks its long-row wide kernels";
   std::vector<int32_t> slots(1024);
   for (int s = 0; s < 1024; ++s) slots[s] = (s * 389) % 1024;  // every slot once, shuffled
   parity.Tick({5}, 1);
