@@ -947,6 +947,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   // every B and C channel.
   constexpr bool kSlotConv = kEarlyStates;
   float* const conv_in = smem + p.floats;
+  const int conv_stride = kSlotConv ? cd : p.conv_channels;  // between a channel's taps
   for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if (phase > 0) read_group(group_index * EG);
     if (tid < EG) {
@@ -1113,7 +1114,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     for (int l = 0; l < p.L; ++l) {
       const int si_bcdt = 1 + 3 * l, si_heads = 2 + 3 * l, si_out = 3 + 3 * l;
       const bool bcdt_exchanged = exchanged(si_bcdt);
-      const float* conv_rows = kSlotConv ? conv_in + l * W1 * cd : ev + p.conv + l * W1 * p.conv_channels;  // event 0's
+      const float* conv_rows = (kSlotConv ? conv_in : ev + p.conv) + l * W1 * conv_stride;  // event 0's, this layer
       if (l == 0 && (bulk_states || kEarlyStates)) ExchangeWait(state_bar, phase & 1);
       // B, C (causal conv, SiLU) and Δt (softplus) of the layer's RMSNorm (folded), split and exchanged; each row's
       // owner advances its conv state.
@@ -1127,12 +1128,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           float out;
                           if (u < 2 * N) {
                             const float* old_rows = kSlotConv ? conv_rows + E + u : conv_rows + e * pe + p.ssm_rows + u;
-                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, kSlotConv ? cd : p.conv_channels));
+                            out = Silu(ConvTaps<kFixed>(prm, W1, v, old_rows, conv_stride));
                             const int slot = slot_ids[e];
                             if (row_lane == 0 && slot >= 0 && W1 > 0) {
                               float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + E + u;
                               StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
-                                state[k * cd] = old_rows[(k + 1) * (kSlotConv ? cd : p.conv_channels)];
+                                state[k * cd] = old_rows[(k + 1) * conv_stride];
                               });
                               state[(W1 - 1) * cd] = v;
                             }
@@ -1158,12 +1159,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                           if (!active) continue;
                           const int slot = slot_ids[e];
                           const float* old_rows = kSlotConv ? conv_rows + hp : conv_rows + e * pe + hp - q0;
-                          xc[e] =
-                              Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, kSlotConv ? cd : p.conv_channels));
+                          xc[e] = Silu(ConvTaps<kFixed>(prm, W1, acc[1][e], old_rows, conv_stride));
                           if (row_lane == 0 && slot >= 0 && W1 > 0) {
                             float* state = st.conv + slot * conv_per_slot + static_cast<size_t>(l) * W1 * cd + hp;
                             StridedFor<kFixed>(0, W1 - 1, 1, [&](int k) {
-                              state[k * cd] = old_rows[(k + 1) * (kSlotConv ? cd : p.conv_channels)];
+                              state[k * cd] = old_rows[(k + 1) * conv_stride];
                             });
                             state[(W1 - 1) * cd] = acc[1][e];
                           }
