@@ -4,12 +4,14 @@
 #include <cxxabi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -33,6 +35,9 @@ ABSL_FLAG(int, replays, 20, "replays recorded; the one of median wall time is li
 ABSL_FLAG(int, gaps, 12, "the largest idle gaps listed");
 ABSL_FLAG(bool, list, true, "list every kernel and copy of the listed replay");
 ABSL_FLAG(std::string, json, "", "also write the listed replay and the summary here as JSON");
+ABSL_FLAG(int, hold_us, 3000,
+          "recorded replays start this long after their launch (a host function holds the stream meanwhile), so the "
+          "timeline shows the device's work, not the host still submitting the graph; 0: launched on an idle stream");
 
 #define CUPTI_RETURN_IF_ERROR(call)                                                               \
   do {                                                                                            \
@@ -66,8 +71,9 @@ std::string Demangled(const char* name) {
   char* plain = abi::__cxa_demangle(name, nullptr, nullptr, &status);
   std::string s = status == 0 && plain ? plain : name;
   std::free(plain);
-  const std::string anonymous = "perception::(anonymous namespace)::";
-  for (size_t at; (at = s.find(anonymous)) != std::string::npos;) s.erase(at, anonymous.size());
+  for (const std::string noise : {"(anonymous namespace)::", "perception::kernels::", "perception::"}) {
+    for (size_t at; (at = s.find(noise)) != std::string::npos;) s.erase(at, noise.size());
+  }
   if (s.starts_with("void ")) s.erase(0, 5);
   // The parameter list repeats what the kernel's name already says: cut at the first '(' outside template brackets.
   int depth = 0;
@@ -278,6 +284,13 @@ void Analyze(Replay& r, const Dependencies* deps) {
   r.chain.assign(chain.rbegin(), chain.rend());
 }
 
+// Holds the stream for *(int*)us µs: a graph launched behind it is wholly submitted before the device reaches it.
+void CUDART_CB Hold(void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int*>(us))); }
+
+double HostUsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t).count();
+}
+
 std::string Dim3(const int d[3]) { return absl::StrCat(d[0], ",", d[1], ",", d[2]); }
 
 double Us(uint64_t ns) { return ns * 1e-3; }
@@ -294,15 +307,25 @@ absl::Status Run() {
   const int warmup = std::max(absl::GetFlag(FLAGS_warmup), 2), replays = std::max(absl::GetFlag(FLAGS_replays), 1);
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, MakeBenchModel(config, precision, /*graphs=*/true));
 
-  // The model's own replays first, timed as bench_train times them, before CUPTI is attached: what recording costs
-  // shows against the event-timed replays below.
-  std::vector<double> plain_us;
-  for (int i = 0; i < warmup + replays; ++i) {
+  // The model's own replays first, before CUPTI is attached, timed as bench_train times them: launched on an idle
+  // stream (as bench_train and the trainer do) and held (the graph wholly submitted before the device starts it).
+  // Their difference is the part of a step spent waiting for the host's submission; what recording costs shows
+  // against the event-timed replays below.
+  const int hold_us = absl::GetFlag(FLAGS_hold_us);
+  const int held_for = std::max(hold_us, 3000);
+  std::vector<double> plain_us, held_us, launch_host_us;
+  for (int i = 0; i < warmup + 2 * replays; ++i) {
+    const bool held = i >= warmup + replays;
+    if (held) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(model->stream(), Hold, const_cast<int*>(&held_for)));
+    const auto enqueue = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(model->EnqueueTrainStep());
+    if (!held && i >= warmup) launch_host_us.push_back(HostUsSince(enqueue));
     RETURN_IF_ERROR(model->Wait().status());
-    if (i >= warmup) plain_us.push_back(model->training_counters().last_step_seconds * 1e6);
+    if (i >= warmup) (held ? held_us : plain_us).push_back(model->training_counters().last_step_seconds * 1e6);
   }
   ASSIGN_OR_RETURN(const double plain_median, MedianUs(plain_us));
+  ASSIGN_OR_RETURN(const double held_median, MedianUs(held_us));
+  ASSIGN_OR_RETURN(const double launch_host_median, MedianUs(launch_host_us));
 
   CUPTI_RETURN_IF_ERROR(cuptiActivityRegisterCallbacks(BufferRequested, BufferCompleted));
   CUpti_SubscriberHandle subscriber;
@@ -327,7 +350,7 @@ absl::Status Run() {
   cudaEvent_t start, stop;
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  std::vector<double> traced_us;
+  std::vector<double> traced_us, traced_launch_host_us;
   for (int i = 0; i < warmup + replays; ++i) {
     if (i == warmup) {  // the warmup's records out of the way
       CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
@@ -335,8 +358,11 @@ absl::Status Run() {
       const std::lock_guard lock(g_mutex);
       g_activities.clear();
     }
+    if (hold_us > 0) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, Hold, const_cast<int*>(&hold_us)));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+    const auto launch = std::chrono::steady_clock::now();
     CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+    if (i >= warmup) traced_launch_host_us.push_back(HostUsSince(launch));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
     float ms = 0;
@@ -350,6 +376,7 @@ absl::Status Run() {
     CUPTI_RETURN_IF_ERROR(cuptiActivityDisable(kind));
   }
   ASSIGN_OR_RETURN(const double traced_median, MedianUs(traced_us));
+  ASSIGN_OR_RETURN(const double traced_launch_host_median, MedianUs(traced_launch_host_us));
 
   std::map<uint32_t, Replay> by_launch;
   {
@@ -397,8 +424,13 @@ absl::Status Run() {
   for (const Replay& x : runs) walls.push_back(Us(x.wall));
   std::printf("replay walls (first start -> last end) us: min %.1f median %.1f max %.1f\n", walls.front(),
               walls[walls.size() / 2], walls.back());
-  std::printf("event-timed replay median us: %.1f without CUPTI (the model's graph), %.1f with CUPTI (this graph)\n",
-              plain_median, traced_median);
+  std::printf("event-timed replay median us, without CUPTI (the model's graph): %.1f launched on an idle stream, %.1f "
+              "held %d us (host: %.1f us in EnqueueTrainStep)\n",
+              plain_median, held_median, held_for, launch_host_median);
+  std::printf("event-timed replay median us, with CUPTI (this graph, the recorded replays): %.1f %s (host: %.1f us in "
+              "cudaGraphLaunch)\n",
+              traced_median, hold_us > 0 ? absl::StrCat("held ", hold_us, " us").c_str() : "launched on an idle stream",
+              traced_launch_host_median);
   std::printf("listed replay: wall %.1f us; busy (>= 1 running) %.1f; idle %.1f in %zu gaps; overlap (>= 2 running) "
               "%.1f; serialized sum %.1f\n",
               Us(r.wall), Us(r.busy), Us(r.wall - r.busy), r.gaps.size(), Us(r.overlap), Us(r.serialized));
@@ -428,8 +460,12 @@ absl::Status Run() {
                        {"chain_running_us", Us(chain_busy)},
                        {"chain_waiting_us", chain_wait * 1e-3},
                        {"replay_walls_us", walls},
+                       {"hold_us", hold_us},
                        {"event_replay_median_us_without_cupti", plain_median},
-                       {"event_replay_median_us_with_cupti", traced_median}};
+                       {"event_replay_median_us_without_cupti_held", held_median},
+                       {"host_us_enqueue_without_cupti", launch_host_median},
+                       {"event_replay_median_us_with_cupti", traced_median},
+                       {"host_us_graph_launch_with_cupti", traced_launch_host_median}};
     for (size_t i = 0; i < a.size(); ++i) {
       json["activities"].push_back({{"start_ns", a[i].start},
                                     {"end_ns", a[i].end},
