@@ -531,17 +531,7 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   // which nothing reads before the CfC, behind it on grad_stream_ (the copies share the host link: x goes first),
   // beside the layers (H200, small: 19 µs a step off the main stream).
   enqueued_since_wait_ = true;
-  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split): they
-  // read only the parameters, so on grad_stream_ beside x's copy instead of after it on the main stream (H200, small
-  // 3xtf32: 4.3 µs off the step's critical chain, bench/step_timeline).
-  if (split_jobs_ != nullptr) {
-    RETURN_IF_ERROR(ForkGradients());
-    CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
-                                                           split_rows_, split_cols_, grad_stream_));
-    RETURN_IF_ERROR(MarkGradients());
-  }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  if (split_jobs_ != nullptr) RETURN_IF_ERROR(AwaitGradients());  // before the first product reads the planes
   RETURN_IF_ERROR(ForkGradients());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
   CUDA_RETURN_IF_ERROR(
@@ -554,6 +544,11 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
+  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
+  if (split_jobs_ != nullptr) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
+                                                           split_rows_, split_cols_, stream_));
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
