@@ -116,7 +116,7 @@ class CudaModel {
   // Device bytes held by the model's buffers (activations, gradients, optimizer state, scratch, cuBLAS workspace).
   size_t device_bytes() const { return device_bytes_; }
   // FLOPs of every cuBLAS product issued so far.
-  double gemm_flops() const { return blas_->flops() + grad_blas_->flops(); }
+  double gemm_flops() const { return blas_->flops() + grad_blas_->flops() + layer_grad_blas_->flops(); }
 
  private:
   // One Mamba2 layer's forward activations, and the gradients the column sums read at the end of the step.
@@ -195,11 +195,16 @@ class CudaModel {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Blas> blas_;
-  // The weight-gradient products' stream and handle (the second half of the cuBLAS workspace), and the events that
+  // The weight-gradient products' stream and handle (the cuBLAS workspace's second part), and the events that
   // fork it from and join it to stream_ (see ForkGradients).
   cudaStream_t grad_stream_ = nullptr;
   std::unique_ptr<Blas> grad_blas_;
   cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
+  // Each layer's out_proj weight gradient, the one the main stream waits for inside the backward, on a stream and
+  // handle (the workspace's third part) of its own, so the wait is for it alone (see LayerBackward).
+  cudaStream_t layer_grad_stream_ = nullptr;
+  std::unique_ptr<Blas> layer_grad_blas_;
+  cudaEvent_t layer_fork_ = nullptr, layer_grad_done_ = nullptr;
   std::shared_ptr<NcclCommunicator> communicator_;
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
