@@ -176,7 +176,6 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&exp_avg_, total);
   a.Reserve(&exp_avg_sq_, total);
   a.Reserve(&step_, 1);
-  a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
   a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
   a.Reserve(&mask_count_, 1);
@@ -412,7 +411,7 @@ CudaModel::BufferSet CudaModel::CurrentBuffers() const {
   // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
   // (its first table, then chunks_) and the cuBLAS workspace.
   return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
-          report_, x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
+          x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
 }
 
 absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
@@ -463,7 +462,6 @@ absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
   if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
 
@@ -477,7 +475,6 @@ absl::Status CudaModel::EnqueueEvaluate(bool carry_state) {
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_, logits_, static_cast<size_t>(rows) * config().n_horizons *
                                        sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
 
@@ -581,7 +578,7 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   CUDA_RETURN_IF_ERROR(
       kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, loss_stream));
   if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, kernels::kMaskedBceBlocks, stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_, loss_stream));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_host_, loss_stream));
   return absl::OkStatus();
 }
 
@@ -810,7 +807,7 @@ absl::Status CudaModel::SumGradientsOverRanks() {
 absl::Status CudaModel::OptimizerStep() {
   const int chunks = static_cast<int>(chunks_host_.size());
   CUDA_RETURN_IF_ERROR(kernels::LaunchClipAdamW(chunks_, chunks, norm_partials_, step_, adamw_, params_, grads_,
-                                                exp_avg_, exp_avg_sq_, report_, stream_));
+                                                exp_avg_, exp_avg_sq_, report_host_, stream_));
   return absl::OkStatus();
 }
 
