@@ -17,12 +17,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "bench/bench_model.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
 #include "engine/cuda_model.h"
 #include "engine/status_macros.h"
-#include "tests/test_util.h"
 
 ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
 ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), after the warmup");
@@ -178,15 +178,8 @@ absl::StatusOr<std::vector<double>> TimeSteps(CudaModel& model, int steps) {
 absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings, Precision precision, int warmup,
                                int steps) {
   ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(name));
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, 1, params);
-  CudaModelOptions options;
-  options.precision = precision;
-  options.graphs = false;  // eager first; the same model then captures and replays
-  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, OptimizerConfig{}, params, options));
-  const auto batch = testing::MakeRandomBatch(config, config.batch, config.window, 2);
-  RETURN_IF_ERROR(model->StageBatch(batch.view()));
+  // Eager first; the same model then captures and replays.
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, MakeBenchModel(config, precision, /*graphs=*/false));
   RETURN_IF_ERROR(TimeSteps(*model, warmup).status());
 
   Result r;

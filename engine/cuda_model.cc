@@ -18,7 +18,7 @@
 namespace perception {
 namespace {
 
-// cuBLAS's recommended workspace on Hopper for each of the two streams' handles (split-K partials live there); set
+// cuBLAS's recommended workspace on Hopper for each of the three streams' handles (split-K partials live there); set
 // once, so no product allocates.
 constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 
@@ -119,11 +119,14 @@ CudaModel::~CudaModel() {
     if (graph.exec) cudaGraphExecDestroy(graph.exec);
   }
   if (grad_stream_) cudaStreamSynchronize(grad_stream_);
-  for (cudaEvent_t event : {step_start_, step_stop_, fork_, grads_done_}) {
+  if (layer_grad_stream_) cudaStreamSynchronize(layer_grad_stream_);
+  for (cudaEvent_t event : {step_start_, step_stop_, fork_, grads_done_, layer_fork_, layer_grad_done_}) {
     if (event) cudaEventDestroy(event);
   }
   blas_.reset();
   grad_blas_.reset();
+  layer_grad_blas_.reset();
+  if (layer_grad_stream_) cudaStreamDestroy(layer_grad_stream_);
   if (grad_stream_) cudaStreamDestroy(grad_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -140,6 +143,9 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&grad_stream_, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_done_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&layer_grad_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_fork_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_grad_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
@@ -150,6 +156,8 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.precision));
   ASSIGN_OR_RETURN(grad_blas_,
                    Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.precision));
+  ASSIGN_OR_RETURN(layer_grad_blas_, Blas::Create(layer_grad_stream_, blas_workspace_ + 2 * kBlasWorkspaceBytes,
+                                                  kBlasWorkspaceBytes, options.precision));
   RETURN_IF_ERROR(BuildTables());
   device_bytes_ = buffers_.bytes() + tables_.bytes();
   RETURN_IF_ERROR(CopyToDevice(params_, params, stream_));
@@ -168,11 +176,10 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&exp_avg_, total);
   a.Reserve(&exp_avg_sq_, total);
   a.Reserve(&step_, 1);
-  a.Reserve(&report_, 1);
   a.Reserve(&norm_partials_, chunks_host_.size());
   a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
   a.Reserve(&mask_count_, 1);
-  a.Reserve(&blas_workspace_, 2 * kBlasWorkspaceBytes);
+  a.Reserve(&blas_workspace_, 3 * kBlasWorkspaceBytes);
   if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_);
 
   a.Reserve(&x_, M * d.F);
@@ -404,7 +411,7 @@ CudaModel::BufferSet CudaModel::CurrentBuffers() const {
   // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
   // (its first table, then chunks_) and the cuBLAS workspace.
   return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
-          report_, x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
+          x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
 }
 
 absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
@@ -455,7 +462,6 @@ absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
   if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
 
@@ -469,7 +475,6 @@ absl::Status CudaModel::EnqueueEvaluate(bool carry_state) {
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_, logits_, static_cast<size_t>(rows) * config().n_horizons *
                                        sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(report_host_, report_, sizeof(*report_), cudaMemcpyDeviceToHost, stream_));
   return absl::OkStatus();
 }
 
@@ -573,7 +578,7 @@ absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, 
   CUDA_RETURN_IF_ERROR(
       kernels::LaunchMaskedBcePartials(logits_, labels_, mask_, rows * d.H, loss_partials_, loss_stream));
   if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, kernels::kMaskedBceBlocks, stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_, loss_stream));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_host_, loss_stream));
   return absl::OkStatus();
 }
 
@@ -654,7 +659,9 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
 // The weight gradients run on grad_stream_ (grad_blas_): nothing on the main stream reads them before the optimizer,
 // so they overlap the chain of data gradients instead of lengthening it. ForkGradients lets grad_stream_ start on
 // what the main stream has produced so far; the main stream waits (AwaitGradients) for what grad_stream_ had marked
-// (MarkGradients) before it overwrites an input of a queued weight gradient, and before the optimizer.
+// (MarkGradients) before it overwrites an input of a queued weight gradient, and before the optimizer. The one weight
+// gradient the main stream waits for inside the backward, each layer's out_proj (LayerBackward), runs on
+// layer_grad_stream_ instead.
 absl::Status CudaModel::ForkGradients() {
   CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(grad_stream_, fork_));
@@ -757,9 +764,14 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
-  RETURN_IF_ERROR(ForkGradients());
-  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
-  RETURN_IF_ERROR(MarkGradients());  // the last read of dh_ before this layer's RMSNorm backward adds to it
+  // The last read of dh_ before this layer's RMSNorm backward adds to it, so the main stream waits for it there. On
+  // grad_stream_ it queued behind every weight gradient issued before it (the head's, the later layer's in_proj),
+  // and the wait with it (H200, small 3xtf32: the last layer's RMSNorm backward started 35.6 µs after the main
+  // stream's work before it had ended, bench/step_timeline); on a stream of its own it starts at once.
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
+  RETURN_IF_ERROR(layer_grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E, planes(lt.out_proj)));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
@@ -775,7 +787,7 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D));
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D, planes(lt.in_proj)));
-  RETURN_IF_ERROR(AwaitGradients());
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));  // joins layer_grad_stream_ back, too
   // Layer 0's RMSNorm backward writes the final d residual stream, whose column sums are the embedding's bias
   // gradient.
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormBackward(h_[l], d.D, param(lt.norm), a.rstd, a.dr, d.D, rows, d.D,
@@ -795,7 +807,7 @@ absl::Status CudaModel::SumGradientsOverRanks() {
 absl::Status CudaModel::OptimizerStep() {
   const int chunks = static_cast<int>(chunks_host_.size());
   CUDA_RETURN_IF_ERROR(kernels::LaunchClipAdamW(chunks_, chunks, norm_partials_, step_, adamw_, params_, grads_,
-                                                exp_avg_, exp_avg_sq_, report_, stream_));
+                                                exp_avg_, exp_avg_sq_, report_host_, stream_));
   return absl::OkStatus();
 }
 
