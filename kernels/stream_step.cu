@@ -1073,12 +1073,13 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
     };
     if constexpr (!kEarlyStates) arm_exchanges(1);
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
-    // x conv channels and every B and C channel, the CfC state.
+    // x conv channels and every B and C channel, the CfC state. (The resident step's later events copy their SSM rows
+    // with the others, in the generic proxy, as the event before wrote them: a bulk copy would need a proxy fence.)
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
       uint32_t bytes = 0;
-      for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
+      for (int e = 0; !kResident && e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
       BarrierExpect(state_bar, bytes);
-      for (int e = 0; e < EG; ++e) {
+      for (int e = 0; !kResident && e < EG; ++e) {
         for (int l = 0; slot_ids[e] >= 0 && l < p.L; ++l) {
           BulkCopy(smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N,
                    st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
@@ -1098,7 +1099,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
           float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
           const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
 #pragma unroll 1
-          for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          for (int o = warp_lane; (slot < 0 || !bulk_states || kResident) && o < nx * N; o += kWarpSize) {
             if (slot >= 0) {
               CopyAsync4(dst + o, src + o);
             } else {
@@ -1388,14 +1389,13 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
     if constexpr (kResident) {
-      // Every block's writes of the event (the states, which the next event's copies read in any block, through the
-      // asynchronous proxy too, and the outputs) before the next event and the answer.
-      asm volatile("fence.proxy.async;" ::: "memory");
+      // Every block's writes of the event (the states, which the next event's copies read in any block, and the
+      // outputs) are performed at gpu scope (the barrier's release) before the next event and before the answer, which
+      // carries nothing else (a release at sys scope would cost a system-wide fence).
       ClusterArrive();
       ClusterWait();
-      asm volatile("fence.proxy.async;" ::: "memory");
       if (rank == 0 && tid == 0) {
-        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(phase + 1) : "memory");
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(phase + 1) : "memory");
       }
     }
   }
