@@ -780,22 +780,34 @@ __device__ __forceinline__ uint64_t GlobalNanoseconds() {
   return t;
 }
 
-// Rank 0's warp 0: waits until ring entry k holds event k (every word carries k + 1, so a word read before the host
-// wrote it is seen as stale: each 8-byte word is read whole), then stores its payload into every block's mailbox,
-// each store completing that block's mailbox barrier. Without an event for idle_ns (read every 256 polls), a stop.
-__device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, uint32_t k, uint32_t* mail,
-                                                uint64_t* mail_bar, int R) {
+constexpr int kResidentReaders = kStreamResidentWords / 2;
+static_assert(kStreamResidentWords % 2 == 0 && kResidentReaders <= kWarpSize, "a lane reads two words");
+// A lane of rank 0's warp 0 reads its two words of ring entry k (each 8-byte word whole). The registers wait for the
+// read only where they are used: the next event's entry is read as soon as an event arrives, and is likely there
+// (when the host posts ahead) by the time the event is done.
+__device__ __forceinline__ void ReadResidentWords(const StreamResidentQueue& q, uint32_t k, uint64_t& w0,
+                                                  uint64_t& w1) {
   const int lane = threadIdx.x % kWarpSize;
-  constexpr int kReaders = kStreamResidentWords / 2;
-  static_assert(kStreamResidentWords % 2 == 0 && kReaders <= kWarpSize, "a lane reads two words");
-  const uint64_t* words = q.ring[k % q.ring_size].words + 2 * lane;
+  if (lane < kResidentReaders) {
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(w0), "=l"(w1)
+                 : "l"(q.ring[k % q.ring_size].words + 2 * lane)
+                 : "memory");
+  }
+}
+
+// Rank 0's warp 0: waits until ring entry k holds event k (every word carries k + 1, so a word read before the host
+// wrote it is seen as stale), from the words read ahead (w0, w1) on, then stores its payload into every block's
+// mailbox, each store completing that block's mailbox barrier. Without an event for idle_ns (read every 256 polls), a
+// stop.
+__device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, uint32_t k, uint64_t w0, uint64_t w1,
+                                                uint32_t* mail, uint64_t* mail_bar, int R) {
+  const int lane = threadIdx.x % kWarpSize;
+  constexpr int kReaders = kResidentReaders;
   const uint64_t start = GlobalNanoseconds();
   uint32_t payload[2] = {0, 0};
   for (uint32_t polls = 1;; ++polls) {
-    uint64_t w0 = 0, w1 = 0;
-    if (lane < kReaders) {
-      asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(words) : "memory");
-    }
+    if (polls > 1) ReadResidentWords(q, k, w0, w1);
     const bool current = lane >= kReaders || ((w0 >> 32) == k + 1 && (w1 >> 32) == k + 1);
     if (__all_sync(0xffffffffu, current)) {
       payload[0] = static_cast<uint32_t>(w0);
@@ -1032,10 +1044,14 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
   constexpr bool kSlotConv = kEarlyStates;
   float* const conv_in = smem + p.floats;
   if constexpr (kResident) ClusterWait();  // (rank 0 stores into every block's mailbox from the first event on)
+  uint64_t ahead[2] = {0, 0};  // (the resident step's rank 0, warp 0: the next event's words, read ahead)
+  if constexpr (kResident) {
+    if (rank == 0 && warp == 0) ReadResidentWords(tick, 0, ahead[0], ahead[1]);
+  }
   for (; kResident || group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if constexpr (kResident) {
       // The next event, or a stop (slot −1), which every block receives alike.
-      if (rank == 0 && warp == 0) FetchResidentEvent(tick, phase, mail, mail_bar, R);
+      if (rank == 0 && warp == 0) FetchResidentEvent(tick, phase, ahead[0], ahead[1], mail, mail_bar, R);
       if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
       ExchangeWait(mail_bar, phase & 1);
       if (static_cast<int>(mail[kResidentSlot]) < 0) {
@@ -1045,6 +1061,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
         }
         break;
       }
+      if (rank == 0 && warp == 0) ReadResidentWords(tick, phase + 1, ahead[0], ahead[1]);
     }
     if (kResident || phase > 0) read_group(group_index * EG);
     if (tid < EG) {
