@@ -1403,20 +1403,17 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
           WriteOutputs(ev + tid * pe + p.head.logits, st, slot_ids[tid], log_at[tid], p.H);
         }
       }
-      if constexpr (kResident) {  // (the outputs' writers: the horizons' row groups' first lanes, thread 0)
-        if (tid < kLanesPerRow * p.H) __threadfence();
-      }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
     if constexpr (kResident) {
-      // The answer, as soon as rank 0's outputs are written (fenced at gpu scope by their writers); it carries nothing
-      // else (a release at sys scope would cost a system-wide fence). Then every block's writes of the event's states,
-      // which the next event's copies read in any block, are performed at gpu scope (the barrier's release) before it.
+      // Every block's writes of the event (the states, which the next event's copies read in any block, and the
+      // outputs) are performed at gpu scope (the barrier's release) before the next event and before the answer, which
+      // carries nothing else (a release at sys scope would cost a system-wide fence).
+      ClusterArrive();
+      ClusterWait();
       if (rank == 0 && tid == 0) {
         asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(phase + 1) : "memory");
       }
-      ClusterArrive();
-      ClusterWait();
     }
   }
   // A block leaves only once every block has received all it was sent (each arrives after its last wait), so no
