@@ -1116,12 +1116,20 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
           float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
           const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
 #pragma unroll 1
-          for (int o = warp_lane; (slot < 0 || !bulk_states || kResident) && o < nx * N; o += kWarpSize) {
+          for (int o = warp_lane; (slot < 0 || !bulk_states) && !kResident && o < nx * N; o += kWarpSize) {
             if (slot >= 0) {
               CopyAsync4(dst + o, src + o);
             } else {
               dst[o] = 0.f;
             }
+          }
+        }
+        if constexpr (kResident) {  // (its lone event's SSM rows, 16 bytes a copy over all the warps: BulkCarried)
+          const float* src = st.ssm + slot * (p.L * ssm_per_layer) + static_cast<size_t>(q0) * N;
+#pragma unroll 1
+          for (int i = 4 * t; i < p.L * nx * N; i += 4 * warps * kWarpSize) {
+            const int l = i / (nx * N), o = i % (nx * N);
+            CopyAsync16(smem + p.ssm_base + l * p.ssm_rows * N + o, src + l * ssm_per_layer + o);
           }
         }
         if constexpr (kSlotConv) {
