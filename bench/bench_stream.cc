@@ -157,9 +157,9 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
   return rows;
 }
 
-// The resident step for one instrument of `name`: the host posts an event and spins until it is answered (the round trip,
-// median and percentiles of `iterations`·10), then posts `iterations`·50 events back to back, up to a ring's worth
-// ahead (µs per event). The launched tick's host round trip (Step, then Synchronize) is timed the same way beside it.
+// The resident step for one instrument of `name`: the host posts an event and spins until it is answered (the round
+// trip, median and percentiles of `iterations`·10), then posts `iterations`·50 events back to back, up to a ring's
+// worth ahead (µs per event). The launched tick's host round trip (Step, then Synchronize) is timed the same way beside it.
 absl::Status BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(name));
   const ParamLayout layout(config);

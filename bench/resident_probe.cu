@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(kThreads, 1) ResidentKernel(const __grid_const
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
   auto rank0 = [&](const uint32_t* p) {  // p in rank 0's shared memory
     uint32_t mapped;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(mapped) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;"
+                 : "=r"(mapped)
+                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
     return mapped;
   };
   auto load_cluster = [](uint32_t address) {
@@ -274,7 +276,9 @@ std::atomic_ref<T> Ref(T& v) {
 void WriteEvent(HostEvent* ring, uint32_t k) {
   HostEvent& e = ring[k % kRing];
   for (int l = kLines - 1; l >= 0; --l) {
-    for (int i = 1; i < kLineWords; ++i) Ref(e.w[l * kLineWords + i]).store(k * 64 + l * kLineWords + i, std::memory_order_relaxed);
+    for (int i = 1; i < kLineWords; ++i) {
+      Ref(e.w[l * kLineWords + i]).store(k * 64 + l * kLineWords + i, std::memory_order_relaxed);
+    }
     Ref(e.w[l * kLineWords]).store(k + 1, std::memory_order_release);
   }
 }
@@ -379,7 +383,8 @@ absl::Status Probe() {
   CUDA_RETURN_IF_ERROR(cudaHostAlloc(&h.reply, sizeof(Reply), cudaHostAllocMapped));
   CUDA_RETURN_IF_ERROR(cudaHostAlloc(&h.control, sizeof(Control), cudaHostAllocMapped));
   Args args{};
-  CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(reinterpret_cast<void**>(const_cast<HostEvent**>(&args.ring)), h.ring, 0));
+  CUDA_RETURN_IF_ERROR(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(const_cast<HostEvent**>(&args.ring)), h.ring, 0));
   CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(reinterpret_cast<void**>(&args.reply), h.reply, 0));
   CUDA_RETURN_IF_ERROR(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(const_cast<Control**>(&args.control)), h.control, 0));
@@ -390,7 +395,8 @@ absl::Status Probe() {
   for (int all = 0; all < 2; ++all) {
     args.all_poll = all;
     RETURN_IF_ERROR(HostVariant<kPollSeqThenRead>(
-        h, args, resident, all ? "poll seq, then read event; every block polls" : "poll seq, then read event; rank 0 polls"));
+        h, args, resident,
+        all ? "poll seq, then read event; every block polls" : "poll seq, then read event; rank 0 polls"));
     RETURN_IF_ERROR(HostVariant<kPollWholeEvent>(
         h, args, resident, all ? "poll whole event; every block polls" : "poll whole event; rank 0 polls"));
   }
@@ -411,7 +417,9 @@ absl::Status Probe() {
   // One tick: the answer cleared, (the event copied in,) the doorbell rung, the answer awaited.
   auto tick = [&](bool copy) -> absl::Status {
     CU_RETURN_IF_ERROR(cuStreamWriteValue32(s, done, 0, CU_STREAM_WRITE_VALUE_DEFAULT));
-    if (copy) CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device + 64, staged, sizeof(HostEvent), cudaMemcpyHostToDevice, stream));
+    if (copy) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device + 64, staged, sizeof(HostEvent), cudaMemcpyHostToDevice, stream));
+    }
     CU_RETURN_IF_ERROR(cuStreamWriteValue32(s, doorbell, 1, CU_STREAM_WRITE_VALUE_DEFAULT));
     CU_RETURN_IF_ERROR(cuStreamWaitValue32(s, done, 1, CU_STREAM_WAIT_VALUE_EQ));
     return absl::OkStatus();

@@ -765,8 +765,8 @@ __device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int
   RmsNormOf<EG, false>(ev, per_event, in, out, w, n);
 }
 
-// The resident step's event in a block's shared memory (after a fixed plan's slot conv inputs): the payload words of its
-// ring entry (slot, Δt, logged, log position, features), then the mailbox barrier that rank 0's stores complete.
+// The resident step's event in a block's shared memory (after a fixed plan's slot conv inputs): the payload words of
+// its ring entry (slot, Δt, logged, log position, features), then the mailbox barrier that rank 0's stores complete.
 enum ResidentWord : int { kResidentSlot, kResidentDt, kResidentLogged, kResidentLogLow, kResidentLogHigh, kResidentX };
 constexpr uint32_t kResidentEventBytes = kStreamResidentWords * sizeof(uint32_t);
 __host__ __device__ constexpr int ResidentMailFloats(const StreamPlan& p) { return p.floats + SlotConvFloats(p); }
@@ -2351,8 +2351,8 @@ int ResidentShape(const StreamWeights& w, size_t max_shared_bytes) {
   for (int shape = 0; shape < kFixedShapes; ++shape) {
     const StreamPlan fixed = FixedPlan(shape);
     StreamPlan plan;
-    if (PlanFor(w, 1, fixed.cluster, max_shared_bytes, &plan) && plan == fixed && w.F <= kStreamResidentWords - kResidentX &&
-        ResidentSharedBytes(plan) <= max_shared_bytes) {
+    if (PlanFor(w, 1, fixed.cluster, max_shared_bytes, &plan) && plan == fixed &&
+        w.F <= kStreamResidentWords - kResidentX && ResidentSharedBytes(plan) <= max_shared_bytes) {
       return shape;
     }
   }
@@ -2384,7 +2384,9 @@ void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t 
   payload[kResidentLogged] = logged ? 1 : 0;
   payload[kResidentLogLow] = static_cast<uint32_t>(static_cast<uint64_t>(log_index));
   payload[kResidentLogHigh] = static_cast<uint32_t>(static_cast<uint64_t>(log_index) >> 32);
-  for (int i = 0; i < F && kResidentX + i < kStreamResidentWords; ++i) payload[kResidentX + i] = std::bit_cast<uint32_t>(x[i]);
+  for (int i = 0; i < F && kResidentX + i < kStreamResidentWords; ++i) {
+    payload[kResidentX + i] = std::bit_cast<uint32_t>(x[i]);
+  }
   const uint64_t sequence = static_cast<uint64_t>(index + 1) << 32;
   StreamResidentEntry& entry = ring[index % ring_size];
   for (int i = 0; i < kStreamResidentWords; ++i) {

@@ -111,9 +111,10 @@ class StreamStepParity {
   void StartResident(int ring_size, uint64_t idle_ns = 2'000'000'000) {
     ASSERT_TRUE(streamer_->Synchronize().ok());
     ASSERT_EQ(cudaStreamCreateWithFlags(&resident_stream_, cudaStreamNonBlocking), cudaSuccess);
-    ASSERT_EQ(cudaHostAlloc(&ring_, ring_size * sizeof(kernels::StreamResidentEntry), cudaHostAllocMapped), cudaSuccess);
+    const size_t ring_bytes = ring_size * sizeof(kernels::StreamResidentEntry);
+    ASSERT_EQ(cudaHostAlloc(&ring_, ring_bytes, cudaHostAllocMapped), cudaSuccess);
     ASSERT_EQ(cudaHostAlloc(&done_, sizeof(uint32_t), cudaHostAllocMapped), cudaSuccess);
-    std::fill_n(reinterpret_cast<char*>(ring_), ring_size * sizeof(kernels::StreamResidentEntry), 0);
+    std::fill_n(reinterpret_cast<char*>(ring_), ring_bytes, 0);
     *done_ = 0;
     ring_size_ = ring_size;
     kernels::StreamResidentQueue queue{nullptr, ring_size, nullptr, idle_ns};
