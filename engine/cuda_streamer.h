@@ -82,6 +82,14 @@ class CudaStreamer {
 
   absl::Status Synchronize();
 
+  // What the step kernels read (the published weights' dimensions and pack, the slots' states and logs) and the shared
+  // memory a block may use: for the resident step's measurement prototype (kernels/stream_step.h), benchmarks and tests
+  // only. The pack is rebuilt on stream() at each publish.
+  const kernels::StreamWeights& weights() const { return weights_; }
+  const float* pack() const { return pack_; }
+  const kernels::StreamSlots& slot_states() const { return state_; }
+  size_t max_shared_bytes() const { return max_shared_bytes_; }
+
  private:
   CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot);
   absl::Status Initialize();

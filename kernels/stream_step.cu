@@ -14,6 +14,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/common.cuh"
@@ -762,11 +765,76 @@ __device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int
   RmsNormOf<EG, false>(ev, per_event, in, out, w, n);
 }
 
+// The resident step's event in a block's shared memory (after a fixed plan's slot conv inputs): the payload words of
+// its ring entry (slot, Δt, logged, log position, features), then the mailbox barrier that rank 0's stores complete.
+enum ResidentWord : int { kResidentSlot, kResidentDt, kResidentLogged, kResidentLogLow, kResidentLogHigh, kResidentX };
+constexpr uint32_t kResidentEventBytes = kStreamResidentWords * sizeof(uint32_t);
+__host__ __device__ constexpr int ResidentMailFloats(const StreamPlan& p) { return p.floats + SlotConvFloats(p); }
+constexpr size_t ResidentSharedBytes(const StreamPlan& p) {
+  return ResidentMailFloats(p) * sizeof(float) + kResidentEventBytes + 16;
+}
+
+__device__ __forceinline__ uint64_t GlobalNanoseconds() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+constexpr int kResidentReaders = kStreamResidentWords / 2;
+static_assert(kStreamResidentWords % 2 == 0 && kResidentReaders <= kWarpSize, "a lane reads two words");
+// A lane of rank 0's warp 0 reads its two words of ring entry k (each 8-byte word whole). The registers wait for the
+// read only where they are used: the next event's entry is read as soon as an event arrives, and is likely there
+// (when the host posts ahead) by the time the event is done.
+__device__ __forceinline__ void ReadResidentWords(const StreamResidentQueue& q, uint32_t k, uint64_t& w0,
+                                                  uint64_t& w1) {
+  const int lane = threadIdx.x % kWarpSize;
+  if (lane < kResidentReaders) {
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(w0), "=l"(w1)
+                 : "l"(q.ring[k % q.ring_size].words + 2 * lane)
+                 : "memory");
+  }
+}
+
+// Rank 0's warp 0: waits until ring entry k holds event k (every word carries k + 1, so a word read before the host
+// wrote it is seen as stale), from the words read ahead (w0, w1) on, then stores its payload into every block's
+// mailbox, each store completing that block's mailbox barrier. Without an event for idle_ns (read every 256 polls), a
+// stop.
+__device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, uint32_t k, uint64_t w0, uint64_t w1,
+                                                uint32_t* mail, uint64_t* mail_bar, int R) {
+  const int lane = threadIdx.x % kWarpSize;
+  constexpr int kReaders = kResidentReaders;
+  const uint64_t start = GlobalNanoseconds();
+  uint32_t payload[2] = {0, 0};
+  for (uint32_t polls = 1;; ++polls) {
+    if (polls > 1) ReadResidentWords(q, k, w0, w1);
+    const bool current = lane >= kReaders || ((w0 >> 32) == k + 1 && (w1 >> 32) == k + 1);
+    if (__all_sync(0xffffffffu, current)) {
+      payload[0] = static_cast<uint32_t>(w0);
+      payload[1] = static_cast<uint32_t>(w1);
+      break;
+    }
+    if (polls % 256 == 0 && __shfl_sync(0xffffffffu, GlobalNanoseconds() - start > q.idle_ns, 0)) {
+      payload[0] = lane == 0 ? 0xffffffffu : 0u;  // slot −1: stop
+      break;
+    }
+  }
+  for (int r = 0; lane < kReaders && r < R; ++r) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+                     MapToRank(SharedAddress(mail + 2 * lane), r)),
+                 "r"(payload[0]), "r"(payload[1]), "r"(MapToRank(SharedAddress(mail_bar), r))
+                 : "memory");
+  }
+}
+
+// The step of one tick (Source = StreamTickInput: a launched kernel) or, resident (Source = StreamResidentQueue: a
+// fixed plan's lone events), of every event the host posts until a stop: the same code, so the same bits.
 // kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread).
-template <int EG, int kShape>
-__global__ void __launch_bounds__(kStreamThreads, 1)
-    StreamStepKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
-                     const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
+template <int EG, int kShape, typename Source>
+__device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* __restrict__ pack,
+                                           const StreamSlots& st, const Source& tick) {
+  constexpr bool kResident = std::is_same_v<Source, StreamResidentQueue>;
+  static_assert(!kResident || (kShape >= 0 && EG == 1), "a resident step carries a fixed plan's lone events");
   constexpr bool kFixed = kShape >= 0;
   constexpr int kFixedIndex = kFixed ? kShape : 0;  // (0 where unused: the expressions below compile for any kShape)
   const StreamPlan& p = kFixed ? kFixedPlans[kFixedIndex] : plan;
@@ -789,28 +857,54 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
   // A group's events: read at once, into registers, before anything else (pinned host memory costs a bus round trip
   // per read; inline events arrive with the launch's parameters).
-  const float* tick_x = tick.x ? tick.x : tick.inline_x;
-  const float* tick_dt = tick.x ? tick.dt : tick.inline_dt;
-  const int32_t* tick_slots = tick.x ? tick.slots : tick.inline_slots;
-  const int64_t* tick_log = tick.x ? tick.log_indices : tick.inline_log;
+  // (The resident step: from the mailbox, rank 0's copy of the ring entry.)
+  uint32_t* const mail = reinterpret_cast<uint32_t*>(smem + ResidentMailFloats(p));
+  uint64_t* const mail_bar = reinterpret_cast<uint64_t*>(mail + kStreamResidentWords);
+  const float *tick_x = nullptr, *tick_dt = nullptr;
+  const int32_t* tick_slots = nullptr;
+  const int64_t* tick_log = nullptr;
+  if constexpr (!kResident) {
+    tick_x = tick.x ? tick.x : tick.inline_x;
+    tick_dt = tick.x ? tick.dt : tick.inline_dt;
+    tick_slots = tick.x ? tick.slots : tick.inline_slots;
+    tick_log = tick.x ? tick.log_indices : tick.inline_log;
+  }
   int slot_read = -1;
   float dt_read = 0.f;
   int64_t log_read = 0;
+  bool resident_logged = false;
+  auto logged = [&] {
+    if constexpr (kResident) {
+      return resident_logged;
+    } else {
+      return tick.logged;
+    }
+  };
   float x_raw[EG];  // feature `tid` of each event
   auto read_group = [&](int first) {
-    const bool reads_event = tid < EG && first + tid < tick.n;
-    // (A fixed plan reads an inline tick's slot, Δt and log position from the parameters directly, not through a
-    // generic address, which is a load from memory: the states' copies wait for the slot, the first block barrier for
-    // Δt and the log position. Not the features: a warp's constant loads at distinct addresses run one at a time,
-    // ~500 cycles for warp 0's 32, H200 clock64 stamps, and nothing reads them before the shared vectors are in.)
-    const bool from_parameters = kFixed && tick.x == nullptr;
-    slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
-    dt_read = reads_event ? (from_parameters ? tick.inline_dt[first + tid] : tick_dt[first + tid]) : 0.f;
-    log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid])
-                                          : 0;
+    if constexpr (kResident) {
+      resident_logged = mail[kResidentLogged] != 0;
+      slot_read = tid == 0 ? static_cast<int>(mail[kResidentSlot]) : -1;
+      dt_read = tid == 0 ? __uint_as_float(mail[kResidentDt]) : 0.f;
+      log_read = tid == 0 && resident_logged
+                     ? static_cast<int64_t>(static_cast<uint64_t>(mail[kResidentLogHigh]) << 32 | mail[kResidentLogLow])
+                     : 0;
+      x_raw[0] = tid < p.F ? __uint_as_float(mail[kResidentX + tid]) : 0.f;
+    } else {
+      const bool reads_event = tid < EG && first + tid < tick.n;
+      // (A fixed plan reads an inline tick's slot, Δt and log position from the parameters directly, not through a
+      // generic address, which is a load from memory: the states' copies wait for the slot, the first block barrier for
+      // Δt and the log position. Not the features: a warp's constant loads at distinct addresses run one at a time,
+      // ~500 cycles for warp 0's 32, H200 clock64 stamps, and nothing reads them before the shared vectors are in.)
+      const bool from_parameters = kFixed && tick.x == nullptr;
+      slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
+      dt_read = reads_event ? (from_parameters ? tick.inline_dt[first + tid] : tick_dt[first + tid]) : 0.f;
+      log_read = reads_event && tick.logged ? (from_parameters ? tick.inline_log[first + tid] : tick_log[first + tid])
+                                            : 0;
 #pragma unroll
-    for (int e = 0; e < EG; ++e) {
-      x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
+      for (int e = 0; e < EG; ++e) {
+        x_raw[e] = tid < p.F && first + e < tick.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
+      }
     }
   };
   // The shared vectors (launch barrier 0) are the first step's wait: their copy starts before anything else.
@@ -833,13 +927,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       constexpr int kCarryThreads = (kStreamWarps - kCarryWarp) * kWarpSize;
       MbarrierInit(SharedAddress(exchange_bars + kMaxExchanges), 1 + kCarryThreads);
     }
+    if constexpr (kResident) BarrierInit(mail_bar);
     BarrierInitFence();
     BarrierExpect(bars, p.shared_size * sizeof(float));
     BulkCopy(smem + p.shared, pack + p.shared_pack, p.shared_size * sizeof(float), bars);
   }
-  const int groups = CeilDiv(tick.n, EG);
+  int groups = 0;
+  if constexpr (!kResident) groups = CeilDiv(tick.n, EG);
   int group_index = static_cast<int>(blockIdx.x) / R;
-  read_group(group_index * EG);
+  if constexpr (!kResident) read_group(group_index * EG);
 
   // Launch barrier b ≥ 1 (stage b − 1's rows) belongs to lane 0 of warp b mod 8, which initializes it, starts its
   // copy and leaves the block's row range of its stage: the warps issue in parallel, each reading the plan at one
@@ -948,8 +1044,27 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   constexpr bool kSlotConv = kEarlyStates;
   float* const conv_in = smem + p.floats;
   const int conv_stride = kSlotConv ? cd : p.conv_channels;  // between a channel's taps
-  for (; group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
-    if (phase > 0) read_group(group_index * EG);
+  if constexpr (kResident) ClusterWait();  // (rank 0 stores into every block's mailbox from the first event on)
+  uint64_t ahead[2] = {0, 0};  // (the resident step's rank 0, warp 0: the next event's words, read ahead)
+  if constexpr (kResident) {
+    if (rank == 0 && warp == 0) ReadResidentWords(tick, 0, ahead[0], ahead[1]);
+  }
+  for (; kResident || group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
+    if constexpr (kResident) {
+      // The next event, or a stop (slot −1), which every block receives alike.
+      if (rank == 0 && warp == 0) FetchResidentEvent(tick, phase, ahead[0], ahead[1], mail, mail_bar, R);
+      if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
+      ExchangeWait(mail_bar, phase & 1);
+      if (static_cast<int>(mail[kResidentSlot]) < 0) {
+        if (phase == 0) {  // (the launch's first copies are in flight)
+          BarrierWait(bars);
+          BarrierWait(bars + 1);
+        }
+        break;
+      }
+      if (rank == 0 && warp == 0) ReadResidentWords(tick, phase + 1, ahead[0], ahead[1]);
+    }
+    if (kResident || phase > 0) read_group(group_index * EG);
     if (tid < EG) {
       slot_ids[tid] = slot_read;
       event_dt[tid] = dt_read;
@@ -976,12 +1091,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     };
     if constexpr (!kEarlyStates) arm_exchanges(1);
     // The carried states of this block's rows, copied asynchronously (padding events get zeros): its SSM rows, its
-    // x conv channels and every B and C channel, the CfC state.
+    // x conv channels and every B and C channel, the CfC state. (The resident step's later events copy their SSM rows
+    // with the others, in the generic proxy, as the event before wrote them: a bulk copy would need a proxy fence.)
     if (bulk_states && tid == 0 && !(kEarlyStates && phase == 0)) {
       uint32_t bytes = 0;
-      for (int e = 0; e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
+      for (int e = 0; !kResident && e < EG; ++e) bytes += slot_ids[e] >= 0 ? p.L * nx * N * sizeof(float) : 0;
       BarrierExpect(state_bar, bytes);
-      for (int e = 0; e < EG; ++e) {
+      for (int e = 0; !kResident && e < EG; ++e) {
         for (int l = 0; slot_ids[e] >= 0 && l < p.L; ++l) {
           BulkCopy(smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N,
                    st.ssm + slot_ids[e] * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N,
@@ -1001,12 +1117,20 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
           float* dst = smem + p.ssm_base + (e * p.L + l) * p.ssm_rows * N;
           const float* src = st.ssm + slot * (p.L * ssm_per_layer) + l * ssm_per_layer + static_cast<size_t>(q0) * N;
 #pragma unroll 1
-          for (int o = warp_lane; (slot < 0 || !bulk_states) && o < nx * N; o += kWarpSize) {
+          for (int o = warp_lane; (slot < 0 || !bulk_states) && !kResident && o < nx * N; o += kWarpSize) {
             if (slot >= 0) {
               CopyAsync4(dst + o, src + o);
             } else {
               dst[o] = 0.f;
             }
+          }
+        }
+        if constexpr (kResident) {  // (its lone event's SSM rows, 16 bytes a copy over all the warps: BulkCarried)
+          const float* src = st.ssm + slot * (p.L * ssm_per_layer) + static_cast<size_t>(q0) * N;
+#pragma unroll 1
+          for (int i = 4 * t; i < p.L * nx * N; i += 4 * warps * kWarpSize) {
+            const int l = i / (nx * N), o = i % (nx * N);
+            CopyAsync16(smem + p.ssm_base + l * p.ssm_rows * N + o, src + l * ssm_per_layer + o);
           }
         }
         if constexpr (kSlotConv) {
@@ -1081,7 +1205,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         ev[e * pe + p.xn + tid] = slot_ids[e] >= 0 ? (x_raw[e] - sh[p.mean + tid]) * sh[p.inv_std + tid] : 0.f;
       }
     }
-    if (phase == 0) ClusterWait();  // (its barrier also publishes xn)
+    if (!kResident && phase == 0) ClusterWait();  // (its barrier also publishes xn)
     __syncthreads();
     if constexpr (kEarlyStates) {
       if (warp >= kCarryWarp) {
@@ -1268,7 +1392,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         if constexpr (kEarlyStates) {
                           const float prob = Sigmoid(acc[0][0] + prm[0]);
                           ev[p.head.logits + u] = prob;
-                          if (slot_ids[0] >= 0 && tick.logged) {
+                          if (slot_ids[0] >= 0 && logged()) {
                             st.probs[slot_ids[0] * p.H + u] = prob;
                             st.log_probs[logged_entry(0) * p.H + u] = prob;
                           }
@@ -1278,7 +1402,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
                         }
                       });
       __syncthreads();
-      if (tid < EG && slot_ids[tid] >= 0 && tick.logged) {
+      if (tid < EG && slot_ids[tid] >= 0 && logged()) {
         if constexpr (kEarlyStates) {
           const float* probs = ev + p.head.logits;
           const int best = MostConfident(p.H, [&](int h) { return probs[h]; });
@@ -1289,11 +1413,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       }
     }
     __syncthreads();  // the group's slot ids and buffers are free for the next group
+    if constexpr (kResident) {
+      // Every block's writes of the event (the states, which the next event's copies read in any block, and the
+      // outputs) are performed at gpu scope (the barrier's release) before the next event and before the answer, which
+      // carries nothing else (a release at sys scope would cost a system-wide fence).
+      ClusterArrive();
+      ClusterWait();
+      if (rank == 0 && tid == 0) {
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(phase + 1) : "memory");
+      }
+    }
   }
   // A block leaves only once every block has received all it was sent (each arrives after its last wait), so no
   // store into a block's shared memory is in flight when it exits.
   ClusterArriveRelaxed();
   ClusterWait();
+}
+
+template <int EG, int kShape>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    StreamStepKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
+                     const __grid_constant__ StreamSlots st, const __grid_constant__ StreamTickInput tick) {
+  StreamStep<EG, kShape>(plan, pack, st, tick);
+}
+
+// The resident step (a measurement prototype): one cluster, launched once, carries the events the host posts.
+template <int kShape>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    StreamResidentKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
+                         const __grid_constant__ StreamSlots st, const __grid_constant__ StreamResidentQueue queue) {
+  StreamStep<1, kShape>(plan, pack, st, queue);
 }
 
 // ---- The wide path: a tick of many events as a few grid-wide kernels ----
@@ -2025,6 +2174,9 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, size_t bytes, int cluste
 using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
 constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>};
 
+constexpr void (*kResidentKernels[kFixedShapes])(StreamPlan, const float*, StreamSlots, StreamResidentQueue) = {
+    StreamResidentKernel<0>};
+
 // The kernel of a launch's plan and its shared memory: its fixed plan's own where it has one (and the device room for
 // the slot's conv inputs), else the one that reads the plan.
 struct StepKernel {
@@ -2190,6 +2342,55 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
     case 2: return Launch<2>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
     case 4: return Launch<4>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
     default: return Launch<8>(plan, pack, slots, tick, max_clusters, max_shared_bytes, stream);
+  }
+}
+
+namespace {
+// The fixed plan whose launch shape the model takes for lone events, if any (−1).
+int ResidentShape(const StreamWeights& w, size_t max_shared_bytes) {
+  for (int shape = 0; shape < kFixedShapes; ++shape) {
+    const StreamPlan fixed = FixedPlan(shape);
+    StreamPlan plan;
+    if (PlanFor(w, 1, fixed.cluster, max_shared_bytes, &plan) && plan == fixed &&
+        w.F <= kStreamResidentWords - kResidentX && ResidentSharedBytes(plan) <= max_shared_bytes) {
+      return shape;
+    }
+  }
+  return -1;
+}
+}  // namespace
+
+bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {
+  return ResidentShape(w, max_shared_bytes) >= 0;
+}
+
+cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                                 const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream) {
+  const int shape = ResidentShape(w, max_shared_bytes);
+  if (shape < 0 || queue.ring == nullptr || queue.ring_size < 1 || queue.done == nullptr) return cudaErrorInvalidValue;
+  const StreamPlan plan = FixedPlan(shape);
+  const size_t bytes = ResidentSharedBytes(plan);
+  if (const cudaError_t error = Prepare(kResidentKernels[shape], bytes); error != cudaSuccess) return error;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = LaunchConfig(plan, bytes, 1, stream, &attribute);
+  return cudaLaunchKernelEx(&config, kResidentKernels[shape], plan, pack, slots, queue);
+}
+
+void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
+                             bool logged, int64_t log_index, const float* x, int F) {
+  uint32_t payload[kStreamResidentWords] = {};
+  payload[kResidentSlot] = static_cast<uint32_t>(slot);
+  payload[kResidentDt] = std::bit_cast<uint32_t>(dt);
+  payload[kResidentLogged] = logged ? 1 : 0;
+  payload[kResidentLogLow] = static_cast<uint32_t>(static_cast<uint64_t>(log_index));
+  payload[kResidentLogHigh] = static_cast<uint32_t>(static_cast<uint64_t>(log_index) >> 32);
+  for (int i = 0; i < F && kResidentX + i < kStreamResidentWords; ++i) {
+    payload[kResidentX + i] = std::bit_cast<uint32_t>(x[i]);
+  }
+  const uint64_t sequence = static_cast<uint64_t>(index + 1) << 32;
+  StreamResidentEntry& entry = ring[index % ring_size];
+  for (int i = 0; i < kStreamResidentWords; ++i) {
+    std::atomic_ref<uint64_t>(entry.words[i]).store(sequence | payload[i], std::memory_order_relaxed);
   }
 }
 

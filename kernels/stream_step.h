@@ -108,6 +108,34 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
                              int sm_count, cudaStream_t stream);
 
+// ---- The resident step: a measurement prototype (bench_stream --resident, StreamResidentTest); the streamer does
+// not use it ----
+// One cluster of a fixed plan's launch shape (small's one-event tick) stays on the device: it loads its weights into
+// shared memory once, then carries events one at a time as the host posts them into a ring in mapped pinned memory,
+// through the same code as a launched one-event tick (so with the same bits), and counts the events it has answered.
+constexpr int kStreamResidentWords = 48;  // an event: slot, Δt, logged, log position (two words), the features
+// Each word carries the event's sequence number (its index since the launch + 1) in its high half and a payload word
+// in its low half: the kernel reads an entry in 8-byte words, each whole, and takes it once every word is the event's.
+struct StreamResidentEntry {
+  uint64_t words[kStreamResidentWords];
+};
+struct StreamResidentQueue {
+  const StreamResidentEntry* ring;  // device address of ring_size entries (mapped pinned memory)
+  int ring_size;
+  uint32_t* done;    // device address (mapped pinned memory): the events answered so far, written after each
+  uint64_t idle_ns;  // without an event for this long the kernel leaves (as at a stop)
+};
+// Whether this model has a resident step within `max_shared_bytes` of shared memory per block.
+bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes);
+// Launches the resident cluster on `stream`; it runs until it reads a stop (or idles for queue.idle_ns), and it holds
+// its multiprocessors meanwhile. Not capturable.
+cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
+                                 const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream);
+// Host side: writes event `index` (counted from 0 since the launch; F features at x) into its ring entry. The entry
+// must not be rewritten before the event ring_size earlier has been answered. A negative slot stops the kernel.
+void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
+                             bool logged, int64_t log_index, const float* x, int F);
+
 // Replaces the tick of a captured step (`node`, the kernel node of the graph `exec` was instantiated from): the next
 // launch of `exec` reads `tick` (copied now); launches already queued keep theirs. The tick's event count and the
 // launch shape must be the captured ones.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -103,6 +104,62 @@ class StreamStepParity {
     return all;
   }
 
+  // The same kind of events through the resident step (kernels/stream_step.h), on a stream of its own: StartResident
+  // launches it over this streamer's weights and states (a ring of `ring_size` entries in mapped pinned memory),
+  // ResidentTick posts one event (waiting while its entry's previous event is unanswered) and steps the CPU, and
+  // StopResident waits for every answer, posts the stop and waits for the kernel to leave.
+  void StartResident(int ring_size, uint64_t idle_ns = 2'000'000'000) {
+    ASSERT_TRUE(streamer_->Synchronize().ok());
+    ASSERT_EQ(cudaStreamCreateWithFlags(&resident_stream_, cudaStreamNonBlocking), cudaSuccess);
+    const size_t ring_bytes = ring_size * sizeof(kernels::StreamResidentEntry);
+    ASSERT_EQ(cudaHostAlloc(&ring_, ring_bytes, cudaHostAllocMapped), cudaSuccess);
+    ASSERT_EQ(cudaHostAlloc(&done_, sizeof(uint32_t), cudaHostAllocMapped), cudaSuccess);
+    std::fill_n(reinterpret_cast<char*>(ring_), ring_bytes, 0);
+    *done_ = 0;
+    ring_size_ = ring_size;
+    kernels::StreamResidentQueue queue{nullptr, ring_size, nullptr, idle_ns};
+    ASSERT_EQ(cudaHostGetDevicePointer(const_cast<kernels::StreamResidentEntry**>(&queue.ring), ring_, 0), cudaSuccess);
+    ASSERT_EQ(cudaHostGetDevicePointer(&queue.done, done_, 0), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchStreamResident(streamer_->weights(), streamer_->pack(), streamer_->slot_states(), queue,
+                                            streamer_->max_shared_bytes(), resident_stream_),
+              cudaSuccess);
+  }
+
+  uint32_t Answered() const { return std::atomic_ref<uint32_t>(*done_).load(std::memory_order_acquire); }
+
+  // Until `count` events are answered, or false after 5 s.
+  bool WaitAnswered(uint32_t count) const {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (Answered() < count) {
+      if (std::chrono::steady_clock::now() > give_up) return false;
+    }
+    return true;
+  }
+
+  void ResidentTick(int32_t slot, uint64_t seed) {
+    const int F = config_.n_features, H = config_.n_horizons;
+    const testing::RandomBatch event = MakeRandomBatch(config_, 1, 1, seed);
+    if (posted_ >= static_cast<uint32_t>(ring_size_)) {
+      ASSERT_TRUE(WaitAnswered(posted_ + 1 - ring_size_)) << "event " << posted_ + 1 - ring_size_ << " unanswered";
+    }
+    kernels::PostStreamResidentEvent(ring_, ring_size_, posted_++, slot, event.dt[0], true, log_counts_[slot]++,
+                                     event.x.data(), F);
+    std::vector<float> logits(H);
+    cpu_.Step(params_, event.x, event.dt[0], cpu_states_[slot], logits);
+    expected_[slot].push_back(logits);
+  }
+
+  void StopResident() {
+    EXPECT_TRUE(WaitAnswered(posted_)) << Answered() << " of " << posted_ << " events answered";
+    kernels::PostStreamResidentEvent(ring_, ring_size_, posted_, -1, 0.f, false, 0, nullptr, 0);
+    EXPECT_EQ(cudaStreamSynchronize(resident_stream_), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(resident_stream_), cudaSuccess);
+    EXPECT_EQ(cudaFreeHost(ring_), cudaSuccess);
+    EXPECT_EQ(cudaFreeHost(done_), cudaSuccess);
+    resident_stream_ = nullptr;
+  }
+
+  cudaStream_t resident_stream() const { return resident_stream_; }
   CudaStreamer& streamer() { return *streamer_; }
   const std::vector<float>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
@@ -116,6 +173,11 @@ class StreamStepParity {
   std::vector<int64_t> log_counts_;
   std::map<int32_t, std::vector<std::vector<float>>> expected_;
   std::unique_ptr<CudaStreamer> streamer_;
+  cudaStream_t resident_stream_ = nullptr;
+  kernels::StreamResidentEntry* ring_ = nullptr;
+  uint32_t* done_ = nullptr;
+  int ring_size_ = 0;
+  uint32_t posted_ = 0;
 };
 
 class StreamStepTest : public ::testing::TestWithParam<std::string> {};
@@ -294,6 +356,45 @@ TEST(StreamStepManyTest, AThousandInstrumentsInterleavedWithoutCrossTalkOrAlloca
   EXPECT_EQ(CudaAllocationCount(), allocations_before) << "ticks must not allocate";
   EXPECT_GT(events, 100000);
   parity.ExpectLogsMatch();
+}
+
+// The resident step (a measurement prototype): lone events for a few slots, most of them back to back for one slot and
+// through a ring of 8 entries (reused while the kernel runs), give the launched kernel's bits, log entry for log
+// entry, and the CPU's results.
+TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity launched("small", 6, 64), resident("small", 6, 64);
+  if (!kernels::StreamResidentFits(resident.streamer().weights(), resident.streamer().max_shared_bytes())) {
+    GTEST_SKIP() << "no resident step for small on this device";
+  }
+  launched.Seed(2, 9, 5);
+  resident.Seed(2, 9, 5);
+  resident.StartResident(8);
+  Rng rng(5);
+  for (int i = 0; i < 60; ++i) {
+    const int32_t slot = i % 7 < 4 ? 2 : static_cast<int32_t>(rng.Below(6));
+    launched.Tick({slot}, 300 + i);
+    resident.ResidentTick(slot, 300 + i);
+  }
+  resident.StopResident();
+  EXPECT_EQ(launched.Logs(), resident.Logs());
+  launched.ExpectLogsMatch();
+  resident.ExpectLogsMatch();
+}
+
+// A resident step that no event reaches leaves by itself (here after 50 ms), its first copies landed.
+TEST(StreamResidentTest, LeavesWhenIdle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity resident("small", 1, 4);
+  if (!kernels::StreamResidentFits(resident.streamer().weights(), resident.streamer().max_shared_bytes())) {
+    GTEST_SKIP() << "no resident step for small on this device";
+  }
+  resident.StartResident(4, 50'000'000);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(cudaStreamSynchronize(resident.resident_stream()), cudaSuccess);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(resident.Answered(), 0u);
+  resident.StopResident();
 }
 
 TEST(StreamStepManyTest, MalformedTicksAreRefused) {
