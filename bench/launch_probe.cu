@@ -11,18 +11,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "bench/held_ticks.cuh"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
 namespace {
 
 constexpr int kTicks = 400;
-
-__global__ void HoldKernel(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
-}
 
 __global__ void EmptyKernel() {}
 
@@ -61,29 +56,12 @@ cudaError_t LaunchShape(const Shape& s, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, s.kernel);
 }
 
-// Median µs between the events around each of kTicks enqueues, all queued behind a held stream.
+// MedianHeldTick of kTicks calls of a CUDA launch.
 absl::StatusOr<double> MedianTick(cudaStream_t stream, const std::function<cudaError_t()>& enqueue) {
-  std::vector<cudaEvent_t> events(kTicks + 1);
-  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  for (int warm = 0; warm < 20; ++warm) CUDA_RETURN_IF_ERROR(enqueue());
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  HoldKernel<<<1, 1, 0, stream>>>(6'000'000);  // ~3 ms at 1.98 GHz
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(events[0], stream));
-  for (int t = 0; t < kTicks; ++t) {
+  return perception::MedianHeldTick(stream, kTicks, [&]() -> absl::Status {
     CUDA_RETURN_IF_ERROR(enqueue());
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events[t + 1], stream));
-  }
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  std::vector<double> us;
-  for (int t = 0; t < kTicks; ++t) {
-    float ms = 0;
-    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events[t], events[t + 1]));
-    us.push_back(1e3 * ms);
-  }
-  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventDestroy(e));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+    return absl::OkStatus();
+  });
 }
 
 // The same tick captured into a graph of one launch, replayed as bench_stream replays a tick.

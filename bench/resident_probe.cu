@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "bench/held_ticks.cuh"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -193,11 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1) ResidentKernel(const __grid_const
   ClusterSync();  // no block leaves while another may read its shared memory
 }
 
-__global__ void HoldKernel(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
-}
 __global__ void EmptyKernel() {}
 
 cudaLaunchConfig_t ClusterConfig(cudaStream_t stream, cudaLaunchAttribute* attribute) {
@@ -224,28 +220,8 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1)))];
 }
 
-// Median µs between the events around each of kTicks enqueues, all queued behind a held stream (launch_probe's way).
 absl::StatusOr<double> MedianTick(cudaStream_t stream, const std::function<absl::Status()>& enqueue) {
-  std::vector<cudaEvent_t> events(kTicks + 1);
-  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  for (int warm = 0; warm < 20; ++warm) RETURN_IF_ERROR(enqueue());
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  HoldKernel<<<1, 1, 0, stream>>>(6'000'000);  // ~3 ms at 1.98 GHz
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(events[0], stream));
-  for (int t = 0; t < kTicks; ++t) {
-    RETURN_IF_ERROR(enqueue());
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events[t + 1], stream));
-  }
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  std::vector<double> us;
-  for (int t = 0; t < kTicks; ++t) {
-    float ms = 0;
-    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events[t], events[t + 1]));
-    us.push_back(1e3 * ms);
-  }
-  for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventDestroy(e));
-  return Median(us);
+  return perception::MedianHeldTick(stream, kTicks, enqueue);
 }
 
 // A graph of whatever `capture` enqueues, replayed per tick.
