@@ -13,6 +13,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "bench/percentile.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
@@ -47,11 +48,6 @@ struct Row {
 
 std::string ShapeName(StreamLaunchShape shape) {
   return shape.wide ? "wide" : absl::StrCat("group ", shape.events_per_group, ", cluster ", shape.cluster_size);
-}
-
-double Percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
 }
 
 void CUDART_CB HoldStream(void* microseconds) {

@@ -18,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "bench/bench_model.h"
+#include "bench/percentile.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
@@ -190,7 +191,7 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
   int64_t allocations = CudaAllocationCount();
   ASSIGN_OR_RETURN(const std::vector<double> eager, TimeSteps(*model, steps));
   int64_t allocated = CudaAllocationCount() - allocations;
-  r.median_us = eager[eager.size() / 2];
+  r.median_us = Median(eager);
   r.min_us = eager.front();
 
   model->set_use_graphs(true);  // the next step captures (the shape has had its eager steps), later ones replay
@@ -203,7 +204,7 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
     return absl::InternalError(absl::StrCat("expected 1 capture and ", std::max(warmup, 1) + steps, " replays, got ",
                                             counters.graph_captures, " and ", counters.graph_replays));
   }
-  r.replay_median_us = replayed[replayed.size() / 2];
+  r.replay_median_us = Median(replayed);
   r.replay_min_us = replayed.front();
   r.allocations_per_step = static_cast<double>(allocated) / (2 * steps);
   r.other_flops = NonGemmFlops(config);

@@ -2,13 +2,13 @@
 // CUDA graph, so launch gaps do not count, one untimed replay, then timed replays between CUDA events.
 #pragma once
 
-#include <algorithm>
 #include <functional>
 #include <vector>
 
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "bench/percentile.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -44,8 +44,7 @@ inline absl::StatusOr<double> MedianGraphMicroseconds(cudaStream_t stream, int l
   CUDA_RETURN_IF_ERROR(cudaEventDestroy(stop));
   CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
   CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return Median(std::move(us));
 }
 
 }  // namespace perception

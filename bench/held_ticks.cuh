@@ -4,11 +4,11 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "bench/percentile.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -42,8 +42,7 @@ inline absl::StatusOr<double> MedianHeldTick(cudaStream_t stream, int ticks,
     us.push_back(1e3 * ms);
   }
   for (auto& e : events) CUDA_RETURN_IF_ERROR(cudaEventDestroy(e));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return Median(std::move(us));
 }
 
 }  // namespace perception

@@ -9,7 +9,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -20,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "bench/held_ticks.cuh"
+#include "bench/percentile.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -211,15 +211,6 @@ cudaLaunchConfig_t ClusterConfig(cudaStream_t stream, cudaLaunchAttribute* attri
   return config;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-double Percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1)))];
-}
-
 absl::StatusOr<double> MedianTick(cudaStream_t stream, const std::function<absl::Status()>& enqueue) {
   return perception::MedianHeldTick(stream, kTicks, enqueue);
 }
@@ -330,8 +321,8 @@ absl::Status HostVariant(const Host& h, Args args, cudaStream_t resident, const 
   if (!wait_done(k)) return absl::DeadlineExceededError(absl::StrCat(name, ": back-to-back events unanswered"));
   const double per_event = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (k - first);
   RETURN_IF_ERROR(StopResident(h, resident, name));
-  std::printf("%-58s %9.2f %9.2f %9.2f %10.2f %6u\n", name, Median(us), Percentile(us, 0.1), Percentile(us, 0.99),
-              per_event, wrong);
+  std::printf("%-58s %9.2f %9.2f %9.2f %10.2f %6u\n", name, perception::Median(us), perception::Percentile(us, 0.1),
+              perception::Percentile(us, 0.99), per_event, wrong);
   std::fflush(stdout);
   return absl::OkStatus();
 }

@@ -25,6 +25,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "bench/bench_model.h"
+#include "bench/percentile.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 
@@ -297,8 +298,7 @@ double Us(uint64_t ns) { return ns * 1e-3; }
 
 absl::StatusOr<double> MedianUs(std::vector<double> us) {
   if (us.empty()) return absl::InternalError("nothing timed");
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return Median(std::move(us));
 }
 
 absl::Status Run() {
