@@ -107,7 +107,6 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   max_shared_bytes_ = properties.sharedMemPerBlockOptin;
   sm_count_ = properties.multiProcessorCount;
-  l2_bytes_ = properties.l2CacheSize;
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
@@ -352,8 +351,7 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
     // The embedding kernel reads a staged tick's features straight from pinned host memory, all of a tile's at once
     // beside its slots: a copy node ahead of it cost more than those reads.
     CUDA_RETURN_IF_ERROR(
-        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, l2_bytes_,
-                                    stream_));
+        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, stream_));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,

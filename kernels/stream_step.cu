@@ -1469,7 +1469,6 @@ struct WideArgs {
   StreamWideScratch scratch;
   int n;
   bool logged;
-  bool prefetch_states;  // the per-tile kernels pull the next SSM kernel's states into L2 (PrefetchStatesL2)
 };
 
 // Programmatic dependent launch: each wide kernel but the first may launch before the one ahead of it has finished.
@@ -1566,23 +1565,6 @@ __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots
       }
     }
   }
-}
-
-// Starts pulling layer l's SSM states and carried conv inputs of the tile's slots into L2 (a bulk prefetch of each
-// slot's run of each, which nothing waits on), so that the layer's SSM kernel finds them there instead of in DRAM: the
-// per-tile kernels leave the memory idle while their chains wait on L2. Lane 0 of warp e issues event e's (one lane
-// a warp: the instruction takes its address from uniform registers). Only while a.prefetch_states (the tick's states
-// of a layer fit in L2 beside the rest, in 16-byte pieces).
-__device__ __forceinline__ void PrefetchStatesL2(const WideArgs& a, const int* slots, int l) {
-  const StreamPlan& p = a.p;
-  const int e = threadIdx.x / kWarpSize;
-  if (!a.prefetch_states || threadIdx.x % kWarpSize != 0 || e >= kWideEvents || slots[e] < 0) return;
-  const int per_layer = p.E * p.N, conv_per_layer = (p.W - 1) * (p.E + 2 * p.N);
-  const size_t at = static_cast<size_t>(slots[e]) * p.L + l;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.st.ssm + at * per_layer), "r"(4 * per_layer)
-               : "memory");
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.st.conv + at * conv_per_layer),
-               "r"(4 * conv_per_layer) : "memory");
 }
 
 // Starts an L1 prefetch of n floats (a stage's rows, read from L2 one stage later).
@@ -1815,7 +1797,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
     a.scratch.log[e0] = log_index;
   }
   __syncthreads();
-  if constexpr (kBlocks == 1 && !kBatched) PrefetchStatesL2(a, slot_s, 0);
   LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
   if (tid < pe) {
 #pragma unroll
@@ -2111,9 +2092,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
     for (int i = tid; i < kWideEvents * o.head_per_event; i += blockDim.x) smem[o.out_head + i] = 0.f;
   }
   __syncthreads();
-  if constexpr (kBlocks == 1 && !kBatched) {
-    if (!last) PrefetchStatesL2(a, slot_s, l + 1);
-  }
   if (last) {
 #pragma unroll 1
     for (int e = 0; e < kWideEvents; ++e) {
@@ -2299,24 +2277,16 @@ bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes) {
 
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             int sm_count, size_t l2_bytes, cudaStream_t stream) {
+                             int sm_count, cudaStream_t stream) {
   if (tick.n <= 0) return cudaSuccess;
   if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
-  const StreamPlan plan = MakePackPlan(w);
+  const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
+  const StreamPlan& p = a.p;
+  const WideLayout o = MakeWideLayout(p);
   auto bytes = [](int floats) { return sizeof(float) * floats; };
   const int tiles = CeilDiv(tick.n, kWideEvents);
   const bool one_wave = tiles <= sm_count;
   const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
-  // A layer's states of the tick (and their conv inputs) into L2 ahead of its SSM kernel while they take at most
-  // three quarters of it (the rest holds the weights, the other layer's states and the activations).
-  const size_t layer_bytes =
-      sizeof(float) * tick.n * (static_cast<size_t>(plan.E) * plan.N + (plan.W - 1) * (plan.E + 2 * plan.N));
-  const bool prefetch_states = one_wave && states_aligned && reinterpret_cast<uintptr_t>(slots.conv) % 16 == 0 &&
-                               plan.E * plan.N % 4 == 0 && (plan.W - 1) * (plan.E + 2 * plan.N) % 4 == 0 &&
-                               layer_bytes <= l2_bytes / 4 * 3;
-  const WideArgs a{plan, pack, slots, scratch, tick.n, tick.logged, prefetch_states};
-  const StreamPlan& p = a.p;
-  const WideLayout o = MakeWideLayout(p);
   const bool long_rows = p.D >= kWideLongRows;  // then the batched weight loads (kWideSteps)
   void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0, false>
                                       : p.N == 32     ? WideSsmKernel<32, false>

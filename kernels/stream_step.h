@@ -103,11 +103,10 @@ struct StreamWideScratch {
 };
 // Whether the wide path's kernels fit `max_shared_bytes` of shared memory per block.
 bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes);
-// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM);
-// `l2_bytes`: its L2 cache (ticks whose layer's states fit pull them into it ahead of the layer's SSM kernel).
+// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM).
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             int sm_count, size_t l2_bytes, cudaStream_t stream);
+                             int sm_count, cudaStream_t stream);
 
 // ---- The resident step: a measurement prototype (bench_stream --resident, StreamResidentTest); the streamer does
 // not use it ----
