@@ -444,9 +444,6 @@ __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// Closes the thread's group of copies started since the last one; then waits for all of its groups but the last.
-__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void CopyAsyncWaitAllButLast() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 // The barrier's pending count goes up by one until this thread's earlier cp.async copies have all landed.
 __device__ __forceinline__ void CopyAsyncArrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar)) : "memory");
@@ -1871,8 +1868,8 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // Layer l's z and x for SSM rows [u0, u0 + 32) of a tile, x's causal conv, the SSM update and readout and the gate,
 // as the cluster kernel's z/x stage computes them; a block an item, the items of a tile's row blocks consecutive (so
 // that blocks running together share the tile's inputs and read neighbouring runs of each instrument's states). The
-// rows' states and carried conv inputs are copied into shared memory under the z and x products (which wait only for
-// the tile's h, B, C and Δt), its rows prefetched into L1. The update runs in place in
+// rows' states and carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but
+// layer 0's, whose kernel ahead writes the tick's slots), its rows prefetched into L1. The update runs in place in
 // shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
 // banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
@@ -1922,41 +1919,31 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
       }
     }
   };
-  // The tick's slots: written by the embedding kernel, which a later layer's kernel ahead (out_proj) found complete;
-  // there the states' lines head for L2 while the kernel ahead runs (a warp an event, a lane a 128-byte line).
-  if (l > 0) {
+  auto copy_states = [&] {
     if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
-    const int slot = warp < kSsmEvents ? WideSlot(a, first + warp) : -1;
-    const float* run = a.st.ssm + static_cast<ptrdiff_t>(max(slot, 0)) * ssm_per_slot + layer_rows;
-    for (int i = warp_lane * 32; slot >= 0 && i < (u1 - u0) * N; i += kWarpSize * 32) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(run + i));
-    }
-  }
+    __syncthreads();
+    each_piece([](float* to, const float* from, bool present) {
+      if constexpr (kWidth == 4) {
+        if (present) {
+          CopyAsync16(to, from);
+        } else {
+          *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      } else if (present) {
+        CopyAsync4(to, from);
+      } else {
+        *to = 0.f;
+      }
+    });
+    LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
+  };
+  if (l > 0) copy_states();
   WaitForPriorKernels();
   LetNextKernelLaunch();
-  if (l == 0 && tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
-  // The products need only h, B, C and Δt: they come in as a group of copies of their own, ahead of the states and
-  // carried conv inputs, whose copies the products then hide (the update waits for them).
+  if (l == 0) copy_states();
   LoadTileAsync(h, pe_h, a.scratch.h, p.D, p.D, first, a.n, kSsmEvents);
   LoadTileAsync(bc_tile, pe_b, a.scratch.bcdt, BC, BC, first, a.n, kSsmEvents);
-  CopyAsyncCommit();
-  __syncthreads();
-  each_piece([](float* to, const float* from, bool present) {
-    if constexpr (kWidth == 4) {
-      if (present) {
-        CopyAsync16(to, from);
-      } else {
-        *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    } else if (present) {
-      CopyAsync4(to, from);
-    } else {
-      *to = 0.f;
-    }
-  });
-  LoadConvAsync(conv, p, a.st, slot_s, kSsmEvents, l, u0, u1 - u0, kRowGroups);
-  CopyAsyncCommit();
-  CopyAsyncWaitAllButLast();
+  CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
@@ -1972,8 +1959,6 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
   const int e = lane, slot = slot_s[e];
   const float z = zx[0][0], x = zx[0][1];
   const float* old = conv + e * W1 * kRowGroups + (u - u0);
-  CopyAsyncWaitAll();
-  __syncthreads();
   float xc = 0.f, dt = 0.f, decay = 0.f;
   if (active) {
     xc = Silu(ConvTaps(prm, W1, x, old, kRowGroups));
