@@ -1667,8 +1667,7 @@ __device__ __forceinline__ void TileRows(const PackStage& s, const float* rows, 
 
 // Shared memory of each wide kernel, in floats, and where its parts start.
 struct WideLayout {
-  int embed_raw, embed_x, embed_h, embed_conv, embed;  // features as read, standardized, h (1/rms after each), B/C
-                                                       // conv inputs
+  int embed_x, embed_h, embed_conv, embed;       // standardized inputs, h (1/rms after each), B/C conv inputs
   int ssm_states, ssm_conv, ssm_h, ssm_bc, ssm;  // states, x conv inputs, h, B/C/Δt
   int out_y, out_h, out_conv, out_head, out;     // y (1/rms after each), then h and B/C conv inputs, or the head's
   HeadRuns head;                // an event's head activations within out_head, then its h (head_h); head_per_event
@@ -1683,7 +1682,6 @@ __host__ __device__ inline WideLayout MakeWideLayout(const StreamPlan& p) {
   WideLayout o{};
   const int W1 = p.W - 1, BC = 2 * p.N + p.Hh, D4 = Align4(p.D), E4 = Align4(p.E);
   FloatRuns runs;
-  o.embed_raw = runs.Take(kWideEvents * p.F);
   o.embed_x = runs.Take(kWideEvents * Align4(p.F));
   o.embed_h = runs.Take(kWideEvents * (D4 + 4));
   o.embed_conv = runs.Take(kWideEvents * W1 * 2 * p.N);
@@ -1780,26 +1778,17 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   const int64_t log_index = reads_event && tick.logged ? (tick.x ? tick.log_indices : tick.inline_log)[e0] : 0;
   float* xn = smem + o.embed_x;
   float* h = smem + o.embed_h;
-  // The tile's features, consecutive floats of its events, come in 16-byte pieces where they can (whole 128-byte
-  // reads over the bus), a piece a thread, all issued with the slots' reads; thread f then standardizes feature f of
-  // every event (F ≤ kStreamThreads: 2·F ≤ kWideThreads pieces, a thread a feature).
-  static_assert(2 * kStreamThreads <= kWideThreads, "a thread of the embedding kernel a piece and a feature");
+  // Thread f reads feature f of every event of the tile and its standardization at once (one round trip, not one an
+  // event), before the slots arrive (F ≤ kStreamThreads < kWideThreads: a thread a feature).
+  static_assert(kStreamThreads < kWideThreads, "a thread of the embedding kernel a feature");
   const float* shared = a.pack + p.shared_pack;
   const bool feature = tid < p.F;
-  const int tile_floats = min(kWideEvents, a.n - first) * p.F, i4 = 4 * tid;
-  const float* tile_x = tick_x + static_cast<size_t>(first) * p.F;
-  const bool vec4 = tick.x && (reinterpret_cast<uintptr_t>(tile_x) & 15) == 0 && i4 + 4 <= tile_floats;
-  float4 x_piece = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (vec4) {
-    x_piece = *reinterpret_cast<const float4*>(tile_x + i4);
-  } else if (i4 < tile_floats) {
-    x_piece.x = tile_x[i4];
-    if (i4 + 1 < tile_floats) x_piece.y = tile_x[i4 + 1];
-    if (i4 + 2 < tile_floats) x_piece.z = tile_x[i4 + 2];
-    if (i4 + 3 < tile_floats) x_piece.w = tile_x[i4 + 3];
+  float x_raw[kWideEvents];
+#pragma unroll
+  for (int e = 0; e < kWideEvents; ++e) {
+    x_raw[e] = feature && first + e < a.n ? tick_x[static_cast<size_t>(first + e) * p.F + tid] : 0.f;
   }
   const float mean = feature ? shared[p.mean + tid] : 0.f, inv_std = feature ? shared[p.inv_std + tid] : 0.f;
-  float* raw = smem + o.embed_raw;
   for (int i = tid; i < kWideEvents * pe_h; i += blockDim.x) h[i] = 0.f;
   if (tid < kWideEvents) slot_s[tid] = slot;
   if (reads_event) {
@@ -1809,19 +1798,10 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   }
   __syncthreads();
   LoadConvAsync(smem + o.embed_conv, p, a.st, slot_s, kWideEvents, 0, p.E, 2 * p.N, 2 * p.N);
-  if (i4 < tile_floats) {
-    if (vec4) {
-      *reinterpret_cast<float4*>(raw + i4) = x_piece;
-    } else {
-      const float v[4] = {x_piece.x, x_piece.y, x_piece.z, x_piece.w};
-      for (int j = 0; j < 4 && i4 + j < tile_floats; ++j) raw[i4 + j] = v[j];
-    }
-  }
-  __syncthreads();
   if (tid < pe) {
 #pragma unroll
     for (int e = 0; e < kWideEvents; ++e) {
-      xn[e * pe + tid] = feature && slot_s[e] >= 0 ? (raw[e * p.F + tid] - mean) * inv_std : 0.f;
+      xn[e * pe + tid] = feature && slot_s[e] >= 0 ? (x_raw[e] - mean) * inv_std : 0.f;
     }
   }
   __syncthreads();
