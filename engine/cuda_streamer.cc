@@ -85,7 +85,6 @@ absl::Status CudaStreamer::Initialize() {
   device_.Reserve(&wide_.h, S * c.d_model);
   device_.Reserve(&wide_.bcdt, S * (2 * c.d_state + c.n_heads()));
   device_.Reserve(&wide_.y, S * c.d_inner());
-  device_.Reserve(&wide_.x, S * F);
   device_.Reserve(&wide_.slots, S);
   device_.Reserve(&wide_.dt, S);
   device_.Reserve(&wide_.log, S);
@@ -349,16 +348,10 @@ kernels::StreamTickInput CudaStreamer::StagedInput(const Staging& s, int n, bool
 
 absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
   if (shape.wide) {
-    // A staged tick's features come in by one copy: thousands of the kernel's own small reads over the bus took
-    // longer.
-    kernels::StreamTickInput wide_input = input;
-    if (input.x) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(wide_.x, input.x, sizeof(float) * input.n * layout_.config().n_features,
-                                           cudaMemcpyHostToDevice, stream_));
-      wide_input.x = wide_.x;
-    }
+    // The embedding kernel reads a staged tick's features straight from pinned host memory, all of a tile's at once
+    // beside its slots: a copy node ahead of it cost more than those reads.
     CUDA_RETURN_IF_ERROR(
-        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, wide_input, max_shared_bytes_, sm_count_, stream_));
+        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, stream_));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,

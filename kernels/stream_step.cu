@@ -1509,49 +1509,58 @@ __device__ __forceinline__ float LaneRowSum(const float (&v)[kWideEvents], int l
 }
 
 // Starts copying `len` floats of each of `events` events from `first` on (row stride `stride` in `src`) to
-// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. The block's threads
-// take the pieces of all the rows in turn: 16-byte pieces when the rows allow.
+// ev + e·per_event; zeros in their padding to a multiple of 4 and for events past the tick's end. A warp an event at
+// a time, its lanes the event's pieces (16-byte pieces when the rows allow), so that no thread divides to find its
+// piece.
 __device__ void LoadTileAsync(float* ev, int per_event, const float* src, int stride, int len, int first, int n,
                               int events) {
   const bool vec4 = len % 4 == 0 && stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
-  const int width = vec4 ? 4 : 1, pieces = Align4(len) / width;
+  const int width = vec4 ? 4 : 1, len_pad = Align4(len), warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 #pragma unroll 1
-  for (int c = threadIdx.x; c < events * pieces; c += blockDim.x) {
-    const int e = c / pieces, k = (c - e * pieces) * width;
-    float* to = ev + e * per_event + k;
-    const float* from = src + static_cast<size_t>(first + e) * stride + k;
-    const bool present = k < len && first + e < n;
-    if (vec4 && present) {
-      CopyAsync16(to, from);
-    } else if (vec4) {
-      *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else if (present) {
-      CopyAsync4(to, from);
-    } else {
-      *to = 0.f;
+  for (int e = warp; e < events; e += warps) {
+    float* to = ev + e * per_event;
+    const float* from = src + static_cast<size_t>(first + e) * stride;
+    const bool event_present = first + e < n;
+#pragma unroll 1
+    for (int k = lane * width; k < len_pad; k += kWarpSize * width) {
+      const bool present = event_present && k < len;
+      if (vec4 && present) {
+        CopyAsync16(to + k, from + k);
+      } else if (vec4) {
+        *reinterpret_cast<float4*>(to + k) = make_float4(0.f, 0.f, 0.f, 0.f);
+      } else if (present) {
+        CopyAsync4(to + k, from + k);
+      } else {
+        to[k] = 0.f;
+      }
     }
   }
 }
 
 // Starts copying channels [c0, c0 + channels) of layer l's carried conv inputs (W − 1 taps, oldest first) of each of
-// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots. A warp an event's tap at a time.
+// `events` slots to dst + (e·taps + k)·stride + c; zeros for padding slots. A warp an event at a time, a lane a
+// channel's taps (the addresses worked out once for all of them).
 __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots& st, const int* slots, int events,
                               int l, int c0, int channels, int stride) {
   const int W1 = p.W - 1, cd = p.E + 2 * p.N, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int warps = blockDim.x / kWarpSize;
   const size_t per_slot = static_cast<size_t>(p.L) * W1 * cd;
 #pragma unroll 1
-  for (int k = 0; k < W1; ++k) {
+  for (int e = warp; e < events; e += warps) {
+    const int slot = slots[e];
+    const float* from = st.conv + max(slot, 0) * per_slot + static_cast<size_t>(l * W1) * cd + c0;
+    float* to = dst + e * W1 * stride;
 #pragma unroll 1
-    for (int e = warp; e < events; e += warps) {
-      const int slot = slots[e];
-      const float* from = st.conv + max(slot, 0) * per_slot + static_cast<size_t>(l * W1 + k) * cd + c0;
-      float* to = dst + (e * W1 + k) * stride;
-      for (int c = lane; c < channels; c += kWarpSize) {
+    for (int c = lane; c < channels; c += kWarpSize) {
+      const float* tap_from = from + c;
+      float* tap_to = to + c;
+#pragma unroll 1
+      for (int k = 0; k < W1; ++k, tap_from += cd, tap_to += stride) {
         if (slot >= 0) {
-          CopyAsync4(to + c, from + c);
+          CopyAsync4(tap_to, tap_from);
         } else {
-          to[c] = 0.f;
+          *tap_to = 0.f;
         }
       }
     }

@@ -93,10 +93,10 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
 // layer 0's B, C and Δt; per layer z, x, the conv, the SSM update and the gate, then out_proj with the next layer's
 // B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every
 // row summed in the cluster kernel's order (the same bits as LaunchStreamStep). Scratch holds, per event of the
-// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position, and room for a tick's raw features [F]
-// (where the caller may copy a staged tick's).
+// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position. The tick's features, slots, Δt and log
+// positions are read where `tick` points (a staged tick's straight from pinned host memory).
 struct StreamWideScratch {
-  float *h, *bcdt, *y, *x;
+  float *h, *bcdt, *y;
   int32_t* slots;
   float* dt;
   int64_t* log;
