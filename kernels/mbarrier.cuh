@@ -28,23 +28,4 @@ __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// Makes this thread's barrier initializations visible to the cluster's asynchronous copies (before a cluster barrier).
-__device__ __forceinline__ void MbarrierInitFence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-// `bytes` (a multiple of 16) from global `src` to shared `dst` in every block of the cluster that `blocks` names (bit r:
-// rank r), each block's barrier at `bar` (the same shared offset in all of them) counting the bytes that land there.
-__device__ __forceinline__ void BulkCopyMulticast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                  uint16_t blocks) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "h"(blocks)
-      : "memory");
-}
-// The cluster barrier in halves (every thread of every block of the cluster arrives): a relaxed arrive (ordering only
-// what a fence before it orders, e.g. MbarrierInitFence's initializations), and the wait, which acquires.
-__device__ __forceinline__ void ClusterBarrierArriveRelaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void ClusterBarrierWait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
 }  // namespace perception::kernels

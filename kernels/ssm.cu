@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
-#include "kernels/mbarrier.cuh"
 #include "kernels/ssm.h"
 #include "kernels/tf32x3.cuh"
 
@@ -788,8 +787,7 @@ __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (
 // to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays are swizzled (Swizzled) rows of 64 and kNc
 // floats for GramStrip's 16-byte loads, the [time][time] arrays have row strides ≡ 4 (mod 32) for MmaStrip's 4-byte
 // loads along rows, M2 (read only down its columns) ≡ 8. Small enough for 3 backward and 4 forward blocks per
-// multiprocessor at kNc = 32 (72,200 and 50,952 bytes), which hide each other's staging and barriers. Each ends with
-// the barrier of StageSharedBc's copies.
+// multiprocessor at kNc = 32 (72,192 and 50,944 bytes), which hide each other's staging and barriers.
 template <int kNc>
 struct MmaLayout {
   static constexpr int kSp = kTile, kSn = kNc, kSq = kTile + 4, kSq2 = kTile + 8;
@@ -800,62 +798,10 @@ struct MmaLayout {
   // partial column sums of w, 4 of Σ_p dxb·x (one per row block).
   static constexpr int kDy = 2 * kTile, kXg = kDy + kTile * kSp, kB = kXg + kTile * kSq, kC = kB + kTile * kSn;
   static constexpr int kM2 = kC + kTile * kSn, kVec = kM2 + kTile * kSq2;
-  static constexpr int kBackwardBar = kVec + 12 * kTile, kBackwardFloats = kBackwardBar + 2;
+  static constexpr int kBackwardFloats = kVec + 12 * kTile;
   // The forward: cs, x, B, C, M, dt.
   static constexpr int kFx = 2 * kTile, kFb = kFx + kTile * kSp, kFc = kFb + kTile * kSn, kFm = kFc + kTile * kSn;
-  static constexpr int kFvec = kFm + kTile * kSq, kForwardBar = kFvec + kTile, kForwardFloats = kForwardBar + 2;
-  static_assert(kBackwardBar % 2 == 0 && kForwardBar % 2 == 0);  // 8-byte barriers
-};
-
-// B and C of a sequence's steps, shared by all its heads (one group), into the swizzled [kTile][kNc] arrays sb and sc
-// of every block of a cluster that holds all the sequence's heads (rank h: head h), zero past the window and
-// d_state (a multiple of 8): each block asks for a share of the rows' 32-byte pieces (8 columns, which the swizzle
-// moves whole) as bulk copies that land in every block of the cluster, so L2 sends B and C once per sequence, not
-// once per head. In three parts, so that warp 0 stages the steps in between: Begin (the zeros, the barrier's
-// initialization, the first cluster barrier's arrive), Copies (its wait, which orders every block's initialization
-// before any copy, and the copies), Landed (the wait for this block's bytes, then the arrive of a second cluster
-// barrier, whose wait the kernel's end takes: no block exits while its copies may still be landing in another).
-template <int kNc>
-struct SharedBc {
-  float *sb, *sc;
-  uint32_t bar;
-
-  __device__ void Begin(const SsmInput& in) const {
-    const int T = in.window, N = in.d_state;
-    for (int i = threadIdx.x; i < kTile * kNc / 4; i += blockDim.x) {
-      const int t = i / (kNc / 4), c = i % (kNc / 4) * 4;
-      if (t >= T || c >= N) {
-        const int at = t * kNc + Swizzled(t, c);
-        *reinterpret_cast<float4*>(sb + at) = make_float4(0.f, 0.f, 0.f, 0.f);
-        *reinterpret_cast<float4*>(sc + at) = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-    if (threadIdx.x == 0) {
-      MbarrierInit(bar, 1);
-      MbarrierInitFence();
-    }
-    ClusterBarrierArriveRelaxed();
-  }
-
-  // By every thread; warp 0 (which stages the steps meanwhile) takes no share of the copies.
-  __device__ void Copies(const SsmInput& in, size_t row0) const {
-    const int T = in.window, N = in.d_state, ranks = in.heads, rank = blockIdx.x;
-    ClusterBarrierWait();
-    if (threadIdx.x == 0) MbarrierArriveExpect(bar, T * 2 * N * sizeof(float));
-    if (threadIdx.x < kWarpSize) return;
-    const float* const src = in.xbc + row0 * in.ld_xbc + in.heads * in.headdim;
-    const int per_row = 2 * N / 8, issuers = blockDim.x - kWarpSize;
-    for (int p = rank + ranks * (threadIdx.x - kWarpSize); p < T * per_row; p += ranks * issuers) {
-      const int t = p / per_row, c = p % per_row * 8, half = c >= N ? 1 : 0, n = c - half * N;
-      BulkCopyMulticast(SharedAddress((half ? sc : sb) + t * kNc + Swizzled(t, n)), src + t * in.ld_xbc + c,
-                        8 * sizeof(float), bar, static_cast<uint16_t>((1u << ranks) - 1));
-    }
-  }
-
-  __device__ void Landed() const {
-    MbarrierWait(bar, 0);
-    ClusterBarrierArriveRelaxed();
-  }
+  static constexpr int kFvec = kFm + kTile * kSq, kForwardFloats = kFvec + kTile;
 };
 
 // Stores v0, v1 at out[0], out[1] (out[1] only where `both`), as one 8-byte store where `paired` (out 8-byte aligned).
@@ -911,8 +857,7 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
   }
 }
 
-// kShareBc: launched in clusters of a sequence's heads, B and C staged by SharedBc.
-template <int kNc, bool kShareBc>
+template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
@@ -935,17 +880,10 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
   StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
-  const SharedBc<kNc> shared_bc{sb, sc, SharedAddress(base + Layout::kBackwardBar)};
-  if constexpr (kShareBc) {
-    shared_bc.Begin(in);
-  } else {
-    StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
-    StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
-  }
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
-  if constexpr (kShareBc) shared_bc.Copies(in, row0);
   StagingDone();
-  if constexpr (kShareBc) shared_bc.Landed();
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
 
   // CB of the strips of the lower triangle (L·CB comes below, with the decays XD needs too), on warps 2..7 (two strips
@@ -1089,12 +1027,11 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
       }
     }
   }
-  if constexpr (kShareBc) ClusterBarrierWait();
 }
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
 // y = M·x + D·x.
-template <int kNc, bool kShareBc>
+template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
@@ -1111,17 +1048,10 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
 
   // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
-  const SharedBc<kNc> shared_bc{sb, sc, SharedAddress(base + Layout::kForwardBar)};
-  if constexpr (kShareBc) {
-    shared_bc.Begin(in);
-  } else {
-    StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
-    StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
-  }
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
+  StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, nullptr);
-  if constexpr (kShareBc) shared_bc.Copies(in, row0);
   StagingDone();
-  if constexpr (kShareBc) shared_bc.Landed();
   const float Dh = in.d_skip[h], a2 = -expf(in.a_log[h]) * 1.44269504f;
 
   // M on kTiles 16×8 tiles of row block i from column c0.
@@ -1156,7 +1086,6 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
         MmaStrip<2, 8, sp>(MmaOperand<sq, 1>{sm}, 16 * i, sx, 16 * q, 0, 16 * (i + 1), big, small);
       },
       [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
-  if constexpr (kShareBc) ClusterBarrierWait();
 }
 
 // For the chunked backward: the state at the end of every chunk but the last, S_c = Λ·S_{c−1} +
@@ -1356,35 +1285,6 @@ bool ValidShape(const SsmInput& in) {
          in.d_state <= kMaxSsmState;
 }
 
-// Whether the tensor-core kernels stage B and C once per sequence (SharedBc): a cluster (at most 8 blocks, the
-// portable size) holds the sequence's heads, and the rows split into aligned 32-byte pieces.
-bool SharesBc(const SsmInput& in) {
-  return in.heads >= 2 && in.heads <= 8 && in.d_state % 8 == 0 && in.ld_xbc % 4 == 0 &&
-         in.heads * in.headdim % 4 == 0 && reinterpret_cast<uintptr_t>(in.xbc) % 16 == 0;
-}
-
-// Launches a tensor-core kernel on the (head, sequence) grid: `shared` (its <kNc, true>) where SharesBc, else `plain`.
-template <typename Kernel, typename... Args>
-cudaError_t LaunchMma(Kernel plain, Kernel shared, size_t bytes, const SsmInput& in, cudaStream_t stream,
-                      Args... args) {
-  const bool shares = SharesBc(in);
-  const Kernel kernel = shares ? shared : plain;
-  if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(in.heads, in.batch);
-  config.blockDim = dim3(kTileThreads);
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = in.heads;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = shares ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, in, args...);
-}
-
 // Windows the one-tile kernels take (their shared memory stays within a block's 227 KB for headdim ≤ 128 and
 // d_state ≤ 64).
 bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2 * kTile; }
@@ -1396,7 +1296,9 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
-      return LaunchMma(SsmMmaForwardKernel<kNc, false>, SsmMmaForwardKernel<kNc, true>, bytes, in, stream, y);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaForwardKernel<kNc><<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
+      return cudaGetLastError();
     });
   }
   if (FitsTile(in)) {
@@ -1414,8 +1316,9 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
-      return LaunchMma(SsmMmaBackwardKernel<kNc, false>, SsmMmaBackwardKernel<kNc, true>, bytes, in, stream, dy,
-                       grad);
+      if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
+      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+      return cudaGetLastError();
     });
   }
   if (FitsTile(in)) {
