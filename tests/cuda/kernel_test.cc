@@ -435,8 +435,8 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
                           SsmCase{2, 200, 2, 64, 64, false}, SsmCase{1, 130, 1, 8, 5, true},
                           SsmCase{3, 64, 4, 64, 64, false}, SsmCase{2, 23, 3, 20, 12, false},
                           SsmCase{4, 64, 2, 8, 32, false},
-                          // Aligned rows: the tensor-core kernels with B and C shared by a cluster of the heads (2 to
-                          // 8, d_state ≤ 32 or 64, windows short of the tile), and with one head.
+                          // Aligned rows (as the model's): the tensor-core kernels' 16-byte copies, at d_state ≤ 32
+                          // and ≤ 64, windows of the tile and short of it, one to eight heads.
                           SsmCase{3, 64, 4, 64, 32, false, 0}, SsmCase{2, 41, 3, 48, 16, false, 0},
                           SsmCase{2, 64, 2, 64, 64, false, 0}, SsmCase{2, 33, 8, 16, 8, false, 0},
                           SsmCase{3, 64, 1, 64, 32, false, 0}}) {
