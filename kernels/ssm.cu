@@ -877,11 +877,12 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
   const size_t row0 = static_cast<size_t>(b) * T;
 
-  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
-  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters): x, B
+  // and C (the forward's, in DRAM by now) before dy (the kernel ahead's output, still in L2).
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
   StagingDone();
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
