@@ -190,6 +190,9 @@ template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GatedRmsNormBackwardKernel(const float* dyn, const float* rstd, const float* w, const float* y, const float* z,
                                int ldz, int rows, int cols, float* dy, float* dz, int lddz, float* dw_partials) {
+  // The scan's backward, next, may start staging its inputs from the forward on the multiprocessors this kernel
+  // leaves free (it waits for this kernel's end before reading dy).
+  LetNextKernelLaunch();
   float dw[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {

@@ -878,12 +878,15 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const size_t row0 = static_cast<size_t>(b) * T;
 
   // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters): x, B
-  // and C (the forward's, in DRAM by now) before dy (the kernel ahead's output, still in L2).
+  // and C (the forward's, in DRAM by now) and the steps before dy, the kernel ahead's output, which this block,
+  // launched as that kernel's programmatic dependent, may only read once it has ended. Nothing is stored to global
+  // memory before that either.
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
-  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
+  WaitForPriorKernels();
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   StagingDone();
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
 
@@ -1318,8 +1321,17 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
       if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
-      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
-      return cudaGetLastError();
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(kTileThreads);
+      config.dynamicSmemBytes = bytes;
+      config.stream = stream;
+      cudaLaunchAttribute attribute;  // see the kernel's staging
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, SsmMmaBackwardKernel<kNc>, in, dy, grad);
     });
   }
   if (FitsTile(in)) {
