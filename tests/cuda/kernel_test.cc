@@ -356,6 +356,7 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
 struct SsmCase {
   int batch, window, heads, headdim, d_state;
   bool with_state;
+  int ld_pad = 2;  // xbc's row stride is E + 2N + ld_pad: 0 (with E and N multiples of 4) takes the 16-byte copies
 };
 
 // The scan in double with every state kept: forward outputs, and the backward as engine/cpu_reference.cc writes it.
@@ -433,11 +434,16 @@ TEST(KernelTest, SsmScanForwardAndBackward) {
                           SsmCase{1, 64, 2, 64, 64, true}, SsmCase{1, 50, 1, 128, 16, true},
                           SsmCase{2, 200, 2, 64, 64, false}, SsmCase{1, 130, 1, 8, 5, true},
                           SsmCase{3, 64, 4, 64, 64, false}, SsmCase{2, 23, 3, 20, 12, false},
-                          SsmCase{4, 64, 2, 8, 32, false}}) {
+                          SsmCase{4, 64, 2, 8, 32, false},
+                          // Aligned rows (as the model's): the tensor-core kernels' 16-byte copies, at d_state ≤ 32
+                          // and ≤ 64, windows of the tile and short of it, one to eight heads.
+                          SsmCase{3, 64, 4, 64, 32, false, 0}, SsmCase{2, 41, 3, 48, 16, false, 0},
+                          SsmCase{2, 64, 2, 64, 64, false, 0}, SsmCase{2, 33, 8, 16, 8, false, 0},
+                          SsmCase{3, 64, 1, 64, 32, false, 0}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " H" << k.heads << " P" << k.headdim
-                                      << " N" << k.d_state);
+                                      << " N" << k.d_state << " ld+" << k.ld_pad);
     const int B = k.batch, T = k.window, H = k.heads, P = k.headdim, N = k.d_state, E = H * P, rows = B * T;
-    const int ld_xbc = E + 2 * N + 2, ld_dt = H + 1;
+    const int ld_xbc = E + 2 * N + k.ld_pad, ld_dt = H + 1;
     const Floats xbc = RandomFloats(rows * ld_xbc, 50), dt_raw = RandomFloats(rows * ld_dt, 51, -3, 1);
     const Floats dt_bias = RandomFloats(H, 52, -4, -1), d_skip = RandomFloats(H, 54, .5, 1.5);
     Floats a_log(H);
