@@ -1,12 +1,14 @@
 // The next batch staged ahead of a training step (CudaModel::StageBatch's two input slots): a step that finds it copies
-// it to the device beside its compute. The same batches give the same bits with and without that, graphed or eager;
-// a staged batch is trained once and in order, also with steps in flight; a replay over a moved slot is refused.
+// it to the device beside its compute. The same batches give the same bits with and without that, graphed or eager,
+// through the model and through the Backend; a staged batch is trained once and in order, also with steps in flight;
+// a replay over a moved slot is refused.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <memory>
 #include <vector>
 
+#include "engine/cuda_backend.h"
 #include "engine/cuda_memory.h"
 #include "engine/cuda_model.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -186,6 +188,44 @@ TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
   const auto report = model->Wait();
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(report->step, 4);
+}
+
+// The Backend face (Backend::TrainStepWithNext, as perception train and the daemon's Train stream call it): the same
+// results and checkpoint as TrainStep alone, also where an Evaluate comes between two steps or the next call's batch
+// is a copy at another address (both drop the head start, not the batch).
+TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  constexpr int kSteps = 8;
+  const OptimizerConfig optimizer = WarmupCosine(kSteps);
+  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 22));
+  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 22));
+  ASSERT_TRUE(plain.ok() && ahead.ok());
+  const std::vector<RandomBatch> batches = Batches(config, kSteps);
+  const RandomBatch moved = batches[6];  // step 7's batch at another address
+  for (int i = 0; i < kSteps; ++i) {
+    SCOPED_TRACE(::testing::Message() << "step " << i + 1);
+    const auto expected = (*plain)->TrainStep(batches[i].view());
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    const BatchView<float> batch = i == 6 ? moved.view() : batches[i].view();
+    const auto got = i + 1 < kSteps ? (*ahead)->TrainStepWithNext(batch, batches[i + 1].view())
+                                    : (*ahead)->TrainStep(batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::memcmp(&expected->loss, &got->loss, sizeof(double)), 0) << expected->loss << " vs " << got->loss;
+    EXPECT_EQ(std::memcmp(&expected->grad_norm, &got->grad_norm, sizeof(double)), 0);
+    EXPECT_EQ(expected->step, got->step);
+    if (i == 3) {  // between steps 4 and 5: the model's slots hold step 5's batch, which evaluating must not take
+      const auto a = (*plain)->Evaluate(batches[0].view(), {}), b = (*ahead)->Evaluate(batches[0].view(), {});
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(std::memcmp(&*a, &*b, sizeof(double)), 0) << *a << " vs " << *b;
+    }
+  }
+  const auto a = (*plain)->ExportState(), b = (*ahead)->ExportState();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(BitIdentical(a->params, b->params)) << "parameters";
+  EXPECT_TRUE(BitIdentical(a->exp_avg, b->exp_avg)) << "first moments";
+  EXPECT_TRUE(BitIdentical(a->exp_avg_sq, b->exp_avg_sq)) << "second moments";
+  EXPECT_EQ(a->step, b->step);
 }
 
 }  // namespace
