@@ -3,6 +3,7 @@
 #include "engine/cuda_model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <span>
 #include <type_traits>
@@ -606,7 +607,7 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 // on it at once; dt, labels and mask, which nothing reads before the CfC, behind it on grad_stream_ (the copies share
 // the host link: x goes first), beside the layers (H200, small: 19 µs a step off the main stream). Then the next
 // staged batch, if the plan has it. Leaves grad_stream_ forked.
-absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
+absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows, bool fork, bool prefetch) {
   const Dims d(config());
   const size_t n = rows;
   InputSlot& in = slots_[plan.slot];
@@ -614,7 +615,7 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
     in.read_since_wait = true;
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.x, in.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
   }
-  RETURN_IF_ERROR(ForkGradients());
+  if (fork || plan.copy) RETURN_IF_ERROR(ForkGradients());
   if (plan.copy) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.dt, in.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.labels, in.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
@@ -622,7 +623,9 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(in.mask, in.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
   }
-  if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch]));
+  if (prefetch && plan.prefetch >= 0) {
+    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], fork || plan.copy ? grad_stream_ : stream_));
+  }
   return absl::OkStatus();
 }
 
@@ -631,11 +634,11 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
 // stream of its own, behind this step's own copies (grad_stream_ is past them), which it would otherwise slow;
 // EnqueueTrainingWork joins it at the step's end. The previous step, which may have read these device buffers, ended
 // before this one began.
-absl::Status CudaModel::PrefetchInputs(InputSlot& next) {
+absl::Status CudaModel::PrefetchInputs(InputSlot& next, cudaStream_t after) {
   const Dims d(config());
   const size_t n = static_cast<size_t>(config().batch) * config().window;
   next.read_since_wait = true;
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, grad_stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, after));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(next.x, next.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
@@ -658,13 +661,20 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   dt_ = in.dt;
   labels_ = in.labels;
   mask_ = in.mask;
-  RETURN_IF_ERROR(CopyInputsIn(plan, rows));
-  // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
-                                                     grad_stream_));
-  // So is the mask count that d logits divides by: it reads only the batch.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
-  RETURN_IF_ERROR(MarkGradients());
+  // EXPERIMENT (round 2 only): PF_EXP bit 1 issues the gradient stream's first work after the standardization when
+  // the batch is on the device already; bit 2 forks the next batch's copy after the embedding.
+  static const int experiment = std::getenv("PF_EXP") ? std::atoi(std::getenv("PF_EXP")) : 0;
+  const bool grad_late = (experiment & 1) && !plan.copy, prefetch_late = (experiment & 2) != 0;
+  RETURN_IF_ERROR(CopyInputsIn(plan, rows, !grad_late, !prefetch_late));
+  auto grad_work = [&]() -> absl::Status {
+    // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
+    CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
+                                                       grad_stream_));
+    // So is the mask count that d logits divides by: it reads only the batch.
+    CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
+    return MarkGradients();
+  };
+  if (!grad_late) RETURN_IF_ERROR(grad_work());
   // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
   if (split_jobs_ != nullptr) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
@@ -672,8 +682,13 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
+  if (grad_late) {
+    RETURN_IF_ERROR(ForkGradients());
+    RETURN_IF_ERROR(grad_work());
+  }
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
+  if (prefetch_late && plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
