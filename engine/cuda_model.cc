@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <string>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -89,6 +90,14 @@ template <typename T>
 absl::Status CopyToDevice(T* device, std::type_identity_t<std::span<const T>> host, cudaStream_t stream) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
+}
+
+// EXPERIMENT (round 3 only, removed after): where the next batch's copy forks (PF_POS = start, embed [default],
+// layers, backward) and PF_SPLIT=1 (the weights' TF32 split beside the standardization when the batch is on the
+// device already).
+const std::string& PrefetchPosition() {
+  static const std::string position = std::getenv("PF_POS") ? std::getenv("PF_POS") : "embed";
+  return position;
 }
 
 }  // namespace
@@ -527,6 +536,9 @@ absl::Status CudaModel::EnqueueTrainingWork(const InputPlan& plan, bool optimize
   RETURN_IF_ERROR(RequireFullBatch(plan));
   RETURN_IF_ERROR(
       ForwardAndLoss(plan, config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
+  if (plan.prefetch >= 0 && PrefetchPosition() == "backward") {
+    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
+  }
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
   if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
@@ -605,9 +617,9 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 
 // The batch in from its pinned staging unless a step before copied it in already: x on the main stream, which starts
 // on it at once; dt, labels and mask, which nothing reads before the CfC, behind it on grad_stream_ (the copies share
-// the host link: x goes first), beside the layers (H200, small: 19 µs a step off the main stream). Then the next
-// staged batch, if the plan has it. Leaves grad_stream_ forked.
-absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows, bool fork, bool prefetch) {
+// the host link: x goes first), beside the layers (H200, small: 19 µs a step off the main stream). Leaves grad_stream_
+// forked.
+absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
   const Dims d(config());
   const size_t n = rows;
   InputSlot& in = slots_[plan.slot];
@@ -615,7 +627,7 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows, bool fork,
     in.read_since_wait = true;
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.x, in.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
   }
-  if (fork || plan.copy) RETURN_IF_ERROR(ForkGradients());
+  RETURN_IF_ERROR(ForkGradients());
   if (plan.copy) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.dt, in.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.labels, in.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
@@ -623,23 +635,22 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows, bool fork,
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(in.mask, in.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
   }
-  if (prefetch && plan.prefetch >= 0) {
-    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], fork || plan.copy ? grad_stream_ : stream_));
-  }
   return absl::OkStatus();
 }
 
 // The next step's batch in beside this step's compute, so that step starts on it at once instead of on a copy over
 // the host link (H200, small: x alone took 49.9 µs at the head of every step's chain, bench/step_timeline). On a
-// stream of its own, behind this step's own copies (grad_stream_ is past them), which it would otherwise slow;
-// EnqueueTrainingWork joins it at the step's end. The previous step, which may have read these device buffers, ended
-// before this one began.
-absl::Status CudaModel::PrefetchInputs(InputSlot& next, cudaStream_t after) {
+// stream of its own, forked from `after` where the step has issued what should not share its start with the copy
+// (ForwardAndLoss) and, where this step copied its own batch in (`behind_own_copies`), behind those too (grads_done_
+// is past them), as they share the host link; EnqueueTrainingWork joins it at the step's end. The previous step,
+// which may have read these device buffers, ended before this one began.
+absl::Status CudaModel::PrefetchInputs(InputSlot& next, cudaStream_t after, bool behind_own_copies) {
   const Dims d(config());
   const size_t n = static_cast<size_t>(config().batch) * config().window;
   next.read_since_wait = true;
   CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, after));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_));
+  if (behind_own_copies) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, grads_done_));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(next.x, next.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
   CUDA_RETURN_IF_ERROR(
@@ -661,35 +672,44 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   dt_ = in.dt;
   labels_ = in.labels;
   mask_ = in.mask;
-  // EXPERIMENT (round 2 only): PF_EXP bit 1 issues the gradient stream's first work after the standardization when
-  // the batch is on the device already; bit 2 forks the next batch's copy after the embedding.
-  static const int experiment = std::getenv("PF_EXP") ? std::atoi(std::getenv("PF_EXP")) : 0;
-  const bool grad_late = (experiment & 1) && !plan.copy, prefetch_late = (experiment & 2) != 0;
-  RETURN_IF_ERROR(CopyInputsIn(plan, rows, !grad_late, !prefetch_late));
-  auto grad_work = [&]() -> absl::Status {
-    // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
-    CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
-                                                       grad_stream_));
-    // So is the mask count that d logits divides by: it reads only the batch.
-    CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
-    return MarkGradients();
-  };
-  if (!grad_late) RETURN_IF_ERROR(grad_work());
+  RETURN_IF_ERROR(CopyInputsIn(plan, rows));
+  if (plan.prefetch >= 0 && PrefetchPosition() == "start") {
+    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], grad_stream_, /*behind_own_copies=*/false));
+  }
+  // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
+                                                     grad_stream_));
+  // So is the mask count that d logits divides by: it reads only the batch.
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
+  RETURN_IF_ERROR(MarkGradients());
+  static const bool split_beside = std::getenv("PF_SPLIT") != nullptr;
+  const bool beside = split_beside && !plan.copy && split_jobs_ != nullptr;
+  cudaStream_t split_stream = stream_;
+  if (beside) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
+    split_stream = layer_grad_stream_;
+  }
   // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
   if (split_jobs_ != nullptr) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
-                                                           split_rows_, split_cols_, stream_));
+                                                           split_rows_, split_cols_, split_stream));
   }
+  if (beside) CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
-  if (grad_late) {
-    RETURN_IF_ERROR(ForkGradients());
-    RETURN_IF_ERROR(grad_work());
-  }
+  if (beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
-  if (prefetch_late && plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_));
+  // The next batch's copy forks here: started with the step, it lengthened the step by ~9 µs (H200, small 3xtf32,
+  // bench_train's prefetch median, 1,053–1,056 against 1,043–1,047 µs).
+  if (plan.prefetch >= 0 && PrefetchPosition() == "embed") {
+    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
+  }
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
+  if (plan.prefetch >= 0 && PrefetchPosition() == "layers") {
+    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s copies and count

@@ -202,8 +202,8 @@ class CudaModel {
   BufferSet CurrentBuffers() const;
   absl::Status CaptureTrainStep(TrainGraph& graph, const InputPlan& plan);
   absl::Status CheckReplay(const TrainGraph& graph, const InputPlan& plan) const;
-  absl::Status CopyInputsIn(const InputPlan& plan, int rows, bool fork, bool prefetch);
-  absl::Status PrefetchInputs(InputSlot& next, cudaStream_t after);
+  absl::Status CopyInputsIn(const InputPlan& plan, int rows);
+  absl::Status PrefetchInputs(InputSlot& next, cudaStream_t after, bool behind_own_copies);
   absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
