@@ -3,10 +3,8 @@
 #include "engine/cuda_model.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <span>
-#include <string>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -90,14 +88,6 @@ template <typename T>
 absl::Status CopyToDevice(T* device, std::type_identity_t<std::span<const T>> host, cudaStream_t stream) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
-}
-
-// EXPERIMENT (round 3 only, removed after): where the next batch's copy forks (PF_POS = start, embed [default],
-// layers, backward) and PF_SPLIT=1 (the weights' TF32 split beside the standardization when the batch is on the
-// device already).
-const std::string& PrefetchPosition() {
-  static const std::string position = std::getenv("PF_POS") ? std::getenv("PF_POS") : "embed";
-  return position;
 }
 
 }  // namespace
@@ -536,9 +526,6 @@ absl::Status CudaModel::EnqueueTrainingWork(const InputPlan& plan, bool optimize
   RETURN_IF_ERROR(RequireFullBatch(plan));
   RETURN_IF_ERROR(
       ForwardAndLoss(plan, config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
-  if (plan.prefetch >= 0 && PrefetchPosition() == "backward") {
-    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
-  }
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
   if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
@@ -640,15 +627,15 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
 
 // The next step's batch in beside this step's compute, so that step starts on it at once instead of on a copy over
 // the host link (H200, small: x alone took 49.9 µs at the head of every step's chain, bench/step_timeline). On a
-// stream of its own, forked from `after` where the step has issued what should not share its start with the copy
-// (ForwardAndLoss) and, where this step copied its own batch in (`behind_own_copies`), behind those too (grads_done_
-// is past them), as they share the host link; EnqueueTrainingWork joins it at the step's end. The previous step,
-// which may have read these device buffers, ended before this one began.
-absl::Status CudaModel::PrefetchInputs(InputSlot& next, cudaStream_t after, bool behind_own_copies) {
+// stream of its own, forked from the main stream where ForwardAndLoss calls it and, where this step copied its own
+// batch in (`behind_own_copies`), behind those copies too (grads_done_ is past them), as they share the host link;
+// EnqueueTrainingWork joins it at the step's end. The previous step, which may have read these device buffers, ended
+// before this one began.
+absl::Status CudaModel::PrefetchInputs(InputSlot& next, bool behind_own_copies) {
   const Dims d(config());
   const size_t n = static_cast<size_t>(config().batch) * config().window;
   next.read_since_wait = true;
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, after));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_));
   if (behind_own_copies) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, grads_done_));
   CUDA_RETURN_IF_ERROR(
@@ -673,43 +660,37 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   labels_ = in.labels;
   mask_ = in.mask;
   RETURN_IF_ERROR(CopyInputsIn(plan, rows));
-  if (plan.prefetch >= 0 && PrefetchPosition() == "start") {
-    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], grad_stream_, /*behind_own_copies=*/false));
-  }
   // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
                                                      grad_stream_));
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
-  static const bool split_beside = std::getenv("PF_SPLIT") != nullptr;
-  const bool beside = split_beside && !plan.copy && split_jobs_ != nullptr;
-  cudaStream_t split_stream = stream_;
-  if (beside) {
+  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split). With
+  // the batch on the device already nothing holds the standardization back: the split runs beside it, on the stream
+  // the backward's out_proj weight gradients use later, and the embedding waits for both (H200, small 3xtf32,
+  // prefetching: 1,033–1,034 against 1,046–1,048 µs a step with the split before it on the main stream). Behind x's
+  // copy it gained nothing (bench/RESULTS.md, the tenth session).
+  const bool split_beside = !plan.copy && split_jobs_ != nullptr;
+  if (split_beside) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
-    split_stream = layer_grad_stream_;
   }
-  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
   if (split_jobs_ != nullptr) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
-                                                           split_rows_, split_cols_, split_stream));
+                                                           split_rows_, split_cols_,
+                                                           split_beside ? layer_grad_stream_ : stream_));
   }
-  if (beside) CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
+  if (split_beside) CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
-  if (beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
+  if (split_beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
-  // The next batch's copy forks here: started with the step, it lengthened the step by ~9 µs (H200, small 3xtf32,
-  // bench_train's prefetch median, 1,053–1,056 against 1,043–1,047 µs).
-  if (plan.prefetch >= 0 && PrefetchPosition() == "embed") {
-    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
-  }
+  // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
+  // prefetching: 1,059 against 1,046–1,048 µs; after the layers' forward or at the backward's start, 1,046–1,048).
+  if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], plan.copy));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
-  if (plan.prefetch >= 0 && PrefetchPosition() == "layers") {
-    RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], stream_, plan.copy));
-  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s copies and count

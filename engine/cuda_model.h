@@ -203,7 +203,7 @@ class CudaModel {
   absl::Status CaptureTrainStep(TrainGraph& graph, const InputPlan& plan);
   absl::Status CheckReplay(const TrainGraph& graph, const InputPlan& plan) const;
   absl::Status CopyInputsIn(const InputPlan& plan, int rows);
-  absl::Status PrefetchInputs(InputSlot& next, cudaStream_t after, bool behind_own_copies);
+  absl::Status PrefetchInputs(InputSlot& next, bool behind_own_copies);
   absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
@@ -241,7 +241,8 @@ class CudaModel {
   std::unique_ptr<Blas> grad_blas_;
   cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
   // Each layer's out_proj weight gradient, the one the main stream waits for inside the backward, on a stream and
-  // handle (the workspace's third part) of its own, so the wait is for it alone (see LayerBackward).
+  // handle (the workspace's third part) of its own, so the wait is for it alone (see LayerBackward). In the forward,
+  // the weights' TF32 split beside the standardization when the batch is on the device already (ForwardAndLoss).
   cudaStream_t layer_grad_stream_ = nullptr;
   std::unique_ptr<Blas> layer_grad_blas_;
   cudaEvent_t layer_fork_ = nullptr, layer_grad_done_ = nullptr;
