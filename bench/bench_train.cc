@@ -1,6 +1,9 @@
-// bench_train: the CUDA training step of tiny, small and large. Per config: µs per step eager (kernel by kernel) and
-// replayed (one cudaGraphLaunch of the captured step), each the median over --steps steps after --warmup, timed by
-// the model's own CUDA events around each step's launch (TrainingCounters::last_step_seconds); kernel launches per
+// bench_train: the CUDA training step of tiny, small and large. Per config: µs per step eager (kernel by kernel),
+// replayed (one cudaGraphLaunch of the captured step, which copies its batch in first) and replayed with the next batch
+// staged before each launch (the step finds its batch on the device, copied in beside the step before, and copies the
+// next one in beside its own compute: a loader's steady state), each the median over --steps steps after --warmup,
+// over two batches in turn, timed by the model's own CUDA events around each step's launch
+// (TrainingCounters::last_step_seconds); kernel launches per
 // step (one step captured into a graph, its kernel nodes counted); device allocations per step; and a roofline
 // estimate — FLOPs and bytes per step over ceilings measured in the same run (a 1 GiB device-to-device copy, an
 // 8192³ SGEMM, TF32 under --precision=tf32). Prints one table; --json writes the same numbers.
@@ -50,8 +53,9 @@ struct Result {
   int batch = 0, window = 0;
   double median_us = 0, min_us = 0;                // eager
   double replay_median_us = 0, replay_min_us = 0;  // replayed graph
+  double prefetch_median_us = 0, prefetch_min_us = 0;  // replayed, each step's batch copied in beside the step before
   Launches launches;
-  double allocations_per_step = 0;  // over the eager and the replayed timed steps
+  double allocations_per_step = 0;  // over the eager, replayed and prefetching timed steps
   double gemm_flops = 0, other_flops = 0, bytes = 0;  // per step
   double roofline_us = 0;
 };
@@ -161,14 +165,27 @@ double NonGemmFlops(const ModelConfig& c) {
   return c.n_layers * (scan + conv) + cfc;
 }
 
-// `steps` training steps (StageBatch already done), each waited for; the device time of each from the model's events,
-// in µs, sorted.
-absl::StatusOr<std::vector<double>> TimeSteps(CudaModel& model, int steps) {
+// The two batches the steps alternate over; the model holds the next one staged, not yet taken, between steps.
+struct Batches {
+  testing::RandomBatch batch[2];
+  int next = 0;  // the staged one
+  absl::Status StageFollowing(CudaModel& model) {
+    next ^= 1;
+    return model.StageBatch(batch[next].view());
+  }
+};
+
+// `steps` training steps, each waited for; the device time of each from the model's events, in µs, sorted. Plain:
+// the next batch staged after each step, so each copies its batch in first. Prefetching: the one after it staged
+// before each step, which then copies that one in beside its compute for the next step.
+absl::StatusOr<std::vector<double>> TimeSteps(CudaModel& model, int steps, Batches& batches, bool prefetch) {
   std::vector<double> us;
   for (int i = 0; i < steps; ++i) {
     const int64_t timed = model.training_counters().timed_steps;
+    if (prefetch) RETURN_IF_ERROR(batches.StageFollowing(model));
     RETURN_IF_ERROR(model.EnqueueTrainStep());
     RETURN_IF_ERROR(model.Wait().status());
+    if (!prefetch) RETURN_IF_ERROR(batches.StageFollowing(model));
     if (model.training_counters().timed_steps != timed + 1) return absl::InternalError("a step was not timed");
     us.push_back(model.training_counters().last_step_seconds * 1e6);
   }
@@ -181,7 +198,8 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
   ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(name));
   // Eager first; the same model then captures and replays.
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, MakeBenchModel(config, precision, /*graphs=*/false));
-  RETURN_IF_ERROR(TimeSteps(*model, warmup).status());
+  Batches batches{{BenchBatch(config, 0), BenchBatch(config, 1)}};  // MakeBenchModel staged the first
+  RETURN_IF_ERROR(TimeSteps(*model, warmup, batches, /*prefetch=*/false).status());
 
   Result r;
   r.config = name;
@@ -189,24 +207,33 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
   r.window = config.window;
   ASSIGN_OR_RETURN(r.launches, CountLaunches(*model, &r.gemm_flops));
   int64_t allocations = CudaAllocationCount();
-  ASSIGN_OR_RETURN(const std::vector<double> eager, TimeSteps(*model, steps));
+  ASSIGN_OR_RETURN(const std::vector<double> eager, TimeSteps(*model, steps, batches, /*prefetch=*/false));
   int64_t allocated = CudaAllocationCount() - allocations;
   r.median_us = Median(eager);
   r.min_us = eager.front();
 
   model->set_use_graphs(true);  // the next step captures (the shape has had its eager steps), later ones replay
-  RETURN_IF_ERROR(TimeSteps(*model, std::max(warmup, 1)).status());
+  RETURN_IF_ERROR(TimeSteps(*model, std::max(warmup, 1), batches, /*prefetch=*/false).status());
   allocations = CudaAllocationCount();
-  ASSIGN_OR_RETURN(const std::vector<double> replayed, TimeSteps(*model, steps));
+  ASSIGN_OR_RETURN(const std::vector<double> replayed, TimeSteps(*model, steps, batches, /*prefetch=*/false));
+  allocated += CudaAllocationCount() - allocations;
+  // Prefetching: the first step copies its own batch and the next, then each slot's graph trains on a batch copied in
+  // beforehand: three more captures.
+  RETURN_IF_ERROR(TimeSteps(*model, std::max(warmup, 3), batches, /*prefetch=*/true).status());
+  allocations = CudaAllocationCount();
+  ASSIGN_OR_RETURN(const std::vector<double> prefetched, TimeSteps(*model, steps, batches, /*prefetch=*/true));
   allocated += CudaAllocationCount() - allocations;
   const TrainingCounters counters = model->training_counters();
-  if (counters.graph_captures != 1 || counters.graph_replays != std::max(warmup, 1) + steps) {
-    return absl::InternalError(absl::StrCat("expected 1 capture and ", std::max(warmup, 1) + steps, " replays, got ",
+  const int64_t replays = std::max(warmup, 1) + std::max(warmup, 3) + 2 * steps;
+  if (counters.graph_captures != 4 || counters.graph_replays != replays) {
+    return absl::InternalError(absl::StrCat("expected 4 captures and ", replays, " replays, got ",
                                             counters.graph_captures, " and ", counters.graph_replays));
   }
   r.replay_median_us = Median(replayed);
   r.replay_min_us = replayed.front();
-  r.allocations_per_step = static_cast<double>(allocated) / (2 * steps);
+  r.prefetch_median_us = Median(prefetched);
+  r.prefetch_min_us = prefetched.front();
+  r.allocations_per_step = static_cast<double>(allocated) / (3 * steps);
   r.other_flops = NonGemmFlops(config);
   // Every buffer of the step written once and read once: an estimate of the traffic, not a measurement.
   r.bytes = 2.0 * model->device_bytes();
@@ -234,9 +261,9 @@ int Run() {
   std::printf("device %s; products %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
               PrecisionName(*precision), ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "",
               ceilings->sgemm_flops_per_s / 1e12);
-  std::printf("%-6s %5s %4s %13s %14s %7s %9s %10s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T", "eager_us/step",
-              "replay_us/step", "ratio", "eager_min", "replay_min", "kernels", "memcpys", "allocs/st", "GFLOP/st",
-              "GB/st(est)", "roofline_us");
+  std::printf("%-6s %5s %4s %13s %14s %16s %7s %9s %10s %12s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T",
+              "eager_us/step", "replay_us/step", "prefetch_us/step", "ratio", "eager_min", "replay_min",
+              "prefetch_min", "kernels", "memcpys", "allocs/st", "GFLOP/st", "GB/st(est)", "roofline_us");
   nlohmann::ordered_json json;
   json["device"] = properties.name;
   json["precision"] = PrecisionName(*precision);
@@ -251,9 +278,10 @@ int Run() {
       status = 1;
       continue;
     }
-    std::printf("%-6s %5d %4d %13.1f %14.1f %7.2f %9.1f %10.1f %8d %8d %10.2f %9.2f %11.2f %11.1f\n", name.c_str(),
-                r->batch, r->window, r->median_us, r->replay_median_us, r->median_us / r->replay_median_us, r->min_us,
-                r->replay_min_us, r->launches.kernels, r->launches.copies, r->allocations_per_step,
+    std::printf("%-6s %5d %4d %13.1f %14.1f %16.1f %7.2f %9.1f %10.1f %12.1f %8d %8d %10.2f %9.2f %11.2f %11.1f\n",
+                name.c_str(), r->batch, r->window, r->median_us, r->replay_median_us, r->prefetch_median_us,
+                r->median_us / r->replay_median_us, r->min_us, r->replay_min_us, r->prefetch_min_us,
+                r->launches.kernels, r->launches.copies, r->allocations_per_step,
                 (r->gemm_flops + r->other_flops) / 1e9, r->bytes / 1e9, r->roofline_us);
     json["configs"][name] = {{"batch", r->batch},
                              {"window", r->window},
@@ -261,6 +289,8 @@ int Run() {
                              {"eager_us_per_step_min", r->min_us},
                              {"replayed_us_per_step_median", r->replay_median_us},
                              {"replayed_us_per_step_min", r->replay_min_us},
+                             {"replayed_prefetch_us_per_step_median", r->prefetch_median_us},
+                             {"replayed_prefetch_us_per_step_min", r->prefetch_min_us},
                              {"eager_over_replayed", r->median_us / r->replay_median_us},
                              {"kernel_launches_per_step", r->launches.kernels},
                              {"memcpy_nodes_per_step", r->launches.copies},

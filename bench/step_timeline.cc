@@ -35,6 +35,10 @@ ABSL_FLAG(int, warmup, 10, "untimed steps and replays before anything is recorde
 ABSL_FLAG(int, replays, 20, "replays recorded; the one of median wall time is listed");
 ABSL_FLAG(int, gaps, 12, "the largest idle gaps listed");
 ABSL_FLAG(bool, list, true, "list every kernel and copy of the listed replay");
+ABSL_FLAG(bool, prefetch, false,
+          "time and record the loader's steady state: each step's batch copied in beside the step before, the next "
+          "one copied in beside its compute (bench_train's prefetch column); false: each step copies its own batch in "
+          "first");
 ABSL_FLAG(std::string, json, "", "also write the listed replay and the summary here as JSON");
 ABSL_FLAG(int, hold_us, 3000,
           "recorded replays start this long after their launch (a host function holds the stream meanwhile), so the "
@@ -306,6 +310,15 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(const ModelConfig config, NamedConfig(absl::GetFlag(FLAGS_config)));
   const int warmup = std::max(absl::GetFlag(FLAGS_warmup), 2), replays = std::max(absl::GetFlag(FLAGS_replays), 1);
   ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, MakeBenchModel(config, precision, /*graphs=*/true));
+  // Between steps the model holds the next of the two batches staged; prefetching, the one after it is staged before
+  // each step too.
+  const bool prefetch = absl::GetFlag(FLAGS_prefetch);
+  const testing::RandomBatch batches[2] = {BenchBatch(config, 0), BenchBatch(config, 1)};
+  int staged = 0;
+  auto stage_following = [&] {
+    staged ^= 1;
+    return model->StageBatch(batches[staged].view());
+  };
 
   // The model's own replays first, before CUPTI is attached, timed as bench_train times them: launched on an idle
   // stream (as bench_train and the trainer do) and held (the graph wholly submitted before the device starts it).
@@ -316,11 +329,13 @@ absl::Status Run() {
   std::vector<double> plain_us, held_us, launch_host_us;
   for (int i = 0; i < warmup + 2 * replays; ++i) {
     const bool held = i >= warmup + replays;
+    if (prefetch) RETURN_IF_ERROR(stage_following());
     if (held) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(model->stream(), Hold, const_cast<int*>(&held_for)));
     const auto enqueue = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(model->EnqueueTrainStep());
     if (!held && i >= warmup) launch_host_us.push_back(HostUsSince(enqueue));
     RETURN_IF_ERROR(model->Wait().status());
+    if (!prefetch) RETURN_IF_ERROR(stage_following());
     if (i >= warmup) (held ? held_us : plain_us).push_back(model->training_counters().last_step_seconds * 1e6);
   }
   ASSIGN_OR_RETURN(const double plain_median, MedianUs(plain_us));
@@ -337,7 +352,9 @@ absl::Status Run() {
     CUPTI_RETURN_IF_ERROR(cuptiActivityEnable(kind));
   }
 
-  // The step captured here as the model captures it (same calls, same streams), so its graph's edges are at hand.
+  // The step captured here as the model captures it (same calls, same streams), so its graph's edges are at hand:
+  // prefetching, on the batch the last step copied in, with the next one staged to copy in beside it.
+  if (prefetch) RETURN_IF_ERROR(stage_following());
   const cudaStream_t stream = model->stream();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

@@ -59,6 +59,15 @@ class Backend {
 
   // One optimizer step on `batch`, whose shape must match the backend's config (batch, window).
   virtual absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) = 0;
+  // TrainStep(batch) for a caller that holds its next step's batch already: a backend may take `next` (read during
+  // this call) to the device meanwhile; the CUDA backend's step copies it in beside its compute, so the next step
+  // starts on it at once instead of on a copy over the host link. The next call is then given that batch at the
+  // same address (its contents were taken here); a batch elsewhere, or an Evaluate or ForwardStream in between,
+  // costs only that head start. The default ignores `next`.
+  virtual absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
+                                                            const BatchView<float>& /*next*/) {
+    return TrainStep(batch);
+  }
   // Training-step metrics (see TrainingCounters); zeros where the backend keeps none.
   virtual TrainingCounters training_counters() const { return {}; }
   // CUDA graphs for the training step and the streaming ticks (on by default); off enqueues the same work kernel by

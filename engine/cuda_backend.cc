@@ -22,18 +22,10 @@ class CudaBackend final : public Backend {
   std::string device_name() const override { return model_->device_name(); }
   const ParamLayout& layout() const override { return model_->layout(); }
 
-  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
-    const ModelConfig& c = config();
-    if (batch.batch != c.batch || batch.window != c.window) {
-      return absl::InvalidArgumentError(absl::StrCat("TrainStep: batch shape (", batch.batch, ", ", batch.window,
-                                                     ") differs from the backend's (batch, window) = (", c.batch, ", ",
-                                                     c.window, ")"));
-    }
-    RETURN_IF_ERROR(model_->StageBatch(batch));
-    RETURN_IF_ERROR(model_->EnqueueTrainStep());
-    ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
-    RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
-    return TrainStepResult{report.loss, report.grad_norm, report.step};
+  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override { return Train(batch, nullptr); }
+  absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
+                                                    const BatchView<float>& next) override {
+    return Train(batch, &next);
   }
 
   TrainingCounters training_counters() const override {
@@ -49,6 +41,7 @@ class CudaBackend final : public Backend {
 
   // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
+    DropNext();
     const ModelConfig& c = config();
     if (batch.window != c.window) {
       return absl::InvalidArgumentError(absl::StrCat("Evaluate: window ", batch.window,
@@ -89,6 +82,7 @@ class CudaBackend final : public Backend {
                                                      " and logits of ", n * H, " floats"));
     }
     const std::vector<float> no_labels(static_cast<size_t>(c.window) * H);  // the forward ignores labels and mask
+    DropNext();
     RETURN_IF_ERROR(model_->ResetStreamState());
     for (size_t begin = 0; begin < n; begin += c.window) {
       const size_t len = std::min<size_t>(c.window, n - begin);
@@ -152,6 +146,46 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  absl::Status CheckTrainingShape(const BatchView<float>& batch) const {
+    const ModelConfig& c = config();
+    if (batch.batch != c.batch || batch.window != c.window) {
+      return absl::InvalidArgumentError(absl::StrCat("TrainStep: batch shape (", batch.batch, ", ", batch.window,
+                                                     ") differs from the backend's (batch, window) = (", c.batch, ", ",
+                                                     c.window, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Stage → enqueue → wait. With `next`, it is staged behind `batch`, and the step copies it in beside its compute;
+  // the following step then trains on that copy if it is given the batch at the same address.
+  absl::StatusOr<TrainStepResult> Train(const BatchView<float>& batch, const BatchView<float>* next) {
+    RETURN_IF_ERROR(CheckTrainingShape(batch));
+    if (next) RETURN_IF_ERROR(CheckTrainingShape(*next));
+    if (staged_next_ != nullptr && staged_next_ == batch.x.data()) {
+      staged_next_ = nullptr;  // staged by the step before, and by now on the device
+    } else {  // whatever a failed call left staged is not this step's
+      DropNext();
+      model_->DropStagedBatches();
+      RETURN_IF_ERROR(model_->StageBatch(batch));
+    }
+    if (next) {
+      RETURN_IF_ERROR(model_->StageBatch(*next));
+      staged_next_ = next->x.data();
+    }
+    RETURN_IF_ERROR(model_->EnqueueTrainStep());
+    ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+    RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
+    return TrainStepResult{report.loss, report.grad_norm, report.step};
+  }
+
+  // The batch a TrainStepWithNext staged for the step after it is not that step's: forget it, so the model's next
+  // Enqueue takes what is staged for it.
+  void DropNext() {
+    if (staged_next_ == nullptr) return;
+    model_->DropStagedBatches();
+    staged_next_ = nullptr;
+  }
+
   // Data parallel: every check_every steps the ranks compare a checksum of their parameters, which identical
   // updates keep bit-identical.
   absl::Status MaybeCheckReplicas(int64_t step) {
@@ -173,6 +207,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<CudaStreamer> streamer_;
   int64_t replica_checks_ = 0;
+  const float* staged_next_ = nullptr;  // x of the batch the last TrainStepWithNext staged as `next`, if any
 };
 
 }  // namespace

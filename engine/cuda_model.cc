@@ -116,16 +116,21 @@ CudaModel::~CudaModel() {
   // stream.
   if (stream_) cudaStreamSynchronize(stream_);
   for (auto& [shape, graph] : train_graphs_) {
-    if (graph.exec) cudaGraphExecDestroy(graph.exec);
+    for (cudaGraphExec_t exec : graph.exec) {
+      if (exec) cudaGraphExecDestroy(exec);
+    }
   }
-  if (grad_stream_) cudaStreamSynchronize(grad_stream_);
-  if (layer_grad_stream_) cudaStreamSynchronize(layer_grad_stream_);
-  for (cudaEvent_t event : {step_start_, step_stop_, fork_, grads_done_, layer_fork_, layer_grad_done_}) {
+  for (cudaStream_t stream : {grad_stream_, layer_grad_stream_, prefetch_stream_}) {
+    if (stream) cudaStreamSynchronize(stream);
+  }
+  for (cudaEvent_t event :
+       {step_start_, step_stop_, fork_, grads_done_, layer_fork_, layer_grad_done_, prefetch_fork_, prefetch_done_}) {
     if (event) cudaEventDestroy(event);
   }
   blas_.reset();
   grad_blas_.reset();
   layer_grad_blas_.reset();
+  if (prefetch_stream_) cudaStreamDestroy(prefetch_stream_);
   if (layer_grad_stream_) cudaStreamDestroy(layer_grad_stream_);
   if (grad_stream_) cudaStreamDestroy(grad_stream_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -146,6 +151,9 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&layer_grad_stream_, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_grad_done_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&prefetch_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
@@ -182,10 +190,12 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&blas_workspace_, 3 * kBlasWorkspaceBytes);
   if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_);
 
-  a.Reserve(&x_, M * d.F);
-  a.Reserve(&dt_, M);
-  a.Reserve(&labels_, M * d.H);
-  a.Reserve(&mask_, M * d.H);
+  for (InputSlot& slot : slots_) {
+    a.Reserve(&slot.x, M * d.F);
+    a.Reserve(&slot.dt, M);
+    a.Reserve(&slot.labels, M * d.H);
+    a.Reserve(&slot.mask, M * d.H);
+  }
   a.Reserve(&xn_, M * d.F);
   h_.assign(d.L + 1, nullptr);
   for (float*& h : h_) a.Reserve(&h, M * d.D);
@@ -241,10 +251,12 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&states_.out, states_.floats());
 
   CudaArena& p = pinned_;
-  p.Reserve(&x_host_, M * d.F);
-  p.Reserve(&dt_host_, M);
-  p.Reserve(&labels_host_, M * d.H);
-  p.Reserve(&mask_host_, M * d.H);
+  for (InputSlot& slot : slots_) {
+    p.Reserve(&slot.x_host, M * d.F);
+    p.Reserve(&slot.dt_host, M);
+    p.Reserve(&slot.labels_host, M * d.H);
+    p.Reserve(&slot.mask_host, M * d.H);
+  }
   p.Reserve(&logits_host_, M * d.H);
   p.Reserve(&report_host_, 1);
 }
@@ -354,25 +366,59 @@ absl::Status CudaModel::StageBatch(const BatchView<float>& batch) {
                                                    batch.window, "): x ", batch.x.size(), ", dt ", batch.dt.size(),
                                                    ", labels ", batch.labels.size(), ", mask ", batch.mask.size()));
   }
-  if (enqueued_since_wait_) {  // a step not waited for may still be copying the previous batch in
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    enqueued_since_wait_ = false;
+  if (queued_ == 2) {
+    return absl::FailedPreconditionError(
+        "CUDA backend: two batches are staged already; a step must take the older before a third is staged");
   }
-  std::memcpy(x_host_, batch.x.data(), batch.x.size_bytes());
-  std::memcpy(dt_host_, batch.dt.data(), batch.dt.size_bytes());
-  std::memcpy(labels_host_, batch.labels.data(), batch.labels.size_bytes());
-  std::memcpy(mask_host_, batch.mask.data(), batch.mask.size_bytes());
-  staged_batch_ = batch.batch;
-  staged_window_ = batch.window;
+  InputSlot& slot = slots_[queued_ == 0 ? current_ : 1 - current_];
+  if (slot.read_since_wait) {  // a step not waited for may still be copying this slot's previous batch in
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    for (InputSlot& each : slots_) each.read_since_wait = false;
+  }
+  std::memcpy(slot.x_host, batch.x.data(), batch.x.size_bytes());
+  std::memcpy(slot.dt_host, batch.dt.data(), batch.dt.size_bytes());
+  std::memcpy(slot.labels_host, batch.labels.data(), batch.labels.size_bytes());
+  std::memcpy(slot.mask_host, batch.mask.data(), batch.mask.size_bytes());
+  slot.batch = batch.batch;
+  slot.window = batch.window;
+  slot.on_device = false;
+  ++queued_;
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::RequireStaged(bool full_batch) const {
-  if (staged_batch_ == 0) return absl::FailedPreconditionError("CUDA backend: no batch staged");
-  if (full_batch && (staged_batch_ != config().batch || staged_window_ != config().window)) {
+void CudaModel::DropStagedBatches() {
+  queued_ = 0;
+  for (InputSlot& slot : slots_) slot.batch = slot.window = 0;
+}
+
+absl::StatusOr<CudaModel::InputPlan> CudaModel::PlanInputs(bool prefetch) const {
+  const InputSlot& in = slots_[current_];
+  if (in.batch == 0) return absl::FailedPreconditionError("CUDA backend: no batch staged");
+  InputPlan plan{current_, !in.on_device, -1};
+  // Only a full batch: the graphs' copy sizes are the config's.
+  const InputSlot& next = slots_[1 - current_];
+  if (prefetch && queued_ == 2 && next.batch == config().batch && next.window == config().window) {
+    plan.prefetch = 1 - current_;
+  }
+  return plan;
+}
+
+void CudaModel::TakeBatch(const InputPlan& plan, bool enqueued) {
+  if (enqueued) {  // a replay's copies, which no ForwardAndLoss marked
+    InputSlot& in = slots_[plan.slot];
+    in.on_device = true;
+    in.read_since_wait |= plan.copy;
+    if (plan.prefetch >= 0) slots_[plan.prefetch].on_device = slots_[plan.prefetch].read_since_wait = true;
+  }
+  if (queued_ > 0 && --queued_ == 1) current_ = 1 - current_;  // the newer batch is the oldest now
+}
+
+absl::Status CudaModel::RequireFullBatch(const InputPlan& plan) const {
+  const InputSlot& in = slots_[plan.slot];
+  if (in.batch != config().batch || in.window != config().window) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA backend: a training step needs the configured (batch, window) = (",
                                                    config().batch, ", ", config().window, "), the staged batch is (",
-                                                   staged_batch_, ", ", staged_window_, ")"));
+                                                   in.batch, ", ", in.window, ")"));
   }
   return absl::OkStatus();
 }
@@ -380,25 +426,33 @@ absl::Status CudaModel::RequireStaged(bool full_batch) const {
 // ---- training step: warmup → capture → replay ----
 
 absl::Status CudaModel::EnqueueTrainStep() {
-  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));  // refuses any other training shape, naming both
+  ASSIGN_OR_RETURN(const InputPlan plan, PlanInputs(/*prefetch=*/true));
+  const absl::Status launched = LaunchTrainStep(plan);
+  TakeBatch(plan, launched.ok());
+  return launched;
+}
+
+absl::Status CudaModel::LaunchTrainStep(const InputPlan& plan) {
+  RETURN_IF_ERROR(RequireFullBatch(plan));  // refuses any other training shape, naming both
   if (communicator_) RETURN_IF_ERROR(communicator_->Usable());  // an aborted job's graph must not replay
   step_timing_pending_ = false;                         // the previous step was not waited for: it stays untimed
-  const auto [entry, added] = train_graphs_.try_emplace({staged_batch_, staged_window_});
+  const InputSlot& in = slots_[plan.slot];
+  const auto [entry, added] = train_graphs_.try_emplace({in.batch, in.window});
   TrainGraph& graph = entry->second;
   if (added) {
-    graph.batch = staged_batch_;
-    graph.window = staged_window_;
+    graph.batch = in.batch;
+    graph.window = in.window;
   }
   const bool replay = use_graphs_ && graph.eager_steps > 0;
-  if (replay && !graph.exec) RETURN_IF_ERROR(CaptureTrainStep(graph));
-  if (replay) RETURN_IF_ERROR(CheckReplay(graph));
+  const cudaGraphExec_t& exec = graph.exec[plan.variant()];
+  if (replay && !exec) RETURN_IF_ERROR(CaptureTrainStep(graph, plan));
+  if (replay) RETURN_IF_ERROR(CheckReplay(graph, plan));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(step_start_, stream_));
   if (replay) {
-    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
-    enqueued_since_wait_ = true;
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
     ++counters_.graph_replays;
   } else {
-    RETURN_IF_ERROR(EnqueueTrainStepEagerly());
+    RETURN_IF_ERROR(EnqueueTrainingWork(plan, /*optimizer_step=*/true));
     ++graph.eager_steps;
     ++counters_.eager_steps;
   }
@@ -408,74 +462,94 @@ absl::Status CudaModel::EnqueueTrainStep() {
 }
 
 CudaModel::BufferSet CudaModel::CurrentBuffers() const {
-  // The pinned staging and report; optimizer state; device inputs; the activation arena (h_[0]), the table arena
-  // (its first table, then chunks_) and the cuBLAS workspace.
-  return {x_host_, dt_host_, labels_host_, mask_host_, report_host_, params_, grads_, exp_avg_, exp_avg_sq_, step_,
-          x_, h_[0], sums_.jobs, chunks_, blas_workspace_};
+  // Both slots' pinned staging and device inputs; the pinned report; optimizer state; the activation arena (h_[0]),
+  // the table arena (its first table, then chunks_) and the cuBLAS workspace.
+  const InputSlot &a = slots_[0], &b = slots_[1];
+  return {a.x_host,     a.dt_host, a.labels_host, a.mask_host, a.x,     b.x_host, b.dt_host,
+          b.labels_host, b.mask_host, b.x,         report_host_, params_, grads_,   exp_avg_,
+          exp_avg_sq_,  step_,     h_[0],         sums_.jobs,  chunks_, blas_workspace_};
 }
 
-absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph) {
+absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph, const InputPlan& plan) {
   // Thread-local capture mode, as the streamer's: nothing of this thread may synchronize or allocate meanwhile.
   cudaGraph_t captured = nullptr;
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const absl::Status enqueued = EnqueueTrainStepEagerly();
+  const absl::Status enqueued = EnqueueTrainingWork(plan, /*optimizer_step=*/true);
   const cudaError_t ended = cudaStreamEndCapture(stream_, &captured);
   if (!enqueued.ok() || ended != cudaSuccess) {
     if (captured) cudaGraphDestroy(captured);
     RETURN_IF_ERROR(enqueued);
     CUDA_RETURN_IF_ERROR(ended);
   }
-  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, captured, 0);
+  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec[plan.variant()], captured, 0);
   cudaGraphDestroy(captured);
   CUDA_RETURN_IF_ERROR(instantiated);
-  graph.buffers = CurrentBuffers();
+  graph.buffers[plan.variant()] = CurrentBuffers();
   ++counters_.graph_captures;
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::CheckReplay(const TrainGraph& graph) const {
-  if (graph.batch != staged_batch_ || graph.window != staged_window_) {
+absl::Status CudaModel::CheckReplay(const TrainGraph& graph, const InputPlan& plan) const {
+  const InputSlot& in = slots_[plan.slot];
+  if (graph.batch != in.batch || graph.window != in.window) {
     return absl::InternalError(absl::StrCat("CUDA backend: the training graph captured for (batch, window) = (",
                                             graph.batch, ", ", graph.window, ") was about to replay a batch of (",
-                                            staged_batch_, ", ", staged_window_, ")"));
+                                            in.batch, ", ", in.window, ")"));
   }
-  const BufferSet now = CurrentBuffers();
+  const BufferSet now = CurrentBuffers(), &captured = graph.buffers[plan.variant()];
   for (size_t i = 0; i < now.size(); ++i) {
-    if (now[i] != graph.buffers[i]) {
+    if (now[i] != captured[i]) {
       return absl::InternalError(absl::StrCat(
           "CUDA backend: the training graph for (batch, window) = (", graph.batch, ", ", graph.window,
           ") was captured over other buffers (buffer ", i, " was 0x",
-          absl::Hex(reinterpret_cast<uintptr_t>(graph.buffers[i])), ", is 0x",
+          absl::Hex(reinterpret_cast<uintptr_t>(captured[i])), ", is 0x",
           absl::Hex(reinterpret_cast<uintptr_t>(now[i])), "); refusing to replay"));
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::EnqueueTrainStepEagerly() { return EnqueueTrainingWork(/*optimizer_step=*/true); }
+absl::Status CudaModel::EnqueueTrainStepEagerly() { return EnqueueTakingBatch(/*optimizer_step=*/true); }
 
-absl::Status CudaModel::EnqueueGradients() { return EnqueueTrainingWork(/*optimizer_step=*/false); }
+absl::Status CudaModel::EnqueueGradients() { return EnqueueTakingBatch(/*optimizer_step=*/false); }
 
-absl::Status CudaModel::EnqueueTrainingWork(bool optimizer_step) {
-  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/true));
-  RETURN_IF_ERROR(ForwardAndLoss(config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
+absl::Status CudaModel::EnqueueTakingBatch(bool optimizer_step) {
+  ASSIGN_OR_RETURN(const InputPlan plan, PlanInputs(/*prefetch=*/true));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream_, &capture));
+  const absl::Status enqueued = EnqueueTrainingWork(plan, optimizer_step);
+  if (capture == cudaStreamCaptureStatusNone) TakeBatch(plan, enqueued.ok());  // a capture runs nothing
+  return enqueued;
+}
+
+absl::Status CudaModel::EnqueueTrainingWork(const InputPlan& plan, bool optimizer_step) {
+  RETURN_IF_ERROR(RequireFullBatch(plan));
+  RETURN_IF_ERROR(
+      ForwardAndLoss(plan, config().batch, config().window, /*carry_state=*/false, /*with_gradient=*/true));
   RETURN_IF_ERROR(Backward());
   RETURN_IF_ERROR(SumGradientsOverRanks());
   if (optimizer_step) RETURN_IF_ERROR(OptimizerStep());
+  if (plan.prefetch >= 0) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, prefetch_done_));
   return absl::OkStatus();
 }
 
 absl::Status CudaModel::EnqueueEvaluate(bool carry_state) {
-  RETURN_IF_ERROR(RequireStaged(/*full_batch=*/false));
-  const int rows = staged_batch_ * staged_window_;
-  RETURN_IF_ERROR(ForwardAndLoss(staged_batch_, staged_window_, carry_state, /*with_gradient=*/false));
-  if (carry_state) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(states_.in, states_.out, states_.floats() * sizeof(float),
-                                         cudaMemcpyDeviceToDevice, stream_));
-  }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_, logits_, static_cast<size_t>(rows) * config().n_horizons *
-                                       sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  return absl::OkStatus();
+  ASSIGN_OR_RETURN(const InputPlan plan, PlanInputs(/*prefetch=*/false));
+  const InputSlot& in = slots_[plan.slot];
+  const int batch = in.batch, window = in.window;
+  const absl::Status enqueued = [&]() -> absl::Status {
+    RETURN_IF_ERROR(ForwardAndLoss(plan, batch, window, carry_state, /*with_gradient=*/false));
+    if (carry_state) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(states_.in, states_.out, states_.floats() * sizeof(float),
+                                           cudaMemcpyDeviceToDevice, stream_));
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits_host_, logits_, static_cast<size_t>(batch) * window *
+                                         config().n_horizons * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }();
+  TakeBatch(plan, enqueued.ok());
+  logits_rows_ = enqueued.ok() ? batch * window : 0;
+  return enqueued;
 }
 
 absl::Status CudaModel::ResetStreamState() {
@@ -490,7 +564,7 @@ absl::StatusOr<kernels::StepReport> CudaModel::Wait() {
   } else {
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the one synchronization of a step
   }
-  enqueued_since_wait_ = false;
+  for (InputSlot& slot : slots_) slot.read_since_wait = false;
   if (step_timing_pending_) {  // both events completed with the stream: reading them waits for nothing
     step_timing_pending_ = false;
     float ms = 0;
@@ -503,7 +577,7 @@ absl::StatusOr<kernels::StepReport> CudaModel::Wait() {
 }
 
 std::span<const float> CudaModel::StagedLogits() const {
-  return {logits_host_, static_cast<size_t>(staged_batch_) * staged_window_ * config().n_horizons};
+  return {logits_host_, static_cast<size_t>(logits_rows_) * config().n_horizons};
 }
 
 // ---- forward ----
@@ -528,36 +602,94 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
           {param(pl.cfc_ff1.bias), param(pl.cfc_ff2.bias), param(pl.cfc_time_a.bias), param(pl.cfc_time_b.bias)}};
 }
 
-absl::Status CudaModel::ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient) {
+// The batch in from its pinned staging unless a step before copied it in already: x on the main stream, which starts
+// on it at once; dt, labels and mask, which nothing reads before the CfC, behind it on grad_stream_ (the copies share
+// the host link: x goes first), beside the layers (H200, small: 19 µs a step off the main stream). Leaves grad_stream_
+// forked.
+absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
+  const Dims d(config());
+  const size_t n = rows;
+  InputSlot& in = slots_[plan.slot];
+  if (plan.copy) {
+    in.read_since_wait = true;
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.x, in.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  }
+  RETURN_IF_ERROR(ForkGradients());
+  if (plan.copy) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.dt, in.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.labels, in.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
+                                         grad_stream_));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(in.mask, in.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
+  }
+  return absl::OkStatus();
+}
+
+// The next step's batch in beside this step's compute, so that step starts on it at once instead of on a copy over
+// the host link (H200, small: x alone took 49.9 µs at the head of every step's chain, bench/step_timeline). On a
+// stream of its own, forked from the main stream where ForwardAndLoss calls it and, where this step copied its own
+// batch in (`behind_own_copies`), behind those copies too (grads_done_ is past them), as they share the host link;
+// EnqueueTrainingWork joins it at the step's end. The previous step, which may have read these device buffers, ended
+// before this one began.
+absl::Status CudaModel::PrefetchInputs(InputSlot& next, bool behind_own_copies) {
+  const Dims d(config());
+  const size_t n = static_cast<size_t>(config().batch) * config().window;
+  next.read_since_wait = true;
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_));
+  if (behind_own_copies) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, grads_done_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(next.x, next.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(next.dt, next.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(next.labels, next.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
+                                       prefetch_stream_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(next.mask, next.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_done_, prefetch_stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state,
+                                       bool with_gradient) {
   const Dims d(config());
   const int rows = batch * window;
-  const size_t n = rows;
-  // The batch in from the pinned staging: x on the main stream, which starts on it at once; dt, labels and mask,
-  // which nothing reads before the CfC, behind it on grad_stream_ (the copies share the host link: x goes first),
-  // beside the layers (H200, small: 19 µs a step off the main stream).
-  enqueued_since_wait_ = true;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, x_host_, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  RETURN_IF_ERROR(ForkGradients());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dt_, dt_host_, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(labels_, labels_host_, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(mask_, mask_host_, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
-  // So is the CfC's weight packing: it reads only parameters.
+  const InputSlot& in = slots_[plan.slot];
+  x_ = in.x;
+  dt_ = in.dt;
+  labels_ = in.labels;
+  mask_ = in.mask;
+  RETURN_IF_ERROR(CopyInputsIn(plan, rows));
+  // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
                                                      grad_stream_));
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
-  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split).
+  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split). With
+  // the batch on the device already nothing holds the standardization back: the split runs beside it, on the stream
+  // the backward's out_proj weight gradients use later, and the embedding waits for both (H200, small 3xtf32,
+  // prefetching: 1,033–1,034 against 1,046–1,048 µs a step with the split before it on the main stream). Behind x's
+  // copy it gained nothing (bench/RESULTS.md, the tenth session).
+  const bool split_beside = !plan.copy && split_jobs_ != nullptr;
+  if (split_beside) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
+  }
   if (split_jobs_ != nullptr) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
-                                                           split_rows_, split_cols_, stream_));
+                                                           split_rows_, split_cols_,
+                                                           split_beside ? layer_grad_stream_ : stream_));
   }
+  if (split_beside) CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
+  if (split_beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
+  // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
+  // prefetching: 1,059 against 1,046–1,048 µs; after the layers' forward or at the backward's start, 1,046–1,048).
+  if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], plan.copy));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_));

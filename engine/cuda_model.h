@@ -66,10 +66,17 @@ class CudaModel {
   // The data-parallel communicator, or null.
   NcclCommunicator* communicator() const { return communicator_.get(); }
 
-  // Host work only: copies `batch` (at most config.batch windows of at most config.window events) into the pinned
-  // staging buffers, which the next Enqueue (or training graph) copies to the device. If work enqueued since the
-  // last Wait() may still be reading them, it waits for the stream first (never the case after Wait()).
+  // Host work only: copies `batch` (at most config.batch windows of at most config.window events) into one of two
+  // pinned input slots. Up to two batches may be staged ahead of the Enqueues that take them: each Enqueue takes the
+  // oldest staged batch not yet taken (whether it then runs or refuses it), or with none staged since, the one taken
+  // last again (so one staged batch can be trained on repeatedly). A training step that finds a second batch staged
+  // behind its own, of the config's (batch, window), copies that one to the device beside its compute, so the step
+  // that takes it next starts on it at once (with none staged, a step copies its own batch in first). A third batch
+  // before a step has taken one is refused (FAILED_PRECONDITION). If work enqueued since the last Wait() may still be
+  // copying from the slot being written, it waits for the stream first (never the case after Wait()).
   absl::Status StageBatch(const BatchView<float>& batch);
+  // Forgets every staged batch, taken or not: the next Enqueue needs a StageBatch first.
+  void DropStagedBatches();
 
   // Asynchronous device work on stream(). EnqueueTrainStep and EnqueueGradients need a staged batch of the config's
   // exact (batch, window); EnqueueGradients leaves the gradients on the device instead of taking the optimizer step.
@@ -77,17 +84,21 @@ class CudaModel {
   // the carried per-sequence state and leave their final state there (ResetStreamState zeroes it).
   //
   // EnqueueTrainStep is warmup → capture → replay, per (batch, window) in a small cache of graphs: the first step at
-  // a shape runs eagerly (cuBLAS and lazy state settle), the second is captured into a CUDA graph and launched, later
-  // ones are one cudaGraphLaunch. The graph copies the staged inputs in and the report out itself; the learning rate
-  // and bias corrections come from the device step counter, so schedules advance under replay. Every replay checks
-  // that the graph's shape is the staged one and that the buffers it was captured over are still the model's
-  // (INTERNAL otherwise: never a replay over other memory). Training shapes other than the config's (batch, window)
-  // are refused with INVALID_ARGUMENT naming both: the backward pass and its column-sum tables are built for exactly
-  // that shape, so the cache holds one graph per model today and is keyed by shape so that more can be added.
-  // With graphs off every step is eager. CUDA events around each step's launch give its device time (Wait reads them).
+  // a shape runs eagerly (cuBLAS and lazy state settle), later ones are one cudaGraphLaunch of a graph captured on
+  // its first use. A shape holds up to eight graphs, one per way a step uses the input slots (which slot it trains
+  // on, whether it copies that batch in, whether it copies the next staged batch in beside its compute; see
+  // StageBatch). The graph copies the staged inputs in and the report out itself; the learning rate and bias
+  // corrections come from the device step counter, so schedules advance under replay. Every replay checks that the
+  // graph's shape is the staged one and that the buffers it was captured over are still the model's (INTERNAL
+  // otherwise: never a replay over other memory). Training shapes other than the config's (batch, window) are refused
+  // with INVALID_ARGUMENT naming both: the backward pass and its column-sum tables are built for exactly that shape,
+  // so the cache holds the graphs of one shape today and is keyed by shape so that more can be added. With graphs off
+  // every step is eager (the same copies, the same bits). CUDA events around each step's launch give its device time
+  // (Wait reads them).
   absl::Status EnqueueTrainStep();
   // The training step's device work enqueued kernel by kernel: what an eager step runs and what a capture records.
-  // No events, no counters (for benchmarks that capture it themselves).
+  // No events, no counters (for benchmarks that capture it themselves). It takes its batch as EnqueueTrainStep does,
+  // except inside a stream capture, which runs nothing: there it records the step on the batch it would take.
   absl::Status EnqueueTrainStepEagerly();
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
   bool use_graphs() const { return use_graphs_; }
@@ -98,7 +109,7 @@ class CudaModel {
   absl::Status ResetStreamState();
 
   // Waits for the stream and returns the report of the last Enqueue (loss and mask count always; gradient norm and
-  // step after EnqueueTrainStep). After EnqueueEvaluate, StagedLogits() then holds its logits. After a training step
+  // step after EnqueueTrainStep). After EnqueueEvaluate, StagedLogits() then holds the logits of the batch it took. After a training step
   // it also reads that step's CUDA events into training_counters(): they completed with the stream, so the read
   // stalls nothing. (A training step not waited for before the next is enqueued stays untimed.)
   absl::StatusOr<kernels::StepReport> Wait();
@@ -138,16 +149,34 @@ class CudaModel {
     float* Cfc(float* base) const { return base + layers * (conv_per_layer + ssm_per_layer); }
   };
 
-  // The buffers a training graph reads and writes, by address: the pinned staging and report, the parameters,
-  // gradients, moments and step counter, the device inputs, and the base of every arena (activations, tables,
-  // cuBLAS workspace). A graph replays only over the set it was captured with.
-  using BufferSet = std::array<const void*, 15>;
-  // One cached training graph: its shape, the eager steps seen at that shape, the executable once captured.
+  // One input slot: a batch's pinned staging and its copy on the device (see StageBatch).
+  struct InputSlot {
+    float *x = nullptr, *dt = nullptr, *labels = nullptr, *mask = nullptr;
+    float *x_host = nullptr, *dt_host = nullptr, *labels_host = nullptr, *mask_host = nullptr;
+    int batch = 0, window = 0;      // the staged batch's shape (0: nothing staged here yet)
+    bool on_device = false;         // a copy of the staged batch into the device buffers is enqueued
+    bool read_since_wait = false;   // work enqueued since the last Wait may still copy from the pinned buffers
+  };
+  // How one Enqueue uses the slots: the slot of the batch it runs on, whether it copies that batch in first, and the
+  // slot whose batch it copies in beside its compute for the next step (-1: none).
+  struct InputPlan {
+    int slot = 0;
+    bool copy = true;
+    int prefetch = -1;
+    int variant() const { return slot * 4 + (copy ? 2 : 0) + (prefetch >= 0 ? 1 : 0); }
+  };
+  static constexpr int kPlanVariants = 8;
+  // The buffers a training graph reads and writes, by address: both slots' pinned staging and device inputs, the
+  // pinned report, the parameters, gradients, moments and step counter, and the base of every arena (activations,
+  // tables, cuBLAS workspace). A graph replays only over the set it was captured with.
+  using BufferSet = std::array<const void*, 20>;
+  // The cached training graphs of one shape: the eager steps seen at it, and by InputPlan::variant() the executables
+  // once captured and the buffers each was captured over.
   struct TrainGraph {
     int batch = 0, window = 0;
     int64_t eager_steps = 0;
-    cudaGraphExec_t exec = nullptr;
-    BufferSet buffers{};
+    std::array<cudaGraphExec_t, kPlanVariants> exec{};
+    std::array<BufferSet, kPlanVariants> buffers{};
   };
   // Tests swap a staging buffer through this peer to check that a replay over other memory is refused.
   friend class CudaModelTestPeer;
@@ -157,14 +186,25 @@ class CudaModel {
   void ReserveBuffers();
   absl::Status BuildTables();
 
-  absl::Status RequireStaged(bool full_batch) const;
-  // The full-batch forward, loss, backward and gradient all-reduce, then (optimizer_step) clipping and AdamW: the body
-  // of both EnqueueTrainStepEagerly and EnqueueGradients.
-  absl::Status EnqueueTrainingWork(bool optimizer_step);
+  // The batch the next Enqueue takes (see StageBatch) and its copies; `prefetch`: a training step, which copies the
+  // next staged batch in if it can.
+  absl::StatusOr<InputPlan> PlanInputs(bool prefetch) const;
+  // Takes the planned batch off the staged ones, its slots' device copies current once `enqueued`.
+  void TakeBatch(const InputPlan& plan, bool enqueued);
+  absl::Status RequireFullBatch(const InputPlan& plan) const;
+  // EnqueueTrainStep's work on `plan`'s batch: the checks, then a graph launch or an eager step, between the events.
+  absl::Status LaunchTrainStep(const InputPlan& plan);
+  // EnqueueTrainStepEagerly and EnqueueGradients: the work on the batch they take (none inside a capture).
+  absl::Status EnqueueTakingBatch(bool optimizer_step);
+  // The full-batch forward, loss, backward and gradient all-reduce, then (optimizer_step) clipping and AdamW, on
+  // `plan`'s inputs.
+  absl::Status EnqueueTrainingWork(const InputPlan& plan, bool optimizer_step);
   BufferSet CurrentBuffers() const;
-  absl::Status CaptureTrainStep(TrainGraph& graph);
-  absl::Status CheckReplay(const TrainGraph& graph) const;
-  absl::Status ForwardAndLoss(int batch, int window, bool carry_state, bool with_gradient);
+  absl::Status CaptureTrainStep(TrainGraph& graph, const InputPlan& plan);
+  absl::Status CheckReplay(const TrainGraph& graph, const InputPlan& plan) const;
+  absl::Status CopyInputsIn(const InputPlan& plan, int rows);
+  absl::Status PrefetchInputs(InputSlot& next, bool behind_own_copies);
+  absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
   absl::Status CfcForward(int batch, int window, bool carry_state);
   absl::Status HeadForward(int rows, bool with_gradient);
@@ -201,15 +241,22 @@ class CudaModel {
   std::unique_ptr<Blas> grad_blas_;
   cudaEvent_t fork_ = nullptr, grads_done_ = nullptr;
   // Each layer's out_proj weight gradient, the one the main stream waits for inside the backward, on a stream and
-  // handle (the workspace's third part) of its own, so the wait is for it alone (see LayerBackward).
+  // handle (the workspace's third part) of its own, so the wait is for it alone (see LayerBackward). In the forward,
+  // the weights' TF32 split beside the standardization when the batch is on the device already (ForwardAndLoss).
   cudaStream_t layer_grad_stream_ = nullptr;
   std::unique_ptr<Blas> layer_grad_blas_;
   cudaEvent_t layer_fork_ = nullptr, layer_grad_done_ = nullptr;
+  // The next batch's copy beside a training step (see PrefetchInputs), and the events around it.
+  cudaStream_t prefetch_stream_ = nullptr;
+  cudaEvent_t prefetch_fork_ = nullptr, prefetch_done_ = nullptr;
   std::shared_ptr<NcclCommunicator> communicator_;
   CudaArena buffers_{MemoryKind::kDevice}, tables_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   size_t device_bytes_ = 0;
-  int staged_batch_ = 0, staged_window_ = 0;
-  bool enqueued_since_wait_ = false;  // device work may still read the staging buffers
+  // The input slots. current_ holds the oldest staged batch not yet taken, or with none (queued_ == 0) the one taken
+  // last; with two staged (queued_ == 2) the other slot holds the newer one.
+  std::array<InputSlot, 2> slots_;
+  int current_ = 0, queued_ = 0;
+  int logits_rows_ = 0;  // events of the batch the last EnqueueEvaluate took
 
   // Warmup → capture → replay: graphs by (batch, window), the events around each step's launch, the counters.
   bool use_graphs_ = true;
@@ -226,12 +273,11 @@ class CudaModel {
   double* mask_count_ = nullptr;
   std::byte* blas_workspace_ = nullptr;
 
-  // Inputs on the device and their pinned staging; pinned logits and report for the host. The kernels write the
-  // report straight into its pinned memory, which the device addresses as its own (unified addressing): a copy node
-  // after the optimizer ended every step ~7.5 µs later (H200, small 3xtf32, bench/step_timeline: the copy engine
-  // starts ~5.4 µs after the kernel it waits for, then copies for 2.1 µs).
+  // The device inputs of the work being enqueued (one slot's, set by ForwardAndLoss); pinned logits and report for the
+  // host. The kernels write the report straight into its pinned memory, which the device addresses as its own
+  // (unified addressing): a copy node after the optimizer ended every step ~7.5 µs later (H200, small 3xtf32,
+  // bench/step_timeline: the copy engine starts ~5.4 µs after the kernel it waits for, then copies for 2.1 µs).
   float *x_ = nullptr, *dt_ = nullptr, *labels_ = nullptr, *mask_ = nullptr;
-  float *x_host_ = nullptr, *dt_host_ = nullptr, *labels_host_ = nullptr, *mask_host_ = nullptr;
   float* logits_host_ = nullptr;
   kernels::StepReport* report_host_ = nullptr;
 

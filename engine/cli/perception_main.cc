@@ -132,14 +132,20 @@ absl::Status Train() {
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
   std::printf("class-prior baseline on validation (%d windows): %.5f\n", validation.batch, prior_loss);
 
-  Batch batch;
+  // Each step's batch sampled before the step ahead of it, which the backend may copy it in beside
+  // (Backend::TrainStepWithNext); the same batches in the same order as sampling each just before its step.
+  Batch batches[2];
   const int steps = absl::GetFlag(FLAGS_steps), log_every = absl::GetFlag(FLAGS_log_every);
   const int val_every = absl::GetFlag(FLAGS_val_every);
   const auto start = std::chrono::steady_clock::now();
   double val_loss = NAN;
+  if (steps > 0) sampler.Sample(config.batch, batches[0]);
   for (int s = 1; s <= steps; ++s) {
-    sampler.Sample(config.batch, batch);
-    ASSIGN_OR_RETURN(const TrainStepResult r, backend->TrainStep(View(batch)));
+    const Batch& batch = batches[(s - 1) % 2];
+    Batch& next = batches[s % 2];
+    if (s < steps) sampler.Sample(config.batch, next);
+    ASSIGN_OR_RETURN(const TrainStepResult r, s < steps ? backend->TrainStepWithNext(View(batch), View(next))
+                                                        : backend->TrainStep(View(batch)));
     if (!std::isfinite(r.loss)) return absl::InternalError(absl::StrCat("loss is not finite at step ", s));
     const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
     if (validate) {

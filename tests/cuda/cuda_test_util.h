@@ -16,6 +16,18 @@
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
 
+namespace perception {
+
+// Reaches into CudaModel for the one thing a test cannot do through its interface: point an input slot's staging
+// elsewhere, as a model that reallocated its buffers would, to check that a graph captured over the old one is not
+// replayed.
+class CudaModelTestPeer {
+ public:
+  static float*& x_staging(CudaModel& model, int slot) { return model.slots_[slot].x_host; }
+};
+
+}  // namespace perception
+
 namespace perception::testing {
 
 // MODEL.md §8: float32 against a float64 evaluation of the model.

@@ -23,13 +23,6 @@
 
 namespace perception {
 
-// Reaches into CudaModel for the one thing a test cannot do through its interface: point a staging buffer elsewhere,
-// as a model that reallocated its buffers would, to check that the graph captured over the old one is not replayed.
-class CudaModelTestPeer {
- public:
-  static float*& x_staging(CudaModel& model) { return model.x_host_; }
-};
-
 namespace {
 
 using testing::MakeRandomBatch;
@@ -141,15 +134,15 @@ TEST(CudaGraphTrainStep, AReplayOverOtherBuffersIsRefused) {
 
   auto elsewhere = AllocateCuda(MemoryKind::kPinnedHost, batch.x.size() * sizeof(float));
   ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
-  float* const captured = CudaModelTestPeer::x_staging(*model);
-  CudaModelTestPeer::x_staging(*model) = static_cast<float*>(elsewhere->get());
+  float* const captured = CudaModelTestPeer::x_staging(*model, 0);
+  CudaModelTestPeer::x_staging(*model, 0) = static_cast<float*>(elsewhere->get());
   const auto refused = Step(*model, batch.view());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInternal) << refused.status();
   EXPECT_TRUE(Contains(refused.status(), "captured over other buffers")) << refused.status();
   EXPECT_EQ(model->training_counters().graph_replays, 1);
   EXPECT_EQ(*model->DownloadStep(), 2) << "nothing ran";
 
-  CudaModelTestPeer::x_staging(*model) = captured;
+  CudaModelTestPeer::x_staging(*model, 0) = captured;
   const auto replayed = Step(*model, batch.view());
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_EQ(replayed->step, 3);
