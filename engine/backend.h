@@ -63,7 +63,10 @@ class Backend {
   // this call) to the device meanwhile; the CUDA backend's step copies it in beside its compute, so the next step
   // starts on it at once instead of on a copy over the host link. The next call is then given that batch at the
   // same address (its contents were taken here); a batch elsewhere, or an Evaluate or ForwardStream in between,
-  // costs only that head start. The default ignores `next`.
+  // costs only that head start. The default ignores `next`. The backend knows the batch by its address alone, so a
+  // caller must give its next TrainStep that very batch, unchanged, or one at another address: the daemon does not
+  // use it, since a freed request's memory may come back at the same address with another batch (and its Train
+  // stream seldom has the next batch queued as a step starts: never in 40 steps on the H200).
   virtual absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
                                                             const BatchView<float>& /*next*/) {
     return TrainStep(batch);

@@ -96,10 +96,8 @@ class ModelHost {
   // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
-  // `batch` must have the model's features and horizons and, for training, its (batch, window). `next`, when given,
-  // is the batch of the caller's next TrainStep, at the address it will have then (Backend::TrainStepWithNext); one
-  // that would be refused is left to its own step.
-  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr);
+  // `batch` must have the model's features and horizons and, for training, its (batch, window).
+  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch);
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;
@@ -116,8 +114,6 @@ class ModelHost {
  private:
   absl::Status RequireModel() const;
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
-  // The features and horizons, and the model's (batch, window).
-  absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                bool normalizer_fitted);

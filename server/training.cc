@@ -2,21 +2,15 @@
 #include "server/training.h"
 
 #include <algorithm>
-#include <iterator>
-#include <optional>
 
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 
 namespace perception::server {
 
-absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued,
-                                                    const v1::Batch* next) {
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued) {
   const double queue_seconds = queued.Seconds();
-  std::optional<BatchView<float>> next_view;
-  if (next != nullptr) next_view = ViewOf(*next);
-  ASSIGN_OR_RETURN(const TrainOutcome outcome,
-                   host.TrainStep(ViewOf(batch), next_view.has_value() ? &*next_view : nullptr));
+  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch)));
   v1::TrainStepResponse response;
   response.set_loss(outcome.result.loss);
   response.set_grad_norm(outcome.result.grad_norm);
@@ -63,7 +57,7 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
-      OnStepDone(step, TrainOnDevice(host, step.request->batch(), queued, NextQueuedBatch(step)));
+      OnStepDone(step, TrainOnDevice(host, step.request->batch(), queued));
     });
   }
   if (accepted.ok()) {
@@ -80,15 +74,6 @@ void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> 
     step.request.reset();
     --running_;
   });
-}
-
-const v1::Batch* TrainReactor::NextQueuedBatch(const Step& step) {
-  absl::MutexLock lock(&mu_);
-  const auto at = std::find_if(steps_.begin(), steps_.end(), [&](const Step& s) { return &s == &step; });
-  if (at == steps_.end() || std::next(at) == steps_.end()) return nullptr;
-  const Step& next = *std::next(at);
-  // Without a result and with its request, it is queued on the worker (a refused batch has its result at once).
-  return !next.result.has_value() && next.request != nullptr ? &next.request->batch() : nullptr;
 }
 
 void TrainReactor::OnWriteDone(bool ok) {

@@ -18,10 +18,8 @@
 
 namespace perception::server {
 
-// One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds). `next`, when
-// given, is the batch of the step queued behind it (ModelHost::TrainStep).
-absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued,
-                                                    const v1::Batch* next = nullptr);
+// One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds).
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued);
 
 // One Train stream. Each batch read is validated and queued on the device worker; responses go out in batch
 // order. At most kMaxUnansweredSteps batches are held (queued, running or waiting to be answered), plus the one
@@ -49,9 +47,6 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
 
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
-  // On the device worker's thread, as `step` starts: the batch of the step queued on the device behind it, if any.
-  // It stays in place until that step is done, which is after this one.
-  const v1::Batch* NextQueuedBatch(const Step& step);
   // Queues the batch just read as the next step, or records why it was refused.
   void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies `change` to the stream's state under the lock, then moves the stream forward.
