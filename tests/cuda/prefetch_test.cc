@@ -190,7 +190,7 @@ TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
   EXPECT_EQ(report->step, 4);
 }
 
-// The Backend face (Backend::TrainStepWithNext, as perception train and the daemon's Train stream call it): the same
+// The Backend face (Backend::TrainStepWithNext, as perception train calls it): the same
 // results and checkpoint as TrainStep alone, also where an Evaluate comes between two steps or the next call's batch
 // is a copy at another address (both drop the head start, not the batch).
 TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
