@@ -72,14 +72,6 @@ inline dim3 GridFor(long long n, int threads, int max_blocks = 8192) {
   return dim3(static_cast<unsigned>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks)));
 }
 
-// Programmatic dependent launch: a kernel launched with programmatic stream serialization may start once every block
-// of the kernel ahead has called LetNextKernelLaunch (or ended); WaitForPriorKernels returns once that kernel has
-// completed, its stores visible. Without such a launch both are no-ops.
-__device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void LetNextKernelLaunch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // Raises a kernel's dynamic shared-memory limit when it needs more than the default 48 KB.
 template <typename Kernel>
 cudaError_t AllowSharedMemory(Kernel kernel, size_t bytes) {

@@ -193,10 +193,6 @@ __global__ void __launch_bounds__(kThreads)
   float dw[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
-    // Halfway through, the scan's backward (next) may start staging its inputs from the forward on the
-    // multiprocessors this kernel leaves free (it waits for this kernel's end before reading dy). H200, small
-    // 3xtf32: 1,085.0-1,088.1 µs a step against 1,087.6-1,093.1 with the trigger at the start (same job).
-    if (k == kRowsPerWarp / 2) LetNextKernelLaunch();
     const int row = BackwardRow(k);
     if (row >= rows) break;
     const size_t base = static_cast<size_t>(row) * cols;

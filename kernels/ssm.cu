@@ -877,16 +877,11 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
   const int g = tid % kWarpSize / 4, t4 = tid % 4;
   const size_t row0 = static_cast<size_t>(b) * T;
 
-  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters). Launched
-  // as the programmatic dependent of the kernel ahead (the gated RMSNorm's backward), this block may start while that
-  // kernel still runs: x, B and C (the forward's, in DRAM by now) go out at once, dy (that kernel's output) only
-  // after WaitForPriorKernels, and nothing is stored to global memory before it. The steps follow the copies, as
-  // without the overlap (staging them before the wait measured the same in the step, H200, and 1.5 µs slower alone).
+  // The copies go out first, before any load the warp would wait for (warp 0's StageSteps, the parameters).
+  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   StageSwizzled<sp>(in.xbc + row0 * in.ld_xbc + h * P, in.ld_xbc, T, P, sx);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E, in.ld_xbc, T, N, sb);
   StageSwizzled<sn>(in.xbc + row0 * in.ld_xbc + E + N, in.ld_xbc, T, N, sc);
-  WaitForPriorKernels();
-  StageSwizzled<sp>(dy + row0 * E + h * P, E, T, P, sdy);
   if (warp == 0) StageSteps(in, row0, T, h, cs, vdt, vdtg);
   StagingDone();
   const float A = -expf(in.a_log[h]), Dh = in.d_skip[h], a2 = A * 1.44269504f;
@@ -1322,17 +1317,8 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
       if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = grid;
-      config.blockDim = dim3(kTileThreads);
-      config.dynamicSmemBytes = bytes;
-      config.stream = stream;
-      cudaLaunchAttribute attribute;  // the programmatic dependent of the kernel ahead: see the kernel's staging
-      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attribute.val.programmaticStreamSerializationAllowed = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, SsmMmaBackwardKernel<kNc>, in, dy, grad);
+      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+      return cudaGetLastError();
     });
   }
   if (FitsTile(in)) {
