@@ -90,6 +90,13 @@ absl::Status CopyToDevice(T* device, std::type_identity_t<std::span<const T>> ho
   return absl::OkStatus();
 }
 
+// What is queued on `waiter` from here on runs after the work queued on `source` so far (`event` marks it).
+absl::Status WaitForStream(cudaStream_t waiter, cudaStream_t source, cudaEvent_t event) {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(event, source));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(waiter, event));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 CudaModel::CudaModel(const ModelConfig& config, const OptimizerConfig& optimizer)
@@ -607,22 +614,25 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 // the host link: x goes first), beside the layers (H200, small: 19 µs a step off the main stream). Leaves grad_stream_
 // forked.
 absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
-  const Dims d(config());
-  const size_t n = rows;
   InputSlot& in = slots_[plan.slot];
   if (plan.copy) {
     in.read_since_wait = true;
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.x, in.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    RETURN_IF_ERROR(CopyFeaturesIn(in, rows, stream_));
   }
   RETURN_IF_ERROR(ForkGradients());
-  if (plan.copy) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.dt, in.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in.labels, in.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
-                                         grad_stream_));
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(in.mask, in.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, grad_stream_));
-  }
+  if (plan.copy) RETURN_IF_ERROR(CopyTargetsIn(in, rows, grad_stream_));
   return absl::OkStatus();
+}
+
+absl::Status CudaModel::CopyFeaturesIn(const InputSlot& slot, size_t rows, cudaStream_t stream) {
+  return CopyToDevice(slot.x, {slot.x_host, rows * config().n_features}, stream);
+}
+
+absl::Status CudaModel::CopyTargetsIn(const InputSlot& slot, size_t rows, cudaStream_t stream) {
+  const size_t H = config().n_horizons;
+  RETURN_IF_ERROR(CopyToDevice(slot.dt, {slot.dt_host, rows}, stream));
+  RETURN_IF_ERROR(CopyToDevice(slot.labels, {slot.labels_host, rows * H}, stream));
+  return CopyToDevice(slot.mask, {slot.mask_host, rows * H}, stream);
 }
 
 // The next step's batch in beside this step's compute, so that step starts on it at once instead of on a copy over
@@ -632,20 +642,12 @@ absl::Status CudaModel::CopyInputsIn(const InputPlan& plan, int rows) {
 // EnqueueTrainingWork joins it at the step's end. The previous step, which may have read these device buffers, ended
 // before this one began.
 absl::Status CudaModel::PrefetchInputs(InputSlot& next, bool behind_own_copies) {
-  const Dims d(config());
-  const size_t n = static_cast<size_t>(config().batch) * config().window;
+  const size_t rows = static_cast<size_t>(config().batch) * config().window;
   next.read_since_wait = true;
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_fork_, stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_));
+  RETURN_IF_ERROR(WaitForStream(prefetch_stream_, stream_, prefetch_fork_));
   if (behind_own_copies) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefetch_stream_, grads_done_));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(next.x, next.x_host, n * d.F * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(next.dt, next.dt_host, n * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(next.labels, next.labels_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice,
-                                       prefetch_stream_));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(next.mask, next.mask_host, n * d.H * sizeof(float), cudaMemcpyHostToDevice, prefetch_stream_));
+  RETURN_IF_ERROR(CopyFeaturesIn(next, rows, prefetch_stream_));
+  RETURN_IF_ERROR(CopyTargetsIn(next, rows, prefetch_stream_));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(prefetch_done_, prefetch_stream_));
   return absl::OkStatus();
 }
@@ -672,10 +674,7 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   // prefetching: 1,033–1,034 against 1,046–1,048 µs a step with the split before it on the main stream). Behind x's
   // copy it gained nothing (bench/RESULTS.md, the tenth session).
   const bool split_beside = !plan.copy && split_jobs_ != nullptr;
-  if (split_beside) {
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
-  }
+  if (split_beside) RETURN_IF_ERROR(WaitForStream(layer_grad_stream_, stream_, layer_fork_));
   if (split_jobs_ != nullptr) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
                                                            split_rows_, split_cols_,
@@ -794,11 +793,7 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
 // (MarkGradients) before it overwrites an input of a queued weight gradient, and before the optimizer. The one weight
 // gradient the main stream waits for inside the backward, each layer's out_proj (LayerBackward), runs on
 // layer_grad_stream_ instead.
-absl::Status CudaModel::ForkGradients() {
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(grad_stream_, fork_));
-  return absl::OkStatus();
-}
+absl::Status CudaModel::ForkGradients() { return WaitForStream(grad_stream_, stream_, fork_); }
 
 absl::Status CudaModel::MarkGradients() {
   CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_done_, grad_stream_));
@@ -900,8 +895,7 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   // grad_stream_ it queued behind every weight gradient issued before it (the head's, the later layer's in_proj),
   // and the wait with it (H200, small 3xtf32: the last layer's RMSNorm backward started 35.6 µs after the main
   // stream's work before it had ended, bench/step_timeline); on a stream of its own it starts at once.
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_fork_, stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(layer_grad_stream_, layer_fork_));
+  RETURN_IF_ERROR(WaitForStream(layer_grad_stream_, stream_, layer_fork_));
   RETURN_IF_ERROR(layer_grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
   RETURN_IF_ERROR(

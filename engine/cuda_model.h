@@ -203,6 +203,10 @@ class CudaModel {
   absl::Status CaptureTrainStep(TrainGraph& graph, const InputPlan& plan);
   absl::Status CheckReplay(const TrainGraph& graph, const InputPlan& plan) const;
   absl::Status CopyInputsIn(const InputPlan& plan, int rows);
+  // Of `slot`'s staged batch, the first `rows` events' features (x) to the device on `stream`; and their Δt, labels
+  // and mask.
+  absl::Status CopyFeaturesIn(const InputSlot& slot, size_t rows, cudaStream_t stream);
+  absl::Status CopyTargetsIn(const InputSlot& slot, size_t rows, cudaStream_t stream);
   absl::Status PrefetchInputs(InputSlot& next, bool behind_own_copies);
   absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
   absl::Status LayerForward(int l, int batch, int window, bool carry_state);
