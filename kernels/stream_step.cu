@@ -1047,12 +1047,12 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
   if constexpr (kResident) ClusterWait();  // (rank 0 stores into every block's mailbox from the first event on)
   uint64_t ahead[2] = {0, 0};  // (the resident step's rank 0, warp 0: the next event's words, read ahead)
   if constexpr (kResident) {
-    if (rank == 0 && warp == 0) ReadResidentWords(tick, 0, ahead[0], ahead[1]);
+    if (rank == 0 && warp == 0) ReadResidentWords(tick, tick.first, ahead[0], ahead[1]);
   }
   for (; kResident || group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if constexpr (kResident) {
       // The next event, or a stop (slot −1), which every block receives alike.
-      if (rank == 0 && warp == 0) FetchResidentEvent(tick, phase, ahead[0], ahead[1], mail, mail_bar, R);
+      if (rank == 0 && warp == 0) FetchResidentEvent(tick, tick.first + phase, ahead[0], ahead[1], mail, mail_bar, R);
       if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
       ExchangeWait(mail_bar, phase & 1);
       if (static_cast<int>(mail[kResidentSlot]) < 0) {
@@ -1062,7 +1062,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
         }
         break;
       }
-      if (rank == 0 && warp == 0) ReadResidentWords(tick, phase + 1, ahead[0], ahead[1]);
+      if (rank == 0 && warp == 0) ReadResidentWords(tick, tick.first + phase + 1, ahead[0], ahead[1]);
     }
     if (kResident || phase > 0) read_group(group_index * EG);
     if (tid < EG) {
@@ -1420,7 +1420,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       ClusterArrive();
       ClusterWait();
       if (rank == 0 && tid == 0) {
-        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(phase + 1) : "memory");
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(tick.first + phase + 1) : "memory");
       }
     }
   }
@@ -1437,7 +1437,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   StreamStep<EG, kShape>(plan, pack, st, tick);
 }
 
-// The resident step (a measurement prototype): one cluster, launched once, carries the events the host posts.
+// The resident step (CudaStreamer's path for lone events): one cluster, launched once, carries the events the host posts.
 template <int kShape>
 __global__ void __launch_bounds__(kStreamThreads, 1)
     StreamResidentKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
@@ -2376,7 +2376,10 @@ bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {
 cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                                  const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream) {
   const int shape = ResidentShape(w, max_shared_bytes);
-  if (shape < 0 || queue.ring == nullptr || queue.ring_size < 1 || queue.done == nullptr) return cudaErrorInvalidValue;
+  if (shape < 0 || queue.ring == nullptr || queue.ring_size < 1 || (queue.ring_size & (queue.ring_size - 1)) != 0 ||
+      queue.done == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   const StreamPlan plan = FixedPlan(shape);
   const size_t bytes = ResidentSharedBytes(plan);
   if (const cudaError_t error = Prepare(kResidentKernels[shape], bytes); error != cudaSuccess) return error;

@@ -108,22 +108,25 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
                              int sm_count, cudaStream_t stream);
 
-// ---- The resident step: a measurement prototype (bench_stream --resident, StreamResidentTest); the streamer does
-// not use it ----
+// ---- The resident step: the streamer's path for lone events where the model has one (CudaStreamer), also timed
+// and tested on its own (bench_stream --resident, StreamResidentTest) ----
 // One cluster of a fixed plan's launch shape (small's one-event tick) stays on the device: it loads its weights into
 // shared memory once, then carries events one at a time as the host posts them into a ring in mapped pinned memory,
 // through the same code as a launched one-event tick (so with the same bits), and counts the events it has answered.
 constexpr int kStreamResidentWords = 48;  // an event: slot, Δt, logged, log position (two words), the features
-// Each word carries the event's sequence number (its index since the launch + 1) in its high half and a payload word
-// in its low half: the kernel reads an entry in 8-byte words, each whole, and takes it once every word is the event's.
+// Each word carries the event's sequence number (its index + 1, modulo 2³²) in its high half and a payload word in its
+// low half: the kernel reads an entry in 8-byte words, each whole, and takes it once every word is the event's.
+// Events are numbered across launches over one ring (a launch starts at `first`), so an entry an earlier launch left
+// is never taken for a new event.
 struct StreamResidentEntry {
   uint64_t words[kStreamResidentWords];
 };
 struct StreamResidentQueue {
-  const StreamResidentEntry* ring;  // device address of ring_size entries (mapped pinned memory)
+  const StreamResidentEntry* ring;  // device address of ring_size entries (mapped pinned memory); a power of two
   int ring_size;
-  uint32_t* done;    // device address (mapped pinned memory): the events answered so far, written after each
+  uint32_t* done;    // device address (mapped pinned memory): after event k, k + 1 (the events answered, modulo 2³²)
   uint64_t idle_ns;  // without an event for this long the kernel leaves (as at a stop)
+  uint32_t first = 0;  // the index of the first event this launch reads
 };
 // Whether this model has a resident step within `max_shared_bytes` of shared memory per block.
 bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes);
@@ -131,8 +134,8 @@ bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes);
 // its multiprocessors meanwhile. Not capturable.
 cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                                  const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream);
-// Host side: writes event `index` (counted from 0 since the launch; F features at x) into its ring entry. The entry
-// must not be rewritten before the event ring_size earlier has been answered. A negative slot stops the kernel.
+// Host side: writes event `index` (F features at x) into its ring entry. The entry must not be rewritten before the
+// event ring_size earlier has been answered. A negative slot stops the kernel, which answers events up to it.
 void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
                              bool logged, int64_t log_index, const float* x, int F);
 
