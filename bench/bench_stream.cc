@@ -1,7 +1,6 @@
 // bench_stream: device time per streaming tick (forward_step_into) for 1 .. 10,000 instruments, graph-replayed and
 // eager, with CUDA events around every tick; prints one table and optionally writes JSON.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -29,7 +28,7 @@ ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 ABSL_FLAG(bool, sweep, true, "time every launch shape eagerly, to check the default choice");
 ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of the sweep");
 ABSL_FLAG(bool, resident, false,
-          "also time the resident step (a measurement prototype, kernels/stream_step.h) of each config that has one: "
+          "also time the streamer's resident step (lone events, kernels/stream_step.h) of each config that has one: "
           "one instrument's events posted into mapped pinned memory, host-timed round trips and back-to-back events");
 ABSL_FLAG(int, queue_us, 3000,
           "hold the stream this long (a sleeping host function) before the timed ticks, so that the host queues them "
@@ -90,6 +89,9 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
   const int capacity = *std::max_element(sizes.begin(), sizes.end());
   ASSIGN_OR_RETURN(std::unique_ptr<CudaStreamer> streamer, CudaStreamer::Create(layout, capacity, std::max<int64_t>(64, (int64_t{1} << 20) / capacity)));
   RETURN_IF_ERROR(streamer->PublishFromHost(params));
+  // Launched ticks alone, timed between events on the stream: a resident step has no launch per tick to time that
+  // way (BenchResident times it).
+  streamer->set_use_resident(false);
   std::vector<Row> rows;
   Rng rng(7);
   for (int n : sizes) {
@@ -153,9 +155,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
   return rows;
 }
 
-// The resident step for one instrument of `name`: the host posts an event and spins until it is answered (the round
-// trip, median and percentiles of `iterations`·10), then posts `iterations`·50 events back to back, up to a ring's
-// worth ahead (µs per event). The launched tick's host round trip (Step, then Synchronize) is timed the same way beside it.
+// The streamer's resident path for one instrument of `name` (CudaStreamer: lone events posted to the resident step)
+// against its launched ticks (the same calls with the resident step off): a lone event's round trip (Step, then
+// Synchronize, which waits for its answer; median and percentiles of `iterations`·10), and `iterations`·50 events back
+// to back (Step after Step, then one Synchronize; µs per event).
 absl::Status BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(name));
   const ParamLayout layout(config);
@@ -164,91 +167,56 @@ absl::Status BenchResident(const std::string& name, int iterations) {
   constexpr int64_t kLogEntries = 1 << 16;
   ASSIGN_OR_RETURN(std::unique_ptr<CudaStreamer> streamer, CudaStreamer::Create(layout, 1, kLogEntries));
   RETURN_IF_ERROR(streamer->PublishFromHost(params));
-  if (!kernels::StreamResidentFits(streamer->weights(), streamer->max_shared_bytes())) {
+  if (!streamer->resident_available()) {
     std::printf("%-6s resident: no resident step on this device\n", name.c_str());
     return absl::OkStatus();
   }
-  const int F = config.n_features;
   Rng rng(7);
-  std::vector<float> x(F);
+  std::vector<float> x(config.n_features), dt = {0.25f};
   for (float& v : x) v = static_cast<float>(rng.Uniform(-2, 2));
-  const float dt = 0.25f;
+  std::vector<int32_t> slots = {0};
+  std::vector<int64_t> log = {0};
+  int64_t logged = 0;
+  auto step = [&] {
+    log[0] = logged++ % kLogEntries;
+    return streamer->Step(StreamTick{x, dt, slots, log});
+  };
   using Clock = std::chrono::steady_clock;
   auto us_since = [](Clock::time_point start) {
     return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
   };
-  const int round_trips = 10 * iterations, back_to_back = 50 * iterations;
-
-  std::vector<float> dts = {dt};
-  std::vector<int32_t> slots = {0};
-  std::vector<int64_t> log = {0};
-  std::vector<double> launched;
-  for (int i = 0; i < round_trips + 20; ++i) {
-    log[0] = i % kLogEntries;
-    const auto start = Clock::now();
-    RETURN_IF_ERROR(streamer->Step(StreamTick{x, dts, slots, log}));
+  auto round_trips = [&](bool resident) -> absl::StatusOr<std::vector<double>> {
+    streamer->set_use_resident(resident);
+    std::vector<double> us;
+    for (int i = 0; i < 10 * iterations + 20; ++i) {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(step());
+      RETURN_IF_ERROR(streamer->Synchronize());
+      if (i >= 20) us.push_back(us_since(start));
+    }
+    return us;
+  };
+  auto back_to_back = [&](bool resident) -> absl::StatusOr<double> {
+    streamer->set_use_resident(resident);
+    const int count = 50 * iterations;
+    for (int i = 0; i < 20; ++i) RETURN_IF_ERROR(step());
     RETURN_IF_ERROR(streamer->Synchronize());
-    if (i >= 20) launched.push_back(us_since(start));
-  }
-
-  constexpr int kRing = 64;
-  cudaStream_t stream;
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  kernels::StreamResidentEntry* ring = nullptr;
-  uint32_t* done = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaHostAlloc(&ring, kRing * sizeof(kernels::StreamResidentEntry), cudaHostAllocMapped));
-  CUDA_RETURN_IF_ERROR(cudaHostAlloc(&done, sizeof(uint32_t), cudaHostAllocMapped));
-  std::fill_n(reinterpret_cast<char*>(ring), kRing * sizeof(kernels::StreamResidentEntry), 0);
-  *done = 0;
-  kernels::StreamResidentQueue queue{nullptr, kRing, nullptr, 2'000'000'000};
-  CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(const_cast<kernels::StreamResidentEntry**>(&queue.ring), ring, 0));
-  CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&queue.done, done, 0));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(streamer->weights(), streamer->pack(), streamer->slot_states(),
-                                                     queue, streamer->max_shared_bytes(), stream));
-  auto answered = [&] { return std::atomic_ref<uint32_t>(*done).load(std::memory_order_acquire); };
-  uint32_t posted = 0;
-  auto post = [&] {
-    kernels::PostStreamResidentEvent(ring, kRing, posted, 0, dt, true, posted % kLogEntries, x.data(), F);
-    ++posted;
-  };
-  absl::Status status;
-  auto wait = [&](uint32_t count) {
-    const auto give_up = Clock::now() + std::chrono::seconds(2);
-    while (answered() < count) {
-      if (Clock::now() > give_up) {
-        status = absl::DeadlineExceededError(absl::StrCat("resident step: ", answered(), " of ", count, " answered"));
-        return false;
-      }
-    }
-    return true;
-  };
-  std::vector<double> resident;
-  for (int i = 0; i < round_trips + 20 && status.ok(); ++i) {
     const auto start = Clock::now();
-    post();
-    if (wait(posted) && i >= 20) resident.push_back(us_since(start));
-  }
-  double per_event = 0;
-  if (status.ok()) {
-    const uint32_t first = posted;
-    const auto start = Clock::now();
-    for (int i = 0; i < back_to_back && status.ok(); ++i) {
-      if (posted + 1 - answered() >= kRing && !wait(posted + 2 - kRing)) break;
-      post();
-    }
-    if (wait(posted)) per_event = us_since(start) / (posted - first);
-  }
-  kernels::PostStreamResidentEvent(ring, kRing, posted, -1, 0.f, false, 0, nullptr, 0);
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
-  CUDA_RETURN_IF_ERROR(cudaFreeHost(ring));
-  CUDA_RETURN_IF_ERROR(cudaFreeHost(done));
-  RETURN_IF_ERROR(status);
+    for (int i = 0; i < count; ++i) RETURN_IF_ERROR(step());
+    RETURN_IF_ERROR(streamer->Synchronize());
+    return us_since(start) / count;
+  };
+  ASSIGN_OR_RETURN(const std::vector<double> launched, round_trips(false));
+  ASSIGN_OR_RETURN(const std::vector<double> resident, round_trips(true));
+  ASSIGN_OR_RETURN(const double launched_per_event, back_to_back(false));
+  ASSIGN_OR_RETURN(const double resident_per_event, back_to_back(true));
+  std::vector<float> probs(config.n_horizons);
+  RETURN_IF_ERROR(streamer->ReadSlotProbabilities(0, probs));  // (which stops the resident step)
   std::printf("%-6s resident: round trip %8.2f us (p10 %8.2f, p99 %8.2f; launched tick's Step + Synchronize %8.2f, "
-              "p10 %8.2f, p99 %8.2f), back to back %8.2f us/event over %d events\n",
+              "p10 %8.2f, p99 %8.2f), back to back %8.2f us/event (launched %8.2f) over %d events\n",
               name.c_str(), Percentile(resident, 0.5), Percentile(resident, 0.1), Percentile(resident, 0.99),
-              Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), per_event,
-              back_to_back);
+              Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), resident_per_event,
+              launched_per_event, 50 * iterations);
   std::fflush(stdout);
   return absl::OkStatus();
 }

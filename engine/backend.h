@@ -76,6 +76,9 @@ class Backend {
   // CUDA graphs for the training step and the streaming ticks (on by default); off enqueues the same work kernel by
   // kernel, for debugging. A backend without graphs ignores it.
   virtual void set_use_graphs(bool /*use_graphs*/) {}
+  // Lone streaming events through a resident step where the backend has one (CUDA, small: engine/cuda_streamer.h;
+  // on by default), instead of a launch per tick. A backend without one ignores it.
+  virtual void set_stream_resident(bool /*resident*/) {}
   // Masked BCE of `batch` under the current parameters; logits [B,T,H] written when non-empty.
   virtual absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) = 0;
 

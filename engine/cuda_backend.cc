@@ -38,10 +38,15 @@ class CudaBackend final : public Backend {
     model_->set_use_graphs(use_graphs);
     if (streamer_) streamer_->set_use_graphs(use_graphs);
   }
+  void set_stream_resident(bool resident) override {
+    stream_resident_ = resident;
+    if (streamer_) streamer_->set_use_resident(resident);
+  }
 
   // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
     DropNext();
+    RETURN_IF_ERROR(YieldStreaming());
     const ModelConfig& c = config();
     if (batch.window != c.window) {
       return absl::InvalidArgumentError(absl::StrCat("Evaluate: window ", batch.window,
@@ -83,6 +88,7 @@ class CudaBackend final : public Backend {
     }
     const std::vector<float> no_labels(static_cast<size_t>(c.window) * H);  // the forward ignores labels and mask
     DropNext();
+    RETURN_IF_ERROR(YieldStreaming());
     RETURN_IF_ERROR(model_->ResetStreamState());
     for (size_t begin = 0; begin < n; begin += c.window) {
       const size_t len = std::min<size_t>(c.window, n - begin);
@@ -117,6 +123,7 @@ class CudaBackend final : public Backend {
   absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
     ASSIGN_OR_RETURN(streamer_, CudaStreamer::Create(layout(), slots, log_entries_per_slot));
     streamer_->set_use_graphs(model_->use_graphs());
+    streamer_->set_use_resident(stream_resident_);
     return PublishWeights();
   }
   absl::Status PublishWeights() override {
@@ -161,6 +168,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<TrainStepResult> Train(const BatchView<float>& batch, const BatchView<float>* next) {
     RETURN_IF_ERROR(CheckTrainingShape(batch));
     if (next) RETURN_IF_ERROR(CheckTrainingShape(*next));
+    RETURN_IF_ERROR(YieldStreaming());
     if (staged_next_ != nullptr && staged_next_ == batch.x.data()) {
       staged_next_ = nullptr;  // staged by the step before, and by now on the device
     } else {  // whatever a failed call left staged is not this step's
@@ -199,6 +207,12 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // A training step or an evaluation takes the whole device: a resident streaming step (which holds a cluster of
+  // multiprocessors between lone events) is stopped first, and the model's stream waits until it has left.
+  absl::Status YieldStreaming() {
+    return streamer_ ? streamer_->YieldTo(model_->stream()) : absl::OkStatus();
+  }
+
   absl::Status RequireStreaming() const {
     if (streamer_) return absl::OkStatus();
     return absl::FailedPreconditionError("streaming is not configured on this backend (ConfigureStreaming first)");
@@ -207,6 +221,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<CudaStreamer> streamer_;
   int64_t replica_checks_ = 0;
+  bool stream_resident_ = true;
   const float* staged_next_ = nullptr;  // x of the batch the last TrainStepWithNext staged as `next`, if any
 };
 

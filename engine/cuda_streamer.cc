@@ -2,7 +2,9 @@
 #include "engine/cuda_streamer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +28,10 @@ CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_ent
 
 CudaStreamer::~CudaStreamer() {
   // Errors cannot be reported from a destructor; the handles are released either way.
-  if (stream_) cudaStreamSynchronize(stream_);
+  if (stream_) {
+    StopResident().IgnoreError();
+    cudaStreamSynchronize(stream_);
+  }
   auto destroy = [](std::map<int, TickGraph>& graphs) {
     for (auto& [bucket, graph] : graphs) {
       cudaGraphExecDestroy(graph.exec);
@@ -40,6 +45,7 @@ CudaStreamer::~CudaStreamer() {
   }
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
+  if (resident_.left) cudaEventDestroy(resident_.left);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -66,6 +72,7 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_copied_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_.left, cudaEventDisableTiming));
 
   const size_t S = slots_, H = c.n_horizons, F = c.n_features;
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
@@ -96,6 +103,8 @@ absl::Status CudaStreamer::Initialize() {
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
   }
+  pinned_.Reserve(&resident_.ring, kResidentRing);
+  pinned_.Reserve(&resident_.done, 1);
   RETURN_IF_ERROR(device_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
   state_.log_entries = log_entries_;
@@ -109,6 +118,7 @@ absl::Status CudaStreamer::Initialize() {
   sm_count_ = properties.multiProcessorCount;
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
+  resident_fits_ = kernels::StreamResidentFits(weights_, max_shared_bytes_);
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
       kernels::StreamShapeFit& fit = fits_[gi][ci];
@@ -186,6 +196,7 @@ kernels::StreamWeights CudaStreamer::WeightsAt(const float* params) const {
 }
 
 absl::Status CudaStreamer::Publish(const float* device_params, cudaStream_t source) {
+  RETURN_IF_ERROR(StopResident());  // a running cluster holds the weights it loaded at its launch
   CUDA_RETURN_IF_ERROR(cudaEventRecord(published_ready_, source));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, published_ready_, 0));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, device_params, layout_.total_size() * sizeof(float),
@@ -207,6 +218,7 @@ absl::Status CudaStreamer::PublishFromHost(std::span<const float> params) {
     return absl::InvalidArgumentError(absl::StrCat("PublishFromHost: ", params.size(), " floats for a layout of ",
                                                    layout_.total_size()));
   }
+  RETURN_IF_ERROR(StopResident());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(published_, params.data(), params.size_bytes(), cudaMemcpyHostToDevice, stream_));
   RETURN_IF_ERROR(Pack());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -364,6 +376,8 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   RETURN_IF_ERROR(CheckTick(tick));
   const int n = static_cast<int>(tick.size());
   if (n == 0) return absl::OkStatus();
+  if (n == 1 && use_graphs_ && use_resident_ && resident_fits_) return PostResident(tick);
+  RETURN_IF_ERROR(StopResident());
   if (!use_graphs_) return StepEagerly(tick, ShapeFor(n));
   const int bucket = BucketFor(n);
   if (Inline(bucket)) {
@@ -394,7 +408,62 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
 absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape) {
   RETURN_IF_ERROR(CheckTick(tick));
   if (tick.size() == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(StopResident());
   return StepEagerly(tick, shape);
+}
+
+absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
+  if (!resident_.running) {
+    // No idle exit: a cluster that left by itself could not tell the host which posted event it had not read.
+    const kernels::StreamResidentQueue queue{resident_.ring, kResidentRing, resident_.done,
+                                             std::numeric_limits<uint64_t>::max(), resident_.posted};
+    CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));
+    resident_.running = true;
+    resident_.since_yield = true;
+  }
+  RETURN_IF_ERROR(WaitForRingEntry());
+  kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, resident_.posted++, tick.slots[0], tick.dt[0],
+                                   /*logged=*/true, tick.log_indices[0], tick.x.data(), layout_.config().n_features);
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::StopResident() {
+  if (!resident_.running) return absl::OkStatus();
+  RETURN_IF_ERROR(WaitForRingEntry());
+  kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, resident_.posted++, -1, 0.f, false, 0, nullptr, 0);
+  resident_.running = false;
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(resident_.left, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
+  RETURN_IF_ERROR(StopResident());
+  if (!resident_.since_yield) return absl::OkStatus();
+  resident_.since_yield = false;
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(other, resident_.left, 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
+  const std::atomic_ref<uint32_t> done(*resident_.done);
+  // Counts are modulo 2³²: `count` is answered once done has reached it, i.e. count − done, as a signed distance, ≤ 0.
+  for (uint32_t spins = 1; static_cast<int32_t>(count - done.load(std::memory_order_acquire)) > 0; ++spins) {
+    if (spins % 4096 != 0) continue;
+    // The cluster cannot answer once it has failed, and leaves only at a stop: either way the wait is over.
+    const cudaError_t state = cudaStreamQuery(stream_);
+    if (state == cudaErrorNotReady) continue;
+    CUDA_RETURN_IF_ERROR(state);
+    if (static_cast<int32_t>(count - done.load(std::memory_order_acquire)) > 0) {
+      return absl::InternalError(absl::StrCat("the resident streaming step left with event ", count - 1,
+                                              " unanswered (", done.load(), " answered)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::WaitForRingEntry() {
+  // The next event's entry last held the event kResidentRing before it, which must have been read.
+  return WaitResidentAnswered(resident_.posted + 1 - kResidentRing);
 }
 
 absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape shape) {
@@ -434,6 +503,7 @@ absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, TickGr
 
 absl::Status CudaStreamer::ResetSlot(int slot) {
   RETURN_IF_ERROR(CheckSlot(slot));
+  RETURN_IF_ERROR(StopResident());
   const ModelConfig& c = layout_.config();
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
   const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
@@ -475,6 +545,7 @@ absl::Status CudaStreamer::ReadLog(int slot, int64_t begin, int64_t count, std::
     return absl::InvalidArgumentError(absl::StrCat("ReadLog: slot ", slot, " range [", begin, ", ", begin + count,
                                                    ") or output sizes do not fit a log of ", log_entries_));
   }
+  RETURN_IF_ERROR(StopResident());
   const size_t first = static_cast<size_t>(slot) * log_entries_ + begin;
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(convictions.data(), state_.log_convictions + first, count * sizeof(float),
                                        cudaMemcpyDeviceToHost, stream_));
@@ -490,12 +561,14 @@ absl::Status CudaStreamer::ReadSlotProbabilities(int slot, std::span<float> prob
   if (slot < 0 || slot >= slots_ || probs.size() != H) {
     return absl::InvalidArgumentError(absl::StrCat("ReadSlotProbabilities: slot ", slot, " or output size"));
   }
+  RETURN_IF_ERROR(StopResident());
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(probs.data(), state_.probs + slot * H, probs.size_bytes(), cudaMemcpyDeviceToHost, stream_));
   return Synchronize();
 }
 
 absl::Status CudaStreamer::Synchronize() {
+  if (resident_.running) return WaitResidentAnswered(resident_.posted);
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }

@@ -1,6 +1,6 @@
 // The streaming half of the CUDA backend: per-slot states, probabilities and conviction logs in device memory, the
 // published weights, and forward_step_into as one graph per tick on a high-priority stream (one kernel for small
-// ticks, a few grid-wide ones for large ticks).
+// ticks, a few grid-wide ones for large ticks), or, for lone events where the model has one, the resident step.
 #pragma once
 
 #include <array>
@@ -47,6 +47,8 @@ class CudaStreamer {
   CudaStreamer(const CudaStreamer&) = delete;
   CudaStreamer& operator=(const CudaStreamer&) = delete;
 
+  // Where every tick, copy and the resident step run, in the order they were asked for. (Work queued here from outside
+  // waits behind a running resident step until it is stopped: see YieldTo.)
   cudaStream_t stream() const { return stream_; }
   int slots() const { return slots_; }
   // Whether ticks can launch with this shape on this device (clusters of 16 need a device that co-schedules them).
@@ -68,6 +70,19 @@ class CudaStreamer {
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
+
+  // The resident step (kernels/stream_step.h): with graphs on, where the model has one (small's lone-event plan) and
+  // unless switched off, a tick of one event is posted into a ring in pinned memory that one cluster, launched on
+  // stream() by the first such tick, reads (no launch per tick; the same bits as the launched tick). Anything else
+  // this streamer is asked to do (a larger tick, a seed, a reset, a publish, a read) first posts a stop behind the
+  // events already posted, and is queued on stream() behind the cluster's exit, so every request keeps its order.
+  // Meanwhile the cluster holds its multiprocessors (8 of the H200's 132) and polls the ring.
+  bool resident_available() const { return resident_fits_; }
+  void set_use_resident(bool use_resident) { use_resident_ = use_resident; }
+  bool resident_running() const { return resident_.running; }
+  // Before other heavy work on the device (a training step, an evaluation): stops a running resident step and makes
+  // `other` wait until it has left, so that work gets every multiprocessor (and a cooperative launch its co-residency).
+  absl::Status YieldTo(cudaStream_t other);
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
 
@@ -80,11 +95,12 @@ class CudaStreamer {
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
   absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
 
+  // Waits for everything asked so far: a running resident step's answers (it keeps running), or stream().
   absl::Status Synchronize();
 
   // What the step kernels read (the published weights' dimensions and pack, the slots' states and logs) and the shared
-  // memory a block may use: for the resident step's measurement prototype (kernels/stream_step.h), benchmarks and tests
-  // only. The pack is rebuilt on stream() at each publish.
+  // memory a block may use: for the resident step launched on a stream of its own (kernels/stream_step.h), benchmarks
+  // and tests only. The pack is rebuilt on stream() at each publish.
   const kernels::StreamWeights& weights() const { return weights_; }
   const float* pack() const { return pack_; }
   const kernels::StreamSlots& slot_states() const { return state_; }
@@ -132,6 +148,12 @@ class CudaStreamer {
   // `copied` event afterwards, outside any graph capture.)
   absl::Status EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape);
   absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
+  // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
+  // posted (a no-op if none runs), and the waits on the ring's answers.
+  absl::Status PostResident(const StreamTick& tick);
+  absl::Status StopResident();
+  absl::Status WaitResidentAnswered(uint32_t count);
+  absl::Status WaitForRingEntry();
   absl::Status Capture(const kernels::StreamTickInput& input, TickGraph& graph);
 
   const ParamLayout& layout_;
@@ -157,6 +179,20 @@ class CudaStreamer {
   std::array<std::map<int, TickGraph>, 2> graphs_;  // staged ticks: per staging buffer, by bucket
   std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
   std::unique_ptr<bool[]> slot_seen_;
+  // The resident step's ring (pinned, read by the device over the bus) and answer counter; events are numbered over
+  // the ring across launches (StreamResidentQueue), `posted` counting the stops too.
+  struct Resident {
+    kernels::StreamResidentEntry* ring = nullptr;
+    uint32_t* done = nullptr;
+    uint32_t posted = 0;
+    bool running = false;         // launched, and no stop posted since
+    bool since_yield = false;     // launched since the last YieldTo
+    cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
+  };
+  static constexpr int kResidentRing = 1024;  // a power of two (StreamResidentQueue)
+  Resident resident_;
+  bool resident_fits_ = false;
+  bool use_resident_ = true;
 };
 
 }  // namespace perception

@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(device_, config, optimizer, std::move(params), communicator_, precision_));
   backend->set_use_graphs(use_graphs_);
+  backend->set_stream_resident(streaming_.resident);
   return backend;
 }
 

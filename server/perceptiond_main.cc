@@ -56,6 +56,10 @@ ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot p
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "
           "older entries are overwritten and counted)");
+ABSL_FLAG(bool, stream_resident, true,
+          "on CUDA (small): lone streaming events go to a resident step that polls a ring in pinned memory, instead "
+          "of a launch per tick; it holds 8 multiprocessors while streaming, and yields them to every training step "
+          "(--nostream_resident: a launched tick per event)");
 ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many processed events...");
 ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
 ABSL_FLAG(int, publish_every_steps, 1,
@@ -111,7 +115,7 @@ absl::StatusOr<Limits> LimitsFromFlags() {
 absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   StreamOptions options;
   options.device = {absl::GetFlag(FLAGS_stream_slots), absl::GetFlag(FLAGS_stream_log_entries),
-                    absl::GetFlag(FLAGS_publish_every_steps)};
+                    absl::GetFlag(FLAGS_publish_every_steps), absl::GetFlag(FLAGS_stream_resident)};
   options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);

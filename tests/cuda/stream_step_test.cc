@@ -10,6 +10,7 @@
 #include <optional>
 #include <thread>
 
+#include "engine/backend.h"
 #include "engine/cpu_reference.h"
 #include "engine/cuda_streamer.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -358,7 +359,7 @@ TEST(StreamStepManyTest, AThousandInstrumentsInterleavedWithoutCrossTalkOrAlloca
   parity.ExpectLogsMatch();
 }
 
-// The resident step (a measurement prototype): lone events for a few slots, most of them back to back for one slot and
+// The resident step launched on a stream of its own: lone events for a few slots, most of them back to back for one slot and
 // through a ring of 8 entries (reused while the kernel runs), give the launched kernel's bits, log entry for log
 // entry, and the CPU's results.
 TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
@@ -367,6 +368,7 @@ TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
   if (!kernels::StreamResidentFits(resident.streamer().weights(), resident.streamer().max_shared_bytes())) {
     GTEST_SKIP() << "no resident step for small on this device";
   }
+  launched.streamer().set_use_resident(false);
   launched.Seed(2, 9, 5);
   resident.Seed(2, 9, 5);
   resident.StartResident(8);
@@ -395,6 +397,120 @@ TEST(StreamResidentTest, LeavesWhenIdle) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
   EXPECT_EQ(resident.Answered(), 0u);
   resident.StopResident();
+}
+
+// The streamer's own resident path (lone events posted to the resident step, anything else stopping it first) against
+// the same requests with it switched off: the same bits, log entry for log entry, and the CPU's results, over more
+// lone events back to back than its ring holds, with a larger tick, a seed, a reset, a publish, reads and waits
+// between them.
+TEST(StreamResidentTest, TheStreamersLoneEventsGiveTheLaunchedTicksBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity launched("small", 8, 2048), resident("small", 8, 2048);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
+  launched.streamer().set_use_resident(false);
+  const int H = resident.config().n_horizons;
+  auto both = [&](auto&& request) {
+    request(launched);
+    request(resident);
+  };
+  Rng rng(11);
+  for (int round = 0; round < 6; ++round) {
+    for (int i = 0; i < 400; ++i) {  // 2,400 lone events in all: the ring (1,024 entries) wraps
+      const int32_t slot = i % 5 < 3 ? round : static_cast<int32_t>(rng.Below(8));
+      both([&](StreamStepParity& p) { p.Tick({slot}, 1000 * round + i); });
+    }
+    ASSERT_TRUE(resident.streamer().resident_running());
+    EXPECT_FALSE(launched.streamer().resident_running());
+    switch (round) {
+      case 0:
+        both([&](StreamStepParity& p) { p.Tick({1, 4, 6}, 77); });
+        break;
+      case 1:
+        both([&](StreamStepParity& p) { p.Seed(3, 9, 88); });  // (a reset, then unlogged lone events)
+        break;
+      case 2:
+        both([&](StreamStepParity& p) { ASSERT_TRUE(p.streamer().PublishFromHost(p.params()).ok()); });
+        break;
+      case 3: {
+        std::vector<float> a(H), b(H);
+        ASSERT_TRUE(launched.streamer().ReadSlotProbabilities(3, a).ok());
+        ASSERT_TRUE(resident.streamer().ReadSlotProbabilities(3, b).ok());
+        EXPECT_EQ(a, b);
+        break;
+      }
+      case 4:  // waiting for the answers keeps the resident step running
+        both([&](StreamStepParity& p) { ASSERT_TRUE(p.streamer().Synchronize().ok()); });
+        EXPECT_TRUE(resident.streamer().resident_running());
+        break;
+      default:
+        break;
+    }
+    EXPECT_EQ(resident.streamer().resident_running(), round >= 4) << "round " << round;
+  }
+  EXPECT_EQ(launched.Logs(), resident.Logs());
+  launched.ExpectLogsMatch();
+  resident.ExpectLogsMatch();
+}
+
+// YieldTo stops a running resident step and orders the other stream behind its exit; the next lone event starts a
+// new one, which carries the states on.
+TEST(StreamResidentTest, YieldToStopsTheResidentStepAndTheNextLoneEventStartsAnother) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity resident("small", 2, 64);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  resident.Tick({0}, 1);
+  ASSERT_TRUE(resident.streamer().resident_running());
+  ASSERT_TRUE(resident.streamer().YieldTo(other).ok());
+  EXPECT_FALSE(resident.streamer().resident_running());
+  EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(resident.streamer().stream()), cudaSuccess) << "the other stream ran before the exit";
+  resident.Tick({0}, 2);
+  resident.Tick({1}, 3);
+  EXPECT_TRUE(resident.streamer().resident_running());
+  ASSERT_TRUE(resident.streamer().YieldTo(other).ok());
+  ASSERT_TRUE(resident.streamer().YieldTo(other).ok());  // nothing running: nothing to wait for
+  EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  resident.ExpectLogsMatch();
+}
+
+// Through the CUDA backend, lone events between training steps, publishes and evaluations (each of which stops the
+// resident step first) log the same bits with the resident step as without it.
+TEST(StreamResidentTest, TheBackendsLoneEventsBetweenTrainingStepsMatchLaunchedTicks) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  const ParamLayout layout(config);
+  const testing::RandomBatch train = MakeRandomBatch(config, config.batch, config.window, 21);
+  auto run = [&](bool resident) -> std::vector<float> {
+    absl::StatusOr<std::unique_ptr<Backend>> made = MakeBackend("cuda", config, OptimizerConfig{}, RandomParams(layout, 5));
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (!made.ok()) return {};
+    Backend& backend = **made;
+    backend.set_stream_resident(resident);
+    EXPECT_TRUE(backend.ConfigureStreaming(2, 256).ok());
+    const int F = config.n_features;
+    int64_t logged = 0;
+    for (int round = 0; round < 3; ++round) {
+      const testing::RandomBatch events = MakeRandomBatch(config, 1, 40, 30 + round);
+      for (int i = 0; i < 40; ++i) {
+        const int32_t slot = 0;
+        const int64_t index = logged++;
+        EXPECT_TRUE(backend.ForwardStepInto({std::span<const float>(events.x).subspan(i * F, F),
+                                             std::span<const float>(events.dt).subspan(i, 1), {&slot, 1}, {&index, 1}})
+                        .ok());
+      }
+      EXPECT_TRUE(backend.TrainStep(train.view()).ok());
+      EXPECT_TRUE(backend.PublishWeights().ok());
+      EXPECT_TRUE(backend.Evaluate(train.view(), {}).ok());
+    }
+    std::vector<float> convictions(logged);
+    EXPECT_TRUE(backend.ReadLog(0, 0, logged, convictions, {}).ok());
+    return convictions;
+  };
+  const std::vector<float> launched = run(false), resident = run(true);
+  ASSERT_EQ(launched.size(), 120u);
+  EXPECT_EQ(launched, resident);
 }
 
 TEST(StreamStepManyTest, MalformedTicksAreRefused) {
