@@ -446,7 +446,7 @@ absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
 
 absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
   const std::atomic_ref<uint32_t> done(*resident_.done);
-  // Counts are modulo 2³²: `count` is answered once done has reached it, i.e. count − done, as a signed distance, ≤ 0.
+  // Counts are modulo 2³²: `count` is answered once done has reached it (count − done, a signed distance, ≤ 0).
   for (uint32_t spins = 1; static_cast<int32_t>(count - done.load(std::memory_order_acquire)) > 0; ++spins) {
     if (spins % 4096 != 0) continue;
     // The cluster cannot answer once it has failed, and leaves only at a stop: either way the wait is over.

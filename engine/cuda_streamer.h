@@ -189,7 +189,9 @@ class CudaStreamer {
     bool since_yield = false;     // launched since the last YieldTo
     cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
   };
-  static constexpr int kResidentRing = 1024;  // a power of two (StreamResidentQueue)
+  // A power of two (StreamResidentQueue). 64 entries (24 KB): a lone event's round trip on the H200 took 10.9 µs
+  // against 12.4 with 1,024 (the host's stores into a larger ring reach the device later); back to back the same.
+  static constexpr int kResidentRing = 64;
   Resident resident_;
   bool resident_fits_ = false;
   bool use_resident_ = true;
