@@ -301,6 +301,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  // Launched in the forward's chain (engine/cuda_model.cc), the kernel ahead wrote A (or C, which beta 1 reads).
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
 
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
@@ -558,9 +561,11 @@ cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// kBP: p.b is B's big part, b_small its small part, both as B would be.
+// kBP: p.b is B's big part, b_small its small part, both as B would be. `programmatic`: as the programmatic dependent
+// of the kernel ahead on the stream (kernels/common.cuh).
 template <int BN, bool kAK, bool kBK, bool kBP = false>
-cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr) {
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr,
+                   bool programmatic = false) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
   using L = Layout<BN, kAK, kBK, kBP>;
@@ -602,19 +607,18 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const fl
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, b_big_map, b_small_map, store,
-                                                                 tiles_m, tiles_n, tiles);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, std::min(tiles, sms), kThreads, L::kShared, stream, programmatic, p, a_map, c_map,
+                      b_big_map, b_small_map, store, tiles_m, tiles_n, tiles);
 }
 
 template <bool kAK, bool kBK, bool kBP = false>
 cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream,
-                       const float* b_small = nullptr) {
+                       const float* b_small = nullptr, bool programmatic = false) {
   switch (tile) {
     case GemmTile::k128x128:
-      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small);
+      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
     case GemmTile::k128x64:
-      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small);
+      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
     case GemmTile::kAuto:
       break;
   }
@@ -697,16 +701,16 @@ __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile, const Tf32x3Planes* planes) {
+                                    GemmTile tile, const Tf32x3Planes* planes, bool programmatic) {
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
   GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
   if (planes != nullptr && planes->big != nullptr) {
     // The planes' layout is w's own: a w passed at another stride or wider than the split one has no planes here.
     if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
     p.b = planes->big;
-    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small);
+    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small, programmatic);
   }
-  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream);
+  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream, nullptr, programmatic);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
