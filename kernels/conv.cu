@@ -34,8 +34,6 @@ __device__ __forceinline__ float Pre(float bias, const float (&w)[W], const floa
 
 template <int W>
 __global__ void __launch_bounds__(kThreads) ConvForwardKernel(ConvInput in, float* out, float* state_out) {
-  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
-  LetNextKernelLaunch();
   const int c = blockIdx.x * kWarpSize + threadIdx.x % kWarpSize;
   const int chunks_per_sequence = CeilDiv(in.window, kForwardChunk);
   const int chunk = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
@@ -45,6 +43,8 @@ __global__ void __launch_bounds__(kThreads) ConvForwardKernel(ConvInput in, floa
 #pragma unroll
   for (int k = 0; k < W; ++k) w[k] = in.weight[c * W + k];
   const float bias = in.bias[c];
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote x (not the weights)
+  LetNextKernelLaunch();
   float hist[kForwardChunk + W - 1];  // history rows t0 ..
 #pragma unroll
   for (int j = 0; j < kForwardChunk + W - 1; ++j) hist[j] = History<W>(in, b, t0 + j, c);

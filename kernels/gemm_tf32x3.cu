@@ -112,6 +112,10 @@ __device__ __forceinline__ void TensorCopy(uint32_t dst, const CUtensorMap& map,
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar)
       : "memory");
 }
+// Brings the descriptor `map` into the tensor copies' cache ahead of its first copy.
+__device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
 // The box at `src` into the tensor of `map` at (x0, x1, x2), stored or added; one bulk group per call.
 __device__ __forceinline__ void TensorStore(StoreMode mode, const CUtensorMap& map, uint32_t src, int x0, int x1,
                                             int x2) {
@@ -301,7 +305,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  // Launched in the forward's chain (engine/cuda_model.cc), the kernel ahead wrote A (or C, which beta 1 reads).
+  // Launched in the forward's chain (engine/cuda_model.cc), the kernel ahead wrote A (or C, which beta 1 reads). B's
+  // parts, split before the chain, no kernel of it writes: where they come split, the thread that copies them sends
+  // the first stages' B out before it waits (FULL expects the stage's A too), with the descriptors' prefetches.
+  int preloaded = 0;
+  if constexpr (kBP) {
+    if (threadIdx.x == 0) {
+      PrefetchTensorMap(a_map);
+      PrefetchTensorMap(b_big_map);
+      PrefetchTensorMap(b_small_map);
+      if (store != StoreMode::kRegisters) PrefetchTensorMap(c_map);
+      int tile = blockIdx.x, k0 = 0;
+      TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+      int k_len = KLength(p, tc.z);
+      for (; preloaded < L::kStages && tile < tiles; ++preloaded) {
+        const int s = preloaded, zb = p.stride_b != 0 ? tc.z : 0;
+        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        TensorCopy(base + L::BBig(s), b_big_map, k0, tc.n0, zb, base + L::Full(s));
+        TensorCopy(base + L::BSmall(s), b_small_map, k0, tc.n0, zb, base + L::Full(s));
+        k0 += kBk;
+        if (k0 >= k_len) {
+          k0 = 0;
+          tile += gridDim.x;
+          tc = Coordinates(tile, tiles_m, tiles_n, BN);
+          k_len = KLength(p, tc.z);
+        }
+      }
+    }
+  }
   WaitForPriorKernels();
   LetNextKernelLaunch();
 
@@ -333,11 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % L::kStages;
         if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
         const TileCoordinates& tc = w.tc;
-        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        // The first `preloaded` stages' B went out before the wait, their FULL's bytes expected then.
+        if (it >= preloaded) MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
         TensorCopy(base + L::A(s), a_map, w.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
-        const int zb = p.stride_b != 0 ? tc.z : 0;
-        TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
-        TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
+        if (it >= preloaded) {
+          const int zb = p.stride_b != 0 ? tc.z : 0;
+          TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
+          TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
+        }
       }
     } else {
       Walk fetching, storing;
