@@ -275,12 +275,12 @@ bool Blas::UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device) 
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch,
-                           const kernels::Tf32x3Planes* planes) {
+                           const kernels::Tf32x3Planes* planes, bool programmatic) {
   if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_,
-                                                          kernels::GemmTile::kAuto, planes));
+                                                          kernels::GemmTile::kAuto, planes, programmatic));
     flops_ += 2.0 * rows * in * out * batch.count;
     return absl::OkStatus();
   }

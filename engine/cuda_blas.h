@@ -41,10 +41,11 @@ class Blas {
 
   // y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y; bias may be null (none). The bias is the
   // product's epilogue, so a layer's output needs no broadcast of its bias first. `planes` (may be null): w's TF32
-  // parts, current, for the 3×TF32 kernels (kernels::Tf32x3Planes).
+  // parts, current, for the 3×TF32 kernels (kernels::Tf32x3Planes). `programmatic`: the 3×TF32 kernel launched as the
+  // programmatic dependent of the kernel ahead on the stream (kernels/common.cuh; cuBLAS launches as it always does).
   absl::Status Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, const float* bias,
                        float beta, float* y, int ldy, BlasBatch batch = {},
-                       const kernels::Tf32x3Planes* planes = nullptr);
+                       const kernels::Tf32x3Planes* planes = nullptr, bool programmatic = false);
   // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx
   absl::Status BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw, float beta,
                             float* dx, int lddx, const kernels::Tf32x3Planes* planes = nullptr);

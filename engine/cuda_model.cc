@@ -684,14 +684,19 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
   if (split_beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
+  // From here to the head's LayerNorm the forward is one chain of kernels on the main stream, each launched as the
+  // programmatic dependent of the one ahead (kernels/common.cuh): it launches while that one ends and waits for it
+  // before it reads anything, so the gaps between them close. Not the backward: there, blocks parked at their wait
+  // starved the weight gradients' stream beside it (an earlier session measured every kernel so launched slower).
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
-                                 param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight)));
+                                 param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight),
+                                 /*programmatic=*/true));
   // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
   // prefetching: 1,059 against 1,046–1,048 µs; after the layers' forward or at the backward's start, 1,046–1,048).
   if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], plan.copy));
   for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
-                                                     rstd_f_, nullptr, stream_));
+                                                     rstd_f_, nullptr, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s copies and count
   // Data parallel: the loss is the masked mean over the GLOBAL batch, so the mask count is summed over the ranks
   // before the head divides by it (each rank's d logits is then m·(σ − y)/(global Σm), its share of the global
@@ -719,25 +724,25 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
-                                                     h_[l + 1], stream_));
+                                                     h_[l + 1], stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd, {},
-                                 planes(lt.in_proj)));
+                                 planes(lt.in_proj), /*programmatic=*/true));
   // The conv is its own launch: formed in the SSM forward's staging instead (the same bits, with and without B/C
   // shared over a cluster of the heads), that one kernel took 42–46 µs against 13.5 + 25.3 µs for the two (H200,
   // small): the conv's SiLU work joins every block's serial staging, which the forward's 4 blocks a multiprocessor
   // do not hide.
   const kernels::ConvInput conv = ConvInputOf(l, batch, window, carry_state ? states_.Conv(states_.in, l) : nullptr);
-  CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.xbc,
-                                                  carry_state ? states_.Conv(states_.out, l) : nullptr, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchConvForward(conv, a.xbc, carry_state ? states_.Conv(states_.out, l) : nullptr,
+                                                  stream_, /*programmatic=*/true));
   const kernels::SsmInput ssm = SsmInputOf(l, batch, window, carry_state ? states_.Ssm(states_.in, l) : nullptr);
-  CUDA_RETURN_IF_ERROR(
-      kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchSsmScanForward(ssm, a.y, carry_state ? states_.Ssm(states_.out, l) : nullptr,
+                                                     stream_, /*programmatic=*/true));
   // The gated norm is its own launch too: folded into the SSM forward's epilogue (a cluster of the heads exchanging
   // the rows' sums of squares), that kernel took 39–40 µs against 25.3 + 14.2 µs for the two (H200, small).
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormForward(a.y, a.zx, d.zd, param(lt.mixer_norm), rows, d.E, a.yn,
-                                                          a.rstd_gate, stream_));
+                                                          a.rstd_gate, stream_, /*programmatic=*/true));
   return blas_->Forward(rows, d.E, d.D, a.yn, d.E, param(lt.out_proj), d.E, nullptr, 1.f, h_[l + 1], d.D, {},
-                        planes(lt.out_proj));
+                        planes(lt.out_proj), /*programmatic=*/true);
 }
 
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
@@ -745,12 +750,14 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
                                  param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K, {},
-                                 planes(layout_.cfc_backbone.weight)));
+                                 planes(layout_.cfc_backbone.weight), /*programmatic=*/true));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
-  RETURN_IF_ERROR(AwaitGradients());  // the packed weights (ForwardAndLoss)
+  // The packed weights (ForwardAndLoss): complete before the CfC launches, which reads them before its wait.
+  RETURN_IF_ERROR(AwaitGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
-                                                 carry_state ? states_.Cfc(states_.out) : nullptr, stream_));
+                                                 carry_state ? states_.Cfc(states_.out) : nullptr, stream_,
+                                                 /*programmatic=*/true));
   return absl::OkStatus();
 }
 
@@ -761,11 +768,14 @@ kernels::NormOutputLayer CudaModel::HeadOutputLayer() const {
 absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
+  // The forward's chain goes on (ForwardAndLoss), but for the first product where the ranks' mask count was summed
+  // ahead of it.
+  const bool after_cfc = !(with_gradient && communicator_);
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight)));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_));
+                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight), after_cfc));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f,
-                                 e1_, d.G, {}, planes(pl.grn_fc1.weight)));
+                                 e1_, d.G, {}, planes(pl.grn_fc1.weight), /*programmatic=*/true));
   // Gate and value read the same e1: one batched launch (value's weight and output one stride past gate's).
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e1_, d.G, param(pl.grn_gate.weight), d.G, param(pl.grn_gate.bias),
                                  0.f, gate_pre_, d.G,
@@ -773,15 +783,16 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
                                   .w = param(pl.grn_value.weight) - param(pl.grn_gate.weight),
                                   .y = value_ - gate_pre_,
                                   .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)},
-                                 planes(pl.grn_gate.weight)));
+                                 planes(pl.grn_gate.weight), /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G,
-                                 {}, planes(pl.grn_skip)));
+                                 {}, planes(pl.grn_skip), /*programmatic=*/true));
   // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
   // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
   const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
                                                               param(pl.grn_norm.bias), HeadOutputLayer(), grad, rows,
-                                                              d.G, nhat_, g_, ln_rstd_, logits_, stream_));
+                                                              d.G, nhat_, g_, ln_rstd_, logits_, stream_,
+                                                              /*programmatic=*/true));
   return absl::OkStatus();
 }
 

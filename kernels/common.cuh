@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 namespace perception::kernels {
 
 constexpr int kWarpSize = 32;
@@ -70,6 +72,37 @@ __device__ T BlockSum(T v, T* scratch) {
 inline dim3 GridFor(long long n, int threads, int max_blocks = 8192) {
   const long long blocks = (n + threads - 1) / threads;
   return dim3(static_cast<unsigned>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks)));
+}
+
+// Programmatic dependent launch along a chain of kernels on one stream (the model's forward, engine/cuda_model.cc): a
+// kernel launched `programmatic` (LaunchKernel) may start before the kernel ahead of it on the stream has finished,
+// once every block of that one has called LetNextKernelLaunch (or exited). WaitForPriorKernels returns once the kernel
+// ahead has completed, its stores visible; since that kernel waited likewise, so have all before it. Before the wait a
+// kernel reads nothing that the kernels ahead write and writes nothing at all. In a kernel not launched so, or whose
+// next kernel was not, both are no-ops. (kernels/stream_step.cu keeps a private copy of the two.)
+__device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void LetNextKernelLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), where `programmatic` as the programmatic dependent of the
+// kernel ahead of it on the stream (see above). Returns the launch's error, cleared as cudaGetLastError clears it.
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                         bool programmatic, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t last = cudaGetLastError();
+  return launched != cudaSuccess ? launched : last;
 }
 
 // Raises a kernel's dynamic shared-memory limit when it needs more than the default 48 KB.

@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(kThreads) ConvForwardKernel(ConvInput in, floa
 #pragma unroll
   for (int k = 0; k < W; ++k) w[k] = in.weight[c * W + k];
   const float bias = in.bias[c];
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote x (not the weights)
+  LetNextKernelLaunch();
   float hist[kForwardChunk + W - 1];  // history rows t0 ..
 #pragma unroll
   for (int j = 0; j < kForwardChunk + W - 1; ++j) hist[j] = History<W>(in, b, t0 + j, c);
@@ -234,11 +236,11 @@ __global__ void __launch_bounds__(kWalkThreads, kWalkMinBlocks)
 }
 
 template <int W>
-cudaError_t ForwardOfWidth(const ConvInput& in, float* out, float* state_out, cudaStream_t stream) {
+cudaError_t ForwardOfWidth(const ConvInput& in, float* out, float* state_out, cudaStream_t stream,
+                           bool programmatic) {
   const int chunks = in.batch * CeilDiv(in.window, kForwardChunk);
-  ConvForwardKernel<W><<<dim3(CeilDiv(in.channels, kWarpSize), CeilDiv(chunks, kWarps)), kThreads, 0, stream>>>(
-      in, out, state_out);
-  return cudaGetLastError();
+  return LaunchKernel(ConvForwardKernel<W>, dim3(CeilDiv(in.channels, kWarpSize), CeilDiv(chunks, kWarps)), kThreads,
+                      0, stream, programmatic, in, out, state_out);
 }
 
 // Measured on the H200 (ncu, one launch), walking takes `small`'s backward (64 steps, 4 heads) from 36.4 to 25.9 µs
@@ -278,8 +280,9 @@ static_assert(kMaxConvWidth == 8, "ForWidth instantiates widths 1 .. kMaxConvWid
 
 }  // namespace
 
-cudaError_t LaunchConvForward(const ConvInput& in, float* out, float* state_out, cudaStream_t stream) {
-  return ForWidth(in.width, [&]<int W>() { return ForwardOfWidth<W>(in, out, state_out, stream); });
+cudaError_t LaunchConvForward(const ConvInput& in, float* out, float* state_out, cudaStream_t stream,
+                              bool programmatic) {
+  return ForWidth(in.width, [&]<int W>() { return ForwardOfWidth<W>(in, out, state_out, stream, programmatic); });
 }
 
 cudaError_t LaunchConvBackward(const ConvInput& in, const ConvOutputGrad& grad, float* dx, int lddx, float* partials,

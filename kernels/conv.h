@@ -22,7 +22,10 @@ struct ConvInput {
 // out[r,c] = silu(bias[c] + Σ_k weight[c,k]·hist[t+k, c]) over the history [state ; window], [rows, channels] dense.
 // `state_out` (may be null) receives each sequence's last width−1 history rows. The pre-activation is not stored:
 // the backward recomputes it from the history it reads anyway.
-cudaError_t LaunchConvForward(const ConvInput& in, float* out, float* state_out, cudaStream_t stream);
+// `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream (kernels/common.cuh,
+// LaunchKernel).
+cudaError_t LaunchConvForward(const ConvInput& in, float* out, float* state_out, cudaStream_t stream,
+                              bool programmatic = false);
 
 // Where the gradient of the conv output comes from: the SSM's dxs for the first `inner` channels, and for the
 // remaining 2N channels (B then C) the sum over heads of its per-head partials.

@@ -112,6 +112,10 @@ __device__ __forceinline__ void TensorCopy(uint32_t dst, const CUtensorMap& map,
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar)
       : "memory");
 }
+// Brings the descriptor `map` into the tensor copies' cache ahead of its first copy.
+__device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
 // The box at `src` into the tensor of `map` at (x0, x1, x2), stored or added; one bulk group per call.
 __device__ __forceinline__ void TensorStore(StoreMode mode, const CUtensorMap& map, uint32_t src, int x0, int x1,
                                             int x2) {
@@ -301,6 +305,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  // Launched in the forward's chain (engine/cuda_model.cc), the kernel ahead wrote A (or C, which beta 1 reads). B's
+  // parts, split before the chain, no kernel of it writes: where they come split, the thread that copies them sends
+  // the first stages' B out before it waits (FULL expects the stage's A too), with the descriptors' prefetches.
+  int preloaded = 0;
+  if constexpr (kBP) {
+    if (threadIdx.x == 0) {
+      PrefetchTensorMap(a_map);
+      PrefetchTensorMap(b_big_map);
+      PrefetchTensorMap(b_small_map);
+      if (store != StoreMode::kRegisters) PrefetchTensorMap(c_map);
+      int tile = blockIdx.x, k0 = 0;
+      TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
+      int k_len = KLength(p, tc.z);
+      for (; preloaded < L::kStages && tile < tiles; ++preloaded) {
+        const int s = preloaded, zb = p.stride_b != 0 ? tc.z : 0;
+        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        TensorCopy(base + L::BBig(s), b_big_map, k0, tc.n0, zb, base + L::Full(s));
+        TensorCopy(base + L::BSmall(s), b_small_map, k0, tc.n0, zb, base + L::Full(s));
+        k0 += kBk;
+        if (k0 >= k_len) {
+          k0 = 0;
+          tile += gridDim.x;
+          tc = Coordinates(tile, tiles_m, tiles_n, BN);
+          k_len = KLength(p, tc.z);
+        }
+      }
+    }
+  }
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
 
   if (threadIdx.x < kProducerThreads) {
     const int tid = threadIdx.x;
@@ -330,11 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % L::kStages;
         if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
         const TileCoordinates& tc = w.tc;
-        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        // The first `preloaded` stages' B went out before the wait, their FULL's bytes expected then.
+        if (it >= preloaded) MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
         TensorCopy(base + L::A(s), a_map, w.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
-        const int zb = p.stride_b != 0 ? tc.z : 0;
-        TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
-        TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
+        if (it >= preloaded) {
+          const int zb = p.stride_b != 0 ? tc.z : 0;
+          TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
+          TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
+        }
       }
     } else {
       Walk fetching, storing;
@@ -558,9 +595,11 @@ cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// kBP: p.b is B's big part, b_small its small part, both as B would be.
+// kBP: p.b is B's big part, b_small its small part, both as B would be. `programmatic`: as the programmatic dependent
+// of the kernel ahead on the stream (kernels/common.cuh).
 template <int BN, bool kAK, bool kBK, bool kBP = false>
-cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr) {
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr,
+                   bool programmatic = false) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
   using L = Layout<BN, kAK, kBK, kBP>;
@@ -602,19 +641,18 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const fl
   int sms = 0;
   if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
   const int tiles_m = CeilDiv(p.m, kBm), tiles_n = CeilDiv(p.n, BN), tiles = tiles_m * tiles_n * count;
-  kernel<<<std::min(tiles, sms), kThreads, L::kShared, stream>>>(p, a_map, c_map, b_big_map, b_small_map, store,
-                                                                 tiles_m, tiles_n, tiles);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, std::min(tiles, sms), kThreads, L::kShared, stream, programmatic, p, a_map, c_map,
+                      b_big_map, b_small_map, store, tiles_m, tiles_n, tiles);
 }
 
 template <bool kAK, bool kBK, bool kBP = false>
 cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream,
-                       const float* b_small = nullptr) {
+                       const float* b_small = nullptr, bool programmatic = false) {
   switch (tile) {
     case GemmTile::k128x128:
-      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small);
+      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
     case GemmTile::k128x64:
-      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small);
+      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
     case GemmTile::kAuto:
       break;
   }
@@ -697,16 +735,16 @@ __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile, const Tf32x3Planes* planes) {
+                                    GemmTile tile, const Tf32x3Planes* planes, bool programmatic) {
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
   GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
   if (planes != nullptr && planes->big != nullptr) {
     // The planes' layout is w's own: a w passed at another stride or wider than the split one has no planes here.
     if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
     p.b = planes->big;
-    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small);
+    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small, programmatic);
   }
-  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream);
+  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream, nullptr, programmatic);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,

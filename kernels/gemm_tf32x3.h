@@ -46,11 +46,13 @@ cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int 
                                      cudaStream_t stream);
 
 // y[rows, out] = x[rows, in] · w[out, in]ᵀ + bias[out] + beta·y, `count` times (the i-th at each pointer + i·stride;
-// bias may be null). beta = 0 never reads y. `planes` (may be null): w's parts, current.
+// bias may be null). beta = 0 never reads y. `planes` (may be null): w's parts, current. `programmatic`: launched as
+// the programmatic dependent of the kernel ahead on the stream (kernels/common.cuh, LaunchKernel).
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr);
+                                    GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr,
+                                    bool programmatic = false);
 
 // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx. `planes` (may be null): w's parts, current.
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,

@@ -113,6 +113,8 @@ template <int V, int VW>
 __global__ void __launch_bounds__(kThreads) RmsNormForwardKernel(const float* v, int ldv, const float* w, int rows,
                                                                  int cols, float* y, int ldy, float* rstd,
                                                                  float* residual) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote the rows
+  LetNextKernelLaunch();
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
   float vr[V];
@@ -167,6 +169,8 @@ template <int V, int VW>
 __global__ void __launch_bounds__(kThreads) GatedRmsNormForwardKernel(const float* y, const float* z, int ldz,
                                                                       const float* w, int rows, int cols, float* yn,
                                                                       float* rstd) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote the rows
+  LetNextKernelLaunch();
   const int row = ForwardRow();
   if (row >= rows) return;
   const size_t base = static_cast<size_t>(row) * cols;
@@ -232,6 +236,8 @@ __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormForwardKernel(const float* pre_ln, const float* gate_pre, const float* value, const float* w,
                                   const float* b, NormOutputLayer layer, LogitGradient grad, int rows, int cols,
                                   float* nhat, float* g, float* rstd, float* logits) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote the rows
+  LetNextKernelLaunch();
   const int row = ForwardRow();
   if (row >= rows) return;  // whole warps leave together
   // The count, and this lane's label and mask of the first pass of logits below, loaded before the row: their
@@ -413,12 +419,11 @@ static_assert(kMaxNormWidth == 32 * kWarpSize, "ForRowWidth's widest instance is
 int NormPartialRows(int rows) { return CeilDiv(rows, kBlockRows); }
 
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
-                                 float* rstd, float* residual, cudaStream_t stream) {
+                                 float* rstd, float* residual, cudaStream_t stream, bool programmatic) {
   const bool vec = Vectorizable(cols, {v, y, residual}, {ldv, ldy});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    RmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(v, ldv, w, rows, cols, y, ldy, rstd,
-                                                                             residual);
-    return cudaGetLastError();
+    return LaunchKernel(RmsNormForwardKernel<V, VW>, ForwardGrid(rows), kThreads, 0, stream, programmatic, v, ldv, w,
+                        rows, cols, y, ldy, rstd, residual);
   });
 }
 
@@ -434,12 +439,11 @@ cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const
 }
 
 cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, const float* w, int rows, int cols,
-                                      float* yn, float* rstd, cudaStream_t stream) {
+                                      float* yn, float* rstd, cudaStream_t stream, bool programmatic) {
   const bool vec = Vectorizable(cols, {y, z, yn}, {ldz});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GatedRmsNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(y, z, ldz, w, rows, cols, yn,
-                                                                                 rstd);
-    return cudaGetLastError();
+    return LaunchKernel(GatedRmsNormForwardKernel<V, VW>, ForwardGrid(rows), kThreads, 0, stream, programmatic, y, z,
+                        ldz, w, rows, cols, yn, rstd);
   });
 }
 
@@ -457,12 +461,11 @@ cudaError_t LaunchGatedRmsNormBackward(const float* dyn, const float* rstd, cons
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
                                           const float* w, const float* b, const NormOutputLayer& out,
                                           const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
-                                          float* rstd, float* logits, cudaStream_t stream) {
+                                          float* rstd, float* logits, cudaStream_t stream, bool programmatic) {
   const bool vec = Vectorizable(cols, {pre_ln, gate_pre, value, nhat, g}, {});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
-    GrnGateLayerNormForwardKernel<V, VW><<<ForwardGrid(rows), kThreads, 0, stream>>>(
-        pre_ln, gate_pre, value, w, b, out, grad, rows, cols, nhat, g, rstd, logits);
-    return cudaGetLastError();
+    return LaunchKernel(GrnGateLayerNormForwardKernel<V, VW>, ForwardGrid(rows), kThreads, 0, stream, programmatic,
+                        pre_ln, gate_pre, value, w, b, out, grad, rows, cols, nhat, g, rstd, logits);
   });
 }
 

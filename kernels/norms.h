@@ -8,6 +8,9 @@
 
 namespace perception::kernels {
 
+// The forward launches take `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream
+// (kernels/common.cuh, LaunchKernel); each forward kernel waits for that kernel before it reads anything.
+
 // The widest row supported: each lane keeps its share of a row in registers.
 constexpr int kMaxNormWidth = 1024;
 
@@ -17,7 +20,7 @@ int NormPartialRows(int rows);
 // y = v / sqrt(mean(v²) + eps) ⊙ w for each of `rows` rows of `cols`; rstd[row] = 1/sqrt(mean(v²) + eps).
 // `residual` (may be null) receives a copy of v, [rows, cols] dense: the residual stream the block's output adds to.
 cudaError_t LaunchRmsNormForward(const float* v, int ldv, const float* w, int rows, int cols, float* y, int ldy,
-                                 float* rstd, float* residual, cudaStream_t stream);
+                                 float* rstd, float* residual, cudaStream_t stream, bool programmatic = false);
 
 // The input gradient of RmsNorm: g = rstd·dy⊙w − v·rstd³·Σ(dy⊙w⊙v)/cols; dv = g, or dv += g when `accumulate`
 // (a pre-norm's gradient joins the residual stream's). dw_partials [NormPartialRows(rows), cols]: Σ dy⊙v·rstd.
@@ -29,7 +32,7 @@ cudaError_t LaunchRmsNormBackward(const float* v, int ldv, const float* w, const
 // yn = rmsnorm(y ⊙ silu(z), w); rstd per row. y, yn are [rows, cols] dense; z has row stride ldz. The gated
 // q = y ⊙ silu(z) is not stored: the backward recomputes it from the y and z it reads anyway.
 cudaError_t LaunchGatedRmsNormForward(const float* y, const float* z, int ldz, const float* w, int rows, int cols,
-                                      float* yn, float* rstd, cudaStream_t stream);
+                                      float* yn, float* rstd, cudaStream_t stream, bool programmatic = false);
 
 // From d yn: dq by the RmsNorm backward, then dy = dq ⊙ silu(z) (dense) and dz = dq ⊙ y ⊙ silu'(z) (stride lddz).
 // dw_partials [NormPartialRows(rows), cols]: Σ d yn ⊙ q · rstd.
@@ -59,7 +62,8 @@ struct LogitGradient {
 cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate_pre, const float* value,
                                           const float* w, const float* b, const NormOutputLayer& out,
                                           const LogitGradient& grad, int rows, int cols, float* nhat, float* g,
-                                          float* rstd, float* logits, cudaStream_t stream);
+                                          float* rstd, float* logits, cudaStream_t stream,
+                                          bool programmatic = false);
 
 // From d logits [rows, out.outs]: dg = d logits · out.w (not stored), then d pre_ln = rstd·(dg⊙w − mean(dg⊙w) −
 // nhat·mean(dg⊙w⊙nhat)), and the gate's d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙

@@ -44,6 +44,9 @@ __device__ __forceinline__ void Store(float* p, int i, const float (&v)[VW]) {
 template <int VW>
 __global__ void StandardizeKernel(const float* x, const float* mean, const float* inv_std, int n, int features,
                                   float* xn) {
+  // The head of the forward's chain (engine/cuda_model.cc): the embedding's product may launch beside it.
+  WaitForPriorKernels();
+  LetNextKernelLaunch();
   FOR_EACH_GROUP(i, n) {
     const int f = i % features;  // VW divides features: the group stays in one row
     float v[VW];
@@ -56,6 +59,8 @@ __global__ void StandardizeKernel(const float* x, const float* mean, const float
 
 template <int VW>
 __global__ void EluForwardKernel(const float* pre, int n, float* out) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote `pre`
+  LetNextKernelLaunch();
   FOR_EACH_GROUP(i, n) {
     float v[VW];
     Load<VW>(pre, i, v);
@@ -87,16 +92,12 @@ bool Vectorizable(int count, std::initializer_list<const float*> arrays) {
   return true;
 }
 
-// Launches kernel<4> or kernel<1> over n values.
+// Launches kernel<4> or kernel<1> over n values; op returns the launch's error.
 template <typename Op>
 cudaError_t Launch(long long n, bool vectorizable, Op&& op) {
   if (n > INT_MAX) return cudaErrorInvalidValue;
-  if (vectorizable) {
-    op.template operator()<4>(GridFor(n / 4, kThreads));
-  } else {
-    op.template operator()<1>(GridFor(n, kThreads));
-  }
-  return cudaGetLastError();
+  return vectorizable ? op.template operator()<4>(GridFor(n / 4, kThreads))
+                      : op.template operator()<1>(GridFor(n, kThreads));
 }
 
 }  // namespace
@@ -106,18 +107,20 @@ cudaError_t LaunchStandardize(const float* x, const float* mean, const float* in
   const long long n = static_cast<long long>(rows) * features;
   return Launch(n, Vectorizable(features, {x, xn}), [&]<int VW>(dim3 grid) {
     StandardizeKernel<VW><<<grid, kThreads, 0, stream>>>(x, mean, inv_std, static_cast<int>(n), features, xn);
+    return cudaGetLastError();
   });
 }
 
-cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream) {
+cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream, bool programmatic) {
   return Launch(n, Vectorizable(n, {pre, out}), [&]<int VW>(dim3 grid) {
-    EluForwardKernel<VW><<<grid, kThreads, 0, stream>>>(pre, n, out);
+    return LaunchKernel(EluForwardKernel<VW>, grid, kThreads, 0, stream, programmatic, pre, n, out);
   });
 }
 
 cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream) {
   return Launch(n, Vectorizable(n, {pre, d_out, d_pre}), [&]<int VW>(dim3 grid) {
     EluBackwardKernel<VW><<<grid, kThreads, 0, stream>>>(pre, d_out, n, d_pre);
+    return cudaGetLastError();
   });
 }
 

@@ -9,8 +9,9 @@ namespace perception::kernels {
 cudaError_t LaunchStandardize(const float* x, const float* mean, const float* inv_std, int rows, int features,
                               float* xn, cudaStream_t stream);
 
-// out = elu(pre) over n values.
-cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream);
+// out = elu(pre) over n values. `programmatic`: launched as the programmatic dependent of the kernel ahead on the
+// stream (kernels/common.cuh, LaunchKernel).
+cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream, bool programmatic = false);
 
 // d_pre = d_out ⊙ elu'(pre) over n values; d_pre may be d_out (in place).
 cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream);

@@ -62,6 +62,8 @@ __device__ __forceinline__ size_t StateOffset(const SsmInput& in, int b, int h, 
 
 template <int kN>
 __global__ void SsmScanForwardKernel(SsmInput in, float* y, float* state_out) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
+  LetNextKernelLaunch();
   extern __shared__ float4 shared_f4[];
   using ForwardStage = Stage<kN, kForwardStageSteps>;
   const ForwardStage stage = ForwardStage::At(shared_f4);
@@ -1033,6 +1035,8 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 // y = M·x + D·x.
 template <int kNc>
 __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
+  LetNextKernelLaunch();
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
   constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, kWarps = kTileThreads / kWarpSize;
@@ -1173,6 +1177,8 @@ struct ForwardTileLayout {
 };
 
 __global__ void __launch_bounds__(kTileThreads, 3) SsmTileForwardKernel(SsmInput in, float* y, float* state_out) {
+  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
+  LetNextKernelLaunch();
   extern __shared__ double2 shared_tile[];
   const bool with_state = in.state_in != nullptr;
   const ForwardTileLayout lay(in, with_state);
@@ -1256,11 +1262,11 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmTileForwardKernel(SsmInput
 }
 
 template <int kN>
-cudaError_t LaunchForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
+cudaError_t LaunchForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream, bool programmatic) {
   const size_t bytes = Stage<kN, kForwardStageSteps>::Bytes();
   if (const cudaError_t e = AllowSharedMemory(SsmScanForwardKernel<kN>, bytes); e != cudaSuccess) return e;
-  SsmScanForwardKernel<kN><<<dim3(in.heads, in.batch), RoundUpToWarp(in.headdim), bytes, stream>>>(in, y, state_out);
-  return cudaGetLastError();
+  return LaunchKernel(SsmScanForwardKernel<kN>, dim3(in.heads, in.batch), RoundUpToWarp(in.headdim), bytes, stream,
+                      programmatic, in, y, state_out);
 }
 
 // Runs `launch.template operator()<kN>()` with the smallest compiled state width that holds d_state.
@@ -1291,23 +1297,25 @@ bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2
 
 }  // namespace
 
-cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream) {
+cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream,
+                                 bool programmatic) {
   if (!ValidShape(in)) return cudaErrorInvalidValue;
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
       if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel<kNc>, bytes); e != cudaSuccess) return e;
-      SsmMmaForwardKernel<kNc><<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y);
-      return cudaGetLastError();
+      return LaunchKernel(SsmMmaForwardKernel<kNc>, dim3(in.heads, in.batch), kTileThreads, bytes, stream,
+                          programmatic, in, y);
     });
   }
   if (FitsTile(in)) {
     const size_t bytes = ForwardTileLayout(in, in.state_in != nullptr).floats * sizeof(float);
     if (const cudaError_t e = AllowSharedMemory(SsmTileForwardKernel, bytes); e != cudaSuccess) return e;
-    SsmTileForwardKernel<<<dim3(in.heads, in.batch), kTileThreads, bytes, stream>>>(in, y, state_out);
-    return cudaGetLastError();
+    return LaunchKernel(SsmTileForwardKernel, dim3(in.heads, in.batch), kTileThreads, bytes, stream, programmatic, in,
+                        y, state_out);
   }
-  return WithStateWidth(in.d_state, [&]<int kN>() { return LaunchForward<kN>(in, y, state_out, stream); });
+  return WithStateWidth(in.d_state,
+                        [&]<int kN>() { return LaunchForward<kN>(in, y, state_out, stream, programmatic); });
 }
 
 cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const SsmGrad& grad, cudaStream_t stream) {

@@ -26,8 +26,10 @@ struct SsmInput {
   const float* state_in = nullptr;  // [batch, heads, headdim, d_state], or null for a zero state
 };
 
-// y [rows, E] dense; `state_out` (may be null) receives the final state, laid out as state_in.
-cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream);
+// y [rows, E] dense; `state_out` (may be null) receives the final state, laid out as state_in. `programmatic`: launched
+// as the programmatic dependent of the kernel ahead on the stream (kernels/common.cuh, LaunchKernel).
+cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream,
+                                 bool programmatic = false);
 
 // Gradients of the scan, from dy [rows, E].
 struct SsmGrad {
