@@ -688,9 +688,12 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   // programmatic dependent of the one ahead (kernels/common.cuh): it launches while that one ends and waits for it
   // before it reads anything, so the gaps between them close. Not the backward: there, blocks parked at their wait
   // starved the weight gradients' stream beside it (an earlier session measured every kernel so launched slower).
+  // A kernel right behind a join with another stream launches plain: what it reads before its wait (a product's
+  // weight planes, the CfC's packed weights) may come from that stream, and a captured join need not be a full
+  // dependency once the launch is programmatic.
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight),
-                                 /*programmatic=*/true));
+                                 /*programmatic=*/!split_beside));
   // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
   // prefetching: 1,059 against 1,046–1,048 µs; after the layers' forward or at the backward's start, 1,046–1,048).
   if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], plan.copy));
@@ -752,12 +755,12 @@ absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
                                  param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K, {},
                                  planes(layout_.cfc_backbone.weight), /*programmatic=*/true));
   const kernels::CfcActivations act{bb_pre_, bb_, gates_, head_in_ + d.D, d.DC, c_prev_};
-  // The packed weights (ForwardAndLoss): complete before the CfC launches, which reads them before its wait.
+  // The packed weights and the mask count (ForwardAndLoss): the CfC, which reads the weights before its wait, launches
+  // plain behind this join (see ForwardAndLoss), so they are complete for it and for everything after it.
   RETURN_IF_ERROR(AwaitGradients());
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcForward(shape, cfc_packed_, cfc_u_, dt_,
                                                  carry_state ? states_.Cfc(states_.in) : nullptr, act,
-                                                 carry_state ? states_.Cfc(states_.out) : nullptr, stream_,
-                                                 /*programmatic=*/true));
+                                                 carry_state ? states_.Cfc(states_.out) : nullptr, stream_));
   return absl::OkStatus();
 }
 

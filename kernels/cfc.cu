@@ -280,9 +280,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   float bias[4];
 #pragma unroll
   for (int h = 0; h < 4; ++h) bias[h] = packed[Tile::kBiasOffset + h * kC + i];
-  // The forward's chain (engine/cuda_model.cc): the weights above come packed beside it, complete before this kernel
-  // launches (the caller joins their stream); u comes from the kernel ahead.
-  WaitForPriorKernels();
+  // The forward's chain (engine/cuda_model.cc): this kernel launches plain, behind a join with the stream that packs
+  // its weights, and lets the product after it launch early (kernels/common.cuh).
   LetNextKernelLaunch();
   float c_own = state_in ? state_in[load_i * C + min(i, C - 1)] : 0.f;
   for (int j = tid; j < kSeqs * kC; j += Tile::kThreads) {
@@ -458,8 +457,7 @@ __device__ const float* StageWeights(const float* global, size_t floats, float* 
 template <int kSeqs, bool kShared>
 __global__ void CfcForwardGeneralKernel(CfcShape shape, const float* packed, const float* u, const float* dt,
                                  const float* state_in, CfcActivations act, float* state_out) {
-  WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote u
-  LetNextKernelLaunch();
+  LetNextKernelLaunch();  // (as the tile kernel)
   extern __shared__ float shared[];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, C4 = 4 * C;
   const size_t weight_floats = kShared ? ForwardWeightFloats(C, K) : 0;
@@ -659,20 +657,19 @@ cudaError_t Dispatch(const CfcLaunch& plan, Launch launch) {
 
 // Launches kernels[p], the tile kernel for 2^p sequences per cluster, with the fewest sequences whose clusters all
 // run at once (or the most a thread's registers hold): fewer sequences shorten every step, and a second wave would
-// double the window's time. `programmatic`: as the programmatic dependent of the kernel ahead (kernels/common.cuh).
+// double the window's time.
 template <typename Tile, typename Kernel, size_t kCount, typename... Args>
-cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStream_t stream, bool programmatic,
-                       Args... args) {
+cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStream_t stream, Args... args) {
   static_assert(1 << (kCount - 1) == Tile::kMaxSeqs);
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(Tile::kThreads);
   config.stream = stream;
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = Tile::kCluster;
-  attributes[0].val.clusterDim.y = 1;
-  attributes[0].val.clusterDim.z = 1;
-  config.attrs = attributes;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = Tile::kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
   config.numAttrs = Tile::kCluster > 1 ? 1 : 0;
   int capacity = 0;
   if constexpr (Tile::kCluster == 1) {
@@ -686,11 +683,6 @@ cudaError_t LaunchTile(const CfcShape& shape, Kernel (&kernels)[kCount], cudaStr
   int pick = 0;
   while (pick + 1 < static_cast<int>(kCount) && CeilDiv(shape.batch, 1 << pick) > capacity) ++pick;
   config.gridDim = dim3(CeilDiv(shape.batch, 1 << pick) * Tile::kCluster);
-  if (programmatic) {
-    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-    ++config.numAttrs;
-  }
   return cudaLaunchKernelEx(&config, kernels[pick], args...);
 }
 
@@ -720,18 +712,17 @@ cudaError_t LaunchCfcPackWeights(const CfcWeights& weights, const CfcShape& shap
 }
 
 cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const float* u, const float* dt,
-                             const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream,
-                             bool programmatic) {
+                             const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {CfcForwardTileKernel<SmallTile, 1>,
                                                                       CfcForwardTileKernel<SmallTile, 2>};
-    return LaunchTile<SmallTile>(shape, kernels, stream, programmatic, shape, packed, u, dt, state_in, act, state_out);
+    return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
   }
   if (Fits<LargeTile>(shape)) {
     const decltype(&CfcForwardTileKernel<LargeTile, 1>) kernels[] = {
         CfcForwardTileKernel<LargeTile, 1>, CfcForwardTileKernel<LargeTile, 2>, CfcForwardTileKernel<LargeTile, 4>};
-    return LaunchTile<LargeTile>(shape, kernels, stream, programmatic, shape, packed, u, dt, state_in, act, state_out);
+    return LaunchTile<LargeTile>(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
   }
   CfcLaunch plan;
   const int per_seq = shape.units + shape.backbone + 4 * shape.units;
@@ -742,8 +733,8 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
   return Dispatch(plan, [&]<int kSeqs, bool kShared>() {
     const auto kernel = CfcForwardGeneralKernel<kSeqs, kShared>;
     if (const cudaError_t e = AllowSharedMemory(kernel, plan.shared_bytes); e != cudaSuccess) return e;
-    return LaunchKernel(kernel, plan.blocks, plan.threads, plan.shared_bytes, stream, programmatic, shape, packed, u,
-                        dt, state_in, act, state_out);
+    kernel<<<plan.blocks, plan.threads, plan.shared_bytes, stream>>>(shape, packed, u, dt, state_in, act, state_out);
+    return cudaGetLastError();
   });
 }
 
@@ -754,14 +745,14 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
                                                                        CfcBackwardTileKernel<SmallTile, 2>};
-    return LaunchTile<SmallTile>(shape, kernels, stream, /*programmatic=*/false, shape, packed, dt, gates, bb_pre,
-                                 dc_head, ld_dc_head, dp, dbb_pre);
+    return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
+                                 dbb_pre);
   }
   if (Fits<LargeTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<LargeTile, 1>) kernels[] = {
         CfcBackwardTileKernel<LargeTile, 1>, CfcBackwardTileKernel<LargeTile, 2>, CfcBackwardTileKernel<LargeTile, 4>};
-    return LaunchTile<LargeTile>(shape, kernels, stream, /*programmatic=*/false, shape, packed, dt, gates, bb_pre,
-                                 dc_head, ld_dc_head, dp, dbb_pre);
+    return LaunchTile<LargeTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
+                                 dbb_pre);
   }
   CfcLaunch plan;
   const int per_seq = shape.units + 4 * shape.units + shape.backbone;

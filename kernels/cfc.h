@@ -44,11 +44,8 @@ struct CfcActivations {
 };
 
 // u [rows, K] = s·W_sᵀ + b_backbone; dt [rows]; state_in [batch, C] or null (zero); state_out may be null.
-// `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream (kernels/common.cuh,
-// LaunchKernel), which may write u but not `packed` (the kernels read the packed weights before they wait).
 cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const float* u, const float* dt,
-                             const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream,
-                             bool programmatic = false);
+                             const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream);
 
 // Backward through time from dc_head (d loss / d c_t from the head, row r at dc_head[r·ld_dc_head + ·]).
 // Writes dp [rows, 4C] (d of the four heads' pre-activations, packed order) and dbb_pre [rows, K]; the weight

@@ -79,7 +79,7 @@ inline dim3 GridFor(long long n, int threads, int max_blocks = 8192) {
 // once every block of that one has called LetNextKernelLaunch (or exited). WaitForPriorKernels returns once the kernel
 // ahead has completed, its stores visible; since that kernel waited likewise, so have all before it. Before the wait a
 // kernel reads nothing that the kernels ahead write and writes nothing at all. In a kernel not launched so, or whose
-// next kernel was not, both are no-ops. (kernels/stream_step.cu keeps a private copy of the two.)
+// next kernel was not, both are no-ops.
 __device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void LetNextKernelLaunch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

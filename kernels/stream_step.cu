@@ -1471,15 +1471,11 @@ struct WideArgs {
   bool logged;
 };
 
-// Programmatic dependent launch: each wide kernel but the first may launch before the one ahead of it has finished.
-// It reads what this tick's earlier kernels wrote only after WaitForPriorKernels (which returns once the kernel ahead
-// has completed, its stores visible), and lets the next kernel launch right after that wait, so a kernel that starts
-// finds every kernel before the one ahead of it complete: before its own wait it reads only what the kernel ahead
-// does not write (the pack, the tick's slots, its own states).
-__device__ __forceinline__ void WaitForPriorKernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void LetNextKernelLaunch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+// Programmatic dependent launch (kernels/common.cuh): each wide kernel but the first may launch before the one ahead
+// of it has finished. It reads what this tick's earlier kernels wrote only after WaitForPriorKernels, and lets the
+// next kernel launch right after that wait, so a kernel that starts finds every kernel before the one ahead of it
+// complete: before its own wait it reads only what the kernel ahead does not write (the pack, the tick's slots, its
+// own states).
 
 // The slot of a tick's event (−1: padding, or past the tick's end).
 __device__ __forceinline__ int WideSlot(const WideArgs& a, int event) {
