@@ -79,6 +79,10 @@ class Backend {
   // Lone streaming events through a resident step where the backend has one (CUDA, small: engine/cuda_streamer.h;
   // on by default), instead of a launch per tick. A backend without one ignores it.
   virtual void set_stream_resident(bool /*resident*/) {}
+  // Leaves nothing of this backend running on the device between calls (CUDA: a resident streaming step is stopped
+  // and waited for; the next lone event starts it again), before work that may wait for the whole device, such as
+  // creating another backend.
+  virtual absl::Status QuiesceDevice() { return absl::OkStatus(); }
   // Masked BCE of `batch` under the current parameters; logits [B,T,H] written when non-empty.
   virtual absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) = 0;
 

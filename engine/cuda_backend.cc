@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
     stream_resident_ = resident;
     if (streamer_) streamer_->set_use_resident(resident);
   }
+  absl::Status QuiesceDevice() override { return streamer_ ? streamer_->Quiesce() : absl::OkStatus(); }
 
   // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {

@@ -444,6 +444,12 @@ absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
   return absl::OkStatus();
 }
 
+absl::Status CudaStreamer::Quiesce() {
+  RETURN_IF_ERROR(StopResident());
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resident_.left));  // (a never-recorded event: at once)
+  return absl::OkStatus();
+}
+
 absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
   const std::atomic_ref<uint32_t> done(*resident_.done);
   // Counts are modulo 2³²: `count` is answered once done has reached it (count − done, a signed distance, ≤ 0).

@@ -83,6 +83,9 @@ class CudaStreamer {
   // Before other heavy work on the device (a training step, an evaluation): stops a running resident step and makes
   // `other` wait until it has left, so that work gets every multiprocessor (and a cooperative launch its co-residency).
   absl::Status YieldTo(cudaStream_t other);
+  // Stops a running resident step and waits until it has left: before anything that may wait for the whole device
+  // (creating another model: allocations, the legacy stream), which a cluster that never ends would hold forever.
+  absl::Status Quiesce();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
 

@@ -48,7 +48,9 @@ ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig
 
 absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
                                                                const OptimizerConfig& optimizer,
-                                                               std::vector<float> params) const {
+                                                               std::vector<float> params) {
+  // The current model's resident streaming step would hold the device through the new one's allocations.
+  if (backend_ != nullptr) RETURN_IF_ERROR(backend_->QuiesceDevice());
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(device_, config, optimizer, std::move(params), communicator_, precision_));
   backend->set_use_graphs(use_graphs_);

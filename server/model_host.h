@@ -121,9 +121,9 @@ class ModelHost {
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
-  // MakeBackend for this host's device, with its precision and graph setting.
+  // MakeBackend for this host's device, with its precision and graph setting; the current backend quiesced first.
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
-                                                      std::vector<float> params) const;
+                                                      std::vector<float> params);
 
   const std::string device_;
   const bool use_graphs_;

@@ -402,59 +402,59 @@ TEST(StreamResidentTest, LeavesWhenIdle) {
 // The streamer's own resident path (lone events posted to the resident step, anything else stopping it first) against
 // the same requests with it switched off: the same bits, log entry for log entry, and the CPU's results, over more
 // lone events back to back than its ring holds (360 through 64 entries), with a larger tick, a seed, a reset, a
-// publish, reads and waits between them.
+// publish, reads and waits between them. The two streamers run one after the other, each stopped before the other
+// waits on the device: under compute-sanitizer, which runs one kernel at a time, a running resident step would hold
+// back the other's work.
 TEST(StreamResidentTest, TheStreamersLoneEventsGiveTheLaunchedTicksBits) {
   SKIP_WITHOUT_CUDA_DEVICE();
   StreamStepParity launched("small", 8, 2048), resident("small", 8, 2048);
   if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
   launched.streamer().set_use_resident(false);
   const int H = resident.config().n_horizons;
-  auto both = [&](auto&& request) {
-    request(launched);
-    request(resident);
-  };
-  Rng rng(11);
-  for (int round = 0; round < 6; ++round) {
-    for (int i = 0; i < 60; ++i) {
-      const int32_t slot = i % 5 < 3 ? round : static_cast<int32_t>(rng.Below(8));
-      both([&](StreamStepParity& p) { p.Tick({slot}, 1000 * round + i); });
-    }
-    ASSERT_TRUE(resident.streamer().resident_running());
-    EXPECT_FALSE(launched.streamer().resident_running());
-    switch (round) {
-      case 0:
-        both([&](StreamStepParity& p) { p.Tick({1, 4, 6}, 77); });
-        break;
-      case 1:
-        both([&](StreamStepParity& p) { p.Seed(3, 9, 88); });  // (a reset, then unlogged lone events)
-        break;
-      case 2:
-        both([&](StreamStepParity& p) { ASSERT_TRUE(p.streamer().PublishFromHost(p.params()).ok()); });
-        break;
-      case 3: {
-        std::vector<float> a(H), b(H);
-        ASSERT_TRUE(launched.streamer().ReadSlotProbabilities(3, a).ok());
-        ASSERT_TRUE(resident.streamer().ReadSlotProbabilities(3, b).ok());
-        EXPECT_EQ(a, b);
-        break;
+  auto run = [&](StreamStepParity& p, std::vector<float>& probs) {
+    const bool resident_path = &p == &resident;
+    Rng rng(11);
+    for (int round = 0; round < 6; ++round) {
+      for (int i = 0; i < 60; ++i) {
+        const int32_t slot = i % 5 < 3 ? round : static_cast<int32_t>(rng.Below(8));
+        p.Tick({slot}, 1000 * round + i);
       }
-      case 4:  // waiting for the answers keeps the resident step running
-        both([&](StreamStepParity& p) { ASSERT_TRUE(p.streamer().Synchronize().ok()); });
-        EXPECT_TRUE(resident.streamer().resident_running());
-        break;
-      default:
-        break;
+      ASSERT_EQ(p.streamer().resident_running(), resident_path) << "round " << round;
+      switch (round) {
+        case 0:
+          p.Tick({1, 4, 6}, 77);
+          break;
+        case 1:
+          p.Seed(3, 9, 88);  // (a reset, then unlogged lone events)
+          break;
+        case 2:
+          ASSERT_TRUE(p.streamer().PublishFromHost(p.params()).ok());
+          break;
+        case 3:
+          ASSERT_TRUE(p.streamer().ReadSlotProbabilities(3, probs).ok());
+          break;
+        case 4:  // waiting for the answers keeps the resident step running
+          ASSERT_TRUE(p.streamer().Synchronize().ok());
+          break;
+        default:
+          break;
+      }
+      EXPECT_EQ(p.streamer().resident_running(), resident_path && round >= 4) << "round " << round;
     }
-    EXPECT_EQ(resident.streamer().resident_running(), round >= 4) << "round " << round;
-  }
-  EXPECT_EQ(launched.Logs(), resident.Logs());
+  };
+  std::vector<float> launched_probs(H), resident_probs(H);
+  run(launched, launched_probs);
+  const std::vector<float> launched_logs = launched.Logs();
   launched.ExpectLogsMatch();
+  run(resident, resident_probs);
+  EXPECT_EQ(launched_logs, resident.Logs());
+  EXPECT_EQ(launched_probs, resident_probs);
   resident.ExpectLogsMatch();
 }
 
 // YieldTo stops a running resident step and orders the other stream behind its exit; the next lone event starts a
-// new one, which carries the states on.
-TEST(StreamResidentTest, YieldToStopsTheResidentStepAndTheNextLoneEventStartsAnother) {
+// new one, which carries the states on; Quiesce stops it and returns once it has left.
+TEST(StreamResidentTest, YieldToAndQuiesceStopTheResidentStepAndTheNextLoneEventStartsAnother) {
   SKIP_WITHOUT_CUDA_DEVICE();
   StreamStepParity resident("small", 2, 64);
   if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
@@ -472,6 +472,10 @@ TEST(StreamResidentTest, YieldToStopsTheResidentStepAndTheNextLoneEventStartsAno
   ASSERT_TRUE(resident.streamer().YieldTo(other).ok());
   ASSERT_TRUE(resident.streamer().YieldTo(other).ok());  // nothing running: nothing to wait for
   EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  resident.Tick({1}, 4);
+  ASSERT_TRUE(resident.streamer().Quiesce().ok());  // stopped, and left by the time it returns
+  EXPECT_FALSE(resident.streamer().resident_running());
+  EXPECT_EQ(cudaStreamQuery(resident.streamer().stream()), cudaSuccess);
   resident.ExpectLogsMatch();
 }
 
