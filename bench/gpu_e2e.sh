@@ -20,6 +20,10 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" convictions --instrument AMZN --out "$out/convictions.csv" | tail -1
 "${ctl[@]}" bench --instruments 1 --events 20000 | tail -4
 "${ctl[@]}" bench --instruments 100 --events 50000 | tail -4
+# A lone event leaves the resident step running; replacing the model must stop it first (ModelHost::NewBackend).
+"${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN2 --count 50 | tail -1
+"${ctl[@]}" init --config small --levels 1 --replace | tail -1
+"${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN3 --count 50 | tail -1
 python3 - "$metrics_port" <<'PY' | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version)'
 import sys, urllib.request
 print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
