@@ -298,6 +298,11 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }
+  if (planes != nullptr && planes->big == nullptr && planes->big_t != nullptr) {
+    // A stack's planes (kernels::Tf32x3Planes): the product is the planes', w alone is not the stacked weight.
+    return absl::InternalError(absl::StrCat("a stacked ", rows, "x", in, "x", out,
+                                            " backward-data product without the 3xTF32 kernels"));
+  }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, nullptr, 0, beta, dx, lddx, 0, 1);
 }
 
