@@ -213,7 +213,9 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&blas_workspace_, 3 * kBlasWorkspaceBytes);
   // Where the products run on the 3×TF32 kernels, the GRN's backward-data products in stacks (see HeadBackward):
   // the stacks' transposed big and small planes, [G, 2G] (gate, value) and [D + C, 2G] (skip, fc2).
-  stacked_head_ = plane_floats_ > 0;
+  // Only shapes the kernels take (not tiny's GRN of 6); HeadBackward checks the operands too.
+  stacked_head_ = plane_floats_ > 0 && Blas::Tf32x3KernelsTakeBackwardData(d.G, 2 * d.G) &&
+                  Blas::Tf32x3KernelsTakeBackwardData(d.DC, 2 * d.G);
   stacked_plane_floats_ = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
   if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats_);
 
@@ -917,14 +919,22 @@ absl::Status CudaModel::HeadBackward(int rows) {
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, ld, e1_, d.G, grad(pl.grn_value.weight), d.G));
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, ld, e1_, d.G, grad(pl.grn_gate.weight), d.G));
-  if (stacked_head_) {
-    // de1 = [d gate_pre | d value] · [W_gate; W_value]: one product over K = 2G on the stack's planes (the weight
-    // passed is the stack's first, for the checks; the kernel reads the planes alone).
+  // The stacks' products where the 3×TF32 kernels take them (the weight passed is the stack's first, for the checks;
+  // the kernel reads the planes alone); else each weight's own product (from its own planes, at ld_t 2G where
+  // stacked_head_), today's order.
+  const bool stack_gate_value = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.G, 2 * d.G, d_gate_pre_, ld,
+                                                                                    param(pl.grn_gate.weight), d.G);
+  const bool stack_skip_fc2 = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.DC, 2 * d.G, d_pre_ln_, ld,
+                                                                                  param(pl.grn_skip), d.DC);
+  if (!stack_skip_fc2) {
+    RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
+                                        d.DC, planes(pl.grn_skip)));
+  }
+  if (stack_gate_value) {
+    // de1 = [d gate_pre | d value] · [W_gate; W_value]: one product over K = 2G.
     RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, 2 * d.G, d_gate_pre_, ld, param(pl.grn_gate.weight), d.G, 0.f,
                                         de1_, d.G, &gate_value_planes_));
   } else {
-    RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
-                                        d.DC, planes(pl.grn_skip)));
     RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, ld, param(pl.grn_value.weight), d.G, 0.f, de1_,
                                         d.G, planes(pl.grn_value.weight)));
     RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, ld, param(pl.grn_gate.weight), d.G, 1.f, de1_,
@@ -942,7 +952,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, ld, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
-  if (stacked_head_) {
+  if (stack_skip_fc2) {
     // d head_in = [d pre_ln | d pre2] · [W_skip; W_fc2]: the skip's and fc2's products as one over K = 2G.
     return blas_->BackwardData(rows, d.DC, 2 * d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC,
                                &skip_fc2_planes_);
