@@ -288,15 +288,28 @@ absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, c
               ldy, batch.y, batch.count);
 }
 
+bool Blas::Tf32x3KernelsTakeBackwardData(int in, int out) {
+  return Tf32x3ForwardOrBackwardDataPays(in, out) && kernels::GemmTf32x3Supports(16, out, in);
+}
+
+bool Blas::BackwardDataOnTf32x3Kernels(int in, int out, const float* dy, int lddy, const float* w, int ldw) const {
+  return tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
+         kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in);
+}
+
 absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                 float beta, float* dx, int lddx, const kernels::Tf32x3Planes* planes) {
-  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
-      kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in)) {
+  if (BackwardDataOnTf32x3Kernels(in, out, dy, lddy, w, ldw)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_,
                                               kernels::GemmTile::kAuto, planes));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
+  }
+  if (planes != nullptr && planes->big == nullptr && planes->big_t != nullptr) {
+    // A stack's planes (kernels::Tf32x3Planes): the product is the planes', w alone is not the stacked weight.
+    return absl::InternalError(absl::StrCat("a stacked ", rows, "x", in, "x", out,
+                                            " backward-data product without the 3xTF32 kernels"));
   }
   return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, in, rows, out, w, ldw, 0, dy, lddy, 0, nullptr, 0, beta, dx, lddx, 0, 1);
 }

@@ -35,6 +35,10 @@ class Blas {
                                                       Precision precision);
   // Whether Blas runs products on the 3×TF32 wgmma kernels (kernels/gemm_tf32x3.h) on this device.
   static bool UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device);
+  // Whether a BackwardData of this shape goes to those kernels where they are used and its operands are aligned
+  // (BackwardDataOnTf32x3Kernels says for given operands): a stack's planes (kernels::Tf32x3Planes) need them.
+  static bool Tf32x3KernelsTakeBackwardData(int in, int out);
+  bool BackwardDataOnTf32x3Kernels(int in, int out, const float* dy, int lddy, const float* w, int ldw) const;
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
@@ -46,7 +50,8 @@ class Blas {
   absl::Status Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw, const float* bias,
                        float beta, float* y, int ldy, BlasBatch batch = {},
                        const kernels::Tf32x3Planes* planes = nullptr, bool programmatic = false);
-  // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx
+  // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx. With a stack's planes (big and small null) only where
+  // BackwardDataOnTf32x3Kernels; INTERNAL otherwise.
   absl::Status BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw, float beta,
                             float* dx, int lddx, const kernels::Tf32x3Planes* planes = nullptr);
   // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]

@@ -168,6 +168,22 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   ReserveBuffers();
   RETURN_IF_ERROR(buffers_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
+  {
+    const Dims d(config());
+    const size_t M = static_cast<size_t>(config().batch) * config().window;
+    head_ld_ = stacked_head_ ? 2 * d.G : d.G;
+    const size_t second = stacked_head_ ? d.G : M * d.G;  // the second gradient's offset in its pair's buffer
+    d_gate_pre_ = d_gate_value_;
+    d_value_ = d_gate_value_ + second;
+    d_pre_ln_ = d_skip_fc2_;
+    d_pre2_ = d_skip_fc2_ + second;
+    if (stacked_head_) stacked_planes_ = weight_planes_ + 4 * plane_floats_;
+    if (neg_zero_bias_ != nullptr) {
+      const std::vector<float> neg_zero(d.G, -0.f);
+      RETURN_IF_ERROR(CopyToDevice(neg_zero_bias_, neg_zero, stream_));
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    }
+  }
   ASSIGN_OR_RETURN(blas_, Blas::Create(stream_, blas_workspace_, kBlasWorkspaceBytes, options.precision));
   ASSIGN_OR_RETURN(grad_blas_,
                    Blas::Create(grad_stream_, blas_workspace_ + kBlasWorkspaceBytes, kBlasWorkspaceBytes, options.precision));
@@ -195,7 +211,13 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&loss_partials_, kernels::kMaskedBceBlocks);
   a.Reserve(&mask_count_, 1);
   a.Reserve(&blas_workspace_, 3 * kBlasWorkspaceBytes);
-  if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_);
+  // Where the products run on the 3×TF32 kernels, the GRN's backward-data products in stacks (see HeadBackward):
+  // the stacks' transposed big and small planes, [G, 2G] (gate, value) and [D + C, 2G] (skip, fc2).
+  // Only shapes the kernels take (not tiny's GRN of 6); HeadBackward checks the operands too.
+  stacked_head_ = plane_floats_ > 0 && Blas::Tf32x3KernelsTakeBackwardData(d.G, 2 * d.G) &&
+                  Blas::Tf32x3KernelsTakeBackwardData(d.DC, 2 * d.G);
+  stacked_plane_floats_ = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
+  if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats_);
 
   for (InputSlot& slot : slots_) {
     a.Reserve(&slot.x, M * d.F);
@@ -233,10 +255,13 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&c_prev_, M * d.C);
   for (float** buffer : {&pre2_, &e2_, &e1_, &gate_pre_, &value_, &pre_ln_, &nhat_, &g_}) a.Reserve(buffer, M * d.G);
   a.Reserve(&ln_rstd_, M);
+  if (stacked_head_) a.Reserve(&neg_zero_bias_, d.G);
   a.Reserve(&logits_, M * d.H);
 
   a.Reserve(&dlogits_, M * d.H);
-  for (float** buffer : {&d_pre_ln_, &d_gate_pre_, &d_value_, &de1_, &d_pre2_}) a.Reserve(buffer, M * d.G);
+  a.Reserve(&d_gate_value_, M * 2 * d.G);
+  a.Reserve(&d_skip_fc2_, M * 2 * d.G);
+  a.Reserve(&de1_, M * d.G);
   a.Reserve(&d_head_in_, M * d.DC);
   a.Reserve(&dp_, M * 4 * d.C);
   a.Reserve(&dbb_pre_, M * d.K);
@@ -300,7 +325,7 @@ absl::Status CudaModel::BuildTables() {
   head_sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
   const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
   for (int j = 0; j < kernels::kCfcHeads; ++j) head_sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
-  head_sum(pl.grn_fc2.bias, d_pre2_, d.G, d.G);
+  head_sum(pl.grn_fc2.bias, d_pre2_, head_ld_, d.G);
   head_sum(pl.grn_fc1.bias, de1_, d.G, d.G);
   head_sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, P);
   head_sum(pl.grn_value.bias, grn_partials_ + 3 * d.G, 4 * d.G, d.G, P);
@@ -331,13 +356,36 @@ absl::Status CudaModel::BuildTables() {
     std::vector<int> weights = {pl.embed.weight,    pl.cfc_backbone.weight, pl.grn_fc2.weight, pl.grn_fc1.weight,
                                 pl.grn_gate.weight, pl.grn_value.weight,    pl.grn_skip};
     for (const LayerTensors& lt : pl.layers) weights.insert(weights.end(), {lt.in_proj, lt.out_proj});
+    // The stacks' transposed planes: [in, 2G] each, the first weight's columns, then the second's.
+    struct Stack {
+      int first, second, in;
+      kernels::Tf32x3Planes* planes;
+    };
+    const Stack stacks[] = {{pl.grn_gate.weight, pl.grn_value.weight, d.G, &gate_value_planes_},
+                            {pl.grn_skip, pl.grn_fc2.weight, d.DC, &skip_fc2_planes_}};
+    float* next_stack = stacked_planes_;
+    for (const Stack& stack : stacks) {
+      if (!stacked_head_) break;
+      const size_t floats = static_cast<size_t>(stack.in) * 2 * d.G;
+      *stack.planes = {nullptr, nullptr, next_stack, next_stack + floats, 2 * d.G, stack.in};
+      next_stack += 2 * floats;
+    }
     for (const int tensor : weights) {
       const TensorSpec& spec = layout_.tensor(tensor);
       float* at[4];
       for (int kind = 0; kind < 4; ++kind) at[kind] = weight_planes_ + kind * plane_floats_ + spec.offset;
       const int rows = static_cast<int>(spec.shape[0]), cols = static_cast<int>(spec.shape[1]);
-      split_jobs_host_.push_back({param(tensor), rows, cols, at[0], at[1], at[2], at[3]});
-      planes_of_[tensor] = {at[0], at[1], at[2], at[3], rows, cols};
+      int ld_t = 0;
+      for (const Stack& stack : stacks) {
+        if (!stacked_head_ || (tensor != stack.first && tensor != stack.second)) continue;
+        if (rows != d.G || cols != stack.in) return absl::InternalError("a GRN weight's shape is not [G, in]");
+        const int column = tensor == stack.first ? 0 : d.G;
+        at[2] = const_cast<float*>(stack.planes->big_t) + column;
+        at[3] = const_cast<float*>(stack.planes->small_t) + column;
+        ld_t = 2 * d.G;
+      }
+      split_jobs_host_.push_back({param(tensor), rows, cols, at[0], at[1], at[2], at[3], ld_t});
+      planes_of_[tensor] = {at[0], at[1], at[2], at[3], rows, cols, ld_t};
       split_rows_ = std::max(split_rows_, rows);
       split_cols_ = std::max(split_cols_, cols);
     }
@@ -774,8 +822,22 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   // The forward's chain goes on (ForwardAndLoss), but for the first product where the ranks' mask count was summed
   // ahead of it.
   const bool after_cfc = !(with_gradient && communicator_);
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight), after_cfc));
+  if (stacked_head_) {
+    // fc2 and skip read the same head_in: one batched launch (skip's weight and output one stride past fc2's). The
+    // skip has no bias: its share of the batch's adds −0 (neg_zero_bias_), which leaves every value as it is, bit
+    // for bit (+0 would turn −0 into +0).
+    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                   param(pl.grn_fc2.bias), 0.f, pre2_, d.G,
+                                   {.count = 2,
+                                    .w = param(pl.grn_skip) - param(pl.grn_fc2.weight),
+                                    .y = pre_ln_ - pre2_,
+                                    .bias = neg_zero_bias_ - param(pl.grn_fc2.bias)},
+                                   planes(pl.grn_fc2.weight), after_cfc));
+  } else {
+    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                   param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight),
+                                   after_cfc));
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f,
                                  e1_, d.G, {}, planes(pl.grn_fc1.weight), /*programmatic=*/true));
@@ -787,8 +849,10 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
                                   .y = value_ - gate_pre_,
                                   .bias = param(pl.grn_value.bias) - param(pl.grn_gate.bias)},
                                  planes(pl.grn_gate.weight), /*programmatic=*/true));
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_, d.G,
-                                 {}, planes(pl.grn_skip), /*programmatic=*/true));
+  if (!stacked_head_) {
+    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_,
+                                   d.G, {}, planes(pl.grn_skip), /*programmatic=*/true));
+  }
   // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
   // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
   const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
@@ -841,34 +905,59 @@ absl::Status CudaModel::Backward() {
 absl::Status CudaModel::HeadBackward(int rows) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
+  const int ld = head_ld_;  // of d_pre_ln_, d_gate_pre_, d_value_ and d_pre2_
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dlogits_, HeadOutputLayer(), nhat_, ln_rstd_,
                                                                param(pl.grn_norm.weight), gate_pre_, value_, rows,
-                                                               d.G, d_pre_ln_, d_gate_pre_, d_value_, grn_partials_,
-                                                               stream_));
+                                                               d.G, d_pre_ln_, d_gate_pre_, d_value_, ld,
+                                                               grn_partials_, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
-      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, d.G, head_in_, d.DC, grad(pl.grn_skip), d.DC));
+      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre_ln_, ld, head_in_, d.DC, grad(pl.grn_skip), d.DC));
   RETURN_IF_ERROR(
-      grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, d.G, e1_, d.G, grad(pl.grn_value.weight), d.G));
+      grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, ld, e1_, d.G, grad(pl.grn_value.weight), d.G));
   RETURN_IF_ERROR(
-      grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, d.G, e1_, d.G, grad(pl.grn_gate.weight), d.G));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, d.G, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
-                                      d.DC, planes(pl.grn_skip)));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, d.G, param(pl.grn_value.weight), d.G, 0.f, de1_, d.G,
-                                      planes(pl.grn_value.weight)));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, d.G, param(pl.grn_gate.weight), d.G, 1.f, de1_,
-                                      d.G, planes(pl.grn_gate.weight)));
+      grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, ld, e1_, d.G, grad(pl.grn_gate.weight), d.G));
+  // The stacks' products where the 3×TF32 kernels take them (the weight passed is the stack's first, for the checks;
+  // the kernel reads the planes alone); else each weight's own product (from its own planes, at ld_t 2G where
+  // stacked_head_), today's order.
+  const bool stack_gate_value = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.G, 2 * d.G, d_gate_pre_, ld,
+                                                                                    param(pl.grn_gate.weight), d.G);
+  const bool stack_skip_fc2 = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.DC, 2 * d.G, d_pre_ln_, ld,
+                                                                                  param(pl.grn_skip), d.DC);
+  if (!stack_skip_fc2) {
+    RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
+                                        d.DC, planes(pl.grn_skip)));
+  }
+  if (stack_gate_value) {
+    // de1 = [d gate_pre | d value] · [W_gate; W_value]: one product over K = 2G.
+    RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, 2 * d.G, d_gate_pre_, ld, param(pl.grn_gate.weight), d.G, 0.f,
+                                        de1_, d.G, &gate_value_planes_));
+  } else {
+    RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_value_, ld, param(pl.grn_value.weight), d.G, 0.f, de1_,
+                                        d.G, planes(pl.grn_value.weight)));
+    RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, d_gate_pre_, ld, param(pl.grn_gate.weight), d.G, 1.f, de1_,
+                                        d.G, planes(pl.grn_gate.weight)));
+  }
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
-  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, d.G,
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, ld,
                                       planes(pl.grn_fc1.weight)));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
+  if (ld == d.G) {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
+  } else {
+    CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackwardRows(pre2_, d.G, d_pre2_, ld, rows, d.G, d_pre2_, ld, stream_));
+  }
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
-      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, d.G, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
-  return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, d.G, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC,
+      grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, ld, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
+  if (stack_skip_fc2) {
+    // d head_in = [d pre_ln | d pre2] · [W_skip; W_fc2]: the skip's and fc2's products as one over K = 2G.
+    return blas_->BackwardData(rows, d.DC, 2 * d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC,
+                               &skip_fc2_planes_);
+  }
+  return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, ld, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC,
                              planes(pl.grn_fc2.weight));
 }
 

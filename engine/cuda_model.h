@@ -298,6 +298,15 @@ class CudaModel {
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
   float *dlogits_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
+  // The GRN's gradients d_gate_pre_ and d_value_ live in d_gate_value_, d_pre_ln_ and d_pre2_ in d_skip_fc2_, each
+  // [rows, 2G]: side by side (leading dimension head_ld_ = 2G) where stacked_head_, so that the gate's and value's
+  // backward-data products run as one with K concatenated, and the skip's and fc2's too (HeadBackward); else one
+  // after the other, dense (head_ld_ = G), today's separate products. Set in Initialize, after the allocation.
+  float *d_gate_value_ = nullptr, *d_skip_fc2_ = nullptr;
+  int head_ld_ = 0;
+  bool stacked_head_ = false;
+  // Where stacked_head_: G floats of −0, the skip's bias in the forward's batched fc2 + skip launch (HeadForward).
+  float* neg_zero_bias_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
   float *dy_ = nullptr, *dxs_ = nullptr, *dbc_ = nullptr;  // each layer's scan-backward scratch
@@ -321,6 +330,12 @@ class CudaModel {
   float* weight_planes_ = nullptr;
   size_t plane_floats_ = 0;
   std::vector<kernels::Tf32x3Planes> planes_of_;
+  // Where stacked_head_: the transposed planes of the stacks [W_gate; W_value] and [W_skip; W_fc2] (planes-only
+  // Tf32x3Planes, [in, 2G]), in stacked_planes_ past the four planes (stacked_plane_floats_ of them); those four
+  // weights' own transposed planes point into them (ld_t = 2G).
+  float* stacked_planes_ = nullptr;
+  size_t stacked_plane_floats_ = 0;
+  kernels::Tf32x3Planes gate_value_planes_, skip_fc2_planes_;
   std::vector<kernels::Tf32x3SplitJob> split_jobs_host_;
   kernels::Tf32x3SplitJob* split_jobs_ = nullptr;
   int split_rows_ = 0, split_cols_ = 0;

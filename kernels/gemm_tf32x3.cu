@@ -721,11 +721,12 @@ __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
     }
   }
   __syncthreads();
+  const int64_t ld_t = job.ld_t > 0 ? job.ld_t : job.rows;
   for (int i = threadIdx.y; i < kSplitTile; i += kSplitRows) {
     const int c = c0 + i, r = r0 + threadIdx.x;
     if (r < job.rows && c < job.cols) {
-      job.big_t[static_cast<int64_t>(c) * job.rows + r] = __uint_as_float(big[threadIdx.x][i]);
-      job.small_t[static_cast<int64_t>(c) * job.rows + r] = __uint_as_float(small[threadIdx.x][i]);
+      job.big_t[static_cast<int64_t>(c) * ld_t + r] = __uint_as_float(big[threadIdx.x][i]);
+      job.small_t[static_cast<int64_t>(c) * ld_t + r] = __uint_as_float(small[threadIdx.x][i]);
     }
   }
 }
@@ -752,9 +753,12 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
                                          const Tf32x3Planes* planes) {
   if (rows <= 0 || in <= 0) return cudaSuccess;
   if (planes != nullptr && planes->big_t != nullptr) {
-    if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
+    const int ld_t = planes->TransposedLd();
+    if (ldw != planes->cols || out > planes->rows || in > planes->cols || ld_t < planes->rows || ld_t % 4 != 0) {
+      return cudaErrorInvalidValue;
+    }
     // dy · w is the forward product of dy under wᵀ, whose parts are [cols, rows]: its first `in` rows, `out` columns.
-    const GemmParams p{dy, lddy, 0, planes->big_t, planes->rows, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
+    const GemmParams p{dy, lddy, 0, planes->big_t, ld_t, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
     return LaunchTile<true, true, true>(AutoTile(tile, in), p, 1, stream, planes->small_t);
   }
   const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};

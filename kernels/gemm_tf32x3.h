@@ -22,23 +22,30 @@ inline bool GemmTf32x3Supports(int aligned, int contiguous_a, int contiguous_b) 
 }
 
 // A weight's TF32 big and small parts as LaunchTf32x3SplitWeights stores them: as the weight is, [out, in] with its
-// leading dimension and batch stride (big, small), and transposed, [in, out] with leading dimension out (big_t,
-// small_t; one weight, no batch). Given to Forward (big, small) or BackwardData (big_t, small_t), the kernel copies
-// B's parts into shared memory as they are instead of splitting the weight in every block: the same product, bit for
-// bit. Every pointer 16-byte aligned, and out a multiple of 4 for the transposed parts.
+// leading dimension and batch stride (big, small), and transposed, [in, out] with leading dimension ld_t (out where
+// 0; big_t, small_t; one weight, no batch). Given to Forward (big, small) or BackwardData (big_t, small_t), the kernel
+// copies B's parts into shared memory as they are instead of splitting the weight in every block: the same product,
+// bit for bit. Every pointer 16-byte aligned, and out and ld_t multiples of 4 for the transposed parts.
+// Transposed parts only (big and small null): weights stacked along out whose transposed parts sit side by side in
+// one [cols, rows] matrix (each weight's split with ld_t = the stack's rows), for a BackwardData of the stack,
+// dx = [dy_1 | dy_2] · [w_1; w_2], which runs on the planes alone (the weights need not be adjacent in memory).
 struct Tf32x3Planes {
   const float* big = nullptr;
   const float* small = nullptr;
   const float* big_t = nullptr;
   const float* small_t = nullptr;
   int rows = 0, cols = 0;  // w's shape: big and small are [rows, cols], big_t and small_t [cols, rows]
+  int ld_t = 0;            // big_t's and small_t's leading dimension; 0: rows
+  int TransposedLd() const { return ld_t > 0 ? ld_t : rows; }
 };
 
-// One weight to split: w [rows, cols], contiguous, into big and small [rows, cols] and big_t and small_t [cols, rows].
+// One weight to split: w [rows, cols], contiguous, into big and small [rows, cols] and big_t and small_t [cols, rows]
+// with leading dimension ld_t (rows where 0; at least rows).
 struct Tf32x3SplitJob {
   const float* w;
   int rows, cols;
   float *big, *small, *big_t, *small_t;
+  int ld_t = 0;
 };
 
 // Every job of the device array `jobs` (`count` of them, none more than max_rows × max_cols) in one launch.

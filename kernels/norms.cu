@@ -319,7 +319,7 @@ template <int V, int VW>
 __global__ void __launch_bounds__(kThreads)
     GrnGateLayerNormBackwardKernel(const float* dlogits, NormOutputLayer layer, const float* nhat, const float* rstd,
                                    const float* w, const float* gate_pre, const float* value, int rows, int cols,
-                                   float* d_pre_ln, float* d_gate_pre, float* d_value, float* partials) {
+                                   float* d_pre_ln, float* d_gate_pre, float* d_value, int ldd, float* partials) {
   float dw[V] = {}, db[V] = {}, dgate[V] = {}, dval[V] = {};
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
@@ -372,9 +372,10 @@ __global__ void __launch_bounds__(kThreads)
         dval[j] += dv[j];
       }
     }
-    StoreRow<V, VW>(d_pre_ln + base, cols, dpre);
-    StoreRow<V, VW>(d_value + base, cols, dv);
-    StoreRow<V, VW>(d_gate_pre + base, cols, dgt);
+    const size_t out_base = static_cast<size_t>(row) * ldd;
+    StoreRow<V, VW>(d_pre_ln + out_base, cols, dpre);
+    StoreRow<V, VW>(d_value + out_base, cols, dv);
+    StoreRow<V, VW>(d_gate_pre + out_base, cols, dgt);
   }
   float* out = partials + static_cast<size_t>(blockIdx.x) * 4 * cols;
   WriteBlockSums<V, VW>(dw, cols, out);
@@ -472,11 +473,13 @@ cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate
 cudaError_t LaunchGrnGateLayerNormBackward(const float* dlogits, const NormOutputLayer& out, const float* nhat,
                                            const float* rstd, const float* w, const float* gate_pre,
                                            const float* value, int rows, int cols, float* d_pre_ln,
-                                           float* d_gate_pre, float* d_value, float* partials, cudaStream_t stream) {
-  const bool vec = Vectorizable(cols, {nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {});
+                                           float* d_gate_pre, float* d_value, int ldd, float* partials,
+                                           cudaStream_t stream) {
+  if (ldd < cols) return cudaErrorInvalidValue;
+  const bool vec = Vectorizable(cols, {nhat, gate_pre, value, d_pre_ln, d_gate_pre, d_value}, {ldd});
   return ForRowWidth(cols, vec, [&]<int V, int VW>() {
     GrnGateLayerNormBackwardKernel<V, VW><<<NormPartialRows(rows), kThreads, 0, stream>>>(
-        dlogits, out, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, partials);
+        dlogits, out, nhat, rstd, w, gate_pre, value, rows, cols, d_pre_ln, d_gate_pre, d_value, ldd, partials);
     return cudaGetLastError();
   });
 }

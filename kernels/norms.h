@@ -67,11 +67,14 @@ cudaError_t LaunchGrnGateLayerNormForward(const float* pre_ln, const float* gate
 
 // From d logits [rows, out.outs]: dg = d logits · out.w (not stored), then d pre_ln = rstd·(dg⊙w − mean(dg⊙w) −
 // nhat·mean(dg⊙w⊙nhat)), and the gate's d value = d pre_ln ⊙ σ(gate_pre) and d gate_pre = d pre_ln ⊙ value ⊙
-// σ'(gate_pre). All dense. partials [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and
-// Σ d value (the gate's and the value's bias gradients).
+// σ'(gate_pre). The inputs dense; d pre_ln, d gate_pre and d value with leading dimension ldd (at least cols: e.g.
+// d gate_pre and d value side by side in one [rows, 2·cols] matrix, for one product over both). partials
+// [NormPartialRows(rows), 4·cols]: Σ dg ⊙ nhat (d w), Σ dg (d b), Σ d gate_pre and Σ d value (the gate's and the
+// value's bias gradients).
 cudaError_t LaunchGrnGateLayerNormBackward(const float* dlogits, const NormOutputLayer& out, const float* nhat,
                                            const float* rstd, const float* w, const float* gate_pre,
                                            const float* value, int rows, int cols, float* d_pre_ln,
-                                           float* d_gate_pre, float* d_value, float* partials, cudaStream_t stream);
+                                           float* d_gate_pre, float* d_value, int ldd, float* partials,
+                                           cudaStream_t stream);
 
 }  // namespace perception::kernels

@@ -82,6 +82,20 @@ __global__ void EluBackwardKernel(const float* pre, const float* d_out, int n, f
   }
 }
 
+template <int VW>
+__global__ void EluBackwardRowsKernel(const float* pre, int ldpre, const float* d_out, int ldd_out, int n, int cols,
+                                      float* d_pre, int ldd_pre) {
+  FOR_EACH_GROUP(i, n) {
+    const int r = i / cols, c = i - r * cols;  // VW divides cols: the group stays in one row
+    float p[VW], d[VW];
+    Load<VW>(pre + static_cast<int64_t>(r) * ldpre, c, p);
+    Load<VW>(d_out + static_cast<int64_t>(r) * ldd_out, c, d);
+#pragma unroll
+    for (int j = 0; j < VW; ++j) d[j] *= EluGrad(p[j]);
+    Store<VW>(d_pre + static_cast<int64_t>(r) * ldd_pre, c, d);
+  }
+}
+
 #undef FOR_EACH_GROUP
 
 bool Vectorizable(int count, std::initializer_list<const float*> arrays) {
@@ -120,6 +134,19 @@ cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t s
 cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream) {
   return Launch(n, Vectorizable(n, {pre, d_out, d_pre}), [&]<int VW>(dim3 grid) {
     EluBackwardKernel<VW><<<grid, kThreads, 0, stream>>>(pre, d_out, n, d_pre);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchEluBackwardRows(const float* pre, int ldpre, const float* d_out, int ldd_out, int rows, int cols,
+                                  float* d_pre, int ldd_pre, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (ldpre < cols || ldd_out < cols || ldd_pre < cols) return cudaErrorInvalidValue;
+  const long long n = static_cast<long long>(rows) * cols;
+  const bool vec = Vectorizable(cols, {pre, d_out, d_pre}) && ldpre % 4 == 0 && ldd_out % 4 == 0 && ldd_pre % 4 == 0;
+  return Launch(n, vec, [&]<int VW>(dim3 grid) {
+    EluBackwardRowsKernel<VW><<<grid, kThreads, 0, stream>>>(pre, ldpre, d_out, ldd_out, static_cast<int>(n), cols,
+                                                             d_pre, ldd_pre);
     return cudaGetLastError();
   });
 }

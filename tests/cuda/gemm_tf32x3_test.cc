@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/cuda_blas.h"
@@ -279,6 +280,80 @@ TEST_P(GemmTf32x3Test, WeightPlanesGiveTheSameBits) {
   EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f, dxo.get(),
                                                   p.in, stream_, GemmTile::kAuto, &other_shape),
             cudaErrorInvalidValue);
+}
+
+// Two weights [half, in] apart in memory (a gap between them, as a bias sits between the GRN's gate and value), each
+// split with the transposed planes' leading dimension 2·half into one [in, 2·half] matrix, its columns [0, half) and
+// [half, 2·half): the stack's planes (CudaModel's stacked GRN products). They hold the transposed split of the
+// contiguous stack [w_1; w_2], bit for bit; a backward-data product on them, dx = [dy_1 | dy_2] · [w_1; w_2], matches
+// the CPU at float32 level and the kernel that splits the contiguous stack itself bit for bit; each weight's own
+// planes at that leading dimension give its own product's bits; a leading dimension below the rows is refused.
+TEST(GemmTf32x3Stacked, TransposedPlanesAtALeadingDimension) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  // (rows, half = each weight's out, in): small's gate + value and skip + fc2, and an awkward one.
+  for (const auto& [rows, half, in] : {std::tuple{16384, 64, 64}, {16384, 64, 192}, {1001, 36, 60}}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows, 2x" << half << " -> " << in);
+    const int out = 2 * half, gap = 4;
+    const size_t sw = static_cast<size_t>(half) * in;
+    const auto w = RandomFloats(2 * sw + gap, 61);  // w_1, a gap, w_2
+    std::vector<float> stack(w.begin(), w.begin() + sw);
+    stack.insert(stack.end(), w.begin() + sw + gap, w.end());
+    const auto dy = RandomFloats(static_cast<size_t>(rows) * out, 62);
+    const DeviceArray<float> dw(w), dstack(stack), ddy(dy);
+    // Plane kinds for the weights as they are (big, small: 2·sw + gap each), then the stack's transposed planes.
+    DeviceArray<float> planes(2 * (2 * sw + gap) + 2 * 2 * sw), reference(4 * 2 * sw);
+    float* const big = planes.get();
+    float* const small = big + 2 * sw + gap;
+    float* const big_t = small + 2 * sw + gap;
+    float* const small_t = big_t + 2 * sw;
+    std::vector<kernels::Tf32x3SplitJob> jobs;
+    for (int i = 0; i < 2; ++i) {
+      const size_t at = i * (sw + gap);
+      jobs.push_back({dw.get() + at, half, in, big + at, small + at, big_t + i * half, small_t + i * half, out});
+    }
+    float* const r = reference.get();  // the contiguous stack split as one weight
+    jobs.push_back({dstack.get(), out, in, r, r + 2 * sw, r + 4 * sw, r + 6 * sw});
+    const DeviceArray<kernels::Tf32x3SplitJob> device_jobs(jobs);
+    ASSERT_EQ(kernels::LaunchTf32x3SplitWeights(device_jobs.get(), 3, out, in, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto got = planes.Download(), ref = reference.Download();
+    const size_t t0 = 2 * (2 * sw + gap);
+    EXPECT_TRUE(BitIdentical(std::vector<float>(got.begin() + t0, got.end()),
+                             std::vector<float>(ref.begin() + 4 * sw, ref.end())))
+        << "the stack's transposed planes";
+
+    const kernels::Tf32x3Planes stacked{nullptr, nullptr, big_t, small_t, out, in};
+    DeviceArray<float> dx(static_cast<size_t>(rows) * in), dx_ref(static_cast<size_t>(rows) * in);
+    ASSERT_EQ(kernels::LaunchGemmTf32x3BackwardData(rows, in, out, ddy.get(), out, dw.get(), in, 0.f, dx.get(), in,
+                                                    stream, GemmTile::kAuto, &stacked),
+              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGemmTf32x3BackwardData(rows, in, out, ddy.get(), out, dstack.get(), in, 0.f, dx_ref.get(),
+                                                    in, stream),
+              cudaSuccess);
+    const auto dx_h = dx.Download();
+    const double error = RelativeError(dx_h, BackwardDataReference(Product{"stack", rows, in, out, 0}, dy, stack));
+    EXPECT_LE(error, kFloat32ProductError);
+    EXPECT_TRUE(BitIdentical(dx_h, dx_ref.Download())) << "stacked planes against the kernel's own split";
+    std::printf("[gemm] stacked %dx(2x%d)->%d backward_data from ld_t planes %.2e\n", rows, half, in, error);
+
+    // The second weight alone, from its own planes at ld_t = out (dy_2 is dy's right half).
+    const kernels::Tf32x3Planes second{big + sw + gap, small + sw + gap, big_t + half, small_t + half, half, in, out};
+    ASSERT_EQ(kernels::LaunchGemmTf32x3BackwardData(rows, in, half, ddy.get() + half, out, dw.get() + sw + gap, in, 0.f,
+                                                    dx.get(), in, stream, GemmTile::kAuto, &second),
+              cudaSuccess);
+    ASSERT_EQ(kernels::LaunchGemmTf32x3BackwardData(rows, in, half, ddy.get() + half, out, dw.get() + sw + gap, in, 0.f,
+                                                    dx_ref.get(), in, stream),
+              cudaSuccess);
+    EXPECT_TRUE(BitIdentical(dx.Download(), dx_ref.Download())) << "one weight's planes at ld_t";
+    kernels::Tf32x3Planes narrow = stacked;
+    narrow.ld_t = out - 4;
+    EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardData(rows, in, out, ddy.get(), out, dw.get(), in, 0.f, dx.get(), in,
+                                                    stream, GemmTile::kAuto, &narrow),
+              cudaErrorInvalidValue);
+  }
+  cudaStreamDestroy(stream);
 }
 
 // small: B·T = 16,384 rows (in_proj, out_proj, embed, GRN, the CfC backbone reading [s | c] at ld D + C); large's

@@ -74,6 +74,46 @@ TEST(KernelTest, StandardizeAndElu) {
   }
 }
 
+// The ELU backward over a column range of wider matrices (LaunchEluBackwardRows), in place and not, vectorized (whole
+// float4 rows) and not: against the CPU, and the columns outside the range as they were.
+TEST(KernelTest, EluBackwardRows) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // (rows, cols, ld of pre, ld of d, column offset of the range in d)
+  for (const auto& [rows, cols, ldpre, ldd, offset] :
+       {std::tuple{1, 1, 1, 3, 2}, {37, 6, 6, 11, 3}, {300, 64, 64, 128, 64}, {129, 64, 68, 128, 0}, {50, 8, 12, 20, 4}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " ld " << ldpre << "/" << ldd << " +" << offset);
+    const Floats pre = RandomFloats(rows * ldpre, 50, -3, 3), d = RandomFloats(rows * ldd, 51);
+    Doubles expected(rows * cols);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < cols; ++i) {
+        const double x = pre[r * ldpre + i];
+        expected[r * cols + i] = d[r * ldd + offset + i] * (x > 0 ? 1.0 : std::exp(x));
+      }
+    }
+    for (const bool in_place : {true, false}) {
+      SCOPED_TRACE(in_place ? "in place" : "out of place");
+      DeviceArray<float> dpre(pre), dd(d), dout(d);
+      float* const to = (in_place ? dd.get() : dout.get()) + offset;
+      ASSERT_EQ(kernels::LaunchEluBackwardRows(dpre.get(), ldpre, dd.get() + offset, ldd, rows, cols, to, ldd, nullptr),
+                cudaSuccess);
+      const Floats got = (in_place ? dd : dout).Download();
+      Floats range(rows * cols);
+      bool untouched = true;
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < ldd; ++c) {
+          if (c >= offset && c < offset + cols) {
+            range[r * cols + c - offset] = got[r * ldd + c];
+          } else {
+            untouched &= got[r * ldd + c] == d[r * ldd + c];
+          }
+        }
+      }
+      EXPECT_CLOSE(range, expected);
+      EXPECT_TRUE(untouched) << "columns outside the range changed";
+    }
+  }
+}
+
 // RmsNorm forward, and its input gradient g for the given rstd; v is [rows, ld].
 double RmsNormRow(const float* v, const float* w, int n, double* y) {
   double ss = 0;
@@ -254,7 +294,7 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
               cudaSuccess);
     ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
                                                       dgate_in.get(), dvalue_in.get(), rows, cols, dpre.get(),
-                                                      dgt.get(), dval.get(), parts.get(), nullptr),
+                                                      dgt.get(), dval.get(), cols, parts.get(), nullptr),
               cudaSuccess);
     EXPECT_CLOSE(nhat.Download(), nhat_cpu);
     EXPECT_CLOSE(g.Download(), g_cpu);
@@ -264,6 +304,38 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
     EXPECT_CLOSE(dgt.Download(), dgate_cpu);
     EXPECT_CLOSE(dval.Download(), dvalue_cpu);
     EXPECT_CLOSE(ColumnSums(parts.Download(), 4 * cols), sums_cpu);
+
+    // The gradients at leading dimension 2·cols, as CudaModel lays them out for its stacked products: d gate_pre and
+    // d value side by side in one matrix, d pre_ln in the left half of another whose right half stays as it was.
+    // The same bits as the dense launch.
+    const int ldd = 2 * cols;
+    constexpr float kUntouched = 7.f;
+    DeviceArray<float> pair(Floats(rows * ldd, kUntouched)), gate_value(Floats(rows * ldd, kUntouched)),
+        parts2(kernels::NormPartialRows(rows) * 4 * cols);
+    ASSERT_EQ(kernels::LaunchGrnGateLayerNormBackward(ddlogits.get(), out, dnhat.get(), drstd.get(), dw.get(),
+                                                      dgate_in.get(), dvalue_in.get(), rows, cols, pair.get(),
+                                                      gate_value.get(), gate_value.get() + cols, ldd, parts2.get(),
+                                                      nullptr),
+              cudaSuccess);
+    const Floats pair_h = pair.Download(), gv_h = gate_value.Download();
+    Floats dpre_s(rows * cols), dgt_s(rows * cols), dval_s(rows * cols);
+    bool untouched = true;
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < cols; ++i) {
+        dpre_s[r * cols + i] = pair_h[r * ldd + i];
+        dgt_s[r * cols + i] = gv_h[r * ldd + i];
+        dval_s[r * cols + i] = gv_h[r * ldd + cols + i];
+        untouched &= pair_h[r * ldd + cols + i] == kUntouched;
+      }
+    }
+    EXPECT_TRUE(untouched) << "the strided launch wrote past its columns";
+    EXPECT_CLOSE(dpre_s, dpre_cpu);
+    EXPECT_CLOSE(dgt_s, dgate_cpu);
+    EXPECT_CLOSE(dval_s, dvalue_cpu);
+    EXPECT_TRUE(testing::BitIdentical(dpre_s, dpre.Download()));
+    EXPECT_TRUE(testing::BitIdentical(dgt_s, dgt.Download()));
+    EXPECT_TRUE(testing::BitIdentical(dval_s, dval.Download()));
+    EXPECT_TRUE(testing::BitIdentical(parts2.Download(), parts.Download()));
   }
 }
 
