@@ -944,11 +944,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
   RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, d.G, de1_, d.G, param(pl.grn_fc1.weight), d.G, 0.f, d_pre2_, ld,
                                       planes(pl.grn_fc1.weight)));
-  if (ld == d.G) {
-    CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackward(pre2_, d_pre2_, rows * d.G, d_pre2_, stream_));
-  } else {
-    CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackwardRows(pre2_, d.G, d_pre2_, ld, rows, d.G, d_pre2_, ld, stream_));
-  }
+  CUDA_RETURN_IF_ERROR(kernels::LaunchEluBackwardRows(pre2_, d.G, d_pre2_, ld, rows, d.G, d_pre2_, ld, stream_));
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, ld, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));

@@ -71,18 +71,6 @@ __global__ void EluForwardKernel(const float* pre, int n, float* out) {
 }
 
 template <int VW>
-__global__ void EluBackwardKernel(const float* pre, const float* d_out, int n, float* d_pre) {
-  FOR_EACH_GROUP(i, n) {
-    float p[VW], d[VW];
-    Load<VW>(pre, i, p);
-    Load<VW>(d_out, i, d);
-#pragma unroll
-    for (int j = 0; j < VW; ++j) d[j] *= EluGrad(p[j]);
-    Store<VW>(d_pre, i, d);
-  }
-}
-
-template <int VW>
 __global__ void EluBackwardRowsKernel(const float* pre, int ldpre, const float* d_out, int ldd_out, int n, int cols,
                                       float* d_pre, int ldd_pre) {
   FOR_EACH_GROUP(i, n) {
@@ -128,13 +116,6 @@ cudaError_t LaunchStandardize(const float* x, const float* mean, const float* in
 cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream, bool programmatic) {
   return Launch(n, Vectorizable(n, {pre, out}), [&]<int VW>(dim3 grid) {
     return LaunchKernel(EluForwardKernel<VW>, grid, kThreads, 0, stream, programmatic, pre, n, out);
-  });
-}
-
-cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream) {
-  return Launch(n, Vectorizable(n, {pre, d_out, d_pre}), [&]<int VW>(dim3 grid) {
-    EluBackwardKernel<VW><<<grid, kThreads, 0, stream>>>(pre, d_out, n, d_pre);
-    return cudaGetLastError();
   });
 }
 

@@ -13,11 +13,8 @@ cudaError_t LaunchStandardize(const float* x, const float* mean, const float* in
 // stream (kernels/common.cuh, LaunchKernel).
 cudaError_t LaunchEluForward(const float* pre, int n, float* out, cudaStream_t stream, bool programmatic = false);
 
-// d_pre = d_out ⊙ elu'(pre) over n values; d_pre may be d_out (in place).
-cudaError_t LaunchEluBackward(const float* pre, const float* d_out, int n, float* d_pre, cudaStream_t stream);
-
-// The same over `rows` rows of `cols` values, each matrix with its leading dimension (e.g. d_out a column range of a
-// wider matrix); d_pre may be d_out (in place, the same leading dimension).
+// d_pre = d_out ⊙ elu'(pre) over `rows` rows of `cols` values, each matrix with its leading dimension (e.g. d_out a
+// column range of a wider matrix); d_pre may be d_out (in place, the same leading dimension).
 cudaError_t LaunchEluBackwardRows(const float* pre, int ldpre, const float* d_out, int ldd_out, int rows, int cols,
                                   float* d_pre, int ldd_pre, cudaStream_t stream);
 

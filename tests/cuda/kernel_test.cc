@@ -61,7 +61,8 @@ TEST(KernelTest, StandardizeAndElu) {
     DeviceArray<float> dx(x), dmean(mean), dinv(inv), xn(rows * cols), e(rows * cols), dd(d_out);
     ASSERT_EQ(kernels::LaunchStandardize(dx.get(), dmean.get(), dinv.get(), rows, cols, xn.get(), nullptr), cudaSuccess);
     ASSERT_EQ(kernels::LaunchEluForward(dx.get(), rows * cols, e.get(), nullptr), cudaSuccess);
-    ASSERT_EQ(kernels::LaunchEluBackward(dx.get(), dd.get(), rows * cols, dd.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::LaunchEluBackwardRows(dx.get(), cols, dd.get(), cols, rows, cols, dd.get(), cols, nullptr),
+              cudaSuccess);
     Doubles xn_cpu(x.size()), e_cpu(x.size()), d_cpu(x.size());
     for (size_t i = 0; i < x.size(); ++i) {
       xn_cpu[i] = (double(x[i]) - mean[i % cols]) * inv[i % cols];
