@@ -20,8 +20,11 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" convictions --instrument AMZN --out "$out/convictions.csv" | tail -1
 "${ctl[@]}" bench --instruments 1 --events 20000 | tail -4
 "${ctl[@]}" bench --instruments 100 --events 50000 | tail -4
-# A lone event leaves the resident step running; replacing the model must stop it first (ModelHost::NewBackend).
+# A lone event leaves the resident step running; closing the streams (each resets its slot, which stops it) and
+# replacing the model (ModelHost::NewBackend quiesces the old one first) must not hang, and streaming goes on.
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN2 --count 50 | tail -1
+"${ctl[@]}" streams close AMZN | tail -1
+"${ctl[@]}" streams close AMZN2 | tail -1
 "${ctl[@]}" init --config small --levels 1 --replace | tail -1
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN3 --count 50 | tail -1
 python3 - "$metrics_port" <<'PY' | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version)'
