@@ -52,6 +52,7 @@
 #if PERCEPTION_HAVE_CUDA
 #include "engine/cuda_backend.h"
 #include "engine/cuda_model.h"
+#include "engine/precision.h"
 #endif
 
 namespace perception {
@@ -72,6 +73,7 @@ struct Options {
   int threads = 0;
   int state_streams = 8;
   bool float32 = true;
+  Precision precision = Precision::kFloat32;  // the CUDA backend's products (--device cuda)
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -79,7 +81,8 @@ struct Options {
                "reference_dump: %s\n"
                "usage: reference_dump --config tiny|small|large --out DIR [--param-seed N] [--batch-seed N]\n"
                "         [--state-seed N] [--batch B] [--window T] [--steps S] [--lr X] [--max-norm X]\n"
-               "         [--threads N] [--state-streams N] [--device cpu|cuda] [--float32 on|off]\n",
+               "         [--threads N] [--state-streams N] [--device cpu|cuda] [--float32 on|off]\n"
+               "         [--precision fp32|3xtf32|tf32]\n",
                error.c_str());
   std::exit(2);
 }
@@ -113,6 +116,11 @@ Options ParseOptions(int argc, char** argv) {
     else if (flag == "--threads") as_int(o.threads);
     else if (flag == "--state-streams") as_int(o.state_streams);
     else if (flag == "--float32" && (value == "on" || value == "off")) o.float32 = value == "on";
+    else if (flag == "--precision") {
+      absl::StatusOr<Precision> precision = ParsePrecision(value);
+      if (!precision.ok()) Usage(std::string(precision.status().message()));
+      o.precision = *precision;
+    }
     else Usage(absl::StrCat("unknown flag ", flag));
   }
   if (o.out.empty()) Usage("--out is required");
@@ -261,7 +269,9 @@ RunResult<float> RunCuda(const Options& o, const ParamLayout& layout, const std:
   OptimizerConfig opt;
   opt.lr = o.lr;
   opt.max_grad_norm = o.max_norm;
-  auto model = CudaModel::Create(c, opt, params);
+  CudaModelOptions options;
+  options.precision = o.precision;
+  auto model = CudaModel::Create(c, opt, params, options);
   Check(model.status());
   CudaModel& m = **model;
   const BatchView<float> view = batch.view();
