@@ -2124,22 +2124,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   }
 }
 
-template <typename... Params, typename... Args>
-cudaError_t LaunchWideKernel(void (*kernel)(Params...), dim3 grid, int threads, size_t bytes, cudaStream_t stream,
-                             bool after_prior, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = after_prior ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
 // The wide kernels' static shared memory (a few slot ids) comes out of a block's limit too: at most this much.
 constexpr size_t kWideStaticBytes = 256;
 
@@ -2298,11 +2282,11 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error =
-      LaunchWideKernel(embed_kernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
+      LaunchKernel(embed_kernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);
   for (int l = 0; l < p.L && error == cudaSuccess; ++l) {
-    error = LaunchWideKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(o.ssm), stream, true, a, l);
+    error = LaunchKernel(ssm_kernel, dim3(ssm_blocks), kStreamThreads, bytes(o.ssm), stream, true, a, l);
     if (error != cudaSuccess) return error;
-    error = LaunchWideKernel(out_kernel, dim3(tiles), kWideThreads, bytes(o.out), stream, true, a, l);
+    error = LaunchKernel(out_kernel, dim3(tiles), kWideThreads, bytes(o.out), stream, true, a, l);
   }
   return error;
 }
