@@ -177,7 +177,6 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
     d_value_ = d_gate_value_ + second;
     d_pre_ln_ = d_skip_fc2_;
     d_pre2_ = d_skip_fc2_ + second;
-    if (stacked_head_) stacked_planes_ = weight_planes_ + 4 * plane_floats_;
     if (neg_zero_bias_ != nullptr) {
       const std::vector<float> neg_zero(d.G, -0.f);
       RETURN_IF_ERROR(CopyToDevice(neg_zero_bias_, neg_zero, stream_));
@@ -216,8 +215,8 @@ void CudaModel::ReserveBuffers() {
   // Only shapes the kernels take (not tiny's GRN of 6); HeadBackward checks the operands too.
   stacked_head_ = plane_floats_ > 0 && Blas::Tf32x3KernelsTakeBackwardData(d.G, 2 * d.G) &&
                   Blas::Tf32x3KernelsTakeBackwardData(d.DC, 2 * d.G);
-  stacked_plane_floats_ = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
-  if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats_);
+  const size_t stacked_plane_floats = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
+  if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats);
 
   for (InputSlot& slot : slots_) {
     a.Reserve(&slot.x, M * d.F);
@@ -363,7 +362,7 @@ absl::Status CudaModel::BuildTables() {
     };
     const Stack stacks[] = {{pl.grn_gate.weight, pl.grn_value.weight, d.G, &gate_value_planes_},
                             {pl.grn_skip, pl.grn_fc2.weight, d.DC, &skip_fc2_planes_}};
-    float* next_stack = stacked_planes_;
+    float* next_stack = weight_planes_ + 4 * plane_floats_;  // (ReserveBuffers put the stacks past the four planes)
     for (const Stack& stack : stacks) {
       if (!stacked_head_) break;
       const size_t floats = static_cast<size_t>(stack.in) * 2 * d.G;
@@ -822,22 +821,17 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   // The forward's chain goes on (ForwardAndLoss), but for the first product where the ranks' mask count was summed
   // ahead of it.
   const bool after_cfc = !(with_gradient && communicator_);
-  if (stacked_head_) {
-    // fc2 and skip read the same head_in: one batched launch (skip's weight and output one stride past fc2's). The
-    // skip has no bias: its share of the batch's adds −0 (neg_zero_bias_), which leaves every value as it is, bit
-    // for bit (+0 would turn −0 into +0).
-    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                   param(pl.grn_fc2.bias), 0.f, pre2_, d.G,
-                                   {.count = 2,
-                                    .w = param(pl.grn_skip) - param(pl.grn_fc2.weight),
-                                    .y = pre_ln_ - pre2_,
-                                    .bias = neg_zero_bias_ - param(pl.grn_fc2.bias)},
-                                   planes(pl.grn_fc2.weight), after_cfc));
-  } else {
-    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                   param(pl.grn_fc2.bias), 0.f, pre2_, d.G, {}, planes(pl.grn_fc2.weight),
-                                   after_cfc));
-  }
+  // Where stacked_head_, fc2 and skip, which read the same head_in, as one batched launch (skip's weight and output
+  // one stride past fc2's). The skip has no bias: its share of the batch adds −0 (neg_zero_bias_), which leaves every
+  // value as it is, bit for bit (+0 would turn −0 into +0).
+  const BlasBatch fc2_and_skip = stacked_head_ ? BlasBatch{.count = 2,
+                                                           .w = param(pl.grn_skip) - param(pl.grn_fc2.weight),
+                                                           .y = pre_ln_ - pre2_,
+                                                           .bias = neg_zero_bias_ - param(pl.grn_fc2.bias)}
+                                               : BlasBatch{};
+  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, fc2_and_skip, planes(pl.grn_fc2.weight),
+                                 after_cfc));
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f,
                                  e1_, d.G, {}, planes(pl.grn_fc1.weight), /*programmatic=*/true));

@@ -331,10 +331,8 @@ class CudaModel {
   size_t plane_floats_ = 0;
   std::vector<kernels::Tf32x3Planes> planes_of_;
   // Where stacked_head_: the transposed planes of the stacks [W_gate; W_value] and [W_skip; W_fc2] (planes-only
-  // Tf32x3Planes, [in, 2G]), in stacked_planes_ past the four planes (stacked_plane_floats_ of them); those four
-  // weights' own transposed planes point into them (ld_t = 2G).
-  float* stacked_planes_ = nullptr;
-  size_t stacked_plane_floats_ = 0;
+  // Tf32x3Planes, [in, 2G]), in weight_planes_ past the four planes; those four weights' own transposed planes point
+  // into them (ld_t = 2G).
   kernels::Tf32x3Planes gate_value_planes_, skip_fc2_planes_;
   std::vector<kernels::Tf32x3SplitJob> split_jobs_host_;
   kernels::Tf32x3SplitJob* split_jobs_ = nullptr;
