@@ -699,6 +699,14 @@ absl::Status CudaModel::PrefetchInputs(InputSlot& next, bool behind_own_copies) 
   return absl::OkStatus();
 }
 
+absl::Status CudaModel::SplitWeightsBeside() {
+  RETURN_IF_ERROR(WaitForStream(layer_grad_stream_, stream_, layer_fork_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
+                                                         split_rows_, split_cols_, layer_grad_stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state,
                                        bool with_gradient) {
   const Dims d(config());
@@ -708,6 +716,14 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   dt_ = in.dt;
   labels_ = in.labels;
   mask_ = in.mask;
+  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split) run
+  // beside the main stream. Where the step copies its own batch in, they fork before x's copy and run beside it; the
+  // embedding's product, which that copy holds back anyway, then splits its own weight instead of reading the parts
+  // (the same bits), and the main stream joins the split only before layer 0's RMSNorm. This layout and
+  // LayerBackward's order together against neither, alternating (H200, small, own copy): 3xtf32 1,073–1,079 against
+  // 1,085–1,090 µs a step, fp32 1,473 / 1,475 against 1,495 / 1,498 (bench/RESULTS.md, the thirteenth session).
+  const bool splits = split_jobs_ != nullptr;
+  if (splits && plan.copy) RETURN_IF_ERROR(SplitWeightsBeside());
   RETURN_IF_ERROR(CopyInputsIn(plan, rows));
   // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
@@ -715,22 +731,14 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
   RETURN_IF_ERROR(MarkGradients());
-  // The weights' TF32 parts for this step's products (the optimizer changed the weights since the last split). With
-  // the batch on the device already nothing holds the standardization back: the split runs beside it, on the stream
-  // the backward's out_proj weight gradients use later, and the embedding waits for both (H200, small 3xtf32,
-  // prefetching: 1,033–1,034 against 1,046–1,048 µs a step with the split before it on the main stream). Behind x's
-  // copy it gained nothing (bench/RESULTS.md, the tenth session).
-  const bool split_beside = !plan.copy && split_jobs_ != nullptr;
-  if (split_beside) RETURN_IF_ERROR(WaitForStream(layer_grad_stream_, stream_, layer_fork_));
-  if (split_jobs_ != nullptr) {
-    CUDA_RETURN_IF_ERROR(kernels::LaunchTf32x3SplitWeights(split_jobs_, static_cast<int>(split_jobs_host_.size()),
-                                                           split_rows_, split_cols_,
-                                                           split_beside ? layer_grad_stream_ : stream_));
-  }
-  if (split_beside) CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
+  // With the batch on the device already nothing holds the standardization back: the split runs beside it, and the
+  // embedding reads the parts, so it waits for both (H200, small 3xtf32, prefetching: 1,033–1,034 against 1,046–1,048
+  // µs a step with the split before it on the main stream, the tenth session).
+  const bool split_beside_standardization = splits && !plan.copy;
+  if (split_beside_standardization) RETURN_IF_ERROR(SplitWeightsBeside());
   CUDA_RETURN_IF_ERROR(kernels::LaunchStandardize(x_, param(layout_.norm_mean), param(layout_.norm_inv_std), rows, d.F,
                                                   xn_, stream_));
-  if (split_beside) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
+  if (split_beside_standardization) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   // From here to the head's LayerNorm the forward is one chain of kernels on the main stream, each launched as the
   // programmatic dependent of the one ahead (kernels/common.cuh): it launches while that one ends and waits for it
   // before it reads anything, so the gaps between them close. Not the backward: there, blocks parked at their wait
@@ -739,12 +747,17 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   // weight planes, the CfC's packed weights) may come from that stream, and a captured join need not be a full
   // dependency once the launch is programmatic.
   RETURN_IF_ERROR(blas_->Forward(rows, d.F, d.D, xn_, d.F, param(layout_.embed.weight), d.F,
-                                 param(layout_.embed.bias), 0.f, h_[0], d.D, {}, planes(layout_.embed.weight),
-                                 /*programmatic=*/!split_beside));
+                                 param(layout_.embed.bias), 0.f, h_[0], d.D, {},
+                                 plan.copy ? nullptr : planes(layout_.embed.weight),
+                                 /*programmatic=*/!split_beside_standardization));
+  const bool split_joins_layer0 = splits && plan.copy;
+  if (split_joins_layer0) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
   // prefetching: 1,059 against 1,046–1,048 µs; after the layers' forward or at the backward's start, 1,046–1,048).
   if (plan.prefetch >= 0) RETURN_IF_ERROR(PrefetchInputs(slots_[plan.prefetch], plan.copy));
-  for (int l = 0; l < d.L; ++l) RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state));
+  for (int l = 0; l < d.L; ++l) {
+    RETURN_IF_ERROR(LayerForward(l, batch, window, carry_state, /*plain_norm=*/l == 0 && split_joins_layer0));
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[d.L], d.D, param(layout_.norm_f), rows, d.D, head_in_, d.DC,
                                                      rstd_f_, nullptr, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(CfcForward(batch, window, carry_state));  // past its wait for grad_stream_'s copies and count
@@ -768,13 +781,13 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_state) {
+absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_state, bool plain_norm) {
   const Dims d(config());
   const int rows = batch * window;
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
   CUDA_RETURN_IF_ERROR(kernels::LaunchRmsNormForward(h_[l], d.D, param(lt.norm), rows, d.D, a.r, d.D, a.rstd,
-                                                     h_[l + 1], stream_, /*programmatic=*/true));
+                                                     h_[l + 1], stream_, /*programmatic=*/!plain_norm));
   RETURN_IF_ERROR(blas_->Forward(rows, d.D, d.zd, a.r, d.D, param(lt.in_proj), d.D, nullptr, 0.f, a.zx, d.zd, {},
                                  planes(lt.in_proj), /*programmatic=*/true));
   // The conv is its own launch: formed in the SSM forward's staging instead (the same bits, with and without B/C
@@ -984,15 +997,18 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   const Layer& a = layers_[l];
+  RETURN_IF_ERROR(
+      blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E, planes(lt.out_proj)));
   // The last read of dh_ before this layer's RMSNorm backward adds to it, so the main stream waits for it there. On
   // grad_stream_ it queued behind every weight gradient issued before it (the head's, the later layer's in_proj),
   // and the wait with it (H200, small 3xtf32: the last layer's RMSNorm backward started 35.6 µs after the main
-  // stream's work before it had ended, bench/step_timeline); on a stream of its own it starts at once.
+  // stream's work before it had ended, bench/step_timeline); on a stream of its own it starts at once. It starts
+  // behind the data gradient above rather than beside it, where the two products took the SMs from each other and
+  // the main stream's next kernel waited for theirs (H200, small 3xtf32, prefetching, this order alone: 1,016–1,023
+  // against 1,025–1,033 µs a step, alternating; see also ForwardAndLoss).
   RETURN_IF_ERROR(WaitForStream(layer_grad_stream_, stream_, layer_fork_));
   RETURN_IF_ERROR(layer_grad_blas_->BackwardWeight(rows, d.E, d.D, dh_, d.D, a.yn, d.E, grad(lt.out_proj), d.E));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_grad_done_, layer_grad_stream_));
-  RETURN_IF_ERROR(
-      blas_->BackwardData(rows, d.E, d.D, dh_, d.D, param(lt.out_proj), d.E, 0.f, a.dyn, d.E, planes(lt.out_proj)));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGatedRmsNormBackward(a.dyn, a.rstd_gate, param(lt.mixer_norm), a.y, a.zx, d.zd,
                                                            rows, d.E, dy_, a.dzx, d.zd, a.mixer_norm_partials,
                                                            stream_));

@@ -208,8 +208,12 @@ class CudaModel {
   absl::Status CopyFeaturesIn(const InputSlot& slot, size_t rows, cudaStream_t stream);
   absl::Status CopyTargetsIn(const InputSlot& slot, size_t rows, cudaStream_t stream);
   absl::Status PrefetchInputs(InputSlot& next, bool behind_own_copies);
+  // The weights' TF32 parts for this step's products on layer_grad_stream_, forked from the main stream here;
+  // layer_grad_done_ marks them.
+  absl::Status SplitWeightsBeside();
   absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
-  absl::Status LayerForward(int l, int batch, int window, bool carry_state);
+  // `plain_norm`: its RMSNorm launches plain (it is right behind a join with another stream; see ForwardAndLoss).
+  absl::Status LayerForward(int l, int batch, int window, bool carry_state, bool plain_norm = false);
   absl::Status CfcForward(int batch, int window, bool carry_state);
   absl::Status HeadForward(int rows, bool with_gradient);
   absl::Status Backward();
