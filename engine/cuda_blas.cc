@@ -320,7 +320,8 @@ absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, in
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
                                                                  static_cast<float*>(workspace_), workspace_bytes_,
-                                                                 stream_));
+                                                                 stream_, kernels::GemmTile::kAuto, /*splits=*/0,
+                                                                 /*shares_device=*/true));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }

@@ -54,7 +54,8 @@ class Blas {
   // BackwardDataOnTf32x3Kernels; INTERNAL otherwise.
   absl::Status BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw, float beta,
                             float* dx, int lddx, const kernels::Tf32x3Planes* planes = nullptr);
-  // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]
+  // dw[out, in] = dy[rows, out]ᵀ · x[rows, in], planned to run beside other work (the training step's weight
+  // gradients run beside its chain of data gradients; kernels/gemm_tf32x3.h's `shares_device`).
   absl::Status BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx, float* dw,
                               int lddw);
 

@@ -775,7 +775,7 @@ cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int 
 
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
-                                           cudaStream_t stream, GemmTile tile, int splits) {
+                                           cudaStream_t stream, GemmTile tile, int splits, bool shares_device) {
   if (in <= 0 || out <= 0) return cudaSuccess;
   // Where 128-wide tiles would leave at most two per slice, 64-wide ones measured faster (H200, 16,384 rows, µs:
   // CfC backbone 128×128 18.5 against 22.1, out_proj 256→128 23.0 against 23.9, CfC heads 23.0 against 23.8; small's
@@ -789,17 +789,26 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
   if (splits <= 0) {
     int sms = 0;
     if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
-    // The blocks walk tiles × slices items in waves of `sms`: the slice count that minimizes the waves times each
+    // The blocks walk tiles × slices items in waves of `for_sms`: the slice count that minimizes the waves times each
     // item's k-tiles (a wave part-full costs a full one: 4 slices of large's in_proj gradient, 288 items, took 3
     // waves where 7 slices' 504 take 4 of 58% the length), the fewest slices among equals since every
     // slice's partial is written and read back once more.
-    splits = 1;
-    int64_t best = -1;
-    for (int s = 1; s <= std::min(most, std::max(ktiles / kMinSliceTiles, 1)); ++s) {
-      const int slice_tiles = CeilDiv(ktiles, s), slices = CeilDiv(ktiles, slice_tiles);
-      const int64_t cost = int64_t{CeilDiv(tiles * slices, sms)} * (slice_tiles + kItemOverheadTiles);
-      if (best < 0 || cost < best) best = cost, splits = slices;
-    }
+    auto plan = [&](int for_sms) {
+      int planned = 1;
+      int64_t best = -1;
+      for (int s = 1; s <= std::min(most, std::max(ktiles / kMinSliceTiles, 1)); ++s) {
+        const int slice_tiles = CeilDiv(ktiles, s), slices = CeilDiv(ktiles, slice_tiles);
+        const int64_t cost = int64_t{CeilDiv(tiles * slices, for_sms)} * (slice_tiles + kItemOverheadTiles);
+        if (best < 0 || cost < best) best = cost, planned = slices;
+      }
+      return planned;
+    };
+    splits = plan(sms);
+    // Beside other work, a product that the device would run in one wave gains little from all of it; half the
+    // slices write and sum half the partials (H200, small 3xtf32, the weight gradients beside the data gradients'
+    // chain, alternating: 1,070.5–1,070.8 against 1,073.4–1,079.0 µs a step copying its batch, 1,017.7–1,020.0
+    // against 1,025.2–1,028.7 prefetching). Longer products keep the device's plan (large's in_proj gradient).
+    if (shares_device && tiles * splits <= sms) splits = plan(std::max(sms / 2, 1));
   }
   splits = std::min(splits, most);
   if (splits <= 1) {
