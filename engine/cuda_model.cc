@@ -264,6 +264,7 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&d_head_in_, M * d.DC);
   a.Reserve(&dp_, M * 4 * d.C);
   a.Reserve(&dbb_pre_, M * d.K);
+  a.Reserve(&cfc_bias_sums_, static_cast<size_t>(config().batch) * (4 * d.C + d.K));
   a.Reserve(&cfc_heads_grad_, kernels::kCfcHeads * d.C * d.K);
   a.Reserve(&dh_, M * d.D);
   a.Reserve(&dy_, M * d.E);
@@ -321,9 +322,15 @@ absl::Status CudaModel::BuildTables() {
     sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, P);
   }
   head_sum(pl.norm_f, norm_f_partials_, d.D, d.D, P);
-  head_sum(pl.cfc_backbone.bias, dbb_pre_, d.K, d.K);
+  // The CfC's biases from its backward's per-sequence sums: 256 rows for small instead of 16,384 (H200, small
+  // 3xtf32: the head's column sums read 24 MB less beside the layers' backward; bench/RESULTS.md, the thirteenth
+  // session).
+  const int cfc_sums_ld = 4 * d.C + d.K;
+  head_sum(pl.cfc_backbone.bias, cfc_bias_sums_ + 4 * d.C, cfc_sums_ld, d.K, c.batch);
   const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
-  for (int j = 0; j < kernels::kCfcHeads; ++j) head_sum(cfc_heads[j].bias, dp_ + j * d.C, 4 * d.C, d.C);
+  for (int j = 0; j < kernels::kCfcHeads; ++j) {
+    head_sum(cfc_heads[j].bias, cfc_bias_sums_ + j * d.C, cfc_sums_ld, d.C, c.batch);
+  }
   head_sum(pl.grn_fc2.bias, d_pre2_, head_ld_, d.G);
   head_sum(pl.grn_fc1.bias, de1_, d.G, d.G);
   head_sum(pl.grn_gate.bias, grn_partials_ + 2 * d.G, 4 * d.G, d.G, P);
@@ -969,7 +976,7 @@ absl::Status CudaModel::CfcBackward(int rows) {
   const ParamLayout& pl = layout_;
   const kernels::CfcShape shape{config().batch, config().window, d.D, d.C, d.K};
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcBackward(shape, cfc_packed_, dt_, gates_, bb_pre_, d_head_in_ + d.D, d.DC, dp_,
-                                                  dbb_pre_, stream_));
+                                                  dbb_pre_, stream_, cfc_bias_sums_));
   const int heads[kernels::kCfcHeads] = {pl.cfc_ff1.weight, pl.cfc_ff2.weight, pl.cfc_time_a.weight,
                                          pl.cfc_time_b.weight};
   RETURN_IF_ERROR(ForkGradients());

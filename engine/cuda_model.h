@@ -302,6 +302,9 @@ class CudaModel {
   // Backward. d_head_in_ holds d [s ; c_t]; its s half becomes d s once the CfC's share is added.
   float *dlogits_ = nullptr, *d_pre_ln_ = nullptr, *d_gate_pre_ = nullptr, *d_value_ = nullptr;
   float *de1_ = nullptr, *d_pre2_ = nullptr, *d_head_in_ = nullptr, *dp_ = nullptr, *dbb_pre_ = nullptr;
+  // Per sequence, the sums over its steps of dp_'s and dbb_pre_'s columns ([batch, 4C + K]): the CfC biases'
+  // gradients before the sum over the batch.
+  float* cfc_bias_sums_ = nullptr;
   // The GRN's gradients d_gate_pre_ and d_value_ live in d_gate_value_, d_pre_ln_ and d_pre2_ in d_skip_fc2_, each
   // [rows, 2G]: side by side (leading dimension head_ld_ = 2G) where stacked_head_, so that the gate's and value's
   // backward-data products run as one with K concatenated, and the skip's and fc2's too (HeadBackward); else one

@@ -334,7 +334,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 template <typename Tile, int kSeqs>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     CfcBackwardTileKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
-                          const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre) {
+                          const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre,
+                          float* bias_sums) {
   using HeadsT = typename Tile::HeadsT;
   using WcT = typename Tile::WcT;
   constexpr int kC = Tile::kUnits, kK = Tile::kBackbone;
@@ -369,6 +370,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     tau = g[2 * C + i];
     dt_t = dt[row];
   };
+  // The writers' sums over the steps of what they write (bias_sums).
+  float dp_sum[4] = {0.f, 0.f, 0.f, 0.f}, dbb_sum = 0.f;
   // d heads of step t from d c_t = dc + d c_t from the head.
   auto store_dheads = [&](int t, float dc) {
     const float grad = dc + grad_head, d_tau_pre = grad * (f2 - f1) * tau * (1.f - tau);
@@ -379,7 +382,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     if (i_writer) {
       float* out = dp + (row_i + t) * 4 * C;
 #pragma unroll
-      for (int h = 0; h < 4; ++h) out[h * C + i] = d[h];
+      for (int h = 0; h < 4; ++h) {
+        out[h * C + i] = d[h];
+        dp_sum[h] += d[h];
+      }
     }
   };
   PhaseBarrier<Tile::kCluster>();  // every block runs before the first distributed store
@@ -395,7 +401,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       TileReduce<HeadsT, kSeqs>(acc, total);
       const float v = total[0] * LecunTanhGrad(bb_pre_t);
       StoreToCluster<Tile::kCluster>(&dbb[at_k.seq][k], v, at_k);
-      if (k_writer) dbb_pre[(row_k + t) * K + k] = v;
+      if (k_writer) {
+        dbb_pre[(row_k + t) * K + k] = v;
+        dbb_sum += v;
+      }
       if (k_valid && t > 0) bb_pre_t = bb_pre[(row_k + t - 1) * K + k];
     }
     PhaseBarrier<Tile::kCluster>();
@@ -409,6 +418,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     }
     PhaseBarrier<Tile::kCluster>();
   }
+  if (bias_sums == nullptr) return;
+  if (i_writer) {
+    float* sums = bias_sums + static_cast<size_t>(seq0 + at_i.seq) * (4 * C + K);
+#pragma unroll
+    for (int h = 0; h < 4; ++h) sums[h * C + i] = dp_sum[h];
+  }
+  if (k_writer) bias_sums[static_cast<size_t>(seq0 + at_k.seq) * (4 * C + K) + 4 * C + k] = dbb_sum;
 }
 
 // The general kernels' packed layout, in floats: the forward's block [W_cᵀ: C×K][W_headsᵀ: K×4C][biases: 4C], then the backward's block
@@ -539,7 +555,7 @@ __global__ void CfcForwardGeneralKernel(CfcShape shape, const float* packed, con
 template <int kSeqs, bool kShared>
 __global__ void CfcBackwardGeneralKernel(CfcShape shape, const float* packed, const float* dt, const float* gates,
                                   const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp,
-                                  float* dbb_pre) {
+                                  float* dbb_pre, float* bias_sums) {
   extern __shared__ float shared[];
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone, C4 = 4 * C;
   const size_t weight_floats = kShared ? BackwardWeightFloats(C, K) : 0;
@@ -572,6 +588,12 @@ __global__ void CfcBackwardGeneralKernel(CfcShape shape, const float* packed, co
         dh[3 * C + unit] = d_tau_pre;
         float* out = dp + row * C4;
         for (int j = 0; j < kCfcHeads; ++j) out[j * C + unit] = dh[j * C + unit];
+        if (bias_sums != nullptr) {  // the same thread owns (sequence, unit) at every step
+          float* sums = bias_sums + static_cast<size_t>(seq0 + s) * (C4 + K);
+          for (int j = 0; j < kCfcHeads; ++j) {
+            sums[j * C + unit] = (t == T - 1 ? 0.f : sums[j * C + unit]) + dh[j * C + unit];
+          }
+        }
       }
     }
     __syncthreads();
@@ -591,6 +613,10 @@ __global__ void CfcBackwardGeneralKernel(CfcShape shape, const float* packed, co
           const size_t at = static_cast<size_t>((seq0 + s) * T + t) * K + k;
           v = acc[s] * LecunTanhGrad(bb_pre[at]);
           dbb_pre[at] = v;
+          if (bias_sums != nullptr) {
+            float* sum = bias_sums + static_cast<size_t>(seq0 + s) * (C4 + K) + C4 + k;
+            *sum = (t == T - 1 ? 0.f : *sum) + v;
+          }
         }
         dbb[s * K + k] = v;
       }
@@ -740,19 +766,19 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
 
 cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const float* dt, const float* gates,
                               const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, float* bias_sums) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
                                                                        CfcBackwardTileKernel<SmallTile, 2>};
     return LaunchTile<SmallTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
-                                 dbb_pre);
+                                 dbb_pre, bias_sums);
   }
   if (Fits<LargeTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<LargeTile, 1>) kernels[] = {
         CfcBackwardTileKernel<LargeTile, 1>, CfcBackwardTileKernel<LargeTile, 2>, CfcBackwardTileKernel<LargeTile, 4>};
     return LaunchTile<LargeTile>(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp,
-                                 dbb_pre);
+                                 dbb_pre, bias_sums);
   }
   CfcLaunch plan;
   const int per_seq = shape.units + 4 * shape.units + shape.backbone;
@@ -764,7 +790,7 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
     const auto kernel = CfcBackwardGeneralKernel<kSeqs, kShared>;
     if (const cudaError_t e = AllowSharedMemory(kernel, plan.shared_bytes); e != cudaSuccess) return e;
     kernel<<<plan.blocks, plan.threads, plan.shared_bytes, stream>>>(shape, packed, dt, gates, bb_pre, dc_head,
-                                                                     ld_dc_head, dp, dbb_pre);
+                                                                     ld_dc_head, dp, dbb_pre, bias_sums);
     return cudaGetLastError();
   });
 }

@@ -49,9 +49,11 @@ cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const f
 
 // Backward through time from dc_head (d loss / d c_t from the head, row r at dc_head[r·ld_dc_head + ·]).
 // Writes dp [rows, 4C] (d of the four heads' pre-activations, packed order) and dbb_pre [rows, K]; the weight
-// gradients and d s follow from them with GEMMs. No gradient flows into state_in.
+// gradients and d s follow from them with GEMMs. No gradient flows into state_in. bias_sums (may be null): each
+// sequence's sums over its steps (latest first) of dp's columns, then of dbb_pre's ([batch, 4C + K]), so that the
+// biases' gradients are sums over the batch instead of over every row.
 cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const float* dt, const float* gates,
                               const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre,
-                              cudaStream_t stream);
+                              cudaStream_t stream, float* bias_sums = nullptr);
 
 }  // namespace perception::kernels

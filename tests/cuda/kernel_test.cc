@@ -647,8 +647,18 @@ TEST(KernelTest, CfcForwardAndBackward) {
     const kernels::CfcActivations act{gbb_pre.get(), gbb.get(), ggates.get(), gc.get(), ldc, gc_prev.get()};
     ASSERT_EQ(kernels::LaunchCfcForward(shape, packed.get(), du.get(), ddt.get(), dstate.get(), act, gstate.get(),
                                         nullptr), cudaSuccess);
+    DeviceArray<float> gbias_sums(B * (4 * C + K));
     ASSERT_EQ(kernels::LaunchCfcBackward(shape, packed.get(), ddt.get(), ggates_in.get(), gbb_pre_in.get(),
-                                         ddc_head.get(), ldc, gdp.get(), gdbb.get(), nullptr), cudaSuccess);
+                                         ddc_head.get(), ldc, gdp.get(), gdbb.get(), nullptr, gbias_sums.get()),
+              cudaSuccess);
+    // Each sequence's sums over its steps of dp's and dbb_pre's columns (the biases' gradients before the batch sum).
+    Doubles bias_sums(B * (4 * C + K), 0.0);
+    for (int b = 0; b < B; ++b) {
+      for (int t = 0; t < T; ++t) {
+        for (int j = 0; j < 4 * C; ++j) bias_sums[b * (4 * C + K) + j] += dp[(b * T + t) * 4 * C + j];
+        for (int kk = 0; kk < K; ++kk) bias_sums[b * (4 * C + K) + 4 * C + kk] += dbb_pre[(b * T + t) * K + kk];
+      }
+    }
     EXPECT_CLOSE(gbb_pre.Download(), bb_pre);
     EXPECT_CLOSE(gbb.Download(), bb);
     EXPECT_CLOSE(ggates.Download(), gates);
@@ -657,6 +667,7 @@ TEST(KernelTest, CfcForwardAndBackward) {
     EXPECT_CLOSE(gstate.Download(), state_out);
     EXPECT_CLOSE(gdp.Download(), dp);
     EXPECT_CLOSE(gdbb.Download(), dbb_pre);
+    EXPECT_CLOSE(gbias_sums.Download(), bias_sums);
   }
 }
 
