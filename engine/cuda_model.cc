@@ -322,9 +322,9 @@ absl::Status CudaModel::BuildTables() {
     sum(lt.mixer_norm, a.mixer_norm_partials, d.E, d.E, P);
   }
   head_sum(pl.norm_f, norm_f_partials_, d.D, d.D, P);
-  // The CfC's biases from its backward's per-sequence sums: 256 rows for small instead of 16,384 (H200, small
-  // 3xtf32: the head's column sums read 24 MB less beside the layers' backward; bench/RESULTS.md, the thirteenth
-  // session).
+  // The CfC's biases from its backward's per-sequence sums: 256 rows for small instead of 16,384, 24 MB less read
+  // beside the layers' backward (H200, small 3xtf32, alternating: 1,000.6–1,002.4 against 1,009.8–1,012.1 µs a step
+  // prefetching; bench/RESULTS.md, the thirteenth session).
   const int cfc_sums_ld = 4 * d.C + d.K;
   head_sum(pl.cfc_backbone.bias, cfc_bias_sums_ + 4 * d.C, cfc_sums_ld, d.K, c.batch);
   const LinearTensors cfc_heads[kernels::kCfcHeads] = {pl.cfc_ff1, pl.cfc_ff2, pl.cfc_time_a, pl.cfc_time_b};
