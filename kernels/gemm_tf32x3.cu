@@ -806,8 +806,9 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
     splits = plan(sms);
     // Beside other work, a product that the device would run in one wave gains little from all of it; half the
     // slices write and sum half the partials (H200, small 3xtf32, the weight gradients beside the data gradients'
-    // chain, alternating: 1,070.5–1,070.8 against 1,073.4–1,079.0 µs a step copying its batch, 1,017.7–1,020.0
-    // against 1,025.2–1,028.7 prefetching). Longer products keep the device's plan (large's in_proj gradient).
+    // chain, alternating: 1,063.2–1,065.6 against 1,068.5–1,071.6 µs a step copying its batch, 1,010.3–1,012.6
+    // against 1,014.7–1,017.9 prefetching; every product planned for half the device instead, large lost 0.4%).
+    // Longer products keep the device's plan (large's in_proj gradient).
     if (shares_device && tiles * splits <= sms) splits = plan(std::max(sms / 2, 1));
   }
   splits = std::min(splits, most);

@@ -68,7 +68,8 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
 
 // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]. The rows are split into slices whose partial products go to
 // `workspace` (as many slices as the block count wants and `workspace_bytes` holds; the split depends only on the
-// shape and the workspace size, so reruns are bit-identical) and are then summed slice by slice in order.
+// shape, the workspace size, the device's multiprocessor count and `shares_device`, so reruns are bit-identical) and
+// are then summed slice by slice in order.
 // `splits` > 0 forces that many slices (for measuring; still capped by the workspace). `shares_device`: the product
 // runs beside other work, so one that would fill the device in one wave is planned for half of it.
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
