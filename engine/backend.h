@@ -64,11 +64,18 @@ class Backend {
   // starts on it at once instead of on a copy over the host link. The next call is then given that batch at the
   // same address (its contents were taken here); a batch elsewhere, or an Evaluate or ForwardStream in between,
   // costs only that head start. The default ignores `next`. The backend knows the batch by its address alone, so a
-  // caller must give its next TrainStep that very batch, unchanged, or one at another address: the daemon does not
-  // use it, since a freed request's memory may come back at the same address with another batch (and its Train
-  // stream seldom has the next batch queued as a step starts: never in 40 steps on the H200).
+  // caller must give its next TrainStep that very batch, unchanged, while it is still alive; the backend forgets it
+  // at its next training step, evaluation or sequence forward, whichever batch that is given, so a batch freed after
+  // that call cannot be taken for a later one at its address.
   virtual absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
                                                             const BatchView<float>& /*next*/) {
+    return TrainStep(batch);
+  }
+  // The same contract, for a caller whose host work around a step is the bound (the daemon's Train stream): the CUDA
+  // backend stages `next` into pinned memory while the device runs this step, rather than before its launch, and the
+  // next step then copies it in itself. The default ignores `next`.
+  virtual absl::StatusOr<TrainStepResult> TrainStepStagingNext(const BatchView<float>& batch,
+                                                               const BatchView<float>& /*next*/) {
     return TrainStep(batch);
   }
   // Training-step metrics (see TrainingCounters); zeros where the backend keeps none.

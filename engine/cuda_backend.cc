@@ -22,10 +22,16 @@ class CudaBackend final : public Backend {
   std::string device_name() const override { return model_->device_name(); }
   const ParamLayout& layout() const override { return model_->layout(); }
 
-  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override { return Train(batch, nullptr); }
+  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
+    return Train(batch, nullptr, NextStaging::kBeforeLaunch);
+  }
   absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
                                                     const BatchView<float>& next) override {
-    return Train(batch, &next);
+    return Train(batch, &next, NextStaging::kBeforeLaunch);
+  }
+  absl::StatusOr<TrainStepResult> TrainStepStagingNext(const BatchView<float>& batch,
+                                                       const BatchView<float>& next) override {
+    return Train(batch, &next, NextStaging::kDuringStep);
   }
 
   TrainingCounters training_counters() const override {
@@ -164,24 +170,29 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  // Stage → enqueue → wait. With `next`, it is staged behind `batch`, and the step copies it in beside its compute;
-  // the following step then trains on that copy if it is given the batch at the same address.
-  absl::StatusOr<TrainStepResult> Train(const BatchView<float>& batch, const BatchView<float>* next) {
+  // Where a step stages the batch given for the step after it: before its launch, so that its graph copies that
+  // batch in beside its compute (TrainStepWithNext), or after, into pinned memory while the device runs the step,
+  // which the next step then copies in itself (TrainStepStagingNext).
+  enum class NextStaging { kBeforeLaunch, kDuringStep };
+
+  // Stage → enqueue → wait. With `next`, it is staged for the following step (`staging` says when), which trains on
+  // it if it is given the batch at the same address; any other call first forgets it.
+  absl::StatusOr<TrainStepResult> Train(const BatchView<float>& batch, const BatchView<float>* next,
+                                        NextStaging staging) {
+    // Taken before anything can fail: a batch staged ahead is this call's or no one's.
+    const bool staged_ahead = staged_next_ != nullptr && staged_next_ == batch.x.data();
+    staged_next_ = nullptr;
     RETURN_IF_ERROR(CheckTrainingShape(batch));
     if (next) RETURN_IF_ERROR(CheckTrainingShape(*next));
     RETURN_IF_ERROR(YieldStreaming());
-    if (staged_next_ != nullptr && staged_next_ == batch.x.data()) {
-      staged_next_ = nullptr;  // staged by the step before, and by now on the device
-    } else {  // whatever a failed call left staged is not this step's
-      DropNext();
+    if (!staged_ahead) {  // whatever a failed call left staged is not this step's
       model_->DropStagedBatches();
       RETURN_IF_ERROR(model_->StageBatch(batch));
     }
-    if (next) {
-      RETURN_IF_ERROR(model_->StageBatch(*next));
-      staged_next_ = next->x.data();
-    }
+    if (next && staging == NextStaging::kBeforeLaunch) RETURN_IF_ERROR(model_->StageBatch(*next));
     RETURN_IF_ERROR(model_->EnqueueTrainStep());
+    if (next && staging == NextStaging::kDuringStep) RETURN_IF_ERROR(model_->StageBatch(*next));
+    if (next) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
     return TrainStepResult{report.loss, report.grad_norm, report.step};

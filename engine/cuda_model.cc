@@ -431,6 +431,11 @@ absl::Status CudaModel::StageBatch(const BatchView<float>& batch) {
     return absl::FailedPreconditionError(
         "CUDA backend: two batches are staged already; a step must take the older before a third is staged");
   }
+  // With nothing staged, a batch staged while a step that reads the current slot runs (Backend::TrainStepStagingNext)
+  // takes the other slot if no step reads that one, instead of waiting for the step.
+  if (queued_ == 0 && slots_[current_].read_since_wait && !slots_[1 - current_].read_since_wait) {
+    current_ = 1 - current_;
+  }
   InputSlot& slot = slots_[queued_ == 0 ? current_ : 1 - current_];
   if (slot.read_since_wait) {  // a step not waited for may still be copying this slot's previous batch in
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));

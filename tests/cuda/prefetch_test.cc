@@ -190,11 +190,10 @@ TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
   EXPECT_EQ(report->step, 4);
 }
 
-// The Backend face (Backend::TrainStepWithNext, as perception train calls it): the same
-// results and checkpoint as TrainStep alone, also where an Evaluate comes between two steps or the next call's batch
-// is a copy at another address (both drop the head start, not the batch).
-TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
-  SKIP_WITHOUT_CUDA_DEVICE();
+// The Backend face (Backend::TrainStepWithNext, as perception train calls it, and TrainStepStagingNext, as the
+// daemon's Train stream does): the same results and checkpoint as TrainStep alone, also where an Evaluate comes
+// between two steps or the next call's batch is a copy at another address (both drop the head start, not the batch).
+void ExpectTrainingWithNextMatchesTrainStep(bool staging_during_step) {
   const ModelConfig config = *NamedConfig("tiny");
   constexpr int kSteps = 8;
   const OptimizerConfig optimizer = WarmupCosine(kSteps);
@@ -208,8 +207,9 @@ TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
     const auto expected = (*plain)->TrainStep(batches[i].view());
     ASSERT_TRUE(expected.ok()) << expected.status();
     const BatchView<float> batch = i == 6 ? moved.view() : batches[i].view();
-    const auto got = i + 1 < kSteps ? (*ahead)->TrainStepWithNext(batch, batches[i + 1].view())
-                                    : (*ahead)->TrainStep(batch);
+    const auto got = i + 1 == kSteps    ? (*ahead)->TrainStep(batch)
+                     : staging_during_step ? (*ahead)->TrainStepStagingNext(batch, batches[i + 1].view())
+                                         : (*ahead)->TrainStepWithNext(batch, batches[i + 1].view());
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(std::memcmp(&expected->loss, &got->loss, sizeof(double)), 0) << expected->loss << " vs " << got->loss;
     EXPECT_EQ(std::memcmp(&expected->grad_norm, &got->grad_norm, sizeof(double)), 0);
@@ -226,6 +226,43 @@ TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
   EXPECT_TRUE(BitIdentical(a->exp_avg, b->exp_avg)) << "first moments";
   EXPECT_TRUE(BitIdentical(a->exp_avg_sq, b->exp_avg_sq)) << "second moments";
   EXPECT_EQ(a->step, b->step);
+}
+
+TEST(CudaPrefetch, TinyBackendTrainStepWithNextMatchesTrainStep) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ExpectTrainingWithNextMatchesTrainStep(/*staging_during_step=*/false);
+}
+
+TEST(CudaPrefetch, TinyBackendTrainStepStagingNextMatchesTrainStep) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ExpectTrainingWithNextMatchesTrainStep(/*staging_during_step=*/true);
+}
+
+// A batch staged for a step that then fails before training on it is forgotten at the backend's next call: a later
+// batch at the same address (as a freed request's memory may come back) is trained on as it is then, not as staged.
+TEST(CudaPrefetch, TinyBatchStagedForAFailedStepIsNotTakenForALaterOneAtItsAddress) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  const OptimizerConfig optimizer = WarmupCosine(8);
+  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 23));
+  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 23));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  const std::vector<RandomBatch> batches = Batches(config, 3);
+  RandomBatch reused = batches[1];  // staged as the next step's batch, then rewritten in place with another batch
+  ASSERT_TRUE((*plain)->TrainStep(batches[0].view()).ok());
+  ASSERT_TRUE((*ahead)->TrainStepStagingNext(batches[0].view(), reused.view()).ok());
+  // The step meant for `reused` fails before it trains (a wrong window), then `reused` holds batch 3.
+  BatchView<float> wrong = reused.view();
+  wrong.window -= 1;
+  EXPECT_FALSE((*ahead)->TrainStep(wrong).ok());
+  const float* const address = reused.x.data();
+  reused = batches[2];
+  ASSERT_EQ(reused.x.data(), address);
+  const auto expected = (*plain)->TrainStep(batches[2].view());
+  const auto got = (*ahead)->TrainStep(reused.view());
+  ASSERT_TRUE(expected.ok() && got.ok());
+  EXPECT_EQ(std::memcmp(&expected->loss, &got->loss, sizeof(double)), 0) << expected->loss << " vs " << got->loss;
 }
 
 }  // namespace
