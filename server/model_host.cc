@@ -150,8 +150,7 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
   return outcome;
 }
 
-absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch) {
-  RETURN_IF_ERROR(RequireModel());
+absl::Status ModelHost::CheckTrainingBatch(const BatchView<float>& batch) const {
   RETURN_IF_ERROR(CheckFeaturesAndHorizons(batch));
   const ModelConfig& config = backend_->config();
   if (batch.batch != config.batch || batch.window != config.window) {
@@ -159,8 +158,16 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch)
                                                    " events differs from the model's training shape ", config.batch,
                                                    " x ", config.window, " (fixed when the model was created)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch, const BatchView<float>* next) {
+  RETURN_IF_ERROR(RequireModel());
+  RETURN_IF_ERROR(CheckTrainingBatch(batch));
   const Stopwatch stopwatch;
-  absl::StatusOr<TrainStepResult> stepped = backend_->TrainStep(batch);
+  absl::StatusOr<TrainStepResult> stepped = next != nullptr && CheckTrainingBatch(*next).ok()
+                                                ? backend_->TrainStepStagingNext(batch, *next)
+                                                : backend_->TrainStep(batch);
   if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
   ASSIGN_OR_RETURN(const TrainStepResult result, std::move(stepped));
   // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time

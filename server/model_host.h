@@ -97,8 +97,11 @@ class ModelHost {
   // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
-  // `batch` must have the model's features and horizons and, for training, its (batch, window).
-  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch);
+  // `batch` must have the model's features and horizons and, for training, its (batch, window). `next`, where given,
+  // is the batch of the training step that will come next (the Train stream's): staged while this step runs
+  // (Backend::TrainStepStagingNext) where it passes the same checks, so that step cannot fail them and leave the
+  // backend holding a batch it knows by address only.
+  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr);
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;
@@ -115,6 +118,8 @@ class ModelHost {
  private:
   absl::Status RequireModel() const;
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
+  // ... and the model's training (batch, window).
+  absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                bool normalizer_fitted);

@@ -165,7 +165,7 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext*, const v1::TrainS
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
     const Stopwatch queued;
     ASSIGN_OR_RETURN(*response, worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return TrainOnDevice(host, request->batch(), queued);
+      return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued);
     }));
     return absl::OkStatus();
   });

@@ -2,15 +2,20 @@
 #include "server/training.h"
 
 #include <algorithm>
+#include <iterator>
+#include <optional>
 
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 
 namespace perception::server {
 
-absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued) {
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
+                                                    const Stopwatch& queued) {
   const double queue_seconds = queued.Seconds();
-  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch)));
+  const std::optional<BatchView<float>> next_view =
+      next != nullptr ? std::optional<BatchView<float>>(ViewOf(*next)) : std::nullopt;
+  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch), next_view ? &*next_view : nullptr));
   v1::TrainStepResponse response;
   response.set_loss(outcome.result.loss);
   response.set_grad_norm(outcome.result.grad_norm);
@@ -57,7 +62,7 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
-      OnStepDone(step, TrainOnDevice(host, step.request->batch(), queued));
+      OnStepDone(step, TrainOnDevice(host, step.request->batch(), NextBatch(step), queued));
     });
   }
   if (accepted.ok()) {
@@ -66,6 +71,14 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     step.result = std::move(accepted);
     input_done_ = true;  // nothing after a refused batch is read
   }
+}
+
+const v1::Batch* TrainReactor::NextBatch(const Step& step) {
+  absl::MutexLock lock(&mu_);
+  const auto at = std::find_if(steps_.begin(), steps_.end(), [&](const Step& s) { return &s == &step; });
+  if (at == steps_.end() || std::next(at) == steps_.end()) return nullptr;
+  const Step& next = *std::next(at);
+  return next.request != nullptr && !next.result.has_value() ? &next.request->batch() : nullptr;
 }
 
 void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result) {

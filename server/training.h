@@ -18,17 +18,21 @@
 
 namespace perception::server {
 
-// One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds).
-absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const Stopwatch& queued);
+// One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds). `next`, where
+// given, is the batch of the step queued right behind this one (ModelHost::TrainStep stages it meanwhile).
+absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
+                                                    const Stopwatch& queued);
 
 // One Train stream. Each batch read is validated and queued on the device worker; responses go out in batch
 // order. At most kMaxUnansweredSteps batches are held (queued, running or waiting to be answered), plus the one
 // being received, so a client that writes ahead keeps the device busy without the daemon buffering its stream.
+// Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
+// one runs) and is staged while the step runs; with two it was read only once the step had started.
 // The first failure, whether refused on arrival or on the device, ends the stream with its status once the
 // steps queued before it are done. The reactor deletes itself when gRPC is done with it.
 class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse> {
  public:
-  static constexpr size_t kMaxUnansweredSteps = 2;
+  static constexpr size_t kMaxUnansweredSteps = 3;
 
   // `admit` refuses new work while the daemon drains; `on_finish` sees the stream's final status.
   TrainReactor(DeviceWorker& worker, const Limits& limits, absl::AnyInvocable<absl::Status() const> admit,
@@ -47,6 +51,9 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
 
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
+  // The batch of the step after `step`, if it has been accepted (its job is queued behind `step`'s, so it stays in
+  // place until that job is done); else null.
+  const v1::Batch* NextBatch(const Step& step);
   // Queues the batch just read as the next step, or records why it was refused.
   void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies `change` to the stream's state under the lock, then moves the stream forward.
