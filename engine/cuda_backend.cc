@@ -198,8 +198,8 @@ class CudaBackend final : public Backend {
     return TrainStepResult{report.loss, report.grad_norm, report.step};
   }
 
-  // The batch a TrainStepWithNext staged for the step after it is not that step's: forget it, so the model's next
-  // Enqueue takes what is staged for it.
+  // The batch a TrainStepWithNext or TrainStepStagingNext staged for the step after it is not that step's: forget
+  // it, so the model's next Enqueue takes what is staged for it.
   void DropNext() {
     if (staged_next_ == nullptr) return;
     model_->DropStagedBatches();
@@ -234,7 +234,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaStreamer> streamer_;
   int64_t replica_checks_ = 0;
   bool stream_resident_ = true;
-  const float* staged_next_ = nullptr;  // x of the batch the last TrainStepWithNext staged as `next`, if any
+  // x of the batch the last TrainStepWithNext or TrainStepStagingNext staged as `next`, if any.
+  const float* staged_next_ = nullptr;
 };
 
 }  // namespace
