@@ -444,9 +444,19 @@ __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// The barrier's pending count goes up by one until this thread's earlier cp.async copies have all landed.
+// Zeros shared memory by a copy of no source bytes (cp.async's zero fill), so that whatever tracks this thread's
+// copies (CopyAsyncArrive, cp.async.wait_all) covers the zeros too; `any` is any valid global address (none is read).
+__device__ __forceinline__ void CopyAsyncZeros4(float* dst, const float* any) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, 0;" ::"r"(SharedAddress(dst)), "l"(any) : "memory");
+}
+__device__ __forceinline__ void CopyAsyncZeros16(float* dst, const float* any) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 0;" ::"r"(SharedAddress(dst)), "l"(any) : "memory");
+}
+// This thread's one arrival on the barrier's current phase, made once its earlier cp.async copies have all landed
+// (.noinc: the arrival is one of those the barrier counts, not an extra pending one that the thread must arrive for
+// again, which synccheck reported as a second arrive without a wait).
 __device__ __forceinline__ void CopyAsyncArrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar)) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
 // Sum over the eight lanes of a row group (butterfly: every lane ends with the same bits).
@@ -1106,7 +1116,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       }
     }
     // The carried conv and CfC states of the group's events (and its SSM rows where not bulk-copied; padding events
-    // get zeros), by warps first_warp on, each its share.
+    // get zeros, as copies of no bytes), by warps first_warp on, each its share.
     auto copy_carried = [&](int first_warp) {
       const int w = warp - first_warp, warps = kStreamWarps - first_warp, t = tid - first_warp * kWarpSize;
 #pragma unroll 1
@@ -1121,7 +1131,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
             if (slot >= 0) {
               CopyAsync4(dst + o, src + o);
             } else {
-              dst[o] = 0.f;
+              CopyAsyncZeros4(dst + o, st.ssm);
             }
           }
         }
@@ -1140,7 +1150,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
             if (slot >= 0) {
               CopyAsync16(conv_in + i, src + i);
             } else {
-              *reinterpret_cast<float4*>(conv_in + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+              CopyAsyncZeros16(conv_in + i, st.conv);
             }
           }
         } else {
@@ -1154,7 +1164,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
               if (slot >= 0) {
                 CopyAsync4(dst + channel, src + c);
               } else {
-                dst[channel] = 0.f;
+                CopyAsyncZeros4(dst + channel, st.conv);
               }
             }
           }
@@ -1164,7 +1174,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
           if (slot >= 0) {
             CopyAsync4(dst, st.cfc + slot * p.C + t);
           } else {
-            *dst = 0.f;
+            CopyAsyncZeros4(dst, st.cfc);
           }
         }
       }
@@ -1212,11 +1222,11 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
         arm_exchanges(kStreamWarps - 1);
         if (phase == 0) {
           if (warp_lane == 0) late_copies();
+          MbarrierArrive(SharedAddress(state_bar));
         } else {
           copy_carried(kCarryWarp);
           CopyAsyncArrive(state_bar);
         }
-        MbarrierArrive(SharedAddress(state_bar));  // (releases the zeros of padding events)
       }
     }
 
