@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End to end on a CUDA host: perceptiond --device cuda trains on AMZN through perceptionctl, streams events, and the
-# convictions read back are compared with the offline `perception eval --device cuda`; then perceptionctl bench.
+# convictions read back are compared with the offline `perception eval --device cuda`; then perceptionctl bench. The
+# resident streaming step is released after 5 ms without work, so pauses in the feed stop and restart it.
 # Usage: bench/gpu_e2e.sh BUNDLE_DIR OUT_DIR DATA_DIR   (bundle: perceptiond, perceptionctl, perception)
 set -uo pipefail
 bundle=$1 out=$2 data=$3
@@ -8,7 +9,7 @@ ob="$data/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv" msg="$data/AMZN_201
 port=50151 metrics_port=9565 events=15000
 mkdir -p "$out/checkpoints"
 "$bundle/env" perceptiond --listen="127.0.0.1:$port" --metrics_listen="127.0.0.1:$metrics_port" --device=cuda \
-  --checkpoint_dir="$out/checkpoints" 2> "$out/perceptiond.log" &
+  --checkpoint_dir="$out/checkpoints" --stream_resident_idle_ms=5 2> "$out/perceptiond.log" &
 daemon=$!
 ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" --wait=60s status | head -3
@@ -27,7 +28,7 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" streams close AMZN2 | tail -1
 "${ctl[@]}" init --config small --levels 1 --replace | tail -1
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN3 --count 50 | tail -1
-python3 - "$metrics_port" <<'PY' | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version)'
+python3 - "$metrics_port" <<'PY' | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version|stream_resident_idle_stops_total)'
 import sys, urllib.request
 print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
 PY

@@ -90,6 +90,10 @@ class Backend {
   // and waited for; the next lone event starts it again), before work that may wait for the whole device, such as
   // creating another backend.
   virtual absl::Status QuiesceDevice() { return absl::OkStatus(); }
+  // Frees what this backend holds on the device only to answer the next request sooner, when requests have paused
+  // (CUDA: a running resident streaming step is stopped, not waited for; it answers every event posted before, and
+  // the next lone event starts another); true when it stopped something. A backend that holds nothing ignores it.
+  virtual absl::StatusOr<bool> ReleaseIdleDevice() { return false; }
   // Masked BCE of `batch` under the current parameters; logits [B,T,H] written when non-empty.
   virtual absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) = 0;
 

@@ -49,6 +49,11 @@ class CudaBackend final : public Backend {
     if (streamer_) streamer_->set_use_resident(resident);
   }
   absl::Status QuiesceDevice() override { return streamer_ ? streamer_->Quiesce() : absl::OkStatus(); }
+  absl::StatusOr<bool> ReleaseIdleDevice() override {
+    if (!streamer_ || !streamer_->resident_running()) return false;
+    RETURN_IF_ERROR(streamer_->StopResident());
+    return true;
+  }
 
   // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {

@@ -414,7 +414,8 @@ absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape)
 
 absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
   if (!resident_.running) {
-    // No idle exit: a cluster that left by itself could not tell the host which posted event it had not read.
+    // The cluster never leaves by itself (one that did could not tell the host which posted event it had not read):
+    // the host stops it, also when the feed has gone quiet (StopResident).
     const kernels::StreamResidentQueue queue{resident_.ring, kResidentRing, resident_.done,
                                              std::numeric_limits<uint64_t>::max(), resident_.posted};
     CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));

@@ -86,6 +86,10 @@ class CudaStreamer {
   // Stops a running resident step and waits until it has left: before anything that may wait for the whole device
   // (creating another model: allocations, the legacy stream), which a cluster that never ends would hold forever.
   absl::Status Quiesce();
+  // Stops a running resident step without waiting: it answers the events posted before the stop, then leaves and
+  // frees its multiprocessors and its polling of host memory; the next lone event launches another. For a feed that
+  // has gone quiet (the daemon's --stream_resident_idle_ms).
+  absl::Status StopResident();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
 
@@ -154,7 +158,6 @@ class CudaStreamer {
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
-  absl::Status StopResident();
   absl::Status WaitResidentAnswered(uint32_t count);
   absl::Status WaitForRingEntry();
   absl::Status Capture(const kernels::StreamTickInput& input, TickGraph& graph);

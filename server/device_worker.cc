@@ -2,11 +2,23 @@
 #include "server/device_worker.h"
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 
 namespace perception::server {
 
-DeviceWorker::DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth)
-    : status_(host->Status()), queue_depth_(queue_depth), host_(std::move(host)), thread_(&DeviceWorker::Loop, this) {}
+DeviceWorker::DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth, absl::Duration idle_period,
+                           IdleJob on_idle)
+    : status_(host->Status()),
+      queue_depth_(queue_depth),
+      idle_period_(idle_period),
+      on_idle_(std::move(on_idle)),
+      host_(std::move(host)),
+      thread_(&DeviceWorker::Loop, this) {}
+
+void DeviceWorker::ReleaseIdleDevice(ModelHost& host) {
+  const absl::Status released = host.ReleaseIdleDevice();
+  if (!released.ok()) spdlog::warn("releasing the idle device: {}", released.ToString());
+}
 
 DeviceWorker::~DeviceWorker() { Stop(); }
 
@@ -43,8 +55,10 @@ void DeviceWorker::Stop() {
 }
 
 void DeviceWorker::Loop() {
+  bool worked_since_idle = false;  // a job has run since on_idle last ran
   while (true) {
     Job job;
+    bool idle = false;
     {
       absl::MutexLock lock(&mu_);
       const auto has_work_or_stops = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -54,19 +68,28 @@ void DeviceWorker::Loop() {
         }
         return false;
       };
-      mu_.Await(absl::Condition(&has_work_or_stops));
-      std::deque<Job>& streaming = queues_[static_cast<int>(JobPriority::kStreaming)];
-      std::deque<Job>& training = queues_[static_cast<int>(JobPriority::kTraining)];
-      const bool training_turn = !training.empty() && (streaming.empty() || streaming_run_ >= kStreamingRun);
-      std::deque<Job>& queue = training_turn || streaming.empty() ? training : streaming;
-      if (!queue.empty()) {
-        job = std::move(queue.front());
-        queue.pop_front();
-        streaming_run_ = &queue == &streaming && !training.empty() ? streaming_run_ + 1 : 0;
+      idle = !mu_.AwaitWithTimeout(absl::Condition(&has_work_or_stops),
+                                   worked_since_idle ? idle_period_ : absl::InfiniteDuration());
+      if (!idle) {
+        std::deque<Job>& streaming = queues_[static_cast<int>(JobPriority::kStreaming)];
+        std::deque<Job>& training = queues_[static_cast<int>(JobPriority::kTraining)];
+        const bool training_turn = !training.empty() && (streaming.empty() || streaming_run_ >= kStreamingRun);
+        std::deque<Job>& queue = training_turn || streaming.empty() ? training : streaming;
+        if (!queue.empty()) {
+          job = std::move(queue.front());
+          queue.pop_front();
+          streaming_run_ = &queue == &streaming && !training.empty() ? streaming_run_ + 1 : 0;
+        }
+        if (!job) return;  // stopping, and nothing is left to run
       }
-      if (!job) return;  // stopping, and nothing is left to run
+    }
+    if (idle) {
+      worked_since_idle = false;
+      on_idle_(*host_);
+      continue;
     }
     std::move(job)(*host_);
+    worked_since_idle = true;
     HostStatus status = host_->Status();
     absl::MutexLock lock(&mu_);
     status_ = std::move(status);

@@ -12,6 +12,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/model_host.h"
 
 namespace perception::server {
@@ -29,8 +30,13 @@ class DeviceWorker {
   // Runs on the worker thread with exclusive use of the model host.
   using Job = absl::AnyInvocable<void(ModelHost&) &&>;
 
-  // Starts the thread; at most `queue_depth` jobs wait per priority.
-  DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth);
+  // What the worker runs once the device has had no job for the idle period after the last one.
+  using IdleJob = absl::AnyInvocable<void(ModelHost&)>;
+
+  // Starts the thread; at most `queue_depth` jobs wait per priority. Once no job has come for `idle_period` after the
+  // last one, `on_idle` runs (once per pause; by default ModelHost::ReleaseIdleDevice); an infinite period never.
+  DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth, absl::Duration idle_period = absl::InfiniteDuration(),
+               IdleJob on_idle = ReleaseIdleDevice);
   ~DeviceWorker();  // Stop()
 
   // Queues `job`; every accepted job runs, in order within its priority. RESOURCE_EXHAUSTED when that priority's
@@ -52,6 +58,7 @@ class DeviceWorker {
 
  private:
   void Loop();
+  static void ReleaseIdleDevice(ModelHost& host);
 
   mutable absl::Mutex mu_;
   std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
@@ -59,6 +66,8 @@ class DeviceWorker {
   int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
   HostStatus status_ ABSL_GUARDED_BY(mu_);
   const int queue_depth_;
+  const absl::Duration idle_period_;
+  IdleJob on_idle_;  // used by the worker thread only
   const std::unique_ptr<ModelHost> host_;  // used by the worker thread only
   std::thread thread_;
 };

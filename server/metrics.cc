@@ -135,6 +135,12 @@ ServerMetrics::ServerMetrics()
                                      "answered DATA_LOSS).")
                                .Register(*registry_)
                                .Add({})),
+      resident_idle_stops_(prometheus::BuildCounter()
+                               .Name("perception_stream_resident_idle_stops_total")
+                               .Help("Resident streaming steps stopped after the device had no work for "
+                                     "--stream_resident_idle_ms (the next lone event starts another).")
+                               .Register(*registry_)
+                               .Add({})),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("perception_rpc_duration_seconds")
                         .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
@@ -232,6 +238,8 @@ void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t
 void ServerMetrics::ObserveReplicaChecks(int64_t equal) { replica_checks_.Increment(static_cast<double>(equal)); }
 
 void ServerMetrics::ObserveReplicaDivergence() { replica_divergences_.Increment(); }
+
+void ServerMetrics::ObserveResidentIdleStop() { resident_idle_stops_.Increment(); }
 
 void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds) {
   checkpoint_duration_.Add({{"operation", std::string(operation)}}, checkpoint_buckets_).Observe(seconds);

@@ -41,6 +41,8 @@ class ServerMetrics {
   void SetActiveStreams(int streams);
   // The weights version streaming reads (the published copy).
   void SetStreamWeightsVersion(int64_t version);
+  // A resident streaming step stopped because the device had no work for a while (ModelHost::ReleaseIdleDevice).
+  void ObserveResidentIdleStop();
 
   // Gauges of the daemon's state, set just before each scrape.
   void SetModelParameters(int64_t trained_parameters);
@@ -59,6 +61,7 @@ class ServerMetrics {
   prometheus::Counter& train_graph_replays_;
   prometheus::Counter& replica_checks_;
   prometheus::Counter& replica_divergences_;
+  prometheus::Counter& resident_idle_stops_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Family<prometheus::Counter>& rejected_;
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;

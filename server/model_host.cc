@@ -254,6 +254,13 @@ void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig&
   metrics_.SetStreamWeightsVersion(0);
 }
 
+absl::Status ModelHost::ReleaseIdleDevice() {
+  if (backend_ == nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const bool released, backend_->ReleaseIdleDevice());
+  if (released) metrics_.ObserveResidentIdleStop();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Backend*> ModelHost::StreamingBackend() {
   RETURN_IF_ERROR(RequireModel());
   if (!streaming_configured_) {

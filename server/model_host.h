@@ -105,6 +105,9 @@ class ModelHost {
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;
+  // When the device has had no work for a while: frees what the backend holds there only to answer sooner (a running
+  // resident streaming step: Backend::ReleaseIdleDevice). Nothing to do without a model.
+  absl::Status ReleaseIdleDevice();
 
   // ---- Streaming (the stream batcher calls these on the worker thread) ----
   // The backend with streaming configured: slots and logs are allocated, and the current weights published, on

@@ -60,6 +60,10 @@ ABSL_FLAG(bool, stream_resident, true,
           "on CUDA (small): lone streaming events go to a resident step that polls a ring in pinned memory, instead "
           "of a launch per tick; it holds 8 multiprocessors while streaming, and yields them to every training step "
           "(--nostream_resident: a launched tick per event)");
+ABSL_FLAG(int, stream_resident_idle_ms, 1000,
+          "on CUDA: once the device has had no work for this many milliseconds, a running resident streaming step is "
+          "stopped, freeing its multiprocessors and its polling of host memory; the next lone event starts it again "
+          "(0: it runs until other work needs the device)");
 ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many processed events...");
 ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
 ABSL_FLAG(int, publish_every_steps, 1,
@@ -119,6 +123,9 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
+  const int idle_ms = absl::GetFlag(FLAGS_stream_resident_idle_ms);
+  if (idle_ms < 0) return absl::InvalidArgumentError("--stream_resident_idle_ms must be 0 (never) or positive");
+  options.resident_idle_period = idle_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(idle_ms);
   if (options.device.slots < 1 || options.device.log_entries_total < options.device.slots ||
       options.device.publish_every_steps < 1 || options.ack_every_events < 1 || options.ack_every_ms < 1 ||
       options.max_read_count < 1) {
@@ -264,7 +271,7 @@ absl::Status Serve() {
   ServerMetrics metrics;
   DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics, stream_options.device,
                                                   absl::GetFlag(FLAGS_graphs), precision),
-                      limits.queue_depth);
+                      limits.queue_depth, stream_options.resident_idle_period);
   StreamBatcher streams(worker, stream_options, metrics);
   PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
   RendezvousService rendezvous(data_parallel ? data_parallel->options.rank : 0,

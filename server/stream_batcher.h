@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "engine/stream_table.h"
 #include "perception/v1/perception.pb.h"
 #include "server/device_worker.h"
@@ -30,6 +31,8 @@ struct StreamOptions {
   int64_t max_read_count = 65536;      // most convictions per ReadConvictions page
   int64_t max_unprocessed_per_call = 16384;  // a Stream call reads no further request while it has this many
                                              // accepted events not yet processed (back-pressure on the client)
+  // The device worker releases a running resident step (ModelHost::ReleaseIdleDevice) after this long without work.
+  absl::Duration resident_idle_period = absl::Seconds(1);
 };
 
 // What one Stream call hears back about the events it submitted; called on the device worker's thread, outside

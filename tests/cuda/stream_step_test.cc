@@ -479,8 +479,39 @@ TEST(StreamResidentTest, YieldToAndQuiesceStopTheResidentStepAndTheNextLoneEvent
   resident.ExpectLogsMatch();
 }
 
-// Through the CUDA backend, lone events between training steps, publishes and evaluations (each of which stops the
-// resident step first) log the same bits with the resident step as without it.
+// StopResident (the daemon's release of a quiet feed's resident step) returns at once; the cluster answers what was
+// posted before the stop and leaves by itself; the next lone event starts another, which carries the states on.
+TEST(StreamResidentTest, AStoppedResidentStepLeavesWithoutAWaitAndTheNextLoneEventStartsAnother) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity launched("small", 3, 64), resident("small", 3, 64);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
+  launched.streamer().set_use_resident(false);
+  uint64_t seed = 40;
+  auto lone_events = [&](int count) {
+    for (int i = 0; i < count; ++i, ++seed) {
+      const int32_t slot = static_cast<int32_t>(seed % 3);
+      launched.Tick({slot}, seed);
+      resident.Tick({slot}, seed);
+    }
+  };
+  for (int pause = 0; pause < 3; ++pause) {
+    lone_events(7);
+    ASSERT_TRUE(resident.streamer().resident_running());
+    ASSERT_TRUE(resident.streamer().StopResident().ok());
+    EXPECT_FALSE(resident.streamer().resident_running());
+    ASSERT_TRUE(resident.streamer().StopResident().ok());  // nothing running: nothing to stop
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_EQ(cudaStreamSynchronize(resident.streamer().stream()), cudaSuccess) << "the stopped cluster left";
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  }
+  lone_events(5);
+  ASSERT_TRUE(resident.streamer().Synchronize().ok());
+  EXPECT_EQ(launched.Logs(), resident.Logs());
+  resident.ExpectLogsMatch();
+}
+
+// Through the CUDA backend, lone events between training steps, publishes, evaluations and idle releases (each of
+// which stops the resident step first) log the same bits with the resident step as without it.
 TEST(StreamResidentTest, TheBackendsLoneEventsBetweenTrainingStepsMatchLaunchedTicks) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("small");
@@ -498,6 +529,11 @@ TEST(StreamResidentTest, TheBackendsLoneEventsBetweenTrainingStepsMatchLaunchedT
     for (int round = 0; round < 3; ++round) {
       const testing::RandomBatch events = MakeRandomBatch(config, 1, 40, 30 + round);
       for (int i = 0; i < 40; ++i) {
+        if (i == 25) {  // as the daemon's worker after a pause
+          const absl::StatusOr<bool> released = backend.ReleaseIdleDevice();
+          EXPECT_TRUE(released.ok()) << released.status();
+          EXPECT_EQ(released.value_or(!resident), resident) << "a running resident step was stopped";
+        }
         const int32_t slot = 0;
         const int64_t index = logged++;
         EXPECT_TRUE(backend.ForwardStepInto({std::span<const float>(events.x).subspan(i * F, F),

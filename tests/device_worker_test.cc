@@ -1,0 +1,112 @@
+// The device worker's idle job: when it runs (once per pause in the work, never while jobs keep coming), and that
+// every queued job still runs around it.
+#include "server/device_worker.h"
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "engine/config.h"
+#include "engine/optimizer.h"
+#include "server/metrics.h"
+#include "server/model_host.h"
+
+namespace perception::server {
+namespace {
+
+using std::chrono::milliseconds;
+using ::testing::HasSubstr;
+
+// A worker over a CPU model host (no model) whose idle job counts its runs.
+struct CountingWorker {
+  explicit CountingWorker(absl::Duration idle_period)
+      : worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/8, idle_period,
+               [this](ModelHost&) { idle_runs.fetch_add(1); }) {}
+
+  absl::Status RunJob() {
+    return worker.Run(JobPriority::kStreaming, [this](ModelHost&) {
+      jobs.fetch_add(1);
+      return absl::OkStatus();
+    });
+  }
+  // Polls until the idle job has run `runs` times, for at most `limit`.
+  bool AwaitIdleRuns(int runs, milliseconds limit) const {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (idle_runs.load() < runs && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(milliseconds(2));
+    }
+    return idle_runs.load() >= runs;
+  }
+
+  ServerMetrics metrics;
+  std::atomic<int> idle_runs{0};
+  std::atomic<int> jobs{0};
+  DeviceWorker worker;  // last: its thread stops before the counters go
+};
+
+TEST(DeviceWorkerTest, TheIdleJobRunsOnceAfterEachPauseInTheWorkAndNeverBeforeAnyWork) {
+  CountingWorker w(absl::Milliseconds(30));
+  std::this_thread::sleep_for(milliseconds(150));
+  EXPECT_EQ(w.idle_runs.load(), 0) << "no job has run yet: nothing to release";
+
+  ASSERT_TRUE(w.RunJob().ok());
+  ASSERT_TRUE(w.AwaitIdleRuns(1, milliseconds(5000)));
+  std::this_thread::sleep_for(milliseconds(150));
+  EXPECT_EQ(w.idle_runs.load(), 1) << "one run per pause, not one per period";
+
+  ASSERT_TRUE(w.RunJob().ok());
+  ASSERT_TRUE(w.RunJob().ok());
+  ASSERT_TRUE(w.AwaitIdleRuns(2, milliseconds(5000)));
+  std::this_thread::sleep_for(milliseconds(150));
+  EXPECT_EQ(w.idle_runs.load(), 2);
+  EXPECT_EQ(w.jobs.load(), 3);
+}
+
+TEST(DeviceWorkerTest, TheIdleJobWaitsWhileJobsKeepComing) {
+  // Jobs 5 ms apart for 0.6 s against a 400 ms idle period: no pause is long enough.
+  CountingWorker w(absl::Milliseconds(400));
+  for (int i = 0; i < 120; ++i) {
+    ASSERT_TRUE(w.RunJob().ok());
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_EQ(w.idle_runs.load(), 0);
+  EXPECT_TRUE(w.AwaitIdleRuns(1, milliseconds(5000))) << "the pause after the last job";
+  EXPECT_EQ(w.jobs.load(), 120);
+}
+
+TEST(DeviceWorkerTest, AnInfiniteIdlePeriodNeverRunsTheIdleJob) {
+  CountingWorker w(absl::InfiniteDuration());
+  ASSERT_TRUE(w.RunJob().ok());
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(w.idle_runs.load(), 0);
+}
+
+TEST(DeviceWorkerTest, StopRunsTheQueuedJobsAndReturnsWhileAPauseIsBeingTimed) {
+  CountingWorker w(absl::Seconds(30));
+  ASSERT_TRUE(w.RunJob().ok());
+  const auto start = std::chrono::steady_clock::now();
+  w.worker.Stop();  // the worker is timing a 30 s pause: Stop must not wait for it
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(w.idle_runs.load(), 0);
+  EXPECT_EQ(w.worker.Enqueue(JobPriority::kTraining, [](ModelHost&) {}).code(), absl::StatusCode::kUnavailable);
+}
+
+// The default idle job (ModelHost::ReleaseIdleDevice) on a host with no model, and one with a CPU model, which holds
+// nothing on a device: nothing to release, no error, nothing counted.
+TEST(DeviceWorkerTest, ReleasingAnIdleHostWithoutADeviceIsANoOp) {
+  ServerMetrics metrics;
+  ModelHost host("cpu", metrics);
+  EXPECT_TRUE(host.ReleaseIdleDevice().ok());
+  ASSERT_TRUE(host.Init(*NamedConfig("tiny"), OptimizerConfig{}, 7, std::nullopt, /*replace=*/false).ok());
+  EXPECT_TRUE(host.ReleaseIdleDevice().ok());
+  EXPECT_THAT(metrics.Render(), HasSubstr("\nperception_stream_resident_idle_stops_total 0\n"));
+}
+
+}  // namespace
+}  // namespace perception::server
