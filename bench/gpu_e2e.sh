@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # End to end on a CUDA host: perceptiond --device cuda trains on AMZN through perceptionctl, streams events, and the
-# convictions read back are compared with the offline `perception eval --device cuda`; then perceptionctl bench. The
-# resident streaming step is released after 5 ms without work, so pauses in the feed stop and restart it.
+# convictions read back are compared with the offline `perception eval --device cuda`; then perceptionctl bench.
+# A second instrument's lone events arrive 6.7 ms apart, longer than the daemon's 5 ms idle period, so the resident
+# step is stopped and started again between them; their convictions are compared with the offline evaluation too.
 # Usage: bench/gpu_e2e.sh BUNDLE_DIR OUT_DIR DATA_DIR   (bundle: perceptiond, perceptionctl, perception)
 set -uo pipefail
 bundle=$1 out=$2 data=$3
 ob="$data/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv" msg="$data/AMZN_2012-06-21_34200000_57600000_message_1.csv"
-port=50151 metrics_port=9565 events=15000
+port=50151 metrics_port=9565 events=15000 paced_events=200
 mkdir -p "$out/checkpoints"
 "$bundle/env" perceptiond --listen="127.0.0.1:$port" --metrics_listen="127.0.0.1:$metrics_port" --device=cuda \
   --checkpoint_dir="$out/checkpoints" --stream_resident_idle_ms=5 2> "$out/perceptiond.log" &
@@ -23,7 +24,8 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" bench --instruments 100 --events 50000 | tail -4
 # A lone event leaves the resident step running; closing the streams (each resets its slot, which stops it) and
 # replacing the model (ModelHost::NewBackend quiesces the old one first) must not hang, and streaming goes on.
-"${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN2 --count 50 | tail -1
+"${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN2 --count "$paced_events" --rate 150 | tail -1
+"${ctl[@]}" convictions --instrument AMZN2 --out "$out/paced_convictions.csv" | tail -1
 "${ctl[@]}" streams close AMZN | tail -1
 "${ctl[@]}" streams close AMZN2 | tail -1
 "${ctl[@]}" init --config small --levels 1 --replace | tail -1
@@ -35,17 +37,19 @@ PY
 kill -TERM "$daemon"; wait "$daemon"; echo "perceptiond exit code $?"
 "$bundle/env" perception eval --device cuda --checkpoint "$out/checkpoints/gpu.safetensors" --lobster "$ob" "$msg" \
   --out "$out/eval_logits.npy" | tail -1
-python3 - "$out" "$events" <<'PY'
+python3 - "$out" "$events" "$paced_events" <<'PY'
 import sys, numpy as np
-out, n = sys.argv[1], int(sys.argv[2])
-rows = np.loadtxt(f"{out}/convictions.csv", delimiter=",", skiprows=1)
-logits = np.load(f"{out}/eval_logits.npy")[:n].astype(np.float64)
-p = 1 / (1 + np.exp(-logits))
-k = np.argmax(np.abs(p - 0.5), axis=1)
-expected = 2 * p[np.arange(n), k] - 1
-assert rows.shape[0] == n and (rows[:, 0] == np.arange(1, n + 1)).all(), "sequence numbers"
-conv_err = np.abs(rows[:, 1] - expected).max()
-prob_err = np.abs(rows[:, 2:] - p).max()
-print(f"streamed on cuda vs perception eval --device cuda over {n} events: max |conviction diff| {conv_err:.2e}, "
-      f"max |probability diff| {prob_err:.2e}: {'PASS' if conv_err <= 1e-5 and prob_err <= 1e-5 else 'FAIL'}")
+out = sys.argv[1]
+for name, prefix, n in (("AMZN", "", int(sys.argv[2])), ("AMZN2 (paced)", "paced_", int(sys.argv[3]))):
+    rows = np.loadtxt(f"{out}/{prefix}convictions.csv", delimiter=",", skiprows=1)
+    logits = np.load(f"{out}/eval_logits.npy")[:n].astype(np.float64)
+    p = 1 / (1 + np.exp(-logits))
+    k = np.argmax(np.abs(p - 0.5), axis=1)
+    expected = 2 * p[np.arange(n), k] - 1
+    assert rows.shape[0] == n and (rows[:, 0] == np.arange(1, n + 1)).all(), f"{name}: sequence numbers"
+    conv_err = np.abs(rows[:, 1] - expected).max()
+    prob_err = np.abs(rows[:, 2:] - p).max()
+    print(f"{name} streamed on cuda vs perception eval --device cuda over {n} events: max |conviction diff| "
+          f"{conv_err:.2e}, max |probability diff| {prob_err:.2e}: "
+          f"{'PASS' if conv_err <= 1e-5 and prob_err <= 1e-5 else 'FAIL'}")
 PY
