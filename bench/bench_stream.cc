@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/percentile.h"
+#include "engine/config.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
@@ -23,6 +24,9 @@
 ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
 ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", "64", "1024", "10000"}),
           "instruments per tick");
+ABSL_FLAG(int, levels, 0,
+          "LOBSTER book levels of every config's events: n_features = 4*levels + 8 (0: each preset's own; small's "
+          "one-event plan is compiled in for its 40 features and for one level's 12)");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 ABSL_FLAG(bool, sweep, true, "time every launch shape eagerly, to check the default choice");
@@ -81,8 +85,15 @@ absl::StatusOr<std::vector<double>> TimeTicks(CudaStreamer& streamer, int iterat
   return us;
 }
 
-absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std::vector<int>& sizes, int iterations) {
+// The named preset, with --levels' features where given.
+absl::StatusOr<ModelConfig> BenchModelConfig(const std::string& name) {
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(name));
+  if (const int levels = absl::GetFlag(FLAGS_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
+  return config;
+}
+
+absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std::vector<int>& sizes, int iterations) {
+  ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, 1, params);
@@ -160,7 +171,7 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 // Synchronize, which waits for its answer; median and percentiles of `iterations`·10), and `iterations`·50 events back
 // to back (Step after Step, then one Synchronize; µs per event).
 absl::Status BenchResident(const std::string& name, int iterations) {
-  ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(name));
+  ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, 1, params);
@@ -245,6 +256,9 @@ absl::Status Main() {
   std::printf("bench_stream on %s: device time per tick (median of %d, CUDA events; stream held %d us while the host "
               "queues ticks), ticks of up to 8 events in the launch's parameters, larger ones staged in pinned memory\n",
               properties.name, absl::GetFlag(FLAGS_iterations), absl::GetFlag(FLAGS_queue_us));
+  if (const int levels = absl::GetFlag(FLAGS_levels); levels > 0) {
+    std::printf("every config with %d LOBSTER book level(s): %d features\n", levels, LobsterFeatureCount(levels));
+  }
   std::vector<Row> all;
   for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
     ASSIGN_OR_RETURN(std::vector<Row> rows, BenchConfig(name, sizes, absl::GetFlag(FLAGS_iterations)));

@@ -24,12 +24,21 @@ using testing::MakeRandomBatch;
 using testing::RandomParams;
 using testing::RelativeError;
 
+// A named config, or "NAME-L<levels>": the preset with the features of that many LOBSTER book levels (small-L1: the
+// AMZN day's 12, which has a compiled one-event plan of its own as the preset's 40 have).
+ModelConfig TestConfig(const std::string& name) {
+  const size_t at = name.find("-L");
+  ModelConfig config = *NamedConfig(name.substr(0, at));
+  if (at != std::string::npos) config.n_features = LobsterFeatureCount(std::stoi(name.substr(at + 2)));
+  return config;
+}
+
 // Runs the same ticks through CpuReference::Step (one state per slot) and the CUDA streamer, and compares every
 // event's probabilities and conviction.
 class StreamStepParity {
  public:
   StreamStepParity(const std::string& config_name, int slots, int64_t log_entries)
-      : config_(*NamedConfig(config_name)),
+      : config_(TestConfig(config_name)),
         layout_(config_),
         params_(RandomParams(layout_, 101)),
         cpu_(layout_, 2),
@@ -311,7 +320,12 @@ TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsB
   wide.ExpectLogsMatch();
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small"));
+INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small", "small-L1"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 // Every tick size up to the slot count gets a shape this device can launch, for every named config; `large`, whose
 // groups of 8 events do not fit a block, runs ticks of 1, 64 and 1,024 instruments like the CPU step path.
@@ -379,6 +393,28 @@ TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
     resident.ResidentTick(slot, 300 + i);
   }
   resident.StopResident();
+  EXPECT_EQ(launched.Logs(), resident.Logs());
+  launched.ExpectLogsMatch();
+  resident.ExpectLogsMatch();
+}
+
+// The same for `small` with one LOBSTER book level's 12 features, whose one-event plan is compiled in too: the
+// streamer takes the resident step for its lone events, and its launched ticks the compiled plan's kernel.
+TEST(StreamResidentTest, LevelOneEventsGiveTheLaunchedTicksBits) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity launched("small-L1", 4, 64), resident("small-L1", 4, 64);
+  ASSERT_EQ(resident.config().n_features, 12);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small-L1 on this device";
+  launched.streamer().set_use_resident(false);
+  launched.Seed(1, 9, 5);
+  resident.Seed(1, 9, 5);
+  Rng rng(6);
+  for (int i = 0; i < 50; ++i) {
+    const int32_t slot = i % 5 < 3 ? 1 : static_cast<int32_t>(rng.Below(4));
+    launched.Tick({slot}, 500 + i);
+    resident.Tick({slot}, 500 + i);
+    if (i == 20) EXPECT_TRUE(resident.streamer().resident_running());
+  }
   EXPECT_EQ(launched.Logs(), resident.Logs());
   launched.ExpectLogsMatch();
   resident.ExpectLogsMatch();
