@@ -26,7 +26,7 @@ ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", 
           "instruments per tick");
 ABSL_FLAG(int, levels, 0,
           "LOBSTER book levels of every config's events: n_features = 4*levels + 8 (0: each preset's own; small's "
-          "one-event plan is compiled in for its 40 features and for one level's 12)");
+          "one-event plan is compiled in for its 40 features and for 1, 5 and 10 levels)");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 ABSL_FLAG(bool, sweep, true, "time every launch shape eagerly, to check the default choice");
@@ -168,8 +168,9 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 
 // The streamer's resident path for one instrument of `name` (CudaStreamer: lone events posted to the resident step)
 // against its launched ticks (the same calls with the resident step off): a lone event's round trip (Step, then
-// Synchronize, which waits for its answer; median and percentiles of `iterations`·10), and `iterations`·50 events back
-// to back (Step after Step, then one Synchronize; µs per event).
+// Synchronize, which waits for its answer; median and percentiles of `iterations`·10), `iterations`·50 events back
+// to back (Step after Step, then one Synchronize; µs per event), and the round trip of the first lone event after a
+// stop (what the daemon's idle release costs the next event: a launch and the weights' load; `iterations` of them).
 absl::Status BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
@@ -221,13 +222,23 @@ absl::Status BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(const std::vector<double> resident, round_trips(true));
   ASSIGN_OR_RETURN(const double launched_per_event, back_to_back(false));
   ASSIGN_OR_RETURN(const double resident_per_event, back_to_back(true));
+  std::vector<double> restarts;
+  for (int i = 0; i < iterations + 5; ++i) {
+    RETURN_IF_ERROR(streamer->StopResident());
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(streamer->stream()));  // (the stopped cluster has left)
+    const auto start = Clock::now();
+    RETURN_IF_ERROR(step());
+    RETURN_IF_ERROR(streamer->Synchronize());
+    if (i >= 5) restarts.push_back(us_since(start));
+  }
   std::vector<float> probs(config.n_horizons);
   RETURN_IF_ERROR(streamer->ReadSlotProbabilities(0, probs));  // (which stops the resident step)
   std::printf("%-6s resident: round trip %8.2f us (p10 %8.2f, p99 %8.2f; launched tick's Step + Synchronize %8.2f, "
-              "p10 %8.2f, p99 %8.2f), back to back %8.2f us/event (launched %8.2f) over %d events\n",
+              "p10 %8.2f, p99 %8.2f), back to back %8.2f us/event (launched %8.2f) over %d events; the first event "
+              "after a stop %8.2f us (p99 %8.2f)\n",
               name.c_str(), Percentile(resident, 0.5), Percentile(resident, 0.1), Percentile(resident, 0.99),
               Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), resident_per_event,
-              launched_per_event, 50 * iterations);
+              launched_per_event, 50 * iterations, Percentile(restarts, 0.5), Percentile(restarts, 0.99));
   std::fflush(stdout);
   return absl::OkStatus();
 }

@@ -218,8 +218,8 @@ bool Supported(const StreamWeights& w) {
 // offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. A launch takes such a
 // kernel when its plan equals the fixed one (the layout records no budget, so any device with room for it); any
 // other shape takes the kernel that reads the launch's plan. The shapes: `small`'s one-instrument tick, clusters of 8
-// with every weight in shared memory (laid out within the H200's 227 KB), with the preset's 40 features and with the
-// 12 of one LOBSTER book level (4·1 + 8: the shipped AMZN day's, which the demo streams).
+// with every weight in shared memory (laid out within the H200's 227 KB), with the preset's 40 features and with
+// those of 1, 5 and 10 LOBSTER book levels (4·levels + 8: the shipped AMZN day's 12, AAPL's 48).
 constexpr size_t kFixedSharedBytes = 232448;
 __host__ __device__ constexpr StreamWeights SmallDims(int features) {
   StreamWeights w{};
@@ -227,15 +227,19 @@ __host__ __device__ constexpr StreamWeights SmallDims(int features) {
   w.H = 5;
   return w;
 }
-constexpr int kFixedShapes = 2;
+constexpr int kFixedShapes = 4;
+__host__ __device__ constexpr int FixedFeatures(int shape) {
+  constexpr int kFeatures[kFixedShapes] = {40, 12, 28, 48};
+  return kFeatures[shape];
+}
 __host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
-  StreamPlan p = MakePackPlan(SmallDims(shape == 0 ? 40 : 12));
+  StreamPlan p = MakePackPlan(SmallDims(FixedFeatures(shape)));
   Layout(p, 1, 8, kFixedSharedBytes);
   return p;
 }
 // In constant memory, where device code may read it: read at compile-time indices (all of the fixed kernels' reads),
 // its values become immediates.
-__constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0), FixedPlan(1)};
+__constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0), FixedPlan(1), FixedPlan(2), FixedPlan(3)};
 // A fixed plan's lone event keeps its slot's carried conv inputs as the slot holds them ([L][W−1][E + 2N], every
 // channel), after the plan's floats: one bulk copy brings them in (the plan's own layout, the block's channels of
 // each layer and tap, took 2·L·(W−1) copies, and each bulk copy costs its thread ~150–190 cycles to issue).
@@ -2169,10 +2173,11 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, size_t bytes, int cluste
 
 // The kernels of the fixed plans, by shape.
 using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
-constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>, StreamStepKernel<1, 1>};
+constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>, StreamStepKernel<1, 1>,
+                                                                  StreamStepKernel<1, 2>, StreamStepKernel<1, 3>};
 
 constexpr void (*kResidentKernels[kFixedShapes])(StreamPlan, const float*, StreamSlots, StreamResidentQueue) = {
-    StreamResidentKernel<0>, StreamResidentKernel<1>};
+    StreamResidentKernel<0>, StreamResidentKernel<1>, StreamResidentKernel<2>, StreamResidentKernel<3>};
 
 // The kernel of a launch's plan and its shared memory: its fixed plan's own where it has one (and the device room for
 // the slot's conv inputs), else the one that reads the plan.

@@ -113,7 +113,7 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
 // One cluster of a fixed plan's launch shape (small's one-event tick) stays on the device: it loads its weights into
 // shared memory once, then carries events one at a time as the host posts them into a ring in mapped pinned memory,
 // through the same code as a launched one-event tick (so with the same bits), and counts the events it has answered.
-constexpr int kStreamResidentWords = 48;  // an event: slot, Δt, logged, log position (two words), the features
+constexpr int kStreamResidentWords = 56;  // an event: slot, Δt, logged, log position (two words), the features
 // Each word carries the event's sequence number (its index + 1, modulo 2³²) in its high half and a payload word in its
 // low half: the kernel reads an entry in 8-byte words, each whole, and takes it once every word is the event's.
 // Events are numbered across launches over one ring (a launch starts at `first`), so an entry an earlier launch left

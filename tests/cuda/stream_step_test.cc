@@ -320,7 +320,7 @@ TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsB
   wide.ExpectLogsMatch();
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small", "small-L1"),
+INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small", "small-L1", "small-L5", "small-L10"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');
@@ -398,26 +398,33 @@ TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
   resident.ExpectLogsMatch();
 }
 
-// The same for `small` with one LOBSTER book level's 12 features, whose one-event plan is compiled in too: the
-// streamer takes the resident step for its lone events, and its launched ticks the compiled plan's kernel.
-TEST(StreamResidentTest, LevelOneEventsGiveTheLaunchedTicksBits) {
+// The same for `small` with the features of 1, 5 and 10 LOBSTER book levels (12, 28, 48), whose one-event plans are
+// compiled in too: the streamer takes the resident step for their lone events (48 features fill its ring entry to
+// the last word), and their launched ticks the compiled plans' kernels.
+TEST(StreamResidentTest, LobsterLevelsEventsGiveTheLaunchedTicksBits) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  StreamStepParity launched("small-L1", 4, 64), resident("small-L1", 4, 64);
-  ASSERT_EQ(resident.config().n_features, 12);
-  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small-L1 on this device";
-  launched.streamer().set_use_resident(false);
-  launched.Seed(1, 9, 5);
-  resident.Seed(1, 9, 5);
-  Rng rng(6);
-  for (int i = 0; i < 50; ++i) {
-    const int32_t slot = i % 5 < 3 ? 1 : static_cast<int32_t>(rng.Below(4));
-    launched.Tick({slot}, 500 + i);
-    resident.Tick({slot}, 500 + i);
-    if (i == 20) EXPECT_TRUE(resident.streamer().resident_running());
+  for (const char* name : {"small-L1", "small-L5", "small-L10"}) {
+    SCOPED_TRACE(name);
+    StreamStepParity launched(name, 4, 64), resident(name, 4, 64);
+    if (!resident.streamer().resident_available()) {
+      GTEST_SKIP() << "no resident step for " << name << " on this device";
+    }
+    launched.streamer().set_use_resident(false);
+    launched.Seed(1, 9, 5);
+    resident.Seed(1, 9, 5);
+    Rng rng(6);
+    for (int i = 0; i < 50; ++i) {
+      const int32_t slot = i % 5 < 3 ? 1 : static_cast<int32_t>(rng.Below(4));
+      launched.Tick({slot}, 500 + i);
+      resident.Tick({slot}, 500 + i);
+      if (i == 20) {
+        EXPECT_TRUE(resident.streamer().resident_running());
+      }
+    }
+    EXPECT_EQ(launched.Logs(), resident.Logs());
+    launched.ExpectLogsMatch();
+    resident.ExpectLogsMatch();
   }
-  EXPECT_EQ(launched.Logs(), resident.Logs());
-  launched.ExpectLogsMatch();
-  resident.ExpectLogsMatch();
 }
 
 // A resident step that no event reaches leaves by itself (here after 50 ms), its first copies landed.
