@@ -42,9 +42,9 @@ absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig
 }  // namespace
 
 ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming, bool use_graphs,
-                     Precision precision)
-    : device_(std::move(device)), use_graphs_(use_graphs), precision_(precision), metrics_(metrics),
-      streaming_(streaming) {}
+                     Precision precision, BackendDecorator decorate)
+    : device_(std::move(device)), use_graphs_(use_graphs), precision_(precision), decorate_(std::move(decorate)),
+      metrics_(metrics), streaming_(streaming) {}
 
 absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
                                                                const OptimizerConfig& optimizer,
@@ -53,6 +53,7 @@ absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig
   if (backend_ != nullptr) RETURN_IF_ERROR(backend_->QuiesceDevice());
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(device_, config, optimizer, std::move(params), communicator_, precision_));
+  if (decorate_ != nullptr) backend = decorate_(std::move(backend));
   backend->set_use_graphs(use_graphs_);
   backend->set_stream_resident(streaming_.resident);
   return backend;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/config.h"
@@ -73,11 +74,15 @@ struct SaveOutcome {
 // and, on CUDA, holds the device context. Every method leaves the previous model in place when it fails.
 class ModelHost {
  public:
+  // Takes each backend this host makes and returns the one to use in its place: tests wrap it in a decorator that
+  // records the calls the host makes, which no other way shows (the CPU backend ignores the Train stream's `next`).
+  using BackendDecorator = absl::AnyInvocable<std::unique_ptr<Backend>(std::unique_ptr<Backend>)>;
+
   // `device` and `precision` as MakeBackend takes them: "auto", "cpu" or "cuda", and the CUDA products' arithmetic.
   // `use_graphs` off runs the CUDA training step and streaming ticks kernel by kernel instead of as captured graphs
-  // (debugging).
+  // (debugging). `decorate`, where given, wraps every backend made (tests only).
   ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true,
-            Precision precision = Precision::kFloat32);
+            Precision precision = Precision::kFloat32, BackendDecorator decorate = nullptr);
 
   // Makes this daemon one rank of a data-parallel job: joins the NCCL communicator on the calling (device worker's)
   // thread; every model installed afterwards trains through it. Once, before any model exists; CUDA only.
@@ -129,13 +134,15 @@ class ModelHost {
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
-  // MakeBackend for this host's device, with its precision and graph setting; the current backend quiesced first.
+  // MakeBackend for this host's device, with its precision and graph setting, through `decorate_` where given; the
+  // current backend quiesced first.
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                       std::vector<float> params);
 
   const std::string device_;
   const bool use_graphs_;
   const Precision precision_;
+  BackendDecorator decorate_;  // null: backends are used as MakeBackend makes them
   ServerMetrics& metrics_;
   std::optional<DataParallelOptions> data_parallel_;
   std::shared_ptr<NcclCommunicator> communicator_;  // outlives every backend that trains through it
