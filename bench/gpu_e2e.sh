@@ -30,11 +30,16 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" streams close AMZN2 | tail -1
 "${ctl[@]}" init --config small --levels 1 --replace | tail -1
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN3 --count 50 | tail -1
-python3 - "$metrics_port" <<'PY' | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version|stream_resident_idle_stops_total)'
+python3 - "$metrics_port" <<'PY' | tee "$out/metrics.txt" | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_events_total|stream_weights_version|stream_resident_idle_stops_total)'
 import sys, urllib.request
 print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
 PY
 kill -TERM "$daemon"; wait "$daemon"; echo "perceptiond exit code $?"
+# The paced stream's pauses must have stopped the resident step (a level-1 small model has one on an H100 or H200):
+# about once an event, at least once every other one whatever the client's pacing jitter.
+stops=$(awk '/^perception_stream_resident_idle_stops_total /{print $2}' "$out/metrics.txt")
+echo "resident step stopped for idleness ${stops:-0} times over $paced_events paced events:" \
+  "$([ "${stops:-0}" -ge $((paced_events / 2)) ] && echo PASS || echo FAIL)"
 "$bundle/env" perception eval --device cuda --checkpoint "$out/checkpoints/gpu.safetensors" --lobster "$ob" "$msg" \
   --out "$out/eval_logits.npy" | tail -1
 python3 - "$out" "$events" "$paced_events" <<'PY'
