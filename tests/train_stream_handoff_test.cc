@@ -24,6 +24,7 @@
 #include "server/request_validation.h"
 #include "server/stream_batcher.h"
 #include "server/training.h"
+#include "tests/batch_message.h"
 #include "tests/recording_backend.h"
 #include "tests/test_util.h"
 
@@ -31,6 +32,7 @@ namespace perception::server {
 namespace {
 
 using testing::BatchContents;
+using testing::BatchMessage;
 using testing::IndexOfBatch;
 using testing::IsPlainTrainStepOn;
 using testing::MakeRandomBatch;
@@ -39,19 +41,6 @@ using testing::RecordTrainCalls;
 using testing::TrainCall;
 using testing::TrainCallLog;
 using testing::TrainEntry;
-
-v1::Batch ToMessage(const RandomBatch& batch, const ModelConfig& config) {
-  v1::Batch message;
-  message.set_batch(batch.batch);
-  message.set_window(batch.window);
-  message.set_n_features(config.n_features);
-  message.set_n_horizons(config.n_horizons);
-  message.mutable_x()->Add(batch.x.begin(), batch.x.end());
-  message.mutable_dt()->Add(batch.dt.begin(), batch.dt.end());
-  message.mutable_labels()->Add(batch.labels.begin(), batch.labels.end());
-  message.mutable_mask()->Add(batch.mask.begin(), batch.mask.end());
-  return message;
-}
 
 // perceptiond's service as Serve() assembles it (device worker, stream batcher, service) on the CPU, around a model
 // host whose backends record their training calls into `log`, each step slowed by `step_delay`; served on an
@@ -153,7 +142,7 @@ TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
   std::thread writer([&] {
     for (const RandomBatch& batch : sent) {
       v1::TrainStepRequest request;
-      *request.mutable_batch() = ToMessage(batch, config_);
+      *request.mutable_batch() = BatchMessage(batch, config_);
       if (!stream->Write(request)) break;
     }
     stream->WritesDone();
@@ -207,7 +196,7 @@ TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
 TEST_F(TrainStreamHandoffTest, UnaryTrainStepStagesNothing) {
   const RandomBatch batch = Batches(1).front();
   v1::TrainStepRequest request;
-  *request.mutable_batch() = ToMessage(batch, config_);
+  *request.mutable_batch() = BatchMessage(batch, config_);
   grpc::ClientContext context;
   context.set_deadline(Deadline());
   v1::TrainStepResponse response;

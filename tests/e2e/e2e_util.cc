@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "tests/batch_message.h"
 
 extern char** environ;
 
@@ -59,20 +60,6 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& arguments, const std
 
 void CopyFloats(const std::vector<float>& from, google::protobuf::RepeatedField<float>* to) {
   to->Assign(from.begin(), from.end());
-}
-
-v1::Batch BatchMessage(int batch, int window, int n_features, int n_horizons, const std::vector<float>& x,
-                       const std::vector<float>& dt, const std::vector<float>& labels, const std::vector<float>& mask) {
-  v1::Batch message;
-  message.set_batch(batch);
-  message.set_window(window);
-  message.set_n_features(n_features);
-  message.set_n_horizons(n_horizons);
-  CopyFloats(x, message.mutable_x());
-  CopyFloats(dt, message.mutable_dt());
-  CopyFloats(labels, message.mutable_labels());
-  CopyFloats(mask, message.mutable_mask());
-  return message;
 }
 
 }  // namespace
@@ -201,13 +188,12 @@ v1::InitModelRequest TinyInitRequest(uint64_t seed) {
 ModelConfig TinyConfig() { return *NamedConfig("tiny"); }
 
 v1::Batch ToProto(const testing::RandomBatch& batch, const ModelConfig& config) {
-  return BatchMessage(batch.batch, batch.window, config.n_features, config.n_horizons, batch.x, batch.dt, batch.labels,
-                      batch.mask);
+  return testing::BatchMessage(batch, config);
 }
 
 v1::Batch ToProto(const Batch& batch) {
-  return BatchMessage(batch.batch, batch.window, batch.n_features, batch.n_horizons, batch.x, batch.dt, batch.labels,
-                      batch.mask);
+  return testing::BatchMessage(batch.batch, batch.window, batch.n_features, batch.n_horizons, batch.x, batch.dt,
+                               batch.labels, batch.mask);
 }
 
 v1::TrainStepRequest TrainRequest(const testing::RandomBatch& batch, const ModelConfig& config) {

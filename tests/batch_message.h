@@ -1,0 +1,32 @@
+// Training batches as v1::Batch messages, for the tests that send them to a daemon (e2e, the in-process Train stream).
+#pragma once
+
+#include <vector>
+
+#include "engine/config.h"
+#include "perception/v1/perception.pb.h"
+#include "tests/test_util.h"
+
+namespace perception::testing {
+
+inline v1::Batch BatchMessage(int batch, int window, int n_features, int n_horizons, const std::vector<float>& x,
+                              const std::vector<float>& dt, const std::vector<float>& labels,
+                              const std::vector<float>& mask) {
+  v1::Batch message;
+  message.set_batch(batch);
+  message.set_window(window);
+  message.set_n_features(n_features);
+  message.set_n_horizons(n_horizons);
+  message.mutable_x()->Assign(x.begin(), x.end());
+  message.mutable_dt()->Assign(dt.begin(), dt.end());
+  message.mutable_labels()->Assign(labels.begin(), labels.end());
+  message.mutable_mask()->Assign(mask.begin(), mask.end());
+  return message;
+}
+
+inline v1::Batch BatchMessage(const RandomBatch& batch, const ModelConfig& config) {
+  return BatchMessage(batch.batch, batch.window, config.n_features, config.n_horizons, batch.x, batch.dt, batch.labels,
+                      batch.mask);
+}
+
+}  // namespace perception::testing
