@@ -26,7 +26,7 @@ ABSL_FLAG(std::vector<std::string>, instruments, std::vector<std::string>({"1", 
           "instruments per tick");
 ABSL_FLAG(int, levels, 0,
           "LOBSTER book levels of every config's events: n_features = 4*levels + 8 (0: each preset's own; small's "
-          "one-event plan is compiled in for its 40 features and for 1, 5 and 10 levels)");
+          "one-event plan is compiled in for every level count from 1 to 10)");
 ABSL_FLAG(int, iterations, 200, "timed ticks per measurement (after 20 warmup ticks)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 ABSL_FLAG(bool, sweep, true, "time every launch shape eagerly, to check the default choice");

@@ -14,6 +14,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <type_traits>
@@ -218,8 +219,9 @@ bool Supported(const StreamWeights& w) {
 // offsets are immediates, its stage loops unroll and no plan value is read at a run-time index. A launch takes such a
 // kernel when its plan equals the fixed one (the layout records no budget, so any device with room for it); any
 // other shape takes the kernel that reads the launch's plan. The shapes: `small`'s one-instrument tick, clusters of 8
-// with every weight in shared memory (laid out within the H200's 227 KB), with the preset's 40 features and with
-// those of 1, 5 and 10 LOBSTER book levels (4·levels + 8: the shipped AMZN day's 12, AAPL's 48).
+// with every weight in shared memory (laid out within the H200's 227 KB), with the features of every LOBSTER book
+// level count from 1 to 10 (4·levels + 8: 12 … 48; the preset's 40 are 8 levels, the shipped AMZN day's 12, AAPL's
+// 48), so that any LOBSTER-fed `small` model's lone events get the resident step.
 constexpr size_t kFixedSharedBytes = 232448;
 __host__ __device__ constexpr StreamWeights SmallDims(int features) {
   StreamWeights w{};
@@ -227,9 +229,9 @@ __host__ __device__ constexpr StreamWeights SmallDims(int features) {
   w.H = 5;
   return w;
 }
-constexpr int kFixedShapes = 4;
+constexpr int kFixedShapes = 10;
 __host__ __device__ constexpr int FixedFeatures(int shape) {
-  constexpr int kFeatures[kFixedShapes] = {40, 12, 28, 48};
+  constexpr int kFeatures[kFixedShapes] = {40, 12, 16, 20, 24, 28, 32, 36, 44, 48};
   return kFeatures[shape];
 }
 __host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
@@ -239,7 +241,15 @@ __host__ __device__ constexpr StreamPlan FixedPlan(int shape) {
 }
 // In constant memory, where device code may read it: read at compile-time indices (all of the fixed kernels' reads),
 // its values become immediates.
-__constant__ constexpr StreamPlan kFixedPlans[kFixedShapes] = {FixedPlan(0), FixedPlan(1), FixedPlan(2), FixedPlan(3)};
+struct FixedPlanTable {
+  StreamPlan plan[kFixedShapes];
+  __host__ __device__ constexpr const StreamPlan& operator[](int shape) const { return plan[shape]; }
+};
+template <int... kShapes>
+constexpr FixedPlanTable FixedPlans(std::integer_sequence<int, kShapes...>) {
+  return {{FixedPlan(kShapes)...}};
+}
+__constant__ constexpr FixedPlanTable kFixedPlans = FixedPlans(std::make_integer_sequence<int, kFixedShapes>());
 // A fixed plan's lone event keeps its slot's carried conv inputs as the slot holds them ([L][W−1][E + 2N], every
 // channel), after the plan's floats: one bulk copy brings them in (the plan's own layout, the block's channels of
 // each layer and tap, took 2·L·(W−1) copies, and each bulk copy costs its thread ~150–190 cycles to issue).
@@ -2173,11 +2183,18 @@ cudaLaunchConfig_t LaunchConfig(const StreamPlan& plan, size_t bytes, int cluste
 
 // The kernels of the fixed plans, by shape.
 using StreamStepKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamTickInput);
-constexpr StreamStepKernelPointer kFixedKernels[kFixedShapes] = {StreamStepKernel<1, 0>, StreamStepKernel<1, 1>,
-                                                                  StreamStepKernel<1, 2>, StreamStepKernel<1, 3>};
-
-constexpr void (*kResidentKernels[kFixedShapes])(StreamPlan, const float*, StreamSlots, StreamResidentQueue) = {
-    StreamResidentKernel<0>, StreamResidentKernel<1>, StreamResidentKernel<2>, StreamResidentKernel<3>};
+using StreamResidentKernelPointer = void (*)(StreamPlan, const float*, StreamSlots, StreamResidentQueue);
+template <int... kShapes>
+constexpr std::array<StreamStepKernelPointer, kFixedShapes> FixedKernels(std::integer_sequence<int, kShapes...>) {
+  return {StreamStepKernel<1, kShapes>...};
+}
+template <int... kShapes>
+constexpr std::array<StreamResidentKernelPointer, kFixedShapes> ResidentKernels(
+    std::integer_sequence<int, kShapes...>) {
+  return {StreamResidentKernel<kShapes>...};
+}
+constexpr auto kFixedKernels = FixedKernels(std::make_integer_sequence<int, kFixedShapes>());
+constexpr auto kResidentKernels = ResidentKernels(std::make_integer_sequence<int, kFixedShapes>());
 
 // The kernel of a launch's plan and its shared memory: its fixed plan's own where it has one (and the device room for
 // the slot's conv inputs), else the one that reads the plan.

@@ -398,15 +398,16 @@ TEST(StreamResidentTest, EventsGiveTheLaunchedTicksBits) {
   resident.ExpectLogsMatch();
 }
 
-// The same for `small` with the features of 1, 5 and 10 LOBSTER book levels (12, 28, 48), whose one-event plans are
-// compiled in too: the streamer takes the resident step for their lone events (48 features fill its ring entry to
-// the last word), and their launched ticks the compiled plans' kernels. On a device with an H100's or H200's shared
-// memory these models must have the resident step: without it the daemon's lone events of the shipped data quietly
-// take the launched tick (as they did before their plans were compiled in).
+// The same for `small` with the features of every LOBSTER book level count from 1 to 10 (4·levels + 8: 12 … 48),
+// whose one-event plans are compiled in too: the streamer takes the resident step for their lone events (48 features
+// fill its ring entry to the last word), and their launched ticks the compiled plans' kernels. On a device with an
+// H100's or H200's shared memory these models must have the resident step: without it a model's lone events quietly
+// take the launched tick (as the shipped data's did before their plans were compiled in).
 TEST(StreamResidentTest, LobsterLevelsEventsGiveTheLaunchedTicksBits) {
   SKIP_WITHOUT_CUDA_DEVICE();
   constexpr size_t kHopperSharedBytes = 227 * 1024;  // a block's opt-in shared memory on sm_90
-  for (const char* name : {"small-L1", "small-L5", "small-L10"}) {
+  for (int levels = 1; levels <= 10; ++levels) {
+    const std::string name = "small-L" + std::to_string(levels);
     SCOPED_TRACE(name);
     StreamStepParity launched(name, 4, 64), resident(name, 4, 64);
     if (resident.streamer().max_shared_bytes() < kHopperSharedBytes) {
