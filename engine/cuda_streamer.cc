@@ -116,6 +116,7 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   max_shared_bytes_ = properties.sharedMemPerBlockOptin;
   sm_count_ = properties.multiProcessorCount;
+  l2_bytes_ = properties.l2CacheSize;
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
   resident_fits_ = kernels::StreamResidentFits(weights_, max_shared_bytes_);
@@ -363,7 +364,8 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
     // The embedding kernel reads a staged tick's features straight from pinned host memory, all of a tile's at once
     // beside its slots: a copy node ahead of it cost more than those reads.
     CUDA_RETURN_IF_ERROR(
-        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, stream_));
+        kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, l2_bytes_,
+                                  stream_));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchStreamStep(weights_, pack_, state_, input, shape.events_per_group,

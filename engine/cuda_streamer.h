@@ -167,6 +167,7 @@ class CudaStreamer {
   const int64_t log_entries_;
   size_t max_shared_bytes_ = 0;
   int sm_count_ = 0;
+  size_t l2_bytes_ = 0;
   // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
   std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
   cudaStream_t stream_ = nullptr;

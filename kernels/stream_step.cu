@@ -455,6 +455,22 @@ __device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
 __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
+// An L2 policy that marks the lines an access touches first to be evicted, and 16-byte copies and stores under it.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void CopyAsync16(float* dst, const float* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(SharedAddress(dst)), "l"(src),
+               "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void Store16(float* dst, float4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w), "l"(policy)
+               : "memory");
+}
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // Zeros shared memory by a copy of no source bytes (cp.async's zero fill), so that whatever tracks this thread's
 // copies (CopyAsyncArrive, cp.async.wait_all) covers the zeros too; `any` is any valid global address (none is read).
@@ -1892,8 +1908,9 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
 // else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows. kBatched (long
-// rows): the weights of two steps of the row sums loaded at once.
-template <int kN, bool kBatched>
+// rows): the weights of two steps of the row sums loaded at once. kEvictFirst (kN > 0): the states' loads and stores
+// marked first out of L2 (WideStatesEvictFirst).
+template <int kN, bool kBatched, bool kEvictFirst = false>
 __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
@@ -1937,12 +1954,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
       }
     }
   };
+  static_assert(!kEvictFirst || kWidth == 4, "marked 16-byte pieces");
+  const uint64_t evict_first = kEvictFirst ? EvictFirstPolicy() : 0;
   auto copy_states = [&] {
     if (tid < kSsmEvents) slot_s[tid] = WideSlot(a, first + tid);
     __syncthreads();
-    each_piece([](float* to, const float* from, bool present) {
+    each_piece([&](float* to, const float* from, bool present) {
       if constexpr (kWidth == 4) {
-        if (present) {
+        if (present && kEvictFirst) {
+          CopyAsync16(to, from, evict_first);
+        } else if (present) {
           CopyAsync16(to, from);
         } else {
           *reinterpret_cast<float4*>(to) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -2001,10 +2022,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
     state[(W1 - 1) * cd] = x;
   }
   __syncthreads();
-  each_piece([](const float* from, float* to, bool present) {
+  each_piece([&](const float* from, float* to, bool present) {
     if (!present) return;
     if constexpr (kWidth == 4) {
-      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
+      const float4 v = *reinterpret_cast<const float4*>(from);
+      if constexpr (kEvictFirst) {
+        Store16(to, v, evict_first);
+      } else {
+        *reinterpret_cast<float4*>(to) = v;
+      }
     } else {
       *to = *from;
     }
@@ -2251,6 +2277,19 @@ bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, siz
   return Layout(*plan, events_per_group, cluster_size, max_shared_bytes);
 }
 
+// Whether a wide tick of n events marks its SSM states' traffic first out of L2 (each state is read and written once a
+// tick): where the tick's states outgrow the L2 (they cannot stay there for the next tick anyway), so that what the
+// tick reads again (the weights, which every tile reads, the activations, the conv states) keeps the room; up to
+// 2,048 events. Measured on the H200 (s16f–s16h, alternating with unmarked traffic): small's 1,024 instruments (64 MB
+// of states) 126.1–127.8 → 118.9–120.6 µs, 2,048 239–241 → 235–236, large's 256 and 1,024 −2% (702 → 687, 1,702 →
+// 1,664); marked regardless of size, small's 256 (16 MB, which stay in L2 unmarked) took 1 µs more and its 10,000
+// 989–993 against 978. Marking the loads or the stores alone gained ≤ 1.5 µs at 1,024.
+constexpr int kWideEvictFirstMaxEvents = 2048;
+bool WideStatesEvictFirst(const StreamPlan& p, int n, size_t l2_bytes) {
+  const size_t state_bytes = sizeof(float) * n * p.L * p.E * p.N;
+  return n <= kWideEvictFirstMaxEvents && state_bytes > l2_bytes;
+}
+
 }  // namespace
 
 size_t StreamPackSize(const StreamWeights& w) { return Supported(w) ? MakePackPlan(w).pack_size : 0; }
@@ -2271,6 +2310,9 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
         PrepareWide(WideEmbedKernel<2, false>, max_shared_bytes),
         PrepareWide(WideSsmKernel<0, false>, max_shared_bytes), PrepareWide(WideSsmKernel<32, false>, max_shared_bytes),
         PrepareWide(WideSsmKernel<64, false>, max_shared_bytes), PrepareWide(WideSsmKernel<64, true>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<32, false, true>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<64, false, true>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<64, true, true>, max_shared_bytes),
         PrepareWide(WideOutKernel<1, false>, max_shared_bytes), PrepareWide(WideOutKernel<1, true>, max_shared_bytes),
         PrepareWide(WideOutKernel<2, false>, max_shared_bytes)}) {
     if (error != cudaSuccess) return error;
@@ -2287,7 +2329,7 @@ bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes) {
 
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             int sm_count, cudaStream_t stream) {
+                             int sm_count, size_t l2_bytes, cudaStream_t stream) {
   if (tick.n <= 0) return cudaSuccess;
   if (!StreamWideFits(w, max_shared_bytes)) return cudaErrorInvalidValue;
   const WideArgs a{MakePackPlan(w), pack, slots, scratch, tick.n, tick.logged};
@@ -2298,11 +2340,15 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const bool one_wave = tiles <= sm_count;
   const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
   const bool long_rows = p.D >= kWideLongRows;  // then the batched weight loads (kWideSteps)
+  const bool evict_first = WideStatesEvictFirst(p, tick.n, l2_bytes);
   void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0, false>
-                                      : p.N == 32     ? WideSsmKernel<32, false>
+                                      : p.N == 32     ? (evict_first ? WideSsmKernel<32, false, true>
+                                                                     : WideSsmKernel<32, false>)
                                       : p.N != 64     ? WideSsmKernel<0, false>
-                                      : long_rows     ? WideSsmKernel<64, true>
-                                                      : WideSsmKernel<64, false>;
+                                      : long_rows     ? (evict_first ? WideSsmKernel<64, true, true>
+                                                                     : WideSsmKernel<64, true>)
+                                                      : (evict_first ? WideSsmKernel<64, false, true>
+                                                                     : WideSsmKernel<64, false>);
   void (*embed_kernel)(WideArgs, StreamTickInput) = !one_wave  ? WideEmbedKernel<2, false>
                                                     : long_rows ? WideEmbedKernel<1, true>
                                                                 : WideEmbedKernel<1, false>;
@@ -2377,6 +2423,7 @@ int ResidentShape(const StreamWeights& w, size_t max_shared_bytes) {
   }
   return -1;
 }
+
 }  // namespace
 
 bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {

@@ -103,10 +103,11 @@ struct StreamWideScratch {
 };
 // Whether the wide path's kernels fit `max_shared_bytes` of shared memory per block.
 bool StreamWideFits(const StreamWeights& w, size_t max_shared_bytes);
-// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM).
+// `sm_count`: the device's multiprocessors (ticks of more tiles than that run the per-tile kernels two blocks an SM);
+// `l2_bytes`: its L2 cache (ticks whose states outgrow it mark their traffic first out of it).
 cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                              const StreamWideScratch& scratch, const StreamTickInput& tick, size_t max_shared_bytes,
-                             int sm_count, cudaStream_t stream);
+                             int sm_count, size_t l2_bytes, cudaStream_t stream);
 
 // ---- The resident step: the streamer's path for lone events where the model has one (CudaStreamer), also timed
 // and tested on its own (bench_stream --resident, StreamResidentTest) ----
