@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -46,6 +45,8 @@ CudaStreamer::~CudaStreamer() {
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
   if (resident_.left) cudaEventDestroy(resident_.left);
+  if (timing_start_) cudaEventDestroy(timing_start_);
+  if (timing_stop_) cudaEventDestroy(timing_stop_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -73,6 +74,8 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_copied_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_.left, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&timing_start_));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&timing_stop_));
 
   const size_t S = slots_, H = c.n_horizons, F = c.n_features;
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
@@ -135,6 +138,7 @@ absl::Status CudaStreamer::Initialize() {
       CUDA_RETURN_IF_ERROR(error);
     }
   }
+  RETURN_IF_ERROR(TimeGroups());
   if (!Supports(ShapeFor(1))) {
     return absl::InvalidArgumentError(absl::StrCat("the streaming step of this model does not fit the ",
                                                    properties.sharedMemPerBlockOptin,
@@ -269,39 +273,61 @@ bool CudaStreamer::OneWaveHoldsWeights(int n) const {
   });
 }
 
+absl::Status CudaStreamer::TimeGroups() {
+  kernels::StreamTickInput input{};
+  input.logged = false;
+  std::fill(std::begin(input.inline_dt), std::end(input.inline_dt), 1.f);
+  for (int i = 0; i < kernels::kStreamInlineEvents; ++i) input.inline_slots[i] = i % slots_;
+  for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
+    for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
+      const StreamLaunchShape shape{kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
+      if (!Supports(shape)) continue;
+      ASSIGN_OR_RETURN(group_us_[gi][ci], TimeGroup(input, shape));
+    }
+  }
+  const int touched = std::min<int>(slots_, kernels::kStreamInlineEvents);
+  for (int slot = 0; slot < touched; ++slot) RETURN_IF_ERROR(ResetSlot(slot));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float> CudaStreamer::TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape) {
+  constexpr int kWarmups = 2, kTimed = 7;
+  input.n = shape.events_per_group;
+  std::array<float, kTimed> ms{};
+  for (int i = -kWarmups; i < kTimed; ++i) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_start_, stream_));
+    RETURN_IF_ERROR(EnqueueTick(input, shape));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_stop_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timing_stop_));
+    if (i >= 0) CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms[i], timing_start_, timing_stop_));
+  }
+  std::nth_element(ms.begin(), ms.begin() + kTimed / 2, ms.end());
+  return 1000.f * ms[kTimed / 2];
+}
+
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
-  // From the shape sweeps of bench_stream on the H200 (tiny and small, 1 to 10,000 instruments): every group is a
-  // chain of dependent stages, so a tick is fastest when all its groups run at once (one wave of clusters). Among the
-  // one-event shapes that do, the smallest cluster that holds all the weights in shared memory wins (more blocks only
-  // add exchange work); when none holds them, the widest one-wave cluster (more blocks, fewer global reads each).
-  std::optional<StreamLaunchShape> widest;
-  for (int cluster : kStreamClusterSizes) {
-    const StreamLaunchShape shape{1, cluster};
-    if (Fit(shape).max_clusters < n) continue;
-    if (Fit(shape).weights_resident) return shape;
-    widest = shape;
+  // A cluster runs its groups one after another and each group is a chain of dependent stages, so a tick takes about
+  // one group's time (measured at start, TimeGroups) for every wave of clusters its groups need. Graph-timed on the
+  // H200 against the rule before it (s16m): small's ticks of 32 events 41.8–42.0 → 35.9–36.0 µs (groups of 2 in
+  // clusters of 4, the fastest shape of the eager sweep), 128 67.9–68.2 → 54.9 (groups of 2 in clusters of 2, ditto),
+  // large's 16 320–321 → 220; 1 to 8 and 64 unchanged (the same shapes). At 16 it takes groups of 2 in clusters of 8,
+  // 30.1–30.3 (the rule before: 28.9–30.3), where single events in clusters of 8 run 26.7 eager: two waves of them
+  // overlap more than the estimate assumes. Below kStreamWideFrom the wide path is no candidate (large's 64: 618
+  // against its 455).
+  StreamLaunchShape best{1, kStreamClusterSizes.back()};
+  float best_us = std::numeric_limits<float>::infinity();
+  for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
+    for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
+      const StreamLaunchShape shape{kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
+      const int max_clusters = Fit(shape).max_clusters;
+      if (max_clusters <= 0) continue;
+      const int groups = (n + shape.events_per_group - 1) / shape.events_per_group;
+      const float us = group_us_[gi][ci] * ((groups + max_clusters - 1) / max_clusters);
+      if (us < best_us) best = shape, best_us = us;
+    }
   }
-  if (widest) return *widest;
-  // Larger ticks share weights among events in single-block clusters: the smallest group that covers the tick in one
-  // wave, unless its SSM states no longer fit in shared memory and a smaller group's do. A tick reads and writes
-  // every event's state, and prefetched states beat one wave: `small` at 1,024 and 10,000 instruments ran 3–10%
-  // faster with groups of 2 (states prefetched, persistent clusters looping) than of 8 (one wave, states read inside
-  // the chain). When even the largest group that fits a block needs more than one wave, its persistent clusters
-  // loop over the rest (a group too large for a block's shared memory is never chosen: `large` at 1,024).
-  std::optional<StreamLaunchShape> one_wave, largest_group, largest_resident;
-  for (int group : kStreamGroupSizes) {
-    const StreamLaunchShape shape{group, 1};
-    if (!Supports(shape)) continue;
-    if (!one_wave && (n + group - 1) / group <= Fit(shape).max_clusters) one_wave = shape;
-    if (Fit(shape).states_resident) largest_resident = shape;
-    largest_group = shape;
-  }
-  if (one_wave && (Fit(*one_wave).states_resident || !largest_resident)) return *one_wave;
-  if (largest_resident) return *largest_resident;
-  if (largest_group) return *largest_group;
-  // No single-block shape fits: the lone event's shape, its clusters looping over the tick's events.
-  return n > 1 ? ShapeFor(1) : StreamLaunchShape{1, kStreamClusterSizes.back()};
+  return best;
 }
 
 int CudaStreamer::BucketFor(int n) const {

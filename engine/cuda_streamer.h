@@ -137,6 +137,10 @@ class CudaStreamer {
   kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
   // Whether a single-block cluster shape runs a tick of n events in one wave with all its weights in shared memory.
   bool OneWaveHoldsWeights(int n) const;
+  // Times one group's tick of every cluster shape this device supports (group_us_), on zeroed slots that it zeroes
+  // again afterwards; TimeGroup: the median µs of a few eager ticks of one group of `shape`.
+  absl::Status TimeGroups();
+  absl::StatusOr<float> TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape);
   absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
@@ -168,11 +172,14 @@ class CudaStreamer {
   size_t max_shared_bytes_ = 0;
   int sm_count_ = 0;
   size_t l2_bytes_ = 0;
-  // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
+  // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes: how it fits the device, and the device time of a
+  // tick of one group (TimeGroups; 0 where unsupported).
   std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
+  std::array<std::array<float, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> group_us_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;   // the source's parameters are final
   cudaEvent_t published_copied_ = nullptr;  // the copy has read them: the source may overwrite them
+  cudaEvent_t timing_start_ = nullptr, timing_stop_ = nullptr;  // TimeGroup's
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;

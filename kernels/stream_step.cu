@@ -2373,7 +2373,6 @@ cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int clus
   StreamPlan plan;
   if (!PlanFor(w, events_per_group, cluster_size, max_shared_bytes, &plan)) return cudaSuccess;
   fit->weights_resident = std::all_of(plan.stage_at, plan.stage_at + plan.stages, [](int at) { return at >= 0; });
-  fit->states_resident = plan.ssm_base >= 0;
   switch (events_per_group) {
     case 1: return MaxClusters<1>(plan, max_shared_bytes, &fit->max_clusters);
     case 2: return MaxClusters<2>(plan, max_shared_bytes, &fit->max_clusters);

@@ -70,13 +70,11 @@ cudaError_t PackStreamWeights(const StreamWeights& w, float* pack, cudaStream_t 
 cudaError_t PrepareStreamStep(size_t max_shared_bytes);
 
 // How a launch shape (events per group, blocks per cluster) fits this device within `max_shared_bytes` of shared
-// memory per block: how many of its clusters can be resident at once (0: it cannot launch), whether every weight
-// the step reads has room in shared memory (else some products read the pack in global memory) and whether the
-// group's SSM states do (prefetched at the group's start; else the chain reads and writes them in global memory).
+// memory per block: how many of its clusters can be resident at once (0: it cannot launch) and whether every weight
+// the step reads has room in shared memory (else some products read the pack in global memory).
 struct StreamShapeFit {
   int max_clusters = 0;
   bool weights_resident = false;
-  bool states_resident = false;
 };
 cudaError_t FitStreamStep(const StreamWeights& w, int events_per_group, int cluster_size, size_t max_shared_bytes,
                           StreamShapeFit* fit);
