@@ -25,6 +25,25 @@ int IndexOf(const std::array<int, N>& values, int value) {
 CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot)
     : layout_(layout), slots_(slots), log_entries_(log_entries_per_slot), slot_seen_(new bool[slots]()) {}
 
+StreamLaunchShape FastestClusterShape(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
+                                      const PerClusterShape<float>& group_us) {
+  StreamLaunchShape best{1, kStreamClusterSizes.back()};
+  float best_us = std::numeric_limits<float>::infinity();
+  for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
+    for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
+      const int max_clusters = fits[gi][ci].max_clusters;
+      if (max_clusters <= 0) continue;
+      const int groups = (n + kStreamGroupSizes[gi] - 1) / kStreamGroupSizes[gi];
+      const float us = group_us[gi][ci] * ((groups + max_clusters - 1) / max_clusters);
+      if (us < best_us) {
+        best = {kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
+        best_us = us;
+      }
+    }
+  }
+  return best;
+}
+
 CudaStreamer::~CudaStreamer() {
   // Errors cannot be reported from a destructor; the handles are released either way.
   if (stream_) {
@@ -312,22 +331,10 @@ StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   // H200 against the rule before it (s16m): small's ticks of 32 events 41.8–42.0 → 35.9–36.0 µs (groups of 2 in
   // clusters of 4, the fastest shape of the eager sweep), 128 67.9–68.2 → 54.9 (groups of 2 in clusters of 2, ditto),
   // large's 16 320–321 → 220; 1 to 8 and 64 unchanged (the same shapes). At 16 it takes groups of 2 in clusters of 8,
-  // 30.1–30.3 (the rule before: 28.9–30.3), where single events in clusters of 8 run 26.7 eager: two waves of them
-  // overlap more than the estimate assumes. Below kStreamWideFrom the wide path is no candidate (large's 64: 618
-  // against its 455).
-  StreamLaunchShape best{1, kStreamClusterSizes.back()};
-  float best_us = std::numeric_limits<float>::infinity();
-  for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
-    for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
-      const StreamLaunchShape shape{kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
-      const int max_clusters = Fit(shape).max_clusters;
-      if (max_clusters <= 0) continue;
-      const int groups = (n + shape.events_per_group - 1) / shape.events_per_group;
-      const float us = group_us_[gi][ci] * ((groups + max_clusters - 1) / max_clusters);
-      if (us < best_us) best = shape, best_us = us;
-    }
-  }
-  return best;
+  // 29.4–30.3 (the rule before: 28.9–30.3); single events in clusters of 8, the eager sweep's fastest there (26.7),
+  // ran 31.0–32.4 graph-launched (s16o). Below kStreamWideFrom the wide path is no candidate (large's 64: 618 against
+  // its 455).
+  return FastestClusterShape(n, fits_, group_us_);
 }
 
 int CudaStreamer::BucketFor(int n) const {

@@ -25,10 +25,19 @@ struct StreamLaunchShape {
   int events_per_group = 1;
   int cluster_size = 8;
   bool wide = false;
+  bool operator==(const StreamLaunchShape&) const = default;
 };
 constexpr std::array<int, 4> kStreamGroupSizes = {1, 2, 4, 8};
 constexpr std::array<int, 5> kStreamClusterSizes = {1, 2, 4, 8, 16};
 constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
+// A value per cluster shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
+template <typename T>
+using PerClusterShape = std::array<std::array<T, kStreamClusterSizes.size()>, kStreamGroupSizes.size()>;
+// The cluster shape a tick of n events takes least time with, by the estimate that a cluster runs its groups one
+// after another (each a chain of dependent stages): one group's time (`group_us`) for every wave of clusters its
+// groups need (`fits`' max_clusters at once); shapes with no clusters are out.
+StreamLaunchShape FastestClusterShape(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
+                                      const PerClusterShape<float>& group_us);
 // Ticks of at least this many events take the wide path (where it fits), unless a single-block cluster shape runs
 // them in one wave with all its weights in shared memory (ShapeFor). Eager sweeps of every shape on the H200
 // (b4abbf7): `small`, whose weights no block holds, ran wide from 256 events (76.8 against 89.5 µs for the best
@@ -172,10 +181,10 @@ class CudaStreamer {
   size_t max_shared_bytes_ = 0;
   int sm_count_ = 0;
   size_t l2_bytes_ = 0;
-  // Per shape, indexed like kStreamGroupSizes × kStreamClusterSizes: how it fits the device, and the device time of a
-  // tick of one group (TimeGroups; 0 where unsupported).
-  std::array<std::array<kernels::StreamShapeFit, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> fits_{};
-  std::array<std::array<float, kStreamClusterSizes.size()>, kStreamGroupSizes.size()> group_us_{};
+  // Per cluster shape: how it fits the device, and the device time of a tick of one group (TimeGroups; 0 where
+  // unsupported).
+  PerClusterShape<kernels::StreamShapeFit> fits_{};
+  PerClusterShape<float> group_us_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;   // the source's parameters are final
   cudaEvent_t published_copied_ = nullptr;  // the copy has read them: the source may overwrite them

@@ -327,6 +327,29 @@ INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "sma
                            return name;
                          });
 
+// The estimate behind ShapeFor (no device needed): a tick takes one group's time for every wave of clusters its
+// groups need, and the least such time wins among the shapes with clusters.
+TEST(StreamStepManyTest, TheFastestClusterShapeTakesTheLeastGroupTimeTimesWaves) {
+  PerClusterShape<kernels::StreamShapeFit> fits{};
+  PerClusterShape<float> group_us{};
+  auto set = [&](int group_index, int cluster_index, int max_clusters, float us) {
+    fits[group_index][cluster_index].max_clusters = max_clusters;
+    group_us[group_index][cluster_index] = us;
+  };
+  set(0, 3, 16, 13.f);  // single events in clusters of 8: 16 clusters at once
+  set(1, 2, 32, 35.f);  // groups of 2 in clusters of 4
+  set(0, 1, 66, 41.f);  // single events in clusters of 2
+  set(2, 0, 0, 1.f);    // no clusters: never taken, however fast
+  const StreamLaunchShape eights{1, 8}, twos_in_fours{2, 4};
+  EXPECT_EQ(FastestClusterShape(1, fits, group_us), eights);
+  EXPECT_EQ(FastestClusterShape(16, fits, group_us), eights);         // one wave: 13
+  EXPECT_EQ(FastestClusterShape(32, fits, group_us), eights);         // two waves, 26, against 35 and 41
+  EXPECT_EQ(FastestClusterShape(48, fits, group_us), twos_in_fours);  // three waves, 39, against one of 35
+  EXPECT_EQ(FastestClusterShape(100, fits, group_us), twos_in_fours);  // 7 × 13, 2 × 35, 2 × 41
+  set(0, 1, 66, 30.f);
+  EXPECT_EQ(FastestClusterShape(100, fits, group_us), (StreamLaunchShape{1, 2}));  // 2 × 30 against 2 × 35
+}
+
 // Every tick size up to the slot count gets a shape this device can launch, for every named config; `large`, whose
 // groups of 8 events do not fit a block, runs ticks of 1, 64 and 1,024 instruments like the CPU step path.
 TEST(StreamStepManyTest, EveryTickSizeGetsALaunchableShape) {
