@@ -2281,8 +2281,8 @@ bool PlanFor(const StreamWeights& w, int events_per_group, int cluster_size, siz
 // tick): where the tick's states outgrow the L2 (they cannot stay there for the next tick anyway), so that what the
 // tick reads again (the weights, which every tile reads, the activations, the conv states) keeps the room; up to
 // 2,048 events. Measured on the H200 (s16f–s16h, alternating with unmarked traffic): small's 1,024 instruments (64 MB
-// of states) 126.1–127.8 → 118.9–120.6 µs, 2,048 239–241 → 235–236, large's 256 and 1,024 −2% (702 → 687, 1,702 →
-// 1,664); marked regardless of size, small's 256 (16 MB, which stay in L2 unmarked) took 1 µs more and its 10,000
+// of states) 126.1–127.8 → 118.9–120.6 µs, 2,048 238.9–244.1 → 234.7–238.7, large's 256 701.6–703.8 → 687.1–690.9
+// and 1,024 1,701.2–1,703.8 → 1,663.7–1,683.0; marked regardless of size, small's 256 (16 MB, which stay in L2 unmarked) took 1 µs more and its 10,000
 // 989–993 against 978. Marking the loads or the stores alone gained ≤ 1.5 µs at 1,024.
 constexpr int kWideEvictFirstMaxEvents = 2048;
 bool WideStatesEvictFirst(const StreamPlan& p, int n, size_t l2_bytes) {
@@ -2422,7 +2422,6 @@ int ResidentShape(const StreamWeights& w, size_t max_shared_bytes) {
   }
   return -1;
 }
-
 }  // namespace
 
 bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {
