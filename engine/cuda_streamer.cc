@@ -25,23 +25,24 @@ int IndexOf(const std::array<int, N>& values, int value) {
 CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot)
     : layout_(layout), slots_(slots), log_entries_(log_entries_per_slot), slot_seen_(new bool[slots]()) {}
 
-StreamLaunchShape FastestClusterShape(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
-                                      const PerClusterShape<float>& group_us) {
-  StreamLaunchShape best{1, kStreamClusterSizes.back()};
-  float best_us = std::numeric_limits<float>::infinity();
+std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
+                                                       const PerClusterShape<float>& group_us) {
+  std::vector<std::pair<float, StreamLaunchShape>> estimates;
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
       const int max_clusters = fits[gi][ci].max_clusters;
       if (max_clusters <= 0) continue;
       const int groups = (n + kStreamGroupSizes[gi] - 1) / kStreamGroupSizes[gi];
-      const float us = group_us[gi][ci] * ((groups + max_clusters - 1) / max_clusters);
-      if (us < best_us) {
-        best = {kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
-        best_us = us;
-      }
+      estimates.push_back({group_us[gi][ci] * ((groups + max_clusters - 1) / max_clusters),
+                           {kStreamGroupSizes[gi], kStreamClusterSizes[ci]}});
     }
   }
-  return best;
+  // Stable: of equal estimates, the shape listed first (fewer events a group, then smaller clusters) comes first.
+  std::stable_sort(estimates.begin(), estimates.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<StreamLaunchShape> shapes;
+  for (const auto& [us, shape] : estimates) shapes.push_back(shape);
+  return shapes;
 }
 
 CudaStreamer::~CudaStreamer() {
@@ -51,10 +52,7 @@ CudaStreamer::~CudaStreamer() {
     cudaStreamSynchronize(stream_);
   }
   auto destroy = [](std::map<int, TickGraph>& graphs) {
-    for (auto& [bucket, graph] : graphs) {
-      cudaGraphExecDestroy(graph.exec);
-      cudaGraphDestroy(graph.graph);
-    }
+    for (auto& [bucket, graph] : graphs) Destroy(graph);
   };
   for (auto& per_staging : graphs_) destroy(per_staging);
   destroy(inline_graphs_);
@@ -158,6 +156,7 @@ absl::Status CudaStreamer::Initialize() {
     }
   }
   RETURN_IF_ERROR(TimeGroups());
+  RETURN_IF_ERROR(TimeBuckets());
   if (!Supports(ShapeFor(1))) {
     return absl::InvalidArgumentError(absl::StrCat("the streaming step of this model does not fit the ",
                                                    properties.sharedMemPerBlockOptin,
@@ -279,6 +278,13 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
   return status;
 }
 
+void CudaStreamer::Destroy(TickGraph& graph) {
+  // (Null handles, from a failed capture, would leave an error for the next launch's check to find.)
+  if (graph.exec) cudaGraphExecDestroy(graph.exec);
+  if (graph.graph) cudaGraphDestroy(graph.graph);
+  graph = TickGraph{};
+}
+
 kernels::StreamShapeFit CudaStreamer::Fit(StreamLaunchShape shape) const {
   const int g = IndexOf(kStreamGroupSizes, shape.events_per_group),
             c = IndexOf(kStreamClusterSizes, shape.cluster_size);
@@ -310,12 +316,16 @@ absl::Status CudaStreamer::TimeGroups() {
 }
 
 absl::StatusOr<float> CudaStreamer::TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape) {
-  constexpr int kWarmups = 2, kTimed = 7;
   input.n = shape.events_per_group;
+  return MedianDeviceUs([&] { return EnqueueTick(input, shape); });
+}
+
+absl::StatusOr<float> CudaStreamer::MedianDeviceUs(absl::FunctionRef<absl::Status()> enqueue) {
+  constexpr int kWarmups = 2, kTimed = 7;
   std::array<float, kTimed> ms{};
   for (int i = -kWarmups; i < kTimed; ++i) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_start_, stream_));
-    RETURN_IF_ERROR(EnqueueTick(input, shape));
+    RETURN_IF_ERROR(enqueue());
     CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_stop_, stream_));
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timing_stop_));
     if (i >= 0) CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms[i], timing_start_, timing_stop_));
@@ -324,17 +334,70 @@ absl::StatusOr<float> CudaStreamer::TimeGroup(kernels::StreamTickInput input, St
   return 1000.f * ms[kTimed / 2];
 }
 
+absl::Status CudaStreamer::TimeBuckets() {
+  Staging& s = staging_[0];
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));
+  const size_t F = layout_.config().n_features;
+  int touched = 0;
+  for (int n = 1, bucket = 0; n < kStreamWideFrom && bucket < slots_; n *= 2) {
+    bucket = BucketFor(n);
+    if (bucket >= kStreamWideFrom) break;
+    const bool staged = !Inline(bucket);
+    std::vector<StreamLaunchShape> candidates = ClusterShapesByEstimate(bucket, fits_, group_us_);
+    if (candidates.size() > kStreamTimedClusterShapes) candidates.resize(kStreamTimedClusterShapes);
+    if (staged && wide_fits_) candidates.push_back(kStreamWideShape);
+    if (candidates.size() < 2) continue;
+    // A tick of the bucket's own size on slots 0..bucket−1, with every feature 0.5 and 1 s between events.
+    kernels::StreamTickInput input{};
+    if (staged) {
+      std::fill(s.x_host, s.x_host + bucket * F, 0.5f);
+      std::fill(s.dt_host, s.dt_host + bucket, 1.f);
+      for (int i = 0; i < bucket; ++i) s.slots_host[i] = i;
+      input = StagedInput(s, bucket, /*log=*/false);
+    } else {
+      input.n = bucket;
+      input.logged = false;
+      std::fill(input.inline_x, input.inline_x + bucket * F, 0.5f);
+      std::fill(input.inline_dt, input.inline_dt + bucket, 1.f);
+      for (int i = 0; i < bucket; ++i) input.inline_slots[i] = i;
+    }
+    float best_us = std::numeric_limits<float>::infinity();
+    for (const StreamLaunchShape shape : candidates) {
+      ASSIGN_OR_RETURN(const float us, TimeTickGraph(input, shape));
+      if (us < best_us) {
+        best_us = us;
+        bucket_shapes_[bucket] = shape;
+      }
+    }
+    touched = std::max(touched, bucket);
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  for (int slot = 0; slot < touched; ++slot) RETURN_IF_ERROR(ResetSlot(slot));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float> CudaStreamer::TimeTickGraph(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
+  TickGraph graph;
+  absl::StatusOr<float> us = [&]() -> absl::StatusOr<float> {
+    RETURN_IF_ERROR(Capture(input, shape, graph));
+    return MedianDeviceUs([&]() -> absl::Status {
+      CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
+      return absl::OkStatus();
+    });
+  }();
+  Destroy(graph);
+  return us;
+}
+
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
-  // A cluster runs its groups one after another and each group is a chain of dependent stages, so a tick takes about
-  // one group's time (measured at start, TimeGroups) for every wave of clusters its groups need. Graph-timed on the
-  // H200 against the rule before it (s16m): small's ticks of 32 events 41.8–42.0 → 35.9–36.0 µs (groups of 2 in
-  // clusters of 4, the fastest shape of the eager sweep), 128 67.9–68.2 → 54.9 (groups of 2 in clusters of 2, ditto),
-  // large's 16 320–321 → 220; 1 to 8 and 64 unchanged (the same shapes). At 16 it takes groups of 2 in clusters of 8,
-  // 29.4–30.3 (the rule before: 28.9–30.3); single events in clusters of 8, the eager sweep's fastest there (26.7),
-  // ran 31.0–32.4 graph-launched (s16o). Below kStreamWideFrom the wide path is no candidate (large's 64: 618 against
-  // its 455).
-  return FastestClusterShape(n, fits_, group_us_);
+  // Below kStreamWideFrom, the shape that ran the bucket's whole tick fastest when the streamer started
+  // (TimeBuckets). The estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against
+  // 324, tiny's 16: 23.7 against 19.5, s16) and could not weigh the wide path (large's 64: 605 against 455).
+  const auto measured = bucket_shapes_.find(BucketFor(n));
+  if (measured != bucket_shapes_.end()) return measured->second;
+  const std::vector<StreamLaunchShape> shapes = ClusterShapesByEstimate(n, fits_, group_us_);
+  return shapes.empty() ? StreamLaunchShape{1, kStreamClusterSizes.back()} : shapes.front();
 }
 
 int CudaStreamer::BucketFor(int n) const {
@@ -418,7 +481,7 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   if (Inline(bucket)) {
     const kernels::StreamTickInput input = InlineInput(tick, bucket, /*log=*/true);
     TickGraph& graph = inline_graphs_[bucket];
-    if (!graph.exec) RETURN_IF_ERROR(Capture(input, graph));
+    if (!graph.exec) RETURN_IF_ERROR(Capture(input, ShapeFor(bucket), graph));
     if (graph.pack != pack_ || graph.conv_state != state_.conv) {
       return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
     }
@@ -430,7 +493,7 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   Staging& s = NextStaging(&index);
   RETURN_IF_ERROR(StageTick(s, tick, bucket));
   TickGraph& graph = graphs_[index][bucket];
-  if (!graph.exec) RETURN_IF_ERROR(Capture(StagedInput(s, bucket, /*log=*/true), graph));
+  if (!graph.exec) RETURN_IF_ERROR(Capture(StagedInput(s, bucket, /*log=*/true), ShapeFor(bucket), graph));
   // Pointer stability: a replay must run over exactly the buffers it was captured with.
   if (graph.staging_x != s.x_host || graph.pack != pack_ || graph.conv_state != state_.conv) {
     return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
@@ -523,9 +586,10 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
   return absl::OkStatus();
 }
 
-absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, TickGraph& graph) {
+absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, StreamLaunchShape shape,
+                                   TickGraph& graph) {
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const absl::Status enqueued = EnqueueTick(input, ShapeFor(input.n));
+  const absl::Status enqueued = EnqueueTick(input, shape);
   const cudaError_t ended = cudaStreamEndCapture(stream_, &graph.graph);
   RETURN_IF_ERROR(enqueued);
   CUDA_RETURN_IF_ERROR(ended);

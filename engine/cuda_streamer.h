@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include <cuda_runtime.h>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda_memory.h"
@@ -33,11 +35,14 @@ constexpr StreamLaunchShape kStreamWideShape{8, 1, true};
 // A value per cluster shape, indexed like kStreamGroupSizes × kStreamClusterSizes.
 template <typename T>
 using PerClusterShape = std::array<std::array<T, kStreamClusterSizes.size()>, kStreamGroupSizes.size()>;
-// The cluster shape a tick of n events takes least time with, by the estimate that a cluster runs its groups one
-// after another (each a chain of dependent stages): one group's time (`group_us`) for every wave of clusters its
+// The cluster shapes that can run a tick of n events, fastest first by the estimate that a cluster runs its groups
+// one after another (each a chain of dependent stages): one group's time (`group_us`) for every wave of clusters its
 // groups need (`fits`' max_clusters at once); shapes with no clusters are out.
-StreamLaunchShape FastestClusterShape(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
-                                      const PerClusterShape<float>& group_us);
+std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
+                                                       const PerClusterShape<float>& group_us);
+// How many of the estimate's fastest cluster shapes CudaStreamer times on a whole tick of each bucket below
+// kStreamWideFrom, beside the wide path.
+constexpr int kStreamTimedClusterShapes = 3;
 // Ticks of at least this many events take the wide path (where it fits), unless a single-block cluster shape runs
 // them in one wave with all its weights in shared memory (ShapeFor). Eager sweeps of every shape on the H200
 // (b4abbf7): `small`, whose weights no block holds, ran wide from 256 events (76.8 against 89.5 µs for the best
@@ -150,6 +155,13 @@ class CudaStreamer {
   // again afterwards; TimeGroup: the median µs of a few eager ticks of one group of `shape`.
   absl::Status TimeGroups();
   absl::StatusOr<float> TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape);
+  // For every bucket below kStreamWideFrom: times a whole tick of the bucket, graph-launched as Step launches it, with
+  // each of the estimate's kStreamTimedClusterShapes fastest cluster shapes and (for staged ticks) the wide path, and
+  // keeps the fastest in bucket_shapes_; on zeroed slots that it zeroes again afterwards.
+  absl::Status TimeBuckets();
+  absl::StatusOr<float> TimeTickGraph(const kernels::StreamTickInput& input, StreamLaunchShape shape);
+  // The median device µs of a few runs of `enqueue` on stream(), each timed alone after two warmups.
+  absl::StatusOr<float> MedianDeviceUs(absl::FunctionRef<absl::Status()> enqueue);
   absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
@@ -173,7 +185,8 @@ class CudaStreamer {
   absl::Status PostResident(const StreamTick& tick);
   absl::Status WaitResidentAnswered(uint32_t count);
   absl::Status WaitForRingEntry();
-  absl::Status Capture(const kernels::StreamTickInput& input, TickGraph& graph);
+  absl::Status Capture(const kernels::StreamTickInput& input, StreamLaunchShape shape, TickGraph& graph);
+  static void Destroy(TickGraph& graph);
 
   const ParamLayout& layout_;
   const int slots_;
@@ -185,10 +198,12 @@ class CudaStreamer {
   // unsupported).
   PerClusterShape<kernels::StreamShapeFit> fits_{};
   PerClusterShape<float> group_us_{};
+  // The measured fastest shape of each bucket below kStreamWideFrom (TimeBuckets).
+  std::map<int, StreamLaunchShape> bucket_shapes_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;   // the source's parameters are final
   cudaEvent_t published_copied_ = nullptr;  // the copy has read them: the source may overwrite them
-  cudaEvent_t timing_start_ = nullptr, timing_stop_ = nullptr;  // TimeGroup's
+  cudaEvent_t timing_start_ = nullptr, timing_stop_ = nullptr;  // MedianDeviceUs's
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;

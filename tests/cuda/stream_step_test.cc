@@ -327,9 +327,9 @@ INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "sma
                            return name;
                          });
 
-// The estimate behind ShapeFor (no device needed): a tick takes one group's time for every wave of clusters its
-// groups need, and the least such time wins among the shapes with clusters.
-TEST(StreamStepManyTest, TheFastestClusterShapeTakesTheLeastGroupTimeTimesWaves) {
+// The estimate behind the shapes CudaStreamer times (no device needed): a tick takes one group's time for every wave
+// of clusters its groups need; shapes with clusters come fastest first, ties in the order they are listed.
+TEST(StreamStepManyTest, ClusterShapesComeInOrderOfGroupTimeTimesWaves) {
   PerClusterShape<kernels::StreamShapeFit> fits{};
   PerClusterShape<float> group_us{};
   auto set = [&](int group_index, int cluster_index, int max_clusters, float us) {
@@ -340,14 +340,16 @@ TEST(StreamStepManyTest, TheFastestClusterShapeTakesTheLeastGroupTimeTimesWaves)
   set(1, 2, 32, 35.f);  // groups of 2 in clusters of 4
   set(0, 1, 66, 41.f);  // single events in clusters of 2
   set(2, 0, 0, 1.f);    // no clusters: never taken, however fast
-  const StreamLaunchShape eights{1, 8}, twos_in_fours{2, 4};
-  EXPECT_EQ(FastestClusterShape(1, fits, group_us), eights);
-  EXPECT_EQ(FastestClusterShape(16, fits, group_us), eights);         // one wave: 13
-  EXPECT_EQ(FastestClusterShape(32, fits, group_us), eights);         // two waves, 26, against 35 and 41
-  EXPECT_EQ(FastestClusterShape(48, fits, group_us), twos_in_fours);  // three waves, 39, against one of 35
-  EXPECT_EQ(FastestClusterShape(100, fits, group_us), twos_in_fours);  // 7 × 13, 2 × 35, 2 × 41
-  set(0, 1, 66, 30.f);
-  EXPECT_EQ(FastestClusterShape(100, fits, group_us), (StreamLaunchShape{1, 2}));  // 2 × 30 against 2 × 35
+  const StreamLaunchShape eights{1, 8}, twos_in_fours{2, 4}, twos{1, 2};
+  using Shapes = std::vector<StreamLaunchShape>;
+  EXPECT_EQ(ClusterShapesByEstimate(1, fits, group_us), (Shapes{eights, twos_in_fours, twos}));
+  EXPECT_EQ(ClusterShapesByEstimate(16, fits, group_us).front(), eights);          // one wave: 13
+  EXPECT_EQ(ClusterShapesByEstimate(32, fits, group_us).front(), eights);          // two waves, 26, against 35, 41
+  EXPECT_EQ(ClusterShapesByEstimate(48, fits, group_us).front(), twos_in_fours);   // three waves, 39, against 35
+  EXPECT_EQ(ClusterShapesByEstimate(100, fits, group_us), (Shapes{twos_in_fours, twos, eights}));  // 70, 82, 91
+  set(0, 1, 66, 35.f);
+  EXPECT_EQ(ClusterShapesByEstimate(100, fits, group_us), (Shapes{twos, twos_in_fours, eights}));  // 70 = 70: listed first
+  EXPECT_TRUE(ClusterShapesByEstimate(100, PerClusterShape<kernels::StreamShapeFit>{}, group_us).empty());
 }
 
 // Every tick size up to the slot count gets a shape this device can launch, for every named config; `large`, whose
