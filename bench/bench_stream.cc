@@ -100,6 +100,11 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
   const int capacity = *std::max_element(sizes.begin(), sizes.end());
   ASSIGN_OR_RETURN(std::unique_ptr<CudaStreamer> streamer, CudaStreamer::Create(layout, capacity, std::max<int64_t>(64, (int64_t{1} << 20) / capacity)));
   RETURN_IF_ERROR(streamer->PublishFromHost(params));
+  // The shapes the streamer chose at start for ticks below the wide path, and what it measured to choose them.
+  for (const CudaStreamer::ShapeTiming& t : streamer->start_timings()) {
+    std::printf("  start %-6s bucket %5d  %-22s %9.2f us%s\n", name.c_str(), t.bucket, ShapeName(t.shape).c_str(), t.us,
+                streamer->ShapeFor(t.bucket) == t.shape ? "  (chosen)" : "");
+  }
   // Launched ticks alone, timed between events on the stream: a resident step has no launch per tick to time that
   // way (BenchResident times it).
   streamer->set_use_resident(false);

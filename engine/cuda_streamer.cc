@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -62,8 +65,6 @@ CudaStreamer::~CudaStreamer() {
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
   if (resident_.left) cudaEventDestroy(resident_.left);
-  if (timing_start_) cudaEventDestroy(timing_start_);
-  if (timing_stop_) cudaEventDestroy(timing_stop_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -91,8 +92,6 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_copied_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_.left, cudaEventDisableTiming));
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&timing_start_));
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&timing_stop_));
 
   const size_t S = slots_, H = c.n_horizons, F = c.n_features;
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
@@ -303,35 +302,62 @@ absl::Status CudaStreamer::TimeGroups() {
   input.logged = false;
   std::fill(std::begin(input.inline_dt), std::end(input.inline_dt), 1.f);
   for (int i = 0; i < kernels::kStreamInlineEvents; ++i) input.inline_slots[i] = i % slots_;
+  std::vector<std::pair<size_t, size_t>> timed;
+  std::vector<std::function<absl::Status()>> ticks;
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
       const StreamLaunchShape shape{kStreamGroupSizes[gi], kStreamClusterSizes[ci]};
       if (!Supports(shape)) continue;
-      ASSIGN_OR_RETURN(group_us_[gi][ci], TimeGroup(input, shape));
+      timed.push_back({gi, ci});
+      ticks.push_back([this, input, shape]() mutable {
+        input.n = shape.events_per_group;
+        return EnqueueTick(input, shape);
+      });
     }
   }
+  ASSIGN_OR_RETURN(const std::vector<float> us, MedianDeviceUs(ticks));
+  for (size_t i = 0; i < timed.size(); ++i) group_us_[timed[i].first][timed[i].second] = us[i];
   const int touched = std::min<int>(slots_, kernels::kStreamInlineEvents);
   for (int slot = 0; slot < touched; ++slot) RETURN_IF_ERROR(ResetSlot(slot));
   return absl::OkStatus();
 }
 
-absl::StatusOr<float> CudaStreamer::TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape) {
-  input.n = shape.events_per_group;
-  return MedianDeviceUs([&] { return EnqueueTick(input, shape); });
-}
-
-absl::StatusOr<float> CudaStreamer::MedianDeviceUs(absl::FunctionRef<absl::Status()> enqueue) {
+absl::StatusOr<std::vector<float>> CudaStreamer::MedianDeviceUs(std::span<const std::function<absl::Status()>> runs) {
   constexpr int kWarmups = 2, kTimed = 7;
-  std::array<float, kTimed> ms{};
-  for (int i = -kWarmups; i < kTimed; ++i) {
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_start_, stream_));
-    RETURN_IF_ERROR(enqueue());
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_stop_, stream_));
-    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timing_stop_));
-    if (i >= 0) CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms[i], timing_start_, timing_stop_));
+  std::vector<cudaEvent_t> events(2 * kTimed * runs.size(), nullptr);
+  auto event_at = [&](int round, size_t run) { return &events[2 * (round * runs.size() + run)]; };
+  absl::StatusOr<std::vector<float>> us = [&]() -> absl::StatusOr<std::vector<float>> {
+    for (int round = 0; round < kWarmups; ++round) {
+      for (const auto& run : runs) RETURN_IF_ERROR(run());
+    }
+    for (cudaEvent_t& event : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));
+    // The host queues every timed run while a callback holds the stream, so that each one's events enclose its
+    // device work alone, back to back with the others (as bench_stream times ticks), not a launch into an idle device.
+    CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
+        stream_, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(3)); }, nullptr));
+    for (int round = 0; round < kTimed; ++round) {
+      for (size_t r = 0; r < runs.size(); ++r) {
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(event_at(round, r)[0], stream_));
+        RETURN_IF_ERROR(runs[r]());
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(event_at(round, r)[1], stream_));
+      }
+    }
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    std::vector<float> medians;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      std::array<float, kTimed> ms{};
+      for (int round = 0; round < kTimed; ++round) {
+        CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms[round], event_at(round, r)[0], event_at(round, r)[1]));
+      }
+      std::nth_element(ms.begin(), ms.begin() + kTimed / 2, ms.end());
+      medians.push_back(1000.f * ms[kTimed / 2]);
+    }
+    return medians;
+  }();
+  for (cudaEvent_t event : events) {
+    if (event) cudaEventDestroy(event);
   }
-  std::nth_element(ms.begin(), ms.begin() + kTimed / 2, ms.end());
-  return 1000.f * ms[kTimed / 2];
+  return us;
 }
 
 absl::Status CudaStreamer::TimeBuckets() {
@@ -361,14 +387,23 @@ absl::Status CudaStreamer::TimeBuckets() {
       std::fill(input.inline_dt, input.inline_dt + bucket, 1.f);
       for (int i = 0; i < bucket; ++i) input.inline_slots[i] = i;
     }
-    float best_us = std::numeric_limits<float>::infinity();
-    for (const StreamLaunchShape shape : candidates) {
-      ASSIGN_OR_RETURN(const float us, TimeTickGraph(input, shape));
-      if (us < best_us) {
-        best_us = us;
-        bucket_shapes_[bucket] = shape;
+    std::vector<TickGraph> graphs(candidates.size());
+    const absl::StatusOr<std::vector<float>> us = [&]() -> absl::StatusOr<std::vector<float>> {
+      std::vector<std::function<absl::Status()>> launches;
+      for (size_t c = 0; c < candidates.size(); ++c) {
+        RETURN_IF_ERROR(Capture(input, candidates[c], graphs[c]));
+        launches.push_back([this, exec = graphs[c].exec]() -> absl::Status {
+          CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
+          return absl::OkStatus();
+        });
       }
-    }
+      return MedianDeviceUs(launches);
+    }();
+    for (TickGraph& graph : graphs) Destroy(graph);
+    RETURN_IF_ERROR(us.status());
+    const size_t fastest = std::min_element(us->begin(), us->end()) - us->begin();
+    bucket_shapes_[bucket] = candidates[fastest];
+    for (size_t c = 0; c < candidates.size(); ++c) start_timings_.push_back({bucket, candidates[c], (*us)[c]});
     touched = std::max(touched, bucket);
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
@@ -376,24 +411,14 @@ absl::Status CudaStreamer::TimeBuckets() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<float> CudaStreamer::TimeTickGraph(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
-  TickGraph graph;
-  absl::StatusOr<float> us = [&]() -> absl::StatusOr<float> {
-    RETURN_IF_ERROR(Capture(input, shape, graph));
-    return MedianDeviceUs([&]() -> absl::Status {
-      CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
-      return absl::OkStatus();
-    });
-  }();
-  Destroy(graph);
-  return us;
-}
-
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
   // Below kStreamWideFrom, the shape that ran the bucket's whole tick fastest when the streamer started
   // (TimeBuckets). The estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against
-  // 324, tiny's 16: 23.7 against 19.5, s16) and could not weigh the wide path (large's 64: 605 against 455).
+  // 324, tiny's 16: 23.7 against 19.5, s16) and could not weigh the wide path: measured, large's 64 and 128 events
+  // take it (618 -> 453 µs, 867 -> 533, H200, s17a). Where shapes run within a few µs of each other the start's
+  // timing can pick either (small's 16 events, single events in clusters of 8 or of 4: 31.4 against 30.1–30.9 µs
+  // with 2,048 slots, s17f).
   const auto measured = bucket_shapes_.find(BucketFor(n));
   if (measured != bucket_shapes_.end()) return measured->second;
   const std::vector<StreamLaunchShape> shapes = ClusterShapesByEstimate(n, fits_, group_us_);

@@ -6,13 +6,13 @@
 #include <array>
 #include <map>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
 
 #include <cuda_runtime.h>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda_memory.h"
@@ -106,6 +106,14 @@ class CudaStreamer {
   absl::Status StopResident();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
+  // What the streamer timed when it started, to choose the shapes of ticks below kStreamWideFrom: a bucket's whole
+  // graph-launched tick with each candidate shape (median µs).
+  struct ShapeTiming {
+    int bucket;
+    StreamLaunchShape shape;
+    float us;
+  };
+  const std::vector<ShapeTiming>& start_timings() const { return start_timings_; }
 
   absl::Status ResetSlot(int slot);
   // Steps the slot through x [n,F], dt [n] from a zero state without logging: the state equals stepping the same
@@ -151,17 +159,17 @@ class CudaStreamer {
   kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
   // Whether a single-block cluster shape runs a tick of n events in one wave with all its weights in shared memory.
   bool OneWaveHoldsWeights(int n) const;
-  // Times one group's tick of every cluster shape this device supports (group_us_), on zeroed slots that it zeroes
-  // again afterwards; TimeGroup: the median µs of a few eager ticks of one group of `shape`.
+  // Times one group's eager tick of every cluster shape this device supports (group_us_), on zeroed slots that it
+  // zeroes again afterwards.
   absl::Status TimeGroups();
-  absl::StatusOr<float> TimeGroup(kernels::StreamTickInput input, StreamLaunchShape shape);
   // For every bucket below kStreamWideFrom: times a whole tick of the bucket, graph-launched as Step launches it, with
   // each of the estimate's kStreamTimedClusterShapes fastest cluster shapes and (for staged ticks) the wide path, and
   // keeps the fastest in bucket_shapes_; on zeroed slots that it zeroes again afterwards.
   absl::Status TimeBuckets();
-  absl::StatusOr<float> TimeTickGraph(const kernels::StreamTickInput& input, StreamLaunchShape shape);
-  // The median device µs of a few runs of `enqueue` on stream(), each timed alone after two warmups.
-  absl::StatusOr<float> MedianDeviceUs(absl::FunctionRef<absl::Status()> enqueue);
+  // The median device µs of each of `runs` (each enqueues its work on stream()) after two warmups: queued back to back
+  // in rounds that take every run in turn, so that a clock that changes over the rounds (the device warming up as the
+  // streamer starts) weighs on all of them alike.
+  absl::StatusOr<std::vector<float>> MedianDeviceUs(std::span<const std::function<absl::Status()>> runs);
   absl::Status Pack();
   absl::Status CheckTick(const StreamTick& tick);
   kernels::StreamWeights WeightsAt(const float* params) const;
@@ -200,10 +208,10 @@ class CudaStreamer {
   PerClusterShape<float> group_us_{};
   // The measured fastest shape of each bucket below kStreamWideFrom (TimeBuckets).
   std::map<int, StreamLaunchShape> bucket_shapes_;
+  std::vector<ShapeTiming> start_timings_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t published_ready_ = nullptr;   // the source's parameters are final
   cudaEvent_t published_copied_ = nullptr;  // the copy has read them: the source may overwrite them
-  cudaEvent_t timing_start_ = nullptr, timing_stop_ = nullptr;  // MedianDeviceUs's
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;
