@@ -365,9 +365,9 @@ absl::Status CudaStreamer::TimeBuckets() {
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));
   const size_t F = layout_.config().n_features;
   int touched = 0;
-  for (int n = 1, bucket = 0; n < kStreamWideFrom && bucket < slots_; n *= 2) {
+  for (int n = 1, bucket = 0; bucket < slots_; n *= 2) {
     bucket = BucketFor(n);
-    if (bucket >= kStreamWideFrom) break;
+    if (bucket >= kStreamWideFrom && !(wide_fits_ && OneWaveHoldsWeights(bucket))) break;
     const bool staged = !Inline(bucket);
     std::vector<StreamLaunchShape> candidates = ClusterShapesByEstimate(bucket, fits_, group_us_);
     if (candidates.size() > kStreamTimedClusterShapes) candidates.resize(kStreamTimedClusterShapes);
@@ -413,8 +413,7 @@ absl::Status CudaStreamer::TimeBuckets() {
 
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
-  // Below kStreamWideFrom, the shape that ran the bucket's whole tick fastest when the streamer started
-  // (TimeBuckets). The estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against
+  // Otherwise the shape that ran the bucket's whole tick fastest when the streamer started (TimeBuckets). The estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against
   // 324, tiny's 16: 23.7 against 19.5, s16) and could not weigh the wide path: measured, large's 64 and 128 events
   // take it (618 -> 453 µs, 867 -> 533, H200, s17a). Where shapes run within a few µs of each other the start's
   // timing can pick either (small's 16 events, single events in clusters of 8 or of 4: 31.4 against 30.1–30.9 µs

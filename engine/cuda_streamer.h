@@ -44,11 +44,11 @@ std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterSh
 // kStreamWideFrom, beside the wide path.
 constexpr int kStreamTimedClusterShapes = 3;
 // Ticks of at least this many events take the wide path (where it fits), unless a single-block cluster shape runs
-// them in one wave with all its weights in shared memory (ShapeFor). Eager sweeps of every shape on the H200
-// (b4abbf7): `small`, whose weights no block holds, ran wide from 256 events (76.8 against 89.5 µs for the best
-// cluster shape; at 128 the cluster shape won, 55.8 against 70.5); `tiny`'s cluster kernel, which holds all its
-// weights, won at 512 (32.8 against 46.7) and tied at 1,024 (53.5 against 54.0) while its groups of 8 fit one wave
-// (132 single-block clusters), and the wide path won from 2,048 (58.8).
+// them in one wave with all its weights in shared memory: then, as below it, the shape measured fastest at start
+// (ShapeFor). Eager sweeps of every shape on the H200 (b4abbf7): `small`, whose weights no block holds, ran wide from
+// 256 events (76.8 against 89.5 µs for the best cluster shape; at 128 the cluster shape won, 55.8 against 70.5);
+// `tiny`'s cluster kernel, which holds all its weights, won at 512 (32.8 against 46.7) and tied at 1,024 (53.5
+// against 54.0) while its groups of 8 fit one wave (132 single-block clusters), and the wide path won from 2,048.
 constexpr int kStreamWideFrom = 256;
 
 class CudaStreamer {
@@ -106,8 +106,8 @@ class CudaStreamer {
   absl::Status StopResident();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
-  // What the streamer timed when it started, to choose the shapes of ticks below kStreamWideFrom: a bucket's whole
-  // graph-launched tick with each candidate shape (median µs).
+  // What the streamer timed when it started, to choose the shapes of ticks that do not take the wide path by rule
+  // (TimeBuckets): a bucket's whole graph-launched tick with each candidate shape (median µs).
   struct ShapeTiming {
     int bucket;
     StreamLaunchShape shape;
@@ -162,9 +162,11 @@ class CudaStreamer {
   // Times one group's eager tick of every cluster shape this device supports (group_us_), on zeroed slots that it
   // zeroes again afterwards.
   absl::Status TimeGroups();
-  // For every bucket below kStreamWideFrom: times a whole tick of the bucket, graph-launched as Step launches it, with
-  // each of the estimate's kStreamTimedClusterShapes fastest cluster shapes and (for staged ticks) the wide path, and
-  // keeps the fastest in bucket_shapes_; on zeroed slots that it zeroes again afterwards.
+  // For every bucket below kStreamWideFrom, and above it while a single-block cluster shape runs it in one wave with
+  // all its weights in shared memory (OneWaveHoldsWeights, where the wide path fits): times a whole tick of the
+  // bucket, graph-launched as Step launches it, with each of the estimate's kStreamTimedClusterShapes fastest cluster
+  // shapes and (for staged ticks) the wide path, and keeps the fastest in bucket_shapes_; on zeroed slots that it
+  // zeroes again afterwards.
   absl::Status TimeBuckets();
   // The median device µs of each of `runs` (each enqueues its work on stream()) after two warmups: queued back to back
   // in rounds that take every run in turn, so that a clock that changes over the rounds (the device warming up as the
