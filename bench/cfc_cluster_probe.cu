@@ -1,8 +1,9 @@
 // cfc_cluster_probe: the costs a CfC recurrence split over a thread-block cluster would pay every step, measured in
 // SM cycles on the device it runs on: a block barrier, a cluster barrier after a store into the next block's shared
-// memory (clusters of 2, 4 and 8), and the TF32 tensor-core product (mma.sync m16n8k8) as a dependent chain and as
-// independent products from every warp. Each kernel runs one 256-thread block an SM (as the CfC's tile kernels do),
-// loops kIterations times and records its cycles per iteration; `cfc_cluster_probe` prints the median over blocks.
+// memory (clusters of 2, 4 and 8), an exchange with every other block through st.async and mbarriers, and the TF32
+// tensor-core product (mma.sync m16n8k8) as a dependent chain and as independent products from every warp. Each
+// kernel runs one 256-thread block an SM (as the CfC's tile kernels do), loops kIterations times and records its
+// cycles per iteration; `cfc_cluster_probe` prints the median over blocks.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -57,6 +58,56 @@ __global__ void ClusterBarrierKernel(long long* cycles, float* sink) {
   }
   const long long end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = (end - start) / kIterations;
+  if (v == -1.f) *sink = v;
+}
+
+// Iteration: every thread sends a float to every other block of its cluster by st.async, which completes bytes on
+// that block's mbarrier (one a buffer, two buffers in turn), and waits on its own block's mbarrier for all of the
+// others' floats, then reads one: an all-to-all exchange of a step's activations without a cluster barrier. A block
+// writes buffer b again only after every other block has sent it the step after, i.e. has read buffer b.
+__global__ void ClusterMbarrierKernel(long long* cycles, float* sink) {
+  constexpr int kMaxCluster = 8;
+  __shared__ __align__(8) uint64_t bars[2];
+  __shared__ float inbox[2][kMaxCluster][kThreads];
+  unsigned rank, size;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(&bars[0]));
+  if (threadIdx.x < 2) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * threadIdx.x) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  float v = threadIdx.x;
+  const long long start = clock64();
+  for (int i = 0; i < kIterations; ++i) {
+    const int b = i & 1;
+    const uint32_t bar = bar0 + 8 * b;
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                   "r"((size - 1) * kThreads * 4u)
+                   : "memory");
+    }
+    const uint32_t slot = static_cast<uint32_t>(__cvta_generic_to_shared(&inbox[b][rank][threadIdx.x]));
+    for (unsigned q = 1; q < size; ++q) {
+      const unsigned to = (rank + q) % size;
+      uint32_t remote_slot, remote_bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(slot), "r"(to));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(to));
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote_slot),
+                   "r"(__float_as_uint(v)), "r"(remote_bar)
+                   : "memory");
+    }
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}" ::"r"(bar),
+        "r"((i >> 1) & 1)
+        : "memory");
+    v += inbox[b][(rank + 1) % size][(threadIdx.x + 1) % kThreads];
+  }
+  const long long end = clock64();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = (end - start) / kIterations;
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
   if (v == -1.f) *sink = v;
 }
 
@@ -127,6 +178,12 @@ absl::Status Run() {
     ASSIGN_OR_RETURN(const long long c, MedianCycles(ClusterBarrierKernel, cluster, cycles, sink));
     char what[96];
     std::snprintf(what, sizeof(what), "cluster of %d: remote store, cluster barrier, load, barrier", cluster);
+    report(what, c);
+  }
+  for (const int cluster : {2, 4, 8}) {
+    ASSIGN_OR_RETURN(const long long c, MedianCycles(ClusterMbarrierKernel, cluster, cycles, sink));
+    char what[96];
+    std::snprintf(what, sizeof(what), "cluster of %d: st.async to every other block, mbarrier wait", cluster);
     report(what, c);
   }
   ASSIGN_OR_RETURN(const long long chain, MedianCycles(MmaKernel<1>, 1, cycles, sink));
