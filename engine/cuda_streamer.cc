@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -362,7 +363,6 @@ absl::StatusOr<std::vector<float>> CudaStreamer::MedianDeviceUs(std::span<const 
 
 absl::Status CudaStreamer::TimeBuckets() {
   Staging& s = staging_[0];
-  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));
   const size_t F = layout_.config().n_features;
   int touched = 0;
   for (int n = 1, bucket = 0; bucket < slots_; n *= 2) {
@@ -372,20 +372,22 @@ absl::Status CudaStreamer::TimeBuckets() {
     std::vector<StreamLaunchShape> candidates = ClusterShapesByEstimate(bucket, fits_, group_us_);
     if (candidates.size() > kStreamTimedClusterShapes) candidates.resize(kStreamTimedClusterShapes);
     if (staged && wide_fits_) candidates.push_back(kStreamWideShape);
-    if (candidates.size() < 2) continue;
+    if (candidates.empty()) continue;
+    if (candidates.size() == 1) {  // nothing to choose between: kept without timing, so ShapeFor need not estimate
+      bucket_shapes_[bucket] = candidates.front();
+      continue;
+    }
     // A tick of the bucket's own size on slots 0..bucket−1, with every feature 0.5 and 1 s between events.
+    const std::vector<float> x(bucket * F, 0.5f), dt(bucket, 1.f);
+    std::vector<int32_t> slots(bucket);
+    std::iota(slots.begin(), slots.end(), 0);
+    const StreamTick tick{x, dt, slots, {}};
     kernels::StreamTickInput input{};
     if (staged) {
-      std::fill(s.x_host, s.x_host + bucket * F, 0.5f);
-      std::fill(s.dt_host, s.dt_host + bucket, 1.f);
-      for (int i = 0; i < bucket; ++i) s.slots_host[i] = i;
+      RETURN_IF_ERROR(StageTick(s, tick, bucket));
       input = StagedInput(s, bucket, /*log=*/false);
     } else {
-      input.n = bucket;
-      input.logged = false;
-      std::fill(input.inline_x, input.inline_x + bucket * F, 0.5f);
-      std::fill(input.inline_dt, input.inline_dt + bucket, 1.f);
-      for (int i = 0; i < bucket; ++i) input.inline_slots[i] = i;
+      input = InlineInput(tick, bucket, /*log=*/false);
     }
     std::vector<TickGraph> graphs(candidates.size());
     const absl::StatusOr<std::vector<float>> us = [&]() -> absl::StatusOr<std::vector<float>> {

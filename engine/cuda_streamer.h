@@ -165,8 +165,8 @@ class CudaStreamer {
   // For every bucket below kStreamWideFrom, and above it while a single-block cluster shape runs it in one wave with
   // all its weights in shared memory (OneWaveHoldsWeights, where the wide path fits): times a whole tick of the
   // bucket, graph-launched as Step launches it, with each of the estimate's kStreamTimedClusterShapes fastest cluster
-  // shapes and (for staged ticks) the wide path, and keeps the fastest in bucket_shapes_; on zeroed slots that it
-  // zeroes again afterwards.
+  // shapes and (for staged ticks) the wide path, and keeps the fastest in bucket_shapes_ (a bucket with one candidate
+  // keeps it untimed); on zeroed slots that it zeroes again afterwards.
   absl::Status TimeBuckets();
   // The median device µs of each of `runs` (each enqueues its work on stream()) after two warmups: queued back to back
   // in rounds that take every run in turn, so that a clock that changes over the rounds (the device warming up as the
