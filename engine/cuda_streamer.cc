@@ -415,9 +415,10 @@ absl::Status CudaStreamer::TimeBuckets() {
 
 StreamLaunchShape CudaStreamer::ShapeFor(int n) const {
   if (n >= kStreamWideFrom && wide_fits_ && !OneWaveHoldsWeights(n)) return kStreamWideShape;
-  // Otherwise the shape that ran the bucket's whole tick fastest when the streamer started (TimeBuckets). The estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against
-  // 324, tiny's 16: 23.7 against 19.5, s16) and could not weigh the wide path: measured, large's 64 and 128 events
-  // take it (618 -> 453 µs, 867 -> 533, H200, s17a). Where shapes run within a few µs of each other the start's
+  // Otherwise the shape that ran the bucket's whole tick fastest when the streamer started (TimeBuckets). The
+  // estimate alone picked slow shapes where two were close (large's 32 events: 409 µs against 324, tiny's 16: 23.7
+  // against 19.5, s16) and could not weigh the wide path: measured, large's 64 and 128 events take it (618 -> 453 µs,
+  // 867 -> 533, H200, s17a). Where shapes run within a few µs of each other the start's
   // timing can pick either (small's 16 events, single events in clusters of 8 or of 4: 31.4 against 30.1–30.9 µs
   // with 2,048 slots, s17f).
   const auto measured = bucket_shapes_.find(BucketFor(n));

@@ -208,7 +208,8 @@ class CudaStreamer {
   // unsupported).
   PerClusterShape<kernels::StreamShapeFit> fits_{};
   PerClusterShape<float> group_us_{};
-  // The measured fastest shape of each bucket below kStreamWideFrom (TimeBuckets).
+  // The shape TimeBuckets chose for each bucket it covers (below kStreamWideFrom, and above it while
+  // OneWaveHoldsWeights): the fastest measured, or the only candidate.
   std::map<int, StreamLaunchShape> bucket_shapes_;
   std::vector<ShapeTiming> start_timings_;
   cudaStream_t stream_ = nullptr;
