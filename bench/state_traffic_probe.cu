@@ -1,0 +1,188 @@
+// state_traffic_probe: the floor a streaming tick of n instruments pays to read and write its SSM states alone
+// (`small`: 2 layers × 4 heads × 64 × 32 floats, 64 KB a slot), measured as bench_stream measures a tick: a graph of
+// one state pass a layer, each pass reading and rewriting every tick slot's 32 KB of that layer as plainly as the
+// hardware allows (16-byte accesses, four or eight in flight a thread), with default or evict-first L2 policies, or
+// with the first slots' states in a persisting L2 window as large as the device allows (the most of the states that
+// could stay in L2 from tick to tick), and a read-only pass for comparison. `state_traffic_probe` prints one line per
+// tick size.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bench/held_ticks.cuh"
+#include "engine/cuda_check.h"
+#include "engine/status_macros.h"
+
+namespace {
+
+constexpr int kLayers = 2;
+constexpr int kLayerFloats = 4 * 64 * 32;  // small: heads × headdim × d_state
+constexpr int kSlotFloats = kLayers * kLayerFloats;
+constexpr int kThreads = 256;
+constexpr int kTicks = 300;
+
+enum class Pass { kReadWrite, kReadWriteEvictFirst, kReadOnly };
+
+__device__ __forceinline__ uint64_t EvictFirst() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ float4 Load(const float4* p, uint64_t policy, bool marked) {
+  float4 v;
+  if (marked) {
+    asm volatile("ld.global.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p), "l"(policy));
+  } else {
+    v = *p;
+  }
+  return v;
+}
+__device__ __forceinline__ void Store(float4* p, float4 v, uint64_t policy, bool marked) {
+  if (marked) {
+    asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w), "l"(policy)
+                 : "memory");
+  } else {
+    *p = v;
+  }
+}
+
+// Layer l's states of the tick's n slots: the state decays and takes an input, as the SSM update does (so every byte
+// is read and written), or, read-only, each block's sum lands in `sink`.
+template <Pass kPass, int kPerThread>
+__global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const int* slots, int n, int l,
+                                                            float* sink) {
+  constexpr int kPieces = kLayerFloats / 4;
+  constexpr bool kMarked = kPass == Pass::kReadWriteEvictFirst;
+  const uint64_t policy = kMarked ? EvictFirst() : 0;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
+  float4 v[kPerThread];
+  float4* at[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t piece = first + k * kThreads;
+    const int event = static_cast<int>(piece / kPieces), within = static_cast<int>(piece % kPieces);
+    at[k] = event < n ? reinterpret_cast<float4*>(states + static_cast<int64_t>(slots[event]) * kSlotFloats +
+                                                  l * kLayerFloats) + within
+                      : nullptr;
+    if (at[k]) v[k] = Load(at[k], policy, kMarked);
+  }
+  if constexpr (kPass == Pass::kReadOnly) {
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      if (at[k]) sum += v[k].x + v[k].y + v[k].z + v[k].w;
+    }
+    if (sum == 1.2345f) sink[blockIdx.x] = sum;  // never true for the data below; keeps the loads
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      if (!at[k]) continue;
+      const float4 s = v[k];
+      Store(at[k], make_float4(0.999f * s.x + 1e-3f, 0.999f * s.y + 1e-3f, 0.999f * s.z + 1e-3f, 0.999f * s.w + 1e-3f),
+            policy, kMarked);
+    }
+  }
+}
+
+// Puts a persisting window over [base, base + bytes) on every kernel node of the graph.
+absl::Status SetWindow(cudaGraph_t graph, float* base, size_t bytes) {
+  size_t count = 0;
+  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nodes.data(), &count));
+  cudaKernelNodeAttrValue value = {};
+  value.accessPolicyWindow.base_ptr = base;
+  value.accessPolicyWindow.num_bytes = bytes;
+  value.accessPolicyWindow.hitRatio = 1.f;
+  value.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+  value.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+  for (cudaGraphNode_t node : nodes) {
+    CUDA_RETURN_IF_ERROR(cudaGraphKernelNodeSetAttribute(node, cudaKernelNodeAttributeAccessPolicyWindow, &value));
+  }
+  return absl::OkStatus();
+}
+
+// window_bytes > 0: the passes' kernels carry a persisting access-policy window over the states' first window_bytes.
+template <Pass kPass, int kPerThread = 4>
+absl::StatusOr<double> MedianTick(cudaStream_t stream, float* states, const int* slots, int n, float* sink,
+                                  size_t window_bytes = 0) {
+  const int64_t pieces = static_cast<int64_t>(n) * (kLayerFloats / 4);
+  const int blocks = static_cast<int>((pieces + kThreads * kPerThread - 1) / (kThreads * kPerThread));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int l = 0; l < kLayers; ++l) {
+    StatePassKernel<kPass, kPerThread><<<blocks, kThreads, 0, stream>>>(states, slots, n, l, sink);
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+  if (window_bytes > 0) RETURN_IF_ERROR(SetWindow(graph, states, window_bytes));
+  CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+  const absl::StatusOr<double> us = perception::MedianHeldTick(stream, kTicks, [&]() -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+    return absl::OkStatus();
+  });
+  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
+  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  return us;
+}
+
+absl::Status Probe() {
+  cudaStream_t stream;
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int device = 0, l2 = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  constexpr int kMaxSlots = 10000;
+  float *states = nullptr, *sink = nullptr;
+  int* slots = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&states, sizeof(float) * kSlotFloats * kMaxSlots));
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&sink, sizeof(float) * 65536));
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&slots, sizeof(int) * kMaxSlots));
+  std::vector<int> identity(kMaxSlots);
+  for (int i = 0; i < kMaxSlots; ++i) identity[i] = i;
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(slots, identity.data(), sizeof(int) * kMaxSlots, cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(cudaMemset(states, 0, sizeof(float) * kSlotFloats * kMaxSlots));
+  int max_persisting = 0, max_window = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&max_persisting, cudaDevAttrMaxPersistingL2CacheSize, device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize, device));
+  std::printf("L2 %d bytes (persisting at most %d, window at most %d); SSM states %d bytes a slot (%d layers)\n", l2,
+              max_persisting, max_window, kSlotFloats * 4, kLayers);
+  std::printf("%-12s %9s %20s %12s %12s %12s %22s\n", "instruments", "state MB", "read+write us (GB/s)",
+              "8 in flight", "evict-first", "read-only", "persisting window us");
+  for (int n : {256, 512, 1024, 2048, 4096, 10000}) {
+    const double mb = 1e-6 * n * kSlotFloats * 4.0;
+    ASSIGN_OR_RETURN(const double rw, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink));
+    ASSIGN_OR_RETURN(const double rw_first, MedianTick<Pass::kReadWriteEvictFirst>(stream, states, slots, n, sink));
+    ASSIGN_OR_RETURN(const double rw8, (MedianTick<Pass::kReadWrite, 8>(stream, states, slots, n, sink)));
+    ASSIGN_OR_RETURN(const double ro, MedianTick<Pass::kReadOnly>(stream, states, slots, n, sink));
+    // The window over as much of the states as may persist; the rest streams.
+    const size_t window = std::min<size_t>({static_cast<size_t>(max_persisting), static_cast<size_t>(max_window),
+                                            static_cast<size_t>(n) * kSlotFloats * 4});
+    CUDA_RETURN_IF_ERROR(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, static_cast<size_t>(max_persisting)));
+    ASSIGN_OR_RETURN(const double persisting, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink, window));
+    CUDA_RETURN_IF_ERROR(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0));
+    CUDA_RETURN_IF_ERROR(cudaCtxResetPersistingL2Cache());
+    std::printf("%-12d %9.1f %11.2f (%6.0f) %12.2f %12.2f %12.2f %12.2f (%.1f MB)\n", n, mb, rw,
+                2e-3 * mb / (rw * 1e-6), rw8, rw_first, ro, persisting, 1e-6 * window);
+  }
+  CUDA_RETURN_IF_ERROR(cudaFree(states));
+  CUDA_RETURN_IF_ERROR(cudaFree(sink));
+  CUDA_RETURN_IF_ERROR(cudaFree(slots));
+  CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main() {
+  const absl::Status status = Probe();
+  if (!status.ok()) std::fprintf(stderr, "state_traffic_probe: %s\n", status.ToString().c_str());
+  return status.ok() ? 0 : 1;
+}
