@@ -55,17 +55,22 @@ CudaStreamer::~CudaStreamer() {
     StopResident().IgnoreError();
     cudaStreamSynchronize(stream_);
   }
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   auto destroy = [](std::map<int, TickGraph>& graphs) {
     for (auto& [bucket, graph] : graphs) Destroy(graph);
   };
-  for (auto& per_staging : graphs_) destroy(per_staging);
+  for (auto& per_read : graphs_) {
+    for (auto& per_staging : per_read) destroy(per_staging);
+  }
   destroy(inline_graphs_);
   for (Staging& s : staging_) {
     if (s.copied) cudaEventDestroy(s.copied);
+    if (s.consumed) cudaEventDestroy(s.consumed);
   }
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
   if (resident_.left) cudaEventDestroy(resident_.left);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -90,11 +95,12 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
   // Live inference goes ahead of training work queued on other streams.
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest_priority));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&copy_stream_, cudaStreamNonBlocking, greatest_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_ready_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&published_copied_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_.left, cudaEventDisableTiming));
 
-  const size_t S = slots_, H = c.n_horizons, F = c.n_features;
+  const size_t S = slots_, H = c.n_horizons;
   const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
   const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
   device_.Reserve(&published_, layout_.total_size());
@@ -115,13 +121,14 @@ absl::Status CudaStreamer::Initialize() {
   device_.Reserve(&wide_.slots, S);
   device_.Reserve(&wide_.dt, S);
   device_.Reserve(&wide_.log, S);
+  const size_t staging_bytes = StagedLayout(slots_, slots_).bytes;
   for (Staging& s : staging_) {
-    pinned_.Reserve(&s.x_host, S * F);
-    pinned_.Reserve(&s.dt_host, S);
-    pinned_.Reserve(&s.slots_host, S);
-    pinned_.Reserve(&s.log_host, S);
+    pinned_.Reserve(&s.host, staging_bytes);
+    device_.Reserve(&s.device, staging_bytes);
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.consumed, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, copy_stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.consumed, stream_));
   }
   pinned_.Reserve(&resident_.ring, kResidentRing);
   pinned_.Reserve(&resident_.done, 1);
@@ -384,8 +391,9 @@ absl::Status CudaStreamer::TimeBuckets() {
     const StreamTick tick{x, dt, slots, {}};
     kernels::StreamTickInput input{};
     if (staged) {
-      RETURN_IF_ERROR(StageTick(s, tick, bucket));
-      input = StagedInput(s, bucket, /*log=*/false);
+      // Timed back to back, as ticks that queue up run: read from the device.
+      RETURN_IF_ERROR(StageTick(s, tick, bucket, StagedRead::kDevice));
+      input = StagedInput(s, bucket, /*log=*/false, StagedRead::kDevice);
     } else {
       input = InlineInput(tick, bucket, /*log=*/false);
     }
@@ -402,13 +410,13 @@ absl::Status CudaStreamer::TimeBuckets() {
       return MedianDeviceUs(launches);
     }();
     for (TickGraph& graph : graphs) Destroy(graph);
+    if (staged) RETURN_IF_ERROR(ReleaseStaging(s, StagedRead::kDevice));
     RETURN_IF_ERROR(us.status());
     const size_t fastest = std::min_element(us->begin(), us->end()) - us->begin();
     bucket_shapes_[bucket] = candidates[fastest];
     for (size_t c = 0; c < candidates.size(); ++c) start_timings_.push_back({bucket, candidates[c], (*us)[c]});
     touched = std::max(touched, bucket);
   }
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
   for (int slot = 0; slot < touched; ++slot) RETURN_IF_ERROR(ResetSlot(slot));
   return absl::OkStatus();
 }
@@ -439,16 +447,50 @@ CudaStreamer::Staging& CudaStreamer::NextStaging(int* index) {
   return staging_[*index];
 }
 
-absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int padded) {
-  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));  // the tick that last read this buffer
+CudaStreamer::StagedAt CudaStreamer::StagedLayout(int padded, int n) const {
+  const size_t P = padded, x = P * (sizeof(int64_t) + sizeof(float) + sizeof(int32_t));
+  return {.log = 0,
+          .dt = P * sizeof(int64_t),
+          .slots = P * (sizeof(int64_t) + sizeof(float)),
+          .x = x,
+          .bytes = x + static_cast<size_t>(n) * layout_.config().n_features * sizeof(float)};
+}
+
+absl::StatusOr<CudaStreamer::StagedRead> CudaStreamer::StagedReadNow() const {
+  const cudaError_t state = cudaStreamQuery(stream_);
+  if (state == cudaErrorNotReady) return StagedRead::kDevice;
+  CUDA_RETURN_IF_ERROR(state);
+  return StagedRead::kPinned;
+}
+
+absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int padded, StagedRead read) {
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.copied));
   const size_t n = tick.size();
-  std::memcpy(s.x_host, tick.x.data(), tick.x.size_bytes());
-  std::memcpy(s.dt_host, tick.dt.data(), tick.dt.size_bytes());
-  std::memcpy(s.slots_host, tick.slots.data(), tick.slots.size_bytes());
-  if (!tick.log_indices.empty()) std::memcpy(s.log_host, tick.log_indices.data(), tick.log_indices.size_bytes());
-  std::fill(s.dt_host + n, s.dt_host + padded, 0.f);
-  std::fill(s.slots_host + n, s.slots_host + padded, -1);  // padding: the kernel skips negative slots
-  std::fill(s.log_host + n, s.log_host + padded, 0);
+  const StagedAt at = StagedLayout(padded, static_cast<int>(n));
+  auto* log = reinterpret_cast<int64_t*>(s.host + at.log);
+  auto* dt = reinterpret_cast<float*>(s.host + at.dt);
+  auto* slots = reinterpret_cast<int32_t*>(s.host + at.slots);
+  std::memcpy(s.host + at.x, tick.x.data(), tick.x.size_bytes());
+  std::memcpy(dt, tick.dt.data(), tick.dt.size_bytes());
+  std::memcpy(slots, tick.slots.data(), tick.slots.size_bytes());
+  if (tick.log_indices.empty()) {
+    std::fill(log, log + n, 0);
+  } else {
+    std::memcpy(log, tick.log_indices.data(), tick.log_indices.size_bytes());
+  }
+  std::fill(dt + n, dt + padded, 0.f);
+  std::fill(slots + n, slots + padded, -1);  // padding: the kernel skips negative slots
+  std::fill(log + n, log + padded, 0);
+  if (read == StagedRead::kPinned) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_stream_, s.consumed, 0));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.device, s.host, at.bytes, cudaMemcpyHostToDevice, copy_stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, copy_stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, s.copied, 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::ReleaseStaging(Staging& s, StagedRead read) {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(read == StagedRead::kDevice ? s.consumed : s.copied, stream_));
   return absl::OkStatus();
 }
 
@@ -469,23 +511,22 @@ kernels::StreamTickInput CudaStreamer::InlineInput(const StreamTick& tick, int p
   return input;
 }
 
-kernels::StreamTickInput CudaStreamer::StagedInput(const Staging& s, int n, bool log) const {
-  // The kernel reads a staged tick straight from pinned host memory (mapped into the device's address space): copy
-  // commands would cost more than the reads.
+kernels::StreamTickInput CudaStreamer::StagedInput(const Staging& s, int padded, bool log, StagedRead read) const {
+  const StagedAt at = StagedLayout(padded, padded);
+  // Pinned memory is mapped: the kernels read it at its host address.
+  const std::byte* base = read == StagedRead::kDevice ? s.device : s.host;
   kernels::StreamTickInput input{};
-  input.n = n;
+  input.n = padded;
   input.logged = log;
-  input.x = s.x_host;
-  input.dt = s.dt_host;
-  input.slots = s.slots_host;
-  input.log_indices = s.log_host;
+  input.x = reinterpret_cast<const float*>(base + at.x);
+  input.dt = reinterpret_cast<const float*>(base + at.dt);
+  input.slots = reinterpret_cast<const int32_t*>(base + at.slots);
+  input.log_indices = reinterpret_cast<const int64_t*>(base + at.log);
   return input;
 }
 
 absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape) {
   if (shape.wide) {
-    // The embedding kernel reads a staged tick's features straight from pinned host memory, all of a tile's at once
-    // beside its slots: a copy node ahead of it cost more than those reads.
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchStreamWide(weights_, pack_, state_, wide_, input, max_shared_bytes_, sm_count_, l2_bytes_,
                                   stream_));
@@ -517,17 +558,18 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
     return absl::OkStatus();
   }
   int index = 0;
+  ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
   Staging& s = NextStaging(&index);
-  RETURN_IF_ERROR(StageTick(s, tick, bucket));
-  TickGraph& graph = graphs_[index][bucket];
-  if (!graph.exec) RETURN_IF_ERROR(Capture(StagedInput(s, bucket, /*log=*/true), ShapeFor(bucket), graph));
+  RETURN_IF_ERROR(StageTick(s, tick, bucket, read));
+  const kernels::StreamTickInput input = StagedInput(s, bucket, /*log=*/true, read);
+  TickGraph& graph = graphs_[static_cast<int>(read)][index][bucket];
+  if (!graph.exec) RETURN_IF_ERROR(Capture(input, ShapeFor(bucket), graph));
   // Pointer stability: a replay must run over exactly the buffers it was captured with.
-  if (graph.staging_x != s.x_host || graph.pack != pack_ || graph.conv_state != state_.conv) {
+  if (graph.staging_x != input.x || graph.pack != pack_ || graph.conv_state != state_.conv) {
     return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
   }
   CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
-  return absl::OkStatus();
+  return ReleaseStaging(s, read);
 }
 
 absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape) {
@@ -606,11 +648,11 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
   const int n = static_cast<int>(tick.size());
   if (Inline(n)) return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
   int index = 0;
+  ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
   Staging& s = NextStaging(&index);
-  RETURN_IF_ERROR(StageTick(s, tick, n));
-  RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, /*log=*/true), shape));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(StageTick(s, tick, n, read));
+  RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, /*log=*/true, read), shape));
+  return ReleaseStaging(s, read);
 }
 
 absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, StreamLaunchShape shape,
@@ -662,10 +704,11 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
       continue;
     }
     int index = 0;
+    ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
     Staging& s = NextStaging(&index);
-    RETURN_IF_ERROR(StageTick(s, event, 1));
-    RETURN_IF_ERROR(EnqueueTick(StagedInput(s, 1, /*log=*/false), ShapeFor(1)));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+    RETURN_IF_ERROR(StageTick(s, event, 1, read));
+    RETURN_IF_ERROR(EnqueueTick(StagedInput(s, 1, /*log=*/false, read), ShapeFor(1)));
+    RETURN_IF_ERROR(ReleaseStaging(s, read));
   }
   return absl::OkStatus();
 }

@@ -893,8 +893,8 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
   const int cfc_stage = 1 + 3 * p.L, exchanges = p.stages - 1;
   auto exchanged = [&](int si) { return R > 1 && p.stage[si].mode == kSplit; };
 
-  // A group's events: read at once, into registers, before anything else (pinned host memory costs a bus round trip
-  // per read; inline events arrive with the launch's parameters).
+  // A group's events: read at once, into registers, before anything else (inline events arrive with the launch's
+  // parameters).
   // (The resident step: from the mailbox, rank 0's copy of the ring entry.)
   uint32_t* const mail = reinterpret_cast<uint32_t*>(smem + ResidentMailFloats(p));
   uint64_t* const mail_bar = reinterpret_cast<uint64_t*>(mail + kStreamResidentWords);
@@ -1803,7 +1803,7 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   LetNextKernelLaunch();
   PrefetchL1(a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
   PrefetchL1(a.pack + p.stage[1].pack, p.stage[1].units * p.stage[1].stride);
-  // The tick's reads (pinned host memory, a bus round trip each) all issued before any of their results is used.
+  // The tick's reads all issued before any of their results is used.
   const float* tick_x = tick.x ? tick.x : tick.inline_x;
   const int e0 = first + tid;
   const bool reads_event = tid < kWideEvents && e0 < a.n;

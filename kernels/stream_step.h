@@ -37,8 +37,8 @@ struct StreamSlots {
 };
 
 // A tick of at most kStreamInlineEvents events whose raw features fit kStreamInlineFloats travels inside the launch's
-// parameters: the kernel finds it in device memory when it starts, where a tick in pinned host memory costs a bus
-// round trip before the first stage.
+// parameters: the kernel finds it in device memory when it starts, where a staged tick needs a copy first (which
+// CudaStreamer queues beside the tick before it).
 constexpr int kStreamInlineEvents = 8;
 constexpr int kStreamInlineFloats = 384;
 
@@ -92,7 +92,7 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
 // B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every
 // row summed in the cluster kernel's order (the same bits as LaunchStreamStep). Scratch holds, per event of the
 // largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position. The tick's features, slots, Δt and log
-// positions are read where `tick` points (a staged tick's straight from pinned host memory).
+// positions are read where `tick` points.
 struct StreamWideScratch {
   float *h, *bcdt, *y;
   int32_t* slots;
