@@ -456,8 +456,9 @@ CudaStreamer::StagedAt CudaStreamer::StagedLayout(int padded, int n) const {
           .bytes = x + static_cast<size_t>(n) * layout_.config().n_features * sizeof(float)};
 }
 
-absl::StatusOr<CudaStreamer::StagedRead> CudaStreamer::StagedReadNow() const {
-  const cudaError_t state = cudaStreamQuery(stream_);
+absl::StatusOr<CudaStreamer::StagedRead> CudaStreamer::StagedReadFor(const Staging& s) const {
+  if (forced_read_) return *forced_read_;
+  const cudaError_t state = cudaEventQuery(s.consumed);
   if (state == cudaErrorNotReady) return StagedRead::kDevice;
   CUDA_RETURN_IF_ERROR(state);
   return StagedRead::kPinned;
@@ -490,7 +491,8 @@ absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int pad
 }
 
 absl::Status CudaStreamer::ReleaseStaging(Staging& s, StagedRead read) {
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(read == StagedRead::kDevice ? s.consumed : s.copied, stream_));
+  if (read == StagedRead::kPinned) CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied, stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(s.consumed, stream_));
   return absl::OkStatus();
 }
 
@@ -558,8 +560,8 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
     return absl::OkStatus();
   }
   int index = 0;
-  ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
   Staging& s = NextStaging(&index);
+  ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
   RETURN_IF_ERROR(StageTick(s, tick, bucket, read));
   const kernels::StreamTickInput input = StagedInput(s, bucket, /*log=*/true, read);
   TickGraph& graph = graphs_[static_cast<int>(read)][index][bucket];
@@ -648,8 +650,8 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
   const int n = static_cast<int>(tick.size());
   if (Inline(n)) return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
   int index = 0;
-  ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
   Staging& s = NextStaging(&index);
+  ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
   RETURN_IF_ERROR(StageTick(s, tick, n, read));
   RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, /*log=*/true, read), shape));
   return ReleaseStaging(s, read);
@@ -704,8 +706,8 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
       continue;
     }
     int index = 0;
-    ASSIGN_OR_RETURN(const StagedRead read, StagedReadNow());
     Staging& s = NextStaging(&index);
+    ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
     RETURN_IF_ERROR(StageTick(s, event, 1, read));
     RETURN_IF_ERROR(EnqueueTick(StagedInput(s, 1, /*log=*/false, read), ShapeFor(1)));
     RETURN_IF_ERROR(ReleaseStaging(s, read));

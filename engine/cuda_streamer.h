@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -79,13 +80,22 @@ class CudaStreamer {
   // forward_step_into: replays the CUDA graph captured for the tick's bucket (ticks are padded to the next power of
   // two of events, up to the slot count; a bucket is captured on first use). A tick of up to 8 events travels in the
   // launch's parameters (the graph's kernel node is updated); a larger one is staged in pinned memory, which its
-  // kernels read in place when the stream is idle, or from a device copy made on a stream of its own beside the ticks
-  // still queued (StagedRead). Nothing waits for the device, except, rarely, for the staged tick two before this one,
+  // kernels read in place, or, while ticks queue up, from a device copy made on a stream of its own beside the tick
+  // ahead (StagedRead). Nothing waits for the device, except, rarely, for the staged tick two before this one,
   // whose pinned buffer is about to be reused. With graphs off, the same work is enqueued eagerly.
   absl::Status Step(const StreamTick& tick);
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
+  // Where a staged tick's kernels read it: in place in pinned memory (a bus round trip in their first stage), or from
+  // its copy in device memory, made on a copy stream beside the ticks queued ahead, so that the tick starts without
+  // the bus. The copy pays only where a whole tick runs while it is made (bench/RESULTS.md, the twentieth session):
+  // with ticks queued back to back (small, H200) 1,024 events took 117.6 -> 109.1 µs and 16 events 29.0 -> 22.3,
+  // but a lone tick of 1,024 that waited for its copy 132 -> 142 µs end to end, and copying whenever the stream was
+  // busy slowed the daemon's gRPC streams. By default a tick is copied while the staged tick two before it is still
+  // queued or running (StagedReadFor); tests may force either read.
+  enum class StagedRead { kPinned, kDevice };
+  void force_staged_read(std::optional<StagedRead> read) { forced_read_ = read; }
 
   // The resident step (kernels/stream_step.h): with graphs on, where the model has one (small's lone-event plan) and
   // unless switched off, a tick of one event is posted into a ring in pinned memory that one cluster, launched on
@@ -146,16 +156,11 @@ class CudaStreamer {
     std::byte* host = nullptr;  // pinned
     std::byte* device = nullptr;
     cudaEvent_t copied = nullptr;    // `host` has been read (by the copy, or by the tick that read it in place)
-    cudaEvent_t consumed = nullptr;  // on stream_: the last tick that read `device` has finished
+    cudaEvent_t consumed = nullptr;  // on stream_: the last tick staged here has finished
   };
-  // Where a staged tick's kernels read it: in place in pinned memory (a bus round trip in their first stage; the least
-  // latency for a tick that finds the device idle), or from its copy in device memory, made on copy_stream_ beside
-  // the ticks still queued, so that the tick starts without the bus (measured on the H200, small, ticks back to
-  // back: 1,024 events 118.5 -> 109.2 µs, 16 events 29.1 -> 21.9; a lone tick of 1,024 that waits for its copy 132
-  // -> 142 µs end to end).
-  enum class StagedRead { kPinned, kDevice };
-  // kDevice while stream_ has work queued, kPinned once it is idle.
-  absl::StatusOr<StagedRead> StagedReadNow() const;
+  // The forced read, else kDevice while the tick last staged in `s` (two staged ticks back) has not finished, so that
+  // a whole tick runs while the copy is made, else kPinned.
+  absl::StatusOr<StagedRead> StagedReadFor(const Staging& s) const;
   // Where a staged tick of `padded` events keeps its parts within a staging buffer (bytes from its start): the log
   // positions, Δt, slots, then the features, whose `n` real events end the bytes a copy moves.
   struct StagedAt {
@@ -244,6 +249,7 @@ class CudaStreamer {
   std::array<Staging, 2> staging_{};
   int next_staging_ = 0;
   bool use_graphs_ = true;
+  std::optional<StagedRead> forced_read_;
   // Staged ticks: per StagedRead, per staging buffer, by bucket.
   std::array<std::array<std::map<int, TickGraph>, 2>, 2> graphs_;
   std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
