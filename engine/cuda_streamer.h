@@ -203,7 +203,7 @@ class CudaStreamer {
   kernels::StreamTickInput InlineInput(const StreamTick& tick, int padded, bool log) const;
   Staging& NextStaging(int* index);
   // Waits until `s`'s pinned buffer is free, writes the tick into it padded to `padded` events and, to be read on the
-  // device, queues its copy on copy_stream_ behind the last tick that read `s`'s device buffer; stream_ waits for it.
+  // device, queues its copy on copy_stream_ behind the end of the tick last staged in `s`; stream_ waits for it.
   absl::Status StageTick(Staging& s, const StreamTick& tick, int padded, StagedRead read);
   // After the tick that reads `s` is queued on stream_: marks the buffer it reads free once that tick is done.
   absl::Status ReleaseStaging(Staging& s, StagedRead read);
