@@ -474,14 +474,10 @@ absl::Status CudaStreamer::StageTick(Staging& s, const StreamTick& tick, int pad
   std::memcpy(s.host + at.x, tick.x.data(), tick.x.size_bytes());
   std::memcpy(dt, tick.dt.data(), tick.dt.size_bytes());
   std::memcpy(slots, tick.slots.data(), tick.slots.size_bytes());
-  if (tick.log_indices.empty()) {
-    std::fill(log, log + n, 0);
-  } else {
-    std::memcpy(log, tick.log_indices.data(), tick.log_indices.size_bytes());
-  }
+  if (!tick.log_indices.empty()) std::memcpy(log, tick.log_indices.data(), tick.log_indices.size_bytes());
   std::fill(dt + n, dt + padded, 0.f);
   std::fill(slots + n, slots + padded, -1);  // padding: the kernel skips negative slots
-  std::fill(log + n, log + padded, 0);
+  std::fill(log + tick.log_indices.size(), log + padded, 0);  // (none given: all 0)
   if (read == StagedRead::kPinned) return absl::OkStatus();
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_stream_, s.consumed, 0));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.device, s.host, at.bytes, cudaMemcpyHostToDevice, copy_stream_));
@@ -649,11 +645,16 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
   }
   const int n = static_cast<int>(tick.size());
   if (Inline(n)) return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
+  return EnqueueStagedTick(tick, /*log=*/true, shape);
+}
+
+absl::Status CudaStreamer::EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape) {
+  const int n = static_cast<int>(tick.size());
   int index = 0;
   Staging& s = NextStaging(&index);
   ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
   RETURN_IF_ERROR(StageTick(s, tick, n, read));
-  RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, /*log=*/true, read), shape));
+  RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, log, read), shape));
   return ReleaseStaging(s, read);
 }
 
@@ -705,12 +706,7 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
       RETURN_IF_ERROR(EnqueueTick(InlineInput(event, 1, /*log=*/false), ShapeFor(1)));
       continue;
     }
-    int index = 0;
-    Staging& s = NextStaging(&index);
-    ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
-    RETURN_IF_ERROR(StageTick(s, event, 1, read));
-    RETURN_IF_ERROR(EnqueueTick(StagedInput(s, 1, /*log=*/false, read), ShapeFor(1)));
-    RETURN_IF_ERROR(ReleaseStaging(s, read));
+    RETURN_IF_ERROR(EnqueueStagedTick(event, /*log=*/false, ShapeFor(1)));
   }
   return absl::OkStatus();
 }

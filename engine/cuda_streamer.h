@@ -213,6 +213,8 @@ class CudaStreamer {
   // afterwards, outside any graph capture.)
   absl::Status EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape);
   absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
+  // A staged tick of its own size, its step kernel enqueued eagerly with `shape` (StepEagerly, SeedSlot).
+  absl::Status EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape);
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
