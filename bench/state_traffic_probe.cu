@@ -7,8 +7,8 @@
 // tick size.
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
@@ -16,6 +16,7 @@
 #include "bench/held_ticks.cuh"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
+#include "kernels/common.cuh"
 
 namespace {
 
@@ -27,11 +28,6 @@ constexpr int kTicks = 300;
 
 enum class Pass { kReadWrite, kReadWriteEvictFirst, kReadOnly };
 
-__device__ __forceinline__ uint64_t EvictFirst() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
 __device__ __forceinline__ float4 Load(const float4* p, uint64_t policy, bool marked) {
   float4 v;
   if (marked) {
@@ -45,9 +41,7 @@ __device__ __forceinline__ float4 Load(const float4* p, uint64_t policy, bool ma
 }
 __device__ __forceinline__ void Store(float4* p, float4 v, uint64_t policy, bool marked) {
   if (marked) {
-    asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z),
-                 "f"(v.w), "l"(policy)
-                 : "memory");
+    perception::kernels::Store16(reinterpret_cast<float*>(p), v, policy);
   } else {
     *p = v;
   }
@@ -60,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const
                                                             float* sink) {
   constexpr int kPieces = kLayerFloats / 4;
   constexpr bool kMarked = kPass == Pass::kReadWriteEvictFirst;
-  const uint64_t policy = kMarked ? EvictFirst() : 0;
+  const uint64_t policy = kMarked ? perception::kernels::EvictFirstPolicy() : 0;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
   float4 v[kPerThread];
   float4* at[kPerThread];

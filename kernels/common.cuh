@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <utility>
 
 namespace perception::kernels {
@@ -103,6 +104,19 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   const cudaError_t last = cudaGetLastError();
   return launched != cudaSuccess ? launched : last;
+}
+
+// An L2 policy that marks the lines an access touches first to be evicted (data streamed through once a pass, such as
+// the streaming tick's SSM states where they outgrow the L2), and a 16-byte store under a policy.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void Store16(float* dst, float4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w), "l"(policy)
+               : "memory");
 }
 
 // Raises a kernel's dynamic shared-memory limit when it needs more than the default 48 KB.

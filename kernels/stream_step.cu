@@ -455,20 +455,10 @@ __device__ __forceinline__ void CopyAsync4(float* dst, const float* src) {
 __device__ __forceinline__ void CopyAsync16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
 }
-// An L2 policy that marks the lines an access touches first to be evicted, and 16-byte copies and stores under it.
-__device__ __forceinline__ uint64_t EvictFirstPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
+// A 16-byte copy under an L2 policy (EvictFirstPolicy, kernels/common.cuh).
 __device__ __forceinline__ void CopyAsync16(float* dst, const float* src, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(SharedAddress(dst)), "l"(src),
                "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void Store16(float* dst, float4 v, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
-               "f"(v.w), "l"(policy)
                : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
