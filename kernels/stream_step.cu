@@ -1668,6 +1668,61 @@ __device__ __forceinline__ void TileRowSums(float (&out)[R][M], const float* wu,
   }
 }
 
+// A row unit's M outputs' weights held in registers, the lane's float4 of each of kSteps steps (zeros past in_pad):
+// loaded when a kernel starts, their round trip to L2 runs under its other copies instead of inside its product.
+template <int kSteps, int M>
+struct HeldRow {
+  float4 w[kSteps][M];
+};
+template <int kSteps, int M>
+__device__ __forceinline__ HeldRow<kSteps, M> LoadHeldRow(const float* wu, int in_pad, int lane, bool active) {
+  HeldRow<kSteps, M> row;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int i = lane * 4 + k * 4 * kLanesPerRow;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      row.w[k][m] = active && i < in_pad ? *reinterpret_cast<const float4*>(wu + m * in_pad + i)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  return row;
+}
+// TileRowSums of one row unit (R = 1) from its held weights (in_pad ≤ kSteps·32): the same sums in the same order,
+// so the same bits; the tile's inputs are read an event at a time, which leaves registers for the weights.
+template <int kSteps, int M>
+__device__ __forceinline__ void HeldRowSums(float (&out)[M], const HeldRow<kSteps, M>& row, const float* in,
+                                            int in_pad, int per_event, const float* rstd, int lane, bool active) {
+  float v[M][kWideEvents];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) v[m][e] = 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int i = lane * 4 + k * 4 * kLanesPerRow;
+    if (!active || i >= in_pad) continue;
+#pragma unroll
+    for (int e = 0; e < kWideEvents; ++e) {
+      const float4 x = *reinterpret_cast<const float4*>(in + e * per_event + i);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4 w = row.w[k][m];
+        v[m][e] += w.x * x.x;
+        v[m][e] += w.y * x.y;
+        v[m][e] += w.z * x.z;
+        v[m][e] += w.w * x.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    out[m] = LaneRowSum(v[m], lane);
+    if (rstd && active) out[m] *= rstd[lane * per_event];
+  }
+}
+
 // Rows [u0, u1) of stage s (row u0's weights at `rows`) for the tile whose inputs are at in + e·per_event (1/rms at
 // rstd + e·per_event when given), R consecutive rows a row group, kSteps steps in flight (TileRowParts, kBatched);
 // `epilogue(u, acc, params, e, active)` receives lane e's sums of row u for event e, and every row group calls it
@@ -1899,9 +1954,14 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
 // else 0 (4-byte pieces). Four blocks an SM (64 registers), as many as `small`'s shared memory allows. kBatched (long
 // rows): the weights of two steps of the row sums loaded at once. kEvictFirst (kN > 0): the states' loads and stores
-// marked first out of L2 (WideStatesEvictFirst).
-template <int kN, bool kBatched, bool kEvictFirst = false>
-__global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_constant__ WideArgs a, int l) {
+// marked first out of L2 (WideStatesEvictFirst). kWeightsAhead (kN > 0, rows of at most kHeldInputs inputs): the row's
+// z/x weights loaded into registers first, before the states (WideWeightsAhead).
+constexpr int kSsmBlocksPerSm = 4;
+constexpr int kHeldSteps = 4, kHeldInputs = kHeldSteps * 4 * kLanesPerRow;
+template <int kN, bool kBatched, bool kEvictFirst = false, bool kWeightsAhead = false>
+__global__ void __launch_bounds__(kStreamThreads, kSsmBlocksPerSm) WideSsmKernel(const __grid_constant__ WideArgs a,
+                                                                                 int l) {
+  static_assert(!kWeightsAhead || (kN > 0 && !kBatched), "held weights: the one-step row sums of compiled d_state");
   extern __shared__ __align__(16) float smem[];
   __shared__ int slot_s[kSsmEvents];
   const StreamPlan& p = a.p;
@@ -1919,7 +1979,13 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
   float* h = smem + o.ssm_h;
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
-  PrefetchL1(rows, (u1 - u0) * s.stride);
+  [[maybe_unused]] HeldRow<kHeldSteps, 2> held;
+  if constexpr (kWeightsAhead) {
+    held = LoadHeldRow<kHeldSteps, 2>(rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride, s.in_pad, lane,
+                                      active);
+  } else {
+    PrefetchL1(rows, (u1 - u0) * s.stride);
+  }
   const int ssm_per_slot = p.L * E * N;
   // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
   // consecutive rows of an event at a time (one contiguous run in global memory).
@@ -1977,7 +2043,11 @@ __global__ void __launch_bounds__(kStreamThreads, 4) WideSsmKernel(const __grid_
   NormScales<kSsmEvents>(h, pe_h, 0, p.D, D4, D4);
   const float* wu = rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride;
   float zx[1][2];
-  TileRowSums<2, 1, kBatched ? 2 : 1, kBatched>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
+  if constexpr (kWeightsAhead) {
+    HeldRowSums<kHeldSteps, 2>(zx[0], held, h, s.in_pad, pe_h, h + D4, lane, active);
+  } else {
+    TileRowSums<2, 1, kBatched ? 2 : 1, kBatched>(zx, wu, 0, h, s.in_pad, pe_h, h + D4, lane, active);
+  }
   const float* prm = wu + 2 * s.in_pad;
   const float* shared = a.pack + p.shared_pack;
   const int head = active ? u / p.P : 0;
@@ -2280,6 +2350,15 @@ bool WideStatesEvictFirst(const StreamPlan& p, int n, size_t l2_bytes) {
   return n <= kWideEvictFirstMaxEvents && state_bytes > l2_bytes;
 }
 
+// Whether a wide tick's SSM kernel (small's d_state of 32, rows of at most kHeldInputs inputs) loads its z/x weights
+// into registers before its states: where its blocks outnumber one wave of the device. Measured on the H200
+// (graph-launched small ticks back to back, alternating with the L1 prefetch): held at every size (`s21d`), 256 and
+// 512 instruments (one wave) took 0.2–0.7 µs more; held past one wave (`s21e`), 1,024 109.4–109.9 → 105.0–105.2 µs,
+// 2,048 215.5–216.7 → 199.2–200.0, 10,000 969.9–970.7 → 895.2–896.4.
+bool WideWeightsAhead(const StreamPlan& p, int ssm_blocks, int sm_count) {
+  return p.N == 32 && Align4(p.D) <= kHeldInputs && ssm_blocks > kSsmBlocksPerSm * sm_count;
+}
+
 }  // namespace
 
 size_t StreamPackSize(const StreamWeights& w) { return Supported(w) ? MakePackPlan(w).pack_size : 0; }
@@ -2301,6 +2380,8 @@ cudaError_t PrepareStreamStep(size_t max_shared_bytes) {
         PrepareWide(WideSsmKernel<0, false>, max_shared_bytes), PrepareWide(WideSsmKernel<32, false>, max_shared_bytes),
         PrepareWide(WideSsmKernel<64, false>, max_shared_bytes), PrepareWide(WideSsmKernel<64, true>, max_shared_bytes),
         PrepareWide(WideSsmKernel<32, false, true>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<32, false, true, true>, max_shared_bytes),
+        PrepareWide(WideSsmKernel<32, false, false, true>, max_shared_bytes),
         PrepareWide(WideSsmKernel<64, false, true>, max_shared_bytes),
         PrepareWide(WideSsmKernel<64, true, true>, max_shared_bytes),
         PrepareWide(WideOutKernel<1, false>, max_shared_bytes), PrepareWide(WideOutKernel<1, true>, max_shared_bytes),
@@ -2331,7 +2412,11 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   const bool states_aligned = reinterpret_cast<uintptr_t>(slots.ssm) % 16 == 0;
   const bool long_rows = p.D >= kWideLongRows;  // then the batched weight loads (kWideSteps)
   const bool evict_first = WideStatesEvictFirst(p, tick.n, l2_bytes);
+  const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
+  const bool weights_ahead = WideWeightsAhead(p, ssm_blocks, sm_count);
   void (*ssm_kernel)(WideArgs, int) = !states_aligned ? WideSsmKernel<0, false>
+                                      : weights_ahead ? (evict_first ? WideSsmKernel<32, false, true, true>
+                                                                     : WideSsmKernel<32, false, false, true>)
                                       : p.N == 32     ? (evict_first ? WideSsmKernel<32, false, true>
                                                                      : WideSsmKernel<32, false>)
                                       : p.N != 64     ? WideSsmKernel<0, false>
@@ -2345,7 +2430,6 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
   void (*out_kernel)(WideArgs, int) = !one_wave  ? WideOutKernel<2, false>
                                       : long_rows ? WideOutKernel<1, true>
                                                   : WideOutKernel<1, false>;
-  const int ssm_blocks = tiles * CeilDiv(p.E, kRowGroups);  // a block a tile's row block
   // The first kernel waits for everything queued before it; each later one may launch under the one ahead.
   cudaError_t error =
       LaunchKernel(embed_kernel, dim3(tiles), kWideThreads, bytes(o.embed), stream, false, a, tick);

@@ -301,8 +301,8 @@ TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
 TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsBits) {
   SKIP_WITHOUT_CUDA_DEVICE();
   // Ticks of 1,100 to 1,200 events (more tiles of 8 than the H200's 132 multiprocessors: the per-tile kernels at two
-  // blocks an SM) on the wide path through graphs, and on single-block clusters of 8-event groups: the same bits,
-  // and the CPU's results.
+  // blocks an SM; for small, more SSM blocks than one wave, which hold their z/x weights in registers) on the wide
+  // path through graphs, and on single-block clusters of 8-event groups: the same bits, and the CPU's results.
   constexpr int kSlots = 1200;
   StreamStepParity cluster(GetParam(), kSlots, 4), wide(GetParam(), kSlots, 4);
   ASSERT_TRUE(wide.streamer().ShapeFor(kSlots).wide);
