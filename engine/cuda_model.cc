@@ -162,6 +162,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
+  tf32_scan_ = options.precision == Precision::kTf32;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
   plane_floats_ = Blas::UsesTf32x3Kernels(options.precision, properties) ? (layout_.total_size() + 3) / 4 * 4 : 0;
@@ -658,7 +659,7 @@ kernels::SsmInput CudaModel::SsmInputOf(int l, int batch, int window, const floa
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   return {batch, window, d.Hh, d.P, d.N, layers_[l].xbc, d.cd, layers_[l].zx + d.E + d.cd, d.zd,
-          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in};
+          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in, tf32_scan_};
 }
 
 kernels::CfcWeights CudaModel::CfcWeightsOf() const {

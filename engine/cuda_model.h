@@ -336,6 +336,8 @@ class CudaModel {
   // weights' batch keeps its stride. planes_of_ by tensor index; split_jobs_ the device table of the split.
   float* weight_planes_ = nullptr;
   size_t plane_floats_ = 0;
+  // The `tf32` precision: the scan's tensor-core products in plain TF32 too (SsmInputOf).
+  bool tf32_scan_ = false;
   std::vector<kernels::Tf32x3Planes> planes_of_;
   // Where stacked_head_: the transposed planes of the stacks [W_gate; W_value] and [W_skip; W_fc2] (planes-only
   // Tf32x3Planes, [in, 2G]), in weight_planes_ past the four planes; those four weights' own transposed planes point

@@ -4,8 +4,8 @@
 // a_t, so float32 holds it for any decay; longer windows run it chunk by chunk from the last, with the states at the
 // chunk boundaries computed first and the adjoint of each chunk's start state handed to the chunk before.
 // Training's windows (up to kTile steps from a zero state, headdim ≤ 64) form the same products on the tensor cores
-// instead, as float32-accurate 3×TF32 products (SsmMma*Kernel): on the FMA pipes the instruction issue, not the
-// arithmetic, bounded them.
+// instead, as float32-accurate 3×TF32 products (SsmMma*Kernel), or in plain TF32 under the `tf32` precision
+// (SsmInput::tf32_products): on the FMA pipes the instruction issue, not the arithmetic, bounded them.
 //
 // The forward of longer windows (evaluation and `large`) is the recurrence: one thread per row p of the head's state
 // s[p, 0..N), which it keeps in registers; B, C, dt and the decay of the next steps are staged in shared memory.
@@ -683,8 +683,9 @@ struct MmaOperand {
 
 // One k-step of 8 for the 16×8 tiles q: big[q] += A_big·B_big, small[q] += A_big·B_small + A_small·B_big, from this
 // lane's float32 fragments a and b[q]. The tensor cores truncate their running sum at every mma, so big·big has its
-// own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles.
-template <int kTiles>
+// own accumulator and the cross terms, 2⁻¹¹ of it, another; consecutive mma go to different tiles. kPlainTf32 (the
+// `tf32` precision): big·big alone, the operands rounded to TF32, small untouched.
+template <bool kPlainTf32, int kTiles>
 __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[kTiles][2], float (&big)[kTiles][4],
                                           float (&small)[kTiles][4]) {
   uint32_t ab[4], as[4], bb[kTiles][2], bs[kTiles][2];
@@ -705,16 +706,18 @@ __device__ __forceinline__ void Mma3xTf32(const float (&a)[4], const float (&b)[
   }
 #pragma unroll
   for (int q = 0; q < kTiles; ++q) MmaTf32(big[q], ab, bb[q]);
+  if constexpr (!kPlainTf32) {
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], ab, bs[q]);
+    for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], ab, bs[q]);
 #pragma unroll
-  for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
+    for (int q = 0; q < kTiles; ++q) MmaTf32(small[q], as, bb[q]);
+  }
 }
 
 // big[q] + small[q] += Σ_{k0 ≤ k < k1} A(m0 + row, k)·B[k][n0 + q·kNStep + col]: this lane's fragment of 16×8 tile q
 // (k1 − k0 a multiple of 8), B a [depth][kLdB] array staged by StageSwizzled. Every tile is formed: B's columns past
 // those staged read zeros, and their tiles are not stored.
-template <int kTiles, int kNStep, int kLdB, int kRa, int kKa>
+template <bool kPlainTf32, int kTiles, int kNStep, int kLdB, int kRa, int kKa>
 __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, const float* B, int n0, int k0, int k1,
                                          float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
@@ -732,7 +735,7 @@ __device__ __forceinline__ void MmaStrip(MmaOperand<kRa, kKa> a, int m0, const f
       bv[q][0] = pb[nb[q]];
       bv[q][1] = pb[nb[q] + 4 * kLdB];
     }
-    Mma3xTf32(av, bv, big, small);
+    Mma3xTf32<kPlainTf32>(av, bv, big, small);
   }
 }
 
@@ -745,7 +748,7 @@ __device__ __forceinline__ float Component(const float4& v, int i) {
 // staged by StageSwizzled (depth a multiple of 16, m0 and n0 multiples of 8): a lane loads 4 consecutive depths of a
 // row with one conflict-free 16-byte load and hands them to two k-steps, as the mma's depth order is free when A and
 // B share it.
-template <int kTiles, int kLdA, int kLdB>
+template <bool kPlainTf32, int kTiles, int kLdA, int kLdB>
 __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B, int n0, int depth,
                                           float (&big)[kTiles][4], float (&small)[kTiles][4]) {
   Zero(big);
@@ -773,7 +776,7 @@ __device__ __forceinline__ void GramStrip(const float* A, int m0, const float* B
         b[q][0] = Component(bq[q], 2 * step);
         b[q][1] = Component(bq[q], 2 * step + 1);
       }
-      Mma3xTf32(a, b, big, small);
+      Mma3xTf32<kPlainTf32>(a, b, big, small);
     }
   }
 }
@@ -859,7 +862,7 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
   }
 }
 
-template <int kNc>
+template <int kNc, bool kPlainTf32>
 __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
@@ -896,7 +899,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
     for (int strip = first; strip < last; ++strip) {
       const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
       float big[2][4], small[2][4];
-      GramStrip<2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
+      GramStrip<kPlainTf32, 2, sn, sn>(sc, 16 * i, sb, 16 * cp, lay.nc, big, small);
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
 #pragma unroll
@@ -915,7 +918,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
     if (strip >= kLowerStrips) break;
     const int i = StripRowBlock(strip), cp = StripColumnBlock(strip, i);
     float big[2][4], small[2][4];
-    GramStrip<2, sp, sp>(sdy, 16 * i, sx, 16 * cp, lay.pc, big, small);
+    GramStrip<kPlainTf32, 2, sp, sp>(sdy, 16 * i, sx, 16 * cp, lay.pc, big, small);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
 #pragma unroll
@@ -1010,11 +1013,11 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
       };
       Zero(big);
       Zero(small);
-      MmaStrip<4, 8, sn>(MmaOperand<sq, 1>{sm1}, 16 * i, sb, col0, 0, 16 * (i + 1), big, small);
+      MmaStrip<kPlainTf32, 4, 8, sn>(MmaOperand<sq, 1>{sm1}, 16 * i, sb, col0, 0, 16 * (i + 1), big, small);
       store(N);
       Zero(big);
       Zero(small);
-      MmaStrip<4, 8, sn>(MmaOperand<1, sq>{sm1}, 16 * i, sc, col0, 16 * i, kTile, big, small);
+      MmaStrip<kPlainTf32, 4, 8, sn>(MmaOperand<1, sq>{sm1}, 16 * i, sc, col0, 16 * i, kTile, big, small);
       store(0);
     } else {
       const int pair = (unit - dbc_units) % 2, col0 = 32 * ((unit - dbc_units) / 2);
@@ -1023,7 +1026,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
         const int i = pass == 0 ? pair : kTimeBlocks - 1 - pair;
         Zero(big);
         Zero(small);
-        MmaStrip<4, 8, sp>(MmaOperand<1, sq2>{sm2}, 16 * i, sdy, col0, 16 * i, kTile, big, small);
+        MmaStrip<kPlainTf32, 4, 8, sp>(MmaOperand<1, sq2>{sm2}, 16 * i, sdy, col0, 16 * i, kTile, big, small);
         StoreStrip(dxs, E, tiles, 16 * i, T, col0, 8, P, dxs_pairs, big, small,
                    [&](int j, int p, float dxb) { return sdy[j * sp + Swizzled(j, p)] * Dh + dxb * vdt[j]; });
       }
@@ -1033,7 +1036,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
 // y = M·x + D·x.
-template <int kNc>
+template <int kNc, bool kPlainTf32>
 __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
   WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
   LetNextKernelLaunch();
@@ -1061,7 +1064,7 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   // M on kTiles 16×8 tiles of row block i from column c0.
   auto form = [&]<int kTiles>(int i, int c0) {
     float big[kTiles][4], small[kTiles][4];
-    GramStrip<kTiles, sn, sn>(sc, 16 * i, sb, c0, lay.nc, big, small);
+    GramStrip<kPlainTf32, kTiles, sn, sn>(sc, 16 * i, sb, c0, lay.nc, big, small);
     const FragmentDecays<kTiles> decay(cs, 16 * i, c0);
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
@@ -1087,7 +1090,7 @@ __global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput 
   RowBlockPasses(
       lay.pc, T, P, y + row0 * E + h * P, E,
       [&](int i, int q, float (&big)[2][4], float (&small)[2][4]) {
-        MmaStrip<2, 8, sp>(MmaOperand<sq, 1>{sm}, 16 * i, sx, 16 * q, 0, 16 * (i + 1), big, small);
+        MmaStrip<kPlainTf32, 2, 8, sp>(MmaOperand<sq, 1>{sm}, 16 * i, sx, 16 * q, 0, 16 * (i + 1), big, small);
       },
       [&](int k, int p, float mx) { return fmaf(Dh, sx[k * sp + Swizzled(k, p)], mx); });
 }
@@ -1303,9 +1306,9 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
-      if (const cudaError_t e = AllowSharedMemory(SsmMmaForwardKernel<kNc>, bytes); e != cudaSuccess) return e;
-      return LaunchKernel(SsmMmaForwardKernel<kNc>, dim3(in.heads, in.batch), kTileThreads, bytes, stream,
-                          programmatic, in, y);
+      auto* kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true> : SsmMmaForwardKernel<kNc, false>;
+      if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
+      return LaunchKernel(kernel, dim3(in.heads, in.batch), kTileThreads, bytes, stream, programmatic, in, y);
     });
   }
   if (FitsTile(in)) {
@@ -1324,8 +1327,9 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
-      if (const cudaError_t e = AllowSharedMemory(SsmMmaBackwardKernel<kNc>, bytes); e != cudaSuccess) return e;
-      SsmMmaBackwardKernel<kNc><<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
+      auto* kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true> : SsmMmaBackwardKernel<kNc, false>;
+      if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
+      kernel<<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
       return cudaGetLastError();
     });
   }

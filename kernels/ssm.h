@@ -24,6 +24,9 @@ struct SsmInput {
   const float* a_log = nullptr;     // [heads]
   const float* d_skip = nullptr;    // [heads], MODEL.md's D
   const float* state_in = nullptr;  // [batch, heads, headdim, d_state], or null for a zero state
+  // Training windows' tensor-core products in plain TF32 (one mma, the `tf32` precision's rounding) instead of
+  // float32-accurate 3×TF32.
+  bool tf32_products = false;
 };
 
 // y [rows, E] dense; `state_out` (may be null) receives the final state, laid out as state_in. `programmatic`: launched

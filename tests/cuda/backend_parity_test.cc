@@ -208,8 +208,9 @@ TEST_P(CudaParity, EvaluateRunsBatchesLargerThanTheConfiguredOne) {
             kLogitsTolerance);
 }
 
-// TF32 rounds every cuBLAS product's inputs to a 10-bit mantissa (unit roundoff 2^-11 ≈ 4.9e-4); through ~a dozen
-// chained products, norms and the recurrences that compounds to about 1e-3 on logits and a few 1e-3 on gradients.
+// TF32 rounds every cuBLAS product's inputs, and the training scan's tensor-core products', to a 10-bit mantissa (unit
+// roundoff 2^-11 ≈ 4.9e-4); through ~a dozen chained products, norms and the recurrences that compounds to about 1e-3
+// on logits and a few 1e-3 on gradients.
 // Held to 5e-3 (logits, loss) and 3e-2 (each gradient tensor): tight enough to catch a wrong product, loose enough
 // for the format. The measured errors are printed.
 TEST(CudaParityTf32, SmallStaysWithinTheTf32Tolerance) {
