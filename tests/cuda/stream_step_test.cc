@@ -33,6 +33,18 @@ ModelConfig TestConfig(const std::string& name) {
   return config;
 }
 
+// Shuffles slots in place (Fisher–Yates), so that the order of a tick's slots differs from the order of its events.
+void Shuffle(std::vector<int32_t>& slots, Rng& rng) {
+  for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+}
+// Slots 0 … n − 1, shuffled.
+std::vector<int32_t> ShuffledSlots(int n, Rng& rng) {
+  std::vector<int32_t> slots(n);
+  for (int s = 0; s < n; ++s) slots[s] = s;
+  Shuffle(slots, rng);
+  return slots;
+}
+
 // Runs the same ticks through CpuReference::Step (one state per slot) and the CUDA streamer, and compares every
 // event's probabilities and conviction.
 class StreamStepParity {
@@ -257,7 +269,7 @@ TEST_P(StreamStepTest, TheWidePathGivesTheClusterKernelsBits) {
     for (int s = 0; s < 40; ++s) {
       if (rng.Uniform() < 0.25 + 0.07 * round) slots.push_back(s);
     }
-    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    Shuffle(slots, rng);
     if (slots.size() < 9) slots = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11};
     ++seed;
     cluster.Tick(slots, seed, cluster_shape);
@@ -288,9 +300,7 @@ TEST_P(StreamStepTest, WideTicksInGraphsMatchTheCpuStepPath) {
   Rng rng(4);
   uint64_t seed = 900;
   for (int round = 0; round < 5; ++round) {
-    std::vector<int32_t> slots(slots_total);
-    for (int s = 0; s < slots_total; ++s) slots[s] = s;
-    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    std::vector<int32_t> slots = ShuffledSlots(slots_total, rng);
     slots.resize(wide_from + 1 + rng.Below(slots_total - wide_from));
     parity.Tick(slots, ++seed);
     parity.Tick({20}, ++seed);
@@ -308,9 +318,7 @@ TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsB
   ASSERT_TRUE(wide.streamer().ShapeFor(kSlots).wide);
   Rng rng(11);
   for (int tick = 0; tick < 3; ++tick) {
-    std::vector<int32_t> slots(kSlots);
-    for (int s = 0; s < kSlots; ++s) slots[s] = s;
-    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    std::vector<int32_t> slots = ShuffledSlots(kSlots, rng);
     slots.resize(1100 + rng.Below(101));
     cluster.Tick(slots, 40 + tick, StreamLaunchShape{8, 1});
     wide.Tick(slots, 40 + tick);
@@ -388,8 +396,7 @@ TEST(StreamStepManyTest, AThousandInstrumentsInterleavedWithoutCrossTalkOrAlloca
     for (int s = 0; s < 1000; ++s) {
       if (rng.Uniform() < 0.7) slots.push_back(s);
     }
-    // Shuffle so slot order and instrument order differ.
-    for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+    Shuffle(slots, rng);
     events += static_cast<int64_t>(slots.size());
     parity.Tick(slots, ++seed);
   }
@@ -679,9 +686,7 @@ void ExpectStagedReadsMatchTheCpu(const std::string& config, const std::vector<i
       parity.streamer().set_use_graphs(graphs);
       ASSERT_EQ(cudaLaunchHostFunc(parity.streamer().stream(), hold, nullptr), cudaSuccess);
       for (int n : tick_sizes) {
-        std::vector<int32_t> slots(300);
-        for (int s = 0; s < 300; ++s) slots[s] = s;
-        for (size_t i = slots.size(); i > 1; --i) std::swap(slots[i - 1], slots[rng.Below(i)]);
+        std::vector<int32_t> slots = ShuffledSlots(300, rng);
         slots.resize(n);
         parity.Tick(slots, ++seed);
       }
