@@ -1979,6 +1979,8 @@ __global__ void __launch_bounds__(kStreamThreads, kSsmBlocksPerSm) WideSsmKernel
   float* h = smem + o.ssm_h;
   float* bc_tile = smem + o.ssm_bc;
   const float* rows = a.pack + s.pack + static_cast<size_t>(u0) * s.stride;
+  // (The row's address is worked out again for the product below: kept live across the state copies, it made the
+  // held-weights kernels spill.)
   [[maybe_unused]] HeldRow<kHeldSteps, 2> held;
   if constexpr (kWeightsAhead) {
     held = LoadHeldRow<kHeldSteps, 2>(rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride, s.in_pad, lane,
