@@ -614,16 +614,19 @@ __device__ __forceinline__ void LoadInputs(float4 (&x)[EG], const float* in, int
 #pragma unroll
   for (int e = 0; e < EG; ++e) x[e] = *reinterpret_cast<const float4*>(in + e * per_event + i);
 }
+// One event's product of one output's weights wv with inputs x, added to v in order: every row sum of the streaming
+// kernels adds its steps this way, so that their paths give the same bits.
+__device__ __forceinline__ float AddProductStep(float v, float4 wv, float4 x) {
+  v += wv.x * x.x;
+  v += wv.y * x.y;
+  v += wv.z * x.z;
+  return v + wv.w * x.w;
+}
 // ... and the products with them of one output's weights wv, added to v[e] in order.
 template <int EG>
 __device__ __forceinline__ void AddProduct(float (&v)[EG], float4 wv, const float4 (&x)[EG]) {
 #pragma unroll
-  for (int e = 0; e < EG; ++e) {
-    v[e] += wv.x * x[e].x;
-    v[e] += wv.y * x[e].y;
-    v[e] += wv.z * x[e].z;
-    v[e] += wv.w * x[e].w;
-  }
+  for (int e = 0; e < EG; ++e) v[e] = AddProductStep(v[e], wv, x[e]);
 }
 // ... of M outputs' weights (output m's at w + m·in_pad), added to v[m][e].
 template <int EG, int M>
@@ -1707,13 +1710,7 @@ __device__ __forceinline__ void HeldRowSums(float (&out)[M], const HeldRow<kStep
     for (int e = 0; e < kWideEvents; ++e) {
       const float4 x = *reinterpret_cast<const float4*>(in + e * per_event + i);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4 w = row.w[k][m];
-        v[m][e] += w.x * x.x;
-        v[m][e] += w.y * x.y;
-        v[m][e] += w.z * x.z;
-        v[m][e] += w.w * x.w;
-      }
+      for (int m = 0; m < M; ++m) v[m][e] = AddProductStep(v[m][e], row.w[k][m], x);
     }
   }
 #pragma unroll
