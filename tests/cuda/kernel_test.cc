@@ -19,6 +19,7 @@
 #include "kernels/pointwise.h"
 #include "kernels/ssm.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/sigmoid_exhaustive.h"
 #include "tests/test_util.h"
 
 namespace perception {
@@ -52,6 +53,15 @@ Doubles ColumnSums(const Floats& partials, int cols) {
 }
 
 #define EXPECT_CLOSE(gpu, cpu) EXPECT_LE(RelativeError(gpu, cpu), kTolerance) << #gpu
+
+// Every kernel's sigmoid (and so SiLU) divides without IEEE division's slow-path branch: its quotients must still be
+// IEEE's, bit for bit, for every value e^−|v| can take.
+TEST(KernelTest, SigmoidsBranchFreeDivisionHasIeeeBitsForEveryExponential) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  uint64_t mismatches = 1;
+  ASSERT_EQ(testing::CountSigmoidMismatches(&mismatches), cudaSuccess);
+  EXPECT_EQ(mismatches, 0u);
+}
 
 TEST(KernelTest, StandardizeAndElu) {
   SKIP_WITHOUT_CUDA_DEVICE();
