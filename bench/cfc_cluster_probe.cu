@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "bench/probe_main.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -198,16 +199,4 @@ absl::Status Run() {
 
 }  // namespace
 
-int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "cfc_cluster_probe: no CUDA device\n");
-    return 1;
-  }
-  const absl::Status status = Run();
-  if (!status.ok()) {
-    std::fprintf(stderr, "cfc_cluster_probe: %s\n", status.ToString().c_str());
-    return 1;
-  }
-  return 0;
-}
+int main() { return RunProbe("cfc_cluster_probe", Run); }

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/held_ticks.cuh"
 #include "bench/percentile.h"
+#include "bench/probe_main.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 
@@ -428,8 +429,4 @@ absl::Status Probe() {
 
 }  // namespace
 
-int main() {
-  const absl::Status status = Probe();
-  if (!status.ok()) std::fprintf(stderr, "resident_probe: %s\n", status.ToString().c_str());
-  return status.ok() ? 0 : 1;
-}
+int main() { return RunProbe("resident_probe", Probe); }

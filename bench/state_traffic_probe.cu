@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "bench/held_ticks.cuh"
+#include "bench/probe_main.h"
 #include "engine/cuda_check.h"
 #include "engine/status_macros.h"
 #include "kernels/common.cuh"
@@ -175,8 +176,4 @@ absl::Status Probe() {
 
 }  // namespace
 
-int main() {
-  const absl::Status status = Probe();
-  if (!status.ok()) std::fprintf(stderr, "state_traffic_probe: %s\n", status.ToString().c_str());
-  return status.ok() ? 0 : 1;
-}
+int main() { return RunProbe("state_traffic_probe", Probe); }
