@@ -100,6 +100,10 @@ bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 40 && out >
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
   return rows >= 1024 && in >= 128 && out >= 128;
 }
+// One TF32 product (the `tf32` precision) against cuBLAS TF32, which runs the long sums of the wide products at the
+// tensor cores' rate: the wgmma kernels for products with a side of at most 256 (H200, every product of small on them:
+// its step 923 -> 882 µs; every product of large on them: 12,930 -> 14,090 µs).
+bool PlainTf32Pays(int in, int out) { return std::min(in, out) <= 256; }
 // The narrow weight gradients, which neither the wgmma kernel nor cuBLAS's SIMT sgemm (plus its split-K reduce) fill:
 // kernels/skinny_grad.h in 3×TF32 (H200, 16,384 rows, µs, against cuBLAS float32: embedding 12.8 against 13.4, CfC
 // c part 12.9 against 14.0, GRN 192 → 64 16.9 against 18.8, 64 → 64 9.6 against 11.9, head_out 9.3 against 11.2; the
@@ -270,17 +274,18 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
 }
 
 bool Blas::UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device) {
-  return precision == Precision::kFloat32Tf32x3 && device.major == 9 && device.minor == 0;
+  return (precision == Precision::kFloat32Tf32x3 || precision == Precision::kTf32) && device.major == 9 &&
+         device.minor == 0;
 }
 
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch,
                            const kernels::Tf32x3Planes* planes, bool programmatic) {
-  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
+  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_,
-                                                          kernels::GemmTile::kAuto, planes, programmatic));
+                                                          kernels::GemmTile::kAuto, planes, programmatic, tf32_));
     flops_ += 2.0 * rows * in * out * batch.count;
     return absl::OkStatus();
   }
@@ -293,7 +298,7 @@ bool Blas::Tf32x3KernelsTakeBackwardData(int in, int out) {
 }
 
 bool Blas::BackwardDataOnTf32x3Kernels(int in, int out, const float* dy, int lddy, const float* w, int ldw) const {
-  return tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) &&
+  return tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
          kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(w, ldw, 0)), out, in);
 }
 
@@ -302,7 +307,7 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
   if (BackwardDataOnTf32x3Kernels(in, out, dy, lddy, w, ldw)) {
     CUDA_RETURN_IF_ERROR(
         kernels::LaunchGemmTf32x3BackwardData(rows, in, out, dy, lddy, w, ldw, beta, dx, lddx, stream_,
-                                              kernels::GemmTile::kAuto, planes));
+                                              kernels::GemmTile::kAuto, planes, tf32_));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }
@@ -316,12 +321,12 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
-  if (tf32x3_ && Tf32x3BackwardWeightPays(rows, in, out) &&
+  if (tf32x3_ && Tf32x3BackwardWeightPays(rows, in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
                                                                  static_cast<float*>(workspace_), workspace_bytes_,
                                                                  stream_, kernels::GemmTile::kAuto, /*splits=*/0,
-                                                                 /*shares_device=*/true));
+                                                                 /*shares_device=*/true, /*plain_tf32=*/tf32_));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }

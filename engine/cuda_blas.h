@@ -33,7 +33,8 @@ class Blas {
  public:
   static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
                                                       Precision precision);
-  // Whether Blas runs products on the 3×TF32 wgmma kernels (kernels/gemm_tf32x3.h) on this device.
+  // Whether Blas runs products on the wgmma kernels of kernels/gemm_tf32x3.h on this device (3×TF32, or one TF32
+  // product for the `tf32` precision).
   static bool UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device);
   // Whether a BackwardData of this shape goes to those kernels where they are used and its operands are aligned
   // (BackwardDataOnTf32x3Kernels says for given operands): a stack's planes (kernels::Tf32x3Planes) need them.
@@ -99,8 +100,9 @@ class Blas {
   void* workspace_;
   size_t workspace_bytes_;
   bool tf32_;  // cuBLAS on TF32 tensor cores
-  // The 3×TF32 kernels for the products they take: precision kFloat32Tf32x3 on a compute capability 9.0 device (they
-  // are built for sm_90a alone); cuBLAS float32 otherwise.
+  // The wgmma kernels of kernels/gemm_tf32x3.h for the products they take, on a compute capability 9.0 device (they
+  // are built for sm_90a alone): 3×TF32 for precision kFloat32Tf32x3, one TF32 product for kTf32 (tf32_); cuBLAS
+  // otherwise.
   bool tf32x3_ = false;
   // The narrow weight gradients on kernels/skinny_grad.h: precision kFloat32Tf32x3 on any device (its mma.sync is
   // sm_80 on). kFloat32 keeps cuBLAS and its tuned table, the baseline the 3×TF32 kernels are measured against.

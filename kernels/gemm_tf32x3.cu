@@ -204,7 +204,8 @@ struct Operand {
       CopyAsync16(at, valid ? g + (kKContiguous ? gx * ld + gk : gk * ld + gx) : g, valid);
     }
   }
-  // Split into big and small.
+  // Split into big and small (kPlain: big alone, B rounded to TF32).
+  template <bool kPlain>
   __device__ static void Store(const unsigned char* raw, unsigned char* big, unsigned char* small, int tid) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
@@ -229,7 +230,7 @@ struct Operand {
       split = SplitTf32ForMma(f[3]);
       b.w = split.big, s.w = split.small;
       *reinterpret_cast<uint4*>(big + Swizzled(x, k)) = b;
-      *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
+      if (!kPlain) *reinterpret_cast<uint4*>(small + Swizzled(x, k)) = s;
     }
   }
 };
@@ -283,14 +284,16 @@ __device__ __forceinline__ int KLength(const GemmParams& p, int z) {
 // kAK: A is [m, k] (k contiguous), else [k, m]. kBK: B is [n, k] (k contiguous), else [k, n]. kBP: B's big and small
 // parts come split already, [n, k] (b_maps: their tensor maps, (k, n, batch)), by tensor copies. a_map: A's tensor map
 // for its tensor copies ((k, m, batch) where A is k-contiguous, else (m, k)). Where A is k-contiguous, c_map is C's
-// (n, m, batch) for the tensor stores of `store`.
-template <int BN, bool kAK, bool kBK, bool kBP>
+// (n, m, batch) for the tensor stores of `store`. kPlain: one product of the TF32 big parts (operands rounded to
+// TF32; the `tf32` precision) instead of three, and no small parts stored or copied.
+template <int BN, bool kAK, bool kBK, bool kBP, bool kPlain>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmTf32x3Kernel(GemmParams p, const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap c_map,
                      const __grid_constant__ CUtensorMap b_big_map, const __grid_constant__ CUtensorMap b_small_map,
                      StoreMode store, int tiles_m, int tiles_n, int tiles) {
   static_assert(!kBP || (kAK && kBK));
   using L = Layout<BN, kAK, kBK, kBP>;
+  constexpr uint32_t kStageBBytes = (kPlain ? 1 : 2) * L::kBBytes;  // what a stage's B parts bring
   extern __shared__ unsigned char smem_unaligned[];
   const uint32_t unaligned = SharedAddress(smem_unaligned);
   const uint32_t base = (unaligned + 1023) & ~1023u;  // the swizzle pattern repeats every 1,024 bytes
@@ -313,16 +316,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       PrefetchTensorMap(a_map);
       PrefetchTensorMap(b_big_map);
-      PrefetchTensorMap(b_small_map);
+      if (!kPlain) PrefetchTensorMap(b_small_map);
       if (store != StoreMode::kRegisters) PrefetchTensorMap(c_map);
       int tile = blockIdx.x, k0 = 0;
       TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
       int k_len = KLength(p, tc.z);
       for (; preloaded < L::kStages && tile < tiles; ++preloaded) {
         const int s = preloaded, zb = p.stride_b != 0 ? tc.z : 0;
-        MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        MbarrierArriveExpect(base + L::Full(s), L::kABytes + kStageBBytes);
         TensorCopy(base + L::BBig(s), b_big_map, k0, tc.n0, zb, base + L::Full(s));
-        TensorCopy(base + L::BSmall(s), b_small_map, k0, tc.n0, zb, base + L::Full(s));
+        if (!kPlain) TensorCopy(base + L::BSmall(s), b_small_map, k0, tc.n0, zb, base + L::Full(s));
         k0 += kBk;
         if (k0 >= k_len) {
           k0 = 0;
@@ -365,12 +368,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (it >= L::kStages) MbarrierWait(base + L::Empty(s), (it / L::kStages + 1) % 2);
         const TileCoordinates& tc = w.tc;
         // The first `preloaded` stages' B went out before the wait, their FULL's bytes expected then.
-        if (it >= preloaded) MbarrierArriveExpect(base + L::Full(s), L::kABytes + 2 * L::kBBytes);
+        if (it >= preloaded) MbarrierArriveExpect(base + L::Full(s), L::kABytes + kStageBBytes);
         TensorCopy(base + L::A(s), a_map, w.k0, tc.m0, p.stride_a != 0 ? tc.z : 0, base + L::Full(s));
         if (it >= preloaded) {
           const int zb = p.stride_b != 0 ? tc.z : 0;
           TensorCopy(base + L::BBig(s), b_big_map, w.k0, tc.n0, zb, base + L::Full(s));
-          TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
+          if (!kPlain) TensorCopy(base + L::BSmall(s), b_small_map, w.k0, tc.n0, zb, base + L::Full(s));
         }
       }
     } else {
@@ -415,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
-        Operand<BN, kBK>::Store(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
+        Operand<BN, kBK>::template Store<kPlain>(smem + L::RawB(r), smem + L::BBig(s), smem + L::BSmall(s), tid);
         // The stores are generic-proxy writes that wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         MbarrierArrive(base + L::Full(s));
@@ -472,9 +475,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kSteps; ++ks) {
         const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-        Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-        Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-        Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+        if (kPlain) {
+          Wgmma<BN>::Run(part, a_big[ks], b_big + step, ks);
+        } else {
+          Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+          Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+          Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+        }
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -484,7 +491,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) FenceRegister(a_big[ks][i]), FenceRegister(a_small[ks][i]);
+        for (int i = 0; i < 4; ++i) {
+          FenceRegister(a_big[ks][i]);
+          if (!kPlain) FenceRegister(a_small[ks][i]);
+        }
       }
       MbarrierArrive(base + L::Empty(s));
 #pragma unroll
@@ -597,17 +607,16 @@ cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers
 
 // kBP: p.b is B's big part, b_small its small part, both as B would be. `programmatic`: as the programmatic dependent
 // of the kernel ahead on the stream (kernels/common.cuh).
-template <int BN, bool kAK, bool kBK, bool kBP = false>
-cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small = nullptr,
-                   bool programmatic = false) {
+template <int BN, bool kAK, bool kBK, bool kBP, bool kPlain>
+cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small, bool programmatic) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
   if (p.k <= 0) return cudaErrorInvalidValue;
   using L = Layout<BN, kAK, kBK, kBP>;
-  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK, kBP>;
+  const auto kernel = GemmTf32x3Kernel<BN, kAK, kBK, kBP, kPlain>;
   CUtensorMap a_map{}, c_map{}, b_big_map{}, b_small_map{};
   if (kBP) {
     const int layers = p.stride_b != 0 ? count : 1;
-    for (auto [b, map] : {std::pair{p.b, &b_big_map}, std::pair{b_small, &b_small_map}}) {
+    for (auto [b, map] : {std::pair{p.b, &b_big_map}, std::pair{kPlain ? p.b : b_small, &b_small_map}}) {
       if (const cudaError_t e = TensorMap(b, p.k, p.n, p.ldb, layers, p.stride_b, kBk, BN, map); e != cudaSuccess) {
         return e;
       }
@@ -645,18 +654,26 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const fl
                       b_big_map, b_small_map, store, tiles_m, tiles_n, tiles);
 }
 
-template <bool kAK, bool kBK, bool kBP = false>
-cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream,
-                       const float* b_small = nullptr, bool programmatic = false) {
+template <bool kAK, bool kBK, bool kBP, bool kPlain>
+cudaError_t LaunchTile(GemmTile tile, const GemmParams& p, int count, cudaStream_t stream, const float* b_small,
+                       bool programmatic) {
   switch (tile) {
     case GemmTile::k128x128:
-      return Launch<128, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
+      return Launch<128, kAK, kBK, kBP, kPlain>(p, count, stream, b_small, programmatic);
     case GemmTile::k128x64:
-      return Launch<64, kAK, kBK, kBP>(p, count, stream, b_small, programmatic);
+      return Launch<64, kAK, kBK, kBP, kPlain>(p, count, stream, b_small, programmatic);
     case GemmTile::kAuto:
       break;
   }
   return cudaErrorInvalidValue;
+}
+
+// LaunchTile<kAK, kBK, kBP, plain>.
+template <bool kAK, bool kBK, bool kBP = false>
+cudaError_t LaunchTerms(bool plain, GemmTile tile, const GemmParams& p, int count, cudaStream_t stream,
+                        const float* b_small = nullptr, bool programmatic = false) {
+  return plain ? LaunchTile<kAK, kBK, kBP, true>(tile, p, count, stream, b_small, programmatic)
+               : LaunchTile<kAK, kBK, kBP, false>(tile, p, count, stream, b_small, programmatic);
 }
 
 int TileCols(GemmTile tile) { return tile == GemmTile::k128x128 ? 128 : 64; }
@@ -736,21 +753,22 @@ __global__ void SplitWeightsKernel(const Tf32x3SplitJob* __restrict__ jobs) {
 cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, int ldx, int64_t stride_x,
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
-                                    GemmTile tile, const Tf32x3Planes* planes, bool programmatic) {
+                                    GemmTile tile, const Tf32x3Planes* planes, bool programmatic, bool plain_tf32) {
   if (rows <= 0 || out <= 0 || count <= 0) return cudaSuccess;
   GemmParams p{x, ldx, stride_x, w, ldw, stride_w, y, ldy, stride_y, bias, stride_bias, beta, rows, out, in, 0};
   if (planes != nullptr && planes->big != nullptr) {
     // The planes' layout is w's own: a w passed at another stride or wider than the split one has no planes here.
     if (ldw != planes->cols || out > planes->rows || in > planes->cols) return cudaErrorInvalidValue;
     p.b = planes->big;
-    return LaunchTile<true, true, true>(AutoTile(tile, out), p, count, stream, planes->small, programmatic);
+    return LaunchTerms<true, true, true>(plain_tf32, AutoTile(tile, out), p, count, stream, planes->small,
+                                         programmatic);
   }
-  return LaunchTile<true, true>(AutoTile(tile, out), p, count, stream, nullptr, programmatic);
+  return LaunchTerms<true, true>(plain_tf32, AutoTile(tile, out), p, count, stream, nullptr, programmatic);
 }
 
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                          float beta, float* dx, int lddx, cudaStream_t stream, GemmTile tile,
-                                         const Tf32x3Planes* planes) {
+                                         const Tf32x3Planes* planes, bool plain_tf32) {
   if (rows <= 0 || in <= 0) return cudaSuccess;
   if (planes != nullptr && planes->big_t != nullptr) {
     const int ld_t = planes->TransposedLd();
@@ -759,10 +777,10 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
     }
     // dy · w is the forward product of dy under wᵀ, whose parts are [cols, rows]: its first `in` rows, `out` columns.
     const GemmParams p{dy, lddy, 0, planes->big_t, ld_t, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
-    return LaunchTile<true, true, true>(AutoTile(tile, in), p, 1, stream, planes->small_t);
+    return LaunchTerms<true, true, true>(plain_tf32, AutoTile(tile, in), p, 1, stream, planes->small_t);
   }
   const GemmParams p{dy, lddy, 0, w, ldw, 0, dx, lddx, 0, nullptr, 0, beta, rows, in, out, 0};
-  return LaunchTile<true, false>(AutoTile(tile, in), p, 1, stream);
+  return LaunchTerms<true, false>(plain_tf32, AutoTile(tile, in), p, 1, stream);
 }
 
 cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int max_rows, int max_cols,
@@ -775,7 +793,8 @@ cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int 
 
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
-                                           cudaStream_t stream, GemmTile tile, int splits, bool shares_device) {
+                                           cudaStream_t stream, GemmTile tile, int splits, bool shares_device,
+                                           bool plain_tf32) {
   if (in <= 0 || out <= 0) return cudaSuccess;
   // Where 128-wide tiles would leave at most two per slice, 64-wide ones measured faster (H200, 16,384 rows, µs:
   // CfC backbone 128×128 18.5 against 22.1, out_proj 256→128 23.0 against 23.9, CfC heads 23.0 against 23.8; small's
@@ -814,7 +833,7 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
   splits = std::min(splits, most);
   if (splits <= 1) {
     const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
-    return LaunchTile<false, false>(tile, p, 1, stream);
+    return LaunchTerms<false, false>(plain_tf32, tile, p, 1, stream);
   }
   // Whole k-tiles per slice; the last slice takes what is left, so the count may come out lower.
   const int k_split = CeilDiv(ktiles, splits) * kBk;
@@ -825,7 +844,7 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
                      nullptr, 0,    0.f,
                      out,     in,   rows,
                      k_split};
-  if (const cudaError_t e = LaunchTile<false, false>(tile, p, splits, stream); e != cudaSuccess) return e;
+  if (const cudaError_t e = LaunchTerms<false, false>(plain_tf32, tile, p, splits, stream); e != cudaSuccess) return e;
   constexpr int kSumThreads = 128;  // small's in_proj gradient: 145 blocks, more than one per SM
   const int quads = out * (in / 4);
   SumSlicesKernel<<<CeilDiv(quads, kSumThreads), kSumThreads, 0, stream>>>(workspace, splits, out, in, dw, lddw);

@@ -1,6 +1,8 @@
 // Float32-accurate products of a linear layer on the TF32 tensor cores (the 3×TF32 split of kernels/tf32x3.cuh):
 // the Forward, BackwardData and BackwardWeight of engine/cuda_blas.h, row-major, deterministic (the weight gradient's
 // split over rows sums its partials in a fixed order, no atomics), no allocation, capturable in a CUDA graph.
+// `plain_tf32` (every product): one product of the operands rounded to TF32 instead of the three of the split, for the
+// `tf32` precision; with planes, only their big parts are read.
 #pragma once
 
 #include <cstddef>
@@ -59,12 +61,13 @@ cudaError_t LaunchGemmTf32x3Forward(int rows, int in, int out, const float* x, i
                                     const float* w, int ldw, int64_t stride_w, const float* bias, int64_t stride_bias,
                                     float beta, float* y, int ldy, int64_t stride_y, int count, cudaStream_t stream,
                                     GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr,
-                                    bool programmatic = false);
+                                    bool programmatic = false, bool plain_tf32 = false);
 
 // dx[rows, in] = dy[rows, out] · w[out, in] + beta·dx. `planes` (may be null): w's parts, current.
 cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float* dy, int lddy, const float* w, int ldw,
                                          float beta, float* dx, int lddx, cudaStream_t stream,
-                                         GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr);
+                                         GemmTile tile = GemmTile::kAuto, const Tf32x3Planes* planes = nullptr,
+                                         bool plain_tf32 = false);
 
 // dw[out, in] = dy[rows, out]ᵀ · x[rows, in]. The rows are split into slices whose partial products go to
 // `workspace` (as many slices as the block count wants and `workspace_bytes` holds; the split depends only on the
@@ -75,6 +78,6 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
                                            cudaStream_t stream, GemmTile tile = GemmTile::kAuto, int splits = 0,
-                                           bool shares_device = false);
+                                           bool shares_device = false, bool plain_tf32 = false);
 
 }  // namespace perception::kernels

@@ -282,6 +282,67 @@ TEST_P(GemmTf32x3Test, WeightPlanesGiveTheSameBits) {
             cudaErrorInvalidValue);
 }
 
+// The `tf32` precision's one product of operands rounded to TF32 (plain_tf32): every form and tile within 2e-3 of
+// double (TF32's unit roundoff 2⁻¹¹ ≈ 4.9e-4 on each operand), and missing the float32 bar, so that a flag that did
+// nothing would fail; reruns bit for bit, and a weight's planes (their big parts) give the bits of the kernel's own
+// rounding.
+TEST_P(GemmTf32x3Test, PlainTf32StaysWithinTheTf32Tolerance) {
+  const Product& p = GetParam();
+  const int ldx = p.in + p.pad, lddy = p.out + p.pad;
+  const size_t sw = static_cast<size_t>(p.out) * p.in;
+  const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 41), w = RandomFloats(sw, 42);
+  const auto bias = RandomFloats(p.out, 43), y0 = RandomFloats(static_cast<size_t>(p.rows) * p.out, 44);
+  const auto dy = RandomFloats(static_cast<size_t>(p.rows) * lddy, 45);
+  const DeviceArray<float> dx(x), dw(w), dbias(bias), ddy(dy), initial(y0);
+  DeviceArray<float> planes(4 * sw);
+  const std::vector<kernels::Tf32x3SplitJob> jobs = {
+      {dw.get(), p.out, p.in, planes.get(), planes.get() + sw, planes.get() + 2 * sw, planes.get() + 3 * sw}};
+  const DeviceArray<kernels::Tf32x3SplitJob> device_jobs(jobs);
+  ASSERT_EQ(kernels::LaunchTf32x3SplitWeights(device_jobs.get(), 1, p.out, p.in, stream_), cudaSuccess);
+  const kernels::Tf32x3Planes parts{planes.get(), planes.get() + sw, planes.get() + 2 * sw, planes.get() + 3 * sw,
+                                    p.out, p.in};
+  DeviceArray<float> y(static_cast<size_t>(p.rows) * p.out), dxo(static_cast<size_t>(p.rows) * p.in), dwo(sw);
+  auto forward = [&](GemmTile tile, const kernels::Tf32x3Planes* with) {
+    EXPECT_EQ(cudaMemcpyAsync(y.get(), initial.get(), y0.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+              cudaSuccess);
+    EXPECT_EQ(kernels::LaunchGemmTf32x3Forward(p.rows, p.in, p.out, dx.get(), ldx, 0, dw.get(), p.in, 0, dbias.get(),
+                                               0, 0.5f, y.get(), p.out, 0, 1, stream_, tile, with, false, true),
+              cudaSuccess);
+    return y.Download();
+  };
+  auto backward_data = [&](GemmTile tile, const kernels::Tf32x3Planes* with) {
+    EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, ddy.get(), lddy, dw.get(), p.in, 0.f,
+                                                    dxo.get(), p.in, stream_, tile, with, true),
+              cudaSuccess);
+    return dxo.Download();
+  };
+  auto backward_weight = [&](GemmTile tile) {
+    EXPECT_EQ(kernels::LaunchGemmTf32x3BackwardWeight(p.rows, p.in, p.out, ddy.get(), lddy, dx.get(), ldx, dwo.get(),
+                                                      p.in, workspace_->get(), kBlasWorkspaceBytes, stream_, tile, 0,
+                                                      false, true),
+              cudaSuccess);
+    return dwo.Download();
+  };
+  const auto expected_forward = ForwardReference(p, x, w, bias, 0.5, y0);
+  const auto expected_data = BackwardDataReference(p, dy, w);
+  const auto expected_weight = BackwardWeightReference(p, dy, x);
+  double worst = 0;
+  for (const GemmTile tile : {GemmTile::kAuto, GemmTile::k128x128, GemmTile::k128x64}) {
+    SCOPED_TRACE(static_cast<int>(tile));
+    const auto f = forward(tile, nullptr), d = backward_data(tile, nullptr), g = backward_weight(tile);
+    for (const double error : {RelativeError(f, expected_forward), RelativeError(d, expected_data),
+                               RelativeError(g, expected_weight)}) {
+      EXPECT_LE(error, 2e-3);
+      worst = std::max(worst, error);
+    }
+    EXPECT_TRUE(BitIdentical(forward(tile, &parts), f)) << "forward from planes";
+    EXPECT_TRUE(BitIdentical(backward_data(tile, &parts), d)) << "backward data from planes";
+    EXPECT_TRUE(BitIdentical(backward_weight(tile), g)) << "backward weight rerun";
+  }
+  EXPECT_GT(worst, kFloat32ProductError) << "the plain TF32 products look float32-accurate: not taken?";
+  std::printf("[gemm] %-18s plain TF32: worst normalized error %.2e\n", p.name.c_str(), worst);
+}
+
 // Two weights [half, in] apart in memory (a gap between them, as a bias sits between the GRN's gate and value), each
 // split with the transposed planes' leading dimension 2·half into one [in, 2·half] matrix, its columns [0, half) and
 // [half, 2·half): the stack's planes (CudaModel's stacked GRN products). They hold the transposed split of the
