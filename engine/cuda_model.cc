@@ -162,7 +162,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
-  tf32_scan_ = options.precision == Precision::kTf32;
+  tf32_recurrences_ = options.precision == Precision::kTf32;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
   plane_floats_ = Blas::UsesTf32x3Kernels(options.precision, properties) ? (layout_.total_size() + 3) / 4 * 4 : 0;
@@ -247,7 +247,7 @@ void CudaModel::ReserveBuffers() {
   }
   a.Reserve(&rstd_f_, M);
   a.Reserve(&head_in_, M * d.DC);
-  a.Reserve(&cfc_packed_, kernels::CfcPackedFloats({c.batch, c.window, d.D, d.C, d.K}));
+  a.Reserve(&cfc_packed_, kernels::CfcPackedFloats(CfcShapeOf(c.batch, c.window)));
   a.Reserve(&cfc_u_, M * d.K);
   a.Reserve(&bb_pre_, M * d.K);
   a.Reserve(&bb_, M * d.K);
@@ -659,7 +659,7 @@ kernels::SsmInput CudaModel::SsmInputOf(int l, int batch, int window, const floa
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   return {batch, window, d.Hh, d.P, d.N, layers_[l].xbc, d.cd, layers_[l].zx + d.E + d.cd, d.zd,
-          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in, tf32_scan_};
+          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in, tf32_recurrences_};
 }
 
 kernels::CfcWeights CudaModel::CfcWeightsOf() const {
@@ -667,6 +667,11 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
   return {param(pl.cfc_backbone.weight),
           {param(pl.cfc_ff1.weight), param(pl.cfc_ff2.weight), param(pl.cfc_time_a.weight), param(pl.cfc_time_b.weight)},
           {param(pl.cfc_ff1.bias), param(pl.cfc_ff2.bias), param(pl.cfc_time_a.bias), param(pl.cfc_time_b.bias)}};
+}
+
+kernels::CfcShape CudaModel::CfcShapeOf(int batch, int window) const {
+  const Dims d(config());
+  return {batch, window, d.D, d.C, d.K, tf32_recurrences_};
 }
 
 // The batch in from its pinned staging unless a step before copied it in already: x on the main stream, which starts
@@ -739,7 +744,7 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   if (splits && plan.copy) RETURN_IF_ERROR(SplitWeightsBeside());
   RETURN_IF_ERROR(CopyInputsIn(plan, rows));
   // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), {batch, window, d.D, d.C, d.K}, cfc_packed_,
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), CfcShapeOf(batch, window), cfc_packed_,
                                                      grad_stream_));
   // So is the mask count that d logits divides by: it reads only the batch.
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
@@ -823,7 +828,7 @@ absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_st
 
 absl::Status CudaModel::CfcForward(int batch, int window, bool carry_state) {
   const Dims d(config());
-  const kernels::CfcShape shape{batch, window, d.D, d.C, d.K};
+  const kernels::CfcShape shape = CfcShapeOf(batch, window);
   RETURN_IF_ERROR(blas_->Forward(batch * window, d.D, d.K, head_in_, d.DC, param(layout_.cfc_backbone.weight), d.DC,
                                  param(layout_.cfc_backbone.bias), 0.f, cfc_u_, d.K, {},
                                  planes(layout_.cfc_backbone.weight), /*programmatic=*/true));
@@ -980,7 +985,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
 absl::Status CudaModel::CfcBackward(int rows) {
   const Dims d(config());
   const ParamLayout& pl = layout_;
-  const kernels::CfcShape shape{config().batch, config().window, d.D, d.C, d.K};
+  const kernels::CfcShape shape = CfcShapeOf(config().batch, config().window);
   CUDA_RETURN_IF_ERROR(kernels::LaunchCfcBackward(shape, cfc_packed_, dt_, gates_, bb_pre_, d_head_in_ + d.D, d.DC, dp_,
                                                   dbb_pre_, stream_, cfc_bias_sums_));
   const int heads[kernels::kCfcHeads] = {pl.cfc_ff1.weight, pl.cfc_ff2.weight, pl.cfc_time_a.weight,

@@ -229,6 +229,7 @@ class CudaModel {
   kernels::ConvInput ConvInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::SsmInput SsmInputOf(int l, int batch, int window, const float* state_in) const;
   kernels::CfcWeights CfcWeightsOf() const;
+  kernels::CfcShape CfcShapeOf(int batch, int window) const;
   kernels::NormOutputLayer HeadOutputLayer() const;  // head_out, folded into the GRN LayerNorm's kernels
   const float* param(int tensor) const { return params_ + layout_.tensor(tensor).offset; }
   float* grad(int tensor) const { return grads_ + layout_.tensor(tensor).offset; }
@@ -336,8 +337,9 @@ class CudaModel {
   // weights' batch keeps its stride. planes_of_ by tensor index; split_jobs_ the device table of the split.
   float* weight_planes_ = nullptr;
   size_t plane_floats_ = 0;
-  // The `tf32` precision: the scan's tensor-core products in plain TF32 too (SsmInputOf).
-  bool tf32_scan_ = false;
+  // The `tf32` precision: the recurrences' tensor-core products in plain TF32 too (the scan's, SsmInputOf, and the
+  // CfC's, CfcShapeOf).
+  bool tf32_recurrences_ = false;
   std::vector<kernels::Tf32x3Planes> planes_of_;
   // Where stacked_head_: the transposed planes of the stacks [W_gate; W_value] and [W_skip; W_fc2] (planes-only
   // Tf32x3Planes, [in, 2G]), in weight_planes_ past the four planes; those four weights' own transposed planes point

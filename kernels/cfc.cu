@@ -15,6 +15,7 @@
 #include <cooperative_groups.h>
 
 #include "kernels/common.cuh"
+#include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
@@ -427,6 +428,394 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (k_writer) bias_sums[static_cast<size_t>(seq0 + at_k.seq) * (4 * C + K) + 4 * C + k] = dbb_sum;
 }
 
+// `small`'s recurrences on the TF32 tensor cores, for the `tf32` precision (CfcShape::tf32_products): a block's eight
+// sequences are mma.m16n8k8's eight columns, so no column is padding, and each warp holds its rows' A fragments (the
+// weights, rounded to TF32 when packed) in registers for the whole window, 160 a thread as the FFMA tile holds. A
+// phase's B fragments (c_{t−1}, bb, d heads or d bb, rounded to TF32 as they are stored) come from shared memory,
+// and the inner index is permuted so that one 16-byte load gives a thread its B fragments of two k-tiles. Padded
+// units, backbone rows and sequences read real ones (clamped) against zero weights, and store nothing.
+namespace mma {
+
+constexpr int kUnits = 64, kBackbone = 128, kThreads = 256;
+// Fragment slots a thread: forward W_c (8 k-tiles), heads (2 m-tiles × 16 k-tiles); backward W_headsᵀ (32 k-tiles),
+// W_cᵀ (8 k-tiles); four registers each. Then the biases [4][kUnits].
+constexpr int kWcSlots = 8 * 4, kHeadsSlots = 2 * 16 * 4, kHeadsTSlots = 32 * 4, kWcTSlots = 8 * 4;
+constexpr int kSlots = kWcSlots + kHeadsSlots + kHeadsTSlots + kWcTSlots;
+constexpr size_t kBiasOffset = static_cast<size_t>(kSlots) * kThreads;
+constexpr size_t kPackedFloats = kBiasOffset + 4 * kUnits;
+// Shared-memory row strides ≡ 16 (mod 32) floats: the 16-byte B loads of a quarter warp (g = 0, 1; t = 0..3) hit
+// distinct banks.
+constexpr int kUnitStride = kUnits + 16, kBackboneStride = kBackbone + 16, kHeadStride = 4 * kUnits + 16;
+// The W_cᵀ partial sums: 68 ≡ 4 (mod 16), so a warp's stores of sequences 2t, 2t + 1 and rows g, g + 8 spread.
+constexpr int kPartialStride = kUnits + 4;
+
+bool Fits(const CfcShape& s) { return s.tf32_products && s.units <= kUnits && s.backbone <= kBackbone; }
+
+// The inner index that row `upper ? t + 4 : t` of k-tile `k_tile` stands for, t = lane % 4: k-tiles 2j and 2j + 1
+// read inner indices 16j + 4t .. 16j + 4t + 3 as (2j: t, t + 4; 2j + 1: t, t + 4).
+__host__ __device__ constexpr int Inner(int k_tile, int lane, int upper) {
+  return k_tile / 2 * 16 + lane % 4 * 4 + k_tile % 2 * 2 + upper;
+}
+
+// Register `reg` of an A fragment holds row g + 8·(reg % 2) of the m-tile and the k-tile's row t + 4·(reg / 2).
+struct FragmentEntry {
+  int row, inner;
+};
+__host__ __device__ constexpr FragmentEntry Entry(int row0, int k_tile, int lane, int reg) {
+  return {row0 + lane / 4 + reg % 2 * 8, Inner(k_tile, lane, reg / 2)};
+}
+
+__global__ void PackKernel(CfcWeights w, CfcShape shape, float* packed) {
+  const int C = shape.units, K = shape.backbone, in = shape.d_model + C;
+  auto wc = [&](int k, int unit) {
+    return k < K && unit < C ? w.backbone_weight[static_cast<size_t>(k) * in + shape.d_model + unit] : 0.f;
+  };
+  auto head = [&](int h, int unit, int k) {
+    return unit < C && k < K ? w.head_weight[h][static_cast<size_t>(unit) * K + k] : 0.f;
+  };
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < kPackedFloats;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float v;
+    if (i >= kBiasOffset) {
+      const int j = static_cast<int>(i - kBiasOffset), unit = j % kUnits;
+      v = unit < C ? w.head_bias[j / kUnits][unit] : 0.f;
+    } else {
+      const int tid = static_cast<int>(i % kThreads), slot = static_cast<int>(i / kThreads);
+      const int warp = tid / kWarpSize, lane = tid % kWarpSize, reg = slot % 4;
+      if (slot < kWcSlots) {  // rows: backbone k = 16·warp + ·; inner: units
+        const FragmentEntry e = Entry(16 * warp, slot / 4, lane, reg);
+        v = wc(e.row, e.inner);
+      } else if (slot < kWcSlots + kHeadsSlots) {  // m-tile j: rows 0–7 head 2j, 8–15 head 2j + 1 of units 8·warp + ·
+        const int s = slot - kWcSlots, j = s / 64;
+        const FragmentEntry e = Entry(0, s / 4 % 16, lane, reg);
+        v = head(2 * j + e.row / 8, 8 * warp + e.row % 8, e.inner);
+      } else if (slot < kWcSlots + kHeadsSlots + kHeadsTSlots) {  // rows: k = 16·warp + ·; inner: h·kUnits + unit
+        const FragmentEntry e = Entry(16 * warp, (slot - kWcSlots - kHeadsSlots) / 4, lane, reg);
+        v = head(e.inner / kUnits, e.inner % kUnits, e.row);
+      } else {  // rows: units 16·(warp % 4) + ·; inner: k of the k-tiles 8·(warp / 4) + ·
+        const int s = slot - kWcSlots - kHeadsSlots - kHeadsTSlots;
+        const FragmentEntry e = Entry(16 * (warp % 4), 8 * (warp / 4) + s / 4, lane, reg);
+        v = wc(e.inner, e.row);
+      }
+      v = __uint_as_float(Tf32Big(v));
+    }
+    packed[i] = v;
+  }
+}
+
+template <int kCount>
+__device__ __forceinline__ void LoadFragments(const float* packed, int slot0, uint32_t (&a)[kCount][4]) {
+#pragma unroll
+  for (int f = 0; f < kCount; ++f) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[f][r] = __float_as_uint(packed[static_cast<size_t>(slot0 + f * 4 + r) * kThreads]);
+  }
+}
+
+// acc[0] += A·B over the even k-tiles of a (kPairs pairs), acc[1] over the odd ones: two independent mma chains. B
+// of pair j is the 16-byte load at b + 16j (this thread's row of the shared tile, offset by 4t).
+template <int kPairs>
+__device__ __forceinline__ void MmaPairs(const uint32_t (&a)[2 * kPairs][4], const float* b, float (&acc)[2][4]) {
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const float4 v = *reinterpret_cast<const float4*>(b + 16 * j);
+    MmaTf32(acc[0], a[2 * j], {__float_as_uint(v.x), __float_as_uint(v.y)});
+    MmaTf32(acc[1], a[2 * j + 1], {__float_as_uint(v.z), __float_as_uint(v.w)});
+  }
+}
+
+__device__ __forceinline__ float RoundTf32(float v) { return __uint_as_float(Tf32Big(v)); }
+
+// A block runs kSeqs ∈ {2, 4, 8} sequences; column n of every B fragment is sequence n % kSeqs, so with fewer than
+// eight the columns repeat and every lane holds each of its rows' values for all of the block's sequences. The
+// scalar work after each product (the nonlinearities, the stores) is then split over the lanes that hold the same
+// values: a lane takes accumulator entries Entry(v) (row g + 8·(i / 2), column 2t + i % 2) and, of the heads, the
+// cells of column 2t + CellColumn(c). Fewer sequences a block run the same products a step (the columns are paid
+// for either way) with less scalar work, and more blocks cover the device.
+template <int kSeqs>
+struct Lanes {
+  static_assert(kSeqs == 2 || kSeqs == 4 || kSeqs == 8);
+  static constexpr int kValues = kSeqs / 2;     // accumulator entries a lane takes
+  static constexpr int kCells = kSeqs / 4 > 0 ? kSeqs / 4 : 1;  // cells a lane takes
+  // kSeqs 8: every entry; 4: row half t / 2 (lanes t and t ^ 2 hold the same sequences); 2: entry t.
+  __device__ static int Entry(int t, int v) { return kSeqs == 8 ? v : kSeqs == 4 ? 2 * (t / 2) + v : t; }
+  __device__ static int CellColumn(int t, int c) { return kSeqs == 8 ? c : kSeqs == 4 ? t / 2 : t % 2; }
+  __device__ static int Seq(int t, int column) { return (2 * t + column) % kSeqs; }
+  // kSeqs 2: lanes t and t + 2 take the same cell; the first stores it.
+  __device__ static bool StoresCell(int t) { return kSeqs != 2 || t < 2; }
+};
+
+__device__ __forceinline__ float Pick(const float (&d)[4], int i) {
+  return i == 0 ? d[0] : i == 1 ? d[1] : i == 2 ? d[2] : d[3];
+}
+
+// The sum of the two chains' accumulators.
+__device__ __forceinline__ void SumChains(const float (&acc)[2][4], float (&out)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = acc[0][i] + acc[1][i];
+}
+
+template <int kSeqs>
+__global__ void __launch_bounds__(kThreads, 1)
+    ForwardKernel(CfcShape shape, const float* packed, const float* u, const float* dt, const float* state_in,
+                  CfcActivations act, float* state_out) {
+  using L = Lanes<kSeqs>;
+  __shared__ __align__(16) float c[kSeqs][kUnitStride];       // c_{t−1}, then c_t (TF32)
+  __shared__ __align__(16) float bb[kSeqs][kBackboneStride];  // lecun_tanh(bb_pre) (TF32)
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, q = lane % 4;
+  const int seq0 = blockIdx.x * kSeqs;
+  uint32_t wc[8][4], wh[2][16][4];
+  LoadFragments(packed + tid, 0, wc);
+  LoadFragments(packed + tid, kWcSlots, wh[0]);
+  LoadFragments(packed + tid, kWcSlots + 64, wh[1]);
+  // The W_c phase's rows are backbone rows 16·warp + g + 8r, the heads phase's unit 8·warp + g (its four heads).
+  const int unit = 8 * warp + g;
+  int k_row[L::kValues], k_seq[L::kValues], h_seq[L::kCells];
+  bool k_writer[L::kValues], h_writer[L::kCells];
+  const float* u_at[L::kValues];
+  const float* dt_at[L::kCells];
+#pragma unroll
+  for (int v = 0; v < L::kValues; ++v) {
+    const int i = L::Entry(q, v);
+    k_row[v] = 16 * warp + g + 8 * (i / 2);
+    k_seq[v] = seq0 + L::Seq(q, i % 2);
+    k_writer[v] = k_seq[v] < B && k_row[v] < K;
+    u_at[v] = u + static_cast<size_t>(min(k_seq[v], B - 1)) * T * K + min(k_row[v], K - 1);
+  }
+#pragma unroll
+  for (int cell = 0; cell < L::kCells; ++cell) {
+    h_seq[cell] = seq0 + L::Seq(q, L::CellColumn(q, cell));
+    h_writer[cell] = h_seq[cell] < B && unit < C && L::StoresCell(q);
+    dt_at[cell] = dt + static_cast<size_t>(min(h_seq[cell], B - 1)) * T;
+  }
+  float bias[4];
+#pragma unroll
+  for (int h = 0; h < 4; ++h) bias[h] = packed[kBiasOffset + h * kUnits + unit];
+  LetNextKernelLaunch();  // (as the FFMA tile kernel)
+  float c_own[L::kCells];
+#pragma unroll
+  for (int cell = 0; cell < L::kCells; ++cell) {
+    c_own[cell] = state_in ? state_in[static_cast<size_t>(min(h_seq[cell], B - 1)) * C + min(unit, C - 1)] : 0.f;
+  }
+  for (int j = tid; j < kSeqs * kUnits; j += kThreads) {
+    const int s = j / kUnits, i = j % kUnits;
+    c[s][i] = seq0 + s < B && i < C && state_in ? RoundTf32(state_in[static_cast<size_t>(seq0 + s) * C + i]) : 0.f;
+  }
+  float u_next[L::kValues], dt_next[L::kCells];
+#pragma unroll
+  for (int v = 0; v < L::kValues; ++v) u_next[v] = u_at[v][0];
+#pragma unroll
+  for (int cell = 0; cell < L::kCells; ++cell) dt_next[cell] = dt_at[cell][0];
+  __syncthreads();
+  for (int t = 0; t < T; ++t) {
+    const int next_t = min(t + 1, T - 1);
+    {
+      float acc[2][4] = {}, sum[4];
+      MmaPairs<4>(wc, &c[g % kSeqs][4 * q], acc);
+      SumChains(acc, sum);
+#pragma unroll
+      for (int v = 0; v < L::kValues; ++v) {
+        const int i = L::Entry(q, v);
+        const float pre = Pick(sum, i) + u_next[v], value = LecunTanh(pre);
+        bb[k_seq[v] - seq0][k_row[v]] = RoundTf32(value);
+        if (k_writer[v]) {
+          const size_t at = (static_cast<size_t>(k_seq[v]) * T + t) * K + k_row[v];
+          act.bb_pre[at] = pre;
+          act.bb[at] = value;
+        }
+        u_next[v] = u_at[v][static_cast<size_t>(next_t) * K];
+      }
+    }
+    __syncthreads();
+    {
+      float ff[2][4] = {}, time[2][4] = {}, ffs[4], times[4];
+      MmaPairs<8>(wh[0], &bb[g % kSeqs][4 * q], ff);
+      MmaPairs<8>(wh[1], &bb[g % kSeqs][4 * q], time);
+      SumChains(ff, ffs);
+      SumChains(time, times);
+#pragma unroll
+      for (int cell = 0; cell < L::kCells; ++cell) {
+        const int e = L::CellColumn(q, cell);
+        const float f1 = tanhf(Pick(ffs, e) + bias[kCfcFf1]), f2 = tanhf(Pick(ffs, 2 + e) + bias[kCfcFf2]);
+        const float ta = Pick(times, e) + bias[kCfcTimeA], tb = Pick(times, 2 + e) + bias[kCfcTimeB];
+        const float tau = Sigmoid(ta * dt_next[cell] + tb);
+        const float next = f1 * (1.f - tau) + tau * f2;
+        c[h_seq[cell] - seq0][unit] = RoundTf32(next);
+        if (h_writer[cell]) {
+          const size_t row = static_cast<size_t>(h_seq[cell]) * T + t;
+          float* gates = act.gates + row * 3 * C + unit;
+          gates[0] = f1;
+          gates[C] = f2;
+          gates[2 * C] = tau;
+          act.c_prev[row * C + unit] = c_own[cell];
+          act.c[row * act.ldc + unit] = next;
+        }
+        c_own[cell] = next;
+        dt_next[cell] = dt_at[cell][next_t];
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int cell = 0; cell < L::kCells; ++cell) {
+    if (state_out && h_writer[cell]) state_out[static_cast<size_t>(h_seq[cell]) * C + unit] = c_own[cell];
+  }
+}
+
+template <int kSeqs>
+__global__ void __launch_bounds__(kThreads, 1)
+    BackwardKernel(CfcShape shape, const float* packed, const float* dt, const float* gates, const float* bb_pre,
+                   const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre, float* bias_sums) {
+  using L = Lanes<kSeqs>;
+  // The d heads' cells (sequence, unit): a thread's unit tid % kUnits of sequences tid / kUnits + 4d.
+  constexpr int kDheadCells = kSeqs * kUnits / kThreads > 0 ? kSeqs * kUnits / kThreads : 1;
+  __shared__ __align__(16) float dheads[kSeqs][kHeadStride];  // [seq][h·kUnits + unit] (TF32)
+  __shared__ __align__(16) float dbb[kSeqs][kBackboneStride];  // (TF32)
+  __shared__ float partial[2][kSeqs][kPartialStride];          // W_cᵀ·d bb over each half of the backbone
+  const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, q = lane % 4;
+  const int seq0 = blockIdx.x * kSeqs;
+  uint32_t wt[32][4], wu[8][4];
+  LoadFragments(packed + tid, kWcSlots + kHeadsSlots, wt);
+  LoadFragments(packed + tid, kWcSlots + kHeadsSlots + kHeadsTSlots, wu);
+  // The W_headsᵀ phase's rows: backbone rows 16·warp + g + 8r; the W_cᵀ phase's: units 16·(warp % 4) + g + 8r over
+  // the backbone half warp / 4.
+  const int half = warp / 4;
+  int k_row[L::kValues], k_seq[L::kValues], u_row[L::kValues];
+  bool k_writer[L::kValues];
+#pragma unroll
+  for (int v = 0; v < L::kValues; ++v) {
+    const int i = L::Entry(q, v);
+    k_row[v] = 16 * warp + g + 8 * (i / 2);
+    u_row[v] = 16 * (warp % 4) + g + 8 * (i / 2);
+    k_seq[v] = seq0 + L::Seq(q, i % 2);
+    k_writer[v] = k_seq[v] < B && k_row[v] < K;
+  }
+  const int unit = tid % kUnits;
+  const bool dhead_thread = tid / kUnits < kSeqs;  // kSeqs 2: the first half of the block
+  int h_seq[kDheadCells];
+  bool h_writer[kDheadCells];
+#pragma unroll
+  for (int d = 0; d < kDheadCells; ++d) {
+    h_seq[d] = seq0 + tid / kUnits + 4 * d;
+    h_writer[d] = dhead_thread && h_seq[d] < B && unit < C;
+  }
+  // Step t's inputs of the d heads, loaded a step ahead.
+  float grad_head[kDheadCells], f1[kDheadCells], f2[kDheadCells], tau[kDheadCells], dt_t[kDheadCells];
+  auto load_step = [&](int t) {
+#pragma unroll
+    for (int d = 0; d < kDheadCells; ++d) {
+      const size_t row = static_cast<size_t>(min(h_seq[d], B - 1)) * T + t;
+      const int i = min(unit, C - 1);
+      grad_head[d] = dc_head[row * ld_dc_head + i];
+      const float* gt = gates + row * 3 * C + i;
+      f1[d] = gt[0];
+      f2[d] = gt[C];
+      tau[d] = gt[2 * C];
+      dt_t[d] = dt[row];
+    }
+  };
+  float dp_sum[kDheadCells][4] = {}, dbb_sum[L::kValues] = {};
+  auto store_dheads = [&](int t, const float (&dc)[kDheadCells]) {
+    if (!dhead_thread) return;
+#pragma unroll
+    for (int d = 0; d < kDheadCells; ++d) {
+      const float grad = dc[d] + grad_head[d], d_tau_pre = grad * (f2[d] - f1[d]) * tau[d] * (1.f - tau[d]);
+      const float dh[4] = {grad * (1.f - tau[d]) * (1.f - f1[d] * f1[d]), grad * tau[d] * (1.f - f2[d] * f2[d]),
+                           d_tau_pre * dt_t[d], d_tau_pre};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) dheads[h_seq[d] - seq0][h * kUnits + unit] = RoundTf32(dh[h]);
+      if (h_writer[d]) {
+        float* out = dp + (static_cast<size_t>(h_seq[d]) * T + t) * 4 * C + unit;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          out[h * C] = dh[h];
+          dp_sum[d][h] += dh[h];
+        }
+      }
+    }
+  };
+  float bb_pre_t[L::kValues];
+  auto load_bb_pre = [&](int t) {
+#pragma unroll
+    for (int v = 0; v < L::kValues; ++v) {
+      bb_pre_t[v] = bb_pre[(static_cast<size_t>(min(k_seq[v], B - 1)) * T + t) * K + min(k_row[v], K - 1)];
+    }
+  };
+  if (dhead_thread) {
+    load_step(T - 1);
+    float zero[kDheadCells] = {};
+    store_dheads(T - 1, zero);
+    if (T > 1) load_step(T - 2);
+  }
+  load_bb_pre(T - 1);
+  __syncthreads();
+  for (int t = T - 1; t >= 0; --t) {
+    {
+      float acc[2][4] = {}, sum[4];
+      MmaPairs<16>(wt, &dheads[g % kSeqs][4 * q], acc);
+      SumChains(acc, sum);
+#pragma unroll
+      for (int v = 0; v < L::kValues; ++v) {
+        const float value = Pick(sum, L::Entry(q, v)) * LecunTanhGrad(bb_pre_t[v]);
+        dbb[k_seq[v] - seq0][k_row[v]] = RoundTf32(value);
+        if (k_writer[v]) {
+          dbb_pre[(static_cast<size_t>(k_seq[v]) * T + t) * K + k_row[v]] = value;
+          dbb_sum[v] += value;
+        }
+      }
+      if (t > 0) load_bb_pre(t - 1);
+    }
+    __syncthreads();
+    if (t == 0) break;  // no gradient flows into state_in
+    {
+      float acc[2][4] = {}, sum[4];
+      MmaPairs<4>(wu, &dbb[g % kSeqs][64 * half + 4 * q], acc);
+      SumChains(acc, sum);
+#pragma unroll
+      for (int v = 0; v < L::kValues; ++v) partial[half][k_seq[v] - seq0][u_row[v]] = Pick(sum, L::Entry(q, v));
+    }
+    __syncthreads();
+    if (dhead_thread) {
+      float dc[kDheadCells];
+#pragma unroll
+      for (int d = 0; d < kDheadCells; ++d) {
+        dc[d] = partial[0][h_seq[d] - seq0][unit] + partial[1][h_seq[d] - seq0][unit];
+      }
+      store_dheads(t - 1, dc);
+      if (t > 1) load_step(t - 2);
+    }
+    __syncthreads();
+  }
+  if (bias_sums == nullptr) return;
+#pragma unroll
+  for (int d = 0; d < kDheadCells; ++d) {
+    if (h_writer[d]) {
+      float* sums = bias_sums + static_cast<size_t>(h_seq[d]) * (4 * C + K);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) sums[h * C + unit] = dp_sum[d][h];
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < L::kValues; ++v) {
+    if (k_writer[v]) bias_sums[static_cast<size_t>(k_seq[v]) * (4 * C + K) + 4 * C + k_row[v]] = dbb_sum[v];
+  }
+}
+
+// Launches kernels[p], the kernel of 2^(p+1) sequences a block, with the fewest sequences whose blocks all run at once.
+template <typename Kernel, typename... Args>
+cudaError_t Launch(const CfcShape& shape, const Kernel (&kernels)[3], cudaStream_t stream, Args... args) {
+  int sms = 0;
+  if (const cudaError_t e = MultiprocessorCount(&sms); e != cudaSuccess) return e;
+  int pick = 0;
+  while (pick < 2 && CeilDiv(shape.batch, 2 << pick) > sms) ++pick;
+  kernels[pick]<<<CeilDiv(shape.batch, 2 << pick), kThreads, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+}  // namespace mma
+
 // The general kernels' packed layout, in floats: the forward's block [W_cᵀ: C×K][W_headsᵀ: K×4C][biases: 4C], then the backward's block
 // [W_heads: 4C×K][W_c: K×C].
 __host__ __device__ inline size_t ForwardWeightFloats(int C, int K) { return 5ull * C * K + 4ull * C; }
@@ -719,6 +1108,7 @@ bool ValidShape(const CfcShape& s) {
 }  // namespace
 
 size_t CfcPackedFloats(const CfcShape& shape) {
+  if (mma::Fits(shape)) return mma::kPackedFloats;
   if (Fits<SmallTile>(shape)) return SmallTile::kPackedFloats;
   if (Fits<LargeTile>(shape)) return LargeTile::kPackedFloats;
   return ForwardWeightFloats(shape.units, shape.backbone) + BackwardWeightFloats(shape.units, shape.backbone);
@@ -727,7 +1117,9 @@ size_t CfcPackedFloats(const CfcShape& shape) {
 cudaError_t LaunchCfcPackWeights(const CfcWeights& weights, const CfcShape& shape, float* packed, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
   const dim3 grid = GridFor(static_cast<long long>(CfcPackedFloats(shape)), 256);
-  if (Fits<SmallTile>(shape)) {
+  if (mma::Fits(shape)) {
+    mma::PackKernel<<<grid, 256, 0, stream>>>(weights, shape, packed);
+  } else if (Fits<SmallTile>(shape)) {
     CfcPackTileKernel<SmallTile><<<grid, 256, 0, stream>>>(weights, shape, packed);
   } else if (Fits<LargeTile>(shape)) {
     CfcPackTileKernel<LargeTile><<<grid, 256, 0, stream>>>(weights, shape, packed);
@@ -740,6 +1132,11 @@ cudaError_t LaunchCfcPackWeights(const CfcWeights& weights, const CfcShape& shap
 cudaError_t LaunchCfcForward(const CfcShape& shape, const float* packed, const float* u, const float* dt,
                              const float* state_in, const CfcActivations& act, float* state_out, cudaStream_t stream) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
+  if (mma::Fits(shape)) {
+    const decltype(&mma::ForwardKernel<2>) kernels[] = {mma::ForwardKernel<2>, mma::ForwardKernel<4>,
+                                                         mma::ForwardKernel<8>};
+    return mma::Launch(shape, kernels, stream, shape, packed, u, dt, state_in, act, state_out);
+  }
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcForwardTileKernel<SmallTile, 1>) kernels[] = {CfcForwardTileKernel<SmallTile, 1>,
                                                                       CfcForwardTileKernel<SmallTile, 2>};
@@ -768,6 +1165,12 @@ cudaError_t LaunchCfcBackward(const CfcShape& shape, const float* packed, const 
                               const float* bb_pre, const float* dc_head, int ld_dc_head, float* dp, float* dbb_pre,
                               cudaStream_t stream, float* bias_sums) {
   if (!ValidShape(shape)) return cudaErrorInvalidValue;
+  if (mma::Fits(shape)) {
+    const decltype(&mma::BackwardKernel<2>) kernels[] = {mma::BackwardKernel<2>, mma::BackwardKernel<4>,
+                                                          mma::BackwardKernel<8>};
+    return mma::Launch(shape, kernels, stream, shape, packed, dt, gates, bb_pre, dc_head, ld_dc_head, dp, dbb_pre,
+                       bias_sums);
+  }
   if (Fits<SmallTile>(shape)) {
     const decltype(&CfcBackwardTileKernel<SmallTile, 1>) kernels[] = {CfcBackwardTileKernel<SmallTile, 1>,
                                                                        CfcBackwardTileKernel<SmallTile, 2>};

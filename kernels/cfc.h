@@ -23,6 +23,9 @@ struct CfcWeights {
 struct CfcShape {
   int batch = 0, window = 0;  // B, T; rows are r = b·window + t
   int d_model = 0, units = 0, backbone = 0;  // D, C, K
+  // The recurrences' products in plain TF32 on the tensor cores (the `tf32` precision) where C ≤ 64 and K ≤ 128;
+  // float32 FMAs otherwise. The packed weights' layout follows it.
+  bool tf32_products = false;
 };
 
 // Floats of the packed weights written by LaunchCfcPackWeights.
