@@ -2,7 +2,9 @@
 // its tuned table) and in the 3×TF32 kernels (kernels/gemm_tf32x3.h) at every tile and, for the weight gradient,
 // several row splits (and the narrow kernel of kernels/skinny_grad.h, 3×TF32 and FFMA, at several), as Blas routes it in the 3×TF32
 // precision, and, for the forward and backward data, from the weight's TF32 planes ("planes", split beforehand as
-// the engine does once a step; "split" times that launch); µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
+// the engine does once a step; "split" times that launch); then the `tf32` precision's: cuBLAS TF32 alone
+// ("cublas_tf32", where Blas keeps its weight gradients), and for the forward and backward data as Blas routes it
+// ("blas_tf32") and the kernels' one TF32 product ("plain", auto tile, from the planes); µs per product as one replayed CUDA graph of 20 launches (the median of 5), so that the engine's choice
 // of kernel and tile per shape rests on measurements. An argument keeps only the products whose "name form"
 // contains one of its comma-separated parts (e.g. `bench_gemm "s.in_proj fwd"`, to profile one product).
 #include <algorithm>
@@ -113,7 +115,9 @@ int Run(const std::string& only) {
   auto blas = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32);
   // The engine's choice per product: the 3×TF32 kernels where Blas routes them, cuBLAS float32 elsewhere.
   auto blas3x = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kFloat32Tf32x3);
-  if (!blas.ok() || !blas3x.ok()) return 1;
+  auto cublas_tf32 = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kTf32, /*own_kernels=*/false);
+  auto blas_tf32 = Blas::Create(stream, workspace->get(), kWorkspaceBytes, Precision::kTf32);
+  if (!blas.ok() || !blas3x.ok() || !cublas_tf32.ok() || !blas_tf32.ok()) return 1;
   const float* x = static_cast<const float*>(a->get());
   const float* w = static_cast<const float*>(b->get());
   float* y = static_cast<float*>(c->get());
@@ -172,6 +176,20 @@ int Run(const std::string& only) {
             return absl::OkStatus();
           });
         }
+        for (Blas* b : {cublas_tf32->get(), blas_tf32->get()}) {
+          add(b == cublas_tf32->get() ? "cublas_tf32" : "blas_tf32", [&] {
+            return b->Forward(p.rows, p.in, p.out, x, p.in, w, p.in, nullptr, 0.f, y, p.out,
+                              {.count = p.count, .w = p.count > 1 ? sw : 0, .y = p.count > 1 ? sy : 0});
+          });
+        }
+        if (supported) {
+          add("plain", [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(
+                p.rows, p.in, p.out, x, p.in, 0, w, p.in, p.count > 1 ? sw : 0, nullptr, 0, 0.f, y, p.out,
+                p.count > 1 ? sy : 0, p.count, stream, GemmTile::kAuto, &parts, false, /*plain_tf32=*/true));
+            return absl::OkStatus();
+          });
+        }
         break;
       case Form::kBackwardData:
         for (Blas* b : {blas->get(), blas3x->get()}) {
@@ -189,6 +207,17 @@ int Run(const std::string& only) {
           add("planes", [&] {
             CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
                                                                        p.in, stream, GemmTile::kAuto, &parts));
+            return absl::OkStatus();
+          });
+        }
+        for (Blas* b : {cublas_tf32->get(), blas_tf32->get()}) {
+          add(b == cublas_tf32->get() ? "cublas_tf32" : "blas_tf32",
+              [&] { return b->BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y, p.in); });
+        }
+        if (supported) {
+          add("plain", [&] {
+            CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardData(p.rows, p.in, p.out, x, p.out, w, p.in, 0.f, y,
+                                                                       p.in, stream, GemmTile::kAuto, &parts, true));
             return absl::OkStatus();
           });
         }
@@ -216,6 +245,9 @@ int Run(const std::string& only) {
             return absl::OkStatus();
           });
         }
+        add("cublas_tf32", [&] {
+          return cublas_tf32->get()->BackwardWeight(p.rows, p.in, p.out, x, p.out, w, p.in, y, p.in);
+        });
         for (const auto math : {kernels::SkinnyMath::kTf32x3, kernels::SkinnyMath::kFfma}) {
           for (const int slices : {0, 44, 66, 88, 132, 264}) {
             const std::string label = std::string(math == kernels::SkinnyMath::kFfma ? "ffma/" : "mma/") +

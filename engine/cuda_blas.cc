@@ -100,9 +100,12 @@ bool Tf32x3ForwardOrBackwardDataPays(int in, int out) { return in >= 40 && out >
 bool Tf32x3BackwardWeightPays(int rows, int in, int out) {
   return rows >= 1024 && in >= 128 && out >= 128;
 }
-// One TF32 product (the `tf32` precision) against cuBLAS TF32, which runs the long sums of the wide products at the
-// tensor cores' rate: the wgmma kernels for products with a side of at most 256 (H200, every product of small on them:
-// its step 923 -> 882 µs; every product of large on them: 12,930 -> 14,090 µs).
+// The `tf32` precision's forward and backward-data products in one TF32 product on the wgmma kernels, against cuBLAS
+// TF32: they launch as programmatic dependents along the chain and without cuBLAS's memset node and the idle gap
+// behind it, but cuBLAS runs the long sums of wide products at the tensor cores' rate, so only where a side is at
+// most 256 (H200: small's step 921–924 -> 874–875 µs with all of its products, including its weight gradients, on
+// the kernels; large's 12,930 -> 14,090 µs with all of its). Its weight gradients stay on cuBLAS TF32, which runs
+// them on the whole device beside the chain (small's step 874–875 -> 859–860 µs).
 bool PlainTf32Pays(int in, int out) { return std::min(in, out) <= 256; }
 // The narrow weight gradients, which neither the wgmma kernel nor cuBLAS's SIMT sgemm (plus its split-K reduce) fill:
 // kernels/skinny_grad.h in 3×TF32 (H200, 16,384 rows, µs, against cuBLAS float32: embedding 12.8 against 13.4, CfC
@@ -120,7 +123,7 @@ cublasStatus_t SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAtt
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                   Precision precision) {
+                                                   Precision precision, bool own_kernels) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle));
   std::unique_ptr<Blas> blas(new Blas(handle, stream, workspace, workspace_bytes, precision));
@@ -129,8 +132,8 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* wo
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
-  blas->tf32x3_ = UsesTf32x3Kernels(precision, prop);
-  blas->skinny_ = precision == Precision::kFloat32Tf32x3;
+  blas->tf32x3_ = own_kernels && UsesTf32x3Kernels(precision, prop);
+  blas->skinny_ = own_kernels && precision == Precision::kFloat32Tf32x3;
   blas->tuned_device_ = sms == kTunedSms && std::strstr(prop.name, "H200") != nullptr &&
                         cublasLtGetVersion() == kTunedVersion;
   return blas;
@@ -321,12 +324,12 @@ absl::Status Blas::BackwardData(int rows, int in, int out, const float* dy, int 
 
 absl::Status Blas::BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x, int ldx,
                                   float* dw, int lddw) {
-  if (tf32x3_ && Tf32x3BackwardWeightPays(rows, in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
+  if (tf32x3_ && !tf32_ && Tf32x3BackwardWeightPays(rows, in, out) &&
       kernels::GemmTf32x3Supports(std::min(Alignment(dy, lddy, 0), Alignment(x, ldx, 0)), out, in)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3BackwardWeight(rows, in, out, dy, lddy, x, ldx, dw, lddw,
                                                                  static_cast<float*>(workspace_), workspace_bytes_,
                                                                  stream_, kernels::GemmTile::kAuto, /*splits=*/0,
-                                                                 /*shares_device=*/true, /*plain_tf32=*/tf32_));
+                                                                 /*shares_device=*/true));
     flops_ += 2.0 * rows * in * out;
     return absl::OkStatus();
   }

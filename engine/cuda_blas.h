@@ -31,8 +31,9 @@ struct BlasBatch {
 // stream).
 class Blas {
  public:
+  // own_kernels = false keeps every product on cuBLAS in the precision's arithmetic (for measuring against it).
   static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                      Precision precision);
+                                                      Precision precision, bool own_kernels = true);
   // Whether Blas runs products on the wgmma kernels of kernels/gemm_tf32x3.h on this device (3×TF32, or one TF32
   // product for the `tf32` precision).
   static bool UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device);
@@ -101,8 +102,8 @@ class Blas {
   size_t workspace_bytes_;
   bool tf32_;  // cuBLAS on TF32 tensor cores
   // The wgmma kernels of kernels/gemm_tf32x3.h for the products they take, on a compute capability 9.0 device (they
-  // are built for sm_90a alone): 3×TF32 for precision kFloat32Tf32x3, one TF32 product for kTf32 (tf32_); cuBLAS
-  // otherwise.
+  // are built for sm_90a alone): 3×TF32 for precision kFloat32Tf32x3, one TF32 product for kTf32 (tf32_; forward and
+  // backward data only); cuBLAS otherwise.
   bool tf32x3_ = false;
   // The narrow weight gradients on kernels/skinny_grad.h: precision kFloat32Tf32x3 on any device (its mma.sync is
   // sm_80 on). kFloat32 keeps cuBLAS and its tuned table, the baseline the 3×TF32 kernels are measured against.

@@ -793,8 +793,7 @@ cudaError_t LaunchTf32x3SplitWeights(const Tf32x3SplitJob* jobs, int count, int 
 
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
-                                           cudaStream_t stream, GemmTile tile, int splits, bool shares_device,
-                                           bool plain_tf32) {
+                                           cudaStream_t stream, GemmTile tile, int splits, bool shares_device) {
   if (in <= 0 || out <= 0) return cudaSuccess;
   // Where 128-wide tiles would leave at most two per slice, 64-wide ones measured faster (H200, 16,384 rows, µs:
   // CfC backbone 128×128 18.5 against 22.1, out_proj 256→128 23.0 against 23.9, CfC heads 23.0 against 23.8; small's
@@ -833,7 +832,7 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
   splits = std::min(splits, most);
   if (splits <= 1) {
     const GemmParams p{dy, lddy, 0, x, ldx, 0, dw, lddw, 0, nullptr, 0, 0.f, out, in, rows, 0};
-    return LaunchTerms<false, false>(plain_tf32, tile, p, 1, stream);
+    return LaunchTile<false, false, false, false>(tile, p, 1, stream, nullptr, false);
   }
   // Whole k-tiles per slice; the last slice takes what is left, so the count may come out lower.
   const int k_split = CeilDiv(ktiles, splits) * kBk;
@@ -844,7 +843,10 @@ cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const floa
                      nullptr, 0,    0.f,
                      out,     in,   rows,
                      k_split};
-  if (const cudaError_t e = LaunchTerms<false, false>(plain_tf32, tile, p, splits, stream); e != cudaSuccess) return e;
+  if (const cudaError_t e = LaunchTile<false, false, false, false>(tile, p, splits, stream, nullptr, false);
+      e != cudaSuccess) {
+    return e;
+  }
   constexpr int kSumThreads = 128;  // small's in_proj gradient: 145 blocks, more than one per SM
   const int quads = out * (in / 4);
   SumSlicesKernel<<<CeilDiv(quads, kSumThreads), kSumThreads, 0, stream>>>(workspace, splits, out, in, dw, lddw);

@@ -1,8 +1,8 @@
 // Float32-accurate products of a linear layer on the TF32 tensor cores (the 3×TF32 split of kernels/tf32x3.cuh):
 // the Forward, BackwardData and BackwardWeight of engine/cuda_blas.h, row-major, deterministic (the weight gradient's
 // split over rows sums its partials in a fixed order, no atomics), no allocation, capturable in a CUDA graph.
-// `plain_tf32` (every product): one product of the operands rounded to TF32 instead of the three of the split, for the
-// `tf32` precision; with planes, only their big parts are read.
+// `plain_tf32` (forward and backward data): one product of the operands rounded to TF32 instead of the three of the
+// split, for the `tf32` precision; with planes, only their big parts are read.
 #pragma once
 
 #include <cstddef>
@@ -78,6 +78,6 @@ cudaError_t LaunchGemmTf32x3BackwardData(int rows, int in, int out, const float*
 cudaError_t LaunchGemmTf32x3BackwardWeight(int rows, int in, int out, const float* dy, int lddy, const float* x,
                                            int ldx, float* dw, int lddw, float* workspace, size_t workspace_bytes,
                                            cudaStream_t stream, GemmTile tile = GemmTile::kAuto, int splits = 0,
-                                           bool shares_device = false, bool plain_tf32 = false);
+                                           bool shares_device = false);
 
 }  // namespace perception::kernels
