@@ -6,8 +6,10 @@
 // reduce-scatter of shuffles (no selects: each lane holds its rows in its own XOR order); two barriers a step. A step
 // is latency- and issue-bound (about 60% of issue slots used with two warps a scheduler): splitting a block's
 // sequences into halves that overlap each other's reductions measured slower, since every lane then runs a
-// reduction, nonlinearity and stores per half; tensor cores would pad two sequences to mma's eight columns. Larger shapes run the general kernels: three barrier-separated
-// phases a step, a thread per output, weights in shared memory when they fit.
+// reduction, nonlinearity and stores per half. Larger shapes run the general kernels: three barrier-separated
+// phases a step, a thread per output, weights in shared memory when they fit. Under the `tf32` precision `small`'s
+// shape runs on the TF32 tensor cores instead (namespace mma below): mma's eight columns hold the block's sequences,
+// repeated, and the float32 FFMA tiles stay the float32-accurate path.
 #include "kernels/cfc.h"
 
 #include <algorithm>
@@ -428,9 +430,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (k_writer) bias_sums[static_cast<size_t>(seq0 + at_k.seq) * (4 * C + K) + 4 * C + k] = dbb_sum;
 }
 
-// `small`'s recurrences on the TF32 tensor cores, for the `tf32` precision (CfcShape::tf32_products): a block's eight
-// sequences are mma.m16n8k8's eight columns, so no column is padding, and each warp holds its rows' A fragments (the
-// weights, rounded to TF32 when packed) in registers for the whole window, 160 a thread as the FFMA tile holds. A
+// `small`'s recurrences on the TF32 tensor cores, for the `tf32` precision (CfcShape::tf32_products): a block's
+// sequences are mma.m16n8k8's eight columns (see Lanes), and each warp holds its rows' A fragments (the weights,
+// rounded to TF32 when packed) in registers for the whole window, 160 a thread as the FFMA tile holds. A step's
+// products are the same for 2 and for 8 sequences; the scalar work after them (the nonlinearities, the stores) grows
+// with the sequences and dominates (H200, small, eight a block on 32 SMs: forward 81 µs, 410 instructions a warp a
+// step; two on 128: 52 µs; the FFMA tile: 60). A
 // phase's B fragments (c_{t−1}, bb, d heads or d bb, rounded to TF32 as they are stored) come from shared memory,
 // and the inner index is permuted so that one 16-byte load gives a thread its B fragments of two k-tiles. Padded
 // units, backbone rows and sequences read real ones (clamped) against zero weights, and store nothing.
@@ -461,7 +466,7 @@ __host__ __device__ constexpr int Inner(int k_tile, int lane, int upper) {
 struct FragmentEntry {
   int row, inner;
 };
-__host__ __device__ constexpr FragmentEntry Entry(int row0, int k_tile, int lane, int reg) {
+__host__ __device__ constexpr FragmentEntry FragmentAt(int row0, int k_tile, int lane, int reg) {
   return {row0 + lane / 4 + reg % 2 * 8, Inner(k_tile, lane, reg / 2)};
 }
 
@@ -483,18 +488,18 @@ __global__ void PackKernel(CfcWeights w, CfcShape shape, float* packed) {
       const int tid = static_cast<int>(i % kThreads), slot = static_cast<int>(i / kThreads);
       const int warp = tid / kWarpSize, lane = tid % kWarpSize, reg = slot % 4;
       if (slot < kWcSlots) {  // rows: backbone k = 16·warp + ·; inner: units
-        const FragmentEntry e = Entry(16 * warp, slot / 4, lane, reg);
+        const FragmentEntry e = FragmentAt(16 * warp, slot / 4, lane, reg);
         v = wc(e.row, e.inner);
       } else if (slot < kWcSlots + kHeadsSlots) {  // m-tile j: rows 0–7 head 2j, 8–15 head 2j + 1 of units 8·warp + ·
         const int s = slot - kWcSlots, j = s / 64;
-        const FragmentEntry e = Entry(0, s / 4 % 16, lane, reg);
+        const FragmentEntry e = FragmentAt(0, s / 4 % 16, lane, reg);
         v = head(2 * j + e.row / 8, 8 * warp + e.row % 8, e.inner);
       } else if (slot < kWcSlots + kHeadsSlots + kHeadsTSlots) {  // rows: k = 16·warp + ·; inner: h·kUnits + unit
-        const FragmentEntry e = Entry(16 * warp, (slot - kWcSlots - kHeadsSlots) / 4, lane, reg);
+        const FragmentEntry e = FragmentAt(16 * warp, (slot - kWcSlots - kHeadsSlots) / 4, lane, reg);
         v = head(e.inner / kUnits, e.inner % kUnits, e.row);
       } else {  // rows: units 16·(warp % 4) + ·; inner: k of the k-tiles 8·(warp / 4) + ·
         const int s = slot - kWcSlots - kHeadsSlots - kHeadsTSlots;
-        const FragmentEntry e = Entry(16 * (warp % 4), 8 * (warp / 4) + s / 4, lane, reg);
+        const FragmentEntry e = FragmentAt(16 * (warp % 4), 8 * (warp / 4) + s / 4, lane, reg);
         v = wc(e.inner, e.row);
       }
       v = __uint_as_float(Tf32Big(v));
@@ -529,7 +534,7 @@ __device__ __forceinline__ float RoundTf32(float v) { return __uint_as_float(Tf3
 // A block runs kSeqs ∈ {2, 4, 8} sequences; column n of every B fragment is sequence n % kSeqs, so with fewer than
 // eight the columns repeat and every lane holds each of its rows' values for all of the block's sequences. The
 // scalar work after each product (the nonlinearities, the stores) is then split over the lanes that hold the same
-// values: a lane takes accumulator entries Entry(v) (row g + 8·(i / 2), column 2t + i % 2) and, of the heads, the
+// values: a lane takes the accumulator entries i = Index(t, v) (row g + 8·(i / 2), column 2t + i % 2) and, of the heads, the
 // cells of column 2t + CellColumn(c). Fewer sequences a block run the same products a step (the columns are paid
 // for either way) with less scalar work, and more blocks cover the device.
 template <int kSeqs>
@@ -538,7 +543,7 @@ struct Lanes {
   static constexpr int kValues = kSeqs / 2;     // accumulator entries a lane takes
   static constexpr int kCells = kSeqs / 4 > 0 ? kSeqs / 4 : 1;  // cells a lane takes
   // kSeqs 8: every entry; 4: row half t / 2 (lanes t and t ^ 2 hold the same sequences); 2: entry t.
-  __device__ static int Entry(int t, int v) { return kSeqs == 8 ? v : kSeqs == 4 ? 2 * (t / 2) + v : t; }
+  __device__ static int Index(int t, int v) { return kSeqs == 8 ? v : kSeqs == 4 ? 2 * (t / 2) + v : t; }
   __device__ static int CellColumn(int t, int c) { return kSeqs == 8 ? c : kSeqs == 4 ? t / 2 : t % 2; }
   __device__ static int Seq(int t, int column) { return (2 * t + column) % kSeqs; }
   // kSeqs 2: lanes t and t + 2 take the same cell; the first stores it.
@@ -577,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float* dt_at[L::kCells];
 #pragma unroll
   for (int v = 0; v < L::kValues; ++v) {
-    const int i = L::Entry(q, v);
+    const int i = L::Index(q, v);
     k_row[v] = 16 * warp + g + 8 * (i / 2);
     k_seq[v] = seq0 + L::Seq(q, i % 2);
     k_writer[v] = k_seq[v] < B && k_row[v] < K;
@@ -616,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       SumChains(acc, sum);
 #pragma unroll
       for (int v = 0; v < L::kValues; ++v) {
-        const int i = L::Entry(q, v);
+        const int i = L::Index(q, v);
         const float pre = Pick(sum, i) + u_next[v], value = LecunTanh(pre);
         bb[k_seq[v] - seq0][k_row[v]] = RoundTf32(value);
         if (k_writer[v]) {
@@ -686,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool k_writer[L::kValues];
 #pragma unroll
   for (int v = 0; v < L::kValues; ++v) {
-    const int i = L::Entry(q, v);
+    const int i = L::Index(q, v);
     k_row[v] = 16 * warp + g + 8 * (i / 2);
     u_row[v] = 16 * (warp % 4) + g + 8 * (i / 2);
     k_seq[v] = seq0 + L::Seq(q, i % 2);
@@ -758,7 +763,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       SumChains(acc, sum);
 #pragma unroll
       for (int v = 0; v < L::kValues; ++v) {
-        const float value = Pick(sum, L::Entry(q, v)) * LecunTanhGrad(bb_pre_t[v]);
+        const float value = Pick(sum, L::Index(q, v)) * LecunTanhGrad(bb_pre_t[v]);
         dbb[k_seq[v] - seq0][k_row[v]] = RoundTf32(value);
         if (k_writer[v]) {
           dbb_pre[(static_cast<size_t>(k_seq[v]) * T + t) * K + k_row[v]] = value;
@@ -774,7 +779,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       MmaPairs<4>(wu, &dbb[g % kSeqs][64 * half + 4 * q], acc);
       SumChains(acc, sum);
 #pragma unroll
-      for (int v = 0; v < L::kValues; ++v) partial[half][k_seq[v] - seq0][u_row[v]] = Pick(sum, L::Entry(q, v));
+      for (int v = 0; v < L::kValues; ++v) partial[half][k_seq[v] - seq0][u_row[v]] = Pick(sum, L::Index(q, v));
     }
     __syncthreads();
     if (dhead_thread) {
