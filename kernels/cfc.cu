@@ -470,6 +470,8 @@ __host__ __device__ constexpr FragmentEntry FragmentAt(int row0, int k_tile, int
   return {row0 + lane / 4 + reg % 2 * 8, Inner(k_tile, lane, reg / 2)};
 }
 
+__device__ __forceinline__ float RoundTf32(float v) { return __uint_as_float(Tf32Big(v)); }
+
 __global__ void PackKernel(CfcWeights w, CfcShape shape, float* packed) {
   const int C = shape.units, K = shape.backbone, in = shape.d_model + C;
   auto wc = [&](int k, int unit) {
@@ -502,34 +504,29 @@ __global__ void PackKernel(CfcWeights w, CfcShape shape, float* packed) {
         const FragmentEntry e = FragmentAt(16 * (warp % 4), 8 * (warp / 4) + s / 4, lane, reg);
         v = wc(e.inner, e.row);
       }
-      v = __uint_as_float(Tf32Big(v));
+      v = RoundTf32(v);
     }
     packed[i] = v;
   }
 }
 
-template <int kCount>
-__device__ __forceinline__ void LoadFragments(const float* packed, int slot0, uint32_t (&a)[kCount][4]) {
-#pragma unroll
-  for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) a[f][r] = __float_as_uint(packed[static_cast<size_t>(slot0 + f * 4 + r) * kThreads]);
-  }
+// d += a·(b0, b1) for fragments held as floats (TF32 values, as packed and as stored).
+__device__ __forceinline__ void Mma(float (&d)[4], const float (&a)[4], float b0, float b1) {
+  MmaTf32(d, {__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3])},
+          {__float_as_uint(b0), __float_as_uint(b1)});
 }
 
 // acc[0] += A·B over the even k-tiles of a (kPairs pairs), acc[1] over the odd ones: two independent mma chains. B
 // of pair j is the 16-byte load at b + 16j (this thread's row of the shared tile, offset by 4t).
 template <int kPairs>
-__device__ __forceinline__ void MmaPairs(const uint32_t (&a)[2 * kPairs][4], const float* b, float (&acc)[2][4]) {
+__device__ __forceinline__ void MmaPairs(const float (&a)[2 * kPairs][4], const float* b, float (&acc)[2][4]) {
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const float4 v = *reinterpret_cast<const float4*>(b + 16 * j);
-    MmaTf32(acc[0], a[2 * j], {__float_as_uint(v.x), __float_as_uint(v.y)});
-    MmaTf32(acc[1], a[2 * j + 1], {__float_as_uint(v.z), __float_as_uint(v.w)});
+    Mma(acc[0], a[2 * j], v.x, v.y);
+    Mma(acc[1], a[2 * j + 1], v.z, v.w);
   }
 }
-
-__device__ __forceinline__ float RoundTf32(float v) { return __uint_as_float(Tf32Big(v)); }
 
 // A block runs kSeqs ∈ {2, 4, 8} sequences; column n of every B fragment is sequence n % kSeqs, so with fewer than
 // eight the columns repeat and every lane holds each of its rows' values for all of the block's sequences. The
@@ -570,10 +567,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, q = lane % 4;
   const int seq0 = blockIdx.x * kSeqs;
-  uint32_t wc[8][4], wh[2][16][4];
-  LoadFragments(packed + tid, 0, wc);
-  LoadFragments(packed + tid, kWcSlots, wh[0]);
-  LoadFragments(packed + tid, kWcSlots + 64, wh[1]);
+  float wc[8][4], wh[2][16][4];
+  LoadSlots<kThreads>(packed + tid, 0, wc);
+  LoadSlots<kThreads>(packed + tid, kWcSlots, wh[0]);
+  LoadSlots<kThreads>(packed + tid, kWcSlots + 64, wh[1]);
   // The W_c phase's rows are backbone rows 16·warp + g + 8r, the heads phase's unit 8·warp + g (its four heads).
   const int unit = 8 * warp + g;
   int k_row[L::kValues], k_seq[L::kValues], h_seq[L::kCells];
@@ -681,9 +678,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int B = shape.batch, T = shape.window, C = shape.units, K = shape.backbone;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, q = lane % 4;
   const int seq0 = blockIdx.x * kSeqs;
-  uint32_t wt[32][4], wu[8][4];
-  LoadFragments(packed + tid, kWcSlots + kHeadsSlots, wt);
-  LoadFragments(packed + tid, kWcSlots + kHeadsSlots + kHeadsTSlots, wu);
+  float wt[32][4], wu[8][4];
+  LoadSlots<kThreads>(packed + tid, kWcSlots + kHeadsSlots, wt);
+  LoadSlots<kThreads>(packed + tid, kWcSlots + kHeadsSlots + kHeadsTSlots, wu);
   // The W_headsᵀ phase's rows: backbone rows 16·warp + g + 8r; the W_cᵀ phase's: units 16·(warp % 4) + g + 8r over
   // the backbone half warp / 4.
   const int half = warp / 4;

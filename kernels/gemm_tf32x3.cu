@@ -605,8 +605,8 @@ cudaError_t TensorMap(const float* a, int cols, int rows, int64_t ld, int layers
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// kBP: p.b is B's big part, b_small its small part, both as B would be. `programmatic`: as the programmatic dependent
-// of the kernel ahead on the stream (kernels/common.cuh).
+// kBP: p.b is B's big part, b_small its small part (unread where kPlain), both as B would be. `programmatic`: as the
+// programmatic dependent of the kernel ahead on the stream (kernels/common.cuh).
 template <int BN, bool kAK, bool kBK, bool kBP, bool kPlain>
 cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const float* b_small, bool programmatic) {
   // An empty sum would have the producer hand over k-tiles that the consumers never take.
@@ -616,7 +616,8 @@ cudaError_t Launch(const GemmParams& p, int count, cudaStream_t stream, const fl
   CUtensorMap a_map{}, c_map{}, b_big_map{}, b_small_map{};
   if (kBP) {
     const int layers = p.stride_b != 0 ? count : 1;
-    for (auto [b, map] : {std::pair{p.b, &b_big_map}, std::pair{kPlain ? p.b : b_small, &b_small_map}}) {
+    for (auto [b, map] : {std::pair{p.b, &b_big_map}, std::pair{b_small, &b_small_map}}) {
+      if (kPlain && map == &b_small_map) break;  // the small parts are not read
       if (const cudaError_t e = TensorMap(b, p.k, p.n, p.ldb, layers, p.stride_b, kBk, BN, map); e != cudaSuccess) {
         return e;
       }
