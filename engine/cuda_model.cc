@@ -11,6 +11,7 @@
 #include "engine/cuda_check.h"
 #include "engine/nccl_communicator.h"
 #include "engine/status_macros.h"
+#include "kernels/grn_head.h"
 #include "kernels/loss.h"
 #include "kernels/norms.h"
 #include "kernels/pointwise.h"
@@ -172,8 +173,9 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   {
     const Dims d(config());
     const size_t M = static_cast<size_t>(config().batch) * config().window;
-    head_ld_ = stacked_head_ ? 2 * d.G : d.G;
-    const size_t second = stacked_head_ ? d.G : M * d.G;  // the second gradient's offset in its pair's buffer
+    const bool side_by_side = stacked_head_ || fused_head_;
+    head_ld_ = side_by_side ? 2 * d.G : d.G;
+    const size_t second = side_by_side ? d.G : M * d.G;  // the second gradient's offset in its pair's buffer
     d_gate_pre_ = d_gate_value_;
     d_value_ = d_gate_value_ + second;
     d_pre_ln_ = d_skip_fc2_;
@@ -216,6 +218,7 @@ void CudaModel::ReserveBuffers() {
   // Only shapes the kernels take (not tiny's GRN of 6); HeadBackward checks the operands too.
   stacked_head_ = plane_floats_ > 0 && Blas::Tf32x3KernelsTakeBackwardData(d.G, 2 * d.G) &&
                   Blas::Tf32x3KernelsTakeBackwardData(d.DC, 2 * d.G);
+  fused_head_ = kernels::GrnHeadSupports(d.G, d.H);
   const size_t stacked_plane_floats = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
   if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats);
 
@@ -256,6 +259,7 @@ void CudaModel::ReserveBuffers() {
   for (float** buffer : {&pre2_, &e2_, &e1_, &gate_pre_, &value_, &pre_ln_, &nhat_, &g_}) a.Reserve(buffer, M * d.G);
   a.Reserve(&ln_rstd_, M);
   if (stacked_head_) a.Reserve(&neg_zero_bias_, d.G);
+  if (fused_head_) a.Reserve(&head_weight_grads_, 2 * d.G * (d.G + d.DC));
   a.Reserve(&logits_, M * d.H);
 
   a.Reserve(&dlogits_, M * d.H);
@@ -863,6 +867,20 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
                                  param(pl.grn_fc2.bias), 0.f, pre2_, d.G, fc2_and_skip, planes(pl.grn_fc2.weight),
                                  after_cfc));
+  const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
+  if (fused_head_) {
+    if (!stacked_head_) {
+      RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f, pre_ln_,
+                                     d.G, {}, planes(pl.grn_skip), /*programmatic=*/true));
+    }
+    const kernels::GrnHeadWeights weights{param(pl.grn_fc1.weight),  param(pl.grn_fc1.bias),   param(pl.grn_gate.weight),
+                                          param(pl.grn_gate.bias),   param(pl.grn_value.weight), param(pl.grn_value.bias),
+                                          param(pl.grn_norm.weight), param(pl.grn_norm.bias),   HeadOutputLayer()};
+    const kernels::GrnHeadBackward backward{d_pre_ln_, d_gate_pre_, d_value_, d_pre2_, head_ld_, de1_, grn_partials_};
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGrnHead(rows, d.G, weights, {pre2_, pre_ln_, e2_, e1_, g_, logits_}, grad,
+                                                backward, stream_, /*programmatic=*/true));
+    return absl::OkStatus();
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));
   RETURN_IF_ERROR(blas_->Forward(rows, d.G, d.G, e2_, d.G, param(pl.grn_fc1.weight), d.G, param(pl.grn_fc1.bias), 0.f,
                                  e1_, d.G, {}, planes(pl.grn_fc1.weight), /*programmatic=*/true));
@@ -880,7 +898,6 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   }
   // head_out's outputs and their gradient from the g the LayerNorm holds in registers: no product launch (cuBLAS's
   // took 5.6 µs in the step) and no loss launch on the main stream before the backward.
-  const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormForward(pre_ln_, gate_pre_, value_, param(pl.grn_norm.weight),
                                                               param(pl.grn_norm.bias), HeadOutputLayer(), grad, rows,
                                                               d.G, nhat_, g_, ln_rstd_, logits_, stream_,
@@ -933,6 +950,31 @@ absl::Status CudaModel::HeadBackward(int rows) {
   const int ld = head_ld_;  // of d_pre_ln_, d_gate_pre_, d_value_ and d_pre2_
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
+  if (fused_head_) {
+    // HeadForward's one launch formed every gradient down to d pre2 and d pre_ln, each pair side by side: gate's and
+    // value's weight gradients as one product over [d gate_pre | d value], skip's and fc2's as one over [d pre_ln |
+    // d pre2], then copied into their tensors. As six products, all queued at once on grad_stream_ beside the CfC
+    // backward, they held up that stream's layers behind them (H200, small 3xtf32, prefetching: 1,044–1,045 µs a
+    // step against 989–990 stacked).
+    const size_t gg = static_cast<size_t>(d.G) * d.G, gdc = static_cast<size_t>(d.G) * d.DC;
+    float* gate_value = head_weight_grads_;  // [2G, G]
+    float* skip_fc2 = head_weight_grads_ + 2 * gg;  // [2G, D + C]
+    RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, 2 * d.G, d_gate_pre_, ld, e1_, d.G, gate_value, d.G));
+    RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
+    RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.DC, 2 * d.G, d_pre_ln_, ld, head_in_, d.DC, skip_fc2, d.DC));
+    const ptrdiff_t gate_to_value = grad(pl.grn_value.weight) - grad(pl.grn_gate.weight);
+    if (gate_to_value < static_cast<ptrdiff_t>(gg)) {
+      return absl::InternalError("the GRN value weight does not follow the gate weight in the parameter layout");
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(grad(pl.grn_gate.weight), gate_to_value * sizeof(float), gate_value,
+                                           gg * sizeof(float), gg * sizeof(float), 2, cudaMemcpyDeviceToDevice,
+                                           grad_stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grad(pl.grn_skip), skip_fc2, gdc * sizeof(float), cudaMemcpyDeviceToDevice,
+                                         grad_stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grad(pl.grn_fc2.weight), skip_fc2 + gdc, gdc * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, grad_stream_));
+    return HeadInputGradient(rows);
+  }
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dlogits_, HeadOutputLayer(), nhat_, ln_rstd_,
                                                                param(pl.grn_norm.weight), gate_pre_, value_, rows,
                                                                d.G, d_pre_ln_, d_gate_pre_, d_value_, ld,
@@ -944,17 +986,11 @@ absl::Status CudaModel::HeadBackward(int rows) {
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_value_, ld, e1_, d.G, grad(pl.grn_value.weight), d.G));
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.G, d.G, d_gate_pre_, ld, e1_, d.G, grad(pl.grn_gate.weight), d.G));
-  // The stacks' products where the 3×TF32 kernels take them (the weight passed is the stack's first, for the checks;
+  // The stack's product where the 3×TF32 kernels take it (the weight passed is the stack's first, for the checks;
   // the kernel reads the planes alone); else each weight's own product (from its own planes, at ld_t 2G where
-  // stacked_head_), today's order.
+  // stacked_head_).
   const bool stack_gate_value = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.G, 2 * d.G, d_gate_pre_, ld,
                                                                                     param(pl.grn_gate.weight), d.G);
-  const bool stack_skip_fc2 = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.DC, 2 * d.G, d_pre_ln_, ld,
-                                                                                  param(pl.grn_skip), d.DC);
-  if (!stack_skip_fc2) {
-    RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_,
-                                        d.DC, planes(pl.grn_skip)));
-  }
   if (stack_gate_value) {
     // de1 = [d gate_pre | d value] · [W_gate; W_value]: one product over K = 2G.
     RETURN_IF_ERROR(blas_->BackwardData(rows, d.G, 2 * d.G, d_gate_pre_, ld, param(pl.grn_gate.weight), d.G, 0.f,
@@ -973,11 +1009,22 @@ absl::Status CudaModel::HeadBackward(int rows) {
   RETURN_IF_ERROR(ForkGradients());
   RETURN_IF_ERROR(
       grad_blas_->BackwardWeight(rows, d.DC, d.G, d_pre2_, ld, head_in_, d.DC, grad(pl.grn_fc2.weight), d.DC));
+  return HeadInputGradient(rows);
+}
+
+// d head_in = d pre_ln · W_skip + d pre2 · W_fc2: one product over K = 2G where the 3×TF32 kernels take the stack.
+absl::Status CudaModel::HeadInputGradient(int rows) {
+  const Dims d(config());
+  const ParamLayout& pl = layout_;
+  const int ld = head_ld_;
+  const bool stack_skip_fc2 = stacked_head_ && blas_->BackwardDataOnTf32x3Kernels(d.DC, 2 * d.G, d_pre_ln_, ld,
+                                                                                  param(pl.grn_skip), d.DC);
   if (stack_skip_fc2) {
-    // d head_in = [d pre_ln | d pre2] · [W_skip; W_fc2]: the skip's and fc2's products as one over K = 2G.
     return blas_->BackwardData(rows, d.DC, 2 * d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC,
                                &skip_fc2_planes_);
   }
+  RETURN_IF_ERROR(blas_->BackwardData(rows, d.DC, d.G, d_pre_ln_, ld, param(pl.grn_skip), d.DC, 0.f, d_head_in_, d.DC,
+                                      planes(pl.grn_skip)));
   return blas_->BackwardData(rows, d.DC, d.G, d_pre2_, ld, param(pl.grn_fc2.weight), d.DC, 1.f, d_head_in_, d.DC,
                              planes(pl.grn_fc2.weight));
 }

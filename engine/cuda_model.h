@@ -218,6 +218,7 @@ class CudaModel {
   absl::Status HeadForward(int rows, bool with_gradient);
   absl::Status Backward();
   absl::Status HeadBackward(int rows);
+  absl::Status HeadInputGradient(int rows);
   absl::Status CfcBackward(int rows);
   absl::Status LayerBackward(int l, int rows);
   absl::Status ForkGradients();
@@ -307,12 +308,20 @@ class CudaModel {
   // gradients before the sum over the batch.
   float* cfc_bias_sums_ = nullptr;
   // The GRN's gradients d_gate_pre_ and d_value_ live in d_gate_value_, d_pre_ln_ and d_pre2_ in d_skip_fc2_, each
-  // [rows, 2G]: side by side (leading dimension head_ld_ = 2G) where stacked_head_, so that the gate's and value's
-  // backward-data products run as one with K concatenated, and the skip's and fc2's too (HeadBackward); else one
-  // after the other, dense (head_ld_ = G), today's separate products. Set in Initialize, after the allocation.
+  // [rows, 2G]: side by side (leading dimension head_ld_ = 2G) where stacked_head_ or fused_head_, so that the gate's
+  // and value's products (backward data where stacked_head_, weight gradients where fused_head_) run as one with the
+  // pair concatenated, and the skip's and fc2's too (HeadBackward); else one after the other, dense (head_ld_ = G),
+  // separate products. Set in Initialize, after the allocation.
   float *d_gate_value_ = nullptr, *d_skip_fc2_ = nullptr;
   int head_ld_ = 0;
   bool stacked_head_ = false;
+  // Where G and H allow (kernels/grn_head.h): the head from fc2's and skip's outputs to d pre2 and d pre_ln in one
+  // launch (HeadForward), instead of the ELU, fc1, gate and value products, the LayerNorm's forward and backward and
+  // the backward-data products through gate, value, fc1 and the ELU.
+  bool fused_head_ = false;
+  // Where fused_head_: the stacked weight gradients [W_gate; W_value] ([2G, G]) and [W_skip; W_fc2] ([2G, D + C]),
+  // before HeadBackward copies them into their tensors.
+  float* head_weight_grads_ = nullptr;
   // Where stacked_head_: G floats of −0, the skip's bias in the forward's batched fc2 + skip launch (HeadForward).
   float* neg_zero_bias_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]

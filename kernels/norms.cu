@@ -17,6 +17,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRowsPerWarp = 4;  // backward only: rows whose weight gradients a lane sums before the block adds them
 constexpr int kBlockRows = kWarps * kRowsPerWarp;
+static_assert(kBlockRows == kNormPartialBlockRows);
 
 __device__ __forceinline__ int Warp() { return threadIdx.x / kWarpSize; }
 __device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }

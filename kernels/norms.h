@@ -14,7 +14,9 @@ namespace perception::kernels {
 // The widest row supported: each lane keeps its share of a row in registers.
 constexpr int kMaxNormWidth = 1024;
 
-// Rows of the weight-gradient partials a backward launch over `rows` rows writes.
+// Rows of the weight-gradient partials a backward launch over `rows` rows writes: one for each kNormPartialBlockRows
+// rows.
+constexpr int kNormPartialBlockRows = 32;
 int NormPartialRows(int rows);
 
 // y = v / sqrt(mean(v²) + eps) ⊙ w for each of `rows` rows of `cols`; rstd[row] = 1/sqrt(mean(v²) + eps).

@@ -13,6 +13,7 @@
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
 #include "kernels/conv.h"
+#include "kernels/grn_head.h"
 #include "kernels/loss.h"
 #include "kernels/norms.h"
 #include "kernels/optimizer.h"
@@ -349,6 +350,157 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
     EXPECT_TRUE(testing::BitIdentical(dval_s, dval.Download()));
     EXPECT_TRUE(testing::BitIdentical(parts2.Download(), parts.Download()));
   }
+}
+
+// The GRN head's one launch against the head written out here in double, from fc2's and skip's outputs to d pre2 and
+// d pre_ln: the forward's outputs held to the logits' 1e-5, the loss gradient and everything after it to the
+// gradients' 1e-4 (MODEL.md §8). Widths below a warp's 64 columns, partial warps and blocks, one row, strided
+// gradients and a forward without gradient.
+TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr double kGradientTolerance = 1e-4;
+  for (const auto& [rows, cols, outs] :
+       {std::tuple{1, 5, 3}, {9, 6, 3}, {70, 64, 5}, {130, 33, 8}, {1000, 64, 5}, {37, 17, 1}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " → " << outs);
+    const uint64_t seed = 40 + rows + cols;
+    const Floats pre2 = RandomFloats(rows * cols, seed, -2, 2), skip = RandomFloats(rows * cols, seed + 1, -2, 2);
+    const double scale = 1 / std::sqrt(double(cols));
+    const Floats w1 = RandomFloats(cols * cols, seed + 2, -scale, scale), b1 = RandomFloats(cols, seed + 3);
+    const Floats wg = RandomFloats(cols * cols, seed + 4, -scale, scale), bg = RandomFloats(cols, seed + 5);
+    const Floats wv = RandomFloats(cols * cols, seed + 6, -scale, scale), bv = RandomFloats(cols, seed + 7);
+    const Floats nw = RandomFloats(cols, seed + 8, .5, 1.5), nb = RandomFloats(cols, seed + 9);
+    const Floats wo = RandomFloats(outs * cols, seed + 10), bo = RandomFloats(outs, seed + 11);
+    Floats labels = RandomFloats(rows * outs, seed + 12, 0, 1), mask = RandomFloats(rows * outs, seed + 13, 0, 1);
+    double mask_count = 0;
+    for (size_t i = 0; i < labels.size(); ++i) {
+      labels[i] = labels[i] < .5f ? 0.f : 1.f;
+      mask[i] = mask[i] < .3f ? 0.f : 1.f;
+      mask_count += mask[i];
+    }
+    const double denom = std::max(mask_count, 1.0);
+
+    // The head in double, row by row.
+    const int n = rows * cols;
+    Doubles e2(n), e1(n), gate(n), value(n), g(n), logits(rows * outs), dlogits(rows * outs);
+    Doubles dpre(n), dgate(n), dvalue(n), de1(n, 0.0), dpre2(n, 0.0), sums(4 * cols, 0.0);
+    for (int r = 0; r < rows; ++r) {
+      const int o0 = r * cols;
+      for (int c = 0; c < cols; ++c) e2[o0 + c] = pre2[o0 + c] > 0 ? pre2[o0 + c] : std::expm1(double(pre2[o0 + c]));
+      for (int c = 0; c < cols; ++c) {
+        e1[o0 + c] = b1[c];
+        for (int k = 0; k < cols; ++k) e1[o0 + c] += e2[o0 + k] * w1[c * cols + k];
+      }
+      Doubles x(cols), nhat(cols), dg(cols, 0.0);
+      double mean = 0, var = 0;
+      for (int c = 0; c < cols; ++c) {
+        gate[o0 + c] = bg[c];
+        value[o0 + c] = bv[c];
+        for (int k = 0; k < cols; ++k) {
+          gate[o0 + c] += e1[o0 + k] * wg[c * cols + k];
+          value[o0 + c] += e1[o0 + k] * wv[c * cols + k];
+        }
+        x[c] = skip[o0 + c] + Sigmoid(gate[o0 + c]) * value[o0 + c];
+        mean += x[c] / cols;
+      }
+      for (int c = 0; c < cols; ++c) var += (x[c] - mean) * (x[c] - mean) / cols;
+      const double rstd = 1 / std::sqrt(var + kNormEps);
+      for (int c = 0; c < cols; ++c) {
+        nhat[c] = (x[c] - mean) * rstd;
+        g[o0 + c] = nhat[c] * nw[c] + nb[c];
+      }
+      for (int o = 0; o < outs; ++o) {
+        const int i = r * outs + o;
+        logits[i] = bo[o];
+        for (int c = 0; c < cols; ++c) logits[i] += g[o0 + c] * wo[o * cols + c];
+        dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / denom;
+        for (int c = 0; c < cols; ++c) dg[c] += dlogits[i] * wo[o * cols + c];
+      }
+      double mean_dn = 0, mean_dn_n = 0;
+      for (int c = 0; c < cols; ++c) {
+        mean_dn += dg[c] * nw[c] / cols;
+        mean_dn_n += dg[c] * nw[c] * nhat[c] / cols;
+      }
+      for (int c = 0; c < cols; ++c) {
+        const int k = o0 + c;
+        const double sg = Sigmoid(gate[k]);
+        dpre[k] = rstd * (dg[c] * nw[c] - mean_dn - nhat[c] * mean_dn_n);
+        dvalue[k] = dpre[k] * sg;
+        dgate[k] = dpre[k] * value[k] * sg * (1 - sg);
+        sums[c] += dg[c] * nhat[c];
+        sums[cols + c] += dg[c];
+        sums[2 * cols + c] += dgate[k];
+        sums[3 * cols + c] += dvalue[k];
+      }
+      for (int c = 0; c < cols; ++c) {
+        for (int k = 0; k < cols; ++k) de1[o0 + k] += dgate[o0 + c] * wg[c * cols + k] + dvalue[o0 + c] * wv[c * cols + k];
+      }
+      for (int c = 0; c < cols; ++c) {
+        for (int k = 0; k < cols; ++k) dpre2[o0 + k] += de1[o0 + c] * w1[c * cols + k];
+      }
+      for (int k = 0; k < cols; ++k) dpre2[o0 + k] *= pre2[o0 + k] > 0 ? 1.0 : std::exp(double(pre2[o0 + k]));
+    }
+
+    // The kernel, its gradients at leading dimension 2·cols (as CudaModel's stacks lay them out).
+    const int ldd = 2 * cols;
+    constexpr float kUntouched = 7.f;
+    DeviceArray<float> d_pre2_in(pre2), d_skip(skip), d_w1(w1), d_b1(b1), d_wg(wg), d_bg(bg), d_wv(wv), d_bv(bv);
+    DeviceArray<float> d_nw(nw), d_nb(nb), d_wo(wo), d_bo(bo), d_labels(labels), d_mask(mask);
+    DeviceArray<double> d_count(std::vector<double>{mask_count});
+    DeviceArray<float> d_e2(n), d_e1(n), d_g(n), d_logits(rows * outs), d_dlogits(rows * outs), d_de1(n);
+    DeviceArray<float> d_pre_ln_pre2(Floats(rows * ldd, kUntouched)), d_gate_value(Floats(rows * ldd, kUntouched));
+    DeviceArray<float> d_parts(kernels::NormPartialRows(rows) * 4 * cols);
+    const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
+                                          d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
+    const kernels::GrnHeadForward forward{d_pre2_in.get(), d_skip.get(), d_e2.get(), d_e1.get(), d_g.get(),
+                                          d_logits.get()};
+    const kernels::GrnHeadBackward backward{d_pre_ln_pre2.get(), d_gate_value.get(), d_gate_value.get() + cols,
+                                            d_pre_ln_pre2.get() + cols, ldd, d_de1.get(), d_parts.get()};
+    const kernels::LogitGradient grad{d_labels.get(), d_mask.get(), d_count.get(), d_dlogits.get()};
+    ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights, forward, grad, backward, nullptr), cudaSuccess);
+    EXPECT_CLOSE(d_e2.Download(), e2);
+    EXPECT_CLOSE(d_e1.Download(), e1);
+    EXPECT_CLOSE(d_g.Download(), g);
+    EXPECT_CLOSE(d_logits.Download(), logits);
+    EXPECT_LE(RelativeError(d_dlogits.Download(), dlogits), kGradientTolerance);
+    EXPECT_LE(RelativeError(d_de1.Download(), de1), kGradientTolerance);
+    EXPECT_LE(RelativeError(ColumnSums(d_parts.Download(), 4 * cols), sums), kGradientTolerance);
+    const Floats pair = d_pre_ln_pre2.Download(), gate_value = d_gate_value.Download();
+    Floats dpre_k(n), dpre2_k(n), dgate_k(n), dvalue_k(n);
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < cols; ++c) {
+        dpre_k[r * cols + c] = pair[r * ldd + c];
+        dpre2_k[r * cols + c] = pair[r * ldd + cols + c];
+        dgate_k[r * cols + c] = gate_value[r * ldd + c];
+        dvalue_k[r * cols + c] = gate_value[r * ldd + cols + c];
+      }
+    }
+    EXPECT_LE(RelativeError(dpre_k, dpre), kGradientTolerance);
+    EXPECT_LE(RelativeError(dpre2_k, dpre2), kGradientTolerance);
+    EXPECT_LE(RelativeError(dgate_k, dgate), kGradientTolerance);
+    EXPECT_LE(RelativeError(dvalue_k, dvalue), kGradientTolerance);
+
+    // Without a gradient: the forward's outputs, the same bits, and nothing of the backward's written.
+    DeviceArray<float> f_e2(n), f_e1(n), f_g(n), f_logits(rows * outs);
+    DeviceArray<float> untouched(Floats(rows * ldd, kUntouched));
+    const kernels::GrnHeadBackward unused{untouched.get(), untouched.get(), untouched.get(), untouched.get(), ldd,
+                                          untouched.get(), untouched.get()};
+    ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights,
+                                     {d_pre2_in.get(), d_skip.get(), f_e2.get(), f_e1.get(), f_g.get(), f_logits.get()},
+                                     kernels::LogitGradient{}, unused, nullptr),
+              cudaSuccess);
+    EXPECT_TRUE(testing::BitIdentical(f_e2.Download(), d_e2.Download()));
+    EXPECT_TRUE(testing::BitIdentical(f_e1.Download(), d_e1.Download()));
+    EXPECT_TRUE(testing::BitIdentical(f_g.Download(), d_g.Download()));
+    EXPECT_TRUE(testing::BitIdentical(f_logits.Download(), d_logits.Download()));
+    EXPECT_TRUE(testing::BitIdentical(untouched.Download(), Floats(rows * ldd, kUntouched)));
+  }
+  // Shapes past the kernel's registers are refused.
+  const kernels::GrnHeadWeights too_many{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                         {nullptr, nullptr, kernels::kMaxGrnHeadOutputs + 1}};
+  EXPECT_EQ(kernels::LaunchGrnHead(4, 8, too_many, {}, {}, {}, nullptr), cudaErrorInvalidValue);
+  const kernels::GrnHeadWeights wide{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                     {nullptr, nullptr, 5}};
+  EXPECT_EQ(kernels::LaunchGrnHead(4, kernels::kMaxGrnHeadWidth + 1, wide, {}, {}, {}, nullptr), cudaErrorInvalidValue);
 }
 
 struct ConvCase {

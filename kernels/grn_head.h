@@ -1,0 +1,54 @@
+// The GRN head of MODEL.md §2.5 between fc2's and skip's outputs and the products back into the head's input, in one
+// launch: ELU, fc1, gate and value, the gated LayerNorm, the output layer, the masked BCE's gradient, the LayerNorm's
+// backward and the backward through gate, value, fc1 and the ELU. Every row is independent of the others, so a warp
+// carries its rows through all of it in registers and shared memory instead of eight launches passing [rows, G]
+// arrays through memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/norms.h"
+
+namespace perception::kernels {
+
+// The widest G and the most outputs the launch takes (each lane holds two of a row's G columns, and a warp's rows'
+// logits fill its lanes once).
+constexpr int kMaxGrnHeadWidth = 64;
+constexpr int kMaxGrnHeadOutputs = 8;
+inline bool GrnHeadSupports(int width, int outputs) {
+  return width >= 1 && width <= kMaxGrnHeadWidth && outputs >= 1 && outputs <= kMaxGrnHeadOutputs;
+}
+
+// The head's weights as the parameter layout holds them: fc1, gate and value [G, G] with their biases [G]; the
+// LayerNorm's weight and bias [G]; the output layer [H, G] and [H].
+struct GrnHeadWeights {
+  const float *fc1_w, *fc1_b, *gate_w, *gate_b, *value_w, *value_b, *norm_w, *norm_b;
+  NormOutputLayer out;
+};
+
+// The forward's arrays, [rows, G] dense but logits [rows, H]: pre2 = fc2(a) and skip = skip(a) are read; e2 =
+// elu(pre2), e1 = fc1(e2) and g = layernorm(skip + σ(gate(e1)) ⊙ value(e1)) are written for the weight gradients.
+struct GrnHeadForward {
+  const float* pre2 = nullptr;
+  const float* skip = nullptr;
+  float *e2 = nullptr, *e1 = nullptr, *g = nullptr, *logits = nullptr;
+};
+
+// The backward's arrays, written where `grad.dlogits` is set: d pre_ln (= d skip), d gate_pre, d value and d pre2 at
+// leading dimension `ldd`; d e1 [rows, G] dense; `partials` [NormPartialRows(rows), 4·G] as
+// LaunchGrnGateLayerNormBackward writes them (Σ dg ⊙ nhat, Σ dg, Σ d gate_pre, Σ d value over each block of rows).
+struct GrnHeadBackward {
+  float *d_pre_ln = nullptr, *d_gate_pre = nullptr, *d_value = nullptr, *d_pre2 = nullptr;
+  int ldd = 0;
+  float* de1 = nullptr;
+  float* partials = nullptr;
+};
+
+// The forward, and where grad.dlogits is set, the loss's gradient (written there, [rows, H]) and the backward.
+// `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream (which writes pre2 and
+// skip); the weights are read before the wait.
+cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, const GrnHeadForward& forward,
+                          const LogitGradient& grad, const GrnHeadBackward& backward, cudaStream_t stream,
+                          bool programmatic = false);
+
+}  // namespace perception::kernels
