@@ -259,7 +259,10 @@ void CudaModel::ReserveBuffers() {
   for (float** buffer : {&pre2_, &e2_, &e1_, &gate_pre_, &value_, &pre_ln_, &nhat_, &g_}) a.Reserve(buffer, M * d.G);
   a.Reserve(&ln_rstd_, M);
   if (stacked_head_) a.Reserve(&neg_zero_bias_, d.G);
-  if (fused_head_) a.Reserve(&head_weight_grads_, 2 * d.G * (d.G + d.DC));
+  if (fused_head_) {
+    a.Reserve(&head_weight_grads_, 2 * d.G * (d.G + d.DC));
+    a.Reserve(&head_out_partials_, static_cast<size_t>(kernels::GrnHeadOutputPartialRows(M)) * d.H * d.G);
+  }
   a.Reserve(&logits_, M * d.H);
 
   a.Reserve(&dlogits_, M * d.H);
@@ -343,6 +346,9 @@ absl::Status CudaModel::BuildTables() {
   head_sum(pl.grn_norm.weight, grn_partials_, 4 * d.G, d.G, P);
   head_sum(pl.grn_norm.bias, grn_partials_ + d.G, 4 * d.G, d.G, P);
   head_sum(pl.head_out.bias, dlogits_, d.H, d.H);
+  if (fused_head_) {
+    head_sum(pl.head_out.weight, head_out_partials_, d.H * d.G, d.H * d.G, kernels::GrnHeadOutputPartialRows(M));
+  }
 
   struct Staged {
     const std::vector<kernels::ColumnSumJob>* jobs;
@@ -876,7 +882,8 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
     const kernels::GrnHeadWeights weights{param(pl.grn_fc1.weight),  param(pl.grn_fc1.bias),   param(pl.grn_gate.weight),
                                           param(pl.grn_gate.bias),   param(pl.grn_value.weight), param(pl.grn_value.bias),
                                           param(pl.grn_norm.weight), param(pl.grn_norm.bias),   HeadOutputLayer()};
-    const kernels::GrnHeadBackward backward{d_pre_ln_, d_gate_pre_, d_value_, d_pre2_, head_ld_, de1_, grn_partials_};
+    const kernels::GrnHeadBackward backward{d_pre_ln_,        d_gate_pre_, d_value_, d_pre2_, head_ld_, de1_,
+                                            grn_partials_,    head_out_partials_};
     CUDA_RETURN_IF_ERROR(kernels::LaunchGrnHead(rows, d.G, weights, {pre2_, pre_ln_, e2_, e1_, g_, logits_}, grad,
                                                 backward, stream_, /*programmatic=*/true));
     return absl::OkStatus();
@@ -949,13 +956,13 @@ absl::Status CudaModel::HeadBackward(int rows) {
   const ParamLayout& pl = layout_;
   const int ld = head_ld_;  // of d_pre_ln_, d_gate_pre_, d_value_ and d_pre2_
   RETURN_IF_ERROR(ForkGradients());
-  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
   if (fused_head_) {
-    // HeadForward's one launch formed every gradient down to d pre2 and d pre_ln, each pair side by side: gate's and
-    // value's weight gradients as one product over [d gate_pre | d value], skip's and fc2's as one over [d pre_ln |
-    // d pre2], then copied into their tensors. As six products, all queued at once on grad_stream_ beside the CfC
+    // HeadForward's one launch formed every gradient down to d pre2 and d pre_ln, and head_out's weight gradient in
+    // partial sums (the head's column sums add them up). The pairs sit side by side: gate's and value's weight
+    // gradients run as one product over [d gate_pre | d value], skip's and fc2's as one over [d pre_ln | d pre2],
+    // then copies put them into their tensors. As six products, all queued at once on grad_stream_ beside the CfC
     // backward, they held up that stream's layers behind them (H200, small 3xtf32, prefetching: 1,044–1,045 µs a
-    // step against 989–990 stacked).
+    // step against 989–990 paired).
     const size_t gg = static_cast<size_t>(d.G) * d.G, gdc = static_cast<size_t>(d.G) * d.DC;
     float* gate_value = head_weight_grads_;  // [2G, G]
     float* skip_fc2 = head_weight_grads_ + 2 * gg;  // [2G, D + C]
@@ -975,6 +982,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
                                          cudaMemcpyDeviceToDevice, grad_stream_));
     return HeadInputGradient(rows);
   }
+  RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.H, dlogits_, d.H, g_, d.G, grad(pl.head_out.weight), d.G));
   CUDA_RETURN_IF_ERROR(kernels::LaunchGrnGateLayerNormBackward(dlogits_, HeadOutputLayer(), nhat_, ln_rstd_,
                                                                param(pl.grn_norm.weight), gate_pre_, value_, rows,
                                                                d.G, d_pre_ln_, d_gate_pre_, d_value_, ld,

@@ -322,6 +322,7 @@ class CudaModel {
   // Where fused_head_: the stacked weight gradients [W_gate; W_value] ([2G, G]) and [W_skip; W_fc2] ([2G, D + C]),
   // before HeadBackward copies them into their tensors.
   float* head_weight_grads_ = nullptr;
+  float* head_out_partials_ = nullptr;  // where fused_head_: head_out's weight gradient in partial sums
   // Where stacked_head_: G floats of −0, the skip's bias in the forward's batched fc2 + skip launch (HeadForward).
   float* neg_zero_bias_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]

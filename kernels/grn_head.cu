@@ -15,7 +15,7 @@ constexpr int kWidth = kMaxGrnHeadWidth;
 constexpr int kColumns = kWidth / kWarpSize;  // a lane's columns of a row
 // A weight row's stride in shared memory: lanes reading rows l (or l + 32) as float4s fall on distinct banks.
 constexpr int kWeightLd = kWidth + 4;
-constexpr int kRows = 8;  // a warp's rows
+constexpr int kRows = kGrnHeadWarpRows;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kBlockRows = kWarps * kRows;
@@ -368,6 +368,29 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int q = 0; q < 4; ++q) {
 #pragma unroll
     for (int j = 0; j < kColumns; ++j) s.sums[warp][q][Column(j)] = sums[q][j];
+  }
+  // The output layer's weight gradient over the warp's rows (d logits is 0 in rows past the end), from g formed again
+  // as the forward formed it: one partial row a warp.
+  if (bw.out_partials && row_ok(0)) {
+    float* partial = bw.out_partials + static_cast<size_t>(row0 / kRows) * outs * width;
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o) {
+      if (o >= outs) break;
+      float sum[kColumns] = {};
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float dl = s.dlogits[warp][r][o];
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j) {
+          const float g = nhat[r][j] * s.columns[kNormWeight][Column(j)] + s.columns[kNormBias][Column(j)];
+          sum[j] += dl * g;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) {
+        if (live[j]) partial[o * width + Column(j)] = sum[j];
+      }
+    }
   }
   __syncwarp();
 

@@ -36,13 +36,20 @@ struct GrnHeadForward {
 
 // The backward's arrays, written where `grad.dlogits` is set: d pre_ln (= d skip), d gate_pre, d value and d pre2 at
 // leading dimension `ldd`; d e1 [rows, G] dense; `partials` [NormPartialRows(rows), 4·G] as
-// LaunchGrnGateLayerNormBackward writes them (Σ dg ⊙ nhat, Σ dg, Σ d gate_pre, Σ d value over each block of rows).
+// LaunchGrnGateLayerNormBackward writes them (Σ dg ⊙ nhat, Σ dg, Σ d gate_pre, Σ d value over each block of rows);
+// `out_partials` (may be null) [GrnHeadOutputPartialRows(rows), H·G]: the output layer's weight gradient
+// Σ d logits ⊗ g over each kGrnHeadWarpRows rows, laid out as the weight [H, G].
 struct GrnHeadBackward {
   float *d_pre_ln = nullptr, *d_gate_pre = nullptr, *d_value = nullptr, *d_pre2 = nullptr;
   int ldd = 0;
   float* de1 = nullptr;
   float* partials = nullptr;
+  float* out_partials = nullptr;
 };
+
+// The rows a warp carries, and so the rows of each of `out_partials`' partial sums.
+constexpr int kGrnHeadWarpRows = 8;
+inline int GrnHeadOutputPartialRows(int rows) { return (rows + kGrnHeadWarpRows - 1) / kGrnHeadWarpRows; }
 
 // The forward, and where grad.dlogits is set, the loss's gradient (written there, [rows, H]) and the backward.
 // `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream (which writes pre2 and

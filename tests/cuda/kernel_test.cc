@@ -382,7 +382,7 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
     // The head in double, row by row.
     const int n = rows * cols;
     Doubles e2(n), e1(n), gate(n), value(n), g(n), logits(rows * outs), dlogits(rows * outs);
-    Doubles dpre(n), dgate(n), dvalue(n), de1(n, 0.0), dpre2(n, 0.0), sums(4 * cols, 0.0);
+    Doubles dpre(n), dgate(n), dvalue(n), de1(n, 0.0), dpre2(n, 0.0), sums(4 * cols, 0.0), d_out(outs * cols, 0.0);
     for (int r = 0; r < rows; ++r) {
       const int o0 = r * cols;
       for (int c = 0; c < cols; ++c) e2[o0 + c] = pre2[o0 + c] > 0 ? pre2[o0 + c] : std::expm1(double(pre2[o0 + c]));
@@ -413,7 +413,10 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
         logits[i] = bo[o];
         for (int c = 0; c < cols; ++c) logits[i] += g[o0 + c] * wo[o * cols + c];
         dlogits[i] = mask[i] * (Sigmoid(logits[i]) - labels[i]) / denom;
-        for (int c = 0; c < cols; ++c) dg[c] += dlogits[i] * wo[o * cols + c];
+        for (int c = 0; c < cols; ++c) {
+          dg[c] += dlogits[i] * wo[o * cols + c];
+          d_out[o * cols + c] += dlogits[i] * g[o0 + c];
+        }
       }
       double mean_dn = 0, mean_dn_n = 0;
       for (int c = 0; c < cols; ++c) {
@@ -449,12 +452,14 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
     DeviceArray<float> d_e2(n), d_e1(n), d_g(n), d_logits(rows * outs), d_dlogits(rows * outs), d_de1(n);
     DeviceArray<float> d_pre_ln_pre2(Floats(rows * ldd, kUntouched)), d_gate_value(Floats(rows * ldd, kUntouched));
     DeviceArray<float> d_parts(kernels::NormPartialRows(rows) * 4 * cols);
+    DeviceArray<float> d_out_parts(kernels::GrnHeadOutputPartialRows(rows) * outs * cols);
     const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
                                           d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
     const kernels::GrnHeadForward forward{d_pre2_in.get(), d_skip.get(), d_e2.get(), d_e1.get(), d_g.get(),
                                           d_logits.get()};
     const kernels::GrnHeadBackward backward{d_pre_ln_pre2.get(), d_gate_value.get(), d_gate_value.get() + cols,
-                                            d_pre_ln_pre2.get() + cols, ldd, d_de1.get(), d_parts.get()};
+                                            d_pre_ln_pre2.get() + cols, ldd, d_de1.get(), d_parts.get(),
+                                            d_out_parts.get()};
     const kernels::LogitGradient grad{d_labels.get(), d_mask.get(), d_count.get(), d_dlogits.get()};
     ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights, forward, grad, backward, nullptr), cudaSuccess);
     EXPECT_CLOSE(d_e2.Download(), e2);
@@ -464,6 +469,7 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
     EXPECT_LE(RelativeError(d_dlogits.Download(), dlogits), kGradientTolerance);
     EXPECT_LE(RelativeError(d_de1.Download(), de1), kGradientTolerance);
     EXPECT_LE(RelativeError(ColumnSums(d_parts.Download(), 4 * cols), sums), kGradientTolerance);
+    EXPECT_LE(RelativeError(ColumnSums(d_out_parts.Download(), outs * cols), d_out), kGradientTolerance);
     const Floats pair = d_pre_ln_pre2.Download(), gate_value = d_gate_value.Download();
     Floats dpre_k(n), dpre2_k(n), dgate_k(n), dvalue_k(n);
     for (int r = 0; r < rows; ++r) {
@@ -483,7 +489,7 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
     DeviceArray<float> f_e2(n), f_e1(n), f_g(n), f_logits(rows * outs);
     DeviceArray<float> untouched(Floats(rows * ldd, kUntouched));
     const kernels::GrnHeadBackward unused{untouched.get(), untouched.get(), untouched.get(), untouched.get(), ldd,
-                                          untouched.get(), untouched.get()};
+                                          untouched.get(), untouched.get(), untouched.get()};
     ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights,
                                      {d_pre2_in.get(), d_skip.get(), f_e2.get(), f_e1.get(), f_g.get(), f_logits.get()},
                                      kernels::LogitGradient{}, unused, nullptr),
