@@ -163,7 +163,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
-  tf32_recurrences_ = options.precision == Precision::kTf32;
+  plain_tf32_ = options.precision == Precision::kTf32;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
   plane_floats_ = Blas::UsesTf32x3Kernels(options.precision, properties) ? (layout_.total_size() + 3) / 4 * 4 : 0;
@@ -669,7 +669,7 @@ kernels::SsmInput CudaModel::SsmInputOf(int l, int batch, int window, const floa
   const Dims d(config());
   const LayerTensors& lt = layout_.layers[l];
   return {batch, window, d.Hh, d.P, d.N, layers_[l].xbc, d.cd, layers_[l].zx + d.E + d.cd, d.zd,
-          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in, tf32_recurrences_};
+          param(lt.dt_bias), param(lt.a_log), param(lt.d), state_in, plain_tf32_};
 }
 
 kernels::CfcWeights CudaModel::CfcWeightsOf() const {
@@ -681,7 +681,7 @@ kernels::CfcWeights CudaModel::CfcWeightsOf() const {
 
 kernels::CfcShape CudaModel::CfcShapeOf(int batch, int window) const {
   const Dims d(config());
-  return {batch, window, d.D, d.C, d.K, tf32_recurrences_};
+  return {batch, window, d.D, d.C, d.K, plain_tf32_};
 }
 
 // The batch in from its pinned staging unless a step before copied it in already: x on the main stream, which starts
@@ -885,7 +885,7 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
     const kernels::GrnHeadBackward backward{d_pre_ln_,        d_gate_pre_, d_value_, d_pre2_, head_ld_, de1_,
                                             grn_partials_,    head_out_partials_};
     CUDA_RETURN_IF_ERROR(kernels::LaunchGrnHead(rows, d.G, weights, {pre2_, pre_ln_, e2_, e1_, g_, logits_}, grad,
-                                                backward, stream_, /*programmatic=*/true));
+                                                backward, plain_tf32_, stream_, /*programmatic=*/true));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));

@@ -347,9 +347,9 @@ class CudaModel {
   // weights' batch keeps its stride. planes_of_ by tensor index; split_jobs_ the device table of the split.
   float* weight_planes_ = nullptr;
   size_t plane_floats_ = 0;
-  // The `tf32` precision: the recurrences' tensor-core products in plain TF32 too (the scan's, SsmInputOf, and the
-  // CfC's, CfcShapeOf).
-  bool tf32_recurrences_ = false;
+  // The `tf32` precision: the tensor-core products outside Blas in plain TF32 too (the scan's, SsmInputOf; the
+  // CfC's, CfcShapeOf; the GRN head's, HeadForward).
+  bool plain_tf32_ = false;
   std::vector<kernels::Tf32x3Planes> planes_of_;
   // Where stacked_head_: the transposed planes of the stacks [W_gate; W_value] and [W_skip; W_fc2] (planes-only
   // Tf32x3Planes, [in, 2G]), in weight_planes_ past the four planes; those four weights' own transposed planes point

@@ -1,21 +1,26 @@
 // The GRN head's one launch (kernels/grn_head.h): a warp carries 8 rows, lane l holding columns l and l + 32 of each;
-// the G×G products read their weights from shared memory, each warp's rows from its own shared buffers. The
-// formulas are those of the separate kernels (kernels/norms.cu, kernels/pointwise.cu), term by term; only the
-// products' and the row sums' orders differ.
+// the G×G products run on the TF32 tensor cores with the warp's rows as an mma tile's 8 columns, from weights in
+// shared memory and each warp's rows in its own shared buffers. The elementwise formulas are those of the separate
+// kernels (kernels/norms.cu, kernels/pointwise.cu), term by term; the products' and the row sums' orders differ.
 #include <cstddef>
 
 #include "kernels/common.cuh"
 #include "kernels/grn_head.h"
 #include "kernels/loss.cuh"
+#include "kernels/tf32x3.cuh"
 
 namespace perception::kernels {
 namespace {
 
 constexpr int kWidth = kMaxGrnHeadWidth;
 constexpr int kColumns = kWidth / kWarpSize;  // a lane's columns of a row
-// A weight row's stride in shared memory: lanes reading rows l (or l + 32) as float4s fall on distinct banks.
+// A weight row's stride in shared memory: an mma's A fragment, rows g and columns t (g < 8, t < 4), falls on
+// distinct banks.
 constexpr int kWeightLd = kWidth + 4;
 constexpr int kRows = kGrnHeadWarpRows;
+// A warp's shared row's stride: the tensor-core products read rows g and columns t (g < 8, t < 4) at once, which
+// fall on distinct banks at 68 floats.
+constexpr int kRowLd = kWidth + 4;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kBlockRows = kWarps * kRows;
@@ -30,73 +35,115 @@ enum ColumnVector { kFc1Bias, kGateBias, kValueBias, kNormWeight, kNormBias, kCo
 
 struct Shared {
   float w[kWeights][kWidth * kWeightLd];  // [out][in], zero past G
-  // Each warp's rows: e2, then d gate_pre, then d e1; e1, then d value.
-  float rows[kWarps][2][kRows][kWidth];
+  // Each warp's rows: e2, then gate, then d gate_pre, then d e1; e1, then value, then d value, then d pre2.
+  float rows[kWarps][2][kRows][kRowLd];
   float columns[kColumnVectors][kWidth];  // the biases and the LayerNorm's weight and bias, zero past G
   float w_out[kOutputs][kWidth];          // zero past G and past the outputs
   float dlogits[kWarps][kRows][kOutputs];
   float sums[kWarps][4][kWidth];
 };
-using WarpRows = float[kRows][kWidth];
+using WarpRows = float[kRows][kRowLd];
 using Values = float[kRows][kColumns];
 
 __device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }
 __device__ __forceinline__ int Column(int j) { return Lane() + j * kWarpSize; }
 
-// The products below: for each run of four k, every row's four inputs are loaded first (broadcasts from shared
-// memory), then each of the four steps updates all of the warp's accumulators before the next step, so that
-// consecutive multiply-adds are independent. The loops stay rolled: unrolled, the kernel outgrew the instruction
-// cache (H200: "no instruction" stalls 3.8 cycles an issue, 86 µs against 62 for the whole launch).
+// How the G×G products run on the TF32 tensor cores: as 3×TF32 (float32 accuracy, tf32x3.cuh) or as one TF32 product
+// (the `tf32` precision).
+enum class Products { kTf32x3, kTf32 };
 
-// acc[r][j] += Σ_k in[r][k]·w[Column(j)][k], k in order.
-template <int kK>
-__device__ __forceinline__ void AddRowProducts(const WarpRows& in, const float* w, Values& acc) {
-#pragma unroll 1
-  for (int k = 0; k < kK; k += 4) {
-    float4 wk[kColumns], a[kRows];
+// The tensor-core products: an m16n8k8 tile's 8 columns are the warp's 8 rows and its 16 rows 16 of the products'
+// outputs, so four tiles give the 64 outputs (zero past G) of one product. A fragment tile `acc[m]` holds, with
+// g = lane/4 and t = lane%4, outputs 16m + g and 16m + g + 8 of rows 2t and 2t + 1 (tf32x3.cuh's MmaTf32 layout).
+// The k loops stay rolled: with every loop unrolled, the kernel outgrew the instruction cache (H200: "no instruction"
+// stalls 3.8 cycles an issue, 86 µs against 62 for the launch, with the products then on FMAs).
+using Tiles = float[kWidth / 16][4];
+
+template <Products kMode>
+__device__ __forceinline__ void Mma(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+  if constexpr (kMode == Products::kTf32) {
+    const uint32_t a_big[4] = {Tf32Big(a[0]), Tf32Big(a[1]), Tf32Big(a[2]), Tf32Big(a[3])};
+    const uint32_t b_big[2] = {Tf32Big(b[0]), Tf32Big(b[1])};
+    MmaTf32(d, a_big, b_big);
+  } else {
+    Tf32Split as[4], bs[2];
 #pragma unroll
-    for (int j = 0; j < kColumns; ++j) wk[j] = *reinterpret_cast<const float4*>(w + Column(j) * kWeightLd + k);
+    for (int i = 0; i < 4; ++i) as[i] = SplitTf32ForMma(a[i]);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) a[r] = *reinterpret_cast<const float4*>(&in[r][k]);
-    const auto step = [&](auto input, auto weight) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) acc[r][j] = fmaf(input(a[r]), weight(wk[j]), acc[r][j]);
-      }
-    };
-    step([](float4 v) { return v.x; }, [](float4 v) { return v.x; });
-    step([](float4 v) { return v.y; }, [](float4 v) { return v.y; });
-    step([](float4 v) { return v.z; }, [](float4 v) { return v.z; });
-    step([](float4 v) { return v.w; }, [](float4 v) { return v.w; });
+    for (int i = 0; i < 2; ++i) bs[i] = SplitTf32ForMma(b[i]);
+    const uint32_t a_big[4] = {as[0].big, as[1].big, as[2].big, as[3].big};
+    const uint32_t a_small[4] = {as[0].small, as[1].small, as[2].small, as[3].small};
+    const uint32_t b_big[2] = {bs[0].big, bs[1].big}, b_small[2] = {bs[0].small, bs[1].small};
+    MmaTf32(d, a_small, b_big);
+    MmaTf32(d, a_big, b_small);
+    MmaTf32(d, a_big, b_big);
   }
 }
 
-// acc[r][j] += Σ_c in[r][c]·w[c][Column(j)], c in order: the product with the weight's transpose.
-template <int kK>
-__device__ __forceinline__ void AddColumnProducts(const WarpRows& in, const float* w, Values& acc) {
+// acc[m] += W_m · inᵀ for the M weights (they share the rows' fragments): outputs of in · W_mᵀ, k in runs of 8.
+template <int kK, Products kMode, int M>
+__device__ __forceinline__ void MmaRowProducts(const WarpRows& in, const float* const (&w)[M], Tiles (&acc)[M]) {
+  const int g = Lane() / 4, t = Lane() % 4;
 #pragma unroll 1
-  for (int c = 0; c < kK; c += 4) {
-    float wc[4][kColumns];
-    float4 a[kRows];
+  for (int k = 0; k < kK; k += 8) {
+    const float b[2] = {in[g][k + t], in[g][k + t + 4]};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int m = 0; m < M; ++m) {
 #pragma unroll
-      for (int j = 0; j < kColumns; ++j) wc[i][j] = w[(c + i) * kWeightLd + Column(j)];
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) a[r] = *reinterpret_cast<const float4*>(&in[r][c]);
-    const auto step = [&](int i, auto input) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) acc[r][j] = fmaf(input(a[r]), wc[i][j], acc[r][j]);
+      for (int tile = 0; tile < kWidth / 16; ++tile) {
+        const float* a = w[m] + (16 * tile + g) * kWeightLd + k + t;
+        const float af[4] = {a[0], a[8 * kWeightLd], a[4], a[8 * kWeightLd + 4]};
+        Mma<kMode>(acc[m][tile], af, b);
       }
-    };
-    step(0, [](float4 v) { return v.x; });
-    step(1, [](float4 v) { return v.y; });
-    step(2, [](float4 v) { return v.z; });
-    step(3, [](float4 v) { return v.w; });
+    }
+  }
+}
+
+// acc += Wᵀ · inᵀ: outputs of in · W, c in runs of 8.
+template <int kK, Products kMode>
+__device__ __forceinline__ void MmaColumnProducts(const WarpRows& in, const float* w, Tiles& acc) {
+  const int g = Lane() / 4, t = Lane() % 4;
+#pragma unroll 1
+  for (int c = 0; c < kK; c += 8) {
+    const float b[2] = {in[g][c + t], in[g][c + t + 4]};
+#pragma unroll
+    for (int tile = 0; tile < kWidth / 16; ++tile) {
+      const float* a = w + (c + t) * kWeightLd + 16 * tile + g;
+      const float af[4] = {a[0], a[8], a[4 * kWeightLd], a[4 * kWeightLd + 8]};
+      Mma<kMode>(acc[tile], af, b);
+    }
+  }
+}
+
+// Starts a product's tiles at its bias (zero where null).
+__device__ __forceinline__ void StartTiles(Tiles& acc, const float* bias) {
+  const int g = Lane() / 4;
+#pragma unroll
+  for (int tile = 0; tile < kWidth / 16; ++tile) {
+    const float lo = bias ? bias[16 * tile + g] : 0.f, hi = bias ? bias[16 * tile + g + 8] : 0.f;
+    acc[tile][0] = acc[tile][1] = lo;
+    acc[tile][2] = acc[tile][3] = hi;
+  }
+}
+
+// The tiles into the warp's shared rows, [row][output].
+__device__ __forceinline__ void StoreTiles(const Tiles& acc, WarpRows& out) {
+  const int g = Lane() / 4, t = Lane() % 4;
+#pragma unroll
+  for (int tile = 0; tile < kWidth / 16; ++tile) {
+    out[2 * t][16 * tile + g] = acc[tile][0];
+    out[2 * t + 1][16 * tile + g] = acc[tile][1];
+    out[2 * t][16 * tile + g + 8] = acc[tile][2];
+    out[2 * t + 1][16 * tile + g + 8] = acc[tile][3];
+  }
+}
+
+// A lane's values of the warp's shared rows.
+__device__ __forceinline__ void LoadValues(const WarpRows& in, Values& v) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) v[r][j] = in[r][Column(j)];
   }
 }
 
@@ -128,7 +175,7 @@ __device__ __forceinline__ float ScatterSums(float (&v)[kWarpSize]) {
   return v[0];
 }
 
-template <int kK>
+template <int kK, Products kMode>
 __global__ void __launch_bounds__(kThreads, 2)
     GrnHeadKernel(int rows, int width, GrnHeadWeights wt, GrnHeadForward fw, LogitGradient grad, GrnHeadBackward bw) {
   extern __shared__ float4 shared_raw[];
@@ -222,28 +269,30 @@ __global__ void __launch_bounds__(kThreads, 2)
   // e1 = fc1(e2).
   {
     Values e1;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int j = 0; j < kColumns; ++j) e1[r][j] = s.columns[kFc1Bias][Column(j)];
-    }
-    AddRowProducts<kK>(first, s.w[kFc1], e1);
+    Tiles acc[1];
+    StartTiles(acc[0], s.columns[kFc1Bias]);
+    MmaRowProducts<kK, kMode, 1>(first, {s.w[kFc1]}, acc);
+    StoreTiles(acc[0], second);
+    __syncwarp();
+    LoadValues(second, e1);
     keep(e1, fw.e1, second);
   }
   __syncwarp();
 
   // gate and value from e1; x = skip + σ(gate) ⊙ value; the LayerNorm.
   Values gv[2];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-    for (int j = 0; j < kColumns; ++j) {
-      gv[0][r][j] = s.columns[kGateBias][Column(j)];
-      gv[1][r][j] = s.columns[kValueBias][Column(j)];
-    }
+  {
+    Tiles acc[2];
+    StartTiles(acc[0], s.columns[kGateBias]);
+    StartTiles(acc[1], s.columns[kValueBias]);
+    MmaRowProducts<kK, kMode, 2>(second, {s.w[kGate], s.w[kValue]}, acc);
+    __syncwarp();  // every lane is done with e1
+    StoreTiles(acc[0], first);
+    StoreTiles(acc[1], second);
+    __syncwarp();
+    LoadValues(first, gv[0]);
+    LoadValues(second, gv[1]);
   }
-  AddRowProducts<kK>(second, s.w[kGate], gv[0]);
-  AddRowProducts<kK>(second, s.w[kValue], gv[1]);
   Values& sg = gv[0];  // σ(gate) from here on
   const Values& value = gv[1];
   float mean[kRows], var[kRows], rstd[kRows];
@@ -395,21 +444,35 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncwarp();
 
   // d e1 = d gate_pre · W_gate + d value · W_value.
-  Values de1 = {};
-  AddColumnProducts<kK>(first, s.w[kGate], de1);
-  AddColumnProducts<kK>(second, s.w[kValue], de1);
-  __syncwarp();  // every lane is done with d gate_pre
+  Values de1;
+  {
+    Tiles acc;
+    StartTiles(acc, nullptr);
+    MmaColumnProducts<kK, kMode>(first, s.w[kGate], acc);
+    MmaColumnProducts<kK, kMode>(second, s.w[kValue], acc);
+    __syncwarp();  // every lane is done with d gate_pre
+    StoreTiles(acc, first);
+    __syncwarp();
+    LoadValues(first, de1);
+  }
   keep(de1, bw.de1, first);
   __syncwarp();
 
   // d pre2 = elu'(pre2) ⊙ (d e1 · W_fc1).
-  Values de2 = {};
+  Values de2;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
     for (int j = 0; j < kColumns; ++j) v[r][j] = row_ok(r) && live[j] ? fw.pre2[at(r, j)] : 0.f;
   }
-  AddColumnProducts<kK>(first, s.w[kFc1], de2);
+  {
+    Tiles acc;
+    StartTiles(acc, nullptr);
+    MmaColumnProducts<kK, kMode>(first, s.w[kFc1], acc);
+    StoreTiles(acc, second);
+    __syncwarp();
+    LoadValues(second, de2);
+  }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
@@ -437,8 +500,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 }  // namespace
 
 cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, const GrnHeadForward& forward,
-                          const LogitGradient& grad, const GrnHeadBackward& backward, cudaStream_t stream,
-                          bool programmatic) {
+                          const LogitGradient& grad, const GrnHeadBackward& backward, bool tf32_products,
+                          cudaStream_t stream, bool programmatic) {
   if (rows < 1) return cudaSuccess;
   if (!GrnHeadSupports(width, weights.out.outs)) return cudaErrorInvalidValue;
   if (grad.dlogits && (backward.ldd < width || !backward.d_pre_ln || !backward.d_gate_pre || !backward.d_value ||
@@ -446,9 +509,12 @@ cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, co
     return cudaErrorInvalidValue;
   }
   const auto launch = [&]<int kK>() {
-    if (const cudaError_t e = AllowSharedMemory(GrnHeadKernel<kK>, sizeof(Shared)); e != cudaSuccess) return e;
-    return LaunchKernel(GrnHeadKernel<kK>, dim3(CeilDiv(rows, kBlockRows)), dim3(kThreads), sizeof(Shared), stream,
-                        programmatic, rows, width, weights, forward, grad, backward);
+    const auto go = [&](auto kernel) {
+      if (const cudaError_t e = AllowSharedMemory(kernel, sizeof(Shared)); e != cudaSuccess) return e;
+      return LaunchKernel(kernel, dim3(CeilDiv(rows, kBlockRows)), dim3(kThreads), sizeof(Shared), stream,
+                          programmatic, rows, width, weights, forward, grad, backward);
+    };
+    return tf32_products ? go(GrnHeadKernel<kK, Products::kTf32>) : go(GrnHeadKernel<kK, Products::kTf32x3>);
   };
   if (width <= 8) return launch.template operator()<8>();
   if (width <= 16) return launch.template operator()<16>();

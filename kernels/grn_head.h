@@ -52,10 +52,11 @@ constexpr int kGrnHeadWarpRows = 8;
 inline int GrnHeadOutputPartialRows(int rows) { return (rows + kGrnHeadWarpRows - 1) / kGrnHeadWarpRows; }
 
 // The forward, and where grad.dlogits is set, the loss's gradient (written there, [rows, H]) and the backward.
-// `programmatic`: launched as the programmatic dependent of the kernel ahead on the stream (which writes pre2 and
-// skip); the weights are read before the wait.
+// The G×G products run on the TF32 tensor cores: float32-accurate 3×TF32, or where `tf32_products` one product of
+// the operands rounded to TF32 (the `tf32` precision). `programmatic`: launched as the programmatic dependent of the
+// kernel ahead on the stream (which writes pre2 and skip); the weights are read before the wait.
 cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, const GrnHeadForward& forward,
-                          const LogitGradient& grad, const GrnHeadBackward& backward, cudaStream_t stream,
-                          bool programmatic = false);
+                          const LogitGradient& grad, const GrnHeadBackward& backward, bool tf32_products,
+                          cudaStream_t stream, bool programmatic = false);
 
 }  // namespace perception::kernels

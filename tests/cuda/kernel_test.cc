@@ -443,70 +443,79 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
       for (int k = 0; k < cols; ++k) dpre2[o0 + k] *= pre2[o0 + k] > 0 ? 1.0 : std::exp(double(pre2[o0 + k]));
     }
 
-    // The kernel, its gradients at leading dimension 2·cols (as CudaModel's stacks lay them out).
-    const int ldd = 2 * cols;
-    constexpr float kUntouched = 7.f;
-    DeviceArray<float> d_pre2_in(pre2), d_skip(skip), d_w1(w1), d_b1(b1), d_wg(wg), d_bg(bg), d_wv(wv), d_bv(bv);
-    DeviceArray<float> d_nw(nw), d_nb(nb), d_wo(wo), d_bo(bo), d_labels(labels), d_mask(mask);
-    DeviceArray<double> d_count(std::vector<double>{mask_count});
-    DeviceArray<float> d_e2(n), d_e1(n), d_g(n), d_logits(rows * outs), d_dlogits(rows * outs), d_de1(n);
-    DeviceArray<float> d_pre_ln_pre2(Floats(rows * ldd, kUntouched)), d_gate_value(Floats(rows * ldd, kUntouched));
-    DeviceArray<float> d_parts(kernels::NormPartialRows(rows) * 4 * cols);
-    DeviceArray<float> d_out_parts(kernels::GrnHeadOutputPartialRows(rows) * outs * cols);
-    const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
-                                          d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
-    const kernels::GrnHeadForward forward{d_pre2_in.get(), d_skip.get(), d_e2.get(), d_e1.get(), d_g.get(),
-                                          d_logits.get()};
-    const kernels::GrnHeadBackward backward{d_pre_ln_pre2.get(), d_gate_value.get(), d_gate_value.get() + cols,
-                                            d_pre_ln_pre2.get() + cols, ldd, d_de1.get(), d_parts.get(),
-                                            d_out_parts.get()};
-    const kernels::LogitGradient grad{d_labels.get(), d_mask.get(), d_count.get(), d_dlogits.get()};
-    ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights, forward, grad, backward, nullptr), cudaSuccess);
-    EXPECT_CLOSE(d_e2.Download(), e2);
-    EXPECT_CLOSE(d_e1.Download(), e1);
-    EXPECT_CLOSE(d_g.Download(), g);
-    EXPECT_CLOSE(d_logits.Download(), logits);
-    EXPECT_LE(RelativeError(d_dlogits.Download(), dlogits), kGradientTolerance);
-    EXPECT_LE(RelativeError(d_de1.Download(), de1), kGradientTolerance);
-    EXPECT_LE(RelativeError(ColumnSums(d_parts.Download(), 4 * cols), sums), kGradientTolerance);
-    EXPECT_LE(RelativeError(ColumnSums(d_out_parts.Download(), outs * cols), d_out), kGradientTolerance);
-    const Floats pair = d_pre_ln_pre2.Download(), gate_value = d_gate_value.Download();
-    Floats dpre_k(n), dpre2_k(n), dgate_k(n), dvalue_k(n);
-    for (int r = 0; r < rows; ++r) {
-      for (int c = 0; c < cols; ++c) {
-        dpre_k[r * cols + c] = pair[r * ldd + c];
-        dpre2_k[r * cols + c] = pair[r * ldd + cols + c];
-        dgate_k[r * cols + c] = gate_value[r * ldd + c];
-        dvalue_k[r * cols + c] = gate_value[r * ldd + cols + c];
+    // The kernel, its gradients at leading dimension 2·cols (as CudaModel's stacks lay them out), with its products in
+    // 3×TF32 (held to float32's bars) and in plain TF32 (held to the `tf32` precision's 5e-3, and required to miss
+    // float32's, so that a flag that changed nothing would fail).
+    for (const bool tf32 : {false, true}) {
+      SCOPED_TRACE(tf32 ? "plain TF32" : "3xTF32");
+      const double forward_bar = tf32 ? 5e-3 : kTolerance, gradient_bar = tf32 ? 5e-3 : kGradientTolerance;
+      const int ldd = 2 * cols;
+      constexpr float kUntouched = 7.f;
+      DeviceArray<float> d_pre2_in(pre2), d_skip(skip), d_w1(w1), d_b1(b1), d_wg(wg), d_bg(bg), d_wv(wv), d_bv(bv);
+      DeviceArray<float> d_nw(nw), d_nb(nb), d_wo(wo), d_bo(bo), d_labels(labels), d_mask(mask);
+      DeviceArray<double> d_count(std::vector<double>{mask_count});
+      DeviceArray<float> d_e2(n), d_e1(n), d_g(n), d_logits(rows * outs), d_dlogits(rows * outs), d_de1(n);
+      DeviceArray<float> d_pre_ln_pre2(Floats(rows * ldd, kUntouched)), d_gate_value(Floats(rows * ldd, kUntouched));
+      DeviceArray<float> d_parts(kernels::NormPartialRows(rows) * 4 * cols);
+      DeviceArray<float> d_out_parts(kernels::GrnHeadOutputPartialRows(rows) * outs * cols);
+      const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
+                                            d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
+      const kernels::GrnHeadForward forward{d_pre2_in.get(), d_skip.get(), d_e2.get(), d_e1.get(), d_g.get(),
+                                            d_logits.get()};
+      const kernels::GrnHeadBackward backward{d_pre_ln_pre2.get(), d_gate_value.get(), d_gate_value.get() + cols,
+                                              d_pre_ln_pre2.get() + cols, ldd, d_de1.get(), d_parts.get(),
+                                              d_out_parts.get()};
+      const kernels::LogitGradient grad{d_labels.get(), d_mask.get(), d_count.get(), d_dlogits.get()};
+      ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights, forward, grad, backward, tf32, nullptr), cudaSuccess);
+      EXPECT_CLOSE(d_e2.Download(), e2);  // no product: float32 in both
+      const double e1_error = RelativeError(d_e1.Download(), e1);
+      EXPECT_LE(e1_error, forward_bar);
+      if (tf32) EXPECT_GT(e1_error, kTolerance);
+      EXPECT_LE(RelativeError(d_g.Download(), g), forward_bar);
+      EXPECT_LE(RelativeError(d_logits.Download(), logits), forward_bar);
+      EXPECT_LE(RelativeError(d_dlogits.Download(), dlogits), gradient_bar);
+      EXPECT_LE(RelativeError(d_de1.Download(), de1), gradient_bar);
+      EXPECT_LE(RelativeError(ColumnSums(d_parts.Download(), 4 * cols), sums), gradient_bar);
+      EXPECT_LE(RelativeError(ColumnSums(d_out_parts.Download(), outs * cols), d_out), gradient_bar);
+      const Floats pair = d_pre_ln_pre2.Download(), gate_value = d_gate_value.Download();
+      Floats dpre_k(n), dpre2_k(n), dgate_k(n), dvalue_k(n);
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < cols; ++c) {
+          dpre_k[r * cols + c] = pair[r * ldd + c];
+          dpre2_k[r * cols + c] = pair[r * ldd + cols + c];
+          dgate_k[r * cols + c] = gate_value[r * ldd + c];
+          dvalue_k[r * cols + c] = gate_value[r * ldd + cols + c];
+        }
       }
-    }
-    EXPECT_LE(RelativeError(dpre_k, dpre), kGradientTolerance);
-    EXPECT_LE(RelativeError(dpre2_k, dpre2), kGradientTolerance);
-    EXPECT_LE(RelativeError(dgate_k, dgate), kGradientTolerance);
-    EXPECT_LE(RelativeError(dvalue_k, dvalue), kGradientTolerance);
+      EXPECT_LE(RelativeError(dpre_k, dpre), gradient_bar);
+      EXPECT_LE(RelativeError(dpre2_k, dpre2), gradient_bar);
+      EXPECT_LE(RelativeError(dgate_k, dgate), gradient_bar);
+      EXPECT_LE(RelativeError(dvalue_k, dvalue), gradient_bar);
 
-    // Without a gradient: the forward's outputs, the same bits, and nothing of the backward's written.
-    DeviceArray<float> f_e2(n), f_e1(n), f_g(n), f_logits(rows * outs);
-    DeviceArray<float> untouched(Floats(rows * ldd, kUntouched));
-    const kernels::GrnHeadBackward unused{untouched.get(), untouched.get(), untouched.get(), untouched.get(), ldd,
-                                          untouched.get(), untouched.get(), untouched.get()};
-    ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights,
-                                     {d_pre2_in.get(), d_skip.get(), f_e2.get(), f_e1.get(), f_g.get(), f_logits.get()},
-                                     kernels::LogitGradient{}, unused, nullptr),
-              cudaSuccess);
-    EXPECT_TRUE(testing::BitIdentical(f_e2.Download(), d_e2.Download()));
-    EXPECT_TRUE(testing::BitIdentical(f_e1.Download(), d_e1.Download()));
-    EXPECT_TRUE(testing::BitIdentical(f_g.Download(), d_g.Download()));
-    EXPECT_TRUE(testing::BitIdentical(f_logits.Download(), d_logits.Download()));
-    EXPECT_TRUE(testing::BitIdentical(untouched.Download(), Floats(rows * ldd, kUntouched)));
+      // Without a gradient: the forward's outputs, the same bits, and nothing of the backward's written.
+      DeviceArray<float> f_e2(n), f_e1(n), f_g(n), f_logits(rows * outs);
+      DeviceArray<float> untouched(Floats(rows * ldd, kUntouched));
+      const kernels::GrnHeadBackward unused{untouched.get(), untouched.get(), untouched.get(), untouched.get(), ldd,
+                                            untouched.get(), untouched.get(), untouched.get()};
+      ASSERT_EQ(kernels::LaunchGrnHead(rows, cols, weights,
+                                       {d_pre2_in.get(), d_skip.get(), f_e2.get(), f_e1.get(), f_g.get(), f_logits.get()},
+                                       kernels::LogitGradient{}, unused, tf32, nullptr),
+                cudaSuccess);
+      EXPECT_TRUE(testing::BitIdentical(f_e2.Download(), d_e2.Download()));
+      EXPECT_TRUE(testing::BitIdentical(f_e1.Download(), d_e1.Download()));
+      EXPECT_TRUE(testing::BitIdentical(f_g.Download(), d_g.Download()));
+      EXPECT_TRUE(testing::BitIdentical(f_logits.Download(), d_logits.Download()));
+      EXPECT_TRUE(testing::BitIdentical(untouched.Download(), Floats(rows * ldd, kUntouched)));
+    }
   }
   // Shapes past the kernel's registers are refused.
   const kernels::GrnHeadWeights too_many{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                          {nullptr, nullptr, kernels::kMaxGrnHeadOutputs + 1}};
-  EXPECT_EQ(kernels::LaunchGrnHead(4, 8, too_many, {}, {}, {}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::LaunchGrnHead(4, 8, too_many, {}, {}, {}, false, nullptr), cudaErrorInvalidValue);
   const kernels::GrnHeadWeights wide{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                      {nullptr, nullptr, 5}};
-  EXPECT_EQ(kernels::LaunchGrnHead(4, kernels::kMaxGrnHeadWidth + 1, wide, {}, {}, {}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::LaunchGrnHead(4, kernels::kMaxGrnHeadWidth + 1, wide, {}, {}, {}, false, nullptr),
+            cudaErrorInvalidValue);
 }
 
 struct ConvCase {
