@@ -71,12 +71,7 @@ __device__ __forceinline__ void Mma(float (&d)[4], const float (&a)[4], const fl
     for (int i = 0; i < 4; ++i) as[i] = SplitTf32ForMma(a[i]);
 #pragma unroll
     for (int i = 0; i < 2; ++i) bs[i] = SplitTf32ForMma(b[i]);
-    const uint32_t a_big[4] = {as[0].big, as[1].big, as[2].big, as[3].big};
-    const uint32_t a_small[4] = {as[0].small, as[1].small, as[2].small, as[3].small};
-    const uint32_t b_big[2] = {bs[0].big, bs[1].big}, b_small[2] = {bs[0].small, bs[1].small};
-    MmaTf32(d, a_small, b_big);
-    MmaTf32(d, a_big, b_small);
-    MmaTf32(d, a_big, b_big);
+    MmaTf32x3(d, as, bs);
   }
 }
 

@@ -141,17 +141,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
-          const uint32_t a_big[4] = {a[mi][0].big, a[mi][1].big, a[mi][2].big, a[mi][3].big};
-          const uint32_t a_small[4] = {a[mi][0].small, a[mi][1].small, a[mi][2].small, a[mi][3].small};
 #pragma unroll
           for (int ni = 0; ni < 4; ++ni) {
-            const uint32_t b_big[2] = {b[ni][0].big, b[ni][1].big};
-            const uint32_t b_small[2] = {b[ni][0].small, b[ni][1].small};
-            float(&f)[4] = *reinterpret_cast<float(*)[4]>(&d[(mi * 4 + ni) * 4]);
-            // The small cross terms first, so that they are not lost under the big product.
-            MmaTf32(f, a_small, b_big);
-            MmaTf32(f, a_big, b_small);
-            MmaTf32(f, a_big, b_big);
+            MmaTf32x3(*reinterpret_cast<float(*)[4]>(&d[(mi * 4 + ni) * 4]), a[mi], b[ni]);
           }
         }
       }

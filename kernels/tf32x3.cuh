@@ -34,4 +34,15 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d += a·b in 3×TF32 from split operands: the small cross terms first, so that they are not lost under the big
+// product.
+__device__ __forceinline__ void MmaTf32x3(float (&d)[4], const Tf32Split (&a)[4], const Tf32Split (&b)[2]) {
+  const uint32_t a_big[4] = {a[0].big, a[1].big, a[2].big, a[3].big};
+  const uint32_t a_small[4] = {a[0].small, a[1].small, a[2].small, a[3].small};
+  const uint32_t b_big[2] = {b[0].big, b[1].big}, b_small[2] = {b[0].small, b[1].small};
+  MmaTf32(d, a_small, b_big);
+  MmaTf32(d, a_big, b_small);
+  MmaTf32(d, a_big, b_big);
+}
+
 }  // namespace perception::kernels
