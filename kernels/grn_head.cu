@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   RowSums(mean_dn);
   float sums[4][kColumns] = {};  // Σ dg·nhat, Σ dg, Σ d gate_pre, Σ d value
-  __syncwarp();                  // every lane is done with e2 and e1
+  __syncwarp();                  // every lane is done with the gate and value rows
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float m = mean_dn[r] / static_cast<float>(width), mn = mean_dn[kRows + r] / static_cast<float>(width);
