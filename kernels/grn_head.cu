@@ -241,15 +241,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   WarpRows& first = s.rows[warp][0];
   WarpRows& second = s.rows[warp][1];
-  // Stores a warp's values to `out` ([rows, G] dense) and to its shared rows `to`.
-  const auto keep = [&](const Values& values, float* out, WarpRows& to) {
+  // Stores a warp's values to `out` ([rows, G] dense).
+  const auto store = [&](const Values& values, float* out) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int j = 0; j < kColumns; ++j) {
         if (row_ok(r) && live[j]) out[at(r, j)] = values[r][j];
-        to[r][Column(j)] = values[r][j];
       }
+    }
+  };
+  // ... and to its shared rows `to`.
+  const auto keep = [&](const Values& values, float* out, WarpRows& to) {
+    store(values, out);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) to[r][Column(j)] = values[r][j];
     }
   };
   Values e2;
@@ -270,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     StoreTiles(acc[0], second);
     __syncwarp();
     LoadValues(second, e1);
-    keep(e1, fw.e1, second);
+    store(e1, fw.e1);  // `second` holds them already
   }
   __syncwarp();
 
@@ -450,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncwarp();
     LoadValues(first, de1);
   }
-  keep(de1, bw.de1, first);
+  store(de1, bw.de1);  // `first` holds them already
   __syncwarp();
 
   // d pre2 = elu'(pre2) ⊙ (d e1 · W_fc1).
