@@ -256,8 +256,11 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&bb_, M * d.K);
   a.Reserve(&gates_, M * 3 * d.C);
   a.Reserve(&c_prev_, M * d.C);
-  for (float** buffer : {&pre2_, &e2_, &e1_, &gate_pre_, &value_, &pre_ln_, &nhat_, &g_}) a.Reserve(buffer, M * d.G);
-  a.Reserve(&ln_rstd_, M);
+  for (float** buffer : {&pre2_, &e2_, &e1_, &pre_ln_, &g_}) a.Reserve(buffer, M * d.G);
+  if (!fused_head_) {  // the separate head kernels' (kernels/grn_head.h keeps them in registers)
+    for (float** buffer : {&gate_pre_, &value_, &nhat_}) a.Reserve(buffer, M * d.G);
+    a.Reserve(&ln_rstd_, M);
+  }
   if (stacked_head_) a.Reserve(&neg_zero_bias_, d.G);
   if (fused_head_) {
     a.Reserve(&head_weight_grads_, 2 * d.G * (d.G + d.DC));
