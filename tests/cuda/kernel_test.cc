@@ -470,7 +470,9 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
       EXPECT_CLOSE(d_e2.Download(), e2);  // no product: float32 in both
       const double e1_error = RelativeError(d_e1.Download(), e1);
       EXPECT_LE(e1_error, forward_bar);
-      if (tf32) EXPECT_GT(e1_error, kTolerance);
+      if (tf32) {
+        EXPECT_GT(e1_error, kTolerance);
+      }
       EXPECT_LE(RelativeError(d_g.Download(), g), forward_bar);
       EXPECT_LE(RelativeError(d_logits.Download(), logits), forward_bar);
       EXPECT_LE(RelativeError(d_dlogits.Download(), dlogits), gradient_bar);
