@@ -756,12 +756,6 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   const bool splits = split_jobs_ != nullptr;
   if (splits && plan.copy) RETURN_IF_ERROR(SplitWeightsBeside());
   RETURN_IF_ERROR(CopyInputsIn(plan, rows));
-  // On grad_stream_ too, the CfC's weight packing: it reads only parameters.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), CfcShapeOf(batch, window), cfc_packed_,
-                                                     grad_stream_));
-  // So is the mask count that d logits divides by: it reads only the batch.
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
-  RETURN_IF_ERROR(MarkGradients());
   // With the batch on the device already nothing holds the standardization back: the split runs beside it, and the
   // embedding reads the parts, so it waits for both (H200, small 3xtf32, prefetching: 1,033–1,034 against 1,046–1,048
   // µs a step with the split before it on the main stream, the tenth session).
@@ -781,6 +775,16 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {},
                                  plan.copy ? nullptr : planes(layout_.embed.weight),
                                  /*programmatic=*/!split_beside_standardization));
+  // On grad_stream_, the CfC's weight packing (it reads only parameters) and the mask count that d logits divides by
+  // (it reads only the batch), which the CfC joins. Captured after the embedding: captured ahead of the split and the
+  // standardization, the split ran only after the mask count (one block, ~9 µs) and the embedding started 20 µs into
+  // the step instead of 9 (H200, small, prefetching: 3xtf32 968–975 -> 961–964 µs a step, tf32 830 -> 825; fp32,
+  // where the count now runs beside cuBLAS's first product, 1,381–1,383 -> 1,387; bench/RESULTS.md, the twenty-sixth
+  // session).
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), CfcShapeOf(batch, window), cfc_packed_,
+                                                     grad_stream_));
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
+  RETURN_IF_ERROR(MarkGradients());
   const bool split_joins_layer0 = splits && plan.copy;
   if (split_joins_layer0) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
