@@ -910,6 +910,34 @@ TEST(KernelTest, CfcInPlainTf32StaysWithinTheTf32Tolerance) {
   }
 }
 
+// The mask count over lengths around its block's width, from an aligned and an unaligned start: a mask of zeros and
+// ones (small's is 16,384 × 5 values) counted exactly, fractional values within double rounding of the sum.
+TEST(KernelTest, MaskCountSumsEveryValue) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const int n : {0, 1, 3, 1023, 1025, 81920, 81923}) {
+    for (const int offset : {0, 1}) {
+      SCOPED_TRACE(::testing::Message() << n << " values from offset " << offset);
+      const Floats draws = RandomFloats(n + offset, 91, 0, 1);
+      Floats ones(n + offset);
+      for (int i = 0; i < n + offset; ++i) ones[i] = draws[i] < .7f ? 1.f : 0.f;
+      for (const bool fractional : {false, true}) {
+        const Floats& mask = fractional ? draws : ones;
+        const DeviceArray<float> dmask(mask);
+        DeviceArray<double> count(1);
+        ASSERT_EQ(kernels::LaunchMaskCount(dmask.get() + offset, n, count.get(), nullptr), cudaSuccess);
+        double want = 0;
+        for (int i = offset; i < n + offset; ++i) want += mask[i];
+        const double got = count.Download()[0];
+        if (fractional) {
+          EXPECT_NEAR(got, want, 1e-12 * want);
+        } else {
+          EXPECT_EQ(got, want);
+        }
+      }
+    }
+  }
+}
+
 // The loss of the logits the GRN forward forms: the mask count first, d logits in the forward, then the report.
 TEST(KernelTest, MaskedBceOfTheGrnLogitsAndItsGradient) {
   SKIP_WITHOUT_CUDA_DEVICE();
