@@ -14,6 +14,8 @@ constexpr float kNormEps = 1e-5f;
 
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int RoundUpToWarp(int n) { return CeilDiv(n, kWarpSize) * kWarpSize; }
+// This thread's lane in its warp.
+__device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }
 
 // The current device's multiprocessors, for the launchers that size their grids by them.
 inline cudaError_t MultiprocessorCount(int* sms) {

@@ -45,7 +45,6 @@ struct Shared {
 using WarpRows = float[kRows][kRowLd];
 using Values = float[kRows][kColumns];
 
-__device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }
 __device__ __forceinline__ int Column(int j) { return Lane() + j * kWarpSize; }
 
 // How the G×G products run on the TF32 tensor cores: as 3×TF32 (float32 accuracy, tf32x3.cuh) or as one TF32 product

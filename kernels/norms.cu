@@ -20,7 +20,6 @@ constexpr int kBlockRows = kWarps * kRowsPerWarp;
 static_assert(kBlockRows == kNormPartialBlockRows);
 
 __device__ __forceinline__ int Warp() { return threadIdx.x / kWarpSize; }
-__device__ __forceinline__ int Lane() { return threadIdx.x % kWarpSize; }
 
 // A lane's V values of a row come in runs of VW consecutive columns: value j sits in column Column<VW>(j), so a warp
 // reads each run as one coalesced vector load per lane (VW = 4: float4), a quarter of the load instructions of
