@@ -756,6 +756,9 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   const bool splits = split_jobs_ != nullptr;
   if (splits && plan.copy) RETURN_IF_ERROR(SplitWeightsBeside());
   RETURN_IF_ERROR(CopyInputsIn(plan, rows));
+  // Without a split nothing waits behind them, so they start at once, beside the standardization and the first
+  // product (see the launch below).
+  if (!splits) RETURN_IF_ERROR(PackCfcAndCountMask(batch, window));
   // With the batch on the device already nothing holds the standardization back: the split runs beside it, and the
   // embedding reads the parts, so it waits for both (H200, small 3xtf32, prefetching: 1,033–1,034 against 1,046–1,048
   // µs a step with the split before it on the main stream, the tenth session).
@@ -775,16 +778,13 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
                                  param(layout_.embed.bias), 0.f, h_[0], d.D, {},
                                  plan.copy ? nullptr : planes(layout_.embed.weight),
                                  /*programmatic=*/!split_beside_standardization));
-  // On grad_stream_, the CfC's weight packing (it reads only parameters) and the mask count that d logits divides by
-  // (it reads only the batch), which the CfC joins. Captured after the embedding: captured ahead of the split and the
-  // standardization, the split ran only after the mask count (one block, ~9 µs) and the embedding started 20 µs into
-  // the step instead of 9 (H200, small, prefetching: 3xtf32 968–975 -> 961–964 µs a step, tf32 830 -> 825; fp32,
-  // where the count now runs beside cuBLAS's first product, 1,381–1,383 -> 1,387; bench/RESULTS.md, the twenty-sixth
-  // session).
-  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), CfcShapeOf(batch, window), cfc_packed_,
-                                                     grad_stream_));
-  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, rows * d.H, mask_count_, grad_stream_));
-  RETURN_IF_ERROR(MarkGradients());
+  // With a split, the CfC's packing and the mask count are captured after the embedding: captured ahead of the split
+  // and the standardization, the split ran only after the mask count (one block, ~9 µs) and the embedding started 20
+  // µs into the step instead of 9 (H200, small, prefetching: 3xtf32 968–975 -> 961–964 µs a step, tf32 830 -> 825;
+  // bench/RESULTS.md, the twenty-sixth session). fp32 has no split; there, captured here, they ran beside cuBLAS's
+  // first product instead (fp32, five runs alternating: 1,377–1,384 µs a step captured ahead, 1,381–1,388 here; the
+  // twenty-seventh session).
+  if (splits) RETURN_IF_ERROR(PackCfcAndCountMask(batch, window));
   const bool split_joins_layer0 = splits && plan.copy;
   if (split_joins_layer0) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));
   // The next batch's copy forks here: forked at the step's start it took ~13 µs more a step (H200, small 3xtf32,
@@ -814,6 +814,16 @@ absl::Status CudaModel::ForwardAndLoss(const InputPlan& plan, int batch, int win
   if (all_ranks) RETURN_IF_ERROR(communicator_->SumInPlace(loss_partials_, kernels::kMaskedBceBlocks, stream_));
   CUDA_RETURN_IF_ERROR(kernels::LaunchMaskedBceReport(loss_partials_, mask_count_, report_host_, loss_stream));
   return absl::OkStatus();
+}
+
+// On grad_stream_, the CfC's weight packing (it reads only parameters) and the mask count that d logits divides by
+// (it reads only the batch); the CfC joins them (CfcForward).
+absl::Status CudaModel::PackCfcAndCountMask(int batch, int window) {
+  CUDA_RETURN_IF_ERROR(kernels::LaunchCfcPackWeights(CfcWeightsOf(), CfcShapeOf(batch, window), cfc_packed_,
+                                                     grad_stream_));
+  const int mask_values = batch * window * config().n_horizons;
+  CUDA_RETURN_IF_ERROR(kernels::LaunchMaskCount(mask_, mask_values, mask_count_, grad_stream_));
+  return MarkGradients();
 }
 
 absl::Status CudaModel::LayerForward(int l, int batch, int window, bool carry_state, bool plain_norm) {

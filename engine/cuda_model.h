@@ -214,6 +214,7 @@ class CudaModel {
   absl::Status ForwardAndLoss(const InputPlan& plan, int batch, int window, bool carry_state, bool with_gradient);
   // `plain_norm`: its RMSNorm launches plain (it is right behind a join with another stream; see ForwardAndLoss).
   absl::Status LayerForward(int l, int batch, int window, bool carry_state, bool plain_norm = false);
+  absl::Status PackCfcAndCountMask(int batch, int window);
   absl::Status CfcForward(int batch, int window, bool carry_state);
   absl::Status HeadForward(int rows, bool with_gradient);
   absl::Status Backward();
