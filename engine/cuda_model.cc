@@ -351,6 +351,10 @@ absl::Status CudaModel::BuildTables() {
   head_sum(pl.head_out.bias, dlogits_, d.H, d.H);
   if (fused_head_) {
     head_sum(pl.head_out.weight, head_out_partials_, d.H * d.G, d.H * d.G, kernels::GrnHeadOutputPartialRows(M));
+    // HeadBackward copies the stacked gate and value weight gradients out as two rows of one strided copy.
+    if (layout_.tensor(pl.grn_value.weight).offset < layout_.tensor(pl.grn_gate.weight).offset + d.G * d.G) {
+      return absl::InternalError("the GRN value weight does not follow the gate weight in the parameter layout");
+    }
   }
 
   struct Staged {
@@ -986,10 +990,7 @@ absl::Status CudaModel::HeadBackward(int rows) {
     RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, 2 * d.G, d_gate_pre_, ld, e1_, d.G, gate_value, d.G));
     RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.G, d.G, de1_, d.G, e2_, d.G, grad(pl.grn_fc1.weight), d.G));
     RETURN_IF_ERROR(grad_blas_->BackwardWeight(rows, d.DC, 2 * d.G, d_pre_ln_, ld, head_in_, d.DC, skip_fc2, d.DC));
-    const ptrdiff_t gate_to_value = grad(pl.grn_value.weight) - grad(pl.grn_gate.weight);
-    if (gate_to_value < static_cast<ptrdiff_t>(gg)) {
-      return absl::InternalError("the GRN value weight does not follow the gate weight in the parameter layout");
-    }
+    const ptrdiff_t gate_to_value = grad(pl.grn_value.weight) - grad(pl.grn_gate.weight);  // ≥ G·G (BuildTables)
     CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(grad(pl.grn_gate.weight), gate_to_value * sizeof(float), gate_value,
                                            gg * sizeof(float), gg * sizeof(float), 2, cudaMemcpyDeviceToDevice,
                                            grad_stream_));
