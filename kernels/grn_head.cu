@@ -58,10 +58,12 @@ enum class Products { kTf32x3, kTf32 };
 // stalls 3.8 cycles an issue, 86 µs against 62 for the launch, with the products then on FMAs).
 using Tiles = float[kWidth / 16][4];
 
+// a: weights from shared memory, which hold them rounded to TF32 already under kTf32 (WeightInShared).
 template <Products kMode>
 __device__ __forceinline__ void Mma(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
   if constexpr (kMode == Products::kTf32) {
-    const uint32_t a_big[4] = {Tf32Big(a[0]), Tf32Big(a[1]), Tf32Big(a[2]), Tf32Big(a[3])};
+    const uint32_t a_big[4] = {__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
+                               __float_as_uint(a[3])};
     const uint32_t b_big[2] = {Tf32Big(b[0]), Tf32Big(b[1])};
     MmaTf32(d, a_big, b_big);
   } else {
@@ -72,6 +74,13 @@ __device__ __forceinline__ void Mma(float (&d)[4], const float (&a)[4], const fl
     for (int i = 0; i < 2; ++i) bs[i] = SplitTf32ForMma(b[i]);
     MmaTf32x3(d, as, bs);
   }
+}
+
+// A weight as the products read it from shared memory: under kTf32 rounded once, as the block stores it, rather than
+// by every mma that reads it (Tf32Big of a rounded value is that value: the same bits).
+template <Products kMode>
+__device__ __forceinline__ float WeightInShared(float w) {
+  return kMode == Products::kTf32 ? __uint_as_float(Tf32Big(w)) : w;
 }
 
 // acc[m] += W_m · inᵀ for the M weights (they share the rows' fragments): outputs of in · W_mᵀ, k in runs of 8.
@@ -190,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int t = 0; t < kPerThread; ++t) {
       const int i = threadIdx.x + t * kThreads;
-      s.w[m][i / kWidth * kWeightLd + i % kWidth] = staged[t];
+      s.w[m][i / kWidth * kWeightLd + i % kWidth] = WeightInShared<kMode>(staged[t]);
     }
   }
   const float* const vectors[kColumnVectors] = {wt.fc1_b, wt.gate_b, wt.value_b, wt.norm_w, wt.norm_b};
