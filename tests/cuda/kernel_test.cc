@@ -354,13 +354,15 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
 
 // The GRN head's one launch against the head written out here in double, from fc2's and skip's outputs to d pre2 and
 // d pre_ln: the forward's outputs held to the logits' 1e-5, the loss gradient and everything after it to the
-// gradients' 1e-4 (MODEL.md §8). Widths below a warp's 64 columns, partial warps and blocks, one row, strided
-// gradients and a forward without gradient.
+// gradients' 1e-4 (MODEL.md §8). Widths below a warp's 64 columns, partial warps and blocks, whole blocks at the
+// kernel's widths, one row, strided gradients and a forward without gradient.
 TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
   SKIP_WITHOUT_CUDA_DEVICE();
   constexpr double kGradientTolerance = 1e-4;
   for (const auto& [rows, cols, outs] :
-       {std::tuple{1, 5, 3}, {9, 6, 3}, {70, 64, 5}, {130, 33, 8}, {1000, 64, 5}, {37, 17, 1}}) {
+       {std::tuple{1, 5, 3}, {9, 6, 3}, {70, 64, 5}, {130, 33, 8}, {1000, 64, 5}, {37, 17, 1},
+        // Whole blocks of rows at the kernels' widths: the instances that know both (kernels/grn_head.cu's kFull).
+        {128, 64, 5}, {192, 32, 8}, {64, 16, 2}, {64, 8, 1}}) {
     SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " → " << outs);
     const uint64_t seed = 40 + rows + cols;
     const Floats pre2 = RandomFloats(rows * cols, seed, -2, 2), skip = RandomFloats(rows * cols, seed + 1, -2, 2);
