@@ -788,6 +788,19 @@ __device__ __forceinline__ int StripRowBlock(int s) { return s < 1 ? 0 : s < 3 ?
 // Strip s's column block, given its row block i.
 __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (i + 1) / 2; }
 
+// The input as a tensor-core kernel instance sees it: with kWhole (TakesWholeTile), a window and headdim of one tile
+// and a d_state of kNc as constants, so that the loops' trip counts and the bounds fold away (H200, small: backward
+// 12% and forward 11-13% fewer instructions; the step 3xtf32 947-950 -> 941 µs, tf32 813-814 -> 810-812).
+template <int kNc, bool kWhole>
+__device__ __forceinline__ SsmInput TileShape(SsmInput in) {
+  if constexpr (kWhole) {
+    in.window = kTile;
+    in.headdim = kTile;
+    in.d_state = kNc;
+  }
+  return in;
+}
+
 // Shared-memory plan of the tensor-core kernels, for d_state up to kNc (32 or 64). Headdim and d_state are padded
 // to multiples of 16 (the Gram depth); the [time][p] and [time][n] arrays are swizzled (Swizzled) rows of 64 and kNc
 // floats for GramStrip's 16-byte loads, the [time][time] arrays have row strides ≡ 4 (mod 32) for MmaStrip's 4-byte
@@ -862,8 +875,10 @@ __device__ __forceinline__ void RowBlockPasses(int pc, int T, int P, float* out,
   }
 }
 
-template <int kNc, bool kPlainTf32>
-__global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput in, const float* dy, SsmGrad grad) {
+template <int kNc, bool kPlainTf32, bool kWhole>
+__global__ void __launch_bounds__(kTileThreads, 3)
+    SsmMmaBackwardKernel(SsmInput in_arg, const float* dy, SsmGrad grad) {
+  const SsmInput in = TileShape<kNc, kWhole>(in_arg);
   extern __shared__ double2 shared_tile[];
   using Layout = MmaLayout<kNc>;
   constexpr int sp = Layout::kSp, sn = Layout::kSn, sq = Layout::kSq, sq2 = Layout::kSq2;
@@ -1036,8 +1051,9 @@ __global__ void __launch_bounds__(kTileThreads, 3) SsmMmaBackwardKernel(SsmInput
 
 // The forward from a zero state, without the final state: M = L·dt_j·CB on the lower triangle's strips, then
 // y = M·x + D·x.
-template <int kNc, bool kPlainTf32>
-__global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in, float* y) {
+template <int kNc, bool kPlainTf32, bool kWhole>
+__global__ void __launch_bounds__(kTileThreads, 4) SsmMmaForwardKernel(SsmInput in_arg, float* y) {
+  const SsmInput in = TileShape<kNc, kWhole>(in_arg);
   WaitForPriorKernels();  // the forward's chain (engine/cuda_model.cc): the kernel ahead wrote its input
   LetNextKernelLaunch();
   extern __shared__ double2 shared_tile[];
@@ -1298,6 +1314,11 @@ bool ValidShape(const SsmInput& in) {
 // d_state ≤ 64).
 bool FitsTile(const SsmInput& in) { return in.window <= kTile && in.headdim <= 2 * kTile; }
 
+// Whether the tensor-core kernels' instance for one whole tile takes `in` (TileShape; small's layers).
+bool TakesWholeTile(const SsmInput& in, int nc) {
+  return in.window == kTile && in.headdim == kTile && in.d_state == nc;
+}
+
 }  // namespace
 
 cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out, cudaStream_t stream,
@@ -1306,7 +1327,10 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
-      auto* kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true> : SsmMmaForwardKernel<kNc, false>;
+      auto* kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true, false> : SsmMmaForwardKernel<kNc, false, false>;
+      if (TakesWholeTile(in, kNc)) {
+        kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true, true> : SsmMmaForwardKernel<kNc, false, true>;
+      }
       if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
       return LaunchKernel(kernel, dim3(in.heads, in.batch), kTileThreads, bytes, stream, programmatic, in, y);
     });
@@ -1327,7 +1351,10 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
-      auto* kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true> : SsmMmaBackwardKernel<kNc, false>;
+      auto* kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true, false> : SsmMmaBackwardKernel<kNc, false, false>;
+      if (TakesWholeTile(in, kNc)) {
+        kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true, true> : SsmMmaBackwardKernel<kNc, false, true>;
+      }
       if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
       kernel<<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
       return cudaGetLastError();
