@@ -533,7 +533,9 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
                            ConvCase{3, 70, 37, 4, 30, 3, true}, ConvCase{1, 2, 7, 8, 1, 2, true},
                            ConvCase{2, 33, 9, 1, 9, 1, false}, ConvCase{1, 40, 11, 3, 5, 2, true},
                            ConvCase{3, 150, 72, 4, 48, 4, true}, ConvCase{2, 64, 96, 4, 64, 4, false},
-                           ConvCase{2, 20, 40, 8, 16, 2, true}, ConvCase{2, 24, 40, 4, 16, 6, true}}) {
+                           ConvCase{2, 20, 40, 8, 16, 2, true}, ConvCase{2, 24, 40, 4, 16, 6, true},
+                           // Training's windows (64 steps, no state) at widths 4 and 2.
+                           ConvCase{3, 64, 72, 4, 40, 4, false}, ConvCase{2, 64, 40, 2, 32, 4, false}}) {
     SCOPED_TRACE(::testing::Message() << "B" << k.batch << " T" << k.window << " ch" << k.channels << " W" << k.width);
     // Channels in whole float4s get rows on 16-byte boundaries (the backward's vector loads), the others odd rows.
     const int B = k.batch, T = k.window, CH = k.channels, W = k.width, rows = B * T, carried = W - 1;
@@ -599,6 +601,9 @@ TEST(KernelTest, CausalConvForwardAndBackward) {
     if (carried) {
       EXPECT_CLOSE(dstate_out.Download(), state_out);
     }
+    DeviceArray<float> out_only(rows * CH);  // without the final state, as training runs it
+    ASSERT_EQ(kernels::LaunchConvForward(in, out_only.get(), nullptr, nullptr), cudaSuccess);
+    EXPECT_CLOSE(out_only.Download(), out);
     Floats dx_gpu = ddx.Download();
     for (int r = 0; r < rows; ++r) {
       for (int c = CH; c < ldx; ++c) dx_gpu[r * ldx + c] = 0.f;  // columns past the channels are not the kernel's
