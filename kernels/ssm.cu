@@ -790,7 +790,7 @@ __device__ __forceinline__ int StripColumnBlock(int s, int i) { return s - i * (
 
 // The input as a tensor-core kernel instance sees it: with kWhole (TakesWholeTile), a window and headdim of one tile
 // and a d_state of kNc as constants, so that the loops' trip counts and the bounds fold away (H200, small: backward
-// 12% and forward 11-13% fewer instructions; the step 3xtf32 947-950 -> 941 µs, tf32 813-814 -> 810-812).
+// 11-12% and forward 11-13% fewer instructions; the step 3xtf32 947-950 -> 941 µs, tf32 813-814 -> 810-812).
 template <int kNc, bool kWhole>
 __device__ __forceinline__ SsmInput TileShape(SsmInput in) {
   if constexpr (kWhole) {
