@@ -1351,7 +1351,8 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
-      auto* kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true, false> : SsmMmaBackwardKernel<kNc, false, false>;
+      auto* kernel =
+          in.tf32_products ? SsmMmaBackwardKernel<kNc, true, false> : SsmMmaBackwardKernel<kNc, false, false>;
       if (TakesWholeTile(in, kNc)) {
         kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true, true> : SsmMmaBackwardKernel<kNc, false, true>;
       }
