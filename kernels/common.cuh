@@ -24,6 +24,14 @@ inline cudaError_t MultiprocessorCount(int* sms) {
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
+// `pick.template operator()<a, b>()` for two run-time flags: how a launcher chooses among a kernel template's four
+// instances for two compile-time facts (say, the product precision and a whole-tile shape).
+template <typename Pick>
+auto WithFlags(bool a, bool b, Pick pick) {
+  if (a) return b ? pick.template operator()<true, true>() : pick.template operator()<true, false>();
+  return b ? pick.template operator()<false, true>() : pick.template operator()<false, false>();
+}
+
 // The sigmoid from e = e^−|v| (in [0, 1]): 1/(1 + e) for v ≥ 0, e/(1 + e) below, with the bits of IEEE division.
 // Where 1 + e rounds to 1 the quotient is its numerator. Otherwise the numerator lies in (2^−24, 1] and the
 // denominator in (1, 2], far from the exponent range's ends, and the approximate reciprocal's quotient corrected once

@@ -531,12 +531,9 @@ cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, co
       return LaunchKernel(kernel, dim3(CeilDiv(rows, kBlockRows)), dim3(kThreads), sizeof(Shared), stream,
                           programmatic, rows, width, weights, forward, grad, backward);
     };
-    if (width == kK && rows % kBlockRows == 0) {
-      return tf32_products ? go(GrnHeadKernel<kK, Products::kTf32, true>)
-                           : go(GrnHeadKernel<kK, Products::kTf32x3, true>);
-    }
-    return tf32_products ? go(GrnHeadKernel<kK, Products::kTf32, false>)
-                         : go(GrnHeadKernel<kK, Products::kTf32x3, false>);
+    return WithFlags(tf32_products, width == kK && rows % kBlockRows == 0, [&]<bool kTf32, bool kFull>() {
+      return go(GrnHeadKernel<kK, kTf32 ? Products::kTf32 : Products::kTf32x3, kFull>);
+    });
   };
   if (width <= 8) return launch.template operator()<8>();
   if (width <= 16) return launch.template operator()<16>();

@@ -1327,10 +1327,9 @@ cudaError_t LaunchSsmScanForward(const SsmInput& in, float* y, float* state_out,
   if (FitsTile(in) && in.state_in == nullptr && state_out == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kForwardFloats * sizeof(float);
-      auto* kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true, false> : SsmMmaForwardKernel<kNc, false, false>;
-      if (TakesWholeTile(in, kNc)) {
-        kernel = in.tf32_products ? SsmMmaForwardKernel<kNc, true, true> : SsmMmaForwardKernel<kNc, false, true>;
-      }
+      auto* const kernel = WithFlags(in.tf32_products, TakesWholeTile(in, kNc), [&]<bool kTf32, bool kWhole>() {
+        return SsmMmaForwardKernel<kNc, kTf32, kWhole>;
+      });
       if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
       return LaunchKernel(kernel, dim3(in.heads, in.batch), kTileThreads, bytes, stream, programmatic, in, y);
     });
@@ -1351,11 +1350,9 @@ cudaError_t LaunchSsmScanBackward(const SsmInput& in, const float* dy, const Ssm
   if (FitsTile(in) && in.state_in == nullptr && in.headdim <= kTile) {
     return WithMmaStateWidth(in.d_state, [&]<int kNc>() {
       constexpr size_t bytes = MmaLayout<kNc>::kBackwardFloats * sizeof(float);
-      auto* kernel =
-          in.tf32_products ? SsmMmaBackwardKernel<kNc, true, false> : SsmMmaBackwardKernel<kNc, false, false>;
-      if (TakesWholeTile(in, kNc)) {
-        kernel = in.tf32_products ? SsmMmaBackwardKernel<kNc, true, true> : SsmMmaBackwardKernel<kNc, false, true>;
-      }
+      auto* const kernel = WithFlags(in.tf32_products, TakesWholeTile(in, kNc), [&]<bool kTf32, bool kWhole>() {
+        return SsmMmaBackwardKernel<kNc, kTf32, kWhole>;
+      });
       if (const cudaError_t e = AllowSharedMemory(kernel, bytes); e != cudaSuccess) return e;
       kernel<<<grid, kTileThreads, bytes, stream>>>(in, dy, grad);
       return cudaGetLastError();

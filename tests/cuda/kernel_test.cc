@@ -448,20 +448,20 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
     // The kernel, its gradients at leading dimension 2·cols (as CudaModel's stacks lay them out), with its products in
     // 3×TF32 (held to float32's bars) and in plain TF32 (held to the `tf32` precision's 5e-3, and required to miss
     // float32's, so that a flag that changed nothing would fail).
+    DeviceArray<float> d_pre2_in(pre2), d_skip(skip), d_w1(w1), d_b1(b1), d_wg(wg), d_bg(bg), d_wv(wv), d_bv(bv);
+    DeviceArray<float> d_nw(nw), d_nb(nb), d_wo(wo), d_bo(bo), d_labels(labels), d_mask(mask);
+    DeviceArray<double> d_count(std::vector<double>{mask_count});
+    const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
+                                          d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
     for (const bool tf32 : {false, true}) {
       SCOPED_TRACE(tf32 ? "plain TF32" : "3xTF32");
       const double forward_bar = tf32 ? 5e-3 : kTolerance, gradient_bar = tf32 ? 5e-3 : kGradientTolerance;
       const int ldd = 2 * cols;
       constexpr float kUntouched = 7.f;
-      DeviceArray<float> d_pre2_in(pre2), d_skip(skip), d_w1(w1), d_b1(b1), d_wg(wg), d_bg(bg), d_wv(wv), d_bv(bv);
-      DeviceArray<float> d_nw(nw), d_nb(nb), d_wo(wo), d_bo(bo), d_labels(labels), d_mask(mask);
-      DeviceArray<double> d_count(std::vector<double>{mask_count});
       DeviceArray<float> d_e2(n), d_e1(n), d_g(n), d_logits(rows * outs), d_dlogits(rows * outs), d_de1(n);
       DeviceArray<float> d_pre_ln_pre2(Floats(rows * ldd, kUntouched)), d_gate_value(Floats(rows * ldd, kUntouched));
       DeviceArray<float> d_parts(kernels::NormPartialRows(rows) * 4 * cols);
       DeviceArray<float> d_out_parts(kernels::GrnHeadOutputPartialRows(rows) * outs * cols);
-      const kernels::GrnHeadWeights weights{d_w1.get(), d_b1.get(), d_wg.get(), d_bg.get(), d_wv.get(), d_bv.get(),
-                                            d_nw.get(), d_nb.get(), {d_wo.get(), d_bo.get(), outs}};
       const kernels::GrnHeadForward forward{d_pre2_in.get(), d_skip.get(), d_e2.get(), d_e1.get(), d_g.get(),
                                             d_logits.get()};
       const kernels::GrnHeadBackward backward{d_pre_ln_pre2.get(), d_gate_value.get(), d_gate_value.get() + cols,
