@@ -8,9 +8,10 @@
 // parts by tensor copies beside A, and the stages take the raw slots' shared memory. Two consumer warpgroups each load
 // their 64 rows of A from the stage into registers (reading an m-contiguous A across its boxes), split them there,
 // and issue three wgmma per k-step of 8 (small·big, big·small, big·big) with A from registers and B from shared
-// memory. Where A is k-contiguous (the forward and backward-data products, whose outputs are large against their
-// short sums) a consumer hands a finished tile to tensor stores (TMA) in boxes of 64 × 32 through two shared-memory
-// buffers and goes on to the next tile while they drain.
+// memory; the `tf32` precision's plain products with A k-contiguous issue one wgmma a k-step with both operands from
+// shared memory, the k-tiles of a tile chained. Where A is k-contiguous (the forward and backward-data products,
+// whose outputs are large against their short sums) a consumer hands a finished tile to tensor stores (TMA) in boxes
+// of 64 × 32 through two shared-memory buffers and goes on to the next tile while they drain.
 // Stages change hands through mbarriers: FULL(s) completes when every producer thread has stored its part of stage s
 // and A's tensor copies into it have landed, EMPTY(s) when every consumer thread is done with it. Unlike a named
 // barrier, waiting on an mbarrier does not arrive on it, so each consumer warpgroup runs at its own pace, up to the
@@ -156,6 +157,20 @@ struct Wgmma<64> {
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
   }
+  // A from shared memory (K-major, 128-byte swizzled, as B): the tensor cores read its float32 bits as TF32.
+  __device__ static void Run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
 };
 template <>
 struct Wgmma<128> {
@@ -177,6 +192,26 @@ struct Wgmma<128> {
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+  }
+  // A from shared memory (K-major, 128-byte swizzled, as B): the tensor cores read its float32 bits as TF32.
+  __device__ static void Run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
   }
 };
 
@@ -436,6 +471,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   float part[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+  // Plain TF32 with A k-contiguous: A straight from its stage (the consumer's 64 rows, K-major and swizzled as B),
+  // one wgmma a k-step, and the tile's k-tiles chained in the tensor cores' running sum, so that k-tile j + 1's
+  // wgmma issue while k-tile j's still run; a stage goes back once the k-tile after it has issued (`wait_group 1`).
+  // No A passes through registers, whose loads between wgmma would serialize them (ptxas C7513). The tensor cores
+  // take A's float32 bits as they are, where the register path rounds them to TF32 first: the GEMM test's worst
+  // plain-TF32 error went 2.6e-4 -> 4.1e-4 (its bar 2e-3), and small's tf32 step 813 -> 790 µs (H200). Other
+  // products keep the loop below.
+  auto plain_k_tile = [&](int j, int it_j, float(&d)[kRegs]) {
+    const int s = it_j % L::kStages;
+    MbarrierWait(base + L::Full(s), it_j / L::kStages % 2);
+    const uint64_t a = Descriptor(base + L::A(s) + consumer * 64 * kRowBytes), b = Descriptor(base + L::BBig(s));
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) FenceOperand(d[i]);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+      const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+      Wgmma<BN>::Run(d, a + step, b + step, j > 0 || ks > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    if (j > 0) MbarrierArrive(base + L::Empty((it_j - 1) % L::kStages));
+  };
+  auto plain_tile_products = [&](int k_len, int& it_tile, float(&d)[kRegs]) {
+    for (int j = 0; j < CeilDiv(k_len, kBk); ++j) plain_k_tile(j, it_tile++, d);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) FenceOperand(d[i]);
+    MbarrierArrive(base + L::Empty((it_tile - 1) % L::kStages));
+  };
   int it = 0, boxes = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const TileCoordinates tc = Coordinates(tile, tiles_m, tiles_n, BN);
@@ -443,62 +508,66 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
-      const int s = it % L::kStages;
-      MbarrierWait(base + L::Full(s), it / L::kStages % 2);
-      // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split or
-      // store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks where
-      // A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most two
-      // lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
-      // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
-      const unsigned char* a_tile = smem + L::A(s);
-      uint32_t a_big[kSteps][4], a_small[kSteps][4];
+    if constexpr (kPlain && kAK) {
+      plain_tile_products(k_len, it, acc);
+    } else {
+      for (int k0 = 0; k0 < k_len; k0 += kBk, ++it) {
+        const int s = it % L::kStages;
+        MbarrierWait(base + L::Full(s), it / L::kStages % 2);
+        // This warp's A fragments for the k-tile's four k-steps, split here rather than by the producer: no A split
+        // or store for the producer, and wgmma reads no A from shared memory. Lanes of one load hit 32 distinct banks
+        // where A is k-contiguous (the swizzle puts rows g = 0..7 of one 16-byte chunk in different chunks), at most
+        // two lanes share one where it is m-contiguous. The small part stays float32 for the tensor cores to truncate
+        // (SplitTf32ForMma, as for B): this split sits between a stage's arrival and its first wgmma.
+        const unsigned char* a_tile = smem + L::A(s);
+        uint32_t a_big[kSteps][4], a_small[kSteps][4];
 #pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
+        for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
-          // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
-          const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
-          const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
-          a_big[ks][i] = split.big;
-          a_small[ks][i] = split.small;
+          for (int i = 0; i < 4; ++i) {
+            const int row = consumer * 64 + warp * 16 + g + 8 * (i % 2), k = ks * 8 + t + 4 * (i / 2);
+            // An m-contiguous A's box holds 32 rows of m as its k rows' columns.
+            const uint32_t at = kAK ? Swizzled(row, k) : row / kMBox * kMBoxBytes + Swizzled(k, row % kMBox);
+            const Tf32Split split = SplitTf32ForMma(*reinterpret_cast<const float*>(a_tile + at));
+            a_big[ks][i] = split.big;
+            a_small[ks][i] = split.small;
+          }
         }
-      }
-      const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
+        const uint64_t b_big = Descriptor(base + L::BBig(s)), b_small = Descriptor(base + L::BSmall(s));
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
-      // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
-      // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
+        for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        // The tensor cores round their running sum toward zero at every step, a bias that grows with the length of
+        // the sum: each k-tile is summed from zero (scale_d = 0 on its first wgmma) and the k-tiles are added in
+        // float32, rounded to nearest. The correction terms go in first, while the sum is still small.
 #pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-        const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
-        if (kPlain) {
-          Wgmma<BN>::Run(part, a_big[ks], b_big + step, ks);
-        } else {
-          Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
-          Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
-          Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+        for (int ks = 0; ks < kSteps; ++ks) {
+          const uint64_t step = ks * 8 * 4 >> 4;  // 32 bytes along k inside the swizzle row, in 16-byte units
+          if (kPlain) {
+            Wgmma<BN>::Run(part, a_big[ks], b_big + step, ks);
+          } else {
+            Wgmma<BN>::Run(part, a_small[ks], b_big + step, ks);
+            Wgmma<BN>::Run(part, a_big[ks], b_small + step, 1);
+            Wgmma<BN>::Run(part, a_big[ks], b_big + step, 1);
+          }
         }
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
-      // The wgmma read the A fragments until here: keep their registers from being reused before.
+        for (int i = 0; i < kRegs; ++i) FenceOperand(part[i]);
+        // The wgmma read the A fragments until here: keep their registers from being reused before.
 #pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
+        for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          FenceRegister(a_big[ks][i]);
-          if (!kPlain) FenceRegister(a_small[ks][i]);
+          for (int i = 0; i < 4; ++i) {
+            FenceRegister(a_big[ks][i]);
+            if (!kPlain) FenceRegister(a_small[ks][i]);
+          }
         }
-      }
-      MbarrierArrive(base + L::Empty(s));
+        MbarrierArrive(base + L::Empty(s));
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+        for (int i = 0; i < kRegs; ++i) acc[i] += part[i];
+      }
     }
 
     const float* bias = p.bias != nullptr ? p.bias + tc.z * p.stride_bias : nullptr;
