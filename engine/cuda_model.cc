@@ -150,23 +150,30 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   cudaDeviceProp properties;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   device_name_ = absl::StrCat("cuda:", device, " ", properties.name);
-  // Under `tf32` the main stream, which carries the step's chain of data gradients, runs one priority level above
-  // the weight gradients' streams, and the graph keeps each captured node's priority: where both have blocks waiting
-  // for SMs, the chain's go first (H200, small, alternating, three calls: 783.5–785.2 -> 776.0–780.7, 788.7–789.8 ->
-  // 781.6–783.4 and 784.2–788.7 -> 782.0–783.8 µs a step). Not under 3xtf32 (945.5–953.2 -> 966.9–968.1) nor fp32
-  // (1,336–1,338 -> 1,386–1,387), whose weight gradients then fall behind onto the step's tail. The streamer's stream
-  // (engine/cuda_streamer.cc) stays above both.
+  // The step's streams at one priority or one of them a level above the others, by precision, and the graph keeps
+  // each captured node's priority: where two streams have blocks waiting for SMs, the higher one's go first. H200,
+  // small, µs a step, alternating within each call:
+  // - tf32: the main stream, which carries the chain of data gradients, above the weight gradients' streams
+  //   (783.5–785.2 -> 776.0–780.7, 788.7–789.8 -> 781.6–783.4 and 784.2–788.7 -> 782.0–783.8 in three calls; the
+  //   gradients' streams above instead 777.9–780.2 -> 786.2–790.4);
+  // - fp32: the weight gradients' streams above the main stream (1,334.9–1,337.3 -> 1,322.8–1,328.6; the main stream
+  //   above instead 1,336.4–1,338.3 -> 1,386.1–1,386.9);
+  // - 3xtf32: one priority (the main stream above: 945.5–953.2 -> 966.9–968.1; the gradients' above: 942.7–950.9 ->
+  //   955.2–955.8).
+  // The streamer's stream (engine/cuda_streamer.cc) stays above all of them.
   int least_priority = 0, greatest_priority = 0;
   CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-  chain_priority_ = options.precision == Precision::kTf32 && greatest_priority < least_priority;
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
-                                                    chain_priority_ ? least_priority - 1 : least_priority));
+  const int raised = greatest_priority < least_priority ? least_priority - 1 : least_priority;
+  const int chain_priority = options.precision == Precision::kTf32 ? raised : least_priority;
+  const int gradient_priority = options.precision == Precision::kFloat32 ? raised : least_priority;
+  node_priorities_ = chain_priority != gradient_priority;
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, chain_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_start_));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&step_stop_));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&grad_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&grad_stream_, cudaStreamNonBlocking, gradient_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_done_, cudaEventDisableTiming));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&layer_grad_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&layer_grad_stream_, cudaStreamNonBlocking, gradient_priority));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_grad_done_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&prefetch_stream_, cudaStreamNonBlocking));
@@ -577,7 +584,7 @@ absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph, const InputPlan& pla
     CUDA_RETURN_IF_ERROR(ended);
   }
   const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec[plan.variant()], captured,
-                                                         chain_priority_ ? cudaGraphInstantiateFlagUseNodePriority : 0);
+                                                         node_priorities_ ? cudaGraphInstantiateFlagUseNodePriority : 0);
   cudaGraphDestroy(captured);
   CUDA_RETURN_IF_ERROR(instantiated);
   graph.buffers[plan.variant()] = CurrentBuffers();

@@ -271,9 +271,8 @@ class CudaModel {
 
   // Warmup → capture → replay: graphs by (batch, window), the events around each step's launch, the counters.
   bool use_graphs_ = true;
-  // `tf32`: the main stream one priority level above the weight gradients' streams, kept by the graph's nodes (see
-  // Initialize).
-  bool chain_priority_ = false;
+  // Whether the step's streams differ in priority (by precision, see Initialize), which the graph's nodes then keep.
+  bool node_priorities_ = false;
   // `fp32`: in_proj's data product ahead of its weight gradient (see LayerBackward).
   bool data_before_weight_gradient_ = false;
   std::map<std::pair<int, int>, TrainGraph> train_graphs_;
