@@ -158,8 +158,8 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   //   gradients' streams above instead 777.9–780.2 -> 786.2–790.4);
   // - fp32: the weight gradients' streams above the main stream (1,334.9–1,337.3 -> 1,322.8–1,328.6; the main stream
   //   above instead 1,336.4–1,338.3 -> 1,386.1–1,386.9);
-  // - 3xtf32: one priority (the main stream above: 945.5–953.2 -> 966.9–968.1; the gradients' above: 942.7–950.9 ->
-  //   955.2–955.8).
+  // - 3xtf32: one priority (the main stream above: 945.5 / 948.5 -> 966.9 / 968.1; the gradients' above:
+  //   942.7–950.9 -> 955.2–955.8).
   // The streamer's stream (engine/cuda_streamer.cc) stays above all of them.
   int least_priority = 0, greatest_priority = 0;
   CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
