@@ -92,6 +92,14 @@ TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerIn3xTf32) {
   ExpectReplayBitIdenticalToEager(Precision::kFloat32Tf32x3);
 }
 
+// Under tf32 the products, the scan, the CfC and the GRN head run in plain TF32, and the graph keeps its streams'
+// priorities (the main stream a level above the weight gradients'; CudaModel::Initialize): replay still equals eager
+// to the bit.
+TEST(CudaGraphTrainStep, ReplayIsBitIdenticalToEagerInTf32) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  ExpectReplayBitIdenticalToEager(Precision::kTf32);
+}
+
 // The model's buffers are sized for the config's (batch, window): any other training shape is refused, naming both,
 // and leaves the cached graph to replay the next step of the right shape.
 TEST(CudaGraphTrainStep, AnotherShapeIsRefusedAndTheGraphKeepsReplaying) {
