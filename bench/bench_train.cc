@@ -31,9 +31,9 @@
 ABSL_FLAG(std::vector<std::string>, configs, std::vector<std::string>({"tiny", "small", "large"}), "model configs");
 ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), after the warmup");
 ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
-ABSL_FLAG(std::string, precision, "fp32",
-          "the products: fp32 (cuBLAS), 3xtf32 (float32-accurate on the TF32 tensor cores) or tf32 (also the SGEMM "
-          "ceiling's)");
+ABSL_FLAG(std::string, precision, "3xtf32",
+          "the products: 3xtf32 (float32-accurate on the TF32 tensor cores; perceptiond's default on CUDA), fp32 "
+          "(cuBLAS) or tf32 (also the SGEMM ceiling's)");
 ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
 
 namespace perception {

@@ -16,6 +16,9 @@ ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
 "${ctl[@]}" --wait=60s status | head -3
 "${ctl[@]}" init --config small --levels 1 --batch 256 --window 64 --lr 1e-3 --lr_schedule cosine \
   --lr_warmup_steps 10 --total_steps 60 --min_lr 1e-4
+# The daemon runs with its default --precision (auto), which on CUDA is 3xtf32.
+"${ctl[@]}" status | sed -n 2p | tee "$out/device.txt"
+echo "default precision on cuda: $(grep -q 'precision 3xtf32$' "$out/device.txt" && echo PASS || echo FAIL)"
 "${ctl[@]}" train --lobster "$ob" "$msg" --steps 60 | tail -3
 "${ctl[@]}" checkpoint save gpu.safetensors
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN --count "$events" | tail -2

@@ -11,7 +11,9 @@ summary=()
 run cuda_tests > "$out/cuda_tests.log" 2>&1; summary+=("cuda_tests: exit $? $(grep -E '^\[  (PASSED|FAILED) ' "$out/cuda_tests.log" | tr '\n' ' ')")
 run engine_tests --gtest_filter='*Stream*' > "$out/engine_streaming.log" 2>&1
 summary+=("engine_tests streaming (cpu+cuda): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_streaming.log" | tr '\n' ' ')")
-run bench_train --json "$out/bench_train.json" > "$out/bench_train.log" 2>&1; summary+=("bench_train fp32: exit $?")
+run bench_train --json "$out/bench_train.json" > "$out/bench_train.log" 2>&1; summary+=("bench_train 3xtf32: exit $?")
+run bench_train --precision=fp32 --configs small --json "$out/bench_train_fp32.json" > "$out/bench_train_fp32.log" 2>&1
+summary+=("bench_train fp32: exit $?")
 run bench_train --precision=tf32 --json "$out/bench_train_tf32.json" > "$out/bench_train_tf32.log" 2>&1; summary+=("bench_train tf32: exit $?")
 run bench_stream --configs tiny,small --json "$out/bench_stream.json" > "$out/bench_stream.log" 2>&1
 summary+=("bench_stream: exit $?")
@@ -31,5 +33,5 @@ if command -v compute-sanitizer > /dev/null; then
     summary+=("compute-sanitizer $tool (tiny): exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)")
   done
 fi
-cat "$out/bench_train.log" "$out/bench_train_tf32.log" "$out/bench_stream.log" | grep -vE '^\s*$' | tail -40
+cat "$out/bench_train.log" "$out/bench_train_fp32.log" "$out/bench_train_tf32.log" "$out/bench_stream.log" | grep -vE '^\s*$' | tail -40
 printf "%s\n" "${summary[@]}" | tee "$out/summary.txt"

@@ -107,9 +107,10 @@ absl::Status Status(PerceptionClient& client) {
   const std::string memory =
       device.memory_bytes() > 0 ? absl::StrFormat(", %.1f GiB", device.memory_bytes() / double(1 << 30)) : "";
   std::printf(
-      "perceptiond %s at %s\ndevice: %s%s\n%s\nlimits: batch <= %d, window <= %d, messages <= %lld bytes, "
-      "queue depth %d (%d jobs waiting)\n",
+      "perceptiond %s at %s\ndevice: %s%s, precision %s\n%s\nlimits: batch <= %d, window <= %d, messages <= %lld "
+      "bytes, queue depth %d (%d jobs waiting)\n",
       status.version().c_str(), client.target().c_str(), device.name().c_str(), memory.c_str(),
+      device.precision().c_str(),
       status.has_model() ? Describe(status.model()).c_str() : "model: none (perceptionctl init)", limits.max_batch(),
       limits.max_window(), static_cast<long long>(limits.max_message_bytes()), limits.queue_depth(),
       status.queued_jobs());

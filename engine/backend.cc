@@ -48,7 +48,7 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params,
                                                      std::shared_ptr<NcclCommunicator> communicator,
-                                                     Precision precision) {
+                                                     std::optional<Precision> precision) {
   if (device != "cpu" && device != "cuda" && device != "auto") {
     return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
   }
@@ -56,8 +56,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
     return absl::FailedPreconditionError("data-parallel training runs on NCCL, which the CPU backend cannot join");
   }
   const auto cpu = [&]() -> absl::StatusOr<std::unique_ptr<Backend>> {
-    if (precision != Precision::kFloat32) {
-      return absl::FailedPreconditionError(absl::StrCat("precision ", PrecisionName(precision),
+    if (precision.value_or(DefaultPrecision(/*cuda=*/false)) != Precision::kFloat32) {
+      return absl::FailedPreconditionError(absl::StrCat("precision ", PrecisionName(*precision),
                                                         " is the CUDA backend's; the CPU backend computes in fp32"));
     }
     return MakeCpuBackend(config, optimizer, std::move(params));
@@ -66,7 +66,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
 #if PERCEPTION_HAVE_CUDA
   const absl::Status available = CudaDeviceAvailable();
   if (available.ok()) {
-    return MakeCudaBackend(config, optimizer, std::move(params), {.precision = precision, .communicator = communicator});
+    return MakeCudaBackend(config, optimizer, std::move(params),
+                           {.precision = precision.value_or(DefaultPrecision(/*cuda=*/true)), .communicator = communicator});
   }
   if (device == "cuda" || communicator != nullptr) return available;
 #else

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -52,6 +53,8 @@ class Backend {
 
   // "cpu", or the device's name for CUDA (e.g. "cuda:0 NVIDIA H200").
   virtual std::string device_name() const = 0;
+  // The arithmetic of the linear-layer products (engine/precision.h); the CPU backend's is fp32.
+  virtual Precision precision() const { return Precision::kFloat32; }
   // Total memory of the device in bytes (the host's for the CPU backend); 0 when the backend cannot tell.
   virtual int64_t memory_bytes() const { return 0; }
   virtual const ParamLayout& layout() const = 0;
@@ -154,10 +157,11 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 // The backend for `device`: "cpu", "cuda" (an error naming what is missing when this build has no CUDA backend
 // or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU). With a `communicator`
 // the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be. `precision`
-// is the CUDA backend's product arithmetic; a backend that resolves to the CPU refuses any but kFloat32.
+// is the CUDA backend's product arithmetic, nullopt the device's default (DefaultPrecision: 3xtf32 on CUDA, fp32 on
+// the CPU); a backend that resolves to the CPU refuses any but kFloat32.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params,
                                                      std::shared_ptr<NcclCommunicator> communicator = nullptr,
-                                                     Precision precision = Precision::kFloat32);
+                                                     std::optional<Precision> precision = Precision::kFloat32);
 
 }  // namespace perception

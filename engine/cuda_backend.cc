@@ -20,6 +20,7 @@ class CudaBackend final : public Backend {
   explicit CudaBackend(std::unique_ptr<CudaModel> model) : model_(std::move(model)) {}
 
   std::string device_name() const override { return model_->device_name(); }
+  Precision precision() const override { return model_->precision(); }
   const ParamLayout& layout() const override { return model_->layout(); }
 
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {

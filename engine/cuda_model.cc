@@ -150,6 +150,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   cudaDeviceProp properties;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
   device_name_ = absl::StrCat("cuda:", device, " ", properties.name);
+  precision_ = options.precision;
   // The step's streams at one priority or one of them a level above the others, by precision, and the graph keeps
   // each captured node's priority: where two streams have blocks waiting for SMs, the higher one's go first. H200,
   // small, µs a step, alternating within each call:

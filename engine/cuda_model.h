@@ -63,6 +63,7 @@ class CudaModel {
   // The parameters in device memory, current as of the work queued on stream().
   const float* device_params() const { return params_; }
   const std::string& device_name() const { return device_name_; }
+  Precision precision() const { return precision_; }
   // The data-parallel communicator, or null.
   NcclCommunicator* communicator() const { return communicator_.get(); }
 
@@ -244,6 +245,7 @@ class CudaModel {
   ParamLayout layout_;
   kernels::AdamWConfig adamw_;
   std::string device_name_;
+  Precision precision_ = Precision::kFloat32;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Blas> blas_;
   // The weight-gradient products' stream and handle (the cuBLAS workspace's second part), and the events that

@@ -42,7 +42,7 @@ absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig
 }  // namespace
 
 ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming, bool use_graphs,
-                     Precision precision, BackendDecorator decorate)
+                     std::optional<Precision> precision, BackendDecorator decorate)
     : device_(std::move(device)), use_graphs_(use_graphs), precision_(precision), decorate_(std::move(decorate)),
       metrics_(metrics), streaming_(streaming) {}
 
@@ -87,7 +87,8 @@ absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& o
   const bool fitted = !IsIdentityNormalizer(layout, params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(config, optimizer, std::move(params)));
   Install(std::move(backend), optimizer, 0, fitted);
-  spdlog::info("model initialized on {}: {} trained parameters, seed {}", backend_->device_name(),
+  spdlog::info("model initialized on {} ({} products): {} trained parameters, seed {}", backend_->device_name(),
+               PrecisionName(backend_->precision()),
                backend_->layout().trained_count(), seed);
   return absl::OkStatus();
 }
@@ -216,8 +217,10 @@ absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bo
 }
 
 HostStatus ModelHost::Status() const {
-  if (backend_ == nullptr) return {device_, 0, std::nullopt, data_parallel_, 0};
-  return {backend_->device_name(), backend_->memory_bytes(),
+  if (backend_ == nullptr) {
+    return {device_, std::string(PrecisionChoiceName(precision_)), 0, std::nullopt, data_parallel_, 0};
+  }
+  return {backend_->device_name(), PrecisionName(backend_->precision()), backend_->memory_bytes(),
           ModelInfo{backend_->config(), optimizer_, step_, weights_version_,
                     static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_,
                     published_weights_version_},

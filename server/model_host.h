@@ -38,6 +38,7 @@ struct StreamingConfig {
 
 struct HostStatus {
   std::string device_name;   // the backend's; the requested device ("auto", ...) before any model
+  std::string precision;     // the backend's product arithmetic ("fp32", ...); the requested one ("auto", ...) before
   int64_t memory_bytes = 0;  // of that device; 0 before any model or when unknown
   std::optional<ModelInfo> model;
   std::optional<DataParallelOptions> data_parallel;  // when this daemon is one rank of a data-parallel job
@@ -78,11 +79,12 @@ class ModelHost {
   // records the calls the host makes, which no other way shows (the CPU backend ignores the Train stream's `next`).
   using BackendDecorator = absl::AnyInvocable<std::unique_ptr<Backend>(std::unique_ptr<Backend>)>;
 
-  // `device` and `precision` as MakeBackend takes them: "auto", "cpu" or "cuda", and the CUDA products' arithmetic.
+  // `device` and `precision` as MakeBackend takes them: "auto", "cpu" or "cuda", and the CUDA products' arithmetic
+  // (nullopt: the device's default).
   // `use_graphs` off runs the CUDA training step and streaming ticks kernel by kernel instead of as captured graphs
   // (debugging). `decorate`, where given, wraps every backend made (tests only).
   ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig streaming = {}, bool use_graphs = true,
-            Precision precision = Precision::kFloat32, BackendDecorator decorate = nullptr);
+            std::optional<Precision> precision = Precision::kFloat32, BackendDecorator decorate = nullptr);
 
   // Makes this daemon one rank of a data-parallel job: joins the NCCL communicator on the calling (device worker's)
   // thread; every model installed afterwards trains through it. Once, before any model exists; CUDA only.
@@ -141,7 +143,7 @@ class ModelHost {
 
   const std::string device_;
   const bool use_graphs_;
-  const Precision precision_;
+  const std::optional<Precision> precision_;
   BackendDecorator decorate_;  // null: backends are used as MakeBackend makes them
   ServerMetrics& metrics_;
   std::optional<DataParallelOptions> data_parallel_;

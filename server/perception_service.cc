@@ -67,6 +67,7 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
     response->set_version(PERCEPTION_VERSION);
     response->mutable_device()->set_name(status.device_name);
     response->mutable_device()->set_memory_bytes(status.memory_bytes);
+    response->mutable_device()->set_precision(status.precision);
     if (status.model.has_value()) *response->mutable_model() = ToProto(*status.model);
     v1::Limits& limits = *response->mutable_limits();
     limits.set_max_message_bytes(limits_.max_message_bytes);

@@ -35,9 +35,9 @@ ABSL_FLAG(std::string, listen, perception::v1::kDefaultAddress, "gRPC listen add
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address, host:port (port 0: any; empty: no metrics endpoint)");
 ABSL_FLAG(std::string, device, "auto", "compute device: auto (CUDA when a device is present), cpu or cuda");
-ABSL_FLAG(std::string, precision, "fp32",
-          "the CUDA backend's linear-layer products: fp32 (cuBLAS float32), 3xtf32 (float32 accuracy on the TF32 "
-          "tensor cores) or tf32 (inputs rounded to TF32)");
+ABSL_FLAG(std::string, precision, "auto",
+          "the CUDA backend's linear-layer products: auto (3xtf32 on CUDA, fp32 on the CPU), fp32 (cuBLAS float32), "
+          "3xtf32 (float32 accuracy on the TF32 tensor cores, held to fp32's bars) or tf32 (inputs rounded to TF32)");
 ABSL_FLAG(bool, graphs, true, "CUDA graphs for the training step and streaming ticks (--nographs: kernel by kernel)");
 ABSL_FLAG(std::string, checkpoint_dir, "checkpoints",
           "folder that checkpoint names are relative to; created when missing");
@@ -264,9 +264,9 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
-  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
-  if (absl::GetFlag(FLAGS_device) == "cpu" && precision != Precision::kFloat32) {
-    return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(precision),
+  ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));
+  if (absl::GetFlag(FLAGS_device) == "cpu" && precision.value_or(Precision::kFloat32) != Precision::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(*precision),
                                                    " is the CUDA backend's; --device=cpu computes in fp32"));
   }
   ServerMetrics metrics;

@@ -81,6 +81,7 @@ class RecordingBackend final : public Backend {
   }
 
   std::string device_name() const override { return inner_->device_name(); }
+  Precision precision() const override { return inner_->precision(); }
   int64_t memory_bytes() const override { return inner_->memory_bytes(); }
   const ParamLayout& layout() const override { return inner_->layout(); }
   TrainingCounters training_counters() const override { return inner_->training_counters(); }

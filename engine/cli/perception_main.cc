@@ -25,9 +25,9 @@
 
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
 ABSL_FLAG(std::string, graphs, "on", "CUDA graphs for the training step: on, or off to run it eagerly (debugging)");
-ABSL_FLAG(std::string, precision, "fp32",
-          "the CUDA backend's linear-layer products: fp32 (cuBLAS float32), 3xtf32 (float32 accuracy on the TF32 "
-          "tensor cores) or tf32 (inputs rounded to TF32)");
+ABSL_FLAG(std::string, precision, "auto",
+          "the CUDA backend's linear-layer products: auto (3xtf32 on CUDA, fp32 on the CPU), fp32 (cuBLAS float32), "
+          "3xtf32 (float32 accuracy on the TF32 tensor cores, held to fp32's bars) or tf32 (inputs rounded to TF32)");
 ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
 ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
@@ -86,7 +86,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
 // The backend of --device with the products of --precision.
 absl::StatusOr<std::unique_ptr<Backend>> BackendFromFlags(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                           std::vector<float> params) {
-  ASSIGN_OR_RETURN(const Precision precision, ParsePrecision(absl::GetFlag(FLAGS_precision)));
+  ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));
   return MakeBackend(absl::GetFlag(FLAGS_device), config, optimizer, std::move(params), nullptr, precision);
 }
 
@@ -123,7 +123,7 @@ absl::Status Train() {
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
   backend->set_use_graphs(graphs == "on");
-  spdlog::info("device {}", backend->device_name());
+  spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));
 
   ASSIGN_OR_RETURN(WindowSampler sampler,
                    WindowSampler::Create(split.train, config.window, config.warmup, absl::GetFlag(FLAGS_seed)));

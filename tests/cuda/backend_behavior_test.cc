@@ -32,9 +32,27 @@ TEST(CudaBackendWithoutDevice, MakeBackendNamesTheMissingDevice) {
   ASSERT_FALSE(cuda.ok());
   EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Contains(cuda.status(), "no CUDA device: cudaGetDeviceCount returned")) << cuda.status();
-  const auto fallback = MakeBackend("auto", config, OptimizerConfig{}, InitialParams(config, 1));
+  const auto fallback = MakeBackend("auto", config, OptimizerConfig{}, InitialParams(config, 1), nullptr, std::nullopt);
   ASSERT_TRUE(fallback.ok()) << fallback.status();
   EXPECT_EQ((*fallback)->device_name(), "cpu");
+  EXPECT_EQ((*fallback)->precision(), Precision::kFloat32);  // auto's precision follows the device it resolved to
+}
+
+// The programs' --precision=auto: float32 accuracy at the device's best speed, 3xtf32 on CUDA; a precision named
+// is kept.
+TEST(CudaBackend, AutoPrecisionIsThreeTf32OnTheDevice) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  for (const std::string device : {"cuda", "auto"}) {
+    const auto automatic = MakeBackend(device, config, OptimizerConfig{}, InitialParams(config, 1), nullptr, std::nullopt);
+    ASSERT_TRUE(automatic.ok()) << automatic.status();
+    EXPECT_EQ((*automatic)->precision(), Precision::kFloat32Tf32x3) << device;
+  }
+  for (const Precision p : {Precision::kFloat32, Precision::kFloat32Tf32x3, Precision::kTf32}) {
+    const auto named = MakeBackend("cuda", config, OptimizerConfig{}, InitialParams(config, 1), nullptr, p);
+    ASSERT_TRUE(named.ok()) << named.status();
+    EXPECT_EQ((*named)->precision(), p);
+  }
 }
 
 // The first step runs eagerly and the second captures the training graph (instantiating it may take device memory

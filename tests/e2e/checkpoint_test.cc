@@ -60,9 +60,11 @@ TEST(CheckpointTest, SaveRestartLoadGivesIdenticalEvaluateOutputs) {
   absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
   ASSERT_TRUE(status.ok());
   EXPECT_FALSE(status->has_model()) << "a daemon starts without a model unless told to load one";
+  EXPECT_EQ(status->device().precision(), "auto") << "before any model, the daemon's --precision (its default)";
   absl::StatusOr<v1::LoadCheckpointResponse> loaded = Load(client, "runs/five.safetensors");
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->model().step(), 5);
+  EXPECT_EQ(client.GetStatus()->device().precision(), "fp32") << "auto resolves to fp32 on the CPU";
   EXPECT_EQ(EvaluationBits(Evaluate(client, probe)), EvaluationBits(before))
       << "loss, accuracies and probabilities, bit for bit";
 

@@ -50,7 +50,7 @@ TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
   const std::string daemon = absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ");
   const CommandResult unknown = RunCommand(daemon + "--precision=fp16");
   EXPECT_EQ(unknown.exit_code, 1);
-  EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (fp32, 3xtf32 or tf32)"));
+  EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (auto, fp32, 3xtf32 or tf32)"));
   const CommandResult cpu = RunCommand(daemon + "--device=cpu --precision=3xtf32");
   EXPECT_EQ(cpu.exit_code, 1);
   EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
