@@ -3,8 +3,10 @@
 // one state pass a layer, each pass reading and rewriting every tick slot's 32 KB of that layer as plainly as the
 // hardware allows (16-byte accesses, four or eight in flight a thread), with default or evict-first L2 policies, or
 // with the first slots' states in a persisting L2 window as large as the device allows (the most of the states that
-// could stay in L2 from tick to tick), and a read-only pass for comparison. `state_traffic_probe` prints one line per
-// tick size.
+// could stay in L2 from tick to tick), a read-only pass for comparison, and the read-write pass over states held in
+// bfloat16 (half the bytes; the update in float32), the floor of a narrower-state mode. `state_traffic_probe` prints
+// one line per tick size.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,7 +29,7 @@ constexpr int kSlotFloats = kLayers * kLayerFloats;
 constexpr int kThreads = 256;
 constexpr int kTicks = 300;
 
-enum class Pass { kReadWrite, kReadWriteEvictFirst, kReadOnly };
+enum class Pass { kReadWrite, kReadWriteEvictFirst, kReadOnly, kReadWriteBf16 };
 
 __device__ __forceinline__ float4 Load(const float4* p, uint64_t policy, bool marked) {
   float4 v;
@@ -48,11 +50,44 @@ __device__ __forceinline__ void Store(float4* p, float4 v, uint64_t policy, bool
   }
 }
 
+// The bfloat16 pass's update of a 16-byte piece (eight states), in float32 between the loads and the stores.
+__device__ __forceinline__ uint4 DecayBf16(uint4 piece) {
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&piece);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 s = __bfloat1622float2(pairs[i]);
+    pairs[i] = __floats2bfloat162_rn(0.999f * s.x + 1e-3f, 0.999f * s.y + 1e-3f);
+  }
+  return piece;
+}
+
 // Layer l's states of the tick's n slots: the state decays and takes an input, as the SSM update does (so every byte
-// is read and written), or, read-only, each block's sum lands in `sink`.
+// is read and written), or, read-only, each block's sum lands in `sink`. kReadWriteBf16 reads `states` as bfloat16
+// states (a slot's kSlotFloats of them in half the bytes) and moves eight of them a 16-byte piece.
 template <Pass kPass, int kPerThread>
 __global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const int* slots, int n, int l,
                                                             float* sink) {
+  if constexpr (kPass == Pass::kReadWriteBf16) {
+    constexpr int kPieces = kLayerFloats / 8;
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
+    __nv_bfloat16* const base = reinterpret_cast<__nv_bfloat16*>(states);
+    uint4 v[kPerThread];
+    uint4* at[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int64_t piece = first + k * kThreads;
+      const int event = static_cast<int>(piece / kPieces), within = static_cast<int>(piece % kPieces);
+      at[k] = event < n ? reinterpret_cast<uint4*>(base + static_cast<int64_t>(slots[event]) * kSlotFloats +
+                                                   l * kLayerFloats) + within
+                        : nullptr;
+      if (at[k]) v[k] = *at[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      if (at[k]) *at[k] = DecayBf16(v[k]);
+    }
+    return;
+  }
   constexpr int kPieces = kLayerFloats / 4;
   constexpr bool kMarked = kPass == Pass::kReadWriteEvictFirst;
   const uint64_t policy = kMarked ? perception::kernels::EvictFirstPolicy() : 0;
@@ -108,7 +143,7 @@ absl::Status SetWindow(cudaGraph_t graph, float* base, size_t bytes) {
 template <Pass kPass, int kPerThread = 4>
 absl::StatusOr<double> MedianTick(cudaStream_t stream, float* states, const int* slots, int n, float* sink,
                                   size_t window_bytes = 0) {
-  const int64_t pieces = static_cast<int64_t>(n) * (kLayerFloats / 4);
+  const int64_t pieces = static_cast<int64_t>(n) * (kLayerFloats / (kPass == Pass::kReadWriteBf16 ? 8 : 4));
   const int blocks = static_cast<int>((pieces + kThreads * kPerThread - 1) / (kThreads * kPerThread));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -149,14 +184,15 @@ absl::Status Probe() {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize, device));
   std::printf("L2 %d bytes (persisting at most %d, window at most %d); SSM states %d bytes a slot (%d layers)\n", l2,
               max_persisting, max_window, kSlotFloats * 4, kLayers);
-  std::printf("%-12s %9s %20s %12s %12s %12s %22s\n", "instruments", "state MB", "read+write us (GB/s)",
-              "8 in flight", "evict-first", "read-only", "persisting window us");
+  std::printf("%-12s %9s %20s %12s %12s %12s %22s %20s\n", "instruments", "state MB", "read+write us (GB/s)",
+              "8 in flight", "evict-first", "read-only", "persisting window us", "bf16 read+write us");
   for (int n : {256, 512, 1024, 2048, 4096, 10000}) {
     const double mb = 1e-6 * n * kSlotFloats * 4.0;
     ASSIGN_OR_RETURN(const double rw, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink));
     ASSIGN_OR_RETURN(const double rw_first, MedianTick<Pass::kReadWriteEvictFirst>(stream, states, slots, n, sink));
     ASSIGN_OR_RETURN(const double rw8, (MedianTick<Pass::kReadWrite, 8>(stream, states, slots, n, sink)));
     ASSIGN_OR_RETURN(const double ro, MedianTick<Pass::kReadOnly>(stream, states, slots, n, sink));
+    ASSIGN_OR_RETURN(const double bf16, MedianTick<Pass::kReadWriteBf16>(stream, states, slots, n, sink));
     // The window over as much of the states as may persist; the rest streams.
     const size_t window = std::min<size_t>({static_cast<size_t>(max_persisting), static_cast<size_t>(max_window),
                                             static_cast<size_t>(n) * kSlotFloats * 4});
@@ -164,8 +200,8 @@ absl::Status Probe() {
     ASSIGN_OR_RETURN(const double persisting, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink, window));
     CUDA_RETURN_IF_ERROR(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0));
     CUDA_RETURN_IF_ERROR(cudaCtxResetPersistingL2Cache());
-    std::printf("%-12d %9.1f %11.2f (%6.0f) %12.2f %12.2f %12.2f %12.2f (%.1f MB)\n", n, mb, rw,
-                2e-3 * mb / (rw * 1e-6), rw8, rw_first, ro, persisting, 1e-6 * window);
+    std::printf("%-12d %9.1f %11.2f (%6.0f) %12.2f %12.2f %12.2f %12.2f (%.1f MB) %20.2f\n", n, mb, rw,
+                2e-3 * mb / (rw * 1e-6), rw8, rw_first, ro, persisting, 1e-6 * window, bf16);
   }
   CUDA_RETURN_IF_ERROR(cudaFree(states));
   CUDA_RETURN_IF_ERROR(cudaFree(sink));
