@@ -66,8 +66,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
 #if PERCEPTION_HAVE_CUDA
   const absl::Status available = CudaDeviceAvailable();
   if (available.ok()) {
-    return MakeCudaBackend(config, optimizer, std::move(params),
-                           {.precision = precision.value_or(DefaultPrecision(/*cuda=*/true)), .communicator = communicator});
+    const CudaModelOptions options{.precision = precision.value_or(DefaultPrecision(/*cuda=*/true)),
+                                   .communicator = communicator};
+    return MakeCudaBackend(config, optimizer, std::move(params), options);
   }
   if (device == "cuda" || communicator != nullptr) return available;
 #else

@@ -9,9 +9,9 @@
 
 namespace perception {
 
-// kFloat32: cuBLAS float32 (SIMT), the CPU backend's arithmetic. kFloat32Tf32x3: float32 accuracy on the TF32 tensor cores — the
-// 3×TF32 kernels for the products they take and run faster (measured on the H200), cuBLAS float32 for the rest and on
-// devices other than Hopper (compute capability 9.0). kTf32: inputs rounded to TF32 on the tensor cores (a looser
+// kFloat32: cuBLAS float32 (SIMT), the CPU backend's arithmetic. kFloat32Tf32x3: float32 accuracy on the TF32
+// tensor cores — the 3×TF32 kernels for the products they take and run faster (measured on the H200), cuBLAS float32
+// for the rest and on devices other than Hopper (compute capability 9.0). kTf32: inputs rounded to TF32 on the tensor cores (a looser
 // tolerance): on Hopper the same kernels' one-product form where they take a product, cuBLAS TF32 for the rest; the
 // recurrences (the scan, the CfC) on the tensor cores too. The CPU backend computes in float32 and knows only kFloat32.
 enum class Precision { kFloat32, kFloat32Tf32x3, kTf32 };

@@ -44,7 +44,8 @@ TEST(CudaBackend, AutoPrecisionIsThreeTf32OnTheDevice) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("tiny");
   for (const std::string device : {"cuda", "auto"}) {
-    const auto automatic = MakeBackend(device, config, OptimizerConfig{}, InitialParams(config, 1), nullptr, std::nullopt);
+    const auto automatic =
+        MakeBackend(device, config, OptimizerConfig{}, InitialParams(config, 1), nullptr, std::nullopt);
     ASSERT_TRUE(automatic.ok()) << automatic.status();
     EXPECT_EQ((*automatic)->precision(), Precision::kFloat32Tf32x3) << device;
   }
