@@ -61,25 +61,31 @@ __device__ __forceinline__ uint4 DecayBf16(uint4 piece) {
   return piece;
 }
 
+// Piece `piece` (of the tick's pieces, in event order) of layer l's states of the tick's n slots, a slot's states of
+// type State read in pieces of type Piece; null past the tick's end.
+template <typename Piece, typename State>
+__device__ __forceinline__ Piece* StatePiece(State* states, const int* slots, int n, int l, int64_t piece) {
+  constexpr int kPieces = kLayerFloats * sizeof(State) / sizeof(Piece);
+  const int event = static_cast<int>(piece / kPieces), within = static_cast<int>(piece % kPieces);
+  return event < n ? reinterpret_cast<Piece*>(states + static_cast<int64_t>(slots[event]) * kSlotFloats +
+                                              l * kLayerFloats) + within
+                   : nullptr;
+}
+
 // Layer l's states of the tick's n slots: the state decays and takes an input, as the SSM update does (so every byte
 // is read and written), or, read-only, each block's sum lands in `sink`. kReadWriteBf16 reads `states` as bfloat16
 // states (a slot's kSlotFloats of them in half the bytes) and moves eight of them a 16-byte piece.
 template <Pass kPass, int kPerThread>
 __global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const int* slots, int n, int l,
                                                             float* sink) {
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
   if constexpr (kPass == Pass::kReadWriteBf16) {
-    constexpr int kPieces = kLayerFloats / 8;
-    const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
     __nv_bfloat16* const base = reinterpret_cast<__nv_bfloat16*>(states);
     uint4 v[kPerThread];
     uint4* at[kPerThread];
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
-      const int64_t piece = first + k * kThreads;
-      const int event = static_cast<int>(piece / kPieces), within = static_cast<int>(piece % kPieces);
-      at[k] = event < n ? reinterpret_cast<uint4*>(base + static_cast<int64_t>(slots[event]) * kSlotFloats +
-                                                   l * kLayerFloats) + within
-                        : nullptr;
+      at[k] = StatePiece<uint4>(base, slots, n, l, first + k * kThreads);
       if (at[k]) v[k] = *at[k];
     }
 #pragma unroll
@@ -88,19 +94,13 @@ __global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const
     }
     return;
   }
-  constexpr int kPieces = kLayerFloats / 4;
   constexpr bool kMarked = kPass == Pass::kReadWriteEvictFirst;
   const uint64_t policy = kMarked ? perception::kernels::EvictFirstPolicy() : 0;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
   float4 v[kPerThread];
   float4* at[kPerThread];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int64_t piece = first + k * kThreads;
-    const int event = static_cast<int>(piece / kPieces), within = static_cast<int>(piece % kPieces);
-    at[k] = event < n ? reinterpret_cast<float4*>(states + static_cast<int64_t>(slots[event]) * kSlotFloats +
-                                                  l * kLayerFloats) + within
-                      : nullptr;
+    at[k] = StatePiece<float4>(states, slots, n, l, first + k * kThreads);
     if (at[k]) v[k] = Load(at[k], policy, kMarked);
   }
   if constexpr (kPass == Pass::kReadOnly) {

@@ -48,20 +48,15 @@ TEST(PrecisionTest, AutoIsTheDevicesFloat32AccurateDefault) {
   EXPECT_EQ(DefaultPrecision(/*cuda=*/false), Precision::kFloat32);
 }
 
-TEST(PrecisionTest, TheCpuBackendComputesInFp32UnderAuto) {
-  const ModelConfig config = *NamedConfig("tiny");
-  const std::vector<float> params = testing::RandomParams(ParamLayout(config), 7);
-  const auto backend = MakeBackend("cpu", config, OptimizerConfig{}, params, nullptr, std::nullopt);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  EXPECT_EQ((*backend)->precision(), Precision::kFloat32);
-}
-
+// fp32, and "auto" (nullopt), which on the CPU is fp32, are taken; the CUDA precisions are refused.
 TEST(PrecisionTest, TheCpuBackendRefusesAnyButFp32) {
   const ModelConfig config = *NamedConfig("tiny");
   const std::vector<float> params = testing::RandomParams(ParamLayout(config), 7);
-  const auto fp32 = MakeBackend("cpu", config, OptimizerConfig{}, params, nullptr, Precision::kFloat32);
-  ASSERT_TRUE(fp32.ok()) << fp32.status();
-  EXPECT_EQ((*fp32)->precision(), Precision::kFloat32);
+  for (const std::optional<Precision> p : {std::optional(Precision::kFloat32), std::optional<Precision>()}) {
+    const auto backend = MakeBackend("cpu", config, OptimizerConfig{}, params, nullptr, p);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ((*backend)->precision(), Precision::kFloat32) << PrecisionChoiceName(p);
+  }
   for (const Precision p : {Precision::kFloat32Tf32x3, Precision::kTf32}) {
     const auto backend = MakeBackend("cpu", config, OptimizerConfig{}, params, nullptr, p);
     EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
