@@ -281,11 +281,16 @@ bool Blas::UsesTf32x3Kernels(Precision precision, const cudaDeviceProp& device) 
          device.minor == 0;
 }
 
+bool Blas::ForwardOnTf32x3Kernels(int in, int out, const float* x, int ldx, const float* w, int ldw,
+                                  BlasBatch batch) const {
+  return tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
+         kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in);
+}
+
 absl::Status Blas::Forward(int rows, int in, int out, const float* x, int ldx, const float* w, int ldw,
                            const float* bias, float beta, float* y, int ldy, BlasBatch batch,
                            const kernels::Tf32x3Planes* planes, bool programmatic) {
-  if (tf32x3_ && Tf32x3ForwardOrBackwardDataPays(in, out) && (!tf32_ || PlainTf32Pays(in, out)) &&
-      kernels::GemmTf32x3Supports(std::min(Alignment(x, ldx, batch.x), Alignment(w, ldw, batch.w)), in, in)) {
+  if (ForwardOnTf32x3Kernels(in, out, x, ldx, w, ldw, batch)) {
     CUDA_RETURN_IF_ERROR(kernels::LaunchGemmTf32x3Forward(rows, in, out, x, ldx, batch.x, w, ldw, batch.w, bias,
                                                           batch.bias, beta, y, ldy, batch.y, batch.count, stream_,
                                                           kernels::GemmTile::kAuto, planes, programmatic, tf32_));

@@ -41,6 +41,10 @@ class Blas {
   // (BackwardDataOnTf32x3Kernels says for given operands): a stack's planes (kernels::Tf32x3Planes) need them.
   static bool Tf32x3KernelsTakeBackwardData(int in, int out);
   bool BackwardDataOnTf32x3Kernels(int in, int out, const float* dy, int lddy, const float* w, int ldw) const;
+  // Whether a Forward of this shape and these operands runs on those kernels: a stack's planes (big and small of
+  // weights stacked along out, not adjacent in memory) need them.
+  bool ForwardOnTf32x3Kernels(int in, int out, const float* x, int ldx, const float* w, int ldw,
+                              BlasBatch batch = {}) const;
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;

@@ -199,6 +199,7 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
     d_value_ = d_gate_value_ + second;
     d_pre_ln_ = d_skip_fc2_;
     d_pre2_ = d_skip_fc2_ + second;
+    if (stacked_forward_head_) pre2_ = pre_ln_ + d.G;
     if (neg_zero_bias_ != nullptr) {
       const std::vector<float> neg_zero(d.G, -0.f);
       RETURN_IF_ERROR(CopyToDevice(neg_zero_bias_, neg_zero, stream_));
@@ -238,7 +239,9 @@ void CudaModel::ReserveBuffers() {
   stacked_head_ = plane_floats_ > 0 && Blas::Tf32x3KernelsTakeBackwardData(d.G, 2 * d.G) &&
                   Blas::Tf32x3KernelsTakeBackwardData(d.DC, 2 * d.G);
   fused_head_ = kernels::GrnHeadSupports(d.G, d.H);
-  const size_t stacked_plane_floats = stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0;
+  stacked_forward_head_ = stacked_head_ && fused_head_;
+  const size_t stacked_plane_floats = (stacked_head_ ? 2 * static_cast<size_t>(2 * d.G) * (d.G + d.DC) : 0) +
+                                      (stacked_forward_head_ ? 2 * static_cast<size_t>(2 * d.G) * d.DC : 0);
   if (plane_floats_ > 0) a.Reserve(&weight_planes_, 4 * plane_floats_ + stacked_plane_floats);
 
   for (InputSlot& slot : slots_) {
@@ -275,12 +278,17 @@ void CudaModel::ReserveBuffers() {
   a.Reserve(&bb_, M * d.K);
   a.Reserve(&gates_, M * 3 * d.C);
   a.Reserve(&c_prev_, M * d.C);
-  for (float** buffer : {&pre2_, &e2_, &e1_, &pre_ln_, &g_}) a.Reserve(buffer, M * d.G);
+  for (float** buffer : {&e2_, &e1_, &g_}) a.Reserve(buffer, M * d.G);
+  if (stacked_forward_head_) {
+    a.Reserve(&pre_ln_, M * 2 * d.G);  // pre2_ beside it (Initialize)
+  } else {
+    for (float** buffer : {&pre2_, &pre_ln_}) a.Reserve(buffer, M * d.G);
+  }
   if (!fused_head_) {  // the separate head kernels' (kernels/grn_head.h keeps them in registers)
     for (float** buffer : {&gate_pre_, &value_, &nhat_}) a.Reserve(buffer, M * d.G);
     a.Reserve(&ln_rstd_, M);
   }
-  if (stacked_head_) a.Reserve(&neg_zero_bias_, d.G);
+  if (stacked_head_ && !stacked_forward_head_) a.Reserve(&neg_zero_bias_, d.G);
   if (fused_head_) {
     a.Reserve(&head_weight_grads_, 2 * d.G * (d.G + d.DC));
     a.Reserve(&head_out_partials_, static_cast<size_t>(kernels::GrnHeadOutputPartialRows(M)) * d.H * d.G);
@@ -413,6 +421,10 @@ absl::Status CudaModel::BuildTables() {
       *stack.planes = {nullptr, nullptr, next_stack, next_stack + floats, 2 * d.G, stack.in};
       next_stack += 2 * floats;
     }
+    if (stacked_forward_head_) {
+      const size_t floats = static_cast<size_t>(2 * d.G) * d.DC;
+      skip_fc2_forward_planes_ = {next_stack, next_stack + floats, nullptr, nullptr, 2 * d.G, d.DC};
+    }
     for (const int tensor : weights) {
       const TensorSpec& spec = layout_.tensor(tensor);
       float* at[4];
@@ -426,6 +438,11 @@ absl::Status CudaModel::BuildTables() {
         at[2] = const_cast<float*>(stack.planes->big_t) + column;
         at[3] = const_cast<float*>(stack.planes->small_t) + column;
         ld_t = 2 * d.G;
+      }
+      if (stacked_forward_head_ && (tensor == pl.grn_skip || tensor == pl.grn_fc2.weight)) {
+        const size_t row = tensor == pl.grn_skip ? 0 : d.G;  // [W_skip; W_fc2], as the transposed stack
+        at[0] = const_cast<float*>(skip_fc2_forward_planes_.big) + row * d.DC;
+        at[1] = const_cast<float*>(skip_fc2_forward_planes_.small) + row * d.DC;
       }
       split_jobs_host_.push_back({param(tensor), rows, cols, at[0], at[1], at[2], at[3], ld_t});
       planes_of_[tensor] = {at[0], at[1], at[2], at[3], rows, cols, ld_t};
@@ -903,17 +920,27 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
   // The forward's chain goes on (ForwardAndLoss), but for the first product where the ranks' mask count was summed
   // ahead of it.
   const bool after_cfc = !(with_gradient && communicator_);
-  // Where stacked_head_, fc2 and skip, which read the same head_in, as one batched launch (skip's weight and output
-  // one stride past fc2's). The skip has no bias: its share of the batch adds −0 (neg_zero_bias_), which leaves every
-  // value as it is, bit for bit (+0 would turn −0 into +0).
-  const BlasBatch fc2_and_skip = stacked_head_ ? BlasBatch{.count = 2,
-                                                           .w = param(pl.grn_skip) - param(pl.grn_fc2.weight),
-                                                           .y = pre_ln_ - pre2_,
-                                                           .bias = neg_zero_bias_ - param(pl.grn_fc2.bias)}
-                                               : BlasBatch{};
-  RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
-                                 param(pl.grn_fc2.bias), 0.f, pre2_, d.G, fc2_and_skip, planes(pl.grn_fc2.weight),
-                                 after_cfc));
+  if (stacked_forward_head_) {
+    // [pre_ln | pre2] = head_in · [W_skip; W_fc2]ᵀ from the stack's planes alone (the weights are not adjacent in
+    // the parameters, so only the 3×TF32 kernels can run it), without a bias: the GRN head kernel adds fc2's.
+    if (!blas_->ForwardOnTf32x3Kernels(d.DC, 2 * d.G, head_in_, d.DC, param(pl.grn_skip), d.DC)) {
+      return absl::InternalError("the stacked skip + fc2 forward product without the 3xTF32 kernels");
+    }
+    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, 2 * d.G, head_in_, d.DC, param(pl.grn_skip), d.DC, nullptr, 0.f,
+                                   pre_ln_, 2 * d.G, {}, &skip_fc2_forward_planes_, after_cfc));
+  } else {
+    // Where stacked_head_, fc2 and skip, which read the same head_in, as one batched launch (skip's weight and
+    // output one stride past fc2's). The skip has no bias: its share of the batch adds −0 (neg_zero_bias_), which
+    // leaves every value as it is, bit for bit (+0 would turn −0 into +0).
+    const BlasBatch fc2_and_skip = stacked_head_ ? BlasBatch{.count = 2,
+                                                             .w = param(pl.grn_skip) - param(pl.grn_fc2.weight),
+                                                             .y = pre_ln_ - pre2_,
+                                                             .bias = neg_zero_bias_ - param(pl.grn_fc2.bias)}
+                                                 : BlasBatch{};
+    RETURN_IF_ERROR(blas_->Forward(rows, d.DC, d.G, head_in_, d.DC, param(pl.grn_fc2.weight), d.DC,
+                                   param(pl.grn_fc2.bias), 0.f, pre2_, d.G, fc2_and_skip, planes(pl.grn_fc2.weight),
+                                   after_cfc));
+  }
   const kernels::LogitGradient grad{labels_, mask_, mask_count_, with_gradient ? dlogits_ : nullptr};
   if (fused_head_) {
     if (!stacked_head_) {
@@ -922,11 +949,13 @@ absl::Status CudaModel::HeadForward(int rows, bool with_gradient) {
     }
     const kernels::GrnHeadWeights weights{param(pl.grn_fc1.weight),  param(pl.grn_fc1.bias),   param(pl.grn_gate.weight),
                                           param(pl.grn_gate.bias),   param(pl.grn_value.weight), param(pl.grn_value.bias),
-                                          param(pl.grn_norm.weight), param(pl.grn_norm.bias),   HeadOutputLayer()};
+                                          param(pl.grn_norm.weight), param(pl.grn_norm.bias),   HeadOutputLayer(),
+                                          stacked_forward_head_ ? param(pl.grn_fc2.bias) : nullptr};
     const kernels::GrnHeadBackward backward{d_pre_ln_,        d_gate_pre_, d_value_, d_pre2_, head_ld_, de1_,
                                             grn_partials_,    head_out_partials_};
-    CUDA_RETURN_IF_ERROR(kernels::LaunchGrnHead(rows, d.G, weights, {pre2_, pre_ln_, e2_, e1_, g_, logits_}, grad,
-                                                backward, plain_tf32_, stream_, /*programmatic=*/true));
+    const kernels::GrnHeadForward forward{pre2_, pre_ln_, e2_, e1_, g_, logits_, stacked_forward_head_ ? 2 * d.G : 0};
+    CUDA_RETURN_IF_ERROR(kernels::LaunchGrnHead(rows, d.G, weights, forward, grad, backward, plain_tf32_, stream_,
+                                                /*programmatic=*/true));
     return absl::OkStatus();
   }
   CUDA_RETURN_IF_ERROR(kernels::LaunchEluForward(pre2_, rows * d.G, e2_, stream_, /*programmatic=*/true));

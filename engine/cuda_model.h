@@ -330,7 +330,12 @@ class CudaModel {
   // before HeadBackward copies them into their tensors.
   float* head_weight_grads_ = nullptr;
   float* head_out_partials_ = nullptr;  // where fused_head_: head_out's weight gradient in partial sums
-  // Where stacked_head_: G floats of −0, the skip's bias in the forward's batched fc2 + skip launch (HeadForward).
+  // Where both stacked_head_ and fused_head_ (small under 3xtf32 and tf32): skip's and fc2's forward as one product
+  // of 2G outputs from the stack's planes, [W_skip; W_fc2], so that head_in is read once and the tiles are twice as
+  // wide; pre_ln_ and pre2_ side by side in its output (leading dimension 2G), fc2's bias added by the GRN head kernel
+  // as it reads pre2 (HeadForward).
+  bool stacked_forward_head_ = false;
+  // Where stacked_head_ alone: G floats of −0, the skip's bias in the forward's batched fc2 + skip launch.
   float* neg_zero_bias_ = nullptr;
   float* cfc_heads_grad_ = nullptr;  // the four CfC heads' weight gradients of one product, [4C, K]
   float* dh_ = nullptr;                                    // d residual stream, walking down the layers
@@ -362,6 +367,9 @@ class CudaModel {
   // Tf32x3Planes, [in, 2G]), in weight_planes_ past the four planes; those four weights' own transposed planes point
   // into them (ld_t = 2G).
   kernels::Tf32x3Planes gate_value_planes_, skip_fc2_planes_;
+  // Where stacked_forward_head_: the stack [W_skip; W_fc2]'s big and small planes ([2G, D + C]), past those; the two
+  // weights' own big and small planes point into it.
+  kernels::Tf32x3Planes skip_fc2_forward_planes_;
   std::vector<kernels::Tf32x3SplitJob> split_jobs_host_;
   kernels::Tf32x3SplitJob* split_jobs_ = nullptr;
   int split_rows_ = 0, split_cols_ = 0;

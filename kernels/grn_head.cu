@@ -229,6 +229,13 @@ __global__ void __launch_bounds__(kThreads, 2) GrnHeadKernel(int rows, int width
   const int row0 = blockIdx.x * kBlockRows + warp * kRows;
   auto row_ok = [&](int r) { return kFull || row0 + r < rows; };
   auto at = [&](int r, int j) { return static_cast<size_t>(row0 + r) * width + Column(j); };
+  const int ld_in = fw.ld_in > 0 ? fw.ld_in : width;
+  auto at_in = [&](int r, int j) { return static_cast<size_t>(row0 + r) * ld_in + Column(j); };
+  // pre2 as fc2's product with its bias (GrnHeadWeights::fc2_b; −0 adds nothing, bit for bit), read where it is
+  // used rather than held in registers through the kernel.
+  auto pre2 = [&](int r, int j) {
+    return fw.pre2[at_in(r, j)] + (wt.fc2_b != nullptr ? wt.fc2_b[Column(j)] : -0.f);
+  };
   float label[2] = {}, mask[2] = {};
   if (grad.dlogits && out < outs) {
 #pragma unroll
@@ -249,8 +256,8 @@ __global__ void __launch_bounds__(kThreads, 2) GrnHeadKernel(int rows, int width
 #pragma unroll
     for (int j = 0; j < kColumns; ++j) {
       const bool in = row_ok(r) && live[j];
-      x[r][j] = in ? fw.skip[at(r, j)] : 0.f;
-      v[r][j] = in ? fw.pre2[at(r, j)] : 0.f;
+      x[r][j] = in ? fw.skip[at_in(r, j)] : 0.f;
+      v[r][j] = in ? pre2(r, j) : 0.f;
     }
   }
   WarpRows& first = s.rows[warp][0];
@@ -480,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 2) GrnHeadKernel(int rows, int width
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-    for (int j = 0; j < kColumns; ++j) v[r][j] = row_ok(r) && live[j] ? fw.pre2[at(r, j)] : 0.f;
+    for (int j = 0; j < kColumns; ++j) v[r][j] = row_ok(r) && live[j] ? pre2(r, j) : 0.f;
   }
   {
     Tiles acc;
@@ -520,7 +527,9 @@ cudaError_t LaunchGrnHead(int rows, int width, const GrnHeadWeights& weights, co
                           const LogitGradient& grad, const GrnHeadBackward& backward, bool tf32_products,
                           cudaStream_t stream, bool programmatic) {
   if (rows < 1) return cudaSuccess;
-  if (!GrnHeadSupports(width, weights.out.outs)) return cudaErrorInvalidValue;
+  if (!GrnHeadSupports(width, weights.out.outs) || (forward.ld_in != 0 && forward.ld_in < width)) {
+    return cudaErrorInvalidValue;
+  }
   if (grad.dlogits && (backward.ldd < width || !backward.d_pre_ln || !backward.d_gate_pre || !backward.d_value ||
                        !backward.d_pre2 || !backward.de1 || !backward.partials)) {
     return cudaErrorInvalidValue;

@@ -20,18 +20,23 @@ inline bool GrnHeadSupports(int width, int outputs) {
 }
 
 // The head's weights as the parameter layout holds them: fc1, gate and value [G, G] with their biases [G]; the
-// LayerNorm's weight and bias [G]; the output layer [H, G] and [H].
+// LayerNorm's weight and bias [G]; the output layer [H, G] and [H]. fc2_b, where set, is fc2's bias [G], which the
+// kernel adds to pre2 as it reads it (pre2 then comes from a product without it: the same one float32 addition as in
+// the product's epilogue, so the same bits).
 struct GrnHeadWeights {
   const float *fc1_w, *fc1_b, *gate_w, *gate_b, *value_w, *value_b, *norm_w, *norm_b;
   NormOutputLayer out;
+  const float* fc2_b = nullptr;
 };
 
-// The forward's arrays, [rows, G] dense but logits [rows, H]: pre2 = fc2(a) and skip = skip(a) are read; e2 =
-// elu(pre2), e1 = fc1(e2) and g = layernorm(skip + σ(gate(e1)) ⊙ value(e1)) are written for the weight gradients.
+// The forward's arrays, [rows, G] dense but logits [rows, H]: pre2 = fc2(a) and skip = skip(a) are read (at leading
+// dimension ld_in, or G where 0: side by side in one [rows, 2G] product's output, ld_in 2G); e2 = elu(pre2), e1 =
+// fc1(e2) and g = layernorm(skip + σ(gate(e1)) ⊙ value(e1)) are written for the weight gradients.
 struct GrnHeadForward {
   const float* pre2 = nullptr;
   const float* skip = nullptr;
   float *e2 = nullptr, *e1 = nullptr, *g = nullptr, *logits = nullptr;
+  int ld_in = 0;
 };
 
 // The backward's arrays, written where `grad.dlogits` is set: d pre_ln (= d skip), d gate_pre, d value and d pre2 at

@@ -355,7 +355,8 @@ TEST(KernelTest, GrnGateLayerNormForwardAndBackward) {
 // The GRN head's one launch against the head written out here in double, from fc2's and skip's outputs to d pre2 and
 // d pre_ln: the forward's outputs held to the logits' 1e-5, the loss gradient and everything after it to the
 // gradients' 1e-4 (MODEL.md §8). Widths below a warp's 64 columns, partial warps and blocks, whole blocks at the
-// kernel's widths, one row, strided gradients and a forward without gradient.
+// kernel's widths, one row, strided gradients, a forward without gradient, and fc2's bias added by the kernel to
+// inputs side by side.
 TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
   SKIP_WITHOUT_CUDA_DEVICE();
   constexpr double kGradientTolerance = 1e-4;
@@ -510,6 +511,40 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
       EXPECT_TRUE(testing::BitIdentical(f_g.Download(), d_g.Download()));
       EXPECT_TRUE(testing::BitIdentical(f_logits.Download(), d_logits.Download()));
       EXPECT_TRUE(testing::BitIdentical(untouched.Download(), Floats(rows * ldd, kUntouched)));
+
+      // skip's and fc2's outputs side by side at leading dimension 2·cols, fc2's without its bias, which the kernel
+      // adds (CudaModel's stacked forward): every output the bits of a launch given pre2 with the bias added in
+      // float32, as a product's epilogue adds it.
+      const Floats b2 = RandomFloats(cols, seed + 14);
+      Floats biased(n), side_by_side(rows * ldd);
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < cols; ++c) {
+          biased[r * cols + c] = pre2[r * cols + c] + b2[c];
+          side_by_side[r * ldd + c] = skip[r * cols + c];
+          side_by_side[r * ldd + cols + c] = pre2[r * cols + c];
+        }
+      }
+      DeviceArray<float> d_biased(biased), d_side(side_by_side), d_b2(b2);
+      const auto run = [&](const kernels::GrnHeadWeights& w, const float* in_pre2, const float* in_skip, int ld_in) {
+        DeviceArray<float> e2_k(n), e1_k(n), g_k(n), logits_k(rows * outs), dlogits_k(rows * outs), de1_k(n);
+        DeviceArray<float> pair_k(Floats(rows * ldd, kUntouched)), gate_value_k(Floats(rows * ldd, kUntouched));
+        DeviceArray<float> parts_k(kernels::NormPartialRows(rows) * 4 * cols);
+        DeviceArray<float> out_parts_k(kernels::GrnHeadOutputPartialRows(rows) * outs * cols);
+        const kernels::GrnHeadForward f{in_pre2, in_skip, e2_k.get(), e1_k.get(), g_k.get(), logits_k.get(), ld_in};
+        const kernels::GrnHeadBackward b{pair_k.get(), gate_value_k.get(), gate_value_k.get() + cols,
+                                         pair_k.get() + cols, ldd, de1_k.get(), parts_k.get(), out_parts_k.get()};
+        const kernels::LogitGradient lg{d_labels.get(), d_mask.get(), d_count.get(), dlogits_k.get()};
+        EXPECT_EQ(kernels::LaunchGrnHead(rows, cols, w, f, lg, b, tf32, nullptr), cudaSuccess);
+        return std::vector<Floats>{e2_k.Download(),     e1_k.Download(),   g_k.Download(),
+                                   logits_k.Download(), dlogits_k.Download(), de1_k.Download(),
+                                   pair_k.Download(),   gate_value_k.Download(), parts_k.Download(),
+                                   out_parts_k.Download()};
+      };
+      kernels::GrnHeadWeights with_fc2_bias = weights;
+      with_fc2_bias.fc2_b = d_b2.get();
+      const std::vector<Floats> dense = run(weights, d_biased.get(), d_skip.get(), 0);
+      const std::vector<Floats> stacked = run(with_fc2_bias, d_side.get() + cols, d_side.get(), ldd);
+      for (size_t i = 0; i < dense.size(); ++i) EXPECT_TRUE(testing::BitIdentical(stacked[i], dense[i])) << i;
     }
   }
   // Shapes past the kernel's registers are refused.
@@ -520,6 +555,9 @@ TEST(KernelTest, GrnHeadMatchesTheHeadInDouble) {
                                      {nullptr, nullptr, 5}};
   EXPECT_EQ(kernels::LaunchGrnHead(4, kernels::kMaxGrnHeadWidth + 1, wide, {}, {}, {}, false, nullptr),
             cudaErrorInvalidValue);
+  kernels::GrnHeadForward narrow_rows;
+  narrow_rows.ld_in = 7;  // inputs' rows narrower than the width
+  EXPECT_EQ(kernels::LaunchGrnHead(4, 8, wide, narrow_rows, {}, {}, false, nullptr), cudaErrorInvalidValue);
 }
 
 struct ConvCase {
