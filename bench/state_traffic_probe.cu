@@ -4,8 +4,9 @@
 // hardware allows (16-byte accesses, four or eight in flight a thread), with default or evict-first L2 policies, or
 // with the first slots' states in a persisting L2 window as large as the device allows (the most of the states that
 // could stay in L2 from tick to tick), a read-only pass for comparison, and the read-write pass over states held in
-// bfloat16 (half the bytes; the update in float32), the floor of a narrower-state mode. `state_traffic_probe` prints
-// one line per tick size.
+// bfloat16 (half the bytes; the update in float32), the floor of a narrower-state mode; and both read-write passes
+// with every other tick walking each layer's slots backwards, so that a tick first meets the states the tick before
+// touched last, the ones most likely still in L2. `state_traffic_probe` prints one line per tick size.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -75,10 +76,12 @@ __device__ __forceinline__ Piece* StatePiece(State* states, const int* slots, in
 // Layer l's states of the tick's n slots: the state decays and takes an input, as the SSM update does (so every byte
 // is read and written), or, read-only, each block's sum lands in `sink`. kReadWriteBf16 reads `states` as bfloat16
 // states (a slot's kSlotFloats of them in half the bytes) and moves eight of them a 16-byte piece.
+// `backwards`: block b takes the pieces of block gridDim.x − 1 − b, so the pass meets the slots last to first.
 template <Pass kPass, int kPerThread>
 __global__ void __launch_bounds__(kThreads) StatePassKernel(float* states, const int* slots, int n, int l,
-                                                            float* sink) {
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads * kPerThread) + threadIdx.x;
+                                                            float* sink, bool backwards) {
+  const int block = backwards ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t first = (static_cast<int64_t>(block) * kThreads * kPerThread) + threadIdx.x;
   if constexpr (kPass == Pass::kReadWriteBf16) {
     __nv_bfloat16* const base = reinterpret_cast<__nv_bfloat16*>(states);
     uint4 v[kPerThread];
@@ -139,27 +142,42 @@ absl::Status SetWindow(cudaGraph_t graph, float* base, size_t bytes) {
   return absl::OkStatus();
 }
 
-// window_bytes > 0: the passes' kernels carry a persisting access-policy window over the states' first window_bytes.
-template <Pass kPass, int kPerThread = 4>
-absl::StatusOr<double> MedianTick(cudaStream_t stream, float* states, const int* slots, int n, float* sink,
-                                  size_t window_bytes = 0) {
+// A graph of one pass a layer; window_bytes > 0: its kernels carry a persisting access-policy window over the states'
+// first window_bytes.
+template <Pass kPass, int kPerThread>
+absl::StatusOr<cudaGraphExec_t> CaptureTick(cudaStream_t stream, float* states, const int* slots, int n, float* sink,
+                                            size_t window_bytes, bool backwards) {
   const int64_t pieces = static_cast<int64_t>(n) * (kLayerFloats / (kPass == Pass::kReadWriteBf16 ? 8 : 4));
   const int blocks = static_cast<int>((pieces + kThreads * kPerThread - 1) / (kThreads * kPerThread));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int l = 0; l < kLayers; ++l) {
-    StatePassKernel<kPass, kPerThread><<<blocks, kThreads, 0, stream>>>(states, slots, n, l, sink);
+    StatePassKernel<kPass, kPerThread><<<blocks, kThreads, 0, stream>>>(states, slots, n, l, sink, backwards);
   }
   CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
   if (window_bytes > 0) RETURN_IF_ERROR(SetWindow(graph, states, window_bytes));
   CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  return exec;
+}
+
+// Median µs a tick; `alternating`: every other tick walks the slots backwards.
+template <Pass kPass, int kPerThread = 4>
+absl::StatusOr<double> MedianTick(cudaStream_t stream, float* states, const int* slots, int n, float* sink,
+                                  size_t window_bytes = 0, bool alternating = false) {
+  cudaGraphExec_t forwards, backwards;
+  ASSIGN_OR_RETURN(forwards,
+                   (CaptureTick<kPass, kPerThread>(stream, states, slots, n, sink, window_bytes, false)));
+  ASSIGN_OR_RETURN(backwards,
+                   (CaptureTick<kPass, kPerThread>(stream, states, slots, n, sink, window_bytes, true)));
+  int tick = 0;
   const absl::StatusOr<double> us = perception::MedianHeldTick(stream, kTicks, [&]() -> absl::Status {
-    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(alternating && tick++ % 2 == 1 ? backwards : forwards, stream));
     return absl::OkStatus();
   });
-  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(exec));
-  CUDA_RETURN_IF_ERROR(cudaGraphDestroy(graph));
+  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(forwards));
+  CUDA_RETURN_IF_ERROR(cudaGraphExecDestroy(backwards));
   return us;
 }
 
@@ -184,15 +202,19 @@ absl::Status Probe() {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize, device));
   std::printf("L2 %d bytes (persisting at most %d, window at most %d); SSM states %d bytes a slot (%d layers)\n", l2,
               max_persisting, max_window, kSlotFloats * 4, kLayers);
-  std::printf("%-12s %9s %20s %12s %12s %12s %22s %20s\n", "instruments", "state MB", "read+write us (GB/s)",
-              "8 in flight", "evict-first", "read-only", "persisting window us", "bf16 read+write us");
-  for (int n : {256, 512, 1024, 2048, 4096, 10000}) {
+  std::printf("%-12s %9s %20s %12s %12s %12s %22s %20s %14s %14s\n", "instruments", "state MB",
+              "read+write us (GB/s)", "8 in flight", "evict-first", "read-only", "persisting window us",
+              "bf16 read+write us", "alternating", "bf16 alt.");
+  for (int n : {256, 512, 768, 1024, 1536, 2048, 4096, 10000}) {
     const double mb = 1e-6 * n * kSlotFloats * 4.0;
     ASSIGN_OR_RETURN(const double rw, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink));
     ASSIGN_OR_RETURN(const double rw_first, MedianTick<Pass::kReadWriteEvictFirst>(stream, states, slots, n, sink));
     ASSIGN_OR_RETURN(const double rw8, (MedianTick<Pass::kReadWrite, 8>(stream, states, slots, n, sink)));
     ASSIGN_OR_RETURN(const double ro, MedianTick<Pass::kReadOnly>(stream, states, slots, n, sink));
     ASSIGN_OR_RETURN(const double bf16, MedianTick<Pass::kReadWriteBf16>(stream, states, slots, n, sink));
+    ASSIGN_OR_RETURN(const double alternating, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink, 0, true));
+    ASSIGN_OR_RETURN(const double bf16_alternating,
+                     MedianTick<Pass::kReadWriteBf16>(stream, states, slots, n, sink, 0, true));
     // The window over as much of the states as may persist; the rest streams.
     const size_t window = std::min<size_t>({static_cast<size_t>(max_persisting), static_cast<size_t>(max_window),
                                             static_cast<size_t>(n) * kSlotFloats * 4});
@@ -200,8 +222,9 @@ absl::Status Probe() {
     ASSIGN_OR_RETURN(const double persisting, MedianTick<Pass::kReadWrite>(stream, states, slots, n, sink, window));
     CUDA_RETURN_IF_ERROR(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0));
     CUDA_RETURN_IF_ERROR(cudaCtxResetPersistingL2Cache());
-    std::printf("%-12d %9.1f %11.2f (%6.0f) %12.2f %12.2f %12.2f %12.2f (%.1f MB) %20.2f\n", n, mb, rw,
-                2e-3 * mb / (rw * 1e-6), rw8, rw_first, ro, persisting, 1e-6 * window, bf16);
+    std::printf("%-12d %9.1f %11.2f (%6.0f) %12.2f %12.2f %12.2f %12.2f (%.1f MB) %20.2f %14.2f %14.2f\n", n, mb,
+                rw, 2e-3 * mb / (rw * 1e-6), rw8, rw_first, ro, persisting, 1e-6 * window, bf16, alternating,
+                bf16_alternating);
   }
   CUDA_RETURN_IF_ERROR(cudaFree(states));
   CUDA_RETURN_IF_ERROR(cudaFree(sink));
