@@ -182,7 +182,6 @@ absl::Status CudaModel::Initialize(std::span<const float> params, const CudaMode
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefetch_done_, cudaEventDisableTiming));
   use_graphs_ = options.graphs;
   plain_tf32_ = options.precision == Precision::kTf32;
-  data_before_weight_gradient_ = options.precision == Precision::kFloat32;
   communicator_ = options.communicator;
   // Padded to whole 16-byte units: each plane starts aligned for the kernels' tensor copies.
   plane_floats_ = Blas::UsesTf32x3Kernels(options.precision, properties) ? (layout_.total_size() + 3) / 4 * 4 : 0;
@@ -1166,10 +1165,11 @@ absl::Status CudaModel::LayerBackward(int l, int rows) {
     RETURN_IF_ERROR(ForkGradients());
     return grad_blas_->BackwardWeight(rows, d.D, d.zd, a.dzx, d.zd, a.r, d.D, grad(lt.in_proj), d.D);
   };
-  if (!data_before_weight_gradient_) RETURN_IF_ERROR(weight_gradient());
+  const bool data_before_weight_gradient = precision_ == Precision::kFloat32;
+  if (!data_before_weight_gradient) RETURN_IF_ERROR(weight_gradient());
   RETURN_IF_ERROR(
       blas_->BackwardData(rows, d.D, d.zd, a.dzx, d.zd, param(lt.in_proj), d.D, 0.f, a.dr, d.D, planes(lt.in_proj)));
-  if (data_before_weight_gradient_) RETURN_IF_ERROR(weight_gradient());
+  if (data_before_weight_gradient) RETURN_IF_ERROR(weight_gradient());
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, layer_grad_done_));  // joins layer_grad_stream_ back, too
   // Layer 0's RMSNorm backward writes the final d residual stream, whose column sums are the embedding's bias
   // gradient.

@@ -275,8 +275,6 @@ class CudaModel {
   bool use_graphs_ = true;
   // Whether the step's streams differ in priority (by precision, see Initialize), which the graph's nodes then keep.
   bool node_priorities_ = false;
-  // `fp32`: in_proj's data product ahead of its weight gradient (see LayerBackward).
-  bool data_before_weight_gradient_ = false;
   std::map<std::pair<int, int>, TrainGraph> train_graphs_;
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;
   bool step_timing_pending_ = false;
