@@ -265,7 +265,8 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
   ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));
-  if (absl::GetFlag(FLAGS_device) == "cpu" && precision.value_or(Precision::kFloat32) != Precision::kFloat32) {
+  const bool cpu = absl::GetFlag(FLAGS_device) == "cpu";
+  if (cpu && precision.value_or(DefaultPrecision(/*cuda=*/false)) != Precision::kFloat32) {
     return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(*precision),
                                                    " is the CUDA backend's; --device=cpu computes in fp32"));
   }
