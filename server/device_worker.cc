@@ -39,6 +39,12 @@ HostStatus DeviceWorker::status() const {
   return status_;
 }
 
+void DeviceWorker::PublishStatus(const ModelHost& host) {
+  HostStatus status = host.Status();
+  absl::MutexLock lock(&mu_);
+  status_ = std::move(status);
+}
+
 int DeviceWorker::queued_jobs() const {
   absl::MutexLock lock(&mu_);
   int jobs = 0;
@@ -90,9 +96,7 @@ void DeviceWorker::Loop() {
     }
     std::move(job)(*host_);
     worked_since_idle = true;
-    HostStatus status = host_->Status();
-    absl::MutexLock lock(&mu_);
-    status_ = std::move(status);
+    PublishStatus(*host_);
   }
 }
 

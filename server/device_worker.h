@@ -7,6 +7,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
@@ -58,6 +59,8 @@ class DeviceWorker {
 
  private:
   void Loop();
+  // status() from now on: `host`'s status (the worker thread's host_).
+  void PublishStatus(const ModelHost& host);
   static void ReleaseIdleDevice(ModelHost& host);
 
   mutable absl::Mutex mu_;
@@ -77,8 +80,13 @@ std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, 
   using Result = std::invoke_result_t<Work&, ModelHost&>;
   std::promise<Result> done;
   std::future<Result> result = done.get_future();
-  // `work` and `done` outlive the job: this call waits for it below.
-  const absl::Status queued = Enqueue(priority, [&work, &done](ModelHost& host) { done.set_value(work(host)); });
+  // `work` and `done` outlive the job: this call waits for it below. The status is published before the reply, so
+  // that a caller who has its reply (a model loaded, a step taken) finds it in status() at once.
+  const absl::Status queued = Enqueue(priority, [this, &work, &done](ModelHost& host) {
+    Result result = work(host);
+    PublishStatus(host);
+    done.set_value(std::move(result));
+  });
   if (!queued.ok()) return queued;
   return result.get();
 }

@@ -1,5 +1,5 @@
 // The device worker's idle job: when it runs (once per pause in the work, never while jobs keep coming), and that
-// every queued job still runs around it.
+// every queued job still runs around it; its status as a caller sees it once a job has answered.
 #include "server/device_worker.h"
 
 #include <atomic>
@@ -95,6 +95,25 @@ TEST(DeviceWorkerTest, StopRunsTheQueuedJobsAndReturnsWhileAPauseIsBeingTimed) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_EQ(w.idle_runs.load(), 0);
   EXPECT_EQ(w.worker.Enqueue(JobPriority::kTraining, [](ModelHost&) {}).code(), absl::StatusCode::kUnavailable);
+}
+
+// A caller that has its job's reply finds the job's effect in status() (perceptionctl load, then status): the status
+// is published before the reply, not after it, where a GetStatus between the two saw the model before the job.
+TEST(DeviceWorkerTest, StatusShowsAJobsEffectOnceItsReplyIsIn) {
+  ServerMetrics metrics;
+  DeviceWorker worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/8);
+  EXPECT_FALSE(worker.status().model.has_value());
+  const ModelConfig config = *NamedConfig("tiny");
+  for (int i = 0; i < 200; ++i) {
+    const absl::Status initialized = worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
+      return host.Init(config, OptimizerConfig{}, /*seed=*/i, std::nullopt, /*replace=*/true);
+    });
+    ASSERT_TRUE(initialized.ok()) << initialized;
+    const HostStatus status = worker.status();
+    ASSERT_TRUE(status.model.has_value()) << "after " << i << " inits";
+    EXPECT_EQ(status.model->weights_version, i + 1) << "the status of the job before";
+    EXPECT_EQ(status.precision, "fp32");
+  }
 }
 
 // The default idle job (ModelHost::ReleaseIdleDevice) on a host with no model, and one with a CPU model, which holds
