@@ -126,8 +126,8 @@ absl::Status ReadOrderbook(const std::string& path, LobsterData& data) {
     for (size_t column = 0; column < lines.fields().size(); ++column) {
       RETURN_IF_ERROR(lines.ParseInteger(column, data.book[row_start + column]));
     }
-    const absl::Status mid = ValidateLevelOne(std::span<const int64_t>(data.book).subspan(row_start));
-    if (!mid.ok()) return lines.Error(mid.message());
+    const absl::Status row = ValidateBookRow(std::span<const int64_t>(data.book).subspan(row_start));
+    if (!row.ok()) return lines.Error(row.message());
   }
   if (lines.line_number() == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": no rows"));
   return absl::OkStatus();
@@ -143,8 +143,9 @@ absl::StatusOr<LobsterMessage> ParseMessage(const CsvLines& lines) {
   RETURN_IF_ERROR(lines.ParseInteger(3, message.size));
   RETURN_IF_ERROR(lines.ParseInteger(4, message.price));
   RETURN_IF_ERROR(lines.ParseInteger(5, direction));
-  if (type < 1 || type > 7) return lines.Error(absl::StrCat("event type ", type, " is not in 1..7"));
-  if (direction != 1 && direction != -1) return lines.Error(absl::StrCat("direction ", direction, " is not +1 or -1"));
+  if (const absl::Status valid = ValidateTypeAndDirection(type, direction); !valid.ok()) {
+    return lines.Error(valid.message());
+  }
   message.type = static_cast<int>(type);
   message.direction = static_cast<int>(direction);
   return message;
@@ -216,7 +217,7 @@ absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const
   return data;
 }
 
-absl::Status ValidateLevelOne(std::span<const int64_t> book_row) {
+absl::Status ValidateBookRow(std::span<const int64_t> book_row) {
   if (book_row.size() < 4) {
     return absl::InvalidArgumentError(absl::StrCat("book row has ", book_row.size(), " values, level 1 needs 4"));
   }
@@ -224,6 +225,29 @@ absl::Status ValidateLevelOne(std::span<const int64_t> book_row) {
   if (bid <= 0 || ask <= bid || ask >= kEmptyAskPrice) {
     return absl::InvalidArgumentError(absl::StrCat("no mid: level 1 has ask ", ask, " and bid ", bid,
                                                    " (both sides need a real price, with ask > bid)"));
+  }
+  constexpr int64_t kMaxSize = int64_t{1} << 53;
+  for (size_t i = 0; i < book_row.size(); ++i) {
+    const int64_t value = book_row[i];
+    const bool ask_side = i % 4 < 2, is_size = i % 2 == 1;
+    const int64_t empty_price = ask_side ? kEmptyAskPrice : kEmptyBidPrice;
+    const bool valid = is_size ? value >= 0 && value <= kMaxSize
+                               : value == empty_price || (value > 0 && value < kEmptyAskPrice);
+    if (valid) continue;
+    const std::string what =
+        absl::StrCat("level ", i / 4 + 1, ask_side ? " ask " : " bid ", is_size ? "size " : "price ", value);
+    return absl::InvalidArgumentError(
+        is_size ? absl::StrCat(what, " is not a share count in 0..2^53")
+                : absl::StrCat(what, " is neither a price in 1..", kEmptyAskPrice - 1,
+                               " (1e-4 dollars) nor the empty level's ", empty_price));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction) {
+  if (type < 1 || type > 7) return absl::InvalidArgumentError(absl::StrCat("event type ", type, " is not in 1..7"));
+  if (direction != 1 && direction != -1) {
+    return absl::InvalidArgumentError(absl::StrCat("direction ", direction, " is not +1 or -1"));
   }
   return absl::OkStatus();
 }
@@ -238,7 +262,8 @@ absl::Status LobsterFeaturizer::Validate(std::span<const int64_t> book_row, cons
     return absl::InvalidArgumentError(
         absl::StrCat("book row has ", book_row.size(), " values, expected ", 4 * levels_, " for ", levels_, " levels"));
   }
-  RETURN_IF_ERROR(ValidateLevelOne(book_row));
+  RETURN_IF_ERROR(ValidateBookRow(book_row));
+  RETURN_IF_ERROR(ValidateTypeAndDirection(message.type, message.direction));
   if (features.size() != static_cast<size_t>(n_features())) {
     return absl::InvalidArgumentError(
         absl::StrCat("feature buffer has ", features.size(), " values, expected ", n_features()));

@@ -44,13 +44,17 @@ struct LobsterData {
 // Reads a LOBSTER orderbook file and its message file (no header rows). levels = 0 infers the level count
 // from the orderbook's column count (a multiple of 4). Every error names the file and its 1-based line:
 // wrong column count, a non-numeric field, a type outside 1..7 or a direction other than ±1, decreasing
-// times, a level 1 without a mid (see ValidateLevelOne) and row counts that differ between the two files.
+// times, a book row ValidateBookRow refuses and row counts that differ between the two files.
 absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const std::string& message_path,
                                         int levels = 0);
 
-// OK when level 1 of `book_row` holds a real price on both sides with ask > bid (MODEL.md §1.1), so the
-// event has a mid; INVALID_ARGUMENT otherwise. Real prices are positive, which also excludes the dummies.
-absl::Status ValidateLevelOne(std::span<const int64_t> book_row);
+// OK when level 1 of `book_row` holds a real price on both sides with ask > bid (MODEL.md §1.1), so the event has
+// a mid, and every level's prices are real (positive, below the empty ask's) or its side's empty-level dummy and
+// its sizes lie in 0..2^53 (exact in a double, and their sums fit an int64); INVALID_ARGUMENT naming the first
+// value that is not.
+absl::Status ValidateBookRow(std::span<const int64_t> book_row);
+// OK for a message type in 1..7 and a direction of ±1; INVALID_ARGUMENT otherwise.
+absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction);
 
 // ask_px1 + bid_px1: twice the mid, kept as an integer so that comparisons of mids are exact.
 inline int64_t DoubledMid(std::span<const int64_t> book_row) { return book_row[0] + book_row[2]; }
@@ -64,9 +68,9 @@ class LobsterFeaturizer {
   int n_features() const;  // 4*levels + 8
 
   // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and
-  // returns Δt in seconds (0 for the first event of the stream). A book row of the wrong size, an event
-  // without a level-1 mid, a time earlier than the previous event or a `features` of the wrong size gives
-  // INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
+  // returns Δt in seconds (0 for the first event of the stream). A book row of the wrong size or one
+  // ValidateBookRow refuses, a message ValidateTypeAndDirection refuses, a time earlier than the previous event
+  // or a `features` of the wrong size gives INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
   absl::StatusOr<double> Next(std::span<const int64_t> book_row, const LobsterMessage& message,
                               std::span<float> features);
 

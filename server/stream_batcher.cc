@@ -56,7 +56,8 @@ absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::str
             "book row has ", values, " values but the model's ", n_features,
             " features need 4 per level for (n_features - 8) / 4 levels"));
       }
-      return ValidateLevelOne(std::span<const int64_t>(l.book().data(), values));
+      RETURN_IF_ERROR(ValidateBookRow(std::span<const int64_t>(l.book().data(), values)));
+      return ValidateTypeAndDirection(l.type(), l.direction());
     }
     default:
       return absl::InvalidArgumentError("carries neither a LOBSTER row nor a feature vector");
@@ -68,7 +69,15 @@ LobsterMessage MessageOf(const v1::LobsterEvent& l, double time) {
           .direction = l.direction()};
 }
 
-double RelativeSeconds(int64_t time_ns, int64_t base_ns) { return static_cast<double>(time_ns - base_ns) * 1e-9; }
+// Seconds from the stream's first event; INVALID_ARGUMENT where the difference of the two int64s overflows.
+absl::StatusOr<double> RelativeSeconds(int64_t time_ns, int64_t base_ns) {
+  int64_t difference = 0;
+  if (__builtin_sub_overflow(time_ns, base_ns, &difference)) {
+    return absl::InvalidArgumentError(absl::StrCat("exchange_time_ns ", time_ns, " is too far from the stream's first ",
+                                                   "event's ", base_ns));
+  }
+  return static_cast<double>(difference) * 1e-9;
+}
 
 }  // namespace
 
@@ -98,9 +107,9 @@ absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQu
   }
   const v1::LobsterEvent& l = event.lobster();
   const int64_t base = queue.base_time_ns.value_or(event.exchange_time_ns());
+  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
   ASSIGN_OR_RETURN(const double seconds,
-                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()),
-                                    MessageOf(l, RelativeSeconds(event.exchange_time_ns(), base)), x));
+                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
   dt = static_cast<float>(seconds);
   return absl::OkStatus();
 }

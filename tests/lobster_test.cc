@@ -2,8 +2,10 @@
 #include "engine/lobster.h"
 
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -225,6 +227,15 @@ TEST_F(ReadLobsterErrors, DummyLevelOnePrices) {
               orderbook_ + ":1:", "no mid: level 1 has ask 2239500 and bid -9999999999");
 }
 
+TEST_F(ReadLobsterErrors, NegativeSizesAndPricesOutsideTheirRange) {
+  ExpectError(Read("2239500,100,2231800,100\n2239500,-1,2238100,21\n2239500,100,2237500,100\n", kMessages),
+              orderbook_ + ":2:", "level 1 ask size -1 is not a share count in 0..2^53");
+  ExpectError(Read("2239500,100,2231800,100,2239600,5,0,5\n2239500,100,2238100,21,2239600,5,2238000,5\n"
+                   "2239500,100,2237500,100,2239600,5,2237400,5\n",
+                   kMessages),
+              orderbook_ + ":1:", "level 2 bid price 0 is neither a price in 1..9999999998");
+}
+
 TEST_F(ReadLobsterErrors, MissingFile) {
   const absl::StatusOr<LobsterData> data = ReadLobster("/nonexistent/orderbook.csv", "/nonexistent/message.csv");
   EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
@@ -395,6 +406,41 @@ TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
   EXPECT_DOUBLE_EQ(*dt, 2.5);
   EXPECT_FLOAT_EQ(features[4 + kMidReturn], 1.0);  // (2000200/2000000 - 1)*1e4 = 1
   EXPECT_EQ(featurizer.last_mid(), 2000200.0);
+}
+
+// What a file could not hold but a live stream's client can send: each refused with the value named, the stream's
+// state unchanged. Without these checks a size of -1 gave log1p(-1) = -inf and every later conviction NaN.
+TEST(LobsterFeaturizer, RefusesSizesPricesTypesAndDirectionsOutsideTheirRanges) {
+  LobsterFeaturizer featurizer(2);
+  std::vector<float> features(16);
+  const std::vector<int64_t> valid{2000200, 5, 1999800, 5, 2000300, 7, 1999700, 9};
+  ASSERT_TRUE(featurizer.Next(valid, LobsterMessage{10.0, 1, 1, 5, 1999800, 1}, features).ok());
+  const LobsterMessage later{11.0, 1, 2, 5, 2000000, -1};
+  const std::vector<std::pair<std::vector<int64_t>, std::string>> rows = {
+      {{2000200, -1, 1999800, 5, 2000300, 7, 1999700, 9}, "level 1 ask size -1 is not a share count"},
+      {{2000200, 5, 1999800, 5, 2000300, 7, 1999700, -3}, "level 2 bid size -3 is not a share count"},
+      {{2000200, 5, 1999800, (int64_t{1} << 53) + 1, 2000300, 7, 1999700, 9}, "level 1 bid size 9007199254740993"},
+      {{2000200, 5, 1999800, 5, INT64_MAX, 7, 1999700, 9}, "level 2 ask price 9223372036854775807 is neither"},
+      {{2000200, 5, 1999800, 5, 2000300, 7, kEmptyAskPrice, 0}, "level 2 bid price 9999999999 is neither"},
+      {{2000200, 5, 1999800, 5, 2000300, 7, -5, 9}, "level 2 bid price -5 is neither"},
+  };
+  std::vector<float> untouched(16, -7.f);
+  for (const auto& [row, what] : rows) {
+    const absl::StatusOr<double> refused = featurizer.Next(row, later, untouched);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(refused.status().message(), HasSubstr(what));
+  }
+  EXPECT_THAT(featurizer.Next(valid, LobsterMessage{11.0, 9, 2, 5, 2000000, 1}, untouched).status().message(),
+              HasSubstr("event type 9 is not in 1..7"));
+  EXPECT_THAT(featurizer.Next(valid, LobsterMessage{11.0, 1, 2, 5, 2000000, 0}, untouched).status().message(),
+              HasSubstr("direction 0 is not +1 or -1"));
+  EXPECT_EQ(untouched, std::vector<float>(16, -7.f));
+  // Empty levels keep their dummies on either side.
+  const absl::StatusOr<double> empty_level =
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5, kEmptyAskPrice, 0, kEmptyBidPrice, 0}, later,
+                      features);
+  ASSERT_TRUE(empty_level.ok()) << empty_level.status();
+  EXPECT_DOUBLE_EQ(*empty_level, 1.0);
 }
 
 TEST(LobsterFeaturizer, ARejectedFirstEventLeavesTheStreamUnstarted) {

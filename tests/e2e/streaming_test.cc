@@ -544,6 +544,14 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
         "no mid: level 1 has ask 9999999999");
   spoil("book of 4 levels", [](v1::StreamEvent& e) { e.mutable_lobster()->mutable_book()->Truncate(16); },
         "book row has 16 values but the model's 48 features");
+  // Values a file could not hold: before they were refused, a size of -1 made every later conviction NaN.
+  spoil("book negative size", [](v1::StreamEvent& e) { e.mutable_lobster()->set_book(1, -1); },
+        "level 1 ask size -1 is not a share count in 0..2^53");
+  spoil("book level 2 bid price 0", [](v1::StreamEvent& e) { e.mutable_lobster()->set_book(6, 0); },
+        "level 2 bid price 0 is neither a price");
+  spoil("book direction 0", [](v1::StreamEvent& e) { e.mutable_lobster()->set_direction(0); },
+        "direction 0 is not +1 or -1");
+  spoil("book type 9", [](v1::StreamEvent& e) { e.mutable_lobster()->set_type(9); }, "event type 9 is not in 1..7");
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     ExpectRefused(StreamAll(client(), one(c.event)), absl::StatusCode::kInvalidArgument, c.message_part);
@@ -558,6 +566,10 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
                 "event 3 (instrument 'A', seq 4): time");
   EXPECT_EQ(acked["A"], 3u);
   EXPECT_EQ(ReadAll(client(), "A", 0, 100).seqs.size(), 3u);
+  v1::StreamEvent far = LobsterEvent(*data, 3, "A", 4);  // its time less the stream's first's overflows an int64
+  far.set_exchange_time_ns(INT64_MIN);
+  ExpectRefused(StreamAll(client(), one(far)), absl::StatusCode::kInvalidArgument,
+                "is too far from the stream's first event's");
   // Capacity: two slots.
   ASSERT_TRUE(StreamAll(client(), one(LobsterEvent(*data, 0, "B", 1))).ok());
   ExpectRefused(StreamAll(client(), one(LobsterEvent(*data, 0, "C", 1))), absl::StatusCode::kResourceExhausted,
@@ -588,7 +600,7 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
 
   absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok());
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 4"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 9"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 5"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
