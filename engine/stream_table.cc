@@ -46,6 +46,10 @@ absl::Status StreamTable::Close(const std::string& instrument) {
 
 absl::Status StreamTable::Accept(int slot, uint64_t seq) {
   Slot& s = slots_[slot];
+  if (seq == UINT64_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
+                                                   " is the largest there is; numbers must stay below it"));
+  }
   if (s.last_accepted && seq != *s.last_accepted + 1) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
                                                    " out of order, expected ", *s.last_accepted + 1,
@@ -56,13 +60,25 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
   return absl::OkStatus();
 }
 
-int64_t StreamTable::Append(int slot, uint64_t weights_version) {
+int64_t StreamTable::NextLogIndex(int slot) const {
+  return static_cast<int64_t>(slots_[slot].processed % static_cast<uint64_t>(log_entries_));
+}
+
+void StreamTable::Append(int slot, uint64_t weights_version) {
   Slot& s = slots_[slot];
-  const int64_t index = static_cast<int64_t>(s.processed % static_cast<uint64_t>(log_entries_));
   if (s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
-  s.weights_versions[index] = weights_version;
+  s.weights_versions[NextLogIndex(slot)] = weights_version;
   ++s.processed;
-  return index;
+}
+
+void StreamTable::ForgetUnprocessed(int slot) {
+  Slot& s = slots_[slot];
+  if (s.processed == 0) {
+    s.first_seq.reset();
+    s.last_accepted.reset();
+  } else {
+    s.last_accepted = *s.first_seq + s.processed - 1;
+  }
 }
 
 absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from_seq, int64_t max_count) const {

@@ -36,11 +36,17 @@ class StreamTable {
   absl::Status Close(const std::string& instrument);
 
   // Receipt of an event: `seq` must be the first of the stream or the last accepted + 1 (INVALID_ARGUMENT naming
-  // the expected number otherwise). Accepted events are then processed in order.
+  // the expected number otherwise), and below UINT64_MAX so that one past it has a number. Accepted events are then
+  // processed in order.
   absl::Status Accept(int slot, uint64_t seq);
-  // Processing of the slot's oldest accepted, unprocessed event under `weights_version`: returns the log ring index
-  // the backend writes its conviction to.
-  int64_t Append(int slot, uint64_t weights_version);
+  // The log ring index the slot's oldest accepted, unprocessed event writes its conviction to.
+  int64_t NextLogIndex(int slot) const;
+  // That event processed under `weights_version`: its entry (at NextLogIndex) joins the log.
+  void Append(int slot, uint64_t weights_version);
+  // The slot's accepted events not yet processed are dropped: the next event accepted must carry the last
+  // processed sequence number + 1 (any number, where none was processed).
+  void ForgetUnprocessed(int slot);
+  uint64_t processed(int slot) const { return slots_[slot].processed; }
 
   struct Segment {
     int64_t ring_begin;  // index in the slot's ring

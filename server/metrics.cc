@@ -195,8 +195,8 @@ ServerMetrics::ServerMetrics()
                                    .Add({})),
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
-                           .Help("Streamed events refused, by reason: sequence, features, book, capacity, no_model, "
-                                 "draining.")
+                           .Help("Streamed events refused, by reason: sequence, features, book, capacity, "
+                                 "model_change, stopped (by a failed tick, until reset), no_model, draining.")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")

@@ -120,6 +120,8 @@ class ModelHost {
   // The backend with streaming configured: slots and logs are allocated, and the current weights published, on
   // the first call after a model is installed. FAILED_PRECONDITION without a model.
   absl::StatusOr<Backend*> StreamingBackend();
+  // Whether StreamingBackend has configured the current model (slots and logs exist on its device).
+  bool streaming_configured() const { return streaming_configured_; }
   // The weights version the published copy holds (0 before StreamingBackend configured the model).
   int64_t published_weights_version() const { return published_weights_version_; }
   int64_t log_entries_per_slot() const { return streaming_.log_entries_total / streaming_.slots; }

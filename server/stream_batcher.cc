@@ -116,9 +116,15 @@ absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQu
 
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
   RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
-  reason = "capacity";
-  ASSIGN_OR_RETURN(const int slot, OpenLocked(event.instrument()));
+  const absl::StatusOr<int> opened = OpenLocked(event.instrument());
+  if (!opened.ok()) {
+    reason = opened.status().code() == absl::StatusCode::kUnavailable ? "model_change" : "capacity";
+    return opened.status();
+  }
+  const int slot = *opened;
   SlotQueue& queue = queues_[slot];
+  reason = "stopped";
+  RETURN_IF_ERROR(queue.stopped);
   std::vector<float>& x = accept_x_;
   x.resize(n_features_);
   float dt = 0;
@@ -202,7 +208,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       tick_slots_.push_back(slot);
       notices_.push_back({event.sink, slot, event.seq});
       received_.push_back(event.received);
-      if (backend.ok()) tick_log_indices_.push_back(table_.Append(slot, static_cast<uint64_t>(version)));
+      tick_log_indices_.push_back(table_.NextLogIndex(slot));
       --pending_;
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
@@ -211,14 +217,18 @@ void StreamBatcher::Tick(ModelHost& host) {
       }
     }
     ready_.resize(kept);
-    metrics_.AddConvictionsOverwritten(table_.overwritten_total() - overwritten_reported_);
-    overwritten_reported_ = table_.overwritten_total();
   }
   if (notices_.empty()) return;
   absl::Status status = backend.status();
   const Stopwatch stopwatch;
   if (status.ok()) status = (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
   if (status.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      for (const int32_t slot : tick_slots_) table_.Append(slot, static_cast<uint64_t>(version));
+      metrics_.AddConvictionsOverwritten(table_.overwritten_total() - overwritten_reported_);
+      overwritten_reported_ = table_.overwritten_total();
+    }
     metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());
     const Clock::time_point now = Clock::now();
     for (const Clock::time_point received : received_) {
@@ -226,31 +236,94 @@ void StreamBatcher::Tick(ModelHost& host) {
     }
     Notify(notices_, version);
   } else {
-    spdlog::error("streaming tick of {} events failed: {}", notices_.size(), status.ToString());
-    std::stable_sort(notices_.begin(), notices_.end(), [](const Notice& a, const Notice& b) { return a.sink < b.sink; });
-    for (size_t i = 0; i < notices_.size();) {
-      size_t j = i;
-      while (j < notices_.size() && notices_[j].sink == notices_[i].sink) ++j;
-      notices_[i].sink->OnFailed(status, static_cast<int64_t>(j - i));
-      i = j;
-    }
+    StopFailedStreams(status, backend.ok());
   }
   absl::MutexLock lock(&mu_);
   ScheduleTickLocked();
 }
 
-void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
+namespace {
+
+// Calls `each` with every run of `notices` (anything with a `sink`) that shares a sink.
+template <typename Notice, typename Each>
+void ForEachSink(std::span<Notice> notices, Each each) {
   std::stable_sort(notices.begin(), notices.end(), [](const Notice& a, const Notice& b) { return a.sink < b.sink; });
   for (size_t i = 0; i < notices.size();) {
-    processed_.clear();
     size_t j = i;
-    // The slot's instrument name cannot change meanwhile: only this (the worker) thread closes streams.
-    for (; j < notices.size() && notices[j].sink == notices[i].sink; ++j) {
-      processed_.push_back({queues_[notices[j].slot].instrument, notices[j].seq});
-    }
-    notices[i].sink->OnProcessed(processed_, weights_version);
+    while (j < notices.size() && notices[j].sink == notices[i].sink) ++j;
+    each(notices.subspan(i, j - i));
     i = j;
   }
+}
+
+// Zeroes the slot's state on the device; nothing to do where streaming never started (its first tick failed).
+absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
+  if (!host.streaming_configured()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+  return backend->ResetSlot(slot);
+}
+
+}  // namespace
+
+void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_configured) {
+  spdlog::error("streaming tick of {} events failed: {}", notices_.size(), cause.ToString());
+  struct Failure {
+    StreamSink* sink;
+    absl::Status status;
+    int64_t count;
+  };
+  std::vector<Failure> failures;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped_.clear();
+    for (const Notice& notice : notices_) {
+      SlotQueue& queue = queues_[notice.slot];
+      queue.stopped = absl::FailedPreconditionError(absl::StrCat(
+          "instrument '", queue.instrument, "' stopped at seq ", notice.seq, " when the device failed its tick (",
+          cause.message(), "); it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
+          notice.seq));
+      for (const Pending& event : queue.events) dropped_.push_back({event.sink, notice.slot, event.seq});
+      pending_ -= static_cast<int64_t>(queue.events.size());
+      queue.events.clear();
+      queue.x.clear();
+      queue.ready = false;
+      table_.ForgetUnprocessed(notice.slot);
+    }
+    std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
+    notices_.insert(notices_.end(), dropped_.begin(), dropped_.end());
+    const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
+    ForEachSink(std::span<Notice>(notices_), [&](std::span<const Notice> events) {
+      constexpr size_t kNamed = 4;
+      std::vector<bool> seen(table_.capacity());
+      size_t instruments = 0;
+      std::string stopped;
+      for (const Notice& event : events) {  // a sink's first event of a slot is its first one not processed
+        if (seen[event.slot]) continue;
+        seen[event.slot] = true;
+        if (++instruments > kNamed) continue;
+        absl::StrAppend(&stopped, instruments > 1 ? ", '" : "'", queues_[event.slot].instrument, "' from seq ",
+                        event.seq);
+      }
+      if (instruments > kNamed) absl::StrAppend(&stopped, " and ", instruments - kNamed, " more instruments");
+      const std::string message = absl::StrCat(
+          what, " (", cause.message(), "); ", events.size(), " events of this call were not processed: ", stopped,
+          ". Each instrument named stopped: it takes no events until ResetStream, SeedStream or CloseStream, then "
+          "from the seq named");
+      failures.push_back({events.front().sink,
+                          device_configured ? absl::InternalError(message) : absl::FailedPreconditionError(message),
+                          static_cast<int64_t>(events.size())});
+    });
+  }
+  for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+}
+
+void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
+  ForEachSink(notices, [&](std::span<const Notice> events) {
+    processed_.clear();
+    // The slot's instrument name cannot change meanwhile: only this (the worker) thread closes streams.
+    for (const Notice& event : events) processed_.push_back({queues_[event.slot].instrument, event.seq});
+    events.front().sink->OnProcessed(processed_, weights_version);
+  });
 }
 
 absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument) const {
@@ -305,6 +378,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     table_.ResetFeatures(slot);
     if (lobster) *table_.Featurizer(slot, featurizer->levels()).value() = *featurizer;
     queues_[slot].base_time_ns = scratch.base_time_ns;
+    queues_[slot].stopped = absl::OkStatus();
     v1::SeedStreamResponse response;
     response.set_events(n);
     response.set_weights_version(host.published_weights_version());
@@ -355,25 +429,21 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
 
 absl::Status StreamBatcher::Reset(const std::string& instrument) {
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
-    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
-    RETURN_IF_ERROR(backend->ResetSlot(slot));
+    RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     table_.ResetFeatures(slot);
+    queues_[slot].stopped = absl::OkStatus();
     return absl::OkStatus();
   });
 }
 
 absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
-    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
-    uint64_t processed = 0;
-    for (const StreamTable::InstrumentInfo& info : table_.List()) {
-      if (info.instrument == instrument) processed = info.processed;
-    }
-    RETURN_IF_ERROR(backend->ResetSlot(slot));
+    const uint64_t processed = table_.processed(slot);
+    RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     RETURN_IF_ERROR(table_.Close(instrument));
     queues_[slot] = SlotQueue{};
     metrics_.SetActiveStreams(table_.active());

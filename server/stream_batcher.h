@@ -44,7 +44,8 @@ class StreamSink {
     uint64_t seq;
   };
   virtual void OnProcessed(std::span<const Processed> events, int64_t weights_version) = 0;
-  // `count` of the sink's events were dropped unprocessed because the device failed them (`status` says why).
+  // `count` of the sink's events were dropped unprocessed because the device failed a tick: `status` says why, and
+  // which of the sink's instruments stopped at which sequence number.
   virtual void OnFailed(const absl::Status& status, int64_t count) = 0;
 
  protected:
@@ -54,8 +55,11 @@ class StreamSink {
 // Thread-safe. gRPC handlers validate and queue events here (Submit), featurizing LOBSTER rows on arrival with the
 // instrument's featurizer so that a bad row is refused at once with nothing processed; the device worker runs the
 // ticks. Each tick takes the oldest pending event of EVERY instrument that has one (so instruments advance at the
-// same pace however busy the others are, and each instrument's events keep their order), appends their log
-// entries, and runs one ForwardStepInto under the published weights. At most one tick job waits in the worker's
+// same pace however busy the others are, and each instrument's events keep their order), runs one ForwardStepInto
+// under the published weights, and appends their log entries once it succeeded. A tick the device fails stops its
+// instruments: their events from the failed one on are dropped (the sinks hear which), nothing of them enters the
+// logs or the sequence numbers, and each takes no event until ResetStream, SeedStream or CloseStream; then it takes
+// them again from the first dropped. An instrument never skips an event. At most one tick job waits in the worker's
 // streaming queue; it queues the next while events remain. Reads, seeds, resets and closes are streaming-priority
 // jobs too, so they see the logs between ticks.
 class StreamBatcher {
@@ -98,6 +102,7 @@ class StreamBatcher {
     std::deque<float> x;                 // [events, F] features of the pending events
     bool ready = false;                  // in ready_
     std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
+    absl::Status stopped;                 // FAILED_PRECONDITION once a failed tick stopped the stream, until reset
   };
   struct Notice {
     StreamSink* sink;
@@ -116,6 +121,8 @@ class StreamBatcher {
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One tick on the worker thread.
   void Tick(ModelHost& host);
+  // After a failed tick: stops the tick's instruments, drops their queued events and tells every sink concerned.
+  void StopFailedStreams(const absl::Status& cause, bool device_configured);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
@@ -138,7 +145,7 @@ class StreamBatcher {
   std::vector<float> tick_x_, tick_dt_;
   std::vector<int32_t> tick_slots_;
   std::vector<int64_t> tick_log_indices_;
-  std::vector<Notice> notices_;
+  std::vector<Notice> notices_, dropped_;
   std::vector<std::chrono::steady_clock::time_point> received_;
   std::vector<StreamSink::Processed> processed_;
 };

@@ -3,7 +3,6 @@
 
 #include <chrono>
 
-#include "absl/strings/str_cat.h"
 #include "server/proto_convert.h"
 
 namespace perception::server {
@@ -73,7 +72,7 @@ void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weigh
 void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
   Update([&] {
     unprocessed_ -= count;
-    if (error_.ok()) error_ = absl::InternalError(absl::StrCat("the device failed a streaming tick: ", status.message()));
+    if (error_.ok()) error_ = status;
     input_done_ = true;
   });
 }

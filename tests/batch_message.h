@@ -1,6 +1,8 @@
-// Training batches as v1::Batch messages, for the tests that send them to a daemon (e2e, the in-process Train stream).
+// Training batches and streamed events as messages, for the tests that send them to a daemon (e2e, in process).
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/config.h"
@@ -27,6 +29,17 @@ inline v1::Batch BatchMessage(int batch, int window, int n_features, int n_horiz
 inline v1::Batch BatchMessage(const RandomBatch& batch, const ModelConfig& config) {
   return BatchMessage(batch.batch, batch.window, config.n_features, config.n_horizons, batch.x, batch.dt, batch.labels,
                       batch.mask);
+}
+
+// Event t of `series` (one window of F features an event) as the instrument's event `seq`.
+inline v1::StreamEvent FeatureEvent(const RandomBatch& series, int F, int t, const std::string& instrument,
+                                    uint64_t seq) {
+  v1::StreamEvent event;
+  event.set_instrument(instrument);
+  event.set_seq(seq);
+  event.mutable_features()->mutable_features()->Assign(series.x.begin() + t * F, series.x.begin() + (t + 1) * F);
+  event.mutable_features()->set_dt(series.dt[t]);
+  return event;
 }
 
 }  // namespace perception::testing

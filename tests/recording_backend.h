@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/backend.h"
+#include "tests/forwarding_backend.h"
 
 namespace perception::testing {
 
@@ -58,60 +59,26 @@ class TrainCallLog {
 
 // Forwards every Backend call to `inner` unchanged, each training entry point to the same entry point, after
 // recording it in `log` and sleeping `step_delay` (which lets a test make steps slow enough for later batches of a
-// stream to queue behind them). Every virtual of Backend is forwarded: one left out would run its default instead.
-class RecordingBackend final : public Backend {
+// stream to queue behind them).
+class RecordingBackend final : public ForwardingBackend {
  public:
   RecordingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<TrainCallLog> log,
                    absl::Duration step_delay = absl::ZeroDuration())
-      : inner_(std::move(inner)), log_(std::move(log)), step_delay_(step_delay) {}
+      : ForwardingBackend(std::move(inner)), log_(std::move(log)), step_delay_(step_delay) {}
 
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
     Record(TrainEntry::kTrainStep, batch, nullptr);
-    return inner_->TrainStep(batch);
+    return ForwardingBackend::TrainStep(batch);
   }
   absl::StatusOr<TrainStepResult> TrainStepWithNext(const BatchView<float>& batch,
                                                     const BatchView<float>& next) override {
     Record(TrainEntry::kTrainStepWithNext, batch, &next);
-    return inner_->TrainStepWithNext(batch, next);
+    return ForwardingBackend::TrainStepWithNext(batch, next);
   }
   absl::StatusOr<TrainStepResult> TrainStepStagingNext(const BatchView<float>& batch,
                                                        const BatchView<float>& next) override {
     Record(TrainEntry::kTrainStepStagingNext, batch, &next);
-    return inner_->TrainStepStagingNext(batch, next);
-  }
-
-  std::string device_name() const override { return inner_->device_name(); }
-  Precision precision() const override { return inner_->precision(); }
-  int64_t memory_bytes() const override { return inner_->memory_bytes(); }
-  const ParamLayout& layout() const override { return inner_->layout(); }
-  TrainingCounters training_counters() const override { return inner_->training_counters(); }
-  void set_use_graphs(bool use_graphs) override { inner_->set_use_graphs(use_graphs); }
-  void set_stream_resident(bool resident) override { inner_->set_stream_resident(resident); }
-  absl::Status QuiesceDevice() override { return inner_->QuiesceDevice(); }
-  absl::StatusOr<bool> ReleaseIdleDevice() override { return inner_->ReleaseIdleDevice(); }
-  absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
-    return inner_->Evaluate(batch, logits);
-  }
-  absl::Status ForwardStream(std::span<const float> x, std::span<const float> dt, std::span<float> logits) override {
-    return inner_->ForwardStream(x, dt, logits);
-  }
-  absl::StatusOr<Checkpoint> ExportState() const override { return inner_->ExportState(); }
-  absl::Status ImportState(const Checkpoint& checkpoint) override { return inner_->ImportState(checkpoint); }
-  absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
-    return inner_->ConfigureStreaming(slots, log_entries_per_slot);
-  }
-  absl::Status PublishWeights() override { return inner_->PublishWeights(); }
-  absl::Status ForwardStepInto(const StreamTick& tick) override { return inner_->ForwardStepInto(tick); }
-  absl::Status ResetSlot(int slot) override { return inner_->ResetSlot(slot); }
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
-    return inner_->SeedSlot(slot, x, dt);
-  }
-  absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
-                       std::span<float> probs) override {
-    return inner_->ReadLog(slot, begin, count, convictions, probs);
-  }
-  absl::Status ReadSlotProbabilities(int slot, std::span<float> probs) override {
-    return inner_->ReadSlotProbabilities(slot, probs);
+    return ForwardingBackend::TrainStepStagingNext(batch, next);
   }
 
  private:
@@ -121,7 +88,6 @@ class RecordingBackend final : public Backend {
     if (step_delay_ > absl::ZeroDuration()) absl::SleepFor(step_delay_);
   }
 
-  const std::unique_ptr<Backend> inner_;
   const std::shared_ptr<TrainCallLog> log_;
   const absl::Duration step_delay_;
 };

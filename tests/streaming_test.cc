@@ -29,13 +29,45 @@ TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
 }
 
 TEST(StreamTableTest, SequenceNumbersMustBeContiguous) {
-  StreamTable table(1, 8);
+  StreamTable table(2, 8);
   const int slot = *table.Open("AMZN");
   ASSERT_TRUE(table.Accept(slot, 1000).ok());  // any first number
   ASSERT_TRUE(table.Accept(slot, 1001).ok());
   EXPECT_THAT(table.Accept(slot, 1001).message(), HasSubstr("sequence number 1001 out of order, expected 1002 (repeated)"));
   EXPECT_THAT(table.Accept(slot, 1005).message(), HasSubstr("expected 1002 (skipped)"));
   EXPECT_TRUE(table.Accept(slot, 1002).ok());  // a rejected event changes nothing
+  const int last = *table.Open("LAST");
+  EXPECT_THAT(table.Accept(last, UINT64_MAX).message(), HasSubstr("is the largest there is"));
+  ASSERT_TRUE(table.Accept(last, UINT64_MAX - 1).ok());
+  EXPECT_FALSE(table.Accept(last, UINT64_MAX).ok());
+}
+
+// A stream whose unprocessed events were dropped (a failed tick) takes them again from the first one dropped,
+// and its log keeps one entry a processed event, in sequence order.
+TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {
+  StreamTable table(2, 8);
+  const int slot = *table.Open("AMZN");
+  for (uint64_t seq = 40; seq < 45; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
+  table.Append(slot, 1);  // 40 and 41 processed, 42..44 waiting
+  table.Append(slot, 1);
+  table.ForgetUnprocessed(slot);
+  EXPECT_EQ(table.processed(slot), 2u);
+  EXPECT_THAT(table.Accept(slot, 45).message(), HasSubstr("expected 42 (skipped)"));
+  ASSERT_TRUE(table.Accept(slot, 42).ok());
+  EXPECT_EQ(table.NextLogIndex(slot), 2);
+  table.Append(slot, 2);
+  absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 0, 10);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first_seq, 40u);
+  EXPECT_EQ(r->next_seq, 43u);
+  EXPECT_EQ(r->max_weights_version, 2u);
+  // With nothing processed, the stream starts afresh: any first number again.
+  const int fresh = *table.Open("AAPL");
+  ASSERT_TRUE(table.Accept(fresh, 7).ok());
+  table.ForgetUnprocessed(fresh);
+  ASSERT_TRUE(table.Accept(fresh, 3).ok());
+  table.Append(fresh, 1);
+  EXPECT_EQ(table.Range(fresh, 0, 10)->first_seq, 3u);
 }
 
 TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
@@ -43,7 +75,8 @@ TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
   const int slot = *table.Open("X");
   for (uint64_t seq = 10; seq < 16; ++seq) {  // six events into a ring of four
     ASSERT_TRUE(table.Accept(slot, seq).ok());
-    EXPECT_EQ(table.Append(slot, /*weights_version=*/seq / 2), static_cast<int64_t>((seq - 10) % 4));
+    EXPECT_EQ(table.NextLogIndex(slot), static_cast<int64_t>((seq - 10) % 4));
+    table.Append(slot, /*weights_version=*/seq / 2);
   }
   EXPECT_EQ(table.overwritten_total(), 2u);
   // Retained: seq 12..15 at ring positions 2, 3, 0, 1.

@@ -16,15 +16,10 @@
 #include "engine/config.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
-#include "server/checkpoint_directory.h"
 #include "server/device_worker.h"
-#include "server/metrics.h"
-#include "server/model_host.h"
-#include "server/perception_service.h"
-#include "server/request_validation.h"
-#include "server/stream_batcher.h"
 #include "server/training.h"
 #include "tests/batch_message.h"
+#include "tests/in_process_daemon.h"
 #include "tests/recording_backend.h"
 #include "tests/test_util.h"
 
@@ -33,6 +28,7 @@ namespace {
 
 using testing::BatchContents;
 using testing::BatchMessage;
+using testing::InProcessDaemon;
 using testing::IndexOfBatch;
 using testing::IsPlainTrainStepOn;
 using testing::MakeRandomBatch;
@@ -41,43 +37,6 @@ using testing::RecordTrainCalls;
 using testing::TrainCall;
 using testing::TrainCallLog;
 using testing::TrainEntry;
-
-// perceptiond's service as Serve() assembles it (device worker, stream batcher, service) on the CPU, around a model
-// host whose backends record their training calls into `log`, each step slowed by `step_delay`; served on an
-// in-process channel.
-class InProcessDaemon {
- public:
-  InProcessDaemon(std::shared_ptr<TrainCallLog> log, absl::Duration step_delay)
-      : worker_(std::make_unique<ModelHost>("cpu", metrics_, stream_options_.device, /*use_graphs=*/true,
-                                            Precision::kFloat32, RecordTrainCalls(std::move(log), step_delay)),
-                limits_.queue_depth, stream_options_.resident_idle_period),
-        streams_(worker_, stream_options_, metrics_),
-        checkpoints_(CheckpointDirectory::Open(::testing::TempDir() + "/train_stream_handoff_checkpoints").value()),
-        service_(worker_, streams_, stream_options_, checkpoints_, limits_, metrics_) {
-    grpc::ServerBuilder builder;
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-    stub_ = v1::Perception::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
-  }
-  ~InProcessDaemon() {
-    server_->Shutdown();
-    worker_.Stop();
-  }
-
-  v1::Perception::Stub& stub() { return *stub_; }
-  DeviceWorker& worker() { return worker_; }
-
- private:
-  ServerMetrics metrics_;
-  const StreamOptions stream_options_{};
-  const Limits limits_{.max_message_bytes = 64 << 20, .max_batch = 1024, .max_window = 4096, .queue_depth = 8};
-  DeviceWorker worker_;
-  StreamBatcher streams_;
-  const CheckpointDirectory checkpoints_;
-  PerceptionService service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<v1::Perception::Stub> stub_;
-};
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
 
@@ -107,7 +66,7 @@ class TrainStreamHandoffTest : public ::testing::Test {
 
   const ModelConfig config_ = *NamedConfig("tiny");
   const std::shared_ptr<TrainCallLog> log_ = std::make_shared<TrainCallLog>();
-  InProcessDaemon daemon_{log_, kStepDelay};
+  InProcessDaemon daemon_{RecordTrainCalls(log_, kStepDelay), "train_stream_handoff_checkpoints"};
 };
 
 TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {

@@ -24,12 +24,14 @@
 #include "absl/time/clock.h"
 #include "engine/backend.h"
 #include "engine/lobster.h"
+#include "tests/batch_message.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::FeatureEvent;
 
 constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
 constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
@@ -67,16 +69,6 @@ v1::StreamEvent LobsterEvent(const LobsterData& data, size_t i, const std::strin
   event.mutable_lobster()->set_size(m.size);
   event.mutable_lobster()->set_price(m.price);
   event.mutable_lobster()->set_direction(m.direction);
-  return event;
-}
-
-v1::StreamEvent FeatureEvent(const testing::RandomBatch& series, int F, int t, const std::string& instrument,
-                             uint64_t seq) {
-  v1::StreamEvent event;
-  event.set_instrument(instrument);
-  event.set_seq(seq);
-  event.mutable_features()->mutable_features()->Assign(series.x.begin() + t * F, series.x.begin() + (t + 1) * F);
-  event.mutable_features()->set_dt(series.dt[t]);
   return event;
 }
 
@@ -153,11 +145,10 @@ std::unique_ptr<Backend> LocalModel(const ModelConfig& config, uint64_t seed) {
 }
 
 std::vector<float> OfflineConvictions(Backend& backend, const testing::RandomBatch& series, int from, int to) {
-  const int F = backend.config().n_features, H = backend.config().n_horizons;
+  const int H = backend.config().n_horizons;
   std::vector<float> logits(series.dt.size() * H);
   EXPECT_TRUE(backend.ForwardStream(series.x, series.dt, logits).ok());
   std::vector<float> all = ConvictionsOf(logits, H);
-  (void)F;
   return {all.begin() + from, all.begin() + to};
 }
 

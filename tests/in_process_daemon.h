@@ -1,0 +1,57 @@
+// perceptiond's service as Serve() assembles it, on the CPU and in process, for tests that decorate its backends.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "server/checkpoint_directory.h"
+#include "server/device_worker.h"
+#include "server/metrics.h"
+#include "server/model_host.h"
+#include "server/perception_service.h"
+#include "server/request_validation.h"
+#include "server/stream_batcher.h"
+
+namespace perception::testing {
+
+// The device worker, stream batcher and service around a model host whose backends pass through `decorate`;
+// served on an in-process channel. Checkpoints go to the test's temporary folder, under `checkpoint_folder`.
+class InProcessDaemon {
+ public:
+  InProcessDaemon(server::ModelHost::BackendDecorator decorate, const std::string& checkpoint_folder)
+      : worker_(std::make_unique<server::ModelHost>("cpu", metrics_, stream_options_.device, /*use_graphs=*/true,
+                                                    Precision::kFloat32, std::move(decorate)),
+                limits_.queue_depth, stream_options_.resident_idle_period),
+        streams_(worker_, stream_options_, metrics_),
+        checkpoints_(server::CheckpointDirectory::Open(::testing::TempDir() + "/" + checkpoint_folder).value()),
+        service_(worker_, streams_, stream_options_, checkpoints_, limits_, metrics_) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    stub_ = v1::Perception::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+  }
+  ~InProcessDaemon() {
+    server_->Shutdown();
+    worker_.Stop();
+  }
+
+  v1::Perception::Stub& stub() { return *stub_; }
+  server::DeviceWorker& worker() { return worker_; }
+
+ private:
+  server::ServerMetrics metrics_;
+  const server::StreamOptions stream_options_{};
+  const server::Limits limits_{.max_message_bytes = 64 << 20, .max_batch = 1024, .max_window = 4096, .queue_depth = 8};
+  server::DeviceWorker worker_;
+  server::StreamBatcher streams_;
+  const server::CheckpointDirectory checkpoints_;
+  server::PerceptionService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Perception::Stub> stub_;
+};
+
+}  // namespace perception::testing

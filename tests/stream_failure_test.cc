@@ -1,0 +1,238 @@
+// A streaming tick the device fails, through the service in process: the instruments it held stop, no event is
+// skipped or logged twice, their streams can be reset or closed and the model replaced, and the daemon keeps serving.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/config.h"
+#include "engine/cpu_reference.h"
+#include "engine/param_layout.h"
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "tests/batch_message.h"
+#include "tests/forwarding_backend.h"
+#include "tests/in_process_daemon.h"
+#include "tests/test_util.h"
+
+namespace perception::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// What the decorated backends do wrong, set by the test while the daemon runs.
+struct StreamFaults {
+  std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
+  std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
+};
+
+class StreamFaultBackend final : public ForwardingBackend {
+ public:
+  StreamFaultBackend(std::unique_ptr<Backend> inner, std::shared_ptr<StreamFaults> faults)
+      : ForwardingBackend(std::move(inner)), faults_(std::move(faults)) {}
+
+  absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
+    if (faults_->refuse_streaming) return absl::InvalidArgumentError("this model's streaming step is not supported");
+    return ForwardingBackend::ConfigureStreaming(slots, log_entries_per_slot);
+  }
+  absl::Status ForwardStepInto(const StreamTick& tick) override {
+    if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
+    faults_->failing_ticks = 0;
+    return ForwardingBackend::ForwardStepInto(tick);
+  }
+
+ private:
+  const std::shared_ptr<StreamFaults> faults_;
+};
+
+std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
+
+struct StreamOutcome {
+  grpc::Status status;
+  std::map<std::string, uint64_t> acked;  // last sequence number acknowledged, by instrument
+};
+
+class StreamFailureTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(InitModel().ok()); }
+
+  // The tiny model from kSeed, replacing the one there.
+  grpc::Status InitModel() {
+    v1::InitModelRequest init;
+    init.set_config_name("tiny");
+    init.set_seed(kSeed);
+    init.set_replace(true);
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    v1::InitModelResponse response;
+    return daemon_.stub().InitModel(&context, init, &response);
+  }
+
+  // Event `t` of the instrument's random series, with sequence number `seq`.
+  v1::StreamEvent Event(const std::string& instrument, int t, uint64_t seq) const {
+    return FeatureEvent(instrument == "A" ? a_ : b_, config_.n_features, t, instrument, seq);
+  }
+
+  // One Stream call: every request written, the writes closed, every acknowledgement read.
+  StreamOutcome Stream(const std::vector<std::vector<v1::StreamEvent>>& requests) {
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    const auto call = daemon_.stub().Stream(&context);
+    for (const std::vector<v1::StreamEvent>& events : requests) {
+      v1::StreamRequest request;
+      for (const v1::StreamEvent& event : events) *request.add_events() = event;
+      if (!call->Write(request)) break;
+    }
+    call->WritesDone();
+    StreamOutcome outcome;
+    for (v1::StreamResponse response; call->Read(&response);) {
+      for (const v1::InstrumentAck& ack : response.acks()) outcome.acked[ack.instrument()] = ack.last_seq();
+    }
+    outcome.status = call->Finish();
+    return outcome;
+  }
+
+  std::map<std::string, v1::StreamInfo> Streams() {
+    grpc::ClientContext context;
+    v1::ListStreamsResponse response;
+    EXPECT_TRUE(daemon_.stub().ListStreams(&context, v1::ListStreamsRequest(), &response).ok());
+    std::map<std::string, v1::StreamInfo> by_instrument;
+    for (const v1::StreamInfo& info : response.streams()) by_instrument[info.instrument()] = info;
+    return by_instrument;
+  }
+
+  grpc::Status Reset(const std::string& instrument) {
+    grpc::ClientContext context;
+    v1::ResetStreamRequest request;
+    request.set_instrument(instrument);
+    v1::ResetStreamResponse response;
+    return daemon_.stub().ResetStream(&context, request, &response);
+  }
+
+  absl::StatusOr<uint64_t> Close(const std::string& instrument) {
+    grpc::ClientContext context;
+    v1::CloseStreamRequest request;
+    request.set_instrument(instrument);
+    v1::CloseStreamResponse response;
+    const grpc::Status status = daemon_.stub().CloseStream(&context, request, &response);
+    if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+    return response.processed_events();
+  }
+
+  v1::ReadConvictionsResponse Read(const std::string& instrument) {
+    grpc::ClientContext context;
+    v1::ReadConvictionsRequest request;
+    request.set_instrument(instrument);
+    v1::ReadConvictionsResponse response;
+    EXPECT_TRUE(daemon_.stub().ReadConvictions(&context, request, &response).ok());
+    return response;
+  }
+
+  // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU.
+  std::vector<float> Offline(const std::string& instrument, int from, int to) const {
+    const RandomBatch& series = instrument == "A" ? a_ : b_;
+    const ParamLayout layout(config_);
+    std::vector<float> params(layout.total_size());
+    InitializeParameters(layout, kSeed, params);
+    const std::unique_ptr<Backend> model = MakeCpuBackend(config_, OptimizerConfig{}, std::move(params));
+    const int F = config_.n_features, H = config_.n_horizons, n = to - from;
+    std::vector<float> logits(static_cast<size_t>(n) * H);
+    EXPECT_TRUE(model
+                    ->ForwardStream(std::span<const float>(series.x).subspan(from * F, n * F),
+                                    std::span<const float>(series.dt).subspan(from, n), logits)
+                    .ok());
+    std::vector<float> convictions;
+    for (int i = 0; i < n; ++i) convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    return convictions;
+  }
+
+  static constexpr uint64_t kSeed = 5;
+  const ModelConfig config_ = *NamedConfig("tiny");
+  const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
+  const std::shared_ptr<StreamFaults> faults_ = std::make_shared<StreamFaults>();
+  InProcessDaemon daemon_{[faults = faults_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
+                            return std::make_unique<StreamFaultBackend>(std::move(backend), faults);
+                          },
+                          "stream_failure_checkpoints"};
+};
+
+TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEvent) {
+  StreamOutcome first = Stream({{Event("A", 0, 1), Event("A", 1, 2), Event("A", 2, 3), Event("B", 0, 1)}});
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.acked["A"], 3u);
+
+  // One request: its first tick takes A's seq 4 and B's seq 2 and fails; A's 5 and 6 wait behind it.
+  faults_->failing_ticks = 1;
+  StreamOutcome failed = Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6), Event("B", 1, 2)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error)"));
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("4 events of this call were not processed: 'A' from seq 4, "
+                                                       "'B' from seq 2"));
+  EXPECT_TRUE(failed.acked.empty()) << "nothing of the call was processed";
+
+  std::map<std::string, v1::StreamInfo> streams = Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 3u);
+  EXPECT_EQ(streams["A"].last_accepted_seq(), 3u) << "the events dropped are no longer accepted";
+  EXPECT_EQ(streams["A"].pending_events(), 0u);
+  EXPECT_EQ(streams["B"].processed_events(), 1u);
+
+  // Stopped: neither the next number nor the one it stopped at is taken until a reset.
+  for (const uint64_t seq : {4u, 7u}) {
+    const StreamOutcome refused = Stream({{Event("A", 3, seq)}});
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << seq;
+    EXPECT_THAT(refused.status.error_message(), HasSubstr("instrument 'A' stopped at seq 4 when the device failed"));
+  }
+  const absl::StatusOr<uint64_t> closed = Close("B");
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  EXPECT_EQ(*closed, 1u);
+
+  // After ResetStream, A takes its events again from seq 4, from a zero state.
+  ASSERT_TRUE(Reset("A").ok());
+  const StreamOutcome resumed = Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  EXPECT_EQ(resumed.acked.at("A"), 6u);
+  const v1::ReadConvictionsResponse log = Read("A");
+  ASSERT_EQ(log.seqs_size(), 6) << "one entry for each of seq 1..6, none for the failed tick";
+  EXPECT_EQ(log.first_seq(), 1u);
+  std::vector<float> expected = Offline("A", 0, 3);
+  const std::vector<float> after_reset = Offline("A", 3, 6);
+  expected.insert(expected.end(), after_reset.begin(), after_reset.end());
+  for (int i = 0; i < 6; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelThatCanBeReplaced) {
+  faults_->refuse_streaming = true;
+  ASSERT_TRUE(InitModel().ok());
+  const StreamOutcome failed = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(failed.status.error_message(),
+              HasSubstr("streaming could not start (this model's streaming step is not supported); 2 events of this "
+                        "call were not processed: 'A' from seq 1"));
+  EXPECT_EQ(Streams()["A"].processed_events(), 0u);
+  EXPECT_EQ(Stream({{Event("A", 0, 1)}}).status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+  // The stream closes although the device never held it, and then the model can be replaced.
+  const absl::StatusOr<uint64_t> closed = Close("A");
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  EXPECT_EQ(*closed, 0u);
+  faults_->refuse_streaming = false;
+  const grpc::Status replaced = InitModel();
+  ASSERT_TRUE(replaced.ok()) << replaced.error_message();
+  const StreamOutcome streamed = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
+  const v1::ReadConvictionsResponse log = Read("A");
+  ASSERT_EQ(log.seqs_size(), 2);
+  const std::vector<float> expected = Offline("A", 0, 2);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+}  // namespace
+}  // namespace perception::testing
