@@ -15,12 +15,21 @@ void StreamReactor::Update(Change change) {
     absl::MutexLock lock(&mu_);
     change();
     finish = AdvanceLocked();
-    if (cancel_alarm_ && alarm_pending_) cancel = alarm_.get();
+    if (cancel_alarm_ && alarm_pending_ && !cancelling_) {
+      cancel = alarm_.get();
+      cancelling_ = true;
+    }
     cancel_alarm_ = false;
   }
-  // Outside the lock: the alarm's callback takes it; once Finish is called, gRPC may delete the reactor (OnDone)
-  // on another thread at any time. The alarm outlives Cancel: it is destroyed with the reactor, after its callback.
-  if (cancel != nullptr) cancel->Cancel();
+  // Outside the lock: the alarm's callback takes it. The alarm may fire meanwhile; its callback then cannot finish
+  // the call (which lets gRPC delete the reactor, and the alarm with it) while `cancelling_` holds it open.
+  if (cancel != nullptr) {
+    cancel->Cancel();
+    absl::MutexLock lock(&mu_);
+    cancelling_ = false;
+    finish = AdvanceLocked();  // the call ends here if the alarm's callback ran meanwhile, or at that callback
+    cancel_alarm_ = false;
+  }
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
@@ -144,7 +153,7 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
   // write and the alarm its callback: finish only when all are done. A read still in progress is fine: it
   // completes (not ok) once the call is finished.
   const bool ending = broken_ || (input_done_ && unacked_.empty());
-  if (!ending || unprocessed_ > 0 || writing_) return std::nullopt;
+  if (!ending || unprocessed_ > 0 || writing_ || cancelling_) return std::nullopt;
   if (alarm_pending_) {
     cancel_alarm_ = true;
     return std::nullopt;

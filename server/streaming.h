@@ -71,6 +71,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   bool alarm_pending_ ABSL_GUARDED_BY(mu_) = false;  // set and its callback not yet run
   bool alarm_fired_ ABSL_GUARDED_BY(mu_) = false;    // the ack interval has passed
   bool cancel_alarm_ ABSL_GUARDED_BY(mu_) = false;   // the call is ending: cancel the pending alarm
+  bool cancelling_ ABSL_GUARDED_BY(mu_) = false;     // a thread is in Alarm::Cancel: the call must not finish yet
   bool broken_ ABSL_GUARDED_BY(mu_) = false;         // cancelled, or the client stopped taking responses
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
