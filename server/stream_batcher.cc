@@ -360,9 +360,6 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       if (status.ok() && event.has_lobster() != lobster) {
         status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
       }
-      if (status.ok() && lobster && featurizer->levels() * 4 != event.lobster().book_size()) {
-        status = absl::InvalidArgumentError("book rows of one window must have the same level count");
-      }
       if (status.ok()) {
         status = FeaturizeLocked(event, scratch, lobster ? &*featurizer : nullptr,
                                  std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i]);
