@@ -223,6 +223,7 @@ absl::Status ListStreams(PerceptionClient& client) {
                 static_cast<unsigned long long>(s.pending_events()),
                 static_cast<unsigned long long>(s.oldest_retained_seq()),
                 static_cast<unsigned long long>(s.end_seq()));
+    if (!s.stopped().empty()) std::printf("  stopped: %s\n", s.stopped().c_str());
   }
   return absl::OkStatus();
 }

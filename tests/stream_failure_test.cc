@@ -183,6 +183,7 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   EXPECT_EQ(streams["A"].last_accepted_seq(), 3u) << "the events dropped are no longer accepted";
   EXPECT_EQ(streams["A"].pending_events(), 0u);
   EXPECT_EQ(streams["B"].processed_events(), 1u);
+  EXPECT_THAT(streams["A"].stopped(), HasSubstr("instrument 'A' stopped at seq 4 when the device failed its tick"));
 
   // Stopped: neither the next number nor the one it stopped at is taken until a reset.
   for (const uint64_t seq : {4u, 7u}) {
@@ -196,6 +197,7 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
 
   // After ResetStream, A takes its events again from seq 4, from a zero state.
   ASSERT_TRUE(Reset("A").ok());
+  EXPECT_EQ(Streams()["A"].stopped(), "") << "streaming again";
   const StreamOutcome resumed = Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6)}});
   ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
   EXPECT_EQ(resumed.acked.at("A"), 6u);
