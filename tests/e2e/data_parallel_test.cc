@@ -132,14 +132,19 @@ TEST(DataParallelTest, ARankThatDiesStopsTheOtherRanksStreams) {
     });
     ended = absl::Now();
   });
+  bool warmed_up = false;
   {
     absl::MutexLock lock(&mu);
-    const auto warmed_up = [&] { return answered >= 20; };
-    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&warmed_up), absl::Seconds(60))) << "rank 0 never trained";
+    const auto trained = [&] { return answered >= 20; };
+    warmed_up = mu.AwaitWithTimeout(absl::Condition(&trained), absl::Seconds(60));
   }
+  // The trainer is joined before any assertion can return: a joinable std::thread's destructor terminates the test
+  // binary, orphaning both daemons. Without a warm-up rank 0 may be stuck too, so it is killed as well.
   (*b)->Signal(SIGKILL);
+  if (!warmed_up) (*a)->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   trainer.join();
+  ASSERT_TRUE(warmed_up) << "rank 0 never trained";
   EXPECT_LT(ended - killed, absl::Seconds(10));
   EXPECT_FALSE(result.ok());
   EXPECT_THAT(std::string(result.message()), HasSubstr(absl::StrCat("rank 1 (", (*b)->target(), "): ")));
