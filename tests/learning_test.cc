@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include "engine/backend.h"
 #include "engine/dataset.h"
@@ -19,7 +18,6 @@ constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
 TEST(LearningTest, SmallBeatsTheClassPriorOnTheLastThirtyPercentOfAmzn) {
-  if (!std::filesystem::exists(kOrderbook)) GTEST_SKIP() << "AMZN sample not found at " << kOrderbook;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
   ASSERT_TRUE(data.ok()) << data.status();
