@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
+#include "tests/test_util.h"
 #include "engine/safetensors.h"
 
 namespace perception {
@@ -26,6 +27,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
+using testing::BitIdentical;
 using testing::ReadBytes;
 using testing::WriteBytes;
 
@@ -60,10 +62,6 @@ Checkpoint RandomCheckpoint(const ModelConfig& config, uint64_t seed) {
   }
   checkpoint.step = 1000 + static_cast<int64_t>(rng.Below(100000));
   return checkpoint;
-}
-
-bool BitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {

@@ -16,12 +16,14 @@
 
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
+#include "tests/test_util.h"
 
 namespace perception {
 namespace {
 
 using ::testing::HasSubstr;
 
+using testing::BitIdentical;
 using testing::ReadBytes;
 using testing::WriteBytes;
 
@@ -30,11 +32,6 @@ std::string RawFile(const std::string& header, const std::string& data) {
   const uint64_t length = header.size();
   std::string file(reinterpret_cast<const char*>(&length), sizeof length);
   return file + header + data;
-}
-
-// Compares bytes, so NaN payloads and signed zeros count, and empty spans need no pointer.
-bool BitIdentical(std::span<const float> a, std::span<const float> b) {
-  return std::ranges::equal(std::as_bytes(a), std::as_bytes(b));
 }
 
 std::vector<float> RandomFloats(Rng& rng, size_t count) {

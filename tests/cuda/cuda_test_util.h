@@ -3,7 +3,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "engine/cuda_model.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
+#include "tests/test_util.h"
 
 namespace perception {
 
@@ -111,13 +111,6 @@ inline std::vector<float> RandomFloats(size_t count, uint64_t seed, double lo = 
   std::vector<float> v(count);
   for (float& x : v) x = static_cast<float>(rng.Uniform(lo, hi));
   return v;
-}
-
-inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
-template <typename T>
-bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 // Linear warmup over 5 steps, then cosine down to 1e-4 at `total_steps`: a learning rate that moves every step.
