@@ -8,6 +8,7 @@
 #include "engine/backend.h"
 #include "engine/dataset.h"
 #include "engine/lobster.h"
+#include "tests/test_util.h"
 
 namespace perception {
 namespace {
@@ -30,8 +31,7 @@ TEST(LearningTest, SmallBeatsTheClassPriorOnTheLastThirtyPercentOfAmzn) {
   ASSERT_TRUE(split.ok()) << split.status();
 
   ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, 1, params);
+  std::vector<float> params = testing::InitialParams(config, 1);
   const Normalizer normalizer = FitNormalizer(split->train);
   std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
   std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),

@@ -49,14 +49,6 @@ constexpr double kParamsTolerance = 1e-4;    // parameters after 10 AdamW steps
 constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 constexpr double kFloat32ProductError = 2e-6;
 
-// Parameters initialized from `seed` (MODEL.md §4), unperturbed.
-inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, seed, params);
-  return params;
-}
-
 inline bool Contains(const absl::Status& status, const std::string& part) {
   return std::string(status.message()).find(part) != std::string::npos;
 }
