@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -113,6 +114,25 @@ inline OptimizerConfig WarmupCosine(int64_t total_steps) {
   optimizer.total_steps = total_steps;
   optimizer.min_lr = 1e-4;
   return optimizer;
+}
+
+// A model from InitialParams(config, seed); null, with the failure recorded, where it cannot be created.
+inline std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
+                                            uint64_t seed, Precision precision = Precision::kFloat32) {
+  CudaModelOptions options;
+  options.graphs = graphs;
+  options.precision = precision;
+  auto model = CudaModel::Create(config, optimizer, InitialParams(config, seed), options);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *std::move(model) : nullptr;
+}
+
+// Parameters, both moments and the step counter bit for bit: two models that trained alike.
+inline void ExpectSameState(CudaModel& a, CudaModel& b) {
+  EXPECT_TRUE(BitIdentical(*a.DownloadParams(), *b.DownloadParams())) << "parameters";
+  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvg(), *b.DownloadExpAvg())) << "first moments";
+  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvgSq(), *b.DownloadExpAvgSq())) << "second moments";
+  EXPECT_EQ(*a.DownloadStep(), *b.DownloadStep());
 }
 
 // One training step of `model` on `batch`, waited for.
