@@ -1,4 +1,4 @@
-// Helpers for the CUDA tests: skipping without a device, device arrays for the kernel tests, random inputs.
+// Helpers for the CUDA tests: skipping without a device, device arrays, random inputs, a product reference, models.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -114,6 +114,22 @@ inline OptimizerConfig WarmupCosine(int64_t total_steps) {
   optimizer.total_steps = total_steps;
   optimizer.min_lr = 1e-4;
   return optimizer;
+}
+
+// The weight-gradient products' reference: dw[out, in] = dy[rows, out]ᵀ · x[rows, in] in double, dy and x at leading
+// dimensions lddy and ldx, dw dense.
+inline std::vector<double> WeightGradientReference(int rows, int in, int out, const std::vector<float>& dy, int lddy,
+                                                   const std::vector<float>& x, int ldx) {
+  std::vector<double> dw(static_cast<size_t>(out) * in);
+  for (int r = 0; r < rows; ++r) {
+    const float* xrow = &x[static_cast<size_t>(r) * ldx];
+    for (int o = 0; o < out; ++o) {
+      const double v = dy[static_cast<size_t>(r) * lddy + o];
+      double* row = &dw[static_cast<size_t>(o) * in];
+      for (int i = 0; i < in; ++i) row[i] += v * xrow[i];
+    }
+  }
+  return dw;
 }
 
 // A model from InitialParams(config, seed); null, with the failure recorded, where it cannot be created.
