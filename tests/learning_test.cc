@@ -8,19 +8,18 @@
 #include "engine/backend.h"
 #include "engine/dataset.h"
 #include "engine/lobster.h"
+#include "tests/lobster_samples.h"
 #include "tests/test_util.h"
 
 namespace perception {
 namespace {
 
-constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv";
-constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_message_1.csv";
-
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
 TEST(LearningTest, SmallBeatsTheClassPriorOnTheLastThirtyPercentOfAmzn) {
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  absl::StatusOr<LobsterData> data = ReadLobster(testing::ShippedLobsterPath("AMZN", "orderbook", 1),
+                                                 testing::ShippedLobsterPath("AMZN", "message", 1));
   ASSERT_TRUE(data.ok()) << data.status();
   ModelConfig config = *NamedConfig("small");
   config.n_features = LobsterFeatureCount(data->levels);
