@@ -27,8 +27,12 @@ using ::testing::HasSubstr;
 const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
 const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
 
+// perceptiond creates its checkpoint folder before it checks the rest of its flags: a temporary one, so that no
+// checkpoints/ appears in ctest's working directory.
 CommandResult RunDaemon(const std::string& flags) {
-  return RunCommand(absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ", flags));
+  const ScopedTempDir checkpoints("dp-flags");
+  return RunCommand(absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= --checkpoint_dir=",
+                                 checkpoints.path().string(), " ", flags));
 }
 
 TEST(DataParallelTest, TheDaemonRefusesWorldSizesItCannotJoin) {
