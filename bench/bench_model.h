@@ -23,13 +23,11 @@ inline testing::RandomBatch BenchBatch(const ModelConfig& config, int index) {
 // graphs = false: the first steps run eagerly until set_use_graphs(true) (bench_train times both modes).
 inline absl::StatusOr<std::unique_ptr<CudaModel>> MakeBenchModel(const ModelConfig& config, Precision precision,
                                                                  bool graphs) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, 1, params);
   CudaModelOptions options;
   options.precision = precision;
   options.graphs = graphs;
-  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(config, OptimizerConfig{}, params, options));
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
+                   CudaModel::Create(config, OptimizerConfig{}, testing::InitialParams(config, 1), options));
   RETURN_IF_ERROR(model->StageBatch(BenchBatch(config, 0).view()));  // copied into the model's pinned staging
   return model;
 }

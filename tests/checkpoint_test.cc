@@ -4,7 +4,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
+#include "tests/test_util.h"
 #include "engine/safetensors.h"
 
 namespace perception {
@@ -26,7 +26,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
+using testing::BitIdentical;
 using testing::ReadBytes;
+using testing::ScopedTempDir;
 using testing::WriteBytes;
 
 uint64_t HeaderLength(const std::string& file) {
@@ -62,10 +64,6 @@ Checkpoint RandomCheckpoint(const ModelConfig& config, uint64_t seed) {
   return checkpoint;
 }
 
-bool BitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
   EXPECT_EQ(a.config, b.config);
   EXPECT_TRUE(BitIdentical(a.params, b.params));
@@ -97,19 +95,7 @@ struct OwnedTensor {
 
 class CheckpointTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = std::filesystem::temp_directory_path() / "checkpoint_test.XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    path_ = (dir_ / "model.safetensors").string();
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
-  std::vector<std::string> DirectoryEntries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : std::filesystem::directory_iterator(dir_)) names.push_back(entry.path().filename());
-    return names;
-  }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }  // or the files would land in the working directory
 
   void SaveTiny(uint64_t seed = 1) { ASSERT_TRUE(SaveCheckpoint(path_, RandomCheckpoint(Config("tiny"), seed)).ok()); }
 
@@ -145,8 +131,8 @@ class CheckpointTest : public ::testing::Test {
     EXPECT_THAT(loaded.status().message(), HasSubstr(path_));
   }
 
-  std::filesystem::path dir_;
-  std::string path_;
+  const ScopedTempDir dir_{"checkpoint_test"};
+  const std::string path_ = (dir_.path() / "model.safetensors").string();
 };
 
 class CheckpointRoundTripTest : public CheckpointTest, public ::testing::WithParamInterface<std::string> {};
@@ -258,7 +244,7 @@ TEST_F(CheckpointTest, SaveRejectsInconsistentCheckpointsAndWritesNothing) {
     EXPECT_THAT(status.message(), HasSubstr(c.message));
     EXPECT_THAT(status.message(), HasSubstr(path_));
   }
-  EXPECT_TRUE(DirectoryEntries().empty());
+  EXPECT_TRUE(dir_.Entries().empty());
 }
 
 TEST_F(CheckpointTest, TruncatedFilesAreRejected) {
@@ -413,12 +399,12 @@ TEST_F(CheckpointTest, FailedLoadLeavesTheCallersCheckpointUntouched) {
 }
 
 TEST_F(CheckpointTest, SaveIntoMissingDirectoryFailsNamingThePath) {
-  const std::string path = (dir_ / "missing" / "model.safetensors").string();
+  const std::string path = (dir_.path() / "missing" / "model.safetensors").string();
   const absl::Status status = SaveCheckpoint(path, RandomCheckpoint(Config("tiny"), 1));
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(status.message(), HasSubstr(path));
   EXPECT_THAT(status.message(), HasSubstr("No such file or directory"));
-  EXPECT_TRUE(DirectoryEntries().empty());
+  EXPECT_TRUE(dir_.Entries().empty());
 }
 
 TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
@@ -428,7 +414,7 @@ TEST_F(CheckpointTest, SaveReplacesAnExistingCheckpoint) {
   const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ExpectSameCheckpoint(*loaded, newer);
-  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"model.safetensors"});
+  EXPECT_EQ(dir_.Entries(), std::vector<std::string>{"model.safetensors"});
 }
 
 // A write that dies halfway (here: the file size limit, as a full disk would) must leave the old
@@ -452,7 +438,7 @@ TEST_F(CheckpointTest, InterruptedSaveKeepsTheOldCheckpoint) {
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(status.message(), HasSubstr("File too large"));
   EXPECT_EQ(ReadBytes(path_), old_bytes);
-  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"model.safetensors"});
+  EXPECT_EQ(dir_.Entries(), std::vector<std::string>{"model.safetensors"});
   const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ExpectSameCheckpoint(*loaded, old);

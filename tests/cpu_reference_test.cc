@@ -14,8 +14,7 @@ using testing::MakeRandomBatch;
 using testing::RandomParams;
 using testing::RandomState;
 using testing::RelativeError;
-
-std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+using testing::ToDouble;
 
 // Fourth-order central difference (f(−2h) − 8f(−h) + 8f(h) − f(2h)) / 12h: truncation O(h⁴), so h can be large
 // enough that rounding in the loss (~1e-16) stays far below the 1e-6 bar even for the smallest gradients.

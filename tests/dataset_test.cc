@@ -9,20 +9,19 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/lobster_samples.h"
 
 namespace perception {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::ShippedLobsterPath;
 
 const std::vector<int> kDefaultHorizons = {10, 20, 50, 100, 200};
 
-std::string AmznPath(const std::string& kind) {
-  return std::string(PERCEPTION_TEST_DATA_DIR) + "/AMZN_2012-06-21_34200000_57600000_" + kind + "_1.csv";
-}
-
 EventSeries AmznSeries(const std::vector<int>& horizons) {
-  const absl::StatusOr<LobsterData> data = ReadLobster(AmznPath("orderbook"), AmznPath("message"));
+  const absl::StatusOr<LobsterData> data =
+      ReadLobster(ShippedLobsterPath("AMZN", "orderbook", 1), ShippedLobsterPath("AMZN", "message", 1));
   EXPECT_TRUE(data.ok()) << data.status();
   if (!data.ok()) return {};
   absl::StatusOr<EventSeries> series = BuildSeries(*data, horizons);
@@ -96,8 +95,8 @@ TEST(BuildSeries, AmznDay) {
 }
 
 TEST(BuildSeries, AaplHasFortyEightFeatures) {
-  const std::string stem = std::string(PERCEPTION_TEST_DATA_DIR) + "/AAPL_2012-06-21_34200000_57600000_";
-  const absl::StatusOr<LobsterData> data = ReadLobster(stem + "orderbook_10.csv", stem + "message_10.csv");
+  const absl::StatusOr<LobsterData> data =
+      ReadLobster(ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10));
   ASSERT_TRUE(data.ok()) << data.status();
   const absl::StatusOr<EventSeries> series = BuildSeries(*data, kDefaultHorizons);
   ASSERT_TRUE(series.ok()) << series.status();

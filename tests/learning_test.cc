@@ -4,24 +4,22 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include "engine/backend.h"
 #include "engine/dataset.h"
 #include "engine/lobster.h"
+#include "tests/lobster_samples.h"
+#include "tests/test_util.h"
 
 namespace perception {
 namespace {
 
-constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv";
-constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AMZN_2012-06-21_34200000_57600000_message_1.csv";
-
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
 TEST(LearningTest, SmallBeatsTheClassPriorOnTheLastThirtyPercentOfAmzn) {
-  if (!std::filesystem::exists(kOrderbook)) GTEST_SKIP() << "AMZN sample not found at " << kOrderbook;
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  absl::StatusOr<LobsterData> data = ReadLobster(testing::ShippedLobsterPath("AMZN", "orderbook", 1),
+                                                 testing::ShippedLobsterPath("AMZN", "message", 1));
   ASSERT_TRUE(data.ok()) << data.status();
   ModelConfig config = *NamedConfig("small");
   config.n_features = LobsterFeatureCount(data->levels);
@@ -32,8 +30,7 @@ TEST(LearningTest, SmallBeatsTheClassPriorOnTheLastThirtyPercentOfAmzn) {
   ASSERT_TRUE(split.ok()) << split.status();
 
   ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, 1, params);
+  std::vector<float> params = testing::InitialParams(config, 1);
   const Normalizer normalizer = FitNormalizer(split->train);
   std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
   std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),

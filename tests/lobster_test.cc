@@ -10,30 +10,28 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/lobster_samples.h"
 
 namespace perception {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::ShippedLobsterPath;
 
 constexpr int kAaplFeatures = 48;  // 4·10 + 8
 constexpr int kAmznFeatures = 12;  // 4·1 + 8
 // Offsets of the trailing features (after the 4·levels book features), MODEL.md §1.1 order.
 constexpr int kImbalance = 0, kMidReturn = 1, kTypeOneHot = 2, kDirection = 7;
 
-std::string ShippedPath(const std::string& dir, const std::string& stock, const std::string& kind, int levels) {
-  return dir + "/" + stock + "_2012-06-21_34200000_57600000_" + kind + "_" + std::to_string(levels) + ".csv";
-}
-
-LobsterData ReadShipped(const std::string& dir, const std::string& stock, int levels) {
+LobsterData ReadShipped(const std::string& stock, int levels) {
   absl::StatusOr<LobsterData> data =
-      ReadLobster(ShippedPath(dir, stock, "orderbook", levels), ShippedPath(dir, stock, "message", levels));
+      ReadLobster(ShippedLobsterPath(stock, "orderbook", levels), ShippedLobsterPath(stock, "message", levels));
   EXPECT_TRUE(data.ok()) << data.status();
   return data.ok() ? *std::move(data) : LobsterData{};
 }
 
-LobsterData Aapl() { return ReadShipped(PERCEPTION_TEST_DATA_DIR, "AAPL", 10); }
-LobsterData Amzn() { return ReadShipped(PERCEPTION_TEST_DATA_DIR, "AMZN", 1); }
+LobsterData Aapl() { return ReadShipped("AAPL", 10); }
+LobsterData Amzn() { return ReadShipped("AMZN", 1); }
 
 // The features and Δt of file line `line` (1-based), streaming every earlier line first.
 struct Featurized {
@@ -116,8 +114,8 @@ TEST(ReadLobster, InfersOneLevelAndReadsTheWholeAmznDay) {
 }
 
 TEST(ReadLobster, AcceptsTheRightExplicitLevelCountAndRejectsAnother) {
-  const std::string orderbook = ShippedPath(PERCEPTION_TEST_DATA_DIR, "AAPL", "orderbook", 10);
-  const std::string message = ShippedPath(PERCEPTION_TEST_DATA_DIR, "AAPL", "message", 10);
+  const std::string orderbook = ShippedLobsterPath("AAPL", "orderbook", 10);
+  const std::string message = ShippedLobsterPath("AAPL", "message", 10);
   absl::StatusOr<LobsterData> ten = ReadLobster(orderbook, message, 10);
   ASSERT_TRUE(ten.ok()) << ten.status();
   EXPECT_EQ(ten->size(), 999u);

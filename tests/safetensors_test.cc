@@ -3,7 +3,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -16,13 +15,16 @@
 
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
+#include "tests/test_util.h"
 
 namespace perception {
 namespace {
 
 using ::testing::HasSubstr;
 
+using testing::BitIdentical;
 using testing::ReadBytes;
+using testing::ScopedTempDir;
 using testing::WriteBytes;
 
 // A safetensors file assembled by hand, so that the reader can be fed any header at all.
@@ -30,11 +32,6 @@ std::string RawFile(const std::string& header, const std::string& data) {
   const uint64_t length = header.size();
   std::string file(reinterpret_cast<const char*>(&length), sizeof length);
   return file + header + data;
-}
-
-// Compares bytes, so NaN payloads and signed zeros count, and empty spans need no pointer.
-bool BitIdentical(std::span<const float> a, std::span<const float> b) {
-  return std::ranges::equal(std::as_bytes(a), std::as_bytes(b));
 }
 
 std::vector<float> RandomFloats(Rng& rng, size_t count) {
@@ -45,21 +42,11 @@ std::vector<float> RandomFloats(Rng& rng, size_t count) {
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = std::filesystem::temp_directory_path() / "safetensors_test.XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }  // or the files would land in the working directory
 
-  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
-  std::vector<std::string> DirectoryEntries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : std::filesystem::directory_iterator(dir_)) names.push_back(entry.path().filename());
-    return names;
-  }
+  std::string Path(const std::string& name) const { return (dir_.path() / name).string(); }
 
-  std::filesystem::path dir_;
+  const ScopedTempDir dir_{"safetensors_test"};
 };
 
 TEST_F(SafetensorsTest, WritesTheStandardLayout) {
@@ -132,7 +119,7 @@ TEST_F(SafetensorsTest, WriterRejectsInconsistentTensorsAndWritesNothing) {
     EXPECT_THAT(status.message(), HasSubstr(c.message));
     EXPECT_THAT(status.message(), HasSubstr(path));
   }
-  EXPECT_TRUE(DirectoryEntries().empty());
+  EXPECT_TRUE(dir_.Entries().empty());
 }
 
 TEST_F(SafetensorsTest, WriteIntoMissingDirectoryFailsNamingThePath) {
@@ -142,7 +129,7 @@ TEST_F(SafetensorsTest, WriteIntoMissingDirectoryFailsNamingThePath) {
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(status.message(), HasSubstr(path));
   EXPECT_THAT(status.message(), HasSubstr("No such file or directory"));
-  EXPECT_TRUE(DirectoryEntries().empty());
+  EXPECT_TRUE(dir_.Entries().empty());
 }
 
 TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {
@@ -155,7 +142,7 @@ TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {
   ASSERT_TRUE(file.ok()) << file.status();
   ASSERT_EQ(file->tensors().size(), 1u);
   EXPECT_EQ(file->tensors().at("new").ToFloats(), new_values);
-  EXPECT_EQ(DirectoryEntries(), std::vector<std::string>{"replaced.safetensors"});
+  EXPECT_EQ(dir_.Entries(), std::vector<std::string>{"replaced.safetensors"});
 }
 
 // Every file below is malformed in exactly one way; the reader must name that way.

@@ -1,6 +1,7 @@
-// Shared fixtures for the engine tests: random parameters, batches and states with fixed seeds, and error norms.
+// Shared test fixtures: initial or perturbed parameters, seeded random batches and states, error norms, bit equality.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 #include <vector>
@@ -26,6 +27,21 @@ double RelativeError(std::span<const A> a, std::span<const B> b) {
 template <typename A, typename B>
 double RelativeError(const std::vector<A>& a, const std::vector<B>& b) {
   return RelativeError(std::span<const A>(a), std::span<const B>(b));
+}
+
+inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// Compares bytes, so NaN payloads and signed zeros count, and empty spans need no pointer.
+inline bool BitIdentical(std::span<const float> a, std::span<const float> b) {
+  return std::ranges::equal(std::as_bytes(a), std::as_bytes(b));
+}
+
+// Parameters initialized from `seed` (MODEL.md §4), unperturbed.
+inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, seed, params);
+  return params;
 }
 
 // Initialized parameters with every tensor perturbed (constants like norm weights 1 and D 1 become random),

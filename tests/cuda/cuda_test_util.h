@@ -1,9 +1,9 @@
-// Helpers for the CUDA tests: skipping without a device, device arrays for the kernel tests, random inputs.
+// Helpers for the CUDA tests: skipping without a device, device arrays, random inputs, a product reference, models.
 #pragma once
 
 #include <gtest/gtest.h>
 
-#include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +15,7 @@
 #include "engine/cuda_model.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
+#include "tests/test_util.h"
 
 namespace perception {
 
@@ -48,14 +49,6 @@ constexpr double kParamsTolerance = 1e-4;    // parameters after 10 AdamW steps
 // accumulation itself loses more, so cuBLAS float32's own error (times 2) is the bar where it is higher.
 constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 constexpr double kFloat32ProductError = 2e-6;
-
-// Parameters initialized from `seed` (MODEL.md §4), unperturbed.
-inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, seed, params);
-  return params;
-}
 
 inline bool Contains(const absl::Status& status, const std::string& part) {
   return std::string(status.message()).find(part) != std::string::npos;
@@ -113,13 +106,6 @@ inline std::vector<float> RandomFloats(size_t count, uint64_t seed, double lo = 
   return v;
 }
 
-inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
-template <typename T>
-bool BitIdentical(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
 // Linear warmup over 5 steps, then cosine down to 1e-4 at `total_steps`: a learning rate that moves every step.
 inline OptimizerConfig WarmupCosine(int64_t total_steps) {
   OptimizerConfig optimizer;
@@ -128,6 +114,41 @@ inline OptimizerConfig WarmupCosine(int64_t total_steps) {
   optimizer.total_steps = total_steps;
   optimizer.min_lr = 1e-4;
   return optimizer;
+}
+
+// The weight-gradient products' reference: dw[out, in] = dy[rows, out]ᵀ · x[rows, in] in double, dy and x at leading
+// dimensions lddy and ldx, dw dense.
+inline std::vector<double> WeightGradientReference(int rows, int in, int out, const std::vector<float>& dy, int lddy,
+                                                   const std::vector<float>& x, int ldx) {
+  std::vector<double> dw(static_cast<size_t>(out) * in);
+  for (int r = 0; r < rows; ++r) {
+    const float* xrow = &x[static_cast<size_t>(r) * ldx];
+    for (int o = 0; o < out; ++o) {
+      const double v = dy[static_cast<size_t>(r) * lddy + o];
+      double* row = &dw[static_cast<size_t>(o) * in];
+      for (int i = 0; i < in; ++i) row[i] += v * xrow[i];
+    }
+  }
+  return dw;
+}
+
+// A model from InitialParams(config, seed); null, with the failure recorded, where it cannot be created.
+inline std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
+                                            uint64_t seed, Precision precision = Precision::kFloat32) {
+  CudaModelOptions options;
+  options.graphs = graphs;
+  options.precision = precision;
+  auto model = CudaModel::Create(config, optimizer, InitialParams(config, seed), options);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *std::move(model) : nullptr;
+}
+
+// Parameters, both moments and the step counter bit for bit: two models that trained alike.
+inline void ExpectSameState(CudaModel& a, CudaModel& b) {
+  EXPECT_TRUE(BitIdentical(*a.DownloadParams(), *b.DownloadParams())) << "parameters";
+  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvg(), *b.DownloadExpAvg())) << "first moments";
+  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvgSq(), *b.DownloadExpAvgSq())) << "second moments";
+  EXPECT_EQ(*a.DownloadStep(), *b.DownloadStep());
 }
 
 // One training step of `model` on `batch`, waited for.

@@ -28,6 +28,7 @@ using testing::BitIdentical;
 using testing::DeviceArray;
 using testing::RandomFloats;
 using testing::RelativeError;
+using testing::WeightGradientReference;
 using testing::kBlasWorkspaceBytes;
 using testing::kFloat32ProductError;
 
@@ -72,21 +73,6 @@ std::vector<double> BackwardDataReference(const Product& p, const std::vector<fl
     }
   }
   return dx;
-}
-
-std::vector<double> BackwardWeightReference(const Product& p, const std::vector<float>& dy,
-                                            const std::vector<float>& x) {
-  const int lddy = p.out + p.pad, ldx = p.in + p.pad;
-  std::vector<double> dw(static_cast<size_t>(p.out) * p.in);
-  for (int r = 0; r < p.rows; ++r) {
-    const float* xrow = &x[static_cast<size_t>(r) * ldx];
-    for (int o = 0; o < p.out; ++o) {
-      const double v = dy[static_cast<size_t>(r) * lddy + o];
-      double* row = &dw[static_cast<size_t>(o) * p.in];
-      for (int i = 0; i < p.in; ++i) row[i] += v * xrow[i];
-    }
-  }
-  return dw;
 }
 
 class GemmTf32x3Test : public testing::ProductTest<Product> {
@@ -206,7 +192,7 @@ TEST_P(GemmTf32x3Test, BackwardWeightSplitOverRows) {
   const int lddy = p.out + p.pad, ldx = p.in + p.pad;
   const auto dy = RandomFloats(static_cast<size_t>(p.rows) * lddy, 7);
   const auto x = RandomFloats(static_cast<size_t>(p.rows) * ldx, 8);
-  const auto expected = BackwardWeightReference(p, dy, x);
+  const auto expected = WeightGradientReference(p.rows, p.in, p.out, dy, lddy, x, ldx);
   const DeviceArray<float> ddy(dy), dx(x);
   const std::vector<float> init(static_cast<size_t>(p.out) * p.in, std::numeric_limits<float>::quiet_NaN());
   Check(
@@ -450,7 +436,8 @@ TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
           (*blas)->BackwardWeight(p.rows, p.in, p.out, ddy.get(), p.out, dx_in.get(), p.in, dw.get(), p.in).ok());
       const double forward = RelativeError(y.Download(), ForwardReference(p, x, w, bias, 0, zeros));
       const double data = RelativeError(dx.Download(), BackwardDataReference(p, dy, w));
-      const double weight = RelativeError(dw.Download(), BackwardWeightReference(p, dy, x));
+      const double weight =
+          RelativeError(dw.Download(), WeightGradientReference(p.rows, p.in, p.out, dy, p.out, x, p.in));
       EXPECT_LE(forward, kFloat32ProductError);
       EXPECT_LE(data, kFloat32ProductError);
       EXPECT_LE(weight, kFloat32ProductError);

@@ -28,20 +28,11 @@ namespace {
 using testing::MakeRandomBatch;
 
 using testing::Contains;
-using testing::BitIdentical;
+using testing::ExpectSameState;
 using testing::InitialParams;
+using testing::MakeModel;
 using testing::Step;
 using testing::WarmupCosine;
-
-std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
-                                     uint64_t seed, Precision precision = Precision::kFloat32) {
-  CudaModelOptions options;
-  options.graphs = graphs;
-  options.precision = precision;
-  auto model = CudaModel::Create(config, optimizer, InitialParams(config, seed), options);
-  EXPECT_TRUE(model.ok()) << model.status();
-  return model.ok() ? *std::move(model) : nullptr;
-}
 
 // Twenty steps over a different batch each (so the staging is exercised under replay) with the learning rate moving
 // every step (warmup then cosine, read from the device step counter): 1 eager step, 1 capture, 18 more replays.
@@ -61,9 +52,7 @@ void ExpectReplayBitIdenticalToEager(Precision precision) {
     EXPECT_EQ(std::memcmp(&a->grad_norm, &b->grad_norm, sizeof(double)), 0) << a->grad_norm << " vs " << b->grad_norm;
     EXPECT_EQ(b->step, step);
   }
-  EXPECT_TRUE(BitIdentical(*eager->DownloadParams(), *replayed->DownloadParams())) << "parameters";
-  EXPECT_TRUE(BitIdentical(*eager->DownloadExpAvg(), *replayed->DownloadExpAvg())) << "first moments";
-  EXPECT_TRUE(BitIdentical(*eager->DownloadExpAvgSq(), *replayed->DownloadExpAvgSq())) << "second moments";
+  ExpectSameState(*eager, *replayed);
   EXPECT_EQ(*replayed->DownloadStep(), 20);
 
   const TrainingCounters e = eager->training_counters(), r = replayed->training_counters();

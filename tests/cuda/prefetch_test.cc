@@ -19,21 +19,15 @@ namespace {
 
 using testing::BitIdentical;
 using testing::Contains;
+using testing::ExpectSameState;
 using testing::InitialParams;
+using testing::MakeModel;
 using testing::MakeRandomBatch;
 using testing::RandomBatch;
 using testing::Step;
 using testing::WarmupCosine;
 
-std::unique_ptr<CudaModel> MakeModel(const ModelConfig& config, const OptimizerConfig& optimizer, bool graphs,
-                                     Precision precision = Precision::kFloat32) {
-  CudaModelOptions options;
-  options.graphs = graphs;
-  options.precision = precision;
-  auto model = CudaModel::Create(config, optimizer, InitialParams(config, 21), options);
-  EXPECT_TRUE(model.ok()) << model.status();
-  return model.ok() ? *std::move(model) : nullptr;
-}
+constexpr uint64_t kSeed = 21;  // every model here starts from the same parameters
 
 std::vector<RandomBatch> Batches(const ModelConfig& config, int count) {
   std::vector<RandomBatch> batches;
@@ -46,13 +40,6 @@ bool SameReport(const kernels::StepReport& a, const kernels::StepReport& b) {
          std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(a.grad_norm)) == 0 && a.step == b.step;
 }
 
-void ExpectSameState(CudaModel& a, CudaModel& b) {
-  EXPECT_TRUE(BitIdentical(*a.DownloadParams(), *b.DownloadParams())) << "parameters";
-  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvg(), *b.DownloadExpAvg())) << "first moments";
-  EXPECT_TRUE(BitIdentical(*a.DownloadExpAvgSq(), *b.DownloadExpAvgSq())) << "second moments";
-  EXPECT_EQ(*a.DownloadStep(), *b.DownloadStep());
-}
-
 // Each batch trained by today's Stage → Enqueue → Wait (graphed; every step copies its own batch in) against the
 // loader's steady state (batch n + 1 staged before step n is enqueued, so every step after the first finds its batch
 // on the device and copies the next one in beside its compute), under a learning rate that moves every step.
@@ -60,8 +47,8 @@ void ExpectPrefetchBitIdentical(const char* config_name, Precision precision, bo
   const ModelConfig config = *NamedConfig(config_name);
   constexpr int kSteps = 10;
   const OptimizerConfig optimizer = WarmupCosine(kSteps);
-  auto plain = MakeModel(config, optimizer, /*graphs=*/true, precision);
-  auto prefetching = MakeModel(config, optimizer, graphs, precision);
+  auto plain = MakeModel(config, optimizer, /*graphs=*/true, kSeed, precision);
+  auto prefetching = MakeModel(config, optimizer, graphs, kSeed, precision);
   ASSERT_TRUE(plain && prefetching);
   const std::vector<RandomBatch> batches = Batches(config, kSteps);
   ASSERT_TRUE(prefetching->StageBatch(batches[0].view()).ok());
@@ -115,8 +102,8 @@ TEST(CudaPrefetch, TinyStagedBatchesAreTrainedOnceAndInOrder) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("tiny");
   const OptimizerConfig optimizer = WarmupCosine(8);
-  auto reference = MakeModel(config, optimizer, /*graphs=*/true);
-  auto model = MakeModel(config, optimizer, /*graphs=*/true);
+  auto reference = MakeModel(config, optimizer, /*graphs=*/true, kSeed);
+  auto model = MakeModel(config, optimizer, /*graphs=*/true, kSeed);
   ASSERT_TRUE(reference && model);
   const std::vector<RandomBatch> b = Batches(config, 6);
   std::vector<kernels::StepReport> expected;
@@ -161,7 +148,7 @@ TEST(CudaPrefetch, TinyStagedBatchesAreTrainedOnceAndInOrder) {
 TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("tiny");
-  auto model = MakeModel(config, OptimizerConfig{}, /*graphs=*/true);
+  auto model = MakeModel(config, OptimizerConfig{}, /*graphs=*/true, kSeed);
   ASSERT_TRUE(model);
   const std::vector<RandomBatch> b = Batches(config, 4);
   ASSERT_TRUE(model->StageBatch(b[0].view()).ok());

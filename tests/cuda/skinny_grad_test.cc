@@ -25,6 +25,7 @@ using testing::BitIdentical;
 using testing::DeviceArray;
 using testing::RandomFloats;
 using testing::RelativeError;
+using testing::WeightGradientReference;
 using testing::kBlasWorkspaceBytes;
 using testing::kFloat32ProductError;
 
@@ -37,19 +38,6 @@ struct Product {
 };
 
 void PrintTo(const Product& p, std::ostream* os) { *os << p.name; }
-
-std::vector<double> Reference(const Product& p, const std::vector<float>& dy, const std::vector<float>& x) {
-  std::vector<double> dw(static_cast<size_t>(p.out) * p.in);
-  for (int r = 0; r < p.rows; ++r) {
-    const float* xrow = &x[static_cast<size_t>(r) * p.ldx];
-    for (int o = 0; o < p.out; ++o) {
-      const double v = dy[static_cast<size_t>(r) * p.lddy + o];
-      double* row = &dw[static_cast<size_t>(o) * p.in];
-      for (int i = 0; i < p.in; ++i) row[i] += v * xrow[i];
-    }
-  }
-  return dw;
-}
 
 // dw's [out, in] part, and whether every padding column still holds kUntouched.
 std::vector<float> Dense(const Product& p, const std::vector<float>& dw, bool* padding_untouched) {
@@ -74,7 +62,7 @@ TEST_P(SkinnyGradTest, MatchesDoubleReferenceAtEverySplitAndRerunsBitIdentical) 
   const Product& p = GetParam();
   const auto dy = RandomFloats(static_cast<size_t>(std::max(p.rows, 1)) * p.lddy, 7);
   const auto x = RandomFloats(static_cast<size_t>(std::max(p.rows, 1)) * p.ldx, 8);
-  const auto expected = Reference(p, dy, x);
+  const auto expected = WeightGradientReference(p.rows, p.in, p.out, dy, p.lddy, x, p.ldx);
   const DeviceArray<float> ddy(dy), dx(x);
   // NaN where dw starts (the kernel overwrites), kUntouched in the padding columns.
   std::vector<float> init(static_cast<size_t>(p.out) * p.lddw, std::numeric_limits<float>::quiet_NaN());

@@ -17,17 +17,22 @@
 #include "client/data_parallel.h"
 #include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/lobster_samples.h"
 
 namespace perception::e2e {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
-constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
+const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
+const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
 
+// perceptiond creates its checkpoint folder before it checks the rest of its flags: a temporary one, so that no
+// checkpoints/ appears in ctest's working directory.
 CommandResult RunDaemon(const std::string& flags) {
-  return RunCommand(absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ", flags));
+  const ScopedTempDir checkpoints("dp-flags");
+  return RunCommand(absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= --checkpoint_dir=",
+                                 checkpoints.path().string(), " ", flags));
 }
 
 TEST(DataParallelTest, TheDaemonRefusesWorldSizesItCannotJoin) {
@@ -132,14 +137,19 @@ TEST(DataParallelTest, ARankThatDiesStopsTheOtherRanksStreams) {
     });
     ended = absl::Now();
   });
+  bool warmed_up = false;
   {
     absl::MutexLock lock(&mu);
-    const auto warmed_up = [&] { return answered >= 20; };
-    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&warmed_up), absl::Seconds(60))) << "rank 0 never trained";
+    const auto trained = [&] { return answered >= 20; };
+    warmed_up = mu.AwaitWithTimeout(absl::Condition(&trained), absl::Seconds(60));
   }
+  // The trainer is joined before any assertion can return: a joinable std::thread's destructor terminates the test
+  // binary, orphaning both daemons. Without a warm-up rank 0 may be stuck too, so it is killed as well.
   (*b)->Signal(SIGKILL);
+  if (!warmed_up) (*a)->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   trainer.join();
+  ASSERT_TRUE(warmed_up) << "rank 0 never trained";
   EXPECT_LT(ended - killed, absl::Seconds(10));
   EXPECT_FALSE(result.ok());
   EXPECT_THAT(std::string(result.message()), HasSubstr(absl::StrCat("rank 1 (", (*b)->target(), "): ")));

@@ -3,10 +3,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <spawn.h>
-#include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,16 +61,6 @@ void CopyFloats(const std::vector<float>& from, google::protobuf::RepeatedField<
 }
 
 }  // namespace
-
-ScopedTempDir::ScopedTempDir(const std::string& prefix) {
-  std::string pattern = (std::filesystem::path(::testing::TempDir()) / (prefix + ".XXXXXX")).string();
-  if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-}
-
-ScopedTempDir::~ScopedTempDir() {
-  std::error_code ignored;
-  if (!path_.empty() && !::testing::Test::HasFailure()) std::filesystem::remove_all(path_, ignored);
-}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::filesystem::path& checkpoint_dir,
                                                       const std::vector<std::string>& flags) {

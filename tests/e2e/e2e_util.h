@@ -14,24 +14,12 @@
 #include "engine/config.h"
 #include "engine/dataset.h"
 #include "perception/v1/perception.pb.h"
+#include "tests/file_util.h"
 #include "tests/test_util.h"
 
 namespace perception::e2e {
 
-// A fresh folder under the test temp dir, removed with everything in it when the test passed (kept for a look
-// when it failed). Declare it before the Daemon that writes into it.
-class ScopedTempDir {
- public:
-  explicit ScopedTempDir(const std::string& prefix);
-  ~ScopedTempDir();
-  ScopedTempDir(const ScopedTempDir&) = delete;
-  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
-
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using testing::ScopedTempDir;
 
 // A perceptiond process. The destructor kills it (SIGKILL) if it still runs.
 class Daemon {

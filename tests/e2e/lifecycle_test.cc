@@ -47,7 +47,10 @@ std::vector<std::string> ListServices(const std::string& target) {
 // --precision is checked before the daemon serves: an unknown name, or a CUDA precision on --device=cpu, ends it
 // with the reason and exit code 1.
 TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
-  const std::string daemon = absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ");
+  // perceptiond creates its checkpoint folder before it checks --precision: a temporary one, not ctest's directory.
+  const ScopedTempDir checkpoints("precision");
+  const std::string daemon = absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= --checkpoint_dir=",
+                                          checkpoints.path().string(), " ");
   const CommandResult unknown = RunCommand(daemon + "--precision=fp16");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (auto, fp32, 3xtf32 or tf32)"));

@@ -7,14 +7,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/lobster_samples.h"
 
 namespace perception::e2e {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv";
-constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
+const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
+const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
 
 TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   const ScopedTempDir temp("ctl");

@@ -110,8 +110,7 @@ TEST(TrainingTest, TrainStepIsBitIdenticalToTheOfflineEngine) {
   optimizer.total_steps = 10;
   optimizer.min_lr = 1e-4;
 
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, kSeed, params);
+  std::vector<float> params = testing::InitialParams(config, kSeed);
   std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
   std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),
             params.begin() + layout.tensor(layout.norm_inv_std).offset);
