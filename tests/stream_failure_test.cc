@@ -15,7 +15,6 @@
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/cpu_reference.h"
-#include "engine/param_layout.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
 #include "tests/batch_message.h"
@@ -139,10 +138,7 @@ class StreamFailureTest : public ::testing::Test {
   // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU.
   std::vector<float> Offline(const std::string& instrument, int from, int to) const {
     const RandomBatch& series = instrument == "A" ? a_ : b_;
-    const ParamLayout layout(config_);
-    std::vector<float> params(layout.total_size());
-    InitializeParameters(layout, kSeed, params);
-    const std::unique_ptr<Backend> model = MakeCpuBackend(config_, OptimizerConfig{}, std::move(params));
+    const std::unique_ptr<Backend> model = MakeCpuBackend(config_, OptimizerConfig{}, InitialParams(config_, kSeed));
     const int F = config_.n_features, H = config_.n_horizons, n = to - from;
     std::vector<float> logits(static_cast<size_t>(n) * H);
     EXPECT_TRUE(model

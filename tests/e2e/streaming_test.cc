@@ -138,10 +138,7 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& expecte
 
 // The model the daemon creates from `seed` (identity normalizer), as a local CPU backend.
 std::unique_ptr<Backend> LocalModel(const ModelConfig& config, uint64_t seed) {
-  const ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, seed, params);
-  return MakeCpuBackend(config, OptimizerConfig{}, std::move(params));
+  return MakeCpuBackend(config, OptimizerConfig{}, testing::InitialParams(config, seed));
 }
 
 std::vector<float> OfflineConvictions(Backend& backend, const testing::RandomBatch& series, int from, int to) {
