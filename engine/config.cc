@@ -1,10 +1,14 @@
 // ModelConfig presets, validation and JSON round trip.
 #include "engine/config.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/status_macros.h"
 
 namespace perception {
 namespace {
@@ -49,8 +53,37 @@ ModelConfig Large() {
   return c;
 }
 
-// Bounds every dimension so that derived sizes (d_inner, in_proj rows, layer sizes) cannot overflow an int.
-constexpr int kMaxDimension = 1 << 16;
+// kMaxConfigDimension bounds every dimension and d_inner, so that a row's width (in_proj's 2E + 2N + Hh at most)
+// fits an int...
+constexpr int kMaxDimension = kMaxConfigDimension;
+// ... and what they multiply to: the weights (1 GiB of float32; with their gradient and two moments, 4), one
+// instrument's SSM state, and the widest activation of a training batch, each an int count with room to spare.
+constexpr int64_t kMaxParameters = int64_t{1} << 28;
+constexpr int64_t kMaxStateFloats = int64_t{1} << 26;
+constexpr int64_t kMaxActivationFloats = int64_t{1} << 30;
+
+absl::Status WithinSizeLimits(const ModelConfig& c) {
+  const int64_t E = int64_t{c.expand} * c.d_model;
+  if (E > kMaxDimension) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: d_inner = expand*d_model = ", E, " must be at most ", kMaxDimension));
+  }
+  if (const int64_t params = TrainedParameterCount(c); params > kMaxParameters) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", params, " parameters, more than the ", kMaxParameters, " the daemon holds"));
+  }
+  if (E * c.d_state > kMaxStateFloats) {
+    return absl::InvalidArgumentError(absl::StrCat("config: an SSM state of d_inner*d_state = ", E * c.d_state,
+                                                   " floats a layer is more than ", kMaxStateFloats));
+  }
+  const int64_t rows = int64_t{c.batch} * c.window, widest = 2 * E + 2 * c.d_state + E / c.headdim;
+  if (rows * std::max<int64_t>(widest, c.n_features) > kMaxActivationFloats) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: batch*window = ", rows, " rows of up to ", std::max<int64_t>(widest, c.n_features),
+                     " floats is more than ", kMaxActivationFloats, " floats of activations"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status PositiveAndBounded(const char* field, int value) {
   if (value > 0 && value <= kMaxDimension) return absl::OkStatus();
@@ -59,6 +92,16 @@ absl::Status PositiveAndBounded(const char* field, int value) {
 }
 
 }  // namespace
+
+int64_t TrainedParameterCount(const ModelConfig& c) {
+  const int64_t F = c.n_features, D = c.d_model, E = int64_t{c.expand} * D, N = c.d_state, W = c.d_conv;
+  const int64_t Hh = E / c.headdim, C = c.cfc_units, K = c.cfc_backbone, G = c.grn_hidden, H = c.n_horizons;
+  const int64_t in_proj = 2 * E + 2 * N + Hh, conv = E + 2 * N;
+  const int64_t layer = D + in_proj * D + conv * (W + 1) + 3 * Hh + E + D * E;
+  const int64_t cfc = K * (D + C + 1) + 4 * C * (K + 1);
+  const int64_t head = 2 * G * (D + C) + G + 3 * G * (G + 1) + 2 * G + H * (G + 1);
+  return D * (F + 1) + c.n_layers * layer + D + cfc + head;
+}
 
 std::vector<std::string> NamedConfigNames() { return {"tiny", "small", "large"}; }
 
@@ -80,6 +123,7 @@ absl::Status ValidateConfig(const ModelConfig& c) {
   for (const auto& [field, value] : fields) {
     if (absl::Status s = PositiveAndBounded(field, value); !s.ok()) return s;
   }
+  RETURN_IF_ERROR(WithinSizeLimits(c));
   if (c.d_inner() % c.headdim != 0) {
     return absl::InvalidArgumentError(absl::StrCat("config: d_inner = expand*d_model = ", c.d_inner(),
                                                    " is not divisible by headdim ", c.headdim));

@@ -42,14 +42,22 @@ struct ModelConfig {
 absl::StatusOr<ModelConfig> NamedConfig(const std::string& name);
 std::vector<std::string> NamedConfigNames();
 
-// Every invariant the engine relies on, with a message naming the offending field.
+// Every invariant the engine relies on, with a message naming the offending field; also bounds the sizes the
+// dimensions multiply to (the parameters, a state, a training batch's activations), so none overflows.
 absl::Status ValidateConfig(const ModelConfig& config);
+// MODEL.md §4's trained parameters (ParamLayout::trained_count), counted in int64 from any dimensions.
+int64_t TrainedParameterCount(const ModelConfig& config);
 
 // JSON with the keys of MODEL.md §7 plus window, batch and warmup. Parsing validates.
 std::string ConfigToJson(const ModelConfig& config);
 absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& json);
 
+// The largest value of any config field (ValidateConfig).
+inline constexpr int kMaxConfigDimension = 1 << 16;
+
 // LOBSTER input with `levels` book levels has 4·levels + 8 features (MODEL.md §1.1).
 constexpr int LobsterFeatureCount(int levels) { return 4 * levels + 8; }
+// The most levels whose feature count a config can hold.
+inline constexpr int kMaxLobsterLevels = (kMaxConfigDimension - 8) / 4;
 
 }  // namespace perception

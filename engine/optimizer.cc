@@ -19,8 +19,13 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
     return absl::InvalidArgumentError("optimizer: betas must be in [0, 1)");
   }
-  if (!(c.eps > 0)) return absl::InvalidArgumentError("optimizer: eps must be positive");
-  if (!(c.weight_decay >= 0)) return absl::InvalidArgumentError("optimizer: weight_decay must be >= 0");
+  if (!(c.eps > 0) || !std::isfinite(c.eps)) return absl::InvalidArgumentError("optimizer: eps must be positive");
+  if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) {
+    return absl::InvalidArgumentError("optimizer: weight_decay must be finite and >= 0");
+  }
+  if (std::isnan(c.max_grad_norm)) {
+    return absl::InvalidArgumentError("optimizer: max_grad_norm is NaN (<= 0 disables clipping)");
+  }
   if (c.schedule == LrSchedule::kWarmupCosine) {
     if (c.warmup_steps < 0 || c.total_steps <= c.warmup_steps) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer: cosine schedule needs 0 <= warmup_steps (",

@@ -50,8 +50,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromRequest(const v1::InitModelRequest& r
   }
   switch (request.features_case()) {
     case v1::InitModelRequest::kLevels:
-      if (request.levels() < 1) {
-        return absl::InvalidArgumentError(absl::StrCat("levels must be at least 1, got ", request.levels()));
+      if (request.levels() < 1 || request.levels() > kMaxLobsterLevels) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("levels must be in [1, ", kMaxLobsterLevels, "], got ", request.levels()));
       }
       config.n_features = LobsterFeatureCount(request.levels());
       break;
@@ -60,6 +61,10 @@ absl::StatusOr<ModelConfig> ModelConfigFromRequest(const v1::InitModelRequest& r
       break;
     case v1::InitModelRequest::FEATURES_NOT_SET:
       break;
+  }
+  if (request.batch() < 0 || request.window() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch (", request.batch(), ") and window (", request.window(),
+                                                   ") must be positive, or 0 to keep the config's"));
   }
   if (request.batch() > 0) config.batch = request.batch();
   if (request.window() > 0) config.window = request.window();

@@ -127,7 +127,7 @@ class CheckpointTest : public ::testing::Test {
   void ExpectLoadFails(const std::string& message) {
     const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
     ASSERT_FALSE(loaded.ok());
-    EXPECT_THAT(loaded.status().message(), HasSubstr(message));
+    EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(message));
     EXPECT_THAT(loaded.status().message(), HasSubstr(path_));
   }
 
@@ -373,7 +373,9 @@ TEST_F(CheckpointTest, InvalidConfigValuesAreRejected) {
       {"d_model", 100000000, "metadata config is invalid: config: d_model must be in [1, 65536]"},
       // Valid dimensions whose layout would still dwarf the file: refused before anything is allocated.
       {"n_layers", 60000, "config n_layers = 60000 exceeds the"},
-      {"d_model", 60000, "config d_model = 60000 does not fit the"},
+      {"d_model", 4000, "config expand * d_model = 8000 does not fit the"},
+      // ... or past what the daemon holds at all.
+      {"d_model", 60000, "metadata config is invalid: config: d_inner = expand*d_model = 120000 must be at most 65536"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.message);

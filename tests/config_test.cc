@@ -33,6 +33,40 @@ TEST(ConfigTest, SmallHasTheSpecifiedParameterCount) {
   EXPECT_EQ(layout.trained_count(), 318685u);
 }
 
+// The count ValidateConfig bounds before any int holds a product is the layout's own.
+TEST(ConfigTest, TheBoundedParameterCountIsTheLayouts) {
+  std::vector<ModelConfig> configs;
+  for (const std::string& name : NamedConfigNames()) configs.push_back(*NamedConfig(name));
+  ModelConfig odd = *NamedConfig("tiny");
+  odd.n_features = 11, odd.d_model = 10, odd.n_layers = 3, odd.expand = 3, odd.headdim = 5, odd.d_state = 7;
+  odd.d_conv = 2, odd.cfc_units = 9, odd.cfc_backbone = 13, odd.grn_hidden = 4;
+  configs.push_back(odd);
+  for (const ModelConfig& c : configs) {
+    ASSERT_TRUE(ValidateConfig(c).ok());
+    EXPECT_EQ(TrainedParameterCount(c), static_cast<int64_t>(ParamLayout(c).trained_count())) << ConfigToJson(c);
+  }
+}
+
+// Each dimension within its bound can still multiply past an int or past memory: refused before anything is sized.
+TEST(ConfigTest, SizesTheDimensionsMultiplyToAreBounded) {
+  ModelConfig c = *NamedConfig("small");
+  c.expand = 32768, c.d_model = 65536, c.headdim = 65536;  // expand·d_model = 2^31 overflowed int
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("d_inner = expand*d_model = 2147483648 must be at most 65536"));
+  c = *NamedConfig("small");
+  c.d_model = 65536, c.expand = 1, c.headdim = 65536, c.n_layers = 65536;  // ~5.6e14 weights
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("parameters, more than the 268435456 the daemon holds"));
+  c = *NamedConfig("small");
+  c.d_model = 1, c.expand = 65536, c.headdim = 64, c.d_state = 2048;  // 2^27 floats of state a layer
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("an SSM state of d_inner*d_state = 134217728 floats"));
+  c = *NamedConfig("small");
+  c.batch = 65536, c.window = 65536;  // 2^32 rows: batch·window overflowed int
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("batch*window = 4294967296 rows of up to 580 floats"));
+  c.batch = 4096, c.window = 4096;  // 2^24 rows of 580 floats
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("is more than 1073741824 floats of activations"));
+  c.window = 256;
+  EXPECT_TRUE(ValidateConfig(c).ok());
+}
+
 TEST(ConfigTest, JsonRoundTrip) {
   for (const std::string& name : NamedConfigNames()) {
     ModelConfig config = *NamedConfig(name);

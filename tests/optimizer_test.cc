@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include "engine/optimizer.h"
@@ -113,6 +114,24 @@ TEST(ScheduleTest, ConstantAndWarmupCosine) {
   EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("warmup_steps"));
   EXPECT_EQ(*ParseLrSchedule("cosine"), LrSchedule::kWarmupCosine);
   EXPECT_FALSE(ParseLrSchedule("linear").ok());
+}
+
+// An infinite weight decay made every weight ±inf or NaN one step later, and a NaN max-norm turned clipping off.
+TEST(ValidateOptimizerConfigTest, RefusesInfinitiesAndNaNs) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  OptimizerConfig c;
+  c.weight_decay = inf;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("weight_decay must be finite and >= 0"));
+  c = OptimizerConfig{};
+  c.eps = inf;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("eps must be positive"));
+  c = OptimizerConfig{};
+  c.max_grad_norm = nan;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("max_grad_norm is NaN"));
+  c.max_grad_norm = 0;  // disables clipping, as documented
+  EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
+  c.max_grad_norm = inf;  // never clips
+  EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
 }
 
 }  // namespace

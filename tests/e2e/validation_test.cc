@@ -164,6 +164,22 @@ TEST_F(ValidationTest, InitModelTakesAFullConfigAndRefusesAnInvalidOne) {
   invalid.mutable_config()->set_headdim(5);
   ExpectRefused(client().InitModel(invalid).status(), absl::StatusCode::kInvalidArgument, "headdim");
 
+  // Every dimension within bounds, their product ~5.6e14 weights: refused, where allocating them crashed the daemon.
+  v1::InitModelRequest huge;
+  *huge.mutable_config() = WiderTinyConfig();
+  huge.mutable_config()->set_d_model(65536);
+  huge.mutable_config()->set_expand(1);
+  huge.mutable_config()->set_headdim(65536);
+  huge.mutable_config()->set_n_layers(65536);
+  ExpectRefused(client().InitModel(huge).status(), absl::StatusCode::kInvalidArgument, "parameters, more than");
+  v1::InitModelRequest levels = TinyInitRequest(1);
+  levels.set_levels(1073741823);  // 4·levels + 8 wrapped to 4 features
+  ExpectRefused(client().InitModel(levels).status(), absl::StatusCode::kInvalidArgument, "levels must be in [1, 16382]");
+  v1::InitModelRequest negative = TinyInitRequest(1);
+  negative.set_batch(-2);
+  ExpectRefused(client().InitModel(negative).status(), absl::StatusCode::kInvalidArgument,
+                "batch (-2) and window (0) must be positive, or 0 to keep the config's");
+
   v1::InitModelRequest full;
   *full.mutable_config() = WiderTinyConfig();
   absl::StatusOr<v1::InitModelResponse> model = client().InitModel(full);
