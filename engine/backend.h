@@ -81,6 +81,9 @@ class Backend {
                                                                const BatchView<float>& /*next*/) {
     return TrainStep(batch);
   }
+  // The caller will not train the batch it last gave as `next` (the step was dropped): the backend forgets it, as
+  // its next training step, evaluation or sequence forward would, before the batch is freed.
+  virtual void ForgetStagedNext() {}
   // Training-step metrics (see TrainingCounters); zeros where the backend keeps none.
   virtual TrainingCounters training_counters() const { return {}; }
   // CUDA graphs for the training step and the streaming ticks (on by default); off enqueues the same work kernel by

@@ -35,6 +35,8 @@ class CudaBackend final : public Backend {
     return Train(batch, &next, NextStaging::kDuringStep);
   }
 
+  void ForgetStagedNext() override { DropNext(); }
+
   TrainingCounters training_counters() const override {
     TrainingCounters counters = model_->training_counters();
     counters.replica_checks = replica_checks_;

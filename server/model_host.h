@@ -109,6 +109,10 @@ class ModelHost {
   // (Backend::TrainStepStagingNext) where it passes the same checks, so that step cannot fail them and leave the
   // backend holding a batch it knows by address only.
   absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr);
+  // The step whose batch was given as `next` will not run (Backend::ForgetStagedNext).
+  void ForgetStagedNext() {
+    if (backend_ != nullptr) backend_->ForgetStagedNext();
+  }
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;

@@ -62,6 +62,11 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
+      if (absl::Status dropped = DroppedBecause(step); !dropped.ok()) {
+        host.ForgetStagedNext();  // the step before may have staged this one's batch, which is freed now
+        OnStepDone(step, std::move(dropped));
+        return;
+      }
       OnStepDone(step, TrainOnDevice(host, step.request->batch(), NextBatch(step), queued));
     });
   }
@@ -81,8 +86,21 @@ const v1::Batch* TrainReactor::NextBatch(const Step& step) {
   return next.request != nullptr && !next.result.has_value() ? &next.request->batch() : nullptr;
 }
 
+absl::Status TrainReactor::DroppedBecause(const Step& step) {
+  absl::MutexLock lock(&mu_);
+  if (broken_) return absl::CancelledError("not run: the client cancelled the stream");
+  for (const Step& before : steps_) {
+    if (&before == &step) break;
+    if (before.result.has_value() && !before.result->ok()) {
+      return absl::AbortedError("not run: a batch before it failed");
+    }
+  }
+  return absl::OkStatus();
+}
+
 void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result) {
   Update([&] {
+    if (!result.ok()) input_done_ = true;  // nothing after a failed batch is read
     step.result = std::move(result);
     step.request.reset();
     --running_;

@@ -29,7 +29,9 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
 // one runs) and is staged while the step runs; with two it was read only once the step had started.
 // The first failure, whether refused on arrival or on the device, ends the stream with its status once the
-// steps queued before it are done. The reactor deletes itself when gRPC is done with it.
+// steps queued before it are done; the steps queued behind it, like those still queued when the client cancels,
+// do not run, so a client that resends from the failed batch trains on nothing twice. The reactor deletes itself
+// when gRPC is done with it.
 class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse> {
  public:
   static constexpr size_t kMaxUnansweredSteps = 3;
@@ -51,6 +53,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
 
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
+  // Why the device worker must not run `step` (a batch before it failed, or the client cancelled); OK to run it.
+  absl::Status DroppedBecause(const Step& step);
   // The batch of the step after `step`, if it has been accepted (its job is queued behind `step`'s, so it stays in
   // place until that job is done); else null.
   const v1::Batch* NextBatch(const Step& step);

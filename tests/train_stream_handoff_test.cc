@@ -1,5 +1,7 @@
-// The Train stream's hand-off through the real service in process: a step is handed, as `next`, only the batch
-// sent right after its own; the batches trained are the batches sent, in order; the last step stages nothing.
+// The Train stream through the real service in process: a step is handed, as `next`, only the batch sent right
+// after its own; the batches trained are the batches sent, in order; the last step stages nothing; nothing queued
+// behind a failed batch is trained.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -150,6 +152,60 @@ TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
   EXPECT_FALSE(calls.back().next.has_value()) << "nothing was sent after the last batch";
   RecordProperty("handoffs", handoffs);
   std::cout << "hand-offs: " << handoffs << " of the " << kBatches - 1 << " steps with a batch sent after theirs\n";
+}
+
+// Batches queued behind one the device refuses are not trained, so a client resending from the failed batch trains
+// each batch once. Before, the third batch here was trained (the model one step further than the responses said).
+TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
+  std::vector<RandomBatch> sent = Batches(3);
+  ModelConfig fewer_features = config_;
+  fewer_features.n_features = config_.n_features - 2;
+  sent[1] = MakeRandomBatch(fewer_features, config_.batch, config_.window, 7);  // consistent, but not the model's
+  absl::Notification gate_running, open_gate;
+  ASSERT_TRUE(daemon_.worker()
+                  .Enqueue(JobPriority::kTraining,
+                           [&](ModelHost&) {
+                             gate_running.Notify();
+                             open_gate.WaitForNotification();
+                           })
+                  .ok());
+  gate_running.WaitForNotification();
+
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
+      daemon_.stub().Train(&context);
+  for (int i = 0; i < 3; ++i) {
+    v1::TrainStepRequest request;
+    *request.mutable_batch() = BatchMessage(sent[i], i == 1 ? fewer_features : config_);
+    ASSERT_TRUE(stream->Write(request));
+  }
+  stream->WritesDone();
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (daemon_.worker().queued_jobs() < 3 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  const int queued = daemon_.worker().queued_jobs();
+  open_gate.Notify();
+  ASSERT_EQ(queued, 3) << "the three batches were not all queued behind the gate within 30 s";
+
+  std::vector<v1::TrainStepResponse> responses;
+  for (v1::TrainStepResponse response; stream->Read(&response);) responses.push_back(response);
+  const grpc::Status finished = stream->Finish();
+  EXPECT_EQ(finished.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << finished.error_message();
+  EXPECT_THAT(finished.error_message(), ::testing::HasSubstr("features"));
+  ASSERT_EQ(responses.size(), 1u);
+  EXPECT_EQ(responses[0].step(), 1);
+  const std::vector<TrainCall> calls = log_->calls();
+  ASSERT_EQ(calls.size(), 1u) << "only the batch before the failed one reached the backend";
+  EXPECT_EQ(IndexOfBatch(calls[0].batch, {BatchContents::Of(sent[0].view())}), 0);
+
+  // The next step is the model's second.
+  v1::TrainStepRequest request;
+  *request.mutable_batch() = BatchMessage(sent[2], config_);
+  grpc::ClientContext unary;
+  unary.set_deadline(Deadline());
+  v1::TrainStepResponse response;
+  ASSERT_TRUE(daemon_.stub().TrainStep(&unary, request, &response).ok());
+  EXPECT_EQ(response.step(), 2);
 }
 
 TEST_F(TrainStreamHandoffTest, UnaryTrainStepStagesNothing) {
