@@ -4,6 +4,8 @@
 #include "engine/cuda_backend.h"
 
 #include <algorithm>
+#include <span>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -58,37 +60,44 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  // Chunks of at most config.batch windows; the loss is the masked mean over the whole batch.
+  // Groups of at most config.batch windows; windows longer than the model's run in chunks of its window, each
+  // window's state carried from chunk to chunk, as ForwardStream does. The loss is the masked mean over the batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
     DropNext();
     RETURN_IF_ERROR(YieldStreaming());
     const ModelConfig& c = config();
-    if (batch.window != c.window) {
-      return absl::InvalidArgumentError(absl::StrCat("Evaluate: window ", batch.window,
-                                                     " differs from the backend's window ", c.window));
+    const size_t F = c.n_features, H = c.n_horizons, T = batch.window;
+    const size_t n = static_cast<size_t>(batch.batch) * T;
+    if (batch.batch < 1 || batch.window < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("Evaluate: a batch of (", batch.batch, ", ", batch.window, ")"));
     }
-    const size_t per_window = static_cast<size_t>(c.window);
-    const size_t F = c.n_features, H = c.n_horizons, n = static_cast<size_t>(batch.batch) * per_window;
+    if (batch.x.size() < n * F || batch.dt.size() < n || batch.labels.size() < n * H || batch.mask.size() < n * H) {
+      return absl::InvalidArgumentError("Evaluate: batch arrays are shorter than its shape");
+    }
     if (!logits.empty() && logits.size() != n * H) {
       return absl::InvalidArgumentError(absl::StrCat("Evaluate: logits hold ", logits.size(), " floats, need ", n * H));
     }
+    const bool chunked = batch.window > c.window;
     double loss_sum = 0, mask_count = 0;
     for (int first = 0; first < batch.batch; first += c.batch) {
       const int count = std::min(c.batch, batch.batch - first);
-      const size_t begin = first * per_window, events = count * per_window;
-      if (batch.x.size() < (begin + events) * F || batch.dt.size() < begin + events ||
-          batch.labels.size() < (begin + events) * H || batch.mask.size() < (begin + events) * H) {
-        return absl::InvalidArgumentError("Evaluate: batch arrays are shorter than its shape");
+      if (chunked) RETURN_IF_ERROR(model_->ResetStreamState());
+      for (int t0 = 0; t0 < batch.window; t0 += c.window) {
+        const int len = std::min(c.window, batch.window - t0);
+        const BatchView<float> chunk =
+            chunked ? GatherChunk(batch, first, count, t0, len) : Windows(batch, first, count);
+        RETURN_IF_ERROR(model_->StageBatch(chunk));
+        RETURN_IF_ERROR(model_->EnqueueEvaluate(/*carry_state=*/chunked));
+        ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+        loss_sum += report.loss_sum;
+        mask_count += report.mask_count;
+        if (logits.empty()) continue;
+        const std::span<const float> staged = model_->StagedLogits();
+        for (int w = 0; w < count; ++w) {  // window w's events t0 .. t0 + len of the chunk
+          std::ranges::copy(staged.subspan(static_cast<size_t>(w) * len * H, len * H),
+                            logits.begin() + ((first + w) * T + t0) * H);
+        }
       }
-      const BatchView<float> chunk{count, c.window, batch.x.subspan(begin * F, events * F),
-                                   batch.dt.subspan(begin, events), batch.labels.subspan(begin * H, events * H),
-                                   batch.mask.subspan(begin * H, events * H)};
-      RETURN_IF_ERROR(model_->StageBatch(chunk));
-      RETURN_IF_ERROR(model_->EnqueueEvaluate(/*carry_state=*/false));
-      ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
-      loss_sum += report.loss_sum;
-      mask_count += report.mask_count;
-      if (!logits.empty()) std::ranges::copy(model_->StagedLogits(), logits.begin() + begin * H);
     }
     return loss_sum / std::max(mask_count, 1.0);
   }
@@ -168,6 +177,31 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Windows [first, first + count) of `batch`, whole: contiguous in its arrays.
+  BatchView<float> Windows(const BatchView<float>& batch, int first, int count) const {
+    const size_t F = config().n_features, H = config().n_horizons;
+    const size_t begin = static_cast<size_t>(first) * batch.window, events = static_cast<size_t>(count) * batch.window;
+    return {count, batch.window, batch.x.subspan(begin * F, events * F), batch.dt.subspan(begin, events),
+            batch.labels.subspan(begin * H, events * H), batch.mask.subspan(begin * H, events * H)};
+  }
+
+  // Events [t0, t0 + len) of windows [first, first + count), copied together into the chunk buffers.
+  BatchView<float> GatherChunk(const BatchView<float>& batch, int first, int count, int t0, int len) {
+    const size_t F = config().n_features, H = config().n_horizons, events = static_cast<size_t>(count) * len;
+    chunk_x_.resize(events * F);
+    chunk_dt_.resize(events);
+    chunk_labels_.resize(events * H);
+    chunk_mask_.resize(events * H);
+    for (int w = 0; w < count; ++w) {
+      const size_t from = static_cast<size_t>(first + w) * batch.window + t0, to = static_cast<size_t>(w) * len;
+      std::ranges::copy(batch.x.subspan(from * F, len * F), chunk_x_.begin() + to * F);
+      std::ranges::copy(batch.dt.subspan(from, len), chunk_dt_.begin() + to);
+      std::ranges::copy(batch.labels.subspan(from * H, len * H), chunk_labels_.begin() + to * H);
+      std::ranges::copy(batch.mask.subspan(from * H, len * H), chunk_mask_.begin() + to * H);
+    }
+    return {count, len, chunk_x_, chunk_dt_, chunk_labels_, chunk_mask_};
+  }
+
   absl::Status CheckTrainingShape(const BatchView<float>& batch) const {
     const ModelConfig& c = config();
     if (batch.batch != c.batch || batch.window != c.window) {
@@ -244,6 +278,7 @@ class CudaBackend final : public Backend {
   bool stream_resident_ = true;
   // x of the batch the last TrainStepWithNext or TrainStepStagingNext staged as `next`, if any.
   const float* staged_next_ = nullptr;
+  std::vector<float> chunk_x_, chunk_dt_, chunk_labels_, chunk_mask_;  // Evaluate's chunks of long windows
 };
 
 }  // namespace

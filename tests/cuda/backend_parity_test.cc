@@ -208,6 +208,29 @@ TEST_P(CudaParity, EvaluateRunsBatchesLargerThanTheConfiguredOne) {
             kLogitsTolerance);
 }
 
+// Evaluate takes any window, as the CPU backend does: shorter ones in the model's buffers, longer ones in chunks of
+// the model's window with each window's state carried between them (before, any other window was refused on CUDA).
+TEST_P(CudaParity, EvaluateRunsWindowsShorterAndLongerThanTheConfiguredOne) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_, options_);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  for (const int T : {3, 2 * config_.window + 3}) {
+    SCOPED_TRACE(::testing::Message() << "window " << T);
+    const int B = config_.batch + 1;
+    const auto batch = MakeRandomBatch(config_, B, T, 12 + T);
+    std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
+    const auto loss = (*backend)->Evaluate(batch.view(), logits);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    const auto data = batch.As<double>();
+    CpuReference<double> reference(*layout_);
+    std::vector<double> expected(logits.size());
+    reference.Forward(ToDouble(params_), data.view(B, T), expected);
+    EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
+    EXPECT_LE(RelativeDifference(*loss, CpuReference<double>::MaskedBce(expected, data.labels, data.mask)),
+              kLogitsTolerance);
+  }
+}
+
 // TF32 rounds every cuBLAS product's inputs, and the training scan's tensor-core products', to a 10-bit mantissa (unit
 // roundoff 2^-11 ≈ 4.9e-4); through ~a dozen chained products, norms and the recurrences that compounds to about 1e-3
 // on logits and a few 1e-3 on gradients.
