@@ -222,8 +222,12 @@ absl::Status SaveCheckpoint(const std::string& path, const Checkpoint& checkpoin
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
   ASSIGN_OR_RETURN(const SafetensorsFile file, ReadSafetensors(path));
   absl::StatusOr<Checkpoint> checkpoint = CheckpointFromFile(file);
-  if (!checkpoint.ok()) return Annotate(checkpoint.status(), "loading", path);
-  return checkpoint;
+  if (checkpoint.ok()) return checkpoint;
+  // A readable safetensors file that is not a valid PerceptionNet checkpoint is corrupt for the caller, as a
+  // garbled one is (DATA_LOSS); INVALID_ARGUMENT is for requests.
+  const absl::Status content(absl::StatusCode::kDataLoss, checkpoint.status().message());
+  return Annotate(checkpoint.status().code() == absl::StatusCode::kInvalidArgument ? content : checkpoint.status(),
+                  "loading", path);
 }
 
 }  // namespace perception

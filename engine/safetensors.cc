@@ -85,7 +85,8 @@ absl::StatusOr<FileBytes> ReadOpenFile(int fd) {
 }
 
 absl::StatusOr<FileBytes> ReadWholeFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; fstat then refuses it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return absl::ErrnoToStatus(errno, "cannot open");
   absl::StatusOr<FileBytes> file = ReadOpenFile(fd);
   ::close(fd);

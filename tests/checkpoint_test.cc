@@ -127,6 +127,7 @@ class CheckpointTest : public ::testing::Test {
   void ExpectLoadFails(const std::string& message) {
     const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
     ASSERT_FALSE(loaded.ok());
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss) << loaded.status();
     EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(message));
     EXPECT_THAT(loaded.status().message(), HasSubstr(path_));
   }

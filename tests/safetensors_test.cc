@@ -3,9 +3,11 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -216,6 +218,15 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
     EXPECT_THAT(file.status().message(), HasSubstr(c.message));
     EXPECT_THAT(file.status().message(), HasSubstr(path));
   }
+}
+
+// Opening a FIFO for reading waited for a writer: a FIFO named as a checkpoint held the daemon's device worker.
+TEST_F(SafetensorsTest, ReaderRefusesAFifoWithoutWaitingForAWriter) {
+  const std::string path = Path("fifo.safetensors");
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << file.status();
+  EXPECT_THAT(file.status().message(), HasSubstr("not a regular file"));
 }
 
 TEST_F(SafetensorsTest, ReaderReportsAMissingFile) {
