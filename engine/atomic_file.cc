@@ -5,16 +5,17 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <filesystem>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
 namespace perception {
 namespace {
 
+// errno's own code (a full disk RESOURCE_EXHAUSTED, a refused permission PERMISSION_DENIED, ...) and its text.
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+  return absl::ErrnoToStatus(errno, absl::StrCat(what, " ", path));
 }
 
 absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
@@ -33,7 +34,10 @@ absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
   const std::string temp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A new file of our own: whatever has the name (a crashed writer's leftover, a planted link) goes first, and a
+  // link that appears in between fails the create instead of redirecting the write.
+  ::unlink(temp.c_str());
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", temp);
   absl::Status status = WriteAll(fd, bytes, temp);
   if (status.ok() && ::fsync(fd) != 0) status = Errno("cannot fsync", temp);

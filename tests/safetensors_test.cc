@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
 #include "tests/test_util.h"
@@ -131,7 +133,23 @@ TEST_F(SafetensorsTest, WriteIntoMissingDirectoryFailsNamingThePath) {
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(status.message(), HasSubstr(path));
   EXPECT_THAT(status.message(), HasSubstr("No such file or directory"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << "errno's own code, not INTERNAL";
   EXPECT_TRUE(dir_.Entries().empty());
+}
+
+// A link planted at the temporary file's name must not redirect the write to its target.
+TEST_F(SafetensorsTest, WriteDoesNotFollowALinkAtTheTemporaryName) {
+  const std::string path = Path("model.safetensors"), target = Path("elsewhere");
+  std::ofstream(target) << "untouched";
+  ASSERT_EQ(::symlink(target.c_str(), absl::StrCat(path, ".tmp.", ::getpid()).c_str()), 0) << std::strerror(errno);
+  const std::vector<float> values = {1.f, 2.f};
+  ASSERT_TRUE(WriteSafetensors(path, {{{"a", {2}, values}}}, {}).ok());
+  std::stringstream kept;
+  kept << std::ifstream(target).rdbuf();
+  EXPECT_EQ(kept.str(), "untouched");
+  const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(dir_.Entries().size(), 2u) << "the file and the link's target; the temporary name is gone";
 }
 
 TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {
