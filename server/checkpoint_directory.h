@@ -19,8 +19,6 @@ class CheckpointDirectory {
   // Resolve, then create the missing folders on the way to the file, for a save.
   absl::StatusOr<std::string> ResolveForWriting(const std::string& name) const;
 
-  const std::filesystem::path& root() const { return root_; }
-
  private:
   explicit CheckpointDirectory(std::filesystem::path root) : root_(std::move(root)) {}
 

@@ -129,7 +129,6 @@ class ModelHost {
   // The weights version the published copy holds (0 before StreamingBackend configured the model).
   int64_t published_weights_version() const { return published_weights_version_; }
   int64_t log_entries_per_slot() const { return streaming_.log_entries_total / streaming_.slots; }
-  const StreamingConfig& streaming_config() const { return streaming_; }
 
  private:
   absl::Status RequireModel() const;
