@@ -184,7 +184,12 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
   training_counters_ = counters;
   step_ = result.step;
   ++weights_version_;
-  RETURN_IF_ERROR(MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps));
+  if (const absl::Status published = MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps);
+      !published.ok()) {
+    // The step is applied whatever becomes of its publication: an error here would have the client train it again.
+    // Streaming keeps the weights it reads; the next step publishes again.
+    spdlog::error("step {}: refreshing the weights streaming reads failed: {}", result.step, published.ToString());
+  }
   return outcome;
 }
 

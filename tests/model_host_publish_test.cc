@@ -1,0 +1,61 @@
+// ModelHost::TrainStep when refreshing the weights streaming reads fails: the step, applied, is still answered.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "engine/config.h"
+#include "server/metrics.h"
+#include "server/model_host.h"
+#include "tests/forwarding_backend.h"
+#include "tests/test_util.h"
+
+namespace perception::server {
+namespace {
+
+// PublishWeights fails while `failures` is positive, as on a device error.
+class FailingPublishBackend final : public testing::ForwardingBackend {
+ public:
+  FailingPublishBackend(std::unique_ptr<Backend> inner, std::shared_ptr<std::atomic<int>> failures)
+      : ForwardingBackend(std::move(inner)), failures_(std::move(failures)) {}
+  absl::Status PublishWeights() override {
+    if (failures_->fetch_sub(1) > 0) return absl::InternalError("an injected device error");
+    *failures_ = 0;
+    return ForwardingBackend::PublishWeights();
+  }
+
+ private:
+  const std::shared_ptr<std::atomic<int>> failures_;
+};
+
+// Before, the step came back as an error although the model had taken it, so a client retrying it trained twice.
+TEST(ModelHostPublishTest, AStepWhosePublicationFailsIsAnsweredAndTheNextOnePublishes) {
+  const auto failures = std::make_shared<std::atomic<int>>(0);
+  ServerMetrics metrics;
+  ModelHost host("cpu", metrics, StreamingConfig{}, /*use_graphs=*/true, Precision::kFloat32,
+                 [failures](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
+                   return std::make_unique<FailingPublishBackend>(std::move(backend), failures);
+                 });
+  const ModelConfig config = *NamedConfig("tiny");
+  ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 3, std::nullopt, /*replace=*/false).ok());
+  ASSERT_TRUE(host.StreamingBackend().ok());  // streaming configured: every step publishes (publish_every_steps 1)
+  const int64_t initial = host.published_weights_version();
+
+  *failures = 1;
+  const absl::StatusOr<TrainOutcome> first =
+      host.TrainStep(testing::MakeRandomBatch(config, config.batch, config.window, 21).view());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->result.step, 1);
+  EXPECT_EQ(host.published_weights_version(), initial) << "streaming keeps the weights it had";
+
+  const absl::StatusOr<TrainOutcome> second =
+      host.TrainStep(testing::MakeRandomBatch(config, config.batch, config.window, 22).view());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->result.step, 2);
+  EXPECT_EQ(host.published_weights_version(), initial + 2) << "the next step published both steps' weights";
+}
+
+}  // namespace
+}  // namespace perception::server
