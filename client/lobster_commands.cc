@@ -163,7 +163,11 @@ absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files
   const v1::ModelConfig& config = status.model().config();
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(files, config));
   const int T = window > 0 ? window : config.window();
-  const Batch windows = SequentialWindows(series, T, std::min(config.warmup(), T));
+  if (T <= config.warmup()) {
+    return absl::InvalidArgumentError(absl::StrCat("--window ", T, " would mask every position: the model's first ",
+                                                   config.warmup(), " (its warmup) are not scored"));
+  }
+  const Batch windows = SequentialWindows(series, T, config.warmup());
   if (windows.batch == 0)
     return absl::InvalidArgumentError(absl::StrCat("the files hold less than one window of ", T, " events"));
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, windows, status.limits()));

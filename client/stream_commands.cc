@@ -2,6 +2,7 @@
 #include "client/stream_commands.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
@@ -59,6 +61,10 @@ double Percentile(std::vector<double>& sorted, double q) {
 
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
   if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
+  if (options.first < 0 || options.count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
+                                                   ") must be >= 0 (--count 0: to the end of the files)"));
+  }
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
   const int64_t first = std::min<int64_t>(options.first, data.size());
@@ -122,8 +128,7 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
       if (stream.instrument() == instrument) from_seq = stream.oldest_retained_seq();
     }
   }
-  std::ofstream out(out_path);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", out_path));
+  std::ofstream out;  // opened once the first page is in: a refused read leaves an existing file as it was
   v1::ReadConvictionsRequest request;
   request.set_instrument(instrument);
   request.set_from_seq(from_seq);
@@ -134,6 +139,8 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
     ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
     const int H = page.n_horizons();
     if (rows == 0) {
+      out.open(out_path);
+      if (!out) return absl::ErrnoToStatus(errno, absl::StrCat("cannot write ", out_path));
       out << "seq,conviction";
       for (int h = 1; h <= H; ++h) out << ",p" << h;
       out << "\n";
@@ -277,6 +284,13 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
     v1::CloseStreamRequest close;
     close.set_instrument(name(i));
     (void)client.CloseStream(close);
+  }
+  // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
+  for (const Connection& c : connections) {
+    if (!c.status.ok()) {
+      return absl::Status(c.status.code(), absl::StrCat(refusals.size(), " of ", C, " connection(s) failed; the first: ",
+                                                         c.status.message()));
+    }
   }
   return absl::OkStatus();
 }

@@ -121,6 +121,9 @@ absl::Status Train() {
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
+  if (absl::GetFlag(FLAGS_log_every) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--log_every must be >= 1, got ", absl::GetFlag(FLAGS_log_every)));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));

@@ -54,6 +54,10 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   CommandResult eval = RunCommand(absl::StrCat(ctl, " eval --lobster ", kOrderbook, " ", kMessages));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
   EXPECT_THAT(eval.output, HasSubstr("accuracy by horizon (events): 10: "));
+  // A window no longer than the warmup scores nothing: refused, where it printed a loss of 0 against a prior of 0.
+  CommandResult unscored = RunCommand(absl::StrCat(ctl, " eval --window 2 --lobster ", kOrderbook, " ", kMessages));
+  EXPECT_EQ(unscored.exit_code, 1);
+  EXPECT_THAT(unscored.output, HasSubstr("--window 2 would mask every position"));
 
   CommandResult escape = RunCommand(absl::StrCat(ctl, " checkpoint load ../x.safetensors"));
   EXPECT_EQ(escape.exit_code, 1);
@@ -61,6 +65,14 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   CommandResult mismatch = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4"));
   EXPECT_EQ(mismatch.exit_code, 1);
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
+}
+
+// --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
+TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
+  const CommandResult train = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                                      kOrderbook, " ", kMessages, " --steps 2 --log_every 0"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
 }
 
 }  // namespace

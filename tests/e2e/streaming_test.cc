@@ -639,9 +639,20 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   EXPECT_THAT(bench.output, HasSubstr("rejected: 0 events"));
   CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
   EXPECT_THAT(over.output, HasSubstr("RESOURCE_EXHAUSTED"));
+  EXPECT_EQ(over.exit_code, 1) << "a refused connection fails the command";
+  EXPECT_THAT(over.output, HasSubstr("connection(s) failed; the first: "));
+  // A refused read leaves an existing output file as it was (it was truncated before the read).
   CommandResult unknown = RunCommand(absl::StrCat(ctl, " convictions --instrument NOPE --out ", csv.string()));
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("NOT_FOUND: unknown instrument 'NOPE'"));
+  std::ifstream kept(csv);
+  int kept_rows = 0;
+  for (std::string line; std::getline(kept, line);) ++kept_rows;
+  EXPECT_EQ(kept_rows, 900) << "the header and AAPL's 899 rows";
+  CommandResult before_first = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                       " --instrument NEG --first -1"));
+  EXPECT_EQ(before_first.exit_code, 1);
+  EXPECT_THAT(before_first.output, HasSubstr("--first (-1) and --count (0) must be >= 0"));
 }
 
 }  // namespace
