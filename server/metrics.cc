@@ -196,7 +196,8 @@ ServerMetrics::ServerMetrics()
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: sequence, features, book, capacity, "
-                                 "model_change, stopped (by a failed tick, until reset), no_model, draining.")
+                                 "model_change, stopped (by a failed tick, until reset), no_model, draining, "
+                                 "empty (a request without events).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")

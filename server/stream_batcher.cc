@@ -161,6 +161,11 @@ StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request,
     submitted.status = absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
     return submitted;
   }
+  if (request.events_size() == 0) {  // nothing to process, so its `ack` would never come
+    metrics_.RejectStreamEvent("empty");
+    submitted.status = absl::InvalidArgumentError("a Stream request carries one or more events; this one has none");
+    return submitted;
+  }
   for (int i = 0; i < request.events_size(); ++i) {
     std::string reason;
     if (absl::Status status = AcceptLocked(request.events(i), sink, reason); !status.ok()) {

@@ -544,6 +544,10 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
     SCOPED_TRACE(c.name);
     ExpectRefused(StreamAll(client(), one(c.event)), absl::StatusCode::kInvalidArgument, c.message_part);
   }
+  // A request without events: its acknowledgement would never come.
+  std::vector<v1::StreamRequest> empty(1);
+  empty[0].set_ack(true);
+  ExpectRefused(StreamAll(client(), empty), absl::StatusCode::kInvalidArgument, "this one has none");
   // A bad event in the middle of a request: the ones before it are processed and acknowledged, nothing after.
   std::vector<v1::StreamRequest> middle(1);
   for (int i = 0; i < 3; ++i) *middle[0].add_events() = LobsterEvent(*data, i, "A", i + 1);
@@ -592,6 +596,7 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 5"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 6\n"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_active_streams 1\n"));
   ASSERT_STRNE(PERCEPTION_PROMTOOL, "");
