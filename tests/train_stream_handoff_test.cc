@@ -59,6 +59,10 @@ class TrainStreamHandoffTest : public ::testing::Test {
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
 
+  ~TrainStreamHandoffTest() override {
+    if (!open_gate_.HasBeenNotified()) open_gate_.Notify();  // a test that failed while holding the worker
+  }
+
   // `count` distinct random batches of the model's training shape (seeds 100, 101, ...).
   std::vector<RandomBatch> Batches(int count) const {
     std::vector<RandomBatch> batches;
@@ -66,8 +70,30 @@ class TrainStreamHandoffTest : public ::testing::Test {
     return batches;
   }
 
+  // Occupies the device worker with a job of the test's until ReleaseWorkerOnceQueued, so that a stream's steps
+  // queue behind it.
+  void HoldWorker() {
+    ASSERT_TRUE(daemon_.worker()
+                    .Enqueue(JobPriority::kTraining,
+                             [this](ModelHost&) {
+                               gate_running_.Notify();
+                               open_gate_.WaitForNotification();
+                             })
+                    .ok());
+    gate_running_.WaitForNotification();
+  }
+  // Waits up to 30 s for `jobs` jobs queued behind the held worker, then releases it; returns how many queued.
+  int ReleaseWorkerOnceQueued(int jobs) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (daemon_.worker().queued_jobs() < jobs && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+    const int queued = daemon_.worker().queued_jobs();
+    open_gate_.Notify();
+    return queued;
+  }
+
   const ModelConfig config_ = *NamedConfig("tiny");
   const std::shared_ptr<TrainCallLog> log_ = std::make_shared<TrainCallLog>();
+  absl::Notification gate_running_, open_gate_;  // outlive the daemon, whose worker runs the gate job
   InProcessDaemon daemon_{RecordTrainCalls(log_, kStepDelay), "train_stream_handoff_checkpoints"};
 };
 
@@ -84,15 +110,7 @@ TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
   // (TrainReactor::kMaxUnansweredSteps): then steps 0 and 1 surely start with the batch after theirs accepted.
   // Later steps find theirs accepted only if the client's next batch arrived while the step before ran (likely,
   // with kStepDelay, but timing), so for them the test asserts only that a `next` given is the right one.
-  absl::Notification gate_running, open_gate;
-  ASSERT_TRUE(daemon_.worker()
-                  .Enqueue(JobPriority::kTraining,
-                           [&](ModelHost&) {
-                             gate_running.Notify();
-                             open_gate.WaitForNotification();
-                           })
-                  .ok());
-  gate_running.WaitForNotification();
+  ASSERT_NO_FATAL_FAILURE(HoldWorker());
 
   grpc::ClientContext context;
   context.set_deadline(Deadline());
@@ -109,12 +127,7 @@ TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
     stream->WritesDone();
   });
   constexpr int kQueuedBehindGate = static_cast<int>(TrainReactor::kMaxUnansweredSteps);
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (daemon_.worker().queued_jobs() < kQueuedBehindGate && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  const int queued = daemon_.worker().queued_jobs();
-  open_gate.Notify();
+  const int queued = ReleaseWorkerOnceQueued(kQueuedBehindGate);
 
   std::vector<v1::TrainStepResponse> responses;
   for (v1::TrainStepResponse response; stream->Read(&response);) responses.push_back(response);
@@ -161,15 +174,7 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
   ModelConfig fewer_features = config_;
   fewer_features.n_features = config_.n_features - 2;
   sent[1] = MakeRandomBatch(fewer_features, config_.batch, config_.window, 7);  // consistent, but not the model's
-  absl::Notification gate_running, open_gate;
-  ASSERT_TRUE(daemon_.worker()
-                  .Enqueue(JobPriority::kTraining,
-                           [&](ModelHost&) {
-                             gate_running.Notify();
-                             open_gate.WaitForNotification();
-                           })
-                  .ok());
-  gate_running.WaitForNotification();
+  ASSERT_NO_FATAL_FAILURE(HoldWorker());
 
   grpc::ClientContext context;
   context.set_deadline(Deadline());
@@ -181,10 +186,7 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
     ASSERT_TRUE(stream->Write(request));
   }
   stream->WritesDone();
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (daemon_.worker().queued_jobs() < 3 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
-  const int queued = daemon_.worker().queued_jobs();
-  open_gate.Notify();
+  const int queued = ReleaseWorkerOnceQueued(3);
   ASSERT_EQ(queued, 3) << "the three batches were not all queued behind the gate within 30 s";
 
   std::vector<v1::TrainStepResponse> responses;

@@ -80,6 +80,22 @@ class CudaParity : public ::testing::TestWithParam<ParityCase> {
     params_ = RandomParams(*layout_, 7);
     options_.precision = GetParam().precision;
   }
+  // `backend`'s Evaluate of B random windows of T events (from `seed`) against the float64 reference: logits and
+  // the masked loss within kLogitsTolerance.
+  void ExpectEvaluateMatchesTheReference(Backend& backend, int B, int T, uint64_t seed) const {
+    const auto batch = MakeRandomBatch(config_, B, T, seed);
+    std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
+    const auto loss = backend.Evaluate(batch.view(), logits);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    const auto data = batch.As<double>();
+    CpuReference<double> reference(*layout_);
+    std::vector<double> expected(logits.size());
+    reference.Forward(ToDouble(params_), data.view(B, T), expected);
+    EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
+    EXPECT_LE(RelativeDifference(*loss, CpuReference<double>::MaskedBce(expected, data.labels, data.mask)),
+              kLogitsTolerance);
+  }
+
   ModelConfig config_;
   CudaModelOptions options_;
   std::unique_ptr<ParamLayout> layout_;
@@ -191,21 +207,9 @@ TEST_P(CudaParity, StreamInWindowChunksEqualsOneLongWindow) {
 
 TEST_P(CudaParity, EvaluateRunsBatchesLargerThanTheConfiguredOne) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  const int B = 2 * config_.batch + 1, T = config_.window;
-  const auto batch = MakeRandomBatch(config_, B, T, 11);
   auto backend = MakeCudaBackend(config_, OptimizerConfig{}, params_, options_);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
-  const auto loss = (*backend)->Evaluate(batch.view(), logits);
-  ASSERT_TRUE(loss.ok()) << loss.status();
-
-  const auto data = batch.As<double>();
-  CpuReference<double> reference(*layout_);
-  std::vector<double> expected(logits.size());
-  reference.Forward(ToDouble(params_), data.view(B, T), expected);
-  EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
-  EXPECT_LE(RelativeDifference(*loss, CpuReference<double>::MaskedBce(expected, data.labels, data.mask)),
-            kLogitsTolerance);
+  ExpectEvaluateMatchesTheReference(**backend, 2 * config_.batch + 1, config_.window, 11);
 }
 
 // Evaluate takes any window, as the CPU backend does: shorter ones in the model's buffers, longer ones in chunks of
@@ -216,18 +220,7 @@ TEST_P(CudaParity, EvaluateRunsWindowsShorterAndLongerThanTheConfiguredOne) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   for (const int T : {3, 2 * config_.window + 3}) {
     SCOPED_TRACE(::testing::Message() << "window " << T);
-    const int B = config_.batch + 1;
-    const auto batch = MakeRandomBatch(config_, B, T, 12 + T);
-    std::vector<float> logits(static_cast<size_t>(B) * T * config_.n_horizons);
-    const auto loss = (*backend)->Evaluate(batch.view(), logits);
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    const auto data = batch.As<double>();
-    CpuReference<double> reference(*layout_);
-    std::vector<double> expected(logits.size());
-    reference.Forward(ToDouble(params_), data.view(B, T), expected);
-    EXPECT_LE(RelativeError(logits, expected), kLogitsTolerance);
-    EXPECT_LE(RelativeDifference(*loss, CpuReference<double>::MaskedBce(expected, data.labels, data.mask)),
-              kLogitsTolerance);
+    ExpectEvaluateMatchesTheReference(**backend, config_.batch + 1, T, 12 + T);
   }
 }
 
