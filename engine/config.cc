@@ -54,9 +54,7 @@ ModelConfig Large() {
 }
 
 // kMaxConfigDimension bounds every dimension and d_inner, so that a row's width (in_proj's 2E + 2N + Hh at most)
-// fits an int...
-constexpr int kMaxDimension = kMaxConfigDimension;
-// ... and what they multiply to: the weights (1 GiB of float32; with their gradient and two moments, 4), one
+// fits an int; these bound what they multiply to: the weights (1 GiB of float32; with their gradient and two moments, 4), one
 // instrument's SSM state, and the widest activation of a training batch, each an int count with room to spare.
 constexpr int64_t kMaxParameters = int64_t{1} << 28;
 constexpr int64_t kMaxStateFloats = int64_t{1} << 26;
@@ -64,9 +62,9 @@ constexpr int64_t kMaxActivationFloats = int64_t{1} << 30;
 
 absl::Status WithinSizeLimits(const ModelConfig& c) {
   const int64_t E = int64_t{c.expand} * c.d_model;
-  if (E > kMaxDimension) {
+  if (E > kMaxConfigDimension) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config: d_inner = expand*d_model = ", E, " must be at most ", kMaxDimension));
+        absl::StrCat("config: d_inner = expand*d_model = ", E, " must be at most ", kMaxConfigDimension));
   }
   if (const int64_t params = TrainedParameterCount(c); params > kMaxParameters) {
     return absl::InvalidArgumentError(
@@ -76,19 +74,20 @@ absl::Status WithinSizeLimits(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("config: an SSM state of d_inner*d_state = ", E * c.d_state,
                                                    " floats a layer is more than ", kMaxStateFloats));
   }
-  const int64_t rows = int64_t{c.batch} * c.window, widest = 2 * E + 2 * c.d_state + E / c.headdim;
-  if (rows * std::max<int64_t>(widest, c.n_features) > kMaxActivationFloats) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config: batch*window = ", rows, " rows of up to ", std::max<int64_t>(widest, c.n_features),
-                     " floats is more than ", kMaxActivationFloats, " floats of activations"));
+  // With d_inner bounded, in_proj_dim() fits an int.
+  const int64_t rows = int64_t{c.batch} * c.window, widest = std::max(c.in_proj_dim(), c.n_features);
+  if (rows * widest > kMaxActivationFloats) {
+    return absl::InvalidArgumentError(absl::StrCat("config: batch*window = ", rows, " rows of up to ", widest,
+                                                   " floats is more than ", kMaxActivationFloats,
+                                                   " floats of activations"));
   }
   return absl::OkStatus();
 }
 
 absl::Status PositiveAndBounded(const char* field, int value) {
-  if (value > 0 && value <= kMaxDimension) return absl::OkStatus();
+  if (value > 0 && value <= kMaxConfigDimension) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("config: ", field, " must be in [1, ", kMaxDimension, "], got ", value));
+      absl::StrCat("config: ", field, " must be in [1, ", kMaxConfigDimension, "], got ", value));
 }
 
 }  // namespace
