@@ -61,7 +61,7 @@ class CudaBackend final : public Backend {
   }
 
   // Groups of at most config.batch windows; windows longer than the model's run in chunks of its window, each
-  // window's state carried from chunk to chunk, as ForwardStream does. The loss is the masked mean over the batch.
+  // window's state carried from chunk to chunk. The loss is the masked mean over the batch.
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
     DropNext();
     RETURN_IF_ERROR(YieldStreaming());
@@ -102,7 +102,7 @@ class CudaBackend final : public Backend {
     return loss_sum / std::max(mask_count, 1.0);
   }
 
-  // Chunks of the window, one sequence, the state carried from chunk to chunk.
+  // One sequence: Evaluate's one window of n events, in chunks of the model's window with the state carried.
   absl::Status ForwardStream(std::span<const float> x, std::span<const float> dt, std::span<float> logits) override {
     const ModelConfig& c = config();
     const size_t n = dt.size(), F = c.n_features, H = c.n_horizons;
@@ -110,21 +110,9 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError(absl::StrCat("ForwardStream: ", n, " events need x of ", n * F,
                                                      " and logits of ", n * H, " floats"));
     }
-    const std::vector<float> no_labels(static_cast<size_t>(c.window) * H);  // the forward ignores labels and mask
-    DropNext();
-    RETURN_IF_ERROR(YieldStreaming());
-    RETURN_IF_ERROR(model_->ResetStreamState());
-    for (size_t begin = 0; begin < n; begin += c.window) {
-      const size_t len = std::min<size_t>(c.window, n - begin);
-      const std::span<const float> none = std::span<const float>(no_labels).first(len * H);
-      const BatchView<float> chunk{1, static_cast<int>(len), x.subspan(begin * F, len * F), dt.subspan(begin, len),
-                                   none, none};
-      RETURN_IF_ERROR(model_->StageBatch(chunk));
-      RETURN_IF_ERROR(model_->EnqueueEvaluate(/*carry_state=*/true));
-      RETURN_IF_ERROR(model_->Wait().status());
-      std::ranges::copy(model_->StagedLogits(), logits.begin() + begin * H);
-    }
-    return absl::OkStatus();
+    if (n == 0) return absl::OkStatus();
+    const std::vector<float> no_labels(n * H);  // the forward ignores labels and mask
+    return Evaluate({1, static_cast<int>(n), x, dt, no_labels, no_labels}, logits).status();
   }
 
   absl::StatusOr<Checkpoint> ExportState() const override {
