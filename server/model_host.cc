@@ -119,9 +119,11 @@ absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerConfig& optimizer) {
+absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerConfig& optimizer,
+                                       const Limits& limits) {
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(checkpoint.config, limits));
   const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    NewBackend(checkpoint.config, optimizer, checkpoint.params));

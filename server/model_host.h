@@ -15,6 +15,7 @@
 #include "engine/optimizer.h"
 #include "engine/precision.h"
 #include "server/metrics.h"
+#include "server/request_validation.h"
 
 namespace perception::server {
 
@@ -99,8 +100,9 @@ class ModelHost {
   // Replaces the optimizer settings, keeping weights, moments and step.
   absl::Status SetOptimizer(const OptimizerConfig& optimizer);
 
-  // Replaces the model with the checkpoint at `path`, whatever its config; returns the seconds it took.
-  absl::StatusOr<double> Load(const std::string& path, const OptimizerConfig& optimizer);
+  // Replaces the model with the checkpoint at `path`, whatever its config, if its training shape fits `limits` (as
+  // InitModel's must: RESOURCE_EXHAUSTED otherwise, the model left as it was); returns the seconds it took.
+  absl::StatusOr<double> Load(const std::string& path, const OptimizerConfig& optimizer, const Limits& limits);
   // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 

@@ -137,7 +137,7 @@ grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::L
     ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
     return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
       return streams_.ChangeModel(host, [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer));
+        ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));
         *response->mutable_model() = ToProto(*host.Status().model);
         response->set_seconds(seconds);
         return absl::OkStatus();

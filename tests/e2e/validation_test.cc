@@ -8,7 +8,9 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
+#include "engine/checkpoint.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
@@ -271,6 +273,45 @@ TEST_F(ValidationTest, CheckpointNamesOutsideTheDirectoryMissingOrCorruptAreRefu
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(EvaluationBits(*after), EvaluationBits(*before)) << "refused loads left the model as it was";
   ExpectNextStepSucceeds();
+}
+
+// A checkpoint trained at a shape beyond the daemon's --max_batch/--max_window is refused as InitModel's shape is,
+// by LoadCheckpoint and by --load at startup (and --init_config's preset likewise): loaded, its every TrainStep would
+// be refused.
+TEST_F(ValidationTest, CheckpointsOfATrainingShapeBeyondTheLimitsAreRefused) {
+  InitTiny();
+  ExpectNextStepSucceeds();
+  const v1::EvaluateRequest probe = EvaluateRequest(testing::MakeRandomBatch(config_, 2, 9, 8), config_, true);
+  const absl::StatusOr<v1::EvaluateResponse> before = client().Evaluate(probe);
+  ASSERT_TRUE(before.ok());
+
+  ModelConfig wide = config_;
+  wide.batch = 9;  // the daemon's --max_batch is 8
+  const std::vector<float> params = testing::InitialParams(wide, 3);
+  const Checkpoint checkpoint{.config = wide,
+                              .params = params,
+                              .exp_avg = std::vector<float>(params.size()),
+                              .exp_avg_sq = std::vector<float>(params.size()),
+                              .step = 0};
+  ASSERT_TRUE(SaveCheckpoint((dir_ / "checkpoints" / "wide.safetensors").string(), checkpoint).ok());
+  v1::LoadCheckpointRequest load;
+  load.set_name("wide.safetensors");
+  ExpectRefused(client().LoadCheckpoint(load).status(), absl::StatusCode::kResourceExhausted,
+                "training shape 9 windows x 9 events exceeds the daemon's limits (8 x 64)");
+  const absl::StatusOr<v1::EvaluateResponse> after = client().Evaluate(probe);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(EvaluationBits(*after), EvaluationBits(*before)) << "the refused load left the model as it was";
+  ExpectNextStepSucceeds();
+
+  const absl::StatusOr<std::unique_ptr<Daemon>> preloaded =
+      Daemon::Start(dir_ / "checkpoints", {"--max_batch=8", "--load=wide.safetensors"});
+  ASSERT_FALSE(preloaded.ok());
+  EXPECT_THAT(std::string(preloaded.status().message()), HasSubstr("exceeds the daemon's limits (8 x 4096)"));
+  const absl::StatusOr<std::unique_ptr<Daemon>> preset =
+      Daemon::Start(dir_ / "checkpoints", {"--max_batch=1", "--init_config=tiny"});
+  ASSERT_FALSE(preset.ok());
+  EXPECT_THAT(std::string(preset.status().message()),
+              HasSubstr("training shape 2 windows x 9 events exceeds the daemon's limits (1 x 4096)"));
 }
 
 }  // namespace
