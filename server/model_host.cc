@@ -59,6 +59,13 @@ absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig
   return backend;
 }
 
+absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackendFrom(const Checkpoint& state,
+                                                                   const OptimizerConfig& optimizer) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(state.config, optimizer, state.params));
+  RETURN_IF_ERROR(backend->ImportState(state));
+  return backend;
+}
+
 absl::Status ModelHost::JoinDataParallel(const std::string& unique_id, const DataParallelOptions& options) {
   if (backend_ != nullptr || communicator_ != nullptr) {
     return absl::FailedPreconditionError("a daemon joins a data-parallel job once, before any model exists");
@@ -106,16 +113,9 @@ absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
 
 absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {
   RETURN_IF_ERROR(RequireModel());
-  // A backend takes its optimizer at construction: build a new one around the same state.
   ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(state.config, optimizer, state.params));
-  RETURN_IF_ERROR(backend->ImportState(state));
-  backend_ = std::move(backend);
-  training_counters_ = {};
-  optimizer_ = optimizer;
-  streaming_configured_ = false;  // a new backend: its streaming slots are allocated on first use
-  published_weights_version_ = 0;
-  metrics_.SetStreamWeightsVersion(0);
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackendFrom(state, optimizer));
+  Adopt(std::move(backend), optimizer);
   return absl::OkStatus();
 }
 
@@ -125,9 +125,7 @@ absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerC
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(checkpoint.config, limits));
   const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   NewBackend(checkpoint.config, optimizer, checkpoint.params));
-  RETURN_IF_ERROR(backend->ImportState(checkpoint));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackendFrom(checkpoint, optimizer));
   Install(std::move(backend), optimizer, checkpoint.step, fitted);
   const double seconds = stopwatch.Seconds();
   metrics_.ObserveCheckpoint("load", seconds);
@@ -254,13 +252,17 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
 
 void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                         bool normalizer_fitted) {
-  backend_ = std::move(backend);
-  training_counters_ = {};
-  optimizer_ = optimizer;
+  Adopt(std::move(backend), optimizer);
   step_ = step;
   normalizer_fitted_ = normalizer_fitted;
   ++weights_version_;
-  streaming_configured_ = false;
+}
+
+void ModelHost::Adopt(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer) {
+  backend_ = std::move(backend);
+  training_counters_ = {};
+  optimizer_ = optimizer;
+  streaming_configured_ = false;  // a new backend: its streaming slots are allocated on first use
   published_weights_version_ = 0;
   metrics_.SetStreamWeightsVersion(0);
 }

@@ -140,6 +140,9 @@ class ModelHost {
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                bool normalizer_fitted);
+  // Makes `backend` (training `optimizer`) the current one: fresh training counters, streaming not yet configured
+  // on it. Step and weights are the caller's to set.
+  void Adopt(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer);
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
@@ -147,6 +150,8 @@ class ModelHost {
   // current backend quiesced first.
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                       std::vector<float> params);
+  // NewBackend holding the whole of `state` (weights, moments, step): a backend takes its optimizer at construction.
+  absl::StatusOr<std::unique_ptr<Backend>> NewBackendFrom(const Checkpoint& state, const OptimizerConfig& optimizer);
 
   const std::string device_;
   const bool use_graphs_;
