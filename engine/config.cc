@@ -60,6 +60,15 @@ constexpr int64_t kMaxParameters = int64_t{1} << 28;
 constexpr int64_t kMaxStateFloats = int64_t{1} << 26;
 constexpr int64_t kMaxActivationFloats = int64_t{1} << 30;
 
+// The widest row of any activation or gradient buffer of a training batch, in floats: in_proj's output, the input,
+// the head's input [h ; c], the CfC's four gate pre-activations, the head's fused pair of G-wide products, the
+// logits, and the SSM's per-head B and C gradients. In int64: the backends multiply it by batch*window.
+int64_t WidestActivationRow(const ModelConfig& c) {
+  const int64_t E = int64_t{c.expand} * c.d_model, N = c.d_state, Hh = E / c.headdim;
+  return std::max({2 * E + 2 * N + Hh, int64_t{c.n_features}, int64_t{c.d_model} + c.cfc_units,
+                   4 * int64_t{c.cfc_units}, 2 * int64_t{c.grn_hidden}, int64_t{c.n_horizons}, Hh * 2 * N});
+}
+
 absl::Status WithinSizeLimits(const ModelConfig& c) {
   const int64_t E = int64_t{c.expand} * c.d_model;
   if (E > kMaxConfigDimension) {
@@ -74,8 +83,7 @@ absl::Status WithinSizeLimits(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("config: an SSM state of d_inner*d_state = ", E * c.d_state,
                                                    " floats a layer is more than ", kMaxStateFloats));
   }
-  // With d_inner bounded, in_proj_dim() fits an int.
-  const int64_t rows = int64_t{c.batch} * c.window, widest = std::max(c.in_proj_dim(), c.n_features);
+  const int64_t rows = int64_t{c.batch} * c.window, widest = WidestActivationRow(c);
   if (rows * widest > kMaxActivationFloats) {
     return absl::InvalidArgumentError(absl::StrCat("config: batch*window = ", rows, " rows of up to ", widest,
                                                    " floats is more than ", kMaxActivationFloats,

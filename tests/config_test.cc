@@ -65,6 +65,12 @@ TEST(ConfigTest, SizesTheDimensionsMultiplyToAreBounded) {
   EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("is more than 1073741824 floats of activations"));
   c.window = 256;
   EXPECT_TRUE(ValidateConfig(c).ok());
+  // Rows narrow in in_proj but wide in the head: 2^21 rows of the head's 2G = 2,048 floats wrapped an int.
+  c = *NamedConfig("small");
+  c.d_model = 32, c.d_state = 16, c.grn_hidden = 1024, c.batch = 512, c.window = 4096;
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("batch*window = 2097152 rows of up to 2048 floats"));
+  c.grn_hidden = 64, c.cfc_units = 1024;  // the CfC's 4C
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("rows of up to 4096 floats"));
 }
 
 TEST(ConfigTest, JsonRoundTrip) {
