@@ -7,12 +7,40 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/device_loss.h"
 
 namespace perception::cuda_internal {
 
+// The errors after which the CUDA context cannot be used again ("sticky": every later call of the process fails).
+inline bool IsStickyCudaError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 inline absl::Status CudaFailure(cudaError_t error, const char* call, const char* file, int line) {
+  // The runtime keeps a failed call's error as its "last error", which every later kernel launcher reads back: a
+  // failed allocation would fail the next, unrelated launch. Clearing it leaves a sticky error in place.
+  cudaGetLastError();
   const std::string message = absl::StrCat(call, " failed with ", cudaGetErrorName(error), " (",
                                            cudaGetErrorString(error), ") at ", file, ":", line);
+  if (IsStickyCudaError(error)) {
+    NoteDeviceLost(absl::InternalError(message));
+    return DeviceLostStatus();
+  }
   return error == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(message) : absl::InternalError(message);
 }
 

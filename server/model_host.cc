@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/checkpoint.h"
+#include "engine/device_loss.h"
 #include "engine/param_layout.h"
 #include "engine/status_macros.h"
 #include "server/stopwatch.h"
@@ -49,6 +50,7 @@ ModelHost::ModelHost(std::string device, ServerMetrics& metrics, StreamingConfig
 absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig& config,
                                                                const OptimizerConfig& optimizer,
                                                                std::vector<float> params) {
+  RETURN_IF_ERROR(DeviceLostStatus());
   // The current model's resident streaming step would hold the device through the new one's allocations.
   if (backend_ != nullptr) RETURN_IF_ERROR(backend_->QuiesceDevice());
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
@@ -233,6 +235,7 @@ HostStatus ModelHost::Status() const {
 }
 
 absl::Status ModelHost::RequireModel() const {
+  RETURN_IF_ERROR(DeviceLostStatus());
   if (backend_ != nullptr) return absl::OkStatus();
   return absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
 }
@@ -268,7 +271,7 @@ void ModelHost::Adopt(std::unique_ptr<Backend> backend, const OptimizerConfig& o
 }
 
 absl::Status ModelHost::ReleaseIdleDevice() {
-  if (backend_ == nullptr) return absl::OkStatus();
+  if (backend_ == nullptr || !DeviceLostStatus().ok()) return absl::OkStatus();
   ASSIGN_OR_RETURN(const bool released, backend_->ReleaseIdleDevice());
   if (released) metrics_.ObserveResidentIdleStop();
   return absl::OkStatus();

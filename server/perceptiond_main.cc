@@ -1,6 +1,7 @@
 // perceptiond: the daemon that owns one compute device and trains and serves PerceptionNet v1 over gRPC.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <climits>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "engine/device_loss.h"
 #include "engine/precision.h"
 #include "engine/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -261,6 +263,11 @@ void Drain(grpc::Server& server, PerceptionService& service) {
 }
 
 absl::Status Serve() {
+  // A sticky CUDA error ends the daemon as SIGTERM does, and it then exits non-zero so that its supervisor restarts it.
+  OnDeviceLost([] {
+    spdlog::critical("{}; draining", std::string(DeviceLostStatus().message()));
+    kill(getpid(), SIGTERM);
+  });
   ASSIGN_OR_RETURN(const CheckpointDirectory checkpoints,
                    CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
@@ -291,6 +298,7 @@ absl::Status Serve() {
   const int signal = WaitForTerminationSignal();
   spdlog::info("{}: draining", strsignal(signal));
   Drain(*server, service);
+  RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
   worker.Stop();
   spdlog::info("drained; exiting");
