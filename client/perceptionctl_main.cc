@@ -53,7 +53,9 @@ ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), 
 ABSL_FLAG(int, seed_window, 0, "stream: seed the state with the first N events (SeedStream), then stream the rest");
 ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based); sequence numbers still start at 1");
 ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
-ABSL_FLAG(uint64_t, from, 0, "convictions: the first sequence number to write (older than the log's oldest: from it)");
+ABSL_FLAG(uint64_t, from, 0,
+          "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
+          "OUT_OF_RANGE)");
 ABSL_FLAG(std::string, out, "", "convictions: the CSV file to write");
 ABSL_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
 ABSL_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");
@@ -63,7 +65,7 @@ ABSL_FLAG(int, in_flight, 8, "bench: unacknowledged requests per connection (one
 namespace perception::client {
 namespace {
 
-constexpr char kUsage[] = R"(perceptionctl: drive perceptiond over gRPC.
+constexpr char kUsage[] = R"(drive perceptiond over gRPC.
 
   perceptionctl [--target HOST:PORT] [--timeout D] [--wait D] COMMAND ...   (flags may also follow COMMAND)
   perceptionctl --targets H:P,H:P,... status | init ... | train ... | checkpoint save|load NAME

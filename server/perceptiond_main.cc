@@ -309,7 +309,7 @@ absl::Status Serve() {
 }  // namespace perception::server
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("perceptiond: trains and serves PerceptionNet v1 on one device over gRPC");
+  absl::SetProgramUsageMessage("trains and serves PerceptionNet v1 on one device over gRPC");  // --help names it
   absl::ParseCommandLine(argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("perceptiond"));
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));

@@ -52,12 +52,13 @@ ABSL_FLAG(std::string, features_out, "", "eval: features [events, F+1] float32 .
 namespace perception {
 namespace {
 
-constexpr char kUsage[] = R"(perception: train, evaluate and inspect PerceptionNet v1 offline.
+constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offline.
 
   perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N --batch B --window T
-                   [--lr X] [--seed S] [--graphs on|off] --save CKPT
+                   [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off] --save CKPT
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
-                  [--features_out FEATURES.npy]
+                  [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
+  (--device defaults to cpu)
   perception inspect CKPT)";
 
 absl::StatusOr<LobsterData> ReadLobsterFlag() {
