@@ -140,13 +140,16 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream, void* wo
 }
 
 Blas::~Blas() {
-  for (auto& [shape, plan] : plans_) {
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.op);
-  }
+  for (auto& [shape, plan] : plans_) DestroyPlan(plan);
   cublasLtDestroy(handle_);
+}
+
+void Blas::DestroyPlan(Plan& plan) {
+  for (cublasLtMatrixLayout_t layout : {plan.a, plan.b, plan.c}) {
+    if (layout) cublasLtMatrixLayoutDestroy(layout);
+  }
+  if (plan.op) cublasLtMatmulDescDestroy(plan.op);
+  plan = Plan{};
 }
 
 bool Blas::TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t* algo) const {
@@ -197,6 +200,13 @@ bool Blas::TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t*
 
 absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
   Plan plan;
+  const absl::Status made = FillPlan(shape, plan);
+  if (made.ok()) return plan;
+  DestroyPlan(plan);  // the descriptors created before the failure
+  return made;
+}
+
+absl::Status Blas::FillPlan(const Shape& shape, Plan& plan) {
   const cublasComputeType_t compute = tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan.op, compute, CUDA_R_32F));
   const auto ta = static_cast<cublasOperation_t>(shape.op_a), tb = static_cast<cublasOperation_t>(shape.op_b);
@@ -224,7 +234,7 @@ absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
                                                               &stride, sizeof(stride)));
     }
   }
-  if (TunedAlgo(shape, plan, &plan.algo)) return plan;
+  if (TunedAlgo(shape, plan, &plan.algo)) return absl::OkStatus();
 
   cublasLtMatmulPreference_t raw = nullptr;
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&raw));
@@ -248,7 +258,7 @@ absl::StatusOr<Blas::Plan> Blas::MakePlan(const Shape& shape) {
                                             " product (batch ", count, ")"));
   }
   plan.algo = result.algo;
-  return plan;
+  return absl::OkStatus();
 }
 
 absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,

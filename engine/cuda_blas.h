@@ -97,6 +97,8 @@ class Blas {
                     int64_t stride_a, const float* b, int ldb, int64_t stride_b, const float* bias,
                     int64_t stride_bias, float beta, float* c, int ldc, int64_t stride_c, int count);
   absl::StatusOr<Plan> MakePlan(const Shape& shape);
+  absl::Status FillPlan(const Shape& shape, Plan& plan);  // MakePlan's work; `plan` keeps what it created
+  static void DestroyPlan(Plan& plan);
   // The tuned algorithm of `shape` on this device and library, if the table has one that the library accepts.
   bool TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t* algo) const;
 

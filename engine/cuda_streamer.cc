@@ -660,6 +660,13 @@ absl::Status CudaStreamer::EnqueueStagedTick(const StreamTick& tick, bool log, S
 
 absl::Status CudaStreamer::Capture(const kernels::StreamTickInput& input, StreamLaunchShape shape,
                                    TickGraph& graph) {
+  const absl::Status captured = CaptureInto(input, shape, graph);
+  if (!captured.ok()) Destroy(graph);  // not left for the next attempt to overwrite
+  return captured;
+}
+
+absl::Status CudaStreamer::CaptureInto(const kernels::StreamTickInput& input, StreamLaunchShape shape,
+                                       TickGraph& graph) {
   CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   const absl::Status enqueued = EnqueueTick(input, shape);
   const cudaError_t ended = cudaStreamEndCapture(stream_, &graph.graph);

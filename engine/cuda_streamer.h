@@ -220,7 +220,9 @@ class CudaStreamer {
   absl::Status PostResident(const StreamTick& tick);
   absl::Status WaitResidentAnswered(uint32_t count);
   absl::Status WaitForRingEntry();
+  // Captures and instantiates `input`'s tick into `graph`, which is left empty where that fails.
   absl::Status Capture(const kernels::StreamTickInput& input, StreamLaunchShape shape, TickGraph& graph);
+  absl::Status CaptureInto(const kernels::StreamTickInput& input, StreamLaunchShape shape, TickGraph& graph);
   static void Destroy(TickGraph& graph);
 
   const ParamLayout& layout_;
