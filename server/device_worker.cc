@@ -1,6 +1,8 @@
 // The device worker's queue and loop.
 #include "server/device_worker.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -52,6 +54,11 @@ int DeviceWorker::queued_jobs() const {
   return jobs;
 }
 
+absl::Duration DeviceWorker::busy_for(absl::Time now) const {
+  absl::MutexLock lock(&mu_);
+  return std::max(now - job_started_, absl::ZeroDuration());
+}
+
 void DeviceWorker::Stop() {
   {
     absl::MutexLock lock(&mu_);
@@ -88,15 +95,18 @@ void DeviceWorker::Loop() {
         }
         if (!job) return;  // stopping, and nothing is left to run
       }
+      job_started_ = absl::Now();
     }
     if (idle) {
       worked_since_idle = false;
       on_idle_(*host_);
-      continue;
+    } else {
+      std::move(job)(*host_);
+      worked_since_idle = true;
+      PublishStatus(*host_);
     }
-    std::move(job)(*host_);
-    worked_since_idle = true;
-    PublishStatus(*host_);
+    absl::MutexLock lock(&mu_);
+    job_started_ = absl::InfiniteFuture();
   }
 }
 

@@ -53,6 +53,8 @@ class DeviceWorker {
   // The model host's status as of the last finished job; any thread, never waits for the device.
   HostStatus status() const;
   int queued_jobs() const;
+  // How long the job the device runs now (the idle job included) has been running at `now`; zero between jobs.
+  absl::Duration busy_for(absl::Time now) const;
 
   // Refuses new jobs, runs those already queued, then ends the thread. Idempotent.
   void Stop();
@@ -67,6 +69,7 @@ class DeviceWorker {
   std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
+  absl::Time job_started_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();  // InfiniteFuture between jobs
   HostStatus status_ ABSL_GUARDED_BY(mu_);
   const int queue_depth_;
   const absl::Duration idle_period_;

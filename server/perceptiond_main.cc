@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <memory>
@@ -29,6 +30,7 @@
 #include "server/metrics_http_server.h"
 #include "server/perception_service.h"
 #include "server/rendezvous.h"
+#include "server/stall_watch.h"
 #include "server/stream_batcher.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -51,6 +53,11 @@ ABSL_FLAG(int, max_batch, 1024, "most windows in one batch");
 ABSL_FLAG(int, max_window, 4096, "most events in one window");
 ABSL_FLAG(int, queue_depth, 64, "most jobs waiting for the device; beyond it, calls answer RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, checkpoint_on_exit, "", "checkpoint name to save the model to after draining (empty: none)");
+ABSL_FLAG(absl::Duration, device_stall_timeout, absl::Seconds(60),
+          "health reports NOT_SERVING while one device job (a training step, a tick, a checkpoint load) has run "
+          "longer than this, as a hung kernel would, so that a supervisor's liveness probe restarts the daemon; "
+          "SERVING again once it ends (a CPU daemon's big evaluations can take longer: raise it there); inf turns "
+          "the watch off");
 ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
           "on SIGTERM/SIGINT, how long health reports NOT_SERVING (and new calls UNAVAILABLE) before the listener "
           "closes, so that load balancers and clients notice");
@@ -253,6 +260,25 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   return server;
 }
 
+// Health NOT_SERVING while a device job runs past --device_stall_timeout; none where it is infinite.
+absl::StatusOr<std::unique_ptr<StallWatch>> WatchForStalls(const DeviceWorker& worker, grpc::Server& server) {
+  const absl::Duration limit = absl::GetFlag(FLAGS_device_stall_timeout);
+  if (limit <= absl::ZeroDuration()) return absl::InvalidArgumentError("--device_stall_timeout must be positive");
+  if (limit == absl::InfiniteDuration()) return nullptr;
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  return std::make_unique<StallWatch>(
+      worker, limit, std::min(limit / 10, absl::Seconds(1)),
+      [health](absl::Duration busy) {
+        spdlog::critical("a device job has run for {} (--device_stall_timeout): health NOT_SERVING until it ends",
+                         absl::FormatDuration(busy));
+        health->SetServingStatus(false);
+      },
+      [health] {
+        spdlog::warn("the stalled device job has ended: health SERVING again");
+        health->SetServingStatus(true);
+      });
+}
+
 // Health NOT_SERVING and new work refused, a grace period, then the listener closes once calls in flight are
 // answered; the device finishes what it had queued.
 void Drain(grpc::Server& server, PerceptionService& service) {
@@ -293,10 +319,12 @@ absl::Status Serve() {
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
   RETURN_IF_ERROR(PrepareModel(worker, streams, checkpoints, limits));
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
+  ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
   server->GetHealthCheckService()->SetServingStatus(true);
 
   const int signal = WaitForTerminationSignal();
   spdlog::info("{}: draining", strsignal(signal));
+  stall_watch.reset();  // health stays NOT_SERVING from here on
   Drain(*server, service);
   RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));

@@ -1,5 +1,5 @@
 // The device worker's idle job: when it runs (once per pause in the work, never while jobs keep coming), and that
-// every queued job still runs around it; its status as a caller sees it once a job has answered.
+// every queued job still runs around it; its status as a caller sees it once a job has answered; the stall watch.
 #include "server/device_worker.h"
 
 #include <atomic>
@@ -12,10 +12,12 @@
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
 #include "engine/config.h"
 #include "engine/optimizer.h"
 #include "server/metrics.h"
 #include "server/model_host.h"
+#include "server/stall_watch.h"
 
 namespace perception::server {
 namespace {
@@ -125,6 +127,35 @@ TEST(DeviceWorkerTest, ReleasingAnIdleHostWithoutADeviceIsANoOp) {
   ASSERT_TRUE(host.Init(*NamedConfig("tiny"), OptimizerConfig{}, 7, std::nullopt, /*replace=*/false).ok());
   EXPECT_TRUE(host.ReleaseIdleDevice().ok());
   EXPECT_THAT(metrics.Render(), HasSubstr("\nperception_stream_resident_idle_stops_total 0\n"));
+}
+
+
+// A job that does not end (a hung kernel) is reported once it passes the limit, and its end once it ends.
+TEST(StallWatchTest, AJobRunningPastTheLimitIsReportedOnceAndItsEndToo) {
+  ServerMetrics metrics;
+  DeviceWorker worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/8);
+  EXPECT_EQ(worker.busy_for(absl::Now()), absl::ZeroDuration()) << "no job runs";
+  std::atomic<int> stalls{0}, recoveries{0};
+  std::atomic<int64_t> reported_ms{0};
+  StallWatch watch(worker, absl::Milliseconds(100), absl::Milliseconds(5),
+                   [&](absl::Duration busy) {
+                     reported_ms = absl::ToInt64Milliseconds(busy);
+                     stalls.fetch_add(1);
+                   },
+                   [&] { recoveries.fetch_add(1); });
+  ASSERT_TRUE(worker.Run(JobPriority::kTraining, [](ModelHost&) { return absl::OkStatus(); }).ok());
+  absl::Notification release;
+  ASSERT_TRUE(worker.Enqueue(JobPriority::kTraining, [&](ModelHost&) { release.WaitForNotification(); }).ok());
+  std::this_thread::sleep_for(milliseconds(400));
+  EXPECT_EQ(stalls.load(), 1) << "one report for the one stalled job";
+  EXPECT_GT(reported_ms.load(), 100);
+  EXPECT_EQ(recoveries.load(), 0);
+  EXPECT_GE(worker.busy_for(absl::Now()), absl::Milliseconds(400));
+  release.Notify();
+  const auto end = std::chrono::steady_clock::now() + milliseconds(5000);
+  while (recoveries.load() == 0 && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(milliseconds(2));
+  EXPECT_EQ(recoveries.load(), 1);
+  EXPECT_EQ(stalls.load(), 1);
 }
 
 }  // namespace
