@@ -37,7 +37,9 @@ ABSL_FLAG(int, levels, 0,
 ABSL_FLAG(uint64_t, seed, 1, "init: weight initialization seed; train: window sampling seed");
 ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
 ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
-ABSL_FLAG(int, warmup, -1, "init: leading window positions masked out of the training loss (-1: the preset's)");
+ABSL_FLAG(int, warmup, -1,
+          "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
+          "the model's config; -1: the preset's)");
 ABSL_FLAG(double, lr, 0, "peak learning rate; init: 0 means 1e-3; train: 0 keeps the model's");
 ABSL_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
 ABSL_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
