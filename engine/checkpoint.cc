@@ -81,9 +81,10 @@ absl::Status WriteCheckpoint(const std::string& path, const Checkpoint& checkpoi
     tensors.push_back({std::move(place.name), std::move(place.shape),
                        buffers[place.buffer].subspan(place.offset, place.size)});
   }
-  const SafetensorsMetadata metadata = {{"format", kCheckpointFormat},
-                                        {"config", ConfigToJson(checkpoint.config)},
-                                        {"step", absl::StrCat(checkpoint.step)}};
+  SafetensorsMetadata metadata = {{"format", kCheckpointFormat},
+                                  {"config", ConfigToJson(checkpoint.config)},
+                                  {"step", absl::StrCat(checkpoint.step)}};
+  if (checkpoint.optimizer.has_value()) metadata.emplace("optimizer", OptimizerToJson(*checkpoint.optimizer));
   return WriteSafetensors(path, tensors, metadata);
 }
 
@@ -114,6 +115,16 @@ absl::StatusOr<ModelConfig> ConfigFromMetadata(const SafetensorsMetadata& metada
     return absl::InvalidArgumentError(absl::StrCat("metadata config is invalid: ", config.status().message()));
   }
   return config;
+}
+
+absl::StatusOr<std::optional<OptimizerConfig>> OptimizerFromMetadata(const SafetensorsMetadata& metadata) {
+  const auto it = metadata.find("optimizer");
+  if (it == metadata.end()) return std::nullopt;
+  absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromJson(it->second);
+  if (!optimizer.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata optimizer is invalid: ", optimizer.status().message()));
+  }
+  return *optimizer;
 }
 
 absl::StatusOr<int64_t> StepFromMetadata(const SafetensorsMetadata& metadata) {
@@ -189,6 +200,7 @@ absl::StatusOr<Checkpoint> CheckpointFromFile(const SafetensorsFile& file) {
   Checkpoint checkpoint;
   ASSIGN_OR_RETURN(checkpoint.config, ConfigFromMetadata(file.metadata()));
   ASSIGN_OR_RETURN(checkpoint.step, StepFromMetadata(file.metadata()));
+  ASSIGN_OR_RETURN(checkpoint.optimizer, OptimizerFromMetadata(file.metadata()));
   RETURN_IF_ERROR(CheckConfigFitsFile(checkpoint.config, file));
   const ParamLayout layout(checkpoint.config);
   const std::vector<TensorPlace> places = CheckpointTensors(layout);

@@ -61,7 +61,7 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<Checkpoint> ExportState() const override {
-    return Checkpoint{layout_.config(), params_, exp_avg_, exp_avg_sq_, step_};
+    return Checkpoint{layout_.config(), params_, exp_avg_, exp_avg_sq_, step_, std::nullopt};
   }
 
   absl::Status ImportState(const Checkpoint& checkpoint) override {

@@ -116,7 +116,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<Checkpoint> ExportState() const override {
-    Checkpoint checkpoint{config(), {}, {}, {}, 0};
+    Checkpoint checkpoint{config(), {}, {}, {}, 0, std::nullopt};
     ASSIGN_OR_RETURN(checkpoint.params, model_->DownloadParams());
     ASSIGN_OR_RETURN(checkpoint.exp_avg, model_->DownloadExpAvg());
     ASSIGN_OR_RETURN(checkpoint.exp_avg_sq, model_->DownloadExpAvgSq());

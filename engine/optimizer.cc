@@ -3,8 +3,13 @@
 
 #include <cmath>
 #include <numbers>
+#include <string>
+#include <utility>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
 
 namespace perception {
 
@@ -36,6 +41,57 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
     }
   }
   return absl::OkStatus();
+}
+
+std::string OptimizerToJson(const OptimizerConfig& c) {
+  nlohmann::ordered_json j;
+  j["lr"] = c.lr;
+  j["beta1"] = c.beta1;
+  j["beta2"] = c.beta2;
+  j["eps"] = c.eps;
+  j["weight_decay"] = c.weight_decay;
+  j["max_grad_norm"] = c.max_grad_norm;
+  j["schedule"] = c.schedule == LrSchedule::kWarmupCosine ? "cosine" : "constant";
+  j["warmup_steps"] = c.warmup_steps;
+  j["total_steps"] = c.total_steps;
+  j["min_lr"] = c.min_lr;
+  return j.dump();
+}
+
+absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("optimizer: not a JSON object");
+  OptimizerConfig c;
+  const std::pair<const char*, double*> reals[] = {{"lr", &c.lr},
+                                                   {"beta1", &c.beta1},
+                                                   {"beta2", &c.beta2},
+                                                   {"eps", &c.eps},
+                                                   {"weight_decay", &c.weight_decay},
+                                                   {"max_grad_norm", &c.max_grad_norm},
+                                                   {"min_lr", &c.min_lr}};
+  for (const auto& [key, field] : reals) {
+    const auto it = j.find(key);
+    if (it == j.end() || !it->is_number()) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer: '", key, "' must be a number"));
+    }
+    *field = it->get<double>();
+  }
+  const std::pair<const char*, int64_t*> counts[] = {{"warmup_steps", &c.warmup_steps},
+                                                     {"total_steps", &c.total_steps}};
+  for (const auto& [key, field] : counts) {
+    const auto it = j.find(key);
+    if (it == j.end() || !it->is_number_integer()) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer: '", key, "' must be an integer"));
+    }
+    *field = it->get<int64_t>();
+  }
+  const auto schedule = j.find("schedule");
+  if (schedule == j.end() || !schedule->is_string()) {
+    return absl::InvalidArgumentError("optimizer: 'schedule' must be a string");
+  }
+  ASSIGN_OR_RETURN(c.schedule, ParseLrSchedule(schedule->get<std::string>()));
+  RETURN_IF_ERROR(ValidateOptimizerConfig(c));
+  return c;
 }
 
 double LearningRate(const OptimizerConfig& c, int64_t step) {

@@ -21,10 +21,16 @@ struct OptimizerConfig {
   int64_t warmup_steps = 0;  // kWarmupCosine: linear ramp over these steps
   int64_t total_steps = 0;   // kWarmupCosine: cosine reaches min_lr at this step
   double min_lr = 0.0;
+  bool operator==(const OptimizerConfig&) const = default;
 };
 
 absl::StatusOr<LrSchedule> ParseLrSchedule(const std::string& name);  // "constant" | "cosine"
 absl::Status ValidateOptimizerConfig(const OptimizerConfig& config);
+
+// Every field as JSON (a checkpoint's `optimizer` metadata), doubles written to round-trip exactly; parsing
+// requires every field and validates the result.
+std::string OptimizerToJson(const OptimizerConfig& config);
+absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text);
 
 // Learning rate of optimizer step `step` (1-based: the first update is step 1).
 //   warmup:  lr · step / warmup_steps                       for step <= warmup_steps

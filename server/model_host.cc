@@ -121,11 +121,12 @@ absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> ModelHost::Load(const std::string& path, const OptimizerConfig& optimizer,
+absl::StatusOr<double> ModelHost::Load(const std::string& path, const std::optional<OptimizerConfig>& requested,
                                        const Limits& limits) {
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(checkpoint.config, limits));
+  const OptimizerConfig optimizer = requested.value_or(checkpoint.optimizer.value_or(OptimizerConfig{}));
   const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackendFrom(checkpoint, optimizer));
   Install(std::move(backend), optimizer, checkpoint.step, fitted);
@@ -143,7 +144,8 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
                                                       " of a data-parallel job: checkpoints are saved by rank 0"));
   }
   const Stopwatch stopwatch;
-  ASSIGN_OR_RETURN(const Checkpoint state, backend_->ExportState());
+  ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
+  state.optimizer = optimizer_;
   RETURN_IF_ERROR(SaveCheckpoint(path, state));
   std::error_code error;
   const auto bytes = static_cast<int64_t>(std::filesystem::file_size(path, error));

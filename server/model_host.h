@@ -101,8 +101,10 @@ class ModelHost {
   absl::Status SetOptimizer(const OptimizerConfig& optimizer);
 
   // Replaces the model with the checkpoint at `path`, whatever its config, if its training shape fits `limits` (as
-  // InitModel's must: RESOURCE_EXHAUSTED otherwise, the model left as it was); returns the seconds it took.
-  absl::StatusOr<double> Load(const std::string& path, const OptimizerConfig& optimizer, const Limits& limits);
+  // InitModel's must: RESOURCE_EXHAUSTED otherwise, the model left as it was); returns the seconds it took. The
+  // optimizer is `requested`, else the checkpoint's, else the defaults (a checkpoint saved without one).
+  absl::StatusOr<double> Load(const std::string& path, const std::optional<OptimizerConfig>& requested,
+                              const Limits& limits);
   // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 

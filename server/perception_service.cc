@@ -134,7 +134,10 @@ grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::L
                                                v1::LoadCheckpointResponse* response) {
   return Answer("LoadCheckpoint", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(request->name()));
-    ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
+    std::optional<OptimizerConfig> optimizer;
+    if (request->has_optimizer()) {
+      ASSIGN_OR_RETURN(optimizer, OptimizerFromProto(request->optimizer()));
+    }
     return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
       return streams_.ChangeModel(host, [&]() -> absl::Status {
         ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));

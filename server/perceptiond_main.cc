@@ -204,7 +204,7 @@ absl::Status PrepareModel(DeviceWorker& worker, StreamBatcher& streams, const Ch
   if (!load.empty()) {
     ASSIGN_OR_RETURN(const std::string path, checkpoints.Resolve(load));
     return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return streams.ChangeModel(host, [&] { return host.Load(path, OptimizerConfig{}, limits).status(); });
+      return streams.ChangeModel(host, [&] { return host.Load(path, std::nullopt, limits).status(); });
     });
   }
   if (preset.empty()) return absl::OkStatus();

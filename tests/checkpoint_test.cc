@@ -70,6 +70,7 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
   EXPECT_TRUE(BitIdentical(a.exp_avg, b.exp_avg));
   EXPECT_TRUE(BitIdentical(a.exp_avg_sq, b.exp_avg_sq));
   EXPECT_EQ(a.step, b.step);
+  EXPECT_EQ(a.optimizer, b.optimizer);
 }
 
 // Every tensor name a checkpoint of `config` must hold.
@@ -348,6 +349,8 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
       {"step", "12a", "metadata step '12a' is not a non-negative integer"},
       {"step", "-3", "metadata step '-3' is not a non-negative integer"},
       {"step", "7", "optim.step holds"},
+      {"optimizer", "{\"lr\": 0.001}", "metadata optimizer is invalid: optimizer: 'beta1' must be a number"},
+      {"optimizer", OptimizerToJson(OptimizerConfig{.lr = -1}), "metadata optimizer is invalid: optimizer: lr must"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.message);
@@ -355,6 +358,31 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
     RewriteTensors([&](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) { metadata[c.key] = c.value; });
     ExpectLoadFails(c.message);
   }
+}
+
+// A resumed run continues with the settings it was saved under: a schedule's shape, doubles to the last bit.
+TEST_F(CheckpointTest, OptimizerSettingsRoundTripExactlyAndAreOptional) {
+  Checkpoint saved = RandomCheckpoint(Config("tiny"), 7);
+  saved.optimizer = OptimizerConfig{.lr = 0.1 + 0.2,  // 0.30000000000000004: no short decimal
+                                    .beta1 = 0.85,
+                                    .beta2 = 0.98,
+                                    .eps = 1e-7,
+                                    .weight_decay = 0.05,
+                                    .max_grad_norm = 0.5,
+                                    .schedule = LrSchedule::kWarmupCosine,
+                                    .warmup_steps = 7,
+                                    .total_steps = 1000,
+                                    .min_lr = 1.0 / 3.0 * 1e-5};
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+  absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameCheckpoint(*loaded, saved);
+
+  saved.optimizer = std::nullopt;  // as written before checkpoints held them, and by PyTorch's save_checkpoint
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+  loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_FALSE(loaded->optimizer.has_value());
 }
 
 TEST_F(CheckpointTest, MissingFormatIsRejected) {

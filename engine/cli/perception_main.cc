@@ -167,7 +167,8 @@ absl::Status Train() {
               val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
   const std::string save = absl::GetFlag(FLAGS_save);
   if (!save.empty()) {
-    ASSIGN_OR_RETURN(const Checkpoint checkpoint, backend->ExportState());
+    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend->ExportState());
+    checkpoint.optimizer = optimizer;
     RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
     std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
   }

@@ -79,6 +79,44 @@ TEST(CheckpointTest, SaveRestartLoadGivesIdenticalEvaluateOutputs) {
   EXPECT_EQ(next->step(), 6);
 }
 
+// A checkpoint carries its optimizer settings: a run loaded without naming them continues on the same schedule.
+TEST(CheckpointTest, LoadKeepsTheSavedOptimizerUnlessTheRequestNamesOne) {
+  const ModelConfig config = TinyConfig();
+  const ScopedTempDir temp("optimizer");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  v1::InitModelRequest init = TinyInitRequest(3);
+  v1::OptimizerSettings& cosine = *init.mutable_optimizer();
+  cosine.set_lr(3e-3);
+  cosine.set_weight_decay(0.05);
+  cosine.set_schedule(v1::LR_SCHEDULE_WARMUP_COSINE);
+  cosine.set_warmup_steps(2);
+  cosine.set_total_steps(50);
+  cosine.set_min_lr(1e-4);
+  const absl::StatusOr<v1::InitModelResponse> created = client.InitModel(init);
+  ASSERT_TRUE(created.ok()) << created.status();
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(client.TrainStep(TrainRequest(testing::MakeRandomBatch(config, 2, 9, 30 + i), config)).ok());
+  }
+  ASSERT_TRUE(Save(client, "cosine.safetensors").ok());
+
+  v1::LoadCheckpointRequest named;
+  named.set_name("cosine.safetensors");
+  named.mutable_optimizer()->set_lr(5e-4);
+  const absl::StatusOr<v1::LoadCheckpointResponse> renamed = client.LoadCheckpoint(named);
+  ASSERT_TRUE(renamed.ok()) << renamed.status();
+  EXPECT_EQ(renamed->model().optimizer().lr(), 5e-4);
+  EXPECT_EQ(renamed->model().optimizer().schedule(), v1::LR_SCHEDULE_CONSTANT) << "the request's settings, whole";
+
+  const absl::StatusOr<v1::LoadCheckpointResponse> resumed = Load(client, "cosine.safetensors");
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(resumed->model().step(), 2);
+  EXPECT_EQ(resumed->model().optimizer().SerializeAsString(), created->model().optimizer().SerializeAsString())
+      << "loaded: " << resumed->model().optimizer().DebugString()
+      << "saved: " << created->model().optimizer().DebugString();
+}
+
 // Saves a large model over `name` in the background and SIGKILLs the daemon as soon as the save's temporary file
 // appears. True when the kill landed in the middle of the write.
 bool KillDuringSave(Daemon& daemon, const std::filesystem::path& checkpoints, const std::string& name) {

@@ -292,7 +292,8 @@ TEST_F(ValidationTest, CheckpointsOfATrainingShapeBeyondTheLimitsAreRefused) {
                               .params = params,
                               .exp_avg = std::vector<float>(params.size()),
                               .exp_avg_sq = std::vector<float>(params.size()),
-                              .step = 0};
+                              .step = 0,
+                              .optimizer = std::nullopt};
   ASSERT_TRUE(SaveCheckpoint((dir_ / "checkpoints" / "wide.safetensors").string(), checkpoint).ok());
   v1::LoadCheckpointRequest load;
   load.set_name("wide.safetensors");

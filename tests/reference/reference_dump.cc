@@ -370,7 +370,12 @@ int Main(int argc, char** argv) {
 
   std::filesystem::create_directories(o.out);
   const std::string dir = o.out + "/";
-  Checkpoint init{config, params, std::vector<float>(params.size(), 0.f), std::vector<float>(params.size(), 0.f), 0};
+  Checkpoint init{config,
+                  params,
+                  std::vector<float>(params.size(), 0.f),
+                  std::vector<float>(params.size(), 0.f),
+                  0,
+                  std::nullopt};
   Check(SaveCheckpoint(dir + "init.safetensors", init));
 
   std::fprintf(stderr, "reference_dump: %s B=%d T=%d, %zu trained parameters; float64 run...\n", o.config.c_str(),
@@ -391,7 +396,7 @@ int Main(int argc, char** argv) {
   }
 #endif
 
-  Checkpoint saved{config, r64.params_saved, r64.exp_avg_saved, r64.exp_avg_sq_saved, o.save_step};
+  Checkpoint saved{config, r64.params_saved, r64.exp_avg_saved, r64.exp_avg_sq_saved, o.save_step, std::nullopt};
   Check(SaveCheckpoint(dir + "step" + std::to_string(o.save_step) + ".safetensors", saved));
 
   Dump dump;
