@@ -28,6 +28,11 @@ prometheus::Histogram::BucketBoundaries DecadeBuckets(int first, int last) {
   return bounds;
 }
 
+// A bidirectional call lasts from well under a second (refused at once) to a trading day or more.
+prometheus::Histogram::BucketBoundaries SessionBuckets() {
+  return {0.01, 0.1, 1, 10, 60, 300, 900, 1800, 3600, 7200, 14400, 28800, 43200, 86400};
+}
+
 // 1, 2, 4, ... up to `last`: instruments per tick.
 prometheus::Histogram::BucketBoundaries PowerOfTwoBuckets(double last) {
   prometheus::Histogram::BucketBoundaries bounds;
@@ -97,6 +102,7 @@ std::vector<prometheus::MetricFamily> ProcessMetrics() {
 
 ServerMetrics::ServerMetrics()
     : rpc_buckets_(DecadeBuckets(-5, 2)),
+      session_buckets_(SessionBuckets()),
       checkpoint_buckets_(DecadeBuckets(-4, 2)),
       registry_(std::make_shared<prometheus::Registry>()),
       train_step_seconds_(prometheus::BuildHistogram()
@@ -143,8 +149,14 @@ ServerMetrics::ServerMetrics()
                                .Add({})),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("perception_rpc_duration_seconds")
-                        .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
+                        .Help("Time from receiving a unary RPC to answering it in seconds, by method and status "
+                              "code (Train and Stream: perception_rpc_session_seconds).")
                         .Register(*registry_)),
+      rpc_session_(prometheus::BuildHistogram()
+                       .Name("perception_rpc_session_seconds")
+                       .Help("Length of a bidirectional call (Train, Stream), from its start to its end, in seconds, "
+                             "by method and status code: as long as the client keeps it open.")
+                       .Register(*registry_)),
       rejected_(prometheus::BuildCounter()
                     .Name("perception_requests_rejected_total")
                     .Help("Requests refused, by reason: the status code they were refused with, in lower case.")
@@ -246,9 +258,14 @@ void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds
   checkpoint_duration_.Add({{"operation", std::string(operation)}}, checkpoint_buckets_).Observe(seconds);
 }
 
-void ServerMetrics::ObserveRpc(std::string_view method, absl::StatusCode code, double seconds) {
+void ServerMetrics::ObserveRpc(std::string_view method, RpcKind kind, absl::StatusCode code, double seconds) {
   const std::string code_name = absl::StatusCodeToString(code);
-  rpc_duration_.Add({{"method", std::string(method)}, {"code", code_name}}, rpc_buckets_).Observe(seconds);
+  const prometheus::Labels labels{{"method", std::string(method)}, {"code", code_name}};
+  if (kind == RpcKind::kUnary) {
+    rpc_duration_.Add(labels, rpc_buckets_).Observe(seconds);
+  } else {
+    rpc_session_.Add(labels, session_buckets_).Observe(seconds);
+  }
   if (IsRefusal(code)) rejected_.Add({{"reason", absl::AsciiStrToLower(code_name)}}).Increment();
 }
 

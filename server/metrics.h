@@ -28,8 +28,11 @@ class ServerMetrics {
   void ObserveReplicaDivergence();
   // One checkpoint operation, "save" or "load", that succeeded.
   void ObserveCheckpoint(std::string_view operation, double seconds);
-  // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total.
-  void ObserveRpc(std::string_view method, absl::StatusCode code, double seconds);
+  // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total. A unary call's
+  // time is the daemon's latency (perception_rpc_duration_seconds); a bidirectional call (Train, Stream) lasts as
+  // long as its client keeps it open (perception_rpc_session_seconds).
+  enum class RpcKind { kUnary, kBidirectional };
+  void ObserveRpc(std::string_view method, RpcKind kind, absl::StatusCode code, double seconds);
 
   // One streaming tick: `instruments` events (one per instrument) in one batched step of `seconds`.
   void ObserveStreamTick(int instruments, double seconds);
@@ -52,7 +55,7 @@ class ServerMetrics {
   std::string Render() const;
 
  private:
-  const prometheus::Histogram::BucketBoundaries rpc_buckets_, checkpoint_buckets_;
+  const prometheus::Histogram::BucketBoundaries rpc_buckets_, session_buckets_, checkpoint_buckets_;
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Histogram& train_step_seconds_;
   prometheus::Counter& train_steps_;
@@ -63,6 +66,7 @@ class ServerMetrics {
   prometheus::Counter& replica_divergences_;
   prometheus::Counter& resident_idle_stops_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
+  prometheus::Family<prometheus::Histogram>& rpc_session_;
   prometheus::Family<prometheus::Counter>& rejected_;
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;
   prometheus::Gauge& model_parameters_;

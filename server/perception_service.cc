@@ -23,8 +23,9 @@ absl::StatusOr<v1::Model> ModelAfter(const absl::Status& change, const ModelHost
   return ToProto(*host.Status().model);
 }
 
-void Record(ServerMetrics& metrics, std::string_view method, const absl::Status& status, const Stopwatch& since) {
-  metrics.ObserveRpc(method, status.code(), since.Seconds());
+void Record(ServerMetrics& metrics, std::string_view method, ServerMetrics::RpcKind kind, const absl::Status& status,
+            const Stopwatch& since) {
+  metrics.ObserveRpc(method, kind, status.code(), since.Seconds());
   if (IsRefusal(status.code())) {
     spdlog::debug("{} refused: {}", method, status.ToString());
   } else if (!status.ok()) {
@@ -56,7 +57,7 @@ grpc::Status PerceptionService::Answer(std::string_view method, Handler handler)
   const Stopwatch stopwatch;
   absl::Status status = Admit();
   if (status.ok()) status = handler();
-  Record(metrics_, method, status, stopwatch);
+  Record(metrics_, method, ServerMetrics::RpcKind::kUnary, status, stopwatch);
   return ToGrpcStatus(status);
 }
 
@@ -176,7 +177,9 @@ grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* Perception
     grpc::CallbackServerContext*) {
   return new TrainReactor(
       worker_, limits_, [this] { return Admit(); },
-      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Train", status, stopwatch); });
+      [this, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Train", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      });
 }
 
 grpc::Status PerceptionService::Evaluate(grpc::ServerContext*, const v1::EvaluateRequest* request,
@@ -206,7 +209,9 @@ grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionServic
     grpc::CallbackServerContext*) {
   return new StreamReactor(
       streams_, stream_options_, [this] { return Admit(); },
-      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Stream", status, stopwatch); });
+      [this, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      });
 }
 
 grpc::Status PerceptionService::SeedStream(grpc::ServerContext*, const v1::SeedStreamRequest* request,

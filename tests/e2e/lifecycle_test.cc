@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "engine/checkpoint.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/batch_message.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
@@ -161,6 +164,12 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
                       },
                       [&](const v1::TrainStepResponse& response) { last_loss = response.loss(); })
                   .ok());
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 3, 20);
+  v1::StreamRequest events;
+  for (int t = 0; t < 3; ++t) *events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([](const v1::StreamResponse&) {});
+  ASSERT_TRUE(stream->Write(events));
+  ASSERT_TRUE(stream->Finish().ok());
   v1::TrainStepRequest bad = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 30), config);
   bad.mutable_batch()->set_x(0, NAN);
   ASSERT_FALSE(client.TrainStep(bad).ok());
@@ -176,7 +185,11 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   EXPECT_GT(Sample(*busy, "perception_train_step_seconds_sum"), 0);
   EXPECT_NEAR(Sample(*busy, "perception_train_loss"), last_loss, 1e-9);
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="TrainStep"})"), 5);
-  EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})"), 1);
+  // A bidirectional call lasts as long as its client keeps it open: its length is not an RPC latency.
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Train"})"), 1);
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Stream"})"), 1);
+  EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})")));
+  EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Stream"})")));
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="INVALID_ARGUMENT",method="TrainStep"})"), 1);
   EXPECT_EQ(Sample(*busy, R"(perception_requests_rejected_total{reason="invalid_argument"})"), 1);
   EXPECT_EQ(Sample(*busy, R"(perception_checkpoint_duration_seconds_count{operation="save"})"), 1);
