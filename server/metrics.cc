@@ -159,7 +159,10 @@ ServerMetrics::ServerMetrics()
                        .Register(*registry_)),
       rejected_(prometheus::BuildCounter()
                     .Name("perception_requests_rejected_total")
-                    .Help("Requests refused, by reason: the status code they were refused with, in lower case.")
+                    .Help("Requests refused, by reason: the status code they were refused with, in lower case "
+                          "(invalid_argument, failed_precondition, not_found, unavailable while draining, "
+                          "resource_exhausted: a full queue, a limit, or the device's memory). Failures such as "
+                          "data_loss or internal are not refusals: see the RPC histograms' code label.")
                     .Register(*registry_)),
       checkpoint_duration_(prometheus::BuildHistogram()
                                .Name("perception_checkpoint_duration_seconds")
@@ -286,7 +289,6 @@ bool IsRefusal(absl::StatusCode code) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kDataLoss:
     case absl::StatusCode::kResourceExhausted:
     case absl::StatusCode::kUnavailable:
       return true;

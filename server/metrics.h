@@ -81,8 +81,10 @@ class ServerMetrics {
   prometheus::Gauge& stream_weights_version_;
 };
 
-// A status that refuses the request (bad input, no model, a limit, draining, a missing or corrupt checkpoint),
-// as opposed to OK, a client that gave up (CANCELLED, DEADLINE_EXCEEDED) or a failure of the daemon itself.
+// A status that refuses the request (bad input, no model, a limit or a full queue, draining, a missing checkpoint),
+// as opposed to OK, a client that gave up (CANCELLED, DEADLINE_EXCEEDED) or a failure: DATA_LOSS (a corrupt
+// checkpoint, data-parallel replicas that diverged), INTERNAL and the like. RESOURCE_EXHAUSTED counts as a refusal
+// although a device out of memory answers it too.
 bool IsRefusal(absl::StatusCode code);
 
 }  // namespace perception::server

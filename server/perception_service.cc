@@ -23,14 +23,29 @@ absl::StatusOr<v1::Model> ModelAfter(const absl::Status& change, const ModelHost
   return ToProto(*host.Status().model);
 }
 
+// How loudly a call that did not succeed is logged. A plain refusal is the client's business; RESOURCE_EXHAUSTED
+// may be the device's memory running out rather than a full queue, and a client that gave up is worth a note;
+// DATA_LOSS (a replica divergence, a corrupt checkpoint) and the daemon's own failures need an operator.
+spdlog::level::level_enum LogLevelOf(absl::StatusCode code) {
+  if (code == absl::StatusCode::kResourceExhausted) return spdlog::level::warn;
+  if (IsRefusal(code)) return spdlog::level::debug;
+  switch (code) {
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kAborted:
+      return spdlog::level::err;
+    default:
+      return spdlog::level::warn;
+  }
+}
+
 void Record(ServerMetrics& metrics, std::string_view method, ServerMetrics::RpcKind kind, const absl::Status& status,
             const Stopwatch& since) {
   metrics.ObserveRpc(method, kind, status.code(), since.Seconds());
-  if (IsRefusal(status.code())) {
-    spdlog::debug("{} refused: {}", method, status.ToString());
-  } else if (!status.ok()) {
-    spdlog::warn("{} failed: {}", method, status.ToString());
-  }
+  if (status.ok()) return;
+  spdlog::log(LogLevelOf(status.code()), "{} {}: {}", method, IsRefusal(status.code()) ? "refused" : "failed",
+              status.ToString());
 }
 
 }  // namespace
