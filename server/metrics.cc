@@ -210,9 +210,9 @@ ServerMetrics::ServerMetrics()
                                    .Add({})),
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
-                           .Help("Streamed events refused, by reason: sequence, features, book, capacity, "
-                                 "model_change, stopped (by a failed tick, until reset), no_model, draining, "
-                                 "empty (a request without events).")
+                           .Help("Streamed events refused, by reason: sequence, features, book, exchange_time "
+                                 "(too far from the stream's first event's), capacity, model_change, stopped (by a "
+                                 "failed tick, until reset), no_model, empty (a request without events).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")
