@@ -117,7 +117,8 @@ ServerMetrics::ServerMetrics()
                        .Add({})),
       train_loss_(prometheus::BuildGauge()
                       .Name("perception_train_loss")
-                      .Help("Masked BCE of the latest training batch, before its update.")
+                      .Help("Masked BCE of the latest training batch, before its update; NaN until the resident "
+                            "model (the last InitModel or LoadCheckpoint) trains.")
                       .Register(*registry_)
                       .Add({})),
       train_graph_captures_(prometheus::BuildCounter()
@@ -218,7 +219,9 @@ ServerMetrics::ServerMetrics()
                                   .Name("perception_stream_weights_version")
                                   .Help("Weights version of the published copy streaming reads; 0 before streaming.")
                                   .Register(*registry_)
-                                  .Add({})) {}
+                                  .Add({})) {
+  ForgetTrainLoss();
+}
 
 void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
   stream_events_.Increment(instruments);
@@ -250,6 +253,8 @@ void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t
   train_graph_captures_.Increment(static_cast<double>(graph_captures));
   train_graph_replays_.Increment(static_cast<double>(graph_replays));
 }
+
+void ServerMetrics::ForgetTrainLoss() { train_loss_.Set(std::numeric_limits<double>::quiet_NaN()); }
 
 void ServerMetrics::ObserveReplicaChecks(int64_t equal) { replica_checks_.Increment(static_cast<double>(equal)); }
 

@@ -22,6 +22,9 @@ class ServerMetrics {
 
   // One training step that ran on the device, and the CUDA graphs it captured (0 or 1) and replayed (0 or 1).
   void ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures, int64_t graph_replays);
+  // A new model is resident (InitModel, LoadCheckpoint): the last loss was another model's, so the loss reads NaN
+  // (no sample, a gap on a dashboard, where 0 would read as a perfect fit) until the new model trains.
+  void ForgetTrainLoss();
   // Data parallel: parameter checksums compared across the ranks and found equal, and a check that found them
   // differing.
   void ObserveReplicaChecks(int64_t equal);

@@ -151,6 +151,7 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   ASSERT_TRUE(idle.ok()) << idle.status();
   ExpectPromtoolAccepts(*idle, dir);
   EXPECT_EQ(Sample(*idle, "perception_train_steps_total"), 0);
+  EXPECT_TRUE(std::isnan(Sample(*idle, "perception_train_loss")));  // no training yet: not a loss of 0
 
   const ModelConfig config = TinyConfig();
   for (int i = 0; i < 5; ++i)
@@ -202,6 +203,18 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   EXPECT_GE(Sample(*busy, "process_max_fds"), Sample(*busy, "process_open_fds"));
   EXPECT_NEAR(Sample(*busy, "process_start_time_seconds"), absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), 600);
   EXPECT_FALSE(HttpGet((*daemon)->metrics_port(), "/other").ok());
+
+  // A loaded model has not trained yet: the loss of the model it replaced is not its own.
+  v1::CloseStreamRequest close;
+  close.set_instrument("A");
+  ASSERT_TRUE(client.CloseStream(close).ok());
+  v1::LoadCheckpointRequest load;
+  load.set_name("m.safetensors");
+  ASSERT_TRUE(client.LoadCheckpoint(load).ok());
+  absl::StatusOr<std::string> loaded = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(std::isnan(Sample(*loaded, "perception_train_loss")));
+  EXPECT_EQ(Sample(*loaded, "perception_train_steps_total"), 12);
 
   (*daemon)->Signal(SIGINT);
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
