@@ -28,6 +28,11 @@ prometheus::Histogram::BucketBoundaries DecadeBuckets(int first, int last) {
   return bounds;
 }
 
+// A bidirectional call lasts from well under a second (refused at once) to a trading day or more.
+prometheus::Histogram::BucketBoundaries SessionBuckets() {
+  return {0.01, 0.1, 1, 10, 60, 300, 900, 1800, 3600, 7200, 14400, 28800, 43200, 86400};
+}
+
 // 1, 2, 4, ... up to `last`: instruments per tick.
 prometheus::Histogram::BucketBoundaries PowerOfTwoBuckets(double last) {
   prometheus::Histogram::BucketBoundaries bounds;
@@ -97,6 +102,7 @@ std::vector<prometheus::MetricFamily> ProcessMetrics() {
 
 ServerMetrics::ServerMetrics()
     : rpc_buckets_(DecadeBuckets(-5, 2)),
+      session_buckets_(SessionBuckets()),
       checkpoint_buckets_(DecadeBuckets(-4, 2)),
       registry_(std::make_shared<prometheus::Registry>()),
       train_step_seconds_(prometheus::BuildHistogram()
@@ -111,7 +117,8 @@ ServerMetrics::ServerMetrics()
                        .Add({})),
       train_loss_(prometheus::BuildGauge()
                       .Name("perception_train_loss")
-                      .Help("Masked BCE of the latest training batch, before its update.")
+                      .Help("Masked BCE of the latest training batch, before its update; NaN until the resident "
+                            "model (the last InitModel or LoadCheckpoint) trains.")
                       .Register(*registry_)
                       .Add({})),
       train_graph_captures_(prometheus::BuildCounter()
@@ -143,11 +150,20 @@ ServerMetrics::ServerMetrics()
                                .Add({})),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("perception_rpc_duration_seconds")
-                        .Help("Time from receiving an RPC to answering it in seconds, by method and status code.")
+                        .Help("Time from receiving a unary RPC to answering it in seconds, by method and status "
+                              "code (Train and Stream: perception_rpc_session_seconds).")
                         .Register(*registry_)),
+      rpc_session_(prometheus::BuildHistogram()
+                       .Name("perception_rpc_session_seconds")
+                       .Help("Length of a bidirectional call (Train, Stream), from its start to its end, in seconds, "
+                             "by method and status code: as long as the client keeps it open.")
+                       .Register(*registry_)),
       rejected_(prometheus::BuildCounter()
                     .Name("perception_requests_rejected_total")
-                    .Help("Requests refused, by reason: the status code they were refused with, in lower case.")
+                    .Help("Requests refused, by reason: the status code they were refused with, in lower case "
+                          "(invalid_argument, failed_precondition, not_found, unavailable while draining, "
+                          "resource_exhausted: a full queue, a limit, or the device's memory). Failures such as "
+                          "data_loss or internal are not refusals: see the RPC histograms' code label.")
                     .Register(*registry_)),
       checkpoint_duration_(prometheus::BuildHistogram()
                                .Name("perception_checkpoint_duration_seconds")
@@ -195,15 +211,17 @@ ServerMetrics::ServerMetrics()
                                    .Add({})),
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
-                           .Help("Streamed events refused, by reason: sequence, features, book, capacity, "
-                                 "model_change, stopped (by a failed tick, until reset), no_model, draining, "
-                                 "empty (a request without events).")
+                           .Help("Streamed events refused, by reason: sequence, features, book, exchange_time "
+                                 "(too far from the stream's first event's), capacity, model_change, stopped (by a "
+                                 "failed tick, until reset), no_model, empty (a request without events).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")
                                   .Help("Weights version of the published copy streaming reads; 0 before streaming.")
                                   .Register(*registry_)
-                                  .Add({})) {}
+                                  .Add({})) {
+  ForgetTrainLoss();
+}
 
 void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
   stream_events_.Increment(instruments);
@@ -236,6 +254,8 @@ void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t
   train_graph_replays_.Increment(static_cast<double>(graph_replays));
 }
 
+void ServerMetrics::ForgetTrainLoss() { train_loss_.Set(std::numeric_limits<double>::quiet_NaN()); }
+
 void ServerMetrics::ObserveReplicaChecks(int64_t equal) { replica_checks_.Increment(static_cast<double>(equal)); }
 
 void ServerMetrics::ObserveReplicaDivergence() { replica_divergences_.Increment(); }
@@ -246,9 +266,14 @@ void ServerMetrics::ObserveCheckpoint(std::string_view operation, double seconds
   checkpoint_duration_.Add({{"operation", std::string(operation)}}, checkpoint_buckets_).Observe(seconds);
 }
 
-void ServerMetrics::ObserveRpc(std::string_view method, absl::StatusCode code, double seconds) {
+void ServerMetrics::ObserveRpc(std::string_view method, RpcKind kind, absl::StatusCode code, double seconds) {
   const std::string code_name = absl::StatusCodeToString(code);
-  rpc_duration_.Add({{"method", std::string(method)}, {"code", code_name}}, rpc_buckets_).Observe(seconds);
+  const prometheus::Labels labels{{"method", std::string(method)}, {"code", code_name}};
+  if (kind == RpcKind::kUnary) {
+    rpc_duration_.Add(labels, rpc_buckets_).Observe(seconds);
+  } else {
+    rpc_session_.Add(labels, session_buckets_).Observe(seconds);
+  }
   if (IsRefusal(code)) rejected_.Add({{"reason", absl::AsciiStrToLower(code_name)}}).Increment();
 }
 
@@ -269,7 +294,6 @@ bool IsRefusal(absl::StatusCode code) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kDataLoss:
     case absl::StatusCode::kResourceExhausted:
     case absl::StatusCode::kUnavailable:
       return true;

@@ -22,14 +22,20 @@ class ServerMetrics {
 
   // One training step that ran on the device, and the CUDA graphs it captured (0 or 1) and replayed (0 or 1).
   void ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures, int64_t graph_replays);
+  // A new model is resident (InitModel, LoadCheckpoint): the last loss was another model's, so the loss reads NaN
+  // (no sample, a gap on a dashboard, where 0 would read as a perfect fit) until the new model trains.
+  void ForgetTrainLoss();
   // Data parallel: parameter checksums compared across the ranks and found equal, and a check that found them
   // differing.
   void ObserveReplicaChecks(int64_t equal);
   void ObserveReplicaDivergence();
   // One checkpoint operation, "save" or "load", that succeeded.
   void ObserveCheckpoint(std::string_view operation, double seconds);
-  // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total.
-  void ObserveRpc(std::string_view method, absl::StatusCode code, double seconds);
+  // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total. A unary call's
+  // time is the daemon's latency (perception_rpc_duration_seconds); a bidirectional call (Train, Stream) lasts as
+  // long as its client keeps it open (perception_rpc_session_seconds).
+  enum class RpcKind { kUnary, kBidirectional };
+  void ObserveRpc(std::string_view method, RpcKind kind, absl::StatusCode code, double seconds);
 
   // One streaming tick: `instruments` events (one per instrument) in one batched step of `seconds`.
   void ObserveStreamTick(int instruments, double seconds);
@@ -52,7 +58,7 @@ class ServerMetrics {
   std::string Render() const;
 
  private:
-  const prometheus::Histogram::BucketBoundaries rpc_buckets_, checkpoint_buckets_;
+  const prometheus::Histogram::BucketBoundaries rpc_buckets_, session_buckets_, checkpoint_buckets_;
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Histogram& train_step_seconds_;
   prometheus::Counter& train_steps_;
@@ -63,6 +69,7 @@ class ServerMetrics {
   prometheus::Counter& replica_divergences_;
   prometheus::Counter& resident_idle_stops_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
+  prometheus::Family<prometheus::Histogram>& rpc_session_;
   prometheus::Family<prometheus::Counter>& rejected_;
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;
   prometheus::Gauge& model_parameters_;
@@ -77,8 +84,10 @@ class ServerMetrics {
   prometheus::Gauge& stream_weights_version_;
 };
 
-// A status that refuses the request (bad input, no model, a limit, draining, a missing or corrupt checkpoint),
-// as opposed to OK, a client that gave up (CANCELLED, DEADLINE_EXCEEDED) or a failure of the daemon itself.
+// A status that refuses the request (bad input, no model, a limit or a full queue, draining, a missing checkpoint),
+// as opposed to OK, a client that gave up (CANCELLED, DEADLINE_EXCEEDED) or a failure: DATA_LOSS (a corrupt
+// checkpoint, data-parallel replicas that diverged), INTERNAL and the like. RESOURCE_EXHAUSTED counts as a refusal
+// although a device out of memory answers it too.
 bool IsRefusal(absl::StatusCode code);
 
 }  // namespace perception::server

@@ -1,4 +1,4 @@
-// GET /metrics over plain sockets: accept, read the request head, answer, close.
+// GET /metrics over plain non-blocking sockets: one poll loop accepts, reads each request head, answers and closes.
 #include "server/metrics_http_server.h"
 
 #include <fcntl.h>
@@ -7,9 +7,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -18,7 +22,13 @@
 namespace perception::server {
 namespace {
 
-constexpr int kIoTimeoutSeconds = 5;
+using Clock = std::chrono::steady_clock;
+
+// A scrape takes milliseconds; a connection that has not sent its head and taken its answer by then is dropped,
+// however it trickles, so that it does not hold one of the few slots.
+constexpr Clock::duration kConnectionDeadline = std::chrono::seconds(2);
+// Connections served at once; more wait in the listen backlog until a slot frees, within kConnectionDeadline.
+constexpr size_t kMaxConnections = 16;
 constexpr size_t kMaxRequestHead = 8192;
 
 absl::Status Errno(absl::string_view what, const std::string& address) {
@@ -49,7 +59,8 @@ absl::StatusOr<int> Listen(const std::string& address) {
       error != 0) {
     return absl::InvalidArgumentError(absl::StrCat("metrics address '", address, "': ", ::gai_strerror(error)));
   }
-  const int fd = ::socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol);
+  // Non-blocking: a client that resets its connection between poll and accept must not block the thread in accept.
+  const int fd = ::socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, found->ai_protocol);
   const int reuse = 1;
   const bool ok = fd >= 0 && ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof(reuse)) == 0 &&
                   ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 && ::listen(fd, 16) == 0;
@@ -71,26 +82,13 @@ int BoundPort(int fd) {
   return ntohs(port);
 }
 
-// Reads until the end of the request head; the body of a GET is empty.
-std::string ReadRequestHead(int connection) {
-  std::string head;
-  char chunk[1024];
-  while (head.size() < kMaxRequestHead && head.find("\r\n\r\n") == std::string::npos) {
-    const ssize_t n = ::recv(connection, chunk, sizeof(chunk), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    head.append(chunk, static_cast<size_t>(n));
-  }
-  return head;
-}
+// True when a failed recv or send only has to be tried again once poll says so.
+bool WouldBlock() { return errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK; }
 
-void SendAll(int connection, absl::string_view bytes) {
-  while (!bytes.empty()) {
-    const ssize_t n = ::send(connection, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // the scraper went away; nothing to do
-    bytes.remove_prefix(static_cast<size_t>(n));
-  }
+// Milliseconds from now until `deadline`, rounded up so that poll does not wake just before it; 0 once past.
+int PollTimeoutMs(Clock::time_point deadline) {
+  const std::chrono::milliseconds left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
 std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body) {
@@ -99,6 +97,18 @@ std::string Response(absl::string_view status, absl::string_view content_type, a
 }
 
 }  // namespace
+
+struct MetricsHttpServer::Connection {
+  Connection(int fd, Clock::time_point deadline) : fd(fd), deadline(deadline) {}
+
+  int fd;
+  Clock::time_point deadline;
+  std::string head;        // the request head received so far
+  bool answering = false;  // the head is complete and `answer` is set
+  std::string answer;
+  size_t sent = 0;    // bytes of `answer` sent
+  bool done = false;  // answered, or failed
+};
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& address,
                                                                             std::function<std::string()> render) {
@@ -131,44 +141,80 @@ MetricsHttpServer::~MetricsHttpServer() {
 }
 
 void MetricsHttpServer::Serve() {
-  pollfd watched[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
+  std::vector<Connection> connections;
+  std::vector<pollfd> watched;
   while (true) {
-    if (::poll(watched, 2, -1) < 0) {
+    // The wake pipe, the listener (ignored, as fd -1, while every slot is taken), then each connection.
+    watched = {{wake_pipe_[0], POLLIN, 0}, {connections.size() < kMaxConnections ? listen_fd_ : -1, POLLIN, 0}};
+    Clock::time_point next_deadline = Clock::time_point::max();
+    for (const Connection& connection : connections) {
+      watched.push_back({connection.fd, static_cast<short>(connection.answering ? POLLOUT : POLLIN), 0});
+      next_deadline = std::min(next_deadline, connection.deadline);
+    }
+    const int timeout_ms = connections.empty() ? -1 : PollTimeoutMs(next_deadline);
+    if (::poll(watched.data(), watched.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       spdlog::error("metrics: poll failed: {}", std::strerror(errno));
-      return;
+      break;
     }
-    if (watched[1].revents != 0) return;
-    const int connection = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;  // the client went away between poll and accept
-    const timeval timeout{kIoTimeoutSeconds, 0};
-    ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    ::setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-    Answer(connection);
-    ::close(connection);
+    if (watched[0].revents != 0) break;
+    for (size_t i = 0; i < connections.size(); ++i) {
+      if (watched[i + 2].revents != 0) Advance(connections[i]);
+    }
+    const Clock::time_point now = Clock::now();
+    std::erase_if(connections, [now](const Connection& connection) {
+      const bool over = connection.done || now >= connection.deadline;
+      if (over) ::close(connection.fd);
+      return over;
+    });
+    if (watched[1].revents != 0) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) connections.emplace_back(fd, now + kConnectionDeadline);
+    }
   }
+  for (const Connection& connection : connections) ::close(connection.fd);
 }
 
-void MetricsHttpServer::Answer(int connection) const {
-  const std::string head = ReadRequestHead(connection);
-  const absl::string_view request_line = absl::string_view(head).substr(0, head.find("\r\n"));
+void MetricsHttpServer::Advance(Connection& connection) const {
+  if (!connection.answering) {
+    char chunk[1024];
+    const ssize_t n = ::recv(connection.fd, chunk, sizeof(chunk), 0);
+    if (n < 0) {
+      connection.done = !WouldBlock();
+      return;
+    }
+    connection.head.append(chunk, static_cast<size_t>(n));
+    // n == 0: the client sent all it will; it is answered from what there is. The body of a GET is empty.
+    if (n > 0 && connection.head.size() < kMaxRequestHead && connection.head.find("\r\n\r\n") == std::string::npos) {
+      return;
+    }
+    connection.answer = Respond(connection.head);
+    connection.answering = true;
+  }
+  const absl::string_view rest = absl::string_view(connection.answer).substr(connection.sent);
+  const ssize_t n = ::send(connection.fd, rest.data(), rest.size(), MSG_NOSIGNAL);
+  if (n < 0) {
+    connection.done = !WouldBlock();  // the scraper went away: nothing to do but close
+    return;
+  }
+  connection.sent += static_cast<size_t>(n);
+  connection.done = connection.sent == connection.answer.size();
+}
+
+std::string MetricsHttpServer::Respond(absl::string_view head) const {
+  const absl::string_view request_line = head.substr(0, head.find("\r\n"));
   // "METHOD TARGET VERSION"; a query string on the target is ignored.
   const size_t method_end = request_line.find(' ');
   const size_t target_end = request_line.find(' ', method_end + 1);
   if (method_end == absl::string_view::npos || target_end == absl::string_view::npos) {
-    SendAll(connection, Response("400 Bad Request", "text/plain", "malformed request line\n"));
-    return;
+    return Response("400 Bad Request", "text/plain", "malformed request line\n");
   }
   const absl::string_view method = request_line.substr(0, method_end);
   absl::string_view target = request_line.substr(method_end + 1, target_end - method_end - 1);
   target = target.substr(0, target.find('?'));
-  if (target != "/metrics") {
-    SendAll(connection, Response("404 Not Found", "text/plain", "only /metrics is served here\n"));
-  } else if (method != "GET") {
-    SendAll(connection, Response("405 Method Not Allowed", "text/plain", "use GET\n"));
-  } else {
-    SendAll(connection, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_()));
-  }
+  if (target != "/metrics") return Response("404 Not Found", "text/plain", "only /metrics is served here\n");
+  if (method != "GET") return Response("405 Method Not Allowed", "text/plain", "use GET\n");
+  return Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_());
 }
 
 }  // namespace perception::server

@@ -9,23 +9,31 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace perception::server {
 
 class MetricsHttpServer {
  public:
-  // Listens on `address` ("host:port"; port 0 picks a free one) and answers GET /metrics with `render()`, one
-  // connection at a time: scrapes are rare and small, and a stalled client is cut off after a few seconds.
+  // Listens on `address` ("host:port"; port 0 picks a free one) and answers GET /metrics with `render()`. One thread
+  // polls the listener and every open connection (up to 16); each connection has 2 s in all to send its request
+  // head and take its answer, so an idle or trickling client neither delays a concurrent scrape nor holds its slot
+  // for long, and the destructor does not wait for it.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
                                                                   std::function<std::string()> render);
-  ~MetricsHttpServer();  // stops listening and joins the thread
+  ~MetricsHttpServer();  // stops listening, drops the open connections and joins the thread
 
   int port() const { return port_; }
 
  private:
   MetricsHttpServer(int listen_fd, int port, std::array<int, 2> wake_pipe, std::function<std::string()> render);
+  struct Connection;
+
   void Serve();
-  void Answer(int connection) const;
+  // Reads what `connection` sent until its request head is complete, then sends it the answer.
+  void Advance(Connection& connection) const;
+  // The whole HTTP answer to the request whose head is `head`.
+  std::string Respond(absl::string_view head) const;
 
   const int listen_fd_;
   const int port_;

@@ -261,6 +261,7 @@ void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig&
   step_ = step;
   normalizer_fitted_ = normalizer_fitted;
   ++weights_version_;
+  metrics_.ForgetTrainLoss();
 }
 
 void ModelHost::Adopt(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer) {

@@ -23,13 +23,29 @@ absl::StatusOr<v1::Model> ModelAfter(const absl::Status& change, const ModelHost
   return ToProto(*host.Status().model);
 }
 
-void Record(ServerMetrics& metrics, std::string_view method, const absl::Status& status, const Stopwatch& since) {
-  metrics.ObserveRpc(method, status.code(), since.Seconds());
-  if (IsRefusal(status.code())) {
-    spdlog::debug("{} refused: {}", method, status.ToString());
-  } else if (!status.ok()) {
-    spdlog::warn("{} failed: {}", method, status.ToString());
+// How loudly a call that did not succeed is logged. A plain refusal is the client's business; RESOURCE_EXHAUSTED
+// may be the device's memory running out rather than a full queue, and a client that gave up is worth a note;
+// DATA_LOSS (a replica divergence, a corrupt checkpoint) and the daemon's own failures need an operator.
+spdlog::level::level_enum LogLevelOf(absl::StatusCode code) {
+  if (code == absl::StatusCode::kResourceExhausted) return spdlog::level::warn;
+  if (IsRefusal(code)) return spdlog::level::debug;
+  switch (code) {
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kAborted:
+      return spdlog::level::err;
+    default:
+      return spdlog::level::warn;
   }
+}
+
+void Record(ServerMetrics& metrics, std::string_view method, ServerMetrics::RpcKind kind, const absl::Status& status,
+            const Stopwatch& since) {
+  metrics.ObserveRpc(method, kind, status.code(), since.Seconds());
+  if (status.ok()) return;
+  spdlog::log(LogLevelOf(status.code()), "{} {}: {}", method, IsRefusal(status.code()) ? "refused" : "failed",
+              status.ToString());
 }
 
 }  // namespace
@@ -56,7 +72,7 @@ grpc::Status PerceptionService::Answer(std::string_view method, Handler handler)
   const Stopwatch stopwatch;
   absl::Status status = Admit();
   if (status.ok()) status = handler();
-  Record(metrics_, method, status, stopwatch);
+  Record(metrics_, method, ServerMetrics::RpcKind::kUnary, status, stopwatch);
   return ToGrpcStatus(status);
 }
 
@@ -179,7 +195,9 @@ grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* Perception
     grpc::CallbackServerContext*) {
   return new TrainReactor(
       worker_, limits_, [this] { return Admit(); },
-      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Train", status, stopwatch); });
+      [this, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Train", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      });
 }
 
 grpc::Status PerceptionService::Evaluate(grpc::ServerContext*, const v1::EvaluateRequest* request,
@@ -209,7 +227,9 @@ grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionServic
     grpc::CallbackServerContext*) {
   return new StreamReactor(
       streams_, stream_options_, [this] { return Admit(); },
-      [this, stopwatch = Stopwatch()](const absl::Status& status) { Record(metrics_, "Stream", status, stopwatch); });
+      [this, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      });
 }
 
 grpc::Status PerceptionService::SeedStream(grpc::ServerContext*, const v1::SeedStreamRequest* request,

@@ -313,12 +313,13 @@ absl::Status Serve() {
   PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
   RendezvousService rendezvous(data_parallel ? data_parallel->options.rank : 0,
                                data_parallel ? data_parallel->options.world_size : 0);
-  // The listener opens first so that a data-parallel rank 0 can hand out the NCCL id while it joins; health says
-  // SERVING once the job is joined and the model is ready.
+  // Both listeners open before the data-parallel join and --load or --init_config: scrapes see the daemon through a
+  // long join or load (nothing they render needs a model), and a data-parallel rank 0 can hand out the NCCL id
+  // while it joins. Health says SERVING once the job is joined and the model is ready.
+  ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
   ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits));
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
   RETURN_IF_ERROR(PrepareModel(worker, streams, checkpoints, limits));
-  ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
   ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
   server->GetHealthCheckService()->SetServingStatus(true);
 

@@ -99,7 +99,8 @@ absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
 }
 
 absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue,
-                                            LobsterFeaturizer* featurizer, std::span<float> x, float& dt) const {
+                                            LobsterFeaturizer* featurizer, std::span<float> x, float& dt,
+                                            std::string& reason) const {
   if (event.has_features()) {
     std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
     dt = event.features().dt();
@@ -107,7 +108,9 @@ absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQu
   }
   const v1::LobsterEvent& l = event.lobster();
   const int64_t base = queue.base_time_ns.value_or(event.exchange_time_ns());
+  reason = "exchange_time";
   ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
+  reason = "book";
   ASSIGN_OR_RETURN(const double seconds,
                    featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
   dt = static_cast<float>(seconds);
@@ -133,9 +136,9 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
   if (event.has_lobster()) {
     ASSIGN_OR_RETURN(LobsterFeaturizer * featurizer, table_.Featurizer(slot, event.lobster().book_size() / 4));
     trial = *featurizer;
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, &*trial, x, dt));
+    RETURN_IF_ERROR(FeaturizeLocked(event, queue, &*trial, x, dt, reason));
   } else {
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, nullptr, x, dt));
+    RETURN_IF_ERROR(FeaturizeLocked(event, queue, nullptr, x, dt, reason));
   }
   reason = "sequence";
   RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
@@ -367,7 +370,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       }
       if (status.ok()) {
         status = FeaturizeLocked(event, scratch, lobster ? &*featurizer : nullptr,
-                                 std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i]);
+                                 std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i], reason);
       }
       if (!status.ok()) return Prefixed(status, absl::StrCat("seed window ", Where(i, event)));
     }

@@ -112,9 +112,11 @@ class StreamBatcher {
 
   // The instrument's slot for a new event, opening the stream on first use.
   absl::StatusOr<int> OpenLocked(const std::string& instrument) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success).
+  // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success). `reason`
+  // names the metric label of a refusal.
   absl::Status FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue, LobsterFeaturizer* featurizer,
-                               std::span<float> x, float& dt) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                               std::span<float> x, float& dt, std::string& reason) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

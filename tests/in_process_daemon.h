@@ -41,6 +41,7 @@ class InProcessDaemon {
 
   v1::Perception::Stub& stub() { return *stub_; }
   server::DeviceWorker& worker() { return worker_; }
+  const server::ServerMetrics& metrics() const { return metrics_; }
 
  private:
   server::ServerMetrics metrics_;

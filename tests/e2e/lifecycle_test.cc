@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "engine/checkpoint.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/batch_message.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
@@ -148,6 +151,7 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   ASSERT_TRUE(idle.ok()) << idle.status();
   ExpectPromtoolAccepts(*idle, dir);
   EXPECT_EQ(Sample(*idle, "perception_train_steps_total"), 0);
+  EXPECT_TRUE(std::isnan(Sample(*idle, "perception_train_loss")));  // no training yet: not a loss of 0
 
   const ModelConfig config = TinyConfig();
   for (int i = 0; i < 5; ++i)
@@ -161,6 +165,12 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
                       },
                       [&](const v1::TrainStepResponse& response) { last_loss = response.loss(); })
                   .ok());
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 3, 20);
+  v1::StreamRequest events;
+  for (int t = 0; t < 3; ++t) *events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([](const v1::StreamResponse&) {});
+  ASSERT_TRUE(stream->Write(events));
+  ASSERT_TRUE(stream->Finish().ok());
   v1::TrainStepRequest bad = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 30), config);
   bad.mutable_batch()->set_x(0, NAN);
   ASSERT_FALSE(client.TrainStep(bad).ok());
@@ -176,7 +186,11 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   EXPECT_GT(Sample(*busy, "perception_train_step_seconds_sum"), 0);
   EXPECT_NEAR(Sample(*busy, "perception_train_loss"), last_loss, 1e-9);
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="TrainStep"})"), 5);
-  EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})"), 1);
+  // A bidirectional call lasts as long as its client keeps it open: its length is not an RPC latency.
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Train"})"), 1);
+  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Stream"})"), 1);
+  EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})")));
+  EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Stream"})")));
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="INVALID_ARGUMENT",method="TrainStep"})"), 1);
   EXPECT_EQ(Sample(*busy, R"(perception_requests_rejected_total{reason="invalid_argument"})"), 1);
   EXPECT_EQ(Sample(*busy, R"(perception_checkpoint_duration_seconds_count{operation="save"})"), 1);
@@ -189,6 +203,18 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   EXPECT_GE(Sample(*busy, "process_max_fds"), Sample(*busy, "process_open_fds"));
   EXPECT_NEAR(Sample(*busy, "process_start_time_seconds"), absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), 600);
   EXPECT_FALSE(HttpGet((*daemon)->metrics_port(), "/other").ok());
+
+  // A loaded model has not trained yet: the loss of the model it replaced is not its own.
+  v1::CloseStreamRequest close;
+  close.set_instrument("A");
+  ASSERT_TRUE(client.CloseStream(close).ok());
+  v1::LoadCheckpointRequest load;
+  load.set_name("m.safetensors");
+  ASSERT_TRUE(client.LoadCheckpoint(load).ok());
+  absl::StatusOr<std::string> loaded = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(std::isnan(Sample(*loaded, "perception_train_loss")));
+  EXPECT_EQ(Sample(*loaded, "perception_train_steps_total"), 12);
 
   (*daemon)->Signal(SIGINT);
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));

@@ -592,7 +592,8 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
 
   absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok());
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 9"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 8"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"exchange_time\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 5"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));

@@ -1,0 +1,89 @@
+// A call the daemon fails, through the service in process: a training step that answers DATA_LOSS (a data-parallel
+// replica divergence) is a failure an operator must see, logged at error level, not a refusal of the client's.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/config.h"
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
+#include "tests/batch_message.h"
+#include "tests/forwarding_backend.h"
+#include "tests/in_process_daemon.h"
+#include "tests/test_util.h"
+
+namespace perception::testing {
+namespace {
+
+using ::testing::Contains;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+// Every training step fails as a replica check that found the ranks' parameters differing does.
+class DivergingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+
+  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>&) override {
+    return absl::DataLossError("data-parallel parameters diverged after step 1: an injected divergence");
+  }
+};
+
+// The default logger's records, as "level|message", while it is in scope.
+class CapturedLog {
+ public:
+  CapturedLog() : previous_(spdlog::default_logger()) {
+    sink_->set_pattern("%l|%v");
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("captured", sink_));
+  }
+  ~CapturedLog() { spdlog::set_default_logger(previous_); }
+
+  std::vector<std::string> lines() const { return sink_->last_formatted(); }
+
+ private:
+  const std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink_ =
+      std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  const std::shared_ptr<spdlog::logger> previous_;
+};
+
+std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
+
+TEST(FailureMetricsTest, ADataLossStepIsAnErrorAndNotARefusal) {
+  const CapturedLog log;
+  InProcessDaemon daemon(
+      [](std::unique_ptr<Backend> inner) { return std::make_unique<DivergingBackend>(std::move(inner)); },
+      "failure_metrics_checkpoints");
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  grpc::ClientContext init_context;
+  init_context.set_deadline(Deadline());
+  v1::InitModelResponse model;
+  ASSERT_TRUE(daemon.stub().InitModel(&init_context, init, &model).ok());
+
+  const ModelConfig config = *NamedConfig("tiny");
+  v1::TrainStepRequest request;
+  *request.mutable_batch() = BatchMessage(MakeRandomBatch(config, config.batch, config.window, 1), config);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  v1::TrainStepResponse response;
+  const grpc::Status status = daemon.stub().TrainStep(&context, request, &response);
+  ASSERT_EQ(status.error_code(), grpc::StatusCode::DATA_LOSS) << status.error_message();
+
+  const std::string metrics = daemon.metrics().Render();
+  EXPECT_THAT(metrics, HasSubstr("\nperception_replica_divergences_total 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("perception_rpc_duration_seconds_count{code=\"DATA_LOSS\",method=\"TrainStep\"} 1\n"));
+  EXPECT_THAT(metrics, Not(HasSubstr("perception_requests_rejected_total{")));
+  EXPECT_THAT(log.lines(), Contains(StartsWith("error|TrainStep failed: DATA_LOSS: data-parallel parameters")));
+}
+
+}  // namespace
+}  // namespace perception::testing

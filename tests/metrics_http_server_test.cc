@@ -1,0 +1,142 @@
+// The /metrics responder against clients that connect and send nothing or trickle their request: scrapes beside
+// them are answered at once, the slow ones are dropped at their deadline, and the destructor does not wait for them.
+#include "server/metrics_http_server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace perception::server {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A loopback connection to `port`, closed when it goes out of scope.
+class Client {
+ public:
+  explicit Client(int port) : fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  }
+  ~Client() { ::close(fd_); }
+
+  bool connected() const { return connected_; }
+  bool Send(const std::string& bytes) const {
+    return ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+  }
+  // Everything the server sends until it closes the connection, or what came before `timeout`.
+  std::string ReadToEnd(std::chrono::milliseconds timeout) const {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    std::string received;
+    char chunk[4096];
+    while (Clock::now() < deadline) {
+      pollfd readable{fd_, POLLIN, 0};
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (::poll(&readable, 1, static_cast<int>(left.count()) + 1) <= 0) continue;
+      const ssize_t n = ::recv(fd_, chunk, sizeof(chunk), 0);
+      if (n <= 0) return received;
+      received.append(chunk, static_cast<size_t>(n));
+    }
+    return received;
+  }
+
+ private:
+  const int fd_;
+  bool connected_ = false;
+};
+
+// A client that sends a request head one byte every 100 ms on its own thread, never reaching the head's end, until
+// `Stop` or the server drops it; its bytes run out after about 16 s, so that a server that waits for it is seen to be
+// slow instead of hanging the test.
+class Trickler {
+ public:
+  explicit Trickler(int port)
+      : thread_([this, port] {
+          Client client(port);
+          const std::string head = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + std::string(120, 'a');
+          for (size_t i = 0; i < head.size() && !stop_ && client.Send(head.substr(i, 1)); ++i) {
+            sent_ = i + 1;
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+        }) {}
+  ~Trickler() { Stop(); }
+
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  size_t sent() const { return sent_; }
+
+ private:
+  std::atomic<bool> stop_ = false;
+  std::atomic<size_t> sent_ = 0;
+  std::thread thread_;
+};
+
+std::unique_ptr<MetricsHttpServer> StartServer() {
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
+      MetricsHttpServer::Start("127.0.0.1:0", [] { return std::string("perception_test_metric 1\n"); });
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+void WaitUntilTrickling(const Trickler& trickler) {
+  const Clock::time_point start = Clock::now();
+  while (trickler.sent() < 2 && SecondsSince(start) < 5) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_GE(trickler.sent(), 2u);
+}
+
+TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBesideAnIdleAndATricklingClient) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const Clock::time_point opened = Clock::now();
+  const Client idle(server->port());  // as a port probe leaves it: connected, nothing sent
+  ASSERT_TRUE(idle.connected());
+  Trickler trickler(server->port());
+  WaitUntilTrickling(trickler);
+
+  const Clock::time_point asked = Clock::now();
+  const Client scraper(server->port());
+  ASSERT_TRUE(scraper.connected());
+  ASSERT_TRUE(scraper.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  const std::string answer = scraper.ReadToEnd(std::chrono::seconds(10));
+  EXPECT_LT(SecondsSince(asked), 1.0);
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
+
+  // The idle client is dropped, without an answer, at its 2 s deadline.
+  EXPECT_EQ(idle.ReadToEnd(std::chrono::seconds(10)), "");
+  EXPECT_LT(SecondsSince(opened), 3.0);
+}
+
+TEST(MetricsHttpServerTest, TheDestructorDoesNotWaitForATricklingClient) {
+  std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  Trickler trickler(server->port());
+  WaitUntilTrickling(trickler);
+
+  const Clock::time_point stopping = Clock::now();
+  server.reset();
+  EXPECT_LT(SecondsSince(stopping), 1.0);
+}
+
+}  // namespace
+}  // namespace perception::server
