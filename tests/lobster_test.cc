@@ -366,6 +366,17 @@ TEST(LobsterFeaturizer, HaltGivesNoTypeAndKeepsDirection) {
   ExpectTail(features, 1, 0.0, 0.0, /*type=*/7, 1);  // type 7 matches none of the one-hot slots 1..5
 }
 
+// A cross trade (an auction's execution) is accepted, and like a halt sets none of MODEL.md's five type columns.
+TEST(LobsterFeaturizer, CrossTradeGivesNoTypeAndKeepsDirection) {
+  LobsterFeaturizer featurizer(1);
+  std::vector<float> features(12, -7.f);
+  ASSERT_TRUE(
+      featurizer
+          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, LobsterMessage{34200.0, 6, 0, 0, 0, -1}, features)
+          .ok());
+  ExpectTail(features, 1, 0.0, 0.0, /*type=*/6, -1);
+}
+
 TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
   LobsterFeaturizer featurizer(1);
   std::vector<float> features(12);
