@@ -28,7 +28,9 @@ ABSL_FLAG(std::vector<std::string>, targets, {},
           "the daemons of one data-parallel job (perceptiond --world_size), in rank order, instead of --target: "
           "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
           "goes to rank 0");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call (of each step while training)");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
+          "deadline of each call (of each step while training); stream, bench: the longest wait for an "
+          "acknowledgement while events are outstanding");
 ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
 ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
 ABSL_FLAG(int, levels, 0,

@@ -1,11 +1,16 @@
 // perceptionctl against the real daemon: init, train on LOBSTER files, checkpoints, status, with flags before and
-// after the subcommand, and errors with the daemon's code and message.
+// after the subcommand, errors with the daemon's code and message, and the streaming calls giving up on a daemon
+// that stopped answering.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <functional>
+#include <future>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
 
@@ -16,6 +21,23 @@ using ::testing::HasSubstr;
 
 const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
 const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
+// Long enough for a command that never gives up to fail the test instead of hanging it.
+const std::string kKillAfter30s = "timeout -s KILL 30 ";
+
+// Runs `command` on a helper thread; once `started` holds, stops the daemon (SIGSTOP) and returns how long the
+// command then took to exit and what it said. The daemon is resumed (SIGCONT) before returning.
+std::pair<absl::Duration, CommandResult> RunThenStopTheDaemon(Daemon& daemon, const std::string& command,
+                                                              const std::function<bool()>& started) {
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand, command);
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (!started() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(10));
+  daemon.Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  CommandResult result = running.get();
+  const absl::Duration waited = absl::Now() - stopped;
+  daemon.Signal(SIGCONT);
+  return {waited, std::move(result)};
+}
 
 TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   const ScopedTempDir temp("ctl");
@@ -73,6 +95,29 @@ TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
                                                       kOrderbook, " ", kMessages, " --steps 2 --log_every 0"));
   EXPECT_EQ(train.exit_code, 1) << train.output;
   EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
+}
+
+// A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
+// up instead of waiting forever on a daemon that stopped answering.
+TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
+  const ScopedTempDir temp("ctl_stream_stall");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto streaming = [&] {
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() > 0;
+  };
+  const auto [waited, stream] = RunThenStopTheDaemon(
+      **daemon,
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 2s stream --lobster ", kOrderbook, " ", kMessages,
+                   " --instrument AAPL --rate 200"),
+      streaming);
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
+  EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
 }
 
 }  // namespace
