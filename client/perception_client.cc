@@ -2,7 +2,6 @@
 // answer, health checks.
 #include "client/perception_client.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -254,7 +253,8 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
                                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
                                      CallCancellation* cancellation) {
   grpc::ClientContext context;
-  SetDeadline(context, options_.timeout * std::max(steps, 1));
+  ResponseWatchdog watchdog(context, options_.timeout, "steps");
+  context.set_initial_metadata_corked(true);  // the call starts with the first Write, which the watchdog times
   const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
       perception_->Train(&context);
   if (cancellation != nullptr) cancellation->Register(&context);
@@ -274,22 +274,25 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
       mu.Unlock();
       if (stop) break;
       next_batch(i, request);
+      watchdog.Owe(1);
       if (!stream->Write(request)) break;  // the stream has ended; Finish says why
     }
+    watchdog.OweEnd();
     stream->WritesDone();
   });
   v1::TrainStepResponse response;
   while (stream->Read(&response)) {
     on_response(response);
     absl::MutexLock lock(&mu);
-    ++answered;
+    watchdog.Answered(++answered);
   }
+  watchdog.Stop();
   {
     absl::MutexLock lock(&mu);
     reading_done = true;
   }
   writer.join();
-  return FromGrpc(stream->Finish());
+  return watchdog.Explain(FromGrpc(stream->Finish()));
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> PerceptionClient::Health(

@@ -68,8 +68,9 @@ class CallCancellation {
 };
 
 struct ClientOptions {
-  // Deadline of each unary call; in Train, of each step. A Stream call has none as a whole: it is cancelled
-  // (DEADLINE_EXCEEDED) when no acknowledgement came for this long while events are outstanding.
+  // Deadline of each unary call. The streaming calls have none as a whole: Train is cancelled when no step's
+  // response came for this long while steps are outstanding, a Stream call when no acknowledgement came for this
+  // long while events are outstanding (DEADLINE_EXCEEDED either way).
   absl::Duration timeout = absl::Seconds(60);
   int max_receive_message_bytes = 64 << 20;  // Evaluate's probabilities can be large
 };
@@ -101,7 +102,8 @@ class PerceptionClient {
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
   // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
   // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's
-  // (CANCELLED when `cancellation` was cancelled).
+  // (CANCELLED when `cancellation` was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout
+  // while steps were outstanding).
   static constexpr int kTrainAhead = 4;
   absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,

@@ -29,8 +29,8 @@ ABSL_FLAG(std::vector<std::string>, targets, {},
           "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
           "goes to rank 0");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
-          "deadline of each call (of each step while training); stream, bench: the longest wait for an "
-          "acknowledgement while events are outstanding");
+          "deadline of each call; train: the longest wait for a step's response, stream and bench: for an "
+          "acknowledgement, while steps or events are outstanding");
 ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
 ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
 ABSL_FLAG(int, levels, 0,

@@ -1,6 +1,6 @@
 // perceptionctl against the real daemon: init, train on LOBSTER files, checkpoints, status, with flags before and
-// after the subcommand, errors with the daemon's code and message, and the streaming calls giving up on a daemon
-// that stopped answering.
+// after the subcommand, errors with the daemon's code and message, and stream and train giving up on a daemon that
+// stopped answering.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -118,6 +118,28 @@ TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
   EXPECT_EQ(stream.exit_code, 1) << stream.output;
   EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
   EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
+}
+
+// --timeout bounds each step of train, not the whole run (where 2 s x 100000 steps would never end).
+TEST(PerceptionctlTest, TrainGivesUpOnADaemonThatStopsAnswering) {
+  const ScopedTempDir temp("ctl_train_stall");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto training = [&] {
+    absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
+    return status.ok() && status->model().step() > 0;
+  };
+  const auto [waited, train] = RunThenStopTheDaemon(
+      **daemon,
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 2s train --lobster ", kOrderbook, " ", kMessages,
+                   " --steps 100000"),
+      training);
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
+  EXPECT_LT(waited, absl::Seconds(10));
 }
 
 }  // namespace
