@@ -55,8 +55,11 @@ ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the outp
 ABSL_FLAG(std::string, instrument, "", "stream, convictions, streams reset/close: the instrument id");
 ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
 ABSL_FLAG(int, seed_window, 0, "stream: seed the state with the first N events (SeedStream), then stream the rest");
-ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based); sequence numbers still start at 1");
+ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
 ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
+ABSL_FLAG(uint64_t, start_seq, 1,
+          "stream: the sequence number of event --first (seed window included); a failed stream names the "
+          "--first and --start_seq that resume it");
 ABSL_FLAG(uint64_t, from, 0,
           "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
           "OUT_OF_RANGE)");
@@ -82,7 +85,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     checkpoint save NAME
     checkpoint load NAME
     stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N]
-           [--first I] [--count N]
+           [--first I] [--count N] [--start_seq S]
     convictions --instrument ID [--from SEQ] --out FILE.csv
     streams                                  (list the live streams)
     streams reset ID | streams close ID
@@ -211,7 +214,8 @@ absl::Status Stream(PerceptionClient& client) {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
   ASSIGN_OR_RETURN(const double rate, RateFromFlag());
   return StreamLobster(client, {files, absl::GetFlag(FLAGS_instrument), rate, absl::GetFlag(FLAGS_seed_window),
-                                absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count)});
+                                absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count),
+                                absl::GetFlag(FLAGS_start_seq)});
 }
 
 absl::Status RunBench(PerceptionClient& client) {

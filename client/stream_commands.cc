@@ -67,6 +67,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
+  if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
   const int64_t first = std::min<int64_t>(options.first, data.size());
@@ -76,6 +77,8 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
                                                    n, " events to stream"));
   }
+  // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
+  const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
   if (options.seed_window > 0) {
     v1::SeedStreamRequest seed;
     seed.set_instrument(options.instrument);
@@ -101,22 +104,35 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     for (int k = 0; k < per_request && i < n; ++k, ++i) {
       v1::StreamEvent& event = *request.add_events();
       event.set_instrument(options.instrument);
-      event.set_seq(static_cast<uint64_t>(i + 1));
+      event.set_seq(seq_of(i));
       FillLobsterEvent(data, first + i, event);
     }
     pacer.Wait(i - options.seed_window);
     if (!stream->Write(request)) break;  // the call ended early; Finish says why
   }
-  RETURN_IF_ERROR(stream->Finish());
+  absl::Status status = stream->Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;
   absl::MutexLock lock(&mu);
-  if (acked != static_cast<uint64_t>(n)) {
-    return absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", n));
+  if (status.ok() && acked != seq_of(n - 1)) {
+    status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
   }
-  std::printf("streamed %lld events of %s (seq %d..%lld) in %.3f s: %.0f events/s; all acknowledged\n",
-              static_cast<long long>(streamed), options.instrument.c_str(), options.seed_window + 1,
-              static_cast<long long>(n), seconds, streamed / std::max(seconds, 1e-9));
+  if (!status.ok() && acked == 0) {
+    return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
+  }
+  if (!status.ok()) {
+    // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
+    const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
+    return absl::Status(status.code(),
+                        absl::StrCat(status.message(), "; acknowledged through seq ", acked, " (resume with --first ",
+                                     first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
+                                     " --start_seq ", acked + 1, ", or from the instrument's end_seq in `perceptionctl "
+                                     "streams` where the daemon took more)"));
+  }
+  std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
+              static_cast<long long>(streamed), options.instrument.c_str(),
+              static_cast<unsigned long long>(seq_of(options.seed_window)),
+              static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
   return absl::OkStatus();
 }
 

@@ -8,7 +8,9 @@
 #include <functional>
 #include <future>
 #include <string>
+#include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "tests/e2e/e2e_util.h"
@@ -37,6 +39,50 @@ std::pair<absl::Duration, CommandResult> RunThenStopTheDaemon(Daemon& daemon, co
   const absl::Duration waited = absl::Now() - stopped;
   daemon.Signal(SIGCONT);
   return {waited, std::move(result)};
+}
+
+// Every conviction the daemon's log holds for `instrument`, oldest first.
+struct ConvictionLog {
+  std::vector<uint64_t> seqs;
+  std::vector<float> convictions;
+};
+ConvictionLog ReadLog(client::PerceptionClient& client, const std::string& instrument) {
+  ConvictionLog log;
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  while (true) {
+    absl::StatusOr<v1::ReadConvictionsResponse> page = client.ReadConvictions(request);
+    EXPECT_TRUE(page.ok()) << page.status();
+    if (!page.ok() || page->convictions_size() == 0) return log;
+    log.seqs.insert(log.seqs.end(), page->seqs().begin(), page->seqs().end());
+    log.convictions.insert(log.convictions.end(), page->convictions().begin(), page->convictions().end());
+    if (page->next_seq() >= page->end_seq()) return log;
+    request.set_from_seq(page->next_seq());
+  }
+}
+
+// `log` holds seq 1..count, each conviction as in `reference` (the same events streamed in one go).
+void ExpectWholeReplay(const ConvictionLog& log, const ConvictionLog& reference, uint64_t count) {
+  ASSERT_EQ(log.seqs.size(), count);
+  ASSERT_EQ(reference.seqs.size(), count);
+  for (uint64_t i = 0; i < count; ++i) {
+    ASSERT_EQ(log.seqs[i], i + 1) << "contiguous from 1";
+    ASSERT_NEAR(log.convictions[i], reference.convictions[i], 1e-6) << "seq " << i + 1;
+  }
+}
+
+// Where `instrument`'s log ends once the daemon has processed everything it accepted.
+uint64_t EndSeqOnceIdle(client::PerceptionClient& client, const std::string& instrument) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < give_up) {
+    if (absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
+      for (const v1::StreamInfo& stream : streams->streams()) {
+        if (stream.instrument() == instrument && stream.pending_events() == 0) return stream.end_seq();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return 0;
 }
 
 TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
@@ -140,6 +186,68 @@ TEST(PerceptionctlTest, TrainGivesUpOnADaemonThatStopsAnswering) {
   EXPECT_EQ(train.exit_code, 1) << train.output;
   EXPECT_THAT(train.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
   EXPECT_LT(waited, absl::Seconds(10));
+}
+
+// A replay continues in a second run: --first picks up the file where the first run ended and --start_seq the
+// sequence numbers, so the daemon's log is one contiguous run whose convictions equal a replay in one go.
+TEST(PerceptionctlTest, AReplayContinuesInASecondRunWithStartSeq) {
+  const ScopedTempDir temp("ctl_resume");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult head = RunCommand(absl::StrCat(stream, " --instrument AAPL --count 400"));
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  const CommandResult tail =
+      RunCommand(absl::StrCat(stream, " --instrument AAPL --first 400 --count 400 --start_seq 401"));
+  ASSERT_EQ(tail.exit_code, 0) << tail.output;
+  EXPECT_THAT(tail.output, HasSubstr("streamed 400 events of AAPL (seq 401..800)"));
+  const CommandResult whole = RunCommand(absl::StrCat(stream, " --instrument WHOLE --count 800"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ExpectWholeReplay(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 800);
+
+  const CommandResult restart = RunCommand(absl::StrCat(stream, " --instrument AAPL --first 800"));
+  EXPECT_EQ(restart.exit_code, 1);
+  EXPECT_THAT(restart.output, HasSubstr("sequence number 1 out of order, expected 801"));
+}
+
+// A stream that failed says through which sequence number the daemon acknowledged; a second run from the
+// instrument's end_seq completes the log.
+TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
+  const ScopedTempDir temp("ctl_resume_failed");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto acknowledging = [&] {  // the daemon acknowledges every 50 ms
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() >= 100;
+  };
+  const CommandResult failed =
+      RunThenStopTheDaemon(**daemon, absl::StrCat(kKillAfter30s, stream, " --timeout 1s --instrument AAPL --rate 200"),
+                           acknowledging)
+          .second;
+  ASSERT_EQ(failed.exit_code, 1) << failed.output;
+  const std::string through = "acknowledged through seq ";
+  const size_t at = failed.output.find(through);
+  ASSERT_NE(at, std::string::npos) << failed.output;
+  const size_t digits = at + through.size();
+  uint64_t acked = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
+      << failed.output;
+  const uint64_t end = EndSeqOnceIdle((*daemon)->client(), "AAPL");
+  EXPECT_GT(end, acked) << "the daemon took at least what it acknowledged";
+  ASSERT_LT(end, 1000u);
+
+  const CommandResult resumed =
+      RunCommand(absl::StrCat(stream, " --instrument AAPL --first ", end - 1, " --start_seq ", end));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument WHOLE")).exit_code, 0);
+  ExpectWholeReplay(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 999);
 }
 
 }  // namespace
