@@ -54,7 +54,10 @@ ABSL_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to
 ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
 ABSL_FLAG(std::string, instrument, "", "stream, convictions, streams reset/close: the instrument id");
 ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
-ABSL_FLAG(int, seed_window, 0, "stream: seed the state with the first N events (SeedStream), then stream the rest");
+ABSL_FLAG(int, seed_window, 0,
+          "stream: seed the state with the first N events (SeedStream), then stream the rest; refused on an "
+          "instrument that already has events unless --reseed");
+ABSL_FLAG(bool, reseed, false, "stream: let --seed-window replace the live state of an instrument that has events");
 ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
 ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
 ABSL_FLAG(uint64_t, start_seq, 1,
@@ -84,7 +87,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
-    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N]
+    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N [--reseed]]
            [--first I] [--count N] [--start_seq S]
     convictions --instrument ID [--from SEQ] --out FILE.csv
     streams                                  (list the live streams)
@@ -214,7 +217,7 @@ absl::Status Stream(PerceptionClient& client) {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
   ASSIGN_OR_RETURN(const double rate, RateFromFlag());
   return StreamLobster(client, {files, absl::GetFlag(FLAGS_instrument), rate, absl::GetFlag(FLAGS_seed_window),
-                                absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count),
+                                absl::GetFlag(FLAGS_reseed), absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count),
                                 absl::GetFlag(FLAGS_start_seq)});
 }
 

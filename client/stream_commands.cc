@@ -59,6 +59,29 @@ double Percentile(std::vector<double>& sorted, double q) {
   return sorted[index];
 }
 
+// Refuses, before anything is sent, a seed window that would replace the live state of an instrument that already
+// has events (unless `reseed`), and a reseeded stream whose numbers would not continue the instrument's.
+absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() != options.instrument || stream.last_accepted_seq() == 0) continue;
+    const uint64_t next = stream.last_accepted_seq() + 1;
+    if (!options.reseed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "instrument ", options.instrument, " already has events (through seq ", stream.last_accepted_seq(),
+          "): --seed-window would replace its live state; stream without it to continue (--start_seq ", next,
+          "), or pass --reseed to replace the state"));
+    }
+    if (first_streamed_seq != next) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
+          "start at ", first_streamed_seq, next > static_cast<uint64_t>(options.seed_window)
+              ? absl::StrCat(" (--start_seq ", next - options.seed_window, " continues it)") : ""));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
@@ -80,6 +103,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
   const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
   if (options.seed_window > 0) {
+    RETURN_IF_ERROR(CheckSeeding(client, options, seq_of(options.seed_window)));
     v1::SeedStreamRequest seed;
     seed.set_instrument(options.instrument);
     for (int64_t i = 0; i < options.seed_window; ++i) FillLobsterEvent(data, first + i, *seed.add_events());

@@ -20,6 +20,7 @@ namespace perception::e2e {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
 const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
@@ -61,13 +62,13 @@ ConvictionLog ReadLog(client::PerceptionClient& client, const std::string& instr
   }
 }
 
-// `log` holds seq 1..count, each conviction as in `reference` (the same events streamed in one go).
-void ExpectWholeReplay(const ConvictionLog& log, const ConvictionLog& reference, uint64_t count) {
-  ASSERT_EQ(log.seqs.size(), count);
-  ASSERT_EQ(reference.seqs.size(), count);
-  for (uint64_t i = 0; i < count; ++i) {
-    ASSERT_EQ(log.seqs[i], i + 1) << "contiguous from 1";
-    ASSERT_NEAR(log.convictions[i], reference.convictions[i], 1e-6) << "seq " << i + 1;
+// `log` holds seq first..last, each conviction as `reference` (the same events streamed in one go) has it.
+void ExpectReplayOf(const ConvictionLog& log, const ConvictionLog& reference, uint64_t first, uint64_t last) {
+  ASSERT_EQ(log.seqs.size(), last - first + 1);
+  ASSERT_EQ(reference.seqs, log.seqs);
+  for (size_t i = 0; i < log.seqs.size(); ++i) {
+    ASSERT_EQ(log.seqs[i], first + i) << "contiguous";
+    ASSERT_NEAR(log.convictions[i], reference.convictions[i], 1e-6) << "seq " << log.seqs[i];
   }
 }
 
@@ -206,7 +207,7 @@ TEST(PerceptionctlTest, AReplayContinuesInASecondRunWithStartSeq) {
   EXPECT_THAT(tail.output, HasSubstr("streamed 400 events of AAPL (seq 401..800)"));
   const CommandResult whole = RunCommand(absl::StrCat(stream, " --instrument WHOLE --count 800"));
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  ExpectWholeReplay(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 800);
+  ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 800);
 
   const CommandResult restart = RunCommand(absl::StrCat(stream, " --instrument AAPL --first 800"));
   EXPECT_EQ(restart.exit_code, 1);
@@ -247,7 +248,48 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
       RunCommand(absl::StrCat(stream, " --instrument AAPL --first ", end - 1, " --start_seq ", end));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument WHOLE")).exit_code, 0);
-  ExpectWholeReplay(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 999);
+  ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
+}
+
+// --seed-window replaces an instrument's live state, so onto one that already has events it is refused (nothing
+// sent) unless --reseed: the stream then continues as if the second run had not happened.
+TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
+  const ScopedTempDir temp("ctl_reseed");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const std::string seeded = absl::StrCat(stream, " --instrument AAPL --seed-window 100 --count 300");
+  ASSERT_EQ(RunCommand(seeded).exit_code, 0);
+  const absl::StatusOr<v1::ListStreamsResponse> before = client.ListStreams();
+  ASSERT_TRUE(before.ok()) << before.status();
+  const CommandResult again = RunCommand(seeded);
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_THAT(again.output, HasSubstr("FAILED_PRECONDITION: instrument AAPL already has events (through seq 300): "
+                                      "--seed-window would replace its live state"));
+  EXPECT_THAT(again.output, Not(HasSubstr("seeded")));
+  const absl::StatusOr<v1::ListStreamsResponse> after = client.ListStreams();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->SerializeAsString(), before->SerializeAsString());
+
+  // The live state is the first run's: continuing it gives the convictions of one seeded run over all the events.
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument AAPL --first 300 --count 50 --start_seq 301")).exit_code, 0);
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument ONCE --seed-window 100 --count 350")).exit_code, 0);
+  ExpectReplayOf(ReadLog(client, "AAPL"), ReadLog(client, "ONCE"), 101, 350);
+
+  // --reseed replaces the state, numbering on from the instrument's next sequence number.
+  const std::string reseed =
+      absl::StrCat(stream, " --instrument AAPL --seed-window 100 --first 250 --count 150 --reseed");
+  const CommandResult misnumbered = RunCommand(reseed);
+  EXPECT_EQ(misnumbered.exit_code, 1);
+  EXPECT_THAT(misnumbered.output, HasSubstr("instrument AAPL takes seq 351 next, but the stream after the seed window "
+                                            "would start at 101 (--start_seq 251 continues it)"));
+  const CommandResult reseeded = RunCommand(absl::StrCat(reseed, " --start_seq 251"));
+  ASSERT_EQ(reseeded.exit_code, 0) << reseeded.output;
+  EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
 }
 
 }  // namespace
