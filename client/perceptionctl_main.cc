@@ -65,7 +65,7 @@ ABSL_FLAG(uint64_t, start_seq, 1,
           "--first and --start_seq that resume it");
 ABSL_FLAG(uint64_t, from, 0,
           "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
-          "OUT_OF_RANGE)");
+          "OUT_OF_RANGE; one past the log's end writes only the header)");
 ABSL_FLAG(std::string, out, "", "convictions: the CSV file to write");
 ABSL_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
 ABSL_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");

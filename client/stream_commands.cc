@@ -2,10 +2,8 @@
 #include "client/stream_commands.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -16,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "engine/atomic_file.h"
 #include "engine/lobster.h"
 #include "engine/status_macros.h"
 
@@ -80,6 +79,61 @@ absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options
     }
   }
   return absl::OkStatus();
+}
+
+// How many times a read from the log's oldest entry starts over when the stream overwrites what it reads.
+constexpr int kOldestReadAttempts = 5;
+
+// One instrument's conviction log from a sequence number on, as the CSV text `convictions` writes.
+struct ConvictionsCsv {
+  std::string text;
+  int64_t rows = 0, min_version = INT64_MAX, max_version = 0;
+  uint64_t first_seq = 0, last_seq = 0;
+  uint64_t oldest_seq = 0, end_seq = 0;  // what the log held at the last page: [oldest, end)
+};
+
+absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, const std::string& instrument,
+                                                  uint64_t from_seq) {
+  ConvictionsCsv csv;
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  request.set_from_seq(from_seq);
+  request.set_with_probabilities(true);
+  while (true) {
+    ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
+    const int H = page.n_horizons();
+    if (csv.text.empty()) {
+      csv.text = "seq,conviction";
+      for (int h = 1; h <= H; ++h) absl::StrAppend(&csv.text, ",p", h);
+      csv.text += "\n";
+      csv.first_seq = page.first_seq();
+    }
+    for (int i = 0; i < page.convictions_size(); ++i) {
+      absl::StrAppend(&csv.text, page.seqs(i), absl::StrFormat(",%.9g", page.convictions(i)));
+      for (int h = 0; h < H; ++h) absl::StrAppend(&csv.text, absl::StrFormat(",%.9g", page.probabilities(i * H + h)));
+      csv.text += "\n";
+      csv.last_seq = page.seqs(i);
+    }
+    if (page.convictions_size() > 0) {
+      csv.min_version = std::min(csv.min_version, page.min_weights_version());
+      csv.max_version = std::max(csv.max_version, page.max_weights_version());
+    }
+    csv.rows += page.convictions_size();
+    csv.oldest_seq = page.oldest_retained_seq();
+    csv.end_seq = page.end_seq();
+    if (page.convictions_size() == 0 || page.next_seq() >= page.end_seq()) return csv;
+    request.set_from_seq(page.next_seq());
+  }
+}
+
+// The oldest sequence number the instrument's log holds now; 0 for an instrument the daemon does not know (the
+// read then says so).
+absl::StatusOr<uint64_t> OldestRetainedSeq(PerceptionClient& client, const std::string& instrument) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() == instrument) return stream.oldest_retained_seq();
+  }
+  return 0;
 }
 
 }  // namespace
@@ -164,54 +218,36 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
                               const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
-  if (from_seq == 0) {  // not given: from the oldest entry the log still holds
-    ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
-    for (const v1::StreamInfo& stream : streams.streams()) {
-      if (stream.instrument() == instrument) from_seq = stream.oldest_retained_seq();
+  absl::StatusOr<ConvictionsCsv> csv;
+  if (from_seq > 0) {
+    csv = ReadConvictionsCsv(client, instrument, from_seq);
+  } else {
+    // On a live instrument whose log wraps, the stream may overwrite the oldest entry before the read reaches it
+    // (OUT_OF_RANGE): start over, ahead of the new oldest by at least what was overwritten meanwhile.
+    ASSIGN_OR_RETURN(uint64_t oldest, OldestRetainedSeq(client, instrument));
+    uint64_t lead = 0;
+    for (int attempt = 1;; ++attempt) {
+      csv = ReadConvictionsCsv(client, instrument, oldest + lead);
+      if (csv.ok() || !absl::IsOutOfRange(csv.status()) || attempt == kOldestReadAttempts) break;
+      ASSIGN_OR_RETURN(const uint64_t now_oldest, OldestRetainedSeq(client, instrument));
+      lead = std::max({2 * lead, now_oldest - oldest, uint64_t{1}});
+      oldest = now_oldest;
     }
   }
-  std::ofstream out;  // opened once the first page is in: a refused read leaves an existing file as it was
-  v1::ReadConvictionsRequest request;
-  request.set_instrument(instrument);
-  request.set_from_seq(from_seq);
-  request.set_with_probabilities(true);
-  int64_t rows = 0, min_version = INT64_MAX, max_version = 0;
-  uint64_t first_seq = 0, last_seq = 0;
-  while (true) {
-    ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
-    const int H = page.n_horizons();
-    if (rows == 0) {
-      out.open(out_path);
-      if (!out) return absl::ErrnoToStatus(errno, absl::StrCat("cannot write ", out_path));
-      out << "seq,conviction";
-      for (int h = 1; h <= H; ++h) out << ",p" << h;
-      out << "\n";
-      first_seq = page.first_seq();
-    }
-    for (int i = 0; i < page.convictions_size(); ++i) {
-      out << page.seqs(i) << absl::StrFormat(",%.9g", page.convictions(i));
-      for (int h = 0; h < H; ++h) out << absl::StrFormat(",%.9g", page.probabilities(i * H + h));
-      out << "\n";
-      last_seq = page.seqs(i);
-    }
-    if (page.convictions_size() > 0) {
-      min_version = std::min(min_version, page.min_weights_version());
-      max_version = std::max(max_version, page.max_weights_version());
-    }
-    rows += page.convictions_size();
-    if (page.convictions_size() == 0 || page.next_seq() >= page.end_seq()) break;
-    request.set_from_seq(page.next_seq());
-  }
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat("writing ", out_path, " failed"));
-  if (rows == 0) {
-    std::printf("no convictions of %s from seq %llu; wrote the header to %s\n", instrument.c_str(),
-                static_cast<unsigned long long>(from_seq), out_path.c_str());
+  RETURN_IF_ERROR(csv.status());
+  RETURN_IF_ERROR(WriteFileAtomically(out_path, csv->text));
+  if (csv->rows == 0) {
+    const std::string held = csv->end_seq > csv->oldest_seq
+                                 ? absl::StrCat("the log holds seq ", csv->oldest_seq, "..", csv->end_seq - 1)
+                                 : "the log is empty";
+    const std::string from = from_seq > 0 ? absl::StrCat(" from seq ", from_seq) : "";
+    std::printf("no convictions of %s%s (%s); wrote only the header to %s\n", instrument.c_str(), from.c_str(),
+                held.c_str(), out_path.c_str());
   } else {
     std::printf("%lld convictions of %s (seq %llu..%llu, weights versions %lld..%lld) -> %s\n",
-                static_cast<long long>(rows), instrument.c_str(), static_cast<unsigned long long>(first_seq),
-                static_cast<unsigned long long>(last_seq), static_cast<long long>(min_version),
-                static_cast<long long>(max_version), out_path.c_str());
+                static_cast<long long>(csv->rows), instrument.c_str(), static_cast<unsigned long long>(csv->first_seq),
+                static_cast<unsigned long long>(csv->last_seq), static_cast<long long>(csv->min_version),
+                static_cast<long long>(csv->max_version), out_path.c_str());
   }
   return absl::OkStatus();
 }

@@ -28,7 +28,9 @@ struct StreamOptions {
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
 
 // Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
-// `seq,conviction,p1,...,pH` per event; prints what it wrote.
+// `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
+// starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only
+// once every page is in, so a refused read leaves an existing file as it was.
 absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
                               const std::string& out_path);
 

@@ -5,13 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
@@ -24,6 +27,9 @@ using ::testing::Not;
 
 const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
 const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
+// 57,514 events at one level: long enough a feed to wrap a small conviction log many times.
+const std::string kLongFeed = absl::StrCat(" --lobster ", testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ",
+                                           testing::ShippedLobsterPath("AMZN", "message", 1));
 // Long enough for a command that never gives up to fail the test instead of hanging it.
 const std::string kKillAfter30s = "timeout -s KILL 30 ";
 
@@ -70,6 +76,25 @@ void ExpectReplayOf(const ConvictionLog& log, const ConvictionLog& reference, ui
     ASSERT_EQ(log.seqs[i], first + i) << "contiguous";
     ASSERT_NEAR(log.convictions[i], reference.convictions[i], 1e-6) << "seq " << log.seqs[i];
   }
+}
+
+// Waits until the daemon has processed at least `events` of `instrument` (false after 20 s).
+bool WaitUntilProcessed(client::PerceptionClient& client, const std::string& instrument, uint64_t events) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < give_up) {
+    if (absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
+      for (const v1::StreamInfo& stream : streams->streams()) {
+        if (stream.instrument() == instrument && stream.processed_events() >= events) return true;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+std::string FileText(const std::filesystem::path& path) {
+  std::ifstream file(path);
+  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
 }
 
 // Where `instrument`'s log ends once the daemon has processed everything it accepted.
@@ -290,6 +315,72 @@ TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
   const CommandResult reseeded = RunCommand(absl::StrCat(reseed, " --start_seq 251"));
   ASSERT_EQ(reseeded.exit_code, 0) << reseeded.output;
   EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
+}
+
+// Without --from, convictions reads from the oldest entry even while a live stream overwrites it (the read starts
+// over ahead of it), and writes contiguous sequence numbers.
+TEST(PerceptionctlTest, ConvictionsFromTheOldestOfAWrappingLog) {
+  const ScopedTempDir temp("ctl_convictions_wrap");
+  // 2,000 log entries per slot, read 100 a page.
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(
+      temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=8000", "--stream_read_max=100"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+
+  const std::string feed = absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --rate 20000");
+  std::future<CommandResult> stream = std::async(std::launch::async, RunCommand, feed);
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "AMZN", 4000)) << "the log has wrapped";
+  for (int read = 0; read < 3; ++read) {
+    const std::filesystem::path csv = temp.path() / absl::StrCat("amzn", read, ".csv");
+    const CommandResult convictions =
+        RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+    ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
+    const std::vector<std::string> lines = absl::StrSplit(FileText(csv), '\n', absl::SkipEmpty());
+    ASSERT_GT(lines.size(), 1000u) << "most of the 2,000 entries the log holds";
+    EXPECT_EQ(lines[0], "seq,conviction,p1,p2,p3");
+    uint64_t previous = 0;
+    for (size_t i = 1; i < lines.size(); ++i) {
+      uint64_t seq = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(lines[i].substr(0, lines[i].find(',')), &seq)) << lines[i];
+      if (i > 1) {
+        ASSERT_EQ(seq, previous + 1) << "contiguous";
+      }
+      previous = seq;
+    }
+  }
+  (*daemon)->Signal(SIGKILL);  // the feed has done its part
+  stream.get();
+}
+
+// The CSV is written only once every page is in: a read that fails on a later page (the stream overwrote what it
+// had yet to reach) leaves an existing file as it was.
+TEST(PerceptionctlTest, ConvictionsFailingOnALaterPageLeaveTheFileAsItWas) {
+  const ScopedTempDir temp("ctl_convictions_later_page");
+  // 10,000 log entries per slot, read one a page: slower than the feed fills the log.
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(
+      temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=40000", "--stream_read_max=1"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const std::filesystem::path csv = temp.path() / "amzn.csv";
+  std::ofstream(csv) << "an earlier export\n";
+
+  const std::string feed = absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --rate 20000");
+  std::future<CommandResult> stream = std::async(std::launch::async, RunCommand, feed);
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "AMZN", 12000)) << "the log has wrapped";
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  // Far enough ahead of the oldest entry for the first page to be read before the feed overwrites it.
+  const uint64_t from = streams->streams(0).oldest_retained_seq() + 5000;
+  const CommandResult convictions =
+      RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --from ", from, " --out ", csv.string()));
+  EXPECT_EQ(convictions.exit_code, 1) << convictions.output;
+  EXPECT_THAT(convictions.output, HasSubstr("OUT_OF_RANGE"));
+  const std::string kept = FileText(csv);
+  EXPECT_TRUE(kept == "an earlier export\n") << "replaced by: " << kept.substr(0, 100);
+  (*daemon)->Signal(SIGKILL);
+  stream.get();
 }
 
 }  // namespace
