@@ -36,7 +36,9 @@ ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)
 ABSL_FLAG(int, levels, 0,
           "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train and eval read that many "
           "(0: infer from the orderbook file)");
-ABSL_FLAG(uint64_t, seed, 1, "init: weight initialization seed; train: window sampling seed");
+ABSL_FLAG(uint64_t, seed, 1,
+          "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
+          "each run of train continues with fresh windows)");
 ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
 ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
 ABSL_FLAG(int, warmup, -1,

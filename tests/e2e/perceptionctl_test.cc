@@ -97,6 +97,15 @@ std::string FileText(const std::filesystem::path& path) {
   return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
 }
 
+// "loss L  grad_norm G" of a `train --steps 1` run's progress line.
+std::string OnlyStep(const std::string& output) {
+  const std::string line = "step 1/1  ";
+  const size_t at = output.find(line);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + line.size();
+  return output.substr(begin, output.find("  ", output.find("grad_norm", begin)) - begin);
+}
+
 // Where `instrument`'s log ends once the daemon has processed everything it accepted.
 uint64_t EndSeqOnceIdle(client::PerceptionClient& client, const std::string& instrument) {
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
@@ -381,6 +390,31 @@ TEST(PerceptionctlTest, ConvictionsFailingOnALaterPageLeaveTheFileAsItWas) {
   EXPECT_TRUE(kept == "an earlier export\n") << "replaced by: " << kept.substr(0, 100);
   (*daemon)->Signal(SIGKILL);
   stream.get();
+}
+
+// Training in chunks samples fresh windows each run (the sampler's seed takes in the model's step), and stays
+// reproducible: the same chunks from the same start give the same steps. With a learning rate of 1e-12 the weights
+// barely move, so a run that repeated the previous run's batch would report the same loss.
+TEST(PerceptionctlTest, TrainingInChunksSamplesFreshWindowsEachRun) {
+  const ScopedTempDir temp("ctl_train_chunks");
+  std::vector<std::vector<std::string>> steps;  // by daemon, by run
+  for (int daemon_index = 0; daemon_index < 2; ++daemon_index) {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+        Daemon::Start(temp.path() / absl::StrCat("checkpoints", daemon_index));
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+    ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --lr 1e-12")).exit_code, 0);
+    std::vector<std::string>& runs = steps.emplace_back();
+    for (int run = 0; run < 2; ++run) {
+      const CommandResult train =
+          RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 1"));
+      ASSERT_EQ(train.exit_code, 0) << train.output;
+      runs.push_back(OnlyStep(train.output));
+      ASSERT_THAT(runs.back(), HasSubstr("loss ")) << train.output;
+    }
+  }
+  EXPECT_NE(steps[0][0], steps[0][1]) << "the second run trained on the first run's batch again";
+  EXPECT_EQ(steps[1], steps[0]) << "the same runs from the same start";
 }
 
 }  // namespace
