@@ -267,22 +267,21 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
     (void)client.CloseStream(close);
   }
 
+  // Event j goes to instrument j mod N, so the first events % N instruments have one event more than the rest.
+  const auto events_of = [&](int instrument) {
+    return options.events / options.instruments + (instrument < options.events % options.instruments ? 1 : 0);
+  };
   struct Connection {
     std::vector<int> instruments;
-    int64_t rounds = 0;  // requests to send, one event per instrument each
+    int64_t rounds = 0;  // requests to send, one event per instrument that still has one each
     std::vector<absl::Time> sent;  // by round
     std::vector<double> latencies;
-    int64_t acked_events = 0;
+    int64_t sent_events = 0, acked_events = 0;
     absl::Status status;
   };
   std::vector<Connection> connections(C);
   for (int i = 0; i < options.instruments; ++i) connections[i % C].instruments.push_back(i);
-  int64_t assigned = 0;
-  const int64_t rounds_total = (options.events + options.instruments - 1) / options.instruments;
-  for (Connection& c : connections) {
-    c.rounds = rounds_total;
-    assigned += c.rounds * static_cast<int64_t>(c.instruments.size());
-  }
+  for (Connection& c : connections) c.rounds = events_of(c.instruments.front());
 
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
@@ -305,9 +304,12 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           c.acked_events += static_cast<int64_t>(ack.last_seq() - acked[instrument]);
           acked[instrument] = ack.last_seq();
         }
-        uint64_t through = UINT64_MAX;
-        for (const int i : c.instruments) through = std::min(through, acked[i]);
-        acked_rounds = static_cast<int64_t>(through);
+        int64_t through = c.rounds;  // an instrument with all its events acknowledged holds nothing back
+        for (const int i : c.instruments) {
+          const auto acked_i = static_cast<int64_t>(acked[i]);
+          if (acked_i < events_of(i)) through = std::min(through, acked_i);
+        }
+        acked_rounds = through;
       });
       const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
       std::mt19937 rng(ci);
@@ -317,6 +319,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
       for (int64_t r = 0; r < c.rounds; ++r) {
         request.clear_events();
         for (const int i : c.instruments) {
+          if (r >= events_of(i)) continue;
           v1::StreamEvent& event = *request.add_events();
           event.set_instrument(name(i));
           event.set_seq(static_cast<uint64_t>(r + 1));
@@ -337,6 +340,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           c.sent[r] = pacer.paced() ? pacer.Due(events_before) : absl::Now();
         }
         if (!stream->Write(request)) break;
+        c.sent_events += request.events_size();
       }
       c.status = stream->Finish();
     });
@@ -345,21 +349,24 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::vector<double> latencies;
-  int64_t acked = 0;
+  int64_t sent = 0, acked = 0;
   std::vector<std::string> refusals;
   for (const Connection& c : connections) {
     latencies.insert(latencies.end(), c.latencies.begin(), c.latencies.end());
+    sent += c.sent_events;
     acked += c.acked_events;
     if (!c.status.ok()) refusals.push_back(c.status.ToString());
   }
   std::sort(latencies.begin(), latencies.end());
   std::printf(
-      "bench: %d instruments over %d connection(s), %lld events (%lld acknowledged) in %.3f s: %.0f events/s\n"
-      "latency (%s to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
-      options.instruments, C, static_cast<long long>(assigned), static_cast<long long>(acked), seconds,
-      acked / std::max(seconds, 1e-9), options.rate > 0 ? "scheduled send" : "send", 1e3 * Percentile(latencies, 0.5),
+      "bench: %d instruments over %d connection(s), %lld events (%lld sent, %lld acknowledged) in %.3f s: %.0f "
+      "events/s\nlatency (%s to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
+      options.instruments, C, static_cast<long long>(options.events), static_cast<long long>(sent),
+      static_cast<long long>(acked), seconds, acked / std::max(seconds, 1e-9),
+      options.rate > 0 ? "scheduled send" : "send", 1e3 * Percentile(latencies, 0.5),
       1e3 * Percentile(latencies, 0.99), 1e3 * Percentile(latencies, 0.999));
-  std::printf("rejected: %lld events%s\n", static_cast<long long>(assigned - acked), refusals.empty() ? "" : ":");
+  std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
+              static_cast<long long>(sent - acked), refusals.empty() ? "" : ":");
   for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());
   for (int i = 0; i < options.instruments; ++i) {
     v1::CloseStreamRequest close;

@@ -30,6 +30,7 @@
 namespace perception::e2e {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using testing::FeatureEvent;
 
@@ -640,13 +641,20 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
 
   CommandResult bench = RunCommand(absl::StrCat(ctl, " bench --instruments 5 --events 500 --connections 2"));
   ASSERT_EQ(bench.exit_code, 0) << bench.output;
-  EXPECT_THAT(bench.output, HasSubstr("bench: 5 instruments over 2 connection(s), 500 events (500 acknowledged)"));
+  EXPECT_THAT(bench.output,
+              HasSubstr("bench: 5 instruments over 2 connection(s), 500 events (500 sent, 500 acknowledged)"));
   EXPECT_THAT(bench.output, HasSubstr("p99.9"));
-  EXPECT_THAT(bench.output, HasSubstr("rejected: 0 events"));
+  EXPECT_THAT(bench.output, HasSubstr("not acknowledged: 0 events (0 of them sent)"));
+  // Round-robin, 4 + 3 + 3: exactly the events asked for (it sent whole rounds, 12).
+  CommandResult uneven = RunCommand(absl::StrCat(ctl, " bench --instruments 3 --events 10"));
+  ASSERT_EQ(uneven.exit_code, 0) << uneven.output;
+  EXPECT_THAT(uneven.output, HasSubstr("10 events (10 sent, 10 acknowledged)"));
   CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
   EXPECT_THAT(over.output, HasSubstr("RESOURCE_EXHAUSTED"));
   EXPECT_EQ(over.exit_code, 1) << "a refused connection fails the command";
   EXPECT_THAT(over.output, HasSubstr("connection(s) failed; the first: "));
+  // Events never sent (the call ended first) count as not acknowledged; the line also says how many were sent.
+  EXPECT_THAT(over.output, ContainsRegex("not acknowledged: [0-9]+ events \\([0-9]+ of them sent\\):"));
   // A refused read leaves an existing output file as it was (it was truncated before the read).
   CommandResult unknown = RunCommand(absl::StrCat(ctl, " convictions --instrument NOPE --out ", csv.string()));
   EXPECT_EQ(unknown.exit_code, 1);
