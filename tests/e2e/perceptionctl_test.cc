@@ -106,13 +106,22 @@ std::string OnlyStep(const std::string& output) {
   return output.substr(begin, output.find("  ", output.find("grad_norm", begin)) - begin);
 }
 
-// Where `instrument`'s log ends once the daemon has processed everything it accepted.
-uint64_t EndSeqOnceIdle(client::PerceptionClient& client, const std::string& instrument) {
+// Where `instrument`'s log ends once the daemon has settled: nothing pending and the end unchanged for 300 ms (a
+// daemon just resumed may still be reading events a cancelled call had sent).
+uint64_t EndSeqOnceSettled(client::PerceptionClient& client, const std::string& instrument) {
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  uint64_t end = 0;
+  absl::Time since = absl::Now();
   while (absl::Now() < give_up) {
     if (absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
       for (const v1::StreamInfo& stream : streams->streams()) {
-        if (stream.instrument() == instrument && stream.pending_events() == 0) return stream.end_seq();
+        if (stream.instrument() != instrument) continue;
+        if (stream.pending_events() > 0 || stream.end_seq() != end) {
+          end = stream.end_seq();
+          since = absl::Now();
+        } else if (absl::Now() - since >= absl::Milliseconds(300)) {
+          return end;
+        }
       }
     }
     absl::SleepFor(absl::Milliseconds(10));
@@ -274,7 +283,7 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   uint64_t acked = 0;
   ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
       << failed.output;
-  const uint64_t end = EndSeqOnceIdle((*daemon)->client(), "AAPL");
+  const uint64_t end = EndSeqOnceSettled((*daemon)->client(), "AAPL");
   EXPECT_GT(end, acked) << "the daemon took at least what it acknowledged";
   ASSERT_LT(end, 1000u);
 
