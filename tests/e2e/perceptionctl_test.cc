@@ -179,6 +179,23 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
 }
 
+// A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
+TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 60s");
+  const absl::Time start = absl::Now();
+  const CommandResult mistyped = RunCommand(absl::StrCat(ctl, " stauts"));
+  EXPECT_EQ(mistyped.exit_code, 1);
+  EXPECT_THAT(mistyped.output, HasSubstr("INVALID_ARGUMENT: unexpected arguments: stauts"));
+  const CommandResult negative =
+      RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps -5"));
+  EXPECT_EQ(negative.exit_code, 1);
+  EXPECT_THAT(negative.output, HasSubstr("INVALID_ARGUMENT: --steps must be >= 1, got -5"));
+  const CommandResult ranks = RunCommand(absl::StrCat(ctl, " --targets=127.0.0.1:1,127.0.0.1:2 stream"));
+  EXPECT_EQ(ranks.exit_code, 1);
+  EXPECT_THAT(ranks.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
+}
+
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
 TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
   const CommandResult train = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",

@@ -634,6 +634,10 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   for (std::string line; std::getline(file, line);) ++rows;
   EXPECT_EQ(rows - 1, 899);
 
+  CommandResult reset = RunCommand(absl::StrCat(ctl, " streams reset AAPL"));
+  ASSERT_EQ(reset.exit_code, 0) << reset.output;
+  EXPECT_THAT(reset.output, HasSubstr("reset AAPL: its state is zeroed; its sequence numbers and log continue"));
+
   CommandResult paced = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
                                                 " --instrument SLOW --count 50 --rate 500"));
   ASSERT_EQ(paced.exit_code, 0) << paced.output;
