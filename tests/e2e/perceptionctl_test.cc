@@ -198,10 +198,30 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
 
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
 TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
-  const CommandResult train = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
-                                                      kOrderbook, " ", kMessages, " --steps 2 --log_every 0"));
+  const ScopedTempDir temp("cli_log_every");
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --steps 2 --log_every 0 --save ", (temp.path() / "a.safetensors").string()));
   EXPECT_EQ(train.exit_code, 1) << train.output;
   EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
+}
+
+// --steps 0 failed on a derived setting ("warmup_steps (-1)"), and a run without --save trained for nothing.
+TEST(PerceptionCliTest, TrainRefusesNoStepsAndNoSave) {
+  const ScopedTempDir temp("cli_steps_save");
+  const std::string train = absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                         kOrderbook, " ", kMessages);
+  const CommandResult no_steps =
+      RunCommand(absl::StrCat(train, " --steps 0 --save ", (temp.path() / "tiny.safetensors").string()));
+  EXPECT_EQ(no_steps.exit_code, 1) << no_steps.output;
+  EXPECT_THAT(no_steps.output, HasSubstr("--steps must be >= 1, got 0"));
+  const CommandResult no_save = RunCommand(absl::StrCat(train, " --steps 2"));
+  EXPECT_EQ(no_save.exit_code, 1) << no_save.output;
+  EXPECT_THAT(no_save.output, HasSubstr("train needs --save CKPT"));
+  const CommandResult saved =
+      RunCommand(absl::StrCat(train, " --steps 2 --save ", (temp.path() / "tiny.safetensors").string()));
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_TRUE(std::filesystem::exists(temp.path() / "tiny.safetensors"));
 }
 
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
