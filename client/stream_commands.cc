@@ -147,9 +147,18 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
-  const int64_t first = std::min<int64_t>(options.first, data.size());
-  const int64_t end = options.count > 0 ? std::min<int64_t>(first + options.count, data.size()) : data.size();
-  const int64_t n = end - first;
+  const int64_t size = static_cast<int64_t>(data.size());
+  if (options.first >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--first ", options.first, " is past the end: the files hold only ", size, " events"));
+  }
+  if (options.count > size - options.first) {
+    return absl::InvalidArgumentError(absl::StrCat("--first ", options.first, " --count ", options.count,
+                                                   " reaches past the end: the files hold only ", size,
+                                                   " events (--count 0: to the end of the files)"));
+  }
+  const int64_t first = options.first;
+  const int64_t n = options.count > 0 ? options.count : size - first;
   if (options.seed_window < 0 || options.seed_window >= n) {
     return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
                                                    n, " events to stream"));

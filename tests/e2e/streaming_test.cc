@@ -671,6 +671,16 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
                                                        " --instrument NEG --first -1"));
   EXPECT_EQ(before_first.exit_code, 1);
   EXPECT_THAT(before_first.output, HasSubstr("--first (-1) and --count (0) must be >= 0"));
+  // Past the end of the 999 events: said so, where --first gave "--seed-window 0 leaves nothing" and --count was
+  // cut short silently.
+  CommandResult past_end = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                   " --instrument PAST --first 999"));
+  EXPECT_EQ(past_end.exit_code, 1);
+  EXPECT_THAT(past_end.output, HasSubstr("--first 999 is past the end: the files hold only 999 events"));
+  CommandResult too_many = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                   " --instrument PAST --first 900 --count 100"));
+  EXPECT_EQ(too_many.exit_code, 1);
+  EXPECT_THAT(too_many.output, HasSubstr("--first 900 --count 100 reaches past the end: the files hold only 999"));
 }
 
 }  // namespace
