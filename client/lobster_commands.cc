@@ -113,6 +113,11 @@ absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, cons
   return absl::OkStatus();
 }
 
+// The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
+// on every run, so training in chunks (train --steps N, again and again) would see the first chunk's batches over
+// and over. A run stays reproducible from (seed, starting step).
+uint64_t SamplerSeed(uint64_t seed, int64_t step) { return Rng(seed).NextU64() ^ static_cast<uint64_t>(step); }
+
 // Every rank's Train stream at once, each on its own thread (their steps meet in the NCCL collectives), each fed
 // its slice of the same global batches; the progress shows rank 0's answers, whose loss is the global batch's.
 }  // namespace
@@ -131,8 +136,8 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
-  ASSIGN_OR_RETURN(WindowSampler sampler,
-                   WindowSampler::Create(split.train, config.window(), config.warmup(), options.seed));
+  ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
+                                                                SamplerSeed(options.seed, status.model().step())));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());
   if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
   const int world_size = static_cast<int>(ranks.size());

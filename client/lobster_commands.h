@@ -21,7 +21,7 @@ struct TrainOptions {
   int batch = 0, window = 0;  // 0: the model's; anything else must equal it
   double lr = 0;              // 0: keep the model's
   double train_fraction = 0.7;
-  uint64_t seed = 1;  // window sampling
+  uint64_t seed = 1;  // window sampling, mixed with the model's step (each run continues with fresh windows)
   int log_every = 10;
 };
 

@@ -1,7 +1,9 @@
-// The perceptiond client: unary calls with deadlines, the pipelined Train stream, health checks.
+// The perceptiond client: unary calls with deadlines, the Stream and pipelined Train calls with a timeout per
+// answer, health checks.
 #include "client/perception_client.h"
 
-#include <algorithm>
+#include <cstdint>
+#include <string>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -20,6 +22,11 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   arguments.SetMaxSendMessageSize(-1);  // the daemon enforces its own limit and says so
+  // A peer that vanished without closing the connection (a dead host, a half-open TCP connection) fails the calls
+  // on it within about 40 s instead of leaving them to wait. Pings go out only while calls are open, and gRPC sends
+  // at most two without data in between, which the daemon's default ping policy accepts.
+  arguments.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
+  arguments.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
 }
 
@@ -28,6 +35,87 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
 }
 
 }  // namespace
+
+// Cancels a streaming call once it owes answers (step responses, acknowledged events, or its end after the
+// half-close) and none came for `timeout`: such calls are open-ended, so a deadline on the whole call cannot tell
+// a long run from a daemon that stopped answering.
+class ResponseWatchdog {
+ public:
+  // `unit` names what is owed in the error ("events", "steps").
+  ResponseWatchdog(grpc::ClientContext& context, absl::Duration timeout, std::string unit)
+      : context_(context), timeout_(timeout), unit_(std::move(unit)), thread_([this] { Watch(); }) {}
+  ~ResponseWatchdog() { Stop(); }
+
+  // `count` more answers owed; called before the write, so that a write blocked by a stalled daemon is timed too.
+  void Owe(int64_t count) {
+    absl::MutexLock lock(&mu_);
+    if (!OwingLocked()) waiting_since_ = absl::Now();
+    owed_ += count;
+  }
+  // The answers received so far, in all.
+  void Answered(int64_t total) {
+    absl::MutexLock lock(&mu_);
+    if (total <= answered_) return;
+    answered_ = total;
+    waiting_since_ = absl::Now();
+  }
+  // After the half-close the call's end is owed as well.
+  void OweEnd() {
+    absl::MutexLock lock(&mu_);
+    if (!OwingLocked()) waiting_since_ = absl::Now();
+    end_owed_ = true;
+  }
+  // The call has ended: nothing more is owed.
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+  // The call's status, or DEADLINE_EXCEEDED saying what was owed when the watchdog cancelled it.
+  absl::Status Explain(absl::Status status) const {
+    absl::MutexLock lock(&mu_);
+    if (!expired_) return status;
+    const std::string owed = owed_ > answered_ ? absl::StrCat(owed_ - answered_, " ", unit_, " unanswered")
+                                               : "the end of the call owed";
+    return absl::DeadlineExceededError(absl::StrCat("no answer from the daemon for ", absl::FormatDuration(timeout_),
+                                                    " (--timeout) with ", owed, "; cancelled the call"));
+  }
+
+ private:
+  bool OwingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return end_owed_ || answered_ < owed_; }
+
+  void Watch() {
+    absl::MutexLock lock(&mu_);
+    const auto stopping_or_owing = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || OwingLocked(); };
+    while (!stopping_) {
+      if (!OwingLocked()) {
+        mu_.Await(absl::Condition(&stopping_or_owing));
+        continue;
+      }
+      const absl::Time deadline = waiting_since_ + timeout_;  // an answer meanwhile moves it on
+      if (absl::Now() >= deadline) {
+        expired_ = true;
+        context_.TryCancel();
+        return;
+      }
+      mu_.AwaitWithDeadline(absl::Condition(&stopping_), deadline);
+    }
+  }
+
+  grpc::ClientContext& context_;
+  const absl::Duration timeout_;
+  const std::string unit_;
+  mutable absl::Mutex mu_;
+  int64_t owed_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t answered_ ABSL_GUARDED_BY(mu_) = 0;
+  bool end_owed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool expired_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: it starts once the members above are set
+};
 
 PerceptionClient::PerceptionClient(const std::string& target, ClientOptions options)
     : target_(target),
@@ -80,11 +168,20 @@ absl::StatusOr<v1::EvaluateResponse> PerceptionClient::Evaluate(const v1::Evalua
   return Call(&v1::Perception::Stub::Evaluate, *perception_, request, options_.timeout);
 }
 
-EventStream::EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack)
-    : stream_(stub.Stream(&context_)), on_ack_(std::move(on_ack)) {
+EventStream::EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
+                         absl::Duration ack_timeout)
+    : watchdog_(std::make_unique<ResponseWatchdog>(context_, ack_timeout, "events")), on_ack_(std::move(on_ack)) {
+  // Corked, the call starts with the first Write, which the watchdog times, instead of here, where a daemon that
+  // accepts connections but never answers (SIGSTOP) would block unwatched.
+  context_.set_initial_metadata_corked(true);
+  stream_ = stub.Stream(&context_);
   reader_ = std::thread([this] {
     v1::StreamResponse response;
-    while (stream_->Read(&response)) on_ack_(response);
+    while (stream_->Read(&response)) {
+      watchdog_->Answered(static_cast<int64_t>(response.processed_events()));
+      on_ack_(response);
+    }
+    watchdog_->Stop();
     ended_ = true;
   });
 }
@@ -97,17 +194,21 @@ EventStream::~EventStream() {
   }
 }
 
-bool EventStream::Write(const v1::StreamRequest& request) { return stream_->Write(request); }
+bool EventStream::Write(const v1::StreamRequest& request) {
+  watchdog_->Owe(request.events_size());
+  return stream_->Write(request);
+}
 
 absl::Status EventStream::Finish() {
   finished_ = true;
+  watchdog_->OweEnd();
   stream_->WritesDone();
   reader_.join();  // the daemon ends the call once every accepted event is acknowledged
-  return FromGrpc(stream_->Finish());
+  return watchdog_->Explain(FromGrpc(stream_->Finish()));
 }
 
 std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack) {
-  return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack)));
+  return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack), options_.timeout));
 }
 
 absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {
@@ -152,7 +253,8 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
                                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
                                      CallCancellation* cancellation) {
   grpc::ClientContext context;
-  SetDeadline(context, options_.timeout * std::max(steps, 1));
+  ResponseWatchdog watchdog(context, options_.timeout, "steps");
+  context.set_initial_metadata_corked(true);  // the call starts with the first Write, which the watchdog times
   const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
       perception_->Train(&context);
   if (cancellation != nullptr) cancellation->Register(&context);
@@ -172,22 +274,25 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
       mu.Unlock();
       if (stop) break;
       next_batch(i, request);
+      watchdog.Owe(1);
       if (!stream->Write(request)) break;  // the stream has ended; Finish says why
     }
+    watchdog.OweEnd();
     stream->WritesDone();
   });
   v1::TrainStepResponse response;
   while (stream->Read(&response)) {
     on_response(response);
     absl::MutexLock lock(&mu);
-    ++answered;
+    watchdog.Answered(++answered);
   }
+  watchdog.Stop();
   {
     absl::MutexLock lock(&mu);
     reading_done = true;
   }
   writer.join();
-  return FromGrpc(stream->Finish());
+  return watchdog.Explain(FromGrpc(stream->Finish()));
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> PerceptionClient::Health(

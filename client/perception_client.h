@@ -19,24 +19,31 @@
 
 namespace perception::client {
 
+class ResponseWatchdog;
+
 // One Stream call: requests written from one thread, acknowledgements read on a helper thread. Not thread-safe
-// for writing (one writer); Finish once.
+// for writing (one writer); Finish once. The call has no deadline as a whole; instead it is cancelled once events
+// are outstanding and no acknowledgement came for `ack_timeout` (a stopped daemon or a half-open connection would
+// otherwise leave Write or Finish waiting forever).
 class EventStream {
  public:
   ~EventStream();  // cancels the call if Finish was not called
   // Sends one request; false once the call has ended (Finish says why).
   bool Write(const v1::StreamRequest& request);
   // Half-closes and waits for the call to end: OK once every accepted event was acknowledged, else the daemon's
-  // status (the acknowledgements before it were delivered).
+  // status (the acknowledgements before it were delivered); DEADLINE_EXCEEDED when it was cancelled for want of
+  // an acknowledgement.
   absl::Status Finish();
-  // True once the daemon has ended the call (all acknowledgements delivered); Finish then says why.
+  // True once the call has ended (all acknowledgements delivered); Finish then says why.
   bool ended() const { return ended_; }
 
  private:
   friend class PerceptionClient;
-  EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack);
+  EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
+              absl::Duration ack_timeout);
 
   grpc::ClientContext context_;
+  const std::unique_ptr<ResponseWatchdog> watchdog_;  // refers to context_, so declared after it
   std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> stream_;
   std::function<void(const v1::StreamResponse&)> on_ack_;
   std::thread reader_;
@@ -61,8 +68,11 @@ class CallCancellation {
 };
 
 struct ClientOptions {
-  absl::Duration timeout = absl::Seconds(60);  // deadline of each call; in Train, of each step
-  int max_receive_message_bytes = 64 << 20;    // Evaluate's probabilities can be large
+  // Deadline of each unary call. The streaming calls have none as a whole: Train is cancelled when no step's
+  // response came for this long while steps are outstanding, a Stream call when no acknowledgement came for this
+  // long while events are outstanding (DEADLINE_EXCEEDED either way).
+  absl::Duration timeout = absl::Seconds(60);
+  int max_receive_message_bytes = 64 << 20;  // Evaluate's probabilities can be large
 };
 
 // Thread-safe: calls may run concurrently from several threads. A failed call returns the daemon's status code
@@ -80,8 +90,8 @@ class PerceptionClient {
   absl::StatusOr<v1::TrainStepResponse> TrainStep(const v1::TrainStepRequest& request);
   absl::StatusOr<v1::EvaluateResponse> Evaluate(const v1::EvaluateRequest& request);
 
-  // Live streaming. OpenStream starts a Stream call (no deadline); `on_ack` sees each acknowledgement on the
-  // stream's reader thread.
+  // Live streaming. OpenStream starts a Stream call (cancelled when events wait longer than options.timeout for an
+  // acknowledgement); `on_ack` sees each acknowledgement on the stream's reader thread.
   std::unique_ptr<EventStream> OpenStream(std::function<void(const v1::StreamResponse&)> on_ack);
   absl::StatusOr<v1::SeedStreamResponse> SeedStream(const v1::SeedStreamRequest& request);
   absl::StatusOr<v1::ReadConvictionsResponse> ReadConvictions(const v1::ReadConvictionsRequest& request);
@@ -92,7 +102,8 @@ class PerceptionClient {
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
   // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
   // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's
-  // (CANCELLED when `cancellation` was cancelled).
+  // (CANCELLED when `cancellation` was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout
+  // while steps were outstanding).
   static constexpr int kTrainAhead = 4;
   absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,13 +29,17 @@ ABSL_FLAG(std::vector<std::string>, targets, {},
           "the daemons of one data-parallel job (perceptiond --world_size), in rank order, instead of --target: "
           "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
           "goes to rank 0");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "deadline of each call (of each step while training)");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
+          "deadline of each call; train: the longest wait for a step's response, stream and bench: for an "
+          "acknowledgement, while steps or events are outstanding");
 ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
 ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
 ABSL_FLAG(int, levels, 0,
           "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train and eval read that many "
           "(0: infer from the orderbook file)");
-ABSL_FLAG(uint64_t, seed, 1, "init: weight initialization seed; train: window sampling seed");
+ABSL_FLAG(uint64_t, seed, 1,
+          "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
+          "each run of train continues with fresh windows)");
 ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
 ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
 ABSL_FLAG(int, warmup, -1,
@@ -47,17 +52,23 @@ ABSL_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the
 ABSL_FLAG(double, min_lr, 0, "init, cosine schedule: the final learning rate");
 ABSL_FLAG(bool, replace, false, "init: replace the daemon's existing model");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK MESSAGES (or ORDERBOOK,MESSAGES): a LOBSTER file pair");
-ABSL_FLAG(int, steps, 100, "train: optimizer steps");
+ABSL_FLAG(int, steps, 100, "train: optimizer steps (>= 1)");
 ABSL_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to train on; the rest validates");
 ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
-ABSL_FLAG(std::string, instrument, "", "stream, convictions, streams reset/close: the instrument id");
+ABSL_FLAG(std::string, instrument, "", "stream, convictions: the instrument id");
 ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
-ABSL_FLAG(int, seed_window, 0, "stream: seed the state with the first N events (SeedStream), then stream the rest");
-ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based); sequence numbers still start at 1");
+ABSL_FLAG(int, seed_window, 0,
+          "stream: seed the state with the first N events (SeedStream), then stream the rest; refused on an "
+          "instrument that already has events unless --reseed");
+ABSL_FLAG(bool, reseed, false, "stream: let --seed-window replace the live state of an instrument that has events");
+ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
 ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
+ABSL_FLAG(uint64_t, start_seq, 1,
+          "stream: the sequence number of event --first (seed window included); a failed stream names the "
+          "--first and --start_seq that resume it");
 ABSL_FLAG(uint64_t, from, 0,
           "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
-          "OUT_OF_RANGE)");
+          "OUT_OF_RANGE; one past the log's end writes only the header)");
 ABSL_FLAG(std::string, out, "", "convictions: the CSV file to write");
 ABSL_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
 ABSL_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");
@@ -79,8 +90,8 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
-    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N]
-           [--first I] [--count N]
+    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N [--reseed]]
+           [--first I] [--count N] [--start_seq S]
     convictions --instrument ID [--from SEQ] --out FILE.csv
     streams                                  (list the live streams)
     streams reset ID | streams close ID
@@ -164,17 +175,14 @@ absl::StatusOr<LobsterFiles> LobsterFromFlags() {
   return LobsterFiles{files[0], files[1], absl::GetFlag(FLAGS_levels)};
 }
 
-absl::Status Train(std::span<PerceptionClient* const> ranks) {
+absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-  return TrainOnLobster(ranks,
-                        {files, absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_window),
-                         absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_train_fraction), absl::GetFlag(FLAGS_seed),
-                         absl::GetFlag(FLAGS_log_every)});
-}
-
-absl::Status Eval(PerceptionClient& client) {
-  ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-  return EvaluateLobster(client, files, absl::GetFlag(FLAGS_window));
+  if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
+  }
+  return TrainOptions{files, absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_window),
+                      absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_train_fraction), absl::GetFlag(FLAGS_seed),
+                      absl::GetFlag(FLAGS_log_every)};
 }
 
 absl::Status SaveCheckpoint(PerceptionClient& client, const std::string& name) {
@@ -205,17 +213,18 @@ absl::StatusOr<double> RateFromFlag() {
   return value;
 }
 
-absl::Status Stream(PerceptionClient& client) {
+absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
   ASSIGN_OR_RETURN(const double rate, RateFromFlag());
-  return StreamLobster(client, {files, absl::GetFlag(FLAGS_instrument), rate, absl::GetFlag(FLAGS_seed_window),
-                                absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count)});
+  return StreamOptions{files, absl::GetFlag(FLAGS_instrument), rate, absl::GetFlag(FLAGS_seed_window),
+                       absl::GetFlag(FLAGS_reseed), absl::GetFlag(FLAGS_first), absl::GetFlag(FLAGS_count),
+                       absl::GetFlag(FLAGS_start_seq)};
 }
 
-absl::Status RunBench(PerceptionClient& client) {
+absl::StatusOr<BenchOptions> BenchOptionsFromFlags() {
   ASSIGN_OR_RETURN(const double rate, RateFromFlag());
-  return Bench(client, {absl::GetFlag(FLAGS_instruments), absl::GetFlag(FLAGS_events), rate,
-                        absl::GetFlag(FLAGS_connections), absl::GetFlag(FLAGS_in_flight)});
+  return BenchOptions{absl::GetFlag(FLAGS_instruments), absl::GetFlag(FLAGS_events), rate,
+                      absl::GetFlag(FLAGS_connections), absl::GetFlag(FLAGS_in_flight)};
 }
 
 absl::Status ListStreams(PerceptionClient& client) {
@@ -232,73 +241,118 @@ absl::Status ListStreams(PerceptionClient& client) {
   return absl::OkStatus();
 }
 
-// --targets: the commands that address every rank of a data-parallel job.
-absl::Status RunOnRanks(const std::vector<std::string>& targets, const std::vector<std::string>& args) {
-  std::vector<std::unique_ptr<PerceptionClient>> clients;
-  std::vector<PerceptionClient*> ranks;
-  for (const std::string& target : targets) {
-    ranks.push_back(clients.emplace_back(std::make_unique<PerceptionClient>(
-                                             target, ClientOptions{.timeout = absl::GetFlag(FLAGS_timeout)}))
-                        .get());
-    if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
-      RETURN_IF_ERROR(ranks.back()->WaitUntilServing(wait));
-    }
-  }
-  const std::string command = args.size() > 1 ? args[1] : "";
-  const auto each = [&](auto&& run) -> absl::Status {
-    for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(run(*rank));
+// A command resolved from the arguments and flags before anything is sent or waited for (--wait), so that a
+// mistyped one fails at once.
+using Command = std::function<absl::Status(PerceptionClient&)>;
+// The same for --targets: the commands that address every rank of a data-parallel job.
+using RanksCommand = std::function<absl::Status(std::span<PerceptionClient* const>)>;
+
+RanksCommand OnEveryRank(Command command) {
+  return [command = std::move(command)](std::span<PerceptionClient* const> ranks) -> absl::Status {
+    for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(command(*rank));
     return absl::OkStatus();
   };
-  if (command == "status" && args.size() == 2) return each(Status);
-  if (command == "init" && args.size() == 2) return each(Init);
-  if (command == "train" && args.size() == 2) return Train(ranks);
+}
+
+absl::StatusOr<RanksCommand> ParseRanksCommand(const std::vector<std::string>& args) {
+  const std::string command = args.size() > 1 ? args[1] : "";
+  if (command == "status" && args.size() == 2) return OnEveryRank(Status);
+  if (command == "init" && args.size() == 2) return OnEveryRank(Init);
+  if (command == "train" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
+    return RanksCommand([options](std::span<PerceptionClient* const> ranks) { return TrainOnLobster(ranks, options); });
+  }
   if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
-    return each([&](PerceptionClient& rank) { return LoadCheckpoint(rank, args[3]); });
+    return OnEveryRank([name = args[3]](PerceptionClient& rank) { return LoadCheckpoint(rank, name); });
   }
   // Every rank holds the same parameters (checked by checksum); rank 0 saves them.
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(*ranks[0], args[3]);
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
+    return RanksCommand([name = args[3]](std::span<PerceptionClient* const> ranks) {
+      return SaveCheckpoint(*ranks[0], name);
+    });
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       "--targets applies to status, init, train and checkpoint save|load; give one --target for the rest (got: ",
       absl::StrJoin(args.begin() + 1, args.end(), " "), ")"));
 }
 
-absl::Status Run(const std::vector<std::string>& args) {
-  if (const std::vector<std::string> targets = absl::GetFlag(FLAGS_targets); !targets.empty()) {
-    return RunOnRanks(targets, args);
-  }
-  PerceptionClient client(absl::GetFlag(FLAGS_target), {.timeout = absl::GetFlag(FLAGS_timeout)});
-  if (const absl::Duration wait = absl::GetFlag(FLAGS_wait); wait > absl::ZeroDuration()) {
-    RETURN_IF_ERROR(client.WaitUntilServing(wait));
-  }
+absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args) {
   const std::string command = args.size() > 1 ? args[1] : "";
-  if (command == "status" && args.size() == 2) return Status(client);
-  if (command == "init" && args.size() == 2) return Init(client);
-  if (command == "train" && args.size() == 2) return Train(std::span<PerceptionClient* const>({&client}));
-  if (command == "eval" && args.size() == 2) return Eval(client);
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") return SaveCheckpoint(client, args[3]);
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") return LoadCheckpoint(client, args[3]);
-  if (command == "stream" && args.size() == 2) return Stream(client);
-  if (command == "convictions" && args.size() == 2) {
-    return WriteConvictions(client, absl::GetFlag(FLAGS_instrument), absl::GetFlag(FLAGS_from),
-                            absl::GetFlag(FLAGS_out));
+  if (command == "status" && args.size() == 2) return Command(Status);
+  if (command == "init" && args.size() == 2) return Command(Init);
+  if (command == "train" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
+    return Command([options](PerceptionClient& client) {
+      return TrainOnLobster(std::span<PerceptionClient* const>({&client}), options);
+    });
   }
-  if (command == "bench" && args.size() == 2) return RunBench(client);
-  if (command == "streams" && args.size() == 2) return ListStreams(client);
+  if (command == "eval" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
+    return Command([files, window = absl::GetFlag(FLAGS_window)](PerceptionClient& client) {
+      return EvaluateLobster(client, files, window);
+    });
+  }
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
+    return Command([name = args[3]](PerceptionClient& client) { return SaveCheckpoint(client, name); });
+  }
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
+    return Command([name = args[3]](PerceptionClient& client) { return LoadCheckpoint(client, name); });
+  }
+  if (command == "stream" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const StreamOptions options, StreamOptionsFromFlags());
+    return Command([options](PerceptionClient& client) { return StreamLobster(client, options); });
+  }
+  if (command == "convictions" && args.size() == 2) {
+    return Command([instrument = absl::GetFlag(FLAGS_instrument), from = absl::GetFlag(FLAGS_from),
+                    out = absl::GetFlag(FLAGS_out)](PerceptionClient& client) {
+      return WriteConvictions(client, instrument, from, out);
+    });
+  }
+  if (command == "bench" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const BenchOptions options, BenchOptionsFromFlags());
+    return Command([options](PerceptionClient& client) { return Bench(client, options); });
+  }
+  if (command == "streams" && args.size() == 2) return Command(ListStreams);
   if (command == "streams" && args.size() == 4 && args[2] == "reset") {
-    v1::ResetStreamRequest request;
-    request.set_instrument(args[3]);
-    return client.ResetStream(request).status();
+    return Command([instrument = args[3]](PerceptionClient& client) -> absl::Status {
+      v1::ResetStreamRequest request;
+      request.set_instrument(instrument);
+      RETURN_IF_ERROR(client.ResetStream(request).status());
+      std::printf("reset %s: its state is zeroed; its sequence numbers and log continue\n", instrument.c_str());
+      return absl::OkStatus();
+    });
   }
   if (command == "streams" && args.size() == 4 && args[2] == "close") {
-    v1::CloseStreamRequest request;
-    request.set_instrument(args[3]);
-    ASSIGN_OR_RETURN(const v1::CloseStreamResponse closed, client.CloseStream(request));
-    std::printf("closed %s after %llu events\n", args[3].c_str(),
-                static_cast<unsigned long long>(closed.processed_events()));
-    return absl::OkStatus();
+    return Command([instrument = args[3]](PerceptionClient& client) -> absl::Status {
+      v1::CloseStreamRequest request;
+      request.set_instrument(instrument);
+      ASSIGN_OR_RETURN(const v1::CloseStreamResponse closed, client.CloseStream(request));
+      std::printf("closed %s after %llu events\n", instrument.c_str(),
+                  static_cast<unsigned long long>(closed.processed_events()));
+      return absl::OkStatus();
+    });
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
+}
+
+absl::Status Run(const std::vector<std::string>& args) {
+  const ClientOptions options{.timeout = absl::GetFlag(FLAGS_timeout)};
+  const absl::Duration wait = absl::GetFlag(FLAGS_wait);
+  if (const std::vector<std::string> targets = absl::GetFlag(FLAGS_targets); !targets.empty()) {
+    ASSIGN_OR_RETURN(const RanksCommand command, ParseRanksCommand(args));
+    std::vector<std::unique_ptr<PerceptionClient>> clients;
+    std::vector<PerceptionClient*> ranks;
+    for (const std::string& target : targets) {
+      ranks.push_back(clients.emplace_back(std::make_unique<PerceptionClient>(target, options)).get());
+      if (wait > absl::ZeroDuration()) RETURN_IF_ERROR(ranks.back()->WaitUntilServing(wait));
+    }
+    return command(ranks);
+  }
+  ASSIGN_OR_RETURN(const Command command, ParseCommand(args));
+  PerceptionClient client(absl::GetFlag(FLAGS_target), options);
+  if (wait > absl::ZeroDuration()) RETURN_IF_ERROR(client.WaitUntilServing(wait));
+  return command(client);
 }
 
 }  // namespace

@@ -2,10 +2,8 @@
 #include "client/stream_commands.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -16,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "engine/atomic_file.h"
 #include "engine/lobster.h"
 #include "engine/status_macros.h"
 
@@ -59,6 +58,84 @@ double Percentile(std::vector<double>& sorted, double q) {
   return sorted[index];
 }
 
+// Refuses, before anything is sent, a seed window that would replace the live state of an instrument that already
+// has events (unless `reseed`), and a reseeded stream whose numbers would not continue the instrument's.
+absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() != options.instrument || stream.last_accepted_seq() == 0) continue;
+    const uint64_t next = stream.last_accepted_seq() + 1;
+    if (!options.reseed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "instrument ", options.instrument, " already has events (through seq ", stream.last_accepted_seq(),
+          "): --seed-window would replace its live state; stream without it to continue (--start_seq ", next,
+          "), or pass --reseed to replace the state"));
+    }
+    if (first_streamed_seq != next) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
+          "start at ", first_streamed_seq, next > static_cast<uint64_t>(options.seed_window)
+              ? absl::StrCat(" (--start_seq ", next - options.seed_window, " continues it)") : ""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// How many times a read from the log's oldest entry starts over when the stream overwrites what it reads.
+constexpr int kOldestReadAttempts = 5;
+
+// One instrument's conviction log from a sequence number on, as the CSV text `convictions` writes.
+struct ConvictionsCsv {
+  std::string text;
+  int64_t rows = 0, min_version = INT64_MAX, max_version = 0;
+  uint64_t first_seq = 0, last_seq = 0;
+  uint64_t oldest_seq = 0, end_seq = 0;  // what the log held at the last page: [oldest, end)
+};
+
+absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, const std::string& instrument,
+                                                  uint64_t from_seq) {
+  ConvictionsCsv csv;
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  request.set_from_seq(from_seq);
+  request.set_with_probabilities(true);
+  while (true) {
+    ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
+    const int H = page.n_horizons();
+    if (csv.text.empty()) {
+      csv.text = "seq,conviction";
+      for (int h = 1; h <= H; ++h) absl::StrAppend(&csv.text, ",p", h);
+      csv.text += "\n";
+      csv.first_seq = page.first_seq();
+    }
+    for (int i = 0; i < page.convictions_size(); ++i) {
+      absl::StrAppend(&csv.text, page.seqs(i), absl::StrFormat(",%.9g", page.convictions(i)));
+      for (int h = 0; h < H; ++h) absl::StrAppend(&csv.text, absl::StrFormat(",%.9g", page.probabilities(i * H + h)));
+      csv.text += "\n";
+      csv.last_seq = page.seqs(i);
+    }
+    if (page.convictions_size() > 0) {
+      csv.min_version = std::min(csv.min_version, page.min_weights_version());
+      csv.max_version = std::max(csv.max_version, page.max_weights_version());
+    }
+    csv.rows += page.convictions_size();
+    csv.oldest_seq = page.oldest_retained_seq();
+    csv.end_seq = page.end_seq();
+    if (page.convictions_size() == 0 || page.next_seq() >= page.end_seq()) return csv;
+    request.set_from_seq(page.next_seq());
+  }
+}
+
+// The oldest sequence number the instrument's log holds now; 0 for an instrument the daemon does not know (the
+// read then says so).
+absl::StatusOr<uint64_t> OldestRetainedSeq(PerceptionClient& client, const std::string& instrument) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() == instrument) return stream.oldest_retained_seq();
+  }
+  return 0;
+}
+
 }  // namespace
 
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
@@ -67,16 +144,29 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
+  if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
-  const int64_t first = std::min<int64_t>(options.first, data.size());
-  const int64_t end = options.count > 0 ? std::min<int64_t>(first + options.count, data.size()) : data.size();
-  const int64_t n = end - first;
+  const int64_t size = static_cast<int64_t>(data.size());
+  if (options.first >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--first ", options.first, " is past the end: the files hold only ", size, " events"));
+  }
+  if (options.count > size - options.first) {
+    return absl::InvalidArgumentError(absl::StrCat("--first ", options.first, " --count ", options.count,
+                                                   " reaches past the end: the files hold only ", size,
+                                                   " events (--count 0: to the end of the files)"));
+  }
+  const int64_t first = options.first;
+  const int64_t n = options.count > 0 ? options.count : size - first;
   if (options.seed_window < 0 || options.seed_window >= n) {
     return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
                                                    n, " events to stream"));
   }
+  // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
+  const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
   if (options.seed_window > 0) {
+    RETURN_IF_ERROR(CheckSeeding(client, options, seq_of(options.seed_window)));
     v1::SeedStreamRequest seed;
     seed.set_instrument(options.instrument);
     for (int64_t i = 0; i < options.seed_window; ++i) FillLobsterEvent(data, first + i, *seed.add_events());
@@ -101,22 +191,35 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     for (int k = 0; k < per_request && i < n; ++k, ++i) {
       v1::StreamEvent& event = *request.add_events();
       event.set_instrument(options.instrument);
-      event.set_seq(static_cast<uint64_t>(i + 1));
+      event.set_seq(seq_of(i));
       FillLobsterEvent(data, first + i, event);
     }
     pacer.Wait(i - options.seed_window);
     if (!stream->Write(request)) break;  // the call ended early; Finish says why
   }
-  RETURN_IF_ERROR(stream->Finish());
+  absl::Status status = stream->Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;
   absl::MutexLock lock(&mu);
-  if (acked != static_cast<uint64_t>(n)) {
-    return absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", n));
+  if (status.ok() && acked != seq_of(n - 1)) {
+    status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
   }
-  std::printf("streamed %lld events of %s (seq %d..%lld) in %.3f s: %.0f events/s; all acknowledged\n",
-              static_cast<long long>(streamed), options.instrument.c_str(), options.seed_window + 1,
-              static_cast<long long>(n), seconds, streamed / std::max(seconds, 1e-9));
+  if (!status.ok() && acked == 0) {
+    return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
+  }
+  if (!status.ok()) {
+    // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
+    const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
+    return absl::Status(status.code(),
+                        absl::StrCat(status.message(), "; acknowledged through seq ", acked, " (resume with --first ",
+                                     first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
+                                     " --start_seq ", acked + 1, ", or from the instrument's end_seq in `perceptionctl "
+                                     "streams` where the daemon took more)"));
+  }
+  std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
+              static_cast<long long>(streamed), options.instrument.c_str(),
+              static_cast<unsigned long long>(seq_of(options.seed_window)),
+              static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
   return absl::OkStatus();
 }
 
@@ -124,54 +227,36 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
                               const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
-  if (from_seq == 0) {  // not given: from the oldest entry the log still holds
-    ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
-    for (const v1::StreamInfo& stream : streams.streams()) {
-      if (stream.instrument() == instrument) from_seq = stream.oldest_retained_seq();
+  absl::StatusOr<ConvictionsCsv> csv;
+  if (from_seq > 0) {
+    csv = ReadConvictionsCsv(client, instrument, from_seq);
+  } else {
+    // On a live instrument whose log wraps, the stream may overwrite the oldest entry before the read reaches it
+    // (OUT_OF_RANGE): start over, ahead of the new oldest by at least what was overwritten meanwhile.
+    ASSIGN_OR_RETURN(uint64_t oldest, OldestRetainedSeq(client, instrument));
+    uint64_t lead = 0;
+    for (int attempt = 1;; ++attempt) {
+      csv = ReadConvictionsCsv(client, instrument, oldest + lead);
+      if (csv.ok() || !absl::IsOutOfRange(csv.status()) || attempt == kOldestReadAttempts) break;
+      ASSIGN_OR_RETURN(const uint64_t now_oldest, OldestRetainedSeq(client, instrument));
+      lead = std::max({2 * lead, now_oldest - oldest, uint64_t{1}});
+      oldest = now_oldest;
     }
   }
-  std::ofstream out;  // opened once the first page is in: a refused read leaves an existing file as it was
-  v1::ReadConvictionsRequest request;
-  request.set_instrument(instrument);
-  request.set_from_seq(from_seq);
-  request.set_with_probabilities(true);
-  int64_t rows = 0, min_version = INT64_MAX, max_version = 0;
-  uint64_t first_seq = 0, last_seq = 0;
-  while (true) {
-    ASSIGN_OR_RETURN(const v1::ReadConvictionsResponse page, client.ReadConvictions(request));
-    const int H = page.n_horizons();
-    if (rows == 0) {
-      out.open(out_path);
-      if (!out) return absl::ErrnoToStatus(errno, absl::StrCat("cannot write ", out_path));
-      out << "seq,conviction";
-      for (int h = 1; h <= H; ++h) out << ",p" << h;
-      out << "\n";
-      first_seq = page.first_seq();
-    }
-    for (int i = 0; i < page.convictions_size(); ++i) {
-      out << page.seqs(i) << absl::StrFormat(",%.9g", page.convictions(i));
-      for (int h = 0; h < H; ++h) out << absl::StrFormat(",%.9g", page.probabilities(i * H + h));
-      out << "\n";
-      last_seq = page.seqs(i);
-    }
-    if (page.convictions_size() > 0) {
-      min_version = std::min(min_version, page.min_weights_version());
-      max_version = std::max(max_version, page.max_weights_version());
-    }
-    rows += page.convictions_size();
-    if (page.convictions_size() == 0 || page.next_seq() >= page.end_seq()) break;
-    request.set_from_seq(page.next_seq());
-  }
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat("writing ", out_path, " failed"));
-  if (rows == 0) {
-    std::printf("no convictions of %s from seq %llu; wrote the header to %s\n", instrument.c_str(),
-                static_cast<unsigned long long>(from_seq), out_path.c_str());
+  RETURN_IF_ERROR(csv.status());
+  RETURN_IF_ERROR(WriteFileAtomically(out_path, csv->text));
+  if (csv->rows == 0) {
+    const std::string held = csv->end_seq > csv->oldest_seq
+                                 ? absl::StrCat("the log holds seq ", csv->oldest_seq, "..", csv->end_seq - 1)
+                                 : "the log is empty";
+    const std::string from = from_seq > 0 ? absl::StrCat(" from seq ", from_seq) : "";
+    std::printf("no convictions of %s%s (%s); wrote only the header to %s\n", instrument.c_str(), from.c_str(),
+                held.c_str(), out_path.c_str());
   } else {
     std::printf("%lld convictions of %s (seq %llu..%llu, weights versions %lld..%lld) -> %s\n",
-                static_cast<long long>(rows), instrument.c_str(), static_cast<unsigned long long>(first_seq),
-                static_cast<unsigned long long>(last_seq), static_cast<long long>(min_version),
-                static_cast<long long>(max_version), out_path.c_str());
+                static_cast<long long>(csv->rows), instrument.c_str(), static_cast<unsigned long long>(csv->first_seq),
+                static_cast<unsigned long long>(csv->last_seq), static_cast<long long>(csv->min_version),
+                static_cast<long long>(csv->max_version), out_path.c_str());
   }
   return absl::OkStatus();
 }
@@ -191,22 +276,21 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
     (void)client.CloseStream(close);
   }
 
+  // Event j goes to instrument j mod N, so the first events % N instruments have one event more than the rest.
+  const auto events_of = [&](int instrument) {
+    return options.events / options.instruments + (instrument < options.events % options.instruments ? 1 : 0);
+  };
   struct Connection {
     std::vector<int> instruments;
-    int64_t rounds = 0;  // requests to send, one event per instrument each
+    int64_t rounds = 0;  // requests to send, one event per instrument that still has one each
     std::vector<absl::Time> sent;  // by round
     std::vector<double> latencies;
-    int64_t acked_events = 0;
+    int64_t sent_events = 0, acked_events = 0;
     absl::Status status;
   };
   std::vector<Connection> connections(C);
   for (int i = 0; i < options.instruments; ++i) connections[i % C].instruments.push_back(i);
-  int64_t assigned = 0;
-  const int64_t rounds_total = (options.events + options.instruments - 1) / options.instruments;
-  for (Connection& c : connections) {
-    c.rounds = rounds_total;
-    assigned += c.rounds * static_cast<int64_t>(c.instruments.size());
-  }
+  for (Connection& c : connections) c.rounds = events_of(c.instruments.front());
 
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
@@ -229,9 +313,12 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           c.acked_events += static_cast<int64_t>(ack.last_seq() - acked[instrument]);
           acked[instrument] = ack.last_seq();
         }
-        uint64_t through = UINT64_MAX;
-        for (const int i : c.instruments) through = std::min(through, acked[i]);
-        acked_rounds = static_cast<int64_t>(through);
+        int64_t through = c.rounds;  // an instrument with all its events acknowledged holds nothing back
+        for (const int i : c.instruments) {
+          const auto acked_i = static_cast<int64_t>(acked[i]);
+          if (acked_i < events_of(i)) through = std::min(through, acked_i);
+        }
+        acked_rounds = through;
       });
       const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
       std::mt19937 rng(ci);
@@ -241,6 +328,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
       for (int64_t r = 0; r < c.rounds; ++r) {
         request.clear_events();
         for (const int i : c.instruments) {
+          if (r >= events_of(i)) continue;
           v1::StreamEvent& event = *request.add_events();
           event.set_instrument(name(i));
           event.set_seq(static_cast<uint64_t>(r + 1));
@@ -261,6 +349,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           c.sent[r] = pacer.paced() ? pacer.Due(events_before) : absl::Now();
         }
         if (!stream->Write(request)) break;
+        c.sent_events += request.events_size();
       }
       c.status = stream->Finish();
     });
@@ -269,21 +358,24 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::vector<double> latencies;
-  int64_t acked = 0;
+  int64_t sent = 0, acked = 0;
   std::vector<std::string> refusals;
   for (const Connection& c : connections) {
     latencies.insert(latencies.end(), c.latencies.begin(), c.latencies.end());
+    sent += c.sent_events;
     acked += c.acked_events;
     if (!c.status.ok()) refusals.push_back(c.status.ToString());
   }
   std::sort(latencies.begin(), latencies.end());
   std::printf(
-      "bench: %d instruments over %d connection(s), %lld events (%lld acknowledged) in %.3f s: %.0f events/s\n"
-      "latency (%s to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
-      options.instruments, C, static_cast<long long>(assigned), static_cast<long long>(acked), seconds,
-      acked / std::max(seconds, 1e-9), options.rate > 0 ? "scheduled send" : "send", 1e3 * Percentile(latencies, 0.5),
+      "bench: %d instruments over %d connection(s), %lld events (%lld sent, %lld acknowledged) in %.3f s: %.0f "
+      "events/s\nlatency (%s to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
+      options.instruments, C, static_cast<long long>(options.events), static_cast<long long>(sent),
+      static_cast<long long>(acked), seconds, acked / std::max(seconds, 1e-9),
+      options.rate > 0 ? "scheduled send" : "send", 1e3 * Percentile(latencies, 0.5),
       1e3 * Percentile(latencies, 0.99), 1e3 * Percentile(latencies, 0.999));
-  std::printf("rejected: %lld events%s\n", static_cast<long long>(assigned - acked), refusals.empty() ? "" : ":");
+  std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
+              static_cast<long long>(sent - acked), refusals.empty() ? "" : ":");
   for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());
   for (int i = 0; i < options.instruments; ++i) {
     v1::CloseStreamRequest close;

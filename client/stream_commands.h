@@ -13,18 +13,24 @@ namespace perception::client {
 struct StreamOptions {
   LobsterFiles files;
   std::string instrument;
-  double rate = 0;      // events per second; 0: as fast as the daemon takes them
-  int seed_window = 0;  // the first N events seed the state (SeedStream); streaming starts at event N + 1
-  int64_t first = 0;    // the first event of the files to use (0-based): seed window and stream start there
-  int64_t count = 0;    // events to use from `first` on; 0: all the rest
+  double rate = 0;         // events per second; 0: as fast as the daemon takes them
+  int seed_window = 0;     // the first N events seed the state (SeedStream); streaming starts at event N + 1
+  bool reseed = false;     // seed even an instrument that already has events, replacing its live state
+  int64_t first = 0;       // the first event of the files to use (0-based): seed window and stream start there
+  int64_t count = 0;       // events to use from `first` on; 0: all the rest
+  uint64_t start_seq = 1;  // the sequence number of event `first`; the events after it follow on
 };
 
-// Replays the files as a live feed of one instrument, event i of the files (1-based) with sequence number i, and
-// returns once the daemon acknowledged the last one; prints events/s.
+// Replays the files as a live feed of one instrument, the k-th event used (0-based, seed window included) with
+// sequence number start_seq + k, and returns once the daemon acknowledged the last one; prints events/s. Refuses
+// to seed an instrument that already has events unless `reseed`. A failure says through which sequence number the
+// daemon acknowledged and the flags that resume from there.
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
 
 // Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
-// `seq,conviction,p1,...,pH` per event; prints what it wrote.
+// `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
+// starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only
+// once every page is in, so a refused read leaves an existing file as it was.
 absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
                               const std::string& out_path);
 

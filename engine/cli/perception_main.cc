@@ -31,7 +31,7 @@ ABSL_FLAG(std::string, precision, "auto",
 ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
 ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
-ABSL_FLAG(int, steps, 200, "optimizer steps");
+ABSL_FLAG(int, steps, 200, "optimizer steps (>= 1)");
 ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's)");
 ABSL_FLAG(int, window, 0, "events per window (0: the config's)");
 ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's)");
@@ -44,7 +44,7 @@ ABSL_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
 ABSL_FLAG(double, train_fraction, 0.7, "leading fraction of the events used for training; the rest validates");
 ABSL_FLAG(int, log_every, 25, "steps between progress lines");
 ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end)");
-ABSL_FLAG(std::string, save, "", "checkpoint path to write after training");
+ABSL_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
 ABSL_FLAG(std::string, checkpoint, "", "checkpoint to evaluate");
 ABSL_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
 ABSL_FLAG(std::string, features_out, "", "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
@@ -102,6 +102,10 @@ absl::StatusOr<ModelConfig> TrainingConfig(int levels) {
 }
 
 absl::Status Train() {
+  if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
+  }
+  if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
   ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
@@ -143,7 +147,7 @@ absl::Status Train() {
   const int val_every = absl::GetFlag(FLAGS_val_every);
   const auto start = std::chrono::steady_clock::now();
   double val_loss = NAN;
-  if (steps > 0) sampler.Sample(config.batch, batches[0]);
+  sampler.Sample(config.batch, batches[0]);
   for (int s = 1; s <= steps; ++s) {
     const Batch& batch = batches[(s - 1) % 2];
     Batch& next = batches[s % 2];
@@ -166,12 +170,10 @@ absl::Status Train() {
   std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n", val_loss, prior_loss,
               val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
   const std::string save = absl::GetFlag(FLAGS_save);
-  if (!save.empty()) {
-    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend->ExportState());
-    checkpoint.optimizer = optimizer;
-    RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
-    std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
-  }
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, backend->ExportState());
+  checkpoint.optimizer = optimizer;
+  RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
+  std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
   return absl::OkStatus();
 }
 

@@ -1,11 +1,21 @@
 // perceptionctl against the real daemon: init, train on LOBSTER files, checkpoints, status, with flags before and
-// after the subcommand, and errors with the daemon's code and message.
+// after the subcommand, errors with the daemon's code and message, and stream and train giving up on a daemon that
+// stopped answering.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <iterator>
 #include <string>
+#include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
 
@@ -13,9 +23,111 @@ namespace perception::e2e {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::string kOrderbook = testing::ShippedLobsterPath("AAPL", "orderbook", 10);
 const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10);
+// 57,514 events at one level: long enough a feed to wrap a small conviction log many times.
+const std::string kLongFeed = absl::StrCat(" --lobster ", testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ",
+                                           testing::ShippedLobsterPath("AMZN", "message", 1));
+// Long enough for a command that never gives up to fail the test instead of hanging it.
+const std::string kKillAfter30s = "timeout -s KILL 30 ";
+
+// Runs `command` on a helper thread; once `started` holds, stops the daemon (SIGSTOP) and returns how long the
+// command then took to exit and what it said. The daemon is resumed (SIGCONT) before returning.
+std::pair<absl::Duration, CommandResult> RunThenStopTheDaemon(Daemon& daemon, const std::string& command,
+                                                              const std::function<bool()>& started) {
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand, command);
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (!started() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(10));
+  daemon.Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  CommandResult result = running.get();
+  const absl::Duration waited = absl::Now() - stopped;
+  daemon.Signal(SIGCONT);
+  return {waited, std::move(result)};
+}
+
+// Every conviction the daemon's log holds for `instrument`, oldest first.
+struct ConvictionLog {
+  std::vector<uint64_t> seqs;
+  std::vector<float> convictions;
+};
+ConvictionLog ReadLog(client::PerceptionClient& client, const std::string& instrument) {
+  ConvictionLog log;
+  v1::ReadConvictionsRequest request;
+  request.set_instrument(instrument);
+  while (true) {
+    absl::StatusOr<v1::ReadConvictionsResponse> page = client.ReadConvictions(request);
+    EXPECT_TRUE(page.ok()) << page.status();
+    if (!page.ok() || page->convictions_size() == 0) return log;
+    log.seqs.insert(log.seqs.end(), page->seqs().begin(), page->seqs().end());
+    log.convictions.insert(log.convictions.end(), page->convictions().begin(), page->convictions().end());
+    if (page->next_seq() >= page->end_seq()) return log;
+    request.set_from_seq(page->next_seq());
+  }
+}
+
+// `log` holds seq first..last, each conviction as `reference` (the same events streamed in one go) has it.
+void ExpectReplayOf(const ConvictionLog& log, const ConvictionLog& reference, uint64_t first, uint64_t last) {
+  ASSERT_EQ(log.seqs.size(), last - first + 1);
+  ASSERT_EQ(reference.seqs, log.seqs);
+  for (size_t i = 0; i < log.seqs.size(); ++i) {
+    ASSERT_EQ(log.seqs[i], first + i) << "contiguous";
+    ASSERT_NEAR(log.convictions[i], reference.convictions[i], 1e-6) << "seq " << log.seqs[i];
+  }
+}
+
+// Waits until the daemon has processed at least `events` of `instrument` (false after 20 s).
+bool WaitUntilProcessed(client::PerceptionClient& client, const std::string& instrument, uint64_t events) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < give_up) {
+    if (absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
+      for (const v1::StreamInfo& stream : streams->streams()) {
+        if (stream.instrument() == instrument && stream.processed_events() >= events) return true;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+std::string FileText(const std::filesystem::path& path) {
+  std::ifstream file(path);
+  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+// "loss L  grad_norm G" of a `train --steps 1` run's progress line.
+std::string OnlyStep(const std::string& output) {
+  const std::string line = "step 1/1  ";
+  const size_t at = output.find(line);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + line.size();
+  return output.substr(begin, output.find("  ", output.find("grad_norm", begin)) - begin);
+}
+
+// Where `instrument`'s log ends once the daemon has settled: nothing pending and the end unchanged for 300 ms (a
+// daemon just resumed may still be reading events a cancelled call had sent).
+uint64_t EndSeqOnceSettled(client::PerceptionClient& client, const std::string& instrument) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  uint64_t end = 0;
+  absl::Time since = absl::Now();
+  while (absl::Now() < give_up) {
+    if (absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
+      for (const v1::StreamInfo& stream : streams->streams()) {
+        if (stream.instrument() != instrument) continue;
+        if (stream.pending_events() > 0 || stream.end_seq() != end) {
+          end = stream.end_seq();
+          since = absl::Now();
+        } else if (absl::Now() - since >= absl::Milliseconds(300)) {
+          return end;
+        }
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return 0;
+}
 
 TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   const ScopedTempDir temp("ctl");
@@ -67,12 +179,288 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
 }
 
+// A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
+TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 60s");
+  const absl::Time start = absl::Now();
+  const CommandResult mistyped = RunCommand(absl::StrCat(ctl, " stauts"));
+  EXPECT_EQ(mistyped.exit_code, 1);
+  EXPECT_THAT(mistyped.output, HasSubstr("INVALID_ARGUMENT: unexpected arguments: stauts"));
+  const CommandResult negative =
+      RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps -5"));
+  EXPECT_EQ(negative.exit_code, 1);
+  EXPECT_THAT(negative.output, HasSubstr("INVALID_ARGUMENT: --steps must be >= 1, got -5"));
+  const CommandResult ranks = RunCommand(absl::StrCat(ctl, " --targets=127.0.0.1:1,127.0.0.1:2 stream"));
+  EXPECT_EQ(ranks.exit_code, 1);
+  EXPECT_THAT(ranks.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
+}
+
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
 TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
-  const CommandResult train = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
-                                                      kOrderbook, " ", kMessages, " --steps 2 --log_every 0"));
+  const ScopedTempDir temp("cli_log_every");
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --steps 2 --log_every 0 --save ", (temp.path() / "a.safetensors").string()));
   EXPECT_EQ(train.exit_code, 1) << train.output;
   EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
+}
+
+// --steps 0 failed on a derived setting ("warmup_steps (-1)"), and a run without --save trained for nothing.
+TEST(PerceptionCliTest, TrainRefusesNoStepsAndNoSave) {
+  const ScopedTempDir temp("cli_steps_save");
+  const std::string train = absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                         kOrderbook, " ", kMessages);
+  const CommandResult no_steps =
+      RunCommand(absl::StrCat(train, " --steps 0 --save ", (temp.path() / "tiny.safetensors").string()));
+  EXPECT_EQ(no_steps.exit_code, 1) << no_steps.output;
+  EXPECT_THAT(no_steps.output, HasSubstr("--steps must be >= 1, got 0"));
+  const CommandResult no_save = RunCommand(absl::StrCat(train, " --steps 2"));
+  EXPECT_EQ(no_save.exit_code, 1) << no_save.output;
+  EXPECT_THAT(no_save.output, HasSubstr("train needs --save CKPT"));
+  const CommandResult saved =
+      RunCommand(absl::StrCat(train, " --steps 2 --save ", (temp.path() / "tiny.safetensors").string()));
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_TRUE(std::filesystem::exists(temp.path() / "tiny.safetensors"));
+}
+
+// A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
+// up instead of waiting forever on a daemon that stopped answering.
+TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
+  const ScopedTempDir temp("ctl_stream_stall");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto streaming = [&] {
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() > 0;
+  };
+  const auto [waited, stream] = RunThenStopTheDaemon(
+      **daemon,
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 2s stream --lobster ", kOrderbook, " ", kMessages,
+                   " --instrument AAPL --rate 200"),
+      streaming);
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
+  EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
+}
+
+// --timeout bounds each step of train, not the whole run (where 2 s x 100000 steps would never end).
+TEST(PerceptionctlTest, TrainGivesUpOnADaemonThatStopsAnswering) {
+  const ScopedTempDir temp("ctl_train_stall");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto training = [&] {
+    absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
+    return status.ok() && status->model().step() > 0;
+  };
+  const auto [waited, train] = RunThenStopTheDaemon(
+      **daemon,
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 2s train --lobster ", kOrderbook, " ", kMessages,
+                   " --steps 100000"),
+      training);
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
+  EXPECT_LT(waited, absl::Seconds(10));
+}
+
+// A replay continues in a second run: --first picks up the file where the first run ended and --start_seq the
+// sequence numbers, so the daemon's log is one contiguous run whose convictions equal a replay in one go.
+TEST(PerceptionctlTest, AReplayContinuesInASecondRunWithStartSeq) {
+  const ScopedTempDir temp("ctl_resume");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult head = RunCommand(absl::StrCat(stream, " --instrument AAPL --count 400"));
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+  const CommandResult tail =
+      RunCommand(absl::StrCat(stream, " --instrument AAPL --first 400 --count 400 --start_seq 401"));
+  ASSERT_EQ(tail.exit_code, 0) << tail.output;
+  EXPECT_THAT(tail.output, HasSubstr("streamed 400 events of AAPL (seq 401..800)"));
+  const CommandResult whole = RunCommand(absl::StrCat(stream, " --instrument WHOLE --count 800"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 800);
+
+  const CommandResult restart = RunCommand(absl::StrCat(stream, " --instrument AAPL --first 800"));
+  EXPECT_EQ(restart.exit_code, 1);
+  EXPECT_THAT(restart.output, HasSubstr("sequence number 1 out of order, expected 801"));
+}
+
+// A stream that failed says through which sequence number the daemon acknowledged; a second run from the
+// instrument's end_seq completes the log.
+TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
+  const ScopedTempDir temp("ctl_resume_failed");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const auto acknowledging = [&] {  // the daemon acknowledges every 50 ms
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() >= 100;
+  };
+  const CommandResult failed =
+      RunThenStopTheDaemon(**daemon, absl::StrCat(kKillAfter30s, stream, " --timeout 1s --instrument AAPL --rate 200"),
+                           acknowledging)
+          .second;
+  ASSERT_EQ(failed.exit_code, 1) << failed.output;
+  const std::string through = "acknowledged through seq ";
+  const size_t at = failed.output.find(through);
+  ASSERT_NE(at, std::string::npos) << failed.output;
+  const size_t digits = at + through.size();
+  uint64_t acked = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
+      << failed.output;
+  const uint64_t end = EndSeqOnceSettled((*daemon)->client(), "AAPL");
+  EXPECT_GT(end, acked) << "the daemon took at least what it acknowledged";
+  ASSERT_LT(end, 1000u);
+
+  const CommandResult resumed =
+      RunCommand(absl::StrCat(stream, " --instrument AAPL --first ", end - 1, " --start_seq ", end));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument WHOLE")).exit_code, 0);
+  ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
+}
+
+// --seed-window replaces an instrument's live state, so onto one that already has events it is refused (nothing
+// sent) unless --reseed: the stream then continues as if the second run had not happened.
+TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
+  const ScopedTempDir temp("ctl_reseed");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const std::string seeded = absl::StrCat(stream, " --instrument AAPL --seed-window 100 --count 300");
+  ASSERT_EQ(RunCommand(seeded).exit_code, 0);
+  const absl::StatusOr<v1::ListStreamsResponse> before = client.ListStreams();
+  ASSERT_TRUE(before.ok()) << before.status();
+  const CommandResult again = RunCommand(seeded);
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_THAT(again.output, HasSubstr("FAILED_PRECONDITION: instrument AAPL already has events (through seq 300): "
+                                      "--seed-window would replace its live state"));
+  EXPECT_THAT(again.output, Not(HasSubstr("seeded")));
+  const absl::StatusOr<v1::ListStreamsResponse> after = client.ListStreams();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->SerializeAsString(), before->SerializeAsString());
+
+  // The live state is the first run's: continuing it gives the convictions of one seeded run over all the events.
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument AAPL --first 300 --count 50 --start_seq 301")).exit_code, 0);
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument ONCE --seed-window 100 --count 350")).exit_code, 0);
+  ExpectReplayOf(ReadLog(client, "AAPL"), ReadLog(client, "ONCE"), 101, 350);
+
+  // --reseed replaces the state, numbering on from the instrument's next sequence number.
+  const std::string reseed =
+      absl::StrCat(stream, " --instrument AAPL --seed-window 100 --first 250 --count 150 --reseed");
+  const CommandResult misnumbered = RunCommand(reseed);
+  EXPECT_EQ(misnumbered.exit_code, 1);
+  EXPECT_THAT(misnumbered.output, HasSubstr("instrument AAPL takes seq 351 next, but the stream after the seed window "
+                                            "would start at 101 (--start_seq 251 continues it)"));
+  const CommandResult reseeded = RunCommand(absl::StrCat(reseed, " --start_seq 251"));
+  ASSERT_EQ(reseeded.exit_code, 0) << reseeded.output;
+  EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
+}
+
+// Without --from, convictions reads from the oldest entry even while a live stream overwrites it (the read starts
+// over ahead of it), and writes contiguous sequence numbers.
+TEST(PerceptionctlTest, ConvictionsFromTheOldestOfAWrappingLog) {
+  const ScopedTempDir temp("ctl_convictions_wrap");
+  // 2,000 log entries per slot, read 100 a page.
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(
+      temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=8000", "--stream_read_max=100"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+
+  const std::string feed = absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --rate 20000");
+  std::future<CommandResult> stream = std::async(std::launch::async, RunCommand, feed);
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "AMZN", 4000)) << "the log has wrapped";
+  for (int read = 0; read < 3; ++read) {
+    const std::filesystem::path csv = temp.path() / absl::StrCat("amzn", read, ".csv");
+    const CommandResult convictions =
+        RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+    ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
+    const std::vector<std::string> lines = absl::StrSplit(FileText(csv), '\n', absl::SkipEmpty());
+    ASSERT_GT(lines.size(), 1000u) << "most of the 2,000 entries the log holds";
+    EXPECT_EQ(lines[0], "seq,conviction,p1,p2,p3");
+    uint64_t previous = 0;
+    for (size_t i = 1; i < lines.size(); ++i) {
+      uint64_t seq = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(lines[i].substr(0, lines[i].find(',')), &seq)) << lines[i];
+      if (i > 1) {
+        ASSERT_EQ(seq, previous + 1) << "contiguous";
+      }
+      previous = seq;
+    }
+  }
+  (*daemon)->Signal(SIGKILL);  // the feed has done its part
+  stream.get();
+}
+
+// The CSV is written only once every page is in: a read that fails on a later page (the stream overwrote what it
+// had yet to reach) leaves an existing file as it was.
+TEST(PerceptionctlTest, ConvictionsFailingOnALaterPageLeaveTheFileAsItWas) {
+  const ScopedTempDir temp("ctl_convictions_later_page");
+  // 10,000 log entries per slot, read one a page: slower than the feed fills the log.
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(
+      temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=40000", "--stream_read_max=1"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const std::filesystem::path csv = temp.path() / "amzn.csv";
+  std::ofstream(csv) << "an earlier export\n";
+
+  const std::string feed = absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --rate 20000");
+  std::future<CommandResult> stream = std::async(std::launch::async, RunCommand, feed);
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "AMZN", 12000)) << "the log has wrapped";
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  // Far enough ahead of the oldest entry for the first page to be read before the feed overwrites it.
+  const uint64_t from = streams->streams(0).oldest_retained_seq() + 5000;
+  const CommandResult convictions =
+      RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --from ", from, " --out ", csv.string()));
+  EXPECT_EQ(convictions.exit_code, 1) << convictions.output;
+  EXPECT_THAT(convictions.output, HasSubstr("OUT_OF_RANGE"));
+  const std::string kept = FileText(csv);
+  EXPECT_TRUE(kept == "an earlier export\n") << "replaced by: " << kept.substr(0, 100);
+  (*daemon)->Signal(SIGKILL);
+  stream.get();
+}
+
+// Training in chunks samples fresh windows each run (the sampler's seed takes in the model's step), and stays
+// reproducible: the same chunks from the same start give the same steps. With a learning rate of 1e-12 the weights
+// barely move, so a run that repeated the previous run's batch would report the same loss.
+TEST(PerceptionctlTest, TrainingInChunksSamplesFreshWindowsEachRun) {
+  const ScopedTempDir temp("ctl_train_chunks");
+  std::vector<std::vector<std::string>> steps;  // by daemon, by run
+  for (int daemon_index = 0; daemon_index < 2; ++daemon_index) {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+        Daemon::Start(temp.path() / absl::StrCat("checkpoints", daemon_index));
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+    ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --lr 1e-12")).exit_code, 0);
+    std::vector<std::string>& runs = steps.emplace_back();
+    for (int run = 0; run < 2; ++run) {
+      const CommandResult train =
+          RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 1"));
+      ASSERT_EQ(train.exit_code, 0) << train.output;
+      runs.push_back(OnlyStep(train.output));
+      ASSERT_THAT(runs.back(), HasSubstr("loss ")) << train.output;
+    }
+  }
+  EXPECT_NE(steps[0][0], steps[0][1]) << "the second run trained on the first run's batch again";
+  EXPECT_EQ(steps[1], steps[0]) << "the same runs from the same start";
 }
 
 }  // namespace

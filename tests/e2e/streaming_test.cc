@@ -30,6 +30,7 @@
 namespace perception::e2e {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using testing::FeatureEvent;
 
@@ -633,6 +634,10 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   for (std::string line; std::getline(file, line);) ++rows;
   EXPECT_EQ(rows - 1, 899);
 
+  CommandResult reset = RunCommand(absl::StrCat(ctl, " streams reset AAPL"));
+  ASSERT_EQ(reset.exit_code, 0) << reset.output;
+  EXPECT_THAT(reset.output, HasSubstr("reset AAPL: its state is zeroed; its sequence numbers and log continue"));
+
   CommandResult paced = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
                                                 " --instrument SLOW --count 50 --rate 500"));
   ASSERT_EQ(paced.exit_code, 0) << paced.output;
@@ -640,13 +645,20 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
 
   CommandResult bench = RunCommand(absl::StrCat(ctl, " bench --instruments 5 --events 500 --connections 2"));
   ASSERT_EQ(bench.exit_code, 0) << bench.output;
-  EXPECT_THAT(bench.output, HasSubstr("bench: 5 instruments over 2 connection(s), 500 events (500 acknowledged)"));
+  EXPECT_THAT(bench.output,
+              HasSubstr("bench: 5 instruments over 2 connection(s), 500 events (500 sent, 500 acknowledged)"));
   EXPECT_THAT(bench.output, HasSubstr("p99.9"));
-  EXPECT_THAT(bench.output, HasSubstr("rejected: 0 events"));
+  EXPECT_THAT(bench.output, HasSubstr("not acknowledged: 0 events (0 of them sent)"));
+  // Round-robin, 4 + 3 + 3: exactly the events asked for (it sent whole rounds, 12).
+  CommandResult uneven = RunCommand(absl::StrCat(ctl, " bench --instruments 3 --events 10"));
+  ASSERT_EQ(uneven.exit_code, 0) << uneven.output;
+  EXPECT_THAT(uneven.output, HasSubstr("10 events (10 sent, 10 acknowledged)"));
   CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
   EXPECT_THAT(over.output, HasSubstr("RESOURCE_EXHAUSTED"));
   EXPECT_EQ(over.exit_code, 1) << "a refused connection fails the command";
   EXPECT_THAT(over.output, HasSubstr("connection(s) failed; the first: "));
+  // Events never sent (the call ended first) count as not acknowledged; the line also says how many were sent.
+  EXPECT_THAT(over.output, ContainsRegex("not acknowledged: [0-9]+ events \\([0-9]+ of them sent\\):"));
   // A refused read leaves an existing output file as it was (it was truncated before the read).
   CommandResult unknown = RunCommand(absl::StrCat(ctl, " convictions --instrument NOPE --out ", csv.string()));
   EXPECT_EQ(unknown.exit_code, 1);
@@ -659,6 +671,16 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
                                                        " --instrument NEG --first -1"));
   EXPECT_EQ(before_first.exit_code, 1);
   EXPECT_THAT(before_first.output, HasSubstr("--first (-1) and --count (0) must be >= 0"));
+  // Past the end of the 999 events: said so, where --first gave "--seed-window 0 leaves nothing" and --count was
+  // cut short silently.
+  CommandResult past_end = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                   " --instrument PAST --first 999"));
+  EXPECT_EQ(past_end.exit_code, 1);
+  EXPECT_THAT(past_end.output, HasSubstr("--first 999 is past the end: the files hold only 999 events"));
+  CommandResult too_many = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                   " --instrument PAST --first 900 --count 100"));
+  EXPECT_EQ(too_many.exit_code, 1);
+  EXPECT_THAT(too_many.output, HasSubstr("--first 900 --count 100 reaches past the end: the files hold only 999"));
 }
 
 }  // namespace
