@@ -109,18 +109,35 @@ grpc::Status PerceptionService::InitModel(grpc::ServerContext*, const v1::InitMo
                                           v1::InitModelResponse* response) {
   return Answer("InitModel", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromRequest(*request));
-    RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits_));
     ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
     std::optional<Normalizer> normalizer;
     if (request->has_normalizer()) {
       ASSIGN_OR_RETURN(normalizer, NormalizerFromProto(request->normalizer()));
     }
-    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return streams_.ChangeModel(host, [&] {
-        return ModelAfter(host.Init(config, optimizer, request->seed(), normalizer, request->replace()), host);
-      });
-    }));
+    ASSIGN_OR_RETURN(*response->mutable_model(),
+                     CreateModel(config, optimizer, request->seed(), normalizer, request->replace()));
     return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<v1::Model> PerceptionService::CreateModel(const ModelConfig& config, const OptimizerConfig& optimizer,
+                                                         uint64_t seed, const std::optional<Normalizer>& normalizer,
+                                                         bool replace) {
+  RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits_));
+  return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+    return streams_.ChangeModel(
+        host, [&] { return ModelAfter(host.Init(config, optimizer, seed, normalizer, replace), host); });
+  });
+}
+
+absl::StatusOr<PerceptionService::LoadedModel> PerceptionService::LoadModel(
+    const std::string& name, const std::optional<OptimizerConfig>& optimizer) {
+  ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(name));
+  return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
+    return streams_.ChangeModel(host, [&]() -> absl::StatusOr<LoadedModel> {
+      ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));
+      return LoadedModel{ToProto(*host.Status().model), seconds};
+    });
   });
 }
 
@@ -149,19 +166,14 @@ grpc::Status PerceptionService::SetOptimizer(grpc::ServerContext*, const v1::Set
 grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest* request,
                                                v1::LoadCheckpointResponse* response) {
   return Answer("LoadCheckpoint", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(request->name()));
     std::optional<OptimizerConfig> optimizer;
     if (request->has_optimizer()) {
       ASSIGN_OR_RETURN(optimizer, OptimizerFromProto(request->optimizer()));
     }
-    return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return streams_.ChangeModel(host, [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));
-        *response->mutable_model() = ToProto(*host.Status().model);
-        response->set_seconds(seconds);
-        return absl::OkStatus();
-      });
-    });
+    ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(request->name(), optimizer));
+    *response->mutable_model() = std::move(loaded.model);
+    response->set_seconds(loaded.seconds);
+    return absl::OkStatus();
   });
 }
 

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -28,6 +30,17 @@ class PerceptionService final
   // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; work already
   // queued finishes.
   void BeginDrain();
+
+  // InitModel's and LoadCheckpoint's work, also perceptiond's for --init_config and --load: the daemon's limits
+  // applied, refused while streams hold state on the current model. `config` is valid; LoadModel's `optimizer`,
+  // where absent, is the checkpoint's (ModelHost::Load).
+  absl::StatusOr<v1::Model> CreateModel(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
+                                        const std::optional<Normalizer>& normalizer, bool replace);
+  struct LoadedModel {
+    v1::Model model;
+    double seconds = 0;
+  };
+  absl::StatusOr<LoadedModel> LoadModel(const std::string& name, const std::optional<OptimizerConfig>& optimizer);
 
   grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,
                          v1::GetStatusResponse* response) override;

@@ -196,26 +196,16 @@ absl::Status JoinDataParallel(DeviceWorker& worker, RendezvousService& rendezvou
 }
 
 // --load or --init_config.
-absl::Status PrepareModel(DeviceWorker& worker, StreamBatcher& streams, const CheckpointDirectory& checkpoints,
-                          const Limits& limits) {
+absl::Status PrepareModel(PerceptionService& service) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
   if (!load.empty() && !preset.empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
-  if (!load.empty()) {
-    ASSIGN_OR_RETURN(const std::string path, checkpoints.Resolve(load));
-    return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return streams.ChangeModel(host, [&] { return host.Load(path, std::nullopt, limits).status(); });
-    });
-  }
+  if (!load.empty()) return service.LoadModel(load, /*optimizer=*/std::nullopt).status();
   if (preset.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(preset));
   if (const int levels = absl::GetFlag(FLAGS_init_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
   RETURN_IF_ERROR(ValidateConfig(config));
-  RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits));
-  return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
-    return streams.ChangeModel(
-        host, [&] { return host.Init(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false); });
-  });
+  return service.CreateModel(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false).status();
 }
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
@@ -319,7 +309,7 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
   ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits));
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
-  RETURN_IF_ERROR(PrepareModel(worker, streams, checkpoints, limits));
+  RETURN_IF_ERROR(PrepareModel(service));
   ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
   server->GetHealthCheckService()->SetServingStatus(true);
 
