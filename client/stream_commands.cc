@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <random>
 #include <thread>
 #include <vector>
@@ -58,25 +60,32 @@ double Percentile(std::vector<double>& sorted, double q) {
   return sorted[index];
 }
 
+// The daemon's stream of `instrument` (ListStreams), if it has one.
+absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& client, const std::string& instrument) {
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() == instrument) return stream;
+  }
+  return std::nullopt;
+}
+
 // Refuses, before anything is sent, a seed window that would replace the live state of an instrument that already
 // has events (unless `reseed`), and a reseeded stream whose numbers would not continue the instrument's.
 absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
-  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
-  for (const v1::StreamInfo& stream : streams.streams()) {
-    if (stream.instrument() != options.instrument || stream.last_accepted_seq() == 0) continue;
-    const uint64_t next = stream.last_accepted_seq() + 1;
-    if (!options.reseed) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "instrument ", options.instrument, " already has events (through seq ", stream.last_accepted_seq(),
-          "): --seed-window would replace its live state; stream without it to continue (--start_seq ", next,
-          "), or pass --reseed to replace the state"));
-    }
-    if (first_streamed_seq != next) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
-          "start at ", first_streamed_seq, next > static_cast<uint64_t>(options.seed_window)
-              ? absl::StrCat(" (--start_seq ", next - options.seed_window, " continues it)") : ""));
-    }
+  ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
+  if (!stream.has_value() || stream->last_accepted_seq() == 0) return absl::OkStatus();
+  const uint64_t next = stream->last_accepted_seq() + 1;
+  if (!options.reseed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "instrument ", options.instrument, " already has events (through seq ", stream->last_accepted_seq(),
+        "): --seed-window would replace its live state; stream without it to continue (--start_seq ", next,
+        "), or pass --reseed to replace the state"));
+  }
+  if (first_streamed_seq != next) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
+        "start at ", first_streamed_seq, next > static_cast<uint64_t>(options.seed_window)
+            ? absl::StrCat(" (--start_seq ", next - options.seed_window, " continues it)") : ""));
   }
   return absl::OkStatus();
 }
@@ -129,11 +138,8 @@ absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, cons
 // The oldest sequence number the instrument's log holds now; 0 for an instrument the daemon does not know (the
 // read then says so).
 absl::StatusOr<uint64_t> OldestRetainedSeq(PerceptionClient& client, const std::string& instrument) {
-  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
-  for (const v1::StreamInfo& stream : streams.streams()) {
-    if (stream.instrument() == instrument) return stream.oldest_retained_seq();
-  }
-  return 0;
+  ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, instrument));
+  return stream.has_value() ? stream->oldest_retained_seq() : 0;
 }
 
 }  // namespace
@@ -385,8 +391,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
   for (const Connection& c : connections) {
     if (!c.status.ok()) {
-      return absl::Status(c.status.code(), absl::StrCat(refusals.size(), " of ", C, " connection(s) failed; the first: ",
-                                                         c.status.message()));
+      return absl::Status(c.status.code(), absl::StrCat(refusals.size(), " of ", C,
+                                                         " connection(s) failed; the first: ", c.status.message()));
     }
   }
   return absl::OkStatus();
