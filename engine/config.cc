@@ -54,8 +54,9 @@ ModelConfig Large() {
 }
 
 // kMaxConfigDimension bounds every dimension and d_inner, so that a row's width (in_proj's 2E + 2N + Hh at most)
-// fits an int; these bound what they multiply to: the weights (1 GiB of float32; with their gradient and two moments, 4), one
-// instrument's SSM state, and the widest activation of a training batch, each an int count with room to spare.
+// fits an int; these bound what they multiply to: the weights (1 GiB of float32; with their gradient and two
+// moments, 4), one instrument's SSM state, and the widest activation of a training batch, each an int count with
+// room to spare.
 constexpr int64_t kMaxParameters = int64_t{1} << 28;
 constexpr int64_t kMaxStateFloats = int64_t{1} << 26;
 constexpr int64_t kMaxActivationFloats = int64_t{1} << 30;

@@ -66,10 +66,10 @@ ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "
           "older entries are overwritten and counted)");
 ABSL_FLAG(bool, stream_resident, true,
-          "on CUDA (small fed by any LOBSTER level count from 1 to 10: 4*levels + 8 features): lone streaming events go "
-          "to a resident step that polls a ring in pinned memory, instead of a launch per tick; it holds 8 "
-          "multiprocessors while streaming, and yields them to every training step (--nostream_resident: a launched "
-          "tick per event)");
+          "on CUDA (small fed by any LOBSTER level count from 1 to 10: 4*levels + 8 features): lone streaming events "
+          "go to a resident step that polls a ring in pinned memory, instead of a launch per tick; it holds 8 "
+          "multiprocessors while streaming, and yields them to every training step (--nostream_resident: a "
+          "launched tick per event)");
 ABSL_FLAG(int, stream_resident_idle_ms, 1000,
           "on CUDA: once the device has had no work for this many milliseconds, a running resident streaming step is "
           "stopped, freeing its multiprocessors and its polling of host memory; the next lone event starts it again "

@@ -146,7 +146,9 @@ class StreamFailureTest : public ::testing::Test {
                                     std::span<const float>(series.dt).subspan(from, n), logits)
                     .ok());
     std::vector<float> convictions;
-    for (int i = 0; i < n; ++i) convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    for (int i = 0; i < n; ++i) {
+      convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    }
     return convictions;
   }
 

@@ -58,7 +58,8 @@ TEST_F(DeviceLossDeathTest, AStickyErrorLosesTheDeviceOnceAndNamesItsFirstFailur
 // 0 when a real illegal address is reported as a lost device, and a backend refuses its next call.
 int ChecksOfAnIllegalAddress() {
   const ModelConfig config = *NamedConfig("tiny");
-  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 2));
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 2));
   if (!backend.ok()) return Fail(backend.status().ToString());
   if (LaunchIllegalAddressWrite(cudaStreamLegacy) != cudaSuccess) return Fail("the faulting kernel did not launch");
   const absl::Status synchronized = FailedCall(cudaStreamSynchronize(cudaStreamLegacy));
@@ -78,7 +79,8 @@ TEST_F(DeviceLossDeathTest, AnIllegalAddressLosesTheDevice) {
 TEST(CudaFailure, AFailedAllocationDoesNotFailTheNextCall) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("tiny");
-  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 4));
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 4));
   ASSERT_TRUE(backend.ok()) << backend.status();
   const absl::StatusOr<CudaAllocation> huge = AllocateCuda(MemoryKind::kDevice, size_t{1} << 52);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();

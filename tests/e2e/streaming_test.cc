@@ -322,7 +322,9 @@ TEST_F(StreamingTest, TrainingWhileStreamingGivesConvictionsOfWholePublishedVers
   const int F = config.n_features;
   constexpr int kSteps = 30;
   std::vector<testing::RandomBatch> batches;
-  for (int i = 0; i < kSteps; ++i) batches.push_back(testing::MakeRandomBatch(config, config.batch, config.window, 40 + i));
+  for (int i = 0; i < kSteps; ++i) {
+    batches.push_back(testing::MakeRandomBatch(config, config.batch, config.window, 40 + i));
+  }
   const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 5000, 9);
 
   // Events stream in small acknowledged requests before, during and after training.

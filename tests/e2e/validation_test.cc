@@ -176,7 +176,8 @@ TEST_F(ValidationTest, InitModelTakesAFullConfigAndRefusesAnInvalidOne) {
   ExpectRefused(client().InitModel(huge).status(), absl::StatusCode::kInvalidArgument, "parameters, more than");
   v1::InitModelRequest levels = TinyInitRequest(1);
   levels.set_levels(1073741823);  // 4·levels + 8 wrapped to 4 features
-  ExpectRefused(client().InitModel(levels).status(), absl::StatusCode::kInvalidArgument, "levels must be in [1, 16382]");
+  ExpectRefused(client().InitModel(levels).status(), absl::StatusCode::kInvalidArgument,
+                "levels must be in [1, 16382]");
   v1::InitModelRequest negative = TinyInitRequest(1);
   negative.set_batch(-2);
   ExpectRefused(client().InitModel(negative).status(), absl::StatusCode::kInvalidArgument,
