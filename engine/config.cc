@@ -171,6 +171,8 @@ std::string ConfigToJson(const ModelConfig& c) {
 }
 
 absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
+  // nlohmann's parser takes a NUL for the end of its input and would ignore whatever follows it.
+  if (text.find('\0') != std::string::npos) return absl::InvalidArgumentError("config: holds a NUL byte");
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config: not a JSON object");

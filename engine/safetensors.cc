@@ -204,6 +204,11 @@ struct ParsedHeader {
 
 // `data_bytes` is what the file holds after the header: the tensors must tile exactly that.
 absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_bytes) {
+  // nlohmann's parser takes a NUL for the end of its input, so JSON + NUL + garbage would pass; the reference
+  // reader refuses it.
+  if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
+    return Corrupt(absl::StrCat("header holds a NUL byte at offset ", nul));
+  }
   const nlohmann::json header = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded()) return Corrupt("header is not valid JSON");
   if (!header.is_object()) return Corrupt("header is not a JSON object");

@@ -66,7 +66,7 @@ class SafetensorsFile {
   SafetensorsMetadata metadata_;
 };
 
-// Reads and validates the whole file: header length, JSON header, entry keys and types, dtype
+// Reads and validates the whole file: header length, JSON header (no NUL byte), entry keys and types, dtype
 // (F32 only), shapes, data offsets (in range, no overlap, covering the data region exactly) and
 // metadata values (strings). The header is read and validated before the data, so a corrupt file is refused
 // without reading (or allocating) its size. Every problem is an error naming the path and the problem; no

@@ -280,6 +280,30 @@ TEST_F(CheckpointTest, CorruptedHeaderIsRejected) {
   file.replace(20, 6, "\x01\xff\"}{]", 6);
   WriteBytes(path_, file);
   ExpectLoadFails("header is not valid JSON");
+
+  // JSON, then a NUL and garbage: the JSON parser alone stops at the NUL and would load the checkpoint.
+  SaveTiny();
+  file = ReadBytes(path_);
+  const uint64_t length = HeaderLength(file);
+  std::string header = file.substr(8, length) + std::string("\0{garbage", 9);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t new_length = header.size();
+  WriteBytes(path_, std::string(reinterpret_cast<const char*>(&new_length), 8) + header + file.substr(8 + length));
+  ExpectLoadFails(absl::StrCat("header holds a NUL byte at offset ", length));
+
+  // The same inside the metadata's config and optimizer strings (JSON carries the NUL as \u0000).
+  for (const std::string key : {"config", "optimizer"}) {
+    SCOPED_TRACE(key);
+    ASSERT_TRUE(SaveCheckpoint(path_, [] {
+                  Checkpoint checkpoint = RandomCheckpoint(Config("tiny"), 1);
+                  checkpoint.optimizer = OptimizerConfig{};
+                  return checkpoint;
+                }()).ok());
+    RewriteTensors([&](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) {
+      metadata[key] += std::string("\0{garbage", 9);
+    });
+    ExpectLoadFails(absl::StrCat(key, ": holds a NUL byte"));
+  }
 }
 
 TEST_F(CheckpointTest, WrongShapeIsRejected) {

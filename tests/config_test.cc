@@ -105,6 +105,12 @@ TEST(ConfigTest, ValidationNamesTheProblem) {
   EXPECT_THAT(ConfigFromJson("{oops").status().message(), HasSubstr("not a JSON object"));
 }
 
+TEST(ConfigTest, JsonWithANulByteIsRejected) {
+  // The parser would stop at the NUL and take the valid config before it.
+  const std::string text = ConfigToJson(*NamedConfig("small")) + std::string("\0{garbage", 9);
+  EXPECT_THAT(ConfigFromJson(text).status().message(), HasSubstr("config: holds a NUL byte"));
+}
+
 TEST(ParamLayoutTest, FollowsModelOrderWithAlignedViews) {
   ParamLayout layout(*NamedConfig("small"));
   const std::vector<std::string> first = {"norm.mean", "norm.inv_std", "embed.weight", "embed.bias",

@@ -180,7 +180,9 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
       {"length past end", RawFile("{}", "").substr(0, 9), "header length 2 exceeds the 1 bytes"},
       {"absurd length", absurd_length, "header length 1099511627776 is absurd"},
       {"invalid JSON", RawFile(R"({"a": )", ""), "header is not valid JSON"},
-      {"garbage", RawFile(std::string("\xff\xfe\x00garbage", 10), ""), "header is not valid JSON"},
+      {"garbage", RawFile(std::string("\xff\xfe\x01garbage", 10), ""), "header is not valid JSON"},
+      // The JSON parser stops at a NUL, so the valid object before it would pass; the reference reader refuses it.
+      {"NUL after the JSON", RawFile(std::string("{}\0{garbage", 11), ""), "header holds a NUL byte at offset 2"},
       {"not an object", RawFile("[1, 2]", ""), "header is not a JSON object"},
       {"entry not an object", RawFile(R"({"a": 3})", ""), "entry for tensor 'a' is not a JSON object"},
       {"no dtype", RawFile(R"({"a": {"shape": [2], "data_offsets": [0, 8]}})", eight), "tensor 'a' has no 'dtype'"},
