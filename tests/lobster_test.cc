@@ -315,6 +315,49 @@ TEST(LobsterFeaturizer, AmznFirstTwoEvents) {
   ExpectTail(line2.features, 1, -0.6528925619834711, 14.08986200881257, 1, 1);
 }
 
+// The time column's text in whole nanoseconds, read digit by digit: the exact value the file states.
+std::vector<int64_t> ExactNanoseconds(const std::string& message_path) {
+  std::vector<int64_t> times;
+  std::ifstream in(message_path);
+  for (std::string line; std::getline(in, line);) {
+    const std::string time = line.substr(0, line.find(','));
+    const size_t point = time.find('.');
+    std::string fraction = point == std::string::npos ? "" : time.substr(point + 1);
+    EXPECT_LE(fraction.size(), 9u) << time;
+    fraction.resize(9, '0');
+    times.push_back(std::stoll(time.substr(0, point)) * 1'000'000'000 + std::stoll(fraction));
+  }
+  return times;
+}
+
+// Δt once differed in the last float bit between the file (a difference of absolute seconds near 34,200) and a
+// stream (client/stream_commands.cc sends TimeNanoseconds(time); server/stream_batcher.cc featurizes seconds since
+// the stream's first event, (ns − first ns)·1e-9): 5,303 of the AMZN day's events. Both must give the exact
+// (ns − previous ns)·1e-9 of the file's decimal times, as float32 too.
+TEST(LobsterFeaturizer, DtIsTheSameFromTheFileAndFromAStream) {
+  const LobsterData data = Amzn();
+  const std::vector<int64_t> exact_ns = ExactNanoseconds(ShippedLobsterPath("AMZN", "message", 1));
+  ASSERT_EQ(exact_ns.size(), data.size());
+  LobsterFeaturizer file(1), stream(1);
+  std::vector<float> features(kAmznFeatures);
+  const int64_t first_ns = TimeNanoseconds(data.messages[0].time);
+  size_t differing = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    ASSERT_EQ(TimeNanoseconds(data.messages[i].time), exact_ns[i]) << "line " << i + 1;
+    const absl::StatusOr<double> file_dt = file.Next(data.BookRow(i), data.messages[i], features);
+    LobsterMessage relative = data.messages[i];
+    relative.time = static_cast<double>(TimeNanoseconds(data.messages[i].time) - first_ns) * 1e-9;
+    const absl::StatusOr<double> stream_dt = stream.Next(data.BookRow(i), relative, features);
+    ASSERT_TRUE(file_dt.ok() && stream_dt.ok()) << "line " << i + 1;
+    const double expected = i == 0 ? 0.0 : static_cast<double>(exact_ns[i] - exact_ns[i - 1]) * 1e-9;
+    if (*file_dt != expected || *stream_dt != expected ||
+        static_cast<float>(*file_dt) != static_cast<float>(*stream_dt)) {
+      ++differing;
+    }
+  }
+  EXPECT_EQ(differing, 0u) << "of " << data.size() << " events";
+}
+
 TEST(LobsterFeaturizer, AmznPartialCancellationAtLine652) {
   const Featurized line652 = FeaturizeLine(Amzn(), 652);
   // line 651: 34400.045403237 with ask 2239900 (400), bid 2236000 (507);
