@@ -40,9 +40,10 @@ class CsvLines {
  public:
   CsvLines(const std::string& path, std::string text) : path_(path), text_(std::move(text)) {}
 
-  // Advances to the next line and splits it at commas; false once the text is used up.
+  // Advances to the next line and splits it at commas; false once the text is used up. Empty lines at the end
+  // are not rows: an editor or a concatenation easily leaves one, and refusing the whole file for it helps no one.
   bool Next() {
-    if (position_ >= text_.size()) return false;
+    if (text_.find_first_not_of("\r\n", position_) == std::string::npos) return false;
     size_t end = text_.find('\n', position_);
     if (end == std::string::npos) end = text_.size();
     absl::string_view line(text_.data() + position_, end - position_);

@@ -155,6 +155,20 @@ constexpr char kMessages[] =
 
 TEST_F(ReadLobsterErrors, TheValidPairReads) { EXPECT_TRUE(Read(kBook, kMessages).ok()); }
 
+// A trailing blank line (or a few, with CR) once failed the whole file with "found 1 columns, expected 8".
+TEST_F(ReadLobsterErrors, TrailingEmptyLinesAreNotRows) {
+  for (const char* tail : {"\n", "\n\n", "\r\n", "\n\r\n"}) {
+    SCOPED_TRACE(::testing::PrintToString(tail));
+    EXPECT_TRUE(Read(std::string(kBook) + tail, std::string(kMessages) + tail).ok());
+    const absl::StatusOr<LobsterData> data = ReadLobster(orderbook_, message_);
+    ASSERT_TRUE(data.ok()) << data.status();
+    EXPECT_EQ(data->size(), 3u);
+    EXPECT_EQ(data->book.size(), 12u);
+  }
+  // An empty line before a row is no trailing blank: it still names its line.
+  ExpectError(Read(kBook, std::string("\n") + kMessages), message_ + ":1:", "found 1 columns, expected 6");
+}
+
 TEST_F(ReadLobsterErrors, MoreOrderbookRowsThanMessages) {
   const absl::Status status = Read(std::string(kBook) + "2239500,100,2237500,90\n", kMessages);
   ExpectError(status, orderbook_ + ":4:", "no counterpart in " + message_ + ", which has only 3 rows");
