@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 
 namespace perception {
@@ -30,15 +31,33 @@ absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
   return absl::OkStatus();
 }
 
-}  // namespace
+std::string TemporaryPathFor(const std::string& path) { return absl::StrCat(path, ".tmp.", ::getpid()); }
 
-absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
-  const std::string temp = absl::StrCat(path, ".tmp.", ::getpid());
-  // A new file of our own: whatever has the name (a crashed writer's leftover, a planted link) goes first, and a
-  // link that appears in between fails the create instead of redirecting the write.
+// A new file of our own: whatever has the name (a crashed writer's leftover, a planted link) goes first, and a
+// link that appears in between fails the create instead of redirecting the write.
+absl::StatusOr<int> CreateTemporary(const std::string& temp) {
   ::unlink(temp.c_str());
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", temp);
+  return fd;
+}
+
+}  // namespace
+
+absl::Status CheckWritableDestination(const std::string& path) {
+  const std::string temp = TemporaryPathFor(path);
+  const absl::StatusOr<int> fd = CreateTemporary(temp);
+  if (!fd.ok()) return fd.status();
+  ::close(*fd);
+  ::unlink(temp.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+  const std::string temp = TemporaryPathFor(path);
+  const absl::StatusOr<int> created = CreateTemporary(temp);
+  if (!created.ok()) return created.status();
+  const int fd = *created;
   absl::Status status = WriteAll(fd, bytes, temp);
   if (status.ok() && ::fsync(fd) != 0) status = Errno("cannot fsync", temp);
   if (::close(fd) != 0 && status.ok()) status = Errno("cannot close", temp);

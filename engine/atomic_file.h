@@ -12,4 +12,9 @@ namespace perception {
 // temp file is removed and the error names the path and the system's reason.
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
 
+// OK when WriteFileAtomically could start writing `path` now: it creates the temporary file it would use beside
+// `path` and removes it again. For a long job that writes only at its end, so that a mistyped or read-only
+// destination fails before the work instead of after it. The error names the path and the system's reason.
+absl::Status CheckWritableDestination(const std::string& path);
+
 }  // namespace perception

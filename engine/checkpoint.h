@@ -37,8 +37,9 @@ struct Checkpoint {
 absl::Status SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);
 
 // Reads and validates a whole checkpoint: format, config, every expected tensor present with its
-// exact shape, no other tensor, and `optim.step` consistent with the metadata step. Returns the
-// checkpoint complete or an error naming the problem, never a partial result.
+// exact shape, no other tensor, every value finite, `optim.exp_avg_sq` >= 0, a normalizer ValidateNormalizer
+// accepts, and `optim.step` consistent with the metadata step. Returns the checkpoint complete or an error
+// (DATA_LOSS for a file that is not a valid checkpoint) naming the problem, never a partial result.
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path);
 
 }  // namespace perception

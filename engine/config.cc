@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -99,6 +101,20 @@ absl::Status PositiveAndBounded(const char* field, int value) {
       absl::StrCat("config: ", field, " must be in [1, ", kMaxConfigDimension, "], got ", value));
 }
 
+// A JSON integer as an int, or nothing where it lies outside int's range (get<int>() would wrap it silently).
+std::optional<int> IntOf(const nlohmann::json& value) {
+  if (value.is_number_unsigned()) {
+    const uint64_t unsigned_value = value.get<uint64_t>();
+    if (unsigned_value > static_cast<uint64_t>(std::numeric_limits<int>::max())) return std::nullopt;
+    return static_cast<int>(unsigned_value);
+  }
+  const int64_t signed_value = value.get<int64_t>();
+  if (signed_value < std::numeric_limits<int>::min() || signed_value > std::numeric_limits<int>::max()) {
+    return std::nullopt;
+  }
+  return static_cast<int>(signed_value);
+}
+
 }  // namespace
 
 int64_t TrainedParameterCount(const ModelConfig& c) {
@@ -171,6 +187,8 @@ std::string ConfigToJson(const ModelConfig& c) {
 }
 
 absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
+  // nlohmann's parser takes a NUL for the end of its input and would ignore whatever follows it.
+  if (text.find('\0') != std::string::npos) return absl::InvalidArgumentError("config: holds a NUL byte");
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config: not a JSON object");
@@ -185,7 +203,9 @@ absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
     if (!it->is_number_integer()) {
       return absl::InvalidArgumentError(absl::StrCat("config: '", key, "' must be an integer"));
     }
-    out = it->get<int>();
+    const std::optional<int> value = IntOf(*it);
+    if (!value.has_value()) return absl::InvalidArgumentError(absl::StrCat("config: '", key, "' is out of range"));
+    out = *value;
     return absl::OkStatus();
   };
   const std::pair<const char*, int*> required[] = {
@@ -208,7 +228,9 @@ absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
   c.horizons.clear();
   for (const auto& k : *horizons) {
     if (!k.is_number_integer()) return absl::InvalidArgumentError("config: horizons must be integers");
-    c.horizons.push_back(k.get<int>());
+    const std::optional<int> horizon = IntOf(k);
+    if (!horizon.has_value()) return absl::InvalidArgumentError("config: 'horizons' is out of range");
+    c.horizons.push_back(*horizon);
   }
   if (absl::Status s = ValidateConfig(c); !s.ok()) return s;
   return c;

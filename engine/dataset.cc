@@ -144,6 +144,20 @@ Normalizer FitNormalizer(const EventSeries& series) {
   return normalizer;
 }
 
+absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const float> inv_std) {
+  if (mean.size() != inv_std.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalizer mean has ", mean.size(), " values but inv_std has ", inv_std.size()));
+  }
+  for (size_t i = 0; i < mean.size(); ++i) {
+    if (!std::isfinite(mean[i]) || !std::isfinite(inv_std[i]) || !(inv_std[i] > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("normalizer feature ", i, ": mean ", mean[i], ", inv_std ",
+                                                     inv_std[i], "; both must be finite and inv_std > 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<double> ClassPrior(const EventSeries& series) {
   const size_t horizons = static_cast<size_t>(series.n_horizons);
   std::vector<double> positives(horizons, 0.0), counted(horizons, 0.0);

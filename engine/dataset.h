@@ -43,6 +43,10 @@ struct Normalizer {
   std::vector<float> mean, inv_std;
 };
 Normalizer FitNormalizer(const EventSeries& series);
+// OK when `mean` and `inv_std` have equal sizes and every value is finite with inv_std > 0: the normalizers the
+// model can apply. INVALID_ARGUMENT naming the first feature that is not. The one check for every source of a
+// normalizer (the API, a checkpoint).
+absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const float> inv_std);
 
 // Class prior per horizon: the fraction of label 1 among masked-in labels (0.5 for a horizon with none).
 std::vector<double> ClassPrior(const EventSeries& series);

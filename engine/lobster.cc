@@ -40,9 +40,10 @@ class CsvLines {
  public:
   CsvLines(const std::string& path, std::string text) : path_(path), text_(std::move(text)) {}
 
-  // Advances to the next line and splits it at commas; false once the text is used up.
+  // Advances to the next line and splits it at commas; false once the text is used up. Empty lines at the end
+  // are not rows: an editor or a concatenation easily leaves one, and refusing the whole file for it helps no one.
   bool Next() {
-    if (position_ >= text_.size()) return false;
+    if (text_.find_first_not_of("\r\n", position_) == std::string::npos) return false;
     size_t end = text_.find('\n', position_);
     if (end == std::string::npos) end = text_.size();
     absl::string_view line(text_.data() + position_, end - position_);
@@ -252,6 +253,8 @@ absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction) {
   return absl::OkStatus();
 }
 
+int64_t TimeNanoseconds(double seconds) { return std::llround(seconds * 1e9); }
+
 LobsterFeaturizer::LobsterFeaturizer(int levels) : levels_(levels) {}
 
 int LobsterFeaturizer::n_features() const { return LobsterFeatureCount(levels_); }
@@ -268,10 +271,14 @@ absl::Status LobsterFeaturizer::Validate(std::span<const int64_t> book_row, cons
     return absl::InvalidArgumentError(
         absl::StrCat("feature buffer has ", features.size(), " values, expected ", n_features()));
   }
-  if (!std::isfinite(message.time)) return absl::InvalidArgumentError("message time is not finite");
-  if (last_doubled_mid_.has_value() && message.time < last_time_) {
+  if (!(std::abs(message.time) <= kMaxLobsterTimeSeconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("message time ", FormatTime(message.time), " is not within ±", kMaxLobsterTimeSeconds, " s"));
+  }
+  if (last_doubled_mid_.has_value() && TimeNanoseconds(message.time) < last_time_ns_) {
     return absl::InvalidArgumentError(absl::StrCat("time ", FormatTime(message.time),
-                                                   " is earlier than the previous event's ", FormatTime(last_time_)));
+                                                   " is earlier than the previous event's ",
+                                                   FormatTime(static_cast<double>(last_time_ns_) * 1e-9)));
   }
   return absl::OkStatus();
 }
@@ -292,15 +299,18 @@ absl::StatusOr<double> LobsterFeaturizer::Next(std::span<const int64_t> book_row
   for (int type = 1; type <= 5; ++type) *out++ = message.type == type ? 1.f : 0.f;
   *out = static_cast<float>(message.direction);
 
-  const double dt = last_doubled_mid_.has_value() ? message.time - last_time_ : 0.0;
+  // From whole nanoseconds: the difference of the two doubles would carry their rounding (about 7e-12 s near
+  // 34,200 s), which differs between a file's absolute times and a stream's times relative to its first event.
+  const int64_t time_ns = TimeNanoseconds(message.time);
+  const double dt = last_doubled_mid_.has_value() ? static_cast<double>(time_ns - last_time_ns_) * 1e-9 : 0.0;
   last_doubled_mid_ = doubled_mid;
-  last_time_ = message.time;
+  last_time_ns_ = time_ns;
   return dt;
 }
 
 void LobsterFeaturizer::Reset() {
   last_doubled_mid_.reset();
-  last_time_ = 0;
+  last_time_ns_ = 0;
 }
 
 std::optional<double> LobsterFeaturizer::last_mid() const {

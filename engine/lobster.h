@@ -59,6 +59,15 @@ absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction);
 // ask_px1 + bid_px1: twice the mid, kept as an integer so that comparisons of mids are exact.
 inline int64_t DoubledMid(std::span<const int64_t> book_row) { return book_row[0] + book_row[2]; }
 
+// Message times the featurizer accepts: within ±1e9 s (31 years) of their origin, so that nanoseconds fit an int64.
+inline constexpr double kMaxLobsterTimeSeconds = 1e9;
+
+// A message time in seconds as whole nanoseconds, rounded to the nearest. Exact for a time written with at most 9
+// decimals (as LOBSTER writes them) and below 2^22 s (48 days): the double nearest the decimal is then within
+// 0.02 ns of it, once scaled. Δt is computed from these, so that the file's times after midnight and a stream's
+// times relative to its first event (server/stream_batcher.cc) give the same bits.
+int64_t TimeNanoseconds(double seconds);
+
 // The feature transform of MODEL.md §1.1 for ONE stream; it keeps the previous mid and message time.
 class LobsterFeaturizer {
  public:
@@ -68,9 +77,10 @@ class LobsterFeaturizer {
   int n_features() const;  // 4*levels + 8
 
   // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and
-  // returns Δt in seconds (0 for the first event of the stream). A book row of the wrong size or one
-  // ValidateBookRow refuses, a message ValidateTypeAndDirection refuses, a time earlier than the previous event
-  // or a `features` of the wrong size gives INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
+  // returns Δt in seconds, (ns − previous ns)·1e-9 of TimeNanoseconds (0 for the first event of the stream). A book
+  // row of the wrong size or one ValidateBookRow refuses, a message ValidateTypeAndDirection refuses, a time beyond
+  // kMaxLobsterTimeSeconds or earlier than the previous event or a `features` of the wrong size gives
+  // INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
   absl::StatusOr<double> Next(std::span<const int64_t> book_row, const LobsterMessage& message,
                               std::span<float> features);
 
@@ -86,7 +96,7 @@ class LobsterFeaturizer {
 
   int levels_;
   std::optional<int64_t> last_doubled_mid_;
-  double last_time_ = 0;
+  int64_t last_time_ns_ = 0;
 };
 
 // The labels of MODEL.md §1.2 for mids given doubled (ask_px1 + bid_px1), so that "equal" is exact:

@@ -59,6 +59,8 @@ std::string OptimizerToJson(const OptimizerConfig& c) {
 }
 
 absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text) {
+  // nlohmann's parser takes a NUL for the end of its input and would ignore whatever follows it.
+  if (text.find('\0') != std::string::npos) return absl::InvalidArgumentError("optimizer: holds a NUL byte");
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("optimizer: not a JSON object");
   OptimizerConfig c;

@@ -51,13 +51,6 @@ absl::Status InFile(const std::string& path, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("safetensors file '", path, "': ", status.message()));
 }
 
-// A byte buffer that owns its memory; allocated without throwing so that an enormous file is an
-// error rather than an uncaught std::bad_alloc.
-struct FileBytes {
-  std::unique_ptr<std::byte[]> data;
-  size_t size = 0;
-};
-
 absl::Status ReadExactly(int fd, std::byte* out, size_t size) {
   size_t done = 0;
   while (done < size) {
@@ -72,39 +65,18 @@ absl::Status ReadExactly(int fd, std::byte* out, size_t size) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<FileBytes> ReadOpenFile(int fd) {
-  struct stat info;
-  if (::fstat(fd, &info) != 0) return absl::ErrnoToStatus(errno, "fstat failed");
-  if (!S_ISREG(info.st_mode)) return absl::InvalidArgumentError("not a regular file");
-  FileBytes file;
-  file.size = static_cast<size_t>(info.st_size);
-  file.data.reset(new (std::nothrow) std::byte[file.size]);
-  if (file.data == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", file.size, " bytes"));
-  RETURN_IF_ERROR(ReadExactly(fd, file.data.get(), file.size));
-  return file;
-}
-
-absl::StatusOr<FileBytes> ReadWholeFile(const std::string& path) {
-  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; fstat then refuses it.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return absl::ErrnoToStatus(errno, "cannot open");
-  absl::StatusOr<FileBytes> file = ReadOpenFile(fd);
-  ::close(fd);
-  return file;
-}
-
-// The header length, checked against the file so that the JSON and data ranges are in bounds.
-absl::StatusOr<uint64_t> ReadHeaderLength(const FileBytes& file) {
-  if (file.size < kLengthFieldBytes) {
-    return Corrupt(absl::StrCat("file is ", file.size, " bytes, shorter than the 8-byte header length"));
+// The header length, read from the file and checked against its size so that the JSON and data ranges are in bounds.
+absl::StatusOr<uint64_t> ReadHeaderLength(int fd, uint64_t file_size) {
+  if (file_size < kLengthFieldBytes) {
+    return Corrupt(absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
   }
   uint64_t length;
-  std::memcpy(&length, file.data.get(), sizeof length);
+  RETURN_IF_ERROR(ReadExactly(fd, reinterpret_cast<std::byte*>(&length), sizeof length));
   if (length > kMaxSafetensorsHeaderBytes) {
     return Corrupt(absl::StrCat("header length ", length, " is absurd (limit ", kMaxSafetensorsHeaderBytes, " bytes)"));
   }
-  if (length > file.size - kLengthFieldBytes) {
-    return Corrupt(absl::StrCat("header length ", length, " exceeds the ", file.size - kLengthFieldBytes,
+  if (length > file_size - kLengthFieldBytes) {
+    return Corrupt(absl::StrCat("header length ", length, " exceeds the ", file_size - kLengthFieldBytes,
                                 " bytes that follow the length field"));
   }
   return length;
@@ -228,20 +200,20 @@ absl::Status CheckCoverage(std::vector<const TensorEntry*> entries, uint64_t dat
 struct ParsedHeader {
   SafetensorsMetadata metadata;
   std::vector<TensorEntry> entries;
-  size_t data_start = 0;  // offset of the data region in the file
 };
 
-absl::StatusOr<ParsedHeader> ParseHeader(const FileBytes& file) {
-  ASSIGN_OR_RETURN(const uint64_t header_length, ReadHeaderLength(file));
-  const char* header_begin = reinterpret_cast<const char*>(file.data.get()) + kLengthFieldBytes;
-  const nlohmann::json header =
-      nlohmann::json::parse(header_begin, header_begin + header_length, nullptr, /*allow_exceptions=*/false);
+// `data_bytes` is what the file holds after the header: the tensors must tile exactly that.
+absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_bytes) {
+  // nlohmann's parser takes a NUL for the end of its input, so JSON + NUL + garbage would pass; the reference
+  // reader refuses it.
+  if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
+    return Corrupt(absl::StrCat("header holds a NUL byte at offset ", nul));
+  }
+  const nlohmann::json header = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded()) return Corrupt("header is not valid JSON");
   if (!header.is_object()) return Corrupt("header is not a JSON object");
 
   ParsedHeader parsed;
-  parsed.data_start = kLengthFieldBytes + header_length;
-  const uint64_t data_bytes = file.size - parsed.data_start;
   for (const auto& [key, value] : header.items()) {
     if (key == kMetadataKey) {
       ASSIGN_OR_RETURN(parsed.metadata, ParseMetadata(value));
@@ -254,6 +226,43 @@ absl::StatusOr<ParsedHeader> ParseHeader(const FileBytes& file) {
   for (const TensorEntry& entry : parsed.entries) by_offset.push_back(&entry);
   RETURN_IF_ERROR(CheckCoverage(std::move(by_offset), data_bytes));
   return parsed;
+}
+
+// A validated header and the data region it describes.
+struct FileContents {
+  ParsedHeader header;
+  std::unique_ptr<std::byte[]> data;
+};
+
+// Reads the length field and the header and validates them before reading the data: a corrupt or hostile file
+// costs what its header costs, not its size (a sparse file can claim gigabytes it never stored).
+absl::StatusOr<FileContents> ReadOpenFile(int fd) {
+  struct stat info;
+  if (::fstat(fd, &info) != 0) return absl::ErrnoToStatus(errno, "fstat failed");
+  if (!S_ISREG(info.st_mode)) return absl::InvalidArgumentError("not a regular file");
+  const uint64_t file_size = static_cast<uint64_t>(info.st_size);
+  ASSIGN_OR_RETURN(const uint64_t header_length, ReadHeaderLength(fd, file_size));
+  std::string text(header_length, '\0');
+  RETURN_IF_ERROR(ReadExactly(fd, reinterpret_cast<std::byte*>(text.data()), text.size()));
+  const uint64_t data_bytes = file_size - kLengthFieldBytes - header_length;
+  FileContents contents;
+  ASSIGN_OR_RETURN(contents.header, ParseHeader(text, data_bytes));
+  // Allocated without throwing, so that a data region too large for memory is an error, not std::bad_alloc.
+  contents.data.reset(new (std::nothrow) std::byte[data_bytes]);
+  if (contents.data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", data_bytes, " bytes"));
+  }
+  RETURN_IF_ERROR(ReadExactly(fd, contents.data.get(), data_bytes));
+  return contents;
+}
+
+absl::StatusOr<FileContents> ReadFileContents(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; fstat then refuses it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "cannot open");
+  absl::StatusOr<FileContents> contents = ReadOpenFile(fd);
+  ::close(fd);
+  return contents;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -329,15 +338,13 @@ absl::Status WriteSafetensors(const std::string& path, std::span<const Safetenso
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  absl::StatusOr<FileBytes> bytes = ReadWholeFile(path);
-  absl::StatusOr<ParsedHeader> header = bytes.ok() ? ParseHeader(*bytes) : bytes.status();
-  if (!header.ok()) return InFile(path, header.status());
+  absl::StatusOr<FileContents> contents = ReadFileContents(path);
+  if (!contents.ok()) return InFile(path, contents.status());
   SafetensorsFile file;
-  file.metadata_ = std::move(header->metadata);
-  file.contents_ = std::move(bytes->data);
-  const std::byte* data = file.contents_.get() + header->data_start;
-  for (TensorEntry& entry : header->entries) {
-    const std::span<const std::byte> tensor_bytes(data + entry.begin, entry.end - entry.begin);
+  file.metadata_ = std::move(contents->header.metadata);
+  file.contents_ = std::move(contents->data);
+  for (TensorEntry& entry : contents->header.entries) {
+    const std::span<const std::byte> tensor_bytes(file.contents_.get() + entry.begin, entry.end - entry.begin);
     file.tensors_[entry.name] = SafetensorsTensor{kSafetensorsF32, std::move(entry.shape), tensor_bytes};
   }
   return file;

@@ -61,14 +61,15 @@ class SafetensorsFile {
   friend absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
   SafetensorsFile() = default;
 
-  std::unique_ptr<std::byte[]> contents_;
+  std::unique_ptr<std::byte[]> contents_;  // the data region (the header is parsed and dropped)
   std::map<std::string, SafetensorsTensor> tensors_;
   SafetensorsMetadata metadata_;
 };
 
-// Reads and validates the whole file: header length, JSON header, entry keys and types, dtype
+// Reads and validates the whole file: header length, JSON header (no NUL byte), entry keys and types, dtype
 // (F32 only), shapes, data offsets (in range, no overlap, covering the data region exactly) and
-// metadata values (strings). Every problem is an error naming the path and the problem; no
+// metadata values (strings). The header is read and validated before the data, so a corrupt file is refused
+// without reading (or allocating) its size. Every problem is an error naming the path and the problem; no
 // input, however malformed or truncated, makes it read out of bounds.
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
 

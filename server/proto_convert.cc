@@ -1,8 +1,6 @@
 // Message ↔ engine conversions for the Perception service.
 #include "server/proto_convert.h"
 
-#include <cmath>
-
 #include "absl/strings/str_cat.h"
 #include "engine/status_macros.h"
 
@@ -128,17 +126,7 @@ v1::OptimizerSettings ToProto(const OptimizerConfig& optimizer) {
 }
 
 absl::StatusOr<Normalizer> NormalizerFromProto(const v1::Normalizer& normalizer) {
-  if (normalizer.mean_size() != normalizer.inv_std_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("normalizer mean has ", normalizer.mean_size(),
-                                                   " values but inv_std has ", normalizer.inv_std_size()));
-  }
-  for (int i = 0; i < normalizer.mean_size(); ++i) {
-    if (!std::isfinite(normalizer.mean(i)) || !std::isfinite(normalizer.inv_std(i)) || !(normalizer.inv_std(i) > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat("normalizer feature ", i, ": mean ", normalizer.mean(i),
-                                                     ", inv_std ", normalizer.inv_std(i),
-                                                     "; both must be finite and inv_std > 0"));
-    }
-  }
+  RETURN_IF_ERROR(ValidateNormalizer(Floats(normalizer.mean()), Floats(normalizer.inv_std())));
   return Normalizer{{normalizer.mean().begin(), normalizer.mean().end()},
                     {normalizer.inv_std().begin(), normalizer.inv_std().end()}};
 }

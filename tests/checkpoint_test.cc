@@ -7,10 +7,12 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -280,6 +282,30 @@ TEST_F(CheckpointTest, CorruptedHeaderIsRejected) {
   file.replace(20, 6, "\x01\xff\"}{]", 6);
   WriteBytes(path_, file);
   ExpectLoadFails("header is not valid JSON");
+
+  // JSON, then a NUL and garbage: the JSON parser alone stops at the NUL and would load the checkpoint.
+  SaveTiny();
+  file = ReadBytes(path_);
+  const uint64_t length = HeaderLength(file);
+  std::string header = file.substr(8, length) + std::string("\0{garbage", 9);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t new_length = header.size();
+  WriteBytes(path_, std::string(reinterpret_cast<const char*>(&new_length), 8) + header + file.substr(8 + length));
+  ExpectLoadFails(absl::StrCat("header holds a NUL byte at offset ", length));
+
+  // The same inside the metadata's config and optimizer strings (JSON carries the NUL as \u0000).
+  for (const std::string key : {"config", "optimizer"}) {
+    SCOPED_TRACE(key);
+    ASSERT_TRUE(SaveCheckpoint(path_, [] {
+                  Checkpoint checkpoint = RandomCheckpoint(Config("tiny"), 1);
+                  checkpoint.optimizer = OptimizerConfig{};
+                  return checkpoint;
+                }()).ok());
+    RewriteTensors([&](std::vector<OwnedTensor>&, SafetensorsMetadata& metadata) {
+      metadata[key] += std::string("\0{garbage", 9);
+    });
+    ExpectLoadFails(absl::StrCat(key, ": holds a NUL byte"));
+  }
 }
 
 TEST_F(CheckpointTest, WrongShapeIsRejected) {
@@ -418,6 +444,39 @@ TEST_F(CheckpointTest, InvalidConfigValuesAreRejected) {
   }
 }
 
+TEST_F(CheckpointTest, NonFiniteOrImpossibleValuesAreRejected) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const struct {
+    std::string tensor;
+    std::function<void(std::vector<float>&)> edit;
+    std::string message;
+  } cases[] = {
+      {"embed.weight", [&](std::vector<float>& v) { v[0] = nan; }, "tensor 'embed.weight' element 0 is nan"},
+      {"head.out.bias", [&](std::vector<float>& v) { v[2] = -inf; }, "tensor 'head.out.bias' element 2 is -inf"},
+      {"norm.inv_std", [&](std::vector<float>& v) { v[0] = inf; }, "tensor 'norm.inv_std' element 0 is inf"},
+      {"norm.mean", [&](std::vector<float>& v) { v[4] = nan; }, "tensor 'norm.mean' element 4 is nan"},
+      {"norm.inv_std", [](std::vector<float>& v) { std::fill(v.begin(), v.end(), 0.f); },
+       "tensors 'norm.mean' and 'norm.inv_std': normalizer feature 0: mean "},
+      {"norm.inv_std", [](std::vector<float>& v) { v[3] = -1.f; }, "normalizer feature 3: mean "},
+      {"optim.exp_avg.cfc.ff1.weight", [&](std::vector<float>& v) { v[1] = inf; },
+       "tensor 'optim.exp_avg.cfc.ff1.weight' element 1 is inf"},
+      {"optim.exp_avg_sq.layers.1.mixer.A_log", [](std::vector<float>& v) { v[1] = -1.f; },
+       "tensor 'optim.exp_avg_sq.layers.1.mixer.A_log' element 1 is -1; a second moment cannot be negative"},
+      {"optim.exp_avg_sq.embed.bias", [&](std::vector<float>& v) { v[7] = nan; },
+       "tensor 'optim.exp_avg_sq.embed.bias' element 7 is nan"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    SaveTiny();
+    RewriteTensors([&](std::vector<OwnedTensor>& tensors, SafetensorsMetadata&) {
+      for (OwnedTensor& t : tensors) {
+        if (t.name == c.tensor) c.edit(t.values);
+      }
+    });
+    ExpectLoadFails(c.message);
+  }
+}
+
 TEST_F(CheckpointTest, FailedLoadLeavesTheCallersCheckpointUntouched) {
   SaveTiny(21);
   absl::StatusOr<Checkpoint> held = LoadCheckpoint(path_);
@@ -477,6 +536,25 @@ TEST_F(CheckpointTest, InterruptedSaveKeepsTheOldCheckpoint) {
 
 // Random damage must always end in a load or an error, never a crash. Truncation always fails;
 // a flipped data byte outside optim.step changes a value but leaves a loadable file.
+// Whether the float holding data byte `position` of `file` is one the loader accepts in its tensor: finite, and for a
+// second moment non-negative, for the normalizer's inv_std positive.
+bool HoldsValidValue(const nlohmann::json& header, const std::string& file, size_t data_start, size_t position) {
+  const size_t offset = position - data_start;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;
+    const size_t begin = entry.at("data_offsets").at(0).get<size_t>();
+    const size_t end = entry.at("data_offsets").at(1).get<size_t>();
+    if (offset < begin || offset >= end) continue;
+    float value;
+    std::memcpy(&value, file.data() + data_start + begin + (offset - begin) / 4 * 4, sizeof value);
+    if (!std::isfinite(value)) return false;
+    if (name.starts_with("optim.exp_avg_sq.")) return value >= 0;
+    if (name == "norm.inv_std") return value > 0;
+    return true;
+  }
+  return false;
+}
+
 TEST_F(CheckpointTest, FuzzedFilesLoadOrFailCleanly) {
   SaveTiny(17);
   const std::string original = ReadBytes(path_);
@@ -511,7 +589,7 @@ TEST_F(CheckpointTest, FuzzedFilesLoadOrFailCleanly) {
       EXPECT_FALSE(result.ok()) << "truncated to " << file.size();
     }
     const bool data_byte = !truncate && position >= data_start && (position < step_begin || position >= step_begin + 4);
-    if (data_byte) {
+    if (data_byte && HoldsValidValue(header, file, data_start, position)) {
       EXPECT_TRUE(result.ok()) << "byte " << position << ": " << result.status();
     }
   }

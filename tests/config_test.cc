@@ -105,6 +105,33 @@ TEST(ConfigTest, ValidationNamesTheProblem) {
   EXPECT_THAT(ConfigFromJson("{oops").status().message(), HasSubstr("not a JSON object"));
 }
 
+// Integers past int's range once wrapped into valid-looking values (4294967298 layers loaded as 2).
+TEST(ConfigTest, IntegersOutsideIntRangeAreRejected) {
+  const std::string small = ConfigToJson(*NamedConfig("small"));
+  const struct {
+    std::string from, to, message;
+  } cases[] = {
+      {"\"n_layers\":2", "\"n_layers\":4294967298", "config: 'n_layers' is out of range"},
+      {"\"n_layers\":2", "\"n_layers\":18446744073709551615", "config: 'n_layers' is out of range"},
+      {"\"window\":64", "\"window\":-4294967232", "config: 'window' is out of range"},
+      {"[10,20,50,100,200]", "[10,20,4294967346,100,200]", "config: 'horizons' is out of range"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.to);
+    std::string text = small;
+    const size_t at = text.find(c.from);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, c.from.size(), c.to);
+    EXPECT_THAT(ConfigFromJson(text).status().message(), HasSubstr(c.message));
+  }
+}
+
+TEST(ConfigTest, JsonWithANulByteIsRejected) {
+  // The parser would stop at the NUL and take the valid config before it.
+  const std::string text = ConfigToJson(*NamedConfig("small")) + std::string("\0{garbage", 9);
+  EXPECT_THAT(ConfigFromJson(text).status().message(), HasSubstr("config: holds a NUL byte"));
+}
+
 TEST(ParamLayoutTest, FollowsModelOrderWithAlignedViews) {
   ParamLayout layout(*NamedConfig("small"));
   const std::vector<std::string> first = {"norm.mean", "norm.inv_std", "embed.weight", "embed.bias",

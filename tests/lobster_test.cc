@@ -155,6 +155,20 @@ constexpr char kMessages[] =
 
 TEST_F(ReadLobsterErrors, TheValidPairReads) { EXPECT_TRUE(Read(kBook, kMessages).ok()); }
 
+// A trailing blank line (or a few, with CR) once failed the whole file with "found 1 columns, expected 8".
+TEST_F(ReadLobsterErrors, TrailingEmptyLinesAreNotRows) {
+  for (const char* tail : {"\n", "\n\n", "\r\n", "\n\r\n"}) {
+    SCOPED_TRACE(::testing::PrintToString(tail));
+    EXPECT_TRUE(Read(std::string(kBook) + tail, std::string(kMessages) + tail).ok());
+    const absl::StatusOr<LobsterData> data = ReadLobster(orderbook_, message_);
+    ASSERT_TRUE(data.ok()) << data.status();
+    EXPECT_EQ(data->size(), 3u);
+    EXPECT_EQ(data->book.size(), 12u);
+  }
+  // An empty line before a row is no trailing blank: it still names its line.
+  ExpectError(Read(kBook, std::string("\n") + kMessages), message_ + ":1:", "found 1 columns, expected 6");
+}
+
 TEST_F(ReadLobsterErrors, MoreOrderbookRowsThanMessages) {
   const absl::Status status = Read(std::string(kBook) + "2239500,100,2237500,90\n", kMessages);
   ExpectError(status, orderbook_ + ":4:", "no counterpart in " + message_ + ", which has only 3 rows");
@@ -313,6 +327,49 @@ TEST(LobsterFeaturizer, AmznFirstTwoEvents) {
   // imbalance (21-100)/121 = -0.6528925619834711;
   // return (2238800/2235650 - 1)*1e4 = 3150/2235650*1e4 = 14.08986200881257.
   ExpectTail(line2.features, 1, -0.6528925619834711, 14.08986200881257, 1, 1);
+}
+
+// The time column's text in whole nanoseconds, read digit by digit: the exact value the file states.
+std::vector<int64_t> ExactNanoseconds(const std::string& message_path) {
+  std::vector<int64_t> times;
+  std::ifstream in(message_path);
+  for (std::string line; std::getline(in, line);) {
+    const std::string time = line.substr(0, line.find(','));
+    const size_t point = time.find('.');
+    std::string fraction = point == std::string::npos ? "" : time.substr(point + 1);
+    EXPECT_LE(fraction.size(), 9u) << time;
+    fraction.resize(9, '0');
+    times.push_back(std::stoll(time.substr(0, point)) * 1'000'000'000 + std::stoll(fraction));
+  }
+  return times;
+}
+
+// Δt once differed in the last float bit between the file (a difference of absolute seconds near 34,200) and a
+// stream (client/stream_commands.cc sends TimeNanoseconds(time); server/stream_batcher.cc featurizes seconds since
+// the stream's first event, (ns − first ns)·1e-9): 5,303 of the AMZN day's events. Both must give the exact
+// (ns − previous ns)·1e-9 of the file's decimal times, as float32 too.
+TEST(LobsterFeaturizer, DtIsTheSameFromTheFileAndFromAStream) {
+  const LobsterData data = Amzn();
+  const std::vector<int64_t> exact_ns = ExactNanoseconds(ShippedLobsterPath("AMZN", "message", 1));
+  ASSERT_EQ(exact_ns.size(), data.size());
+  LobsterFeaturizer file(1), stream(1);
+  std::vector<float> features(kAmznFeatures);
+  const int64_t first_ns = TimeNanoseconds(data.messages[0].time);
+  size_t differing = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    ASSERT_EQ(TimeNanoseconds(data.messages[i].time), exact_ns[i]) << "line " << i + 1;
+    const absl::StatusOr<double> file_dt = file.Next(data.BookRow(i), data.messages[i], features);
+    LobsterMessage relative = data.messages[i];
+    relative.time = static_cast<double>(TimeNanoseconds(data.messages[i].time) - first_ns) * 1e-9;
+    const absl::StatusOr<double> stream_dt = stream.Next(data.BookRow(i), relative, features);
+    ASSERT_TRUE(file_dt.ok() && stream_dt.ok()) << "line " << i + 1;
+    const double expected = i == 0 ? 0.0 : static_cast<double>(exact_ns[i] - exact_ns[i - 1]) * 1e-9;
+    if (*file_dt != expected || *stream_dt != expected ||
+        static_cast<float>(*file_dt) != static_cast<float>(*stream_dt)) {
+      ++differing;
+    }
+  }
+  EXPECT_EQ(differing, 0u) << "of " << data.size() << " events";
 }
 
 TEST(LobsterFeaturizer, AmznPartialCancellationAtLine652) {

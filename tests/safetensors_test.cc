@@ -3,6 +3,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -179,7 +180,9 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
       {"length past end", RawFile("{}", "").substr(0, 9), "header length 2 exceeds the 1 bytes"},
       {"absurd length", absurd_length, "header length 1099511627776 is absurd"},
       {"invalid JSON", RawFile(R"({"a": )", ""), "header is not valid JSON"},
-      {"garbage", RawFile(std::string("\xff\xfe\x00garbage", 10), ""), "header is not valid JSON"},
+      {"garbage", RawFile(std::string("\xff\xfe\x01garbage", 10), ""), "header is not valid JSON"},
+      // The JSON parser stops at a NUL, so the valid object before it would pass; the reference reader refuses it.
+      {"NUL after the JSON", RawFile(std::string("{}\0{garbage", 11), ""), "header holds a NUL byte at offset 2"},
       {"not an object", RawFile("[1, 2]", ""), "header is not a JSON object"},
       {"entry not an object", RawFile(R"({"a": 3})", ""), "entry for tensor 'a' is not a JSON object"},
       {"no dtype", RawFile(R"({"a": {"shape": [2], "data_offsets": [0, 8]}})", eight), "tensor 'a' has no 'dtype'"},
@@ -236,6 +239,31 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
     EXPECT_THAT(file.status().message(), HasSubstr(c.message));
     EXPECT_THAT(file.status().message(), HasSubstr(path));
   }
+}
+
+// The whole file was once read into memory before its header was checked: a 4 GB sparse file with a garbage header
+// took seconds and 4 GB of memory to refuse. With the address space held to about 256 MiB above what the process
+// uses now, a 2 GiB file can only be refused if the reader looks at its header before anything else.
+TEST_F(SafetensorsTest, ReaderRefusesABadHeaderBeforeReadingTheData) {
+  const std::string path = Path("sparse.safetensors");
+  WriteBytes(path, RawFile(R"({"a": )", ""));
+  ASSERT_EQ(::truncate(path.c_str(), off_t{2} << 30), 0) << std::strerror(errno);
+
+  std::ifstream statm("/proc/self/statm");
+  size_t mapped_pages = 0;
+  ASSERT_TRUE(statm >> mapped_pages);
+  rlimit saved_limit;
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &saved_limit), 0);
+  rlimit small_limit = saved_limit;
+  small_limit.rlim_cur = std::min<rlim_t>(mapped_pages * ::sysconf(_SC_PAGESIZE) + (rlim_t{256} << 20),
+                                          saved_limit.rlim_max);
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &small_limit), 0) << std::strerror(errno);
+  const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &saved_limit), 0);
+  std::filesystem::remove(path);
+
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss) << file.status();
+  EXPECT_THAT(file.status().message(), HasSubstr("header is not valid JSON"));
 }
 
 // Opening a FIFO for reading waited for a writer: a FIFO named as a checkpoint held the daemon's device worker.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/atomic_file.h"
 #include "engine/checkpoint.h"
 #include "engine/cli/arguments.h"
 #include "engine/config.h"
@@ -106,6 +107,8 @@ absl::Status Train() {
     return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
   }
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
+  // The checkpoint is written only after training: a destination that cannot be written must fail now.
+  RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_save)));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
   ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());

@@ -224,6 +224,17 @@ TEST(PerceptionCliTest, TrainRefusesNoStepsAndNoSave) {
   EXPECT_TRUE(std::filesystem::exists(temp.path() / "tiny.safetensors"));
 }
 
+// --save was first touched after training, so a typo in its folder threw the whole run away.
+TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --steps 2 --save /nonexistent/x.st"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("cannot create /nonexistent/x.st.tmp."));
+  EXPECT_THAT(train.output, Not(HasSubstr("class-prior baseline")));
+  EXPECT_THAT(train.output, Not(HasSubstr("step     1")));
+}
+
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
 // up instead of waiting forever on a daemon that stopped answering.
 TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
