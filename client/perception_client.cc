@@ -2,7 +2,9 @@
 // answer, health checks.
 #include "client/perception_client.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -281,8 +283,10 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
     stream->WritesDone();
   });
   v1::TrainStepResponse response;
+  std::optional<int64_t> last_answered_step;
   while (stream->Read(&response)) {
     on_response(response);
+    last_answered_step = response.step();
     absl::MutexLock lock(&mu);
     watchdog.Answered(++answered);
   }
@@ -292,7 +296,25 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
     reading_done = true;
   }
   writer.join();
-  return watchdog.Explain(FromGrpc(stream->Finish()));
+  const absl::Status finished = watchdog.Explain(FromGrpc(stream->Finish()));
+  if (finished.ok()) return finished;
+  return absl::Status(finished.code(),
+                      absl::StrCat(finished.message(), "; ", StepAfterFailedTrain(last_answered_step)));
+}
+
+std::string PerceptionClient::StepAfterFailedTrain(std::optional<int64_t> last_answered_step) {
+  // A step the device was running, or had finished but not answered, when the stream ended is applied without a
+  // response, so the last response's step may be behind the model's: the daemon's own count is the one to resume
+  // from. Read briefly: a daemon that stopped answering the stream would hold a full timeout for nothing.
+  const std::string answered =
+      last_answered_step.has_value() ? absl::StrCat("the last response's step was ", *last_answered_step)
+                                     : std::string("no step was answered");
+  const absl::StatusOr<v1::GetStatusResponse> status =
+      Call(&v1::Perception::Stub::GetStatus, *perception_, v1::GetStatusRequest(),
+           std::min(options_.timeout, kStepReadTimeout));
+  if (!status.ok()) return absl::StrCat(answered, "; the model's step could not be read: ", status.status().message());
+  if (!status->has_model()) return absl::StrCat(answered, "; the daemon now holds no model");
+  return absl::StrCat("the model is at step ", status->model().step(), " (GetStatus; ", answered, ")");
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> PerceptionClient::Health(

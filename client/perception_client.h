@@ -2,8 +2,10 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -103,7 +105,8 @@ class PerceptionClient {
   // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
   // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's
   // (CANCELLED when `cancellation` was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout
-  // while steps were outstanding).
+  // while steps were outstanding), its message ending with the model's step as GetStatus reads it after the stream
+  // ended, beside the last response's: steps running when a stream ends are applied without a response.
   static constexpr int kTrainAhead = 4;
   absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
@@ -117,6 +120,11 @@ class PerceptionClient {
   const std::string& target() const { return target_; }
 
  private:
+  // The longest a failed Train waits for GetStatus to tell the model's step.
+  static constexpr absl::Duration kStepReadTimeout = absl::Seconds(5);
+
+  // What a failed Train's message ends with: the model's step now and the last response's.
+  std::string StepAfterFailedTrain(std::optional<int64_t> last_answered_step);
   template <typename Request, typename Response, typename Stub>
   absl::StatusOr<Response> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
                                 Stub& stub, const Request& request, absl::Duration timeout);

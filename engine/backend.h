@@ -84,6 +84,9 @@ class Backend {
   // The caller will not train the batch it last gave as `next` (the step was dropped): the backend forgets it, as
   // its next training step, evaluation or sequence forward would, before the batch is freed.
   virtual void ForgetStagedNext() {}
+  // Optimizer steps applied to the parameters: the step of the last update. A training step can fail after its update
+  // was applied (the data-parallel replica check runs after it), so its caller reads here whether the weights moved.
+  virtual int64_t step() const = 0;
   // Training-step metrics (see TrainingCounters); zeros where the backend keeps none.
   virtual TrainingCounters training_counters() const { return {}; }
   // CUDA graphs for the training step and the streaming ticks (on by default); off enqueues the same work kernel by

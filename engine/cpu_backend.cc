@@ -39,6 +39,8 @@ class CpuBackend final : public Backend {
     return result;
   }
 
+  int64_t step() const override { return step_; }
+
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
     if (logits.empty()) {
       scratch_logits_.resize(batch.labels.size());

@@ -38,6 +38,7 @@ class CudaBackend final : public Backend {
   }
 
   void ForgetStagedNext() override { DropNext(); }
+  int64_t step() const override { return step_; }
 
   TrainingCounters training_counters() const override {
     TrainingCounters counters = model_->training_counters();
@@ -128,7 +129,9 @@ class CudaBackend final : public Backend {
     if (!(checkpoint.config == config())) {
       return absl::FailedPreconditionError("checkpoint config differs from the backend's model config");
     }
-    return model_->Upload(checkpoint.params, checkpoint.exp_avg, checkpoint.exp_avg_sq, checkpoint.step);
+    RETURN_IF_ERROR(model_->Upload(checkpoint.params, checkpoint.exp_avg, checkpoint.exp_avg_sq, checkpoint.step));
+    step_ = checkpoint.step;
+    return absl::OkStatus();
   }
 
   // Streaming runs on its own high-priority stream over a published copy of the weights (engine/cuda_streamer.h).
@@ -224,6 +227,7 @@ class CudaBackend final : public Backend {
     if (next && staging == NextStaging::kDuringStep) RETURN_IF_ERROR(model_->StageBatch(*next));
     if (next) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+    step_ = report.step;  // applied, whatever the replica check finds
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
     return TrainStepResult{report.loss, report.grad_norm, report.step};
   }
@@ -263,6 +267,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<CudaStreamer> streamer_;
   int64_t replica_checks_ = 0;
+  int64_t step_ = 0;  // the device's step counter as of the last completed step or import (step())
   bool stream_resident_ = true;
   // x of the batch the last TrainStepWithNext or TrainStepStagingNext staged as `next`, if any.
   const float* staged_next_ = nullptr;

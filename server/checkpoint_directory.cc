@@ -9,7 +9,7 @@ namespace perception::server {
 namespace {
 
 absl::Status Refused(const std::string& name, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("checkpoint name '", name, "' ", why));
+  return absl::InvalidArgumentError(absl::StrCat("name: checkpoint name '", name, "' ", why));
 }
 
 bool IsStrictlyInside(const std::filesystem::path& path, const std::filesystem::path& root) {
@@ -35,6 +35,8 @@ absl::StatusOr<std::string> CheckpointDirectory::Resolve(const std::string& name
   if (name.empty()) return Refused(name, "is empty");
   if (relative.is_absolute()) return Refused(name, "is absolute; names are relative to the checkpoint directory");
   if (std::ranges::find(relative, "..") != relative.end()) return Refused(name, "must not contain '..'");
+  // A name must end in a file's name: "a/" or "a/." stands for a folder, which a save would create and then fail on.
+  if (relative.filename().empty() || relative.filename() == ".") return Refused(name, "does not end in a file name");
   // Resolves symlinks along the existing part of the path, so a link that points elsewhere is seen for what it is.
   std::error_code error;
   const std::filesystem::path resolved = std::filesystem::weakly_canonical(root_ / relative, error);
@@ -48,11 +50,7 @@ absl::StatusOr<std::string> CheckpointDirectory::ResolveForWriting(const std::st
   absl::StatusOr<std::string> path = Resolve(name);
   if (!path.ok()) return path;
   std::error_code error;
-  std::filesystem::create_directories(std::filesystem::path(*path).parent_path(), error);
-  if (error) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot create the folder for checkpoint '", name, "': ", error.message()));
-  }
+  if (std::filesystem::is_directory(*path, error)) return Refused(name, "is a folder; a checkpoint is a file");
   return path;
 }
 

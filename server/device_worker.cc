@@ -2,11 +2,22 @@
 #include "server/device_worker.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
 namespace perception::server {
+
+absl::Status CallerGone(const grpc::ServerContextBase* caller) {
+  if (caller == nullptr) return absl::OkStatus();
+  // The deadline is read from the clock: gRPC may not have noticed it yet when the job starts.
+  if (std::chrono::system_clock::now() >= caller->deadline()) {
+    return absl::DeadlineExceededError("not run: the call's deadline passed while it waited for the device");
+  }
+  if (caller->IsCancelled()) return absl::CancelledError("not run: the client cancelled the call or went away");
+  return absl::OkStatus();
+}
 
 DeviceWorker::DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth, absl::Duration idle_period,
                            IdleJob on_idle)

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/server_context.h"
 #include "server/model_host.h"
 
 namespace perception::server {
@@ -25,6 +26,12 @@ namespace perception::server {
 enum class JobPriority { kStreaming, kTraining };
 inline constexpr int kJobPriorities = 2;
 inline constexpr int kStreamingRun = 16;
+
+// Why a job queued for a client's call must not run: DEADLINE_EXCEEDED once the call's deadline has passed, CANCELLED
+// once the client cancelled it or went away; OK while the client still waits, and always for a null `caller` (work
+// the daemon queues for itself). The client has its answer then, so work done afterwards would be a change it was
+// told had failed.
+absl::Status CallerGone(const grpc::ServerContextBase* caller);
 
 class DeviceWorker {
  public:
@@ -46,9 +53,11 @@ class DeviceWorker {
   absl::Status Enqueue(JobPriority priority, Job job, bool bounded = true);
 
   // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
-  // is returned as the result.
+  // is returned as the result. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
+  // starts after the client stopped waiting; a deadline that passes while the work runs does not stop it.
   template <typename Work>
-  std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work);
+  std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work,
+                                              const grpc::ServerContextBase* caller = nullptr);
 
   // The model host's status as of the last finished job; any thread, never waits for the device.
   HostStatus status() const;
@@ -59,10 +68,12 @@ class DeviceWorker {
   // Refuses new jobs, runs those already queued, then ends the thread. Idempotent.
   void Stop();
 
+  // status() from now on: `host`'s status (the worker thread's host_). Each job's end publishes it; a job that answers
+  // its client itself (a Train stream's step) publishes before it answers, so that the client finds its change there.
+  void PublishStatus(const ModelHost& host);
+
  private:
   void Loop();
-  // status() from now on: `host`'s status (the worker thread's host_).
-  void PublishStatus(const ModelHost& host);
   static void ReleaseIdleDevice(ModelHost& host);
 
   mutable absl::Mutex mu_;
@@ -79,13 +90,18 @@ class DeviceWorker {
 };
 
 template <typename Work>
-std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, Work work) {
+std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, Work work,
+                                                          const grpc::ServerContextBase* caller) {
   using Result = std::invoke_result_t<Work&, ModelHost&>;
   std::promise<Result> done;
   std::future<Result> result = done.get_future();
   // `work` and `done` outlive the job: this call waits for it below. The status is published before the reply, so
   // that a caller who has its reply (a model loaded, a step taken) finds it in status() at once.
-  const absl::Status queued = Enqueue(priority, [this, &work, &done](ModelHost& host) {
+  const absl::Status queued = Enqueue(priority, [this, &work, &done, caller](ModelHost& host) {
+    if (absl::Status gone = CallerGone(caller); !gone.ok()) {
+      done.set_value(std::move(gone));
+      return;
+    }
     Result result = work(host);
     PublishStatus(host);
     done.set_value(std::move(result));

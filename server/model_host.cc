@@ -146,8 +146,14 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
   state.optimizer = optimizer_;
-  RETURN_IF_ERROR(SaveCheckpoint(path, state));
+  // Only now, with a model to write: a refused save leaves no folders behind.
   std::error_code error;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the folder for checkpoint '", path, "': ", error.message()));
+  }
+  RETURN_IF_ERROR(SaveCheckpoint(path, state));
   const auto bytes = static_cast<int64_t>(std::filesystem::file_size(path, error));
   const SaveOutcome outcome{state.step, error ? 0 : bytes, stopwatch.Seconds()};
   metrics_.ObserveCheckpoint("save", outcome.seconds);
@@ -175,7 +181,8 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
                                                 ? backend_->TrainStepStagingNext(batch, *next)
                                                 : backend_->TrainStep(batch);
   if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
-  ASSIGN_OR_RETURN(const TrainStepResult result, std::move(stepped));
+  if (!stepped.ok()) return AfterFailedStep(stepped.status());
+  const TrainStepResult result = *std::move(stepped);
   // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time
   // is its device time.
   const TrainingCounters counters = backend_->training_counters();
@@ -195,6 +202,21 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
     spdlog::error("step {}: refreshing the weights streaming reads failed: {}", result.step, published.ToString());
   }
   return outcome;
+}
+
+absl::Status ModelHost::AfterFailedStep(const absl::Status& failed) {
+  const int64_t applied = backend_->step();
+  if (applied == step_) return failed;
+  // The update was applied before the step failed (the data-parallel replica check comes after it): the step and
+  // the weights version follow the weights, streaming reads them, and the client learns not to train the batch again.
+  step_ = applied;
+  ++weights_version_;
+  if (const absl::Status published = MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps);
+      !published.ok()) {
+    spdlog::error("step {}: refreshing the weights streaming reads failed: {}", applied, published.ToString());
+  }
+  return absl::Status(failed.code(), absl::StrCat(failed.message(), " (the step was applied: the model is at step ",
+                                                  applied, ")"));
 }
 
 absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bool with_probabilities) {
@@ -258,6 +280,7 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
 void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                         bool normalizer_fitted) {
   Adopt(std::move(backend), optimizer);
+  ++model_generation_;
   step_ = step;
   normalizer_fitted_ = normalizer_fitted;
   ++weights_version_;

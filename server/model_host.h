@@ -105,7 +105,8 @@ class ModelHost {
   // optimizer is `requested`, else the checkpoint's, else the defaults (a checkpoint saved without one).
   absl::StatusOr<double> Load(const std::string& path, const std::optional<OptimizerConfig>& requested,
                               const Limits& limits);
-  // FAILED_PRECONDITION on a data-parallel rank other than 0: the ranks hold the same state, rank 0 saves it.
+  // Writes the model to `path`, creating the missing folders on the way to it. FAILED_PRECONDITION without a model
+  // and on a data-parallel rank other than 0 (the ranks hold the same state, rank 0 saves it): nothing created then.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
   // `batch` must have the model's features and horizons and, for training, its (batch, window). `next`, where given,
@@ -120,6 +121,9 @@ class ModelHost {
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;
+  // Which model is installed: changes with every InitModel and LoadCheckpoint (Install), not with a change of the
+  // weights or of the optimizer, so that a Train stream can tell its model was replaced under it.
+  int64_t model_generation() const { return model_generation_; }
   // When the device has had no work for a while: frees what the backend holds there only to answer sooner (a running
   // resident streaming step: Backend::ReleaseIdleDevice). Nothing to do without a model.
   absl::Status ReleaseIdleDevice();
@@ -148,6 +152,9 @@ class ModelHost {
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
+  // A training step failed with `failed`: where the backend applied it all the same, records the step (step and
+  // weights version advance, the weights are published as after any step) and says so in the returned error.
+  absl::Status AfterFailedStep(const absl::Status& failed);
   // MakeBackend for this host's device, with its precision and graph setting, through `decorate_` where given; the
   // current backend quiesced first.
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
@@ -167,6 +174,7 @@ class ModelHost {
   OptimizerConfig optimizer_;
   int64_t step_ = 0;
   int64_t weights_version_ = 0;
+  int64_t model_generation_ = 0;
   bool normalizer_fitted_ = false;
   const StreamingConfig streaming_;
   bool streaming_configured_ = false;  // on the current backend

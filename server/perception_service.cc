@@ -105,7 +105,7 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
   });
 }
 
-grpc::Status PerceptionService::InitModel(grpc::ServerContext*, const v1::InitModelRequest* request,
+grpc::Status PerceptionService::InitModel(grpc::ServerContext* context, const v1::InitModelRequest* request,
                                           v1::InitModelResponse* response) {
   return Answer("InitModel", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromRequest(*request));
@@ -115,74 +115,86 @@ grpc::Status PerceptionService::InitModel(grpc::ServerContext*, const v1::InitMo
       ASSIGN_OR_RETURN(normalizer, NormalizerFromProto(request->normalizer()));
     }
     ASSIGN_OR_RETURN(*response->mutable_model(),
-                     CreateModel(config, optimizer, request->seed(), normalizer, request->replace()));
+                     CreateModel(config, optimizer, request->seed(), normalizer, request->replace(), context));
     return absl::OkStatus();
   });
 }
 
 absl::StatusOr<v1::Model> PerceptionService::CreateModel(const ModelConfig& config, const OptimizerConfig& optimizer,
                                                          uint64_t seed, const std::optional<Normalizer>& normalizer,
-                                                         bool replace) {
+                                                         bool replace, const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits_));
-  return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-    return streams_.ChangeModel(
-        host, [&] { return ModelAfter(host.Init(config, optimizer, seed, normalizer, replace), host); });
-  });
+  return worker_.Run(
+      JobPriority::kTraining,
+      [&](ModelHost& host) {
+        return streams_.ChangeModel(
+            host, [&] { return ModelAfter(host.Init(config, optimizer, seed, normalizer, replace), host); });
+      },
+      caller);
 }
 
 absl::StatusOr<PerceptionService::LoadedModel> PerceptionService::LoadModel(
-    const std::string& name, const std::optional<OptimizerConfig>& optimizer) {
+    const std::string& name, const std::optional<OptimizerConfig>& optimizer, const grpc::ServerContextBase* caller) {
   ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(name));
-  return worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-    return streams_.ChangeModel(host, [&]() -> absl::StatusOr<LoadedModel> {
-      ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));
-      return LoadedModel{ToProto(*host.Status().model), seconds};
-    });
-  });
+  return worker_.Run(
+      JobPriority::kTraining,
+      [&](ModelHost& host) {
+        return streams_.ChangeModel(host, [&]() -> absl::StatusOr<LoadedModel> {
+          ASSIGN_OR_RETURN(const double seconds, host.Load(path, optimizer, limits_));
+          return LoadedModel{ToProto(*host.Status().model), seconds};
+        });
+      },
+      caller);
 }
 
-grpc::Status PerceptionService::SetNormalizer(grpc::ServerContext*, const v1::SetNormalizerRequest* request,
+grpc::Status PerceptionService::SetNormalizer(grpc::ServerContext* context, const v1::SetNormalizerRequest* request,
                                               v1::SetNormalizerResponse* response) {
   return Answer("SetNormalizer", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const Normalizer normalizer, NormalizerFromProto(request->normalizer()));
-    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return ModelAfter(host.SetNormalizer(normalizer), host);
-    }));
+    ASSIGN_OR_RETURN(*response->mutable_model(),
+                     worker_.Run(
+                         JobPriority::kTraining,
+                         [&](ModelHost& host) { return ModelAfter(host.SetNormalizer(normalizer), host); }, context));
     return absl::OkStatus();
   });
 }
 
-grpc::Status PerceptionService::SetOptimizer(grpc::ServerContext*, const v1::SetOptimizerRequest* request,
+grpc::Status PerceptionService::SetOptimizer(grpc::ServerContext* context, const v1::SetOptimizerRequest* request,
                                              v1::SetOptimizerResponse* response) {
   return Answer("SetOptimizer", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const OptimizerConfig optimizer, OptimizerFromProto(request->optimizer()));
-    ASSIGN_OR_RETURN(*response->mutable_model(), worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return streams_.ChangeModel(host, [&] { return ModelAfter(host.SetOptimizer(optimizer), host); });
-    }));
+    ASSIGN_OR_RETURN(*response->mutable_model(),
+                     worker_.Run(
+                         JobPriority::kTraining,
+                         [&](ModelHost& host) {
+                           return streams_.ChangeModel(host,
+                                                       [&] { return ModelAfter(host.SetOptimizer(optimizer), host); });
+                         },
+                         context));
     return absl::OkStatus();
   });
 }
 
-grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest* request,
+grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext* context, const v1::LoadCheckpointRequest* request,
                                                v1::LoadCheckpointResponse* response) {
   return Answer("LoadCheckpoint", [&]() -> absl::Status {
     std::optional<OptimizerConfig> optimizer;
     if (request->has_optimizer()) {
       ASSIGN_OR_RETURN(optimizer, OptimizerFromProto(request->optimizer()));
     }
-    ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(request->name(), optimizer));
+    ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(request->name(), optimizer, context));
     *response->mutable_model() = std::move(loaded.model);
     response->set_seconds(loaded.seconds);
     return absl::OkStatus();
   });
 }
 
-grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest* request,
+grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
                                                v1::SaveCheckpointResponse* response) {
   return Answer("SaveCheckpoint", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::string path, checkpoints_.ResolveForWriting(request->name()));
     ASSIGN_OR_RETURN(const SaveOutcome saved,
-                     worker_.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path); }));
+                     worker_.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path); }, context));
     response->set_name(request->name());
     response->set_step(saved.step);
     response->set_bytes(saved.bytes);
@@ -191,14 +203,17 @@ grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext*, const v1::S
   });
 }
 
-grpc::Status PerceptionService::TrainStep(grpc::ServerContext*, const v1::TrainStepRequest* request,
+grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1::TrainStepRequest* request,
                                           v1::TrainStepResponse* response) {
   return Answer("TrainStep", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
     const Stopwatch queued;
-    ASSIGN_OR_RETURN(*response, worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued);
-    }));
+    ASSIGN_OR_RETURN(*response, worker_.Run(
+                                    JobPriority::kTraining,
+                                    [&](ModelHost& host) {
+                                      return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued);
+                                    },
+                                    context));
     return absl::OkStatus();
   });
 }
@@ -212,13 +227,17 @@ grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* Perception
       });
 }
 
-grpc::Status PerceptionService::Evaluate(grpc::ServerContext*, const v1::EvaluateRequest* request,
+grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1::EvaluateRequest* request,
                                          v1::EvaluateResponse* response) {
   return Answer("Evaluate", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
-    ASSIGN_OR_RETURN(const Evaluation evaluation, worker_.Run(JobPriority::kTraining, [&](ModelHost& host) {
-      return host.Evaluate(ViewOf(request->batch()), request->return_probabilities());
-    }));
+    ASSIGN_OR_RETURN(const Evaluation evaluation,
+                     worker_.Run(
+                         JobPriority::kTraining,
+                         [&](ModelHost& host) {
+                           return host.Evaluate(ViewOf(request->batch()), request->return_probabilities());
+                         },
+                         context));
     response->set_loss(evaluation.loss);
     response->set_masked_labels(evaluation.masked_labels);
     for (const HorizonScore& score : evaluation.horizons) {

@@ -62,12 +62,15 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
-      if (absl::Status dropped = DroppedBecause(step); !dropped.ok()) {
+      if (absl::Status dropped = DroppedBecause(step, host.model_generation()); !dropped.ok()) {
         host.ForgetStagedNext();  // the step before may have staged this one's batch, which is freed now
         OnStepDone(step, std::move(dropped));
         return;
       }
-      OnStepDone(step, TrainOnDevice(host, step.request->batch(), NextBatch(step), queued));
+      absl::StatusOr<v1::TrainStepResponse> result =
+          TrainOnDevice(host, step.request->batch(), NextBatch(step), queued);
+      worker_.PublishStatus(host);
+      OnStepDone(step, std::move(result));
     });
   }
   if (accepted.ok()) {
@@ -86,7 +89,7 @@ const v1::Batch* TrainReactor::NextBatch(const Step& step) {
   return next.request != nullptr && !next.result.has_value() ? &next.request->batch() : nullptr;
 }
 
-absl::Status TrainReactor::DroppedBecause(const Step& step) {
+absl::Status TrainReactor::DroppedBecause(const Step& step, int64_t model_generation) {
   absl::MutexLock lock(&mu_);
   if (broken_) return absl::CancelledError("not run: the client cancelled the stream");
   for (const Step& before : steps_) {
@@ -94,6 +97,12 @@ absl::Status TrainReactor::DroppedBecause(const Step& step) {
     if (before.result.has_value() && !before.result->ok()) {
       return absl::AbortedError("not run: a batch before it failed");
     }
+  }
+  if (!model_generation_.has_value()) model_generation_ = model_generation;
+  if (*model_generation_ != model_generation) {
+    return absl::AbortedError(
+        "not run: the model was replaced (InitModel or LoadCheckpoint) after this stream's first step; its steps "
+        "so far trained the previous model");
   }
   return absl::OkStatus();
 }

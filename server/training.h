@@ -1,6 +1,7 @@
 // Training over gRPC: the device side of one step, and the Train stream that pipelines steps through the worker.
 #pragma once
 
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -28,10 +29,13 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // being received, so a client that writes ahead keeps the device busy without the daemon buffering its stream.
 // Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
 // one runs) and is staged while the step runs; with two it was read only once the step had started.
-// The first failure, whether refused on arrival or on the device, ends the stream with its status once the
-// steps queued before it are done; the steps queued behind it, like those still queued when the client cancels,
-// do not run, so a client that resends from the failed batch trains on nothing twice. The reactor deletes itself
-// when gRPC is done with it.
+// A stream trains one model: a step that finds another installed (InitModel or LoadCheckpoint from another call)
+// fails with ABORTED and trains nothing on it. The first failure, whether refused on arrival or on the device, ends
+// the stream with its status once the steps queued before it are done; the steps queued behind it, like those still
+// queued when the client cancels, do not run, so a client that resends from the failed batch trains on nothing
+// twice. A cancellation cannot stop a step the device is running, nor recall the responses it had no time to send:
+// those steps stay applied, so the model can be up to kMaxUnansweredSteps steps past the last response sent (and
+// further past the last one the client read). The reactor deletes itself when gRPC is done with it.
 class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse> {
  public:
   static constexpr size_t kMaxUnansweredSteps = 3;
@@ -53,8 +57,9 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
 
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
-  // Why the device worker must not run `step` (a batch before it failed, or the client cancelled); OK to run it.
-  absl::Status DroppedBecause(const Step& step);
+  // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of
+  // `model_generation` now, is not the one the stream's first step trained); OK to run it.
+  absl::Status DroppedBecause(const Step& step, int64_t model_generation);
   // The batch of the step after `step`, if it has been accepted (its job is queued behind `step`'s, so it stays in
   // place until that job is done); else null.
   const v1::Batch* NextBatch(const Step& step);
@@ -81,6 +86,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
   v1::TrainStepResponse outgoing_ ABSL_GUARDED_BY(mu_);
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // cancelled, or the client stopped taking responses
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // ModelHost::model_generation() at the stream's first step: every later step must train that same model.
+  std::optional<int64_t> model_generation_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace perception::server

@@ -31,6 +31,7 @@ class ForwardingBackend : public Backend {
     return inner_->TrainStepStagingNext(batch, next);
   }
   void ForgetStagedNext() override { inner_->ForgetStagedNext(); }
+  int64_t step() const override { return inner_->step(); }
   TrainingCounters training_counters() const override { return inner_->training_counters(); }
   void set_use_graphs(bool use_graphs) override { inner_->set_use_graphs(use_graphs); }
   void set_stream_resident(bool resident) override { inner_->set_stream_resident(resident); }

@@ -19,7 +19,8 @@
 namespace perception::testing {
 
 // The device worker, stream batcher and service around a model host whose backends pass through `decorate`;
-// served on an in-process channel. Checkpoints go to the test's temporary folder, under `checkpoint_folder`.
+// served on an in-process channel and on a loopback port (for PerceptionClient). Checkpoints go to the test's
+// temporary folder, under `checkpoint_folder`.
 class InProcessDaemon {
  public:
   InProcessDaemon(server::ModelHost::BackendDecorator decorate, const std::string& checkpoint_folder)
@@ -30,6 +31,7 @@ class InProcessDaemon {
         checkpoints_(server::CheckpointDirectory::Open(::testing::TempDir() + "/" + checkpoint_folder).value()),
         service_(worker_, streams_, stream_options_, checkpoints_, limits_, metrics_) {
     grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     stub_ = v1::Perception::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
@@ -40,6 +42,7 @@ class InProcessDaemon {
   }
 
   v1::Perception::Stub& stub() { return *stub_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }
   const server::ServerMetrics& metrics() const { return metrics_; }
 
@@ -51,6 +54,7 @@ class InProcessDaemon {
   server::StreamBatcher streams_;
   const server::CheckpointDirectory checkpoints_;
   server::PerceptionService service_;
+  int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Perception::Stub> stub_;
 };

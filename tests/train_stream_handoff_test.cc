@@ -1,6 +1,6 @@
 // The Train stream through the real service in process: a step is handed, as `next`, only the batch sent right
 // after its own; the batches trained are the batches sent, in order; the last step stages nothing; nothing queued
-// behind a failed batch is trained.
+// behind a failed batch is trained; a stream whose model another call replaced trains nothing on the new one.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -208,6 +208,74 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
   v1::TrainStepResponse response;
   ASSERT_TRUE(daemon_.stub().TrainStep(&unary, request, &response).ok());
   EXPECT_EQ(response.step(), 2);
+}
+
+// Before, the stream went on training whatever model was installed, answering every batch as a success.
+TEST_F(TrainStreamHandoffTest, AStreamWhoseModelWasReplacedEndsAborted) {
+  const std::vector<RandomBatch> sent = Batches(2);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
+      daemon_.stub().Train(&context);
+  v1::TrainStepRequest request;
+  *request.mutable_batch() = BatchMessage(sent[0], config_);
+  ASSERT_TRUE(stream->Write(request));
+  v1::TrainStepResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.step(), 1);
+
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_seed(6);
+  init.set_replace(true);
+  grpc::ClientContext init_context;
+  init_context.set_deadline(Deadline());
+  v1::InitModelResponse initialized;
+  ASSERT_TRUE(daemon_.stub().InitModel(&init_context, init, &initialized).ok());
+
+  *request.mutable_batch() = BatchMessage(sent[1], config_);
+  stream->Write(request);  // may fail once the stream has ended
+  stream->WritesDone();
+  EXPECT_FALSE(stream->Read(&response)) << "step " << response.step() << " answered on the new model";
+  const grpc::Status finished = stream->Finish();
+  EXPECT_EQ(finished.error_code(), grpc::StatusCode::ABORTED) << finished.error_message();
+  EXPECT_THAT(finished.error_message(), ::testing::HasSubstr("model was replaced"));
+
+  grpc::ClientContext status_context;
+  status_context.set_deadline(Deadline());
+  v1::GetStatusResponse status;
+  ASSERT_TRUE(daemon_.stub().GetStatus(&status_context, v1::GetStatusRequest(), &status).ok());
+  EXPECT_EQ(status.model().step(), 0) << "the new model was trained";
+  EXPECT_EQ(log_->calls().size(), 1u);
+}
+
+// SetOptimizer keeps the model (weights, moments, step), so a stream goes on across it.
+TEST_F(TrainStreamHandoffTest, AStreamGoesOnAcrossSetOptimizer) {
+  const std::vector<RandomBatch> sent = Batches(2);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
+      daemon_.stub().Train(&context);
+  v1::TrainStepRequest request;
+  *request.mutable_batch() = BatchMessage(sent[0], config_);
+  ASSERT_TRUE(stream->Write(request));
+  v1::TrainStepResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+
+  v1::SetOptimizerRequest set;
+  set.mutable_optimizer()->set_lr(5e-4);
+  grpc::ClientContext set_context;
+  set_context.set_deadline(Deadline());
+  v1::SetOptimizerResponse changed;
+  ASSERT_TRUE(daemon_.stub().SetOptimizer(&set_context, set, &changed).ok());
+
+  *request.mutable_batch() = BatchMessage(sent[1], config_);
+  ASSERT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.step(), 2);
+  const grpc::Status finished = stream->Finish();
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
 }
 
 TEST_F(TrainStreamHandoffTest, UnaryTrainStepStagesNothing) {

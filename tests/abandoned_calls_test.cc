@@ -1,0 +1,146 @@
+// Unary calls whose client stopped waiting before the device took them up (deadline passed, cancelled) change
+// nothing: the client was told they failed, so a change made afterwards would be one it retries or never learns of.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "engine/config.h"
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "server/device_worker.h"
+#include "tests/batch_message.h"
+#include "tests/in_process_daemon.h"
+#include "tests/test_util.h"
+
+namespace perception::server {
+namespace {
+
+using testing::BatchMessage;
+using testing::InProcessDaemon;
+using testing::MakeRandomBatch;
+
+std::chrono::system_clock::time_point In(std::chrono::milliseconds delay) {
+  return std::chrono::system_clock::now() + delay;
+}
+constexpr std::chrono::seconds kPatient(60);
+constexpr std::chrono::milliseconds kImpatient(100);
+
+class AbandonedCallsTest : public ::testing::Test {
+ protected:
+  // A model at step 2 whose step-1 state is saved as kCheckpoint.
+  void SetUp() override {
+    v1::InitModelRequest init;
+    init.set_config_name("tiny");
+    init.set_seed(3);
+    grpc::ClientContext context;
+    context.set_deadline(In(kPatient));
+    v1::InitModelResponse initialized;
+    const grpc::Status status = daemon_.stub().InitModel(&context, init, &initialized);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(Train(kPatient).error_code(), grpc::StatusCode::OK);
+    v1::SaveCheckpointRequest save;
+    save.set_name(kCheckpoint);
+    grpc::ClientContext save_context;
+    save_context.set_deadline(In(kPatient));
+    v1::SaveCheckpointResponse saved;
+    ASSERT_TRUE(daemon_.stub().SaveCheckpoint(&save_context, save, &saved).ok());
+    ASSERT_EQ(Train(kPatient).error_code(), grpc::StatusCode::OK);
+  }
+
+  ~AbandonedCallsTest() override {
+    if (!open_gate_.HasBeenNotified()) open_gate_.Notify();  // a test that failed while holding the worker
+  }
+
+  grpc::Status Train(std::chrono::milliseconds timeout) {
+    v1::TrainStepRequest request;
+    *request.mutable_batch() = BatchMessage(MakeRandomBatch(config_, config_.batch, config_.window, 11), config_);
+    grpc::ClientContext context;
+    context.set_deadline(In(timeout));
+    v1::TrainStepResponse response;
+    return daemon_.stub().TrainStep(&context, request, &response);
+  }
+
+  v1::Model CurrentModel() {
+    grpc::ClientContext context;
+    context.set_deadline(In(kPatient));
+    v1::GetStatusResponse response;
+    EXPECT_TRUE(daemon_.stub().GetStatus(&context, v1::GetStatusRequest(), &response).ok());
+    return response.model();
+  }
+
+  // Occupies the device worker with a job of the test's until ReleaseWorker, as a long evaluation would.
+  void HoldWorker() {
+    ASSERT_TRUE(daemon_.worker()
+                    .Enqueue(JobPriority::kTraining,
+                             [this](ModelHost&) {
+                               gate_running_.Notify();
+                               open_gate_.WaitForNotification();
+                             })
+                    .ok());
+    gate_running_.WaitForNotification();
+  }
+  // Opens the gate and returns once every job queued behind it has run.
+  void ReleaseWorker() {
+    open_gate_.Notify();
+    ASSERT_TRUE(daemon_.worker().Run(JobPriority::kTraining, [](ModelHost&) { return absl::OkStatus(); }).ok());
+  }
+
+  static constexpr char kCheckpoint[] = "step1.safetensors";
+  const ModelConfig config_ = *NamedConfig("tiny");
+  absl::Notification gate_running_, open_gate_;  // outlive the daemon, whose worker runs the gate job
+  InProcessDaemon daemon_{nullptr, "abandoned_calls_checkpoints"};
+};
+
+// Before, both ran once the device was free: the step trained the batch (step 3), the load put step 1 back.
+TEST_F(AbandonedCallsTest, CallsWhoseDeadlinePassedInTheQueueChangeNothing) {
+  const v1::Model before = CurrentModel();
+  ASSERT_EQ(before.step(), 2);
+  ASSERT_NO_FATAL_FAILURE(HoldWorker());
+
+  EXPECT_EQ(Train(kImpatient).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  v1::LoadCheckpointRequest load;
+  load.set_name(kCheckpoint);
+  grpc::ClientContext load_context;
+  load_context.set_deadline(In(kImpatient));
+  v1::LoadCheckpointResponse loaded;
+  EXPECT_EQ(daemon_.stub().LoadCheckpoint(&load_context, load, &loaded).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(daemon_.worker().queued_jobs(), 2) << "both calls wait behind the gate";
+  ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
+
+  const v1::Model after = CurrentModel();
+  EXPECT_EQ(after.step(), before.step());
+  EXPECT_EQ(after.weights_version(), before.weights_version());
+}
+
+TEST_F(AbandonedCallsTest, ACallTheClientCancelledInTheQueueChangesNothing) {
+  const v1::Model before = CurrentModel();
+  ASSERT_NO_FATAL_FAILURE(HoldWorker());
+
+  v1::SetOptimizerRequest request;
+  request.mutable_optimizer()->set_lr(before.optimizer().lr() * 2);
+  grpc::ClientContext context;
+  context.set_deadline(In(kPatient));
+  grpc::Status answer;
+  std::thread caller([&] {
+    v1::SetOptimizerResponse response;
+    answer = daemon_.stub().SetOptimizer(&context, request, &response);
+  });
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (daemon_.worker().queued_jobs() < 1 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(daemon_.worker().queued_jobs(), 1) << "the call did not queue within 30 s";
+  context.TryCancel();
+  caller.join();
+  EXPECT_EQ(answer.error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
+
+  EXPECT_EQ(CurrentModel().optimizer().lr(), before.optimizer().lr());
+}
+
+}  // namespace
+}  // namespace perception::server

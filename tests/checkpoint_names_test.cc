@@ -1,0 +1,101 @@
+// SaveCheckpoint's names through the service in process: a name that does not end in a file name is refused before
+// anything is created, and a refused save leaves no folders behind that would block a later one.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
+#include "tests/in_process_daemon.h"
+
+namespace perception::server {
+namespace {
+
+using testing::InProcessDaemon;
+
+constexpr char kFolder[] = "checkpoint_names_checkpoints";
+
+// The checkpoint folder, emptied of what an earlier run of the test left in it.
+std::string EmptiedFolder() {
+  std::filesystem::remove_all(std::filesystem::path(::testing::TempDir()) / kFolder);
+  return kFolder;
+}
+
+class CheckpointNamesTest : public ::testing::Test {
+ protected:
+  grpc::Status Save(const std::string& name) {
+    v1::SaveCheckpointRequest request;
+    request.set_name(name);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::SaveCheckpointResponse response;
+    return daemon_.stub().SaveCheckpoint(&context, request, &response);
+  }
+
+  void InitModel() {
+    v1::InitModelRequest request;
+    request.set_config_name("tiny");
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::InitModelResponse response;
+    const grpc::Status status = daemon_.stub().InitModel(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+
+  // Everything in the checkpoint folder, as paths relative to it.
+  std::vector<std::string> FolderContents() const {
+    std::vector<std::string> contents;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(root_)) {
+      contents.push_back(std::filesystem::relative(entry.path(), root_).string());
+    }
+    return contents;
+  }
+
+  InProcessDaemon daemon_{nullptr, EmptiedFolder()};
+  const std::filesystem::path root_ = std::filesystem::path(::testing::TempDir()) / kFolder;
+};
+
+// Before, "x/" created the folder x and failed on writing it, and then "x" failed with "Is a directory".
+TEST_F(CheckpointNamesTest, ANameEndingInASeparatorIsRefusedAndBlocksNothing) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  for (const std::string name : {"x/", "x/.", ".", "sub/x/"}) {
+    SCOPED_TRACE(name);
+    const grpc::Status refused = Save(name);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+    EXPECT_THAT(refused.error_message(), ::testing::StartsWith("name: "));
+  }
+  EXPECT_THAT(FolderContents(), ::testing::IsEmpty());
+
+  const grpc::Status saved = Save("x");
+  ASSERT_TRUE(saved.ok()) << saved.error_message();
+  EXPECT_TRUE(std::filesystem::is_regular_file(root_ / "x"));
+}
+
+TEST_F(CheckpointNamesTest, ANameThatIsAFolderIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  std::filesystem::create_directories(root_ / "runs");
+  const grpc::Status refused = Save("runs");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("folder"));
+}
+
+// Before, the folders deep/er were created although there was nothing to save.
+TEST_F(CheckpointNamesTest, ASaveWithoutAModelCreatesNoFolders) {
+  const grpc::Status refused = Save("deep/er/x.safetensors");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_THAT(FolderContents(), ::testing::IsEmpty());
+}
+
+TEST_F(CheckpointNamesTest, ASaveCreatesTheMissingFolders) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  const grpc::Status saved = Save("deep/er/x.safetensors");
+  ASSERT_TRUE(saved.ok()) << saved.error_message();
+  EXPECT_TRUE(std::filesystem::is_regular_file(root_ / "deep/er/x.safetensors"));
+}
+
+}  // namespace
+}  // namespace perception::server
