@@ -208,12 +208,15 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
   return Answer("TrainStep", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
     const Stopwatch queued;
+    // A data-parallel rank takes every step its peers take, even one its client gave up on: skipping it would leave
+    // them waiting in the step's all-reduce until the collective timeout aborts the job.
+    const grpc::ServerContextBase* caller = worker_.status().data_parallel.has_value() ? nullptr : context;
     ASSIGN_OR_RETURN(*response, worker_.Run(
                                     JobPriority::kTraining,
                                     [&](ModelHost& host) {
                                       return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued);
                                     },
-                                    context));
+                                    caller));
     return absl::OkStatus();
   });
 }
