@@ -173,7 +173,8 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
 
   CommandResult escape = RunCommand(absl::StrCat(ctl, " checkpoint load ../x.safetensors"));
   EXPECT_EQ(escape.exit_code, 1);
-  EXPECT_THAT(escape.output, HasSubstr("INVALID_ARGUMENT: checkpoint name '../x.safetensors' must not contain '..'"));
+  EXPECT_THAT(escape.output,
+              HasSubstr("INVALID_ARGUMENT: name: checkpoint name '../x.safetensors' must not contain '..'"));
   CommandResult mismatch = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4"));
   EXPECT_EQ(mismatch.exit_code, 1);
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
