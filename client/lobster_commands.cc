@@ -98,6 +98,9 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
 absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, const EventSeries& training, double lr) {
   if (!model.normalizer_fitted()) {
     const Normalizer normalizer = FitNormalizer(training);
+    if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
+      std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    }
     v1::SetNormalizerRequest request;
     request.mutable_normalizer()->mutable_mean()->Assign(normalizer.mean.begin(), normalizer.mean.end());
     request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());

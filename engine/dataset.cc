@@ -5,6 +5,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/config.h"
 #include "engine/status_macros.h"
 #include "engine/loss.h"
 
@@ -156,6 +158,26 @@ absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const flo
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<int> UnvaryingFeatures(const Normalizer& normalizer) {
+  std::vector<int> unvarying;
+  const float floor_inv_std = static_cast<float>(1.0 / kMinStd);
+  for (size_t f = 0; f < normalizer.inv_std.size(); ++f) {
+    if (normalizer.inv_std[f] >= floor_inv_std) unvarying.push_back(static_cast<int>(f));
+  }
+  return unvarying;
+}
+
+std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted_events) {
+  const std::vector<int> unvarying = UnvaryingFeatures(normalizer);
+  if (unvarying.empty()) return "";
+  const int levels = (static_cast<int>(normalizer.inv_std.size()) - LobsterFeatureCount(0)) / 4;
+  std::vector<std::string> names;
+  for (int f : unvarying) names.push_back(LobsterFeatureName(f, levels));
+  return absl::StrCat("the normalizer's feature(s) ", absl::StrJoin(names, ", "), " never vary in the ", fitted_events,
+                      " events it was fitted on: their inv_std is 1e6 (MODEL.md's std floor of 1e-6), so an event "
+                      "where one differs moves the model's input by 1e6 a unit; fit on data where they vary");
 }
 
 std::vector<double> ClassPrior(const EventSeries& series) {

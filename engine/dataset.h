@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,6 +44,13 @@ struct Normalizer {
   std::vector<float> mean, inv_std;
 };
 Normalizer FitNormalizer(const EventSeries& series);
+// The features whose std fell to the 1e-6 floor: constant in the data the normalizer was fitted on. Their inv_std is
+// 1e6, so a later event where one differs by a unit moves the model's input by a million, as MODEL.md §2 step 0
+// defines; a user should know before training on such a fit.
+std::vector<int> UnvaryingFeatures(const Normalizer& normalizer);
+// A warning naming UnvaryingFeatures (LOBSTER names, for a normalizer of a LOBSTER transform's width) and what they
+// do to later events; empty when every feature varied.
+std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted_events);
 // OK when `mean` and `inv_std` have equal sizes and every value is finite with inv_std > 0: the normalizers the
 // model can apply. INVALID_ARGUMENT naming the first feature that is not. The one check for every source of a
 // normalizer (the API, a checkpoint).

@@ -257,6 +257,16 @@ int64_t TimeNanoseconds(double seconds) { return std::llround(seconds * 1e9); }
 
 LobsterFeaturizer::LobsterFeaturizer(int levels) : levels_(levels) {}
 
+std::string LobsterFeatureName(int feature, int levels) {
+  static constexpr const char* kLevelColumns[] = {"ask_px", "ask_sz", "bid_px", "bid_sz"};
+  static constexpr const char* kTail[] = {"imbalance", "mid_return", "type1", "type2",
+                                          "type3",     "type4",      "type5", "direction"};
+  const int book_features = 4 * levels;
+  if (feature >= 0 && feature < book_features) return absl::StrCat(kLevelColumns[feature % 4], feature / 4 + 1);
+  if (feature >= book_features && feature < LobsterFeatureCount(levels)) return kTail[feature - book_features];
+  return absl::StrCat("feature ", feature);
+}
+
 int LobsterFeaturizer::n_features() const { return LobsterFeatureCount(levels_); }
 
 absl::Status LobsterFeaturizer::Validate(std::span<const int64_t> book_row, const LobsterMessage& message,

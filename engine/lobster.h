@@ -68,6 +68,10 @@ inline constexpr double kMaxLobsterTimeSeconds = 1e9;
 // times relative to its first event (server/stream_batcher.cc) give the same bits.
 int64_t TimeNanoseconds(double seconds);
 
+// The name of feature `feature` of MODEL.md §1.1's LOBSTER transform of `levels` book levels, for messages: ask_px1,
+// ask_sz1, bid_px1, bid_sz1, …, imbalance, mid_return, type1 … type5, direction; "feature <index>" past them.
+std::string LobsterFeatureName(int feature, int levels);
+
 // The feature transform of MODEL.md §1.1 for ONE stream; it keeps the previous mid and message time.
 class LobsterFeaturizer {
  public:

@@ -228,6 +228,38 @@ TEST(FitNormalizer, EmptySeriesIsTheIdentity) {
   EXPECT_EQ(normalizer.inv_std, std::vector<float>(3, 1.f));
 }
 
+TEST(UnvaryingFeatures, TheAaplTrainingPartHasNoPartialCancellation) {
+  // The shipped AAPL sample holds no type-2 message (a partial cancellation), so that one-hot column is constant in
+  // its training part (699 events): a normalizer fitted there standardizes a later type-2 event to 1e6, and training
+  // should say so. With one such event among those fitted, every feature varies.
+  const absl::StatusOr<LobsterData> data =
+      ReadLobster(ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10));
+  ASSERT_TRUE(data.ok()) << data.status();
+  const absl::StatusOr<EventSeries> series = BuildSeries(*data, kDefaultHorizons);
+  ASSERT_TRUE(series.ok()) << series.status();
+  const absl::StatusOr<SplitSeries> split = SplitByTime(*series, 0.7);
+  ASSERT_TRUE(split.ok()) << split.status();
+  const Normalizer fitted = FitNormalizer(split->train);
+  EXPECT_EQ(UnvaryingFeatures(fitted), std::vector<int>{4 * 10 + 3});
+  EXPECT_THAT(UnvaryingFeaturesWarning(fitted, split->train.size()),
+              HasSubstr("feature(s) type2 never vary in the 699 events"));
+  EventSeries with_partial_cancel = split->train;
+  with_partial_cancel.features[100 * 48 + 4 * 10 + 3] = 1.f;
+  const Normalizer varied = FitNormalizer(with_partial_cancel);
+  EXPECT_TRUE(UnvaryingFeatures(varied).empty());
+  EXPECT_EQ(UnvaryingFeaturesWarning(varied, with_partial_cancel.size()), "");
+}
+
+TEST(LobsterFeatureName, FollowsTheTransformsOrder) {
+  EXPECT_EQ(LobsterFeatureName(0, 1), "ask_px1");
+  EXPECT_EQ(LobsterFeatureName(3, 1), "bid_sz1");
+  EXPECT_EQ(LobsterFeatureName(4, 1), "imbalance");
+  EXPECT_EQ(LobsterFeatureName(11, 1), "direction");
+  EXPECT_EQ(LobsterFeatureName(37, 10), "ask_sz10");
+  EXPECT_EQ(LobsterFeatureName(45, 10), "type4");
+  EXPECT_EQ(LobsterFeatureName(48, 10), "feature 48");
+}
+
 // Four events, two horizons. Horizon 0: labels 1, 0, 1, (1 masked out); horizon 1: labels 0, 0, 1, 0.
 EventSeries PriorSeries() {
   EventSeries series;

@@ -122,6 +122,9 @@ absl::Status Train() {
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, absl::GetFlag(FLAGS_seed), params);
   const Normalizer normalizer = FitNormalizer(split.train);
+  if (const std::string warning = UnvaryingFeaturesWarning(normalizer, split.train.size()); !warning.empty()) {
+    spdlog::warn("{}", warning);
+  }
   std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
   std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),
             params.begin() + layout.tensor(layout.norm_inv_std).offset);
