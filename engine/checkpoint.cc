@@ -55,6 +55,36 @@ absl::Status Annotate(const absl::Status& status, absl::string_view action, cons
   return absl::Status(status.code(), absl::StrCat(action, " checkpoint '", path, "': ", status.message()));
 }
 
+// A file can pass every structural check and still hold values no trained model has (a flipped bit, a model saved
+// after it diverged); loaded, they would turn every later loss into NaN. Every stored float must be finite, the
+// second moments non-negative (Adam takes their square root) and the normalizer one the model can apply. Checked on
+// saving too, so that every file written loads.
+absl::Status CheckValues(const ParamLayout& layout, const std::vector<TensorPlace>& places,
+                         const std::array<std::span<const float>, kBufferCount>& buffers) {
+  for (const TensorPlace& place : places) {
+    if (place.buffer == kStep) continue;  // checked against the metadata step
+    const std::span<const float> values = buffers[place.buffer].subspan(place.offset, place.size);
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", place.name, "' element ", i, " is ", values[i]));
+      }
+      if (place.buffer == kExpAvgSq && values[i] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", place.name, "' element ", i, " is ", values[i],
+                                                       "; a second moment cannot be negative"));
+      }
+    }
+  }
+  const TensorSpec& mean = layout.tensor(layout.norm_mean);
+  const TensorSpec& inv_std = layout.tensor(layout.norm_inv_std);
+  const absl::Status normalizer = ValidateNormalizer(buffers[kParams].subspan(mean.offset, mean.size),
+                                                     buffers[kParams].subspan(inv_std.offset, inv_std.size));
+  if (!normalizer.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensors '", mean.name, "' and '", inv_std.name, "': ", normalizer.message()));
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Saving.
 
@@ -78,8 +108,13 @@ absl::Status WriteCheckpoint(const std::string& path, const Checkpoint& checkpoi
   const float step_value = static_cast<float>(checkpoint.step);
   const std::array<std::span<const float>, kBufferCount> buffers = {
       checkpoint.params, checkpoint.exp_avg, checkpoint.exp_avg_sq, std::span<const float>(&step_value, 1)};
+  std::vector<TensorPlace> places = CheckpointTensors(layout);
+  if (const absl::Status values = CheckValues(layout, places, buffers); !values.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the model holds a value no checkpoint may (", values.message(), "): not saved"));
+  }
   std::vector<SafetensorsTensorRef> tensors;
-  for (TensorPlace& place : CheckpointTensors(layout)) {
+  for (TensorPlace& place : places) {
     tensors.push_back({std::move(place.name), std::move(place.shape),
                        buffers[place.buffer].subspan(place.offset, place.size)});
   }
@@ -195,35 +230,6 @@ absl::Status CheckTensorSet(const std::vector<TensorPlace>& places,
   return absl::OkStatus();
 }
 
-// A file can pass every structural check and still hold values no trained model has (a flipped bit, a model saved
-// after it diverged); loaded, they would turn every later loss into NaN. Every stored float must be finite, the
-// second moments non-negative (Adam takes their square root) and the normalizer one the model can apply.
-absl::Status CheckValues(const ParamLayout& layout, const std::vector<TensorPlace>& places,
-                         std::span<const std::span<float>> buffers) {
-  for (const TensorPlace& place : places) {
-    if (place.buffer == kStep) continue;  // checked against the metadata step
-    const std::span<const float> values = buffers[place.buffer].subspan(place.offset, place.size);
-    for (size_t i = 0; i < values.size(); ++i) {
-      if (!std::isfinite(values[i])) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", place.name, "' element ", i, " is ", values[i]));
-      }
-      if (place.buffer == kExpAvgSq && values[i] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", place.name, "' element ", i, " is ", values[i],
-                                                       "; a second moment cannot be negative"));
-      }
-    }
-  }
-  const TensorSpec& mean = layout.tensor(layout.norm_mean);
-  const TensorSpec& inv_std = layout.tensor(layout.norm_inv_std);
-  const absl::Status normalizer = ValidateNormalizer(buffers[kParams].subspan(mean.offset, mean.size),
-                                                     buffers[kParams].subspan(inv_std.offset, inv_std.size));
-  if (!normalizer.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensors '", mean.name, "' and '", inv_std.name, "': ", normalizer.message()));
-  }
-  return absl::OkStatus();
-}
-
 // Builds the whole checkpoint in a local so that no error can leave a partial result behind.
 // The reader has already checked dtype (F32) and that each tensor's bytes match its shape.
 absl::StatusOr<Checkpoint> CheckpointFromFile(const SafetensorsFile& file) {
@@ -248,7 +254,8 @@ absl::StatusOr<Checkpoint> CheckpointFromFile(const SafetensorsFile& file) {
     const std::span<const std::byte> bytes = file.tensors().at(place.name).bytes;
     std::memcpy(buffers[place.buffer].subspan(place.offset, place.size).data(), bytes.data(), bytes.size());
   }
-  RETURN_IF_ERROR(CheckValues(layout, places, buffers));
+  RETURN_IF_ERROR(CheckValues(layout, places, {checkpoint.params, checkpoint.exp_avg, checkpoint.exp_avg_sq,
+                                                std::span<const float>(&stored_step, 1)}));
   if (stored_step != static_cast<float>(checkpoint.step)) {
     return absl::InvalidArgumentError(absl::StrCat(kStepTensor, " holds ", stored_step, " but the metadata step is ",
                                                    checkpoint.step));

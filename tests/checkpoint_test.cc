@@ -477,6 +477,19 @@ TEST_F(CheckpointTest, NonFiniteOrImpossibleValuesAreRejected) {
   }
 }
 
+TEST_F(CheckpointTest, AModelHoldingANonFiniteValueIsNotSaved) {
+  // What the loader refuses is not written either, so that a model that diverged does not replace a good file with
+  // one that cannot be loaded.
+  SaveTiny(21);
+  const std::string good = ReadBytes(path_);
+  Checkpoint diverged = RandomCheckpoint(Config("tiny"), 22);
+  diverged.params[5] = std::numeric_limits<float>::quiet_NaN();
+  const absl::Status status = SaveCheckpoint(path_, diverged);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(status.message(), HasSubstr("element 5 is nan): not saved"));
+  EXPECT_EQ(ReadBytes(path_), good);
+}
+
 TEST_F(CheckpointTest, FailedLoadLeavesTheCallersCheckpointUntouched) {
   SaveTiny(21);
   absl::StatusOr<Checkpoint> held = LoadCheckpoint(path_);
