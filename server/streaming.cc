@@ -56,8 +56,7 @@ void StreamReactor::OnReadDone(bool ok) {
     // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
     const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
     unprocessed_ += submitted.accepted;
-    submitted_ += submitted.accepted;
-    if (request->ack() && submitted.accepted > 0) ack_barriers_.push_back(submitted_);
+    if (request->ack() && submitted.accepted > 0) AwaitLocked(*request, submitted.accepted);
     if (!submitted.status.ok()) {
       error_ = submitted.status;
       input_done_ = true;
@@ -65,10 +64,28 @@ void StreamReactor::OnReadDone(bool ok) {
   });
 }
 
+void StreamReactor::AwaitLocked(const v1::StreamRequest& request, int64_t accepted) {
+  const uint64_t id = ++ack_requests_;
+  absl::flat_hash_map<absl::string_view, uint64_t> last_seq;  // of each instrument in the accepted events
+  for (int i = 0; i < accepted; ++i) last_seq[request.events(i).instrument()] = request.events(i).seq();
+  for (const auto& [instrument, seq] : last_seq) awaited_[instrument].push_back({seq, id});
+  instruments_awaited_[id] = static_cast<int>(last_seq.size());
+}
+
 void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weights_version) {
   Update([&] {
     for (const Processed& event : events) {
-      unacked_[absl::string_view(event.instrument.data(), event.instrument.size())] = event.seq;
+      const absl::string_view instrument(event.instrument.data(), event.instrument.size());
+      unacked_[instrument] = event.seq;
+      const auto awaited = awaited_.find(instrument);
+      if (awaited == awaited_.end() || awaited->second.front().seq != event.seq) continue;
+      const auto request = instruments_awaited_.find(awaited->second.front().request);
+      if (--request->second == 0) {
+        instruments_awaited_.erase(request);
+        requested_ack_due_ = true;
+      }
+      awaited->second.pop_front();
+      if (awaited->second.empty()) awaited_.erase(awaited);
     }
     const auto n = static_cast<int64_t>(events.size());
     unacked_events_ += n;
@@ -107,14 +124,9 @@ void StreamReactor::OnCancel() {
 void StreamReactor::OnDone() { delete this; }
 
 bool StreamReactor::AckDueLocked() {
-  bool due = false;
-  while (!ack_barriers_.empty() && processed_ >= ack_barriers_.front()) {
-    ack_barriers_.pop_front();
-    due = true;
-  }
   if (unacked_.empty()) return false;
   const bool input_over = input_done_ && unprocessed_ == 0;
-  return due || alarm_fired_ || input_over || unacked_events_ >= options_.ack_every_events;
+  return requested_ack_due_ || alarm_fired_ || input_over || unacked_events_ >= options_.ack_every_events;
 }
 
 std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
@@ -133,6 +145,7 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
       unacked_.clear();
       unacked_events_ = 0;
       alarm_fired_ = false;
+      requested_ack_due_ = false;
       writing_ = true;
       StartWrite(&outgoing_);
     }

@@ -49,6 +49,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   // Starts the reads, writes and alarm the state allows; the status to finish with once the call has ended.
   std::optional<grpc::Status> AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AckDueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records what a request with `ack` waits for: the last of its first `accepted` events of each instrument.
+  void AwaitLocked(const v1::StreamRequest& request, int64_t accepted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   StreamBatcher& batcher_;
   const StreamOptions& options_;
@@ -60,8 +62,19 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a request was refused
   absl::Status error_ ABSL_GUARDED_BY(mu_);       // the first refusal or device failure
   int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0, processed_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<uint64_t> ack_barriers_ ABSL_GUARDED_BY(mu_);  // `submitted_` after each request with `ack`
+  uint64_t processed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Requests with `ack` wait for their own events only (events of other instruments are processed in the same
+  // ticks): per instrument, in order, the last sequence number each such request sent of it, and per request the
+  // instruments it still waits for. An instrument's events are processed in order, so its next awaited event is the
+  // front of its queue.
+  struct AwaitedEvent {
+    uint64_t seq;
+    uint64_t request;
+  };
+  absl::flat_hash_map<std::string, std::deque<AwaitedEvent>> awaited_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, int> instruments_awaited_ ABSL_GUARDED_BY(mu_);  // request → instruments left
+  uint64_t ack_requests_ ABSL_GUARDED_BY(mu_) = 0;      // requests with `ack` so far, numbering them
+  bool requested_ack_due_ ABSL_GUARDED_BY(mu_) = false;  // a request with `ack` is wholly processed
   absl::flat_hash_map<std::string, uint64_t> unacked_ ABSL_GUARDED_BY(mu_);  // instrument → last processed seq
   int64_t unacked_events_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t weights_version_ ABSL_GUARDED_BY(mu_) = 0;
