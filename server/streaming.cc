@@ -7,6 +7,25 @@
 
 namespace perception::server {
 
+void StreamRegistry::BeginDrain(const absl::Status& status) {
+  // Under the lock, so that no call is deleted meanwhile: gRPC runs a reactor's OnDone (Remove) on another thread
+  // after its Finish, never inside it.
+  absl::MutexLock lock(&mu_);
+  draining_ = status;
+  for (StreamReactor* reactor : live_) reactor->Drain(status);
+}
+
+absl::Status StreamRegistry::Add(StreamReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.insert(reactor);
+  return draining_;
+}
+
+void StreamRegistry::Remove(StreamReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.erase(reactor);
+}
+
 template <typename Change>
 void StreamReactor::Update(Change change) {
   std::optional<grpc::Status> finish;
@@ -33,11 +52,24 @@ void StreamReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
-StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options,
-                             absl::AnyInvocable<absl::Status() const> admit,
+StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, StreamRegistry& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
-    : batcher_(batcher), options_(options), admit_(std::move(admit)), on_finish_(std::move(on_finish)) {
-  Update([] {});
+    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
+  const absl::Status draining = registry_.Add(this);
+  Update([&] {
+    if (!draining.ok()) {
+      error_ = draining;
+      input_done_ = true;
+    }
+  });
+}
+
+void StreamReactor::Drain(const absl::Status& status) {
+  Update([&] {
+    if (input_done_) return;  // a call the client half-closed still ends OK once its events are processed
+    error_ = status;
+    input_done_ = true;
+  });
 }
 
 void StreamReactor::OnReadDone(bool ok) {
@@ -48,11 +80,6 @@ void StreamReactor::OnReadDone(bool ok) {
       return;
     }
     if (broken_ || !error_.ok()) return;
-    if (absl::Status admitted = admit_(); !admitted.ok()) {
-      error_ = std::move(admitted);
-      input_done_ = true;
-      return;
-    }
     // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
     const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
     unprocessed_ += submitted.accepted;
@@ -121,7 +148,10 @@ void StreamReactor::OnCancel() {
   Update([&] { broken_ = true; });
 }
 
-void StreamReactor::OnDone() { delete this; }
+void StreamReactor::OnDone() {
+  registry_.Remove(this);
+  delete this;
+}
 
 bool StreamReactor::AckDueLocked() {
   if (unacked_.empty()) return false;
