@@ -15,20 +15,36 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// An instrument id as a message names it: ids too long to be accepted are cut, so that the refusal stays short.
+std::string Shown(absl::string_view instrument) {
+  constexpr size_t kShownBytes = 32;
+  if (instrument.size() <= kMaxInstrumentIdBytes) return std::string(instrument);
+  return absl::StrCat(instrument.substr(0, kShownBytes), "... (", instrument.size(), " bytes)");
+}
+
 // "event 3 (instrument 'AAPL', seq 17): ": where a refused event sits in its request.
 std::string Where(int index, const v1::StreamEvent& event) {
-  return absl::StrCat("event ", index, " (instrument '", event.instrument(), "', seq ", event.seq(), "): ");
+  return absl::StrCat("event ", index, " (instrument '", Shown(event.instrument()), "', seq ", event.seq(), "): ");
 }
 
 absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
+// Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes.
+absl::Status CheckInstrumentId(absl::string_view instrument) {
+  if (instrument.empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  if (instrument.size() > kMaxInstrumentIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the instrument id has ", instrument.size(), " bytes; at most ",
+                                                   kMaxInstrumentIdBytes, " are allowed"));
+  }
+  return absl::OkStatus();
+}
+
 // The checks that need no stream state: the payload's shape and values against the model's feature count.
 // `reason` names the metric label of a refusal.
 absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::string& reason) {
   reason = "features";
-  if (event.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
   switch (event.payload_case()) {
     case v1::StreamEvent::kFeatures: {
       const v1::FeatureEvent& f = event.features();
@@ -118,6 +134,8 @@ absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQu
 }
 
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
+  reason = "features";
+  RETURN_IF_ERROR(CheckInstrumentId(event.instrument()));
   RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
   const absl::StatusOr<int> opened = OpenLocked(event.instrument());
   if (!opened.ok()) {
@@ -344,7 +362,7 @@ absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument)
 }
 
 absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request) {
-  if (request.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
@@ -393,6 +411,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
 }
 
 absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request) {
+  RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.max_count() < 0) return absl::InvalidArgumentError("max_count must be >= 0");
   const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
                                                      : std::min(request.max_count(), options_.max_read_count);
@@ -433,6 +452,7 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
 }
 
 absl::Status StreamBatcher::Reset(const std::string& instrument) {
+  RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
@@ -444,6 +464,7 @@ absl::Status StreamBatcher::Reset(const std::string& instrument) {
 }
 
 absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
+  RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));

@@ -23,6 +23,10 @@
 
 namespace perception::server {
 
+// The longest instrument id any streaming call takes: every live id is in ListStreams' one answer, which must stay
+// far below the message limit however many slots there are.
+inline constexpr size_t kMaxInstrumentIdBytes = 256;
+
 // Streaming's flags.
 struct StreamOptions {
   StreamingConfig device;        // slots, log capacity, publishing (the model host's part)

@@ -697,6 +697,48 @@ TEST_F(StreamingTest, AnAckCoversItsOwnRequestsEventsAsSoonAsTheyAreProcessed) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// Instrument ids are 1 to 256 bytes: a longer one is refused by every streaming call before it takes a slot, so
+// ListStreams keeps answering (ids of megabytes once made its answer too large to send, for every client).
+TEST_F(StreamingTest, InstrumentIdsAreNonEmptyAndAtMost256Bytes) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 2, 3);
+  const std::string too_long(1024, 'x'), longest(256, 'y');
+  std::vector<v1::StreamRequest> request(1);
+  *request[0].add_events() = FeatureEvent(series, config.n_features, 0, too_long, 1);
+  ExpectRefused(StreamAll(client(), request), absl::StatusCode::kInvalidArgument,
+                "the instrument id has 1024 bytes; at most 256");
+  absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0);
+
+  v1::SeedStreamRequest seed;
+  *seed.add_events() = FeatureEvent(series, config.n_features, 0, "", 1);
+  for (const std::string& id : {too_long, std::string()}) {
+    SCOPED_TRACE(id.size());
+    const std::string part = id.empty() ? "the instrument id is empty" : "the instrument id has 1024 bytes";
+    seed.set_instrument(id);
+    ExpectRefused(client().SeedStream(seed).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::ReadConvictionsRequest read;
+    read.set_instrument(id);
+    ExpectRefused(client().ReadConvictions(read).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::ResetStreamRequest reset;
+    reset.set_instrument(id);
+    ExpectRefused(client().ResetStream(reset).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::CloseStreamRequest close;
+    close.set_instrument(id);
+    ExpectRefused(client().CloseStream(close).status(), absl::StatusCode::kInvalidArgument, part);
+  }
+
+  request[0].mutable_events(0)->set_instrument(longest);
+  ASSERT_TRUE(StreamAll(client(), request).ok());
+  streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  ASSERT_EQ(streams->streams_size(), 1);
+  EXPECT_EQ(streams->streams(0).instrument(), longest);
+}
+
 TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   StartDaemon({"--stream_slots=8", "--stream_log_entries=8000"});
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon_->target());
