@@ -133,16 +133,36 @@ absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQu
   return absl::OkStatus();
 }
 
+absl::Status StreamBatcher::CloseSlotLocked(int slot) {
+  RETURN_IF_ERROR(table_.Close(queues_[slot].instrument));
+  queues_[slot] = SlotQueue{};
+  metrics_.SetActiveStreams(table_.active());
+  return absl::OkStatus();
+}
+
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
   reason = "features";
   RETURN_IF_ERROR(CheckInstrumentId(event.instrument()));
   RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
+  reason = "sequence";
+  if (event.seq() == UINT64_MAX) {  // checked before the stream opens, as every event's own values are
+    return absl::InvalidArgumentError(absl::StrCat("sequence number ", event.seq(),
+                                                   " is the largest there is; numbers must stay below it"));
+  }
+  const bool opens = !table_.SlotOf(event.instrument()).ok();
   const absl::StatusOr<int> opened = OpenLocked(event.instrument());
   if (!opened.ok()) {
     reason = opened.status().code() == absl::StatusCode::kUnavailable ? "model_change" : "capacity";
     return opened.status();
   }
-  const int slot = *opened;
+  const absl::Status queued = QueueLocked(event, sink, *opened, reason);
+  // A stream the refused event would have opened is not left behind holding a slot: nothing of it reached the device.
+  if (!queued.ok() && opens) CloseSlotLocked(*opened).IgnoreError();
+  return queued;
+}
+
+absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot,
+                                        std::string& reason) {
   SlotQueue& queue = queues_[slot];
   reason = "stopped";
   RETURN_IF_ERROR(queue.stopped);
@@ -394,10 +414,15 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     }
     if (!lobster) dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
     absl::StatusOr<int> existing = IdleSlotLocked(request.instrument());
-    if (existing.status().code() == absl::StatusCode::kNotFound) existing = OpenLocked(request.instrument());
+    const bool opened = existing.status().code() == absl::StatusCode::kNotFound;
+    if (opened) existing = OpenLocked(request.instrument());
     ASSIGN_OR_RETURN(const int slot, existing);
     const Stopwatch stopwatch;
-    RETURN_IF_ERROR(backend->SeedSlot(slot, x, dt));
+    if (absl::Status seeded = backend->SeedSlot(slot, x, dt); !seeded.ok()) {
+      // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
+      if (opened && ResetDeviceSlot(host, slot).ok()) CloseSlotLocked(slot).IgnoreError();
+      return seeded;
+    }
     table_.ResetFeatures(slot);
     if (lobster) *table_.Featurizer(slot, featurizer->levels()).value() = *featurizer;
     queues_[slot].base_time_ns = scratch.base_time_ns;
@@ -470,9 +495,7 @@ absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     const uint64_t processed = table_.processed(slot);
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
-    RETURN_IF_ERROR(table_.Close(instrument));
-    queues_[slot] = SlotQueue{};
-    metrics_.SetActiveStreams(table_.active());
+    RETURN_IF_ERROR(CloseSlotLocked(slot));
     return processed;
   });
 }

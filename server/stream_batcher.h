@@ -121,7 +121,14 @@ class StreamBatcher {
   absl::Status FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue, LobsterFeaturizer* featurizer,
                                std::span<float> x, float& dt, std::string& reason) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the slot and forgets its stream; the caller has zeroed its device state, or nothing ran on it.
+  absl::Status CloseSlotLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Validates one event and queues it on its instrument's slot, which it opens on first use (and frees again when
+  // it refuses the event that opened it). `reason` names the metric label of a refusal.
   absl::Status AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AcceptLocked's checks that need the instrument's stream, then the queueing.
+  absl::Status QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot, std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
