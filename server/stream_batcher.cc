@@ -95,6 +95,27 @@ absl::StatusOr<double> RelativeSeconds(int64_t time_ns, int64_t base_ns) {
   return static_cast<double>(difference) * 1e-9;
 }
 
+// Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success), their times
+// counted from `base_time_ns` (the stream's first event's; this event's for a stream without one). `reason` names
+// the metric label of a refusal.
+absl::Status Featurize(const v1::StreamEvent& event, std::optional<int64_t> base_time_ns,
+                       LobsterFeaturizer* featurizer, std::span<float> x, float& dt, std::string& reason) {
+  if (event.has_features()) {
+    std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
+    dt = event.features().dt();
+    return absl::OkStatus();
+  }
+  const v1::LobsterEvent& l = event.lobster();
+  const int64_t base = base_time_ns.value_or(event.exchange_time_ns());
+  reason = "exchange_time";
+  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
+  reason = "book";
+  ASSIGN_OR_RETURN(const double seconds,
+                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
+  dt = static_cast<float>(seconds);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 StreamBatcher::StreamBatcher(DeviceWorker& worker, const StreamOptions& options, ServerMetrics& metrics)
@@ -112,25 +133,6 @@ absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
   queues_[slot].instrument = instrument;
   metrics_.SetActiveStreams(table_.active());
   return slot;
-}
-
-absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue,
-                                            LobsterFeaturizer* featurizer, std::span<float> x, float& dt,
-                                            std::string& reason) const {
-  if (event.has_features()) {
-    std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
-    dt = event.features().dt();
-    return absl::OkStatus();
-  }
-  const v1::LobsterEvent& l = event.lobster();
-  const int64_t base = queue.base_time_ns.value_or(event.exchange_time_ns());
-  reason = "exchange_time";
-  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
-  reason = "book";
-  ASSIGN_OR_RETURN(const double seconds,
-                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
-  dt = static_cast<float>(seconds);
-  return absl::OkStatus();
 }
 
 absl::Status StreamBatcher::CloseSlotLocked(int slot) {
@@ -166,6 +168,11 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   SlotQueue& queue = queues_[slot];
   reason = "stopped";
   RETURN_IF_ERROR(queue.stopped);
+  reason = "seeding";
+  if (queue.seeding) {
+    return absl::FailedPreconditionError(absl::StrCat("instrument '", queue.instrument, "' is being seeded; send its ",
+                                                      "events once SeedStream has answered"));
+  }
   std::vector<float>& x = accept_x_;
   x.resize(n_features_);
   float dt = 0;
@@ -174,9 +181,9 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   if (event.has_lobster()) {
     ASSIGN_OR_RETURN(LobsterFeaturizer * featurizer, table_.Featurizer(slot, event.lobster().book_size() / 4));
     trial = *featurizer;
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, &*trial, x, dt, reason));
+    RETURN_IF_ERROR(Featurize(event, queue.base_time_ns, &*trial, x, dt, reason));
   } else {
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, nullptr, x, dt, reason));
+    RETURN_IF_ERROR(Featurize(event, queue.base_time_ns, nullptr, x, dt, reason));
   }
   reason = "sequence";
   RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
@@ -381,54 +388,89 @@ absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument)
   return slot;
 }
 
+namespace {
+
+// A seed window's features and Δt, [events, F] and [events].
+struct SeedWindow {
+  std::vector<float> x, dt;
+  std::optional<LobsterFeaturizer> featurizer;  // LOBSTER rows: the previous mid and time after the window
+  int64_t base_time_ns = 0;                     // the stream's first event's exchange time
+};
+
+absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, int n_features,
+                                               std::optional<int64_t> base_time_ns) {
+  const int n = request.events_size();
+  const bool lobster = request.events(0).has_lobster();
+  SeedWindow window;
+  window.x.resize(static_cast<size_t>(n) * n_features);
+  window.dt.resize(n);
+  if (lobster) window.featurizer.emplace(request.events(0).lobster().book_size() / 4);
+  window.base_time_ns = base_time_ns.value_or(request.events(0).exchange_time_ns());
+  for (int i = 0; i < n; ++i) {
+    const v1::StreamEvent& event = request.events(i);
+    std::string reason;
+    absl::Status status = CheckPayload(event, n_features, reason);
+    if (status.ok() && event.has_lobster() != lobster) {
+      status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
+    }
+    if (status.ok()) {
+      status = Featurize(event, window.base_time_ns, lobster ? &*window.featurizer : nullptr,
+                         std::span<float>(window.x).subspan(static_cast<size_t>(i) * n_features, n_features),
+                         window.dt[i], reason);
+    }
+    if (!status.ok()) return Prefixed(status, absl::StrCat("seed window event ", i, ": "));
+  }
+  if (!lobster) window.dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
+  return window;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request) {
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
-    absl::MutexLock lock(&mu_);  // held through the seed: arriving events must see the seeded featurizer
-    const int F = n_features_;
-    const int n = request.events_size();
-    const bool lobster = request.events(0).has_lobster();
-    std::vector<float> x(static_cast<size_t>(n) * F), dt(n);
-    std::optional<LobsterFeaturizer> featurizer;
-    if (lobster) featurizer.emplace(request.events(0).lobster().book_size() / 4);
-    SlotQueue scratch;  // base time of a stream that does not exist yet
-    if (absl::StatusOr<int> slot = table_.SlotOf(request.instrument()); slot.ok()) {
-      scratch.base_time_ns = queues_[*slot].base_time_ns;
+    // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
+    // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
+    // (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or replaces the model.
+    int slot = 0, n_features = 0;
+    bool opened = false;
+    std::optional<int64_t> base_time_ns;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<int> claimed = IdleSlotLocked(request.instrument());
+      opened = claimed.status().code() == absl::StatusCode::kNotFound;
+      if (opened) claimed = OpenLocked(request.instrument());
+      ASSIGN_OR_RETURN(slot, claimed);
+      queues_[slot].seeding = true;
+      n_features = n_features_;
+      base_time_ns = queues_[slot].base_time_ns;
     }
-    if (!scratch.base_time_ns.has_value()) scratch.base_time_ns = request.events(0).exchange_time_ns();
-    for (int i = 0; i < n; ++i) {
-      v1::StreamEvent event = request.events(i);
-      event.set_instrument(request.instrument());
-      std::string reason;
-      absl::Status status = CheckPayload(event, F, reason);
-      if (status.ok() && event.has_lobster() != lobster) {
-        status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
-      }
-      if (status.ok()) {
-        status = FeaturizeLocked(event, scratch, lobster ? &*featurizer : nullptr,
-                                 std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i], reason);
-      }
-      if (!status.ok()) return Prefixed(status, absl::StrCat("seed window ", Where(i, event)));
-    }
-    if (!lobster) dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
-    absl::StatusOr<int> existing = IdleSlotLocked(request.instrument());
-    const bool opened = existing.status().code() == absl::StatusCode::kNotFound;
-    if (opened) existing = OpenLocked(request.instrument());
-    ASSIGN_OR_RETURN(const int slot, existing);
+    absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, n_features, base_time_ns);
     const Stopwatch stopwatch;
-    if (absl::Status seeded = backend->SeedSlot(slot, x, dt); !seeded.ok()) {
+    absl::Status seeded = window.status();
+    bool device_written = false;
+    if (seeded.ok()) {
+      seeded = backend->SeedSlot(slot, window->x, window->dt);
+      device_written = true;
+    }
+    absl::MutexLock lock(&mu_);
+    SlotQueue& queue = queues_[slot];
+    queue.seeding = false;
+    if (!seeded.ok()) {
       // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
-      if (opened && ResetDeviceSlot(host, slot).ok()) CloseSlotLocked(slot).IgnoreError();
+      if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) CloseSlotLocked(slot).IgnoreError();
       return seeded;
     }
     table_.ResetFeatures(slot);
-    if (lobster) *table_.Featurizer(slot, featurizer->levels()).value() = *featurizer;
-    queues_[slot].base_time_ns = scratch.base_time_ns;
-    queues_[slot].stopped = absl::OkStatus();
+    if (window->featurizer.has_value()) {
+      *table_.Featurizer(slot, window->featurizer->levels()).value() = *window->featurizer;
+    }
+    queue.base_time_ns = window->base_time_ns;
+    queue.stopped = absl::OkStatus();
     v1::SeedStreamResponse response;
-    response.set_events(n);
+    response.set_events(request.events_size());
     response.set_weights_version(host.published_weights_version());
     response.set_device_seconds(stopwatch.Seconds());
     return response;

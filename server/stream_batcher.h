@@ -107,6 +107,7 @@ class StreamBatcher {
     bool ready = false;                  // in ready_
     std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
     absl::Status stopped;                 // FAILED_PRECONDITION once a failed tick stopped the stream, until reset
+    bool seeding = false;                 // a SeedStream runs on it: its events are refused meanwhile
   };
   struct Notice {
     StreamSink* sink;
@@ -116,11 +117,6 @@ class StreamBatcher {
 
   // The instrument's slot for a new event, opening the stream on first use.
   absl::StatusOr<int> OpenLocked(const std::string& instrument) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success). `reason`
-  // names the metric label of a refusal.
-  absl::Status FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue, LobsterFeaturizer* featurizer,
-                               std::span<float> x, float& dt, std::string& reason) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees the slot and forgets its stream; the caller has zeroed its device state, or nothing ran on it.
   absl::Status CloseSlotLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Validates one event and queues it on its instrument's slot, which it opens on first use (and frees again when

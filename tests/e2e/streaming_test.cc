@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -737,6 +738,36 @@ TEST_F(StreamingTest, InstrumentIdsAreNonEmptyAndAtMost256Bytes) {
   ASSERT_TRUE(streams.ok()) << streams.status();
   ASSERT_EQ(streams->streams_size(), 1);
   EXPECT_EQ(streams->streams(0).instrument(), longest);
+}
+
+// A long seed window runs on the device without holding up the calls that need no device: GetStatus (and with it
+// ListStreams and the receipt of other instruments' events) answers at once meanwhile.
+TEST_F(StreamingTest, GetStatusAnswersAtOnceDuringALongSeed) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  constexpr int kWindow = 1'000'000;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kWindow, 9);
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("SEEDED");
+  for (int t = 0; t < kWindow; ++t) *seed.add_events() = FeatureEvent(series, config.n_features, t, "", 0);
+  std::future<absl::StatusOr<v1::SeedStreamResponse>> seeding =
+      std::async(std::launch::async, [&] { return client().SeedStream(seed); });
+  absl::Duration slowest;
+  int answered = 0;
+  while (seeding.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    const absl::Time asked = absl::Now();
+    ASSERT_TRUE(client().GetStatus().ok());
+    slowest = std::max(slowest, absl::Now() - asked);
+    ++answered;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const absl::StatusOr<v1::SeedStreamResponse> seeded = seeding.get();
+  ASSERT_TRUE(seeded.ok()) << seeded.status();
+  EXPECT_EQ(seeded->events(), kWindow);
+  EXPECT_GT(answered, 5);
+  EXPECT_LT(slowest, absl::Milliseconds(100)) << "GetStatus waited for the seed (" << seeded->device_seconds()
+                                              << " s on the device)";
 }
 
 TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
