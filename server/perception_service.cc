@@ -6,7 +6,6 @@
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 #include "server/stopwatch.h"
-#include "server/streaming.h"
 #include "server/training.h"
 #include "spdlog/spdlog.h"
 
@@ -60,7 +59,10 @@ PerceptionService::PerceptionService(DeviceWorker& worker, StreamBatcher& stream
       limits_(limits),
       metrics_(metrics) {}
 
-void PerceptionService::BeginDrain() { draining_ = true; }
+void PerceptionService::BeginDrain() {
+  draining_ = true;
+  live_streams_.BeginDrain(Admit());
+}
 
 absl::Status PerceptionService::Admit() const {
   if (!draining_) return absl::OkStatus();
@@ -260,7 +262,7 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionService::Stream(
     grpc::CallbackServerContext*) {
   return new StreamReactor(
-      streams_, stream_options_, [this] { return Admit(); },
+      streams_, stream_options_, live_streams_,
       [this, stopwatch = Stopwatch()](const absl::Status& status) {
         Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
       });

@@ -14,6 +14,7 @@
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/stream_batcher.h"
+#include "server/streaming.h"
 
 namespace perception::server {
 
@@ -27,8 +28,8 @@ class PerceptionService final
   PerceptionService(DeviceWorker& worker, StreamBatcher& streams, const StreamOptions& stream_options,
                     const CheckpointDirectory& checkpoints, const Limits& limits, ServerMetrics& metrics);
 
-  // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; work already
-  // queued finishes.
+  // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; open Stream calls
+  // end with it once their accepted events are processed and acknowledged; work already queued finishes.
   void BeginDrain();
 
   // InitModel's and LoadCheckpoint's work, also perceptiond's for --init_config and --load: the daemon's limits
@@ -91,6 +92,7 @@ class PerceptionService final
   const Limits limits_;
   ServerMetrics& metrics_;
   std::atomic<bool> draining_ = false;
+  StreamRegistry live_streams_;
 };
 
 }  // namespace perception::server

@@ -15,20 +15,36 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// An instrument id as a message names it: ids too long to be accepted are cut, so that the refusal stays short.
+std::string Shown(absl::string_view instrument) {
+  constexpr size_t kShownBytes = 32;
+  if (instrument.size() <= kMaxInstrumentIdBytes) return std::string(instrument);
+  return absl::StrCat(instrument.substr(0, kShownBytes), "... (", instrument.size(), " bytes)");
+}
+
 // "event 3 (instrument 'AAPL', seq 17): ": where a refused event sits in its request.
 std::string Where(int index, const v1::StreamEvent& event) {
-  return absl::StrCat("event ", index, " (instrument '", event.instrument(), "', seq ", event.seq(), "): ");
+  return absl::StrCat("event ", index, " (instrument '", Shown(event.instrument()), "', seq ", event.seq(), "): ");
 }
 
 absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
+// Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes.
+absl::Status CheckInstrumentId(absl::string_view instrument) {
+  if (instrument.empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  if (instrument.size() > kMaxInstrumentIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the instrument id has ", instrument.size(), " bytes; at most ",
+                                                   kMaxInstrumentIdBytes, " are allowed"));
+  }
+  return absl::OkStatus();
+}
+
 // The checks that need no stream state: the payload's shape and values against the model's feature count.
 // `reason` names the metric label of a refusal.
 absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::string& reason) {
   reason = "features";
-  if (event.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
   switch (event.payload_case()) {
     case v1::StreamEvent::kFeatures: {
       const v1::FeatureEvent& f = event.features();
@@ -79,6 +95,27 @@ absl::StatusOr<double> RelativeSeconds(int64_t time_ns, int64_t base_ns) {
   return static_cast<double>(difference) * 1e-9;
 }
 
+// Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success), their times
+// counted from `base_time_ns` (the stream's first event's; this event's for a stream without one). `reason` names
+// the metric label of a refusal.
+absl::Status Featurize(const v1::StreamEvent& event, std::optional<int64_t> base_time_ns,
+                       LobsterFeaturizer* featurizer, std::span<float> x, float& dt, std::string& reason) {
+  if (event.has_features()) {
+    std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
+    dt = event.features().dt();
+    return absl::OkStatus();
+  }
+  const v1::LobsterEvent& l = event.lobster();
+  const int64_t base = base_time_ns.value_or(event.exchange_time_ns());
+  reason = "exchange_time";
+  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
+  reason = "book";
+  ASSIGN_OR_RETURN(const double seconds,
+                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
+  dt = static_cast<float>(seconds);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 StreamBatcher::StreamBatcher(DeviceWorker& worker, const StreamOptions& options, ServerMetrics& metrics)
@@ -98,36 +135,44 @@ absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
   return slot;
 }
 
-absl::Status StreamBatcher::FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue,
-                                            LobsterFeaturizer* featurizer, std::span<float> x, float& dt,
-                                            std::string& reason) const {
-  if (event.has_features()) {
-    std::copy(event.features().features().begin(), event.features().features().end(), x.begin());
-    dt = event.features().dt();
-    return absl::OkStatus();
-  }
-  const v1::LobsterEvent& l = event.lobster();
-  const int64_t base = queue.base_time_ns.value_or(event.exchange_time_ns());
-  reason = "exchange_time";
-  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
-  reason = "book";
-  ASSIGN_OR_RETURN(const double seconds,
-                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
-  dt = static_cast<float>(seconds);
+absl::Status StreamBatcher::CloseSlotLocked(int slot) {
+  RETURN_IF_ERROR(table_.Close(queues_[slot].instrument));
+  queues_[slot] = SlotQueue{};
+  metrics_.SetActiveStreams(table_.active());
   return absl::OkStatus();
 }
 
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
+  reason = "features";
+  RETURN_IF_ERROR(CheckInstrumentId(event.instrument()));
   RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
+  reason = "sequence";
+  if (event.seq() == UINT64_MAX) {  // checked before the stream opens, as every event's own values are
+    return absl::InvalidArgumentError(absl::StrCat("sequence number ", event.seq(),
+                                                   " is the largest there is; numbers must stay below it"));
+  }
+  const bool opens = !table_.SlotOf(event.instrument()).ok();
   const absl::StatusOr<int> opened = OpenLocked(event.instrument());
   if (!opened.ok()) {
     reason = opened.status().code() == absl::StatusCode::kUnavailable ? "model_change" : "capacity";
     return opened.status();
   }
-  const int slot = *opened;
+  const absl::Status queued = QueueLocked(event, sink, *opened, reason);
+  // A stream the refused event would have opened is not left behind holding a slot: nothing of it reached the device.
+  if (!queued.ok() && opens) CloseSlotLocked(*opened).IgnoreError();
+  return queued;
+}
+
+absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot,
+                                        std::string& reason) {
   SlotQueue& queue = queues_[slot];
   reason = "stopped";
   RETURN_IF_ERROR(queue.stopped);
+  reason = "seeding";
+  if (queue.seeding) {
+    return absl::FailedPreconditionError(absl::StrCat("instrument '", queue.instrument, "' is being seeded; send its ",
+                                                      "events once SeedStream has answered"));
+  }
   std::vector<float>& x = accept_x_;
   x.resize(n_features_);
   float dt = 0;
@@ -136,9 +181,9 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
   if (event.has_lobster()) {
     ASSIGN_OR_RETURN(LobsterFeaturizer * featurizer, table_.Featurizer(slot, event.lobster().book_size() / 4));
     trial = *featurizer;
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, &*trial, x, dt, reason));
+    RETURN_IF_ERROR(Featurize(event, queue.base_time_ns, &*trial, x, dt, reason));
   } else {
-    RETURN_IF_ERROR(FeaturizeLocked(event, queue, nullptr, x, dt, reason));
+    RETURN_IF_ERROR(Featurize(event, queue.base_time_ns, nullptr, x, dt, reason));
   }
   reason = "sequence";
   RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
@@ -343,49 +388,89 @@ absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument)
   return slot;
 }
 
+namespace {
+
+// A seed window's features and Δt, [events, F] and [events].
+struct SeedWindow {
+  std::vector<float> x, dt;
+  std::optional<LobsterFeaturizer> featurizer;  // LOBSTER rows: the previous mid and time after the window
+  int64_t base_time_ns = 0;                     // the stream's first event's exchange time
+};
+
+absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, int n_features,
+                                               std::optional<int64_t> base_time_ns) {
+  const int n = request.events_size();
+  const bool lobster = request.events(0).has_lobster();
+  SeedWindow window;
+  window.x.resize(static_cast<size_t>(n) * n_features);
+  window.dt.resize(n);
+  if (lobster) window.featurizer.emplace(request.events(0).lobster().book_size() / 4);
+  window.base_time_ns = base_time_ns.value_or(request.events(0).exchange_time_ns());
+  for (int i = 0; i < n; ++i) {
+    const v1::StreamEvent& event = request.events(i);
+    std::string reason;
+    absl::Status status = CheckPayload(event, n_features, reason);
+    if (status.ok() && event.has_lobster() != lobster) {
+      status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
+    }
+    if (status.ok()) {
+      status = Featurize(event, window.base_time_ns, lobster ? &*window.featurizer : nullptr,
+                         std::span<float>(window.x).subspan(static_cast<size_t>(i) * n_features, n_features),
+                         window.dt[i], reason);
+    }
+    if (!status.ok()) return Prefixed(status, absl::StrCat("seed window event ", i, ": "));
+  }
+  if (!lobster) window.dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
+  return window;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request) {
-  if (request.instrument().empty()) return absl::InvalidArgumentError("the instrument id is empty");
+  RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
-    absl::MutexLock lock(&mu_);  // held through the seed: arriving events must see the seeded featurizer
-    const int F = n_features_;
-    const int n = request.events_size();
-    const bool lobster = request.events(0).has_lobster();
-    std::vector<float> x(static_cast<size_t>(n) * F), dt(n);
-    std::optional<LobsterFeaturizer> featurizer;
-    if (lobster) featurizer.emplace(request.events(0).lobster().book_size() / 4);
-    SlotQueue scratch;  // base time of a stream that does not exist yet
-    if (absl::StatusOr<int> slot = table_.SlotOf(request.instrument()); slot.ok()) {
-      scratch.base_time_ns = queues_[*slot].base_time_ns;
+    // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
+    // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
+    // (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or replaces the model.
+    int slot = 0, n_features = 0;
+    bool opened = false;
+    std::optional<int64_t> base_time_ns;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<int> claimed = IdleSlotLocked(request.instrument());
+      opened = claimed.status().code() == absl::StatusCode::kNotFound;
+      if (opened) claimed = OpenLocked(request.instrument());
+      ASSIGN_OR_RETURN(slot, claimed);
+      queues_[slot].seeding = true;
+      n_features = n_features_;
+      base_time_ns = queues_[slot].base_time_ns;
     }
-    if (!scratch.base_time_ns.has_value()) scratch.base_time_ns = request.events(0).exchange_time_ns();
-    for (int i = 0; i < n; ++i) {
-      v1::StreamEvent event = request.events(i);
-      event.set_instrument(request.instrument());
-      std::string reason;
-      absl::Status status = CheckPayload(event, F, reason);
-      if (status.ok() && event.has_lobster() != lobster) {
-        status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
-      }
-      if (status.ok()) {
-        status = FeaturizeLocked(event, scratch, lobster ? &*featurizer : nullptr,
-                                 std::span<float>(x).subspan(static_cast<size_t>(i) * F, F), dt[i], reason);
-      }
-      if (!status.ok()) return Prefixed(status, absl::StrCat("seed window ", Where(i, event)));
-    }
-    if (!lobster) dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
-    absl::StatusOr<int> existing = IdleSlotLocked(request.instrument());
-    if (existing.status().code() == absl::StatusCode::kNotFound) existing = OpenLocked(request.instrument());
-    ASSIGN_OR_RETURN(const int slot, existing);
+    absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, n_features, base_time_ns);
     const Stopwatch stopwatch;
-    RETURN_IF_ERROR(backend->SeedSlot(slot, x, dt));
+    absl::Status seeded = window.status();
+    bool device_written = false;
+    if (seeded.ok()) {
+      seeded = backend->SeedSlot(slot, window->x, window->dt);
+      device_written = true;
+    }
+    absl::MutexLock lock(&mu_);
+    SlotQueue& queue = queues_[slot];
+    queue.seeding = false;
+    if (!seeded.ok()) {
+      // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
+      if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) CloseSlotLocked(slot).IgnoreError();
+      return seeded;
+    }
     table_.ResetFeatures(slot);
-    if (lobster) *table_.Featurizer(slot, featurizer->levels()).value() = *featurizer;
-    queues_[slot].base_time_ns = scratch.base_time_ns;
-    queues_[slot].stopped = absl::OkStatus();
+    if (window->featurizer.has_value()) {
+      *table_.Featurizer(slot, window->featurizer->levels()).value() = *window->featurizer;
+    }
+    queue.base_time_ns = window->base_time_ns;
+    queue.stopped = absl::OkStatus();
     v1::SeedStreamResponse response;
-    response.set_events(n);
+    response.set_events(request.events_size());
     response.set_weights_version(host.published_weights_version());
     response.set_device_seconds(stopwatch.Seconds());
     return response;
@@ -393,6 +478,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
 }
 
 absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request) {
+  RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.max_count() < 0) return absl::InvalidArgumentError("max_count must be >= 0");
   const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
                                                      : std::min(request.max_count(), options_.max_read_count);
@@ -433,6 +519,7 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
 }
 
 absl::Status StreamBatcher::Reset(const std::string& instrument) {
+  RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
@@ -444,14 +531,13 @@ absl::Status StreamBatcher::Reset(const std::string& instrument) {
 }
 
 absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
+  RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     const uint64_t processed = table_.processed(slot);
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
-    RETURN_IF_ERROR(table_.Close(instrument));
-    queues_[slot] = SlotQueue{};
-    metrics_.SetActiveStreams(table_.active());
+    RETURN_IF_ERROR(CloseSlotLocked(slot));
     return processed;
   });
 }

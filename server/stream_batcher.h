@@ -23,6 +23,10 @@
 
 namespace perception::server {
 
+// The longest instrument id any streaming call takes: every live id is in ListStreams' one answer, which must stay
+// far below the message limit however many slots there are.
+inline constexpr size_t kMaxInstrumentIdBytes = 256;
+
 // Streaming's flags.
 struct StreamOptions {
   StreamingConfig device;        // slots, log capacity, publishing (the model host's part)
@@ -103,6 +107,7 @@ class StreamBatcher {
     bool ready = false;                  // in ready_
     std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
     absl::Status stopped;                 // FAILED_PRECONDITION once a failed tick stopped the stream, until reset
+    bool seeding = false;                 // a SeedStream runs on it: its events are refused meanwhile
   };
   struct Notice {
     StreamSink* sink;
@@ -112,12 +117,14 @@ class StreamBatcher {
 
   // The instrument's slot for a new event, opening the stream on first use.
   absl::StatusOr<int> OpenLocked(const std::string& instrument) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success). `reason`
-  // names the metric label of a refusal.
-  absl::Status FeaturizeLocked(const v1::StreamEvent& event, SlotQueue& queue, LobsterFeaturizer* featurizer,
-                               std::span<float> x, float& dt, std::string& reason) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the slot and forgets its stream; the caller has zeroed its device state, or nothing ran on it.
+  absl::Status CloseSlotLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Validates one event and queues it on its instrument's slot, which it opens on first use (and frees again when
+  // it refuses the event that opened it). `reason` names the metric label of a refusal.
   absl::Status AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AcceptLocked's checks that need the instrument's stream, then the queueing.
+  absl::Status QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot, std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

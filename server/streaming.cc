@@ -7,6 +7,25 @@
 
 namespace perception::server {
 
+void StreamRegistry::BeginDrain(const absl::Status& status) {
+  // Under the lock, so that no call is deleted meanwhile: gRPC runs a reactor's OnDone (Remove) on another thread
+  // after its Finish, never inside it.
+  absl::MutexLock lock(&mu_);
+  draining_ = status;
+  for (StreamReactor* reactor : live_) reactor->Drain(status);
+}
+
+absl::Status StreamRegistry::Add(StreamReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.insert(reactor);
+  return draining_;
+}
+
+void StreamRegistry::Remove(StreamReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.erase(reactor);
+}
+
 template <typename Change>
 void StreamReactor::Update(Change change) {
   std::optional<grpc::Status> finish;
@@ -33,11 +52,24 @@ void StreamReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
-StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options,
-                             absl::AnyInvocable<absl::Status() const> admit,
+StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, StreamRegistry& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
-    : batcher_(batcher), options_(options), admit_(std::move(admit)), on_finish_(std::move(on_finish)) {
-  Update([] {});
+    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
+  const absl::Status draining = registry_.Add(this);
+  Update([&] {
+    if (!draining.ok()) {
+      error_ = draining;
+      input_done_ = true;
+    }
+  });
+}
+
+void StreamReactor::Drain(const absl::Status& status) {
+  Update([&] {
+    if (input_done_) return;  // a call the client half-closed still ends OK once its events are processed
+    error_ = status;
+    input_done_ = true;
+  });
 }
 
 void StreamReactor::OnReadDone(bool ok) {
@@ -48,16 +80,10 @@ void StreamReactor::OnReadDone(bool ok) {
       return;
     }
     if (broken_ || !error_.ok()) return;
-    if (absl::Status admitted = admit_(); !admitted.ok()) {
-      error_ = std::move(admitted);
-      input_done_ = true;
-      return;
-    }
     // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
     const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
     unprocessed_ += submitted.accepted;
-    submitted_ += submitted.accepted;
-    if (request->ack() && submitted.accepted > 0) ack_barriers_.push_back(submitted_);
+    if (request->ack() && submitted.accepted > 0) AwaitLocked(*request, submitted.accepted);
     if (!submitted.status.ok()) {
       error_ = submitted.status;
       input_done_ = true;
@@ -65,10 +91,28 @@ void StreamReactor::OnReadDone(bool ok) {
   });
 }
 
+void StreamReactor::AwaitLocked(const v1::StreamRequest& request, int64_t accepted) {
+  const uint64_t id = ++ack_requests_;
+  absl::flat_hash_map<absl::string_view, uint64_t> last_seq;  // of each instrument in the accepted events
+  for (int i = 0; i < accepted; ++i) last_seq[request.events(i).instrument()] = request.events(i).seq();
+  for (const auto& [instrument, seq] : last_seq) awaited_[instrument].push_back({seq, id});
+  instruments_awaited_[id] = static_cast<int>(last_seq.size());
+}
+
 void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weights_version) {
   Update([&] {
     for (const Processed& event : events) {
-      unacked_[absl::string_view(event.instrument.data(), event.instrument.size())] = event.seq;
+      const absl::string_view instrument(event.instrument.data(), event.instrument.size());
+      unacked_[instrument] = event.seq;
+      const auto awaited = awaited_.find(instrument);
+      if (awaited == awaited_.end() || awaited->second.front().seq != event.seq) continue;
+      const auto request = instruments_awaited_.find(awaited->second.front().request);
+      if (--request->second == 0) {
+        instruments_awaited_.erase(request);
+        requested_ack_due_ = true;
+      }
+      awaited->second.pop_front();
+      if (awaited->second.empty()) awaited_.erase(awaited);
     }
     const auto n = static_cast<int64_t>(events.size());
     unacked_events_ += n;
@@ -104,17 +148,15 @@ void StreamReactor::OnCancel() {
   Update([&] { broken_ = true; });
 }
 
-void StreamReactor::OnDone() { delete this; }
+void StreamReactor::OnDone() {
+  registry_.Remove(this);
+  delete this;
+}
 
 bool StreamReactor::AckDueLocked() {
-  bool due = false;
-  while (!ack_barriers_.empty() && processed_ >= ack_barriers_.front()) {
-    ack_barriers_.pop_front();
-    due = true;
-  }
   if (unacked_.empty()) return false;
   const bool input_over = input_done_ && unprocessed_ == 0;
-  return due || alarm_fired_ || input_over || unacked_events_ >= options_.ack_every_events;
+  return requested_ack_due_ || alarm_fired_ || input_over || unacked_events_ >= options_.ack_every_events;
 }
 
 std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
@@ -133,6 +175,7 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
       unacked_.clear();
       unacked_events_ = 0;
       alarm_fired_ = false;
+      requested_ack_due_ = false;
       writing_ = true;
       StartWrite(&outgoing_);
     }

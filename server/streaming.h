@@ -9,6 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -19,19 +20,41 @@
 
 namespace perception::server {
 
+class StreamReactor;
+
+// The live Stream calls, so that a drain reaches the idle ones too: a call only hears of the drain otherwise when its
+// next request arrives, and an open call with nothing to send kept the server's shutdown waiting for its deadline.
+class StreamRegistry {
+ public:
+  // Ends the input of every live call and of every call opened from now on with `status` (UNAVAILABLE): each
+  // acknowledges what was processed and finishes with it once its accepted events are processed.
+  void BeginDrain(const absl::Status& status);
+
+ private:
+  friend class StreamReactor;
+  // The drain's status once it began, OK before.
+  absl::Status Add(StreamReactor* reactor);
+  void Remove(StreamReactor* reactor);
+
+  absl::Mutex mu_;
+  absl::Status draining_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<StreamReactor*> live_ ABSL_GUARDED_BY(mu_);
+};
+
 // One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival);
 // no further request is read while options.max_unprocessed_per_call of the call's events wait for the device, so
 // a fast client is held back by gRPC's flow control rather than buffered. Acknowledgements carry, per instrument,
 // the last processed sequence number: one goes out after options.ack_every_events processed events, after
 // options.ack_every_ms from the first unacknowledged one (a gRPC alarm), when a request with `ack` is wholly
 // processed, and at the end. The first refusal, or the client's half-close, ends the input; the call finishes
-// once every accepted event is processed and acknowledged, with the refusal's status or OK. A client that
-// disconnects stops the acknowledgements, not the processing. The reactor deletes itself when gRPC is done.
+// once every accepted event is processed and acknowledged, with the refusal's status or OK. A drain ends the input
+// as a refusal does (StreamRegistry). A client that disconnects stops the acknowledgements, not the processing. The
+// reactor deletes itself when gRPC is done.
 class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
                             public StreamSink {
  public:
-  // `admit` refuses new work while the daemon drains; `on_finish` sees the call's final status.
-  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, absl::AnyInvocable<absl::Status() const> admit,
+  // `registry` holds the call while it lives; `on_finish` sees the call's final status.
+  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, StreamRegistry& registry,
                 absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
   void OnReadDone(bool ok) override;
@@ -43,16 +66,21 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   void OnFailed(const absl::Status& status, int64_t count) override;
 
  private:
+  friend class StreamRegistry;
+  // Ends the input with `status` (the daemon drains) unless it has ended already.
+  void Drain(const absl::Status& status);
   void OnAlarm(bool ok);
   template <typename Change>
   void Update(Change change);
   // Starts the reads, writes and alarm the state allows; the status to finish with once the call has ended.
   std::optional<grpc::Status> AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AckDueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records what a request with `ack` waits for: the last of its first `accepted` events of each instrument.
+  void AwaitLocked(const v1::StreamRequest& request, int64_t accepted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   StreamBatcher& batcher_;
   const StreamOptions& options_;
-  const absl::AnyInvocable<absl::Status() const> admit_;
+  StreamRegistry& registry_;
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
 
   absl::Mutex mu_;
@@ -60,8 +88,19 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a request was refused
   absl::Status error_ ABSL_GUARDED_BY(mu_);       // the first refusal or device failure
   int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0, processed_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<uint64_t> ack_barriers_ ABSL_GUARDED_BY(mu_);  // `submitted_` after each request with `ack`
+  uint64_t processed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Requests with `ack` wait for their own events only (events of other instruments are processed in the same
+  // ticks): per instrument, in order, the last sequence number each such request sent of it, and per request the
+  // instruments it still waits for. An instrument's events are processed in order, so its next awaited event is the
+  // front of its queue.
+  struct AwaitedEvent {
+    uint64_t seq;
+    uint64_t request;
+  };
+  absl::flat_hash_map<std::string, std::deque<AwaitedEvent>> awaited_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, int> instruments_awaited_ ABSL_GUARDED_BY(mu_);  // request → instruments left
+  uint64_t ack_requests_ ABSL_GUARDED_BY(mu_) = 0;      // requests with `ack` so far, numbering them
+  bool requested_ack_due_ ABSL_GUARDED_BY(mu_) = false;  // a request with `ack` is wholly processed
   absl::flat_hash_map<std::string, uint64_t> unacked_ ABSL_GUARDED_BY(mu_);  // instrument → last processed seq
   int64_t unacked_events_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t weights_version_ ABSL_GUARDED_BY(mu_) = 0;

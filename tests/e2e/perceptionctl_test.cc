@@ -384,6 +384,38 @@ TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
   EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
 }
 
+// A first event the daemon refuses opens no stream: the slot it took is free again, and with no stream live the model
+// can be replaced. A refused seed window leaves no stream behind either.
+TEST(PerceptionctlTest, ARefusedFirstEventOpensNoStream) {
+  const ScopedTempDir temp("ctl_refused_first");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult refused =
+      RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                              " --instrument AAPL --count 1 --start_seq 18446744073709551615"));
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.output, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(refused.output, HasSubstr("sequence number 18446744073709551615 is the largest there is"));
+  absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << streams->DebugString();
+
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("SEEDED");
+  seed.add_events()->mutable_features()->add_features(1.f);  // the model takes 48 features
+  EXPECT_EQ(client.SeedStream(seed).status().code(), absl::StatusCode::kInvalidArgument);
+  streams = client.ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << streams->DebugString();
+
+  const CommandResult replaced = RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --replace"));
+  EXPECT_EQ(replaced.exit_code, 0) << replaced.output;
+}
+
 // Without --from, convictions reads from the oldest entry even while a live stream overwrites it (the read starts
 // over ahead of it), and writes contiguous sequence numbers.
 TEST(PerceptionctlTest, ConvictionsFromTheOldestOfAWrappingLog) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -609,6 +610,164 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
       RunCommand(absl::StrCat(PERCEPTION_PROMTOOL, " check metrics < ", (dir_ / "metrics.txt").string()));
   EXPECT_EQ(promtool.exit_code, 0) << promtool.output;
   EXPECT_EQ(promtool.output, "") << "promtool lint findings";
+}
+
+// What one Stream call's acknowledgements said, as they arrived.
+struct AckRecord {
+  absl::Time at;
+  std::map<std::string, uint64_t> last_seq;
+};
+
+// Waits up to `timeout` for an acknowledgement (from the `from`th on) that satisfies `wanted`; its index, or -1.
+int WaitForAck(absl::Mutex& mu, const std::vector<AckRecord>& acks, size_t from, absl::Duration timeout,
+               const std::function<bool(const AckRecord&)>& wanted) {
+  const absl::Time give_up = absl::Now() + timeout;
+  while (absl::Now() < give_up) {
+    {
+      absl::MutexLock lock(&mu);
+      for (size_t i = from; i < acks.size(); ++i) {
+        if (wanted(acks[i])) return static_cast<int>(i);
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return -1;
+}
+
+// A request with `ack` is acknowledged once its own events are processed: neither earlier, counting events of other
+// instruments processed beside them, nor later, waiting for another instrument's backlog or the ack interval.
+TEST_F(StreamingTest, AnAckCoversItsOwnRequestsEventsAsSoonAsTheyAreProcessed) {
+  StartDaemon({"--stream_ack_ms=5000", "--stream_ack_events=1000000"});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  constexpr int kEvents = 1000, kBacklog = 10000;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kBacklog, 7);
+  v1::StreamRequest a, b;  // A's events with `ack`, then as many of B's without
+  for (int t = 0; t < kEvents; ++t) {
+    *a.add_events() = FeatureEvent(series, F, t, "A", t + 1);
+    *b.add_events() = FeatureEvent(series, F, t, "B", t + 1);
+  }
+  a.set_ack(true);
+  absl::Mutex mu;
+  std::vector<AckRecord> acks;
+  const std::unique_ptr<client::EventStream> stream = client().OpenStream([&](const v1::StreamResponse& response) {
+    AckRecord record;
+    record.at = absl::Now();
+    for (const v1::InstrumentAck& ack : response.acks()) record.last_seq[ack.instrument()] = ack.last_seq();
+    absl::MutexLock lock(&mu);
+    acks.push_back(std::move(record));
+  });
+  const absl::Time sent = absl::Now();
+  ASSERT_TRUE(stream->Write(a));
+  ASSERT_TRUE(stream->Write(b));
+  const int first_a = WaitForAck(mu, acks, 0, absl::Seconds(20), [](const AckRecord& r) {
+    return r.last_seq.contains("A");
+  });
+  ASSERT_GE(first_a, 0) << "no acknowledgement named A";
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(acks[first_a].last_seq.at("A"), static_cast<uint64_t>(kEvents)) << "acknowledged before A's request";
+    EXPECT_LT(acks[first_a].at - sent, absl::Milliseconds(2500)) << "waited for the ack interval";
+  }
+
+  // One event of B with `ack` behind a backlog of A: acknowledged while A's backlog is still being processed.
+  v1::StreamRequest backlog, late;
+  for (int t = kEvents; t < kBacklog; ++t) *backlog.add_events() = FeatureEvent(series, F, t, "A", t + 1);
+  *late.add_events() = FeatureEvent(series, F, kEvents, "B", kEvents + 1);
+  late.set_ack(true);
+  size_t before_late = 0;
+  {
+    absl::MutexLock lock(&mu);
+    before_late = acks.size();
+  }
+  ASSERT_TRUE(stream->Write(backlog));
+  ASSERT_TRUE(stream->Write(late));
+  const int late_ack = WaitForAck(mu, acks, before_late, absl::Seconds(20), [](const AckRecord& r) {
+    return r.last_seq.contains("B") && r.last_seq.at("B") == kEvents + 1;
+  });
+  ASSERT_GE(late_ack, 0) << "B's last event was never acknowledged";
+  {
+    absl::MutexLock lock(&mu);
+    for (int i = static_cast<int>(before_late); i <= late_ack; ++i) {
+      if (acks[i].last_seq.contains("A")) {
+        EXPECT_LT(acks[i].last_seq.at("A"), static_cast<uint64_t>(kBacklog)) << "B waited for A's backlog";
+      }
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// Instrument ids are 1 to 256 bytes: a longer one is refused by every streaming call before it takes a slot, so
+// ListStreams keeps answering (ids of megabytes once made its answer too large to send, for every client).
+TEST_F(StreamingTest, InstrumentIdsAreNonEmptyAndAtMost256Bytes) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 2, 3);
+  const std::string too_long(1024, 'x'), longest(256, 'y');
+  std::vector<v1::StreamRequest> request(1);
+  *request[0].add_events() = FeatureEvent(series, config.n_features, 0, too_long, 1);
+  ExpectRefused(StreamAll(client(), request), absl::StatusCode::kInvalidArgument,
+                "the instrument id has 1024 bytes; at most 256");
+  absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0);
+
+  v1::SeedStreamRequest seed;
+  *seed.add_events() = FeatureEvent(series, config.n_features, 0, "", 1);
+  for (const std::string& id : {too_long, std::string()}) {
+    SCOPED_TRACE(id.size());
+    const std::string part = id.empty() ? "the instrument id is empty" : "the instrument id has 1024 bytes";
+    seed.set_instrument(id);
+    ExpectRefused(client().SeedStream(seed).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::ReadConvictionsRequest read;
+    read.set_instrument(id);
+    ExpectRefused(client().ReadConvictions(read).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::ResetStreamRequest reset;
+    reset.set_instrument(id);
+    ExpectRefused(client().ResetStream(reset).status(), absl::StatusCode::kInvalidArgument, part);
+    v1::CloseStreamRequest close;
+    close.set_instrument(id);
+    ExpectRefused(client().CloseStream(close).status(), absl::StatusCode::kInvalidArgument, part);
+  }
+
+  request[0].mutable_events(0)->set_instrument(longest);
+  ASSERT_TRUE(StreamAll(client(), request).ok());
+  streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  ASSERT_EQ(streams->streams_size(), 1);
+  EXPECT_EQ(streams->streams(0).instrument(), longest);
+}
+
+// A long seed window runs on the device without holding up the calls that need no device: GetStatus (and with it
+// ListStreams and the receipt of other instruments' events) answers at once meanwhile.
+TEST_F(StreamingTest, GetStatusAnswersAtOnceDuringALongSeed) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  constexpr int kWindow = 1'000'000;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kWindow, 9);
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("SEEDED");
+  for (int t = 0; t < kWindow; ++t) *seed.add_events() = FeatureEvent(series, config.n_features, t, "", 0);
+  std::future<absl::StatusOr<v1::SeedStreamResponse>> seeding =
+      std::async(std::launch::async, [&] { return client().SeedStream(seed); });
+  absl::Duration slowest;
+  int answered = 0;
+  while (seeding.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    const absl::Time asked = absl::Now();
+    ASSERT_TRUE(client().GetStatus().ok());
+    slowest = std::max(slowest, absl::Now() - asked);
+    ++answered;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const absl::StatusOr<v1::SeedStreamResponse> seeded = seeding.get();
+  ASSERT_TRUE(seeded.ok()) << seeded.status();
+  EXPECT_EQ(seeded->events(), kWindow);
+  EXPECT_GT(answered, 5);
+  EXPECT_LT(slowest, absl::Milliseconds(100)) << "GetStatus waited for the seed (" << seeded->device_seconds()
+                                              << " s on the device)";
 }
 
 TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
