@@ -46,13 +46,13 @@
 #include "engine/cpu_reference.h"
 #include "engine/optimizer.h"
 #include "engine/param_layout.h"
+#include "engine/precision.h"
 #include "engine/safetensors.h"
 #include "tests/test_util.h"
 
 #if PERCEPTION_HAVE_CUDA
 #include "engine/cuda_backend.h"
 #include "engine/cuda_model.h"
-#include "engine/precision.h"
 #endif
 
 namespace perception {
