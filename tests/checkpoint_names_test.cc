@@ -17,12 +17,13 @@ namespace {
 
 using testing::InProcessDaemon;
 
-constexpr char kFolder[] = "checkpoint_names_checkpoints";
-
-// The checkpoint folder, emptied of what an earlier run of the test left in it.
+// The running test's checkpoint folder (one a test: ctest runs them side by side), emptied of what an earlier run of
+// the test left in it.
 std::string EmptiedFolder() {
-  std::filesystem::remove_all(std::filesystem::path(::testing::TempDir()) / kFolder);
-  return kFolder;
+  const std::string folder =
+      std::string("checkpoint_names_") + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::filesystem::remove_all(std::filesystem::path(::testing::TempDir()) / folder);
+  return folder;
 }
 
 class CheckpointNamesTest : public ::testing::Test {
@@ -55,8 +56,9 @@ class CheckpointNamesTest : public ::testing::Test {
     return contents;
   }
 
-  InProcessDaemon daemon_{nullptr, EmptiedFolder()};
-  const std::filesystem::path root_ = std::filesystem::path(::testing::TempDir()) / kFolder;
+  const std::string folder_ = EmptiedFolder();
+  InProcessDaemon daemon_{nullptr, folder_};
+  const std::filesystem::path root_ = std::filesystem::path(::testing::TempDir()) / folder_;
 };
 
 // Before, "x/" created the folder x and failed on writing it, and then "x" failed with "Is a directory".
