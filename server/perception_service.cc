@@ -61,7 +61,7 @@ PerceptionService::PerceptionService(DeviceWorker& worker, StreamBatcher& stream
 
 void PerceptionService::BeginDrain() {
   draining_ = true;
-  live_streams_.BeginDrain(Admit());
+  live_calls_.BeginDrain(Admit());
 }
 
 absl::Status PerceptionService::Admit() const {
@@ -226,7 +226,7 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
 grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* PerceptionService::Train(
     grpc::CallbackServerContext*) {
   return new TrainReactor(
-      worker_, limits_, [this] { return Admit(); },
+      worker_, limits_, live_calls_,
       [this, stopwatch = Stopwatch()](const absl::Status& status) {
         Record(metrics_, "Train", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
       });
@@ -262,7 +262,7 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionService::Stream(
     grpc::CallbackServerContext*) {
   return new StreamReactor(
-      streams_, stream_options_, live_streams_,
+      streams_, stream_options_, live_calls_,
       [this, stopwatch = Stopwatch()](const absl::Status& status) {
         Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
       });

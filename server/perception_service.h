@@ -11,6 +11,7 @@
 #include "perception/v1/perception.grpc.pb.h"
 #include "server/checkpoint_directory.h"
 #include "server/device_worker.h"
+#include "server/live_calls.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 #include "server/stream_batcher.h"
@@ -92,7 +93,7 @@ class PerceptionService final
   const Limits limits_;
   ServerMetrics& metrics_;
   std::atomic<bool> draining_ = false;
-  StreamRegistry live_streams_;
+  LiveCalls live_calls_;  // the open Stream and Train calls
 };
 
 }  // namespace perception::server

@@ -7,25 +7,6 @@
 
 namespace perception::server {
 
-void StreamRegistry::BeginDrain(const absl::Status& status) {
-  // Under the lock, so that no call is deleted meanwhile: gRPC runs a reactor's OnDone (Remove) on another thread
-  // after its Finish, never inside it.
-  absl::MutexLock lock(&mu_);
-  draining_ = status;
-  for (StreamReactor* reactor : live_) reactor->Drain(status);
-}
-
-absl::Status StreamRegistry::Add(StreamReactor* reactor) {
-  absl::MutexLock lock(&mu_);
-  live_.insert(reactor);
-  return draining_;
-}
-
-void StreamRegistry::Remove(StreamReactor* reactor) {
-  absl::MutexLock lock(&mu_);
-  live_.erase(reactor);
-}
-
 template <typename Change>
 void StreamReactor::Update(Change change) {
   std::optional<grpc::Status> finish;
@@ -52,7 +33,7 @@ void StreamReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
-StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, StreamRegistry& registry,
+StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
     : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
   const absl::Status draining = registry_.Add(this);

@@ -9,37 +9,16 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/support/server_callback.h"
 #include "perception/v1/perception.pb.h"
+#include "server/live_calls.h"
 #include "server/stream_batcher.h"
 
 namespace perception::server {
-
-class StreamReactor;
-
-// The live Stream calls, so that a drain reaches the idle ones too: a call only hears of the drain otherwise when its
-// next request arrives, and an open call with nothing to send kept the server's shutdown waiting for its deadline.
-class StreamRegistry {
- public:
-  // Ends the input of every live call and of every call opened from now on with `status` (UNAVAILABLE): each
-  // acknowledges what was processed and finishes with it once its accepted events are processed.
-  void BeginDrain(const absl::Status& status);
-
- private:
-  friend class StreamReactor;
-  // The drain's status once it began, OK before.
-  absl::Status Add(StreamReactor* reactor);
-  void Remove(StreamReactor* reactor);
-
-  absl::Mutex mu_;
-  absl::Status draining_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<StreamReactor*> live_ ABSL_GUARDED_BY(mu_);
-};
 
 // One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival);
 // no further request is read while options.max_unprocessed_per_call of the call's events wait for the device, so
@@ -48,13 +27,14 @@ class StreamRegistry {
 // options.ack_every_ms from the first unacknowledged one (a gRPC alarm), when a request with `ack` is wholly
 // processed, and at the end. The first refusal, or the client's half-close, ends the input; the call finishes
 // once every accepted event is processed and acknowledged, with the refusal's status or OK. A drain ends the input
-// as a refusal does (StreamRegistry). A client that disconnects stops the acknowledgements, not the processing. The
+// as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements, not the processing. The
 // reactor deletes itself when gRPC is done.
 class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
-                            public StreamSink {
+                            public StreamSink,
+                            public DrainableCall {
  public:
   // `registry` holds the call while it lives; `on_finish` sees the call's final status.
-  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, StreamRegistry& registry,
+  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                 absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
   void OnReadDone(bool ok) override;
@@ -64,11 +44,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
 
   void OnProcessed(std::span<const Processed> events, int64_t weights_version) override;
   void OnFailed(const absl::Status& status, int64_t count) override;
+  // Ends the input with `status` (the daemon drains) unless it has ended already.
+  void Drain(const absl::Status& status) override;
 
  private:
-  friend class StreamRegistry;
-  // Ends the input with `status` (the daemon drains) unless it has ended already.
-  void Drain(const absl::Status& status);
   void OnAlarm(bool ok);
   template <typename Change>
   void Update(Change change);
@@ -80,7 +59,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
 
   StreamBatcher& batcher_;
   const StreamOptions& options_;
-  StreamRegistry& registry_;
+  LiveCalls& registry_;
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
 
   absl::Mutex mu_;

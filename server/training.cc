@@ -37,10 +37,24 @@ void TrainReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
-TrainReactor::TrainReactor(DeviceWorker& worker, const Limits& limits, absl::AnyInvocable<absl::Status() const> admit,
+TrainReactor::TrainReactor(DeviceWorker& worker, const Limits& limits, LiveCalls& registry,
                            absl::AnyInvocable<void(const absl::Status&)> on_finish)
-    : worker_(worker), limits_(limits), admit_(std::move(admit)), on_finish_(std::move(on_finish)) {
-  Update([] {});
+    : worker_(worker), limits_(limits), registry_(registry), on_finish_(std::move(on_finish)) {
+  const absl::Status draining = registry_.Add(this);
+  Update([&] {
+    if (!draining.ok()) {
+      drained_ = draining;
+      input_done_ = true;
+    }
+  });
+}
+
+void TrainReactor::Drain(const absl::Status& status) {
+  Update([&] {
+    if (input_done_) return;  // a stream whose input ended already finishes as it would have
+    drained_ = status;
+    input_done_ = true;
+  });
 }
 
 void TrainReactor::OnReadDone(bool ok) {
@@ -48,7 +62,7 @@ void TrainReactor::OnReadDone(bool ok) {
     std::unique_ptr<v1::TrainStepRequest> request = std::move(incoming_);
     if (!ok) {
       input_done_ = true;
-    } else if (!EndingLocked()) {
+    } else if (!input_done_ && !EndingLocked()) {  // a batch read after the input ended (a drain) is not trained
       AcceptLocked(std::move(request));
     }
   });
@@ -56,8 +70,7 @@ void TrainReactor::OnReadDone(bool ok) {
 
 void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
   Step& step = steps_.emplace_back(Step{std::move(request), std::nullopt});
-  absl::Status accepted = admit_();
-  if (accepted.ok()) accepted = ValidateBatch(step.request->batch(), limits_);
+  absl::Status accepted = ValidateBatch(step.request->batch(), limits_);
   if (accepted.ok()) {
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
@@ -127,7 +140,10 @@ void TrainReactor::OnCancel() {
   Update([&] { broken_ = true; });
 }
 
-void TrainReactor::OnDone() { delete this; }
+void TrainReactor::OnDone() {
+  registry_.Remove(this);
+  delete this;
+}
 
 bool TrainReactor::EndingLocked() const {
   const bool failed = !steps_.empty() && steps_.front().result.has_value() && !steps_.front().result->ok();
@@ -164,6 +180,8 @@ std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
     status = failed->result->status();
   } else if (broken_) {
     status = absl::CancelledError("the client cancelled the stream or stopped reading its responses");
+  } else {
+    status = drained_;
   }
   on_finish_(status);
   return ToGrpcStatus(status);

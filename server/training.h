@@ -13,6 +13,7 @@
 #include "grpcpp/support/server_callback.h"
 #include "perception/v1/perception.pb.h"
 #include "server/device_worker.h"
+#include "server/live_calls.h"
 #include "server/model_host.h"
 #include "server/request_validation.h"
 #include "server/stopwatch.h"
@@ -35,19 +36,25 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // queued when the client cancels, do not run, so a client that resends from the failed batch trains on nothing
 // twice. A cancellation cannot stop a step the device is running, nor recall the responses it had no time to send:
 // those steps stay applied, so the model can be up to kMaxUnansweredSteps steps past the last response sent (and
-// further past the last one the client read). The reactor deletes itself when gRPC is done with it.
-class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse> {
+// further past the last one the client read). A drain (LiveCalls) ends the input, idle streams' included: the steps
+// queued are run and answered, then the stream finishes UNAVAILABLE. The reactor deletes itself when gRPC is done
+// with it.
+class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>,
+                           public DrainableCall {
  public:
   static constexpr size_t kMaxUnansweredSteps = 3;
 
-  // `admit` refuses new work while the daemon drains; `on_finish` sees the stream's final status.
-  TrainReactor(DeviceWorker& worker, const Limits& limits, absl::AnyInvocable<absl::Status() const> admit,
+  // `registry` holds the stream while it lives; `on_finish` sees the stream's final status.
+  TrainReactor(DeviceWorker& worker, const Limits& limits, LiveCalls& registry,
                absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
+  // The daemon drains: no further batch is read (one arriving in a read already started is not trained); the
+  // steps queued are run and answered, then the stream finishes with `status` unless a step failed.
+  void Drain(const absl::Status& status) override;
 
  private:
   struct Step {
@@ -74,12 +81,13 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
 
   DeviceWorker& worker_;
   const Limits& limits_;
-  const absl::AnyInvocable<absl::Status() const> admit_;
+  LiveCalls& registry_;
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
 
   absl::Mutex mu_;
   std::unique_ptr<v1::TrainStepRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
-  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a batch was refused
+  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a batch was refused, or a drain began
+  absl::Status drained_ ABSL_GUARDED_BY(mu_);      // the drain that ended the input, if one did
   std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);   // in batch order, until answered
   int running_ ABSL_GUARDED_BY(mu_) = 0;          // steps whose device job has not finished
   bool writing_ ABSL_GUARDED_BY(mu_) = false;

@@ -19,6 +19,8 @@
 #include "absl/time/clock.h"
 #include "engine/checkpoint.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "perception/v1/perception.grpc.pb.h"
 #include "tests/batch_message.h"
 #include "tests/e2e/e2e_util.h"
 
@@ -149,6 +151,35 @@ TEST(LifecycleTest, AnIdleStreamEndsAtOnceOnSigterm) {
   EXPECT_THAT(std::string(ended.message()), HasSubstr("draining"));
   // gRPC's shutdown takes about 4 s of its own while a client's connection stays open (this test's does), stream
   // or not; before the drain reached idle streams, this one kept the daemon until the 60 s shutdown deadline.
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(10));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+}
+
+// A Train stream that is open but idle when the daemon drains (its client between batches) ends at once with
+// UNAVAILABLE naming the drain, its step answered first, instead of holding the exit until the shutdown deadline.
+TEST(LifecycleTest, AnIdleTrainStreamEndsAtOnceOnSigterm) {
+  const ScopedTempDir temp("drain_train");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(4)).ok());
+  const std::unique_ptr<v1::Perception::Stub> stub =
+      v1::Perception::NewStub(grpc::CreateChannel((*daemon)->target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  const auto stream = stub->Train(&context);
+  const ModelConfig config = TinyConfig();
+  ASSERT_TRUE(stream->Write(TrainRequest(testing::MakeRandomBatch(config, 2, 9, 1), config)));
+  v1::TrainStepResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.step(), 1);
+
+  (*daemon)->Signal(SIGTERM);
+  const absl::Time signalled = absl::Now();
+  EXPECT_FALSE(stream->Read(&response)) << "a response after the one step sent";
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(1)) << "the idle Train stream held up the drain";
+  const grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE) << ended.error_message();
+  EXPECT_THAT(ended.error_message(), HasSubstr("draining"));
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(10));
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
