@@ -6,7 +6,6 @@
 #include <string>
 #include <thread>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/config.h"
@@ -22,6 +21,7 @@ namespace {
 
 using testing::BatchMessage;
 using testing::InProcessDaemon;
+using testing::WorkerGate;
 using testing::MakeRandomBatch;
 
 std::chrono::system_clock::time_point In(std::chrono::milliseconds delay) {
@@ -52,9 +52,7 @@ class AbandonedCallsTest : public ::testing::Test {
     ASSERT_EQ(Train(kPatient).error_code(), grpc::StatusCode::OK);
   }
 
-  ~AbandonedCallsTest() override {
-    if (!open_gate_.HasBeenNotified()) open_gate_.Notify();  // a test that failed while holding the worker
-  }
+  ~AbandonedCallsTest() override { gate_.Open(); }  // a test that failed while holding the worker
 
   grpc::Status Train(std::chrono::milliseconds timeout) {
     v1::TrainStepRequest request;
@@ -74,25 +72,16 @@ class AbandonedCallsTest : public ::testing::Test {
   }
 
   // Occupies the device worker with a job of the test's until ReleaseWorker, as a long evaluation would.
-  void HoldWorker() {
-    ASSERT_TRUE(daemon_.worker()
-                    .Enqueue(JobPriority::kTraining,
-                             [this](ModelHost&) {
-                               gate_running_.Notify();
-                               open_gate_.WaitForNotification();
-                             })
-                    .ok());
-    gate_running_.WaitForNotification();
-  }
+  void HoldWorker() { gate_.Hold(daemon_.worker()); }
   // Opens the gate and returns once every job queued behind it has run.
   void ReleaseWorker() {
-    open_gate_.Notify();
+    gate_.Open();
     ASSERT_TRUE(daemon_.worker().Run(JobPriority::kTraining, [](ModelHost&) { return absl::OkStatus(); }).ok());
   }
 
   static constexpr char kCheckpoint[] = "step1.safetensors";
   const ModelConfig config_ = *NamedConfig("tiny");
-  absl::Notification gate_running_, open_gate_;  // outlive the daemon, whose worker runs the gate job
+  WorkerGate gate_;  // outlives the daemon, whose worker runs the gate's job
   InProcessDaemon daemon_{nullptr, "abandoned_calls_checkpoints"};
 };
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "perception/v1/perception.grpc.pb.h"
@@ -57,6 +58,30 @@ class InProcessDaemon {
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Perception::Stub> stub_;
+};
+
+// Occupies a device worker with a job of the test's, as a long evaluation would, so that what is queued meanwhile
+// waits behind it until Open. A fixture declares it before its daemon, so that it outlives the worker running its
+// job, and opens it on destruction in case a test failed while holding it. Holds once.
+class WorkerGate {
+ public:
+  // Returns once the job runs.
+  void Hold(server::DeviceWorker& worker) {
+    ASSERT_TRUE(worker
+                    .Enqueue(server::JobPriority::kTraining,
+                             [this](server::ModelHost&) {
+                               running_.Notify();
+                               open_.WaitForNotification();
+                             })
+                    .ok());
+    running_.WaitForNotification();
+  }
+  void Open() {
+    if (!open_.HasBeenNotified()) open_.Notify();
+  }
+
+ private:
+  absl::Notification running_, open_;
 };
 
 }  // namespace perception::testing

@@ -12,7 +12,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/config.h"
@@ -31,6 +30,7 @@ namespace {
 using testing::BatchContents;
 using testing::BatchMessage;
 using testing::InProcessDaemon;
+using testing::WorkerGate;
 using testing::IndexOfBatch;
 using testing::IsPlainTrainStepOn;
 using testing::MakeRandomBatch;
@@ -59,9 +59,7 @@ class TrainStreamHandoffTest : public ::testing::Test {
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
 
-  ~TrainStreamHandoffTest() override {
-    if (!open_gate_.HasBeenNotified()) open_gate_.Notify();  // a test that failed while holding the worker
-  }
+  ~TrainStreamHandoffTest() override { gate_.Open(); }  // a test that failed while holding the worker
 
   // `count` distinct random batches of the model's training shape (seeds 100, 101, ...).
   std::vector<RandomBatch> Batches(int count) const {
@@ -72,28 +70,19 @@ class TrainStreamHandoffTest : public ::testing::Test {
 
   // Occupies the device worker with a job of the test's until ReleaseWorkerOnceQueued, so that a stream's steps
   // queue behind it.
-  void HoldWorker() {
-    ASSERT_TRUE(daemon_.worker()
-                    .Enqueue(JobPriority::kTraining,
-                             [this](ModelHost&) {
-                               gate_running_.Notify();
-                               open_gate_.WaitForNotification();
-                             })
-                    .ok());
-    gate_running_.WaitForNotification();
-  }
+  void HoldWorker() { gate_.Hold(daemon_.worker()); }
   // Waits up to 30 s for `jobs` jobs queued behind the held worker, then releases it; returns how many queued.
   int ReleaseWorkerOnceQueued(int jobs) {
     const absl::Time give_up = absl::Now() + absl::Seconds(30);
     while (daemon_.worker().queued_jobs() < jobs && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
     const int queued = daemon_.worker().queued_jobs();
-    open_gate_.Notify();
+    gate_.Open();
     return queued;
   }
 
   const ModelConfig config_ = *NamedConfig("tiny");
   const std::shared_ptr<TrainCallLog> log_ = std::make_shared<TrainCallLog>();
-  absl::Notification gate_running_, open_gate_;  // outlive the daemon, whose worker runs the gate job
+  WorkerGate gate_;  // outlives the daemon, whose worker runs the gate's job
   InProcessDaemon daemon_{RecordTrainCalls(log_, kStepDelay), "train_stream_handoff_checkpoints"};
 };
 
