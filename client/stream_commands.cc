@@ -26,7 +26,7 @@ namespace {
 // Event i of `data` as a stream event (the exchange time is the message time in nanoseconds).
 void FillLobsterEvent(const LobsterData& data, size_t i, v1::StreamEvent& event) {
   const LobsterMessage& m = data.messages[i];
-  event.set_exchange_time_ns(std::llround(m.time * 1e9));
+  event.set_exchange_time_ns(TimeNanoseconds(m.time));
   v1::LobsterEvent& l = *event.mutable_lobster();
   const std::span<const int64_t> row = data.BookRow(i);
   l.mutable_book()->Assign(row.begin(), row.end());
