@@ -214,7 +214,9 @@ ServerMetrics::ServerMetrics()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: sequence, features, book, exchange_time "
                                  "(too far from the stream's first event's), capacity, model_change, stopped (by a "
-                                 "failed tick, until reset), no_model, empty (a request without events).")
+                                 "failed tick, until reset), no_model, empty (a request without events), seeding (a "
+                                 "SeedStream runs on the instrument), payload (LOBSTER rows and feature vectors mixed "
+                                 "on one instrument).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")

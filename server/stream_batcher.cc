@@ -173,6 +173,14 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
     return absl::FailedPreconditionError(absl::StrCat("instrument '", queue.instrument, "' is being seeded; send its ",
                                                       "events once SeedStream has answered"));
   }
+  reason = "payload";
+  const bool lobster = event.has_lobster();
+  if (queue.lobster.has_value() && *queue.lobster != lobster) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "instrument '", queue.instrument, "' streams ", *queue.lobster ? "LOBSTER rows" : "feature vectors", "; ",
+        lobster ? "a LOBSTER row" : "a feature vector", " cannot follow them (the rows' Δt and mid return would skip ",
+        "the other events): reset or close the stream first"));
+  }
   std::vector<float>& x = accept_x_;
   x.resize(n_features_);
   float dt = 0;
@@ -191,6 +199,7 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
     *table_.Featurizer(slot, trial->levels()).value() = *trial;
     if (!queue.base_time_ns.has_value()) queue.base_time_ns = event.exchange_time_ns();
   }
+  queue.lobster = lobster;
   queue.x.insert(queue.x.end(), x.begin(), x.end());
   queue.events.push_back({dt, event.seq(), sink, Clock::now()});
   ++pending_;
@@ -468,6 +477,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       *table_.Featurizer(slot, window->featurizer->levels()).value() = *window->featurizer;
     }
     queue.base_time_ns = window->base_time_ns;
+    queue.lobster = window->featurizer.has_value();
     queue.stopped = absl::OkStatus();
     v1::SeedStreamResponse response;
     response.set_events(request.events_size());
@@ -525,6 +535,7 @@ absl::Status StreamBatcher::Reset(const std::string& instrument) {
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     table_.ResetFeatures(slot);
+    queues_[slot].lobster.reset();
     queues_[slot].stopped = absl::OkStatus();
     return absl::OkStatus();
   });

@@ -108,6 +108,9 @@ class StreamBatcher {
     std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
     absl::Status stopped;                 // FAILED_PRECONDITION once a failed tick stopped the stream, until reset
     bool seeding = false;                 // a SeedStream runs on it: its events are refused meanwhile
+    // Whether the stream's events are LOBSTER rows (else feature vectors), from its first event or seed until a
+    // reset: the featurizer's previous mid and time would skip events of the other kind.
+    std::optional<bool> lobster;
   };
   struct Notice {
     StreamSink* sink;

@@ -589,6 +589,15 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   *rest[0].add_events() = LobsterEvent(*data, 4, "A", 5);
   ASSERT_TRUE(StreamAll(client(), rest).ok());
   EXPECT_EQ(ReadAll(client(), "A", 0, 100).seqs.size(), 5u);
+  // A streams LOBSTER rows: a feature vector after them is refused (the next row's Δt and mid return would skip it)
+  // until the stream is reset.
+  v1::StreamEvent vector_after_rows = features;
+  vector_after_rows.set_seq(6);
+  ExpectRefused(StreamAll(client(), one(vector_after_rows)), absl::StatusCode::kInvalidArgument,
+                "instrument 'A' streams LOBSTER rows; a feature vector cannot follow them");
+  reset.set_instrument("A");
+  ASSERT_TRUE(client().ResetStream(reset).ok());
+  ASSERT_TRUE(StreamAll(client(), one(vector_after_rows)).ok());
   close.set_instrument("B");
   absl::StatusOr<v1::CloseStreamResponse> closed = client().CloseStream(close);
   ASSERT_TRUE(closed.ok());
@@ -602,7 +611,8 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
-  EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 6\n"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"payload\"} 1"));
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 7\n"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_active_streams 1\n"));
   ASSERT_STRNE(PERCEPTION_PROMTOOL, "");
   std::ofstream(dir_ / "metrics.txt") << *metrics;
