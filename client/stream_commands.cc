@@ -73,7 +73,7 @@ absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& clien
 // has events (unless `reseed`), and a reseeded stream whose numbers would not continue the instrument's.
 absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
-  if (!stream.has_value() || stream->last_accepted_seq() == 0) return absl::OkStatus();
+  if (!stream.has_value() || !stream->has_last_accepted_seq()) return absl::OkStatus();
   const uint64_t next = stream->last_accepted_seq() + 1;
   if (!options.reseed) {
     return absl::FailedPreconditionError(absl::StrCat(

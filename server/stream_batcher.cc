@@ -562,7 +562,7 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     stream.set_slot(info.slot);
     stream.set_processed_events(info.processed);
     stream.set_pending_events(queues_[info.slot].events.size());
-    stream.set_last_accepted_seq(info.last_seq.value_or(0));
+    if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
     stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
     if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
       stream.set_end_seq(range->next_seq);

@@ -83,7 +83,8 @@ absl::Status StreamAll(client::PerceptionClient& client, const std::vector<v1::S
   const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
     absl::MutexLock lock(&mu);
     for (const v1::InstrumentAck& ack : response.acks()) {
-      EXPECT_GT(ack.last_seq(), last[ack.instrument()]) << "acknowledgements only move forward";
+      const auto seen = last.find(ack.instrument());  // a stream may start at seq 0
+      EXPECT_TRUE(seen == last.end() || ack.last_seq() > seen->second) << "acknowledgements only move forward";
       last[ack.instrument()] = ack.last_seq();
     }
   });
@@ -227,6 +228,11 @@ TEST_F(StreamingTest, SeedThenStreamEqualsEvalOverTheConcatenation) {
   absl::StatusOr<v1::SeedStreamResponse> seeded = client().SeedStream(seed);
   ASSERT_TRUE(seeded.ok()) << seeded.status();
   EXPECT_EQ(seeded->events(), kSeed);
+  // Seeded, no event yet: the stream lists no last accepted sequence number (a 0 would name a real first event).
+  absl::StatusOr<v1::ListStreamsResponse> listed = client().ListStreams();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->streams_size(), 1);
+  EXPECT_FALSE(listed->streams(0).has_last_accepted_seq());
 
   std::vector<v1::StreamRequest> requests(1);
   for (size_t i = kSeed; i < data->size(); ++i) *requests[0].add_events() = LobsterEvent(*data, i, "AAPL", i + 1);
@@ -246,6 +252,17 @@ TEST_F(StreamingTest, SeedThenStreamEqualsEvalOverTheConcatenation) {
   ASSERT_TRUE(StreamAll(client(), again).ok());
   const Log fresh = ReadAll(client(), "AAPL", 1000, 1000);
   ExpectNear(fresh.convictions, {all.begin(), all.begin() + 50}, 1e-6, "after ResetStream");
+
+  // A stream may start at sequence number 0, and then lists it.
+  std::vector<v1::StreamRequest> from_zero(1);
+  *from_zero[0].add_events() = LobsterEvent(*data, 0, "ZERO", 0);
+  ASSERT_TRUE(StreamAll(client(), from_zero).ok());
+  listed = client().ListStreams();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->streams_size(), 2);
+  const v1::StreamInfo& zero = listed->streams(listed->streams(0).instrument() == "ZERO" ? 0 : 1);
+  ASSERT_TRUE(zero.has_last_accepted_seq());
+  EXPECT_EQ(zero.last_accepted_seq(), 0u);
 }
 
 TEST_F(StreamingTest, ManyInstrumentsOverSeveralConnectionsKeepApart) {
