@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/json_object.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -187,12 +188,7 @@ std::string ConfigToJson(const ModelConfig& c) {
 }
 
 absl::StatusOr<ModelConfig> ConfigFromJson(const std::string& text) {
-  // nlohmann's parser takes a NUL for the end of its input and would ignore whatever follows it.
-  if (text.find('\0') != std::string::npos) return absl::InvalidArgumentError("config: holds a NUL byte");
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError("config: not a JSON object");
-  }
+  ASSIGN_OR_RETURN(const nlohmann::json j, ParseJsonObject(text, "config"));
   ModelConfig c;
   auto read_int = [&](const char* key, int& out, bool required) -> absl::Status {
     auto it = j.find(key);

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "engine/json_object.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -59,10 +60,7 @@ std::string OptimizerToJson(const OptimizerConfig& c) {
 }
 
 absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text) {
-  // nlohmann's parser takes a NUL for the end of its input and would ignore whatever follows it.
-  if (text.find('\0') != std::string::npos) return absl::InvalidArgumentError("optimizer: holds a NUL byte");
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("optimizer: not a JSON object");
+  ASSIGN_OR_RETURN(const nlohmann::json j, ParseJsonObject(text, "optimizer"));
   OptimizerConfig c;
   const std::pair<const char*, double*> reals[] = {{"lr", &c.lr},
                                                    {"beta1", &c.beta1},
