@@ -193,15 +193,19 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
                             counters.graph_replays - training_counters_.graph_replays);
   metrics_.ObserveReplicaChecks(counters.replica_checks - training_counters_.replica_checks);
   training_counters_ = counters;
-  step_ = result.step;
+  RecordAppliedStep(result.step);
+  return outcome;
+}
+
+void ModelHost::RecordAppliedStep(int64_t step) {
+  step_ = step;
   ++weights_version_;
   if (const absl::Status published = MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps);
       !published.ok()) {
     // The step is applied whatever becomes of its publication: an error here would have the client train it again.
     // Streaming keeps the weights it reads; the next step publishes again.
-    spdlog::error("step {}: refreshing the weights streaming reads failed: {}", result.step, published.ToString());
+    spdlog::error("step {}: refreshing the weights streaming reads failed: {}", step, published.ToString());
   }
-  return outcome;
 }
 
 absl::Status ModelHost::AfterFailedStep(const absl::Status& failed) {
@@ -209,12 +213,7 @@ absl::Status ModelHost::AfterFailedStep(const absl::Status& failed) {
   if (applied == step_) return failed;
   // The update was applied before the step failed (the data-parallel replica check comes after it): the step and
   // the weights version follow the weights, streaming reads them, and the client learns not to train the batch again.
-  step_ = applied;
-  ++weights_version_;
-  if (const absl::Status published = MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps);
-      !published.ok()) {
-    spdlog::error("step {}: refreshing the weights streaming reads failed: {}", applied, published.ToString());
-  }
+  RecordAppliedStep(applied);
   return absl::Status(failed.code(), absl::StrCat(failed.message(), " (the step was applied: the model is at step ",
                                                   applied, ")"));
 }

@@ -152,8 +152,11 @@ class ModelHost {
   // After a change of the weights: refreshes the published copy when streaming runs and `due`.
   absl::Status MaybePublish(bool due);
 
-  // A training step failed with `failed`: where the backend applied it all the same, records the step (step and
-  // weights version advance, the weights are published as after any step) and says so in the returned error.
+  // After a training step's update was applied: the step and weights version advance and the weights are published
+  // when due (a failed publication is logged; the step stays applied).
+  void RecordAppliedStep(int64_t step);
+  // A training step failed with `failed`: where the backend applied it all the same, records the step
+  // (RecordAppliedStep) and says so in the returned error.
   absl::Status AfterFailedStep(const absl::Status& failed);
   // MakeBackend for this host's device, with its precision and graph setting, through `decorate_` where given; the
   // current backend quiesced first.
