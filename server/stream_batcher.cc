@@ -151,15 +151,16 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
     return absl::InvalidArgumentError(absl::StrCat("sequence number ", event.seq(),
                                                    " is the largest there is; numbers must stay below it"));
   }
-  const bool opens = !table_.SlotOf(event.instrument()).ok();
-  const absl::StatusOr<int> opened = OpenLocked(event.instrument());
-  if (!opened.ok()) {
-    reason = opened.status().code() == absl::StatusCode::kUnavailable ? "model_change" : "capacity";
-    return opened.status();
+  absl::StatusOr<int> slot = table_.SlotOf(event.instrument());
+  const bool opens = !slot.ok();
+  if (opens) slot = OpenLocked(event.instrument());
+  if (!slot.ok()) {
+    reason = slot.status().code() == absl::StatusCode::kUnavailable ? "model_change" : "capacity";
+    return slot.status();
   }
-  const absl::Status queued = QueueLocked(event, sink, *opened, reason);
+  const absl::Status queued = QueueLocked(event, sink, *slot, reason);
   // A stream the refused event would have opened is not left behind holding a slot: nothing of it reached the device.
-  if (!queued.ok() && opens) CloseSlotLocked(*opened).IgnoreError();
+  if (!queued.ok() && opens) CloseSlotLocked(*slot).IgnoreError();
   return queued;
 }
 
