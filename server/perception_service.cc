@@ -66,13 +66,15 @@ void PerceptionService::BeginDrain() {
 
 absl::Status PerceptionService::Admit() const {
   if (!draining_) return absl::OkStatus();
-  return absl::UnavailableError("perceptiond is draining before it exits; no new work is accepted");
+  return absl::UnavailableError(
+      "perceptiond is draining before it exits: no new work is accepted; GetStatus, ListStreams and ReadConvictions "
+      "answer until it stops listening (--drain_grace)");
 }
 
 template <typename Handler>
-grpc::Status PerceptionService::Answer(std::string_view method, Handler handler) {
+grpc::Status PerceptionService::Answer(std::string_view method, Handler handler, WhileDraining while_draining) {
   const Stopwatch stopwatch;
-  absl::Status status = Admit();
+  absl::Status status = while_draining == WhileDraining::kAnswered ? absl::OkStatus() : Admit();
   if (status.ok()) status = handler();
   Record(metrics_, method, ServerMetrics::RpcKind::kUnary, status, stopwatch);
   return ToGrpcStatus(status);
@@ -104,7 +106,7 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
       parallel.set_replica_checks(status.replica_checks);
     }
     return absl::OkStatus();
-  });
+  }, WhileDraining::kAnswered);
 }
 
 grpc::Status PerceptionService::InitModel(grpc::ServerContext* context, const v1::InitModelRequest* request,
@@ -281,7 +283,7 @@ grpc::Status PerceptionService::ReadConvictions(grpc::ServerContext*, const v1::
   return Answer("ReadConvictions", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(*response, streams_.Read(*request));
     return absl::OkStatus();
-  });
+  }, WhileDraining::kAnswered);
 }
 
 grpc::Status PerceptionService::ResetStream(grpc::ServerContext*, const v1::ResetStreamRequest* request,
@@ -303,7 +305,7 @@ grpc::Status PerceptionService::ListStreams(grpc::ServerContext*, const v1::List
   return Answer("ListStreams", [&] {
     *response = streams_.List();
     return absl::OkStatus();
-  });
+  }, WhileDraining::kAnswered);
 }
 
 }  // namespace perception::server

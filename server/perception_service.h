@@ -29,8 +29,10 @@ class PerceptionService final
   PerceptionService(DeviceWorker& worker, StreamBatcher& streams, const StreamOptions& stream_options,
                     const CheckpointDirectory& checkpoints, const Limits& limits, ServerMetrics& metrics);
 
-  // From now on every call, and every further batch of an open Train stream, answers UNAVAILABLE; open Stream calls
-  // end with it once their accepted events are processed and acknowledged; work already queued finishes.
+  // From now on every call but the reads (GetStatus, ListStreams, ReadConvictions), and every further batch of an
+  // open Train stream, answers UNAVAILABLE; open Stream calls end with it once their accepted events are processed
+  // and acknowledged; work already queued finishes. The reads keep answering until the server stops listening, so
+  // that clients can read back the convictions of every event the daemon processed.
   void BeginDrain();
 
   // InitModel's and LoadCheckpoint's work, also perceptiond's for --init_config and --load: the daemon's limits
@@ -82,9 +84,11 @@ class PerceptionService final
  private:
   // UNAVAILABLE while draining.
   absl::Status Admit() const;
-  // Admits, runs `handler` (→ absl::Status), records the answer's metrics and converts it for gRPC.
+  enum class WhileDraining { kRefused, kAnswered };
+  // Admits (a kAnswered call also while draining), runs `handler` (→ absl::Status), records the answer's metrics and
+  // converts it for gRPC.
   template <typename Handler>
-  grpc::Status Answer(std::string_view method, Handler handler);
+  grpc::Status Answer(std::string_view method, Handler handler, WhileDraining while_draining = WhileDraining::kRefused);
 
   DeviceWorker& worker_;
   StreamBatcher& streams_;

@@ -61,8 +61,10 @@ ABSL_FLAG(absl::Duration, device_stall_timeout, absl::Seconds(60),
           "SERVING again once it ends (a CPU daemon's big evaluations can take longer: raise it there); inf turns "
           "the watch off");
 ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
-          "on SIGTERM/SIGINT, how long health reports NOT_SERVING (and new calls UNAVAILABLE) before the listener "
-          "closes, so that load balancers and clients notice");
+          "on SIGTERM/SIGINT, how long health reports NOT_SERVING and new work is refused (UNAVAILABLE) before the "
+          "listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
+          "still answer meanwhile, so that clients read back the convictions of the events streamed before the "
+          "signal (which the device holds only until the daemon exits)");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "

@@ -103,9 +103,10 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   while (health.ok() && *health == ServingStatus::SERVING && absl::Now() < deadline) health = client.Health();
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, ServingStatus::NOT_SERVING);
-  const absl::Status refused = client.GetStatus().status();
+  const absl::Status refused = client.InitModel(TinyInitRequest(5)).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("draining"));
+  EXPECT_TRUE(client.GetStatus().ok()) << "a read, answered through the grace";
 
   const absl::Status ended = stream.get();
   EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
@@ -118,6 +119,78 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   absl::StatusOr<Checkpoint> saved = LoadCheckpoint((dir / "checkpoints" / "exit.safetensors").string());
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(saved->step, static_cast<int64_t>(steps.size()));
+}
+
+// Through --drain_grace the reads keep answering while new work is refused: a client whose Stream the drain ended
+// reads back the convictions of every event it streamed, which the device holds only until the daemon exits.
+TEST(LifecycleTest, ConvictionsStayReadableThroughTheDrainGrace) {
+  const ScopedTempDir temp("drain_read");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints", {"--drain_grace=3s"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+  const ModelConfig config = TinyConfig();
+  constexpr int kEvents = 40;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kEvents, 11);
+  v1::StreamRequest events;
+  for (int t = 0; t < kEvents; ++t) {
+    *events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
+  }
+  events.set_ack(true);
+  std::atomic<uint64_t> acked = 0;
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+  });
+  ASSERT_TRUE(stream->Write(events));
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (acked < kEvents && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(acked, static_cast<uint64_t>(kEvents));
+  v1::ReadConvictionsRequest read;
+  read.set_instrument("A");
+  read.set_from_seq(1);
+  read.set_with_probabilities(true);
+  absl::StatusOr<v1::ReadConvictionsResponse> before = client.ReadConvictions(read);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->convictions_size(), kEvents);
+
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<ServingStatus::ServingStatus> health = ServingStatus::SERVING;
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  while (health.ok() && *health == ServingStatus::SERVING && absl::Now() < deadline) health = client.Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  ASSERT_EQ(*health, ServingStatus::NOT_SERVING);
+  const absl::Status ended = stream->Finish();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+  EXPECT_THAT(std::string(ended.message()), HasSubstr("ReadConvictions"));
+
+  absl::StatusOr<v1::ListStreamsResponse> listed = client.ListStreams();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->streams_size(), 1);
+  EXPECT_EQ(listed->streams(0).end_seq(), static_cast<uint64_t>(kEvents + 1));
+  absl::StatusOr<v1::ReadConvictionsResponse> during = client.ReadConvictions(read);
+  ASSERT_TRUE(during.ok()) << during.status();
+  EXPECT_EQ(during->first_seq(), 1u);
+  EXPECT_EQ(during->end_seq(), static_cast<uint64_t>(kEvents + 1));
+  EXPECT_THAT(during->convictions(), ::testing::ElementsAreArray(before->convictions()));
+  EXPECT_THAT(during->probabilities(), ::testing::ElementsAreArray(before->probabilities()));
+  absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->streaming().active_streams(), 1);
+
+  // New work is refused meanwhile: a new stream's events, a seed, a reset.
+  const std::unique_ptr<client::EventStream> late = client.OpenStream([](const v1::StreamResponse&) {});
+  late->Write(events);
+  const absl::Status late_end = late->Finish();
+  EXPECT_EQ(late_end.code(), absl::StatusCode::kUnavailable) << late_end;
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("A");
+  const absl::Status reset_refused = client.ResetStream(reset).status();
+  EXPECT_EQ(reset_refused.code(), absl::StatusCode::kUnavailable) << reset_refused;
+  EXPECT_THAT(std::string(reset_refused.message()), HasSubstr("draining"));
+
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(15));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
 }
 
 // A Stream that is open but idle when the daemon drains ends at once with UNAVAILABLE naming the drain (its
