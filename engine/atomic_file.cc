@@ -5,11 +5,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <filesystem>
+#include <random>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
 
 namespace perception {
 namespace {
@@ -31,49 +34,59 @@ absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
   return absl::OkStatus();
 }
 
-std::string TemporaryPathFor(const std::string& path) { return absl::StrCat(path, ".tmp.", ::getpid()); }
+// A new file of our own beside `path`, named `<path>.tmp.<pid>.<random>`: never a name that exists (a user's file,
+// another writer's temporary, a planted link), which O_EXCL | O_NOFOLLOW refuse rather than replace or follow.
+struct Temporary {
+  std::string path;
+  int fd = -1;
+};
+absl::StatusOr<Temporary> CreateTemporary(const std::string& path) {
+  thread_local std::mt19937_64 random(std::random_device{}() ^ static_cast<uint64_t>(::getpid()));
+  constexpr int kAttempts = 16;
+  for (int attempt = 1;; ++attempt) {
+    Temporary temp{absl::StrCat(path, ".tmp.", ::getpid(), ".", absl::Hex(random(), absl::kZeroPad16))};
+    temp.fd = ::open(temp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (temp.fd >= 0) return temp;
+    if (errno != EEXIST || attempt == kAttempts) return Errno("cannot create", temp.path);
+  }
+}
 
-// A new file of our own: whatever has the name (a crashed writer's leftover, a planted link) goes first, and a
-// link that appears in between fails the create instead of redirecting the write.
-absl::StatusOr<int> CreateTemporary(const std::string& temp) {
-  ::unlink(temp.c_str());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", temp);
-  return fd;
+// The rename is durable only once the directory entry is. A file system that cannot sync a directory (EINVAL) has
+// nothing more to give.
+absl::Status SyncDirectoryOf(const std::string& path) {
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) return Errno(absl::StrCat("wrote ", path, " but cannot open its folder to sync it:"), dir);
+  absl::Status status;
+  if (::fsync(dir_fd) != 0 && errno != EINVAL) {
+    status = Errno(absl::StrCat("wrote ", path, " but cannot sync its folder (the new file may not survive a crash):"),
+                   dir);
+  }
+  ::close(dir_fd);
+  return status;
 }
 
 }  // namespace
 
 absl::Status CheckWritableDestination(const std::string& path) {
-  const std::string temp = TemporaryPathFor(path);
-  const absl::StatusOr<int> fd = CreateTemporary(temp);
-  if (!fd.ok()) return fd.status();
-  ::close(*fd);
-  ::unlink(temp.c_str());
+  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
+  ::close(temp.fd);
+  ::unlink(temp.path.c_str());
   return absl::OkStatus();
 }
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
-  const std::string temp = TemporaryPathFor(path);
-  const absl::StatusOr<int> created = CreateTemporary(temp);
-  if (!created.ok()) return created.status();
-  const int fd = *created;
-  absl::Status status = WriteAll(fd, bytes, temp);
-  if (status.ok() && ::fsync(fd) != 0) status = Errno("cannot fsync", temp);
-  if (::close(fd) != 0 && status.ok()) status = Errno("cannot close", temp);
-  if (status.ok() && ::rename(temp.c_str(), path.c_str()) != 0) status = Errno("cannot rename onto", path);
+  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
+  absl::Status status = WriteAll(temp.fd, bytes, temp.path);
+  if (status.ok() && ::fsync(temp.fd) != 0) status = Errno("cannot fsync", temp.path);
+  if (::close(temp.fd) != 0 && status.ok()) status = Errno("cannot close", temp.path);
+  if (status.ok() && ::rename(temp.path.c_str(), path.c_str()) != 0) status = Errno("cannot rename onto", path);
   if (!status.ok()) {
-    ::unlink(temp.c_str());
+    ::unlink(temp.path.c_str());
     return status;
   }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {  // the rename is durable only once the directory entry is
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
-  return absl::OkStatus();
+  return SyncDirectoryOf(path);
 }
 
 }  // namespace perception

@@ -9,12 +9,14 @@
 namespace perception {
 
 // Replaces `path` with `bytes` so that a reader sees either the old file or the whole new one; on failure the
-// temp file is removed and the error names the path and the system's reason.
+// temp file is removed and the error names the path and the system's reason. An error after the rename (the folder
+// could not be synced) says the file was written: it is in place but may not survive a crash.
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
 
-// OK when WriteFileAtomically could start writing `path` now: it creates the temporary file it would use beside
-// `path` and removes it again. For a long job that writes only at its end, so that a mistyped or read-only
-// destination fails before the work instead of after it. The error names the path and the system's reason.
+// OK when WriteFileAtomically could start writing `path` now: it creates a temporary file beside `path` as that
+// would (`<path>.tmp.<pid>.<random>`, never one that exists) and removes it again. For a long job that writes only
+// at its end, so that a mistyped or read-only destination fails before the work instead of after it. The error
+// names the path and the system's reason.
 absl::Status CheckWritableDestination(const std::string& path);
 
 }  // namespace perception

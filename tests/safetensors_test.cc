@@ -138,19 +138,25 @@ TEST_F(SafetensorsTest, WriteIntoMissingDirectoryFailsNamingThePath) {
   EXPECT_TRUE(dir_.Entries().empty());
 }
 
-// A link planted at the temporary file's name must not redirect the write to its target.
-TEST_F(SafetensorsTest, WriteDoesNotFollowALinkAtTheTemporaryName) {
+// The temporary file gets a name of its own: a user's file and a planted link with the names of earlier versions'
+// temporaries (`<path>.tmp.<pid>`, which was unlinked first, then created) are neither deleted nor followed.
+TEST_F(SafetensorsTest, WriteLeavesFilesAndLinksAtTemporaryLikeNamesAlone) {
   const std::string path = Path("model.safetensors"), target = Path("elsewhere");
+  const std::string users = absl::StrCat(path, ".tmp.", ::getpid());
+  const std::string link = absl::StrCat(users, ".0");
   std::ofstream(target) << "untouched";
-  ASSERT_EQ(::symlink(target.c_str(), absl::StrCat(path, ".tmp.", ::getpid()).c_str()), 0) << std::strerror(errno);
+  std::ofstream(users) << "a user's file";
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0) << std::strerror(errno);
   const std::vector<float> values = {1.f, 2.f};
   ASSERT_TRUE(WriteSafetensors(path, {{{"a", {2}, values}}}, {}).ok());
-  std::stringstream kept;
-  kept << std::ifstream(target).rdbuf();
-  EXPECT_EQ(kept.str(), "untouched");
+  for (const auto& [file, text] : {std::pair{target, "untouched"}, std::pair{users, "a user's file"}}) {
+    std::stringstream kept;
+    kept << std::ifstream(file).rdbuf();
+    EXPECT_EQ(kept.str(), text) << file;
+  }
   const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
   ASSERT_TRUE(file.ok()) << file.status();
-  EXPECT_EQ(dir_.Entries().size(), 2u) << "the file and the link's target; the temporary name is gone";
+  EXPECT_EQ(dir_.Entries().size(), 4u) << "the file, the user's file, the link and its target; no temporary";
 }
 
 TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {
