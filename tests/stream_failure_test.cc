@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,7 @@ using ::testing::HasSubstr;
 struct StreamFaults {
   std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
+  std::atomic<int> failing_seeds{0};          // the next SeedSlot calls write the slot, then fail
 };
 
 class StreamFaultBackend final : public ForwardingBackend {
@@ -46,6 +48,12 @@ class StreamFaultBackend final : public ForwardingBackend {
     if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
     faults_->failing_ticks = 0;
     return ForwardingBackend::ForwardStepInto(tick);
+  }
+  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+    const absl::Status seeded = ForwardingBackend::SeedSlot(slot, x, dt);
+    if (faults_->failing_seeds.fetch_sub(1) > 0) return absl::InternalError("an injected seed failure");
+    faults_->failing_seeds = 0;
+    return seeded;
   }
 
  private:
@@ -124,6 +132,16 @@ class StreamFailureTest : public ::testing::Test {
     const grpc::Status status = daemon_.stub().CloseStream(&context, request, &response);
     if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
     return response.processed_events();
+  }
+
+  // Seeds the instrument with its series' events [from, to).
+  grpc::Status Seed(const std::string& instrument, int from, int to) {
+    grpc::ClientContext context;
+    v1::SeedStreamRequest request;
+    request.set_instrument(instrument);
+    for (int t = from; t < to; ++t) *request.add_events() = Event(instrument, t, 0);
+    v1::SeedStreamResponse response;
+    return daemon_.stub().SeedStream(&context, request, &response);
   }
 
   v1::ReadConvictionsResponse Read(const std::string& instrument) {
@@ -206,6 +224,40 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   const std::vector<float> after_reset = Offline("A", 3, 6);
   expected.insert(expected.end(), after_reset.begin(), after_reset.end());
   for (int i = 0; i < 6; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+// A seed the device fails after writing the slot: a live stream stops (its state is neither the old one nor the
+// seeded one) until it is reset; a stream the seed opened is closed again, its slot zeroed for the next owner.
+TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) {
+  const StreamOutcome first = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  faults_->failing_seeds = 1;
+  const grpc::Status failed = Seed("A", 2, 6);
+  EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
+  EXPECT_THAT(Streams()["A"].stopped(), HasSubstr("instrument 'A' stopped when the device failed its seed (an "
+                                                  "injected seed failure)"));
+  const StreamOutcome refused = Stream({{Event("A", 2, 3)}});
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("its state is unknown"));
+  ASSERT_TRUE(Reset("A").ok());
+  const StreamOutcome resumed = Stream({{Event("A", 2, 3), Event("A", 3, 4)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  const v1::ReadConvictionsResponse log = Read("A");
+  ASSERT_EQ(log.seqs_size(), 4);
+  std::vector<float> expected = Offline("A", 0, 2);
+  const std::vector<float> after_reset = Offline("A", 2, 4);
+  expected.insert(expected.end(), after_reset.begin(), after_reset.end());
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+
+  faults_->failing_seeds = 1;
+  EXPECT_EQ(Seed("B", 0, 4).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(Streams().count("B"), 0u) << "the failed seed's own stream is closed";
+  const StreamOutcome fresh = Stream({{Event("B", 0, 1), Event("B", 1, 2)}});
+  ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
+  const v1::ReadConvictionsResponse b = Read("B");
+  ASSERT_EQ(b.seqs_size(), 2);
+  const std::vector<float> from_zero = Offline("B", 0, 2);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(b.convictions(i), from_zero[i], 1e-6) << "B seq " << i + 1;
 }
 
 TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelThatCanBeReplaced) {
