@@ -41,11 +41,7 @@ absl::StatusOr<v1::GetStatusResponse> StatusWithModel(PerceptionClient& client) 
 // The files as one event series with the model's horizons; their feature count must be the model's.
 absl::StatusOr<EventSeries> ReadSeries(const LobsterFiles& files, const v1::ModelConfig& config) {
   ASSIGN_OR_RETURN(const LobsterData data, ReadLobster(files.orderbook, files.messages, files.levels));
-  if (LobsterFeatureCount(data.levels) != config.n_features()) {
-    return absl::InvalidArgumentError(absl::StrCat("the model takes ", config.n_features(), " features but ",
-                                                   data.levels, " book levels give ",
-                                                   LobsterFeatureCount(data.levels)));
-  }
+  RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features(), "the model"));
   const std::vector<int> horizons(config.horizons().begin(), config.horizons().end());
   return BuildSeries(data, horizons);
 }

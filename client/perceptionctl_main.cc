@@ -35,8 +35,8 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
 ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
 ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
 ABSL_FLAG(int, levels, 0,
-          "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train and eval read that many "
-          "(0: infer from the orderbook file)");
+          "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train, eval and stream read the "
+          "orderbook file's first (best) levels (0: all, inferred from its column count)");
 ABSL_FLAG(uint64_t, seed, 1,
           "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
           "each run of train continues with fresh windows)");
@@ -90,8 +90,8 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
-    stream --lobster ORDERBOOK MESSAGES --instrument ID [--rate EVENTS_PER_S|max] [--seed-window N [--reseed]]
-           [--first I] [--count N] [--start_seq S]
+    stream --lobster ORDERBOOK MESSAGES [--levels N] --instrument ID [--rate EVENTS_PER_S|max]
+           [--seed-window N [--reseed]] [--first I] [--count N] [--start_seq S]
     convictions --instrument ID [--from SEQ] --out FILE.csv
     streams                                  (list the live streams)
     streams reset ID | streams close ID

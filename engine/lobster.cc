@@ -100,19 +100,25 @@ class CsvLines {
   std::vector<absl::string_view> fields_;
 };
 
-// Fixes data.levels from the first row when it is 0, then checks every row against it.
-absl::Status CheckOrderbookColumns(const CsvLines& lines, LobsterData& data) {
+// Takes the file's column count from its first row (a multiple of 4) and data.levels from it when 0, then checks
+// every row: as wide as the first, which holds at least data.levels levels (a deeper file gives its first ones).
+absl::Status CheckOrderbookColumns(const CsvLines& lines, LobsterData& data, size_t& file_columns) {
   const size_t columns = lines.fields().size();
-  if (data.levels == 0) {
+  if (file_columns == 0) {
     if (columns % 4 != 0) {
       return lines.Error(
           absl::StrCat("found ", columns, " columns, not a multiple of 4 (ask_px, ask_sz, bid_px, bid_sz per level)"));
     }
-    data.levels = static_cast<int>(columns / 4);
+    if (data.levels == 0) data.levels = static_cast<int>(columns / 4);
+    const size_t needed = 4 * static_cast<size_t>(data.levels);
+    if (columns < needed) {
+      return lines.Error(absl::StrCat("found ", columns, " columns, expected at least ", needed, " (4 per level, ",
+                                      data.levels, " levels)"));
+    }
+    file_columns = columns;
   }
-  const size_t expected = 4 * static_cast<size_t>(data.levels);
-  if (columns != expected) {
-    return lines.ColumnCountError(expected, absl::StrCat(" (4 per level, ", data.levels, " levels)"));
+  if (columns != file_columns) {
+    return lines.ColumnCountError(file_columns, absl::StrCat(" (4 per level, ", file_columns / 4, " levels)"));
   }
   return absl::OkStatus();
 }
@@ -120,13 +126,15 @@ absl::Status CheckOrderbookColumns(const CsvLines& lines, LobsterData& data) {
 absl::Status ReadOrderbook(const std::string& path, LobsterData& data) {
   ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   CsvLines lines(path, std::move(text));
+  size_t file_columns = 0;
   while (lines.Next()) {
-    RETURN_IF_ERROR(CheckOrderbookColumns(lines, data));
-    const size_t row_start = data.book.size();
-    data.book.resize(row_start + lines.fields().size());
-    for (size_t column = 0; column < lines.fields().size(); ++column) {
+    RETURN_IF_ERROR(CheckOrderbookColumns(lines, data, file_columns));
+    const size_t row_start = data.book.size(), kept = 4 * static_cast<size_t>(data.levels);
+    data.book.resize(row_start + file_columns);
+    for (size_t column = 0; column < file_columns; ++column) {
       RETURN_IF_ERROR(lines.ParseInteger(column, data.book[row_start + column]));
     }
+    data.book.resize(row_start + kept);
     const absl::Status row = ValidateBookRow(std::span<const int64_t>(data.book).subspan(row_start));
     if (!row.ok()) return lines.Error(row.message());
   }
@@ -216,6 +224,15 @@ absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const
   RETURN_IF_ERROR(ReadMessages(message_path, data));
   RETURN_IF_ERROR(CheckRowCounts(data));
   return data;
+}
+
+absl::Status CheckLobsterFeatureCount(int levels, int n_features, absl::string_view consumer) {
+  if (LobsterFeatureCount(levels) == n_features) return absl::OkStatus();
+  const int model_levels = (n_features - 8) / 4;
+  const bool fewer_fit = n_features > 8 && (n_features - 8) % 4 == 0 && model_levels < levels;
+  return absl::InvalidArgumentError(absl::StrCat(
+      consumer, " takes ", n_features, " features but ", levels, " book levels give ", LobsterFeatureCount(levels),
+      fewer_fit ? absl::StrCat("; --levels ", model_levels, " reads the file's first ", model_levels) : ""));
 }
 
 absl::Status ValidateBookRow(std::span<const int64_t> book_row) {

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace perception {
 
@@ -42,11 +43,15 @@ struct LobsterData {
 };
 
 // Reads a LOBSTER orderbook file and its message file (no header rows). levels = 0 infers the level count
-// from the orderbook's column count (a multiple of 4). Every error names the file and its 1-based line:
+// from the orderbook's column count (a multiple of 4); levels below the file's take its first (best) levels. Every error names the file and its 1-based line:
 // wrong column count, a non-numeric field, a type outside 1..7 or a direction other than ±1, decreasing
 // times, a book row ValidateBookRow refuses and row counts that differ between the two files.
 absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const std::string& message_path,
                                         int levels = 0);
+
+// OK when `levels` book levels give the `n_features` that `consumer` ("the model", "the checkpoint") takes; else
+// INVALID_ARGUMENT saying so, and which --levels reads a deeper file's first levels when that would fit.
+absl::Status CheckLobsterFeatureCount(int levels, int n_features, absl::string_view consumer);
 
 // OK when level 1 of `book_row` holds a real price on both sides with ask > bid (MODEL.md §1.1), so the event has
 // a mid, and every level's prices are real (positive, below the empty ask's) or its side's empty-level dummy and

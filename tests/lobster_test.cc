@@ -98,6 +98,23 @@ TEST(ReadLobster, InfersTenLevelsAndReadsEveryAaplRow) {
   EXPECT_EQ(data.messages[998].direction, 1);
 }
 
+// Fewer levels than the file holds: its first (best) levels of every row, the same messages.
+TEST(ReadLobster, TakesTheFirstLevelsOfADeeperFile) {
+  const LobsterData ten = Aapl();
+  for (const int levels : {1, 5}) {
+    const absl::StatusOr<LobsterData> fewer = ReadLobster(ShippedLobsterPath("AAPL", "orderbook", 10),
+                                                          ShippedLobsterPath("AAPL", "message", 10), levels);
+    ASSERT_TRUE(fewer.ok()) << fewer.status();
+    EXPECT_EQ(fewer->levels, levels);
+    ASSERT_EQ(fewer->size(), ten.size());
+    ASSERT_EQ(fewer->book.size(), ten.size() * 4 * levels);
+    for (size_t i = 0; i < ten.size(); ++i) {
+      ASSERT_THAT(fewer->BookRow(i), ::testing::ElementsAreArray(ten.BookRow(i).subspan(0, 4 * levels))) << i;
+      ASSERT_EQ(fewer->messages[i].time, ten.messages[i].time) << i;
+    }
+  }
+}
+
 TEST(ReadLobster, InfersOneLevelAndReadsTheWholeAmznDay) {
   const LobsterData data = Amzn();
   EXPECT_EQ(data.levels, 1);
@@ -113,16 +130,16 @@ TEST(ReadLobster, InfersOneLevelAndReadsTheWholeAmznDay) {
   EXPECT_EQ(data.messages[57514].price, 2206300);
 }
 
-TEST(ReadLobster, AcceptsTheRightExplicitLevelCountAndRejectsAnother) {
+TEST(ReadLobster, AcceptsTheFilesLevelCountAndRefusesMore) {
   const std::string orderbook = ShippedLobsterPath("AAPL", "orderbook", 10);
   const std::string message = ShippedLobsterPath("AAPL", "message", 10);
   absl::StatusOr<LobsterData> ten = ReadLobster(orderbook, message, 10);
   ASSERT_TRUE(ten.ok()) << ten.status();
   EXPECT_EQ(ten->size(), 999u);
-  absl::StatusOr<LobsterData> one = ReadLobster(orderbook, message, 1);
-  ASSERT_FALSE(one.ok());
-  EXPECT_EQ(one.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(one.status().message(), HasSubstr(orderbook + ":1: found 40 columns, expected 4"));
+  absl::StatusOr<LobsterData> eleven = ReadLobster(orderbook, message, 11);
+  ASSERT_FALSE(eleven.ok());
+  EXPECT_EQ(eleven.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(eleven.status().message(), HasSubstr(orderbook + ":1: found 40 columns, expected at least 44"));
 }
 
 // Writes a small orderbook/message pair into the test's temp folder.
@@ -189,8 +206,9 @@ TEST_F(ReadLobsterErrors, OrderbookRowWiderThanTheFirst) {
               orderbook_ + ":2:", "found 8 columns, expected 4 (4 per level, 1 levels)");
 }
 
-TEST_F(ReadLobsterErrors, OrderbookNotFourTimesTheGivenLevels) {
-  ExpectError(Read(kBook, kMessages, 2), orderbook_ + ":1:", "found 4 columns, expected 8");
+TEST_F(ReadLobsterErrors, OrderbookShallowerThanTheGivenLevels) {
+  ExpectError(Read(kBook, kMessages, 2), orderbook_ + ":1:",
+              "found 4 columns, expected at least 8 (4 per level, 2 levels)");
 }
 
 TEST_F(ReadLobsterErrors, MessageWithFiveColumns) {

@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, precision, "auto",
           "3xtf32 (float32 accuracy on the TF32 tensor cores, held to fp32's bars) or tf32 (inputs rounded to TF32)");
 ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
 ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
-ABSL_FLAG(int, levels, 0, "book levels in the orderbook file (0: infer from the column count)");
+ABSL_FLAG(int, levels, 0,
+          "book levels to read: the orderbook file's first (best) levels (0: all, inferred from its column count)");
 ABSL_FLAG(int, steps, 200, "optimizer steps (>= 1)");
 ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's)");
 ABSL_FLAG(int, window, 0, "events per window (0: the config's)");
@@ -190,11 +191,7 @@ absl::Status Eval() {
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   const ModelConfig& config = checkpoint.config;
-  if (LobsterFeatureCount(data.levels) != config.n_features) {
-    return absl::InvalidArgumentError(absl::StrCat("the checkpoint expects ", config.n_features, " features but ",
-                                                   data.levels, " book levels give ",
-                                                   LobsterFeatureCount(data.levels)));
-  }
+  RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features, "the checkpoint"));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, OptimizerConfig{}, checkpoint.params));
   const size_t n = series.size();

@@ -180,6 +180,31 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
 }
 
+// A model of fewer book levels than the files hold: without --levels the mismatch names the flag that fits; with it,
+// train, eval and stream take the files' first levels.
+TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
+  const ScopedTempDir temp("ctl_levels");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1 --batch 8 --window 32")).exit_code, 0);
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+
+  const CommandResult refused = RunCommand(absl::StrCat(ctl, " train", files, " --steps 4"));
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.output, HasSubstr("the model takes 12 features but 10 book levels give 48; --levels 1 reads the "
+                                        "file's first 1"));
+  const CommandResult train = RunCommand(absl::StrCat(ctl, " train", files, " --levels 1 --steps 4 --log-every 4"));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("step 4/4  loss"));
+  const CommandResult eval = RunCommand(absl::StrCat(ctl, " eval", files, " --levels 1"));
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  const CommandResult stream =
+      RunCommand(absl::StrCat(ctl, " stream", files, " --levels 1 --instrument AAPL1 --count 50"));
+  ASSERT_EQ(stream.exit_code, 0) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("streamed 50 events of AAPL1"));
+}
+
 // A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
 TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 60s");
