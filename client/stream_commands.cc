@@ -11,8 +11,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -153,6 +154,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse daemon, client.GetStatus());
+  if (!daemon.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
+  RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, daemon.model().config().n_features(), "the model"));
   const int64_t size = static_cast<int64_t>(data.size());
   if (options.first >= size) {
     return absl::InvalidArgumentError(
@@ -276,10 +280,14 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   const int F = status.model().config().n_features();
   const int C = std::min(options.connections, options.instruments);
   const auto name = [](int i) { return absl::StrCat("bench-", i); };
-  for (int i = 0; i < options.instruments; ++i) {  // a fresh start: sequence numbers from 1
+  // A fresh start: sequence numbers from 1. Only the streams an earlier bench left are closed, so that a run adds no
+  // NOT_FOUND refusals to the daemon's metrics.
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse live, client.ListStreams());
+  for (const v1::StreamInfo& stream : live.streams()) {
+    if (!absl::StartsWith(stream.instrument(), "bench-")) continue;
     v1::CloseStreamRequest close;
-    close.set_instrument(name(i));
-    (void)client.CloseStream(close);
+    close.set_instrument(stream.instrument());
+    RETURN_IF_ERROR(client.CloseStream(close).status());
   }
 
   // Event j goes to instrument j mod N, so the first events % N instruments have one event more than the rest.

@@ -199,6 +199,9 @@ TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
   EXPECT_THAT(train.output, HasSubstr("step 4/4  loss"));
   const CommandResult eval = RunCommand(absl::StrCat(ctl, " eval", files, " --levels 1"));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  const CommandResult unfit = RunCommand(absl::StrCat(ctl, " stream", files, " --instrument AAPL1 --count 50"));
+  EXPECT_EQ(unfit.exit_code, 1);
+  EXPECT_THAT(unfit.output, HasSubstr("--levels 1 reads the file's first 1"));
   const CommandResult stream =
       RunCommand(absl::StrCat(ctl, " stream", files, " --levels 1 --instrument AAPL1 --count 50"));
   ASSERT_EQ(stream.exit_code, 0) << stream.output;
