@@ -179,6 +179,14 @@ ServerMetrics::ServerMetrics()
                        .Help("Jobs waiting for the device, the running one not included.")
                        .Register(*registry_)
                        .Add({})),
+      device_job_seconds_(prometheus::BuildGauge()
+                              .Name("perception_device_job_seconds")
+                              .Help("How long the device's running job (a training step, a tick, a checkpoint "
+                                    "load) has run so far in seconds; 0 when the device is idle. A hung kernel "
+                                    "shows as a value that keeps climbing (health turns NOT_SERVING past "
+                                    "--device_stall_timeout).")
+                              .Register(*registry_)
+                              .Add({})),
       stream_events_(prometheus::BuildCounter()
                          .Name("perception_stream_events_total")
                          .Help("Streamed events processed (one conviction each).")
@@ -207,9 +215,17 @@ ServerMetrics::ServerMetrics()
                           .Add({})),
       convictions_overwritten_(prometheus::BuildCounter()
                                    .Name("perception_convictions_overwritten_total")
-                                   .Help("Conviction-log entries overwritten before being read, all instruments.")
+                                   .Help("Conviction-log entries overwritten as instruments' log rings wrapped, "
+                                         "read or not (each ring keeps --stream_log_entries / --stream_slots), all "
+                                         "instruments.")
                                    .Register(*registry_)
                                    .Add({})),
+      overwritten_reads_(prometheus::BuildCounter()
+                             .Name("perception_convictions_lost_reads_total")
+                             .Help("ReadConvictions calls refused (OUT_OF_RANGE) because the entries they asked "
+                                   "for had been overwritten: convictions a client lost before reading them.")
+                             .Register(*registry_)
+                             .Add({})),
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: sequence, features, book, exchange_time "
@@ -224,6 +240,12 @@ ServerMetrics::ServerMetrics()
                                   .Register(*registry_)
                                   .Add({})) {
   ForgetTrainLoss();
+  for (const absl::StatusCode code :
+       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound,
+        absl::StatusCode::kResourceExhausted, absl::StatusCode::kUnavailable}) {
+    rejected_.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(code))}});
+  }
+  for (const std::string_view reason : kStreamRejectReasons) stream_rejected_.Add({{"reason", std::string(reason)}});
 }
 
 void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
@@ -241,6 +263,8 @@ void ServerMetrics::RejectStreamEvent(std::string_view reason) {
 void ServerMetrics::AddConvictionsOverwritten(uint64_t entries) {
   if (entries > 0) convictions_overwritten_.Increment(static_cast<double>(entries));
 }
+
+void ServerMetrics::ObserveOverwrittenRead() { overwritten_reads_.Increment(); }
 
 void ServerMetrics::SetActiveStreams(int streams) { active_streams_.Set(streams); }
 
@@ -285,6 +309,8 @@ void ServerMetrics::SetModelParameters(int64_t trained_parameters) {
 }
 
 void ServerMetrics::SetQueuedJobs(int jobs) { queued_jobs_.Set(jobs); }
+
+void ServerMetrics::SetDeviceJobSeconds(double seconds) { device_job_seconds_.Set(seconds); }
 
 std::string ServerMetrics::Render() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();

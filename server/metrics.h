@@ -1,6 +1,7 @@
 // The daemon's Prometheus metrics (training, streaming, RPCs, checkpoints, process) and their text exposition.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -14,6 +15,12 @@
 #include "prometheus/registry.h"
 
 namespace perception::server {
+
+// What perception_stream_events_rejected_total counts by: every series exists from the start at 0, so that a
+// first refusal shows in rate() and increase() (a series born at 1 would be its own baseline).
+inline constexpr std::array<std::string_view, 11> kStreamRejectReasons = {
+    "sequence", "features", "book",  "exchange_time", "capacity", "model_change",
+    "stopped",  "no_model", "empty", "seeding",       "payload"};
 
 // Thread-safe: every method may be called from any thread.
 class ServerMetrics {
@@ -41,9 +48,12 @@ class ServerMetrics {
   void ObserveStreamTick(int instruments, double seconds);
   // One streamed event, from its receipt to its conviction being in the log.
   void ObserveStreamEventLatency(double seconds);
-  // A streamed event refused, by reason (e.g. "sequence", "features", "book", "capacity", "no_model").
+  // A streamed event refused, by reason: one of kStreamRejectReasons.
   void RejectStreamEvent(std::string_view reason);
   void AddConvictionsOverwritten(uint64_t entries);
+  // A ReadConvictions refused (OUT_OF_RANGE) because the entries it asked for had been overwritten: a client lost
+  // convictions it had not read.
+  void ObserveOverwrittenRead();
   void SetActiveStreams(int streams);
   // The weights version streaming reads (the published copy).
   void SetStreamWeightsVersion(int64_t version);
@@ -53,6 +63,8 @@ class ServerMetrics {
   // Gauges of the daemon's state, set just before each scrape.
   void SetModelParameters(int64_t trained_parameters);
   void SetQueuedJobs(int jobs);
+  // How long the device's running job has run so far (0 when it is idle): a hung kernel shows as a climbing value.
+  void SetDeviceJobSeconds(double seconds);
 
   // Every metric, process metrics included, in the Prometheus text exposition format (version 0.0.4).
   std::string Render() const;
@@ -74,12 +86,14 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& checkpoint_duration_;
   prometheus::Gauge& model_parameters_;
   prometheus::Gauge& queued_jobs_;
+  prometheus::Gauge& device_job_seconds_;
   prometheus::Counter& stream_events_;
   prometheus::Histogram& stream_step_seconds_;
   prometheus::Histogram& stream_tick_instruments_;
   prometheus::Histogram& stream_event_latency_;
   prometheus::Gauge& active_streams_;
   prometheus::Counter& convictions_overwritten_;
+  prometheus::Counter& overwritten_reads_;
   prometheus::Family<prometheus::Counter>& stream_rejected_;
   prometheus::Gauge& stream_weights_version_;
 };

@@ -506,7 +506,9 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
     {
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(slot, table_.SlotOf(request.instrument()));
-      ASSIGN_OR_RETURN(range, table_.Range(slot, request.from_seq(), max_count));
+      absl::StatusOr<StreamTable::LogRange> held = table_.Range(slot, request.from_seq(), max_count);
+      if (absl::IsOutOfRange(held.status())) metrics_.ObserveOverwrittenRead();
+      ASSIGN_OR_RETURN(range, std::move(held));
     }
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     const int H = backend->config().n_horizons;

@@ -292,6 +292,18 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   ExpectPromtoolAccepts(*idle, dir);
   EXPECT_EQ(Sample(*idle, "perception_train_steps_total"), 0);
   EXPECT_TRUE(std::isnan(Sample(*idle, "perception_train_loss")));  // no training yet: not a loss of 0
+  // Every refusal series exists at 0 before its first refusal, so that rate() and increase() see that one.
+  for (const std::string reason :
+       {"invalid_argument", "failed_precondition", "not_found", "resource_exhausted", "unavailable"}) {
+    EXPECT_EQ(Sample(*idle, absl::StrCat("perception_requests_rejected_total{reason=\"", reason, "\"}")), 0) << reason;
+  }
+  for (const std::string reason : {"sequence", "features", "book", "exchange_time", "capacity", "model_change",
+                                    "stopped", "no_model", "empty", "seeding", "payload"}) {
+    EXPECT_EQ(Sample(*idle, absl::StrCat("perception_stream_events_rejected_total{reason=\"", reason, "\"}")), 0)
+        << reason;
+  }
+  EXPECT_EQ(Sample(*idle, "perception_convictions_lost_reads_total"), 0);
+  EXPECT_EQ(Sample(*idle, "perception_device_job_seconds"), 0) << "an idle device";
 
   const ModelConfig config = TinyConfig();
   for (int i = 0; i < 5; ++i)

@@ -451,6 +451,7 @@ TEST_F(StreamingTest, RingOverwriteIsReportedAndDisconnectsLoseNothingAcknowledg
   absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok());
   EXPECT_THAT(*metrics, HasSubstr("\nperception_convictions_overwritten_total 30\n"));
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_convictions_lost_reads_total 1\n")) << "the refused read from seq 1";
 
   // A client that disconnects mid-stream: everything acknowledged is in the log; it resumes after the last
   // accepted event and the log equals the whole series.
