@@ -121,6 +121,33 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   EXPECT_EQ(saved->step, static_cast<int64_t>(steps.size()));
 }
 
+// An open Stream whose request of events 1..n of instrument "A" (a random series of the tiny model from `seed`) the
+// daemon has acknowledged whole.
+struct AcknowledgedStream {
+  v1::StreamRequest events;
+  std::shared_ptr<std::atomic<uint64_t>> acked = std::make_shared<std::atomic<uint64_t>>(0);
+  std::unique_ptr<client::EventStream> stream;
+};
+absl::StatusOr<AcknowledgedStream> StreamUntilAcknowledged(client::PerceptionClient& client, int n, uint64_t seed) {
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, n, seed);
+  AcknowledgedStream opened;
+  for (int t = 0; t < n; ++t) {
+    *opened.events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
+  }
+  opened.events.set_ack(true);
+  opened.stream = client.OpenStream([acked = opened.acked](const v1::StreamResponse& response) {
+    for (const v1::InstrumentAck& ack : response.acks()) *acked = ack.last_seq();
+  });
+  if (!opened.stream->Write(opened.events)) return absl::UnavailableError("the stream ended before its events");
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (*opened.acked < static_cast<uint64_t>(n) && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  if (*opened.acked != static_cast<uint64_t>(n)) {
+    return absl::DeadlineExceededError(absl::StrCat("acknowledged ", opened.acked->load(), " of ", n, " events"));
+  }
+  return opened;
+}
+
 // Through --drain_grace the reads keep answering while new work is refused: a client whose Stream the drain ended
 // reads back the convictions of every event it streamed, which the device holds only until the daemon exits.
 TEST(LifecycleTest, ConvictionsStayReadableThroughTheDrainGrace) {
@@ -129,22 +156,10 @@ TEST(LifecycleTest, ConvictionsStayReadableThroughTheDrainGrace) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   client::PerceptionClient& client = (*daemon)->client();
   ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
-  const ModelConfig config = TinyConfig();
   constexpr int kEvents = 40;
-  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kEvents, 11);
-  v1::StreamRequest events;
-  for (int t = 0; t < kEvents; ++t) {
-    *events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
-  }
-  events.set_ack(true);
-  std::atomic<uint64_t> acked = 0;
-  const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
-    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
-  });
-  ASSERT_TRUE(stream->Write(events));
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (acked < kEvents && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ(acked, static_cast<uint64_t>(kEvents));
+  absl::StatusOr<AcknowledgedStream> acknowledged = StreamUntilAcknowledged(client, kEvents, 11);
+  ASSERT_TRUE(acknowledged.ok()) << acknowledged.status();
+  const std::unique_ptr<client::EventStream>& stream = acknowledged->stream;
   v1::ReadConvictionsRequest read;
   read.set_instrument("A");
   read.set_from_seq(1);
@@ -179,7 +194,7 @@ TEST(LifecycleTest, ConvictionsStayReadableThroughTheDrainGrace) {
 
   // New work is refused meanwhile: a new stream's events, a seed, a reset.
   const std::unique_ptr<client::EventStream> late = client.OpenStream([](const v1::StreamResponse&) {});
-  late->Write(events);
+  late->Write(acknowledged->events);
   const absl::Status late_end = late->Finish();
   EXPECT_EQ(late_end.code(), absl::StatusCode::kUnavailable) << late_end;
   v1::ResetStreamRequest reset;
@@ -201,19 +216,9 @@ TEST(LifecycleTest, AnIdleStreamEndsAtOnceOnSigterm) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   client::PerceptionClient& client = (*daemon)->client();
   ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
-  const ModelConfig config = TinyConfig();
-  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 10, 5);
-  v1::StreamRequest events;
-  for (int t = 0; t < 10; ++t) *events.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
-  events.set_ack(true);
-  std::atomic<uint64_t> acked = 0;
-  const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
-    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
-  });
-  ASSERT_TRUE(stream->Write(events));
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (acked < 10 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ(acked, 10u);
+  absl::StatusOr<AcknowledgedStream> acknowledged = StreamUntilAcknowledged(client, 10, 5);
+  ASSERT_TRUE(acknowledged.ok()) << acknowledged.status();
+  const std::unique_ptr<client::EventStream>& stream = acknowledged->stream;
 
   (*daemon)->Signal(SIGTERM);
   const absl::Time signalled = absl::Now();
