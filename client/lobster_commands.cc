@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -112,6 +114,34 @@ absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, cons
   return absl::OkStatus();
 }
 
+// The best validation loss of a run; each new best is saved to `checkpoint` (rank 0's daemon) when it names one.
+class BestValidation {
+ public:
+  BestValidation(PerceptionClient& client, std::string checkpoint)
+      : client_(client), checkpoint_(std::move(checkpoint)) {}
+
+  absl::Status Offer(double loss, int64_t step) {
+    if (!(loss < loss_)) return absl::OkStatus();
+    loss_ = loss;
+    step_ = step;
+    if (checkpoint_.empty()) return absl::OkStatus();
+    v1::SaveCheckpointRequest request;
+    request.set_name(checkpoint_);
+    ASSIGN_OR_RETURN(const v1::SaveCheckpointResponse saved, client_.SaveCheckpoint(request));
+    std::printf("saved the best model so far (validation loss %.5f, step %lld) to %s\n", loss,
+                static_cast<long long>(saved.step()), saved.name().c_str());
+    return absl::OkStatus();
+  }
+  double loss() const { return loss_; }
+  int64_t step() const { return step_; }
+
+ private:
+  PerceptionClient& client_;
+  const std::string checkpoint_;
+  double loss_ = std::numeric_limits<double>::infinity();
+  int64_t step_ = 0;
+};
+
 // The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
 // on every run, so training in chunks (train --steps N, again and again) would see the first chunk's batches over
 // and over. A run stays reproducible from (seed, starting step).
@@ -147,11 +177,22 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(PrepareModel(*rank, status.model(), split.train, options.lr));
 
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
-  ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,
-                         config.batch());
-  RETURN_IF_ERROR(TrainRanks(ranks, options.steps, batches, [&](const v1::TrainStepResponse& response) {
-    progress.Update(response.loss(), response.grad_norm());
-  }));
+  BestValidation best(client, options.save_best);
+  int64_t step = status.model().step();
+  for (int done = 0; done < options.steps;) {
+    const int chunk = options.eval_every > 0 ? std::min(options.eval_every, options.steps - done) : options.steps;
+    ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,
+                           config.batch());
+    RETURN_IF_ERROR(TrainRanks(ranks, chunk, batches, [&](const v1::TrainStepResponse& response) {
+      progress.Update(response.loss(), response.grad_norm());
+      step = response.step();
+    }));
+    done += chunk;
+    if (done == options.steps) break;
+    ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
+    progress.Note(absl::StrFormat("step %d: validation loss %.5f", step, totals.loss()));
+    RETURN_IF_ERROR(best.Offer(totals.loss(), step));
+  }
   progress.Finish();
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
@@ -159,6 +200,10 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n%s\n", totals.loss(), prior_loss,
               totals.loss() < prior_loss ? "better" : "WORSE", std::abs(prior_loss - totals.loss()),
               AccuracyByHorizon(totals).c_str());
+  RETURN_IF_ERROR(best.Offer(totals.loss(), step));
+  if (options.eval_every > 0) {
+    std::printf("best validation loss %.5f at step %lld\n", best.loss(), static_cast<long long>(best.step()));
+  }
   return absl::OkStatus();
 }
 

@@ -23,10 +23,14 @@ struct TrainOptions {
   double train_fraction = 0.7;
   uint64_t seed = 1;  // window sampling, mixed with the model's step (each run continues with fresh windows)
   int log_every = 10;
+  int eval_every = 0;     // steps between validation passes during the run (0: only at its end)
+  std::string save_best;  // a checkpoint name: saved on the daemon (rank 0) at each validation that beats the run's best
 };
 
 // Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training
 // windows through Train with a progress display, then prints the validation loss beside the class-prior baseline.
+// With `eval_every`, the validation loss is also printed every that many steps (the steps in between run as one
+// Train stream each, on the same batches as one stream would), and `save_best` keeps the best model of the run.
 // Several `ranks` are the daemons of one data-parallel job in rank order: each global batch of N·B windows is
 // sampled once and rank r trains on its windows [r·B, (r+1)·B) (client/data_parallel.h); rank 0 validates.
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options);

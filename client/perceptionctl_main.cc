@@ -41,6 +41,11 @@ ABSL_FLAG(uint64_t, seed, 1,
           "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
           "each run of train continues with fresh windows)");
 ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
+ABSL_FLAG(int, eval_every, 0,
+          "train: steps between validation passes, each printed (0: only the one at the end of the run)");
+ABSL_FLAG(std::string, save_best, "",
+          "train: checkpoint name (on the daemon, rank 0) that each validation beating the run's best so far saves "
+          "the model to; the name is checked at the first save");
 ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
 ABSL_FLAG(int, warmup, -1,
           "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
@@ -87,6 +92,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --lr_warmup_steps W --total_steps N --min_lr Y] [--replace]
     train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
+          [--eval-every N [--save-best NAME]]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
@@ -180,9 +186,19 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
   }
-  return TrainOptions{files, absl::GetFlag(FLAGS_steps), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_window),
-                      absl::GetFlag(FLAGS_lr), absl::GetFlag(FLAGS_train_fraction), absl::GetFlag(FLAGS_seed),
-                      absl::GetFlag(FLAGS_log_every)};
+  if (const int every = absl::GetFlag(FLAGS_eval_every); every < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--eval_every must be >= 0 (0: only at the end), got ", every));
+  }
+  return TrainOptions{files,
+                      absl::GetFlag(FLAGS_steps),
+                      absl::GetFlag(FLAGS_batch),
+                      absl::GetFlag(FLAGS_window),
+                      absl::GetFlag(FLAGS_lr),
+                      absl::GetFlag(FLAGS_train_fraction),
+                      absl::GetFlag(FLAGS_seed),
+                      absl::GetFlag(FLAGS_log_every),
+                      absl::GetFlag(FLAGS_eval_every),
+                      absl::GetFlag(FLAGS_save_best)};
 }
 
 absl::Status SaveCheckpoint(PerceptionClient& client, const std::string& name) {

@@ -37,6 +37,11 @@ void TrainingProgress::Update(double loss, double grad_norm) {
   }
 }
 
+void TrainingProgress::Note(const std::string& line) {
+  std::printf("%s%s\n", terminal_ && done_ > 0 ? "\n" : "", line.c_str());
+  std::fflush(stdout);
+}
+
 void TrainingProgress::Finish() {
   if (terminal_ && done_ > 0) std::printf("\n");
   std::fflush(stdout);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <string>
 
 namespace perception::client {
 
@@ -12,6 +13,8 @@ class TrainingProgress {
 
   // After each answered step.
   void Update(double loss, double grad_norm);
+  // A line of its own between the updates (on a terminal, the bar continues below it).
+  void Note(const std::string& line);
   // Ends the bar's line.
   void Finish();
 

@@ -208,6 +208,32 @@ TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
   EXPECT_THAT(stream.output, HasSubstr("streamed 50 events of AAPL1"));
 }
 
+// --eval-every validates during the run without changing it: the same batches, so the same final model as one
+// uninterrupted run; --save-best keeps the best validated model.
+TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
+  const ScopedTempDir temp("ctl_eval_every");
+  std::vector<std::string> finals;
+  for (const std::string extra : {"", " --eval-every 3 --save-best best/run.safetensors"}) {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+    ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --batch 8 --window 32")).exit_code, 0);
+    const CommandResult train = RunCommand(
+        absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 8 --log-every 100", extra));
+    ASSERT_EQ(train.exit_code, 0) << train.output;
+    const size_t at = train.output.find("validation loss ");
+    ASSERT_NE(at, std::string::npos) << train.output;
+    finals.push_back(train.output.substr(train.output.rfind("\nvalidation loss ") + 1, 40));
+    if (extra.empty()) continue;
+    EXPECT_THAT(train.output, HasSubstr("step 3: validation loss "));
+    EXPECT_THAT(train.output, HasSubstr("step 6: validation loss "));
+    EXPECT_THAT(train.output, HasSubstr("best validation loss "));
+    EXPECT_THAT(train.output, HasSubstr("saved the best model so far (validation loss "));
+    EXPECT_TRUE(std::filesystem::exists(temp.path() / "checkpoints" / "best" / "run.safetensors"));
+  }
+  EXPECT_EQ(finals[0], finals[1]) << "validating during the run changed it";
+}
+
 // A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
 TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 60s");
