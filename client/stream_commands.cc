@@ -136,11 +136,15 @@ absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, cons
   }
 }
 
-// The oldest sequence number the instrument's log holds now; 0 for an instrument the daemon does not know (the
-// read then says so).
-absl::StatusOr<uint64_t> OldestRetainedSeq(PerceptionClient& client, const std::string& instrument) {
+// What the instrument's log holds now, [oldest, end); {0, 0} for an instrument the daemon does not know (the read
+// then says so).
+struct RetainedLog {
+  uint64_t oldest = 0, end = 0;
+};
+absl::StatusOr<RetainedLog> RetainedLogOf(PerceptionClient& client, const std::string& instrument) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, instrument));
-  return stream.has_value() ? stream->oldest_retained_seq() : 0;
+  if (!stream.has_value()) return RetainedLog{};
+  return RetainedLog{stream->oldest_retained_seq(), stream->end_seq()};
 }
 
 }  // namespace
@@ -242,15 +246,17 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
     csv = ReadConvictionsCsv(client, instrument, from_seq);
   } else {
     // On a live instrument whose log wraps, the stream may overwrite the oldest entry before the read reaches it
-    // (OUT_OF_RANGE): start over, ahead of the new oldest by at least what was overwritten meanwhile.
-    ASSIGN_OR_RETURN(uint64_t oldest, OldestRetainedSeq(client, instrument));
+    // (OUT_OF_RANGE): start over, ahead of the new oldest by at least what was overwritten meanwhile, but within the
+    // first half of what the log holds (further ahead, a writer that lapped the reader would have it start past the
+    // log's end and write an empty file as if the log were empty).
+    ASSIGN_OR_RETURN(RetainedLog log, RetainedLogOf(client, instrument));
     uint64_t lead = 0;
     for (int attempt = 1;; ++attempt) {
-      csv = ReadConvictionsCsv(client, instrument, oldest + lead);
+      csv = ReadConvictionsCsv(client, instrument, log.oldest + lead);
       if (csv.ok() || !absl::IsOutOfRange(csv.status()) || attempt == kOldestReadAttempts) break;
-      ASSIGN_OR_RETURN(const uint64_t now_oldest, OldestRetainedSeq(client, instrument));
-      lead = std::max({2 * lead, now_oldest - oldest, uint64_t{1}});
-      oldest = now_oldest;
+      ASSIGN_OR_RETURN(const RetainedLog now, RetainedLogOf(client, instrument));
+      lead = std::min(std::max({2 * lead, now.oldest - log.oldest, uint64_t{1}}), (now.end - now.oldest) / 2);
+      log = now;
     }
   }
   RETURN_IF_ERROR(csv.status());

@@ -506,6 +506,38 @@ TEST(PerceptionctlTest, ConvictionsFromTheOldestOfAWrappingLog) {
   stream.get();
 }
 
+// A writer that laps the reader (16 entries a slot, the feed at full speed) can make every read from the oldest fail:
+// `convictions` then fails saying so, or writes what it caught, and never an empty file as if the log were empty
+// (its retries once started past the log's end).
+TEST(PerceptionctlTest, ConvictionsOfALogWrappingFasterThanTheReadNeverComeBackEmpty) {
+  const ScopedTempDir temp("ctl_convictions_lapped");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=64"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  std::future<CommandResult> stream =
+      std::async(std::launch::async, RunCommand, absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN"));
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "AMZN", 100)) << "the log has wrapped";
+  int failed = 0;
+  for (int read = 0; read < 20; ++read) {
+    const std::filesystem::path csv = temp.path() / absl::StrCat("amzn", read, ".csv");
+    const CommandResult convictions =
+        RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+    if (convictions.exit_code != 0) {
+      EXPECT_THAT(convictions.output, HasSubstr("OUT_OF_RANGE")) << read;
+      ++failed;
+      continue;
+    }
+    EXPECT_THAT(convictions.output, Not(HasSubstr("wrote only the header"))) << read;
+    const std::vector<std::string> lines = absl::StrSplit(FileText(csv), '\n', absl::SkipEmpty());
+    EXPECT_GT(lines.size(), 1u) << "rows beyond the header, read " << read;
+  }
+  std::printf("%d of 20 reads failed with OUT_OF_RANGE\n", failed);
+  (*daemon)->Signal(SIGKILL);
+  stream.get();
+}
+
 // The CSV is written only once every page is in: a read that fails on a later page (the stream overwrote what it
 // had yet to reach) leaves an existing file as it was.
 TEST(PerceptionctlTest, ConvictionsFailingOnALaterPageLeaveTheFileAsItWas) {
