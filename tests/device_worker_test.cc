@@ -144,8 +144,15 @@ TEST(StallWatchTest, AJobRunningPastTheLimitIsReportedOnceAndItsEndToo) {
                    },
                    [&] { recoveries.fetch_add(1); });
   ASSERT_TRUE(worker.Run(JobPriority::kTraining, [](ModelHost&) { return absl::OkStatus(); }).ok());
-  absl::Notification release;
-  ASSERT_TRUE(worker.Enqueue(JobPriority::kTraining, [&](ModelHost&) { release.WaitForNotification(); }).ok());
+  absl::Notification started, release;
+  ASSERT_TRUE(worker
+                  .Enqueue(JobPriority::kTraining,
+                           [&](ModelHost&) {
+                             started.Notify();
+                             release.WaitForNotification();
+                           })
+                  .ok());
+  started.WaitForNotification();  // the worker may take the job a few milliseconds after Enqueue returns
   std::this_thread::sleep_for(milliseconds(400));
   EXPECT_EQ(stalls.load(), 1) << "one report for the one stalled job";
   EXPECT_TRUE(reported_past_the_limit.load());

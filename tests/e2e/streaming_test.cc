@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "engine/backend.h"
 #include "engine/lobster.h"
@@ -349,6 +350,7 @@ TEST_F(StreamingTest, TrainingWhileStreamingGivesConvictionsOfWholePublishedVers
   absl::Mutex mu;
   bool trained = false;  // guarded by mu
   int sent = 0;
+  absl::Notification streaming;  // the first request is acknowledged: training starts after it
   std::thread streamer([&] {
     client::PerceptionClient client(daemon_->target());
     absl::Mutex ack_mu;
@@ -364,12 +366,14 @@ TEST_F(StreamingTest, TrainingWhileStreamingGivesConvictionsOfWholePublishedVers
       ASSERT_TRUE(stream->Write(request));
       const auto done = [&] { return acked == static_cast<uint64_t>(sent); };
       absl::MutexLock lock(&ack_mu, absl::Condition(&done));
+      if (!streaming.HasBeenNotified()) streaming.Notify();
       absl::MutexLock trained_lock(&mu);
       if (trained) ++after_training;
     }
     EXPECT_TRUE(stream->Finish().ok());
   });
-  absl::SleepFor(absl::Milliseconds(20));
+  // A fixed 20 ms wait here once let 20 steps train before the first event arrived (a loaded host).
+  EXPECT_TRUE(streaming.WaitForNotificationWithTimeout(absl::Seconds(30))) << "no event acknowledged";
   std::vector<int64_t> steps;
   const absl::Status training = client().Train(
       kSteps, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[i], config); },
