@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -240,9 +241,7 @@ ServerMetrics::ServerMetrics()
                                   .Register(*registry_)
                                   .Add({})) {
   ForgetTrainLoss();
-  for (const absl::StatusCode code :
-       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound,
-        absl::StatusCode::kResourceExhausted, absl::StatusCode::kUnavailable}) {
+  for (const absl::StatusCode code : kRefusalCodes) {
     rejected_.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(code))}});
   }
   for (const std::string_view reason : kStreamRejectReasons) stream_rejected_.Add({{"reason", std::string(reason)}});
@@ -318,17 +317,6 @@ std::string ServerMetrics::Render() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
-bool IsRefusal(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kUnavailable:
-      return true;
-    default:
-      return false;
-  }
-}
+bool IsRefusal(absl::StatusCode code) { return std::ranges::find(kRefusalCodes, code) != kRefusalCodes.end(); }
 
 }  // namespace perception::server

@@ -103,5 +103,9 @@ class ServerMetrics {
 // checkpoint, data-parallel replicas that diverged), INTERNAL and the like. RESOURCE_EXHAUSTED counts as a refusal
 // although a device out of memory answers it too.
 bool IsRefusal(absl::StatusCode code);
+// The codes IsRefusal takes for refusals: perception_requests_rejected_total's reasons, in lower case.
+inline constexpr std::array<absl::StatusCode, 5> kRefusalCodes = {
+    absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound,
+    absl::StatusCode::kResourceExhausted, absl::StatusCode::kUnavailable};
 
 }  // namespace perception::server
