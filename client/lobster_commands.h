@@ -24,7 +24,7 @@ struct TrainOptions {
   uint64_t seed = 1;  // window sampling, mixed with the model's step (each run continues with fresh windows)
   int log_every = 10;
   int eval_every = 0;     // steps between validation passes during the run (0: only at its end)
-  std::string save_best;  // a checkpoint name: saved on the daemon (rank 0) at each validation that beats the run's best
+  std::string save_best;  // a checkpoint name, saved on the daemon (rank 0) at each validation beating the run's best
 };
 
 // Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training

@@ -43,9 +43,10 @@ struct LobsterData {
 };
 
 // Reads a LOBSTER orderbook file and its message file (no header rows). levels = 0 infers the level count
-// from the orderbook's column count (a multiple of 4); levels below the file's take its first (best) levels. Every error names the file and its 1-based line:
-// wrong column count, a non-numeric field, a type outside 1..7 or a direction other than ±1, decreasing
-// times, a book row ValidateBookRow refuses and row counts that differ between the two files.
+// from the orderbook's column count (a multiple of 4); levels below the file's take its first (best) levels. Every
+// error names the file and its 1-based line: wrong column count, a non-numeric field, a type outside 1..7 or a
+// direction other than ±1, decreasing times, a book row ValidateBookRow refuses and row counts that differ between
+// the two files.
 absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const std::string& message_path,
                                         int levels = 0);
 
