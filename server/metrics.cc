@@ -214,6 +214,19 @@ ServerMetrics::ServerMetrics()
                           .Help("Live streams (instruments holding a state slot).")
                           .Register(*registry_)
                           .Add({})),
+      stream_pending_events_(prometheus::BuildGauge()
+                                 .Name("perception_stream_pending_events")
+                                 .Help("Streamed events accepted and not yet processed, over all streams. At "
+                                       "--stream_max_pending_events the Stream calls stop reading requests until "
+                                       "the device catches up.")
+                                 .Register(*registry_)
+                                 .Add({})),
+      stream_reads_held_(prometheus::BuildCounter()
+                             .Name("perception_stream_reads_held_total")
+                             .Help("Times a Stream call held back its next read because --stream_max_pending_events "
+                                   "events were waiting for the device: the feeds outrun the device.")
+                             .Register(*registry_)
+                             .Add({})),
       convictions_overwritten_(prometheus::BuildCounter()
                                    .Name("perception_convictions_overwritten_total")
                                    .Help("Conviction-log entries overwritten as instruments' log rings wrapped, "
@@ -266,6 +279,10 @@ void ServerMetrics::AddConvictionsOverwritten(uint64_t entries) {
 void ServerMetrics::ObserveOverwrittenRead() { overwritten_reads_.Increment(); }
 
 void ServerMetrics::SetActiveStreams(int streams) { active_streams_.Set(streams); }
+
+void ServerMetrics::SetStreamPendingEvents(int64_t events) { stream_pending_events_.Set(static_cast<double>(events)); }
+
+void ServerMetrics::ObserveStreamReadHeld() { stream_reads_held_.Increment(); }
 
 void ServerMetrics::SetStreamWeightsVersion(int64_t version) {
   stream_weights_version_.Set(static_cast<double>(version));

@@ -55,6 +55,10 @@ class ServerMetrics {
   // convictions it had not read.
   void ObserveOverwrittenRead();
   void SetActiveStreams(int streams);
+  // Streamed events accepted and not yet processed, over all streams.
+  void SetStreamPendingEvents(int64_t events);
+  // A Stream call stopped reading because the daemon held its most pending events (StreamOptions::max_pending_events).
+  void ObserveStreamReadHeld();
   // The weights version streaming reads (the published copy).
   void SetStreamWeightsVersion(int64_t version);
   // A resident streaming step stopped because the device had no work for a while (ModelHost::ReleaseIdleDevice).
@@ -92,6 +96,8 @@ class ServerMetrics {
   prometheus::Histogram& stream_tick_instruments_;
   prometheus::Histogram& stream_event_latency_;
   prometheus::Gauge& active_streams_;
+  prometheus::Gauge& stream_pending_events_;
+  prometheus::Counter& stream_reads_held_;
   prometheus::Counter& convictions_overwritten_;
   prometheus::Counter& overwritten_reads_;
   prometheus::Family<prometheus::Counter>& stream_rejected_;

@@ -82,6 +82,10 @@ ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many p
 ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
 ABSL_FLAG(int, publish_every_steps, 1,
           "training steps between refreshes of the published weights that streaming reads");
+ABSL_FLAG(int64_t, stream_max_pending_events, 1 << 20,
+          "streamed events accepted and not yet processed, over all streams, at which Stream calls stop reading "
+          "requests until the device catches up (bounds the daemon's memory; each call reads at most one request "
+          "past it)");
 ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions page returns");
 ABSL_FLAG(int, world_size, 0,
           "data-parallel training over NCCL: the number of daemons (one GPU each) in the job; 0: not data parallel. "
@@ -137,12 +141,13 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
+  options.max_pending_events = absl::GetFlag(FLAGS_stream_max_pending_events);
   const int idle_ms = absl::GetFlag(FLAGS_stream_resident_idle_ms);
   if (idle_ms < 0) return absl::InvalidArgumentError("--stream_resident_idle_ms must be 0 (never) or positive");
   options.resident_idle_period = idle_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(idle_ms);
   if (options.device.slots < 1 || options.device.log_entries_total < options.device.slots ||
       options.device.publish_every_steps < 1 || options.ack_every_events < 1 || options.ack_every_ms < 1 ||
-      options.max_read_count < 1) {
+      options.max_read_count < 1 || options.max_pending_events < 1) {
     return absl::InvalidArgumentError(
         "streaming flags must be positive, and --stream_log_entries at least --stream_slots");
   }

@@ -203,7 +203,7 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   queue.lobster = lobster;
   queue.x.insert(queue.x.end(), x.begin(), x.end());
   queue.events.push_back({dt, event.seq(), sink, Clock::now()});
-  ++pending_;
+  AddPendingLocked(1);
   if (!queue.ready) {
     queue.ready = true;
     ready_.push_back(slot);
@@ -272,7 +272,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       notices_.push_back({event.sink, slot, event.seq});
       received_.push_back(event.received);
       tick_log_indices_.push_back(table_.NextLogIndex(slot));
-      --pending_;
+      AddPendingLocked(-1);
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
       } else {
@@ -346,7 +346,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
           cause.message(), "); it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
           notice.seq));
       for (const Pending& event : queue.events) dropped_.push_back({event.sink, notice.slot, event.seq});
-      pending_ -= static_cast<int64_t>(queue.events.size());
+      AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
       queue.events.clear();
       queue.x.clear();
       queue.ready = false;
@@ -580,6 +580,18 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     }
   }
   return response;
+}
+
+bool StreamBatcher::RoomToRead(bool held) {
+  absl::MutexLock lock(&mu_);
+  const bool room = pending_ < options_.max_pending_events;
+  if (!room && !held) metrics_.ObserveStreamReadHeld();
+  return room;
+}
+
+void StreamBatcher::AddPendingLocked(int64_t delta) {
+  pending_ += delta;
+  metrics_.SetStreamPendingEvents(pending_);
 }
 
 void StreamBatcher::FillStatus(v1::StreamingStatus& status) const {

@@ -35,6 +35,8 @@ struct StreamOptions {
   int64_t max_read_count = 65536;      // most convictions per ReadConvictions page
   int64_t max_unprocessed_per_call = 16384;  // a Stream call reads no further request while it has this many
                                              // accepted events not yet processed (back-pressure on the client)
+  int64_t max_pending_events = 1 << 20;  // no Stream call reads a further request while the daemon holds this many
+                                         // accepted events not yet processed, over all calls (bounds its memory)
   // The device worker releases a running resident step (ModelHost::ReleaseIdleDevice) after this long without work.
   absl::Duration resident_idle_period = absl::Seconds(1);
 };
@@ -84,6 +86,11 @@ class StreamBatcher {
   absl::Status Reset(const std::string& instrument);
   absl::StatusOr<uint64_t> Close(const std::string& instrument);  // the events it processed
   v1::ListStreamsResponse List() const;
+  // Whether a Stream call may read another request: fewer than options.max_pending_events accepted events wait for
+  // the device. Each call reads at most one request past the limit, so the daemon holds at most that many events
+  // more than it (one request of each live call). A call that was not `held` before and is now counts in the
+  // metrics.
+  bool RoomToRead(bool held);
   // Everything but the weights version (the model host's).
   void FillStatus(v1::StreamingStatus& status) const;
 
@@ -137,6 +144,8 @@ class StreamBatcher {
   void StopFailedStreams(const absl::Status& cause, bool device_configured);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // pending_ changed by `delta` (negative: processed or dropped); the metric follows it.
+  void AddPendingLocked(int64_t delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DeviceWorker& worker_;
   const StreamOptions options_;

@@ -158,17 +158,22 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
       writing_ = true;
       StartWrite(&outgoing_);
     }
-    if (!unacked_.empty() && !alarm_pending_) {
+    if (unacked_.empty()) alarm_fired_ = false;  // a held call's alarm: no acknowledgement was due
+    const bool may_read = incoming_ == nullptr && !input_done_ && unprocessed_ < options_.max_unprocessed_per_call;
+    held_ = may_read && !batcher_.RoomToRead(held_);
+    if (may_read && !held_) {
+      incoming_ = std::make_unique<v1::StreamRequest>();
+      StartRead(incoming_.get());
+    }
+    // A held call looks again when its own events are processed, and at the latest on its alarm (it may have none
+    // pending).
+    if ((!unacked_.empty() || held_) && !alarm_pending_) {
       alarm_fired_ = false;
       retired_alarm_ = std::move(alarm_);  // its callback has run; the one before it goes now
       alarm_ = std::make_unique<grpc::Alarm>();
       alarm_pending_ = true;
       alarm_->Set(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.ack_every_ms),
                   [this](bool ok) { OnAlarm(ok); });
-    }
-    if (incoming_ == nullptr && !input_done_ && unprocessed_ < options_.max_unprocessed_per_call) {
-      incoming_ = std::make_unique<v1::StreamRequest>();
-      StartRead(incoming_.get());
     }
   }
   // The batcher refers to this reactor until every accepted event is processed, the response must outlive its

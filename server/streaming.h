@@ -20,15 +20,15 @@
 
 namespace perception::server {
 
-// One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival);
-// no further request is read while options.max_unprocessed_per_call of the call's events wait for the device, so
-// a fast client is held back by gRPC's flow control rather than buffered. Acknowledgements carry, per instrument,
-// the last processed sequence number: one goes out after options.ack_every_events processed events, after
-// options.ack_every_ms from the first unacknowledged one (a gRPC alarm), when a request with `ack` is wholly
-// processed, and at the end. The first refusal, or the client's half-close, ends the input; the call finishes
-// once every accepted event is processed and acknowledged, with the refusal's status or OK. A drain ends the input
-// as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements, not the processing. The
-// reactor deletes itself when gRPC is done.
+// One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival); no
+// further request is read while options.max_unprocessed_per_call of the call's events, or options.max_pending_events of
+// all calls' events, wait for the device, so a fast client is held back by gRPC's flow control rather than buffered.
+// Acknowledgements carry, per instrument, the last processed sequence number: one goes out after
+// options.ack_every_events processed events, after options.ack_every_ms from the first unacknowledged one (a gRPC
+// alarm), when a request with `ack` is wholly processed, and at the end. The first refusal, or the client's half-close,
+// ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
+// or OK. A drain ends the input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements,
+// not the processing. The reactor deletes itself when gRPC is done.
 class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
                             public StreamSink,
                             public DrainableCall {
@@ -67,6 +67,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a request was refused
   absl::Status error_ ABSL_GUARDED_BY(mu_);       // the first refusal or device failure
   int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
+  bool held_ ABSL_GUARDED_BY(mu_) = false;        // no read started: the daemon's pending events are at their limit
   uint64_t processed_ ABSL_GUARDED_BY(mu_) = 0;
   // Requests with `ack` wait for their own events only (events of other instruments are processed in the same
   // ticks): per instrument, in order, the last sequence number each such request sent of it, and per request the

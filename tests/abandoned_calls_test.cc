@@ -34,13 +34,7 @@ class AbandonedCallsTest : public ::testing::Test {
  protected:
   // A model at step 2 whose step-1 state is saved as kCheckpoint.
   void SetUp() override {
-    v1::InitModelRequest init;
-    init.set_config_name("tiny");
-    init.set_seed(3);
-    grpc::ClientContext context;
-    context.set_deadline(In(kPatient));
-    v1::InitModelResponse initialized;
-    const grpc::Status status = daemon_.stub().InitModel(&context, init, &initialized);
+    const grpc::Status status = daemon_.InitTinyModel(3);
     ASSERT_TRUE(status.ok()) << status.error_message();
     ASSERT_EQ(Train(kPatient).error_code(), grpc::StatusCode::OK);
     v1::SaveCheckpointRequest save;

@@ -62,14 +62,8 @@ std::chrono::system_clock::time_point Deadline() { return std::chrono::system_cl
 class AppliedFailedStepTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    v1::InitModelRequest init;
-    init.set_config_name("tiny");
-    grpc::ClientContext context;
-    context.set_deadline(Deadline());
-    v1::InitModelResponse response;
-    const grpc::Status status = daemon_.stub().InitModel(&context, init, &response);
+    const grpc::Status status = daemon_.InitTinyModel(0, false, &initialized_);
     ASSERT_TRUE(status.ok()) << status.error_message();
-    initialized_ = response.model();
   }
 
   v1::TrainStepRequest Request(int seed) const {

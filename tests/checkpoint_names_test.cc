@@ -38,12 +38,7 @@ class CheckpointNamesTest : public ::testing::Test {
   }
 
   void InitModel() {
-    v1::InitModelRequest request;
-    request.set_config_name("tiny");
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    v1::InitModelResponse response;
-    const grpc::Status status = daemon_.stub().InitModel(&context, request, &response);
+    const grpc::Status status = daemon_.InitTinyModel(0);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
 

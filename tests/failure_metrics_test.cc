@@ -63,12 +63,7 @@ TEST(FailureMetricsTest, ADataLossStepIsAnErrorAndNotARefusal) {
   InProcessDaemon daemon(
       [](std::unique_ptr<Backend> inner) { return std::make_unique<DivergingBackend>(std::move(inner)); },
       "failure_metrics_checkpoints");
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  grpc::ClientContext init_context;
-  init_context.set_deadline(Deadline());
-  v1::InitModelResponse model;
-  ASSERT_TRUE(daemon.stub().InitModel(&init_context, init, &model).ok());
+  ASSERT_TRUE(daemon.InitTinyModel(0).ok());
 
   const ModelConfig config = *NamedConfig("tiny");
   v1::TrainStepRequest request;

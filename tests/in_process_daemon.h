@@ -1,6 +1,8 @@
 // perceptiond's service as Serve() assembles it, on the CPU and in process, for tests that decorate its backends.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -24,8 +26,10 @@ namespace perception::testing {
 // temporary folder, under `checkpoint_folder`.
 class InProcessDaemon {
  public:
-  InProcessDaemon(server::ModelHost::BackendDecorator decorate, const std::string& checkpoint_folder)
-      : worker_(std::make_unique<server::ModelHost>("cpu", metrics_, stream_options_.device, /*use_graphs=*/true,
+  InProcessDaemon(server::ModelHost::BackendDecorator decorate, const std::string& checkpoint_folder,
+                  const server::StreamOptions& stream_options = {})
+      : stream_options_(stream_options),
+        worker_(std::make_unique<server::ModelHost>("cpu", metrics_, stream_options_.device, /*use_graphs=*/true,
                                                     Precision::kFloat32, std::move(decorate)),
                 limits_.queue_depth, stream_options_.resident_idle_period),
         streams_(worker_, stream_options_, metrics_),
@@ -43,13 +47,27 @@ class InProcessDaemon {
   }
 
   v1::Perception::Stub& stub() { return *stub_; }
+  // InitModel of the `tiny` preset from `seed` (replacing the model there when `replace`); the model goes to `model`
+  // where given.
+  grpc::Status InitTinyModel(uint64_t seed, bool replace = false, v1::Model* model = nullptr) {
+    v1::InitModelRequest request;
+    request.set_config_name("tiny");
+    request.set_seed(seed);
+    request.set_replace(replace);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::InitModelResponse response;
+    const grpc::Status status = stub_->InitModel(&context, request, &response);
+    if (model != nullptr) *model = response.model();
+    return status;
+  }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }
   const server::ServerMetrics& metrics() const { return metrics_; }
 
  private:
   server::ServerMetrics metrics_;
-  const server::StreamOptions stream_options_{};
+  const server::StreamOptions stream_options_;
   const server::Limits limits_{.max_message_bytes = 64 << 20, .max_batch = 1024, .max_window = 4096, .queue_depth = 8};
   server::DeviceWorker worker_;
   server::StreamBatcher streams_;

@@ -72,16 +72,7 @@ class StreamFailureTest : public ::testing::Test {
   void SetUp() override { ASSERT_TRUE(InitModel().ok()); }
 
   // The tiny model from kSeed, replacing the one there.
-  grpc::Status InitModel() {
-    v1::InitModelRequest init;
-    init.set_config_name("tiny");
-    init.set_seed(kSeed);
-    init.set_replace(true);
-    grpc::ClientContext context;
-    context.set_deadline(Deadline());
-    v1::InitModelResponse response;
-    return daemon_.stub().InitModel(&context, init, &response);
-  }
+  grpc::Status InitModel() { return daemon_.InitTinyModel(kSeed, /*replace=*/true); }
 
   // Event `t` of the instrument's random series, with sequence number `seq`.
   v1::StreamEvent Event(const std::string& instrument, int t, uint64_t seq) const {

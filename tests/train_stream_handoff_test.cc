@@ -49,13 +49,7 @@ class TrainStreamHandoffTest : public ::testing::Test {
   static constexpr absl::Duration kStepDelay = absl::Milliseconds(20);
 
   void SetUp() override {
-    v1::InitModelRequest init;
-    init.set_config_name("tiny");
-    init.set_seed(5);
-    grpc::ClientContext context;
-    context.set_deadline(Deadline());
-    v1::InitModelResponse response;
-    const grpc::Status status = daemon_.stub().InitModel(&context, init, &response);
+    const grpc::Status status = daemon_.InitTinyModel(5);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
 
@@ -213,14 +207,7 @@ TEST_F(TrainStreamHandoffTest, AStreamWhoseModelWasReplacedEndsAborted) {
   ASSERT_TRUE(stream->Read(&response));
   EXPECT_EQ(response.step(), 1);
 
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  init.set_seed(6);
-  init.set_replace(true);
-  grpc::ClientContext init_context;
-  init_context.set_deadline(Deadline());
-  v1::InitModelResponse initialized;
-  ASSERT_TRUE(daemon_.stub().InitModel(&init_context, init, &initialized).ok());
+  ASSERT_TRUE(daemon_.InitTinyModel(6, /*replace=*/true).ok());
 
   *request.mutable_batch() = BatchMessage(sent[1], config_);
   stream->Write(request);  // may fail once the stream has ended
