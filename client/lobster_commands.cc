@@ -179,6 +179,13 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
   BestValidation best(client, options.save_best);
   int64_t step = status.model().step();
+  if (!options.save_best.empty()) {
+    // The starting model is the run's first candidate: saving it checks the name before any step is spent, and a
+    // run that only made the model worse keeps the model it started from.
+    ASSIGN_OR_RETURN(const EvaluationTotals start, EvaluateWindows(client, validation, status.limits()));
+    progress.Note(absl::StrFormat("step %d: validation loss %.5f", step, start.loss()));
+    RETURN_IF_ERROR(best.Offer(start.loss(), step));
+  }
   for (int done = 0; done < options.steps;) {
     const int chunk = options.eval_every > 0 ? std::min(options.eval_every, options.steps - done) : options.steps;
     ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,

@@ -45,7 +45,7 @@ ABSL_FLAG(int, eval_every, 0,
           "train: steps between validation passes, each printed (0: only the one at the end of the run)");
 ABSL_FLAG(std::string, save_best, "",
           "train: checkpoint name (on the daemon, rank 0) that each validation beating the run's best so far saves "
-          "the model to; the name is checked at the first save");
+          "the model to; the starting model is validated and saved first, so a bad name fails before any step");
 ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
 ABSL_FLAG(int, warmup, -1,
           "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "

@@ -225,6 +225,7 @@ TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
     ASSERT_NE(at, std::string::npos) << train.output;
     finals.push_back(train.output.substr(train.output.rfind("\nvalidation loss ") + 1, 40));
     if (extra.empty()) continue;
+    EXPECT_THAT(train.output, HasSubstr("step 0: validation loss "));  // the starting model, a candidate too
     EXPECT_THAT(train.output, HasSubstr("step 3: validation loss "));
     EXPECT_THAT(train.output, HasSubstr("step 6: validation loss "));
     EXPECT_THAT(train.output, HasSubstr("best validation loss "));
@@ -232,6 +233,22 @@ TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
     EXPECT_TRUE(std::filesystem::exists(temp.path() / "checkpoints" / "best" / "run.safetensors"));
   }
   EXPECT_EQ(finals[0], finals[1]) << "validating during the run changed it";
+}
+
+// A --save-best name the daemon refuses fails the run before its first step, not at its first validation.
+TEST(PerceptionctlTest, SaveBestRefusesABadNameBeforeTraining) {
+  const ScopedTempDir temp("ctl_save_best");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --batch 8 --window 32")).exit_code, 0);
+  const CommandResult train = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages,
+                                                      " --steps 50 --eval-every 25 --save-best ../outside"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("INVALID_ARGUMENT: name: checkpoint name '../outside' must not contain '..'"));
+  const CommandResult status = RunCommand(absl::StrCat(ctl, " status"));
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_THAT(status.output, HasSubstr("  step 0, ")) << "the run trained before it failed";
 }
 
 // A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
