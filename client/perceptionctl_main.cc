@@ -258,79 +258,49 @@ absl::Status ListStreams(PerceptionClient& client) {
 }
 
 // A command resolved from the arguments and flags before anything is sent or waited for (--wait), so that a
-// mistyped one fails at once.
-using Command = std::function<absl::Status(PerceptionClient&)>;
-// The same for --targets: the commands that address every rank of a data-parallel job.
-using RanksCommand = std::function<absl::Status(std::span<PerceptionClient* const>)>;
+// mistyped one fails at once. It addresses the daemons of --targets (the ranks of a data-parallel job) or the one of
+// --target.
+using Command = std::function<absl::Status(std::span<PerceptionClient* const>)>;
+using DaemonCommand = std::function<absl::Status(PerceptionClient&)>;
 
-RanksCommand OnEveryRank(Command command) {
-  return [command = std::move(command)](std::span<PerceptionClient* const> ranks) -> absl::Status {
-    for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(command(*rank));
+Command OnEveryDaemon(DaemonCommand command) {
+  return [command = std::move(command)](std::span<PerceptionClient* const> daemons) -> absl::Status {
+    for (PerceptionClient* daemon : daemons) RETURN_IF_ERROR(command(*daemon));
     return absl::OkStatus();
   };
 }
 
-absl::StatusOr<RanksCommand> ParseRanksCommand(const std::vector<std::string>& args) {
-  const std::string command = args.size() > 1 ? args[1] : "";
-  if (command == "status" && args.size() == 2) return OnEveryRank(Status);
-  if (command == "init" && args.size() == 2) return OnEveryRank(Init);
-  if (command == "train" && args.size() == 2) {
-    ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
-    return RanksCommand([options](std::span<PerceptionClient* const> ranks) { return TrainOnLobster(ranks, options); });
-  }
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
-    return OnEveryRank([name = args[3]](PerceptionClient& rank) { return LoadCheckpoint(rank, name); });
-  }
-  // Every rank holds the same parameters (checked by checksum); rank 0 saves them.
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
-    return RanksCommand([name = args[3]](std::span<PerceptionClient* const> ranks) {
-      return SaveCheckpoint(*ranks[0], name);
-    });
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--targets applies to status, init, train and checkpoint save|load; give one --target for the rest (got: ",
-      absl::StrJoin(args.begin() + 1, args.end(), " "), ")"));
+// A command for the first daemon only: the one of --target, or rank 0 of --targets.
+Command OnFirstDaemon(DaemonCommand command) {
+  return [command = std::move(command)](std::span<PerceptionClient* const> daemons) { return command(*daemons[0]); };
 }
 
-absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args) {
+// The commands of one daemon only.
+absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>& args) {
   const std::string command = args.size() > 1 ? args[1] : "";
-  if (command == "status" && args.size() == 2) return Command(Status);
-  if (command == "init" && args.size() == 2) return Command(Init);
-  if (command == "train" && args.size() == 2) {
-    ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
-    return Command([options](PerceptionClient& client) {
-      return TrainOnLobster(std::span<PerceptionClient* const>({&client}), options);
-    });
-  }
   if (command == "eval" && args.size() == 2) {
     ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-    return Command([files, window = absl::GetFlag(FLAGS_window)](PerceptionClient& client) {
+    return DaemonCommand([files, window = absl::GetFlag(FLAGS_window)](PerceptionClient& client) {
       return EvaluateLobster(client, files, window);
     });
   }
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
-    return Command([name = args[3]](PerceptionClient& client) { return SaveCheckpoint(client, name); });
-  }
-  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
-    return Command([name = args[3]](PerceptionClient& client) { return LoadCheckpoint(client, name); });
-  }
   if (command == "stream" && args.size() == 2) {
     ASSIGN_OR_RETURN(const StreamOptions options, StreamOptionsFromFlags());
-    return Command([options](PerceptionClient& client) { return StreamLobster(client, options); });
+    return DaemonCommand([options](PerceptionClient& client) { return StreamLobster(client, options); });
   }
   if (command == "convictions" && args.size() == 2) {
-    return Command([instrument = absl::GetFlag(FLAGS_instrument), from = absl::GetFlag(FLAGS_from),
-                    out = absl::GetFlag(FLAGS_out)](PerceptionClient& client) {
+    return DaemonCommand([instrument = absl::GetFlag(FLAGS_instrument), from = absl::GetFlag(FLAGS_from),
+                          out = absl::GetFlag(FLAGS_out)](PerceptionClient& client) {
       return WriteConvictions(client, instrument, from, out);
     });
   }
   if (command == "bench" && args.size() == 2) {
     ASSIGN_OR_RETURN(const BenchOptions options, BenchOptionsFromFlags());
-    return Command([options](PerceptionClient& client) { return Bench(client, options); });
+    return DaemonCommand([options](PerceptionClient& client) { return Bench(client, options); });
   }
-  if (command == "streams" && args.size() == 2) return Command(ListStreams);
+  if (command == "streams" && args.size() == 2) return DaemonCommand(ListStreams);
   if (command == "streams" && args.size() == 4 && args[2] == "reset") {
-    return Command([instrument = args[3]](PerceptionClient& client) -> absl::Status {
+    return DaemonCommand([instrument = args[3]](PerceptionClient& client) -> absl::Status {
       v1::ResetStreamRequest request;
       request.set_instrument(instrument);
       RETURN_IF_ERROR(client.ResetStream(request).status());
@@ -339,7 +309,7 @@ absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args) {
     });
   }
   if (command == "streams" && args.size() == 4 && args[2] == "close") {
-    return Command([instrument = args[3]](PerceptionClient& client) -> absl::Status {
+    return DaemonCommand([instrument = args[3]](PerceptionClient& client) -> absl::Status {
       v1::CloseStreamRequest request;
       request.set_instrument(instrument);
       ASSIGN_OR_RETURN(const v1::CloseStreamResponse closed, client.CloseStream(request));
@@ -352,23 +322,44 @@ absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args) {
       absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
 }
 
+// `several`: --targets named the daemons, so only the commands that address every rank are taken.
+absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool several) {
+  const std::string command = args.size() > 1 ? args[1] : "";
+  if (command == "status" && args.size() == 2) return OnEveryDaemon(Status);
+  if (command == "init" && args.size() == 2) return OnEveryDaemon(Init);
+  if (command == "train" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
+    return Command([options](std::span<PerceptionClient* const> ranks) { return TrainOnLobster(ranks, options); });
+  }
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
+    return OnEveryDaemon([name = args[3]](PerceptionClient& rank) { return LoadCheckpoint(rank, name); });
+  }
+  // Every rank holds the same parameters (checked by checksum); rank 0 saves them.
+  if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
+    return OnFirstDaemon([name = args[3]](PerceptionClient& rank) { return SaveCheckpoint(rank, name); });
+  }
+  if (several) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--targets applies to status, init, train and checkpoint save|load; give one --target for the rest (got: ",
+        absl::StrJoin(args.begin() + 1, args.end(), " "), ")"));
+  }
+  ASSIGN_OR_RETURN(DaemonCommand one, ParseDaemonCommand(args));
+  return OnFirstDaemon(std::move(one));
+}
+
 absl::Status Run(const std::vector<std::string>& args) {
   const ClientOptions options{.timeout = absl::GetFlag(FLAGS_timeout)};
   const absl::Duration wait = absl::GetFlag(FLAGS_wait);
-  if (const std::vector<std::string> targets = absl::GetFlag(FLAGS_targets); !targets.empty()) {
-    ASSIGN_OR_RETURN(const RanksCommand command, ParseRanksCommand(args));
-    std::vector<std::unique_ptr<PerceptionClient>> clients;
-    std::vector<PerceptionClient*> ranks;
-    for (const std::string& target : targets) {
-      ranks.push_back(clients.emplace_back(std::make_unique<PerceptionClient>(target, options)).get());
-      if (wait > absl::ZeroDuration()) RETURN_IF_ERROR(ranks.back()->WaitUntilServing(wait));
-    }
-    return command(ranks);
+  std::vector<std::string> targets = absl::GetFlag(FLAGS_targets);
+  ASSIGN_OR_RETURN(const Command command, ParseCommand(args, /*several=*/!targets.empty()));
+  if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
+  std::vector<std::unique_ptr<PerceptionClient>> clients;
+  std::vector<PerceptionClient*> daemons;
+  for (const std::string& target : targets) {
+    daemons.push_back(clients.emplace_back(std::make_unique<PerceptionClient>(target, options)).get());
+    if (wait > absl::ZeroDuration()) RETURN_IF_ERROR(daemons.back()->WaitUntilServing(wait));
   }
-  ASSIGN_OR_RETURN(const Command command, ParseCommand(args));
-  PerceptionClient client(absl::GetFlag(FLAGS_target), options);
-  if (wait > absl::ZeroDuration()) RETURN_IF_ERROR(client.WaitUntilServing(wait));
-  return command(client);
+  return command(daemons);
 }
 
 }  // namespace
