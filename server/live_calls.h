@@ -24,12 +24,22 @@ class LiveCalls {
  public:
   // Drains every live call and every call added from now on with `status` (UNAVAILABLE).
   void BeginDrain(const absl::Status& status);
-  // Holds `call` until Remove; returns the drain's status once it began (the call must drain itself then), else OK.
-  absl::Status Add(DrainableCall* call);
+  // Holds `call` until Remove, then drains it at once if the drain began, else calls `start`.
+  template <typename Start>
+  void Join(DrainableCall* call, Start start) {
+    if (const absl::Status draining = Add(call); !draining.ok()) {
+      call->Drain(draining);
+    } else {
+      start();
+    }
+  }
   // Before the call is deleted: BeginDrain then no longer reaches it.
   void Remove(DrainableCall* call);
 
  private:
+  // Holds `call`; the drain's status once it began (the call must drain itself then), else OK.
+  absl::Status Add(DrainableCall* call);
+
   absl::Mutex mu_;
   absl::Status draining_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<DrainableCall*> live_ ABSL_GUARDED_BY(mu_);

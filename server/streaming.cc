@@ -36,11 +36,7 @@ void StreamReactor::Update(Change change) {
 StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
     : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
-  if (const absl::Status draining = registry_.Add(this); !draining.ok()) {
-    Drain(draining);
-  } else {
-    Update([] {});
-  }
+  registry_.Join(this, [this] { Update([] {}); });
 }
 
 void StreamReactor::Drain(const absl::Status& status) {

@@ -40,11 +40,7 @@ void TrainReactor::Update(Change change) {
 TrainReactor::TrainReactor(DeviceWorker& worker, const Limits& limits, LiveCalls& registry,
                            absl::AnyInvocable<void(const absl::Status&)> on_finish)
     : worker_(worker), limits_(limits), registry_(registry), on_finish_(std::move(on_finish)) {
-  if (const absl::Status draining = registry_.Add(this); !draining.ok()) {
-    Drain(draining);
-  } else {
-    Update([] {});
-  }
+  registry_.Join(this, [this] { Update([] {}); });
 }
 
 void TrainReactor::Drain(const absl::Status& status) {
