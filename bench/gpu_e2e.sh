@@ -43,6 +43,26 @@ kill -TERM "$daemon"; wait "$daemon"; echo "perceptiond exit code $?"
 stops=$(awk '/^perception_stream_resident_idle_stops_total /{print $2}' "$out/metrics.txt")
 echo "resident step stopped for idleness ${stops:-0} times over $paced_events paced events:" \
   "$([ "${stops:-0}" -ge $((paced_events / 2)) ] && echo PASS || echo FAIL)"
+# Back-pressure on the device: a daemon bounded at 512 pending events over 4 connections of 256 instruments, each
+# with 8 requests in flight (8,192 events offered): the Stream calls are held at the bound and every event is
+# processed and acknowledged, none lost.
+"$bundle/env" perceptiond --listen="127.0.0.1:$((port + 1))" --metrics_listen="127.0.0.1:$((metrics_port + 1))" \
+  --device=cuda --checkpoint_dir="$out/checkpoints" --stream_max_pending_events=512 --stream_slots=1024 \
+  --init_config=small 2> "$out/perceptiond_bounded.log" &
+bounded=$!
+bounded_ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$((port + 1))")
+"${bounded_ctl[@]}" --wait=60s bench --instruments 1024 --events 200000 --connections 4 --in-flight 8 \
+  | tee "$out/bench_bounded.txt" | tail -3
+python3 - "$((metrics_port + 1))" <<'PY' > "$out/metrics_bounded.txt"
+import sys, urllib.request
+print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
+PY
+kill -TERM "$bounded"; wait "$bounded"; echo "bounded perceptiond exit code $?"
+held=$(awk '/^perception_stream_reads_held_total /{print $2}' "$out/metrics_bounded.txt")
+processed=$(awk '/^perception_stream_events_total /{print $2}' "$out/metrics_bounded.txt")
+echo "bounded daemon: reads held ${held:-0} times, ${processed:-0} of 200000 events processed:" \
+  "$([ "${held:-0}" -ge 1 ] && [ "${processed:-0}" = 200000 ] && grep -q '^not acknowledged: 0 events' \
+       "$out/bench_bounded.txt" && echo PASS || echo FAIL)"
 "$bundle/env" perception eval --device cuda --checkpoint "$out/checkpoints/gpu.safetensors" --lobster "$ob" "$msg" \
   --out "$out/eval_logits.npy" | tail -1
 python3 - "$out" "$events" "$paced_events" <<'PY'

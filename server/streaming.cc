@@ -33,11 +33,18 @@ void StreamReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
+StreamReactor* StreamReactor::Start(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
+                                    absl::AnyInvocable<void(const absl::Status&)> on_finish) {
+  std::shared_ptr<StreamReactor> reactor(new StreamReactor(batcher, options, registry, std::move(on_finish)));
+  StreamReactor* const call = reactor.get();
+  call->self_ = std::move(reactor);
+  registry.Join(call, [call] { call->Update([] {}); });
+  return call;
+}
+
 StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
-    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
-  registry_.Join(this, [this] { Update([] {}); });
-}
+    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {}
 
 void StreamReactor::Drain(const absl::Status& status) {
   Update([&] {
@@ -105,6 +112,10 @@ void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
   });
 }
 
+void StreamReactor::OnRoom() {
+  Update([] {});
+}
+
 void StreamReactor::OnAlarm(bool ok) {
   Update([&] {
     alarm_pending_ = false;
@@ -125,7 +136,7 @@ void StreamReactor::OnCancel() {
 
 void StreamReactor::OnDone() {
   registry_.Remove(this);
-  delete this;
+  const std::shared_ptr<StreamReactor> last = std::move(self_);  // the batcher may hold it a moment longer
 }
 
 bool StreamReactor::AckDueLocked() {
@@ -154,16 +165,13 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
       writing_ = true;
       StartWrite(&outgoing_);
     }
-    if (unacked_.empty()) alarm_fired_ = false;  // a held call's alarm: no acknowledgement was due
     const bool may_read = incoming_ == nullptr && !input_done_ && unprocessed_ < options_.max_unprocessed_per_call;
-    held_ = may_read && !batcher_.RoomToRead(held_);
+    held_ = may_read && !batcher_.RoomToRead(self_, held_);
     if (may_read && !held_) {
       incoming_ = std::make_unique<v1::StreamRequest>();
       StartRead(incoming_.get());
     }
-    // A held call looks again when its own events are processed, and at the latest on its alarm (it may have none
-    // pending).
-    if ((!unacked_.empty() || held_) && !alarm_pending_) {
+    if (!unacked_.empty() && !alarm_pending_) {
       alarm_fired_ = false;
       retired_alarm_ = std::move(alarm_);  // its callback has run; the one before it goes now
       alarm_ = std::make_unique<grpc::Alarm>();

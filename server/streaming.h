@@ -28,14 +28,15 @@ namespace perception::server {
 // alarm), when a request with `ack` is wholly processed, and at the end. The first refusal, or the client's half-close,
 // ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
 // or OK. A drain ends the input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements,
-// not the processing. The reactor deletes itself when gRPC is done.
+// not the processing. The reactor owns itself until gRPC is done with it; the batcher holds it only weakly while
+// it is held back, so it may end meanwhile.
 class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
                             public StreamSink,
                             public DrainableCall {
  public:
-  // `registry` holds the call while it lives; `on_finish` sees the call's final status.
-  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
-                absl::AnyInvocable<void(const absl::Status&)> on_finish);
+  // A new call for gRPC; `registry` holds it while it lives; `on_finish` sees its final status.
+  static StreamReactor* Start(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
+                              absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -44,10 +45,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
 
   void OnProcessed(std::span<const Processed> events, int64_t weights_version) override;
   void OnFailed(const absl::Status& status, int64_t count) override;
+  void OnRoom() override;
   // Ends the input with `status` (the daemon drains) unless it has ended already.
   void Drain(const absl::Status& status) override;
 
  private:
+  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
+                absl::AnyInvocable<void(const absl::Status&)> on_finish);
   void OnAlarm(bool ok);
   template <typename Change>
   void Update(Change change);
@@ -61,6 +65,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   const StreamOptions& options_;
   LiveCalls& registry_;
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
+  std::shared_ptr<StreamReactor> self_;  // from Start until OnDone
 
   absl::Mutex mu_;
   std::unique_ptr<v1::StreamRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any

@@ -1,5 +1,5 @@
 // The daemon's bound on queued stream events: with the device busy, Stream calls stop reading at the bound (their
-// clients held back by flow control), and once the device is free every event is processed, none lost.
+// clients held back by flow control); the ticks that make room wake them, and every event is processed, none lost.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -26,7 +26,8 @@ constexpr int64_t kMaxPending = 40;
 server::StreamOptions BoundedOptions() {
   server::StreamOptions options;
   options.max_pending_events = kMaxPending;
-  options.ack_every_ms = 5;
+  // No acknowledgement by time within a test: a held call must be woken by the ticks, not by its alarm.
+  options.ack_every_ms = 600'000;
   return options;
 }
 
@@ -39,17 +40,18 @@ class StreamBackpressureTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(daemon_.InitTinyModel(3).ok()); }
 
-  // One Stream call of instrument `instrument`: kRequests requests of kEventsPerRequest events, then the
+  // One Stream call of instrument `instrument`: `requests` requests of `per_request` events, then the
   // acknowledgements.
-  CallOutcome Stream(const std::string& instrument, uint64_t seed) {
-    const RandomBatch series = MakeRandomBatch(config_, 1, kEvents, seed);
+  CallOutcome Stream(const std::string& instrument, uint64_t seed, int requests = kRequests,
+                     int per_request = kEventsPerRequest) {
+    const RandomBatch series = MakeRandomBatch(config_, 1, requests * per_request, seed);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     const auto call = daemon_.stub().Stream(&context);
-    for (int r = 0; r < kRequests; ++r) {
+    for (int r = 0; r < requests; ++r) {
       v1::StreamRequest request;
-      for (int i = 0; i < kEventsPerRequest; ++i) {
-        const int t = r * kEventsPerRequest + i;
+      for (int i = 0; i < per_request; ++i) {
+        const int t = r * per_request + i;
         *request.add_events() = FeatureEvent(series, config_.n_features, t, instrument, t);
       }
       if (!call->Write(request)) break;
@@ -68,6 +70,14 @@ class StreamBackpressureTest : public ::testing::Test {
     v1::ListStreamsResponse response;
     EXPECT_TRUE(daemon_.stub().ListStreams(&context, v1::ListStreamsRequest(), &response).ok());
     return response;
+  }
+
+  // Waits until at least `n` events are pending (20 s at most).
+  void AwaitPending(uint64_t n) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (PendingEvents() < n && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
   }
 
   uint64_t PendingEvents() {
@@ -100,11 +110,8 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
   for (int c = 0; c < kCalls; ++c) {
     calls.emplace_back([this, c, &outcomes] { outcomes[c] = Stream(absl::StrCat("I", c), 40 + c); });
   }
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (PendingEvents() < static_cast<uint64_t>(kMaxPending) && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  // Time for the held calls to read more if they would (their alarms poll every 5 ms).
+  AwaitPending(kMaxPending);
+  // Time for the held calls to read more if they would.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const uint64_t held_pending = PendingEvents();
   EXPECT_GE(held_pending, static_cast<uint64_t>(kMaxPending));
@@ -126,6 +133,29 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
     EXPECT_EQ(info.pending_events(), 0u) << info.instrument();
   }
   EXPECT_EQ(Metric("perception_stream_pending_events"), 0);
+}
+
+// A call held before it has any event of its own gets no OnProcessed: the ticks that make room must wake it.
+TEST_F(StreamBackpressureTest, ACallHeldWithNoEventsOfItsOwnIsWokenByTheTicks) {
+  gate_.Hold(daemon_.worker());
+  constexpr int kFirst = kMaxPending + 5;
+  CallOutcome first, second;
+  std::thread first_call([&] { first = Stream("A", 50, 1, kFirst); });
+  AwaitPending(kFirst);
+  std::thread second_call([&] { second = Stream("B", 51, 1, kEventsPerRequest); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(PendingEvents(), static_cast<uint64_t>(kFirst)) << "the second call read past the bound";
+  EXPECT_GE(Metric("perception_stream_reads_held_total"), 1);
+
+  const auto opened = std::chrono::steady_clock::now();
+  gate_.Open();
+  first_call.join();
+  second_call.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - opened, std::chrono::seconds(10)) << "the held call slept";
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(first.last_acked, static_cast<uint64_t>(kFirst - 1));
+  EXPECT_EQ(second.last_acked, static_cast<uint64_t>(kEventsPerRequest - 1));
 }
 
 }  // namespace
