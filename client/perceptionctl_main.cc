@@ -92,7 +92,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --lr_warmup_steps W --total_steps N --min_lr Y] [--replace]
     train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
-          [--eval-every N [--save-best NAME]]
+          [--eval-every N] [--save-best NAME]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME

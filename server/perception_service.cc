@@ -263,7 +263,7 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
 
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionService::Stream(
     grpc::CallbackServerContext*) {
-  return StreamReactor::Start(
+  return new StreamReactor(
       streams_, stream_options_, live_calls_,
       [this, stopwatch = Stopwatch()](const absl::Status& status) {
         Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);

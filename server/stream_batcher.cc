@@ -301,11 +301,8 @@ void StreamBatcher::Tick(ModelHost& host) {
   } else {
     StopFailedStreams(status, backend.ok());
   }
-  {
-    absl::MutexLock lock(&mu_);
-    ScheduleTickLocked();
-  }
-  WakeHeld();
+  absl::MutexLock lock(&mu_);
+  ScheduleTickLocked();
 }
 
 namespace {
@@ -585,25 +582,11 @@ v1::ListStreamsResponse StreamBatcher::List() const {
   return response;
 }
 
-bool StreamBatcher::RoomToRead(std::weak_ptr<StreamSink> sink, bool held) {
+bool StreamBatcher::RoomToRead(bool held) {
   absl::MutexLock lock(&mu_);
-  if (pending_ < options_.max_pending_events) return true;
-  if (!held) metrics_.ObserveStreamReadHeld();
-  if (const StreamSink* key = sink.lock().get(); key != nullptr) held_[key] = std::move(sink);
-  return false;
-}
-
-void StreamBatcher::WakeHeld() {
-  std::vector<std::weak_ptr<StreamSink>> woken;
-  {
-    absl::MutexLock lock(&mu_);
-    if (held_.empty() || pending_ >= options_.max_pending_events) return;
-    for (auto& [key, sink] : held_) woken.push_back(std::move(sink));
-    held_.clear();
-  }
-  for (const std::weak_ptr<StreamSink>& weak : woken) {
-    if (const std::shared_ptr<StreamSink> sink = weak.lock()) sink->OnRoom();
-  }
+  const bool room = pending_ < options_.max_pending_events;
+  if (!room && !held) metrics_.ObserveStreamReadHeld();
+  return room;
 }
 
 void StreamBatcher::AddPendingLocked(int64_t delta) {

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -12,7 +11,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -55,8 +53,6 @@ class StreamSink {
   // `count` of the sink's events were dropped unprocessed because the device failed a tick: `status` says why, and
   // which of the sink's instruments stopped at which sequence number.
   virtual void OnFailed(const absl::Status& status, int64_t count) = 0;
-  // The daemon has room for events again after RoomToRead held the call back.
-  virtual void OnRoom() = 0;
 
  protected:
   ~StreamSink() = default;
@@ -90,11 +86,12 @@ class StreamBatcher {
   absl::Status Reset(const std::string& instrument);
   absl::StatusOr<uint64_t> Close(const std::string& instrument);  // the events it processed
   v1::ListStreamsResponse List() const;
-  // Whether a Stream call may read another request: fewer than options.max_pending_events accepted events wait for
-  // the device. Each call reads at most one request past the limit, so the daemon holds at most that many events
-  // more than it (one request of each live call). Otherwise `sink` hears OnRoom (if it still exists) after the first
-  // tick that leaves room; a call that was not `held` before counts in the metrics.
-  bool RoomToRead(std::weak_ptr<StreamSink> sink, bool held);
+  // Whether a Stream call with events waiting may read another request: fewer than options.max_pending_events
+  // accepted events wait for the device. A call held back looks again when its events are processed (every tick
+  // takes one of each instrument); one with none waiting reads a request regardless, so the daemon holds at most one
+  // request of each live call more than the limit. A call that was not `held` before and is now counts in the
+  // metrics.
+  bool RoomToRead(bool held);
   // Everything but the weights version (the model host's).
   void FillStatus(v1::StreamingStatus& status) const;
 
@@ -150,8 +147,6 @@ class StreamBatcher {
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // pending_ changed by `delta` (negative: processed or dropped); the metric follows it.
   void AddPendingLocked(int64_t delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a tick: the held calls hear OnRoom if there is room.
-  void WakeHeld();
 
   DeviceWorker& worker_;
   const StreamOptions options_;
@@ -162,9 +157,6 @@ class StreamBatcher {
   std::vector<SlotQueue> queues_ ABSL_GUARDED_BY(mu_);  // by slot
   std::vector<int> ready_ ABSL_GUARDED_BY(mu_);         // slots with pending events
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
-  // The calls RoomToRead held back, by address (one entry each however often they ask); weak, so that a call may end
-  // while held.
-  absl::flat_hash_map<const StreamSink*, std::weak_ptr<StreamSink>> held_ ABSL_GUARDED_BY(mu_);
   bool tick_queued_ ABSL_GUARDED_BY(mu_) = false;
   bool changing_model_ ABSL_GUARDED_BY(mu_) = false;
   int n_features_ ABSL_GUARDED_BY(mu_) = 0;  // the model's; 0 without one

@@ -33,18 +33,11 @@ void StreamReactor::Update(Change change) {
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
-StreamReactor* StreamReactor::Start(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
-                                    absl::AnyInvocable<void(const absl::Status&)> on_finish) {
-  std::shared_ptr<StreamReactor> reactor(new StreamReactor(batcher, options, registry, std::move(on_finish)));
-  StreamReactor* const call = reactor.get();
-  call->self_ = std::move(reactor);
-  registry.Join(call, [call] { call->Update([] {}); });
-  return call;
-}
-
 StreamReactor::StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                              absl::AnyInvocable<void(const absl::Status&)> on_finish)
-    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {}
+    : batcher_(batcher), options_(options), registry_(registry), on_finish_(std::move(on_finish)) {
+  registry_.Join(this, [this] { Update([] {}); });
+}
 
 void StreamReactor::Drain(const absl::Status& status) {
   Update([&] {
@@ -112,10 +105,6 @@ void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
   });
 }
 
-void StreamReactor::OnRoom() {
-  Update([] {});
-}
-
 void StreamReactor::OnAlarm(bool ok) {
   Update([&] {
     alarm_pending_ = false;
@@ -136,7 +125,7 @@ void StreamReactor::OnCancel() {
 
 void StreamReactor::OnDone() {
   registry_.Remove(this);
-  const std::shared_ptr<StreamReactor> last = std::move(self_);  // the batcher may hold it a moment longer
+  delete this;
 }
 
 bool StreamReactor::AckDueLocked() {
@@ -166,7 +155,9 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
       StartWrite(&outgoing_);
     }
     const bool may_read = incoming_ == nullptr && !input_done_ && unprocessed_ < options_.max_unprocessed_per_call;
-    held_ = may_read && !batcher_.RoomToRead(self_, held_);
+    // A call none of whose events waits reads one request whatever the bound: it gets no OnProcessed to look again
+    // on, and one that waited for room would lose every race for it to the calls that do.
+    held_ = may_read && unprocessed_ > 0 && !batcher_.RoomToRead(held_);
     if (may_read && !held_) {
       incoming_ = std::make_unique<v1::StreamRequest>();
       StartRead(incoming_.get());

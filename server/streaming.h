@@ -22,21 +22,20 @@ namespace perception::server {
 
 // One Stream call. Each request read is validated and queued on the batcher (its events featurized on arrival); no
 // further request is read while options.max_unprocessed_per_call of the call's events, or options.max_pending_events of
-// all calls' events, wait for the device, so a fast client is held back by gRPC's flow control rather than buffered.
-// Acknowledgements carry, per instrument, the last processed sequence number: one goes out after
+// all calls' events (unless none of its own), wait for the device, so a fast client is held back by gRPC's flow control
+// rather than buffered. Acknowledgements carry, per instrument, the last processed sequence number: one goes out after
 // options.ack_every_events processed events, after options.ack_every_ms from the first unacknowledged one (a gRPC
 // alarm), when a request with `ack` is wholly processed, and at the end. The first refusal, or the client's half-close,
 // ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
 // or OK. A drain ends the input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements,
-// not the processing. The reactor owns itself until gRPC is done with it; the batcher holds it only weakly while
-// it is held back, so it may end meanwhile.
+// not the processing. The reactor deletes itself when gRPC is done.
 class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
                             public StreamSink,
                             public DrainableCall {
  public:
-  // A new call for gRPC; `registry` holds it while it lives; `on_finish` sees its final status.
-  static StreamReactor* Start(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
-                              absl::AnyInvocable<void(const absl::Status&)> on_finish);
+  // `registry` holds the call while it lives; `on_finish` sees the call's final status.
+  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
+                absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -45,13 +44,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
 
   void OnProcessed(std::span<const Processed> events, int64_t weights_version) override;
   void OnFailed(const absl::Status& status, int64_t count) override;
-  void OnRoom() override;
   // Ends the input with `status` (the daemon drains) unless it has ended already.
   void Drain(const absl::Status& status) override;
 
  private:
-  StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
-                absl::AnyInvocable<void(const absl::Status&)> on_finish);
   void OnAlarm(bool ok);
   template <typename Change>
   void Update(Change change);
@@ -65,7 +61,6 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   const StreamOptions& options_;
   LiveCalls& registry_;
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
-  std::shared_ptr<StreamReactor> self_;  // from Start until OnDone
 
   absl::Mutex mu_;
   std::unique_ptr<v1::StreamRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any

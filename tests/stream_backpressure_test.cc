@@ -1,5 +1,6 @@
 // The daemon's bound on queued stream events: with the device busy, Stream calls stop reading at the bound (their
-// clients held back by flow control); the ticks that make room wake them, and every event is processed, none lost.
+// clients held back by flow control) but a call with nothing waiting reads one request; once the device is free
+// every event is processed, none lost.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -26,7 +27,7 @@ constexpr int64_t kMaxPending = 40;
 server::StreamOptions BoundedOptions() {
   server::StreamOptions options;
   options.max_pending_events = kMaxPending;
-  // No acknowledgement by time within a test: a held call must be woken by the ticks, not by its alarm.
+  // No acknowledgement by time within a test: a held call must look again on its own processed events.
   options.ack_every_ms = 600'000;
   return options;
 }
@@ -135,27 +136,30 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
   EXPECT_EQ(Metric("perception_stream_pending_events"), 0);
 }
 
-// A call held before it has any event of its own gets no OnProcessed: the ticks that make room must wake it.
-TEST_F(StreamBackpressureTest, ACallHeldWithNoEventsOfItsOwnIsWokenByTheTicks) {
+// A call with no event waiting reads one request past the bound (busy calls, which look again first after every
+// tick, would otherwise win every bit of room), and then waits like the others.
+TEST_F(StreamBackpressureTest, ANewCallReadsOneRequestPastTheBound) {
   gate_.Hold(daemon_.worker());
   constexpr int kFirst = kMaxPending + 5;
   CallOutcome first, second;
   std::thread first_call([&] { first = Stream("A", 50, 1, kFirst); });
   AwaitPending(kFirst);
-  std::thread second_call([&] { second = Stream("B", 51, 1, kEventsPerRequest); });
+  std::thread second_call([&] { second = Stream("B", 51, 2, kEventsPerRequest); });
+  AwaitPending(kFirst + kEventsPerRequest);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_EQ(PendingEvents(), static_cast<uint64_t>(kFirst)) << "the second call read past the bound";
+  EXPECT_EQ(PendingEvents(), static_cast<uint64_t>(kFirst + kEventsPerRequest))
+      << "the new call read no request, or a second one past the bound";
   EXPECT_GE(Metric("perception_stream_reads_held_total"), 1);
 
   const auto opened = std::chrono::steady_clock::now();
   gate_.Open();
   first_call.join();
   second_call.join();
-  EXPECT_LT(std::chrono::steady_clock::now() - opened, std::chrono::seconds(10)) << "the held call slept";
+  EXPECT_LT(std::chrono::steady_clock::now() - opened, std::chrono::seconds(10)) << "a held call slept";
   EXPECT_TRUE(first.status.ok()) << first.status.error_message();
   EXPECT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_EQ(first.last_acked, static_cast<uint64_t>(kFirst - 1));
-  EXPECT_EQ(second.last_acked, static_cast<uint64_t>(kEventsPerRequest - 1));
+  EXPECT_EQ(second.last_acked, static_cast<uint64_t>(2 * kEventsPerRequest - 1));
 }
 
 }  // namespace
