@@ -136,9 +136,12 @@ absl::Status Status(PerceptionClient& client) {
       limits.max_window(), static_cast<long long>(limits.max_message_bytes()), limits.queue_depth(),
       status.queued_jobs());
   const v1::StreamingStatus& s = status.streaming();
-  std::printf("streaming: %d of %d slots live, %lld log entries per slot, weights version %lld, %lld events pending\n",
-              s.active_streams(), s.slots(), static_cast<long long>(s.log_entries_per_slot()),
-              static_cast<long long>(s.weights_version()), static_cast<long long>(s.pending_events()));
+  std::printf(
+      "streaming: %d of %d slots live, %lld log entries per slot, weights version %lld, %lld events pending (calls "
+      "held at %lld)\n",
+      s.active_streams(), s.slots(), static_cast<long long>(s.log_entries_per_slot()),
+      static_cast<long long>(s.weights_version()), static_cast<long long>(s.pending_events()),
+      static_cast<long long>(s.max_pending_events()));
   if (status.has_data_parallel()) {
     const v1::DataParallelStatus& p = status.data_parallel();
     std::printf("data parallel: rank %d of %d, parameter checksum every %lld steps (%lld compared equal)\n", p.rank(),

@@ -603,6 +603,7 @@ void StreamBatcher::FillStatus(v1::StreamingStatus& status) const {
   status.set_ack_every_events(options_.ack_every_events);
   status.set_ack_every_ms(options_.ack_every_ms);
   status.set_pending_events(pending_);
+  status.set_max_pending_events(options_.max_pending_events);
   status.set_max_read_count(options_.max_read_count);
   status.set_overwritten_total(table_.overwritten_total());
 }

@@ -120,6 +120,11 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
   EXPECT_LE(held_pending, static_cast<uint64_t>(kMaxPending + kCalls * kEventsPerRequest));
   EXPECT_EQ(Metric("perception_stream_pending_events"), static_cast<double>(held_pending));
   EXPECT_GE(Metric("perception_stream_reads_held_total"), 1);
+  grpc::ClientContext context;
+  v1::GetStatusResponse status;
+  ASSERT_TRUE(daemon_.stub().GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+  EXPECT_EQ(status.streaming().max_pending_events(), kMaxPending);
+  EXPECT_EQ(status.streaming().pending_events(), static_cast<int64_t>(held_pending));
 
   gate_.Open();
   for (std::thread& call : calls) call.join();
