@@ -260,6 +260,7 @@ void StreamBatcher::Tick(ModelHost& host) {
   {
     absl::MutexLock lock(&mu_);
     tick_queued_ = false;
+    AddPendingLocked(-static_cast<int64_t>(ready_.size()));  // the tick takes one event of each ready slot
     size_t kept = 0;
     for (const int slot : ready_) {
       SlotQueue& queue = queues_[slot];
@@ -272,7 +273,6 @@ void StreamBatcher::Tick(ModelHost& host) {
       notices_.push_back({event.sink, slot, event.seq});
       received_.push_back(event.received);
       tick_log_indices_.push_back(table_.NextLogIndex(slot));
-      AddPendingLocked(-1);
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
       } else {
