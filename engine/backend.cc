@@ -2,6 +2,7 @@
 #include "engine/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "engine/device_loss.h"
 #include "engine/status_macros.h"
 
 #if PERCEPTION_HAVE_CUDA
@@ -25,6 +26,11 @@ absl::Status Backend::ResetSlot(int) { return NoStreaming(*this); }
 absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
+
+absl::Status Backend::InjectDeviceLoss() {
+  NoteDeviceLost(absl::InternalError(absl::StrCat("a loss of ", device_name(), " injected by a test")));
+  return DeviceLostStatus();
+}
 
 absl::StatusOr<std::string> NewDataParallelId() {
 #if PERCEPTION_HAVE_CUDA

@@ -134,6 +134,10 @@ class Backend {
                                std::span<float> probs);
   // The latest probabilities of `slot`, [H].
   virtual absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
+
+  // For tests of the daemon's lost-device path: loses the device as a sticky error would (the CUDA backend by a
+  // kernel that traps; others by recording the loss) and returns what every later device call of the process will.
+  virtual absl::Status InjectDeviceLoss();
 };
 
 // The CPU reference as a backend (float32), `threads` workers over the batch (0: one per core).

@@ -10,9 +10,11 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "engine/cuda_check.h"
 #include "engine/cuda_streamer.h"
 #include "engine/nccl_communicator.h"
 #include "engine/status_macros.h"
+#include "kernels/trap.h"
 
 namespace perception {
 namespace {
@@ -53,6 +55,15 @@ class CudaBackend final : public Backend {
   void set_stream_resident(bool resident) override {
     stream_resident_ = resident;
     if (streamer_) streamer_->set_use_resident(resident);
+  }
+  absl::Status InjectDeviceLoss() override {
+    // A stream of its own: a running resident step holds the streaming stream, and the trap must not queue behind
+    // it. The stream is never destroyed: after the trap no CUDA call of the process can succeed.
+    cudaStream_t stream = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(kernels::LaunchTrap(stream));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::InternalError("the trapping kernel ended without an error");
   }
   absl::Status QuiesceDevice() override { return streamer_ ? streamer_->Quiesce() : absl::OkStatus(); }
   absl::StatusOr<bool> ReleaseIdleDevice() override {

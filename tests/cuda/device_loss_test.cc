@@ -75,6 +75,41 @@ TEST_F(DeviceLossDeathTest, AnIllegalAddressLosesTheDevice) {
   EXPECT_EXIT(std::exit(ChecksOfAnIllegalAddress()), ::testing::ExitedWithCode(0), "");
 }
 
+// 0 when the daemon's test hook (--inject_device_loss_at_tick) loses the device for real while the resident step
+// runs: the trap's sticky error, the handler run, the resident step's next wait ended rather than hung, and a
+// training step refused.
+int ChecksOfAnInjectedLoss() {
+  int handled = 0;
+  OnDeviceLost([&] { ++handled; });
+  const ModelConfig config = *NamedConfig("small");
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 6));
+  if (!backend.ok()) return Fail(backend.status().ToString());
+  if (const absl::Status configured = (*backend)->ConfigureStreaming(1, 16); !configured.ok()) {
+    return Fail(configured.ToString());
+  }
+  const RandomBatch events = MakeRandomBatch(config, 1, 1, 7);
+  const std::vector<int32_t> slots = {0};
+  const std::vector<int64_t> log_indices = {0};
+  const StreamTick tick{events.x, events.dt, slots, log_indices};
+  if (const absl::Status stepped = (*backend)->ForwardStepInto(tick); !stepped.ok()) return Fail(stepped.ToString());
+  const absl::Status lost = (*backend)->InjectDeviceLoss();
+  if (lost.code() != absl::StatusCode::kUnavailable || !Contains(lost, "cudaErrorLaunchFailure") ||
+      !Contains(lost, "restart perceptiond")) {
+    return Fail(lost.ToString());
+  }
+  if (handled != 1) return Fail(absl::StrCat("the handler ran ", handled, " times"));
+  if ((*backend)->ForwardStepInto(tick).ok()) return Fail("a tick succeeded on a lost device");
+  const RandomBatch batch = MakeRandomBatch(config, 2, config.window, 8);
+  if ((*backend)->TrainStep(batch.view()).ok()) return Fail("a training step succeeded on a lost device");
+  return 0;
+}
+
+TEST_F(DeviceLossDeathTest, TheInjectedLossTrapsAndEndsTheResidentStep) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  EXPECT_EXIT(std::exit(ChecksOfAnInjectedLoss()), ::testing::ExitedWithCode(0), "");
+}
+
 // The runtime keeps a failed call's error for the next kernel launcher to read back; the checks clear it.
 TEST(CudaFailure, AFailedAllocationDoesNotFailTheNextCall) {
   SKIP_WITHOUT_CUDA_DEVICE();
