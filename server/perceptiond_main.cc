@@ -87,6 +87,9 @@ ABSL_FLAG(int64_t, stream_max_pending_events, 1 << 20,
           "requests until the device catches up (bounds the daemon's memory; each call reads at most one request "
           "past it)");
 ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions page returns");
+ABSL_FLAG(int64_t, inject_device_loss_at_tick, 0,
+          "for tests of a lost device: the streaming tick with this number (from 1) loses the device instead of "
+          "running (on CUDA a kernel that traps, a real sticky error); 0: never");
 ABSL_FLAG(int, world_size, 0,
           "data-parallel training over NCCL: the number of daemons (one GPU each) in the job; 0: not data parallel. "
           "1 still trains through the NCCL path");
@@ -142,6 +145,10 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
   options.max_pending_events = absl::GetFlag(FLAGS_stream_max_pending_events);
+  options.inject_device_loss_at_tick = absl::GetFlag(FLAGS_inject_device_loss_at_tick);
+  if (options.inject_device_loss_at_tick < 0) {
+    return absl::InvalidArgumentError("--inject_device_loss_at_tick must be 0 (never) or a tick's number");
+  }
   const int idle_ms = absl::GetFlag(FLAGS_stream_resident_idle_ms);
   if (idle_ms < 0) return absl::InvalidArgumentError("--stream_resident_idle_ms must be 0 (never) or positive");
   options.resident_idle_period = idle_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(idle_ms);

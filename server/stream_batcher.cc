@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "engine/config.h"
+#include "engine/device_loss.h"
 #include "engine/status_macros.h"
 #include "server/stopwatch.h"
 #include "spdlog/spdlog.h"
@@ -284,7 +285,11 @@ void StreamBatcher::Tick(ModelHost& host) {
   if (notices_.empty()) return;
   absl::Status status = backend.status();
   const Stopwatch stopwatch;
-  if (status.ok()) status = (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
+  if (status.ok()) {
+    status = ++ticks_started_ == options_.inject_device_loss_at_tick
+                 ? (*backend)->InjectDeviceLoss()
+                 : (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
+  }
   if (status.ok()) {
     {
       absl::MutexLock lock(&mu_);
@@ -355,6 +360,14 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
     notices_.insert(notices_.end(), dropped_.begin(), dropped_.end());
     const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
+    // A lost device takes every slot's state and log with it, and the daemon exits to be restarted: UNAVAILABLE
+    // (retry once it is back), and the instruments start again from a seed, not from their states.
+    const bool device_lost = !DeviceLostStatus().ok();
+    const char* remedy = device_lost ? ". The daemon exits to be restarted, and every instrument's state and unread "
+                                       "convictions were on the lost device: once it is back, seed each instrument "
+                                       "named again (SeedStream), then stream from the seq named"
+                                     : ". Each instrument named stopped: it takes no events until ResetStream, "
+                                       "SeedStream or CloseStream, then from the seq named";
     ForEachSink(std::span<Notice>(notices_), [&](std::span<const Notice> events) {
       constexpr size_t kNamed = 4;
       std::vector<bool> seen(table_.capacity());
@@ -368,13 +381,12 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                         event.seq);
       }
       if (instruments > kNamed) absl::StrAppend(&stopped, " and ", instruments - kNamed, " more instruments");
-      const std::string message = absl::StrCat(
-          what, " (", cause.message(), "); ", events.size(), " events of this call were not processed: ", stopped,
-          ". Each instrument named stopped: it takes no events until ResetStream, SeedStream or CloseStream, then "
-          "from the seq named");
-      failures.push_back({events.front().sink,
-                          device_configured ? absl::InternalError(message) : absl::FailedPreconditionError(message),
-                          static_cast<int64_t>(events.size())});
+      const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
+                                               " events of this call were not processed: ", stopped, remedy);
+      const absl::StatusCode code = device_lost          ? absl::StatusCode::kUnavailable
+                                    : device_configured ? absl::StatusCode::kInternal
+                                                        : absl::StatusCode::kFailedPrecondition;
+      failures.push_back({events.front().sink, absl::Status(code, message), static_cast<int64_t>(events.size())});
     });
   }
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);

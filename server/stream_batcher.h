@@ -39,6 +39,9 @@ struct StreamOptions {
                                          // accepted events not yet processed, over all calls (bounds its memory)
   // The device worker releases a running resident step (ModelHost::ReleaseIdleDevice) after this long without work.
   absl::Duration resident_idle_period = absl::Seconds(1);
+  // Tests only: the tick with this number (the first is 1) loses the device (Backend::InjectDeviceLoss) instead of
+  // running; 0, never.
+  int64_t inject_device_loss_at_tick = 0;
 };
 
 // What one Stream call hears back about the events it submitted; called on the device worker's thread, outside
@@ -170,6 +173,7 @@ class StreamBatcher {
   std::vector<Notice> notices_, dropped_;
   std::vector<std::chrono::steady_clock::time_point> received_;
   std::vector<StreamSink::Processed> processed_;
+  int64_t ticks_started_ = 0;
 };
 
 template <typename Change>

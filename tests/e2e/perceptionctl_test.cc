@@ -414,6 +414,46 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
 }
 
+// A device lost in the middle of a stream (--inject_device_loss_at_tick: the CPU backend records the loss as a
+// sticky CUDA error would) ends the call UNAVAILABLE, naming where the instrument stopped and that it must be seeded
+// again after the restart; health turns NOT_SERVING, and the daemon drains and exits 1 for its supervisor.
+TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZero) {
+  const ScopedTempDir temp("ctl_device_lost");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--inject_device_loss_at_tick=200", "--drain_grace=3s"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult failed = RunCommand(
+      absl::StrCat(kKillAfter30s, ctl, " stream --lobster ", kOrderbook, " ", kMessages, " --instrument AAPL"));
+  ASSERT_EQ(failed.exit_code, 1) << failed.output;
+  EXPECT_THAT(failed.output, HasSubstr("perceptionctl: UNAVAILABLE: the device failed a streaming tick (the CUDA "
+                                       "device is lost (a loss of cpu injected by a test)"));
+  EXPECT_THAT(failed.output, HasSubstr("seed each instrument named again (SeedStream), then stream from the seq"));
+  // Tick 200 took the instrument's 200th event, which the files number seq 200 (the first row is seq 1).
+  EXPECT_THAT(failed.output, HasSubstr("'AAPL' from seq 200."));
+  const std::string through = "acknowledged through seq ";
+  const size_t at = failed.output.find(through);
+  ASSERT_NE(at, std::string::npos) << failed.output;
+  const size_t digits = at + through.size();
+  uint64_t acked = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
+      << failed.output;
+  EXPECT_LT(acked, 200u) << "nothing past the lost tick was acknowledged";
+
+  client::PerceptionClient& client = (*daemon)->client();
+  const auto health = client.Health();  // in the drain grace
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const absl::Status refused = client.InitModel(TinyInitRequest(5)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 1);
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("the CUDA device is lost (a loss of cpu injected by a test)"));
+}
+
 // --seed-window replaces an instrument's live state, so onto one that already has events it is refused (nothing
 // sent) unless --reseed: the stream then continues as if the second run had not happened.
 TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
