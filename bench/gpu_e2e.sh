@@ -63,6 +63,31 @@ processed=$(awk '/^perception_stream_events_total /{print $2}' "$out/metrics_bou
 echo "bounded daemon: reads held ${held:-0} times, ${processed:-0} of 200000 events processed:" \
   "$([ "${held:-0}" -ge 1 ] && [ "${processed:-0}" = 200000 ] && grep -q '^not acknowledged: 0 events' \
        "$out/bench_bounded.txt" && echo PASS || echo FAIL)"
+# A lost device: the streaming tick numbered by --inject_device_loss_at_tick launches a kernel that traps (a real
+# sticky error), once while the resident step runs (lone paced events) and once among launched ticks (100
+# instruments). The stream ends UNAVAILABLE naming the CUDA error, and the daemon drains and exits 1, hanging on
+# nothing (the resident step's waits, the drain, the exit).
+lose_device() {  # NAME PORT perceptionctl-arguments...
+  local name=$1 lost_port=$2
+  shift 2
+  "$bundle/env" perceptiond --listen="127.0.0.1:$lost_port" --metrics_listen= --device=cuda \
+    --checkpoint_dir="$out/checkpoints" --inject_device_loss_at_tick=300 2> "$out/perceptiond_lost_$name.log" &
+  local lost=$! waited=0
+  local lost_ctl=(timeout -s KILL 120 "$bundle/env" perceptionctl --target="127.0.0.1:$lost_port")
+  "${lost_ctl[@]}" --wait=60s init --config small --levels 1 > "$out/lost_$name.txt" 2>&1
+  "${lost_ctl[@]}" "$@" >> "$out/lost_$name.txt" 2>&1
+  local ctl_code=$?
+  while kill -0 "$lost" 2>/dev/null && [ "$waited" -lt 60 ]; do sleep 1; waited=$((waited + 1)); done
+  kill -KILL "$lost" 2>/dev/null
+  wait "$lost"
+  local code=$?
+  tail -1 "$out/lost_$name.txt" | cut -c1-400
+  echo "lost device ($name): perceptionctl exit $ctl_code, perceptiond exit $code within $waited s:" \
+    "$([ "$ctl_code" = 1 ] && [ "$code" = 1 ] && grep -q 'UNAVAILABLE.*cudaErrorLaunchFailure' "$out/lost_$name.txt" \
+         && echo PASS || echo FAIL)"
+}
+lose_device resident $((port + 2)) stream --lobster "$ob" "$msg" --instrument AMZN --count 2000 --rate 1000
+lose_device launched $((port + 3)) bench --instruments 100 --events 100000
 "$bundle/env" perception eval --device cuda --checkpoint "$out/checkpoints/gpu.safetensors" --lobster "$ob" "$msg" \
   --out "$out/eval_logits.npy" | tail -1
 python3 - "$out" "$events" "$paced_events" <<'PY'
