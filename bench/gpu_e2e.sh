@@ -64,20 +64,20 @@ echo "bounded daemon: reads held ${held:-0} times, ${processed:-0} of 200000 eve
   "$([ "${held:-0}" -ge 1 ] && [ "${processed:-0}" = 200000 ] && grep -q '^not acknowledged: 0 events' \
        "$out/bench_bounded.txt" && echo PASS || echo FAIL)"
 # A lost device: the streaming tick numbered by --inject_device_loss_at_tick launches a kernel that traps (a real
-# sticky error), once while the resident step runs (lone paced events) and once among launched ticks (100
-# instruments). The stream ends UNAVAILABLE naming the CUDA error, and the daemon drains and exits 1, hanging on
-# nothing (the resident step's waits, the drain, the exit).
+# sticky error), once after lone paced events (the resident step, which the hook stops first) and once among
+# launched ticks (100 instruments). The stream ends UNAVAILABLE naming the CUDA error, and the daemon drains and
+# exits 1, hanging on nothing.
 lose_device() {  # NAME PORT perceptionctl-arguments...
   local name=$1 lost_port=$2
   shift 2
   "$bundle/env" perceptiond --listen="127.0.0.1:$lost_port" --metrics_listen= --device=cuda \
     --checkpoint_dir="$out/checkpoints" --inject_device_loss_at_tick=300 2> "$out/perceptiond_lost_$name.log" &
   local lost=$! waited=0
-  local lost_ctl=(timeout -s KILL 120 "$bundle/env" perceptionctl --target="127.0.0.1:$lost_port")
+  local lost_ctl=(timeout -s KILL 45 "$bundle/env" perceptionctl --target="127.0.0.1:$lost_port")
   "${lost_ctl[@]}" --wait=60s init --config small --levels 1 > "$out/lost_$name.txt" 2>&1
   "${lost_ctl[@]}" "$@" >> "$out/lost_$name.txt" 2>&1
   local ctl_code=$?
-  while kill -0 "$lost" 2>/dev/null && [ "$waited" -lt 60 ]; do sleep 1; waited=$((waited + 1)); done
+  while kill -0 "$lost" 2>/dev/null && [ "$waited" -lt 30 ]; do sleep 1; waited=$((waited + 1)); done
   kill -KILL "$lost" 2>/dev/null
   wait "$lost"
   local code=$?

@@ -57,8 +57,10 @@ class CudaBackend final : public Backend {
     if (streamer_) streamer_->set_use_resident(resident);
   }
   absl::Status InjectDeviceLoss() override {
-    // A stream of its own: a running resident step holds the streaming stream, and the trap must not queue behind
-    // it. The stream is never destroyed: after the trap no CUDA call of the process can succeed.
+    // The daemon runs nothing beside the resident step (every other device job stops it first), and neither does
+    // this: on the H200 a trap launched beside it never ended its synchronization (bench/RESULTS.md, s37b). The
+    // stream is never destroyed: after the trap no CUDA call of the process can succeed.
+    RETURN_IF_ERROR(QuiesceDevice());
     cudaStream_t stream = nullptr;
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CUDA_RETURN_IF_ERROR(kernels::LaunchTrap(stream));

@@ -75,16 +75,17 @@ TEST_F(DeviceLossDeathTest, AnIllegalAddressLosesTheDevice) {
   EXPECT_EXIT(std::exit(ChecksOfAnIllegalAddress()), ::testing::ExitedWithCode(0), "");
 }
 
-// 0 when the daemon's test hook (--inject_device_loss_at_tick) loses the device for real while the resident step
-// runs: the trap's sticky error, the handler run, the resident step's next wait ended rather than hung, and a
-// training step refused.
-int ChecksOfAnInjectedLoss() {
+// 0 when the daemon's test hook (--inject_device_loss_at_tick) loses the device for real after a lone event, with
+// the resident step running (the hook stops it first) or after a launched tick: the trap's sticky error, the handler
+// run, the next tick refused rather than hung, and a training step refused.
+int ChecksOfAnInjectedLoss(bool resident) {
   int handled = 0;
   OnDeviceLost([&] { ++handled; });
   const ModelConfig config = *NamedConfig("small");
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       MakeCudaBackend(config, OptimizerConfig{}, InitialParams(config, 6));
   if (!backend.ok()) return Fail(backend.status().ToString());
+  (*backend)->set_stream_resident(resident);
   if (const absl::Status configured = (*backend)->ConfigureStreaming(1, 16); !configured.ok()) {
     return Fail(configured.ToString());
   }
@@ -105,9 +106,14 @@ int ChecksOfAnInjectedLoss() {
   return 0;
 }
 
-TEST_F(DeviceLossDeathTest, TheInjectedLossTrapsAndEndsTheResidentStep) {
+TEST_F(DeviceLossDeathTest, TheInjectedLossTrapsUnderTheResidentStep) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  EXPECT_EXIT(std::exit(ChecksOfAnInjectedLoss()), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(std::exit(ChecksOfAnInjectedLoss(/*resident=*/true)), ::testing::ExitedWithCode(0), "");
+}
+
+TEST_F(DeviceLossDeathTest, TheInjectedLossTrapsAfterALaunchedTick) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  EXPECT_EXIT(std::exit(ChecksOfAnInjectedLoss(/*resident=*/false)), ::testing::ExitedWithCode(0), "");
 }
 
 // The runtime keeps a failed call's error for the next kernel launcher to read back; the checks clear it.
