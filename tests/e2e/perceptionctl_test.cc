@@ -49,6 +49,17 @@ std::pair<absl::Duration, CommandResult> RunThenStopTheDaemon(Daemon& daemon, co
   return {waited, std::move(result)};
 }
 
+// N of a failed `perceptionctl stream`'s "acknowledged through seq N"; nullopt when it says none.
+std::optional<uint64_t> AcknowledgedThrough(const std::string& output) {
+  const std::string through = "acknowledged through seq ";
+  const size_t at = output.find(through);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t digits = at + through.size();
+  uint64_t acked = 0;
+  if (!absl::SimpleAtoi(output.substr(digits, output.find(' ', digits) - digits), &acked)) return std::nullopt;
+  return acked;
+}
+
 // Every conviction the daemon's log holds for `instrument`, oldest first.
 struct ConvictionLog {
   std::vector<uint64_t> seqs;
@@ -404,15 +415,10 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
                            acknowledging)
           .second;
   ASSERT_EQ(failed.exit_code, 1) << failed.output;
-  const std::string through = "acknowledged through seq ";
-  const size_t at = failed.output.find(through);
-  ASSERT_NE(at, std::string::npos) << failed.output;
-  const size_t digits = at + through.size();
-  uint64_t acked = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
-      << failed.output;
+  const std::optional<uint64_t> acked = AcknowledgedThrough(failed.output);
+  ASSERT_TRUE(acked.has_value()) << failed.output;
   const uint64_t end = EndSeqOnceSettled((*daemon)->client(), "AAPL");
-  EXPECT_GT(end, acked) << "the daemon took at least what it acknowledged";
+  EXPECT_GT(end, *acked) << "the daemon took at least what it acknowledged";
   ASSERT_LT(end, 1000u);
 
   const CommandResult resumed =
@@ -441,14 +447,9 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
   EXPECT_THAT(failed.output, HasSubstr("seed each instrument named again (SeedStream), then stream from the seq"));
   // Tick 200 took the instrument's 200th event, which the files number seq 200 (the first row is seq 1).
   EXPECT_THAT(failed.output, HasSubstr("'AAPL' from seq 200."));
-  const std::string through = "acknowledged through seq ";
-  const size_t at = failed.output.find(through);
-  ASSERT_NE(at, std::string::npos) << failed.output;
-  const size_t digits = at + through.size();
-  uint64_t acked = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(failed.output.substr(digits, failed.output.find(' ', digits) - digits), &acked))
-      << failed.output;
-  EXPECT_LT(acked, 200u) << "nothing past the lost tick was acknowledged";
+  const std::optional<uint64_t> acked = AcknowledgedThrough(failed.output);
+  ASSERT_TRUE(acked.has_value()) << failed.output;
+  EXPECT_LT(*acked, 200u) << "nothing past the lost tick was acknowledged";
 
   client::PerceptionClient& client = (*daemon)->client();
   const auto health = client.Health();  // in the drain grace
