@@ -1,0 +1,301 @@
+// Tells ThreadSanitizer about abseil's synchronization, for `./dev tsan`: preloaded (LD_PRELOAD) into the
+// instrumented tests and daemons, it interposes absl::Mutex, absl::CondVar and absl::Notification, whose system
+// library was built without TSan's annotations, and brackets each real call with them. Without it TSan sees no
+// ordering through them and reports every guarded access as a race. Built without instrumentation, and its TSan
+// hooks are weak, so that the uninstrumented processes that inherit the preload (the shell, `timeout`) run as if it
+// were not there.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+extern "C" {
+void __tsan_mutex_destroy(void* addr, unsigned flags) __attribute__((weak));
+void __tsan_mutex_pre_lock(void* addr, unsigned flags) __attribute__((weak));
+void __tsan_mutex_post_lock(void* addr, unsigned flags, int recursion) __attribute__((weak));
+int __tsan_mutex_pre_unlock(void* addr, unsigned flags) __attribute__((weak));
+void __tsan_mutex_post_unlock(void* addr, unsigned flags) __attribute__((weak));
+void __tsan_acquire(void* addr) __attribute__((weak));
+void __tsan_release(void* addr) __attribute__((weak));
+void __tsan_ignore_thread_begin() __attribute__((weak));
+void __tsan_ignore_thread_end() __attribute__((weak));
+}
+
+namespace {
+
+// The flags of sanitizer/tsan_interface.h.
+constexpr unsigned kReadLock = 1 << 3;
+constexpr unsigned kTryLock = 1 << 4;
+constexpr unsigned kTryLockFailed = 1 << 5;
+
+bool Instrumented() { return __tsan_mutex_pre_lock != nullptr; }
+
+void Acquired(void* mu, unsigned flags) {
+  __tsan_mutex_pre_lock(mu, flags);
+  __tsan_mutex_post_lock(mu, flags, 0);
+}
+
+void Releasing(void* mu, unsigned flags) {
+  __tsan_mutex_pre_unlock(mu, flags);
+  __tsan_mutex_post_unlock(mu, flags);
+}
+
+thread_local int nesting = 0;
+
+// One interposed call. Only the outermost one on a thread is annotated: abseil's functions call each other through
+// their exported symbols (AwaitWithTimeout calls AwaitWithDeadline, Notification::Notify locks a Mutex), which lands
+// in this file again. Inside the library's code TSan ignores this thread's accesses: abseil evaluates a waiter's
+// Condition (our code, reading what the mutex guards) inside Await and LockWhen, and also in another thread's Unlock,
+// where TSan's view has the mutex released. Those reads go unchecked; every other access to the same state is.
+class Interposed {
+ public:
+  Interposed() : outer_(nesting++ == 0 && Instrumented()) {}
+  ~Interposed() { --nesting; }
+  Interposed(const Interposed&) = delete;
+  Interposed& operator=(const Interposed&) = delete;
+
+  bool outer() const { return outer_; }
+  // Runs the library's call with this thread's accesses ignored.
+  template <typename Call>
+  auto Unobserved(Call call) const {
+    if (outer_) __tsan_ignore_thread_begin();
+    struct End {
+      bool on;
+      ~End() {
+        if (on) __tsan_ignore_thread_end();
+      }
+    } end{outer_};
+    return call();
+  }
+
+ private:
+  const bool outer_;
+};
+
+// The library's definition of the function this file defines at `ours`: the symbol of the same (mangled) name next
+// in the lookup order after the preload.
+void* RealOf(void* ours) {
+  Dl_info info{};
+  void* real = nullptr;
+  if (dladdr(ours, &info) != 0 && info.dli_sname != nullptr) real = dlsym(RTLD_NEXT, info.dli_sname);
+  if (real == nullptr) {
+    std::fprintf(stderr, "absl_mutex_annotations: no library definition behind %p (%s)\n", ours,
+                 info.dli_sname != nullptr ? info.dli_sname : "unnamed");
+    std::abort();
+  }
+  return real;
+}
+
+// A non-virtual member function's code address (the Itanium ABI's pointer to member: {address, adjustment}).
+template <typename MemberFunction>
+void* CodeOf(MemberFunction member) {
+  static_assert(sizeof(member) == 2 * sizeof(void*));
+  void* address = nullptr;
+  std::memcpy(&address, &member, sizeof(address));
+  return address;
+}
+
+// The real member function as a plain function of `this` and the arguments.
+template <typename Result, typename Class, typename... Args>
+auto Real(Result (Class::*member)(Args...)) {
+  using Plain = Result (*)(Class*, Args...);
+  return reinterpret_cast<Plain>(RealOf(CodeOf(member)));
+}
+template <typename Result, typename Class, typename... Args>
+auto Real(Result (Class::*member)(Args...) const) {
+  using Plain = Result (*)(const Class*, Args...);
+  return reinterpret_cast<Plain>(RealOf(CodeOf(member)));
+}
+
+}  // namespace
+
+namespace absl {
+
+Mutex::~Mutex() {
+  // The destructor's address cannot be taken: its symbol is Lock's with the destructor's name in place of "4Lock".
+  static const auto real = [] {
+    Dl_info info{};
+    if (dladdr(CodeOf(&Mutex::Lock), &info) == 0 || info.dli_sname == nullptr) std::abort();
+    std::string name = info.dli_sname;
+    name.replace(name.rfind("4LockEv"), 7, "D1Ev");
+    void* found = dlsym(RTLD_NEXT, name.c_str());
+    if (found == nullptr) std::abort();
+    return reinterpret_cast<void (*)(Mutex*)>(found);
+  }();
+  const Interposed call;
+  if (call.outer()) __tsan_mutex_destroy(this, 0);
+  call.Unobserved([&] { real(this); });
+}
+
+void Mutex::Lock() {
+  static const auto real = Real(&Mutex::Lock);
+  const Interposed call;
+  call.Unobserved([&] { real(this); });
+  if (call.outer()) Acquired(this, 0);
+}
+
+void Mutex::ReaderLock() {
+  static const auto real = Real(&Mutex::ReaderLock);
+  const Interposed call;
+  call.Unobserved([&] { real(this); });
+  if (call.outer()) Acquired(this, kReadLock);
+}
+
+bool Mutex::TryLock() {
+  static const auto real = Real(&Mutex::TryLock);
+  const Interposed call;
+  const bool locked = call.Unobserved([&] { return real(this); });
+  if (call.outer()) {
+    __tsan_mutex_pre_lock(this, kTryLock);
+    __tsan_mutex_post_lock(this, locked ? kTryLock : kTryLock | kTryLockFailed, 0);
+  }
+  return locked;
+}
+
+bool Mutex::ReaderTryLock() {
+  static const auto real = Real(&Mutex::ReaderTryLock);
+  const Interposed call;
+  const bool locked = call.Unobserved([&] { return real(this); });
+  if (call.outer()) {
+    __tsan_mutex_pre_lock(this, kReadLock | kTryLock);
+    __tsan_mutex_post_lock(this, kReadLock | (locked ? kTryLock : kTryLock | kTryLockFailed), 0);
+  }
+  return locked;
+}
+
+void Mutex::Unlock() {
+  static const auto real = Real(&Mutex::Unlock);
+  const Interposed call;
+  if (call.outer()) Releasing(this, 0);
+  call.Unobserved([&] { real(this); });
+}
+
+void Mutex::ReaderUnlock() {
+  static const auto real = Real(&Mutex::ReaderUnlock);
+  const Interposed call;
+  if (call.outer()) Releasing(this, kReadLock);
+  call.Unobserved([&] { real(this); });
+}
+
+void Mutex::LockWhen(const Condition& cond) {
+  static const auto real = Real(&Mutex::LockWhen);
+  const Interposed call;
+  call.Unobserved([&] { real(this, cond); });
+  if (call.outer()) Acquired(this, 0);
+}
+
+void Mutex::ReaderLockWhen(const Condition& cond) {
+  static const auto real = Real(&Mutex::ReaderLockWhen);
+  const Interposed call;
+  call.Unobserved([&] { real(this, cond); });
+  if (call.outer()) Acquired(this, kReadLock);
+}
+
+bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
+  static const auto real = Real(&Mutex::LockWhenWithTimeout);
+  const Interposed call;
+  const bool met = call.Unobserved([&] { return real(this, cond, timeout); });
+  if (call.outer()) Acquired(this, 0);  // held on return either way
+  return met;
+}
+
+bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
+  static const auto real = Real(&Mutex::LockWhenWithDeadline);
+  const Interposed call;
+  const bool met = call.Unobserved([&] { return real(this, cond, deadline); });
+  if (call.outer()) Acquired(this, 0);
+  return met;
+}
+
+// An Await may release the mutex and take it again: to TSan, an unlock before and a lock after.
+void Mutex::Await(const Condition& cond) {
+  static const auto real = Real(&Mutex::Await);
+  const Interposed call;
+  if (call.outer()) Releasing(this, 0);
+  call.Unobserved([&] { real(this, cond); });
+  if (call.outer()) Acquired(this, 0);
+}
+
+bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
+  static const auto real = Real(&Mutex::AwaitWithTimeout);
+  const Interposed call;
+  if (call.outer()) Releasing(this, 0);
+  const bool met = call.Unobserved([&] { return real(this, cond, timeout); });
+  if (call.outer()) Acquired(this, 0);
+  return met;
+}
+
+bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
+  static const auto real = Real(&Mutex::AwaitWithDeadline);
+  const Interposed call;
+  if (call.outer()) Releasing(this, 0);
+  const bool met = call.Unobserved([&] { return real(this, cond, deadline); });
+  if (call.outer()) Acquired(this, 0);
+  return met;
+}
+
+void CondVar::Wait(Mutex* mu) {
+  static const auto real = Real(&CondVar::Wait);
+  const Interposed call;
+  if (call.outer()) Releasing(mu, 0);
+  call.Unobserved([&] { real(this, mu); });
+  if (call.outer()) Acquired(mu, 0);
+}
+
+bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
+  static const auto real = Real(&CondVar::WaitWithTimeout);
+  const Interposed call;
+  if (call.outer()) Releasing(mu, 0);
+  const bool timed_out = call.Unobserved([&] { return real(this, mu, timeout); });
+  if (call.outer()) Acquired(mu, 0);
+  return timed_out;
+}
+
+bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
+  static const auto real = Real(&CondVar::WaitWithDeadline);
+  const Interposed call;
+  if (call.outer()) Releasing(mu, 0);
+  const bool timed_out = call.Unobserved([&] { return real(this, mu, deadline); });
+  if (call.outer()) Acquired(mu, 0);
+  return timed_out;
+}
+
+// A notification orders what came before Notify before what follows a wait that saw it (the wait's fast path
+// reads an atomic flag that TSan cannot see).
+void Notification::Notify() {
+  static const auto real = Real(&Notification::Notify);
+  const Interposed call;
+  if (call.outer()) __tsan_release(this);
+  call.Unobserved([&] { real(this); });
+}
+
+void Notification::WaitForNotification() const {
+  static const auto real = Real(&Notification::WaitForNotification);
+  const Interposed call;
+  call.Unobserved([&] { real(this); });
+  if (call.outer()) __tsan_acquire(const_cast<Notification*>(this));
+}
+
+bool Notification::WaitForNotificationWithTimeout(Duration timeout) const {
+  static const auto real = Real(&Notification::WaitForNotificationWithTimeout);
+  const Interposed call;
+  const bool notified = call.Unobserved([&] { return real(this, timeout); });
+  if (notified && call.outer()) __tsan_acquire(const_cast<Notification*>(this));
+  return notified;
+}
+
+bool Notification::WaitForNotificationWithDeadline(Time deadline) const {
+  static const auto real = Real(&Notification::WaitForNotificationWithDeadline);
+  const Interposed call;
+  const bool notified = call.Unobserved([&] { return real(this, deadline); });
+  if (notified && call.outer()) __tsan_acquire(const_cast<Notification*>(this));
+  return notified;
+}
+
+}  // namespace absl

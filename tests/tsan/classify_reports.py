@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Sorts ThreadSanitizer's reports (`./dev tsan`) into ours and gRPC's; exits 1 when any is ours.
+
+gRPC's core, protobuf and abseil come uninstrumented from Debian, so TSan never sees the ordering their completion
+queues and atomics give: every message gRPC fills on one thread and a reactor reads on another looks like a race. A
+report is put down to that when some access in it was made by their code: the first frame of its stack outside the C
+and C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's libraries, abseil's Status (its reference
+count), or generated protobuf code. A race
+whose accesses were all made by this project's code, and every report of another kind (lock-order inversions, mutex
+misuse, a crash), is ours and printed whole.
+
+Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
+"""
+import re
+import sys
+
+FRAME = re.compile(r"^\s+#\d+ (?P<func>.*?) (?P<where>\S+) \((?P<module>[^)]*)\)$")
+STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+|Previous atomic \S+|Mutex \S+ acquired"
+                        r"|Mutex \S+ previously acquired)")
+LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so")
+# abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
+THEIRS = ("/usr/include/grpcpp/", "/usr/include/grpc/", "/usr/include/google/protobuf/", "libgrpc", "libgpr",
+          "libprotobuf", ".pb.cc", ".pb.h", "libabsl", "/usr/include/absl/status/")
+
+
+def reports(path):
+    text = open(path, errors="replace").read()
+    for block in text.split("==================\n"):
+        if "WARNING: ThreadSanitizer:" in block or "ERROR: ThreadSanitizer:" in block:  # ERROR: a crash
+            yield block
+
+
+def first_frames(block):
+    """The first frame outside the C++ library of each access's stack."""
+    frames, in_stack, found = [], False, False
+    for line in block.splitlines():
+        if STACK_HEAD.match(line):
+            in_stack, found = True, False
+            continue
+        if not line.strip():
+            in_stack = False
+            continue
+        match = FRAME.match(line)
+        if in_stack and match and not found:
+            where = match["where"] + " " + match["module"]
+            if not any(part in where for part in LIBRARY):
+                frames.append(where)
+                found = True
+    return frames
+
+
+def main():
+    root, build, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+    ours, theirs = [], 0
+    for path in paths:
+        for block in reports(path):
+            frames = first_frames(block)
+            is_race = "ThreadSanitizer: data race" in block
+            by_them = [f for f in frames if any(t in f for t in THEIRS) or f.startswith(build)]
+            if is_race and frames and by_them:
+                theirs += 1
+            else:
+                ours.append(block)
+    print(f"tsan reports: {len(ours)} ours, {theirs} with an access made by uninstrumented gRPC, protobuf or abseil "
+          "code")
+    for block in ours:
+        print("==================\n" + block, end="")
+    return 1 if ours else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""classify_reports.py on reports as ThreadSanitizer writes them: races between this project's accesses, lock-order
+inversions and mutex misuse are ours; a race with an access by gRPC's, protobuf's or abseil's code is not."""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = "/src/perception"
+BUILD = "/src/perception/build-tsan"
+
+OUR_RACE = """==================
+WARNING: ThreadSanitizer: data race (pid=2744)
+  Write of size 8 at 0x7b1400005050 by thread T5:
+    #0 std::deque<int>::pop_front() /usr/include/c++/12/bits/stl_deque.h:1582 (handoff_tests+0x1)
+    #1 StreamBatcher::AddPendingLocked(long) /src/perception/server/stream_batcher.cc:605 (handoff_tests+0x2)
+
+  Previous read of size 8 at 0x7b1400005050 by thread T1:
+    #0 StreamBatcher::RoomToRead(bool) /src/perception/server/stream_batcher.cc:599 (handoff_tests+0x3)
+
+  Thread T5 (tid=2762, running) created by main thread at:
+    #0 pthread_create ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1001 (libtsan.so.2+0x5e686)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/server/stream_batcher.cc:605 in AddPendingLocked(long)
+==================
+"""
+
+GRPC_RACE = """==================
+WARNING: ThreadSanitizer: data race (pid=1824)
+  Read of size 8 at 0x7b7400020438 by thread T8:
+    #0 CallOpRecvMessage<StreamRequest>::FinishOp(bool*) /usr/include/grpcpp/impl/call_op_set.h:446 (handoff_tests+0x9)
+
+  Previous write of size 8 at 0x7b7400020438 by thread T9:
+    #0 memcpy ../../../../src/libsanitizer/sanitizer_common/interceptors.inc:827 (libtsan.so.2+0x5dda6)
+    #1 perception::server::StreamReactor::OnReadDone(bool) /src/perception/server/streaming.cc:70 (handoff_tests+0x4)
+
+SUMMARY: ThreadSanitizer: data race /usr/include/grpcpp/impl/call_op_set.h:446 in FinishOp(bool*)
+==================
+WARNING: ThreadSanitizer: data race (pid=2780)
+  Write of size 8 at 0x7b640000ff08 by main thread:
+    #0 free ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:706 (libtsan.so.2+0x47e82)
+    #1 grpc_slice_buffer_destroy <null> (libgrpc.so.29+0x4d4a7e)
+    #2 Run /src/perception/client/perceptionctl_main.cc:366 (perceptionctl+0x292c2)
+
+  Previous read of size 1 at 0x7b640000ff0a by thread T1:
+    #0 sendmsg ../../../../src/libsanitizer/sanitizer_common/interceptors.inc:3160 (libtsan.so.2+0x55518)
+    #1 tcp_send(int, msghdr const*, int*, int) <null> (libgrpc.so.29+0x4225c1)
+
+SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libgrpc.so.29+0x4d4a7e) in grpc_slice_buffer_destroy
+==================
+WARNING: ThreadSanitizer: data race (pid=2781)
+  Write of size 8 at 0x7b640000ff08 by thread T2:
+    #0 StreamRequest::Clear() /src/perception/build-tsan/proto/perception/v1/perception.pb.cc:10404 (e2e_tests+0x5)
+
+  Previous read of size 8 at 0x7b640000ff08 by thread T1:
+    #0 perception::server::StreamReactor::OnReadDone(bool) /src/perception/server/streaming.cc:70 (e2e_tests+0x6)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/build-tsan/proto/perception/v1/perception.pb.cc:10404 in Clear()
+==================
+"""
+
+INVERSION = """==================
+WARNING: ThreadSanitizer: lock-order-inversion (potential deadlock) (pid=1824)
+  Cycle in lock order graph: M0 (0x7b7000000220) => M1 (0x7b7000000300) => M0
+
+  Mutex M1 acquired here while holding mutex M0 in thread T1:
+    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x2a50)
+    #1 StreamBatcher::Tick(ModelHost&) /src/perception/server/stream_batcher.cc:290 (handoff_tests+0x7)
+
+  Mutex M0 acquired here while holding mutex M1 in thread T2:
+    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x2a50)
+    #1 perception::server::StreamReactor::OnProcessed() /src/perception/server/streaming.cc:90 (handoff_tests+0x8)
+
+SUMMARY: ThreadSanitizer: lock-order-inversion (potential deadlock) /src/perception/server/stream_batcher.cc:290 in Tick
+==================
+"""
+
+
+def classify(*texts):
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for i, text in enumerate(texts):
+            paths.append(os.path.join(folder, f"report.{i}"))
+            with open(paths[-1], "w") as f:
+                f.write(text)
+        return subprocess.run([sys.executable, os.path.join(HERE, "classify_reports.py"), ROOT, BUILD, *paths],
+                              capture_output=True, text=True)
+
+
+class ClassifyReportsTest(unittest.TestCase):
+    def test_a_race_between_our_accesses_is_ours(self):
+        result = classify(OUR_RACE)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
+        self.assertIn("stream_batcher.cc:605", result.stdout)
+
+    def test_races_with_an_access_by_grpc_or_generated_protobuf_code_are_not(self):
+        result = classify(GRPC_RACE)
+        self.assertEqual(result.returncode, 0, result.stdout)
+        self.assertIn("tsan reports: 0 ours, 3 with an access made by", result.stdout)
+
+    def test_a_lock_order_inversion_is_ours_whatever_its_frames(self):
+        result = classify(GRPC_RACE, INVERSION)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("tsan reports: 1 ours, 3 with an access made by", result.stdout)
+        self.assertIn("lock-order-inversion", result.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
