@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -113,6 +114,25 @@ auto Real(Result (Class::*member)(Args...) const) {
   return reinterpret_cast<Plain>(RealOf(CodeOf(member)));
 }
 
+// Runs the library's `real(args...)` as one interposed call after which `mu` is held (flags: kReadLock for a reader
+// lock; a LockWhen that timed out holds it too). `releases`: the call may give the mutex up and take it again
+// meanwhile (an Await, a CondVar wait), which TSan sees as an unlock before it and a lock after.
+template <typename Real, typename... Args>
+auto Holding(void* mu, unsigned flags, bool releases, Real real, Args&&... args) {
+  const Interposed call;
+  if (call.outer() && releases) Releasing(mu, flags);
+  // At the return, once the result is taken, whether the call returns one or not.
+  struct AcquiredOnReturn {
+    const Interposed& call;
+    void* mu;
+    unsigned flags;
+    ~AcquiredOnReturn() {
+      if (call.outer()) Acquired(mu, flags);
+    }
+  } const acquired{call, mu, flags};
+  return call.Unobserved([&] { return real(std::forward<Args>(args)...); });
+}
+
 }  // namespace
 
 namespace absl {
@@ -135,16 +155,12 @@ Mutex::~Mutex() {
 
 void Mutex::Lock() {
   static const auto real = Real(&Mutex::Lock);
-  const Interposed call;
-  call.Unobserved([&] { real(this); });
-  if (call.outer()) Acquired(this, 0);
+  Holding(this, 0, /*releases=*/false, real, this);
 }
 
 void Mutex::ReaderLock() {
   static const auto real = Real(&Mutex::ReaderLock);
-  const Interposed call;
-  call.Unobserved([&] { real(this); });
-  if (call.outer()) Acquired(this, kReadLock);
+  Holding(this, kReadLock, /*releases=*/false, real, this);
 }
 
 bool Mutex::TryLock() {
@@ -185,85 +201,52 @@ void Mutex::ReaderUnlock() {
 
 void Mutex::LockWhen(const Condition& cond) {
   static const auto real = Real(&Mutex::LockWhen);
-  const Interposed call;
-  call.Unobserved([&] { real(this, cond); });
-  if (call.outer()) Acquired(this, 0);
+  Holding(this, 0, /*releases=*/false, real, this, cond);
 }
 
 void Mutex::ReaderLockWhen(const Condition& cond) {
   static const auto real = Real(&Mutex::ReaderLockWhen);
-  const Interposed call;
-  call.Unobserved([&] { real(this, cond); });
-  if (call.outer()) Acquired(this, kReadLock);
+  Holding(this, kReadLock, /*releases=*/false, real, this, cond);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real(&Mutex::LockWhenWithTimeout);
-  const Interposed call;
-  const bool met = call.Unobserved([&] { return real(this, cond, timeout); });
-  if (call.outer()) Acquired(this, 0);  // held on return either way
-  return met;
+  return Holding(this, 0, /*releases=*/false, real, this, cond, timeout);
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real(&Mutex::LockWhenWithDeadline);
-  const Interposed call;
-  const bool met = call.Unobserved([&] { return real(this, cond, deadline); });
-  if (call.outer()) Acquired(this, 0);
-  return met;
+  return Holding(this, 0, /*releases=*/false, real, this, cond, deadline);
 }
 
-// An Await may release the mutex and take it again: to TSan, an unlock before and a lock after.
 void Mutex::Await(const Condition& cond) {
   static const auto real = Real(&Mutex::Await);
-  const Interposed call;
-  if (call.outer()) Releasing(this, 0);
-  call.Unobserved([&] { real(this, cond); });
-  if (call.outer()) Acquired(this, 0);
+  Holding(this, 0, /*releases=*/true, real, this, cond);
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real(&Mutex::AwaitWithTimeout);
-  const Interposed call;
-  if (call.outer()) Releasing(this, 0);
-  const bool met = call.Unobserved([&] { return real(this, cond, timeout); });
-  if (call.outer()) Acquired(this, 0);
-  return met;
+  return Holding(this, 0, /*releases=*/true, real, this, cond, timeout);
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real(&Mutex::AwaitWithDeadline);
-  const Interposed call;
-  if (call.outer()) Releasing(this, 0);
-  const bool met = call.Unobserved([&] { return real(this, cond, deadline); });
-  if (call.outer()) Acquired(this, 0);
-  return met;
+  return Holding(this, 0, /*releases=*/true, real, this, cond, deadline);
 }
 
 void CondVar::Wait(Mutex* mu) {
   static const auto real = Real(&CondVar::Wait);
-  const Interposed call;
-  if (call.outer()) Releasing(mu, 0);
-  call.Unobserved([&] { real(this, mu); });
-  if (call.outer()) Acquired(mu, 0);
+  Holding(mu, 0, /*releases=*/true, real, this, mu);
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
   static const auto real = Real(&CondVar::WaitWithTimeout);
-  const Interposed call;
-  if (call.outer()) Releasing(mu, 0);
-  const bool timed_out = call.Unobserved([&] { return real(this, mu, timeout); });
-  if (call.outer()) Acquired(mu, 0);
-  return timed_out;
+  return Holding(mu, 0, /*releases=*/true, real, this, mu, timeout);
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
   static const auto real = Real(&CondVar::WaitWithDeadline);
-  const Interposed call;
-  if (call.outer()) Releasing(mu, 0);
-  const bool timed_out = call.Unobserved([&] { return real(this, mu, deadline); });
-  if (call.outer()) Acquired(mu, 0);
-  return timed_out;
+  return Holding(mu, 0, /*releases=*/true, real, this, mu, deadline);
 }
 
 // A notification orders what came before Notify before what follows a wait that saw it (the wait's fast path
