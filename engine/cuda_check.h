@@ -51,12 +51,16 @@ inline absl::Status CublasFailure(cublasStatus_t status, const char* call, const
 
 }  // namespace perception::cuda_internal
 
-#define CUDA_RETURN_IF_ERROR(call)                                                            \
-  do {                                                                                        \
-    const cudaError_t _cuda_error = (call);                                                   \
-    if (_cuda_error != cudaSuccess) {                                                         \
-      return ::perception::cuda_internal::CudaFailure(_cuda_error, #call, __FILE__, __LINE__); \
-    }                                                                                         \
+#define CUDA_RETURN_IF_ERROR(call) CUDA_RETURN_IF_ERROR_OF(call, #call)
+
+// For an error kept from a call made before (a poll's query, a capture's end), reported as that call's: the variable's
+// name would tell a reader of the log nothing.
+#define CUDA_RETURN_IF_ERROR_OF(error, call_text)                                                 \
+  do {                                                                                            \
+    const cudaError_t _cuda_error = (error);                                                      \
+    if (_cuda_error != cudaSuccess) {                                                             \
+      return ::perception::cuda_internal::CudaFailure(_cuda_error, call_text, __FILE__, __LINE__); \
+    }                                                                                             \
   } while (0)
 
 #define CUBLAS_RETURN_IF_ERROR(call)                                                                \

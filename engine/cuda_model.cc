@@ -598,12 +598,12 @@ absl::Status CudaModel::CaptureTrainStep(TrainGraph& graph, const InputPlan& pla
   if (!enqueued.ok() || ended != cudaSuccess) {
     if (captured) cudaGraphDestroy(captured);
     RETURN_IF_ERROR(enqueued);
-    CUDA_RETURN_IF_ERROR(ended);
+    CUDA_RETURN_IF_ERROR_OF(ended, "cudaStreamEndCapture(stream_, &captured)");
   }
   const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec[plan.variant()], captured,
                                                          node_priorities_ ? cudaGraphInstantiateFlagUseNodePriority : 0);
   cudaGraphDestroy(captured);
-  CUDA_RETURN_IF_ERROR(instantiated);
+  CUDA_RETURN_IF_ERROR_OF(instantiated, "cudaGraphInstantiate(the training step)");
   graph.buffers[plan.variant()] = CurrentBuffers();
   ++counters_.graph_captures;
   return absl::OkStatus();

@@ -159,7 +159,7 @@ absl::Status CudaStreamer::Initialize() {
         fit = kernels::StreamShapeFit{};
         continue;
       }
-      CUDA_RETURN_IF_ERROR(error);
+      CUDA_RETURN_IF_ERROR_OF(error, "kernels::FitStreamStep");
     }
   }
   RETURN_IF_ERROR(TimeGroups());
@@ -460,7 +460,7 @@ absl::StatusOr<CudaStreamer::StagedRead> CudaStreamer::StagedReadFor(const Stagi
   if (forced_read_) return *forced_read_;
   const cudaError_t state = cudaEventQuery(s.consumed);
   if (state == cudaErrorNotReady) return StagedRead::kDevice;
-  CUDA_RETURN_IF_ERROR(state);
+  CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(s.consumed)");
   return StagedRead::kPinned;
 }
 
@@ -624,7 +624,7 @@ absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
     // The cluster cannot answer once it has failed, and leaves only at a stop: either way the wait is over.
     const cudaError_t state = cudaStreamQuery(stream_);
     if (state == cudaErrorNotReady) continue;
-    CUDA_RETURN_IF_ERROR(state);
+    CUDA_RETURN_IF_ERROR_OF(state, "cudaStreamQuery(the resident step's stream)");
     if (static_cast<int32_t>(count - done.load(std::memory_order_acquire)) > 0) {
       return absl::InternalError(absl::StrCat("the resident streaming step left with event ", count - 1,
                                               " unanswered (", done.load(), " answered)"));
@@ -671,7 +671,7 @@ absl::Status CudaStreamer::CaptureInto(const kernels::StreamTickInput& input, St
   const absl::Status enqueued = EnqueueTick(input, shape);
   const cudaError_t ended = cudaStreamEndCapture(stream_, &graph.graph);
   RETURN_IF_ERROR(enqueued);
-  CUDA_RETURN_IF_ERROR(ended);
+  CUDA_RETURN_IF_ERROR_OF(ended, "cudaStreamEndCapture(stream_, &graph.graph)");
   // An inline tick's graph is the one kernel whose tick each replay replaces (ShapeFor never gives such ticks the
   // wide path).
   if (!input.x) {

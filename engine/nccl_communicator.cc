@@ -140,7 +140,7 @@ absl::Status NcclCommunicator::Synchronize(cudaStream_t stream) {
   for (;;) {
     const cudaError_t queried = cudaStreamQuery(stream);
     if (queried == cudaSuccess) return absl::OkStatus();
-    if (queried != cudaErrorNotReady) CUDA_RETURN_IF_ERROR(queried);
+    if (queried != cudaErrorNotReady) CUDA_RETURN_IF_ERROR_OF(queried, "cudaStreamQuery(stream)");
     ncclResult_t state = ncclSuccess;
     if (const ncclResult_t polled = ncclCommGetAsyncError(comm_, &state); polled != ncclSuccess) state = polled;
     if (state != ncclSuccess && state != ncclInProgress) {
