@@ -9,6 +9,7 @@
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda_check.h"
@@ -239,6 +240,7 @@ absl::Status CudaStreamer::Publish(const float* device_params, cudaStream_t sour
 }
 
 absl::Status CudaStreamer::Pack() {
+  if (std::exchange(fail_next_pack_, false)) return absl::InternalError("building the stream pack failed (a test's)");
   CUDA_RETURN_IF_ERROR(kernels::PackStreamWeights(weights_, pack_, stream_));
   return absl::OkStatus();
 }

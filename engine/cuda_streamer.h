@@ -72,10 +72,13 @@ class CudaStreamer {
 
   // Copies a whole parameter set (device memory) into the published weights once `source`'s queued work is done and
   // rebuilds the stream pack from it; ticks queued afterwards read it, ticks queued before read the previous set.
-  // Work queued on `source` afterwards waits until the copy has read the parameters.
+  // Work queued on `source` afterwards waits until the copy has read the parameters. Ticks read only the pack, which
+  // is rebuilt last: a publish that fails before leaves them on the previous set, whole.
   absl::Status Publish(const float* device_params, cudaStream_t source);
   // Uploads a host parameter set into the published weights (synchronous; for tests and the CPU-built models).
   absl::Status PublishFromHost(std::span<const float> params);
+  // Tests only: the next publish fails where it would rebuild the pack.
+  void FailNextPackForTest() { fail_next_pack_ = true; }
 
   // forward_step_into: replays the CUDA graph captured for the tick's bucket (ticks are padded to the next power of
   // two of events, up to the slot count; a bucket is captured on first use). A tick of up to 8 events travels in the
@@ -246,6 +249,7 @@ class CudaStreamer {
   CudaArena device_{MemoryKind::kDevice}, pinned_{MemoryKind::kPinnedHost};
   float* published_ = nullptr;  // the parameter set as published, which the pack is built from
   float* pack_ = nullptr;
+  bool fail_next_pack_ = false;
   kernels::StreamSlots state_{};
   kernels::StreamWideScratch wide_{};
   bool wide_fits_ = false;

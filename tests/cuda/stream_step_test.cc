@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <thread>
 
@@ -185,6 +186,8 @@ class StreamStepParity {
   cudaStream_t resident_stream() const { return resident_stream_; }
   CudaStreamer& streamer() { return *streamer_; }
   const std::vector<float>& params() const { return params_; }
+  // The CPU steps with `params` from now on (once the streamer has published them too).
+  void UseParams(std::vector<float> params) { params_ = std::move(params); }
   const ModelConfig& config() const { return config_; }
 
  private:
@@ -723,6 +726,28 @@ TEST(StreamStepManyTest, APublishBehindBusyTicksServesThePublishedStepsWeights) 
   ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
   ASSERT_EQ(cudaStreamDestroy(trainer), cudaSuccess);
   parity.Tick({3, 0, 9}, 79);
+  parity.ExpectLogsMatch();
+}
+
+TEST(StreamStepManyTest, APublishThatFailsLeavesTheTicksOnTheWeightsBeforeIt) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // Ticks read only the pack, which a publish rebuilds after copying the new parameters: one whose pack fails leaves
+  // the ticks on the set before it, whole (no kernel reads the copied parameters beside the old pack). Small ticks and
+  // wide ones (the cluster kernel and the wide path); then the next publish serves the new set.
+  StreamStepParity parity("small", 300, 4);
+  std::vector<float> next = RandomParams(ParamLayout(parity.config()), 202);
+  const DeviceArray<float> next_on_device(next);
+  parity.streamer().FailNextPackForTest();
+  const absl::Status failed = parity.streamer().Publish(next_on_device.get(), parity.streamer().stream());
+  EXPECT_TRUE(testing::Contains(failed, "building the stream pack failed")) << failed;
+  parity.Tick({3, 0, 9}, 83);
+  std::vector<int32_t> every_slot(300);
+  std::iota(every_slot.begin(), every_slot.end(), 0);
+  parity.Tick(every_slot, 84);
+  ASSERT_TRUE(parity.streamer().Publish(next_on_device.get(), parity.streamer().stream()).ok());
+  parity.UseParams(std::move(next));
+  parity.Tick({3, 7}, 85);
+  parity.Tick(every_slot, 86);
   parity.ExpectLogsMatch();
 }
 
