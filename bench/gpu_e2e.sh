@@ -63,13 +63,13 @@ processed=$(awk '/^perception_stream_events_total /{print $2}' "$out/metrics_bou
 echo "bounded daemon: reads held ${held:-0} times, ${processed:-0} of 200000 events processed:" \
   "$([ "${held:-0}" -ge 1 ] && [ "${processed:-0}" = 200000 ] && grep -q '^not acknowledged: 0 events' \
        "$out/bench_bounded.txt" && echo PASS || echo FAIL)"
-# A lost device: the streaming tick numbered by --inject_device_loss_at_tick launches a kernel that traps (a real
-# sticky error), once after lone paced events (the resident step, which the hook stops first) and once among
-# launched ticks (100 instruments). The stream ends UNAVAILABLE naming the CUDA error, and the daemon drains and
-# exits 1, hanging on nothing.
-lose_device() {  # NAME PORT perceptionctl-arguments...
-  local name=$1 lost_port=$2
-  shift 2
+# A lost device: the streaming tick numbered by --inject_device_loss_at_tick executes `trap` (a real sticky error),
+# once among lone paced events, inside the running resident step, and once among launched ticks (100 instruments), in
+# a kernel of its own. The stream ends UNAVAILABLE naming the failed call and the CUDA error, and the daemon drains
+# and exits 1, hanging on nothing.
+lose_device() {  # NAME PORT FAILED-CALL perceptionctl-arguments... (FAILED-CALL: the call the error must name)
+  local name=$1 lost_port=$2 failed_call=$3
+  shift 3
   "$bundle/env" perceptiond --listen="127.0.0.1:$lost_port" --metrics_listen= --device=cuda \
     --checkpoint_dir="$out/checkpoints" --inject_device_loss_at_tick=300 2> "$out/perceptiond_lost_$name.log" &
   local lost=$! waited=0
@@ -82,12 +82,15 @@ lose_device() {  # NAME PORT perceptionctl-arguments...
   wait "$lost"
   local code=$?
   tail -1 "$out/lost_$name.txt" | cut -c1-400
+  local named=0
+  grep -q "UNAVAILABLE.*$failed_call.*cudaErrorLaunchFailure" "$out/lost_$name.txt" && named=1
   echo "lost device ($name): perceptionctl exit $ctl_code, perceptiond exit $code within $waited s:" \
-    "$([ "$ctl_code" = 1 ] && [ "$code" = 1 ] && grep -q 'UNAVAILABLE.*cudaErrorLaunchFailure' "$out/lost_$name.txt" \
-         && echo PASS || echo FAIL)"
+    "$([ "$ctl_code" = 1 ] && [ "$code" = 1 ] && [ "$named" = 1 ] && echo PASS || echo FAIL)"
 }
-lose_device resident $((port + 2)) stream --lobster "$ob" "$msg" --instrument AMZN --count 2000 --rate 1000
-lose_device launched $((port + 3)) bench --instruments 100 --events 100000
+# Lone events at 1,000 a second keep the resident step running (it is released after 1 s idle): the trap is inside it.
+lose_device resident $((port + 2)) 'cudaStreamQuery(the resident step' \
+  stream --lobster "$ob" "$msg" --instrument AMZN --count 2000 --rate 1000
+lose_device launched $((port + 3)) 'cudaStreamSynchronize' bench --instruments 100 --events 100000
 "$bundle/env" perception eval --device cuda --checkpoint "$out/checkpoints/gpu.safetensors" --lobster "$ob" "$msg" \
   --out "$out/eval_logits.npy" | tail -1
 python3 - "$out" "$events" "$paced_events" <<'PY'

@@ -135,8 +135,9 @@ class Backend {
   // The latest probabilities of `slot`, [H].
   virtual absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
 
-  // For tests of the daemon's lost-device path: loses the device as a sticky error would (the CUDA backend by a
-  // kernel that traps; others by recording the loss) and returns what every later device call of the process will.
+  // For tests of the daemon's lost-device path: loses the device as a sticky error would (the CUDA backend by a trap,
+  // inside the running resident step if there is one, else in a kernel of its own; others by recording the loss) and
+  // returns what every later device call of the process will.
   virtual absl::Status InjectDeviceLoss();
 };
 

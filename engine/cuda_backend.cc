@@ -57,9 +57,11 @@ class CudaBackend final : public Backend {
     if (streamer_) streamer_->set_use_resident(resident);
   }
   absl::Status InjectDeviceLoss() override {
-    // The daemon runs nothing beside the resident step (every other device job stops it first), and neither does
-    // this: on the H200 a trap launched beside it never ended its synchronization (bench/RESULTS.md, s37b). The
-    // stream is never destroyed: after the trap no CUDA call of the process can succeed.
+    // A running resident step faults itself. Otherwise a trapping kernel runs alone: the daemon runs nothing beside
+    // the resident step (every other device job stops it first), and on the H200 a trap launched beside it never
+    // ended its synchronization (bench/RESULTS.md, s37b). The stream is never destroyed: after the trap no CUDA call
+    // of the process can succeed.
+    if (streamer_ && streamer_->resident_running()) return streamer_->FaultResident();
     RETURN_IF_ERROR(QuiesceDevice());
     cudaStream_t stream = nullptr;
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

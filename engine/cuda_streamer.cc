@@ -604,6 +604,17 @@ absl::Status CudaStreamer::StopResident() {
   return absl::OkStatus();
 }
 
+absl::Status CudaStreamer::FaultResident() {
+  if (!resident_.running) return absl::FailedPreconditionError("no resident streaming step is running");
+  RETURN_IF_ERROR(WaitForRingEntry());
+  kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, resident_.posted++, kernels::kStreamResidentTrapSlot,
+                                   0.f, false, 0, nullptr, 0);
+  resident_.running = false;
+  // The trap entry is never answered: the wait ends on the stream's error.
+  RETURN_IF_ERROR(WaitResidentAnswered(resident_.posted));
+  return absl::InternalError("the resident streaming step answered its trap entry");
+}
+
 absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
   RETURN_IF_ERROR(StopResident());
   if (!resident_.since_yield) return absl::OkStatus();

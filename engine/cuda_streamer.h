@@ -119,6 +119,9 @@ class CudaStreamer {
   // frees its multiprocessors and its polling of host memory; the next lone event launches another. For a feed that
   // has gone quiet (the daemon's --stream_resident_idle_ms).
   absl::Status StopResident();
+  // Tests only: makes the running resident step execute `trap` behind the events posted before (a fault inside the
+  // running kernel) and returns the error its stream reports, which loses the device.
+  absl::Status FaultResident();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
   // What the streamer timed when it started, to choose the shapes of ticks that do not take the wide path by rule

@@ -1087,6 +1087,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
       ExchangeWait(mail_bar, phase & 1);
       if (static_cast<int>(mail[kResidentSlot]) < 0) {
+        if (static_cast<int>(mail[kResidentSlot]) == kStreamResidentTrapSlot) __trap();
         if (phase == 0) {  // (the launch's first copies are in flight)
           BarrierWait(bars);
           BarrierWait(bars + 1);

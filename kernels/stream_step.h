@@ -133,8 +133,12 @@ bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes);
 // its multiprocessors meanwhile. Not capturable.
 cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                                  const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream);
+// A ring entry with this slot makes the kernel execute `trap`: the tests' fault inside the running kernel
+// (Backend::InjectDeviceLoss), a sticky cudaErrorLaunchFailure.
+constexpr int32_t kStreamResidentTrapSlot = -2;
 // Host side: writes event `index` (F features at x) into its ring entry. The entry must not be rewritten before the
-// event ring_size earlier has been answered. A negative slot stops the kernel, which answers events up to it.
+// event ring_size earlier has been answered. A negative slot stops the kernel, which answers events up to it
+// (kStreamResidentTrapSlot: faults it).
 void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
                              bool logged, int64_t log_index, const float* x, int F);
 

@@ -75,9 +75,10 @@ TEST_F(DeviceLossDeathTest, AnIllegalAddressLosesTheDevice) {
   EXPECT_EXIT(std::exit(ChecksOfAnIllegalAddress()), ::testing::ExitedWithCode(0), "");
 }
 
-// 0 when the daemon's test hook (--inject_device_loss_at_tick) loses the device for real after a lone event, with
-// the resident step running (the hook stops it first) or after a launched tick: the trap's sticky error, the handler
-// run, the next tick refused rather than hung, and a training step refused.
+// 0 when the daemon's test hook (--inject_device_loss_at_tick) loses the device for real after a lone event, by a
+// trap inside the running resident step (reported by the wait's stream query) or in a kernel of its own after a
+// launched tick: the trap's sticky error, the handler run, the next tick refused rather than hung, and a training
+// step refused.
 int ChecksOfAnInjectedLoss(bool resident) {
   int handled = 0;
   OnDeviceLost([&] { ++handled; });
@@ -96,7 +97,8 @@ int ChecksOfAnInjectedLoss(bool resident) {
   if (const absl::Status stepped = (*backend)->ForwardStepInto(tick); !stepped.ok()) return Fail(stepped.ToString());
   const absl::Status lost = (*backend)->InjectDeviceLoss();
   if (lost.code() != absl::StatusCode::kUnavailable || !Contains(lost, "cudaErrorLaunchFailure") ||
-      !Contains(lost, "restart perceptiond")) {
+      !Contains(lost, "restart perceptiond") ||
+      !Contains(lost, resident ? "cudaStreamQuery" : "cudaStreamSynchronize")) {
     return Fail(lost.ToString());
   }
   if (handled != 1) return Fail(absl::StrCat("the handler ran ", handled, " times"));
