@@ -27,6 +27,13 @@ absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const floa
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
 
+absl::Status StepNotTakenError(const TrainStepResult& result) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the batch's gradient norm is ", result.grad_norm, " (loss ", result.loss,
+      "): the update was not applied, and the model stays at step ", result.step,
+      "; train on without the batch, or, if the weights have diverged, load a checkpoint and lower the learning rate"));
+}
+
 absl::Status Backend::InjectDeviceLoss() {
   NoteDeviceLost(absl::InternalError(absl::StrCat("a loss of ", device_name(), " injected by a test")));
   return DeviceLostStatus();

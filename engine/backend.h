@@ -23,6 +23,10 @@ struct TrainStepResult {
   int64_t step = 0;      // optimizer steps taken, this one included
 };
 
+// A step whose gradient norm is not finite is not taken (ClipAndAdamW): the backends answer it with this error
+// (FAILED_PRECONDITION, naming the norm, the loss and the step the model stays at) instead of a result.
+absl::Status StepNotTakenError(const TrainStepResult& result);
+
 // How a backend's training steps ran and what they cost on the device, for the daemon's metrics. The CUDA backend
 // keeps it (engine/cuda_model.h); other backends report zeros.
 struct TrainingCounters {

@@ -34,8 +34,12 @@ class CpuBackend final : public Backend {
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>& batch) override {
     TrainStepResult result;
     result.loss = model_.LossAndGradients(params_, batch, grads_);
+    result.grad_norm = ClipAndAdamW<float>(layout_, optimizer_, step_ + 1, params_, grads_, exp_avg_, exp_avg_sq_);
+    if (!std::isfinite(result.grad_norm)) {
+      result.step = step_;
+      return StepNotTakenError(result);
+    }
     result.step = ++step_;
-    result.grad_norm = ClipAndAdamW<float>(layout_, optimizer_, step_, params_, grads_, exp_avg_, exp_avg_sq_);
     return result;
   }
 

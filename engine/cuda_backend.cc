@@ -4,6 +4,7 @@
 #include "engine/cuda_backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <span>
 #include <vector>
 
@@ -243,8 +244,10 @@ class CudaBackend final : public Backend {
     if (next) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
     step_ = report.step;  // applied, whatever the replica check finds
+    const TrainStepResult result{report.loss, report.grad_norm, report.step};
+    if (!std::isfinite(result.grad_norm)) return StepNotTakenError(result);
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
-    return TrainStepResult{report.loss, report.grad_norm, report.step};
+    return result;
   }
 
   // The batch a TrainStepWithNext or TrainStepStagingNext staged for the step after it is not that step's: forget

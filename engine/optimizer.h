@@ -43,7 +43,9 @@ double GlobalGradNorm(const ParamLayout& layout, std::span<const T> grads);
 
 // One optimizer step, as torch.nn.utils.clip_grad_norm_ followed by torch.optim.AdamW.step():
 // g ← g·min(1, max/(‖g‖+1e-6)); θ ← θ(1 − lr·wd) where decayed; m, v moments; bias corrections from `step`
-// (1-based, the step being taken). Grads are scaled in place. Returns the pre-clip norm.
+// (1-based, the step being taken). Grads are scaled in place. Returns the pre-clip norm. A norm that is not finite
+// changes nothing (the step is not taken), as clip_grad_norm_(error_if_nonfinite=True) raises before the update:
+// the update would write NaN into the parameters and both moments.
 template <typename T>
 double ClipAndAdamW(const ParamLayout& layout, const OptimizerConfig& config, int64_t step, std::span<T> params,
                     std::span<T> grads, std::span<T> exp_avg, std::span<T> exp_avg_sq);

@@ -108,6 +108,15 @@ __global__ void __launch_bounds__(kThreads)
   double part = 0.0;
   for (int i = threadIdx.x; i < count; i += kThreads) part += partials[i];
   const double norm = sqrt(BlockSum(part, scratch));
+  // A norm that is not finite (the same in every block) takes no step: ClipAndAdamW's rule, so that the update does
+  // not write NaN into every parameter and moment; the counter stays, which tells the host.
+  if (!isfinite(norm)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      report->grad_norm = norm;
+      report->step = step - 1;
+    }
+    return;
+  }
   const float scale = c.max_grad_norm > 0 ? static_cast<float>(fmin(1.0, c.max_grad_norm / (norm + 1e-6))) : 1.f;
   UpdateChunk(first, c, s, scale, g, p, m, v, params, grads, exp_avg, exp_avg_sq);
   for (int k = blockIdx.x + gridDim.x; k < count; k += gridDim.x) {

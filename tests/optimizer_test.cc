@@ -39,6 +39,33 @@ TEST(ClippingTest, ScalesToMaxNormAndReportsThePreClipNorm) {
   EXPECT_EQ(small.grads[w], 0.3);
 }
 
+// clip_grad_norm_(error_if_nonfinite=True) raises before the update; here the step is not taken: a NaN or infinite
+// gradient anywhere leaves every parameter, moment and gradient as it was, clipping on or off.
+TEST(ClippingTest, ANonFiniteNormTakesNoStep) {
+  ParamLayout layout(*NamedConfig("tiny"));
+  const std::vector<float> init = testing::RandomParams(layout, 4);
+  const size_t bias = layout.tensor(layout.head_out.bias).offset;
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    for (const double max_norm : {1.0, 0.0}) {
+      Buffers b(layout);
+      b.params.assign(init.begin(), init.end());
+      for (size_t i = 0; i < b.grads.size(); ++i) b.grads[i] = b.m[i] = b.v[i] = 0.01 * static_cast<double>(i % 7);
+      b.grads[bias] = bad;
+      const Buffers untouched = b;
+      OptimizerConfig config;
+      config.max_grad_norm = max_norm;
+      const double norm = ClipAndAdamW<double>(layout, config, 3, b.params, b.grads, b.m, b.v);
+      EXPECT_FALSE(std::isfinite(norm));
+      EXPECT_EQ(b.params, untouched.params);
+      EXPECT_EQ(b.m, untouched.m);
+      EXPECT_EQ(b.v, untouched.v);
+      for (size_t i = 0; i < b.grads.size(); ++i) {
+        if (i != bias) ASSERT_EQ(b.grads[i], untouched.grads[i]) << i;
+      }
+    }
+  }
+}
+
 // torch.optim.AdamW, written out for one scalar: decoupled decay, moments, bias-corrected step.
 struct ScalarAdamW {
   double theta, m = 0, v = 0;

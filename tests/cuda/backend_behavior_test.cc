@@ -12,6 +12,7 @@
 #include "engine/cuda_backend.h"
 #include "engine/cuda_memory.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/step_not_taken.h"
 #include "tests/test_util.h"
 
 namespace perception {
@@ -128,9 +129,15 @@ TEST(CudaBackend, ANanParameterSurfacesInLogitsAndLoss) {
   CpuReference<double>(layout).Forward(testing::ToDouble(clean), batch.As<double>().view(config.batch, config.window),
                                        expected);
   EXPECT_EQ(RelativeError(logits, expected), INFINITY);
+  // Its gradient norm is NaN too, so the step is refused (and not taken: the parameters keep their NaN).
   const auto step = (*backend)->TrainStep(batch.view());
-  ASSERT_TRUE(step.ok());
-  EXPECT_TRUE(std::isnan(step->loss) && std::isnan(step->grad_norm));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition) << step.status();
+  EXPECT_TRUE(Contains(step.status(), "gradient norm is nan (loss nan)")) << step.status();
+}
+
+TEST(CudaBackend, AStepWithANonFiniteGradientIsRefusedAndChangesNothing) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  testing::ExpectAStepWithANonFiniteGradientChangesNothing("cuda");
 }
 
 TEST(CudaBackend, CheckpointsMoveBetweenBackends) {

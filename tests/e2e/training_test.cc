@@ -1,11 +1,14 @@
 // Remote training against the real daemon: Train lowers the loss on held-out data, and TrainStep is bit-identical
 // to the offline engine on the CPU.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/checkpoint.h"
 #include "engine/dataset.h"
@@ -168,6 +171,53 @@ TEST(TrainingTest, TrainStepIsBitIdenticalToTheOfflineEngine) {
   EXPECT_EQ(Bits(saved->params), Bits(expected->params));
   EXPECT_EQ(Bits(saved->exp_avg), Bits(expected->exp_avg));
   EXPECT_EQ(Bits(saved->exp_avg_sq), Bits(expected->exp_avg_sq));
+}
+
+// A learning rate far too high: the weights grow until a batch's gradient norm is no longer finite. That step is
+// refused FAILED_PRECONDITION, which ends the Train stream, and not taken: the model keeps the finite weights of the
+// step before, which GetStatus reports and a checkpoint can hold (an update would have written NaN into them all).
+TEST(TrainingTest, ADivergingJobIsStoppedBeforeItsModelHoldsANaN) {
+  const ModelConfig config = TinyConfig();
+  const ScopedTempDir temp("diverge");
+  const std::filesystem::path& dir = temp.path();
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(dir / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  v1::InitModelRequest init = TinyInitRequest(3);
+  init.mutable_optimizer()->set_lr(1e30);
+  ASSERT_TRUE(client.InitModel(init).ok());
+
+  constexpr int kSteps = 20;
+  std::vector<testing::RandomBatch> batches;
+  for (int i = 0; i < kSteps; ++i) {
+    batches.push_back(testing::MakeRandomBatch(config, config.batch, config.window, 200 + i));
+  }
+  std::vector<v1::TrainStepResponse> responses;
+  const absl::Status trained = client.Train(
+      kSteps, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[i], config); },
+      [&](const v1::TrainStepResponse& response) { responses.push_back(response); });
+  ASSERT_EQ(trained.code(), absl::StatusCode::kFailedPrecondition) << trained;
+  ASSERT_GE(responses.size(), 1u);
+  ASSERT_LT(responses.size(), static_cast<size_t>(kSteps));
+  const int64_t last_step = responses.back().step();
+  EXPECT_EQ(last_step, static_cast<int64_t>(responses.size()));
+  EXPECT_THAT(std::string(trained.message()), ::testing::HasSubstr("gradient norm is"));
+  EXPECT_THAT(std::string(trained.message()),
+              ::testing::HasSubstr(absl::StrCat("not applied, and the model stays at step ", last_step)));
+  for (const v1::TrainStepResponse& response : responses) {
+    EXPECT_TRUE(std::isfinite(response.loss()) && std::isfinite(response.grad_norm())) << response.step();
+  }
+
+  absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->model().step(), last_step);
+  v1::SaveCheckpointRequest save;
+  save.set_name("diverged.safetensors");
+  ASSERT_TRUE(client.SaveCheckpoint(save).ok()) << "the weights hold a value SaveCheckpoint refuses";
+  absl::StatusOr<Checkpoint> saved = LoadCheckpoint((dir / "checkpoints" / "diverged.safetensors").string());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step, last_step);
+  EXPECT_TRUE(std::all_of(saved->params.begin(), saved->params.end(), [](float v) { return std::isfinite(v); }));
 }
 
 }  // namespace
