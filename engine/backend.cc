@@ -1,6 +1,7 @@
 // Chooses the backend for a device name; the CUDA backend exists only in builds with PERCEPTION_CUDA.
 #include "engine/backend.h"
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "engine/device_loss.h"
 #include "engine/status_macros.h"
@@ -27,12 +28,18 @@ absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const floa
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
 
+constexpr char kStepNotTakenPayload[] = "type.perception/step_not_taken";
+
 absl::Status StepNotTakenError(const TrainStepResult& result) {
-  return absl::FailedPreconditionError(absl::StrCat(
+  absl::Status not_taken = absl::FailedPreconditionError(absl::StrCat(
       "the batch's gradient norm is ", result.grad_norm, " (loss ", result.loss,
       "): the update was not applied, and the model stays at step ", result.step,
       "; train on without the batch, or, if the weights have diverged, load a checkpoint and lower the learning rate"));
+  not_taken.SetPayload(kStepNotTakenPayload, absl::Cord());
+  return not_taken;
 }
+
+bool IsStepNotTaken(const absl::Status& status) { return status.GetPayload(kStepNotTakenPayload).has_value(); }
 
 absl::Status Backend::InjectDeviceLoss() {
   NoteDeviceLost(absl::InternalError(absl::StrCat("a loss of ", device_name(), " injected by a test")));

@@ -26,6 +26,9 @@ struct TrainStepResult {
 // A step whose gradient norm is not finite is not taken (ClipAndAdamW): the backends answer it with this error
 // (FAILED_PRECONDITION, naming the norm, the loss and the step the model stays at) instead of a result.
 absl::Status StepNotTakenError(const TrainStepResult& result);
+// Whether a training step's error is StepNotTakenError's (a payload marks it: other failures answer
+// FAILED_PRECONDITION too).
+bool IsStepNotTaken(const absl::Status& status);
 
 // How a backend's training steps ran and what they cost on the device, for the daemon's metrics. The CUDA backend
 // keeps it (engine/cuda_model.h); other backends report zeros.

@@ -143,6 +143,13 @@ ServerMetrics::ServerMetrics()
                                      "answered DATA_LOSS).")
                                .Register(*registry_)
                                .Add({})),
+      train_steps_not_taken_(prometheus::BuildCounter()
+                                 .Name("perception_train_steps_not_taken_total")
+                                 .Help("Training steps refused because their gradient norm was not finite (the "
+                                       "update not applied; FAILED_PRECONDITION): a job whose weights diverge, or a "
+                                       "batch that overflowed them.")
+                                 .Register(*registry_)
+                                 .Add({})),
       resident_idle_stops_(prometheus::BuildCounter()
                                .Name("perception_stream_resident_idle_stops_total")
                                .Help("Resident streaming steps stopped after the device had no work for "
@@ -302,6 +309,7 @@ void ServerMetrics::ForgetTrainLoss() { train_loss_.Set(std::numeric_limits<doub
 void ServerMetrics::ObserveReplicaChecks(int64_t equal) { replica_checks_.Increment(static_cast<double>(equal)); }
 
 void ServerMetrics::ObserveReplicaDivergence() { replica_divergences_.Increment(); }
+void ServerMetrics::ObserveStepNotTaken() { train_steps_not_taken_.Increment(); }
 
 void ServerMetrics::ObserveResidentIdleStop() { resident_idle_stops_.Increment(); }
 

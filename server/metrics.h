@@ -36,6 +36,8 @@ class ServerMetrics {
   // differing.
   void ObserveReplicaChecks(int64_t equal);
   void ObserveReplicaDivergence();
+  // A training step refused because its gradient norm was not finite (the update not applied).
+  void ObserveStepNotTaken();
   // One checkpoint operation, "save" or "load", that succeeded.
   void ObserveCheckpoint(std::string_view operation, double seconds);
   // One answered RPC; a refusal (see IsRefusal) also counts in perception_requests_rejected_total. A unary call's
@@ -83,6 +85,7 @@ class ServerMetrics {
   prometheus::Counter& train_graph_replays_;
   prometheus::Counter& replica_checks_;
   prometheus::Counter& replica_divergences_;
+  prometheus::Counter& train_steps_not_taken_;
   prometheus::Counter& resident_idle_stops_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Family<prometheus::Histogram>& rpc_session_;

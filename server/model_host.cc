@@ -181,6 +181,11 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
                                                 ? backend_->TrainStepStagingNext(batch, *next)
                                                 : backend_->TrainStep(batch);
   if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
+  if (IsStepNotTaken(stepped.status())) {
+    // A refusal by its code, but a diverging job is the operator's concern too.
+    spdlog::warn("a training step was not taken: {}", std::string(stepped.status().message()));
+    metrics_.ObserveStepNotTaken();
+  }
   if (!stepped.ok()) return AfterFailedStep(stepped.status());
   const TrainStepResult result = *std::move(stepped);
   // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time

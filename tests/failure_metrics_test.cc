@@ -1,5 +1,6 @@
 // A call the daemon fails, through the service in process: a training step that answers DATA_LOSS (a data-parallel
-// replica divergence) is a failure an operator must see, logged at error level, not a refusal of the client's.
+// replica divergence) is a failure an operator must see, logged at error level, not a refusal of the client's; one
+// whose gradient norm was not finite is a refusal that the operator sees too (a counter, a warning).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -39,6 +40,16 @@ class DivergingBackend final : public ForwardingBackend {
   }
 };
 
+// Every training step's gradient norm is infinite, as a diverging job's would be.
+class OverflowingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+
+  absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>&) override {
+    return StepNotTakenError(TrainStepResult{.loss = 0.7, .grad_norm = INFINITY, .step = 0});
+  }
+};
+
 // The default logger's records, as "level|message", while it is in scope.
 class CapturedLog {
  public:
@@ -58,6 +69,16 @@ class CapturedLog {
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
 
+grpc::Status TrainOneStep(InProcessDaemon& daemon) {
+  const ModelConfig config = *NamedConfig("tiny");
+  v1::TrainStepRequest request;
+  *request.mutable_batch() = BatchMessage(MakeRandomBatch(config, config.batch, config.window, 1), config);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  v1::TrainStepResponse response;
+  return daemon.stub().TrainStep(&context, request, &response);
+}
+
 TEST(FailureMetricsTest, ADataLossStepIsAnErrorAndNotARefusal) {
   const CapturedLog log;
   InProcessDaemon daemon(
@@ -65,13 +86,7 @@ TEST(FailureMetricsTest, ADataLossStepIsAnErrorAndNotARefusal) {
       "failure_metrics_checkpoints");
   ASSERT_TRUE(daemon.InitTinyModel(0).ok());
 
-  const ModelConfig config = *NamedConfig("tiny");
-  v1::TrainStepRequest request;
-  *request.mutable_batch() = BatchMessage(MakeRandomBatch(config, config.batch, config.window, 1), config);
-  grpc::ClientContext context;
-  context.set_deadline(Deadline());
-  v1::TrainStepResponse response;
-  const grpc::Status status = daemon.stub().TrainStep(&context, request, &response);
+  const grpc::Status status = TrainOneStep(daemon);
   ASSERT_EQ(status.error_code(), grpc::StatusCode::DATA_LOSS) << status.error_message();
 
   const std::string metrics = daemon.metrics().Render();
@@ -80,6 +95,25 @@ TEST(FailureMetricsTest, ADataLossStepIsAnErrorAndNotARefusal) {
   EXPECT_THAT(metrics, Not(HasSubstr("reason=\"data_loss\"")));
   EXPECT_THAT(metrics, Not(ContainsRegex("perception_requests_rejected_total\\{[^}]*\\} [1-9]"))) << "no refusal";
   EXPECT_THAT(log.lines(), Contains(StartsWith("error|TrainStep failed: DATA_LOSS: data-parallel parameters")));
+}
+
+TEST(FailureMetricsTest, AStepNotTakenIsARefusalCountedAndLoggedForTheOperator) {
+  const CapturedLog log;
+  InProcessDaemon daemon(
+      [](std::unique_ptr<Backend> inner) { return std::make_unique<OverflowingBackend>(std::move(inner)); },
+      "failure_metrics_not_taken_checkpoints");
+  ASSERT_TRUE(daemon.InitTinyModel(0).ok());
+  const std::string before = daemon.metrics().Render();
+  EXPECT_THAT(before, HasSubstr("\nperception_train_steps_not_taken_total 0\n"));
+
+  const grpc::Status status = TrainOneStep(daemon);
+  ASSERT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("gradient norm is inf (loss 0.7)"));
+
+  const std::string metrics = daemon.metrics().Render();
+  EXPECT_THAT(metrics, HasSubstr("\nperception_train_steps_not_taken_total 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("perception_requests_rejected_total{reason=\"failed_precondition\"} 1\n"));
+  EXPECT_THAT(log.lines(), Contains(StartsWith("warning|a training step was not taken: the batch's gradient norm is inf")));
 }
 
 }  // namespace
