@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,10 +13,6 @@
 #include "tests/test_util.h"
 
 namespace perception::testing {
-
-inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // A step on a batch holding a NaN (which the daemon's validation refuses before a backend sees it; here it stands for
 // any cause: weights that diverged, a learning rate too high) is refused FAILED_PRECONDITION, leaves the parameters,
@@ -57,18 +52,18 @@ inline void ExpectAStepWithANonFiniteGradientChangesNothing(const std::string& d
   const absl::StatusOr<Checkpoint> after = backend->ExportState();
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->step, 1);
-  EXPECT_TRUE(SameBits(after->params, before->params));
-  EXPECT_TRUE(SameBits(after->exp_avg, before->exp_avg));
-  EXPECT_TRUE(SameBits(after->exp_avg_sq, before->exp_avg_sq));
+  EXPECT_TRUE(BitIdentical(after->params, before->params));
+  EXPECT_TRUE(BitIdentical(after->exp_avg, before->exp_avg));
+  EXPECT_TRUE(BitIdentical(after->exp_avg_sq, before->exp_avg_sq));
 
   const absl::StatusOr<TrainStepResult> next = backend->TrainStep(second.view());
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->step, 2);
   const absl::StatusOr<Checkpoint> final_state = backend->ExportState();
   ASSERT_TRUE(final_state.ok()) << final_state.status();
-  EXPECT_TRUE(SameBits(final_state->params, expected->params));
-  EXPECT_TRUE(SameBits(final_state->exp_avg, expected->exp_avg));
-  EXPECT_TRUE(SameBits(final_state->exp_avg_sq, expected->exp_avg_sq));
+  EXPECT_TRUE(BitIdentical(final_state->params, expected->params));
+  EXPECT_TRUE(BitIdentical(final_state->exp_avg, expected->exp_avg));
+  EXPECT_TRUE(BitIdentical(final_state->exp_avg_sq, expected->exp_avg_sq));
 }
 
 }  // namespace perception::testing
