@@ -26,6 +26,8 @@ void __tsan_acquire(void* addr) __attribute__((weak));
 void __tsan_release(void* addr) __attribute__((weak));
 void __tsan_ignore_thread_begin() __attribute__((weak));
 void __tsan_ignore_thread_end() __attribute__((weak));
+void __tsan_func_entry(void* caller_pc) __attribute__((weak));
+void __tsan_func_exit() __attribute__((weak));
 }
 
 namespace {
@@ -54,10 +56,18 @@ thread_local int nesting = 0;
 // in this file again. Inside the library's code TSan ignores this thread's accesses: abseil evaluates a waiter's
 // Condition (our code, reading what the mutex guards) inside Await and LockWhen, and also in another thread's Unlock,
 // where TSan's view has the mutex released. Those reads go unchecked; every other access to the same state is.
+// `caller` is the interposed function's return address. TSan's stacks are the frames its instrumented code pushed,
+// and nothing here is instrumented: without the frame pushed here, a report on a mutex would skip the frame that
+// locked, unlocked or destroyed it and show that frame's caller in its place.
 class Interposed {
  public:
-  Interposed() : outer_(nesting++ == 0 && Instrumented()) {}
-  ~Interposed() { --nesting; }
+  explicit Interposed(void* caller) : outer_(nesting++ == 0 && Instrumented()) {
+    if (Instrumented()) __tsan_func_entry(caller);
+  }
+  ~Interposed() {
+    if (Instrumented()) __tsan_func_exit();
+    --nesting;
+  }
   Interposed(const Interposed&) = delete;
   Interposed& operator=(const Interposed&) = delete;
 
@@ -116,10 +126,11 @@ auto Real(Result (Class::*member)(Args...) const) {
 
 // Runs the library's `real(args...)` as one interposed call after which `mu` is held (flags: kReadLock for a reader
 // lock; a LockWhen that timed out holds it too). `releases`: the call may give the mutex up and take it again
-// meanwhile (an Await, a CondVar wait), which TSan sees as an unlock before it and a lock after.
+// meanwhile (an Await, a CondVar wait), which TSan sees as an unlock before it and a lock after. `caller`: the
+// interposed function's return address (Interposed's).
 template <typename Real, typename... Args>
-auto Holding(void* mu, unsigned flags, bool releases, Real real, Args&&... args) {
-  const Interposed call;
+auto Holding(void* caller, void* mu, unsigned flags, bool releases, Real real, Args&&... args) {
+  const Interposed call(caller);
   if (call.outer() && releases) Releasing(mu, flags);
   // At the return, once the result is taken, whether the call returns one or not.
   struct AcquiredOnReturn {
@@ -148,24 +159,24 @@ Mutex::~Mutex() {
     if (found == nullptr) std::abort();
     return reinterpret_cast<void (*)(Mutex*)>(found);
   }();
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   if (call.outer()) __tsan_mutex_destroy(this, 0);
   call.Unobserved([&] { real(this); });
 }
 
 void Mutex::Lock() {
   static const auto real = Real(&Mutex::Lock);
-  Holding(this, 0, /*releases=*/false, real, this);
+  Holding(__builtin_return_address(0), this, 0, /*releases=*/false, real, this);
 }
 
 void Mutex::ReaderLock() {
   static const auto real = Real(&Mutex::ReaderLock);
-  Holding(this, kReadLock, /*releases=*/false, real, this);
+  Holding(__builtin_return_address(0), this, kReadLock, /*releases=*/false, real, this);
 }
 
 bool Mutex::TryLock() {
   static const auto real = Real(&Mutex::TryLock);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   const bool locked = call.Unobserved([&] { return real(this); });
   if (call.outer()) {
     __tsan_mutex_pre_lock(this, kTryLock);
@@ -176,7 +187,7 @@ bool Mutex::TryLock() {
 
 bool Mutex::ReaderTryLock() {
   static const auto real = Real(&Mutex::ReaderTryLock);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   const bool locked = call.Unobserved([&] { return real(this); });
   if (call.outer()) {
     __tsan_mutex_pre_lock(this, kReadLock | kTryLock);
@@ -187,87 +198,87 @@ bool Mutex::ReaderTryLock() {
 
 void Mutex::Unlock() {
   static const auto real = Real(&Mutex::Unlock);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   if (call.outer()) Releasing(this, 0);
   call.Unobserved([&] { real(this); });
 }
 
 void Mutex::ReaderUnlock() {
   static const auto real = Real(&Mutex::ReaderUnlock);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   if (call.outer()) Releasing(this, kReadLock);
   call.Unobserved([&] { real(this); });
 }
 
 void Mutex::LockWhen(const Condition& cond) {
   static const auto real = Real(&Mutex::LockWhen);
-  Holding(this, 0, /*releases=*/false, real, this, cond);
+  Holding(__builtin_return_address(0), this, 0, /*releases=*/false, real, this, cond);
 }
 
 void Mutex::ReaderLockWhen(const Condition& cond) {
   static const auto real = Real(&Mutex::ReaderLockWhen);
-  Holding(this, kReadLock, /*releases=*/false, real, this, cond);
+  Holding(__builtin_return_address(0), this, kReadLock, /*releases=*/false, real, this, cond);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real(&Mutex::LockWhenWithTimeout);
-  return Holding(this, 0, /*releases=*/false, real, this, cond, timeout);
+  return Holding(__builtin_return_address(0), this, 0, /*releases=*/false, real, this, cond, timeout);
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real(&Mutex::LockWhenWithDeadline);
-  return Holding(this, 0, /*releases=*/false, real, this, cond, deadline);
+  return Holding(__builtin_return_address(0), this, 0, /*releases=*/false, real, this, cond, deadline);
 }
 
 void Mutex::Await(const Condition& cond) {
   static const auto real = Real(&Mutex::Await);
-  Holding(this, 0, /*releases=*/true, real, this, cond);
+  Holding(__builtin_return_address(0), this, 0, /*releases=*/true, real, this, cond);
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real(&Mutex::AwaitWithTimeout);
-  return Holding(this, 0, /*releases=*/true, real, this, cond, timeout);
+  return Holding(__builtin_return_address(0), this, 0, /*releases=*/true, real, this, cond, timeout);
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real(&Mutex::AwaitWithDeadline);
-  return Holding(this, 0, /*releases=*/true, real, this, cond, deadline);
+  return Holding(__builtin_return_address(0), this, 0, /*releases=*/true, real, this, cond, deadline);
 }
 
 void CondVar::Wait(Mutex* mu) {
   static const auto real = Real(&CondVar::Wait);
-  Holding(mu, 0, /*releases=*/true, real, this, mu);
+  Holding(__builtin_return_address(0), mu, 0, /*releases=*/true, real, this, mu);
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
   static const auto real = Real(&CondVar::WaitWithTimeout);
-  return Holding(mu, 0, /*releases=*/true, real, this, mu, timeout);
+  return Holding(__builtin_return_address(0), mu, 0, /*releases=*/true, real, this, mu, timeout);
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
   static const auto real = Real(&CondVar::WaitWithDeadline);
-  return Holding(mu, 0, /*releases=*/true, real, this, mu, deadline);
+  return Holding(__builtin_return_address(0), mu, 0, /*releases=*/true, real, this, mu, deadline);
 }
 
 // A notification orders what came before Notify before what follows a wait that saw it (the wait's fast path
 // reads an atomic flag that TSan cannot see).
 void Notification::Notify() {
   static const auto real = Real(&Notification::Notify);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   if (call.outer()) __tsan_release(this);
   call.Unobserved([&] { real(this); });
 }
 
 void Notification::WaitForNotification() const {
   static const auto real = Real(&Notification::WaitForNotification);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   call.Unobserved([&] { real(this); });
   if (call.outer()) __tsan_acquire(const_cast<Notification*>(this));
 }
 
 bool Notification::WaitForNotificationWithTimeout(Duration timeout) const {
   static const auto real = Real(&Notification::WaitForNotificationWithTimeout);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   const bool notified = call.Unobserved([&] { return real(this, timeout); });
   if (notified && call.outer()) __tsan_acquire(const_cast<Notification*>(this));
   return notified;
@@ -275,7 +286,7 @@ bool Notification::WaitForNotificationWithTimeout(Duration timeout) const {
 
 bool Notification::WaitForNotificationWithDeadline(Time deadline) const {
   static const auto real = Real(&Notification::WaitForNotificationWithDeadline);
-  const Interposed call;
+  const Interposed call(__builtin_return_address(0));
   const bool notified = call.Unobserved([&] { return real(this, deadline); });
   if (notified && call.outer()) __tsan_acquire(const_cast<Notification*>(this));
   return notified;

@@ -5,7 +5,9 @@ gRPC's core, protobuf and abseil come uninstrumented from Debian, so TSan never 
 queues and atomics give: every message gRPC fills on one thread and a reactor reads on another looks like a race. A
 report is put down to that when some access in it was made by their code: the first frame of its stack outside the C
 and C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's libraries, abseil's Status (its reference
-count), or generated protobuf code. A race
+count), or generated protobuf code. The preloaded annotations of abseil's synchronization (absl_mutex_annotations.cc)
+are passed over like the C++ library, so that an access they make to a mutex is put down to the code that locked,
+unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race
 whose accesses were all made by this project's code, and every report of another kind (lock-order inversions, mutex
 misuse, a crash), is ours and printed whole.
 
@@ -17,7 +19,8 @@ import sys
 FRAME = re.compile(r"^\s+#\d+ (?P<func>.*?) (?P<where>\S+) \((?P<module>[^)]*)\)$")
 STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+|Previous atomic \S+|Mutex \S+ acquired"
                         r"|Mutex \S+ previously acquired)")
-LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so")
+LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
+           "libabsl_tsan_annotations.so")
 # abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
 THEIRS = ("/usr/include/grpcpp/", "/usr/include/grpc/", "/usr/include/google/protobuf/", "libgrpc", "libgpr",
           "libprotobuf", ".pb.cc", ".pb.h", "libabsl", "/usr/include/absl/status/")
@@ -31,7 +34,7 @@ def reports(path):
 
 
 def first_frames(block):
-    """The first frame outside the C++ library of each access's stack."""
+    """The first frame outside the C++ library and the annotations of each access's stack."""
     frames, in_stack, found = [], False, False
     for line in block.splitlines():
         if STACK_HEAD.match(line):

@@ -66,14 +66,51 @@ WARNING: ThreadSanitizer: lock-order-inversion (potential deadlock) (pid=1824)
   Cycle in lock order graph: M0 (0x7b7000000220) => M1 (0x7b7000000300) => M0
 
   Mutex M1 acquired here while holding mutex M0 in thread T1:
-    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x2a50)
+    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x1)
     #1 StreamBatcher::Tick(ModelHost&) /src/perception/server/stream_batcher.cc:290 (handoff_tests+0x7)
 
   Mutex M0 acquired here while holding mutex M1 in thread T2:
-    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x2a50)
+    #0 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:140 (libabsl_tsan_annotations.so+0x1)
     #1 perception::server::StreamReactor::OnProcessed() /src/perception/server/streaming.cc:90 (handoff_tests+0x8)
 
 SUMMARY: ThreadSanitizer: lock-order-inversion (potential deadlock) /src/perception/server/stream_batcher.cc:290 in Tick
+==================
+"""
+
+# A mutex of ours destroyed while another thread still unlocks it: both accesses are the preloaded annotations' (the
+# shape of a real report, from a Holder freed under a MutexLock on another thread).
+OUR_MUTEX_FREED_UNDER_ITS_LOCK = """==================
+WARNING: ThreadSanitizer: data race (pid=2078)
+  Write of size 1 at 0x7b0400000000 by main thread:
+    #0 __tsan_mutex_destroy ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:358 (libtsan.so.2+0x70bf1)
+    #1 absl::Mutex::~Mutex() /src/perception/tests/tsan/absl_mutex_annotations.cc:163 (libabsl_tsan_annotations.so+0x1)
+    #2 perception::server::StreamReactor::~StreamReactor() /src/perception/server/streaming.cc:40 (e2e_tests+0x24eb)
+
+  Previous atomic read of size 1 at 0x7b0400000000 by thread T1 (mutexes: write M3512956830613504):
+    #0 __tsan_mutex_pre_unlock ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:390 (libtsan.so.2+0x710d4)
+    #1 Releasing /src/perception/tests/tsan/absl_mutex_annotations.cc:48 (libabsl_tsan_annotations.so+0x1)
+    #2 absl::Mutex::Unlock() /src/perception/tests/tsan/absl_mutex_annotations.cc:202 (libabsl_tsan_annotations.so+0x1)
+    #3 absl::MutexLock::~MutexLock() /usr/include/absl/synchronization/mutex.h:550 (e2e_tests+0x2313)
+    #4 perception::server::StreamReactor::OnCancel() /src/perception/server/streaming.cc:95 (e2e_tests+0x2313)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annotations.cc:163 in ~Mutex()
+==================
+"""
+
+# The same race on a mutex of gRPC's, locked through the annotations by its core.
+GRPC_MUTEX_FREED_UNDER_ITS_LOCK = """==================
+WARNING: ThreadSanitizer: data race (pid=2079)
+  Write of size 8 at 0x7b0400000040 by thread T3:
+    #0 free ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:706 (libtsan.so.2+0x47e82)
+    #1 grpc_call_unref <null> (libgrpc.so.29+0x1a2b3c)
+
+  Previous atomic read of size 1 at 0x7b0400000040 by thread T1:
+    #0 __tsan_mutex_pre_lock ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:366 (libtsan.so.2+0x70c41)
+    #1 Acquired /src/perception/tests/tsan/absl_mutex_annotations.cc:43 (libabsl_tsan_annotations.so+0x1)
+    #2 absl::Mutex::Lock() /src/perception/tests/tsan/absl_mutex_annotations.cc:168 (libabsl_tsan_annotations.so+0x1)
+    #3 grpc_core::Server::CallData::Start <null> (libgrpc.so.29+0x3c4d5e)
+
+SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libgrpc.so.29+0x1a2b3c) in grpc_call_unref
 ==================
 """
 
@@ -106,6 +143,17 @@ class ClassifyReportsTest(unittest.TestCase):
         self.assertEqual(result.returncode, 1)
         self.assertIn("tsan reports: 1 ours, 3 with an access made by", result.stdout)
         self.assertIn("lock-order-inversion", result.stdout)
+
+    def test_a_mutex_of_ours_freed_under_its_lock_is_ours_though_the_annotations_made_both_accesses(self):
+        result = classify(OUR_MUTEX_FREED_UNDER_ITS_LOCK)
+        self.assertEqual(result.returncode, 1, result.stdout)
+        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
+        self.assertIn("StreamReactor::OnCancel()", result.stdout)
+
+    def test_a_mutex_of_grpcs_locked_through_the_annotations_is_grpcs(self):
+        result = classify(GRPC_MUTEX_FREED_UNDER_ITS_LOCK)
+        self.assertEqual(result.returncode, 0, result.stdout)
+        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
 
 
 if __name__ == "__main__":
