@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "engine/config.h"
 #include "engine/status_macros.h"
@@ -156,6 +157,18 @@ absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const flo
       return absl::InvalidArgumentError(absl::StrCat("normalizer feature ", i, ": mean ", mean[i], ", inv_std ",
                                                      inv_std[i], "; both must be finite and inv_std > 0"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<const float> x) {
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float standardized = (x[i] - normalizer.mean[i]) * normalizer.inv_std[i];
+    if (std::fabs(standardized) <= kMaxStandardizedFeature) continue;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "feature %d is %g, %g standard deviations from the model's normalizer mean; a streamed feature must stay "
+        "within %g of it (beyond, float32 overflows in the model and every later conviction of the instrument is NaN)",
+        i, x[i], standardized, kMaxStandardizedFeature));
   }
   return absl::OkStatus();
 }

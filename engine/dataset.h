@@ -56,6 +56,17 @@ std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted
 // normalizer (the API, a checkpoint).
 absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const float> inv_std);
 
+// The largest standardized feature, |(x - mean)·inv_std|, a stream takes. Far beyond it float32 overflows in the
+// model: the embedding's sums, then products folded before their RMSNorm's scale (infinity times a scale of 0). The
+// event's output is then NaN, and so is its stream's state for every later event. Up to it the model's norms keep
+// every output and state finite (StreamingBackendTest.FeaturesAtTheStandardizedBoundKeepTheStateFinite); the demo's
+// trained `small` first overflows from about 1.8e37 (README, "Decisions where MODEL.md is silent"). No LOBSTER row
+// comes near it under a fitted normalizer (its features stay below 1e14 and inv_std at most 1e6).
+inline constexpr float kMaxStandardizedFeature = 1e24f;
+// OK when every feature of one event, x [F], standardizes within ±kMaxStandardizedFeature under `normalizer` (in
+// float32, as the model computes it); else INVALID_ARGUMENT naming the first that does not.
+absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<const float> x);
+
 // Class prior per horizon: the fraction of label 1 among masked-in labels (0.5 for a horizon with none).
 std::vector<double> ClassPrior(const EventSeries& series);
 // The masked BCE of MODEL.md §2.7 when predicting the constant probability prior[h] (logit log(p/(1-p)))

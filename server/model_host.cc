@@ -24,9 +24,14 @@ auto Tensor(const ParamLayout& layout, int index, Params& params) {
   return std::span(params).subspan(t.offset, t.size);
 }
 
-bool IsIdentityNormalizer(const ParamLayout& layout, const std::vector<float>& params) {
-  return std::ranges::all_of(Tensor(layout, layout.norm_mean, params), [](float v) { return v == 0.f; }) &&
-         std::ranges::all_of(Tensor(layout, layout.norm_inv_std, params), [](float v) { return v == 1.f; });
+Normalizer ReadNormalizer(const ParamLayout& layout, const std::vector<float>& params) {
+  const auto mean = Tensor(layout, layout.norm_mean, params), inv_std = Tensor(layout, layout.norm_inv_std, params);
+  return {{mean.begin(), mean.end()}, {inv_std.begin(), inv_std.end()}};
+}
+
+bool IsIdentityNormalizer(const Normalizer& normalizer) {
+  return std::ranges::all_of(normalizer.mean, [](float v) { return v == 0.f; }) &&
+         std::ranges::all_of(normalizer.inv_std, [](float v) { return v == 1.f; });
 }
 
 void WriteNormalizer(const ParamLayout& layout, const Normalizer& normalizer, std::vector<float>& params) {
@@ -93,9 +98,9 @@ absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& o
     RETURN_IF_ERROR(CheckNormalizerSize(*normalizer, config));
     WriteNormalizer(layout, *normalizer, params);
   }
-  const bool fitted = !IsIdentityNormalizer(layout, params);
+  Normalizer installed = ReadNormalizer(layout, params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(config, optimizer, std::move(params)));
-  Install(std::move(backend), optimizer, 0, fitted);
+  Install(std::move(backend), optimizer, 0, std::move(installed));
   spdlog::info("model initialized on {} ({} products): {} trained parameters, seed {}", backend_->device_name(),
                PrecisionName(backend_->precision()),
                backend_->layout().trained_count(), seed);
@@ -108,7 +113,7 @@ absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
   ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
   WriteNormalizer(backend_->layout(), normalizer, state.params);
   RETURN_IF_ERROR(backend_->ImportState(state));
-  normalizer_fitted_ = !IsIdentityNormalizer(backend_->layout(), state.params);
+  normalizer_ = normalizer;
   ++weights_version_;
   return MaybePublish(/*due=*/true);
 }
@@ -127,9 +132,9 @@ absl::StatusOr<double> ModelHost::Load(const std::string& path, const std::optio
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(checkpoint.config, limits));
   const OptimizerConfig optimizer = requested.value_or(checkpoint.optimizer.value_or(OptimizerConfig{}));
-  const bool fitted = !IsIdentityNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
+  Normalizer installed = ReadNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackendFrom(checkpoint, optimizer));
-  Install(std::move(backend), optimizer, checkpoint.step, fitted);
+  Install(std::move(backend), optimizer, checkpoint.step, std::move(installed));
   const double seconds = stopwatch.Seconds();
   metrics_.ObserveCheckpoint("load", seconds);
   spdlog::info("loaded checkpoint {} (step {}) in {:.3f} s", path, checkpoint.step, seconds);
@@ -257,8 +262,8 @@ HostStatus ModelHost::Status() const {
   }
   return {backend_->device_name(), PrecisionName(backend_->precision()), backend_->memory_bytes(),
           ModelInfo{backend_->config(), optimizer_, step_, weights_version_,
-                    static_cast<int64_t>(backend_->layout().trained_count()), normalizer_fitted_,
-                    published_weights_version_},
+                    static_cast<int64_t>(backend_->layout().trained_count()), !IsIdentityNormalizer(normalizer_),
+                    published_weights_version_, normalizer_},
           data_parallel_, training_counters_.replica_checks};
 }
 
@@ -282,11 +287,11 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
 }
 
 void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
-                        bool normalizer_fitted) {
+                        Normalizer normalizer) {
   Adopt(std::move(backend), optimizer);
   ++model_generation_;
   step_ = step;
-  normalizer_fitted_ = normalizer_fitted;
+  normalizer_ = std::move(normalizer);
   ++weights_version_;
   metrics_.ForgetTrainLoss();
 }

@@ -27,6 +27,7 @@ struct ModelInfo {
   int64_t trained_parameters = 0;
   bool normalizer_fitted = false;  // false while the normalizer is the identity
   int64_t published_weights_version = 0;  // the weights version streaming reads; 0 until streaming first runs
+  Normalizer normalizer;                  // the buffers the model standardizes its inputs with
 };
 
 // Live streaming's device side: the backend's state slots and conviction logs, sized once per model.
@@ -145,7 +146,7 @@ class ModelHost {
   absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
-               bool normalizer_fitted);
+               Normalizer normalizer);
   // Makes `backend` (training `optimizer`) the current one: fresh training counters, streaming not yet configured
   // on it. Step and weights are the caller's to set.
   void Adopt(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer);
@@ -178,7 +179,7 @@ class ModelHost {
   int64_t step_ = 0;
   int64_t weights_version_ = 0;
   int64_t model_generation_ = 0;
-  bool normalizer_fitted_ = false;
+  Normalizer normalizer_;  // the model's (its norm.mean and norm.inv_std buffers)
   const StreamingConfig streaming_;
   bool streaming_configured_ = false;  // on the current backend
   int64_t published_weights_version_ = 0;

@@ -158,7 +158,12 @@ grpc::Status PerceptionService::SetNormalizer(grpc::ServerContext* context, cons
     ASSIGN_OR_RETURN(*response->mutable_model(),
                      worker_.Run(
                          JobPriority::kTraining,
-                         [&](ModelHost& host) { return ModelAfter(host.SetNormalizer(normalizer), host); }, context));
+                         [&](ModelHost& host) {
+                           const absl::Status set = host.SetNormalizer(normalizer);
+                           streams_.FollowModel(host);
+                           return ModelAfter(set, host);
+                         },
+                         context));
     return absl::OkStatus();
   });
 }

@@ -195,6 +195,8 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   } else {
     RETURN_IF_ERROR(Featurize(event, queue.base_time_ns, nullptr, x, dt, reason));
   }
+  reason = lobster ? "book" : "features";
+  RETURN_IF_ERROR(CheckStandardizedRange(normalizer_, x));
   reason = "sequence";
   RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
   if (trial.has_value()) {
@@ -210,6 +212,13 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
     ready_.push_back(slot);
   }
   return absl::OkStatus();
+}
+
+void StreamBatcher::FollowModel(const ModelHost& host) {
+  const HostStatus status = host.Status();
+  absl::MutexLock lock(&mu_);
+  n_features_ = status.model.has_value() ? status.model->config.n_features : 0;
+  normalizer_ = status.model.has_value() ? status.model->normalizer : Normalizer{};
 }
 
 StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request, StreamSink* sink) {
@@ -419,8 +428,9 @@ struct SeedWindow {
   int64_t base_time_ns = 0;                     // the stream's first event's exchange time
 };
 
-absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, int n_features,
+absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, const Normalizer& normalizer,
                                                std::optional<int64_t> base_time_ns) {
+  const int n_features = static_cast<int>(normalizer.mean.size());
   const int n = request.events_size();
   const bool lobster = request.events(0).has_lobster();
   SeedWindow window;
@@ -435,11 +445,11 @@ absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& requ
     if (status.ok() && event.has_lobster() != lobster) {
       status = absl::InvalidArgumentError("a seed window is all LOBSTER rows or all feature vectors");
     }
+    const std::span<float> x = std::span<float>(window.x).subspan(static_cast<size_t>(i) * n_features, n_features);
     if (status.ok()) {
-      status = Featurize(event, window.base_time_ns, lobster ? &*window.featurizer : nullptr,
-                         std::span<float>(window.x).subspan(static_cast<size_t>(i) * n_features, n_features),
-                         window.dt[i], reason);
+      status = Featurize(event, window.base_time_ns, lobster ? &*window.featurizer : nullptr, x, window.dt[i], reason);
     }
+    if (status.ok()) status = CheckStandardizedRange(normalizer, x);
     if (!status.ok()) return Prefixed(status, absl::StrCat("seed window event ", i, ": "));
   }
   if (!lobster) window.dt[0] = 0.f;  // the window starts a stream: its first event has no predecessor
@@ -456,7 +466,8 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
     // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
     // (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or replaces the model.
-    int slot = 0, n_features = 0;
+    int slot = 0;
+    Normalizer normalizer;
     bool opened = false;
     std::optional<int64_t> base_time_ns;
     {
@@ -466,10 +477,10 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       if (opened) claimed = OpenLocked(request.instrument());
       ASSIGN_OR_RETURN(slot, claimed);
       queues_[slot].seeding = true;
-      n_features = n_features_;
+      normalizer = normalizer_;
       base_time_ns = queues_[slot].base_time_ns;
     }
-    absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, n_features, base_time_ns);
+    absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, normalizer, base_time_ns);
     const Stopwatch stopwatch;
     absl::Status seeded = window.status();
     bool device_written = false;

@@ -103,6 +103,9 @@ class StreamBatcher {
   // refused (UNAVAILABLE) while it runs; afterwards the batcher takes the new model's feature count.
   template <typename Change>
   auto ChangeModel(ModelHost& host, Change change) -> decltype(change());
+  // Takes the model's feature count and normalizer from `host` again: after ChangeModel's change and SetNormalizer
+  // (which keeps the streams: events queued before it were checked against the normalizer they came under).
+  void FollowModel(const ModelHost& host) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Pending {
@@ -163,6 +166,7 @@ class StreamBatcher {
   bool tick_queued_ ABSL_GUARDED_BY(mu_) = false;
   bool changing_model_ ABSL_GUARDED_BY(mu_) = false;
   int n_features_ ABSL_GUARDED_BY(mu_) = 0;  // the model's; 0 without one
+  Normalizer normalizer_ ABSL_GUARDED_BY(mu_);  // the model's: every event's features must standardize in range
   uint64_t overwritten_reported_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<float> accept_x_ ABSL_GUARDED_BY(mu_);  // one event's features, reused
 
@@ -187,10 +191,9 @@ auto StreamBatcher::ChangeModel(ModelHost& host, Change change) -> decltype(chan
     changing_model_ = true;
   }
   auto result = change();
-  const HostStatus status = host.Status();
+  FollowModel(host);
   absl::MutexLock lock(&mu_);
   changing_model_ = false;
-  n_features_ = status.model.has_value() ? status.model->config.n_features : 0;
   return result;
 }
 

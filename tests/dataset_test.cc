@@ -228,6 +228,38 @@ TEST(FitNormalizer, EmptySeriesIsTheIdentity) {
   EXPECT_EQ(normalizer.inv_std, std::vector<float>(3, 1.f));
 }
 
+TEST(CheckStandardizedRange, RefusesAFeatureThatStandardizesBeyondTheBoundOrOverflows) {
+  const Normalizer normalizer{{0.f, 10.f, 0.f}, {1.f, 2.f, 1e6f}};
+  const float bound = kMaxStandardizedFeature;
+  EXPECT_TRUE(CheckStandardizedRange(normalizer, std::vector<float>{bound, 10.f - bound / 2, -bound / 1e6f}).ok());
+  const absl::Status beyond = CheckStandardizedRange(normalizer, std::vector<float>{0.f, 10.f - bound, 0.f});
+  EXPECT_EQ(beyond.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(beyond.message(), HasSubstr("feature 1 is -1e+24, -2e+24 standard deviations from the model's "
+                                          "normalizer mean; a streamed feature must stay within 1e+24 of it"));
+  // Finite, but infinite once standardized in float32, as the model computes it.
+  EXPECT_THAT(CheckStandardizedRange(normalizer, std::vector<float>{0.f, 3e38f, 0.f}).message(),
+              HasSubstr("feature 1 is 3e+38, inf standard deviations"));
+}
+
+// The features of a valid book row are bounded (prices below 1e10, a mid of at least 1.5): even under a normalizer
+// whose every std fell to the 1e-6 floor, the most extreme rows standardize far inside the bound.
+TEST(CheckStandardizedRange, TheMostExtremeValidBookRowsPassUnderTheFloorNormalizer) {
+  LobsterFeaturizer featurizer(2);
+  const int F = featurizer.n_features();
+  const Normalizer floor{std::vector<float>(F, 0.f), std::vector<float>(F, 1e6f)};
+  const int64_t far = kEmptyAskPrice - 1, most = int64_t{1} << 53;
+  const LobsterMessage message{.time = 1.0, .type = 1, .size = 1, .price = 2, .direction = -1};
+  // Level 1 at the lowest mid, level 2 at the highest prices; then the mid jumps to the highest there is.
+  const std::vector<std::vector<int64_t>> rows = {{2, most, 1, most, far, most, kEmptyBidPrice, 0},
+                                                  {far, 0, far - 1, most, kEmptyAskPrice, 0, 1, 7}};
+  for (const std::vector<int64_t>& row : rows) {
+    std::vector<float> x(F);
+    ASSERT_TRUE(featurizer.Next(row, message, x).ok());
+    EXPECT_TRUE(CheckStandardizedRange(floor, x).ok()) << CheckStandardizedRange(floor, x);
+    EXPECT_GT(*std::ranges::max_element(x, {}, [](float v) { return std::fabs(v); }), 1e13f) << "not extreme";
+  }
+}
+
 TEST(UnvaryingFeatures, TheAaplTrainingPartHasNoPartialCancellation) {
   // The shipped AAPL sample holds no type-2 message (a partial cancellation), so that one-hot column is constant in
   // its training part (699 events): a normalizer fitted there standardizes a later type-2 event to 1e6, and training

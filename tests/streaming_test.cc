@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "engine/backend.h"
+#include "engine/dataset.h"
 #include "engine/stream_table.h"
 #include "tests/test_util.h"
 
@@ -241,6 +242,38 @@ TEST_P(StreamingBackendTest, MalformedTicksAreRefused) {
   EXPECT_THAT(backend_->ForwardStepInto({std::span<const float>(x).first(F), dt, fine, indices}).message(),
               HasSubstr("disagree on the event count"));
   EXPECT_TRUE(backend_->ForwardStepInto({x, dt, fine, indices}).ok());
+}
+
+// An event whose every feature standardizes to just inside ±kMaxStandardizedFeature, signs alternating, amid random
+// ones: every conviction stays finite, before, at and after it, and equals the sequence path over the same events. A
+// feature of 3e38 here (standardized to infinity) made every later conviction NaN.
+TEST_P(StreamingBackendTest, FeaturesAtTheStandardizedBoundKeepTheStateFinite) {
+  const int F = config_.n_features, n = 24, extreme = 8;
+  testing::RandomBatch events = testing::MakeRandomBatch(config_, 1, n, 90);
+  const std::vector<float> params = testing::RandomParams(*layout_, 61);  // SetUp's
+  const float* mean = params.data() + layout_->tensor(layout_->norm_mean).offset;
+  const float* inv_std = params.data() + layout_->tensor(layout_->norm_inv_std).offset;
+  for (int f = 0; f < F; ++f) {
+    const float standardized = (f % 2 == 0 ? 0.99f : -0.99f) * kMaxStandardizedFeature;
+    events.x[extreme * F + f] = mean[f] + standardized / inv_std[f];
+  }
+  ASSERT_TRUE(CheckStandardizedRange({{mean, mean + F}, {inv_std, inv_std + F}},
+                                     std::span<const float>(events.x).subspan(extreme * F, F))
+                  .ok());
+  for (int t = 0; t < n; ++t) {
+    const int32_t slot = 1;
+    const int64_t index = t;
+    ASSERT_TRUE(backend_->ForwardStepInto({std::span<const float>(events.x).subspan(t * F, F),
+                                           std::span<const float>(events.dt).subspan(t, 1), {&slot, 1}, {&index, 1}})
+                    .ok());
+  }
+  std::vector<float> got(n);
+  ASSERT_TRUE(backend_->ReadLog(1, 0, n, got, {}).ok());
+  const std::vector<float> expected = ExpectedConvictions(*backend_, events);
+  for (int t = 0; t < n; ++t) {
+    EXPECT_TRUE(std::isfinite(got[t])) << "event " << t << ": " << got[t];
+    EXPECT_NEAR(got[t], expected[t], tolerance()) << "event " << t;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StreamingBackendTest, ::testing::Values("cpu", "cuda"),

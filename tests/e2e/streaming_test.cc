@@ -644,6 +644,55 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_EQ(promtool.output, "") << "promtool lint findings";
 }
 
+// A feature vector that standardizes beyond kMaxStandardizedFeature would overflow float32 in the model and leave
+// the instrument's state NaN for every later event (seen with a feature of 3e38). It is refused like any bad event:
+// nothing of it reaches the device and it takes no sequence number, so the stream goes on as if it had not come.
+// Seed windows are checked the same way, and the check follows the model's normalizer through SetNormalizer.
+TEST_F(StreamingTest, AFeatureBeyondTheStandardizedBoundIsRefusedAndTheStreamGoesOn) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());  // the identity normalizer
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 6, 21);
+  const auto events = [&](int from, int to, uint64_t first_seq) {
+    std::vector<v1::StreamRequest> requests(1);
+    for (int t = from; t < to; ++t) *requests[0].add_events() = FeatureEvent(series, F, t, "A", first_seq + t - from);
+    return requests;
+  };
+  ASSERT_TRUE(StreamAll(client(), events(0, 2, 1)).ok());
+  std::vector<v1::StreamRequest> far = events(2, 3, 3);
+  far[0].mutable_events(0)->mutable_features()->set_features(2, 1e25f);
+  ExpectRefused(StreamAll(client(), far), absl::StatusCode::kInvalidArgument,
+                "event 0 (instrument 'A', seq 3): feature 2 is 1e+25, 1e+25 standard deviations from the model's "
+                "normalizer mean; a streamed feature must stay within 1e+24 of it");
+  ASSERT_TRUE(StreamAll(client(), events(2, 6, 3)).ok());
+  const Log log = ReadAll(client(), "A", 0, 100);
+  ASSERT_EQ(log.seqs.size(), 6u);
+  ExpectNear(log.convictions, OfflineConvictions(*LocalModel(config, 5), series, 0, 6), 1e-6, "as if never sent");
+
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("S");
+  for (int t = 0; t < 3; ++t) *seed.add_events() = FeatureEvent(series, F, t, "S", t + 1);
+  seed.mutable_events(1)->mutable_features()->set_features(0, -1e25f);
+  ExpectRefused(client().SeedStream(seed).status(), absl::StatusCode::kInvalidArgument,
+                "seed window event 1: feature 0 is -1e+25");
+  absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 1) << "the refused seed left no stream behind";
+
+  // 2e18 is inside the bound under the identity normalizer, 2e24 standard deviations out under inv_std 1e6.
+  std::vector<v1::StreamRequest> large = events(0, 1, 7);
+  large[0].mutable_events(0)->mutable_features()->set_features(0, 2e18f);
+  ASSERT_TRUE(StreamAll(client(), large).ok());
+  v1::SetNormalizerRequest narrow;
+  narrow.mutable_normalizer()->mutable_mean()->Resize(F, 0.f);
+  narrow.mutable_normalizer()->mutable_inv_std()->Resize(F, 1e6f);
+  ASSERT_TRUE(client().SetNormalizer(narrow).ok());
+  large[0].mutable_events(0)->set_seq(8);
+  ExpectRefused(StreamAll(client(), large), absl::StatusCode::kInvalidArgument,
+                "feature 0 is 2e+18, 2e+24 standard deviations");
+}
+
 // What one Stream call's acknowledgements said, as they arrived.
 struct AckRecord {
   absl::Time at;
