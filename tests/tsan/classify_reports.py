@@ -7,9 +7,10 @@ report is put down to that when some access in it was made by their code: the fi
 and C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's libraries, abseil's Status (its reference
 count), or generated protobuf code. The preloaded annotations of abseil's synchronization (absl_mutex_annotations.cc)
 are passed over like the C++ library, so that an access they make to a mutex is put down to the code that locked,
-unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race
-whose accesses were all made by this project's code, and every report of another kind (lock-order inversions, mutex
-misuse, a crash), is ours and printed whole.
+unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race between an object's
+allocation and an access in a call gRPC made is gRPC's too: gRPC handed the object over (a reactor it calls back). A
+race whose accesses were all made by this project's code, and every report of another kind (lock-order inversions,
+mutex misuse, a crash), is ours and printed whole.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
 """
@@ -22,6 +23,8 @@ STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+
 LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
            "libabsl_tsan_annotations.so")
 # abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
+GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc")
+ALLOCATION = ("operator new", "malloc", "calloc", "realloc", "posix_memalign", "aligned_alloc")
 THEIRS = ("/usr/include/grpcpp/", "/usr/include/grpc/", "/usr/include/google/protobuf/", "libgrpc", "libgpr",
           "libprotobuf", ".pb.cc", ".pb.h", "libabsl", "/usr/include/absl/status/")
 
@@ -33,23 +36,34 @@ def reports(path):
             yield block
 
 
-def first_frames(block):
-    """The first frame outside the C++ library and the annotations of each access's stack."""
-    frames, in_stack, found = [], False, False
+def access_stacks(block):
+    """Each access's stack, its frames as "file:line module" strings, innermost first."""
+    stacks, in_stack = [], False
     for line in block.splitlines():
         if STACK_HEAD.match(line):
-            in_stack, found = True, False
+            in_stack = True
+            stacks.append([])
             continue
         if not line.strip():
             in_stack = False
             continue
         match = FRAME.match(line)
-        if in_stack and match and not found:
-            where = match["where"] + " " + match["module"]
-            if not any(part in where for part in LIBRARY):
-                frames.append(where)
-                found = True
-    return frames
+        if in_stack and match:
+            stacks[-1].append((match["func"], match["where"] + " " + match["module"]))
+    return stacks
+
+
+def first_frame(stack):
+    """The first frame outside the C++ library and the annotations, or None."""
+    return next((where for _, where in stack if not any(part in where for part in LIBRARY)), None)
+
+
+def handed_over_by_grpc(stacks):
+    """One access is the memory's allocation and another runs in a call gRPC made: the object reached that thread
+    through gRPC (a reactor it calls back), whose ordering TSan cannot see. Had our code passed the pointer on without
+    ordering, the pointer's own race would be reported, between our accesses."""
+    allocated = any(stack and stack[0][0].startswith(ALLOCATION) for stack in stacks)
+    return allocated and any(any(part in where for _, where in stack for part in GRPC) for stack in stacks)
 
 
 def main():
@@ -57,10 +71,11 @@ def main():
     ours, theirs = [], 0
     for path in paths:
         for block in reports(path):
-            frames = first_frames(block)
+            stacks = access_stacks(block)
+            frames = [f for f in map(first_frame, stacks) if f is not None]
             is_race = "ThreadSanitizer: data race" in block
             by_them = [f for f in frames if any(t in f for t in THEIRS) or f.startswith(build)]
-            if is_race and frames and by_them:
+            if is_race and frames and (by_them or handed_over_by_grpc(stacks)):
                 theirs += 1
             else:
                 ours.append(block)

@@ -115,6 +115,40 @@ SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libgrpc.so.29+0x1a2b3
 """
 
 
+# A reactor allocated on the thread gRPC created it on, its mutex first locked on the thread gRPC called it back on
+# (the shape of a real report): gRPC handed it over.
+REACTOR_HANDED_OVER_BY_GRPC = """==================
+WARNING: ThreadSanitizer: data race (pid=27915)
+  Atomic read of size 1 at 0x7b50000c06d0 by thread T9:
+    #0 __tsan_mutex_post_lock ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:377 (libtsan.so.2+0x70f08)
+    #1 Acquired /src/perception/tests/tsan/absl_mutex_annotations.cc:44 (libabsl_tsan_annotations.so+0x1)
+    #2 absl::MutexLock::MutexLock(absl::Mutex*) /usr/include/absl/synchronization/mutex.h:533 (perceptiond+0x1)
+    #3 StreamReactor::OnWriteDone(bool) /src/perception/server/streaming.cc:116 (perceptiond+0x2)
+    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0x3)
+
+  Previous write of size 8 at 0x7b50000c06d0 by thread T10:
+    #0 operator new(unsigned long) ../../../../src/libsanitizer/tsan/tsan_new_delete.cpp:64 (libtsan.so.2+0x87323)
+    #1 PerceptionService::Stream(Context*) /src/perception/server/perception_service.cc:275 (perceptiond+0x4)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annotations.cc:44 in Acquired
+==================
+"""
+
+# The same allocation and access with no call of gRPC's on the way: ours.
+OUR_OBJECT_PASSED_WITHOUT_ORDER = """==================
+WARNING: ThreadSanitizer: data race (pid=27916)
+  Read of size 8 at 0x7b50000c06d0 by thread T2:
+    #0 perception::server::DeviceWorker::Loop() /src/perception/server/device_worker.cc:90 (perceptiond+0x5)
+
+  Previous write of size 8 at 0x7b50000c06d0 by thread T1:
+    #0 operator new(unsigned long) ../../../../src/libsanitizer/tsan/tsan_new_delete.cpp:64 (libtsan.so.2+0x87323)
+    #1 perception::server::DeviceWorker::Run() /src/perception/server/device_worker.cc:60 (perceptiond+0x6)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/server/device_worker.cc:90 in Loop()
+==================
+"""
+
+
 def classify(*texts):
     with tempfile.TemporaryDirectory() as folder:
         paths = []
@@ -154,6 +188,16 @@ class ClassifyReportsTest(unittest.TestCase):
         result = classify(GRPC_MUTEX_FREED_UNDER_ITS_LOCK)
         self.assertEqual(result.returncode, 0, result.stdout)
         self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+
+    def test_an_allocation_against_an_access_in_a_grpc_callback_is_grpcs_handover(self):
+        result = classify(REACTOR_HANDED_OVER_BY_GRPC)
+        self.assertEqual(result.returncode, 0, result.stdout)
+        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+
+    def test_an_allocation_against_an_access_of_ours_outside_grpc_is_ours(self):
+        result = classify(OUR_OBJECT_PASSED_WITHOUT_ORDER)
+        self.assertEqual(result.returncode, 1, result.stdout)
+        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
 
 
 if __name__ == "__main__":
