@@ -14,6 +14,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -691,6 +692,47 @@ TEST_F(StreamingTest, AFeatureBeyondTheStandardizedBoundIsRefusedAndTheStreamGoe
   large[0].mutable_events(0)->set_seq(8);
   ExpectRefused(StreamAll(client(), large), absl::StatusCode::kInvalidArgument,
                 "feature 0 is 2e+18, 2e+24 standard deviations");
+}
+
+// A call ends only once its ack alarm is cancelled or has run (the alarm refers to the reactor); the Cancel runs
+// outside the reactor's lock, and the alarm may fire meanwhile. With a 1 ms ack interval and calls that half-close
+// or cancel from 0 to 2.5 ms after their events, calls end before, while and after their alarm fires: every
+// half-closed call ends OK with its events acknowledged and logged, and the daemon serves on (under the sanitizers,
+// no report). A stress of the interleavings, not a schedule of them.
+TEST_F(StreamingTest, CallsEndingAroundTheirAckAlarmEndCleanly) {
+  StartDaemon({"--stream_ack_ms=1", "--stream_ack_events=1000000"});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const int F = config.n_features;
+  constexpr int kCalls = 150, kEvents = 3;
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kEvents, 31);
+  std::mt19937 rng(17);
+  std::vector<std::string> finished;
+  for (int c = 0; c < kCalls; ++c) {
+    const std::string instrument = absl::StrCat("C", c);
+    std::atomic<uint64_t> acked = 0;
+    std::unique_ptr<client::EventStream> stream =
+        client().OpenStream([&](const v1::StreamResponse& response) {
+          for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+        });
+    v1::StreamRequest request;
+    for (int t = 0; t < kEvents; ++t) *request.add_events() = FeatureEvent(series, F, t, instrument, t + 1);
+    ASSERT_TRUE(stream->Write(request));
+    absl::SleepFor(absl::Microseconds(std::uniform_int_distribution<int>(0, 2500)(rng)));
+    if (c % 3 == 2) {
+      stream.reset();  // cancels the call
+      continue;
+    }
+    const absl::Status status = stream->Finish();
+    ASSERT_TRUE(status.ok()) << "call " << c << ": " << status;
+    EXPECT_EQ(acked.load(), static_cast<uint64_t>(kEvents)) << "call " << c;
+    finished.push_back(instrument);
+  }
+  for (const std::string& instrument : finished) {
+    SCOPED_TRACE(instrument);
+    EXPECT_EQ(ReadAll(client(), instrument, 0, 10).seqs.size(), static_cast<size_t>(kEvents));
+  }
+  EXPECT_TRUE(client().GetStatus().ok());
 }
 
 // What one Stream call's acknowledgements said, as they arrived.
