@@ -90,6 +90,9 @@ ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions
 ABSL_FLAG(int64_t, inject_device_loss_at_tick, 0,
           "for tests of a lost device: the streaming tick with this number (from 1) loses the device instead of "
           "running (on CUDA a kernel that traps, a real sticky error); 0: never");
+ABSL_FLAG(int, pause_after_alarm_cancel_us, 0,
+          "for tests of a Stream call's end: microseconds each call sleeps after cancelling its acknowledgement "
+          "alarm, so that the alarm's callback lands inside the cancel; 0: none");
 ABSL_FLAG(int, world_size, 0,
           "data-parallel training over NCCL: the number of daemons (one GPU each) in the job; 0: not data parallel. "
           "1 still trains through the NCCL path");
@@ -149,6 +152,9 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   if (options.inject_device_loss_at_tick < 0) {
     return absl::InvalidArgumentError("--inject_device_loss_at_tick must be 0 (never) or a tick's number");
   }
+  const int pause_us = absl::GetFlag(FLAGS_pause_after_alarm_cancel_us);
+  if (pause_us < 0) return absl::InvalidArgumentError("--pause_after_alarm_cancel_us must be 0 (none) or positive");
+  options.pause_after_alarm_cancel = absl::Microseconds(pause_us);
   const int idle_ms = absl::GetFlag(FLAGS_stream_resident_idle_ms);
   if (idle_ms < 0) return absl::InvalidArgumentError("--stream_resident_idle_ms must be 0 (never) or positive");
   options.resident_idle_period = idle_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(idle_ms);

@@ -42,6 +42,9 @@ struct StreamOptions {
   // Tests only: the tick with this number (the first is 1) loses the device (Backend::InjectDeviceLoss) instead of
   // running; 0, never.
   int64_t inject_device_loss_at_tick = 0;
+  // Tests only: a Stream call sleeps this long after cancelling its ack alarm, before it takes its lock again, so that
+  // the alarm's callback runs within the Cancel's window (which must not end the call) whenever the alarm was due.
+  absl::Duration pause_after_alarm_cancel = absl::ZeroDuration();
 };
 
 // What one Stream call hears back about the events it submitted; called on the device worker's thread, outside

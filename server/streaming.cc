@@ -3,6 +3,7 @@
 
 #include <chrono>
 
+#include "absl/time/clock.h"
 #include "server/proto_convert.h"
 
 namespace perception::server {
@@ -25,6 +26,7 @@ void StreamReactor::Update(Change change) {
   // the call (which lets gRPC delete the reactor, and the alarm with it) while `cancelling_` holds it open.
   if (cancel != nullptr) {
     cancel->Cancel();
+    if (options_.pause_after_alarm_cancel > absl::ZeroDuration()) absl::SleepFor(options_.pause_after_alarm_cancel);
     absl::MutexLock lock(&mu_);
     cancelling_ = false;
     finish = AdvanceLocked();  // the call ends here if the alarm's callback ran meanwhile, or at that callback

@@ -695,12 +695,13 @@ TEST_F(StreamingTest, AFeatureBeyondTheStandardizedBoundIsRefusedAndTheStreamGoe
 }
 
 // A call ends only once its ack alarm is cancelled or has run (the alarm refers to the reactor); the Cancel runs
-// outside the reactor's lock, and the alarm may fire meanwhile. With a 1 ms ack interval and calls that half-close
-// or cancel from 0 to 2.5 ms after their events, calls end before, while and after their alarm fires: every
-// half-closed call ends OK with its events acknowledged and logged, and the daemon serves on (under the sanitizers,
-// no report). A stress of the interleavings, not a schedule of them.
+// outside the reactor's lock, and the alarm's callback may run meanwhile, which must not end the call (gRPC would
+// free the reactor under the cancelling thread). With a 1 ms ack interval, calls that half-close or cancel from 0 to
+// 2.5 ms after their events, and a 2 ms pause after each Cancel (a test hook), calls end before, while and after
+// their alarm fires, and every due alarm's callback lands inside a Cancel: every half-closed call ends OK with its
+// events acknowledged and logged, and the daemon serves on (under the sanitizers, no report).
 TEST_F(StreamingTest, CallsEndingAroundTheirAckAlarmEndCleanly) {
-  StartDaemon({"--stream_ack_ms=1", "--stream_ack_events=1000000"});
+  StartDaemon({"--stream_ack_ms=1", "--stream_ack_events=1000000", "--pause_after_alarm_cancel_us=2000"});
   ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
   const ModelConfig config = TinyConfig();
   const int F = config.n_features;
