@@ -146,7 +146,7 @@ absl::Status StreamBatcher::CloseSlotLocked(int slot) {
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
   reason = "features";
   RETURN_IF_ERROR(CheckInstrumentId(event.instrument()));
-  RETURN_IF_ERROR(CheckPayload(event, n_features_, reason));
+  RETURN_IF_ERROR(CheckPayload(event, NFeaturesLocked(), reason));
   reason = "sequence";
   if (event.seq() == UINT64_MAX) {  // checked before the stream opens, as every event's own values are
     return absl::InvalidArgumentError(absl::StrCat("sequence number ", event.seq(),
@@ -184,7 +184,7 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
         "the other events): reset or close the stream first"));
   }
   std::vector<float>& x = accept_x_;
-  x.resize(n_features_);
+  x.resize(NFeaturesLocked());
   float dt = 0;
   std::optional<LobsterFeaturizer> trial;  // committed only once the sequence number is accepted too
   reason = "book";
@@ -217,14 +217,13 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
 void StreamBatcher::FollowModel(const ModelHost& host) {
   const HostStatus status = host.Status();
   absl::MutexLock lock(&mu_);
-  n_features_ = status.model.has_value() ? status.model->config.n_features : 0;
   normalizer_ = status.model.has_value() ? status.model->normalizer : Normalizer{};
 }
 
 StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request, StreamSink* sink) {
   Submitted submitted;
   absl::MutexLock lock(&mu_);
-  if (n_features_ == 0) {
+  if (NFeaturesLocked() == 0) {
     metrics_.RejectStreamEvent("no_model");
     submitted.status = absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
     return submitted;
@@ -276,8 +275,8 @@ void StreamBatcher::Tick(ModelHost& host) {
       SlotQueue& queue = queues_[slot];
       const Pending event = queue.events.front();
       queue.events.pop_front();
-      tick_x_.insert(tick_x_.end(), queue.x.begin(), queue.x.begin() + n_features_);
-      queue.x.erase(queue.x.begin(), queue.x.begin() + n_features_);
+      tick_x_.insert(tick_x_.end(), queue.x.begin(), queue.x.begin() + NFeaturesLocked());
+      queue.x.erase(queue.x.begin(), queue.x.begin() + NFeaturesLocked());
       tick_dt_.push_back(event.dt);
       tick_slots_.push_back(slot);
       notices_.push_back({event.sink, slot, event.seq});

@@ -103,11 +103,12 @@ class StreamBatcher {
 
   // Runs `change` (on the worker thread: InitModel, LoadCheckpoint, SetOptimizer), which replaces the backend and
   // with it every state slot and log, only while no stream is live: FAILED_PRECONDITION otherwise. New streams are
-  // refused (UNAVAILABLE) while it runs; afterwards the batcher takes the new model's feature count.
+  // refused (UNAVAILABLE) while it runs; afterwards the batcher takes the new model's normalizer (FollowModel).
   template <typename Change>
   auto ChangeModel(ModelHost& host, Change change) -> decltype(change());
-  // Takes the model's feature count and normalizer from `host` again: after ChangeModel's change and SetNormalizer
-  // (which keeps the streams: events queued before it were checked against the normalizer they came under).
+  // Takes the model's normalizer (and with it its feature count) from `host` again: after ChangeModel's change and
+  // SetNormalizer (which keeps the streams: events queued before it were checked against the normalizer they came
+  // under).
   void FollowModel(const ModelHost& host) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -168,8 +169,9 @@ class StreamBatcher {
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   bool tick_queued_ ABSL_GUARDED_BY(mu_) = false;
   bool changing_model_ ABSL_GUARDED_BY(mu_) = false;
-  int n_features_ ABSL_GUARDED_BY(mu_) = 0;  // the model's; 0 without one
-  Normalizer normalizer_ ABSL_GUARDED_BY(mu_);  // the model's: every event's features must standardize in range
+  // The model's, empty without one: every event's features must standardize in range.
+  Normalizer normalizer_ ABSL_GUARDED_BY(mu_);
+  int NFeaturesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return static_cast<int>(normalizer_.mean.size()); }
   uint64_t overwritten_reported_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<float> accept_x_ ABSL_GUARDED_BY(mu_);  // one event's features, reused
 
