@@ -22,11 +22,11 @@ STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+
                         r"|Mutex \S+ previously acquired)")
 LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
            "libabsl_tsan_annotations.so")
-# abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
 GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc")
 ALLOCATION = ("operator new", "malloc", "calloc", "realloc", "posix_memalign", "aligned_alloc")
-THEIRS = ("/usr/include/grpcpp/", "/usr/include/grpc/", "/usr/include/google/protobuf/", "libgrpc", "libgpr",
-          "libprotobuf", ".pb.cc", ".pb.h", "libabsl", "/usr/include/absl/status/")
+# abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
+THEIRS = GRPC + ("/usr/include/google/protobuf/", "libgpr", "libprotobuf", ".pb.cc", ".pb.h", "libabsl",
+                 "/usr/include/absl/status/")
 
 
 def reports(path):
@@ -37,7 +37,7 @@ def reports(path):
 
 
 def access_stacks(block):
-    """Each access's stack, its frames as "file:line module" strings, innermost first."""
+    """Each access's stack, innermost frame first, each frame (function, "file:line module")."""
     stacks, in_stack = [], False
     for line in block.splitlines():
         if STACK_HEAD.match(line):
