@@ -8,7 +8,8 @@ and C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's librari
 count), or generated protobuf code. The preloaded annotations of abseil's synchronization (absl_mutex_annotations.cc)
 are passed over like the C++ library, so that an access they make to a mutex is put down to the code that locked,
 unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race between an object's
-allocation and an access in a call gRPC made is gRPC's too: gRPC handed the object over (a reactor it calls back). A
+allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a call gRPC made is gRPC's too:
+gRPC handed the object over (a reactor it calls back). A
 race whose accesses were all made by this project's code, and every report of another kind (lock-order inversions,
 mutex misuse, a crash), is ours and printed whole.
 
@@ -20,6 +21,8 @@ import sys
 FRAME = re.compile(r"^\s+#\d+ (?P<func>.*?) (?P<where>\S+) \((?P<module>[^)]*)\)$")
 STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+|Previous atomic \S+|Mutex \S+ acquired"
                         r"|Mutex \S+ previously acquired)")
+PLAIN_WRITE = re.compile(r"^  (Write|Previous write) of size (?P<size>\d+) at (?P<address>0x[0-9a-f]+)")
+ACCESS_ADDRESS = re.compile(r" of size \d+ at (?P<address>0x[0-9a-f]+)")
 LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
            "libabsl_tsan_annotations.so")
 GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc")
@@ -37,19 +40,20 @@ def reports(path):
 
 
 def access_stacks(block):
-    """Each access's stack, innermost frame first, each frame (function, "file:line module")."""
+    """Each access as (its heading line, its stack), the stack innermost frame first, each frame (function,
+    "file:line module"); a stack TSan failed to restore is empty."""
     stacks, in_stack = [], False
     for line in block.splitlines():
         if STACK_HEAD.match(line):
             in_stack = True
-            stacks.append([])
+            stacks.append((line, []))
             continue
         if not line.strip():
             in_stack = False
             continue
         match = FRAME.match(line)
         if in_stack and match:
-            stacks[-1].append((match["func"], match["where"] + " " + match["module"]))
+            stacks[-1][1].append((match["func"], match["where"] + " " + match["module"]))
     return stacks
 
 
@@ -58,12 +62,23 @@ def first_frame(stack):
     return next((where for _, where in stack if not any(part in where for part in LIBRARY)), None)
 
 
-def handed_over_by_grpc(stacks):
-    """One access is the memory's allocation and another runs in a call gRPC made: the object reached that thread
-    through gRPC (a reactor it calls back), whose ordering TSan cannot see. Had our code passed the pointer on without
-    ordering, the pointer's own race would be reported, between our accesses."""
-    allocated = any(stack and stack[0][0].startswith(ALLOCATION) for stack in stacks)
-    return allocated and any(any(part in where for _, where in stack for part in GRPC) for stack in stacks)
+def creates_a_mutex(accesses):
+    """One access is a plain write of 8 bytes to the word of a mutex another access locks or unlocks through the
+    annotations. Once a mutex exists, only abseil's uninstrumented code writes its word, so that write is the mutex's
+    allocation or its inline constructor, even where TSan lost the write's stack."""
+    locked = {match["address"] for head, stack in accesses if stack and stack[0][0].startswith("__tsan_mutex_")
+              for match in [ACCESS_ADDRESS.search(head)] if match}
+    return any(match and match["size"] == "8" and match["address"] in locked
+               for match in (PLAIN_WRITE.match(head) for head, _ in accesses))
+
+
+def handed_over_by_grpc(accesses):
+    """One access creates the object (its allocation, or a mutex's creation) and another runs in a call gRPC made: the
+    object reached that thread through gRPC (a reactor it calls back), whose ordering TSan cannot see. Had our code
+    passed the pointer on without ordering, the pointer's own race would be reported, between our accesses."""
+    allocated = any(stack and stack[0][0].startswith(ALLOCATION) for _, stack in accesses)
+    in_grpc_call = any(part in where for _, stack in accesses for _, where in stack for part in GRPC)
+    return (allocated or creates_a_mutex(accesses)) and in_grpc_call
 
 
 def main():
@@ -71,11 +86,11 @@ def main():
     ours, theirs = [], 0
     for path in paths:
         for block in reports(path):
-            stacks = access_stacks(block)
-            frames = [f for f in map(first_frame, stacks) if f is not None]
+            accesses = access_stacks(block)
+            frames = [f for f in (first_frame(stack) for _, stack in accesses) if f is not None]
             is_race = "ThreadSanitizer: data race" in block
             by_them = [f for f in frames if any(t in f for t in THEIRS) or f.startswith(build)]
-            if is_race and frames and (by_them or handed_over_by_grpc(stacks)):
+            if is_race and frames and (by_them or handed_over_by_grpc(accesses)):
                 theirs += 1
             else:
                 ours.append(block)

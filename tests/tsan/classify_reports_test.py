@@ -149,6 +149,37 @@ SUMMARY: ThreadSanitizer: data race /src/perception/server/device_worker.cc:90 i
 """
 
 
+# The same handover where TSan lost the stack of the write that created the mutex (the shape of the report that failed
+# CI at caf9cec): a plain 8-byte write to a mutex's word can only be its allocation or constructor.
+MUTEX_CREATION_WITH_A_LOST_STACK = """==================
+WARNING: ThreadSanitizer: data race (pid=13983)
+  Atomic read of size 1 at 0x7b5000011ad0 by thread T10:
+    #0 __tsan_mutex_post_lock ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:377 (libtsan.so.2+0x70f08)
+    #1 Acquired /src/perception/tests/tsan/absl_mutex_annotations.cc:44 (libabsl_tsan_annotations.so+0x316a)
+    #2 absl::MutexLock::MutexLock(absl::Mutex*) /usr/include/absl/synchronization/mutex.h:533 (perceptiond+0xe1e66)
+    #3 perception::server::StreamReactor::OnReadDone(bool) /src/perception/server/streaming.cc:53 (perceptiond+0xe27b7)
+    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0xa13d2)
+
+  Previous write of size 8 at 0x7b5000011ad0 by thread T9:
+    [failed to restore the stack]
+
+  Location is heap block of size 512 at 0x7b5000011a00 allocated by thread T9:
+    #0 operator new(unsigned long) ../../../../src/libsanitizer/tsan/tsan_new_delete.cpp:64 (libtsan.so.2+0x87323)
+    #1 PerceptionService::Stream(Context*) /src/perception/server/perception_service.cc:275 (perceptiond+0x92676)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annotations.cc:44 in Acquired
+==================
+"""
+
+# A lost write beside a mutex's lock, outside gRPC, or of another size or address than a mutex's creation: ours.
+OUR_LOST_WRITES_BESIDE_A_LOCK = [MUTEX_CREATION_WITH_A_LOST_STACK.replace(
+    "    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0xa13d2)\n",
+    ""), MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous write of size 4"),
+    MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8 at 0x7b5000011ad0",
+                                             "Previous write of size 8 at 0x7b5000011ad8"),
+    MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous read of size 8")]
+
+
 def classify(*texts):
     with tempfile.TemporaryDirectory() as folder:
         paths = []
@@ -198,6 +229,19 @@ class ClassifyReportsTest(unittest.TestCase):
         result = classify(OUR_OBJECT_PASSED_WITHOUT_ORDER)
         self.assertEqual(result.returncode, 1, result.stdout)
         self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
+
+    def test_a_mutex_created_with_a_lost_stack_against_its_lock_in_a_grpc_callback_is_grpcs_handover(self):
+        result = classify(MUTEX_CREATION_WITH_A_LOST_STACK)
+        self.assertEqual(result.returncode, 0, result.stdout)
+        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+
+    def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
+        for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
+            with self.subTest(report=report):
+                result = classify(report)
+                self.assertEqual(result.returncode, 1, result.stdout)
+                self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
+                self.assertIn("StreamReactor::OnReadDone(bool)", result.stdout)
 
 
 if __name__ == "__main__":
