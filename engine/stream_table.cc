@@ -22,7 +22,7 @@ absl::StatusOr<int> StreamTable::Open(const std::string& instrument) {
   if (auto it = by_instrument_.find(instrument); it != by_instrument_.end()) return it->second;
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat("all ", slots_.size(), " stream slots are in use; close a stream",
-                                                     " or start the daemon with more slots"));
+                                                     " or start the daemon with more (perceptiond --stream_slots)"));
   }
   const int slot = free_slots_.back();
   free_slots_.pop_back();

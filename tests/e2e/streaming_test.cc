@@ -592,7 +592,8 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   // Capacity: two slots.
   ASSERT_TRUE(StreamAll(client(), one(LobsterEvent(*data, 0, "B", 1))).ok());
   ExpectRefused(StreamAll(client(), one(LobsterEvent(*data, 0, "C", 1))), absl::StatusCode::kResourceExhausted,
-                "all 2 stream slots are in use");
+                "all 2 stream slots are in use; close a stream or start the daemon with more (perceptiond "
+                "--stream_slots)");
   // Unknown instruments on read, reset and close.
   v1::ReadConvictionsRequest read;
   read.set_instrument("ZZZ");
