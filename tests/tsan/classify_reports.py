@@ -9,9 +9,8 @@ count), or generated protobuf code. The preloaded annotations of abseil's synchr
 are passed over like the C++ library, so that an access they make to a mutex is put down to the code that locked,
 unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race between an object's
 allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a call gRPC made is gRPC's too:
-gRPC handed the object over (a reactor it calls back). A
-race whose accesses were all made by this project's code, and every report of another kind (lock-order inversions,
-mutex misuse, a crash), is ours and printed whole.
+gRPC handed the object over (a reactor it calls back). A race whose accesses were all made by this project's code, and
+every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and printed whole.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
 """
@@ -21,8 +20,7 @@ import sys
 FRAME = re.compile(r"^\s+#\d+ (?P<func>.*?) (?P<where>\S+) \((?P<module>[^)]*)\)$")
 STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+|Previous atomic \S+|Mutex \S+ acquired"
                         r"|Mutex \S+ previously acquired)")
-PLAIN_WRITE = re.compile(r"^  (Write|Previous write) of size (?P<size>\d+) at (?P<address>0x[0-9a-f]+)")
-ACCESS_ADDRESS = re.compile(r" of size \d+ at (?P<address>0x[0-9a-f]+)")
+ACCESS = re.compile(r"^  (?P<kind>.+?) of size (?P<size>\d+) at (?P<address>0x[0-9a-f]+)")
 LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
            "libabsl_tsan_annotations.so")
 GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc")
@@ -66,10 +64,10 @@ def creates_a_mutex(accesses):
     """One access is a plain write of 8 bytes to the word of a mutex another access locks or unlocks through the
     annotations. Once a mutex exists, only abseil's uninstrumented code writes its word, so that write is the mutex's
     allocation or its inline constructor, even where TSan lost the write's stack."""
-    locked = {match["address"] for head, stack in accesses if stack and stack[0][0].startswith("__tsan_mutex_")
-              for match in [ACCESS_ADDRESS.search(head)] if match}
-    return any(match and match["size"] == "8" and match["address"] in locked
-               for match in (PLAIN_WRITE.match(head) for head, _ in accesses))
+    heads = [(ACCESS.match(head), stack) for head, stack in accesses]
+    locked = {head["address"] for head, stack in heads if head and stack and stack[0][0].startswith("__tsan_mutex_")}
+    return any(head and head["kind"] in ("Write", "Previous write") and head["size"] == "8"
+               and head["address"] in locked for head, _ in heads)
 
 
 def handed_over_by_grpc(accesses):

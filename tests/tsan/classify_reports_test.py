@@ -172,12 +172,14 @@ SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annota
 """
 
 # A lost write beside a mutex's lock, outside gRPC, or of another size or address than a mutex's creation: ours.
-OUR_LOST_WRITES_BESIDE_A_LOCK = [MUTEX_CREATION_WITH_A_LOST_STACK.replace(
-    "    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0xa13d2)\n",
-    ""), MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous write of size 4"),
+OUR_LOST_WRITES_BESIDE_A_LOCK = [
+    MUTEX_CREATION_WITH_A_LOST_STACK.replace("    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/"
+                                             "callback_common.h:212 (perceptiond+0xa13d2)\n", ""),
+    MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous write of size 4"),
     MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8 at 0x7b5000011ad0",
                                              "Previous write of size 8 at 0x7b5000011ad8"),
-    MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous read of size 8")]
+    MUTEX_CREATION_WITH_A_LOST_STACK.replace("Previous write of size 8", "Previous read of size 8"),
+]
 
 
 def classify(*texts):
@@ -192,56 +194,43 @@ def classify(*texts):
 
 
 class ClassifyReportsTest(unittest.TestCase):
+    def assertClassified(self, *reports, ours, theirs):
+        """The reports classified: the exit status fails on any of ours, the count line says how many of each. Returns
+        what the classifier printed."""
+        result = classify(*reports)
+        self.assertEqual(result.returncode, 1 if ours else 0, result.stdout)
+        self.assertIn(f"tsan reports: {ours} ours, {theirs} with an access made by", result.stdout)
+        return result.stdout
+
     def test_a_race_between_our_accesses_is_ours(self):
-        result = classify(OUR_RACE)
-        self.assertEqual(result.returncode, 1)
-        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
-        self.assertIn("stream_batcher.cc:605", result.stdout)
+        self.assertIn("stream_batcher.cc:605", self.assertClassified(OUR_RACE, ours=1, theirs=0))
 
     def test_races_with_an_access_by_grpc_or_generated_protobuf_code_are_not(self):
-        result = classify(GRPC_RACE)
-        self.assertEqual(result.returncode, 0, result.stdout)
-        self.assertIn("tsan reports: 0 ours, 3 with an access made by", result.stdout)
+        self.assertClassified(GRPC_RACE, ours=0, theirs=3)
 
     def test_a_lock_order_inversion_is_ours_whatever_its_frames(self):
-        result = classify(GRPC_RACE, INVERSION)
-        self.assertEqual(result.returncode, 1)
-        self.assertIn("tsan reports: 1 ours, 3 with an access made by", result.stdout)
-        self.assertIn("lock-order-inversion", result.stdout)
+        self.assertIn("lock-order-inversion", self.assertClassified(GRPC_RACE, INVERSION, ours=1, theirs=3))
 
     def test_a_mutex_of_ours_freed_under_its_lock_is_ours_though_the_annotations_made_both_accesses(self):
-        result = classify(OUR_MUTEX_FREED_UNDER_ITS_LOCK)
-        self.assertEqual(result.returncode, 1, result.stdout)
-        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
-        self.assertIn("StreamReactor::OnCancel()", result.stdout)
+        self.assertIn("StreamReactor::OnCancel()",
+                      self.assertClassified(OUR_MUTEX_FREED_UNDER_ITS_LOCK, ours=1, theirs=0))
 
     def test_a_mutex_of_grpcs_locked_through_the_annotations_is_grpcs(self):
-        result = classify(GRPC_MUTEX_FREED_UNDER_ITS_LOCK)
-        self.assertEqual(result.returncode, 0, result.stdout)
-        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+        self.assertClassified(GRPC_MUTEX_FREED_UNDER_ITS_LOCK, ours=0, theirs=1)
 
     def test_an_allocation_against_an_access_in_a_grpc_callback_is_grpcs_handover(self):
-        result = classify(REACTOR_HANDED_OVER_BY_GRPC)
-        self.assertEqual(result.returncode, 0, result.stdout)
-        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+        self.assertClassified(REACTOR_HANDED_OVER_BY_GRPC, ours=0, theirs=1)
 
     def test_an_allocation_against_an_access_of_ours_outside_grpc_is_ours(self):
-        result = classify(OUR_OBJECT_PASSED_WITHOUT_ORDER)
-        self.assertEqual(result.returncode, 1, result.stdout)
-        self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
+        self.assertClassified(OUR_OBJECT_PASSED_WITHOUT_ORDER, ours=1, theirs=0)
 
     def test_a_mutex_created_with_a_lost_stack_against_its_lock_in_a_grpc_callback_is_grpcs_handover(self):
-        result = classify(MUTEX_CREATION_WITH_A_LOST_STACK)
-        self.assertEqual(result.returncode, 0, result.stdout)
-        self.assertIn("tsan reports: 0 ours, 1 with an access made by", result.stdout)
+        self.assertClassified(MUTEX_CREATION_WITH_A_LOST_STACK, ours=0, theirs=1)
 
     def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
         for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
             with self.subTest(report=report):
-                result = classify(report)
-                self.assertEqual(result.returncode, 1, result.stdout)
-                self.assertIn("tsan reports: 1 ours, 0 with an access made by", result.stdout)
-                self.assertIn("StreamReactor::OnReadDone(bool)", result.stdout)
+                self.assertIn("StreamReactor::OnReadDone(bool)", self.assertClassified(report, ours=1, theirs=0))
 
 
 if __name__ == "__main__":
