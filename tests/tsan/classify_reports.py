@@ -3,14 +3,15 @@
 
 gRPC's core, protobuf and abseil come uninstrumented from Debian, so TSan never sees the ordering their completion
 queues and atomics give: every message gRPC fills on one thread and a reactor reads on another looks like a race. A
-report is put down to that when some access in it was made by their code: the first frame of its stack outside the C
-and C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's libraries, abseil's Status (its reference
-count), or generated protobuf code. The preloaded annotations of abseil's synchronization (absl_mutex_annotations.cc)
-are passed over like the C++ library, so that an access they make to a mutex is put down to the code that locked,
-unlocked or destroyed it: a mutex of ours freed under another thread's lock is ours. A race between an object's
-allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a call gRPC made is gRPC's too:
-gRPC handed the object over (a reactor it calls back). A race whose accesses were all made by this project's code, and
-every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and printed whole.
+report is put down to that when some access in it was made by their code: the first frame of its stack outside the C and
+C++ libraries is in grpcpp's headers, gRPC's, protobuf's or abseil's libraries, abseil's Status (its reference count),
+generated protobuf code, or upb (gRPC core's own protobuf runtime). The preloaded annotations of abseil's
+synchronization (absl_mutex_annotations.cc) are passed over like the C++ library, so that an access they make to a mutex
+is put down to the code that locked, unlocked or destroyed it: a mutex of ours freed under another thread's lock is
+ours. A race between an object's allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a
+call gRPC made is gRPC's too: gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
+by this project's code, and every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and
+printed whole.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
 """
@@ -23,7 +24,8 @@ STACK_HEAD = re.compile(r"^  (Write|Read|Previous write|Previous read|Atomic \S+
 ACCESS = re.compile(r"^  (?P<kind>.+?) of size (?P<size>\d+) at (?P<address>0x[0-9a-f]+)")
 LIBRARY = ("/usr/include/c++/", "libsanitizer", "libtsan.so", "libstdc++.so", "libc.so", "libm.so",
            "libabsl_tsan_annotations.so")
-GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc")
+# gRPC core's libraries as Debian's libgrpc29 ships them: upb is the protobuf runtime its core parses messages with.
+GRPC = ("/usr/include/grpcpp/", "/usr/include/grpc/", "libgrpc", "libupb", "libaddress_sorting")
 ALLOCATION = ("operator new", "malloc", "calloc", "realloc", "posix_memalign", "aligned_alloc")
 # abseil's status header too: a Status's reference count is dropped inside the library as often as in the header.
 THEIRS = GRPC + ("/usr/include/google/protobuf/", "libgpr", "libprotobuf", ".pb.cc", ".pb.h", "libabsl",

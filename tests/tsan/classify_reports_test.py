@@ -182,6 +182,26 @@ OUR_LOST_WRITES_BESIDE_A_LOCK = [
 ]
 
 
+# A message's bytes copied by upb, the protobuf runtime gRPC's core parses with (libupb.so.29 from Debian's libgrpc29),
+# against a write whose stack TSan lost (the report that failed a local CI run at f253a82): gRPC's.
+MESSAGE_COPIED_BY_UPB = """==================
+WARNING: ThreadSanitizer: data race (pid=1370)
+  Read of size 8 at 0x7b0c00006df0 by thread T3:
+    #0 memcpy ../../../../src/libsanitizer/sanitizer_common/sanitizer_common_interceptors.inc:827 (libtsan.so.2+0x5dda6)
+    #1 memcpy ../../../../src/libsanitizer/sanitizer_common/sanitizer_common_interceptors.inc:819 (libtsan.so.2+0x5dda6)
+    #2 <null> <null> (libupb.so.29+0x12db1)
+
+  Previous write of size 8 at 0x7b0c00006df0 by thread T10:
+    [failed to restore the stack]
+
+  Location is heap block of size 40 at 0x7b0c00006de0 allocated by thread T10:
+    #0 operator new(unsigned long) ../../../../src/libsanitizer/tsan/tsan_new_delete.cpp:64 (libtsan.so.2+0x87323)
+    #1 <null> <null> (libabsl_cord.so.20220623+0x63e9)
+
+SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libupb.so.29+0x12db1)
+==================
+"""
+
 def classify(*texts):
     with tempfile.TemporaryDirectory() as folder:
         paths = []
@@ -207,6 +227,9 @@ class ClassifyReportsTest(unittest.TestCase):
 
     def test_races_with_an_access_by_grpc_or_generated_protobuf_code_are_not(self):
         self.assertClassified(GRPC_RACE, ours=0, theirs=3)
+
+    def test_a_race_with_a_copy_made_by_grpcs_upb_is_grpcs(self):
+        self.assertClassified(MESSAGE_COPIED_BY_UPB, ours=0, theirs=1)
 
     def test_a_lock_order_inversion_is_ours_whatever_its_frames(self):
         self.assertIn("lock-order-inversion", self.assertClassified(GRPC_RACE, INVERSION, ours=1, theirs=3))
