@@ -11,10 +11,11 @@ is put down to the code that locked, unlocked or destroyed it: a mutex of ours f
 ours. A race between an object's allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a
 call gRPC made is gRPC's too: gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
 by this project's code, and every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and
-printed whole.
+printed whole. The summary counts the reports set aside under the rule that set each aside.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
 """
+import collections
 import re
 import sys
 
@@ -72,30 +73,47 @@ def creates_a_mutex(accesses):
                and head["address"] in locked for head, _ in heads)
 
 
+# The rules that set a report aside, as the summary names them.
+THEIR_ACCESS = "with an access made by uninstrumented gRPC, protobuf or abseil code"
+HANDED_OVER_OBJECT = "between an object's allocation and a call gRPC made"
+HANDED_OVER_MUTEX = "between a mutex's creation and a call gRPC made"
+
+
 def handed_over_by_grpc(accesses):
-    """One access creates the object (its allocation, or a mutex's creation) and another runs in a call gRPC made: the
-    object reached that thread through gRPC (a reactor it calls back), whose ordering TSan cannot see. Had our code
-    passed the pointer on without ordering, the pointer's own race would be reported, between our accesses."""
-    allocated = any(stack and stack[0][0].startswith(ALLOCATION) for _, stack in accesses)
-    in_grpc_call = any(part in where for _, stack in accesses for _, where in stack for part in GRPC)
-    return (allocated or creates_a_mutex(accesses)) and in_grpc_call
+    """The handover rule's name where one access creates the object (its allocation, or a mutex's creation) and
+    another runs in a call gRPC made, else None: the object reached that thread through gRPC (a reactor it calls back),
+    whose ordering TSan cannot see. Had our code passed the pointer on without ordering, the pointer's own race would
+    be reported, between our accesses."""
+    if not any(part in where for _, stack in accesses for _, where in stack for part in GRPC):
+        return None
+    if any(stack and stack[0][0].startswith(ALLOCATION) for _, stack in accesses):
+        return HANDED_OVER_OBJECT
+    return HANDED_OVER_MUTEX if creates_a_mutex(accesses) else None
+
+
+def set_aside_by(block, build):
+    """The rule that puts a report down to uninstrumented code, or None where the report is ours."""
+    accesses = access_stacks(block)
+    frames = [f for f in (first_frame(stack) for _, stack in accesses) if f is not None]
+    if "ThreadSanitizer: data race" not in block or not frames:
+        return None
+    if any(any(t in f for t in THEIRS) or f.startswith(build) for f in frames):
+        return THEIR_ACCESS
+    return handed_over_by_grpc(accesses)
 
 
 def main():
     root, build, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
-    ours, theirs = [], 0
+    ours, rules = [], collections.Counter()
     for path in paths:
         for block in reports(path):
-            accesses = access_stacks(block)
-            frames = [f for f in (first_frame(stack) for _, stack in accesses) if f is not None]
-            is_race = "ThreadSanitizer: data race" in block
-            by_them = [f for f in frames if any(t in f for t in THEIRS) or f.startswith(build)]
-            if is_race and frames and (by_them or handed_over_by_grpc(accesses)):
-                theirs += 1
+            rule = set_aside_by(block, build)
+            if rule:
+                rules[rule] += 1
             else:
                 ours.append(block)
-    print(f"tsan reports: {len(ours)} ours, {theirs} with an access made by uninstrumented gRPC, protobuf or abseil "
-          "code")
+    by_rule = ", ".join(f"{rules[rule]} {rule}" for rule in (THEIR_ACCESS, HANDED_OVER_OBJECT, HANDED_OVER_MUTEX))
+    print(f"tsan reports: {len(ours)} ours, {sum(rules.values())} set aside ({by_rule})")
     for block in ours:
         print("==================\n" + block, end="")
     return 1 if ours else 0

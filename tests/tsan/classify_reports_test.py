@@ -219,7 +219,7 @@ class ClassifyReportsTest(unittest.TestCase):
         what the classifier printed."""
         result = classify(*reports)
         self.assertEqual(result.returncode, 1 if ours else 0, result.stdout)
-        self.assertIn(f"tsan reports: {ours} ours, {theirs} with an access made by", result.stdout)
+        self.assertIn(f"tsan reports: {ours} ours, {theirs} set aside (", result.stdout)
         return result.stdout
 
     def test_a_race_between_our_accesses_is_ours(self):
@@ -249,6 +249,13 @@ class ClassifyReportsTest(unittest.TestCase):
 
     def test_a_mutex_created_with_a_lost_stack_against_its_lock_in_a_grpc_callback_is_grpcs_handover(self):
         self.assertClassified(MUTEX_CREATION_WITH_A_LOST_STACK, ours=0, theirs=1)
+
+    def test_the_reports_set_aside_are_counted_by_the_rule_that_set_them_aside(self):
+        output = self.assertClassified(GRPC_RACE, REACTOR_HANDED_OVER_BY_GRPC, MUTEX_CREATION_WITH_A_LOST_STACK,
+                                       MESSAGE_COPIED_BY_UPB, ours=0, theirs=6)
+        self.assertIn("6 set aside (4 with an access made by uninstrumented gRPC, protobuf or abseil code, 1 between an "
+                      "object's allocation and a call gRPC made, 1 between a mutex's creation and a call gRPC made)",
+                      output)
 
     def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
         for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
