@@ -202,6 +202,7 @@ SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libupb.so.29+0x12db1)
 ==================
 """
 
+
 def classify(*texts):
     with tempfile.TemporaryDirectory() as folder:
         paths = []
@@ -253,9 +254,9 @@ class ClassifyReportsTest(unittest.TestCase):
     def test_the_reports_set_aside_are_counted_by_the_rule_that_set_them_aside(self):
         output = self.assertClassified(GRPC_RACE, REACTOR_HANDED_OVER_BY_GRPC, MUTEX_CREATION_WITH_A_LOST_STACK,
                                        MESSAGE_COPIED_BY_UPB, ours=0, theirs=6)
-        self.assertIn("6 set aside (4 with an access made by uninstrumented gRPC, protobuf or abseil code, 1 between an "
-                      "object's allocation and a call gRPC made, 1 between a mutex's creation and a call gRPC made)",
-                      output)
+        self.assertIn("6 set aside (4 with an access made by uninstrumented gRPC, protobuf or abseil code, 1 between "
+                      "an object's allocation and a call gRPC made, 1 between a mutex's creation and a call gRPC "
+                      "made)", output)
 
     def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
         for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
