@@ -537,10 +537,14 @@ def masked_bce(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     return (per * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def strongest_horizon(p: Tensor) -> Tensor:
+    """The horizon whose probability p lies farthest from 0.5 (the first maximum on ties), keeping the last dim."""
+    return torch.argmax((p - 0.5).abs(), dim=-1, keepdim=True)
+
+
 def conviction(logits: Tensor) -> Tensor:
     p = torch.sigmoid(logits)
-    k = torch.argmax((p - 0.5).abs(), dim=-1, keepdim=True)  # first maximum on ties
-    return 2 * p.gather(-1, k).squeeze(-1) - 1
+    return 2 * p.gather(-1, strongest_horizon(p)).squeeze(-1) - 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ bfloat16 or float16 after every event, as a kernel that stores them narrow would
 
 The day is cut into --streams contiguous segments, each streamed from zero state as one instrument. Prints, per mode,
 the convictions' and probabilities' distance from the oracle (max, 99.9th percentile), the events whose conviction
-changes sign (where the oracle's is at least 0.01) or whose strongest horizon changes, and the largest |state| seen (float16's range is 65,504).
+changes sign (where the oracle's is at least 0.01) or whose strongest horizon changes, and the largest |state| seen
+(float16's range is 65,504).
 
 Usage: state_precision.py --checkpoint CKPT --features FEATURES.npy [--logits LOGITS.npy] [--streams 16]
        [--device cuda] [--json OUT]
@@ -23,7 +24,9 @@ import perception_ref as ref
 
 # Sign changes count where the oracle's conviction is at least this strong (nearer zero, either sign is noise).
 SIGN_FLOOR = 0.01
-MODES = {"float64": None, "float32": None, "bfloat16 states": torch.bfloat16, "float16 states": torch.float16}
+# Each mode: the dtype it computes in, and the dtype its SSM states are rounded to after every event (None: kept).
+MODES = {"float64": (torch.float64, None), "float32": (torch.float32, None),
+         "bfloat16 states": (torch.float32, torch.bfloat16), "float16 states": (torch.float32, torch.float16)}
 
 
 def stream(model, u, dt, narrow, dtype):
@@ -41,25 +44,22 @@ def stream(model, u, dt, narrow, dtype):
     return torch.stack(logits, dim=1), largest.item()
 
 
-def strongest(logits):
-    return (torch.sigmoid(logits) - 0.5).abs().argmax(dim=-1)
-
-
 def compare(logits, oracle):
-    conv, conv_ref = ref.conviction(logits.double()), ref.conviction(oracle)
-    diff = (conv - conv_ref).abs().flatten()
-    probs = (torch.sigmoid(logits.double()) - torch.sigmoid(oracle)).abs().flatten()
+    logits = logits.double()
+    p, p_ref = torch.sigmoid(logits), torch.sigmoid(oracle)
+    conv, conv_ref = ref.conviction(logits), ref.conviction(oracle)
+    diff = (conv - conv_ref).abs()  # [S, L]
     flips = ((conv > 0) != (conv_ref > 0)) & (conv_ref.abs() >= SIGN_FLOOR)
     return {
         "conviction_max": diff.max().item(),
-        "conviction_p999": torch.quantile(diff.float().cpu(), 0.999).item(),
+        "conviction_p999": torch.quantile(diff.flatten().float().cpu(), 0.999).item(),
         "conviction_mean": diff.mean().item(),
-        "probability_max": probs.max().item(),
+        "probability_max": (p - p_ref).abs().max().item(),
         "sign_changes": int(flips.sum().item()),
-        "strongest_horizon_changes": int((strongest(logits.double()) != strongest(oracle)).sum().item()),
+        "strongest_horizon_changes": int((ref.strongest_horizon(p) != ref.strongest_horizon(p_ref)).sum().item()),
         # The error at the segments' ends against their starts: whether it accumulates along a stream.
-        "conviction_max_first_100": diff.view(conv.shape)[:, :100].max().item(),
-        "conviction_max_last_100": diff.view(conv.shape)[:, -100:].max().item(),
+        "conviction_max_first_100": diff[:, :100].max().item(),
+        "conviction_max_last_100": diff[:, -100:].max().item(),
     }
 
 
@@ -84,8 +84,7 @@ def main():
     results = {"events": S * L, "streams": S, "events_a_stream": L, "device": args.device, "modes": {}}
     logits = {}
     with torch.no_grad():
-        for name, narrow in MODES.items():
-            dtype = torch.float64 if name == "float64" else torch.float32
+        for name, (dtype, narrow) in MODES.items():
             model, _, _ = ref.load_checkpoint(args.checkpoint, dtype=dtype, device=args.device)
             model.eval()
             logits[name], largest = stream(model, u, dt, narrow, dtype)
