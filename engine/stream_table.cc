@@ -114,6 +114,24 @@ absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from
   return range;
 }
 
+void StreamTable::MarkRead(int slot, uint64_t next_seq) {
+  Slot& s = slots_[slot];
+  if (!s.first_seq || next_seq <= *s.first_seq) return;
+  s.read = std::max(s.read, std::min(next_seq - *s.first_seq, s.processed));
+}
+
+StreamTable::UnreadEntries StreamTable::Unread() const {
+  UnreadEntries unread;
+  for (const auto& [instrument, slot] : by_instrument_) {
+    const Slot& s = slots_[slot];
+    const uint64_t oldest_retained = s.processed - std::min<uint64_t>(s.processed, log_entries_);
+    const uint64_t entries = s.processed - std::max(s.read, oldest_retained);
+    unread.entries += entries;
+    unread.streams += entries > 0 ? 1 : 0;
+  }
+  return unread;
+}
+
 absl::StatusOr<LobsterFeaturizer*> StreamTable::Featurizer(int slot, int levels) {
   Slot& s = slots_[slot];
   if (!s.featurizer) s.featurizer = std::make_unique<LobsterFeaturizer>(levels);

@@ -63,6 +63,16 @@ class StreamTable {
   // nothing was overwritten). OUT_OF_RANGE naming the oldest retained sequence number when entries at or after
   // from_seq have been overwritten.
   absl::StatusOr<LogRange> Range(int slot, uint64_t from_seq, int64_t max_count) const;
+  // A read returned the slot's entries up to `next_seq` (exclusive; ReadConvictionsResponse.next_seq): the client
+  // has caught up to there, whatever it skipped before.
+  void MarkRead(int slot, uint64_t next_seq);
+  // Entries the logs still hold that no read has reached (MarkRead), and how many streams have any: what a client
+  // would lose if the logs went now.
+  struct UnreadEntries {
+    uint64_t entries = 0;
+    int streams = 0;
+  };
+  UnreadEntries Unread() const;
 
   // The per-instrument LOBSTER featurizer (previous mid and time), created on first use with `levels`;
   // INVALID_ARGUMENT if the instrument's book rows had another level count before.
@@ -83,6 +93,7 @@ class StreamTable {
     std::string instrument;
     std::optional<uint64_t> first_seq, last_accepted;
     uint64_t processed = 0;
+    uint64_t read = 0;  // entries of the whole history up to the furthest read's end (MarkRead)
     std::vector<uint64_t> weights_versions;  // ring, sized on open
     std::unique_ptr<LobsterFeaturizer> featurizer;
   };

@@ -65,6 +65,11 @@ ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
           "listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
           "still answer meanwhile, so that clients read back the convictions of the events streamed before the "
           "signal (which the device holds only until the daemon exits)");
+ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
+          "on SIGTERM/SIGINT, after --drain_grace: how much longer reads still answer while convictions wait to be "
+          "read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
+          "process); the listener closes as soon as none waits, the device is lost, or a second signal arrives; 0: "
+          "not at all");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "
@@ -112,6 +117,8 @@ namespace {
 
 // Calls still running this long after the listener closes are cancelled.
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
+// How often a drain looks again whether the convictions have been read back.
+constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
 
 // Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them.
 sigset_t TerminationSignals() {
@@ -292,12 +299,45 @@ absl::StatusOr<std::unique_ptr<StallWatch>> WatchForStalls(const DeviceWorker& w
       });
 }
 
-// Health NOT_SERVING and new work refused, a grace period, then the listener closes once calls in flight are
-// answered; the device finishes what it had queued.
-void Drain(grpc::Server& server, PerceptionService& service) {
+// Whether a termination signal is pending (one more, during the drain); takes it.
+bool TerminationSignalPending() {
+  const sigset_t signals = TerminationSignals();
+  const timespec now = {};
+  return sigtimedwait(&signals, nullptr, &now) > 0;
+}
+
+std::string Describe(const StreamBatcher::Unread& unread) {
+  return absl::StrCat(unread.convictions, " conviction(s) of ", unread.streams, " stream(s) not read back and ",
+                      unread.events, " event(s) still to process");
+}
+
+// The convictions live only in device memory: while some wait to be read back, reads keep answering, for up to
+// --drain_for_reads.
+void WaitForReadBack(const StreamBatcher& streams) {
+  const absl::Duration limit = absl::GetFlag(FLAGS_drain_for_reads);
+  StreamBatcher::Unread unread = streams.NotReadBack();
+  if (unread.none() || limit <= absl::ZeroDuration() || !DeviceLostStatus().ok()) return;
+  spdlog::info("{}: reads answer until they are read back, for up to {} (--drain_for_reads; a second signal ends it)",
+               Describe(unread), absl::FormatDuration(limit));
+  const absl::Time deadline = absl::Now() + limit;
+  while (!unread.none() && absl::Now() < deadline && !TerminationSignalPending() && DeviceLostStatus().ok()) {
+    absl::SleepFor(kReadBackPoll);
+    unread = streams.NotReadBack();
+  }
+  if (unread.none()) {
+    spdlog::info("every conviction was read back");
+  } else {
+    spdlog::warn("{}: they are lost with the exit", Describe(unread));
+  }
+}
+
+// Health NOT_SERVING and new work refused, a grace period, the wait for convictions to be read back, then the
+// listener closes once calls in flight are answered; the device finishes what it had queued.
+void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher& streams) {
   server.GetHealthCheckService()->SetServingStatus(false);
   service.BeginDrain();
   absl::SleepFor(absl::GetFlag(FLAGS_drain_grace));
+  WaitForReadBack(streams);
   server.Shutdown(absl::ToChronoTime(absl::Now() + kShutdownTimeout));
 }
 
@@ -339,7 +379,7 @@ absl::Status Serve() {
   const int signal = WaitForTerminationSignal();
   spdlog::info("{}: draining", strsignal(signal));
   stall_watch.reset();  // health stays NOT_SERVING from here on
-  Drain(*server, service);
+  Drain(*server, service, streams);
   RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
   worker.Stop();

@@ -556,8 +556,16 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
     }
     response.mutable_seqs()->Reserve(static_cast<int>(range.count));
     for (int64_t i = 0; i < range.count; ++i) response.add_seqs(range.first_seq + i);
+    absl::MutexLock lock(&mu_);
+    table_.MarkRead(slot, response.next_seq());
     return response;
   });
+}
+
+StreamBatcher::Unread StreamBatcher::NotReadBack() const {
+  absl::MutexLock lock(&mu_);
+  const StreamTable::UnreadEntries logged = table_.Unread();
+  return {pending_, logged.entries, logged.streams};
 }
 
 absl::Status StreamBatcher::Reset(const std::string& instrument) {

@@ -100,6 +100,15 @@ class StreamBatcher {
   bool RoomToRead(bool held);
   // Everything but the weights version (the model host's).
   void FillStatus(v1::StreamingStatus& status) const;
+  // What clients have not read back yet: accepted events still to process (each will log a conviction) and logged
+  // convictions past the end of every read of their stream (StreamTable::Unread). A draining daemon waits for both.
+  struct Unread {
+    int64_t events = 0;
+    uint64_t convictions = 0;
+    int streams = 0;  // streams with unread convictions
+    bool none() const { return events == 0 && convictions == 0; }
+  };
+  Unread NotReadBack() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs `change` (on the worker thread: InitModel, LoadCheckpoint, SetOptimizer), which replaces the backend and
   // with it every state slot and log, only while no stream is live: FAILED_PRECONDITION otherwise. New streams are

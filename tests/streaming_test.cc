@@ -43,6 +43,45 @@ TEST(StreamTableTest, SequenceNumbersMustBeContiguous) {
   EXPECT_FALSE(table.Accept(last, UINT64_MAX).ok());
 }
 
+// What a drain waits to be read back: the entries each log still holds past the furthest read's end. A read's end
+// marks everything before it read (a client that skips entries has caught up all the same); overwritten entries
+// can no longer be read, so they are not waited for; a closed stream's log is gone.
+TEST(StreamTableTest, UnreadEntriesAreThoseRetainedPastTheFurthestRead) {
+  StreamTable table(3, 4);
+  const int amzn = *table.Open("AMZN"), aapl = *table.Open("AAPL");
+  (void)table.Open("IDLE");  // open, nothing processed
+  auto process = [&](int slot, uint64_t first, int count) {
+    for (uint64_t seq = first; seq < first + count; ++seq) {
+      ASSERT_TRUE(table.Accept(slot, seq).ok());
+      table.Append(slot, 1);
+    }
+  };
+  process(amzn, 100, 3);
+  process(aapl, 7, 2);
+  EXPECT_EQ(table.Unread().entries, 5u);
+  EXPECT_EQ(table.Unread().streams, 2);
+
+  table.MarkRead(amzn, 102);  // a page of 100 and 101
+  EXPECT_EQ(table.Unread().entries, 3u);
+  table.MarkRead(amzn, 101);  // an older page moves nothing back
+  EXPECT_EQ(table.Unread().entries, 3u);
+  table.MarkRead(aapl, 9);    // up to the end
+  EXPECT_EQ(table.Unread().entries, 1u);
+  EXPECT_EQ(table.Unread().streams, 1);
+  table.MarkRead(amzn, 99);   // before the stream's first number: nothing
+  EXPECT_EQ(table.Unread().entries, 1u);
+
+  process(amzn, 103, 5);  // 8 processed, the ring of 4 holds 104..107; 102 and 103 are overwritten
+  EXPECT_EQ(table.Unread().entries, 4u);
+  table.MarkRead(amzn, 1000);  // past the end: everything processed
+  EXPECT_EQ(table.Unread().entries, 0u);
+  EXPECT_EQ(table.Unread().streams, 0);
+
+  process(aapl, 9, 1);
+  ASSERT_TRUE(table.Close("AAPL").ok());
+  EXPECT_EQ(table.Unread().entries, 0u);
+}
+
 // A stream whose unprocessed events were dropped (a failed tick) takes them again from the first one dropped,
 // and its log keeps one entry a processed event, in sequence order.
 TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {

@@ -212,7 +212,9 @@ TEST(LifecycleTest, ConvictionsStayReadableThroughTheDrainGrace) {
 // events acknowledged first), instead of holding the daemon's exit until the shutdown deadline cancels it.
 TEST(LifecycleTest, AnIdleStreamEndsAtOnceOnSigterm) {
   const ScopedTempDir temp("drain_stream");
-  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  // (Its convictions stay unread: no wait for them, which the tests below cover.)
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--drain_for_reads=0s"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   client::PerceptionClient& client = (*daemon)->client();
   ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
@@ -232,6 +234,75 @@ TEST(LifecycleTest, AnIdleStreamEndsAtOnceOnSigterm) {
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(10));
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+}
+
+// Convictions not yet read back hold the drain (--drain_for_reads, 10 s unless set): reads keep answering, page by
+// page, and the listener closes once the last page is read, long before the limit.
+TEST(LifecycleTest, TheDrainWaitsForUnreadConvictionsUntilTheyAreReadBack) {
+  const ScopedTempDir temp("drain_unread");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--drain_for_reads=60s"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+  constexpr int kEvents = 40;
+  absl::StatusOr<AcknowledgedStream> acknowledged = StreamUntilAcknowledged(client, kEvents, 13);
+  ASSERT_TRUE(acknowledged.ok()) << acknowledged.status();
+
+  (*daemon)->Signal(SIGTERM);
+  (void)acknowledged->stream->Finish();  // OK or UNAVAILABLE, as its half-close and the drain meet
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ((*daemon)->WaitForExit(absl::ZeroDuration()).status().code(), absl::StatusCode::kDeadlineExceeded)
+      << "exited with convictions unread";
+  v1::ReadConvictionsRequest read;
+  read.set_instrument("A");
+  read.set_from_seq(1);
+  read.set_max_count(16);
+  std::vector<float> convictions;
+  for (int page = 0; page < 3; ++page) {
+    absl::StatusOr<v1::ReadConvictionsResponse> got = client.ReadConvictions(read);
+    ASSERT_TRUE(got.ok()) << "page " << page << ": " << got.status();
+    convictions.insert(convictions.end(), got->convictions().begin(), got->convictions().end());
+    read.set_from_seq(got->next_seq());
+  }
+  ASSERT_EQ(convictions.size(), static_cast<size_t>(kEvents));
+  for (const float c : convictions) EXPECT_TRUE(std::isfinite(c) && std::abs(c) < 1.f) << c;
+  // gRPC's own shutdown takes about 4 s while this test's connection stays open.
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(20));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("40 conviction(s) of 1 stream(s) not read back"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+}
+
+// Convictions nobody reads hold the drain only for --drain_for_reads, or until a second signal; the log says what
+// was lost.
+TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondSignal) {
+  for (const bool second_signal : {false, true}) {
+    SCOPED_TRACE(second_signal ? "second signal" : "limit");
+    const ScopedTempDir temp("drain_unread_limit");
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(
+        temp.path() / "checkpoints", {second_signal ? "--drain_for_reads=600s" : "--drain_for_reads=2s"});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    client::PerceptionClient& client = (*daemon)->client();
+    ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+    absl::StatusOr<AcknowledgedStream> acknowledged = StreamUntilAcknowledged(client, 10, 17);
+    ASSERT_TRUE(acknowledged.ok()) << acknowledged.status();
+
+    (*daemon)->Signal(SIGTERM);
+    const absl::Time signalled = absl::Now();
+    (void)acknowledged->stream->Finish();
+    if (second_signal) {
+      absl::SleepFor(absl::Milliseconds(500));
+      (*daemon)->Signal(SIGTERM);
+    }
+    absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+    if (!second_signal) EXPECT_GE(absl::Now() - signalled, absl::Seconds(2));
+    EXPECT_THAT((*daemon)->Log(), HasSubstr("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to "
+                                            "process: they are lost with the exit"));
+  }
 }
 
 // A Train stream that is open but idle when the daemon drains (its client between batches) ends at once with
