@@ -306,7 +306,7 @@ bool TerminationSignalPending() {
   return sigtimedwait(&signals, nullptr, &now) > 0;
 }
 
-std::string Describe(const StreamBatcher::Unread& unread) {
+std::string DescribeUnread(const StreamBatcher::Unread& unread) {
   return absl::StrCat(unread.convictions, " conviction(s) of ", unread.streams, " stream(s) not read back and ",
                       unread.events, " event(s) still to process");
 }
@@ -318,7 +318,7 @@ void WaitForReadBack(const StreamBatcher& streams) {
   StreamBatcher::Unread unread = streams.NotReadBack();
   if (unread.none() || limit <= absl::ZeroDuration() || !DeviceLostStatus().ok()) return;
   spdlog::info("{}: reads answer until they are read back, for up to {} (--drain_for_reads; a second signal ends it)",
-               Describe(unread), absl::FormatDuration(limit));
+               DescribeUnread(unread), absl::FormatDuration(limit));
   const absl::Time deadline = absl::Now() + limit;
   while (!unread.none() && absl::Now() < deadline && !TerminationSignalPending() && DeviceLostStatus().ok()) {
     absl::SleepFor(kReadBackPoll);
@@ -327,7 +327,7 @@ void WaitForReadBack(const StreamBatcher& streams) {
   if (unread.none()) {
     spdlog::info("every conviction was read back");
   } else {
-    spdlog::warn("{}: they are lost with the exit", Describe(unread));
+    spdlog::warn("{}: they are lost with the exit", DescribeUnread(unread));
   }
 }
 
