@@ -9,7 +9,8 @@ generated protobuf code, or upb (gRPC core's own protobuf runtime). The preloade
 synchronization (absl_mutex_annotations.cc) are passed over like the C++ library, so that an access they make to a mutex
 is put down to the code that locked, unlocked or destroyed it: a mutex of ours freed under another thread's lock is
 ours. A race between an object's allocation (or a mutex's creation, whose stack TSan may have lost) and an access in a
-call gRPC made is gRPC's too: gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
+call gRPC made is gRPC's too (the creation as the annotations record it, or as a plain write to the mutex's word):
+gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
 by this project's code, and every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and
 printed whole. The summary counts the reports set aside under the rule that set each aside.
 
@@ -64,13 +65,21 @@ def first_frame(stack):
 
 
 def creates_a_mutex(accesses):
-    """One access is a plain write of 8 bytes to the word of a mutex another access locks or unlocks through the
-    annotations. Once a mutex exists, only abseil's uninstrumented code writes its word, so that write is the mutex's
-    allocation or its inline constructor, even where TSan lost the write's stack."""
+    """One access creates the mutex another access locks or unlocks through the annotations: the annotations' own
+    record of its constructor (`__tsan_mutex_create`), or a plain write of 8 bytes to its word. Once a mutex exists,
+    only abseil's uninstrumented code writes its word, so that write is the mutex's allocation or its inline
+    constructor, even where TSan lost the write's stack."""
     heads = [(ACCESS.match(head), stack) for head, stack in accesses]
-    locked = {head["address"] for head, stack in heads if head and stack and stack[0][0].startswith("__tsan_mutex_")}
-    return any(head and head["kind"] in ("Write", "Previous write") and head["size"] == "8"
-               and head["address"] in locked for head, _ in heads)
+
+    def annotation(stack):
+        return stack[0][0] if stack and stack[0][0].startswith("__tsan_mutex_") else None
+
+    locked = {head["address"] for head, stack in heads
+              if head and annotation(stack) and annotation(stack) != "__tsan_mutex_create"}
+    return any(head and head["address"] in locked
+               and (annotation(stack) == "__tsan_mutex_create"
+                    or head["kind"] in ("Write", "Previous write") and head["size"] == "8")
+               for head, stack in heads)
 
 
 # The rules that set a report aside, as the summary names them.

@@ -171,6 +171,35 @@ SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annota
 ==================
 """
 
+# The same handover where the annotations recorded the mutex's creation, a 1-byte write by `__tsan_mutex_create` in
+# its constructor (the report, shortened, that failed a local CI run at 745be71): gRPC's. Without gRPC's callback on
+# the way: ours.
+MUTEX_CREATION_RECORDED_BY_THE_ANNOTATIONS = """==================
+WARNING: ThreadSanitizer: data race (pid=23274)
+  Atomic read of size 1 at 0x7b50000594d0 by thread T10:
+    #0 __tsan_mutex_post_lock ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:377 (libtsan.so.2+0x70f08)
+    #1 Acquired /src/perception/tests/tsan/absl_mutex_annotations.cc:44 (libabsl_tsan_annotations.so+0x316a)
+    #2 absl::MutexLock::MutexLock(absl::Mutex*) /usr/include/absl/synchronization/mutex.h:533 (perceptiond+0xe2fe6)
+    #3 perception::server::StreamReactor::OnReadDone(bool) /src/perception/server/streaming.cc:53 (perceptiond+0xe3937)
+    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0xa23f2)
+
+  Previous write of size 1 at 0x7b50000594d0 by thread T9:
+    #0 __tsan_mutex_create ../../../../src/libsanitizer/tsan/tsan_interface_ann.cpp:352 (libtsan.so.2+0x70a80)
+    #1 absl::Mutex::Mutex() /usr/include/absl/synchronization/mutex.h:942 (perceptiond+0xe78d9)
+    #2 perception::server::StreamReactor::StreamReactor() /src/perception/server/streaming.cc:40 (perceptiond+0xe78d9)
+    #3 perception::server::PerceptionService::Stream(Context*) /src/perception/server/perception_service.cc:275 (perceptiond+0x93715)
+
+  Location is heap block of size 512 at 0x7b5000059400 allocated by thread T9:
+    #0 operator new(unsigned long) ../../../../src/libsanitizer/tsan/tsan_new_delete.cpp:64 (libtsan.so.2+0x87323)
+    #1 PerceptionService::Stream(Context*) /src/perception/server/perception_service.cc:275 (perceptiond+0x93696)
+
+SUMMARY: ThreadSanitizer: data race /src/perception/tests/tsan/absl_mutex_annotations.cc:44 in Acquired
+==================
+"""
+OUR_MUTEX_CREATION_RECORDED_BY_THE_ANNOTATIONS = MUTEX_CREATION_RECORDED_BY_THE_ANNOTATIONS.replace(
+    "    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/callback_common.h:212 (perceptiond+0xa23f2)\n",
+    "")
+
 # A lost write beside a mutex's lock, outside gRPC, or of another size or address than a mutex's creation: ours.
 OUR_LOST_WRITES_BESIDE_A_LOCK = [
     MUTEX_CREATION_WITH_A_LOST_STACK.replace("    #4 CallbackWithSuccessTag::Run(bool) /usr/include/grpcpp/support/"
@@ -250,6 +279,14 @@ class ClassifyReportsTest(unittest.TestCase):
 
     def test_a_mutex_created_with_a_lost_stack_against_its_lock_in_a_grpc_callback_is_grpcs_handover(self):
         self.assertClassified(MUTEX_CREATION_WITH_A_LOST_STACK, ours=0, theirs=1)
+
+    def test_a_mutex_creation_the_annotations_recorded_against_its_lock_in_a_grpc_callback_is_grpcs_handover(self):
+        self.assertIn("1 between a mutex's creation and a call gRPC made",
+                      self.assertClassified(MUTEX_CREATION_RECORDED_BY_THE_ANNOTATIONS, ours=0, theirs=1))
+
+    def test_a_mutex_creation_the_annotations_recorded_against_its_lock_outside_grpc_is_ours(self):
+        self.assertIn("StreamReactor::OnReadDone(bool)",
+                      self.assertClassified(OUR_MUTEX_CREATION_RECORDED_BY_THE_ANNOTATIONS, ours=1, theirs=0))
 
     def test_the_reports_set_aside_are_counted_by_the_rule_that_set_them_aside(self):
         output = self.assertClassified(GRPC_RACE, REACTOR_HANDED_OVER_BY_GRPC, MUTEX_CREATION_WITH_A_LOST_STACK,
