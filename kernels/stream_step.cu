@@ -1485,9 +1485,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // SumRows, in its order), activations between the links in device scratch. One kernel for the embedding and layer
 // 0's B, C and Δt; per layer, one for z and x with the conv, the SSM update and the gate (the state traffic, split
 // by SSM rows), and one for out_proj with the next layer's B, C and Δt, or after the last layer the CfC and the
-// head. Like the cluster kernel, a block starts every load it needs at once (its states and inputs as asynchronous
-// copies into shared memory, its rows as L1 prefetches) and waits once, so that no global round trip sits inside its
-// chain; the stores go out from the epilogues, whose scalar work the eight lanes of a row share (one event each).
+// head. Like the cluster kernel, a block starts the copies of its states and inputs into shared memory at once and
+// waits once; its rows it reads straight from L2 (an L1 prefetch of each stage's rows ahead of it mostly missed and
+// doubled their L2 traffic: without them the ticks measured up to 6% faster, `s43b` in bench/RESULTS.md). The
+// stores go out from the epilogues, whose scalar work the eight lanes of a row share (one event each).
 
 constexpr int kWideEvents = kMaxEvents;
 // Threads of the kernels that take all of a tile's rows in one block (512: every row of `small`'s widest such
@@ -1595,19 +1596,12 @@ __device__ void LoadConvAsync(float* dst, const StreamPlan& p, const StreamSlots
   }
 }
 
-// Starts an L1 prefetch of n floats (a stage's rows, read from L2 one stage later).
-__device__ __forceinline__ void PrefetchL1(const float* p, int n) {
-  for (int i = 32 * threadIdx.x; i < n; i += 32 * blockDim.x) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
-  }
-}
-
 // The wide path's row sums: R row units' M products (unit r's weights at wu + r·unit_stride) for every event of a
 // tile, each lane's own parts of SumRows's sums in SumRows's order, for LaneRowSum to add up. A load of the tile's
 // inputs serves R units, so the products read shared memory R times less often; kSteps steps of the loop are
 // unrolled, so that a step's loads are in flight under the one before (where the registers allow), or with kBatched
-// the weights of kSteps steps are loaded before their products, so that one round trip to L2 serves them all (the
-// per-tile kernels' L1 prefetches of their rows mostly miss: 12-14% L1 hits). Not inlined, as SumRows.
+// the weights of kSteps steps are loaded before their products, so that one round trip to L2 serves them all. Not
+// inlined, as SumRows.
 template <int M, int R, int kSteps, bool kBatched>
 __device__ __noinline__ RowSums<kWideEvents, M * R> TileRowParts(const float* wu, int unit_stride, const float* in,
                                                                   int in_pad, int per_event, int lane, bool active) {
@@ -1844,8 +1838,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const _
   const WideLayout o = MakeWideLayout(p);
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, pe = Align4(p.F), pe_h = Align4(p.D) + 4;
   LetNextKernelLaunch();
-  PrefetchL1(a.pack + p.stage[0].pack, p.D * p.stage[0].stride);
-  PrefetchL1(a.pack + p.stage[1].pack, p.stage[1].units * p.stage[1].stride);
   // The tick's reads all issued before any of their results is used.
   const float* tick_x = tick.x ? tick.x : tick.inline_x;
   const int e0 = first + tid;
@@ -1946,7 +1938,7 @@ __device__ __forceinline__ void WideSsmUpdate(float (&parts)[kSsmEvents], float*
 // as the cluster kernel's z/x stage computes them; a block an item, the items of a tile's row blocks consecutive (so
 // that blocks running together share the tile's inputs and read neighbouring runs of each instrument's states). The
 // rows' states and carried conv inputs are copied into shared memory before the kernel waits for the one ahead (but
-// layer 0's, whose kernel ahead writes the tick's slots), its rows prefetched into L1. The update runs in place in
+// layer 0's, whose kernel ahead writes the tick's slots). The update runs in place in
 // shared memory, whose rows lie SsmRowStride apart so that the four rows a warp updates at once fall in different
 // banks; then the new states go out whole rows at a time. kN: d_state when it is a multiple of 8 known at compile
 // time (the update unrolls whole; the states move in 16-byte pieces, which the launch checks they are aligned for),
@@ -1983,8 +1975,6 @@ __global__ void __launch_bounds__(kStreamThreads, kSsmBlocksPerSm) WideSsmKernel
   if constexpr (kWeightsAhead) {
     held = LoadHeldRow<kHeldSteps, 2>(rows + static_cast<size_t>(active ? u - u0 : 0) * s.stride, s.in_pad, lane,
                                       active);
-  } else {
-    PrefetchL1(rows, (u1 - u0) * s.stride);
   }
   const int ssm_per_slot = p.L * E * N;
   // Thread t moves kWidth floats of rows r0(t), r0(t) + rows_per_pass, … of every event: a warp's lanes cover whole
@@ -2098,8 +2088,7 @@ __global__ void __launch_bounds__(kStreamThreads, kSsmBlocksPerSm) WideSsmKernel
 }
 
 // The final norm, the CfC (its state advanced) and the GRN head of a tile whose h and carried CfC states are in the
-// head's activations `ev`, then the outputs of its logged events. Each stage's rows are prefetched into L1 under the
-// stage before. In a per-tile kernel of kBlocks blocks an SM.
+// head's activations `ev`, then the outputs of its logged events. In a per-tile kernel of kBlocks blocks an SM.
 template <int kBlocks, bool kBatched>
 __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const float* dt_s, const int64_t* log_s) {
   constexpr int kSteps = kWideSteps<kBlocks, kBatched>;
@@ -2108,10 +2097,8 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
   const int tid = threadIdx.x, pe = o.head_per_event;
   const int warp = tid / kWarpSize, warp_lane = tid % kWarpSize, cfc_stage = 1 + 3 * p.L;
   auto stage_rows = [&](int si) { return a.pack + p.stage[si].pack; };
-  auto prefetch = [&](int si) { PrefetchL1(stage_rows(si), p.stage[si].units * p.stage[si].stride); };
   const float* shared = a.pack + p.shared_pack;
   RmsNormEvents<kWideEvents>(ev, pe, o.head_h, o.head.a, shared + p.norm_f, p.D);
-  prefetch(cfc_stage + 1);
   TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(p.stage[cfc_stage], stage_rows(cfc_stage),
                                                             ev + o.head.a, pe, nullptr, 0, p.K,
               [&](int u, const float(&acc)[1], const float* prm, int e, bool active) {
@@ -2119,7 +2106,6 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 if (active) ev[e * pe + o.head.bb + u] = LecunTanh(v + prm[0]);
               });
   __syncthreads();
-  prefetch(cfc_stage + 2);
   // Four outputs a row: with kBatched the weights of two steps at once (the registers allow no more).
   TileRows<4, 1, kBatched ? 2 : 1, kBatched>(p.stage[cfc_stage + 1], stage_rows(cfc_stage + 1), ev + o.head.bb, pe,
                                              nullptr, 0, p.C,
@@ -2132,7 +2118,6 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 if (slot_s[e] >= 0) a.st.cfc[slot_s[e] * p.C + u] = c;
               });
   __syncthreads();
-  prefetch(cfc_stage + 3);
   TileRows<2, 1, kSteps, kBatched>(p.stage[cfc_stage + 2], stage_rows(cfc_stage + 2), ev + o.head.a, pe,
                                    nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
@@ -2142,7 +2127,6 @@ __device__ void HeadPhase(const WideArgs& a, float* ev, const int* slot_s, const
                 ev[e * pe + o.head.skip + u] = skip;
               });
   __syncthreads();
-  prefetch(cfc_stage + 4);
   TileRows<2, 1, kSteps, kBatched>(p.stage[cfc_stage + 3], stage_rows(cfc_stage + 3), ev + o.head.e2, pe,
                                    nullptr, 0, p.G,
               [&](int u, const float(&acc)[2], const float* prm, int e, bool active) {
@@ -2180,7 +2164,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   const int first = blockIdx.x * kWideEvents, tid = threadIdx.x, E4 = Align4(p.E), pe_y = E4 + 4;
   const bool last = l + 1 == p.L;
   const PackStage& s = p.stage[3 + 3 * l];
-  PrefetchL1(a.pack + s.pack, p.D * s.stride);
   // Before the wait: the tile's slots (written two kernels back) and what only this kernel writes, the next layer's
   // carried B/C conv inputs or the CfC states.
   if (tid < kWideEvents) {
@@ -2213,8 +2196,6 @@ __global__ void __launch_bounds__(kWideThreads, kBlocks) WideOutKernel(const __g
   CopyAsyncWaitAll();
   __syncthreads();
   NormScales<kWideEvents>(y, pe_y, 0, p.E, E4, E4);
-  const PackStage& next = p.stage[last ? 1 + 3 * p.L : 1 + 3 * (l + 1)];  // the CfC's backbone, or B, C and Δt
-  PrefetchL1(a.pack + next.pack, next.units * next.stride);
   TileRows<1, kWideRowsPerGroup<kBlocks>, kSteps, kBatched>(s, a.pack + s.pack, y, pe_y, y + E4, 0,
                                                             p.D,
               [&](int u, const float(&acc)[1], const float*, int e, bool active) {
@@ -2352,9 +2333,9 @@ bool WideStatesEvictFirst(const StreamPlan& p, int n, size_t l2_bytes) {
 
 // Whether a wide tick's SSM kernel (small's d_state of 32, rows of at most kHeldInputs inputs) loads its z/x weights
 // into registers before its states: where its blocks outnumber one wave of the device. Measured on the H200
-// (graph-launched small ticks back to back, alternating with the L1 prefetch): held at every size (`s21d`), 256 and
-// 512 instruments (one wave) took 0.2–0.7 µs more; held past one wave (`s21e`), 1,024 109.4–109.9 → 105.0–105.2 µs,
-// 2,048 215.5–216.7 → 199.2–200.0, 10,000 969.9–970.7 → 895.2–896.4.
+// (graph-launched small ticks back to back, against the L1 prefetch the kernel then had): held at every size
+// (`s21d`), 256 and 512 instruments (one wave) took 0.2–0.7 µs more; held past one wave (`s21e`), 1,024 109.4–109.9 →
+// 105.0–105.2 µs, 2,048 215.5–216.7 → 199.2–200.0, 10,000 969.9–970.7 → 895.2–896.4.
 bool WideWeightsAhead(const StreamPlan& p, int ssm_blocks, int sm_count) {
   return p.N == 32 && Align4(p.D) <= kHeldInputs && ssm_blocks > kSsmBlocksPerSm * sm_count;
 }
