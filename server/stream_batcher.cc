@@ -397,6 +397,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
       failures.push_back({events.front().sink, absl::Status(code, message), static_cast<int64_t>(events.size())});
     });
   }
+  if (options_.before_failure_notices) options_.before_failure_notices();
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
 }
 

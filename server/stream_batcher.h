@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -45,6 +46,9 @@ struct StreamOptions {
   // Tests only: a Stream call sleeps this long after cancelling its ack alarm, before it takes its lock again, so that
   // the alarm's callback runs within the Cancel's window (which must not end the call) whenever the alarm was due.
   absl::Duration pause_after_alarm_cancel = absl::ZeroDuration();
+  // Tests only: runs on the device worker after a failed tick has stopped its instruments, before their Stream calls
+  // hear of it (StreamSink::OnFailed), so that a test can send a call's next request in between.
+  std::function<void()> before_failure_notices;
 };
 
 // What one Stream call hears back about the events it submitted; called on the device worker's thread, outside

@@ -3,6 +3,7 @@
 
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/proto_convert.h"
 
@@ -63,6 +64,7 @@ void StreamReactor::OnReadDone(bool ok) {
     if (request->ack() && submitted.accepted > 0) AwaitLocked(*request, submitted.accepted);
     if (!submitted.status.ok()) {
       error_ = submitted.status;
+      refused_ = true;
       input_done_ = true;
     }
   });
@@ -102,7 +104,15 @@ void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weigh
 void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
   Update([&] {
     unprocessed_ -= count;
-    if (error_.ok()) error_ = status;
+    // The failure, which names where each instrument resumes, outranks a refusal of one of the call's requests: one
+    // read while the failure was on its way (refused because the failed tick had stopped its instrument) or before.
+    if (error_.ok()) {
+      error_ = status;
+    } else if (refused_) {
+      error_ = absl::Status(status.code(), absl::StrCat(status.message(), ". Besides, a request of this call was "
+                                                        "refused: ", error_.message()));
+      refused_ = false;
+    }
     input_done_ = true;
   });
 }

@@ -13,6 +13,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/cpu_reference.h"
@@ -161,14 +164,39 @@ class StreamFailureTest : public ::testing::Test {
     return convictions;
   }
 
+  // The daemon's count of streamed events refused because their instrument was stopped.
+  int RefusedAsStopped() const {
+    const std::string text = daemon_.metrics().Render();
+    const std::string name = "perception_stream_events_rejected_total{reason=\"stopped\"} ";
+    const size_t at = text.find(name);
+    return at == std::string::npos ? -1 : std::stoi(text.substr(at + name.size()));
+  }
+
+  // With hold_failure_notices_ set, a failed tick's calls hear of it only once the test has sent its next request:
+  // failure_stopped_ tells the test that the instruments are stopped, and the notices wait (up to 30 s) until the
+  // daemon has refused an event as stopped.
+  void BeforeFailureNotices() {
+    if (!hold_failure_notices_) return;
+    failure_stopped_.Notify();
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (RefusedAsStopped() < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  }
+
   static constexpr uint64_t kSeed = 5;
   const ModelConfig config_ = *NamedConfig("tiny");
   const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
   const std::shared_ptr<StreamFaults> faults_ = std::make_shared<StreamFaults>();
+  std::atomic<bool> hold_failure_notices_{false};
+  absl::Notification failure_stopped_;
   InProcessDaemon daemon_{[faults = faults_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
                             return std::make_unique<StreamFaultBackend>(std::move(backend), faults);
                           },
-                          "stream_failure_checkpoints"};
+                          "stream_failure_checkpoints",
+                          [this] {
+                            server::StreamOptions options;
+                            options.before_failure_notices = [this] { BeforeFailureNotices(); };
+                            return options;
+                          }()};
 };
 
 TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEvent) {
@@ -215,6 +243,34 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   const std::vector<float> after_reset = Offline("A", 3, 6);
   expected.insert(expected.end(), after_reset.begin(), after_reset.end());
   for (int i = 0; i < 6; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+// A request a call sends while its failed tick is being reported is refused, as the tick stopped its instrument; the
+// call still ends with the failure's status, which says where the instrument resumes, the refusal added to it.
+TEST_F(StreamFailureTest, ARequestRefusedWhileTheFailureIsOnItsWayLeavesTheFailureTheCallsStatus) {
+  ASSERT_TRUE(Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->failing_ticks = 1;
+  hold_failure_notices_ = true;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const auto call = daemon_.stub().Stream(&context);
+  v1::StreamRequest failing, refused;
+  *failing.add_events() = Event("A", 1, 2);
+  *refused.add_events() = Event("A", 2, 3);
+  ASSERT_TRUE(call->Write(failing));
+  ASSERT_TRUE(failure_stopped_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(call->Write(refused));
+  call->WritesDone();
+  for (v1::StreamResponse response; call->Read(&response);) {
+    EXPECT_EQ(response.acks_size(), 0) << "nothing of the call was processed";
+  }
+  const grpc::Status status = call->Finish();
+  EXPECT_EQ(RefusedAsStopped(), 1) << "the second request was read, and refused, before the failure's notice";
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error); 1 "
+                                                "events of this call were not processed: 'A' from seq 2"));
+  EXPECT_THAT(status.error_message(), HasSubstr("Besides, a request of this call was refused: event 0 (instrument "
+                                                "'A', seq 3): instrument 'A' stopped at seq 2"));
 }
 
 // A seed the device fails after writing the slot: a live stream stops (its state is neither the old one nor the
