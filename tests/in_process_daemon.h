@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -64,6 +66,17 @@ class InProcessDaemon {
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }
   const server::ServerMetrics& metrics() const { return metrics_; }
+  // The value of a metric in the daemon's exposition: a name, with its labels where it has them
+  // (`name{label="value"}`); -1 where there is none.
+  double Metric(const std::string& name) const {
+    const std::string text = metrics_.Render(), prefix = absl::StrCat("\n", name, " ");
+    const size_t at = text.find(prefix);
+    if (at == std::string::npos) return -1;
+    const size_t from = at + prefix.size();
+    double value = -1;
+    EXPECT_TRUE(absl::SimpleAtod(text.substr(from, text.find('\n', from) - from), &value));
+    return value;
+  }
 
  private:
   server::ServerMetrics metrics_;

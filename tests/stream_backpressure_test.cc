@@ -9,7 +9,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/config.h"
 #include "grpcpp/grpcpp.h"
@@ -88,17 +87,6 @@ class StreamBackpressureTest : public ::testing::Test {
     return pending;
   }
 
-  // The value of an unlabelled metric in the daemon's exposition.
-  double Metric(const std::string& name) const {
-    const std::string text = daemon_.metrics().Render(), prefix = absl::StrCat("\n", name, " ");
-    const size_t at = text.find(prefix);
-    if (at == std::string::npos) return -1;
-    const size_t from = at + prefix.size();
-    double value = -1;
-    EXPECT_TRUE(absl::SimpleAtod(text.substr(from, text.find('\n', from) - from), &value));
-    return value;
-  }
-
   const ModelConfig config_ = *NamedConfig("tiny");
   WorkerGate gate_;  // outlives the daemon, whose worker runs the gate's job
   InProcessDaemon daemon_{nullptr, "stream_backpressure_checkpoints", BoundedOptions()};
@@ -118,8 +106,8 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
   EXPECT_GE(held_pending, static_cast<uint64_t>(kMaxPending));
   // Each call reads at most one request past the bound; without it all kCalls · kEvents would be queued.
   EXPECT_LE(held_pending, static_cast<uint64_t>(kMaxPending + kCalls * kEventsPerRequest));
-  EXPECT_EQ(Metric("perception_stream_pending_events"), static_cast<double>(held_pending));
-  EXPECT_GE(Metric("perception_stream_reads_held_total"), 1);
+  EXPECT_EQ(daemon_.Metric("perception_stream_pending_events"), static_cast<double>(held_pending));
+  EXPECT_GE(daemon_.Metric("perception_stream_reads_held_total"), 1);
   grpc::ClientContext context;
   v1::GetStatusResponse status;
   ASSERT_TRUE(daemon_.stub().GetStatus(&context, v1::GetStatusRequest(), &status).ok());
@@ -138,7 +126,7 @@ TEST_F(StreamBackpressureTest, CallsStopReadingAtTheBoundAndLoseNoEvent) {
     EXPECT_EQ(info.processed_events(), static_cast<uint64_t>(kEvents)) << info.instrument();
     EXPECT_EQ(info.pending_events(), 0u) << info.instrument();
   }
-  EXPECT_EQ(Metric("perception_stream_pending_events"), 0);
+  EXPECT_EQ(daemon_.Metric("perception_stream_pending_events"), 0);
 }
 
 // A call with no event waiting reads one request past the bound (busy calls, which look again first after every
@@ -154,7 +142,7 @@ TEST_F(StreamBackpressureTest, ANewCallReadsOneRequestPastTheBound) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_EQ(PendingEvents(), static_cast<uint64_t>(kFirst + kEventsPerRequest))
       << "the new call read no request, or a second one past the bound";
-  EXPECT_GE(Metric("perception_stream_reads_held_total"), 1);
+  EXPECT_GE(daemon_.Metric("perception_stream_reads_held_total"), 1);
 
   const auto opened = std::chrono::steady_clock::now();
   gate_.Open();

@@ -165,11 +165,8 @@ class StreamFailureTest : public ::testing::Test {
   }
 
   // The daemon's count of streamed events refused because their instrument was stopped.
-  int RefusedAsStopped() const {
-    const std::string text = daemon_.metrics().Render();
-    const std::string name = "perception_stream_events_rejected_total{reason=\"stopped\"} ";
-    const size_t at = text.find(name);
-    return at == std::string::npos ? -1 : std::stoi(text.substr(at + name.size()));
+  double RefusedAsStopped() const {
+    return daemon_.Metric("perception_stream_events_rejected_total{reason=\"stopped\"}");
   }
 
   // With hold_failure_notices_ set, a failed tick's calls hear of it only once the test has sent its next request:
