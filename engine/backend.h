@@ -42,14 +42,22 @@ struct TrainingCounters {
   int64_t replica_checks = 0;     // data-parallel parameter checksums compared across ranks (all equal)
 };
 
-// One tick of the streaming path: n events, at most one per slot, each with the ring index its conviction and
-// probabilities are written to in that slot's log (the caller keeps the log's bookkeeping; see StreamTable).
+// One tick of the streaming path: n events, at most one per slot, each with the number of its entry in that slot's
+// log, whose conviction and probabilities go to ring position number mod log_entries_per_slot (the caller keeps the
+// log's bookkeeping; see StreamTable).
 struct StreamTick {
   std::span<const float> x;              // [n, F] raw features
   std::span<const float> dt;             // [n] seconds since the slot's previous event
   std::span<const int32_t> slots;        // [n] distinct slot indices
-  std::span<const int64_t> log_indices;  // [n] positions in [0, log_entries_per_slot)
+  std::span<const int64_t> log_indices;  // [n] entry numbers, ≥ 0
   size_t size() const { return dt.size(); }
+};
+
+// A streamed event whose logits came out not finite: its slot, and its entry number in the slot's log.
+struct NonFiniteOutput {
+  int slot;
+  int64_t entry;
+  bool operator==(const NonFiniteOutput&) const = default;
 };
 
 // Implemented by the CPU reference backend and the CUDA backend; the daemon's device worker and the offline
@@ -141,6 +149,12 @@ class Backend {
                                std::span<float> probs);
   // The latest probabilities of `slot`, [H].
   virtual absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
+  // The logged events whose logits came out not finite (float32 overflowed inside the model, which MODEL.md's math
+  // does not: weights or features beyond what its arithmetic holds), the first of each slot since the slot was last
+  // reported, reset or seeded. Such a slot's state is not finite either, so its later events are not finite too. CUDA
+  // learns of them from a word its ticks set in mapped host memory and waits for the device only when it is set, so a
+  // tick still running is reported by a later call; unless `wait_for_ticks`, which waits for every tick first.
+  virtual absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks);
 
   // For tests of the daemon's lost-device path: loses the device as a sticky error would (the CUDA backend by a trap,
   // inside the running resident step if there is one, else in a kernel of its own; others by recording the loss) and

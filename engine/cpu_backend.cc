@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
@@ -92,6 +93,7 @@ class CpuBackend final : public Backend {
     log_entries_ = log_entries_per_slot;
     log_convictions_.assign(slots * log_entries_per_slot, 0.f);
     log_probs_.assign(slots * log_entries_per_slot * H, 0.f);
+    first_nonfinite_.assign(slots, std::nullopt);
     return PublishWeights();
   }
 
@@ -109,20 +111,34 @@ class CpuBackend final : public Backend {
     model_.StepMany(published_, tick.x, tick.dt, tick_states_, tick_logits_);
     for (size_t i = 0; i < n; ++i) {
       const std::span<const float> logits(&tick_logits_[i * H], H);
-      const size_t entry = static_cast<size_t>(tick.slots[i]) * log_entries_ + tick.log_indices[i];
+      const int slot = tick.slots[i];
+      const size_t entry = static_cast<size_t>(slot) * log_entries_ + tick.log_indices[i] % log_entries_;
       for (size_t h = 0; h < H; ++h) {
         const float p = 1.f / (1.f + std::exp(-logits[h]));
-        slot_probs_[tick.slots[i] * H + h] = p;
+        slot_probs_[slot * H + h] = p;
         log_probs_[entry * H + h] = p;
       }
       log_convictions_[entry] = Conviction<float>(logits);
+      const bool finite = std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
+      if (!finite && !first_nonfinite_[slot]) first_nonfinite_[slot] = tick.log_indices[i];
     }
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool /*wait_for_ticks*/) override {
+    std::vector<NonFiniteOutput> taken;
+    for (size_t slot = 0; slot < first_nonfinite_.size(); ++slot) {
+      if (!first_nonfinite_[slot]) continue;
+      taken.push_back({static_cast<int>(slot), *first_nonfinite_[slot]});
+      first_nonfinite_[slot].reset();
+    }
+    return taken;
   }
 
   absl::Status ResetSlot(int slot) override {
     RETURN_IF_ERROR(CheckSlot(slot));
     slots_[slot] = StreamState<float>::Zero(layout_.config());
+    first_nonfinite_[slot].reset();
     return absl::OkStatus();
   }
 
@@ -137,6 +153,7 @@ class CpuBackend final : public Backend {
     std::vector<float> logits(dt.size() * c.n_horizons);
     RunStream(published_, x, dt, state, logits);
     slots_[slot] = std::move(state);
+    first_nonfinite_[slot].reset();
     return absl::OkStatus();
   }
 
@@ -195,9 +212,9 @@ class CpuBackend final : public Backend {
         return absl::InvalidArgumentError(absl::StrCat("forward_step_into: slot ", tick.slots[i], " twice in one tick"));
       }
       slot_seen_[tick.slots[i]] = true;
-      if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
-        return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log index ", tick.log_indices[i],
-                                                       " outside [0, ", log_entries_, ")"));
+      if (tick.log_indices[i] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log entry number ", tick.log_indices[i],
+                                                       " is negative"));
       }
     }
     return absl::OkStatus();
@@ -207,6 +224,7 @@ class CpuBackend final : public Backend {
   std::vector<StreamState<float>> slots_;
   std::vector<float> slot_probs_, log_convictions_, log_probs_;
   int64_t log_entries_ = 0;
+  std::vector<std::optional<int64_t>> first_nonfinite_;  // by slot: TakeNonFiniteOutputs' entry numbers
   std::vector<StreamState<float>*> tick_states_;
   std::vector<float> tick_logits_;
   std::vector<bool> slot_seen_;

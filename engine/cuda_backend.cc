@@ -182,6 +182,10 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(RequireStreaming());
     return streamer_->ReadSlotProbabilities(slot, probs);
   }
+  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks) override {
+    RETURN_IF_ERROR(RequireStreaming());
+    return streamer_->TakeNonFiniteOutputs(wait_for_ticks);
+  }
 
  private:
   // Windows [first, first + count) of `batch`, whole: contiguous in its arrays.

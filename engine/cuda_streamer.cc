@@ -133,6 +133,8 @@ absl::Status CudaStreamer::Initialize() {
   }
   pinned_.Reserve(&resident_.ring, kResidentRing);
   pinned_.Reserve(&resident_.done, 1);
+  device_.Reserve(&state_.first_nonfinite, S);
+  pinned_.Reserve(&state_.nonfinite_seen, 1);
   RETURN_IF_ERROR(device_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
   state_.log_entries = log_entries_;
@@ -271,9 +273,9 @@ absl::Status CudaStreamer::CheckTick(const StreamTick& tick) {
   }
   for (size_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(CheckSlot(tick.slots[i]));
-    if (tick.log_indices[i] < 0 || tick.log_indices[i] >= log_entries_) {
-      return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log index ", tick.log_indices[i],
-                                                     " outside [0, ", log_entries_, ")"));
+    if (tick.log_indices[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("forward_step_into: log entry number ", tick.log_indices[i],
+                                                     " is negative"));
     }
   }
   absl::Status status = absl::OkStatus();
@@ -708,6 +710,7 @@ absl::Status CudaStreamer::ResetSlot(int slot) {
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.conv + slot * conv, 0, conv * sizeof(float), stream_));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.ssm + slot * ssm, 0, ssm * sizeof(float), stream_));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.cfc + slot * c.cfc_units, 0, c.cfc_units * sizeof(float), stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.first_nonfinite + slot, 0, sizeof(int64_t), stream_));
   return absl::OkStatus();
 }
 
@@ -759,6 +762,28 @@ absl::Status CudaStreamer::ReadSlotProbabilities(int slot, std::span<float> prob
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(probs.data(), state_.probs + slot * H, probs.size_bytes(), cudaMemcpyDeviceToHost, stream_));
   return Synchronize();
+}
+
+absl::StatusOr<std::vector<NonFiniteOutput>> CudaStreamer::TakeNonFiniteOutputs(bool wait_for_ticks) {
+  std::vector<NonFiniteOutput> taken;
+  if (wait_for_ticks) {
+    RETURN_IF_ERROR(StopResident());
+    RETURN_IF_ERROR(Synchronize());
+  }
+  if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) == 0) return taken;
+  // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
+  std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);
+  RETURN_IF_ERROR(StopResident());
+  first_nonfinite_.resize(slots_);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(first_nonfinite_.data(), state_.first_nonfinite, slots_ * sizeof(int64_t),
+                                       cudaMemcpyDeviceToHost, stream_));
+  RETURN_IF_ERROR(Synchronize());
+  for (int slot = 0; slot < slots_; ++slot) {
+    if (first_nonfinite_[slot] == 0) continue;
+    taken.push_back({slot, first_nonfinite_[slot] - 1});
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.first_nonfinite + slot, 0, sizeof(int64_t), stream_));
+  }
+  return taken;
 }
 
 absl::Status CudaStreamer::Synchronize() {

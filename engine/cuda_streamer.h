@@ -141,6 +141,10 @@ class CudaStreamer {
   // Off the hot path: wait for the queued ticks, then one device-to-host copy of the range.
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
   absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
+  // Backend::TakeNonFiniteOutputs: reads the word the ticks set in mapped memory, and only where it is set (or
+  // `wait_for_ticks`) stops a running resident step and waits for the queued ticks; then, where it is set, copies the
+  // slots' first non-finite entries.
+  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks);
 
   // Waits for everything asked so far: a running resident step's answers (it keeps running), or stream().
   absl::Status Synchronize();
@@ -265,6 +269,7 @@ class CudaStreamer {
   std::array<std::array<std::map<int, TickGraph>, 2>, 2> graphs_;
   std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
   std::unique_ptr<bool[]> slot_seen_;
+  std::vector<int64_t> first_nonfinite_;  // TakeNonFiniteOutputs' copy of state_.first_nonfinite
   // The resident step's ring (pinned, read by the device over the bus) and answer counter; events are numbered over
   // the ring across launches (StreamResidentQueue), `posted` counting the stops too.
   struct Resident {

@@ -60,15 +60,31 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
   return absl::OkStatus();
 }
 
-int64_t StreamTable::NextLogIndex(int slot) const {
-  return static_cast<int64_t>(slots_[slot].processed % static_cast<uint64_t>(log_entries_));
-}
+int64_t StreamTable::NextLogEntry(int slot) const { return static_cast<int64_t>(slots_[slot].processed); }
 
 void StreamTable::Append(int slot, uint64_t weights_version) {
   Slot& s = slots_[slot];
-  if (s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
-  s.weights_versions[NextLogIndex(slot)] = weights_version;
+  // (Rewriting an entry that DropFrom took out overwrites nothing that was retained.)
+  if (s.processed >= s.written && s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
+  s.weights_versions[s.processed % static_cast<uint64_t>(log_entries_)] = weights_version;
   ++s.processed;
+  s.written = std::max(s.written, s.processed);
+}
+
+uint64_t StreamTable::SeqOfEntry(int slot, int64_t entry) const {
+  return slots_[slot].first_seq.value_or(0) + static_cast<uint64_t>(entry);
+}
+
+void StreamTable::DropFrom(int slot, int64_t entry) {
+  Slot& s = slots_[slot];
+  s.processed = std::min(s.processed, static_cast<uint64_t>(entry));
+  s.read = std::min(s.read, s.processed);
+  ForgetUnprocessed(slot);
+}
+
+uint64_t StreamTable::OldestRetained(const Slot& s) const {
+  // The ring holds the last log_entries written, of which those below `processed` are still the log's.
+  return std::min(s.processed, s.written - std::min<uint64_t>(s.written, log_entries_));
 }
 
 void StreamTable::ForgetUnprocessed(int slot) {
@@ -85,10 +101,10 @@ absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from
   const Slot& s = slots_[slot];
   LogRange range;
   const uint64_t first = s.first_seq.value_or(0);
-  const uint64_t retained = std::min<uint64_t>(s.processed, log_entries_);
+  const uint64_t oldest_retained = OldestRetained(s);
   range.next_seq = first + s.processed;
-  range.oldest_retained_seq = range.next_seq - retained;
-  if (from_seq < range.oldest_retained_seq && s.processed > retained) {
+  range.oldest_retained_seq = first + oldest_retained;
+  if (from_seq < range.oldest_retained_seq && oldest_retained > 0) {
     return absl::OutOfRangeError(absl::StrCat("instrument '", s.instrument, "': convictions before sequence number ",
                                               range.oldest_retained_seq, " were overwritten (asked from ", from_seq,
                                               "); the oldest retained is ", range.oldest_retained_seq));
@@ -124,8 +140,7 @@ StreamTable::UnreadEntries StreamTable::Unread() const {
   UnreadEntries unread;
   for (const auto& [instrument, slot] : by_instrument_) {
     const Slot& s = slots_[slot];
-    const uint64_t oldest_retained = s.processed - std::min<uint64_t>(s.processed, log_entries_);
-    const uint64_t entries = s.processed - std::max(s.read, oldest_retained);
+    const uint64_t entries = s.processed - std::max(s.read, OldestRetained(s));
     unread.entries += entries;
     unread.streams += entries > 0 ? 1 : 0;
   }

@@ -39,13 +39,19 @@ class StreamTable {
   // the expected number otherwise), and below UINT64_MAX so that one past it has a number. Accepted events are then
   // processed in order.
   absl::Status Accept(int slot, uint64_t seq);
-  // The log ring index the slot's oldest accepted, unprocessed event writes its conviction to.
-  int64_t NextLogIndex(int slot) const;
-  // That event processed under `weights_version`: its entry (at NextLogIndex) joins the log.
+  // The number of the log entry that the slot's oldest accepted, unprocessed event takes (entries are numbered from 0
+  // in the stream's processing order; the ring keeps number n at position n mod log_entries_per_slot).
+  int64_t NextLogEntry(int slot) const;
+  // That event processed under `weights_version`: its entry (NextLogEntry) joins the log.
   void Append(int slot, uint64_t weights_version);
   // The slot's accepted events not yet processed are dropped: the next event accepted must carry the last
   // processed sequence number + 1 (any number, where none was processed).
   void ForgetUnprocessed(int slot);
+  // The sequence number of the slot's log entry `entry` (< processed(slot)).
+  uint64_t SeqOfEntry(int slot, int64_t entry) const;
+  // Entries from number `entry` on leave the log (their outputs were not finite), with every accepted event after
+  // them: the log ends before it, and the next event accepted must carry its sequence number.
+  void DropFrom(int slot, int64_t entry);
   uint64_t processed(int slot) const { return slots_[slot].processed; }
 
   struct Segment {
@@ -93,10 +99,14 @@ class StreamTable {
     std::string instrument;
     std::optional<uint64_t> first_seq, last_accepted;
     uint64_t processed = 0;
+    uint64_t written = 0;  // entries ever written to the ring: above `processed` after DropFrom
     uint64_t read = 0;  // entries of the whole history up to the furthest read's end (MarkRead)
     std::vector<uint64_t> weights_versions;  // ring, sized on open
     std::unique_ptr<LobsterFeaturizer> featurizer;
   };
+
+  // Index of the slot's oldest entry that its ring still holds.
+  uint64_t OldestRetained(const Slot& s) const;
 
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;  // a stack: the most recently freed slot is reused first

@@ -176,7 +176,7 @@ __host__ __device__ constexpr bool Layout(StreamPlan& p, int events, int cluster
   p.bars = at;
   at += Align4(2 * kBarriers);  // 8-byte mbarriers
   p.meta = at;
-  at += 4 * kMaxEvents;  // slot ids, Δt, log positions (8 bytes)
+  at += 4 * kMaxEvents;  // slot ids, Δt, log entry numbers (8 bytes)
   p.rows = at;
   at += Align4(2 * kMaxStages);  // the block's first and end row of every stage
   p.ssm_rows = CeilDiv(p.E, cluster);
@@ -578,17 +578,31 @@ __device__ __forceinline__ int MostConfident(int H, Prob&& prob) {
   return best;
 }
 
+// Where the slot's log keeps the entry with this number.
+__device__ __forceinline__ size_t LogEntry(const StreamSlots& st, int slot, int64_t entry_number) {
+  return static_cast<size_t>(slot) * st.log_entries + static_cast<size_t>(entry_number % st.log_entries);
+}
+
+// A logged event's logit came out not finite: the slot's first such entry since the host zeroed it, for the host.
+__device__ __forceinline__ void NoteNonFinite(const StreamSlots& st, int slot, int64_t entry_number) {
+  if (st.first_nonfinite[slot] == 0) st.first_nonfinite[slot] = entry_number + 1;
+  *st.nonfinite_seen = 1;
+}
+
 // Probabilities, conviction and the log entry of one logged event.
-__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot, int64_t log_index,
-                                             int H) {
-  const size_t entry = static_cast<size_t>(slot) * st.log_entries + log_index;
+__device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSlots& st, int slot,
+                                             int64_t entry_number, int H) {
+  const size_t entry = LogEntry(st, slot, entry_number);
+  bool finite = true;
   const int best = MostConfident(H, [&](int h) {
+    finite = finite && isfinite(logits[h]);
     const float prob = Sigmoid(logits[h]);
     st.probs[slot * H + h] = prob;
     st.log_probs[entry * H + h] = prob;
     return prob;
   });
   st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
+  if (!finite) NoteNonFinite(st, slot, entry_number);
 }
 
 // ---- The step ----
@@ -797,7 +811,8 @@ __device__ __noinline__ void RmsNormEvents(float* ev, int per_event, int in, int
 }
 
 // The resident step's event in a block's shared memory (after a fixed plan's slot conv inputs): the payload words of
-// its ring entry (slot, Δt, logged, log position, features), then the mailbox barrier that rank 0's stores complete.
+// its ring entry (slot, Δt, logged, log entry number, features), then the mailbox barrier that rank 0's stores
+// complete.
 enum ResidentWord : int { kResidentSlot, kResidentDt, kResidentLogged, kResidentLogLow, kResidentLogHigh, kResidentX };
 constexpr uint32_t kResidentEventBytes = kStreamResidentWords * sizeof(uint32_t);
 __host__ __device__ constexpr int ResidentMailFloats(const StreamPlan& p) { return p.floats + SlotConvFloats(p); }
@@ -923,9 +938,9 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       x_raw[0] = tid < p.F ? __uint_as_float(mail[kResidentX + tid]) : 0.f;
     } else {
       const bool reads_event = tid < EG && first + tid < tick.n;
-      // (A fixed plan reads an inline tick's slot, Δt and log position from the parameters directly, not through a
+      // (A fixed plan reads an inline tick's slot, Δt and log entry number from the parameters directly, not through a
       // generic address, which is a load from memory: the states' copies wait for the slot, the first block barrier for
-      // Δt and the log position. Not the features: a warp's constant loads at distinct addresses run one at a time,
+      // Δt and the log entry number. Not the features: a warp's constant loads at distinct addresses run one at a time,
       // ~500 cycles for warp 0's 32, H200 clock64 stamps, and nothing reads them before the shared vectors are in.)
       const bool from_parameters = kFixed && tick.x == nullptr;
       slot_read = !reads_event ? -1 : from_parameters ? tick.inline_slots[first + tid] : tick_slots[first + tid];
@@ -1417,16 +1432,17 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       __syncthreads();
       // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
       // reads them for the conviction, so that the sigmoids run side by side.)
-      auto logged_entry = [&](int e) { return static_cast<size_t>(slot_ids[e]) * st.log_entries + log_at[e]; };
+      auto logged_entry = [&](int e) { return LogEntry(st, slot_ids[e], log_at[e]); };
       Products<EG, 1, kFixed>(p, cfc_stage + 4, rank, pack, smem, bars, p.head.g, 0, 0,
                       [&](int u, const float(&acc)[1][EG], const float* prm, int row_lane, bool active) {
                         if (!active || row_lane != 0) return;
                         if constexpr (kEarlyStates) {
-                          const float prob = Sigmoid(acc[0][0] + prm[0]);
+                          const float logit = acc[0][0] + prm[0], prob = Sigmoid(logit);
                           ev[p.head.logits + u] = prob;
                           if (slot_ids[0] >= 0 && logged()) {
                             st.probs[slot_ids[0] * p.H + u] = prob;
                             st.log_probs[logged_entry(0) * p.H + u] = prob;
+                            if (!isfinite(logit)) NoteNonFinite(st, slot_ids[0], log_at[0]);
                           }
                         } else {
 #pragma unroll
@@ -1826,8 +1842,8 @@ __device__ void SharedPhase(const WideArgs& a, int l, float* h, const float* con
 }
 
 
-// Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log positions into scratch
-// for the later kernels.
+// Standardization and the embedding, then layer 0's B, C and Δt; the tick's slots, Δt and log entry numbers into
+// scratch for the later kernels.
 template <int kBlocks, bool kBatched>
 __global__ void __launch_bounds__(kWideThreads, kBlocks) WideEmbedKernel(const __grid_constant__ WideArgs a,
                                                                          const __grid_constant__ StreamTickInput tick) {

@@ -30,10 +30,16 @@ struct StreamWeights {
 };
 
 // Per-slot device state and outputs. Slot s owns conv[s] = [L][W−1][E+2N] (oldest first), ssm[s] = [L][Hh][P][N],
-// cfc[s] = [C], probs[s] = [H] and a log ring of `log_entries` convictions and [log_entries][H] probabilities.
+// cfc[s] = [C], probs[s] = [H] and a log ring of `log_entries` convictions and [log_entries][H] probabilities; an
+// event's entry number n goes to ring position n mod log_entries. A logged event whose logits are not finite (float32
+// overflowed inside the model, and the slot's state with it) writes n + 1 to first_nonfinite[s] where that is 0 (none
+// since the host last zeroed it) and sets *nonfinite_seen, a word of mapped host memory, so that the host learns of it
+// without a copy.
 struct StreamSlots {
   float *conv, *ssm, *cfc, *probs, *log_convictions, *log_probs;
   int64_t log_entries;
+  int64_t* first_nonfinite;
+  int* nonfinite_seen;
 };
 
 // A tick of at most kStreamInlineEvents events whose raw features fit kStreamInlineFloats travels inside the launch's
@@ -43,7 +49,7 @@ constexpr int kStreamInlineEvents = 8;
 constexpr int kStreamInlineFloats = 384;
 
 // One tick: n events, distinct slots (a negative slot marks a padding event: nothing is read or written for it);
-// x [n,F] raw features, dt [n], slot ids, log ring positions. `logged` false: only the states advance, nothing is
+// x [n,F] raw features, dt [n], slot ids, log entry numbers. `logged` false: only the states advance, nothing is
 // written to the probabilities or the logs (how a stream is seeded). x null: the events are the inline copies.
 struct StreamTickInput {
   int n;
@@ -91,8 +97,8 @@ cudaError_t LaunchStreamStep(const StreamWeights& w, const float* pack, const St
 // layer 0's B, C and Δt; per layer z, x, the conv, the SSM update and the gate, then out_proj with the next layer's
 // B, C and Δt or the CfC and the head), each over tiles of 8 events, activations between them in `scratch`, every
 // row summed in the cluster kernel's order (the same bits as LaunchStreamStep). Scratch holds, per event of the
-// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log position. The tick's features, slots, Δt and log
-// positions are read where `tick` points.
+// largest tick: h [D], bcdt [2N + Hh], y [E], the slot, Δt and log entry number. The tick's features, slots, Δt and
+// log entry numbers are read where `tick` points.
 struct StreamWideScratch {
   float *h, *bcdt, *y;
   int32_t* slots;
@@ -112,7 +118,7 @@ cudaError_t LaunchStreamWide(const StreamWeights& w, const float* pack, const St
 // One cluster of a fixed plan's launch shape (small's one-event tick) stays on the device: it loads its weights into
 // shared memory once, then carries events one at a time as the host posts them into a ring in mapped pinned memory,
 // through the same code as a launched one-event tick (so with the same bits), and counts the events it has answered.
-constexpr int kStreamResidentWords = 56;  // an event: slot, Δt, logged, log position (two words), the features
+constexpr int kStreamResidentWords = 56;  // an event: slot, Δt, logged, log entry number (two words), the features
 // Each word carries the event's sequence number (its index + 1, modulo 2³²) in its high half and a payload word in its
 // low half: the kernel reads an entry in 8-byte words, each whole, and takes it once every word is the event's.
 // Events are numbered across launches over one ring (a launch starts at `first`), so an entry an earlier launch left

@@ -247,6 +247,13 @@ ServerMetrics::ServerMetrics()
                                    "for had been overwritten: convictions a client lost before reading them.")
                              .Register(*registry_)
                              .Add({})),
+      nonfinite_streams_(prometheus::BuildCounter()
+                             .Name("perception_stream_nonfinite_outputs_total")
+                             .Help("Instruments stopped because the model's output for one of their events was not "
+                                   "finite (float32 overflowed inside the model): the event and the stream's later "
+                                   "ones left its log, and it takes no events until reset, seeded or closed.")
+                             .Register(*registry_)
+                             .Add({})),
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: sequence, features, book, exchange_time "
@@ -278,6 +285,8 @@ void ServerMetrics::ObserveStreamEventLatency(double seconds) { stream_event_lat
 void ServerMetrics::RejectStreamEvent(std::string_view reason) {
   stream_rejected_.Add({{"reason", std::string(reason)}}).Increment();
 }
+
+void ServerMetrics::ObserveNonFiniteStream() { nonfinite_streams_.Increment(); }
 
 void ServerMetrics::AddConvictionsOverwritten(uint64_t entries) {
   if (entries > 0) convictions_overwritten_.Increment(static_cast<double>(entries));

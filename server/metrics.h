@@ -53,6 +53,8 @@ class ServerMetrics {
   // A streamed event refused, by reason: one of kStreamRejectReasons.
   void RejectStreamEvent(std::string_view reason);
   void AddConvictionsOverwritten(uint64_t entries);
+  // An instrument stopped because the model's output for one of its events was not finite.
+  void ObserveNonFiniteStream();
   // A ReadConvictions refused (OUT_OF_RANGE) because the entries it asked for had been overwritten: a client lost
   // convictions it had not read.
   void ObserveOverwrittenRead();
@@ -103,6 +105,7 @@ class ServerMetrics {
   prometheus::Counter& stream_reads_held_;
   prometheus::Counter& convictions_overwritten_;
   prometheus::Counter& overwritten_reads_;
+  prometheus::Counter& nonfinite_streams_;
   prometheus::Family<prometheus::Counter>& stream_rejected_;
   prometheus::Gauge& stream_weights_version_;
 };

@@ -281,7 +281,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       tick_slots_.push_back(slot);
       notices_.push_back({event.sink, slot, event.seq});
       received_.push_back(event.received);
-      tick_log_indices_.push_back(table_.NextLogIndex(slot));
+      tick_log_indices_.push_back(table_.NextLogEntry(slot));
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
       } else {
@@ -306,6 +306,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       overwritten_reported_ = table_.overwritten_total();
     }
     metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());
+    StopNonFiniteStreams(**backend, /*wait_for_ticks=*/false, &notices_);
     const Clock::time_point now = Clock::now();
     for (const Clock::time_point received : received_) {
       metrics_.ObserveStreamEventLatency(std::chrono::duration<double>(now - received).count());
@@ -332,6 +333,16 @@ void ForEachSink(std::span<Notice> notices, Each each) {
   }
 }
 
+// A Stream call's events that were not processed, and why.
+struct Failure {
+  StreamSink* sink;
+  absl::Status status;
+  int64_t count;
+};
+
+// How many stopped instruments a failure's message names.
+constexpr size_t kInstrumentsNamed = 4;
+
 // Zeroes the slot's state on the device; nothing to do where streaming never started (its first tick failed).
 absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
   if (!host.streaming_configured()) return absl::OkStatus();
@@ -343,11 +354,6 @@ absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
 
 void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_configured) {
   spdlog::error("streaming tick of {} events failed: {}", notices_.size(), cause.ToString());
-  struct Failure {
-    StreamSink* sink;
-    absl::Status status;
-    int64_t count;
-  };
   std::vector<Failure> failures;
   {
     absl::MutexLock lock(&mu_);
@@ -377,18 +383,19 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                                      : ". Each instrument named stopped: it takes no events until ResetStream, "
                                        "SeedStream or CloseStream, then from the seq named";
     ForEachSink(std::span<Notice>(notices_), [&](std::span<const Notice> events) {
-      constexpr size_t kNamed = 4;
       std::vector<bool> seen(table_.capacity());
       size_t instruments = 0;
       std::string stopped;
       for (const Notice& event : events) {  // a sink's first event of a slot is its first one not processed
         if (seen[event.slot]) continue;
         seen[event.slot] = true;
-        if (++instruments > kNamed) continue;
+        if (++instruments > kInstrumentsNamed) continue;
         absl::StrAppend(&stopped, instruments > 1 ? ", '" : "'", queues_[event.slot].instrument, "' from seq ",
                         event.seq);
       }
-      if (instruments > kNamed) absl::StrAppend(&stopped, " and ", instruments - kNamed, " more instruments");
+      if (instruments > kInstrumentsNamed) {
+        absl::StrAppend(&stopped, " and ", instruments - kInstrumentsNamed, " more instruments");
+      }
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
                                                " events of this call were not processed: ", stopped, remedy);
       const absl::StatusCode code = device_lost          ? absl::StatusCode::kUnavailable
@@ -399,6 +406,70 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
   }
   if (options_.before_failure_notices) options_.before_failure_notices();
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+}
+
+void StreamBatcher::StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, std::vector<Notice>* tick) {
+  absl::StatusOr<std::vector<NonFiniteOutput>> taken = backend.TakeNonFiniteOutputs(wait_for_ticks);
+  if (!taken.ok()) {  // (a device that failed fails the next tick too, which stops its instruments)
+    spdlog::error("could not look for non-finite streamed outputs: {}", taken.status().ToString());
+    return;
+  }
+  if (taken->empty()) return;
+  std::vector<Failure> failures;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped_.clear();
+    for (const NonFiniteOutput& output : *taken) {
+      SlotQueue& queue = queues_[output.slot];
+      if (output.entry >= static_cast<int64_t>(table_.processed(output.slot))) continue;  // (dropped before)
+      const uint64_t seq = table_.SeqOfEntry(output.slot, output.entry);
+      queue.stopped = absl::FailedPreconditionError(absl::StrCat(
+          "instrument '", queue.instrument, "' stopped at seq ", seq, ": the model's output for that event was not "
+          "finite (float32 overflowed inside the model: its weights, or this stream's features, are beyond what its "
+          "arithmetic holds), and the instrument's state with it. Its convictions from seq ", seq, " on were dropped; "
+          "it takes no events until ResetStream, SeedStream or CloseStream, then from seq ", seq));
+      spdlog::error("{}", queue.stopped.ToString());
+      metrics_.ObserveNonFiniteStream();
+      if (tick != nullptr) {
+        std::erase_if(*tick, [&](const Notice& notice) {
+          const bool dropped = notice.slot == output.slot && notice.seq >= seq;
+          if (dropped) dropped_.push_back(notice);
+          return dropped;
+        });
+      }
+      for (const Pending& event : queue.events) dropped_.push_back({event.sink, output.slot, event.seq});
+      AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
+      queue.events.clear();
+      queue.x.clear();
+      queue.ready = false;
+      table_.DropFrom(output.slot, output.entry);
+    }
+    std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
+    ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
+      std::vector<bool> seen(table_.capacity());
+      size_t instruments = 0;
+      std::string stopped;
+      for (const Notice& event : events) {
+        if (seen[event.slot]) continue;
+        seen[event.slot] = true;
+        if (++instruments <= kInstrumentsNamed) absl::StrAppend(&stopped, " ", queues_[event.slot].stopped.message());
+      }
+      if (instruments > kInstrumentsNamed) {
+        absl::StrAppend(&stopped, ". ", instruments - kInstrumentsNamed, " more instruments stopped alike");
+      }
+      failures.push_back({events.front().sink,
+                          absl::FailedPreconditionError(
+                              absl::StrCat(events.size(), " events of this call were not processed.", stopped)),
+                          static_cast<int64_t>(events.size())});
+    });
+  }
+  for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+}
+
+void StreamBatcher::StopNonFiniteStreamsBefore(ModelHost& host) {
+  if (!host.streaming_configured()) return;
+  absl::StatusOr<Backend*> backend = host.StreamingBackend();
+  if (backend.ok()) StopNonFiniteStreams(**backend, /*wait_for_ticks=*/true, nullptr);
 }
 
 void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
@@ -462,6 +533,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
+    StopNonFiniteStreamsBefore(host);  // the seed forgets the slot's
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
     // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
@@ -524,6 +596,7 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
   const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
                                                      : std::min(request.max_count(), options_.max_read_count);
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::ReadConvictionsResponse> {
+    StopNonFiniteStreamsBefore(host);  // no entry read is one of them
     StreamTable::LogRange range;
     int slot = 0;
     {
@@ -572,6 +645,7 @@ StreamBatcher::Unread StreamBatcher::NotReadBack() const {
 absl::Status StreamBatcher::Reset(const std::string& instrument) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
+    StopNonFiniteStreamsBefore(host);  // the reset forgets the slot's
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));

@@ -166,6 +166,14 @@ class StreamBatcher {
   void Tick(ModelHost& host);
   // After a failed tick: stops the tick's instruments, drops their queued events and tells every sink concerned.
   void StopFailedStreams(const absl::Status& cause, bool device_configured);
+  // Stops the instruments whose outputs came out not finite (Backend::TakeNonFiniteOutputs, `wait_for_ticks` passed
+  // on): each loses its log entries from the first such event on and its queued events, and takes no events until
+  // ResetStream, SeedStream or CloseStream, then from that event's sequence number. After a tick, `tick` is its
+  // notices: those of the entries dropped leave it and fail with the queued events (their sinks hear why).
+  void StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, std::vector<Notice>* tick);
+  // StopNonFiniteStreams after every tick so far, where streaming runs: before a read, a reset or a seed, each of which
+  // must not miss the entries to drop (a reset or a seed forgets which of its slot's were not finite).
+  void StopNonFiniteStreamsBefore(ModelHost& host);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // pending_ changed by `delta` (negative: processed or dropped); the metric follows it.

@@ -3,9 +3,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -22,6 +24,12 @@
 #include "server/stream_batcher.h"
 
 namespace perception::testing {
+
+// What a Stream call came back with.
+struct StreamOutcome {
+  grpc::Status status;
+  std::map<std::string, uint64_t> acked;  // last sequence number acknowledged, by instrument
+};
 
 // The device worker, stream batcher and service around a model host whose backends pass through `decorate`;
 // served on an in-process channel and on a loopback port (for PerceptionClient). Checkpoints go to the test's
@@ -62,6 +70,49 @@ class InProcessDaemon {
     const grpc::Status status = stub_->InitModel(&context, request, &response);
     if (model != nullptr) *model = response.model();
     return status;
+  }
+  // One Stream call: every request written, the writes closed, every acknowledgement read.
+  StreamOutcome Stream(const std::vector<std::vector<v1::StreamEvent>>& requests) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const auto call = stub_->Stream(&context);
+    for (const std::vector<v1::StreamEvent>& events : requests) {
+      v1::StreamRequest request;
+      for (const v1::StreamEvent& event : events) *request.add_events() = event;
+      if (!call->Write(request)) break;
+    }
+    call->WritesDone();
+    StreamOutcome outcome;
+    for (v1::StreamResponse response; call->Read(&response);) {
+      for (const v1::InstrumentAck& ack : response.acks()) outcome.acked[ack.instrument()] = ack.last_seq();
+    }
+    outcome.status = call->Finish();
+    return outcome;
+  }
+  // ListStreams' answer, by instrument.
+  std::map<std::string, v1::StreamInfo> Streams() {
+    grpc::ClientContext context;
+    v1::ListStreamsResponse response;
+    EXPECT_TRUE(stub_->ListStreams(&context, v1::ListStreamsRequest(), &response).ok());
+    std::map<std::string, v1::StreamInfo> by_instrument;
+    for (const v1::StreamInfo& info : response.streams()) by_instrument[info.instrument()] = info;
+    return by_instrument;
+  }
+  grpc::Status ResetStream(const std::string& instrument) {
+    grpc::ClientContext context;
+    v1::ResetStreamRequest request;
+    request.set_instrument(instrument);
+    v1::ResetStreamResponse response;
+    return stub_->ResetStream(&context, request, &response);
+  }
+  // The instrument's first page of convictions (expected to be answered).
+  v1::ReadConvictionsResponse ReadConvictions(const std::string& instrument) {
+    grpc::ClientContext context;
+    v1::ReadConvictionsRequest request;
+    request.set_instrument(instrument);
+    v1::ReadConvictionsResponse response;
+    EXPECT_TRUE(stub_->ReadConvictions(&context, request, &response).ok());
+    return response;
   }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }

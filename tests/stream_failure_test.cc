@@ -65,11 +65,6 @@ class StreamFaultBackend final : public ForwardingBackend {
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
 
-struct StreamOutcome {
-  grpc::Status status;
-  std::map<std::string, uint64_t> acked;  // last sequence number acknowledged, by instrument
-};
-
 class StreamFailureTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(InitModel().ok()); }
@@ -80,42 +75,6 @@ class StreamFailureTest : public ::testing::Test {
   // Event `t` of the instrument's random series, with sequence number `seq`.
   v1::StreamEvent Event(const std::string& instrument, int t, uint64_t seq) const {
     return FeatureEvent(instrument == "A" ? a_ : b_, config_.n_features, t, instrument, seq);
-  }
-
-  // One Stream call: every request written, the writes closed, every acknowledgement read.
-  StreamOutcome Stream(const std::vector<std::vector<v1::StreamEvent>>& requests) {
-    grpc::ClientContext context;
-    context.set_deadline(Deadline());
-    const auto call = daemon_.stub().Stream(&context);
-    for (const std::vector<v1::StreamEvent>& events : requests) {
-      v1::StreamRequest request;
-      for (const v1::StreamEvent& event : events) *request.add_events() = event;
-      if (!call->Write(request)) break;
-    }
-    call->WritesDone();
-    StreamOutcome outcome;
-    for (v1::StreamResponse response; call->Read(&response);) {
-      for (const v1::InstrumentAck& ack : response.acks()) outcome.acked[ack.instrument()] = ack.last_seq();
-    }
-    outcome.status = call->Finish();
-    return outcome;
-  }
-
-  std::map<std::string, v1::StreamInfo> Streams() {
-    grpc::ClientContext context;
-    v1::ListStreamsResponse response;
-    EXPECT_TRUE(daemon_.stub().ListStreams(&context, v1::ListStreamsRequest(), &response).ok());
-    std::map<std::string, v1::StreamInfo> by_instrument;
-    for (const v1::StreamInfo& info : response.streams()) by_instrument[info.instrument()] = info;
-    return by_instrument;
-  }
-
-  grpc::Status Reset(const std::string& instrument) {
-    grpc::ClientContext context;
-    v1::ResetStreamRequest request;
-    request.set_instrument(instrument);
-    v1::ResetStreamResponse response;
-    return daemon_.stub().ResetStream(&context, request, &response);
   }
 
   absl::StatusOr<uint64_t> Close(const std::string& instrument) {
@@ -136,15 +95,6 @@ class StreamFailureTest : public ::testing::Test {
     for (int t = from; t < to; ++t) *request.add_events() = Event(instrument, t, 0);
     v1::SeedStreamResponse response;
     return daemon_.stub().SeedStream(&context, request, &response);
-  }
-
-  v1::ReadConvictionsResponse Read(const std::string& instrument) {
-    grpc::ClientContext context;
-    v1::ReadConvictionsRequest request;
-    request.set_instrument(instrument);
-    v1::ReadConvictionsResponse response;
-    EXPECT_TRUE(daemon_.stub().ReadConvictions(&context, request, &response).ok());
-    return response;
   }
 
   // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU.
@@ -197,20 +147,20 @@ class StreamFailureTest : public ::testing::Test {
 };
 
 TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEvent) {
-  StreamOutcome first = Stream({{Event("A", 0, 1), Event("A", 1, 2), Event("A", 2, 3), Event("B", 0, 1)}});
+  StreamOutcome first = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2), Event("A", 2, 3), Event("B", 0, 1)}});
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
   EXPECT_EQ(first.acked["A"], 3u);
 
   // One request: its first tick takes A's seq 4 and B's seq 2 and fails; A's 5 and 6 wait behind it.
   faults_->failing_ticks = 1;
-  StreamOutcome failed = Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6), Event("B", 1, 2)}});
+  StreamOutcome failed = daemon_.Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6), Event("B", 1, 2)}});
   EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
   EXPECT_THAT(failed.status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error)"));
   EXPECT_THAT(failed.status.error_message(), HasSubstr("4 events of this call were not processed: 'A' from seq 4, "
                                                        "'B' from seq 2"));
   EXPECT_TRUE(failed.acked.empty()) << "nothing of the call was processed";
 
-  std::map<std::string, v1::StreamInfo> streams = Streams();
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
   EXPECT_EQ(streams["A"].processed_events(), 3u);
   EXPECT_EQ(streams["A"].last_accepted_seq(), 3u) << "the events dropped are no longer accepted";
   EXPECT_EQ(streams["A"].pending_events(), 0u);
@@ -219,7 +169,7 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
 
   // Stopped: neither the next number nor the one it stopped at is taken until a reset.
   for (const uint64_t seq : {4u, 7u}) {
-    const StreamOutcome refused = Stream({{Event("A", 3, seq)}});
+    const StreamOutcome refused = daemon_.Stream({{Event("A", 3, seq)}});
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << seq;
     EXPECT_THAT(refused.status.error_message(), HasSubstr("instrument 'A' stopped at seq 4 when the device failed"));
   }
@@ -228,12 +178,12 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   EXPECT_EQ(*closed, 1u);
 
   // After ResetStream, A takes its events again from seq 4, from a zero state.
-  ASSERT_TRUE(Reset("A").ok());
-  EXPECT_EQ(Streams()["A"].stopped(), "") << "streaming again";
-  const StreamOutcome resumed = Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6)}});
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  EXPECT_EQ(daemon_.Streams()["A"].stopped(), "") << "streaming again";
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6)}});
   ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
   EXPECT_EQ(resumed.acked.at("A"), 6u);
-  const v1::ReadConvictionsResponse log = Read("A");
+  const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 6) << "one entry for each of seq 1..6, none for the failed tick";
   EXPECT_EQ(log.first_seq(), 1u);
   std::vector<float> expected = Offline("A", 0, 3);
@@ -245,7 +195,7 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
 // A request a call sends while its failed tick is being reported is refused, as the tick stopped its instrument; the
 // call still ends with the failure's status, which says where the instrument resumes, the refusal added to it.
 TEST_F(StreamFailureTest, ARequestRefusedWhileTheFailureIsOnItsWayLeavesTheFailureTheCallsStatus) {
-  ASSERT_TRUE(Stream({{Event("A", 0, 1)}}).status.ok());
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
   faults_->failing_ticks = 1;
   hold_failure_notices_ = true;
   grpc::ClientContext context;
@@ -273,20 +223,20 @@ TEST_F(StreamFailureTest, ARequestRefusedWhileTheFailureIsOnItsWayLeavesTheFailu
 // A seed the device fails after writing the slot: a live stream stops (its state is neither the old one nor the
 // seeded one) until it is reset; a stream the seed opened is closed again, its slot zeroed for the next owner.
 TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) {
-  const StreamOutcome first = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  const StreamOutcome first = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
   faults_->failing_seeds = 1;
   const grpc::Status failed = Seed("A", 2, 6);
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
-  EXPECT_THAT(Streams()["A"].stopped(), HasSubstr("instrument 'A' stopped when the device failed its seed (an "
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("instrument 'A' stopped when the device failed its seed (an "
                                                   "injected seed failure)"));
-  const StreamOutcome refused = Stream({{Event("A", 2, 3)}});
+  const StreamOutcome refused = daemon_.Stream({{Event("A", 2, 3)}});
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(refused.status.error_message(), HasSubstr("its state is unknown"));
-  ASSERT_TRUE(Reset("A").ok());
-  const StreamOutcome resumed = Stream({{Event("A", 2, 3), Event("A", 3, 4)}});
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4)}});
   ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
-  const v1::ReadConvictionsResponse log = Read("A");
+  const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 4);
   std::vector<float> expected = Offline("A", 0, 2);
   const std::vector<float> after_reset = Offline("A", 2, 4);
@@ -295,10 +245,10 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
 
   faults_->failing_seeds = 1;
   EXPECT_EQ(Seed("B", 0, 4).error_code(), grpc::StatusCode::INTERNAL);
-  EXPECT_EQ(Streams().count("B"), 0u) << "the failed seed's own stream is closed";
-  const StreamOutcome fresh = Stream({{Event("B", 0, 1), Event("B", 1, 2)}});
+  EXPECT_EQ(daemon_.Streams().count("B"), 0u) << "the failed seed's own stream is closed";
+  const StreamOutcome fresh = daemon_.Stream({{Event("B", 0, 1), Event("B", 1, 2)}});
   ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
-  const v1::ReadConvictionsResponse b = Read("B");
+  const v1::ReadConvictionsResponse b = daemon_.ReadConvictions("B");
   ASSERT_EQ(b.seqs_size(), 2);
   const std::vector<float> from_zero = Offline("B", 0, 2);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(b.convictions(i), from_zero[i], 1e-6) << "B seq " << i + 1;
@@ -307,13 +257,13 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
 TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelThatCanBeReplaced) {
   faults_->refuse_streaming = true;
   ASSERT_TRUE(InitModel().ok());
-  const StreamOutcome failed = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
   EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(failed.status.error_message(),
               HasSubstr("streaming could not start (this model's streaming step is not supported); 2 events of this "
                         "call were not processed: 'A' from seq 1"));
-  EXPECT_EQ(Streams()["A"].processed_events(), 0u);
-  EXPECT_EQ(Stream({{Event("A", 0, 1)}}).status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(daemon_.Streams()["A"].processed_events(), 0u);
+  EXPECT_EQ(daemon_.Stream({{Event("A", 0, 1)}}).status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 
   // The stream closes although the device never held it, and then the model can be replaced.
   const absl::StatusOr<uint64_t> closed = Close("A");
@@ -322,9 +272,9 @@ TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelT
   faults_->refuse_streaming = false;
   const grpc::Status replaced = InitModel();
   ASSERT_TRUE(replaced.ok()) << replaced.error_message();
-  const StreamOutcome streamed = Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  const StreamOutcome streamed = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
   ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
-  const v1::ReadConvictionsResponse log = Read("A");
+  const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 2);
   const std::vector<float> expected = Offline("A", 0, 2);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;

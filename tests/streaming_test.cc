@@ -94,7 +94,7 @@ TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {
   EXPECT_EQ(table.processed(slot), 2u);
   EXPECT_THAT(table.Accept(slot, 45).message(), HasSubstr("expected 42 (skipped)"));
   ASSERT_TRUE(table.Accept(slot, 42).ok());
-  EXPECT_EQ(table.NextLogIndex(slot), 2);
+  EXPECT_EQ(table.NextLogEntry(slot), 2);
   table.Append(slot, 2);
   absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 0, 10);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -115,7 +115,7 @@ TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
   const int slot = *table.Open("X");
   for (uint64_t seq = 10; seq < 16; ++seq) {  // six events into a ring of four
     ASSERT_TRUE(table.Accept(slot, seq).ok());
-    EXPECT_EQ(table.NextLogIndex(slot), static_cast<int64_t>((seq - 10) % 4));
+    EXPECT_EQ(table.NextLogEntry(slot), static_cast<int64_t>(seq - 10));
     table.Append(slot, /*weights_version=*/seq / 2);
   }
   EXPECT_EQ(table.overwritten_total(), 2u);
@@ -147,6 +147,38 @@ TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
   r = table.Range(other, 0, 10);
   EXPECT_EQ(r->first_seq, 500u);
   EXPECT_EQ(r->count, 1);
+}
+
+// Entries whose outputs were not finite leave the log: it ends before the first, the stream takes its sequence number
+// next, and what the ring no longer holds (overwritten by a dropped entry) is not claimed as retained.
+TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) {
+  StreamTable table(1, 4);
+  const int slot = *table.Open("X");
+  for (uint64_t seq = 10; seq < 18; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
+  for (int i = 0; i < 6; ++i) table.Append(slot, 1);  // 10..15 processed (the ring holds 12..15), 16 and 17 waiting
+  table.MarkRead(slot, 16);
+  EXPECT_EQ(table.SeqOfEntry(slot, 5), 15u);
+  table.DropFrom(slot, 5);  // 15 went non-finite
+  EXPECT_EQ(table.processed(slot), 5u);
+  EXPECT_EQ(table.NextLogEntry(slot), 5);
+  EXPECT_THAT(table.Accept(slot, 16).message(), HasSubstr("expected 15"));
+  absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 0, 10);
+  EXPECT_THAT(r.status().message(), HasSubstr("the oldest retained is 12"));
+  r = table.Range(slot, 12, 10);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->count, 3);  // 12..14
+  EXPECT_EQ(r->next_seq, 15u);
+  EXPECT_EQ(table.Unread().entries, 0u) << "a read past the dropped entries read everything left";
+  ASSERT_TRUE(table.Accept(slot, 15).ok());  // resent after a reset
+  table.Append(slot, 2);
+  EXPECT_EQ(table.overwritten_total(), 2u) << "rewriting a dropped entry overwrites nothing retained";
+  EXPECT_EQ(table.Unread().entries, 1u);
+  r = table.Range(slot, 12, 10);
+  EXPECT_EQ(r->count, 4);
+  EXPECT_EQ(r->max_weights_version, 2u);
+  table.DropFrom(slot, 0);  // everything: the stream starts afresh
+  EXPECT_EQ(table.Range(slot, 0, 10)->count, 0);
+  EXPECT_TRUE(table.Accept(slot, 3).ok());
 }
 
 TEST(StreamTableTest, FeaturizerKeepsItsLevelCount) {
@@ -273,11 +305,11 @@ TEST_P(StreamingBackendTest, MalformedTicksAreRefused) {
   const int F = config_.n_features;
   const std::vector<float> x(2 * F, 0.5f), dt = {0.1f, 0.2f};
   const std::vector<int32_t> twice = {1, 1}, outside = {0, kSlots};
-  const std::vector<int64_t> indices = {0, 1}, bad_index = {0, kLogEntries};
+  const std::vector<int64_t> indices = {0, 1}, bad_index = {0, -1};
   const std::vector<int32_t> fine = {0, 1};
   EXPECT_THAT(backend_->ForwardStepInto({x, dt, twice, indices}).message(), HasSubstr("slot 1 twice in one tick"));
   EXPECT_EQ(backend_->ForwardStepInto({x, dt, outside, indices}).code(), absl::StatusCode::kOutOfRange);
-  EXPECT_THAT(backend_->ForwardStepInto({x, dt, fine, bad_index}).message(), HasSubstr("log index 64"));
+  EXPECT_THAT(backend_->ForwardStepInto({x, dt, fine, bad_index}).message(), HasSubstr("log entry number -1"));
   EXPECT_THAT(backend_->ForwardStepInto({std::span<const float>(x).first(F), dt, fine, indices}).message(),
               HasSubstr("disagree on the event count"));
   EXPECT_TRUE(backend_->ForwardStepInto({x, dt, fine, indices}).ok());
@@ -313,6 +345,63 @@ TEST_P(StreamingBackendTest, FeaturesAtTheStandardizedBoundKeepTheStateFinite) {
     EXPECT_TRUE(std::isfinite(got[t])) << "event " << t << ": " << got[t];
     EXPECT_NEAR(got[t], expected[t], tolerance()) << "event " << t;
   }
+}
+
+// A feature of 3e38 (infinite once standardized) makes one instrument's logits NaN, and its state with them, amid
+// two that stay finite in the same ticks. Entry numbers run past the ring (a log entry goes to number mod the ring).
+// A slot's first non-finite entry since it was last reported or reset is reported, with its number: its later events
+// are not finite either (the state), until a reset, after which the slot streams finite outputs again.
+TEST_P(StreamingBackendTest, EachSlotsFirstNonFiniteOutputIsReportedWithItsEntryNumber) {
+  const int F = config_.n_features, n = 10, overflow_at = 4;
+  const std::vector<int32_t> slots = {2, 0, 3};
+  const int64_t first_entry = 3 * kLogEntries + 60;  // ring positions 60..63, then 0..5
+  std::vector<testing::RandomBatch> events;
+  for (int s = 0; s < 3; ++s) events.push_back(testing::MakeRandomBatch(config_, 1, n, 40 + s));
+  for (int f = 0; f < F; ++f) events[1].x[overflow_at * F + f] = 3e38f;  // slot 0's event 4
+  auto tick = [&](int t, std::span<const int32_t> tick_slots) {
+    std::vector<float> x, dt;
+    std::vector<int64_t> entries;
+    for (size_t i = 0; i < tick_slots.size(); ++i) {
+      const testing::RandomBatch& e = events[i];
+      x.insert(x.end(), e.x.begin() + t * F, e.x.begin() + (t + 1) * F);
+      dt.push_back(e.dt[t]);
+      entries.push_back(first_entry + t);
+    }
+    ASSERT_TRUE(backend_->ForwardStepInto({x, dt, tick_slots, entries}).ok()) << "tick " << t;
+  };
+  auto take = [&] {
+    absl::StatusOr<std::vector<NonFiniteOutput>> taken = backend_->TakeNonFiniteOutputs(/*wait_for_ticks=*/true);
+    EXPECT_TRUE(taken.ok()) << taken.status();
+    return taken.value_or(std::vector<NonFiniteOutput>{});
+  };
+  for (int t = 0; t < overflow_at; ++t) tick(t, slots);
+  EXPECT_TRUE(take().empty()) << "nothing overflowed yet";
+  tick(overflow_at, slots);
+  EXPECT_EQ(take(), (std::vector<NonFiniteOutput>{{0, first_entry + overflow_at}}));
+  for (int t = overflow_at + 1; t < n; ++t) tick(t, slots);
+  EXPECT_EQ(take(), (std::vector<NonFiniteOutput>{{0, first_entry + overflow_at + 1}})) << "the first since";
+  EXPECT_TRUE(take().empty()) << "reported once";
+  std::vector<float> stuck(1);
+  ASSERT_TRUE(backend_->ReadLog(0, (first_entry + n - 1) % kLogEntries, 1, stuck, {}).ok());
+  EXPECT_TRUE(std::isnan(stuck[0])) << "slot 0's state stays non-finite until a reset";
+
+  // The other two slots' convictions are the sequence path's over their own events, wherever the ring put them.
+  for (const int s : {0, 2}) {
+    const std::vector<float> expected = ExpectedConvictions(*backend_, events[s]);
+    for (int t = 0; t < n; ++t) {
+      std::vector<float> got(1);
+      ASSERT_TRUE(backend_->ReadLog(slots[s], (first_entry + t) % kLogEntries, 1, got, {}).ok());
+      EXPECT_NEAR(got[0], expected[t], tolerance()) << "slot " << slots[s] << " event " << t;
+    }
+  }
+
+  ASSERT_TRUE(backend_->ResetSlot(0).ok());
+  const std::vector<int32_t> slot0 = {0};
+  tick(0, slot0);  // (events[0]'s first event, finite)
+  EXPECT_TRUE(take().empty()) << "after a reset the slot is finite again";
+  for (int f = 0; f < F; ++f) events[0].x[1 * F + f] = -3e38f;
+  tick(1, slot0);
+  EXPECT_EQ(take(), (std::vector<NonFiniteOutput>{{0, first_entry + 1}})) << "and reported again after the reset";
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StreamingBackendTest, ::testing::Values("cpu", "cuda"),

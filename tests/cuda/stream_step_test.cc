@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/cpu_reference.h"
 #include "engine/cuda_streamer.h"
@@ -650,13 +651,90 @@ TEST(StreamStepManyTest, MalformedTicksAreRefused) {
   const int F = parity.config().n_features;
   const std::vector<float> x(2 * F, 0.25f), dt = {0.1f, 0.2f};
   const std::vector<int32_t> twice = {1, 1}, outside = {0, 4}, fine = {0, 1};
-  const std::vector<int64_t> indices = {0, 1}, bad = {0, 8};
+  const std::vector<int64_t> indices = {0, 1}, bad = {0, -1};
   EXPECT_EQ(parity.streamer().Step({x, dt, twice, indices}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(parity.streamer().Step({x, dt, outside, indices}).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(parity.streamer().Step({x, dt, fine, bad}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(parity.streamer().Step({x, dt, fine, indices}).ok());
 }
 
+
+// Every way a tick runs (each cluster shape and the wide path launched eagerly; graph-launched ticks inline and staged;
+// the resident step's lone events) flags the slot whose logits came out not finite, with its entry number, past the
+// ring: an event of features 3e38 (infinite once standardized) amid finite ones. The mapped word alone tells the host
+// (TakeNonFiniteOutputs without waiting, polled); the slot's next event is its first since then; a reset clears it.
+TEST(StreamStepManyTest, EveryPathFlagsTheSlotsWhoseLogitsAreNotFinite) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  const ParamLayout layout(config);
+  const int F = config.n_features, kSlots = 300;
+  const int64_t kLog = 8, first_entry = 20;
+  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, kLog);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaStreamer& streamer = **created;
+  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 101)).ok());
+  struct Path {
+    std::string name;
+    std::optional<StreamLaunchShape> shape;  // eager with this shape; none: Step's choice, graph-launched
+    int slots, tick_events;
+  };
+  std::vector<Path> paths;
+  for (int group : kStreamGroupSizes) {
+    for (int cluster : kStreamClusterSizes) {
+      const StreamLaunchShape shape{group, cluster};
+      if (streamer.Supports(shape)) paths.push_back({absl::StrCat(group, "x", cluster), shape, 10, 10});
+    }
+  }
+  paths.push_back({"wide", kStreamWideShape, 10, 10});
+  paths.push_back({"wide, 38 tiles", kStreamWideShape, kSlots, kSlots});
+  paths.push_back({"graphs, inline", std::nullopt, 6, 6});
+  paths.push_back({"graphs, staged (wide)", std::nullopt, kSlots, kSlots});
+  if (streamer.resident_available()) paths.push_back({"resident", std::nullopt, 3, 1});
+  auto take = [&](bool wait) {
+    absl::StatusOr<std::vector<NonFiniteOutput>> taken = streamer.TakeNonFiniteOutputs(wait);
+    EXPECT_TRUE(taken.ok()) << taken.status();
+    return taken.value_or(std::vector<NonFiniteOutput>{});
+  };
+  uint64_t seed = 900;
+  for (const Path& path : paths) {
+    SCOPED_TRACE(path.name);
+    const int overflowing = path.slots / 2;
+    for (int slot = 0; slot < path.slots; ++slot) ASSERT_TRUE(streamer.ResetSlot(slot).ok());
+    ASSERT_TRUE(take(/*wait=*/true).empty());
+    // Round r: one event for each of the path's slots, entry number first_entry + r, in ticks of tick_events.
+    auto round = [&](int r, bool overflow) {
+      const testing::RandomBatch events = MakeRandomBatch(config, 1, path.slots, ++seed);
+      std::vector<float> x = events.x;
+      if (overflow) std::fill_n(x.begin() + overflowing * F, F, 3e38f);
+      for (int first = 0; first < path.slots; first += path.tick_events) {
+        const int n = std::min(path.tick_events, path.slots - first);
+        std::vector<int32_t> slots(n);
+        std::iota(slots.begin(), slots.end(), first);
+        const std::vector<int64_t> entries(n, first_entry + r);
+        const StreamTick tick{std::span<const float>(x).subspan(first * F, n * F),
+                              std::span<const float>(events.dt).subspan(first, n), slots, entries};
+        const absl::Status stepped = path.shape ? streamer.Step(tick, *path.shape) : streamer.Step(tick);
+        ASSERT_TRUE(stepped.ok()) << stepped;
+      }
+    };
+    round(0, /*overflow=*/true);
+    std::vector<NonFiniteOutput> found;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (found.empty() && std::chrono::steady_clock::now() < give_up) found = take(/*wait=*/false);
+    EXPECT_EQ(found, (std::vector<NonFiniteOutput>{{overflowing, first_entry}}));
+    round(1, /*overflow=*/false);
+    EXPECT_EQ(take(/*wait=*/true), (std::vector<NonFiniteOutput>{{overflowing, first_entry + 1}}));
+    EXPECT_TRUE(take(/*wait=*/true).empty()) << "reported once";
+    ASSERT_TRUE(streamer.ResetSlot(overflowing).ok());
+    round(2, /*overflow=*/false);
+    EXPECT_TRUE(take(/*wait=*/true).empty()) << "finite again after the reset";
+    for (const int slot : {0, overflowing}) {
+      std::vector<float> conviction(1);
+      ASSERT_TRUE(streamer.ReadLog(slot, (first_entry + 2) % kLog, 1, conviction, {}).ok());
+      EXPECT_TRUE(std::isfinite(conviction[0])) << "slot " << slot;
+    }
+  }
+}
 
 TEST(StreamStepManyTest, TheStreamerIsReadyWhileTheLegacyStreamIsHeldBack) {
   SKIP_WITHOUT_CUDA_DEVICE();
