@@ -138,6 +138,7 @@ absl::Status CudaStreamer::Initialize() {
   RETURN_IF_ERROR(device_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
   state_.log_entries = log_entries_;
+  state_.log_reciprocal = kernels::StreamLogReciprocal(log_entries_);
   weights_ = WeightsAt(published_);
 
   int device = 0;

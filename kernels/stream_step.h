@@ -38,9 +38,28 @@ struct StreamWeights {
 struct StreamSlots {
   float *conv, *ssm, *cfc, *probs, *log_convictions, *log_probs;
   int64_t log_entries;
+  uint64_t log_reciprocal;  // StreamLogReciprocal(log_entries)
   int64_t* first_nonfinite;
   int* nonfinite_seen;
 };
+
+// ⌊(2⁶⁴ − 1) / log_entries⌋: the ticks find an entry number's ring position with a multiply instead of a 64-bit
+// division (a subroutine in the chain of every logged event).
+constexpr uint64_t StreamLogReciprocal(int64_t log_entries) { return UINT64_MAX / static_cast<uint64_t>(log_entries); }
+
+// Entry number n's position (n mod L) in a ring of L entries, given r = StreamLogReciprocal(L), for 0 ≤ n < 2⁶³:
+// n·r / 2⁶⁴ lies in (n/L − n(L + 1)/(L·2⁶⁴), n/L], so its floor is ⌊n/L⌋ or one less, and one correction is enough.
+__host__ __device__ inline int64_t StreamLogPosition(int64_t n, int64_t L, uint64_t r) {
+  const auto un = static_cast<uint64_t>(n), uL = static_cast<uint64_t>(L);
+#ifdef __CUDA_ARCH__
+  const uint64_t quotient = __umul64hi(un, r);
+#else
+  const auto quotient = static_cast<uint64_t>((static_cast<unsigned __int128>(un) * r) >> 64);
+#endif
+  uint64_t position = un - quotient * uL;
+  if (position >= uL) position -= uL;
+  return static_cast<int64_t>(position);
+}
 
 // A tick of at most kStreamInlineEvents events whose raw features fit kStreamInlineFloats travels inside the launch's
 // parameters: the kernel finds it in device memory when it starts, where a staged tick needs a copy first (which

@@ -659,6 +659,28 @@ TEST(StreamStepManyTest, MalformedTicksAreRefused) {
 }
 
 
+// The ticks' ring position of an entry number (a multiply by a reciprocal, no division) is n mod L: around every
+// multiple of small rings, and for rings up to 2³² entries at numbers up to 2⁶³ − 1. Host arithmetic, no device.
+TEST(StreamStepManyTest, TheLogPositionOfAnEntryNumberIsItsRemainder) {
+  Rng rng(17);
+  std::vector<int64_t> rings = {1, 2, 3, 7, 8, 64, 1000, 4882, 5'000'000, (int64_t{1} << 31) - 1, int64_t{1} << 32};
+  for (int i = 0; i < 200; ++i) rings.push_back(1 + static_cast<int64_t>(rng.Below(1u << 30)));
+  for (const int64_t L : rings) {
+    const uint64_t r = kernels::StreamLogReciprocal(L);
+    std::vector<int64_t> numbers = {0, 1, L - 1, L, L + 1, 2 * L - 1, 2 * L, INT64_MAX, INT64_MAX - 1, INT64_MAX - L};
+    for (int k = 0; k < 100; ++k) {
+      const auto n = static_cast<int64_t>(rng.NextU64() >> 1);
+      numbers.push_back(n);
+      numbers.push_back(n - n % L);
+      numbers.push_back(n - n % L - 1);
+    }
+    for (const int64_t n : numbers) {
+      if (n < 0) continue;
+      ASSERT_EQ(kernels::StreamLogPosition(n, L, r), n % L) << "n " << n << " L " << L;
+    }
+  }
+}
+
 // Every way a tick runs (each cluster shape and the wide path launched eagerly; graph-launched ticks inline and staged;
 // the resident step's lone events) flags the slot whose logits came out not finite, with its entry number, past the
 // ring: an event of features 3e38 (infinite once standardized) amid finite ones. The mapped word alone tells the host
