@@ -1427,7 +1427,8 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       __syncthreads();
       // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
       // reads them for the conviction, so that the sigmoids run side by side.)
-      // (Found here: found where a group starts, the ring positions cost a 64-event tick 1.2 µs on the H200.)
+      // (The ring position is found here, with the outputs: found where a group starts, it cost a 64-event tick 1.2 µs
+      // on the H200.)
       auto logged_entry = [&](int e) {
         return static_cast<size_t>(slot_ids[e]) * st.log_entries +
                StreamLogPosition(log_at[e], st.log_entries, st.log_reciprocal);
