@@ -352,6 +352,15 @@ absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
 
 }  // namespace
 
+void StreamBatcher::DropQueuedLocked(int slot) {
+  SlotQueue& queue = queues_[slot];
+  for (const Pending& event : queue.events) dropped_.push_back({event.sink, slot, event.seq});
+  AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
+  queue.events.clear();
+  queue.x.clear();
+  queue.ready = false;
+}
+
 void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_configured) {
   spdlog::error("streaming tick of {} events failed: {}", notices_.size(), cause.ToString());
   std::vector<Failure> failures;
@@ -364,11 +373,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
           "instrument '", queue.instrument, "' stopped at seq ", notice.seq, " when the device failed its tick (",
           cause.message(), "); it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
           notice.seq));
-      for (const Pending& event : queue.events) dropped_.push_back({event.sink, notice.slot, event.seq});
-      AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
-      queue.events.clear();
-      queue.x.clear();
-      queue.ready = false;
+      DropQueuedLocked(notice.slot);
       table_.ForgetUnprocessed(notice.slot);
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
@@ -437,11 +442,7 @@ void StreamBatcher::StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, 
           return dropped;
         });
       }
-      for (const Pending& event : queue.events) dropped_.push_back({event.sink, output.slot, event.seq});
-      AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
-      queue.events.clear();
-      queue.x.clear();
-      queue.ready = false;
+      DropQueuedLocked(output.slot);
       table_.DropFrom(output.slot, output.entry);
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });

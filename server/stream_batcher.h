@@ -164,6 +164,9 @@ class StreamBatcher {
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One tick on the worker thread.
   void Tick(ModelHost& host);
+  // A stopped instrument's queued events leave its queue for dropped_ (their sinks hear of them afterwards); the
+  // caller takes it out of ready_ and rewinds its sequence numbers.
+  void DropQueuedLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a failed tick: stops the tick's instruments, drops their queued events and tells every sink concerned.
   void StopFailedStreams(const absl::Status& cause, bool device_configured);
   // Stops the instruments whose outputs came out not finite (Backend::TakeNonFiniteOutputs, `wait_for_ticks` passed
