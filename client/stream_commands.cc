@@ -228,8 +228,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
                         absl::StrCat(status.message(), "; acknowledged through seq ", acked, " (resume with --first ",
                                      first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
                                      " --start_seq ", acked + 1, ", or from the instrument's end_seq in `perceptionctl "
-                                     "streams` where that differs: the daemon took more, or dropped what it had "
-                                     "acknowledged)"));
+                                     "streams` where that differs: the daemon took more than it acknowledged)"));
   }
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),

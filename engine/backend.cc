@@ -27,7 +27,7 @@ absl::Status Backend::ResetSlot(int) { return NoStreaming(*this); }
 absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
-absl::StatusOr<std::vector<NonFiniteOutput>> Backend::TakeNonFiniteOutputs(bool) { return NoStreaming(*this); }
+absl::StatusOr<TicksChecked> Backend::CheckTicks(bool) { return NoStreaming(*this); }
 
 constexpr char kStepNotTakenPayload[] = "type.perception/step_not_taken";
 

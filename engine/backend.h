@@ -60,6 +60,16 @@ struct NonFiniteOutput {
   bool operator==(const NonFiniteOutput&) const = default;
 };
 
+// What Backend::CheckTicks learned about the ticks ForwardStepInto queued.
+struct TicksChecked {
+  // The latest `unfinished` ForwardStepInto calls may still be running on the device. Every earlier one has finished,
+  // and its non-finite outputs are in `nonfinite`, this answer's or an earlier one's.
+  int64_t unfinished = 0;
+  // The logged events whose logits came out not finite, the first of each slot since the slot was last reported, reset
+  // or seeded; a tick still unfinished may be among them.
+  std::vector<NonFiniteOutput> nonfinite;
+};
+
 // Implemented by the CPU reference backend and the CUDA backend; the daemon's device worker and the offline
 // command line drive either through it. Not thread-safe: one thread owns a backend.
 class Backend {
@@ -149,12 +159,13 @@ class Backend {
                                std::span<float> probs);
   // The latest probabilities of `slot`, [H].
   virtual absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
-  // The logged events whose logits came out not finite (float32 overflowed inside the model, which MODEL.md's math
-  // does not: weights or features beyond what its arithmetic holds), the first of each slot since the slot was last
-  // reported, reset or seeded. Such a slot's state is not finite either, so its later events are not finite too. CUDA
-  // learns of them from a word its ticks set in mapped host memory and waits for the device only when it is set, so a
-  // tick still running is reported by a later call; unless `wait_for_ticks`, which waits for every tick first.
-  virtual absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks);
+  // Which ForwardStepInto calls have finished on the device, and the logged events whose logits came out not finite
+  // (float32 overflowed inside the model, which MODEL.md's math does not: weights or features beyond what its
+  // arithmetic holds). Such a slot's state is not finite either, so its later events are not finite too. CUDA learns
+  // of both without waiting for the device (an event behind each tick, a word its ticks set in mapped host memory),
+  // copying the slots' findings only when that word is set; with `wait_for_ticks` it waits for every tick first, so
+  // that none is unfinished. The CPU backend's ticks have finished when ForwardStepInto returns.
+  virtual absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks);
 
   // For tests of the daemon's lost-device path: loses the device as a sticky error would (the CUDA backend by a trap,
   // inside the running resident step if there is one, else in a kernel of its own; others by recording the loss) and

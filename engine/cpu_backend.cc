@@ -125,14 +125,14 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool /*wait_for_ticks*/) override {
-    std::vector<NonFiniteOutput> taken;
+  absl::StatusOr<TicksChecked> CheckTicks(bool /*wait_for_ticks*/) override {
+    TicksChecked checked;  // every tick has finished
     for (size_t slot = 0; slot < first_nonfinite_.size(); ++slot) {
       if (!first_nonfinite_[slot]) continue;
-      taken.push_back({static_cast<int>(slot), *first_nonfinite_[slot]});
+      checked.nonfinite.push_back({static_cast<int>(slot), *first_nonfinite_[slot]});
       first_nonfinite_[slot].reset();
     }
-    return taken;
+    return checked;
   }
 
   absl::Status ResetSlot(int slot) override {
@@ -224,7 +224,7 @@ class CpuBackend final : public Backend {
   std::vector<StreamState<float>> slots_;
   std::vector<float> slot_probs_, log_convictions_, log_probs_;
   int64_t log_entries_ = 0;
-  std::vector<std::optional<int64_t>> first_nonfinite_;  // by slot: TakeNonFiniteOutputs' entry numbers
+  std::vector<std::optional<int64_t>> first_nonfinite_;  // by slot: CheckTicks' entry numbers
   std::vector<StreamState<float>*> tick_states_;
   std::vector<float> tick_logits_;
   std::vector<bool> slot_seen_;

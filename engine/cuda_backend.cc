@@ -182,9 +182,9 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(RequireStreaming());
     return streamer_->ReadSlotProbabilities(slot, probs);
   }
-  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks) override {
+  absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
     RETURN_IF_ERROR(RequireStreaming());
-    return streamer_->TakeNonFiniteOutputs(wait_for_ticks);
+    return streamer_->CheckTicks(wait_for_ticks);
   }
 
  private:

@@ -71,6 +71,10 @@ CudaStreamer::~CudaStreamer() {
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
   if (resident_.left) cudaEventDestroy(resident_.left);
+  for (const QueuedTick& tick : unfinished_ticks_) {
+    if (tick.finished) cudaEventDestroy(tick.finished);
+  }
+  for (cudaEvent_t event : spare_tick_events_) cudaEventDestroy(event);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -542,6 +546,51 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
 }
 
 absl::Status CudaStreamer::Step(const StreamTick& tick) {
+  RETURN_IF_ERROR(StepQueued(tick));
+  return NoteTickQueued();
+}
+
+absl::Status CudaStreamer::NoteTickQueued() {
+  // (A caller that never asks, a benchmark, still reuses the events of the ticks that finished.)
+  if (unfinished_ticks_.size() >= kTicksRemembered) RETURN_IF_ERROR(ForgetFinishedTicks(/*all_finished=*/false));
+  // A running resident step took this tick (every other path stops it), or it was empty and finishes with the
+  // events posted before it.
+  if (resident_.running) {
+    unfinished_ticks_.push_back({resident_.posted, nullptr});
+    return absl::OkStatus();
+  }
+  cudaEvent_t finished = nullptr;
+  if (spare_tick_events_.empty()) {
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&finished, cudaEventDisableTiming));
+  } else {
+    finished = spare_tick_events_.back();
+    spare_tick_events_.pop_back();
+  }
+  unfinished_ticks_.push_back({std::nullopt, finished});
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(finished, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::ForgetFinishedTicks(bool all_finished) {
+  while (!unfinished_ticks_.empty()) {
+    QueuedTick& tick = unfinished_ticks_.front();
+    if (!all_finished) {
+      if (tick.answered.has_value()) {
+        const uint32_t done = std::atomic_ref<uint32_t>(*resident_.done).load(std::memory_order_acquire);
+        if (static_cast<int32_t>(*tick.answered - done) > 0) break;  // (modulo 2³², as WaitResidentAnswered)
+      } else {
+        const cudaError_t state = cudaEventQuery(tick.finished);
+        if (state == cudaErrorNotReady) break;
+        CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(a streaming tick's end)");
+      }
+    }
+    if (tick.finished) spare_tick_events_.push_back(tick.finished);
+    unfinished_ticks_.pop_front();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::StepQueued(const StreamTick& tick) {
   RETURN_IF_ERROR(CheckTick(tick));
   const int n = static_cast<int>(tick.size());
   if (n == 0) return absl::OkStatus();
@@ -765,26 +814,29 @@ absl::Status CudaStreamer::ReadSlotProbabilities(int slot, std::span<float> prob
   return Synchronize();
 }
 
-absl::StatusOr<std::vector<NonFiniteOutput>> CudaStreamer::TakeNonFiniteOutputs(bool wait_for_ticks) {
-  std::vector<NonFiniteOutput> taken;
-  if (wait_for_ticks) {
+absl::StatusOr<TicksChecked> CudaStreamer::CheckTicks(bool wait_for_ticks) {
+  TicksChecked checked;
+  if (wait_for_ticks) RETURN_IF_ERROR(Synchronize());
+  // Which ticks finished is settled before the word is read: a non-finite output of a finished tick is in it (the
+  // kernels write the word before their tick's end; the resident step fences it ahead of its answer).
+  RETURN_IF_ERROR(ForgetFinishedTicks(wait_for_ticks));
+  if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) != 0) {
+    // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
+    std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);
     RETURN_IF_ERROR(StopResident());
+    first_nonfinite_.resize(slots_);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(first_nonfinite_.data(), state_.first_nonfinite, slots_ * sizeof(int64_t),
+                                         cudaMemcpyDeviceToHost, stream_));
     RETURN_IF_ERROR(Synchronize());
+    RETURN_IF_ERROR(ForgetFinishedTicks(/*all_finished=*/true));
+    for (int slot = 0; slot < slots_; ++slot) {
+      if (first_nonfinite_[slot] == 0) continue;
+      checked.nonfinite.push_back({slot, first_nonfinite_[slot] - 1});
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.first_nonfinite + slot, 0, sizeof(int64_t), stream_));
+    }
   }
-  if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) == 0) return taken;
-  // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
-  std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);
-  RETURN_IF_ERROR(StopResident());
-  first_nonfinite_.resize(slots_);
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(first_nonfinite_.data(), state_.first_nonfinite, slots_ * sizeof(int64_t),
-                                       cudaMemcpyDeviceToHost, stream_));
-  RETURN_IF_ERROR(Synchronize());
-  for (int slot = 0; slot < slots_; ++slot) {
-    if (first_nonfinite_[slot] == 0) continue;
-    taken.push_back({slot, first_nonfinite_[slot] - 1});
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.first_nonfinite + slot, 0, sizeof(int64_t), stream_));
-  }
-  return taken;
+  checked.unfinished = static_cast<int64_t>(unfinished_ticks_.size());
+  return checked;
 }
 
 absl::Status CudaStreamer::Synchronize() {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <map>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -85,7 +86,8 @@ class CudaStreamer {
   // launch's parameters (the graph's kernel node is updated); a larger one is staged in pinned memory, which its
   // kernels read in place, or, while ticks queue up, from a device copy made on a stream of its own beside the tick
   // ahead (StagedRead). Nothing waits for the device, except, rarely, for the staged tick two before this one,
-  // whose pinned buffer is about to be reused. With graphs off, the same work is enqueued eagerly.
+  // whose pinned buffer is about to be reused. With graphs off, the same work is enqueued eagerly. An event recorded
+  // behind the tick (or, for a lone event, the resident step's answer) tells CheckTicks when it has finished.
   absl::Status Step(const StreamTick& tick);
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
@@ -141,10 +143,11 @@ class CudaStreamer {
   // Off the hot path: wait for the queued ticks, then one device-to-host copy of the range.
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
   absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
-  // Backend::TakeNonFiniteOutputs: reads the word the ticks set in mapped memory, and only where it is set (or
-  // `wait_for_ticks`) stops a running resident step and waits for the queued ticks; then, where it is set, copies the
-  // slots' first non-finite entries.
-  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks);
+  // Backend::CheckTicks over the Step(tick) calls: which have finished (by the resident step's answer count, or an
+  // event recorded behind the tick; `wait_for_ticks` first waits for all), then the word the ticks set in mapped
+  // memory; only where it is set, it stops a running resident step, waits for every tick and copies the slots' first
+  // non-finite entries.
+  absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks);
 
   // Waits for everything asked so far: a running resident step's answers (it keeps running), or stream().
   absl::Status Synchronize();
@@ -225,6 +228,12 @@ class CudaStreamer {
   absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
   // A staged tick of its own size, its step kernel enqueued eagerly with `shape` (StepEagerly, SeedSlot).
   absl::Status EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape);
+  // Step's work, before NoteTickQueued.
+  absl::Status StepQueued(const StreamTick& tick);
+  // Remembers how to tell when the tick Step just queued has finished.
+  absl::Status NoteTickQueued();
+  // Forgets the queued ticks known finished, oldest first: all of them when `all_finished`.
+  absl::Status ForgetFinishedTicks(bool all_finished);
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
@@ -269,7 +278,16 @@ class CudaStreamer {
   std::array<std::array<std::map<int, TickGraph>, 2>, 2> graphs_;
   std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
   std::unique_ptr<bool[]> slot_seen_;
-  std::vector<int64_t> first_nonfinite_;  // TakeNonFiniteOutputs' copy of state_.first_nonfinite
+  std::vector<int64_t> first_nonfinite_;  // CheckTicks' copy of state_.first_nonfinite
+  // The Step(tick) calls not yet known finished, oldest first: a lone event posted to the resident step finishes with
+  // the answer count `answered`, any other tick with its event `finished` (reused from spare_tick_events_).
+  struct QueuedTick {
+    std::optional<uint32_t> answered;
+    cudaEvent_t finished = nullptr;
+  };
+  std::deque<QueuedTick> unfinished_ticks_;
+  static constexpr size_t kTicksRemembered = 64;  // past this many, Step forgets the finished ones itself
+  std::vector<cudaEvent_t> spare_tick_events_;
   // The resident step's ring (pinned, read by the device over the bus) and answer counter; events are numbered over
   // the ring across launches (StreamResidentQueue), `posted` counting the stops too.
   struct Resident {

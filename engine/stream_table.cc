@@ -75,6 +75,10 @@ uint64_t StreamTable::SeqOfEntry(int slot, int64_t entry) const {
   return slots_[slot].first_seq.value_or(0) + static_cast<uint64_t>(entry);
 }
 
+int64_t StreamTable::EntryOfSeq(int slot, uint64_t seq) const {
+  return static_cast<int64_t>(seq - *slots_[slot].first_seq);
+}
+
 void StreamTable::DropFrom(int slot, int64_t entry) {
   Slot& s = slots_[slot];
   s.processed = std::min(s.processed, static_cast<uint64_t>(entry));

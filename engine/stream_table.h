@@ -49,8 +49,11 @@ class StreamTable {
   void ForgetUnprocessed(int slot);
   // The sequence number of the slot's log entry `entry` (< processed(slot)).
   uint64_t SeqOfEntry(int slot, int64_t entry) const;
-  // Entries from number `entry` on leave the log (their outputs were not finite), with every accepted event after
-  // them: the log ends before it, and the next event accepted must carry its sequence number.
+  // The entry number that the slot's accepted event `seq` takes, or took.
+  int64_t EntryOfSeq(int slot, uint64_t seq) const;
+  // Entries from number `entry` on leave the log (their outputs were not finite, or their ticks' fate is unknown),
+  // with every accepted event after them: the log ends before it, and the next event accepted must carry its sequence
+  // number.
   void DropFrom(int slot, int64_t entry);
   uint64_t processed(int slot) const { return slots_[slot].processed; }
 

@@ -579,9 +579,12 @@ __device__ __forceinline__ int MostConfident(int H, Prob&& prob) {
 }
 
 // A logged event's logit came out not finite: the slot's first such entry since the host zeroed it, for the host.
+// The fence makes the word visible to the host before the resident step's answer, which follows this thread's next
+// barrier, is written: a host that has seen the answer (Backend::CheckTicks) sees the word.
 __device__ __forceinline__ void NoteNonFinite(const StreamSlots& st, int slot, int64_t entry_number) {
   if (st.first_nonfinite[slot] == 0) st.first_nonfinite[slot] = entry_number + 1;
   *st.nonfinite_seen = 1;
+  __threadfence_system();
 }
 
 // Probabilities, conviction and the log entry of one logged event: its number, at ring position `position`.

@@ -212,8 +212,8 @@ ServerMetrics::ServerMetrics()
                                    .Add({}, PowerOfTwoBuckets(4096))),
       stream_event_latency_(prometheus::BuildHistogram()
                                 .Name("perception_stream_event_latency_seconds")
-                                .Help("Time from receiving a streamed event to its conviction being logged, in "
-                                      "seconds.")
+                                .Help("Time from receiving a streamed event to the device finishing its tick (its "
+                                      "conviction logged), in seconds.")
                                 .Register(*registry_)
                                 .Add({}, DecadeBuckets(-6, 1))),
       active_streams_(prometheus::BuildGauge()

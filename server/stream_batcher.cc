@@ -265,7 +265,7 @@ void StreamBatcher::Tick(ModelHost& host) {
   tick_slots_.clear();
   tick_log_indices_.clear();
   notices_.clear();
-  received_.clear();
+  bool more = false;  // events wait for the next tick
   {
     absl::MutexLock lock(&mu_);
     tick_queued_ = false;
@@ -279,8 +279,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       queue.x.erase(queue.x.begin(), queue.x.begin() + NFeaturesLocked());
       tick_dt_.push_back(event.dt);
       tick_slots_.push_back(slot);
-      notices_.push_back({event.sink, slot, event.seq});
-      received_.push_back(event.received);
+      notices_.push_back({event.sink, slot, event.seq, event.received});
       tick_log_indices_.push_back(table_.NextLogEntry(slot));
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
@@ -289,6 +288,7 @@ void StreamBatcher::Tick(ModelHost& host) {
       }
     }
     ready_.resize(kept);
+    more = kept > 0;
   }
   if (notices_.empty()) return;
   absl::Status status = backend.status();
@@ -306,17 +306,48 @@ void StreamBatcher::Tick(ModelHost& host) {
       overwritten_reported_ = table_.overwritten_total();
     }
     metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());
-    StopNonFiniteStreams(**backend, /*wait_for_ticks=*/false, &notices_);
-    const Clock::time_point now = Clock::now();
-    for (const Clock::time_point received : received_) {
-      metrics_.ObserveStreamEventLatency(std::chrono::duration<double>(now - received).count());
+    std::vector<Notice> notices;
+    if (!spare_notices_.empty()) {
+      notices = std::move(spare_notices_.back());
+      spare_notices_.pop_back();
     }
-    Notify(notices_, version);
+    notices.swap(notices_);
+    launched_.push_back({version, std::move(notices)});
+    // Where no tick follows at once, the device's answer is all that is left to wait for: the tick's sinks hear of
+    // their events as soon as it has finished. While ticks follow, the next tick is prepared meanwhile instead.
+    if (const absl::Status unknown = FinishTicks(**backend, /*wait_for_ticks=*/!more); !unknown.ok()) {
+      StopFailedStreams(unknown, /*device_configured=*/true);
+    }
   } else {
+    // The ticks launched before it first: finished where the device can still say so (the failure may be this
+    // tick's alone), else they fail with it.
+    if (backend.ok() && !launched_.empty()) FinishTicks(**backend, /*wait_for_ticks=*/true).IgnoreError();
     StopFailedStreams(status, backend.ok());
   }
+  notices_.clear();
   absl::MutexLock lock(&mu_);
   ScheduleTickLocked();
+}
+
+absl::Status StreamBatcher::FinishTicks(Backend& backend, bool wait_for_ticks) {
+  absl::StatusOr<TicksChecked> checked = backend.CheckTicks(wait_for_ticks);
+  if (!checked.ok()) {
+    spdlog::error("could not learn which streaming ticks finished: {}", checked.status().ToString());
+    return checked.status();
+  }
+  if (!checked->nonfinite.empty()) StopNonFiniteStreams(checked->nonfinite);
+  const Clock::time_point now = Clock::now();
+  while (static_cast<int64_t>(launched_.size()) > checked->unfinished) {
+    LaunchedTick& tick = launched_.front();
+    for (const Notice& notice : tick.notices) {
+      metrics_.ObserveStreamEventLatency(std::chrono::duration<double>(now - notice.received).count());
+    }
+    Notify(tick.notices, tick.weights_version);
+    tick.notices.clear();
+    spare_notices_.push_back(std::move(tick.notices));
+    launched_.pop_front();
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -354,7 +385,7 @@ absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
 
 void StreamBatcher::DropQueuedLocked(int slot) {
   SlotQueue& queue = queues_[slot];
-  for (const Pending& event : queue.events) dropped_.push_back({event.sink, slot, event.seq});
+  for (const Pending& event : queue.events) dropped_.push_back({event.sink, slot, event.seq, event.received});
   AddPendingLocked(-static_cast<int64_t>(queue.events.size()));
   queue.events.clear();
   queue.x.clear();
@@ -362,22 +393,31 @@ void StreamBatcher::DropQueuedLocked(int slot) {
 }
 
 void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_configured) {
-  spdlog::error("streaming tick of {} events failed: {}", notices_.size(), cause.ToString());
+  // The launched ticks' events come first: a sink's and a slot's first event is then its first one not processed.
+  std::vector<Notice> failed;
+  for (LaunchedTick& tick : launched_) failed.insert(failed.end(), tick.notices.begin(), tick.notices.end());
+  spdlog::error("streaming failed with {} events in ticks launched before ({} ticks) and {} in the tick launched: {}",
+                failed.size(), launched_.size(), notices_.size(), cause.ToString());
+  launched_.clear();
+  failed.insert(failed.end(), notices_.begin(), notices_.end());
   std::vector<Failure> failures;
   {
     absl::MutexLock lock(&mu_);
     dropped_.clear();
-    for (const Notice& notice : notices_) {
+    std::vector<bool> stopping(table_.capacity());
+    for (const Notice& notice : failed) {
+      if (stopping[notice.slot]) continue;
+      stopping[notice.slot] = true;
       SlotQueue& queue = queues_[notice.slot];
       queue.stopped = absl::FailedPreconditionError(absl::StrCat(
           "instrument '", queue.instrument, "' stopped at seq ", notice.seq, " when the device failed its tick (",
           cause.message(), "); it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
           notice.seq));
       DropQueuedLocked(notice.slot);
-      table_.ForgetUnprocessed(notice.slot);
+      table_.DropFrom(notice.slot, table_.EntryOfSeq(notice.slot, notice.seq));
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
-    notices_.insert(notices_.end(), dropped_.begin(), dropped_.end());
+    failed.insert(failed.end(), dropped_.begin(), dropped_.end());
     const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
     // A lost device takes every slot's state and log with it, and the daemon exits to be restarted: UNAVAILABLE
     // (retry once it is back), and the instruments start again from a seed, not from their states.
@@ -387,11 +427,11 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                                        "named again (SeedStream), then stream from the seq named"
                                      : ". Each instrument named stopped: it takes no events until ResetStream, "
                                        "SeedStream or CloseStream, then from the seq named";
-    ForEachSink(std::span<Notice>(notices_), [&](std::span<const Notice> events) {
+    ForEachSink(std::span<Notice>(failed), [&](std::span<const Notice> events) {
       std::vector<bool> seen(table_.capacity());
       size_t instruments = 0;
       std::string stopped;
-      for (const Notice& event : events) {  // a sink's first event of a slot is its first one not processed
+      for (const Notice& event : events) {
         if (seen[event.slot]) continue;
         seen[event.slot] = true;
         if (++instruments > kInstrumentsNamed) continue;
@@ -413,18 +453,12 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
 }
 
-void StreamBatcher::StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, std::vector<Notice>* tick) {
-  absl::StatusOr<std::vector<NonFiniteOutput>> taken = backend.TakeNonFiniteOutputs(wait_for_ticks);
-  if (!taken.ok()) {  // (a device that failed fails the next tick too, which stops its instruments)
-    spdlog::error("could not look for non-finite streamed outputs: {}", taken.status().ToString());
-    return;
-  }
-  if (taken->empty()) return;
+void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found) {
   std::vector<Failure> failures;
   {
     absl::MutexLock lock(&mu_);
     dropped_.clear();
-    for (const NonFiniteOutput& output : *taken) {
+    for (const NonFiniteOutput& output : found) {
       SlotQueue& queue = queues_[output.slot];
       if (output.entry >= static_cast<int64_t>(table_.processed(output.slot))) continue;  // (dropped before)
       const uint64_t seq = table_.SeqOfEntry(output.slot, output.entry);
@@ -435,8 +469,8 @@ void StreamBatcher::StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, 
           "it takes no events until ResetStream, SeedStream or CloseStream, then from seq ", seq));
       spdlog::error("{}", queue.stopped.ToString());
       metrics_.ObserveNonFiniteStream();
-      if (tick != nullptr) {
-        std::erase_if(*tick, [&](const Notice& notice) {
+      for (LaunchedTick& tick : launched_) {
+        std::erase_if(tick.notices, [&](const Notice& notice) {
           const bool dropped = notice.slot == output.slot && notice.seq >= seq;
           if (dropped) dropped_.push_back(notice);
           return dropped;
@@ -467,10 +501,13 @@ void StreamBatcher::StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, 
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
 }
 
-void StreamBatcher::StopNonFiniteStreamsBefore(ModelHost& host) {
+void StreamBatcher::FinishTicksBefore(ModelHost& host) {
   if (!host.streaming_configured()) return;
   absl::StatusOr<Backend*> backend = host.StreamingBackend();
-  if (backend.ok()) StopNonFiniteStreams(**backend, /*wait_for_ticks=*/true, nullptr);
+  if (!backend.ok()) return;
+  if (const absl::Status unknown = FinishTicks(**backend, /*wait_for_ticks=*/true); !unknown.ok()) {
+    StopFailedStreams(unknown, /*device_configured=*/true);
+  }
 }
 
 void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
@@ -534,7 +571,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
-    StopNonFiniteStreamsBefore(host);  // the seed forgets the slot's
+    FinishTicksBefore(host);  // the seed forgets the slot's
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
     // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
@@ -597,7 +634,7 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
   const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
                                                      : std::min(request.max_count(), options_.max_read_count);
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::ReadConvictionsResponse> {
-    StopNonFiniteStreamsBefore(host);  // no entry read is one of them
+    FinishTicksBefore(host);  // no entry read is one of them
     StreamTable::LogRange range;
     int slot = 0;
     {
@@ -646,7 +683,7 @@ StreamBatcher::Unread StreamBatcher::NotReadBack() const {
 absl::Status StreamBatcher::Reset(const std::string& instrument) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
-    StopNonFiniteStreamsBefore(host);  // the reset forgets the slot's
+    FinishTicksBefore(host);  // the reset forgets the slot's
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
@@ -660,6 +697,7 @@ absl::Status StreamBatcher::Reset(const std::string& instrument) {
 absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
+    FinishTicksBefore(host);  // the slot's last events are told of (or dropped) while it still has its name
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
     const uint64_t processed = table_.processed(slot);

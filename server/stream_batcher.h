@@ -147,6 +147,12 @@ class StreamBatcher {
     StreamSink* sink;
     int slot;
     uint64_t seq;
+    std::chrono::steady_clock::time_point received;
+  };
+  // A tick the device may still be running: its events' sinks hear of them once it has finished.
+  struct LaunchedTick {
+    int64_t weights_version;
+    std::vector<Notice> notices;
   };
 
   // The instrument's slot for a new event, opening the stream on first use.
@@ -167,16 +173,22 @@ class StreamBatcher {
   // A stopped instrument's queued events leave its queue for dropped_ (their sinks hear of them afterwards); the
   // caller takes it out of ready_ and rewinds its sequence numbers.
   void DropQueuedLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a failed tick: stops the tick's instruments, drops their queued events and tells every sink concerned.
+  // After a failed tick, or a device that could not say whether the launched ticks finished: stops the instruments of
+  // every launched tick not known finished (launched_) and of the failed one (notices_), drops their queued events and
+  // the log entries of those ticks, and tells every sink concerned.
   void StopFailedStreams(const absl::Status& cause, bool device_configured);
-  // Stops the instruments whose outputs came out not finite (Backend::TakeNonFiniteOutputs, `wait_for_ticks` passed
-  // on): each loses its log entries from the first such event on and its queued events, and takes no events until
-  // ResetStream, SeedStream or CloseStream, then from that event's sequence number. After a tick, `tick` is its
-  // notices: those of the entries dropped leave it and fail with the queued events (their sinks hear why).
-  void StopNonFiniteStreams(Backend& backend, bool wait_for_ticks, std::vector<Notice>* tick);
-  // StopNonFiniteStreams after every tick so far, where streaming runs: before a read, a reset or a seed, each of which
-  // must not miss the entries to drop (a reset or a seed forgets which of its slot's were not finite).
-  void StopNonFiniteStreamsBefore(ModelHost& host);
+  // Asks the device which launched ticks have finished (Backend::CheckTicks, `wait_for_ticks` passed on), stops the
+  // instruments whose outputs came out not finite (StopNonFiniteStreams), then tells the finished ticks' sinks that
+  // their events were processed. Returns what CheckTicks returned where it failed (launched_ is left as it was).
+  absl::Status FinishTicks(Backend& backend, bool wait_for_ticks);
+  // FinishTicks after every tick so far, where streaming runs, before a read, reset, seed or close (none of which
+  // may miss the entries to drop, and a reset or a seed forgets which of its slot's were not finite); a device that
+  // cannot tell stops the launched ticks' instruments.
+  void FinishTicksBefore(ModelHost& host);
+  // Each instrument of `found` loses its log entries from the first event that was not finite on, with its queued
+  // events and those of launched_, and takes no events until ResetStream, SeedStream or CloseStream, then from that
+  // event's sequence number; the sinks of the events dropped hear why.
+  void StopNonFiniteStreams(std::span<const NonFiniteOutput> found);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // pending_ changed by `delta` (negative: processed or dropped); the metric follows it.
@@ -204,7 +216,9 @@ class StreamBatcher {
   std::vector<int32_t> tick_slots_;
   std::vector<int64_t> tick_log_indices_;
   std::vector<Notice> notices_, dropped_;
-  std::vector<std::chrono::steady_clock::time_point> received_;
+  // Ticks launched and not yet known finished, oldest first, and vectors of notices to reuse (worker thread only).
+  std::deque<LaunchedTick> launched_;
+  std::vector<std::vector<Notice>> spare_notices_;
   std::vector<StreamSink::Processed> processed_;
   int64_t ticks_started_ = 0;
 };

@@ -61,9 +61,7 @@ class ForwardingBackend : public Backend {
   absl::Status ReadSlotProbabilities(int slot, std::span<float> probs) override {
     return inner_->ReadSlotProbabilities(slot, probs);
   }
-  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks) override {
-    return inner_->TakeNonFiniteOutputs(wait_for_ticks);
-  }
+  absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override { return inner_->CheckTicks(wait_for_ticks); }
 
  private:
   const std::unique_ptr<Backend> inner_;

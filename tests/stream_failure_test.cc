@@ -19,6 +19,7 @@
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/cpu_reference.h"
+#include "engine/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
 #include "tests/batch_message.h"
@@ -36,6 +37,9 @@ struct StreamFaults {
   std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
   std::atomic<int> failing_seeds{0};          // the next SeedSlot calls write the slot, then fail
+  std::atomic<int> failing_tick_in{0};        // the ForwardStepInto call this many from now fails (1: the next)
+  std::atomic<bool> slow_ticks{false};        // CheckTicks without a wait: every tick since the last wait unfinished
+  std::atomic<bool> ticks_unknown{false};     // CheckTicks fails, as on a device error
 };
 
 class StreamFaultBackend final : public ForwardingBackend {
@@ -48,9 +52,18 @@ class StreamFaultBackend final : public ForwardingBackend {
     return ForwardingBackend::ConfigureStreaming(slots, log_entries_per_slot);
   }
   absl::Status ForwardStepInto(const StreamTick& tick) override {
+    if (faults_->failing_tick_in > 0 && --faults_->failing_tick_in == 0) faults_->failing_ticks = 1;
     if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
     faults_->failing_ticks = 0;
-    return ForwardingBackend::ForwardStepInto(tick);
+    RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
+    ++running_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
+    if (faults_->ticks_unknown) return absl::InternalError("an injected error asking which ticks finished");
+    if (faults_->slow_ticks && !wait_for_ticks) return TicksChecked{running_, {}};
+    running_ = 0;
+    return ForwardingBackend::CheckTicks(wait_for_ticks);
   }
   absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
     const absl::Status seeded = ForwardingBackend::SeedSlot(slot, x, dt);
@@ -61,6 +74,7 @@ class StreamFaultBackend final : public ForwardingBackend {
 
  private:
   const std::shared_ptr<StreamFaults> faults_;
+  int64_t running_ = 0;  // ticks since CheckTicks last answered all finished
 };
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
@@ -190,6 +204,50 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   const std::vector<float> after_reset = Offline("A", 3, 6);
   expected.insert(expected.end(), after_reset.begin(), after_reset.end());
   for (int i = 0; i < 6; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+// A tick that fails while the one before it may still be running: the device, asked with a wait, says that one
+// finished, so its events are processed and acknowledged, and only the failed tick's and those queued behind it fail.
+TEST_F(StreamFailureTest, ATickFailingBehindAnUnfinishedOneFailsOnlyItsOwnEventsOnceTheDeviceSaysTheFirstFinished) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  faults_->slow_ticks = true;
+  faults_->failing_tick_in = 2;  // the first tick takes A's 3 and B's 1, the second A's 4 and fails
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4), Event("A", 4, 5),
+                                                Event("B", 0, 1)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("2 events of this call were not processed: 'A' from seq 4"));
+  EXPECT_EQ(failed.acked.at("A"), 3u);
+  EXPECT_EQ(failed.acked.at("B"), 1u);
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 3u);
+  EXPECT_EQ(streams["B"].processed_events(), 1u);
+  EXPECT_THAT(streams["A"].stopped(), HasSubstr("instrument 'A' stopped at seq 4 when the device failed its tick"));
+  EXPECT_EQ(daemon_.ReadConvictions("A").convictions_size(), 3);
+}
+
+// A device that cannot say whether the ticks it was given finished: their events are not acknowledged, their log
+// entries leave the logs, and their instruments stop at the first of them, as after a failed tick.
+TEST_F(StreamFailureTest, TicksTheDeviceCannotSayFinishedFailTheirEventsAndLeaveNoEntries) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  faults_->ticks_unknown = true;
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4), Event("B", 0, 1)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("an injected error asking which ticks finished"));
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("3 events of this call were not processed: 'A' from seq 3, "
+                                                       "'B' from seq 1"));
+  EXPECT_TRUE(failed.acked.empty()) << "nothing of the call is known processed";
+  faults_->ticks_unknown = false;
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 2u) << "the entry of seq 3 left the log";
+  EXPECT_EQ(streams["A"].end_seq(), 3u);
+  EXPECT_EQ(streams["A"].last_accepted_seq(), 2u);
+  EXPECT_EQ(streams["B"].processed_events(), 0u);
+  EXPECT_THAT(streams["A"].stopped(), HasSubstr("instrument 'A' stopped at seq 3 when the device failed its tick"));
+  EXPECT_EQ(daemon_.ReadConvictions("A").convictions_size(), 2);
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 2, 3)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  EXPECT_EQ(resumed.acked.at("A"), 3u);
 }
 
 // A request a call sends while its failed tick is being reported is refused, as the tick stopped its instrument; the

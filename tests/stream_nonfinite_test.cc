@@ -14,6 +14,7 @@
 
 #include "engine/backend.h"
 #include "engine/config.h"
+#include "engine/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
 #include "tests/batch_message.h"
@@ -29,25 +30,32 @@ using ::testing::HasSubstr;
 // The model as InitModel made it, with its embedding's weights scaled by 1e30: finite, and a checkpoint would hold
 // them. A feature standardized to 1e9 then makes the embedding infinite and the event's logits NaN, well inside the
 // daemon's bound on standardized features (1e24); features of the usual size stay finite through the norms.
-// `report_late` holds back what TakeNonFiniteOutputs finds until a caller waits for every tick, as the CUDA backend
-// does for a tick still running: the entries are then logged and acknowledged before they are found.
+// `slow_device` answers CheckTicks as a device still running every tick since the last wait would: each unfinished,
+// none of their outputs found yet. The batcher must then hold their acknowledgements until a wait finds them.
 class OverflowingBackend final : public ForwardingBackend {
  public:
-  OverflowingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<std::atomic<bool>> report_late)
-      : ForwardingBackend(std::move(inner)), report_late_(std::move(report_late)) {
+  OverflowingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<std::atomic<bool>> slow_device)
+      : ForwardingBackend(std::move(inner)), slow_device_(std::move(slow_device)) {
     Checkpoint state = ForwardingBackend::ExportState().value();
     const ParamLayout& layout = ForwardingBackend::layout();
     const TensorSpec& embed = layout.tensor(layout.embed.weight);
     for (size_t i = embed.offset; i < embed.offset + embed.size; ++i) state.params[i] *= 1e30f;
     EXPECT_TRUE(ForwardingBackend::ImportState(state).ok());
   }
-  absl::StatusOr<std::vector<NonFiniteOutput>> TakeNonFiniteOutputs(bool wait_for_ticks) override {
-    if (*report_late_ && !wait_for_ticks) return std::vector<NonFiniteOutput>{};
-    return ForwardingBackend::TakeNonFiniteOutputs(wait_for_ticks);
+  absl::Status ForwardStepInto(const StreamTick& tick) override {
+    RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
+    ++running_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
+    if (*slow_device_ && !wait_for_ticks) return TicksChecked{running_, {}};
+    running_ = 0;
+    return ForwardingBackend::CheckTicks(wait_for_ticks);
   }
 
  private:
-  const std::shared_ptr<std::atomic<bool>> report_late_;
+  const std::shared_ptr<std::atomic<bool>> slow_device_;
+  int64_t running_ = 0;
 };
 
 class StreamNonFiniteTest : public ::testing::Test {
@@ -105,9 +113,9 @@ class StreamNonFiniteTest : public ::testing::Test {
       "the model";
   const ModelConfig config_ = *NamedConfig("tiny");
   const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
-  const std::shared_ptr<std::atomic<bool>> report_late_ = std::make_shared<std::atomic<bool>>(false);
-  InProcessDaemon daemon_{[report_late = report_late_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
-                            return std::make_unique<OverflowingBackend>(std::move(backend), report_late);
+  const std::shared_ptr<std::atomic<bool>> slow_device_ = std::make_shared<std::atomic<bool>>(false);
+  InProcessDaemon daemon_{[slow_device = slow_device_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
+                            return std::make_unique<OverflowingBackend>(std::move(backend), slow_device);
                           },
                           "stream_nonfinite_checkpoints"};
 };
@@ -124,13 +132,18 @@ TEST_F(StreamNonFiniteTest, AnInstrumentWhoseOutputOverflowsStopsThereAndItsCall
   ExpectStoppedAtTwoThenResumed();
 }
 
-// Found late (by the read): the entries were logged and acknowledged, and leave the log before any read returns them.
-TEST_F(StreamNonFiniteTest, NonFiniteEntriesFoundAfterTheyWereAcknowledgedLeaveTheLogBeforeAnyRead) {
-  *report_late_ = true;
+// Found only once the device had finished the ticks after it too (the last tick waits): the entries were logged, but
+// no event is acknowledged before its tick is known finished, so the overflowing one and A's later ones fail the call
+// as above, and every event of B is acknowledged.
+TEST_F(StreamNonFiniteTest, AnEventIsAcknowledgedOnlyOnceItsTickFinishedSoAnOverflowFoundLateStillFailsItsCall) {
+  *slow_device_ = true;
   StreamOutcome outcome = daemon_.Stream({{Event("A", 0, 1), Event("B", 0, 1), Event("A", 1, 2, /*overflow=*/true),
-                                          Event("B", 1, 2), Event("A", 2, 3), Event("B", 2, 3)}});
-  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
-  EXPECT_EQ(outcome.acked["A"], 3u) << "acknowledged before anything looked";
+                                          Event("B", 1, 2), Event("A", 2, 3), Event("A", 3, 4), Event("B", 2, 3)}});
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("3 events of this call were not processed."));
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr(kStoppedAtTwo));
+  EXPECT_LE(outcome.acked["A"], 1u);
+  EXPECT_EQ(outcome.acked["B"], 3u);
   ExpectStoppedAtTwoThenResumed();
 }
 

@@ -2,11 +2,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "engine/backend.h"
 #include "engine/dataset.h"
 #include "engine/stream_table.h"
+#include "tests/check_ticks_util.h"
 #include "tests/test_util.h"
 
 namespace perception {
@@ -158,6 +160,8 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   for (int i = 0; i < 6; ++i) table.Append(slot, 1);  // 10..15 processed (the ring holds 12..15), 16 and 17 waiting
   table.MarkRead(slot, 16);
   EXPECT_EQ(table.SeqOfEntry(slot, 5), 15u);
+  EXPECT_EQ(table.EntryOfSeq(slot, 15), 5);
+  EXPECT_EQ(table.EntryOfSeq(slot, 17), 7) << "an event waiting has its entry to come";
   table.DropFrom(slot, 5);  // 15 went non-finite
   EXPECT_EQ(table.processed(slot), 5u);
   EXPECT_EQ(table.NextLogEntry(slot), 5);
@@ -370,9 +374,11 @@ TEST_P(StreamingBackendTest, EachSlotsFirstNonFiniteOutputIsReportedWithItsEntry
     ASSERT_TRUE(backend_->ForwardStepInto({x, dt, tick_slots, entries}).ok()) << "tick " << t;
   };
   auto take = [&] {
-    absl::StatusOr<std::vector<NonFiniteOutput>> taken = backend_->TakeNonFiniteOutputs(/*wait_for_ticks=*/true);
-    EXPECT_TRUE(taken.ok()) << taken.status();
-    return taken.value_or(std::vector<NonFiniteOutput>{});
+    absl::StatusOr<TicksChecked> checked = backend_->CheckTicks(/*wait_for_ticks=*/true);
+    EXPECT_TRUE(checked.ok()) << checked.status();
+    if (!checked.ok()) return std::vector<NonFiniteOutput>{};
+    EXPECT_EQ(checked->unfinished, 0) << "after a wait";
+    return checked->nonfinite;
   };
   for (int t = 0; t < overflow_at; ++t) tick(t, slots);
   EXPECT_TRUE(take().empty()) << "nothing overflowed yet";
@@ -402,6 +408,33 @@ TEST_P(StreamingBackendTest, EachSlotsFirstNonFiniteOutputIsReportedWithItsEntry
   for (int f = 0; f < F; ++f) events[0].x[1 * F + f] = -3e38f;
   tick(1, slot0);
   EXPECT_EQ(take(), (std::vector<NonFiniteOutput>{{0, first_entry + 1}})) << "and reported again after the reset";
+}
+
+// CheckTicks counts the ForwardStepInto calls that may still be running: never more than were queued, never more on
+// a later look, none once they are done or it waited. The CPU's ticks have finished when ForwardStepInto returns.
+TEST_P(StreamingBackendTest, CheckTicksCountsTheTicksStillRunningUntilNone) {
+  const int F = config_.n_features, kTicks = 20;
+  const testing::RandomBatch events = testing::MakeRandomBatch(config_, 1, kTicks * kSlots, 51);
+  const std::vector<int32_t> slots = {0, 1, 2, 3};
+  auto queue = [&](int first_tick, int ticks) {
+    for (int t = first_tick; t < first_tick + ticks; ++t) {
+      const std::vector<int64_t> entries(kSlots, t);
+      ASSERT_TRUE(backend_->ForwardStepInto({std::span<const float>(events.x).subspan(t * kSlots * F, kSlots * F),
+                                             std::span<const float>(events.dt).subspan(t * kSlots, kSlots), slots,
+                                             entries})
+                      .ok());
+    }
+  };
+  queue(0, kTicks);
+  const int64_t unfinished = testing::UnfinishedTicks(*backend_, /*wait_for_ticks=*/false);
+  EXPECT_GE(unfinished, 0);
+  EXPECT_LE(unfinished, kTicks);
+  if (GetParam() == "cpu") {
+    EXPECT_EQ(unfinished, 0);
+  }
+  testing::ExpectTicksFinishWithoutAWait(*backend_, unfinished);
+  queue(kTicks / 2, kTicks / 2);
+  EXPECT_EQ(testing::UnfinishedTicks(*backend_, /*wait_for_ticks=*/true), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StreamingBackendTest, ::testing::Values("cpu", "cuda"),

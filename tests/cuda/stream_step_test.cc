@@ -16,6 +16,7 @@
 #include "engine/backend.h"
 #include "engine/cpu_reference.h"
 #include "engine/cuda_streamer.h"
+#include "tests/check_ticks_util.h"
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/test_util.h"
 
@@ -681,10 +682,55 @@ TEST(StreamStepManyTest, TheLogPositionOfAnEntryNumberIsItsRemainder) {
   }
 }
 
+// CheckTicks learns which Step(tick) calls have finished without waiting for the device: graph-launched ticks by an
+// event behind each, lone events by the resident step's answer count. A tick of 8,192 events (about 0.7 ms of the
+// H200's time) is still running when Step returns; a later look never counts more, and none once all have finished.
+TEST(StreamStepManyTest, CheckTicksCountsTheStepsStillRunningWithoutWaiting) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  const ParamLayout layout(config);
+  const int F = config.n_features, kSlots = 8192, kTicks = 4, kLone = 100;
+  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, 8);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaStreamer& streamer = **created;
+  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 103)).ok());
+  const testing::RandomBatch events = MakeRandomBatch(config, 1, kSlots, 77);
+  std::vector<int32_t> slots(kSlots);
+  std::iota(slots.begin(), slots.end(), 0);
+  auto unfinished = [&](bool wait) { return testing::UnfinishedTicks(streamer, wait); };
+  ASSERT_EQ(unfinished(/*wait=*/true), 0);
+  for (int t = 0; t < kTicks; ++t) {
+    const std::vector<int64_t> entries(kSlots, t);
+    ASSERT_TRUE(streamer.Step({events.x, events.dt, slots, entries}).ok()) << "tick " << t;
+  }
+  const int64_t wide = unfinished(/*wait=*/false);
+  EXPECT_GE(wide, 1) << "the last tick was queued a moment ago";
+  EXPECT_LE(wide, kTicks);
+  testing::ExpectTicksFinishWithoutAWait(streamer, wide);
+  if (streamer.resident_available()) {
+    for (int t = 0; t < kLone; ++t) {
+      const int32_t slot = t % 7;
+      const int64_t entry = kTicks + t / 7;
+      ASSERT_TRUE(streamer
+                      .Step({std::span<const float>(events.x).subspan(slot * F, F),
+                             std::span<const float>(events.dt).subspan(slot, 1), {&slot, 1}, {&entry, 1}})
+                      .ok())
+          << "lone event " << t;
+    }
+    ASSERT_TRUE(streamer.resident_running());
+    const int64_t lone = unfinished(/*wait=*/false);
+    EXPECT_LE(lone, kLone);
+    testing::ExpectTicksFinishWithoutAWait(streamer, lone);
+  }
+  const std::vector<int64_t> entries(kSlots, kTicks + kLone);
+  ASSERT_TRUE(streamer.Step({events.x, events.dt, slots, entries}).ok());
+  EXPECT_EQ(unfinished(/*wait=*/true), 0);
+}
+
 // Every way a tick runs (each cluster shape and the wide path launched eagerly; graph-launched ticks inline and staged;
 // the resident step's lone events) flags the slot whose logits came out not finite, with its entry number, past the
 // ring: an event of features 3e38 (infinite once standardized) amid finite ones. The mapped word alone tells the host
-// (TakeNonFiniteOutputs without waiting, polled); the slot's next event is its first since then; a reset clears it.
+// (CheckTicks without waiting, polled); the slot's next event is its first since then; a reset clears it.
 TEST(StreamStepManyTest, EveryPathFlagsTheSlotsWhoseLogitsAreNotFinite) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("small");
@@ -713,9 +759,9 @@ TEST(StreamStepManyTest, EveryPathFlagsTheSlotsWhoseLogitsAreNotFinite) {
   paths.push_back({"graphs, staged (wide)", std::nullopt, kSlots, kSlots});
   if (streamer.resident_available()) paths.push_back({"resident", std::nullopt, 3, 1});
   auto take = [&](bool wait) {
-    absl::StatusOr<std::vector<NonFiniteOutput>> taken = streamer.TakeNonFiniteOutputs(wait);
-    EXPECT_TRUE(taken.ok()) << taken.status();
-    return taken.value_or(std::vector<NonFiniteOutput>{});
+    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(wait);
+    EXPECT_TRUE(checked.ok()) << checked.status();
+    return checked.ok() ? checked->nonfinite : std::vector<NonFiniteOutput>{};
   };
   uint64_t seed = 900;
   for (const Path& path : paths) {
