@@ -20,6 +20,12 @@ absl::Status NoStreaming(const Backend& backend) {
 
 }  // namespace
 
+absl::Status SeedNotFiniteError() {
+  return absl::FailedPreconditionError(
+      "the seed window leads to a state that is not finite (float32 overflowed inside the model: its weights, or the "
+      "window's features, are beyond what its arithmetic holds)");
+}
+
 absl::Status Backend::ConfigureStreaming(int, int64_t) { return NoStreaming(*this); }
 absl::Status Backend::PublishWeights() { return NoStreaming(*this); }
 absl::Status Backend::ForwardStepInto(const StreamTick&) { return NoStreaming(*this); }

@@ -70,6 +70,9 @@ struct TicksChecked {
   std::vector<NonFiniteOutput> nonfinite;
 };
 
+// SeedSlot's answer where the window leads to a state that is not finite (FAILED_PRECONDITION).
+absl::Status SeedNotFiniteError();
+
 // Implemented by the CPU reference backend and the CUDA backend; the daemon's device worker and the offline
 // command line drive either through it. Not thread-safe: one thread owns a backend.
 class Backend {
@@ -151,7 +154,8 @@ class Backend {
   virtual absl::Status ForwardStepInto(const StreamTick& tick);
   // Zeroes one slot's state.
   virtual absl::Status ResetSlot(int slot);
-  // Replaces one slot's state with the sequence path's final state over x [n,F], dt [n] from a zero state.
+  // Replaces one slot's state with the sequence path's final state over x [n,F], dt [n] from a zero state. Where that
+  // state is not finite (float32 overflowed inside the model), the slot holds it and SeedNotFiniteError is returned.
   virtual absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
   // Copies log entries [begin, begin + count) of `slot` (no wrap: the caller splits a wrapped range) into
   // convictions [count] and, when non-empty, probs [count, H].

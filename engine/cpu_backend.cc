@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
@@ -14,6 +15,10 @@ namespace {
 
 // Long streams run in chunks of this many events so that activation memory stays bounded.
 constexpr size_t kStreamChunk = 2048;
+
+bool AllFinite(std::span<const float> values) {
+  return std::all_of(values.begin(), values.end(), [](float v) { return std::isfinite(v); });
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -119,8 +124,7 @@ class CpuBackend final : public Backend {
         log_probs_[entry * H + h] = p;
       }
       log_convictions_[entry] = Conviction<float>(logits);
-      const bool finite = std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
-      if (!finite && !first_nonfinite_[slot]) first_nonfinite_[slot] = tick.log_indices[i];
+      if (!AllFinite(logits) && !first_nonfinite_[slot]) first_nonfinite_[slot] = tick.log_indices[i];
     }
     return absl::OkStatus();
   }
@@ -152,9 +156,10 @@ class CpuBackend final : public Backend {
     StreamState<float> state = StreamState<float>::Zero(c);
     std::vector<float> logits(dt.size() * c.n_horizons);
     RunStream(published_, x, dt, state, logits);
+    const bool finite = AllFinite(state.conv) && AllFinite(state.ssm) && AllFinite(state.cfc);
     slots_[slot] = std::move(state);
     first_nonfinite_[slot].reset();
-    return absl::OkStatus();
+    return finite ? absl::OkStatus() : SeedNotFiniteError();
   }
 
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,

@@ -139,6 +139,7 @@ absl::Status CudaStreamer::Initialize() {
   pinned_.Reserve(&resident_.done, 1);
   device_.Reserve(&state_.first_nonfinite, S);
   pinned_.Reserve(&state_.nonfinite_seen, 1);
+  pinned_.Reserve(&seed_not_finite_, 1);
   RETURN_IF_ERROR(device_.Allocate());
   RETURN_IF_ERROR(pinned_.Allocate());
   state_.log_entries = log_entries_;
@@ -781,6 +782,13 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
     }
     RETURN_IF_ERROR(EnqueueStagedTick(event, /*log=*/false, ShapeFor(1)));
   }
+  const ModelConfig& c = layout_.config();
+  std::atomic_ref<int>(*seed_not_finite_).store(0, std::memory_order_relaxed);
+  CUDA_RETURN_IF_ERROR(kernels::CheckStreamSlotFinite(
+      state_, slot, static_cast<size_t>(c.n_layers) * c.conv_state_size(),
+      static_cast<size_t>(c.n_layers) * c.ssm_state_size(), c.cfc_units, seed_not_finite_, stream_));
+  RETURN_IF_ERROR(Synchronize());
+  if (std::atomic_ref<int>(*seed_not_finite_).load(std::memory_order_acquire) != 0) return SeedNotFiniteError();
   return absl::OkStatus();
 }
 

@@ -137,7 +137,8 @@ class CudaStreamer {
 
   absl::Status ResetSlot(int slot);
   // Steps the slot through x [n,F], dt [n] from a zero state without logging: the state equals stepping the same
-  // events one by one, because it is exactly that (MODEL.md §3 makes it the sequence path's final state too).
+  // events one by one, because it is exactly that (MODEL.md §3 makes it the sequence path's final state too). Then
+  // waits for the device, to check that state (SeedNotFiniteError where it is not finite).
   absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
 
   // Off the hot path: wait for the queued ticks, then one device-to-host copy of the range.
@@ -279,6 +280,7 @@ class CudaStreamer {
   std::map<int, TickGraph> inline_graphs_;          // inline ticks, by bucket
   std::unique_ptr<bool[]> slot_seen_;
   std::vector<int64_t> first_nonfinite_;  // CheckTicks' copy of state_.first_nonfinite
+  int* seed_not_finite_ = nullptr;        // mapped: the seeded state's check (kernels::CheckStreamSlotFinite)
   // The Step(tick) calls not yet known finished, oldest first: a lone event posted to the resident step finishes with
   // the answer count `answered`, any other tick with its event `finished` (reused from spare_tick_events_).
   struct QueuedTick {

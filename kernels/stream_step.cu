@@ -2522,6 +2522,28 @@ cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, cons
   return cudaLaunchKernelEx(&config, kResidentKernels[shape], plan, pack, slots, queue);
 }
 
+namespace {
+__global__ void SlotFiniteKernel(const float* conv, size_t n_conv, const float* ssm, size_t n_ssm, const float* cfc,
+                                 size_t n_cfc, int* not_finite) {
+  bool finite = true;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n_conv + n_ssm + n_cfc;
+       i += gridDim.x * size_t{blockDim.x}) {
+    const float v = i < n_conv ? conv[i] : i < n_conv + n_ssm ? ssm[i - n_conv] : cfc[i - n_conv - n_ssm];
+    finite = finite && isfinite(v);
+  }
+  if (!__syncthreads_and(finite) && threadIdx.x == 0) *not_finite = 1;
+}
+}  // namespace
+
+cudaError_t CheckStreamSlotFinite(const StreamSlots& slots, int slot, size_t conv, size_t ssm, size_t cfc,
+                                  int* not_finite, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<size_t>(32, (conv + ssm + cfc + kThreads - 1) / kThreads));
+  SlotFiniteKernel<<<blocks, kThreads, 0, stream>>>(slots.conv + slot * conv, conv, slots.ssm + slot * ssm, ssm,
+                                                    slots.cfc + slot * cfc, cfc, not_finite);
+  return cudaGetLastError();
+}
+
 void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
                              bool logged, int64_t log_index, const float* x, int F) {
   uint32_t payload[kStreamResidentWords] = {};

@@ -167,6 +167,11 @@ constexpr int32_t kStreamResidentTrapSlot = -2;
 void PostStreamResidentEvent(StreamResidentEntry* ring, int ring_size, uint32_t index, int32_t slot, float dt,
                              bool logged, int64_t log_index, const float* x, int F);
 
+// Sets *not_finite (mapped host memory) to 1 where a value of `slot`'s state (its conv, SSM and CfC states: `conv`,
+// `ssm` and `cfc` floats a slot) is not finite; leaves it alone otherwise. A seed's check (CudaStreamer::SeedSlot).
+cudaError_t CheckStreamSlotFinite(const StreamSlots& slots, int slot, size_t conv, size_t ssm, size_t cfc,
+                                  int* not_finite, cudaStream_t stream);
+
 // Replaces the tick of a captured step (`node`, the kernel node of the graph `exec` was instantiated from): the next
 // launch of `exec` reads `tick` (copied now); launches already queued keep theirs. The tick's event count and the
 // launch shape must be the captured ones.

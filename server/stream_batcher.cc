@@ -604,12 +604,13 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     if (!seeded.ok()) {
       // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
       if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) CloseSlotLocked(slot).IgnoreError();
-      // A live stream whose state the failed seed may have written in part stops, as after a failed tick: its next
-      // events would otherwise step from a state that is neither the old one nor the seeded one.
+      // A live stream whose state the failed seed may have written (in part, or to values that are not finite) stops,
+      // as after a failed tick: its next events would otherwise step from a state its events did not lead to.
       if (!opened && device_written) {
         queue.stopped = absl::FailedPreconditionError(absl::StrCat(
-            "instrument '", queue.instrument, "' stopped when the device failed its seed (", seeded.message(),
-            "); its state is unknown: it takes no events until ResetStream, SeedStream or CloseStream"));
+            "instrument '", queue.instrument, "' stopped when its seed failed (", seeded.message(),
+            "); its state is not the one its events led to: it takes no events until ResetStream, SeedStream or "
+            "CloseStream"));
       }
       return seeded;
     }

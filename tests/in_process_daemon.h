@@ -105,6 +105,14 @@ class InProcessDaemon {
     v1::ResetStreamResponse response;
     return stub_->ResetStream(&context, request, &response);
   }
+  grpc::Status SeedStream(const std::string& instrument, const std::vector<v1::StreamEvent>& window) {
+    grpc::ClientContext context;
+    v1::SeedStreamRequest request;
+    request.set_instrument(instrument);
+    for (const v1::StreamEvent& event : window) *request.add_events() = event;
+    v1::SeedStreamResponse response;
+    return stub_->SeedStream(&context, request, &response);
+  }
   // The instrument's first page of convictions (expected to be answered).
   v1::ReadConvictionsResponse ReadConvictions(const std::string& instrument) {
     grpc::ClientContext context;

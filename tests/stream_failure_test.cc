@@ -103,12 +103,9 @@ class StreamFailureTest : public ::testing::Test {
 
   // Seeds the instrument with its series' events [from, to).
   grpc::Status Seed(const std::string& instrument, int from, int to) {
-    grpc::ClientContext context;
-    v1::SeedStreamRequest request;
-    request.set_instrument(instrument);
-    for (int t = from; t < to; ++t) *request.add_events() = Event(instrument, t, 0);
-    v1::SeedStreamResponse response;
-    return daemon_.stub().SeedStream(&context, request, &response);
+    std::vector<v1::StreamEvent> window;
+    for (int t = from; t < to; ++t) window.push_back(Event(instrument, t, 0));
+    return daemon_.SeedStream(instrument, window);
   }
 
   // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU.
@@ -286,11 +283,11 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
   faults_->failing_seeds = 1;
   const grpc::Status failed = Seed("A", 2, 6);
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
-  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("instrument 'A' stopped when the device failed its seed (an "
-                                                  "injected seed failure)"));
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(),
+              HasSubstr("instrument 'A' stopped when its seed failed (an injected seed failure)"));
   const StreamOutcome refused = daemon_.Stream({{Event("A", 2, 3)}});
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(refused.status.error_message(), HasSubstr("its state is unknown"));
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("its state is not the one its events led to"));
   ASSERT_TRUE(daemon_.ResetStream("A").ok());
   const StreamOutcome resumed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4)}});
   ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/status_macros.h"
@@ -108,6 +109,7 @@ class StreamNonFiniteTest : public ::testing::Test {
     ExpectAllFinite(again, "A after the reset");
   }
 
+  static constexpr char kSeedNotFinite[] = "the seed window leads to a state that is not finite";
   static constexpr char kStoppedAtTwo[] =
       "instrument 'A' stopped at seq 2: the model's output for that event was not finite (float32 overflowed inside "
       "the model";
@@ -145,6 +147,32 @@ TEST_F(StreamNonFiniteTest, AnEventIsAcknowledgedOnlyOnceItsTickFinishedSoAnOver
   EXPECT_LE(outcome.acked["A"], 1u);
   EXPECT_EQ(outcome.acked["B"], 3u);
   ExpectStoppedAtTwoThenResumed();
+}
+
+// A seed window that overflows the model's arithmetic: the seed is refused, a stream it opened is closed again, and
+// a live stream whose state it overwrote stops there until a reset, after which it streams finite convictions.
+TEST_F(StreamNonFiniteTest, ASeedWhoseStateIsNotFiniteIsRefusedAndStopsTheStreamItOverwrote) {
+  const std::vector<v1::StreamEvent> overflowing = {Event("A", 0, 0), Event("A", 1, 0, /*overflow=*/true),
+                                                    Event("A", 2, 0)};
+  const grpc::Status opened = daemon_.SeedStream("C", overflowing);
+  EXPECT_EQ(opened.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(opened.error_message(), HasSubstr(kSeedNotFinite));
+  EXPECT_EQ(daemon_.Streams().count("C"), 0u) << "the stream the seed opened is closed again";
+
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  const grpc::Status overwritten = daemon_.SeedStream("A", overflowing);
+  EXPECT_EQ(overwritten.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr(absl::StrCat("instrument 'A' stopped when its seed failed (",
+                                                                       kSeedNotFinite)));
+  const StreamOutcome refused = daemon_.Stream({{Event("A", 2, 3)}});
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
+  EXPECT_EQ(log.convictions_size(), 4);
+  ExpectAllFinite(log, "A after the reset");
+  EXPECT_TRUE(daemon_.SeedStream("A", {Event("A", 4, 0), Event("A", 5, 0)}).ok()) << "a finite window seeds";
 }
 
 }  // namespace

@@ -437,6 +437,30 @@ TEST_P(StreamingBackendTest, CheckTicksCountsTheTicksStillRunningUntilNone) {
   EXPECT_EQ(testing::UnfinishedTicks(*backend_, /*wait_for_ticks=*/true), 0);
 }
 
+// A seed window with an event of features 3e38 (infinite once standardized) leads to a state that is not finite:
+// SeedSlot says so; a finite window seeds the slot again, and its next event's conviction is finite.
+TEST_P(StreamingBackendTest, ASeedWhoseStateIsNotFiniteIsRefusedAndAFiniteOneSeedsTheSlotAgain) {
+  const int F = config_.n_features, n = 6;
+  testing::RandomBatch window = testing::MakeRandomBatch(config_, 1, n, 57);
+  const std::vector<float> finite_x = window.x;
+  std::fill_n(window.x.begin() + 2 * F, F, 3e38f);
+  const absl::Status refused = backend_->SeedSlot(1, window.x, window.dt);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("the seed window leads to a state that is not finite"));
+  ASSERT_TRUE(backend_->SeedSlot(1, finite_x, window.dt).ok());
+  const int32_t slot = 1;
+  const int64_t entry = 0;
+  ASSERT_TRUE(backend_->ForwardStepInto({std::span<const float>(finite_x).first(F),
+                                         std::span<const float>(window.dt).first(1), {&slot, 1}, {&entry, 1}})
+                  .ok());
+  absl::StatusOr<TicksChecked> checked = backend_->CheckTicks(/*wait_for_ticks=*/true);
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_TRUE(checked->nonfinite.empty());
+  std::vector<float> conviction(1);
+  ASSERT_TRUE(backend_->ReadLog(1, 0, 1, conviction, {}).ok());
+  EXPECT_TRUE(std::isfinite(conviction[0])) << conviction[0];
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, StreamingBackendTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
