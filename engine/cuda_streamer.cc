@@ -106,8 +106,7 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_.left, cudaEventDisableTiming));
 
   const size_t S = slots_, H = c.n_horizons;
-  const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
-  const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
+  const size_t conv = ConvFloatsPerSlot(), ssm = SsmFloatsPerSlot();
   device_.Reserve(&published_, layout_.total_size());
   const size_t pack_size = kernels::StreamPackSize(WeightsAt(published_));
   if (pack_size == 0) {
@@ -752,12 +751,19 @@ absl::Status CudaStreamer::CaptureInto(const kernels::StreamTickInput& input, St
   return absl::OkStatus();
 }
 
+size_t CudaStreamer::ConvFloatsPerSlot() const {
+  return static_cast<size_t>(layout_.config().n_layers) * layout_.config().conv_state_size();
+}
+
+size_t CudaStreamer::SsmFloatsPerSlot() const {
+  return static_cast<size_t>(layout_.config().n_layers) * layout_.config().ssm_state_size();
+}
+
 absl::Status CudaStreamer::ResetSlot(int slot) {
   RETURN_IF_ERROR(CheckSlot(slot));
   RETURN_IF_ERROR(StopResident());
   const ModelConfig& c = layout_.config();
-  const size_t conv = static_cast<size_t>(c.n_layers) * c.conv_state_size();
-  const size_t ssm = static_cast<size_t>(c.n_layers) * c.ssm_state_size();
+  const size_t conv = ConvFloatsPerSlot(), ssm = SsmFloatsPerSlot();
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.conv + slot * conv, 0, conv * sizeof(float), stream_));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.ssm + slot * ssm, 0, ssm * sizeof(float), stream_));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(state_.cfc + slot * c.cfc_units, 0, c.cfc_units * sizeof(float), stream_));
@@ -782,11 +788,9 @@ absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::spa
     }
     RETURN_IF_ERROR(EnqueueStagedTick(event, /*log=*/false, ShapeFor(1)));
   }
-  const ModelConfig& c = layout_.config();
   std::atomic_ref<int>(*seed_not_finite_).store(0, std::memory_order_relaxed);
-  CUDA_RETURN_IF_ERROR(kernels::CheckStreamSlotFinite(
-      state_, slot, static_cast<size_t>(c.n_layers) * c.conv_state_size(),
-      static_cast<size_t>(c.n_layers) * c.ssm_state_size(), c.cfc_units, seed_not_finite_, stream_));
+  CUDA_RETURN_IF_ERROR(kernels::CheckStreamSlotFinite(state_, slot, ConvFloatsPerSlot(), SsmFloatsPerSlot(),
+                                                      layout_.config().cfc_units, seed_not_finite_, stream_));
   RETURN_IF_ERROR(Synchronize());
   if (std::atomic_ref<int>(*seed_not_finite_).load(std::memory_order_acquire) != 0) return SeedNotFiniteError();
   return absl::OkStatus();

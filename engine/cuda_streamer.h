@@ -190,6 +190,9 @@ class CudaStreamer {
   };
 
   absl::Status CheckSlot(int slot) const;
+  // The floats of one slot's conv and SSM states (all layers; its CfC state is cfc_units).
+  size_t ConvFloatsPerSlot() const;
+  size_t SsmFloatsPerSlot() const;
   // How a shape fits this device (no clusters: unsupported).
   kernels::StreamShapeFit Fit(StreamLaunchShape shape) const;
   // Whether a single-block cluster shape runs a tick of n events in one wave with all its weights in shared memory.
