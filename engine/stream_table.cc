@@ -68,7 +68,13 @@ void StreamTable::Append(int slot, uint64_t weights_version) {
   if (s.processed >= s.written && s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
   s.weights_versions[s.processed % static_cast<uint64_t>(log_entries_)] = weights_version;
   ++s.processed;
+  ++s.unfinished;
   s.written = std::max(s.written, s.processed);
+}
+
+void StreamTable::TickFinished(int slot) {
+  Slot& s = slots_[slot];
+  if (s.unfinished > 0) --s.unfinished;
 }
 
 uint64_t StreamTable::SeqOfEntry(int slot, int64_t entry) const {
@@ -81,7 +87,9 @@ int64_t StreamTable::EntryOfSeq(int slot, uint64_t seq) const {
 
 void StreamTable::DropFrom(int slot, int64_t entry) {
   Slot& s = slots_[slot];
+  const uint64_t first_unfinished = s.processed - s.unfinished;
   s.processed = std::min(s.processed, static_cast<uint64_t>(entry));
+  s.unfinished = s.processed - std::min(s.processed, first_unfinished);
   s.read = std::min(s.read, s.processed);
   ForgetUnprocessed(slot);
 }
@@ -106,8 +114,8 @@ absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from
   LogRange range;
   const uint64_t first = s.first_seq.value_or(0);
   const uint64_t oldest_retained = OldestRetained(s);
-  range.next_seq = first + s.processed;
-  range.oldest_retained_seq = first + oldest_retained;
+  range.next_seq = first + finished(slot);
+  range.oldest_retained_seq = first + std::min(oldest_retained, finished(slot));
   if (from_seq < range.oldest_retained_seq && oldest_retained > 0) {
     return absl::OutOfRangeError(absl::StrCat("instrument '", s.instrument, "': convictions before sequence number ",
                                               range.oldest_retained_seq, " were overwritten (asked from ", from_seq,
@@ -166,7 +174,7 @@ void StreamTable::ResetFeatures(int slot) { slots_[slot].featurizer.reset(); }
 std::vector<StreamTable::InstrumentInfo> StreamTable::List() const {
   std::vector<InstrumentInfo> out;
   for (const auto& [instrument, slot] : by_instrument_) {
-    out.push_back({instrument, slot, slots_[slot].processed, slots_[slot].last_accepted});
+    out.push_back({instrument, slot, finished(slot), slots_[slot].unfinished, slots_[slot].last_accepted});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.instrument < b.instrument; });
   return out;

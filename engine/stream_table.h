@@ -42,8 +42,11 @@ class StreamTable {
   // The number of the log entry that the slot's oldest accepted, unprocessed event takes (entries are numbered from 0
   // in the stream's processing order; the ring keeps number n at position n mod log_entries_per_slot).
   int64_t NextLogEntry(int slot) const;
-  // That event processed under `weights_version`: its entry (NextLogEntry) joins the log.
+  // That event's tick launched under `weights_version`: its entry (NextLogEntry) joins the log, unfinished (the
+  // device may still be running it) until TickFinished.
   void Append(int slot, uint64_t weights_version);
+  // The device finished the tick of the slot's oldest unfinished entry: Range and List count it from now on.
+  void TickFinished(int slot);
   // The slot's accepted events not yet processed are dropped: the next event accepted must carry the last
   // processed sequence number + 1 (any number, where none was processed).
   void ForgetUnprocessed(int slot);
@@ -55,7 +58,10 @@ class StreamTable {
   // with every accepted event after them: the log ends before it, and the next event accepted must carry its sequence
   // number.
   void DropFrom(int slot, int64_t entry);
+  // Entries in the log, finished or not.
   uint64_t processed(int slot) const { return slots_[slot].processed; }
+  // Of them, those whose ticks the device has finished (the oldest ones).
+  uint64_t finished(int slot) const { return slots_[slot].processed - slots_[slot].unfinished; }
 
   struct Segment {
     int64_t ring_begin;  // index in the slot's ring
@@ -68,7 +74,7 @@ class StreamTable {
     uint64_t min_weights_version = 0, max_weights_version = 0;
     uint64_t oldest_retained_seq = 0, next_seq = 0;  // what the log holds now: [oldest, next)
   };
-  // Up to `max_count` processed entries from `from_seq` on (from the oldest retained when from_seq is older and
+  // Up to `max_count` finished entries from `from_seq` on (from the oldest retained when from_seq is older and
   // nothing was overwritten). OUT_OF_RANGE naming the oldest retained sequence number when entries at or after
   // from_seq have been overwritten.
   absl::StatusOr<LogRange> Range(int slot, uint64_t from_seq, int64_t max_count) const;
@@ -92,7 +98,8 @@ class StreamTable {
   struct InstrumentInfo {
     std::string instrument;
     int slot;
-    uint64_t processed;  // events processed since the stream opened
+    uint64_t finished;  // events processed since the stream opened, their ticks finished
+    uint64_t unfinished;  // events whose ticks the device may still be running
     std::optional<uint64_t> last_seq;  // last accepted sequence number
   };
   std::vector<InstrumentInfo> List() const;
@@ -102,6 +109,7 @@ class StreamTable {
     std::string instrument;
     std::optional<uint64_t> first_seq, last_accepted;
     uint64_t processed = 0;
+    uint64_t unfinished = 0;  // the newest of the processed entries whose ticks may still run
     uint64_t written = 0;  // entries ever written to the ring: above `processed` after DropFrom
     uint64_t read = 0;  // entries of the whole history up to the furthest read's end (MarkRead)
     std::vector<uint64_t> weights_versions;  // ring, sized on open

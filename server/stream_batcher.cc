@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
 #include "engine/status_macros.h"
@@ -315,9 +317,7 @@ void StreamBatcher::Tick(ModelHost& host) {
     launched_.push_back({version, std::move(notices)});
     // Where no tick follows at once, the device's answer is all that is left to wait for: the tick's sinks hear of
     // their events as soon as it has finished. While ticks follow, the next tick is prepared meanwhile instead.
-    if (const absl::Status unknown = FinishTicks(**backend, /*wait_for_ticks=*/!more); !unknown.ok()) {
-      StopFailedStreams(unknown, /*device_configured=*/true);
-    }
+    FinishTicksOrStop(**backend, /*wait_for_ticks=*/!more);
   } else {
     // The ticks launched before it first: finished where the device can still say so (the failure may be this
     // tick's alone), else they fail with it.
@@ -339,6 +339,10 @@ absl::Status StreamBatcher::FinishTicks(Backend& backend, bool wait_for_ticks) {
   const Clock::time_point now = Clock::now();
   while (static_cast<int64_t>(launched_.size()) > checked->unfinished) {
     LaunchedTick& tick = launched_.front();
+    {
+      absl::MutexLock lock(&mu_);
+      for (const Notice& notice : tick.notices) table_.TickFinished(notice.slot);
+    }
     for (const Notice& notice : tick.notices) {
       metrics_.ObserveStreamEventLatency(std::chrono::duration<double>(now - notice.received).count());
     }
@@ -373,6 +377,24 @@ struct Failure {
 
 // How many stopped instruments a failure's message names.
 constexpr size_t kInstrumentsNamed = 4;
+
+// A failure message's list of the instruments of one sink's `events`: `name(event)` for each instrument's first event,
+// up to kInstrumentsNamed, joined by `separator`, then `more(count)` for the instruments not named.
+template <typename Event, typename Name, typename More>
+std::string NameInstruments(std::span<const Event> events, int slots, absl::string_view separator, Name name,
+                            More more) {
+  std::vector<bool> seen(slots);
+  size_t instruments = 0;
+  std::string named;
+  for (const Event& event : events) {
+    if (seen[event.slot]) continue;
+    seen[event.slot] = true;
+    if (++instruments > kInstrumentsNamed) continue;
+    absl::StrAppend(&named, instruments > 1 ? separator : "", name(event));
+  }
+  if (instruments > kInstrumentsNamed) absl::StrAppend(&named, more(instruments - kInstrumentsNamed));
+  return named;
+}
 
 // Zeroes the slot's state on the device; nothing to do where streaming never started (its first tick failed).
 absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
@@ -428,19 +450,12 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                                      : ". Each instrument named stopped: it takes no events until ResetStream, "
                                        "SeedStream or CloseStream, then from the seq named";
     ForEachSink(std::span<Notice>(failed), [&](std::span<const Notice> events) {
-      std::vector<bool> seen(table_.capacity());
-      size_t instruments = 0;
-      std::string stopped;
-      for (const Notice& event : events) {
-        if (seen[event.slot]) continue;
-        seen[event.slot] = true;
-        if (++instruments > kInstrumentsNamed) continue;
-        absl::StrAppend(&stopped, instruments > 1 ? ", '" : "'", queues_[event.slot].instrument, "' from seq ",
-                        event.seq);
-      }
-      if (instruments > kInstrumentsNamed) {
-        absl::StrAppend(&stopped, " and ", instruments - kInstrumentsNamed, " more instruments");
-      }
+      const std::string stopped = NameInstruments(
+          events, table_.capacity(), ", ",
+          [&](const Notice& event) {
+            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", event.seq);
+          },
+          [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
                                                " events of this call were not processed: ", stopped, remedy);
       const absl::StatusCode code = device_lost          ? absl::StatusCode::kUnavailable
@@ -481,20 +496,12 @@ void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found)
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
     ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
-      std::vector<bool> seen(table_.capacity());
-      size_t instruments = 0;
-      std::string stopped;
-      for (const Notice& event : events) {
-        if (seen[event.slot]) continue;
-        seen[event.slot] = true;
-        if (++instruments <= kInstrumentsNamed) absl::StrAppend(&stopped, " ", queues_[event.slot].stopped.message());
-      }
-      if (instruments > kInstrumentsNamed) {
-        absl::StrAppend(&stopped, ". ", instruments - kInstrumentsNamed, " more instruments stopped alike");
-      }
+      const std::string stopped = NameInstruments(
+          events, table_.capacity(), " ", [&](const Notice& event) { return queues_[event.slot].stopped.message(); },
+          [](size_t more) { return absl::StrCat(". ", more, " more instruments stopped alike"); });
       failures.push_back({events.front().sink,
                           absl::FailedPreconditionError(
-                              absl::StrCat(events.size(), " events of this call were not processed.", stopped)),
+                              absl::StrCat(events.size(), " events of this call were not processed. ", stopped)),
                           static_cast<int64_t>(events.size())});
     });
   }
@@ -505,7 +512,11 @@ void StreamBatcher::FinishTicksBefore(ModelHost& host) {
   if (!host.streaming_configured()) return;
   absl::StatusOr<Backend*> backend = host.StreamingBackend();
   if (!backend.ok()) return;
-  if (const absl::Status unknown = FinishTicks(**backend, /*wait_for_ticks=*/true); !unknown.ok()) {
+  FinishTicksOrStop(**backend, /*wait_for_ticks=*/true);
+}
+
+void StreamBatcher::FinishTicksOrStop(Backend& backend, bool wait_for_ticks) {
+  if (const absl::Status unknown = FinishTicks(backend, wait_for_ticks); !unknown.ok()) {
     StopFailedStreams(unknown, /*device_configured=*/true);
   }
 }
@@ -701,7 +712,7 @@ absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
     FinishTicksBefore(host);  // the slot's last events are told of (or dropped) while it still has its name
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
-    const uint64_t processed = table_.processed(slot);
+    const uint64_t processed = table_.finished(slot);
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     RETURN_IF_ERROR(CloseSlotLocked(slot));
     return processed;
@@ -715,8 +726,8 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     v1::StreamInfo& stream = *response.add_streams();
     stream.set_instrument(info.instrument);
     stream.set_slot(info.slot);
-    stream.set_processed_events(info.processed);
-    stream.set_pending_events(queues_[info.slot].events.size());
+    stream.set_processed_events(info.finished);
+    stream.set_pending_events(queues_[info.slot].events.size() + info.unfinished);
     if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
     stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
     if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {

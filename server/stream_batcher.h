@@ -181,9 +181,10 @@ class StreamBatcher {
   // instruments whose outputs came out not finite (StopNonFiniteStreams), then tells the finished ticks' sinks that
   // their events were processed. Returns what CheckTicks returned where it failed (launched_ is left as it was).
   absl::Status FinishTicks(Backend& backend, bool wait_for_ticks);
+  // FinishTicks; a device that cannot tell stops the launched ticks' instruments (StopFailedStreams).
+  void FinishTicksOrStop(Backend& backend, bool wait_for_ticks);
   // FinishTicks after every tick so far, where streaming runs, before a read, reset, seed or close (none of which
-  // may miss the entries to drop, and a reset or a seed forgets which of its slot's were not finite); a device that
-  // cannot tell stops the launched ticks' instruments.
+  // may miss the entries to drop, and a reset or a seed forgets which of its slot's were not finite).
   void FinishTicksBefore(ModelHost& host);
   // Each instrument of `found` loses its log entries from the first event that was not finite on, with its queued
   // events and those of launched_, and takes no events until ResetStream, SeedStream or CloseStream, then from that

@@ -10,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,8 @@ struct StreamFaults {
   std::atomic<int> failing_tick_in{0};        // the ForwardStepInto call this many from now fails (1: the next)
   std::atomic<bool> slow_ticks{false};        // CheckTicks without a wait: every tick since the last wait unfinished
   std::atomic<bool> ticks_unknown{false};     // CheckTicks fails, as on a device error
+  std::atomic<bool> hold_ticks{false};        // CheckTicks with a wait waits until this is cleared...
+  std::atomic<int> ticks_held{0};             // ...and counts its waits here
 };
 
 class StreamFaultBackend final : public ForwardingBackend {
@@ -62,6 +65,10 @@ class StreamFaultBackend final : public ForwardingBackend {
   absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
     if (faults_->ticks_unknown) return absl::InternalError("an injected error asking which ticks finished");
     if (faults_->slow_ticks && !wait_for_ticks) return TicksChecked{running_, {}};
+    if (wait_for_ticks && faults_->hold_ticks) {
+      ++faults_->ticks_held;
+      while (faults_->hold_ticks) absl::SleepFor(absl::Milliseconds(1));
+    }
     running_ = 0;
     return ForwardingBackend::CheckTicks(wait_for_ticks);
   }
@@ -220,6 +227,34 @@ TEST_F(StreamFailureTest, ATickFailingBehindAnUnfinishedOneFailsOnlyItsOwnEvents
   EXPECT_EQ(streams["B"].processed_events(), 1u);
   EXPECT_THAT(streams["A"].stopped(), HasSubstr("instrument 'A' stopped at seq 4 when the device failed its tick"));
   EXPECT_EQ(daemon_.ReadConvictions("A").convictions_size(), 3);
+}
+
+// While the device runs a tick, ListStreams counts its events pending, not processed: its processed_events and end_seq
+// move with the acknowledgements, so they never take back an event (a tick found not finite drops its entries).
+TEST_F(StreamFailureTest, ListStreamsCountsATicksEventsProcessedOnlyOnceTheDeviceFinishedIt) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  faults_->slow_ticks = true;
+  faults_->hold_ticks = true;
+  StreamOutcome held;
+  std::thread call([&] { held = daemon_.Stream({{Event("A", 2, 3), Event("B", 0, 1)}}); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (faults_->ticks_held == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(faults_->ticks_held, 1) << "the batcher never waited for the tick";
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 2u);
+  EXPECT_EQ(streams["A"].pending_events(), 1u);
+  EXPECT_EQ(streams["A"].end_seq(), 3u);
+  EXPECT_EQ(streams["A"].last_accepted_seq(), 3u);
+  EXPECT_EQ(streams["B"].processed_events(), 0u);
+  EXPECT_EQ(streams["B"].pending_events(), 1u);
+  faults_->hold_ticks = false;
+  call.join();
+  ASSERT_TRUE(held.status.ok()) << held.status.error_message();
+  streams = daemon_.Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 3u);
+  EXPECT_EQ(streams["A"].pending_events(), 0u);
+  EXPECT_EQ(streams["A"].end_seq(), 4u);
+  EXPECT_EQ(streams["B"].processed_events(), 1u);
 }
 
 // A device that cannot say whether the ticks it was given finished: their events are not acknowledged, their log

@@ -16,6 +16,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// An event processed and its tick finished.
+void AppendFinished(StreamTable& table, int slot, uint64_t weights_version) {
+  table.Append(slot, weights_version);
+  table.TickFinished(slot);
+}
+
 TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
   StreamTable table(2, 4);
   EXPECT_EQ(*table.Open("AAPL"), 0);
@@ -55,7 +61,7 @@ TEST(StreamTableTest, UnreadEntriesAreThoseRetainedPastTheFurthestRead) {
   auto process = [&](int slot, uint64_t first, int count) {
     for (uint64_t seq = first; seq < first + count; ++seq) {
       ASSERT_TRUE(table.Accept(slot, seq).ok());
-      table.Append(slot, 1);
+      AppendFinished(table, slot, 1);
     }
   };
   process(amzn, 100, 3);
@@ -90,14 +96,14 @@ TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {
   StreamTable table(2, 8);
   const int slot = *table.Open("AMZN");
   for (uint64_t seq = 40; seq < 45; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
-  table.Append(slot, 1);  // 40 and 41 processed, 42..44 waiting
-  table.Append(slot, 1);
+  AppendFinished(table, slot, 1);  // 40 and 41 processed, 42..44 waiting
+  AppendFinished(table, slot, 1);
   table.ForgetUnprocessed(slot);
   EXPECT_EQ(table.processed(slot), 2u);
   EXPECT_THAT(table.Accept(slot, 45).message(), HasSubstr("expected 42 (skipped)"));
   ASSERT_TRUE(table.Accept(slot, 42).ok());
   EXPECT_EQ(table.NextLogEntry(slot), 2);
-  table.Append(slot, 2);
+  AppendFinished(table, slot, 2);
   absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 0, 10);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->first_seq, 40u);
@@ -108,7 +114,7 @@ TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {
   ASSERT_TRUE(table.Accept(fresh, 7).ok());
   table.ForgetUnprocessed(fresh);
   ASSERT_TRUE(table.Accept(fresh, 3).ok());
-  table.Append(fresh, 1);
+  AppendFinished(table, fresh, 1);
   EXPECT_EQ(table.Range(fresh, 0, 10)->first_seq, 3u);
 }
 
@@ -118,7 +124,7 @@ TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
   for (uint64_t seq = 10; seq < 16; ++seq) {  // six events into a ring of four
     ASSERT_TRUE(table.Accept(slot, seq).ok());
     EXPECT_EQ(table.NextLogEntry(slot), static_cast<int64_t>(seq - 10));
-    table.Append(slot, /*weights_version=*/seq / 2);
+    AppendFinished(table, slot, /*weights_version=*/seq / 2);
   }
   EXPECT_EQ(table.overwritten_total(), 2u);
   // Retained: seq 12..15 at ring positions 2, 3, 0, 1.
@@ -145,7 +151,7 @@ TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
   // A fresh stream with nothing overwritten answers from its oldest entry.
   const int other = *table.Open("Y");
   ASSERT_TRUE(table.Accept(other, 500).ok());
-  table.Append(other, 1);
+  AppendFinished(table, other, 1);
   r = table.Range(other, 0, 10);
   EXPECT_EQ(r->first_seq, 500u);
   EXPECT_EQ(r->count, 1);
@@ -157,7 +163,7 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   StreamTable table(1, 4);
   const int slot = *table.Open("X");
   for (uint64_t seq = 10; seq < 18; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
-  for (int i = 0; i < 6; ++i) table.Append(slot, 1);  // 10..15 processed (the ring holds 12..15), 16 and 17 waiting
+  for (int i = 0; i < 6; ++i) AppendFinished(table, slot, 1);  // 10..15 processed (ring: 12..15), 16, 17 waiting
   table.MarkRead(slot, 16);
   EXPECT_EQ(table.SeqOfEntry(slot, 5), 15u);
   EXPECT_EQ(table.EntryOfSeq(slot, 15), 5);
@@ -174,7 +180,7 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   EXPECT_EQ(r->next_seq, 15u);
   EXPECT_EQ(table.Unread().entries, 0u) << "a read past the dropped entries read everything left";
   ASSERT_TRUE(table.Accept(slot, 15).ok());  // resent after a reset
-  table.Append(slot, 2);
+  AppendFinished(table, slot, 2);
   EXPECT_EQ(table.overwritten_total(), 2u) << "rewriting a dropped entry overwrites nothing retained";
   EXPECT_EQ(table.Unread().entries, 1u);
   r = table.Range(slot, 12, 10);
@@ -183,6 +189,42 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   table.DropFrom(slot, 0);  // everything: the stream starts afresh
   EXPECT_EQ(table.Range(slot, 0, 10)->count, 0);
   EXPECT_TRUE(table.Accept(slot, 3).ok());
+}
+
+// A launched tick's entries join the log at once (the next event's entry follows them), but reads and listings count
+// only those whose ticks the device has finished; dropping entries keeps that count right on both sides of the drop.
+TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirTicksFinish) {
+  StreamTable table(1, 8);
+  const int slot = *table.Open("X");
+  for (uint64_t seq = 20; seq < 26; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
+  for (int i = 0; i < 5; ++i) table.Append(slot, 1);  // 20..24 launched, 25 waiting
+  table.TickFinished(slot);
+  table.TickFinished(slot);  // 20 and 21 finished
+  EXPECT_EQ(table.processed(slot), 5u);
+  EXPECT_EQ(table.finished(slot), 2u);
+  EXPECT_EQ(table.NextLogEntry(slot), 5);
+  absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 0, 10);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first_seq, 20u);
+  EXPECT_EQ(r->count, 2);
+  EXPECT_EQ(r->next_seq, 22u);
+  ASSERT_EQ(table.List().size(), 1u);
+  EXPECT_EQ(table.List()[0].finished, 2u);
+  EXPECT_EQ(table.List()[0].unfinished, 3u);
+
+  table.DropFrom(slot, 3);  // 23 went non-finite: 22 is still running, 23 and 24 leave
+  EXPECT_EQ(table.finished(slot), 2u);
+  EXPECT_EQ(table.List()[0].unfinished, 1u);
+  table.TickFinished(slot);
+  EXPECT_EQ(table.Range(slot, 0, 10)->next_seq, 23u);
+  EXPECT_EQ(table.List()[0].unfinished, 0u);
+
+  ASSERT_TRUE(table.Accept(slot, 23).ok());
+  table.Append(slot, 2);
+  table.DropFrom(slot, 1);  // into the finished entries: everything from 21 leaves, nothing is left unfinished
+  EXPECT_EQ(table.finished(slot), 1u);
+  EXPECT_EQ(table.List()[0].unfinished, 0u);
+  EXPECT_EQ(table.Range(slot, 0, 10)->next_seq, 21u);
 }
 
 TEST(StreamTableTest, FeaturizerKeepsItsLevelCount) {
