@@ -22,6 +22,10 @@ echo "default precision on cuda: $(grep -q 'precision 3xtf32$' "$out/device.txt"
 "${ctl[@]}" train --lobster "$ob" "$msg" --steps 60 | tail -3
 "${ctl[@]}" checkpoint save gpu.safetensors
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN --count "$events" | tail -2
+# Once the call has its acknowledgements, ListStreams counts every event processed (their ticks finished), none pending.
+"${ctl[@]}" streams | tee "$out/streams.txt"
+echo "listed AMZN with $events events processed, none pending: $(awk -v n="$events" \
+  '$1 == "AMZN" && $3 == n && $4 == 0 {ok = 1} END {print ok ? "PASS" : "FAIL"}' "$out/streams.txt")"
 "${ctl[@]}" convictions --instrument AMZN --out "$out/convictions.csv" | tail -1
 "${ctl[@]}" bench --instruments 1 --events 20000 | tail -4
 "${ctl[@]}" bench --instruments 100 --events 50000 | tail -4
