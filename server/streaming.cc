@@ -46,6 +46,7 @@ void StreamReactor::Drain(const absl::Status& status) {
   Update([&] {
     if (input_done_) return;  // a call the client half-closed still ends OK once its events are processed
     error_ = status;
+    outranked_ = "the call stopped reading its requests when the daemon began to drain";
     input_done_ = true;
   });
 }
@@ -64,7 +65,7 @@ void StreamReactor::OnReadDone(bool ok) {
     if (request->ack() && submitted.accepted > 0) AwaitLocked(*request, submitted.accepted);
     if (!submitted.status.ok()) {
       error_ = submitted.status;
-      refused_ = true;
+      outranked_ = "a request of this call was refused";
       input_done_ = true;
     }
   });
@@ -104,14 +105,15 @@ void StreamReactor::OnProcessed(std::span<const Processed> events, int64_t weigh
 void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
   Update([&] {
     unprocessed_ -= count;
-    // The failure, which names where each instrument resumes, outranks a refusal of one of the call's requests: one
-    // read while the failure was on its way (refused because the failed tick had stopped its instrument) or before.
+    // The failure, which names where each instrument resumes, outranks a refusal of one of the call's requests (one
+    // read while the failure was on its way, refused because the failed tick had stopped its instrument, or before)
+    // and a drain that reached the call first (a lost device begins one as it fails the ticks).
     if (error_.ok()) {
       error_ = status;
-    } else if (refused_) {
-      error_ = absl::Status(status.code(), absl::StrCat(status.message(), ". Besides, a request of this call was "
-                                                        "refused: ", error_.message()));
-      refused_ = false;
+    } else if (outranked_ != nullptr) {
+      error_ = absl::Status(status.code(),
+                            absl::StrCat(status.message(), ". Besides, ", outranked_, ": ", error_.message()));
+      outranked_ = nullptr;
     }
     input_done_ = true;
   });

@@ -64,9 +64,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
 
   absl::Mutex mu_;
   std::unique_ptr<v1::StreamRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
-  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, or a request was refused
-  absl::Status error_ ABSL_GUARDED_BY(mu_);       // why the call ends: a device failure, else the first refusal
-  bool refused_ ABSL_GUARDED_BY(mu_) = false;     // error_ is a refusal of one of the call's requests
+  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a request was refused, or a drain began
+  absl::Status error_ ABSL_GUARDED_BY(mu_);  // why the call ends: a device failure, else a refusal or the drain
+  // What error_ is where it is a refusal of one of the call's requests or the drain, which a failure (naming where
+  // each instrument resumes) outranks and keeps as an aside; null otherwise.
+  const char* outranked_ ABSL_GUARDED_BY(mu_) = nullptr;
   int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
   bool held_ ABSL_GUARDED_BY(mu_) = false;        // no read started: the daemon's pending events are at their limit
   uint64_t processed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -122,6 +122,8 @@ class InProcessDaemon {
     EXPECT_TRUE(stub_->ReadConvictions(&context, request, &response).ok());
     return response;
   }
+  // The service's drain, as perceptiond begins it on SIGTERM or a lost device.
+  void BeginDrain() { service_.BeginDrain(); }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }
   const server::ServerMetrics& metrics() const { return metrics_; }

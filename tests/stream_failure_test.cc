@@ -141,6 +141,7 @@ class StreamFailureTest : public ::testing::Test {
   // failure_stopped_ tells the test that the instruments are stopped, and the notices wait (up to 30 s) until the
   // daemon has refused an event as stopped.
   void BeforeFailureNotices() {
+    if (drain_before_failure_notices_) daemon_.BeginDrain();
     if (!hold_failure_notices_) return;
     failure_stopped_.Notify();
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -152,6 +153,7 @@ class StreamFailureTest : public ::testing::Test {
   const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
   const std::shared_ptr<StreamFaults> faults_ = std::make_shared<StreamFaults>();
   std::atomic<bool> hold_failure_notices_{false};
+  std::atomic<bool> drain_before_failure_notices_{false};  // the drain reaches the calls ahead of a failure's notices
   absl::Notification failure_stopped_;
   InProcessDaemon daemon_{[faults = faults_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
                             return std::make_unique<StreamFaultBackend>(std::move(backend), faults);
@@ -308,6 +310,29 @@ TEST_F(StreamFailureTest, ARequestRefusedWhileTheFailureIsOnItsWayLeavesTheFailu
                                                 "events of this call were not processed: 'A' from seq 2"));
   EXPECT_THAT(status.error_message(), HasSubstr("Besides, a request of this call was refused: event 0 (instrument "
                                                 "'A', seq 3): instrument 'A' stopped at seq 2"));
+}
+
+// A drain that reaches a call before its failed tick's notice (a lost device begins one as it fails the ticks) leaves
+// the failure the call's status, which says where each instrument resumes, the drain added to it.
+TEST_F(StreamFailureTest, ADrainThatReachesTheCallFirstLeavesTheFailureTheCallsStatus) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->failing_ticks = 1;
+  drain_before_failure_notices_ = true;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const auto call = daemon_.stub().Stream(&context);
+  v1::StreamRequest failing;
+  *failing.add_events() = Event("A", 1, 2);
+  ASSERT_TRUE(call->Write(failing));
+  for (v1::StreamResponse response; call->Read(&response);) {
+    EXPECT_EQ(response.acks_size(), 0) << "nothing of the call was processed";
+  }
+  const grpc::Status status = call->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error); 1 "
+                                                "events of this call were not processed: 'A' from seq 2"));
+  EXPECT_THAT(status.error_message(), HasSubstr("Besides, the call stopped reading its requests when the daemon began "
+                                                "to drain: perceptiond is draining before it exits"));
 }
 
 // A seed the device fails after writing the slot: a live stream stops (its state is neither the old one nor the
