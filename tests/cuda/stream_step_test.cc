@@ -256,6 +256,18 @@ TEST_P(StreamStepTest, EveryLaunchShapeGivesTheSameBits) {
   for (const auto& r : results) EXPECT_EQ(r, results.front());
 }
 
+TEST_P(StreamStepTest, TwoWideTicksMatchTheCpuStepPath) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  // The wide path alone, small enough for compute-sanitizer's racecheck (about a second an event there): a tick of 9
+  // events (a second tile with one event, seven lanes past the tick's end) over a seeded slot, then 3 of them again.
+  StreamStepParity parity(GetParam(), 12, 4);
+  ASSERT_TRUE(parity.streamer().Supports(kStreamWideShape));
+  parity.Seed(5, 3, 9);
+  parity.Tick({5, 0, 11, 3, 7, 1, 10, 2, 8}, 41, kStreamWideShape);
+  parity.Tick({8, 5, 0}, 42, kStreamWideShape);
+  parity.ExpectLogsMatch();
+}
+
 TEST_P(StreamStepTest, TheWidePathGivesTheClusterKernelsBits) {
   SKIP_WITHOUT_CUDA_DEVICE();
   // Staged ticks of 9 to 40 events (tiles with events past the tick's end) over warm states, seeded and random, on
