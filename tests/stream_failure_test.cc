@@ -148,7 +148,20 @@ class StreamFailureTest : public ::testing::Test {
     while (RefusedAsStopped() < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   }
 
+  // Reads the call's responses to its end, expecting no acknowledgement (nothing of the call was processed), and
+  // returns its status.
+  static grpc::Status FinishUnacknowledged(grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>& call) {
+    for (v1::StreamResponse response; call.Read(&response);) {
+      EXPECT_EQ(response.acks_size(), 0) << "nothing of the call was processed";
+    }
+    return call.Finish();
+  }
+
   static constexpr uint64_t kSeed = 5;
+  // The status of a call whose one event, A's seq 2, was in the injected failed tick.
+  static constexpr char kFailedFromTwo[] =
+      "the device failed a streaming tick (an injected device error); 1 events of this call were not processed: 'A' "
+      "from seq 2";
   const ModelConfig config_ = *NamedConfig("tiny");
   const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
   const std::shared_ptr<StreamFaults> faults_ = std::make_shared<StreamFaults>();
@@ -300,14 +313,10 @@ TEST_F(StreamFailureTest, ARequestRefusedWhileTheFailureIsOnItsWayLeavesTheFailu
   ASSERT_TRUE(failure_stopped_.WaitForNotificationWithTimeout(absl::Seconds(30)));
   ASSERT_TRUE(call->Write(refused));
   call->WritesDone();
-  for (v1::StreamResponse response; call->Read(&response);) {
-    EXPECT_EQ(response.acks_size(), 0) << "nothing of the call was processed";
-  }
-  const grpc::Status status = call->Finish();
+  const grpc::Status status = FinishUnacknowledged(*call);
   EXPECT_EQ(RefusedAsStopped(), 1) << "the second request was read, and refused, before the failure's notice";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
-  EXPECT_THAT(status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error); 1 "
-                                                "events of this call were not processed: 'A' from seq 2"));
+  EXPECT_THAT(status.error_message(), HasSubstr(kFailedFromTwo));
   EXPECT_THAT(status.error_message(), HasSubstr("Besides, a request of this call was refused: event 0 (instrument "
                                                 "'A', seq 3): instrument 'A' stopped at seq 2"));
 }
@@ -324,13 +333,9 @@ TEST_F(StreamFailureTest, ADrainThatReachesTheCallFirstLeavesTheFailureTheCallsS
   v1::StreamRequest failing;
   *failing.add_events() = Event("A", 1, 2);
   ASSERT_TRUE(call->Write(failing));
-  for (v1::StreamResponse response; call->Read(&response);) {
-    EXPECT_EQ(response.acks_size(), 0) << "nothing of the call was processed";
-  }
-  const grpc::Status status = call->Finish();
+  const grpc::Status status = FinishUnacknowledged(*call);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
-  EXPECT_THAT(status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error); 1 "
-                                                "events of this call were not processed: 'A' from seq 2"));
+  EXPECT_THAT(status.error_message(), HasSubstr(kFailedFromTwo));
   EXPECT_THAT(status.error_message(), HasSubstr("Besides, the call stopped reading its requests when the daemon began "
                                                 "to drain: perceptiond is draining before it exits"));
 }
