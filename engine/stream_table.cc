@@ -72,9 +72,14 @@ void StreamTable::Append(int slot, uint64_t weights_version) {
   s.written = std::max(s.written, s.processed);
 }
 
-void StreamTable::TickFinished(int slot) {
+absl::Status StreamTable::TickFinished(int slot) {
   Slot& s = slots_[slot];
-  if (s.unfinished > 0) --s.unfinished;
+  if (s.unfinished == 0) {
+    return absl::InternalError(absl::StrCat("slot ", slot, " (instrument '", s.instrument, "', ", s.processed,
+                                            " entries) was told a tick finished, but none of its ticks is unfinished"));
+  }
+  --s.unfinished;
+  return absl::OkStatus();
 }
 
 uint64_t StreamTable::SeqOfEntry(int slot, int64_t entry) const {

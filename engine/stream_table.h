@@ -46,7 +46,9 @@ class StreamTable {
   // device may still be running it) until TickFinished.
   void Append(int slot, uint64_t weights_version);
   // The device finished the tick of the slot's oldest unfinished entry: Range and List count it from now on.
-  void TickFinished(int slot);
+  // INTERNAL (and nothing changes) where the slot has no unfinished entry: the caller's bookkeeping of launched ticks
+  // has gone wrong.
+  absl::Status TickFinished(int slot);
   // The slot's accepted events not yet processed are dropped: the next event accepted must carry the last
   // processed sequence number + 1 (any number, where none was processed).
   void ForgetUnprocessed(int slot);

@@ -19,7 +19,7 @@ using ::testing::HasSubstr;
 // An event processed and its tick finished.
 void AppendFinished(StreamTable& table, int slot, uint64_t weights_version) {
   table.Append(slot, weights_version);
-  table.TickFinished(slot);
+  ASSERT_TRUE(table.TickFinished(slot).ok());
 }
 
 TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
@@ -198,8 +198,8 @@ TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirT
   const int slot = *table.Open("X");
   for (uint64_t seq = 20; seq < 26; ++seq) ASSERT_TRUE(table.Accept(slot, seq).ok());
   for (int i = 0; i < 5; ++i) table.Append(slot, 1);  // 20..24 launched, 25 waiting
-  table.TickFinished(slot);
-  table.TickFinished(slot);  // 20 and 21 finished
+  ASSERT_TRUE(table.TickFinished(slot).ok());
+  ASSERT_TRUE(table.TickFinished(slot).ok());  // 20 and 21 finished
   EXPECT_EQ(table.processed(slot), 5u);
   EXPECT_EQ(table.finished(slot), 2u);
   EXPECT_EQ(table.NextLogEntry(slot), 5);
@@ -215,9 +215,14 @@ TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirT
   table.DropFrom(slot, 3);  // 23 went non-finite: 22 is still running, 23 and 24 leave
   EXPECT_EQ(table.finished(slot), 2u);
   EXPECT_EQ(table.List()[0].unfinished, 1u);
-  table.TickFinished(slot);
+  ASSERT_TRUE(table.TickFinished(slot).ok());
   EXPECT_EQ(table.Range(slot, 0, 10)->next_seq, 23u);
   EXPECT_EQ(table.List()[0].unfinished, 0u);
+  // A tick told finished twice is a broken invariant of the caller's, reported, not a count gone negative.
+  const absl::Status twice = table.TickFinished(slot);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(twice.message(), HasSubstr("instrument 'X'"));
+  EXPECT_EQ(table.finished(slot), 3u);
 
   ASSERT_TRUE(table.Accept(slot, 23).ok());
   table.Append(slot, 2);
