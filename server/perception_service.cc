@@ -275,31 +275,31 @@ grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionServic
       });
 }
 
-grpc::Status PerceptionService::SeedStream(grpc::ServerContext*, const v1::SeedStreamRequest* request,
+grpc::Status PerceptionService::SeedStream(grpc::ServerContext* context, const v1::SeedStreamRequest* request,
                                            v1::SeedStreamResponse* response) {
   return Answer("SeedStream", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(*response, streams_.Seed(*request));
+    ASSIGN_OR_RETURN(*response, streams_.Seed(*request, context));
     return absl::OkStatus();
   });
 }
 
-grpc::Status PerceptionService::ReadConvictions(grpc::ServerContext*, const v1::ReadConvictionsRequest* request,
+grpc::Status PerceptionService::ReadConvictions(grpc::ServerContext* context, const v1::ReadConvictionsRequest* request,
                                                 v1::ReadConvictionsResponse* response) {
   return Answer("ReadConvictions", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(*response, streams_.Read(*request));
+    ASSIGN_OR_RETURN(*response, streams_.Read(*request, context));
     return absl::OkStatus();
   }, WhileDraining::kAnswered);
 }
 
-grpc::Status PerceptionService::ResetStream(grpc::ServerContext*, const v1::ResetStreamRequest* request,
+grpc::Status PerceptionService::ResetStream(grpc::ServerContext* context, const v1::ResetStreamRequest* request,
                                             v1::ResetStreamResponse*) {
-  return Answer("ResetStream", [&] { return streams_.Reset(request->instrument()); });
+  return Answer("ResetStream", [&] { return streams_.Reset(request->instrument(), context); });
 }
 
-grpc::Status PerceptionService::CloseStream(grpc::ServerContext*, const v1::CloseStreamRequest* request,
+grpc::Status PerceptionService::CloseStream(grpc::ServerContext* context, const v1::CloseStreamRequest* request,
                                             v1::CloseStreamResponse* response) {
   return Answer("CloseStream", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const uint64_t processed, streams_.Close(request->instrument()));
+    ASSIGN_OR_RETURN(const uint64_t processed, streams_.Close(request->instrument(), context));
     response->set_processed_events(processed);
     return absl::OkStatus();
   });

@@ -583,7 +583,8 @@ absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& requ
 
 }  // namespace
 
-absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request) {
+absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request,
+                                                           const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
@@ -642,10 +643,11 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     response.set_weights_version(host.published_weights_version());
     response.set_device_seconds(stopwatch.Seconds());
     return response;
-  });
+  }, caller);
 }
 
-absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request) {
+absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request,
+                                                                const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.max_count() < 0) return absl::InvalidArgumentError("max_count must be >= 0");
   const int64_t max_count = request.max_count() == 0 ? options_.max_read_count
@@ -688,7 +690,7 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
     absl::MutexLock lock(&mu_);
     table_.MarkRead(slot, response.next_seq());
     return response;
-  });
+  }, caller);
 }
 
 StreamBatcher::Unread StreamBatcher::NotReadBack() const {
@@ -697,7 +699,7 @@ StreamBatcher::Unread StreamBatcher::NotReadBack() const {
   return {pending_, logged.entries, logged.streams};
 }
 
-absl::Status StreamBatcher::Reset(const std::string& instrument) {
+absl::Status StreamBatcher::Reset(const std::string& instrument, const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
     FinishTicksBefore(host);  // the reset forgets the slot's
@@ -708,10 +710,11 @@ absl::Status StreamBatcher::Reset(const std::string& instrument) {
     queues_[slot].lobster.reset();
     queues_[slot].stopped = absl::OkStatus();
     return absl::OkStatus();
-  });
+  }, caller);
 }
 
-absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
+absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument,
+                                               const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<uint64_t> {
     FinishTicksBefore(host);  // the slot's last events are told of (or dropped) while it still has its name
@@ -721,7 +724,7 @@ absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument) {
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     RETURN_IF_ERROR(CloseSlotLocked(slot));
     return processed;
-  });
+  }, caller);
 }
 
 v1::ListStreamsResponse StreamBatcher::List() const {

@@ -91,10 +91,15 @@ class StreamBatcher {
   };
   Submitted Submit(const v1::StreamRequest& request, StreamSink* sink);
 
-  absl::StatusOr<v1::SeedStreamResponse> Seed(const v1::SeedStreamRequest& request);
-  absl::StatusOr<v1::ReadConvictionsResponse> Read(const v1::ReadConvictionsRequest& request);
-  absl::Status Reset(const std::string& instrument);
-  absl::StatusOr<uint64_t> Close(const std::string& instrument);  // the events it processed
+  // Each runs on the device worker; with a `caller` whose client stopped waiting before the worker took it up, it
+  // does nothing and returns CallerGone's status (the client was told the call failed).
+  absl::StatusOr<v1::SeedStreamResponse> Seed(const v1::SeedStreamRequest& request,
+                                              const grpc::ServerContextBase* caller = nullptr);
+  absl::StatusOr<v1::ReadConvictionsResponse> Read(const v1::ReadConvictionsRequest& request,
+                                                   const grpc::ServerContextBase* caller = nullptr);
+  absl::Status Reset(const std::string& instrument, const grpc::ServerContextBase* caller = nullptr);
+  // The events it processed.
+  absl::StatusOr<uint64_t> Close(const std::string& instrument, const grpc::ServerContextBase* caller = nullptr);
   v1::ListStreamsResponse List() const;
   // Whether a Stream call with events waiting may read another request: fewer than options.max_pending_events
   // accepted events wait for the device. A call held back looks again when its events are processed (every tick

@@ -20,6 +20,7 @@ namespace perception::server {
 namespace {
 
 using testing::BatchMessage;
+using testing::FeatureEvent;
 using testing::InProcessDaemon;
 using testing::WorkerGate;
 using testing::MakeRandomBatch;
@@ -123,6 +124,59 @@ TEST_F(AbandonedCallsTest, ACallTheClientCancelledInTheQueueChangesNothing) {
   ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
 
   EXPECT_EQ(CurrentModel().optimizer().lr(), before.optimizer().lr());
+}
+
+// Before, each ran once the device was free: the reset and the seed replaced A's state (a client told they failed
+// would then stream on from a state it did not expect), the read marked A's convictions read back (a drain could then
+// exit before the client read them), and the close forgot A's log.
+TEST_F(AbandonedCallsTest, StreamingCallsWhoseDeadlinePassedInTheQueueChangeNothing) {
+  const testing::RandomBatch series = MakeRandomBatch(config_, 1, 8, 21);
+  const auto events = [&](const std::string& instrument, int from, int to) {
+    std::vector<v1::StreamEvent> events;
+    for (int t = from; t < to; ++t) events.push_back(FeatureEvent(series, config_.n_features, t, instrument, t));
+    return events;
+  };
+  ASSERT_TRUE(daemon_.Stream({events("A", 0, 3)}).status.ok());
+  ASSERT_EQ(daemon_.streams().NotReadBack().convictions, 3u);
+  ASSERT_NO_FATAL_FAILURE(HoldWorker());
+
+  const auto impatient = [](grpc::ClientContext& context) -> grpc::ClientContext& {
+    context.set_deadline(In(kImpatient));
+    return context;
+  };
+  grpc::ClientContext reset_context, seed_context, read_context, close_context;
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("A");
+  v1::ResetStreamResponse reset_answer;
+  EXPECT_EQ(daemon_.stub().ResetStream(&impatient(reset_context), reset, &reset_answer).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("A");
+  for (const v1::StreamEvent& event : events("A", 4, 6)) *seed.add_events() = event;
+  v1::SeedStreamResponse seed_answer;
+  EXPECT_EQ(daemon_.stub().SeedStream(&impatient(seed_context), seed, &seed_answer).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  v1::ReadConvictionsRequest read;
+  read.set_instrument("A");
+  v1::ReadConvictionsResponse read_answer;
+  EXPECT_EQ(daemon_.stub().ReadConvictions(&impatient(read_context), read, &read_answer).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  v1::CloseStreamRequest close;
+  close.set_instrument("A");
+  v1::CloseStreamResponse close_answer;
+  EXPECT_EQ(daemon_.stub().CloseStream(&impatient(close_context), close, &close_answer).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(daemon_.worker().queued_jobs(), 4) << "the four calls wait behind the gate";
+  ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
+
+  EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 3u) << "no page was read back";
+  // A's state is the one its three events left: its fourth event's conviction is that of B, fed the same four.
+  ASSERT_TRUE(daemon_.Stream({events("A", 3, 4), events("B", 0, 4)}).status.ok());
+  const v1::ReadConvictionsResponse a = daemon_.ReadConvictions("A"), b = daemon_.ReadConvictions("B");
+  ASSERT_EQ(a.convictions_size(), 4);
+  ASSERT_EQ(b.convictions_size(), 4);
+  EXPECT_EQ(a.first_seq(), 0u);
+  EXPECT_EQ(a.convictions(3), b.convictions(3));
 }
 
 }  // namespace

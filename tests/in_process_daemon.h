@@ -126,6 +126,7 @@ class InProcessDaemon {
   void BeginDrain() { service_.BeginDrain(); }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::DeviceWorker& worker() { return worker_; }
+  const server::StreamBatcher& streams() const { return streams_; }
   const server::ServerMetrics& metrics() const { return metrics_; }
   // The value of a metric in the daemon's exposition: a name, with its labels where it has them
   // (`name{label="value"}`); -1 where there is none.
