@@ -42,8 +42,8 @@ class StreamTable {
   // The number of the log entry that the slot's oldest accepted, unprocessed event takes (entries are numbered from 0
   // in the stream's processing order; the ring keeps number n at position n mod log_entries_per_slot).
   int64_t NextLogEntry(int slot) const;
-  // That event's tick launched under `weights_version`: its entry (NextLogEntry) joins the log, unfinished (the
-  // device may still be running it) until TickFinished.
+  // That event's tick launches under `weights_version`: its entry (NextLogEntry) joins the log, unfinished (the
+  // device has yet to finish it) until TickFinished; a tick that fails drops it (DropFrom).
   void Append(int slot, uint64_t weights_version);
   // The device finished the tick of the slot's oldest unfinished entry: Range and List count it from now on.
   // INTERNAL (and nothing changes) where the slot has no unfinished entry: the caller's bookkeeping of launched ticks

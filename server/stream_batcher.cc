@@ -283,6 +283,9 @@ void StreamBatcher::Tick(ModelHost& host) {
       tick_slots_.push_back(slot);
       notices_.push_back({event.sink, slot, event.seq, event.received});
       tick_log_indices_.push_back(table_.NextLogEntry(slot));
+      // Its entry joins the log now, unfinished, so that from here until the device finishes the tick ListStreams
+      // and the drain's count of what is unread include the event; a tick that fails drops it again.
+      table_.Append(slot, static_cast<uint64_t>(version));
       if (!queue.events.empty()) {
         ready_[kept++] = slot;
       } else {
@@ -291,6 +294,8 @@ void StreamBatcher::Tick(ModelHost& host) {
     }
     ready_.resize(kept);
     more = kept > 0;
+    metrics_.AddConvictionsOverwritten(table_.overwritten_total() - overwritten_reported_);
+    overwritten_reported_ = table_.overwritten_total();
   }
   if (notices_.empty()) return;
   absl::Status status = backend.status();
@@ -301,12 +306,6 @@ void StreamBatcher::Tick(ModelHost& host) {
                  : (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
   }
   if (status.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      for (const int32_t slot : tick_slots_) table_.Append(slot, static_cast<uint64_t>(version));
-      metrics_.AddConvictionsOverwritten(table_.overwritten_total() - overwritten_reported_);
-      overwritten_reported_ = table_.overwritten_total();
-    }
     metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());
     std::vector<Notice> notices;
     if (!spare_notices_.empty()) {
@@ -318,6 +317,9 @@ void StreamBatcher::Tick(ModelHost& host) {
     // Where no tick follows at once, the device's answer is all that is left to wait for: the tick's sinks hear of
     // their events as soon as it has finished. While ticks follow, the next tick is prepared meanwhile instead.
     FinishTicksOrStop(**backend, /*wait_for_ticks=*/!more);
+    // An instrument stopped there (an output not finite) may have taken with it every event that was to follow:
+    // then no tick follows to wait for these.
+    if (more && !launched_.empty() && !TickToFollow()) FinishTicksOrStop(**backend, /*wait_for_ticks=*/true);
   } else {
     // The ticks launched before it first: finished where the device can still say so (the failure may be this
     // tick's alone), else they fail with it.
@@ -489,13 +491,16 @@ void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found)
           "it takes no events until ResetStream, SeedStream or CloseStream, then from seq ", seq));
       spdlog::error("{}", queue.stopped.ToString());
       metrics_.ObserveNonFiniteStream();
-      for (LaunchedTick& tick : launched_) {
-        std::erase_if(tick.notices, [&](const Notice& notice) {
+      const auto drop_later = [&](std::vector<Notice>& notices) {
+        std::erase_if(notices, [&](const Notice& notice) {
           const bool dropped = notice.slot == output.slot && notice.seq >= seq;
           if (dropped) dropped_.push_back(notice);
           return dropped;
         });
-      }
+      };
+      for (LaunchedTick& tick : launched_) drop_later(tick.notices);
+      // The tick whose launch failed, when its failure is what asked the device: its later event is this stop's.
+      drop_later(notices_);
       DropQueuedLocked(output.slot);
       table_.DropFrom(output.slot, output.entry);
     }
@@ -511,6 +516,11 @@ void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found)
     });
   }
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+}
+
+bool StreamBatcher::TickToFollow() const {
+  absl::MutexLock lock(&mu_);
+  return !ready_.empty();
 }
 
 void StreamBatcher::FinishTicksBefore(ModelHost& host) {
@@ -620,10 +630,12 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
     queue.seeding = false;
     if (!seeded.ok()) {
       // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
-      if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) CloseSlotLocked(slot).IgnoreError();
-      // A live stream whose state the failed seed may have written (in part, or to values that are not finite) stops,
-      // as after a failed tick: its next events would otherwise step from a state its events did not lead to.
-      if (!opened && device_written) {
+      bool closed = false;
+      if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) closed = CloseSlotLocked(slot).ok();
+      // A stream whose state the failed seed may have written (in part, or to values that are not finite) and that
+      // stays stops, as after a failed tick: its next events would otherwise step from a state its events did not
+      // lead to.
+      if (!closed && device_written) {
         queue.stopped = absl::FailedPreconditionError(absl::StrCat(
             "instrument '", queue.instrument, "' stopped when its seed failed (", seeded.message(),
             "); its state is not the one its events led to: it takes no events until ResetStream, SeedStream or "

@@ -191,6 +191,8 @@ class StreamBatcher {
   // FinishTicks after every tick so far, where streaming runs, before a read, reset, seed or close (none of which
   // may miss the entries to drop, and a reset or a seed forgets which of its slot's were not finite).
   void FinishTicksBefore(ModelHost& host);
+  // Whether events wait for a tick.
+  bool TickToFollow() const ABSL_LOCKS_EXCLUDED(mu_);
   // Each instrument of `found` loses its log entries from the first event that was not finite on, with its queued
   // events and those of launched_, and takes no events until ResetStream, SeedStream or CloseStream, then from that
   // event's sequence number; the sinks of the events dropped hear why.

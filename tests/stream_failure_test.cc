@@ -32,6 +32,7 @@ namespace perception::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // What the decorated backends do wrong, set by the test while the daemon runs.
 struct StreamFaults {
@@ -43,6 +44,12 @@ struct StreamFaults {
   std::atomic<bool> ticks_unknown{false};     // CheckTicks fails, as on a device error
   std::atomic<bool> hold_ticks{false};        // CheckTicks with a wait waits until this is cleared...
   std::atomic<int> ticks_held{0};             // ...and counts its waits here
+  std::atomic<int> failing_resets{0};         // the next ResetSlot calls fail
+  std::atomic<bool> hold_launch{false};       // ForwardStepInto waits, before launching, until this is cleared...
+  std::atomic<int> launches_held{0};          // ...and counts its waits here
+  std::atomic<int> nonfinite_slot{-1};        // the next CheckTicks with a wait also reports this slot's...
+  std::atomic<int64_t> nonfinite_entry{0};    // ...log entry's output as not finite...
+  std::atomic<bool> nonfinite_unwaited{false};  // ...or, with slow_ticks, the next without a wait
 };
 
 class StreamFaultBackend final : public ForwardingBackend {
@@ -56,6 +63,10 @@ class StreamFaultBackend final : public ForwardingBackend {
   }
   absl::Status ForwardStepInto(const StreamTick& tick) override {
     if (faults_->failing_tick_in > 0 && --faults_->failing_tick_in == 0) faults_->failing_ticks = 1;
+    if (faults_->hold_launch) {
+      ++faults_->launches_held;
+      while (faults_->hold_launch) absl::SleepFor(absl::Milliseconds(1));
+    }
     if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
     faults_->failing_ticks = 0;
     RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
@@ -64,13 +75,29 @@ class StreamFaultBackend final : public ForwardingBackend {
   }
   absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
     if (faults_->ticks_unknown) return absl::InternalError("an injected error asking which ticks finished");
-    if (faults_->slow_ticks && !wait_for_ticks) return TicksChecked{running_, {}};
+    if (faults_->slow_ticks && !wait_for_ticks) {
+      TicksChecked unfinished{running_, {}};
+      // As a backend may: a non-finite output found while its tick, or one after it, is still running.
+      if (faults_->nonfinite_unwaited && faults_->nonfinite_slot >= 0) {
+        unfinished.nonfinite.push_back({faults_->nonfinite_slot.exchange(-1), faults_->nonfinite_entry});
+      }
+      return unfinished;
+    }
     if (wait_for_ticks && faults_->hold_ticks) {
       ++faults_->ticks_held;
       while (faults_->hold_ticks) absl::SleepFor(absl::Milliseconds(1));
     }
     running_ = 0;
-    return ForwardingBackend::CheckTicks(wait_for_ticks);
+    ASSIGN_OR_RETURN(TicksChecked checked, ForwardingBackend::CheckTicks(wait_for_ticks));
+    if (wait_for_ticks && faults_->nonfinite_slot >= 0) {
+      checked.nonfinite.push_back({faults_->nonfinite_slot.exchange(-1), faults_->nonfinite_entry});
+    }
+    return checked;
+  }
+  absl::Status ResetSlot(int slot) override {
+    if (faults_->failing_resets.fetch_sub(1) > 0) return absl::InternalError("an injected reset failure");
+    faults_->failing_resets = 0;
+    return ForwardingBackend::ResetSlot(slot);
   }
   absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
     const absl::Status seeded = ForwardingBackend::SeedSlot(slot, x, dt);
@@ -272,6 +299,73 @@ TEST_F(StreamFailureTest, ListStreamsCountsATicksEventsProcessedOnlyOnceTheDevic
   EXPECT_EQ(streams["B"].processed_events(), 1u);
 }
 
+// From the moment a tick takes its events from the queues until the device has finished it, ForwardStepInto included,
+// ListStreams counts them pending and the drain unread: a drain that began meanwhile would otherwise find nothing left
+// to read back and exit before the tick's convictions could be read.
+TEST_F(StreamFailureTest, ATicksEventsAreCountedWhileItLaunches) {
+  faults_->hold_launch = true;
+  StreamOutcome held;
+  std::thread call([&] { held = daemon_.Stream({{Event("A", 0, 1)}}); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (faults_->launches_held == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(faults_->launches_held, 1) << "the tick never launched";
+  const v1::StreamInfo launching = daemon_.Streams()["A"];
+  EXPECT_EQ(launching.processed_events(), 0u);
+  EXPECT_EQ(launching.pending_events(), 1u);
+  const server::StreamBatcher::Unread unread = daemon_.streams().NotReadBack();
+  EXPECT_FALSE(unread.none());
+  EXPECT_EQ(unread.convictions, 1u);
+  faults_->hold_launch = false;
+  call.join();
+  ASSERT_TRUE(held.status.ok()) << held.status.error_message();
+  EXPECT_EQ(daemon_.Streams()["A"].processed_events(), 1u);
+  EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 1u);
+}
+
+// A tick fails while one before it, still unfinished, holds an output that was not finite, found only when the failure
+// makes the batcher wait for the device: the instrument stops where its output went non-finite, and the failed tick's
+// later event of it fails with that stop, so that the call and ListStreams name the seq its log resumes from.
+TEST_F(StreamFailureTest, AnOutputFoundNotFiniteAsATickFailsStopsItsInstrumentWhereTheOutputWent) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  faults_->nonfinite_entry = 2;  // seq 3
+  faults_->nonfinite_slot = daemon_.Streams()["A"].slot();
+  faults_->slow_ticks = true;
+  faults_->failing_tick_in = 2;  // the first tick takes A's 3 and B's 1, the second A's 4 and fails
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4), Event("B", 0, 1)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << failed.status.error_message();
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("2 events of this call were not processed. instrument 'A' "
+                                                       "stopped at seq 3: the model's output"));
+  EXPECT_THAT(failed.status.error_message(), Not(HasSubstr("seq 4")));
+  EXPECT_EQ(failed.acked.count("A"), 0u);
+  EXPECT_EQ(failed.acked.at("B"), 1u);
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
+  EXPECT_EQ(streams["A"].processed_events(), 2u);
+  EXPECT_EQ(streams["A"].end_seq(), 3u);
+  EXPECT_EQ(streams["A"].last_accepted_seq(), 2u);
+  EXPECT_THAT(streams["A"].stopped(), HasSubstr("then from seq 3"));
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  faults_->slow_ticks = false;
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 2, 3)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  EXPECT_EQ(resumed.acked.at("A"), 3u);
+}
+
+// An output found not finite while the ticks are still running, by a check that does not wait, stops its instrument
+// and with it every event that was to follow; the ticks still running are then waited for, so that the other
+// instrument's event in them is acknowledged now rather than by whatever streaming work comes next.
+TEST_F(StreamFailureTest, AStopThatLeavesNoTickToFollowStillWaitsForTheTicksRunning) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  faults_->nonfinite_entry = 2;  // seq 3
+  faults_->nonfinite_unwaited = true;
+  faults_->nonfinite_slot = daemon_.Streams()["A"].slot();
+  faults_->slow_ticks = true;
+  const StreamOutcome stopped = daemon_.Stream({{Event("A", 2, 3), Event("A", 3, 4), Event("B", 0, 1)}});
+  EXPECT_EQ(stopped.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << stopped.status.error_message();
+  EXPECT_THAT(stopped.status.error_message(), HasSubstr("instrument 'A' stopped at seq 3"));
+  EXPECT_EQ(stopped.acked.at("B"), 1u);
+  EXPECT_EQ(daemon_.Streams()["B"].processed_events(), 1u);
+}
+
 // A device that cannot say whether the ticks it was given finished: their events are not acknowledged, their log
 // entries leave the logs, and their instruments stop at the first of them, as after a failed tick.
 TEST_F(StreamFailureTest, TicksTheDeviceCannotSayFinishedFailTheirEventsAndLeaveNoEntries) {
@@ -372,6 +466,23 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
   ASSERT_EQ(b.seqs_size(), 2);
   const std::vector<float> from_zero = Offline("B", 0, 2);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(b.convictions(i), from_zero[i], 1e-6) << "B seq " << i + 1;
+}
+
+// A seed that fails on a new instrument whose slot then cannot be zeroed: the stream stays open (the slot must not
+// pass to another instrument with this state) and stopped, so that its events do not step from what the seed left.
+TEST_F(StreamFailureTest, AFailedSeedWhoseSlotCannotBeZeroedLeavesItsNewStreamStopped) {
+  faults_->failing_seeds = 1;
+  faults_->failing_resets = 1;
+  EXPECT_EQ(Seed("C", 0, 4).error_code(), grpc::StatusCode::INTERNAL);
+  std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
+  ASSERT_EQ(streams.count("C"), 1u) << "the slot, not zeroed, stays the instrument's";
+  EXPECT_THAT(streams["C"].stopped(), HasSubstr("instrument 'C' stopped when its seed failed (an injected seed failure)"));
+  const StreamOutcome refused = daemon_.Stream({{Event("C", 0, 1)}});
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  ASSERT_TRUE(daemon_.ResetStream("C").ok());
+  const StreamOutcome fresh = daemon_.Stream({{Event("C", 0, 1)}});
+  ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
+  EXPECT_EQ(fresh.acked.at("C"), 1u);
 }
 
 TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelThatCanBeReplaced) {
