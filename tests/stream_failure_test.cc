@@ -215,7 +215,8 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   faults_->failing_ticks = 1;
   StreamOutcome failed = daemon_.Stream({{Event("A", 3, 4), Event("A", 4, 5), Event("A", 5, 6), Event("B", 1, 2)}});
   EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
-  EXPECT_THAT(failed.status.error_message(), HasSubstr("the device failed a streaming tick (an injected device error)"));
+  EXPECT_THAT(failed.status.error_message(),
+              HasSubstr("the device failed a streaming tick (an injected device error)"));
   EXPECT_THAT(failed.status.error_message(), HasSubstr("4 events of this call were not processed: 'A' from seq 4, "
                                                        "'B' from seq 2"));
   EXPECT_TRUE(failed.acked.empty()) << "nothing of the call was processed";
@@ -476,7 +477,8 @@ TEST_F(StreamFailureTest, AFailedSeedWhoseSlotCannotBeZeroedLeavesItsNewStreamSt
   EXPECT_EQ(Seed("C", 0, 4).error_code(), grpc::StatusCode::INTERNAL);
   std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
   ASSERT_EQ(streams.count("C"), 1u) << "the slot, not zeroed, stays the instrument's";
-  EXPECT_THAT(streams["C"].stopped(), HasSubstr("instrument 'C' stopped when its seed failed (an injected seed failure)"));
+  EXPECT_THAT(streams["C"].stopped(),
+              HasSubstr("instrument 'C' stopped when its seed failed (an injected seed failure)"));
   const StreamOutcome refused = daemon_.Stream({{Event("C", 0, 1)}});
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   ASSERT_TRUE(daemon_.ResetStream("C").ok());
