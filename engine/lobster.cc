@@ -249,15 +249,22 @@ absl::Status ValidateBookRow(std::span<const int64_t> book_row) {
     const int64_t value = book_row[i];
     const bool ask_side = i % 4 < 2, is_size = i % 2 == 1;
     const int64_t empty_price = ask_side ? kEmptyAskPrice : kEmptyBidPrice;
-    const bool valid = is_size ? value >= 0 && value <= kMaxSize
+    const bool size_in_range = value >= 0 && value <= kMaxSize;
+    // An empty level has size 0 (MODEL.md §1.1): shares beside the dummy price mean a garbled row, whose size the
+    // featurizer would silently drop.
+    const bool size_on_empty_level = is_size && value != 0 && book_row[i - 1] == empty_price;
+    const bool valid = is_size ? size_in_range && !size_on_empty_level
                                : value == empty_price || (value > 0 && value < kEmptyAskPrice);
     if (valid) continue;
     const std::string what =
         absl::StrCat("level ", i / 4 + 1, ask_side ? " ask " : " bid ", is_size ? "size " : "price ", value);
+    if (!is_size) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " is neither a price in 1..", kEmptyAskPrice - 1,
+                                                     " (1e-4 dollars) nor the empty level's ", empty_price));
+    }
     return absl::InvalidArgumentError(
-        is_size ? absl::StrCat(what, " is not a share count in 0..2^53")
-                : absl::StrCat(what, " is neither a price in 1..", kEmptyAskPrice - 1,
-                               " (1e-4 dollars) nor the empty level's ", empty_price));
+        size_in_range ? absl::StrCat(what, " is not 0 beside the empty level's price ", empty_price)
+                      : absl::StrCat(what, " is not a share count in 0..2^53"));
   }
   return absl::OkStatus();
 }

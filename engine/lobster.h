@@ -55,9 +55,9 @@ absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const
 absl::Status CheckLobsterFeatureCount(int levels, int n_features, absl::string_view consumer);
 
 // OK when level 1 of `book_row` holds a real price on both sides with ask > bid (MODEL.md §1.1), so the event has
-// a mid, and every level's prices are real (positive, below the empty ask's) or its side's empty-level dummy and
-// its sizes lie in 0..2^53 (exact in a double, and their sums fit an int64); INVALID_ARGUMENT naming the first
-// value that is not.
+// a mid, and every level's prices are real (positive, below the empty ask's) or its side's empty-level dummy, its
+// sizes lie in 0..2^53 (exact in a double, and their sums fit an int64) and a side at the dummy has size 0;
+// INVALID_ARGUMENT naming the first value that is not.
 absl::Status ValidateBookRow(std::span<const int64_t> book_row);
 // OK for a message type in 1..7 and a direction of ±1; INVALID_ARGUMENT otherwise.
 absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction);

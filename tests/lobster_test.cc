@@ -266,6 +266,23 @@ TEST_F(ReadLobsterErrors, NegativeSizesAndPricesOutsideTheirRange) {
               orderbook_ + ":1:", "level 2 bid price 0 is neither a price in 1..9999999998");
 }
 
+// An empty level has size 0 (MODEL.md §1.1); shares beside a dummy price were read and then dropped by the featurizer.
+TEST_F(ReadLobsterErrors, SharesOnAnEmptyLevel) {
+  ExpectError(Read("2239500,100,2231800,100,2239600,5,2231700,5\n2239500,100,2238100,21,9999999999,7,2238000,5\n"
+                   "2239500,100,2237500,100,9999999999,0,2237400,5\n",
+                   kMessages),
+              orderbook_ + ":2:", "level 2 ask size 7 is not 0 beside the empty level's price 9999999999");
+  ExpectError(Read("2239500,100,2231800,100,2239600,5,2231700,5\n2239500,100,2238100,21,2239600,5,2238000,5\n"
+                   "2239500,100,2237500,100,2239600,5,-9999999999,1\n",
+                   kMessages),
+              orderbook_ + ":3:", "level 2 bid size 1 is not 0 beside the empty level's price -9999999999");
+  // Both sides empty with size 0 still read.
+  EXPECT_TRUE(Read("2239500,100,2231800,100,9999999999,0,-9999999999,0\n2239500,100,2238100,21,2239600,5,2238000,5\n"
+                   "2239500,100,2237500,100,9999999999,0,2237400,5\n",
+                   kMessages)
+                  .ok());
+}
+
 TEST_F(ReadLobsterErrors, MissingFile) {
   const absl::StatusOr<LobsterData> data = ReadLobster("/nonexistent/orderbook.csv", "/nonexistent/message.csv");
   EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
@@ -507,6 +524,8 @@ TEST(LobsterFeaturizer, RefusesSizesPricesTypesAndDirectionsOutsideTheirRanges) 
       {{2000200, 5, 1999800, 5, INT64_MAX, 7, 1999700, 9}, "level 2 ask price 9223372036854775807 is neither"},
       {{2000200, 5, 1999800, 5, 2000300, 7, kEmptyAskPrice, 0}, "level 2 bid price 9999999999 is neither"},
       {{2000200, 5, 1999800, 5, 2000300, 7, -5, 9}, "level 2 bid price -5 is neither"},
+      {{2000200, 5, 1999800, 5, kEmptyAskPrice, 3, 1999700, 9}, "level 2 ask size 3 is not 0 beside the empty level's"},
+      {{2000200, 5, 1999800, 5, 2000300, 7, kEmptyBidPrice, 9}, "level 2 bid size 9 is not 0 beside the empty level's"},
   };
   std::vector<float> untouched(16, -7.f);
   for (const auto& [row, what] : rows) {
