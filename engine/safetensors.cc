@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "engine/atomic_file.h"
+#include "engine/json_object.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -209,12 +210,13 @@ absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_b
   if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
     return Corrupt(absl::StrCat("header holds a NUL byte at offset ", nul));
   }
-  const nlohmann::json header = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded()) return Corrupt("header is not valid JSON");
-  if (!header.is_object()) return Corrupt("header is not a JSON object");
+  const absl::StatusOr<nlohmann::json> header = ParseJsonStrictly(text);
+  if (!header.ok()) return Corrupt(absl::StrCat("header ", header.status().message()));
+  if (header->is_discarded()) return Corrupt("header is not valid JSON");
+  if (!header->is_object()) return Corrupt("header is not a JSON object");
 
   ParsedHeader parsed;
-  for (const auto& [key, value] : header.items()) {
+  for (const auto& [key, value] : header->items()) {
     if (key == kMetadataKey) {
       ASSIGN_OR_RETURN(parsed.metadata, ParseMetadata(value));
     } else {

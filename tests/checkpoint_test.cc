@@ -371,11 +371,15 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
   } cases[] = {
       {"format", "perception-v0", "metadata format is 'perception-v0', expected 'perception-v1'"},
       {"config", "{\"n_features\": 6,", "metadata config is invalid: config: not a JSON object"},
+      {"config", "{\"n_features\": 6, \"n_features\": 8}",
+       "metadata config is invalid: config: repeats key 'n_features' in one object"},
       {"config", ConfigToJson(Config("small")), "tensor 'norm.mean' has shape [6], expected [40]"},
       {"step", "12a", "metadata step '12a' is not a non-negative integer"},
       {"step", "-3", "metadata step '-3' is not a non-negative integer"},
       {"step", "7", "optim.step holds"},
       {"optimizer", "{\"lr\": 0.001}", "metadata optimizer is invalid: optimizer: 'beta1' must be a number"},
+      {"optimizer", "{\"lr\": 0.001, \"lr\": 0.002}",
+       "metadata optimizer is invalid: optimizer: repeats key 'lr' in one object"},
       {"optimizer", OptimizerToJson(OptimizerConfig{.lr = -1}), "metadata optimizer is invalid: optimizer: lr must"},
   };
   for (const auto& c : cases) {

@@ -234,6 +234,26 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
       {"metadata not object", RawFile(R"({"__metadata__": ["x"]})", ""), "__metadata__ is not a JSON object"},
       {"metadata value not string", RawFile(R"({"__metadata__": {"step": 3}})", ""),
        "metadata value for 'step' is not a string"},
+      // nlohmann's parser keeps the last of repeated keys; the reader refuses them in any object.
+      {"tensor twice",
+       RawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                   "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+               eight),
+       "header repeats key 'a' in one object"},
+      {"metadata twice", RawFile(R"({"__metadata__": {}, "__metadata__": {"step": "1"}})", ""),
+       "header repeats key '__metadata__' in one object"},
+      {"dtype twice",
+       RawFile(R"({"a": {"dtype": "F16", "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", eight),
+       "header repeats key 'dtype' in the object under 'a'"},
+      {"metadata key twice", RawFile(R"({"__metadata__": {"step": "1", "step": "2"}})", ""),
+       "header repeats key 'step' in the object under '__metadata__'"},
+      // 64 nested containers are JSON the reader goes on to check; a 65th stops the parse.
+      {"64 deep",
+       RawFile(absl::StrCat(R"({"__metadata__": {"x": )", std::string(62, '['), std::string(62, ']'), "}}"), ""),
+       "metadata value for 'x' is not a string"},
+      {"65 deep",
+       RawFile(absl::StrCat(R"({"__metadata__": {"x": )", std::string(63, '['), std::string(63, ']'), "}}"), ""),
+       "header nests deeper than 64 levels"},
   };
   const std::string path = Path("malformed.safetensors");
   for (const auto& c : cases) {
@@ -247,14 +267,9 @@ TEST_F(SafetensorsTest, ReaderRejectsMalformedFilesNamingTheProblem) {
   }
 }
 
-// The whole file was once read into memory before its header was checked: a 4 GB sparse file with a garbage header
-// took seconds and 4 GB of memory to refuse. With the address space held to about 256 MiB above what the process
-// uses now, a 2 GiB file can only be refused if the reader looks at its header before anything else.
-TEST_F(SafetensorsTest, ReaderRefusesABadHeaderBeforeReadingTheData) {
-  const std::string path = Path("sparse.safetensors");
-  WriteBytes(path, RawFile(R"({"a": )", ""));
-  ASSERT_EQ(::truncate(path.c_str(), off_t{2} << 30), 0) << std::strerror(errno);
-
+// ReadSafetensors with the address space held to about 256 MiB above what the process uses now: a reader that
+// allocates what a hostile file makes it fails instead of passing.
+void ReadWithLittleMemory(const std::string& path, absl::StatusOr<SafetensorsFile>& file) {
   std::ifstream statm("/proc/self/statm");
   size_t mapped_pages = 0;
   ASSERT_TRUE(statm >> mapped_pages);
@@ -264,12 +279,38 @@ TEST_F(SafetensorsTest, ReaderRefusesABadHeaderBeforeReadingTheData) {
   small_limit.rlim_cur = std::min<rlim_t>(mapped_pages * ::sysconf(_SC_PAGESIZE) + (rlim_t{256} << 20),
                                           saved_limit.rlim_max);
   ASSERT_EQ(::setrlimit(RLIMIT_AS, &small_limit), 0) << std::strerror(errno);
-  const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  file = ReadSafetensors(path);
   ASSERT_EQ(::setrlimit(RLIMIT_AS, &saved_limit), 0);
+}
+
+// The whole file was once read into memory before its header was checked: a 4 GB sparse file with a garbage header
+// took seconds and 4 GB of memory to refuse. With little memory, a 2 GiB file can only be refused if the reader looks
+// at its header before anything else.
+TEST_F(SafetensorsTest, ReaderRefusesABadHeaderBeforeReadingTheData) {
+  const std::string path = Path("sparse.safetensors");
+  WriteBytes(path, RawFile(R"({"a": )", ""));
+  ASSERT_EQ(::truncate(path.c_str(), off_t{2} << 30), 0) << std::strerror(errno);
+
+  absl::StatusOr<SafetensorsFile> file;
+  ReadWithLittleMemory(path, file);
   std::filesystem::remove(path);
 
   EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss) << file.status();
   EXPECT_THAT(file.status().message(), HasSubstr("header is not valid JSON"));
+}
+
+// nlohmann's DOM of nested arrays costs tens of times their text: a 20 MB header of '[' took gigabytes before it was
+// refused as invalid JSON. The parse now stops at kMaxJsonDepth, with little memory.
+TEST_F(SafetensorsTest, ReaderRefusesDeepNestingBeforeBuildingIt) {
+  const std::string path = Path("deep.safetensors");
+  WriteBytes(path, RawFile(std::string(20'000'000, '['), ""));
+
+  absl::StatusOr<SafetensorsFile> file;
+  ReadWithLittleMemory(path, file);
+  std::filesystem::remove(path);
+
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss) << file.status();
+  EXPECT_THAT(file.status().message(), HasSubstr("header nests deeper than 64 levels"));
 }
 
 // Opening a FIFO for reading waited for a writer: a FIFO named as a checkpoint held the daemon's device worker.
