@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "spdlog/spdlog.h"
 
 namespace perception::server {
@@ -30,6 +31,9 @@ constexpr Clock::duration kConnectionDeadline = std::chrono::seconds(2);
 // Connections served at once; more wait in the listen backlog until a slot frees, within kConnectionDeadline.
 constexpr size_t kMaxConnections = 16;
 constexpr size_t kMaxRequestHead = 8192;
+// Once its answer is sent, what a client still sends is read and dropped until it closes, up to this much: closing
+// with bytes unread would reset the connection, and the client could lose the answer.
+constexpr size_t kMaxDrained = 65536;
 
 absl::Status Errno(absl::string_view what, const std::string& address) {
   return absl::UnavailableError(absl::StrCat("metrics ", what, " ", address, ": ", std::strerror(errno)));
@@ -91,6 +95,13 @@ int PollTimeoutMs(Clock::time_point deadline) {
   return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
+// Where the request head ends, past its blank line; npos while it has none. A line may end in a bare LF (RFC 9112
+// §2.2 lets a recipient take it for CRLF), so the blank line is "\n\n" as well as "\n\r\n".
+size_t HeadEnd(absl::string_view head) {
+  const size_t lf = head.find("\n\n"), crlf = head.find("\n\r\n");
+  return std::min(lf == absl::string_view::npos ? lf : lf + 2, crlf == absl::string_view::npos ? crlf : crlf + 3);
+}
+
 std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body) {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type, "\r\nContent-Length: ", body.size(),
                       "\r\nConnection: close\r\n\r\n", body);
@@ -106,8 +117,10 @@ struct MetricsHttpServer::Connection {
   std::string head;        // the request head received so far
   bool answering = false;  // the head is complete and `answer` is set
   std::string answer;
-  size_t sent = 0;    // bytes of `answer` sent
-  bool done = false;  // answered, or failed
+  size_t sent = 0;        // bytes of `answer` sent
+  bool draining = false;  // the answer is sent and the write side shut: what the client still sends is dropped
+  size_t drained = 0;     // bytes dropped so far
+  bool done = false;      // answered and closed by the client, or failed
 };
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& address,
@@ -148,7 +161,8 @@ void MetricsHttpServer::Serve() {
     watched = {{wake_pipe_[0], POLLIN, 0}, {connections.size() < kMaxConnections ? listen_fd_ : -1, POLLIN, 0}};
     Clock::time_point next_deadline = Clock::time_point::max();
     for (const Connection& connection : connections) {
-      watched.push_back({connection.fd, static_cast<short>(connection.answering ? POLLOUT : POLLIN), 0});
+      const bool sending = connection.answering && !connection.draining;
+      watched.push_back({connection.fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0});
       next_deadline = std::min(next_deadline, connection.deadline);
     }
     const int timeout_ms = connections.empty() ? -1 : PollTimeoutMs(next_deadline);
@@ -176,19 +190,30 @@ void MetricsHttpServer::Serve() {
 }
 
 void MetricsHttpServer::Advance(Connection& connection) const {
+  char chunk[1024];
+  if (connection.draining) {
+    const ssize_t n = ::recv(connection.fd, chunk, sizeof(chunk), 0);
+    connection.drained += static_cast<size_t>(std::max<ssize_t>(n, 0));
+    connection.done = n == 0 || (n < 0 && !WouldBlock()) || connection.drained > kMaxDrained;
+    return;
+  }
   if (!connection.answering) {
-    char chunk[1024];
     const ssize_t n = ::recv(connection.fd, chunk, sizeof(chunk), 0);
     if (n < 0) {
       connection.done = !WouldBlock();
       return;
     }
     connection.head.append(chunk, static_cast<size_t>(n));
-    // n == 0: the client sent all it will; it is answered from what there is. The body of a GET is empty.
-    if (n > 0 && connection.head.size() < kMaxRequestHead && connection.head.find("\r\n\r\n") == std::string::npos) {
+    const size_t end = HeadEnd(connection.head);
+    if (end == std::string::npos ? connection.head.size() > kMaxRequestHead : end > kMaxRequestHead) {
+      connection.answer = Response("431 Request Header Fields Too Large", "text/plain",
+                                   absl::StrCat("the request head is over ", kMaxRequestHead, " bytes\n"));
+    } else if (end != std::string::npos || n == 0) {
+      // n == 0: the client sent all it will; it is answered from what there is. The body of a GET is empty.
+      connection.answer = Respond(connection.head);
+    } else {
       return;
     }
-    connection.answer = Respond(connection.head);
     connection.answering = true;
   }
   const absl::string_view rest = absl::string_view(connection.answer).substr(connection.sent);
@@ -198,11 +223,16 @@ void MetricsHttpServer::Advance(Connection& connection) const {
     return;
   }
   connection.sent += static_cast<size_t>(n);
-  connection.done = connection.sent == connection.answer.size();
+  if (connection.sent < connection.answer.size()) return;
+  // The client sees the answer end now; it is closed once the client closes too (see kMaxDrained). shutdown fails
+  // only when the client has reset the connection already.
+  connection.draining = true;
+  connection.done = ::shutdown(connection.fd, SHUT_WR) != 0;
 }
 
 std::string MetricsHttpServer::Respond(absl::string_view head) const {
-  const absl::string_view request_line = head.substr(0, head.find("\r\n"));
+  absl::string_view request_line = head.substr(0, head.find('\n'));
+  absl::ConsumeSuffix(&request_line, "\r");
   // "METHOD TARGET VERSION"; a query string on the target is ignored.
   const size_t method_end = request_line.find(' ');
   const size_t target_end = request_line.find(' ', method_end + 1);

@@ -18,7 +18,7 @@ class MetricsHttpServer {
   // Listens on `address` ("host:port"; port 0 picks a free one) and answers GET /metrics with `render()`. One thread
   // polls the listener and every open connection (up to 16); each connection has 2 s in all to send its request
   // head and take its answer, so an idle or trickling client neither delays a concurrent scrape nor holds its slot
-  // for long, and the destructor does not wait for it.
+  // for long, and the destructor does not wait for it. A head over 8 KiB is answered 431.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
                                                                   std::function<std::string()> render);
   ~MetricsHttpServer();  // stops listening, drops the open connections and joins the thread

@@ -1,5 +1,6 @@
 // The /metrics responder against clients that connect and send nothing or trickle their request: scrapes beside
 // them are answered at once, the slow ones are dropped at their deadline, and the destructor does not wait for them.
+// Heads over the limit or with bare LF line ends.
 #include "server/metrics_http_server.h"
 
 #include <arpa/inet.h>
@@ -9,7 +10,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -42,8 +45,10 @@ class Client {
   bool Send(const std::string& bytes) const {
     return ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
   }
-  // Everything the server sends until it closes the connection, or what came before `timeout`.
-  std::string ReadToEnd(std::chrono::milliseconds timeout) const {
+  // Everything the server sends until it closes the connection, or what came before `timeout`. `error`, when given,
+  // is set to the errno of a failed read (ECONNRESET: the server reset the connection), else to 0.
+  std::string ReadToEnd(std::chrono::milliseconds timeout, int* error = nullptr) const {
+    if (error != nullptr) *error = 0;
     const Clock::time_point deadline = Clock::now() + timeout;
     std::string received;
     char chunk[4096];
@@ -52,6 +57,7 @@ class Client {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (::poll(&readable, 1, static_cast<int>(left.count()) + 1) <= 0) continue;
       const ssize_t n = ::recv(fd_, chunk, sizeof(chunk), 0);
+      if (n < 0 && error != nullptr) *error = errno;
       if (n <= 0) return received;
       received.append(chunk, static_cast<size_t>(n));
     }
@@ -136,6 +142,54 @@ TEST(MetricsHttpServerTest, TheDestructorDoesNotWaitForATricklingClient) {
   const Clock::time_point stopping = Clock::now();
   server.reset();
   EXPECT_LT(SecondsSince(stopping), 1.0);
+}
+
+// A head over the 8 KiB limit was answered 200 from its first 8 KiB, and the connection closed with the rest unread:
+// a reset, which can lose the answer. A head of 8192 bytes is answered; one byte more is refused with 431, and the
+// client reads the whole answer and the connection's orderly end.
+TEST(MetricsHttpServerTest, AHeadOverTheLimitIsRefusedWith431AndAnOrderlyClose) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const std::string start = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: ";
+  const std::string largest = start + std::string(8192 - start.size() - 4, 'a') + "\r\n\r\n";
+  ASSERT_EQ(largest.size(), 8192u);
+  const struct {
+    std::string head;
+    std::string status_line;
+  } cases[] = {
+      {largest, "HTTP/1.1 200 OK\r\n"},
+      {start + "a" + largest.substr(start.size()), "HTTP/1.1 431 Request Header Fields Too Large\r\n"},
+      // Twice the limit, so that much of it is still unread when the answer is sent.
+      {start + std::string(16384, 'a') + "\r\n\r\n", "HTTP/1.1 431 Request Header Fields Too Large\r\n"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.head.size());
+    const Client client(server->port());
+    ASSERT_TRUE(client.connected());
+    ASSERT_TRUE(client.Send(c.head));
+    int error = -1;
+    const std::string answer = client.ReadToEnd(std::chrono::seconds(10), &error);
+    EXPECT_THAT(answer, StartsWith(c.status_line));
+    EXPECT_EQ(error, 0) << std::strerror(error);
+  }
+}
+
+// RFC 9112 §2.2 lets a recipient take a bare LF for a line's end. A head ending in "\n\n" was never seen whole: the
+// client was dropped at its 2 s deadline without an answer.
+TEST(MetricsHttpServerTest, AHeadWithBareLineFeedsIsAnswered) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  for (const std::string head : {"GET /metrics HTTP/1.1\nHost: 127.0.0.1\n\n", "GET /metrics HTTP/1.1\r\n\n"}) {
+    SCOPED_TRACE(::testing::PrintToString(head));
+    const Clock::time_point asked = Clock::now();
+    const Client client(server->port());
+    ASSERT_TRUE(client.connected());
+    ASSERT_TRUE(client.Send(head));
+    const std::string answer = client.ReadToEnd(std::chrono::seconds(10));
+    EXPECT_LT(SecondsSince(asked), 1.0);
+    EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK\r\n"));
+    EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
+  }
 }
 
 }  // namespace
