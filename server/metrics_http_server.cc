@@ -34,6 +34,10 @@ constexpr size_t kMaxRequestHead = 8192;
 // Once its answer is sent, what a client still sends is read and dropped until it closes, up to this much: closing
 // with bytes unread would reset the connection, and the client could lose the answer.
 constexpr size_t kMaxDrained = 65536;
+// Accept fails without taking the pending connection from the backlog when the process is out of descriptors or
+// memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the listener stays readable, and polling it again at once would spin.
+constexpr std::chrono::milliseconds kAcceptBackoff(100);
+constexpr Clock::duration kAcceptReportInterval = std::chrono::seconds(10);
 
 absl::Status Errno(absl::string_view what, const std::string& address) {
   return absl::UnavailableError(absl::StrCat("metrics ", what, " ", address, ": ", std::strerror(errno)));
@@ -107,6 +111,29 @@ std::string Response(absl::string_view status, absl::string_view content_type, a
                       "\r\nConnection: close\r\n\r\n", body);
 }
 
+// Failures of accept other than a client that left first: after each the listener rests for kAcceptBackoff, and
+// they are logged at most once per kAcceptReportInterval.
+class AcceptFailures {
+ public:
+  void Record(int error, Clock::time_point now) {
+    resume_ = now + kAcceptBackoff;
+    ++unreported_;
+    if (now < last_report_ + kAcceptReportInterval) return;
+    spdlog::warn("metrics: cannot accept a connection: {} ({} time(s) since the last report); the listener rests "
+                 "{} ms after each",
+                 std::strerror(error), unreported_, kAcceptBackoff.count());
+    last_report_ = now;
+    unreported_ = 0;
+  }
+  // When the listener may be polled again.
+  Clock::time_point resume() const { return resume_; }
+
+ private:
+  Clock::time_point resume_ = Clock::time_point::min();
+  Clock::time_point last_report_ = Clock::time_point::min();
+  int unreported_ = 0;
+};
+
 }  // namespace
 
 struct MetricsHttpServer::Connection {
@@ -156,16 +183,19 @@ MetricsHttpServer::~MetricsHttpServer() {
 void MetricsHttpServer::Serve() {
   std::vector<Connection> connections;
   std::vector<pollfd> watched;
+  AcceptFailures accept_failures;
   while (true) {
-    // The wake pipe, the listener (ignored, as fd -1, while every slot is taken), then each connection.
-    watched = {{wake_pipe_[0], POLLIN, 0}, {connections.size() < kMaxConnections ? listen_fd_ : -1, POLLIN, 0}};
-    Clock::time_point next_deadline = Clock::time_point::max();
+    const bool resting = Clock::now() < accept_failures.resume();
+    // The wake pipe, the listener (ignored, as fd -1, while every slot is taken or it rests), then each connection.
+    watched = {{wake_pipe_[0], POLLIN, 0},
+               {connections.size() < kMaxConnections && !resting ? listen_fd_ : -1, POLLIN, 0}};
+    Clock::time_point next_deadline = resting ? accept_failures.resume() : Clock::time_point::max();
     for (const Connection& connection : connections) {
       const bool sending = connection.answering && !connection.draining;
       watched.push_back({connection.fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0});
       next_deadline = std::min(next_deadline, connection.deadline);
     }
-    const int timeout_ms = connections.empty() ? -1 : PollTimeoutMs(next_deadline);
+    const int timeout_ms = next_deadline == Clock::time_point::max() ? -1 : PollTimeoutMs(next_deadline);
     if (::poll(watched.data(), watched.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       spdlog::error("metrics: poll failed: {}", std::strerror(errno));
@@ -183,7 +213,11 @@ void MetricsHttpServer::Serve() {
     });
     if (watched[1].revents != 0) {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd >= 0) connections.emplace_back(fd, now + kConnectionDeadline);
+      if (fd >= 0) {
+        connections.emplace_back(fd, now + kConnectionDeadline);
+      } else if (!WouldBlock() && errno != ECONNABORTED) {
+        accept_failures.Record(errno, now);
+      }
     }
   }
   for (const Connection& connection : connections) ::close(connection.fd);

@@ -14,9 +14,8 @@
 #include "engine/config.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
-#include "spdlog/sinks/ringbuffer_sink.h"
-#include "spdlog/spdlog.h"
 #include "tests/batch_message.h"
+#include "tests/captured_log.h"
 #include "tests/forwarding_backend.h"
 #include "tests/in_process_daemon.h"
 #include "tests/test_util.h"
@@ -48,23 +47,6 @@ class OverflowingBackend final : public ForwardingBackend {
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>&) override {
     return StepNotTakenError(TrainStepResult{.loss = 0.7, .grad_norm = INFINITY, .step = 0});
   }
-};
-
-// The default logger's records, as "level|message", while it is in scope.
-class CapturedLog {
- public:
-  CapturedLog() : previous_(spdlog::default_logger()) {
-    sink_->set_pattern("%l|%v");
-    spdlog::set_default_logger(std::make_shared<spdlog::logger>("captured", sink_));
-  }
-  ~CapturedLog() { spdlog::set_default_logger(previous_); }
-
-  std::vector<std::string> lines() const { return sink_->last_formatted(); }
-
- private:
-  const std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink_ =
-      std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
-  const std::shared_ptr<spdlog::logger> previous_;
 };
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }

@@ -1,14 +1,17 @@
 // The /metrics responder against clients that connect and send nothing or trickle their request: scrapes beside
 // them are answered at once, the slow ones are dropped at their deadline, and the destructor does not wait for them.
-// Heads over the limit or with bare LF line ends.
+// Heads over the limit or with bare LF line ends, and a process out of file descriptors.
 #include "server/metrics_http_server.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -16,13 +19,18 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/captured_log.h"
+
 namespace perception::server {
 namespace {
 
+using ::perception::testing::CapturedLog;
+using ::testing::Contains;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using Clock = std::chrono::steady_clock;
@@ -190,6 +198,71 @@ TEST(MetricsHttpServerTest, AHeadWithBareLineFeedsIsAnswered) {
     EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK\r\n"));
     EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
   }
+}
+
+// Takes every free file descriptor below a lowered RLIMIT_NOFILE (at most 1024), so that the process can open no
+// more until it releases some; gives them and the limit back when it goes out of scope.
+class DescriptorsExhausted {
+ public:
+  DescriptorsExhausted() {
+    EXPECT_EQ(::getrlimit(RLIMIT_NOFILE, &saved_), 0) << std::strerror(errno);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(saved_.rlim_cur, 1024);
+    EXPECT_EQ(::setrlimit(RLIMIT_NOFILE, &lowered), 0) << std::strerror(errno);
+    for (int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC); fd >= 0; fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) {
+      held_.push_back(fd);
+    }
+    EXPECT_EQ(errno, EMFILE) << std::strerror(errno);
+  }
+  ~DescriptorsExhausted() {
+    for (int fd : held_) ::close(fd);
+    ::setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+
+  void ReleaseOne() {
+    ASSERT_FALSE(held_.empty());
+    ::close(held_.back());
+    held_.pop_back();
+  }
+
+ private:
+  rlimit saved_;
+  std::vector<int> held_;
+};
+
+double CpuSeconds() {
+  rusage usage;
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) * 1e-6;
+}
+
+// A process out of descriptors cannot accept: the pending connection stayed in the backlog, the listener readable,
+// and the poll loop spun on accept at 100% CPU. The listener now rests between attempts, the failure is logged once,
+// and the connection is served as soon as a descriptor is free.
+TEST(MetricsHttpServerTest, OutOfDescriptorsTheListenerRestsAndRecovers) {
+  const CapturedLog log;  // before the server, so that the logger is not swapped under its thread
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  DescriptorsExhausted exhausted;
+  exhausted.ReleaseOne();  // for the client's socket; the kernel completes its connection in the backlog
+  const Client client(server->port());
+  ASSERT_TRUE(client.connected());
+
+  // Only the server's thread runs while this one sleeps: a spinning loop would use about the whole 0.5 s.
+  const double cpu_before = CpuSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LT(CpuSeconds() - cpu_before, 0.1);
+
+  exhausted.ReleaseOne();  // for the accepted connection
+  ASSERT_TRUE(client.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  EXPECT_THAT(client.ReadToEnd(std::chrono::seconds(10)), StartsWith("HTTP/1.1 200 OK\r\n"));
+  const std::vector<std::string> lines = log.lines();
+  EXPECT_EQ(std::count_if(lines.begin(), lines.end(),
+                          [](const std::string& line) { return line.find("cannot accept") != std::string::npos; }),
+            1)
+      << ::testing::PrintToString(lines);
+  EXPECT_THAT(lines, Contains(HasSubstr("warning|metrics: cannot accept a connection: Too many open files")));
 }
 
 }  // namespace
