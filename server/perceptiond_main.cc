@@ -110,7 +110,7 @@ ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "fails (a peer died or stalled) and the communicator is aborted");
 ABSL_FLAG(int64_t, replica_check_every, 100,
           "with --world_size: optimizer steps between checksums of the parameters compared across the ranks (0: none)");
-ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or critical");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
 
 namespace perception::server {
 namespace {
@@ -134,6 +134,17 @@ int WaitForTerminationSignal() {
   int signal = 0;
   sigwait(&signals, &signal);
   return signal;
+}
+
+// spdlog reads a name it does not know as `off`: a misspelt level would silence the daemon.
+absl::StatusOr<spdlog::level::level_enum> LogLevelFromFlags() {
+  const std::string name = absl::GetFlag(FLAGS_log_level);
+  const spdlog::level::level_enum level = spdlog::level::from_str(name);
+  if (level == spdlog::level::off && name != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown --log_level '", name, "' (trace, debug, info, warn, error, critical or off)"));
+  }
+  return level;
 }
 
 absl::StatusOr<Limits> LimitsFromFlags() {
@@ -394,7 +405,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("trains and serves PerceptionNet v1 on one device over gRPC");  // --help names it
   absl::ParseCommandLine(argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("perceptiond"));
-  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  const absl::StatusOr<spdlog::level::level_enum> level = perception::server::LogLevelFromFlags();
+  if (!level.ok()) {
+    spdlog::critical("{}", level.status().ToString());
+    return 1;
+  }
+  spdlog::set_level(*level);
   const sigset_t signals = perception::server::TerminationSignals();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
   const absl::Status status = perception::server::Serve();

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <csignal>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -49,19 +50,33 @@ std::vector<std::string> ListServices(const std::string& target) {
   return names;
 }
 
+// perceptiond with `flags` and checkpoints in `checkpoints`, for flags it should refuse before it serves: one that
+// accepts them serves until `timeout` ends it (exit code 124), so that a test of a refusal fails instead of hanging.
+CommandResult RunRefusingDaemon(const std::filesystem::path& checkpoints, const std::string& flags) {
+  return RunCommand(absl::StrCat("timeout 20 ", PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ",
+                                 "--checkpoint_dir=", checkpoints.string(), " ", flags));
+}
+
 // --precision is checked before the daemon serves: an unknown name, or a CUDA precision on --device=cpu, ends it
 // with the reason and exit code 1.
 TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
   // perceptiond creates its checkpoint folder before it checks --precision: a temporary one, not ctest's directory.
   const ScopedTempDir checkpoints("precision");
-  const std::string daemon = absl::StrCat(PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= --checkpoint_dir=",
-                                          checkpoints.path().string(), " ");
-  const CommandResult unknown = RunCommand(daemon + "--precision=fp16");
+  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--precision=fp16");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (auto, fp32, 3xtf32 or tf32)"));
-  const CommandResult cpu = RunCommand(daemon + "--device=cpu --precision=3xtf32");
+  const CommandResult cpu = RunRefusingDaemon(checkpoints.path(), "--device=cpu --precision=3xtf32");
   EXPECT_EQ(cpu.exit_code, 1);
   EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
+}
+
+// Before, spdlog read an unknown level as `off`: the daemon served with every log line silenced.
+TEST(LifecycleTest, TheDaemonRefusesAnUnknownLogLevel) {
+  const ScopedTempDir checkpoints("log_level");
+  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--log_level=verbose");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output,
+              HasSubstr("unknown --log_level 'verbose' (trace, debug, info, warn, error, critical or off)"));
 }
 
 TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
