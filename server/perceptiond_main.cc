@@ -248,6 +248,16 @@ absl::Status PrepareModel(PerceptionService& service) {
   return service.CreateModel(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false).status();
 }
 
+// A name the exit's save would refuse is refused before the daemon serves, not found after the drain with the model
+// lost. SaveOnExit resolves it again: a folder may have taken the name meanwhile.
+absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
+  const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
+  if (name.empty()) return absl::OkStatus();
+  const absl::Status resolved = checkpoints.ResolveForWriting(name).status();
+  if (resolved.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--checkpoint_on_exit: ", resolved.message()));
+}
+
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
   const HostStatus status = worker.status();
@@ -360,6 +370,7 @@ absl::Status Serve() {
   });
   ASSIGN_OR_RETURN(const CheckpointDirectory checkpoints,
                    CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
+  RETURN_IF_ERROR(CheckCheckpointOnExit(checkpoints));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());

@@ -11,6 +11,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -68,6 +69,40 @@ TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
   const CommandResult cpu = RunRefusingDaemon(checkpoints.path(), "--device=cpu --precision=3xtf32");
   EXPECT_EQ(cpu.exit_code, 1);
   EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
+}
+
+// Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
+TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
+  const ScopedTempDir checkpoints("checkpoint_on_exit");
+  std::filesystem::create_directory(checkpoints.path() / "runs");
+  const std::pair<std::string, std::string> names[] = {
+      {"../escape.safetensors", "must not contain '..'"},
+      {(checkpoints.path() / "x.safetensors").string(), "is absolute"},
+      {"a/", "does not end in a file name"},
+      {"runs", "is a folder; a checkpoint is a file"},
+  };
+  for (const auto& [name, why] : names) {
+    SCOPED_TRACE(name);
+    const CommandResult refused = RunRefusingDaemon(checkpoints.path(), "--checkpoint_on_exit=" + name);
+    EXPECT_EQ(refused.exit_code, 1);
+    EXPECT_THAT(refused.output,
+                HasSubstr(absl::StrCat("--checkpoint_on_exit: name: checkpoint name '", name, "' ", why)));
+  }
+}
+
+// The exit's save resolves the name again: a folder that took it while the daemon served fails the exit, non-zero.
+TEST(LifecycleTest, ACheckpointOnExitThatBecameAFolderFailsTheExit) {
+  const ScopedTempDir temp("checkpoint_on_exit_folder");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=exit.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
+  std::filesystem::create_directory(temp.path() / "checkpoints" / "exit.safetensors");
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 1);
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("checkpoint name 'exit.safetensors' is a folder; a checkpoint is a file"));
 }
 
 // Before, spdlog read an unknown level as `off`: the daemon served with every log line silenced.
