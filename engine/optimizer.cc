@@ -2,6 +2,7 @@
 #include "engine/optimizer.h"
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <utility>
@@ -9,10 +10,23 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "engine/json_object.h"
 #include "engine/status_macros.h"
 
 namespace perception {
+namespace {
+
+// The CPU and CUDA updates compute in float32: a setting beyond float32's range would become inf there and put inf
+// or NaN into the weights on the first step. Compared in double: converting such a value to float is undefined.
+absl::Status CheckFitsFloat32(absl::string_view name, double value) {
+  if (value <= std::numeric_limits<float>::max()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("optimizer: ", name, " ", value, " exceeds float32's largest value ",
+                                                 std::numeric_limits<float>::max(),
+                                                 ", and the update computes in float32"));
+}
+
+}  // namespace
 
 absl::StatusOr<LrSchedule> ParseLrSchedule(const std::string& name) {
   if (name == "constant") return LrSchedule::kConstant;
@@ -22,13 +36,22 @@ absl::StatusOr<LrSchedule> ParseLrSchedule(const std::string& name) {
 
 absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   if (!(c.lr > 0) || !std::isfinite(c.lr)) return absl::InvalidArgumentError("optimizer: lr must be positive");
+  RETURN_IF_ERROR(CheckFitsFloat32("lr", c.lr));
   if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
     return absl::InvalidArgumentError("optimizer: betas must be in [0, 1)");
   }
   if (!(c.eps > 0) || !std::isfinite(c.eps)) return absl::InvalidArgumentError("optimizer: eps must be positive");
+  RETURN_IF_ERROR(CheckFitsFloat32("eps", c.eps));
+  // An eps that rounds to 0 divides a zero first moment by a zero denominator: NaN.
+  if (static_cast<float>(c.eps) == 0.f) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: eps ", c.eps, " rounds to 0 in float32, in which the ",
+                                                   "update computes (its smallest positive value is ",
+                                                   std::numeric_limits<float>::denorm_min(), ")"));
+  }
   if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) {
     return absl::InvalidArgumentError("optimizer: weight_decay must be finite and >= 0");
   }
+  RETURN_IF_ERROR(CheckFitsFloat32("lr * weight_decay", c.lr * c.weight_decay));
   if (std::isnan(c.max_grad_norm)) {
     return absl::InvalidArgumentError("optimizer: max_grad_norm is NaN (<= 0 disables clipping)");
   }

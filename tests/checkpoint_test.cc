@@ -381,6 +381,8 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
       {"optimizer", "{\"lr\": 0.001, \"lr\": 0.002}",
        "metadata optimizer is invalid: optimizer: repeats key 'lr' in one object"},
       {"optimizer", OptimizerToJson(OptimizerConfig{.lr = -1}), "metadata optimizer is invalid: optimizer: lr must"},
+      {"optimizer", OptimizerToJson(OptimizerConfig{.lr = 1e39}),
+       "metadata optimizer is invalid: optimizer: lr 1e+39 exceeds float32's largest value"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.message);
