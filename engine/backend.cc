@@ -72,13 +72,24 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 #endif
 }
 
+absl::Status CheckDeviceName(const std::string& device) {
+  if (device == "cpu" || device == "cuda" || device == "auto") return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
+}
+
+absl::Status CudaBackendAvailable() {
+#if PERCEPTION_HAVE_CUDA
+  return CudaDeviceAvailable();
+#else
+  return absl::FailedPreconditionError("this build has no CUDA backend (built with PERCEPTION_CUDA=OFF)");
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, const ModelConfig& config,
                                                      const OptimizerConfig& optimizer, std::vector<float> params,
                                                      std::shared_ptr<NcclCommunicator> communicator,
                                                      std::optional<Precision> precision) {
-  if (device != "cpu" && device != "cuda" && device != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));
-  }
+  RETURN_IF_ERROR(CheckDeviceName(device));
   if (communicator != nullptr && device == "cpu") {
     return absl::FailedPreconditionError("data-parallel training runs on NCCL, which the CPU backend cannot join");
   }
@@ -90,19 +101,15 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
     return MakeCpuBackend(config, optimizer, std::move(params));
   };
   if (device == "cpu") return cpu();
+  const absl::Status available = CudaBackendAvailable();
 #if PERCEPTION_HAVE_CUDA
-  const absl::Status available = CudaDeviceAvailable();
   if (available.ok()) {
     const CudaModelOptions options{.precision = precision.value_or(DefaultPrecision(/*cuda=*/true)),
                                    .communicator = communicator};
     return MakeCudaBackend(config, optimizer, std::move(params), options);
   }
-  if (device == "cuda" || communicator != nullptr) return available;
-#else
-  if (device == "cuda") {
-    return absl::FailedPreconditionError("device cuda: this build has no CUDA backend (built with PERCEPTION_CUDA=OFF)");
-  }
 #endif
+  if (device == "cuda" || communicator != nullptr) return available;
   return cpu();
 }
 

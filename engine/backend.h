@@ -201,6 +201,12 @@ absl::StatusOr<std::string> NewDataParallelId();
 absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::string& unique_id,
                                                                    const DataParallelOptions& options);
 
+// OK for the device names MakeBackend takes (cpu, cuda, auto); INVALID_ARGUMENT naming them otherwise.
+absl::Status CheckDeviceName(const std::string& device);
+// OK where MakeBackend can build the CUDA backend (the one "auto" then resolves to); otherwise FAILED_PRECONDITION
+// naming what is missing: the CUDA backend in this build, or a CUDA device on this machine.
+absl::Status CudaBackendAvailable();
+
 // The backend for `device`: "cpu", "cuda" (an error naming what is missing when this build has no CUDA backend
 // or the machine no CUDA device) or "auto" (CUDA when a device is present, else the CPU). With a `communicator`
 // the backend is one rank of a data-parallel job (engine/nccl_communicator.h), which only CUDA can be. `precision`

@@ -17,6 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "engine/backend.h"
+#include "engine/config.h"
 #include "engine/device_loss.h"
 #include "engine/precision.h"
 #include "engine/status_macros.h"
@@ -235,6 +237,36 @@ absl::Status JoinDataParallel(DeviceWorker& worker, RendezvousService& rendezvou
                     [&](ModelHost& host) { return host.JoinDataParallel(unique_id, options); });
 }
 
+// --device, and --precision on the backend it resolves to: the CPU computes in fp32 only, and refusing the pair here
+// beats a daemon that serves and then refuses every model.
+absl::Status CheckDeviceFlags(const std::optional<Precision>& precision) {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (const absl::Status known = CheckDeviceName(device); !known.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device: ", known.message()));
+  }
+  if (device == "cuda" || precision.value_or(DefaultPrecision(/*cuda=*/false)) == Precision::kFloat32) {
+    return absl::OkStatus();
+  }
+  if (device == "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(*precision),
+                                                   " is the CUDA backend's; --device=cpu computes in fp32"));
+  }
+  const absl::Status cuda = CudaBackendAvailable();
+  if (cuda.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(*precision),
+                                                 " is the CUDA backend's, but --device=auto resolves to the CPU here (",
+                                                 cuda.message(), "); the CPU computes in fp32 only: pass "
+                                                 "--precision=fp32 or auto"));
+}
+
+// LobsterFeatureCount(levels) must not overflow, and a negative count was silently the preset's.
+absl::Status CheckInitLevels() {
+  const int levels = absl::GetFlag(FLAGS_init_levels);
+  if (levels >= 0 && levels <= kMaxLobsterLevels) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--init_levels must be in [0, ", kMaxLobsterLevels,
+                                                 "] (0: the preset's feature count), got ", levels));
+}
+
 // --load or --init_config.
 absl::Status PrepareModel(PerceptionService& service) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
@@ -375,11 +407,8 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
   ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));
-  const bool cpu = absl::GetFlag(FLAGS_device) == "cpu";
-  if (cpu && precision.value_or(DefaultPrecision(/*cuda=*/false)) != Precision::kFloat32) {
-    return absl::InvalidArgumentError(absl::StrCat("--precision=", PrecisionName(*precision),
-                                                   " is the CUDA backend's; --device=cpu computes in fp32"));
-  }
+  RETURN_IF_ERROR(CheckDeviceFlags(precision));
+  RETURN_IF_ERROR(CheckInitLevels());
   ServerMetrics metrics;
   DeviceWorker worker(std::make_unique<ModelHost>(absl::GetFlag(FLAGS_device), metrics, stream_options.device,
                                                   absl::GetFlag(FLAGS_graphs), precision),

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,7 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "engine/backend.h"
 #include "engine/checkpoint.h"
+#include "engine/config.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
@@ -69,6 +72,35 @@ TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
   const CommandResult cpu = RunRefusingDaemon(checkpoints.path(), "--device=cpu --precision=3xtf32");
   EXPECT_EQ(cpu.exit_code, 1);
   EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
+  // Before, --device=auto served on the CPU and refused every model; where it resolves to CUDA the pair is valid.
+  if (!CudaBackendAvailable().ok()) {
+    const CommandResult automatic = RunRefusingDaemon(checkpoints.path(), "--device=auto --precision=tf32");
+    EXPECT_EQ(automatic.exit_code, 1);
+    EXPECT_THAT(automatic.output,
+                HasSubstr("--precision=tf32 is the CUDA backend's, but --device=auto resolves to the CPU here ("));
+  }
+}
+
+// Before, only --device=cpu was looked at: any other name served, and then refused every model.
+TEST(LifecycleTest, TheDaemonRefusesAnUnknownDevice) {
+  const ScopedTempDir checkpoints("device");
+  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--device=gpu");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("--device: unknown device 'gpu' (cpu, cuda, auto)"));
+}
+
+// Before, a negative --init_levels silently kept the preset's features, and a large one overflowed 4*levels + 8
+// (INT_MAX gave a model of 4 features) or was refused only as a config dimension.
+TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
+  const ScopedTempDir checkpoints("init_levels");
+  for (const int levels : {-1, kMaxLobsterLevels + 1, std::numeric_limits<int>::max()}) {
+    SCOPED_TRACE(levels);
+    const CommandResult refused =
+        RunRefusingDaemon(checkpoints.path(), absl::StrCat("--init_config=tiny --init_levels=", levels));
+    EXPECT_EQ(refused.exit_code, 1);
+    EXPECT_THAT(refused.output, HasSubstr(absl::StrCat("--init_levels must be in [0, ", kMaxLobsterLevels,
+                                                       "] (0: the preset's feature count), got ", levels)));
+  }
 }
 
 // Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
