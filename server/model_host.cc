@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/checkpoint.h"
@@ -151,14 +152,25 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
   state.optimizer = optimizer_;
-  // Only now, with a model to write: a refused save leaves no folders behind.
+  // Only now, with a model to write: a refused save leaves no folders behind. SaveCheckpoint may still refuse it (a
+  // value no checkpoint may hold, a failed write), so the folders this save creates are removed again then.
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::vector<std::filesystem::path> created;  // innermost first
   std::error_code error;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
-  if (error) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot create the folder for checkpoint '", path, "': ", error.message()));
+  for (std::filesystem::path folder = parent; !folder.empty() && !std::filesystem::exists(folder, error);
+       folder = folder.parent_path()) {
+    created.push_back(folder);
   }
-  RETURN_IF_ERROR(SaveCheckpoint(path, state));
+  std::filesystem::create_directories(parent, error);
+  const absl::Status saved =
+      error ? absl::FailedPreconditionError(
+                  absl::StrCat("cannot create the folder for checkpoint '", path, "': ", error.message()))
+            : SaveCheckpoint(path, state);
+  if (!saved.ok()) {
+    // remove, not remove_all: a folder that something else has filled meanwhile stays.
+    for (const std::filesystem::path& folder : created) std::filesystem::remove(folder, error);
+    return saved;
+  }
   const auto bytes = static_cast<int64_t>(std::filesystem::file_size(path, error));
   const SaveOutcome outcome{state.step, error ? 0 : bytes, stopwatch.Seconds()};
   metrics_.ObserveCheckpoint("save", outcome.seconds);

@@ -108,6 +108,7 @@ class ModelHost {
                               const Limits& limits);
   // Writes the model to `path`, creating the missing folders on the way to it. FAILED_PRECONDITION without a model
   // and on a data-parallel rank other than 0 (the ranks hold the same state, rank 0 saves it): nothing created then.
+  // A save SaveCheckpoint refuses removes the folders it created.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
   // `batch` must have the model's features and horizons and, for training, its (batch, window). `next`, where given,

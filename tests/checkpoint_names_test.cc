@@ -4,12 +4,16 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.grpc.pb.h"
+#include "tests/forwarding_backend.h"
 #include "tests/in_process_daemon.h"
 
 namespace perception::server {
@@ -28,6 +32,9 @@ std::string EmptiedFolder() {
 
 class CheckpointNamesTest : public ::testing::Test {
  protected:
+  explicit CheckpointNamesTest(ModelHost::BackendDecorator decorate = nullptr)
+      : daemon_(std::move(decorate), folder_) {}
+
   grpc::Status Save(const std::string& name) {
     v1::SaveCheckpointRequest request;
     request.set_name(name);
@@ -52,7 +59,7 @@ class CheckpointNamesTest : public ::testing::Test {
   }
 
   const std::string folder_ = EmptiedFolder();
-  InProcessDaemon daemon_{nullptr, folder_};
+  InProcessDaemon daemon_;
   const std::filesystem::path root_ = std::filesystem::path(::testing::TempDir()) / folder_;
 };
 
@@ -92,6 +99,35 @@ TEST_F(CheckpointNamesTest, ASaveCreatesTheMissingFolders) {
   const grpc::Status saved = Save("deep/er/x.safetensors");
   ASSERT_TRUE(saved.ok()) << saved.error_message();
   EXPECT_TRUE(std::filesystem::is_regular_file(root_ / "deep/er/x.safetensors"));
+}
+
+// A backend whose exported state holds a NaN, as a model that diverged would: SaveCheckpoint refuses to write it.
+class NonFiniteStateBackend : public testing::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::StatusOr<Checkpoint> ExportState() const override {
+    absl::StatusOr<Checkpoint> state = ForwardingBackend::ExportState();
+    if (state.ok()) state->params[layout().tensor(layout().embed.weight).offset] = std::nanf("");
+    return state;
+  }
+};
+
+class NonFiniteModelTest : public CheckpointNamesTest {
+ protected:
+  NonFiniteModelTest()
+      : CheckpointNamesTest([](std::unique_ptr<Backend> inner) -> std::unique_ptr<Backend> {
+          return std::make_unique<NonFiniteStateBackend>(std::move(inner));
+        }) {}
+};
+
+// Before, the folders deep/er were created before SaveCheckpoint refused the model's values, and stayed.
+TEST_F(NonFiniteModelTest, ARefusedSaveRemovesTheFoldersItCreatedOnly) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  std::filesystem::create_directories(root_ / "deep");
+  const grpc::Status refused = Save("deep/er/est/x.safetensors");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("not saved"));
+  EXPECT_THAT(FolderContents(), ::testing::ElementsAre("deep")) << "the folder that was there stays";
 }
 
 }  // namespace
