@@ -24,6 +24,17 @@ namespace {
 
 constexpr char kStepTensor[] = "optim.step";
 
+// Training takes step + 1 and its bias corrections and schedule from the step as a double: from 2^53 on a double no
+// longer counts every step, and near INT64_MAX the next step overflows (NaN weights on the device). Checked on saving
+// too, so that every file written loads.
+absl::Status CheckStepLimit(int64_t step) {
+  constexpr int64_t kStepLimit = int64_t{1} << 53;
+  if (step < kStepLimit) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("step ", step, " is not below 2^53 (", kStepLimit,
+                                                 "), beyond which training cannot count its steps exactly in float64 ",
+                                                 "and the step counter overflows"));
+}
+
 // The flat buffers whose slices make up the file's tensors.
 enum Buffer { kParams, kExpAvg, kExpAvgSq, kStep, kBufferCount };
 
@@ -98,7 +109,7 @@ absl::Status CheckSaveable(const ParamLayout& layout, const Checkpoint& checkpoi
     }
   }
   if (checkpoint.step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", checkpoint.step, " is negative"));
-  return absl::OkStatus();
+  return CheckStepLimit(checkpoint.step);
 }
 
 absl::Status WriteCheckpoint(const std::string& path, const Checkpoint& checkpoint) {
@@ -170,6 +181,9 @@ absl::StatusOr<int64_t> StepFromMetadata(const SafetensorsMetadata& metadata) {
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), step);
   if (error != std::errc() || end != text.data() + text.size() || step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("metadata step '", text, "' is not a non-negative integer"));
+  }
+  if (const absl::Status limit = CheckStepLimit(step); !limit.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata ", limit.message()));
   }
   return step;
 }

@@ -32,13 +32,13 @@ struct Checkpoint {
 // OptimizerToJson(optimizer) where the checkpoint has one (not in MODEL.md §6: readers may ignore it).
 // `optim.step` holds the step as a float, exact only below 2^24, so that PyTorch code can read it
 // as a tensor; the `step` metadata holds it exactly as a decimal string and is what Load returns.
-// Padding and the moments of the buffers are not stored. Sizes are validated against the layout
-// before anything is written, and the file is replaced atomically.
+// Padding and the moments of the buffers are not stored. Sizes are validated against the layout, and the step
+// against [0, 2^53), before anything is written, and the file is replaced atomically.
 absl::Status SaveCheckpoint(const std::string& path, const Checkpoint& checkpoint);
 
 // Reads and validates a whole checkpoint: format, config, every expected tensor present with its
 // exact shape, no other tensor, every value finite, `optim.exp_avg_sq` >= 0, a normalizer ValidateNormalizer
-// accepts, and `optim.step` consistent with the metadata step. Returns the checkpoint complete or an error
+// accepts, a metadata step in [0, 2^53) and `optim.step` consistent with it. Returns the checkpoint complete or an error
 // (DATA_LOSS for a file that is not a valid checkpoint) naming the problem, never a partial result.
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path);
 

@@ -208,6 +208,27 @@ TEST_F(CheckpointTest, StepIsExactBeyondFloatPrecision) {
   EXPECT_EQ(loaded->step, saved.step);
 }
 
+// Before, a checkpoint at step INT64_MAX loaded, and its next training step overflowed (NaN weights on the device).
+TEST_F(CheckpointTest, StepsFrom2To53AreRefused) {
+  for (const int64_t step : {int64_t{1} << 53, std::numeric_limits<int64_t>::max()}) {
+    SCOPED_TRACE(step);
+    SaveTiny();
+    RewriteTensors([&](std::vector<OwnedTensor>& tensors, SafetensorsMetadata& metadata) {
+      metadata["step"] = absl::StrCat(step);
+      for (OwnedTensor& t : tensors) {
+        if (t.name == "optim.step") t.values = {static_cast<float>(step)};
+      }
+    });
+    ExpectLoadFails(absl::StrCat("metadata step ", step, " is not below 2^53 (9007199254740992), beyond which"));
+  }
+  Checkpoint saved = RandomCheckpoint(Config("tiny"), 3);
+  saved.step = (int64_t{1} << 53) - 1;
+  ASSERT_TRUE(SaveCheckpoint(path_, saved).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->step, saved.step);
+}
+
 TEST_F(CheckpointTest, PaddingAndBufferMomentsAreNotStoredAndLoadAsZero) {
   const ModelConfig config = Config("tiny");
   const ParamLayout layout(config);
@@ -237,6 +258,7 @@ TEST_F(CheckpointTest, SaveRejectsInconsistentCheckpointsAndWritesNothing) {
       {[](Checkpoint& c) { c.exp_avg.push_back(0.f); }, absl::StrCat("exp_avg has ", total + 1, " floats")},
       {[](Checkpoint& c) { c.exp_avg_sq.clear(); }, "exp_avg_sq has 0 floats"},
       {[](Checkpoint& c) { c.step = -1; }, "step -1 is negative"},
+      {[](Checkpoint& c) { c.step = int64_t{1} << 53; }, "step 9007199254740992 is not below 2^53"},
       {[](Checkpoint& c) { c.config.headdim = 3; }, "not divisible by headdim 3"},
   };
   for (const auto& c : cases) {
