@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace perception::server {
@@ -33,6 +34,8 @@ absl::StatusOr<CheckpointDirectory> CheckpointDirectory::Open(const std::string&
 absl::StatusOr<std::string> CheckpointDirectory::Resolve(const std::string& name) const {
   const std::filesystem::path relative(name);
   if (name.empty()) return Refused(name, "is empty");
+  // The OS reads a path up to its first NUL: the rest of the name would be ignored, and another file used.
+  if (name.find('\0') != std::string::npos) return Refused(absl::CEscape(name), "contains a NUL byte ('\\0')");
   if (relative.is_absolute()) return Refused(name, "is absolute; names are relative to the checkpoint directory");
   if (std::ranges::find(relative, "..") != relative.end()) return Refused(name, "must not contain '..'");
   // A name must end in a file's name: "a/" or "a/." stands for a folder, which a save would create and then fail on.

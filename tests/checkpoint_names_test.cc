@@ -1,5 +1,5 @@
-// SaveCheckpoint's names through the service in process: a name that does not end in a file name is refused before
-// anything is created, and a refused save leaves no folders behind that would block a later one.
+// Checkpoint names through the service in process: a name that does not end in a file name, or holds a NUL, is
+// refused before anything is created, and a refused save leaves no folders behind that would block a later one.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -42,6 +42,15 @@ class CheckpointNamesTest : public ::testing::Test {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     v1::SaveCheckpointResponse response;
     return daemon_.stub().SaveCheckpoint(&context, request, &response);
+  }
+
+  grpc::Status Load(const std::string& name) {
+    v1::LoadCheckpointRequest request;
+    request.set_name(name);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::LoadCheckpointResponse response;
+    return daemon_.stub().LoadCheckpoint(&context, request, &response);
   }
 
   void InitModel() {
@@ -99,6 +108,21 @@ TEST_F(CheckpointNamesTest, ASaveCreatesTheMissingFolders) {
   const grpc::Status saved = Save("deep/er/x.safetensors");
   ASSERT_TRUE(saved.ok()) << saved.error_message();
   EXPECT_TRUE(std::filesystem::is_regular_file(root_ / "deep/er/x.safetensors"));
+}
+
+// The OS reads a path up to its first NUL: before, "x\0.safetensors" saved to and loaded from the file "x".
+TEST_F(CheckpointNamesTest, ANameWithANulIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  const std::string name("x\0.safetensors", 14);
+  const grpc::Status save = Save(name);
+  EXPECT_EQ(save.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << save.error_message();
+  EXPECT_THAT(save.error_message(), ::testing::HasSubstr("name: checkpoint name 'x\\000.safetensors' contains a NUL"));
+  EXPECT_THAT(FolderContents(), ::testing::IsEmpty());
+
+  ASSERT_TRUE(Save("x").ok());
+  const grpc::Status load = Load(name);
+  EXPECT_EQ(load.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << load.error_message();
+  EXPECT_THAT(load.error_message(), ::testing::HasSubstr("contains a NUL"));
 }
 
 // A backend whose exported state holds a NaN, as a model that diverged would: SaveCheckpoint refuses to write it.
