@@ -60,7 +60,9 @@ TEST(ClippingTest, ANonFiniteNormTakesNoStep) {
       EXPECT_EQ(b.m, untouched.m);
       EXPECT_EQ(b.v, untouched.v);
       for (size_t i = 0; i < b.grads.size(); ++i) {
-        if (i != bias) ASSERT_EQ(b.grads[i], untouched.grads[i]) << i;
+        if (i != bias) {
+          ASSERT_EQ(b.grads[i], untouched.grads[i]) << i;
+        }
       }
     }
   }
