@@ -241,6 +241,11 @@ double CpuSeconds() {
 // and the poll loop spun on accept at 100% CPU. The listener now rests between attempts, the failure is logged once,
 // and the connection is served as soon as a descriptor is free.
 TEST(MetricsHttpServerTest, OutOfDescriptorsTheListenerRestsAndRecovers) {
+#ifdef __SANITIZE_ADDRESS__
+  // UBSan's check of a virtual call's type probes memory through a pipe it opens: with no descriptor left it reports
+  // the logger's buffer as an object of the wrong type (seen in ./dev sanitize), so that run cannot hold this state.
+  GTEST_SKIP() << "under AddressSanitizer/UndefinedBehaviorSanitizer, whose checks need descriptors of their own";
+#endif
   const CapturedLog log;  // before the server, so that the logger is not swapped under its thread
   const std::unique_ptr<MetricsHttpServer> server = StartServer();
   ASSERT_NE(server, nullptr);
