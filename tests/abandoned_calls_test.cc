@@ -89,10 +89,7 @@ TEST_F(AbandonedCallsTest, CallsWhoseDeadlinePassedInTheQueueChangeNothing) {
   EXPECT_EQ(Train(kImpatient).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   v1::LoadCheckpointRequest load;
   load.set_name(kCheckpoint);
-  grpc::ClientContext load_context;
-  load_context.set_deadline(In(kImpatient));
-  v1::LoadCheckpointResponse loaded;
-  EXPECT_EQ(daemon_.stub().LoadCheckpoint(&load_context, load, &loaded).error_code(),
+  EXPECT_EQ(daemon_.Call(&v1::Perception::Stub::LoadCheckpoint, load, kImpatient).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(daemon_.worker().queued_jobs(), 2) << "both calls wait behind the gate";
   ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
@@ -140,32 +137,21 @@ TEST_F(AbandonedCallsTest, StreamingCallsWhoseDeadlinePassedInTheQueueChangeNoth
   ASSERT_EQ(daemon_.streams().NotReadBack().convictions, 3u);
   ASSERT_NO_FATAL_FAILURE(HoldWorker());
 
-  const auto impatient = [](grpc::ClientContext& context) -> grpc::ClientContext& {
-    context.set_deadline(In(kImpatient));
-    return context;
-  };
-  grpc::ClientContext reset_context, seed_context, read_context, close_context;
+  using Stub = v1::Perception::Stub;
   v1::ResetStreamRequest reset;
   reset.set_instrument("A");
-  v1::ResetStreamResponse reset_answer;
-  EXPECT_EQ(daemon_.stub().ResetStream(&impatient(reset_context), reset, &reset_answer).error_code(),
-            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(daemon_.Call(&Stub::ResetStream, reset, kImpatient).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   v1::SeedStreamRequest seed;
   seed.set_instrument("A");
   for (const v1::StreamEvent& event : events("A", 4, 6)) *seed.add_events() = event;
-  v1::SeedStreamResponse seed_answer;
-  EXPECT_EQ(daemon_.stub().SeedStream(&impatient(seed_context), seed, &seed_answer).error_code(),
-            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(daemon_.Call(&Stub::SeedStream, seed, kImpatient).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   v1::ReadConvictionsRequest read;
   read.set_instrument("A");
-  v1::ReadConvictionsResponse read_answer;
-  EXPECT_EQ(daemon_.stub().ReadConvictions(&impatient(read_context), read, &read_answer).error_code(),
+  EXPECT_EQ(daemon_.Call(&Stub::ReadConvictions, read, kImpatient).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
   v1::CloseStreamRequest close;
   close.set_instrument("A");
-  v1::CloseStreamResponse close_answer;
-  EXPECT_EQ(daemon_.stub().CloseStream(&impatient(close_context), close, &close_answer).error_code(),
-            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(daemon_.Call(&Stub::CloseStream, close, kImpatient).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(daemon_.worker().queued_jobs(), 4) << "the four calls wait behind the gate";
   ASSERT_NO_FATAL_FAILURE(ReleaseWorker());
 

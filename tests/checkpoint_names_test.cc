@@ -38,19 +38,13 @@ class CheckpointNamesTest : public ::testing::Test {
   grpc::Status Save(const std::string& name) {
     v1::SaveCheckpointRequest request;
     request.set_name(name);
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    v1::SaveCheckpointResponse response;
-    return daemon_.stub().SaveCheckpoint(&context, request, &response);
+    return daemon_.Call(&v1::Perception::Stub::SaveCheckpoint, request);
   }
 
   grpc::Status Load(const std::string& name) {
     v1::LoadCheckpointRequest request;
     request.set_name(name);
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    v1::LoadCheckpointResponse response;
-    return daemon_.stub().LoadCheckpoint(&context, request, &response);
+    return daemon_.Call(&v1::Perception::Stub::LoadCheckpoint, request);
   }
 
   void InitModel() {

@@ -57,6 +57,15 @@ class InProcessDaemon {
   }
 
   v1::Perception::Stub& stub() { return *stub_; }
+  // The unary call `method` of the stub with `request`, given `timeout`; its status (the response is dropped).
+  template <typename Request, typename Response>
+  grpc::Status Call(grpc::Status (v1::Perception::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+                    const Request& request, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + timeout);
+    Response response;
+    return (stub_.get()->*method)(&context, request, &response);
+  }
   // InitModel of the `tiny` preset from `seed` (replacing the model there when `replace`); the model goes to `model`
   // where given.
   grpc::Status InitTinyModel(uint64_t seed, bool replace = false, v1::Model* model = nullptr) {

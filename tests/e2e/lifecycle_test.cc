@@ -54,11 +54,17 @@ std::vector<std::string> ListServices(const std::string& target) {
   return names;
 }
 
-// perceptiond with `flags` and checkpoints in `checkpoints`, for flags it should refuse before it serves: one that
-// accepts them serves until `timeout` ends it (exit code 124), so that a test of a refusal fails instead of hanging.
-CommandResult RunRefusingDaemon(const std::filesystem::path& checkpoints, const std::string& flags) {
-  return RunCommand(absl::StrCat("timeout 20 ", PERCEPTIOND_PATH, " --listen=127.0.0.1:0 --metrics_listen= ",
-                                 "--checkpoint_dir=", checkpoints.string(), " ", flags));
+// Expects perceptiond with `flags` and checkpoints in `checkpoints` to refuse them before it serves: exit code 1, its
+// output naming `reason`. One that accepts them serves until `timeout` ends it (exit code 124), so that the test fails
+// instead of hanging.
+void ExpectRefusedAtStartUp(const std::filesystem::path& checkpoints, const std::string& flags,
+                            const std::string& reason) {
+  SCOPED_TRACE(flags);
+  const CommandResult refused = RunCommand(absl::StrCat("timeout 20 ", PERCEPTIOND_PATH,
+                                                        " --listen=127.0.0.1:0 --metrics_listen= --checkpoint_dir=",
+                                                        checkpoints.string(), " ", flags));
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.output, HasSubstr(reason));
 }
 
 // --precision is checked before the daemon serves: an unknown name, or a CUDA precision on --device=cpu, ends it
@@ -66,27 +72,21 @@ CommandResult RunRefusingDaemon(const std::filesystem::path& checkpoints, const 
 TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
   // perceptiond creates its checkpoint folder before it checks --precision: a temporary one, not ctest's directory.
   const ScopedTempDir checkpoints("precision");
-  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--precision=fp16");
-  EXPECT_EQ(unknown.exit_code, 1);
-  EXPECT_THAT(unknown.output, HasSubstr("unknown precision 'fp16' (auto, fp32, 3xtf32 or tf32)"));
-  const CommandResult cpu = RunRefusingDaemon(checkpoints.path(), "--device=cpu --precision=3xtf32");
-  EXPECT_EQ(cpu.exit_code, 1);
-  EXPECT_THAT(cpu.output, HasSubstr("--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32"));
+  ExpectRefusedAtStartUp(checkpoints.path(), "--precision=fp16",
+                         "unknown precision 'fp16' (auto, fp32, 3xtf32 or tf32)");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--device=cpu --precision=3xtf32",
+                         "--precision=3xtf32 is the CUDA backend's; --device=cpu computes in fp32");
   // Before, --device=auto served on the CPU and refused every model; where it resolves to CUDA the pair is valid.
   if (!CudaBackendAvailable().ok()) {
-    const CommandResult automatic = RunRefusingDaemon(checkpoints.path(), "--device=auto --precision=tf32");
-    EXPECT_EQ(automatic.exit_code, 1);
-    EXPECT_THAT(automatic.output,
-                HasSubstr("--precision=tf32 is the CUDA backend's, but --device=auto resolves to the CPU here ("));
+    ExpectRefusedAtStartUp(checkpoints.path(), "--device=auto --precision=tf32",
+                           "--precision=tf32 is the CUDA backend's, but --device=auto resolves to the CPU here (");
   }
 }
 
 // Before, only --device=cpu was looked at: any other name served, and then refused every model.
 TEST(LifecycleTest, TheDaemonRefusesAnUnknownDevice) {
   const ScopedTempDir checkpoints("device");
-  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--device=gpu");
-  EXPECT_EQ(unknown.exit_code, 1);
-  EXPECT_THAT(unknown.output, HasSubstr("--device: unknown device 'gpu' (cpu, cuda, auto)"));
+  ExpectRefusedAtStartUp(checkpoints.path(), "--device=gpu", "--device: unknown device 'gpu' (cpu, cuda, auto)");
 }
 
 // Before, a negative --init_levels silently kept the preset's features, and a large one overflowed 4*levels + 8
@@ -94,12 +94,9 @@ TEST(LifecycleTest, TheDaemonRefusesAnUnknownDevice) {
 TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
   const ScopedTempDir checkpoints("init_levels");
   for (const int levels : {-1, kMaxLobsterLevels + 1, std::numeric_limits<int>::max()}) {
-    SCOPED_TRACE(levels);
-    const CommandResult refused =
-        RunRefusingDaemon(checkpoints.path(), absl::StrCat("--init_config=tiny --init_levels=", levels));
-    EXPECT_EQ(refused.exit_code, 1);
-    EXPECT_THAT(refused.output, HasSubstr(absl::StrCat("--init_levels must be in [0, ", kMaxLobsterLevels,
-                                                       "] (0: the preset's feature count), got ", levels)));
+    ExpectRefusedAtStartUp(checkpoints.path(), absl::StrCat("--init_config=tiny --init_levels=", levels),
+                           absl::StrCat("--init_levels must be in [0, ", kMaxLobsterLevels,
+                                        "] (0: the preset's feature count), got ", levels));
   }
 }
 
@@ -114,11 +111,8 @@ TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
       {"runs", "is a folder; a checkpoint is a file"},
   };
   for (const auto& [name, why] : names) {
-    SCOPED_TRACE(name);
-    const CommandResult refused = RunRefusingDaemon(checkpoints.path(), "--checkpoint_on_exit=" + name);
-    EXPECT_EQ(refused.exit_code, 1);
-    EXPECT_THAT(refused.output,
-                HasSubstr(absl::StrCat("--checkpoint_on_exit: name: checkpoint name '", name, "' ", why)));
+    ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=" + name,
+                           absl::StrCat("--checkpoint_on_exit: name: checkpoint name '", name, "' ", why));
   }
 }
 
@@ -140,10 +134,8 @@ TEST(LifecycleTest, ACheckpointOnExitThatBecameAFolderFailsTheExit) {
 // Before, spdlog read an unknown level as `off`: the daemon served with every log line silenced.
 TEST(LifecycleTest, TheDaemonRefusesAnUnknownLogLevel) {
   const ScopedTempDir checkpoints("log_level");
-  const CommandResult unknown = RunRefusingDaemon(checkpoints.path(), "--log_level=verbose");
-  EXPECT_EQ(unknown.exit_code, 1);
-  EXPECT_THAT(unknown.output,
-              HasSubstr("unknown --log_level 'verbose' (trace, debug, info, warn, error, critical or off)"));
+  ExpectRefusedAtStartUp(checkpoints.path(), "--log_level=verbose",
+                         "unknown --log_level 'verbose' (trace, debug, info, warn, error, critical or off)");
 }
 
 TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
