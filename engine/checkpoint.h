@@ -38,8 +38,8 @@ absl::Status SaveCheckpoint(const std::string& path, const Checkpoint& checkpoin
 
 // Reads and validates a whole checkpoint: format, config, every expected tensor present with its
 // exact shape, no other tensor, every value finite, `optim.exp_avg_sq` >= 0, a normalizer ValidateNormalizer
-// accepts, a metadata step in [0, 2^53) and `optim.step` consistent with it. Returns the checkpoint complete or an error
-// (DATA_LOSS for a file that is not a valid checkpoint) naming the problem, never a partial result.
+// accepts, a metadata step in [0, 2^53) and `optim.step` consistent with it. Returns the checkpoint complete or an
+// error (DATA_LOSS for a file that is not a valid checkpoint) naming the problem, never a partial result.
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path);
 
 }  // namespace perception

@@ -194,8 +194,8 @@ class StreamBatcher {
   // Whether events wait for a tick.
   bool TickToFollow() const ABSL_LOCKS_EXCLUDED(mu_);
   // Each instrument of `found` loses its log entries from the first event that was not finite on, with its queued
-  // events and those of launched_, and takes no events until ResetStream, SeedStream or CloseStream, then from that
-  // event's sequence number; the sinks of the events dropped hear why.
+  // events and those of launched_ and of the tick being launched (notices_), and takes no events until ResetStream,
+  // SeedStream or CloseStream, then from that event's sequence number; the sinks of the events dropped hear why.
   void StopNonFiniteStreams(std::span<const NonFiniteOutput> found);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
