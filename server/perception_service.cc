@@ -138,8 +138,9 @@ absl::StatusOr<v1::Model> PerceptionService::CreateModel(const ModelConfig& conf
 }
 
 absl::StatusOr<PerceptionService::LoadedModel> PerceptionService::LoadModel(
-    const std::string& name, const std::optional<OptimizerConfig>& optimizer, const grpc::ServerContextBase* caller) {
-  ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(name));
+    const std::string& name, absl::string_view source, const std::optional<OptimizerConfig>& optimizer,
+    const grpc::ServerContextBase* caller) {
+  ASSIGN_OR_RETURN(const std::string path, checkpoints_.Resolve(name, source));
   return worker_.Run(
       JobPriority::kTraining,
       [&](ModelHost& host) {
@@ -191,7 +192,7 @@ grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext* context, con
     if (request->has_optimizer()) {
       ASSIGN_OR_RETURN(optimizer, OptimizerFromProto(request->optimizer()));
     }
-    ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(request->name(), optimizer, context));
+    ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(request->name(), "name", optimizer, context));
     *response->mutable_model() = std::move(loaded.model);
     response->set_seconds(loaded.seconds);
     return absl::OkStatus();
@@ -201,7 +202,7 @@ grpc::Status PerceptionService::LoadCheckpoint(grpc::ServerContext* context, con
 grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
                                                v1::SaveCheckpointResponse* response) {
   return Answer("SaveCheckpoint", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::string path, checkpoints_.ResolveForWriting(request->name()));
+    ASSIGN_OR_RETURN(const std::string path, checkpoints_.ResolveForWriting(request->name(), "name"));
     ASSIGN_OR_RETURN(const SaveOutcome saved,
                      worker_.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path); }, context));
     response->set_name(request->name());

@@ -37,7 +37,8 @@ class PerceptionService final
 
   // InitModel's and LoadCheckpoint's work, also perceptiond's for --init_config and --load: the daemon's limits
   // applied, refused while streams hold state on the current model. `config` is valid; LoadModel's `optimizer`,
-  // where absent, is the checkpoint's (ModelHost::Load). With a `caller`, nothing is done once it stopped waiting
+  // where absent, is the checkpoint's (ModelHost::Load), and a refused name's message opens with `source` (the
+  // request's field or the flag that gave it). With a `caller`, nothing is done once it stopped waiting
   // (DeviceWorker::Run).
   absl::StatusOr<v1::Model> CreateModel(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
                                         const std::optional<Normalizer>& normalizer, bool replace,
@@ -46,7 +47,8 @@ class PerceptionService final
     v1::Model model;
     double seconds = 0;
   };
-  absl::StatusOr<LoadedModel> LoadModel(const std::string& name, const std::optional<OptimizerConfig>& optimizer,
+  absl::StatusOr<LoadedModel> LoadModel(const std::string& name, absl::string_view source,
+                                        const std::optional<OptimizerConfig>& optimizer,
                                         const grpc::ServerContextBase* caller = nullptr);
 
   grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,

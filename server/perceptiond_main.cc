@@ -272,7 +272,7 @@ absl::Status PrepareModel(PerceptionService& service) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
   if (!load.empty() && !preset.empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
-  if (!load.empty()) return service.LoadModel(load, /*optimizer=*/std::nullopt).status();
+  if (!load.empty()) return service.LoadModel(load, "--load", /*optimizer=*/std::nullopt).status();
   if (preset.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(preset));
   if (const int levels = absl::GetFlag(FLAGS_init_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
@@ -285,9 +285,7 @@ absl::Status PrepareModel(PerceptionService& service) {
 absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
   if (name.empty()) return absl::OkStatus();
-  const absl::Status resolved = checkpoints.ResolveForWriting(name).status();
-  if (resolved.ok()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("--checkpoint_on_exit: ", resolved.message()));
+  return checkpoints.ResolveForWriting(name, "--checkpoint_on_exit").status();
 }
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
@@ -295,7 +293,7 @@ absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpo
   const HostStatus status = worker.status();
   if (name.empty() || !status.model.has_value()) return absl::OkStatus();
   if (status.data_parallel.has_value() && status.data_parallel->rank != 0) return absl::OkStatus();  // rank 0 saves
-  ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name));
+  ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name, "--checkpoint_on_exit"));
   return worker.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path).status(); });
 }
 

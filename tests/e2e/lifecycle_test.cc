@@ -112,8 +112,15 @@ TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
   };
   for (const auto& [name, why] : names) {
     ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=" + name,
-                           absl::StrCat("--checkpoint_on_exit: name: checkpoint name '", name, "' ", why));
+                           absl::StrCat("--checkpoint_on_exit: checkpoint name '", name, "' ", why));
   }
+}
+
+// A refused --load names the flag, not a request's field.
+TEST(LifecycleTest, ARefusedLoadNameNamesTheFlag) {
+  const ScopedTempDir checkpoints("load_name");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load=../escape.safetensors",
+                         "--load: checkpoint name '../escape.safetensors' must not contain '..'");
 }
 
 // The exit's save resolves the name again: a folder that took it while the daemon served fails the exit, non-zero.
