@@ -52,8 +52,8 @@ absl::StatusOr<std::string> FetchUniqueId(const std::string& target, int rank, i
     v1::GetUniqueIdResponse response;
     const grpc::Status status = stub->GetUniqueId(&context, request, &response);
     if (status.ok()) return response.unique_id();
-    const bool not_yet =
-        status.error_code() == grpc::StatusCode::UNAVAILABLE || status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    const bool not_yet = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     if (!not_yet) {
       return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                           absl::StrCat("rank 0 at ", target, " refused rank ", rank, ": ", status.error_message()));
