@@ -40,6 +40,8 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
     return absl::InvalidArgumentError("optimizer: betas must be in [0, 1)");
   }
+  // The first step's size, lr / (1 - beta1^1), is the largest the bias correction makes (in float32, as lr).
+  RETURN_IF_ERROR(CheckFitsFloat32("the first step's size lr / (1 - beta1)", c.lr / (1.0 - c.beta1)));
   if (!(c.eps > 0) || !std::isfinite(c.eps)) return absl::InvalidArgumentError("optimizer: eps must be positive");
   RETURN_IF_ERROR(CheckFitsFloat32("eps", c.eps));
   // An eps that rounds to 0 divides a zero first moment by a zero denominator: NaN.

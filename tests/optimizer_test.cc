@@ -163,8 +163,8 @@ TEST(ValidateOptimizerConfigTest, RefusesInfinitiesAndNaNs) {
   EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
 }
 
-// The update computes in float32: before, lr 1e39 (or lr * weight_decay past float32's range) became inf and one step
-// made every weight inf or NaN, and eps 1e-50 became 0, dividing a zero moment by zero. Every path to an optimizer
+// The update computes in float32: before, lr 1e39 (or lr * weight_decay, or lr / (1 - beta1), past float32's range)
+// became inf and one step made every weight inf or NaN, and eps 1e-50 became 0, dividing a zero moment by zero. Every path to an optimizer
 // (InitModel and SetOptimizer's settings, a checkpoint's metadata, the CLI) validates through this function.
 TEST(ValidateOptimizerConfigTest, RefusesValuesFloat32CannotHold) {
   OptimizerConfig c;
@@ -178,15 +178,20 @@ TEST(ValidateOptimizerConfigTest, RefusesValuesFloat32CannotHold) {
   EXPECT_THAT(ValidateOptimizerConfig(c).message(),
               ::testing::HasSubstr("optimizer: lr * weight_decay 1e+40 exceeds float32's largest value"));
   c = OptimizerConfig{};
+  c.lr = 1e38;  // 1e39 after the first step's bias correction, with beta1 0.9
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(),
+              ::testing::HasSubstr("optimizer: the first step's size lr / (1 - beta1) 1e+39 exceeds float32's"));
+  c = OptimizerConfig{};
   c.eps = 1e39;
   EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("optimizer: eps 1e+39 exceeds"));
   c.eps = 1e-50;
   EXPECT_THAT(ValidateOptimizerConfig(c).message(),
               ::testing::HasSubstr("optimizer: eps 1e-50 rounds to 0 in float32"));
 
-  // The extremes float32 holds are accepted.
+  // The extremes float32 holds are accepted (beta1 0: no bias correction to enlarge the first step).
   c = OptimizerConfig{};
   c.lr = std::numeric_limits<float>::max();
+  c.beta1 = 0;
   c.weight_decay = 1;
   c.eps = std::numeric_limits<float>::denorm_min();
   EXPECT_TRUE(ValidateOptimizerConfig(c).ok()) << ValidateOptimizerConfig(c);
