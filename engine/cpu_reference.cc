@@ -775,15 +775,16 @@ void CpuReference<T>::StepMany(std::span<const T> params, std::span<const T> x, 
   });
 }
 
+// |σ(l) − ½| grows with |l|, so the logits pick the horizon: rounded probabilities would split exact ties (σ(−l) and
+// σ(l) round differently) and tie every float32 logit past ~17 at ½.
 template <typename T>
 T Conviction(std::span<const T> logits) {
   size_t best = 0;
-  T best_distance = -1;
+  T best_magnitude = -1;
   for (size_t h = 0; h < logits.size(); ++h) {
-    const T distance = std::abs(Sigmoid(logits[h]) - T(0.5));
-    if (distance > best_distance) {
+    if (std::abs(logits[h]) > best_magnitude) {
       best = h;
-      best_distance = distance;
+      best_magnitude = std::abs(logits[h]);
     }
   }
   return T(2) * Sigmoid(logits[best]) - T(1);

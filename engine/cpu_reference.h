@@ -62,7 +62,8 @@ class CpuReference {
   int threads_;
 };
 
-// The signed conviction of one event (MODEL.md §2.8) from its logits: 2·p_k* − 1.
+// The signed conviction of one event (MODEL.md §2.8) from its logits: 2·p_k* − 1, k* the horizon of the largest
+// |logit| (the largest |p − ½|), the lowest on ties.
 template <typename T>
 T Conviction(std::span<const T> logits);
 

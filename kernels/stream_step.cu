@@ -562,16 +562,15 @@ __device__ __forceinline__ void GrnLayerNorm(const float* pre, float* out, const
   StridedFor<kUnrolled>(lane, G, kWarpSize, [&](int i) { out[i] = (pre[i] - mean) * rstd * ln_w[i] + ln_b[i]; });
 }
 
-// The index of the most confident horizon of an event's probabilities (MODEL.md §2.8: lowest on ties), of each
-// horizon's probability prob(h).
-template <typename Prob>
-__device__ __forceinline__ int MostConfident(int H, Prob&& prob) {
+// The index of the most confident horizon of an event's logits (MODEL.md §2.8: |p − ½| largest, lowest on ties).
+// |σ(l) − ½| grows with |l|, so the logits decide: float32 probabilities would round exact ties apart (σ(−l) and σ(l)
+// round differently) and make every logit past ~17 tie at ½ from its probability. A NaN is never the most confident.
+__device__ __forceinline__ int MostConfident(const float* logits, int H) {
   int best = 0;
-  float best_distance = -1.f;
+  float best_magnitude = -1.f;
   for (int h = 0; h < H; ++h) {
-    const float p = prob(h);
-    if (fabsf(p - 0.5f) > best_distance) {
-      best_distance = fabsf(p - 0.5f);
+    if (fabsf(logits[h]) > best_magnitude) {
+      best_magnitude = fabsf(logits[h]);
       best = h;
     }
   }
@@ -592,14 +591,13 @@ __device__ __forceinline__ void WriteOutputs(const float* logits, const StreamSl
                                              int64_t entry_number, int H) {
   const size_t entry = static_cast<size_t>(slot) * st.log_entries + position;
   bool finite = true;
-  const int best = MostConfident(H, [&](int h) {
+  for (int h = 0; h < H; ++h) {
     finite = finite && isfinite(logits[h]);
     const float prob = Sigmoid(logits[h]);
     st.probs[slot * H + h] = prob;
     st.log_probs[entry * H + h] = prob;
-    return prob;
-  });
-  st.log_convictions[entry] = 2.f * Sigmoid(logits[best]) - 1.f;
+  }
+  st.log_convictions[entry] = 2.f * Sigmoid(logits[MostConfident(logits, H)]) - 1.f;
   if (!finite) NoteNonFinite(st, slot, entry_number);
 }
 
@@ -1428,8 +1426,8 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
                              warp_lane);
       }
       __syncthreads();
-      // (A fixed plan's lone event: each horizon's row group writes its probability, not its logit, and thread 0
-      // reads them for the conviction, so that the sigmoids run side by side.)
+      // (A fixed plan's lone event: each horizon's row group writes its probability to the slot and the log, so that
+      // the sigmoids run side by side, and its logit for thread 0's conviction.)
       // (The ring position is found here, with the outputs: found where a group starts, it cost a 64-event tick 1.2 µs
       // on the H200.)
       auto logged_entry = [&](int e) {
@@ -1441,7 +1439,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
                         if (!active || row_lane != 0) return;
                         if constexpr (kEarlyStates) {
                           const float logit = acc[0][0] + prm[0], prob = Sigmoid(logit);
-                          ev[p.head.logits + u] = prob;
+                          ev[p.head.logits + u] = logit;
                           if (slot_ids[0] >= 0 && logged()) {
                             st.probs[slot_ids[0] * p.H + u] = prob;
                             st.log_probs[logged_entry(0) * p.H + u] = prob;
@@ -1455,9 +1453,8 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       __syncthreads();
       if (tid < EG && slot_ids[tid] >= 0 && logged()) {
         if constexpr (kEarlyStates) {
-          const float* probs = ev + p.head.logits;
-          const int best = MostConfident(p.H, [&](int h) { return probs[h]; });
-          st.log_convictions[logged_entry(0)] = 2.f * probs[best] - 1.f;  // (the bits of 2·σ(logit) − 1)
+          const float* logits = ev + p.head.logits;
+          st.log_convictions[logged_entry(0)] = 2.f * Sigmoid(logits[MostConfident(logits, p.H)]) - 1.f;
         } else {
           WriteOutputs(ev + tid * pe + p.head.logits, st, slot_ids[tid],
                        StreamLogPosition(log_at[tid], st.log_entries, st.log_reciprocal), log_at[tid], p.H);

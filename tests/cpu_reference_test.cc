@@ -208,5 +208,22 @@ TEST(ConvictionTest, PicksTheMostConfidentHorizonLowestOnTies) {
   EXPECT_GT(Conviction<float>(positive), 0.9f);
 }
 
+// In float32 as in double: the horizon comes from the logits. Before, it came from the rounded probabilities, which
+// split the exact tie below by rounding (σ(−1) and σ(1) lie unequally far from ½ in float32: h=1 won, +0.462) and
+// put every logit past ~17 at ½ exactly (h=0 won below, −1 where the stronger logit says +1).
+TEST(ConvictionTest, Float32TiesGoToTheLowestHorizonAndSaturatedLogitsStayApart) {
+  for (const float x : {0.5f, 1.0f, 1.5f, 3.0f, 7.25f, 30.0f}) {
+    const std::vector<float> tie = {-x, x, 0.0f};
+    EXPECT_NEAR(Conviction<float>(tie), 2.0 / (1.0 + std::exp(static_cast<double>(x))) - 1.0, 1e-6) << x;
+    EXPECT_LT(Conviction<float>(tie), 0.0f) << x;
+  }
+  const std::vector<float> saturated = {-20.0f, 25.0f, 1.0f};
+  EXPECT_EQ(Conviction<float>(saturated), 1.0f);
+  const std::vector<float> saturated_tie = {40.0f, -40.0f};
+  EXPECT_EQ(Conviction<float>(saturated_tie), 1.0f);
+  const std::vector<double> saturated_double = {-40.0, 45.0};
+  EXPECT_GT(Conviction<double>(saturated_double), 0.0);
+}
+
 }  // namespace
 }  // namespace perception

@@ -116,6 +116,21 @@ class StreamStepParity {
     }
   }
 
+  // Every logged event's conviction is 2·σ(l) − 1 of the CPU's logit l of `horizon`, within 1e-5 (in double, so that
+  // the expectation takes no float32 rounding of σ).
+  void ExpectConvictionsOfHorizon(int horizon) {
+    for (auto& [slot, per_event] : expected_) {
+      const int64_t count = static_cast<int64_t>(per_event.size());
+      std::vector<float> convictions(count);
+      ASSERT_TRUE(streamer_->ReadLog(slot, 0, count, convictions, {}).ok());
+      for (int64_t i = 0; i < count; ++i) {
+        const double logit = per_event[i][horizon];
+        ASSERT_NEAR(convictions[i], 2.0 / (1.0 + std::exp(-logit)) - 1.0, 1e-5)
+            << "slot " << slot << " event " << i << " logit " << logit;
+      }
+    }
+  }
+
   // Every logged slot's convictions and probabilities, in slot order, as read back.
   std::vector<float> Logs() {
     const int H = config_.n_horizons;
@@ -344,6 +359,68 @@ TEST_P(StreamStepTest, TicksOfMoreTilesThanMultiprocessorsGiveTheClusterKernelsB
   EXPECT_EQ(cluster.Logs(), wide.Logs());
   cluster.ExpectLogsMatch();
   wide.ExpectLogsMatch();
+}
+
+// The output layer of `params` remade so that horizon 1's logit is exactly −(horizon 0's) (its row and bias negated:
+// the same products in the same order) and the other horizons' are 0: every event ties horizons 0 and 1.
+std::vector<float> HeadOfTies(const ParamLayout& layout, std::vector<float> params) {
+  const TensorSpec& w = layout.tensor(layout.head_out.weight);
+  const TensorSpec& b = layout.tensor(layout.head_out.bias);
+  const size_t G = w.shape[1];
+  for (size_t h = 1; h < static_cast<size_t>(w.shape[0]); ++h) {
+    for (size_t g = 0; g < G; ++g) params[w.offset + h * G + g] = h == 1 ? -params[w.offset + g] : 0.f;
+    params[b.offset + h] = h == 1 ? -params[b.offset] : 0.f;
+  }
+  return params;
+}
+// … so that horizon 0's logit is −`scale` and horizon 1's 2·`scale` times the random row 0's and the others' 0:
+// opposite signs, horizon 1 always the stronger, both past float32's ~17 (where σ rounds to 0 or 1) for most events.
+std::vector<float> HeadOfSaturatedLogits(const ParamLayout& layout, std::vector<float> params, float scale) {
+  const TensorSpec& w = layout.tensor(layout.head_out.weight);
+  const TensorSpec& b = layout.tensor(layout.head_out.bias);
+  const size_t G = w.shape[1];
+  const std::vector<float> row(params.begin() + w.offset, params.begin() + w.offset + G);
+  const float bias = params[b.offset];
+  for (size_t h = 0; h < static_cast<size_t>(w.shape[0]); ++h) {
+    const float factor = h == 0 ? -scale : h == 1 ? 2 * scale : 0.f;
+    for (size_t g = 0; g < G; ++g) params[w.offset + h * G + g] = factor * row[g];
+    params[b.offset + h] = factor * bias;
+  }
+  return params;
+}
+
+// MODEL.md §2.8 on every path that writes convictions (the cluster kernels, the wide path, small's lone events
+// launched and through the resident step): the most confident horizon comes from the logits. Before, it came from
+// float32 probabilities, which split exact ties by rounding (σ(−l) and σ(l) lie unequally far from ½) and tie every
+// logit past ~17 at ½, so that the weaker horizon's sign could win.
+TEST_P(StreamStepTest, ConvictionsTakeTheLowestOfTiedHorizonsAndTheStrongestSaturatedLogit) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  int wide_from = kStreamWideFrom;
+  {
+    StreamStepParity probe(GetParam(), 1, 1);
+    while (wide_from <= (1 << 16) && !probe.streamer().ShapeFor(wide_from).wide) wide_from *= 2;
+  }
+  ASSERT_LE(wide_from, 1 << 16) << "no tick takes the wide path";
+  for (const bool ties : {true, false}) {
+    SCOPED_TRACE(ties ? "tied horizons 0 and 1" : "saturated horizons 0 and 1");
+    for (const bool resident : {true, false}) {
+      StreamStepParity parity(GetParam(), wide_from + 1, 8);
+      parity.streamer().set_use_resident(resident);
+      const ParamLayout layout(parity.config());
+      std::vector<float> params = ties ? HeadOfTies(layout, parity.params())
+                                       : HeadOfSaturatedLogits(layout, parity.params(), 400.f);
+      ASSERT_TRUE(parity.streamer().PublishFromHost(params).ok());
+      parity.UseParams(std::move(params));
+      std::vector<int32_t> every_slot(wide_from + 1);
+      std::iota(every_slot.begin(), every_slot.end(), 0);
+      for (int i = 0; i < 4; ++i) parity.Tick({i}, 300 + i);  // lone events
+      parity.Tick({4, 5, 6, 7, 8, 9, 10}, 310);                // a cluster kernel's tick
+      parity.Tick(every_slot, 311);                            // the wide path
+      ASSERT_TRUE(parity.streamer().ShapeFor(wide_from + 1).wide);
+      parity.ExpectConvictionsOfHorizon(ties ? 0 : 1);
+      parity.ExpectLogsMatch();
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, StreamStepTest, ::testing::Values("tiny", "small", "small-L1", "small-L5", "small-L10"),

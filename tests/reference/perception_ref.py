@@ -537,14 +537,17 @@ def masked_bce(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     return (per * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def strongest_horizon(p: Tensor) -> Tensor:
-    """The horizon whose probability p lies farthest from 0.5 (the first maximum on ties), keeping the last dim."""
-    return torch.argmax((p - 0.5).abs(), dim=-1, keepdim=True)
+def strongest_horizon(logits: Tensor) -> Tensor:
+    """The horizon whose probability lies farthest from 0.5 (the first maximum on ties), keeping the last dim.
+
+    |sigmoid(l) - 0.5| grows with |l|, so the logits decide: rounded probabilities would split exact ties and tie
+    every float32 logit past ~17 at 0.5."""
+    return torch.argmax(logits.abs(), dim=-1, keepdim=True)
 
 
 def conviction(logits: Tensor) -> Tensor:
     p = torch.sigmoid(logits)
-    return 2 * p.gather(-1, strongest_horizon(p)).squeeze(-1) - 1
+    return 2 * p.gather(-1, strongest_horizon(logits)).squeeze(-1) - 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def compare(logits, oracle):
         "conviction_mean": diff.mean().item(),
         "probability_max": (p - p_ref).abs().max().item(),
         "sign_changes": int(flips.sum().item()),
-        "strongest_horizon_changes": int((ref.strongest_horizon(p) != ref.strongest_horizon(p_ref)).sum().item()),
+        "strongest_horizon_changes": int((ref.strongest_horizon(logits) != ref.strongest_horizon(oracle)).sum().item()),
         # The error at the segments' ends against their starts: whether it accumulates along a stream.
         "conviction_max_first_100": diff[:, :100].max().item(),
         "conviction_max_last_100": diff[:, -100:].max().item(),
