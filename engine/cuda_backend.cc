@@ -254,10 +254,11 @@ class CudaBackend final : public Backend {
     return result;
   }
 
-  // The batch a TrainStepWithNext or TrainStepStagingNext staged for the step after it is not that step's: forget
-  // it, so the model's next Enqueue takes what is staged for it.
+  // What is staged is not the next call's: the batch a TrainStepWithNext or TrainStepStagingNext staged for the step
+  // after it, or one a Train that failed after staging left behind (then staged_next_ is already null). Forget it, so
+  // the model's next Enqueue takes what is staged for it; before, an Evaluate after such a failure scored the
+  // training batch left staged and shifted its chunks by one.
   void DropNext() {
-    if (staged_next_ == nullptr) return;
     model_->DropStagedBatches();
     staged_next_ = nullptr;
   }

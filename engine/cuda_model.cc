@@ -546,12 +546,13 @@ absl::Status CudaModel::RequireFullBatch(const InputPlan& plan) const {
 
 absl::Status CudaModel::EnqueueTrainStep() {
   ASSIGN_OR_RETURN(const InputPlan plan, PlanInputs(/*prefetch=*/true));
-  const absl::Status launched = LaunchTrainStep(plan);
-  TakeBatch(plan, launched.ok());
+  bool enqueued = false;
+  const absl::Status launched = LaunchTrainStep(plan, enqueued);
+  TakeBatch(plan, enqueued);
   return launched;
 }
 
-absl::Status CudaModel::LaunchTrainStep(const InputPlan& plan) {
+absl::Status CudaModel::LaunchTrainStep(const InputPlan& plan, bool& enqueued) {
   RETURN_IF_ERROR(RequireFullBatch(plan));  // refuses any other training shape, naming both
   if (communicator_) RETURN_IF_ERROR(communicator_->Usable());  // an aborted job's graph must not replay
   step_timing_pending_ = false;                         // the previous step was not waited for: it stays untimed
@@ -575,6 +576,7 @@ absl::Status CudaModel::LaunchTrainStep(const InputPlan& plan) {
     ++graph.eager_steps;
     ++counters_.eager_steps;
   }
+  enqueued = true;
   CUDA_RETURN_IF_ERROR(cudaEventRecord(step_stop_, stream_));
   step_timing_pending_ = true;
   return absl::OkStatus();

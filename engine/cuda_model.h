@@ -194,7 +194,9 @@ class CudaModel {
   void TakeBatch(const InputPlan& plan, bool enqueued);
   absl::Status RequireFullBatch(const InputPlan& plan) const;
   // EnqueueTrainStep's work on `plan`'s batch: the checks, then a graph launch or an eager step, between the events.
-  absl::Status LaunchTrainStep(const InputPlan& plan);
+  // `enqueued` turns true once the step's work is on the stream, even where a later call (its stop event) fails: the
+  // step then runs and reads its inputs all the same.
+  absl::Status LaunchTrainStep(const InputPlan& plan, bool& enqueued);
   // EnqueueTrainStepEagerly and EnqueueGradients: the work on the batch they take (none inside a capture).
   absl::Status EnqueueTakingBatch(bool optimizer_step);
   // The full-batch forward, loss, backward and gradient all-reduce, then (optimizer_step) clipping and AdamW, on
