@@ -153,6 +153,45 @@ def train(model, opt, batch, steps: int, max_norm: float):
     return torch.stack(losses), torch.stack(norms)
 
 
+def torch_run(d: DumpFile, dirname: str, chunk: int, prec: str):
+    """PyTorch in precision `prec` on the dump's checkpoint `init.safetensors` and batch: logits, loss, dx, every
+    gradient, the carried-state and step-path outputs, then the dump's S clip+AdamW steps (its steps, lr, max_norm,
+    weight_decay): train.loss, train.grad_norm, params. Returns (run, opt): the results by key and the optimizer
+    after the steps."""
+    cfg = ref.ModelConfig.from_json(d.meta["config"])
+    steps = int(d.meta["steps"])
+    lr, max_norm, wd = float(d.meta["lr"]), float(d.meta["max_norm"]), float(d.meta["weight_decay"])
+    dtype = use_precision(prec)[0]
+    model, opt, step0 = ref.load_checkpoint(os.path.join(dirname, "init.safetensors"), dtype=dtype, chunk=chunk,
+                                            lr=lr, weight_decay=wd, device=DEVICE)
+    assert step0 == 0
+    x = d("batch.x").to(device=DEVICE, dtype=dtype).requires_grad_(True)
+    dt, y, m = (d("batch." + k).to(device=DEVICE, dtype=dtype) for k in ("dt", "labels", "mask"))
+    logits = model(x, dt)
+    loss = ref.masked_bce(logits, y, m)
+    loss.backward()
+    run = {"logits": logits.detach(), "loss": loss.detach().reshape(1), "dx": x.grad.detach(),
+           "grad": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():
+        init = state_from_dump(d, "state.init.", cfg, dtype)
+        bs = init.cfc.shape[0]  # the carried-state check covers the first bs streams
+        s_logits, s_final = model(x.detach()[:bs], dt[:bs], state=init, return_state=True)
+        run["state.logits"] = s_logits
+        run["state.final.conv"] = torch.stack(s_final.conv, dim=1)
+        run["state.final.ssm"] = torch.stack(s_final.ssm, dim=1)
+        run["state.final.cfc"] = s_final.cfc
+        st = ref.State([c[:1] for c in init.conv], [s[:1] for s in init.ssm], init.cfc[:1])
+        outs = []
+        for t in range(cfg.window):
+            lg, st = model.step(x.detach()[:1, t], dt[:1, t], st)
+            outs.append(lg[0])
+        run["stream.logits"] = torch.stack(outs)
+    losses, norms = train(model, opt, (x.detach(), dt, y, m), steps, max_norm)
+    run["train.loss"], run["train.grad_norm"] = losses, norms
+    run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run, opt
+
+
 def compare_engine(rep: Report, d: DumpFile, dirname: str, chunk: int, precisions) -> None:
     cfg = ref.ModelConfig.from_json(d.meta["config"])
     steps, save_step = int(d.meta["steps"]), int(d.meta["save_step"])
@@ -161,33 +200,9 @@ def compare_engine(rep: Report, d: DumpFile, dirname: str, chunk: int, precision
     torch_runs = {}
     for prec in precisions:
         dtype, tag, _, bar_g = use_precision(prec)
-        model, opt, step0 = ref.load_checkpoint(os.path.join(dirname, "init.safetensors"), dtype=dtype, chunk=chunk,
-                                                lr=lr, weight_decay=wd, device=DEVICE)
-        assert step0 == 0
-        x = d("batch.x").to(device=DEVICE, dtype=dtype).requires_grad_(True)
+        run, _ = torch_run(d, dirname, chunk, prec)
+        x = d("batch.x").to(device=DEVICE, dtype=dtype)
         dt, y, m = (d("batch." + k).to(device=DEVICE, dtype=dtype) for k in ("dt", "labels", "mask"))
-        logits = model(x, dt)
-        loss = ref.masked_bce(logits, y, m)
-        loss.backward()
-        run = {"logits": logits.detach(), "loss": loss.detach().reshape(1), "dx": x.grad.detach(),
-               "grad": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
-        with torch.no_grad():
-            init = state_from_dump(d, "state.init.", cfg, dtype)
-            bs = init.cfc.shape[0]  # the carried-state check covers the first bs streams
-            s_logits, s_final = model(x.detach()[:bs], dt[:bs], state=init, return_state=True)
-            run["state.logits"] = s_logits
-            run["state.final.conv"] = torch.stack(s_final.conv, dim=1)
-            run["state.final.ssm"] = torch.stack(s_final.ssm, dim=1)
-            run["state.final.cfc"] = s_final.cfc
-            st = ref.State([c[:1] for c in init.conv], [s[:1] for s in init.ssm], init.cfc[:1])
-            outs = []
-            for t in range(cfg.window):
-                lg, st = model.step(x.detach()[:1, t], dt[:1, t], st)
-                outs.append(lg[0])
-            run["stream.logits"] = torch.stack(outs)
-        losses, norms = train(model, opt, (x.detach(), dt, y, m), steps, max_norm)
-        run["train.loss"], run["train.grad_norm"] = losses, norms
-        run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch_runs[tag] = run
 
         # Resume from the engine's step-K checkpoint (parameters + AdamW state) and finish the S steps.
