@@ -13,13 +13,14 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
+#include "tests/model_spec_table.h"
 #include "tests/test_util.h"
 #include "engine/safetensors.h"
 
@@ -76,17 +77,20 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
 }
 
 // Every tensor name a checkpoint of `config` must hold.
-std::set<std::string> ExpectedNames(const ModelConfig& config) {
-  std::set<std::string> names = {"optim.step"};
-  const ParamLayout layout(config);
-  for (const TensorSpec& t : layout.tensors()) {
-    names.insert(t.name);
+// MODEL.md §6's tensors for the preset `name`: §4's names as transcribed in tests/model_spec_table.h (not taken from
+// ParamLayout), the two moments of each trained one, and optim.step; each with its shape.
+std::map<std::string, std::vector<int64_t>> ExpectedTensors(const std::string& name) {
+  const auto preset = std::ranges::find(testing::SpecPresets(), name, &testing::SpecPreset::name);
+  EXPECT_NE(preset, testing::SpecPresets().end()) << name;
+  std::map<std::string, std::vector<int64_t>> tensors = {{"optim.step", {1}}};
+  for (const testing::SpecTensor& t : testing::SpecTensors(*preset)) {
+    tensors[t.name] = t.shape;
     if (t.trained) {
-      names.insert("optim.exp_avg." + t.name);
-      names.insert("optim.exp_avg_sq." + t.name);
+      tensors["optim.exp_avg." + t.name] = t.shape;
+      tensors["optim.exp_avg_sq." + t.name] = t.shape;
     }
   }
-  return names;
+  return tensors;
 }
 
 // A file's tensors as owned values, so that a test can edit them and write them back.
@@ -168,12 +172,12 @@ TEST_F(CheckpointTest, FileIsStandardSafetensors) {
   EXPECT_EQ(metadata.at("step"), std::to_string(saved.step));
 
   // small: 46 layout tensors (2 buffers + 44 trained), 2 × 44 moments, optim.step.
-  std::set<std::string> names;
+  std::map<std::string, std::vector<int64_t>> tensors;
   for (const auto& [name, entry] : header.items()) {
-    if (name != "__metadata__") names.insert(name);
+    if (name != "__metadata__") tensors[name] = entry.at("shape").get<std::vector<int64_t>>();
   }
-  EXPECT_EQ(names.size(), 46u + 2 * 44u + 1u);
-  EXPECT_EQ(names, ExpectedNames(config));
+  EXPECT_EQ(tensors.size(), 46u + 2 * 44u + 1u);
+  EXPECT_EQ(tensors, ExpectedTensors("small"));
 
   // Raw data, read without the project's reader: one parameter, one moment and the step.
   const char* data = file.data() + 8 + length;
