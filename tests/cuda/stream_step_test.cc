@@ -373,19 +373,19 @@ std::vector<float> HeadOfTies(const ParamLayout& layout, std::vector<float> para
   }
   return params;
 }
-// … so that horizon 0's logit is −`scale` and horizon 1's 2·`scale` times the random row 0's and the others' 0:
-// opposite signs, horizon 1 always the stronger, both past float32's ~17 (where σ rounds to 0 or 1) for most events.
-std::vector<float> HeadOfSaturatedLogits(const ParamLayout& layout, std::vector<float> params, float scale) {
+// … so that horizons 0 and 1 take the random row 0 with biases −30 and +40 and the others are 0: both logits past
+// float32's ~17 (where σ rounds to 0 or 1) with opposite signs, horizon 1's the stronger (the row's own output stays
+// far below 5). (Offsets, not scaled rows: a scaled row would scale its rounding too, past MODEL.md §8's bar.)
+std::vector<float> HeadOfSaturatedLogits(const ParamLayout& layout, std::vector<float> params) {
   const TensorSpec& w = layout.tensor(layout.head_out.weight);
   const TensorSpec& b = layout.tensor(layout.head_out.bias);
   const size_t G = w.shape[1];
-  const std::vector<float> row(params.begin() + w.offset, params.begin() + w.offset + G);
-  const float bias = params[b.offset];
-  for (size_t h = 0; h < static_cast<size_t>(w.shape[0]); ++h) {
-    const float factor = h == 0 ? -scale : h == 1 ? 2 * scale : 0.f;
-    for (size_t g = 0; g < G; ++g) params[w.offset + h * G + g] = factor * row[g];
-    params[b.offset + h] = factor * bias;
+  for (size_t h = 1; h < static_cast<size_t>(w.shape[0]); ++h) {
+    for (size_t g = 0; g < G; ++g) params[w.offset + h * G + g] = h == 1 ? params[w.offset + g] : 0.f;
+    params[b.offset + h] = 0.f;
   }
+  params[b.offset] = -30.f;
+  params[b.offset + 1] = 40.f;
   return params;
 }
 
@@ -408,7 +408,7 @@ TEST_P(StreamStepTest, ConvictionsTakeTheLowestOfTiedHorizonsAndTheStrongestSatu
       parity.streamer().set_use_resident(resident);
       const ParamLayout layout(parity.config());
       std::vector<float> params = ties ? HeadOfTies(layout, parity.params())
-                                       : HeadOfSaturatedLogits(layout, parity.params(), 400.f);
+                                       : HeadOfSaturatedLogits(layout, parity.params());
       ASSERT_TRUE(parity.streamer().PublishFromHost(params).ok());
       parity.UseParams(std::move(params));
       std::vector<int32_t> every_slot(wide_from + 1);
