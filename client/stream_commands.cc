@@ -149,6 +149,23 @@ absl::StatusOr<RetainedLog> RetainedLogOf(PerceptionClient& client, const std::s
 
 }  // namespace
 
+std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked) {
+  const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
+  // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the
+  // call's end) leaves nothing to replay: flags for "the rest" would read --count 0 (all the rest of the files) or a
+  // --first past their end.
+  if (acked >= last) {
+    return absl::StrCat("; acknowledged through seq ", acked, ": the daemon acknowledged every event, so nothing is "
+                        "left to resume");
+  }
+  // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
+  const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
+  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", options.first + done,
+                      options.count > 0 ? absl::StrCat(" --count ", n - done) : "", " --start_seq ", acked + 1,
+                      ", or from the instrument's end_seq in `perceptionctl streams` where that differs: the daemon "
+                      "took more than it acknowledged)");
+}
+
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
   if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
   if (options.first < 0 || options.count < 0) {
@@ -221,15 +238,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (!status.ok() && acked == 0) {
     return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
   }
-  if (!status.ok()) {
-    // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
-    const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
-    return absl::Status(status.code(),
-                        absl::StrCat(status.message(), "; acknowledged through seq ", acked, " (resume with --first ",
-                                     first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
-                                     " --start_seq ", acked + 1, ", or from the instrument's end_seq in `perceptionctl "
-                                     "streams` where that differs: the daemon took more than it acknowledged)"));
-  }
+  if (!status.ok()) return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked)));
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),
               static_cast<unsigned long long>(seq_of(options.seed_window)),

@@ -27,6 +27,11 @@ struct StreamOptions {
 // daemon acknowledged and the flags that resume from there.
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
 
+// The end of a failed `stream`'s error once the daemon acknowledged through `acked` (> 0) of the `n` events used
+// (seed window included): the flags that resume after it, or, when it acknowledged the last one, that nothing is
+// left to resume.
+std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked);
+
 // Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
 // `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
 // starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only
