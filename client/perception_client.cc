@@ -197,12 +197,22 @@ EventStream::~EventStream() {
 }
 
 bool EventStream::Write(const v1::StreamRequest& request) {
+  wrote_ = true;
   watchdog_->Owe(request.events_size());
   return stream_->Write(request);
 }
 
 absl::Status EventStream::Finish() {
   finished_ = true;
+  if (!wrote_) {
+    // The call never left the client: its initial metadata waits for the first Write (corked), and WritesDone does
+    // not send it, so a half-close would wait for an end the daemon never sends until the watchdog cancels the call
+    // (DEADLINE_EXCEEDED). With nothing sent, nothing can have failed: end the call here.
+    context_.TryCancel();
+    reader_.join();
+    stream_->Finish();
+    return absl::OkStatus();
+  }
   watchdog_->OweEnd();
   stream_->WritesDone();
   reader_.join();  // the daemon ends the call once every accepted event is acknowledged

@@ -34,7 +34,7 @@ class EventStream {
   bool Write(const v1::StreamRequest& request);
   // Half-closes and waits for the call to end: OK once every accepted event was acknowledged, else the daemon's
   // status (the acknowledgements before it were delivered); DEADLINE_EXCEEDED when it was cancelled for want of
-  // an acknowledgement.
+  // an acknowledgement. OK at once when nothing was written (the call never reached the daemon).
   absl::Status Finish();
   // True once the call has ended (all acknowledgements delivered); Finish then says why.
   bool ended() const { return ended_; }
@@ -51,6 +51,7 @@ class EventStream {
   std::thread reader_;
   std::atomic<bool> ended_ = false;
   bool finished_ = false;
+  bool wrote_ = false;  // whether Write was called: until then the call has not started (corked metadata)
 };
 
 // Cancels the calls that take it, from any thread, including calls that start after Cancel (perceptionctl train

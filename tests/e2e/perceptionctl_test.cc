@@ -634,6 +634,30 @@ TEST(PerceptionctlTest, ConvictionsFailingOnALaterPageLeaveTheFileAsItWas) {
   stream.get();
 }
 
+// A Stream call with nothing written never reached the daemon (its metadata waits for the first write), and its
+// Finish waited for the watchdog (--timeout) before failing DEADLINE_EXCEEDED: `bench` with fewer events than
+// instruments opened such a call for each connection whose instruments got none.
+TEST(PerceptionctlTest, AStreamWithNothingWrittenFinishesAtOnce) {
+  const ScopedTempDir temp("ctl_stream_unwritten");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  client::PerceptionClient client((*daemon)->target(), {.timeout = absl::Seconds(5)});
+  const absl::Time start = absl::Now();
+  const absl::Status finished = client.OpenStream([](const v1::StreamResponse&) {})->Finish();
+  EXPECT_TRUE(finished.ok()) << finished;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "Finish waited for the watchdog";
+
+  const absl::Time bench_start = absl::Now();
+  const CommandResult bench =
+      RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 5s bench --instruments 4 --events 2 --connections 4"));
+  EXPECT_EQ(bench.exit_code, 0) << bench.output;
+  EXPECT_THAT(bench.output, HasSubstr("2 events (2 sent, 2 acknowledged)"));
+  EXPECT_LT(absl::Now() - bench_start, absl::Seconds(4)) << bench.output;
+}
+
 // Training in chunks samples fresh windows each run (the sampler's seed takes in the model's step), and stays
 // reproducible: the same chunks from the same start give the same steps. With a learning rate of 1e-12 the weights
 // barely move, so a run that repeated the previous run's batch would report the same loss.
