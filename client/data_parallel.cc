@@ -2,6 +2,7 @@
 // run together.
 #include "client/data_parallel.h"
 
+#include <algorithm>
 #include <optional>
 #include <thread>
 
@@ -48,6 +49,20 @@ absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::sp
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckTargets(std::span<const v1::GetStatusResponse> statuses, std::span<const std::string> targets) {
+  const bool any_rank = std::any_of(statuses.begin(), statuses.end(),
+                                    [](const v1::GetStatusResponse& s) { return s.has_data_parallel(); });
+  if (statuses.size() == 1 && !any_rank) return absl::OkStatus();  // one daemon of its own
+  // One rank of a job alone would take steps its peers never join (their collectives wait on it).
+  if (statuses.size() == 1 && statuses[0].data_parallel().world_size() != 1) {
+    const v1::DataParallelStatus& p = statuses[0].data_parallel();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the daemon at ", targets[0], " is rank ", p.rank(), " of ", p.world_size(), " of a data-parallel job: "
+        "give --targets the job's ", p.world_size(), " ranks in rank order"));
+  }
+  return CheckRanks(statuses, targets);
 }
 
 ShardedBatches::ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank)

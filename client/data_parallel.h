@@ -24,6 +24,10 @@ void CopyWindows(const Batch& from, int first, int count, v1::Batch& to);
 // rank with a model of the same config at the same step; otherwise FAILED_PRECONDITION naming the target.
 absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::span<const std::string> targets);
 
+// The targets of `train`: OK for one daemon outside any data-parallel job; otherwise CheckRanks, so that one target
+// that reports a rank of a job of several (which alone would train without its peers) is refused too.
+absl::Status CheckTargets(std::span<const v1::GetStatusResponse> statuses, std::span<const std::string> targets);
+
 // The global batches of a data-parallel run, each sampled once: rank r of N gets windows [r·B, (r+1)·B) of every
 // global batch of N·B windows, so N ranks see exactly the windows that one daemon would on N·B-window batches (and
 // with N = 1, exactly what a plain run samples). Thread-safe: each rank's stream takes its slices from its own

@@ -159,7 +159,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
     ASSIGN_OR_RETURN(statuses.emplace_back(), StatusWithModel(*rank));
     targets.push_back(rank->target());
   }
-  if (ranks.size() > 1) RETURN_IF_ERROR(CheckRanks(statuses, targets));
+  RETURN_IF_ERROR(CheckTargets(statuses, targets));
   const v1::GetStatusResponse& status = statuses[0];
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));

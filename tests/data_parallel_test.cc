@@ -18,6 +18,7 @@ namespace perception {
 namespace {
 
 using client::CheckRanks;
+using client::CheckTargets;
 using client::ShardedBatches;
 using server::FetchUniqueId;
 using server::RendezvousService;
@@ -170,6 +171,26 @@ TEST(CheckRanks, TargetsMustBeOneJobsRanksInOrderWithOneModel) {
   plain.clear_data_parallel();
   const absl::Status not_parallel = CheckRanks(std::vector{plain, RankStatus(1, 2, 5)}, targets);
   EXPECT_NE(std::string(not_parallel.message()).find("not part of a data-parallel job"), std::string::npos);
+}
+
+// One --target that reports rank 0 of 2 was trained alone (the rank check ran only for several targets); README:
+// target i must report rank i of N.
+TEST(CheckTargets, OneTargetMustNotBeOneRankOfSeveral) {
+  const std::vector<std::string> one = {"a:1"};
+  v1::GetStatusResponse plain = RankStatus(0, 2, 5);
+  plain.clear_data_parallel();
+  EXPECT_TRUE(CheckTargets(std::vector{plain}, one).ok());
+  EXPECT_TRUE(CheckTargets(std::vector{RankStatus(0, 1, 5)}, one).ok()) << "a job of one rank";
+  const absl::Status alone = CheckTargets(std::vector{RankStatus(0, 2, 5)}, one);
+  EXPECT_EQ(alone.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(alone.message()).find("the daemon at a:1 is rank 0 of 2 of a data-parallel job: give "
+                                              "--targets the job's 2 ranks in rank order"),
+            std::string::npos)
+      << alone;
+  const std::vector<std::string> two = {"a:1", "b:2"};
+  EXPECT_TRUE(CheckTargets(std::vector{RankStatus(0, 2, 5), RankStatus(1, 2, 5)}, two).ok());
+  EXPECT_FALSE(CheckTargets(std::vector{RankStatus(1, 2, 5), RankStatus(0, 2, 5)}, two).ok()) << "order";
+  EXPECT_FALSE(CheckTargets(std::vector{plain, plain}, two).ok()) << "two daemons outside any job";
 }
 
 }  // namespace
