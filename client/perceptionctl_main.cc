@@ -287,11 +287,14 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
       return EvaluateLobster(client, files, window);
     });
   }
+  // The commands' own checks run here too, before --wait waits for the daemon.
   if (command == "stream" && args.size() == 2) {
     ASSIGN_OR_RETURN(const StreamOptions options, StreamOptionsFromFlags());
+    RETURN_IF_ERROR(CheckStreamOptions(options));
     return DaemonCommand([options](PerceptionClient& client) { return StreamLobster(client, options); });
   }
   if (command == "convictions" && args.size() == 2) {
+    RETURN_IF_ERROR(CheckConvictionsOptions(absl::GetFlag(FLAGS_instrument), absl::GetFlag(FLAGS_out)));
     return DaemonCommand([instrument = absl::GetFlag(FLAGS_instrument), from = absl::GetFlag(FLAGS_from),
                           out = absl::GetFlag(FLAGS_out)](PerceptionClient& client) {
       return WriteConvictions(client, instrument, from, out);
@@ -299,6 +302,7 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
   }
   if (command == "bench" && args.size() == 2) {
     ASSIGN_OR_RETURN(const BenchOptions options, BenchOptionsFromFlags());
+    RETURN_IF_ERROR(CheckBenchOptions(options));
     return DaemonCommand([options](PerceptionClient& client) { return Bench(client, options); });
   }
   if (command == "streams" && args.size() == 2) return DaemonCommand(ListStreams);

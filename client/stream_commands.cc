@@ -166,13 +166,18 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                       "took more than it acknowledged)");
 }
 
-absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
+absl::Status CheckStreamOptions(const StreamOptions& options) {
   if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
   if (options.first < 0 || options.count < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
   if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
+  return absl::OkStatus();
+}
+
+absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
+  RETURN_IF_ERROR(CheckStreamOptions(options));
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse daemon, client.GetStatus());
@@ -246,10 +251,15 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   return absl::OkStatus();
 }
 
-absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
-                              const std::string& out_path) {
+absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
+  return absl::OkStatus();
+}
+
+absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
+                              const std::string& out_path) {
+  RETURN_IF_ERROR(CheckConvictionsOptions(instrument, out_path));
   absl::StatusOr<ConvictionsCsv> csv;
   if (from_seq > 0) {
     csv = ReadConvictionsCsv(client, instrument, from_seq);
@@ -286,10 +296,15 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
   return absl::OkStatus();
 }
 
-absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
+absl::Status CheckBenchOptions(const BenchOptions& options) {
   if (options.instruments < 1 || options.events < 1 || options.connections < 1 || options.in_flight < 1) {
     return absl::InvalidArgumentError("bench needs --instruments, --events, --connections and --in_flight >= 1");
   }
+  return absl::OkStatus();
+}
+
+absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
+  RETURN_IF_ERROR(CheckBenchOptions(options));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
   if (!status.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
   const int F = status.model().config().n_features();

@@ -21,6 +21,10 @@ struct StreamOptions {
   uint64_t start_seq = 1;  // the sequence number of event `first`; the events after it follow on
 };
 
+// What StreamLobster checks of `options` before it reads the files or calls the daemon (perceptionctl checks it
+// before --wait waits): INVALID_ARGUMENT naming the flag.
+absl::Status CheckStreamOptions(const StreamOptions& options);
+
 // Replays the files as a live feed of one instrument, the k-th event used (0-based, seed window included) with
 // sequence number start_seq + k, and returns once the daemon acknowledged the last one; prints events/s. Refuses
 // to seed an instrument that already has events unless `reseed`. A failure says through which sequence number the
@@ -36,6 +40,9 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
 // `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
 // starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only
 // once every page is in, so a refused read leaves an existing file as it was.
+// What WriteConvictions checks of its arguments before it calls the daemon.
+absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path);
+
 absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,
                               const std::string& out_path);
 
@@ -46,6 +53,9 @@ struct BenchOptions {
   int connections = 1;     // Stream calls, each with its share of the instruments
   int in_flight = 8;       // unacknowledged requests per connection (each holds one event per instrument)
 };
+
+// What Bench checks of `options` before it calls the daemon.
+absl::Status CheckBenchOptions(const BenchOptions& options);
 
 // A load generator of synthetic feature events; reports events/s, latency (send to acknowledgement) p50, p99 and
 // p99.9, and what the daemon refused. Its instruments are named bench-0, bench-1, ... and closed at the end.

@@ -277,6 +277,19 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const CommandResult ranks = RunCommand(absl::StrCat(ctl, " --targets=127.0.0.1:1,127.0.0.1:2 stream"));
   EXPECT_EQ(ranks.exit_code, 1);
   EXPECT_THAT(ranks.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
+  // stream, convictions and bench checked their flags only once --wait had waited for the daemon (a shorter wait
+  // here, so that a regression fails on the messages within the test's time).
+  const std::string waits_10s = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 10s");
+  const CommandResult no_instrument =
+      RunCommand(absl::StrCat(waits_10s, " stream --lobster ", kOrderbook, " ", kMessages, " --count 10"));
+  EXPECT_EQ(no_instrument.exit_code, 1);
+  EXPECT_THAT(no_instrument.output, HasSubstr("INVALID_ARGUMENT: stream needs --instrument ID"));
+  const CommandResult no_out = RunCommand(absl::StrCat(waits_10s, " convictions --instrument AAPL"));
+  EXPECT_EQ(no_out.exit_code, 1);
+  EXPECT_THAT(no_out.output, HasSubstr("INVALID_ARGUMENT: convictions needs --out FILE.csv"));
+  const CommandResult no_events = RunCommand(absl::StrCat(waits_10s, " bench --events 0"));
+  EXPECT_EQ(no_events.exit_code, 1);
+  EXPECT_THAT(no_events.output, HasSubstr("INVALID_ARGUMENT: bench needs --instruments, --events"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
 }
 
