@@ -152,6 +152,10 @@ uint64_t SamplerSeed(uint64_t seed, int64_t step) { return Rng(seed).NextU64() ^
 }  // namespace
 
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options) {
+  // 0 keeps the model's learning rate; a negative one (or NaN) was dropped as if it were 0.
+  if (!(options.lr >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--lr must be > 0 (0: keep the model's), got ", options.lr));
+  }
   PerceptionClient& client = *ranks[0];
   std::vector<v1::GetStatusResponse> statuses;
   std::vector<std::string> targets;
@@ -215,6 +219,10 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
 }
 
 absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files, int window) {
+  // 0 is the model's window; a negative one was replaced by it.
+  if (window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--window must be >= 0 (0: the model's), got ", window));
+  }
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, StatusWithModel(client));
   const v1::ModelConfig& config = status.model().config();
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(files, config));

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -50,7 +51,8 @@ ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); tr
 ABSL_FLAG(int, warmup, -1,
           "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
           "the model's config; -1: the preset's)");
-ABSL_FLAG(double, lr, 0, "peak learning rate; init: 0 means 1e-3; train: 0 keeps the model's");
+ABSL_FLAG(std::optional<double>, lr, std::nullopt,
+          "peak learning rate, > 0; init: without it 1e-3; train: without it the model's is kept");
 ABSL_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
 ABSL_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
 ABSL_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the learning rate reaches --min_lr");
@@ -151,9 +153,31 @@ absl::Status Status(PerceptionClient& client) {
   return absl::OkStatus();
 }
 
+// --lr, or 0 when it is not given (init: the default, train: the model's). A value <= 0 was taken for "not given"
+// and silently dropped, so `init --lr 0` or `--lr -1e-3` ran at another learning rate than asked: refused.
+absl::StatusOr<double> LrFromFlag() {
+  const std::optional<double> lr = absl::GetFlag(FLAGS_lr);
+  if (!lr.has_value()) return 0.0;
+  if (!(*lr > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lr must be > 0 (leave it out for init's default or to keep the model's), got ", *lr));
+  }
+  return *lr;
+}
+
+// --window, >= 0 (0: the preset's or the model's); a negative one was replaced by that default.
+absl::StatusOr<int> WindowFromFlag() {
+  const int window = absl::GetFlag(FLAGS_window);
+  if (window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--window must be >= 0 (0: the model's), got ", window));
+  }
+  return window;
+}
+
 absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
   v1::OptimizerSettings settings;
-  if (absl::GetFlag(FLAGS_lr) > 0) settings.set_lr(absl::GetFlag(FLAGS_lr));
+  ASSIGN_OR_RETURN(const double lr, LrFromFlag());
+  if (lr > 0) settings.set_lr(lr);
   ASSIGN_OR_RETURN(const LrSchedule schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
   settings.set_schedule(schedule == LrSchedule::kWarmupCosine ? v1::LR_SCHEDULE_WARMUP_COSINE
                                                               : v1::LR_SCHEDULE_CONSTANT);
@@ -163,18 +187,30 @@ absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
   return settings;
 }
 
-absl::Status Init(PerceptionClient& client) {
+// init's request, from the flags (before anything is sent).
+absl::StatusOr<v1::InitModelRequest> InitRequestFromFlags() {
   v1::InitModelRequest request;
   request.set_config_name(absl::GetFlag(FLAGS_config));
   if (absl::GetFlag(FLAGS_levels) > 0) request.set_levels(absl::GetFlag(FLAGS_levels));
   request.set_batch(absl::GetFlag(FLAGS_batch));
-  request.set_window(absl::GetFlag(FLAGS_window));
-  if (absl::GetFlag(FLAGS_warmup) >= 0) request.set_warmup(absl::GetFlag(FLAGS_warmup));
+  ASSIGN_OR_RETURN(const int window, WindowFromFlag());
+  request.set_window(window);
+  // -1 (the default) keeps the preset's warmup; below it the preset's was used in silence.
+  if (const int warmup = absl::GetFlag(FLAGS_warmup); warmup < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--warmup must be >= 0, or -1 for the preset's, got ", warmup));
+  } else if (warmup >= 0) {
+    request.set_warmup(warmup);
+  }
   request.set_seed(absl::GetFlag(FLAGS_seed));
   ASSIGN_OR_RETURN(*request.mutable_optimizer(), OptimizerFromFlags());
   request.set_replace(absl::GetFlag(FLAGS_replace));
+  return request;
+}
+
+absl::Status Init(PerceptionClient& client, const v1::InitModelRequest& request) {
   ASSIGN_OR_RETURN(const v1::InitModelResponse response, client.InitModel(request));
-  std::printf("initialized %s\n%s\n", absl::GetFlag(FLAGS_config).c_str(), Describe(response.model()).c_str());
+  std::printf("initialized %s\n%s\n", request.config_name().c_str(), Describe(response.model()).c_str());
   return absl::OkStatus();
 }
 
@@ -192,11 +228,13 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   if (const int every = absl::GetFlag(FLAGS_eval_every); every < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--eval_every must be >= 0 (0: only at the end), got ", every));
   }
+  ASSIGN_OR_RETURN(const int window, WindowFromFlag());
+  ASSIGN_OR_RETURN(const double lr, LrFromFlag());
   return TrainOptions{files,
                       absl::GetFlag(FLAGS_steps),
                       absl::GetFlag(FLAGS_batch),
-                      absl::GetFlag(FLAGS_window),
-                      absl::GetFlag(FLAGS_lr),
+                      window,
+                      lr,
                       absl::GetFlag(FLAGS_train_fraction),
                       absl::GetFlag(FLAGS_seed),
                       absl::GetFlag(FLAGS_log_every),
@@ -283,7 +321,8 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
   const std::string command = args.size() > 1 ? args[1] : "";
   if (command == "eval" && args.size() == 2) {
     ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-    return DaemonCommand([files, window = absl::GetFlag(FLAGS_window)](PerceptionClient& client) {
+    ASSIGN_OR_RETURN(const int window, WindowFromFlag());
+    return DaemonCommand([files, window](PerceptionClient& client) {
       return EvaluateLobster(client, files, window);
     });
   }
@@ -333,7 +372,10 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
 absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool several) {
   const std::string command = args.size() > 1 ? args[1] : "";
   if (command == "status" && args.size() == 2) return OnEveryDaemon(Status);
-  if (command == "init" && args.size() == 2) return OnEveryDaemon(Init);
+  if (command == "init" && args.size() == 2) {
+    ASSIGN_OR_RETURN(const v1::InitModelRequest request, InitRequestFromFlags());
+    return OnEveryDaemon([request](PerceptionClient& daemon) { return Init(daemon, request); });
+  }
   if (command == "train" && args.size() == 2) {
     ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
     return Command([options](std::span<PerceptionClient* const> ranks) { return TrainOnLobster(ranks, options); });
@@ -355,6 +397,10 @@ absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool 
 }
 
 absl::Status Run(const std::vector<std::string>& args) {
+  // A deadline of zero or less fails every call at once (DEADLINE_EXCEEDED), far from the flag that caused it.
+  if (const absl::Duration timeout = absl::GetFlag(FLAGS_timeout); timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--timeout must be > 0, got ", absl::FormatDuration(timeout)));
+  }
   const ClientOptions options{.timeout = absl::GetFlag(FLAGS_timeout)};
   const absl::Duration wait = absl::GetFlag(FLAGS_wait);
   std::vector<std::string> targets = absl::GetFlag(FLAGS_targets);

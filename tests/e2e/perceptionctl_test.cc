@@ -293,6 +293,28 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
 }
 
+// Out-of-range values were replaced by defaults (--lr <= 0: init's 1e-3 or the model's; --warmup below -1: the
+// preset's; eval --window below 0: the model's) or accepted (--timeout <= 0 failed every call at once): refused
+// naming the flag, before --wait waits (none listens here; a regression fails on the message after 2 s).
+TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 2s");
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" init --config tiny --lr 0", "INVALID_ARGUMENT: --lr must be > 0"},
+      {" init --config tiny --lr -0.001", "INVALID_ARGUMENT: --lr must be > 0"},
+      {absl::StrCat(" train", files, " --steps 5 --lr -1"), "INVALID_ARGUMENT: --lr must be > 0"},
+      {" init --config tiny --warmup -2", "INVALID_ARGUMENT: --warmup must be >= 0, or -1 for the preset's, got -2"},
+      {absl::StrCat(" eval", files, " --window -3"), "INVALID_ARGUMENT: --window must be >= 0 (0: the model's)"},
+      {" --timeout 0s status", "INVALID_ARGUMENT: --timeout must be > 0, got 0"},
+      {" --timeout -1s status", "INVALID_ARGUMENT: --timeout must be > 0, got -1s"},
+  };
+  for (const auto& [args, message] : refused) {
+    const CommandResult result = RunCommand(absl::StrCat(ctl, args));
+    EXPECT_EQ(result.exit_code, 1) << args;
+    EXPECT_THAT(result.output, HasSubstr(message)) << args;
+  }
+}
+
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
 TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
   const ScopedTempDir temp("cli_log_every");
