@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -147,6 +148,19 @@ absl::StatusOr<RetainedLog> RetainedLogOf(PerceptionClient& client, const std::s
   return RetainedLog{stream->oldest_retained_seq(), stream->end_seq()};
 }
 
+// The largest sequence number the daemon takes (2^64 − 1 is refused: StreamEvent.seq in the proto).
+constexpr uint64_t kMaxSeq = UINT64_MAX - 1;
+
+// Refuses up front `n` (>= 1) events numbered from `start_seq` whose last would pass kMaxSeq, where the daemon would
+// take the events before it (opening the stream) and refuse the rest, or the numbers would wrap past 2^64.
+absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
+  if (start_seq <= kMaxSeq && static_cast<uint64_t>(n - 1) <= kMaxSeq - start_seq) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--start_seq ", start_seq, " numbers the last of ", n, " events past ", kMaxSeq,
+      ", the largest sequence number the daemon takes; with ", n, " events --start_seq must be <= ",
+      kMaxSeq - static_cast<uint64_t>(n - 1)));
+}
+
 }  // namespace
 
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked) {
@@ -173,7 +187,8 @@ absl::Status CheckStreamOptions(const StreamOptions& options) {
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
   if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
-  return absl::OkStatus();
+  // Without --count, the files' size decides the last number: StreamLobster checks it once it has read them.
+  return CheckLastSeq(options.start_seq, std::max<int64_t>(options.count, 1));
 }
 
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
@@ -199,6 +214,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
                                                    n, " events to stream"));
   }
+  RETURN_IF_ERROR(CheckLastSeq(options.start_seq, n));
   // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
   const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
   if (options.seed_window > 0) {

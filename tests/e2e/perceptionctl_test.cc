@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -549,12 +550,17 @@ TEST(PerceptionctlTest, ARefusedFirstEventOpensNoStream) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
 
-  const CommandResult refused =
-      RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
-                              " --instrument AAPL --count 1 --start_seq 18446744073709551615"));
-  EXPECT_EQ(refused.exit_code, 1);
-  EXPECT_THAT(refused.output, HasSubstr("INVALID_ARGUMENT"));
-  EXPECT_THAT(refused.output, HasSubstr("sequence number 18446744073709551615 is the largest there is"));
+  // perceptionctl refuses this number itself (PerceptionctlTest.SequenceNumbersPastTheLargestAreRefusedUpFront).
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([](const v1::StreamResponse&) {});
+  v1::StreamRequest request;
+  v1::StreamEvent& event = *request.add_events();
+  event.set_instrument("AAPL");
+  event.set_seq(UINT64_MAX);
+  for (int f = 0; f < 48; ++f) event.mutable_features()->add_features(0.f);
+  stream->Write(request);
+  const absl::Status refused = stream->Finish();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("sequence number 18446744073709551615 is the largest there is"));
   absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams();
   ASSERT_TRUE(streams.ok()) << streams.status();
   EXPECT_EQ(streams->streams_size(), 0) << streams->DebugString();
@@ -569,6 +575,37 @@ TEST(PerceptionctlTest, ARefusedFirstEventOpensNoStream) {
 
   const CommandResult replaced = RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --replace"));
   EXPECT_EQ(replaced.exit_code, 0) << replaced.output;
+}
+
+// The last event's number must stay below 2^64 − 1: the daemon took the events before it (opening the stream) and
+// refused the rest, and numbers past 2^64 wrapped. Refused before anything is sent, with or without --count.
+TEST(PerceptionctlTest, SequenceNumbersPastTheLargestAreRefusedUpFront) {
+  const ScopedTempDir temp("ctl_last_seq");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages, " --instrument AAPL");
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult largest = RunCommand(absl::StrCat(stream, " --count 1 --start_seq 18446744073709551615"));
+  EXPECT_EQ(largest.exit_code, 1);
+  EXPECT_THAT(largest.output, HasSubstr("INVALID_ARGUMENT: --start_seq 18446744073709551615 numbers the last of 1 "
+                                        "events past 18446744073709551614, the largest sequence number the daemon "
+                                        "takes; with 1 events --start_seq must be <= 18446744073709551614"));
+  const CommandResult past = RunCommand(absl::StrCat(stream, " --count 10 --start_seq 18446744073709551610"));
+  EXPECT_EQ(past.exit_code, 1);
+  EXPECT_THAT(past.output, HasSubstr("with 10 events --start_seq must be <= 18446744073709551605"));
+  // Without --count, the files' 999 events.
+  const CommandResult rest = RunCommand(absl::StrCat(stream, " --start_seq 18446744073709551000"));
+  EXPECT_EQ(rest.exit_code, 1);
+  EXPECT_THAT(rest.output, HasSubstr("with 999 events --start_seq must be <= 18446744073709550616"));
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << "nothing was sent: " << streams->DebugString();
+
+  const CommandResult last = RunCommand(absl::StrCat(stream, " --count 10 --start_seq 18446744073709551605"));
+  EXPECT_EQ(last.exit_code, 0) << last.output;
+  EXPECT_THAT(last.output, HasSubstr("streamed 10 events of AAPL (seq 18446744073709551605..18446744073709551614)"));
 }
 
 // Without --from, convictions reads from the oldest entry even while a live stream overwrites it (the read starts
