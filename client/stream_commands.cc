@@ -439,10 +439,19 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
               static_cast<long long>(sent - acked), refusals.empty() ? "" : ":");
   for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());
-  for (int i = 0; i < options.instruments; ++i) {
-    v1::CloseStreamRequest close;
-    close.set_instrument(name(i));
-    (void)client.CloseStream(close);
+  // Only the instruments the daemon has a stream of (those whose first event it took) are closed: closing the
+  // others (no event: fewer events than instruments; or refused) would add NOT_FOUND refusals to its metrics.
+  if (const absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
+    for (const v1::StreamInfo& stream : streams->streams()) {
+      int i = 0;
+      if (!absl::StartsWith(stream.instrument(), "bench-") || !absl::SimpleAtoi(stream.instrument().substr(6), &i) ||
+          stream.instrument() != name(i) || i >= options.instruments) {
+        continue;
+      }
+      v1::CloseStreamRequest close;
+      close.set_instrument(stream.instrument());
+      (void)client.CloseStream(close);
+    }
   }
   // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
   for (const Connection& c : connections) {

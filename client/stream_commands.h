@@ -58,7 +58,8 @@ struct BenchOptions {
 absl::Status CheckBenchOptions(const BenchOptions& options);
 
 // A load generator of synthetic feature events; reports events/s, latency (send to acknowledgement) p50, p99 and
-// p99.9, and what the daemon refused. Its instruments are named bench-0, bench-1, ... and closed at the end.
+// p99.9, and what the daemon refused. Its instruments are named bench-0, bench-1, ...; at the end it closes those
+// the daemon has a stream of.
 absl::Status Bench(PerceptionClient& client, const BenchOptions& options);
 
 }  // namespace perception::client

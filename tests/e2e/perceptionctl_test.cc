@@ -730,6 +730,26 @@ TEST(PerceptionctlTest, AStreamWithNothingWrittenFinishesAtOnce) {
   EXPECT_LT(absl::Now() - bench_start, absl::Seconds(4)) << bench.output;
 }
 
+// bench closed every bench-i at the end, also those that never got an event (fewer events than instruments), each
+// a NOT_FOUND refusal in the daemon's metrics; it closes only the streams the daemon has.
+TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
+  const ScopedTempDir temp("ctl_bench_close");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult bench = RunCommand(absl::StrCat(kKillAfter30s, ctl, " bench --instruments 4 --events 2"));
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  EXPECT_THAT(bench.output, HasSubstr("2 events (2 sent, 2 acknowledged)"));
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << "the streams it opened are closed: " << streams->DebugString();
+  absl::StatusOr<std::string> metrics = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
+}
+
 // Training in chunks samples fresh windows each run (the sampler's seed takes in the model's step), and stays
 // reproducible: the same chunks from the same start give the same steps. With a learning rate of 1e-12 the weights
 // barely move, so a run that repeated the previous run's batch would report the same loss.
