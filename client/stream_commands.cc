@@ -239,6 +239,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   const absl::Time start = absl::Now();
   v1::StreamRequest request;
   for (int64_t i = options.seed_window; i < n;) {
+    // The schedule sends event k (0-based) at k / rate: the request waits for the events sent before it, so that the
+    // first goes at once (waiting after counting it sent event k at (k + 1) / rate).
+    const int64_t sent_before = i - options.seed_window;
     request.Clear();
     for (int k = 0; k < per_request && i < n; ++k, ++i) {
       v1::StreamEvent& event = *request.add_events();
@@ -246,7 +249,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
       event.set_seq(seq_of(i));
       FillLobsterEvent(data, first + i, event);
     }
-    pacer.Wait(i - options.seed_window);
+    pacer.Wait(sent_before);
     if (!stream->Write(request)) break;  // the call ended early; Finish says why
   }
   absl::Status status = stream->Finish();

@@ -750,6 +750,30 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
   EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
 }
 
+// Paced, event k goes out at k / rate: 2 events at 1 per second take about 1 s, not 2 (the wait counted the request's
+// own event, so the first waited a whole interval).
+TEST(PerceptionctlTest, APacedStreamSendsItsFirstEventAtOnce) {
+  const ScopedTempDir temp("ctl_paced");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  const CommandResult paced = RunCommand(absl::StrCat(kKillAfter30s, ctl, " stream --lobster ", kOrderbook, " ",
+                                                      kMessages, " --instrument AAPL --count 2 --rate 1"));
+  ASSERT_EQ(paced.exit_code, 0) << paced.output;
+  // "streamed 2 events of AAPL (seq 1..2) in S s: ..."
+  const std::string line = "streamed 2 events of AAPL (seq 1..2) in ";
+  const size_t at = paced.output.find(line);
+  ASSERT_NE(at, std::string::npos) << paced.output;
+  const size_t begin = at + line.size();
+  double seconds = 0;
+  ASSERT_TRUE(absl::SimpleAtod(paced.output.substr(begin, paced.output.find(' ', begin) - begin), &seconds))
+      << paced.output;
+  EXPECT_GE(seconds, 1.0) << "the second event at 1 s";
+  EXPECT_LT(seconds, 1.7) << "the first event waited a whole interval";
+}
+
 // Training in chunks samples fresh windows each run (the sampler's seed takes in the model's step), and stays
 // reproducible: the same chunks from the same start give the same steps. With a learning rate of 1e-12 the weights
 // barely move, so a run that repeated the previous run's batch would report the same loss.
