@@ -202,7 +202,9 @@ ServerMetrics::ServerMetrics()
                          .Add({})),
       stream_step_seconds_(prometheus::BuildHistogram()
                                .Name("perception_stream_step_seconds")
-                               .Help("Time of one streaming tick (one batched step over its instruments) in seconds.")
+                               .Help("Host time of one streaming tick (one batched step over its instruments) in "
+                                     "seconds: running it on the CPU backend, queueing it on CUDA, whose device "
+                                     "runs it after (perception_stream_event_latency_seconds includes that).")
                                .Register(*registry_)
                                .Add({}, DecadeBuckets(-6, 1))),
       stream_tick_instruments_(prometheus::BuildHistogram()
