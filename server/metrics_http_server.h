@@ -1,5 +1,5 @@
 // A minimal HTTP/1.1 responder for GET /metrics on its own thread (prometheus-cpp's civetweb Exposer cannot start
-// its threads in a process that has cuBLASLt loaded; see shared/design/ARCHITECTURE.md).
+// its threads in a process that has cuBLASLt loaded; see ../shared/design/ARCHITECTURE.md from the repository root).
 #pragma once
 
 #include <array>
