@@ -65,9 +65,10 @@ int DeviceWorker::queued_jobs() const {
   return jobs;
 }
 
-absl::Duration DeviceWorker::busy_for(absl::Time now) const {
+absl::Duration DeviceWorker::busy_for() const {
   absl::MutexLock lock(&mu_);
-  return std::max(now - job_started_, absl::ZeroDuration());
+  if (!job_started_) return absl::ZeroDuration();
+  return absl::FromChrono(std::chrono::steady_clock::now() - *job_started_);
 }
 
 void DeviceWorker::Stop() {
@@ -106,7 +107,7 @@ void DeviceWorker::Loop() {
         }
         if (!job) return;  // stopping, and nothing is left to run
       }
-      job_started_ = absl::Now();
+      job_started_ = std::chrono::steady_clock::now();
     }
     if (idle) {
       worked_since_idle = false;
@@ -117,7 +118,7 @@ void DeviceWorker::Loop() {
       PublishStatus(*host_);
     }
     absl::MutexLock lock(&mu_);
-    job_started_ = absl::InfiniteFuture();
+    job_started_.reset();
   }
 }
 

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <deque>
 #include <future>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -62,8 +64,9 @@ class DeviceWorker {
   // The model host's status as of the last finished job; any thread, never waits for the device.
   HostStatus status() const;
   int queued_jobs() const;
-  // How long the job the device runs now (the idle job included) has been running at `now`; zero between jobs.
-  absl::Duration busy_for(absl::Time now) const;
+  // How long the job the device runs now (the idle job included) has been running; zero between jobs. Measured on
+  // the monotonic clock: a step of the wall clock (NTP, a manual set) neither fakes a stall nor hides one.
+  absl::Duration busy_for() const;
 
   // Refuses new jobs, runs those already queued, then ends the thread. Idempotent.
   void Stop();
@@ -80,7 +83,7 @@ class DeviceWorker {
   std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
-  absl::Time job_started_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();  // InfiniteFuture between jobs
+  std::optional<std::chrono::steady_clock::time_point> job_started_ ABSL_GUARDED_BY(mu_);  // none between jobs
   HostStatus status_ ABSL_GUARDED_BY(mu_);
   const int queue_depth_;
   const absl::Duration idle_period_;

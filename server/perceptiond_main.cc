@@ -304,7 +304,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(ServerMetrics& m
                      const HostStatus status = worker.status();
                      metrics.SetModelParameters(status.model ? status.model->trained_parameters : 0);
                      metrics.SetQueuedJobs(worker.queued_jobs());
-                     metrics.SetDeviceJobSeconds(absl::ToDoubleSeconds(worker.busy_for(absl::Now())));
+                     metrics.SetDeviceJobSeconds(absl::ToDoubleSeconds(worker.busy_for()));
                      return metrics.Render();
                    }));
   spdlog::info("metrics on http://{}/metrics (port {})", address, server->port());

@@ -29,7 +29,7 @@ void StallWatch::Watch() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period_)) return;
     }
-    const absl::Duration busy = worker_.busy_for(absl::Now());
+    const absl::Duration busy = worker_.busy_for();
     if (!stalled && busy > limit_) {
       stalled = true;
       on_stall_(busy);
