@@ -34,9 +34,9 @@ ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER 
 ABSL_FLAG(int, levels, 0,
           "book levels to read: the orderbook file's first (best) levels (0: all, inferred from its column count)");
 ABSL_FLAG(int, steps, 200, "optimizer steps (>= 1)");
-ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's)");
-ABSL_FLAG(int, window, 0, "events per window (0: the config's)");
-ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's)");
+ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's; below 0 is refused)");
+ABSL_FLAG(int, window, 0, "events per window (0: the config's; below 0 is refused)");
+ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's; below -1 is refused)");
 ABSL_FLAG(double, lr, 1e-3, "peak learning rate");
 ABSL_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
 ABSL_FLAG(int, lr_warmup_steps, 20, "warmup steps of the cosine schedule");
@@ -103,10 +103,27 @@ absl::StatusOr<ModelConfig> TrainingConfig(int levels) {
   return config;
 }
 
+// Only 0 (--batch, --window) and -1 (--warmup) stand for the config's value: any other value out of range is refused
+// here, before any data is read, instead of being quietly replaced by the config's.
+absl::Status CheckShapeFlags() {
+  if (const int batch = absl::GetFlag(FLAGS_batch); batch < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--batch must be >= 0 (0: the config's), got ", batch));
+  }
+  if (const int window = absl::GetFlag(FLAGS_window); window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--window must be >= 0 (0: the config's), got ", window));
+  }
+  if (const int warmup = absl::GetFlag(FLAGS_warmup); warmup < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--warmup must be >= 0, or -1 for the config's, got ", warmup));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Train() {
   if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
   }
+  RETURN_IF_ERROR(CheckShapeFlags());
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
   // The checkpoint is written only after training: a destination that cannot be written must fail now.
   RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_save)));

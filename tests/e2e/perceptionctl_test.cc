@@ -355,6 +355,25 @@ TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
   EXPECT_THAT(train.output, Not(HasSubstr("step     1")));
 }
 
+// --batch and --window below 0 and --warmup below -1 were replaced by the config's values (only 0 and -1 mean the
+// config's): refused naming the flag, before any data is read (the LOBSTER files named here do not exist).
+TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
+  const ScopedTempDir temp("cli_shape_flags");
+  const std::string train =
+      absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster /nonexistent/ob.csv ",
+                   "/nonexistent/msg.csv --steps 2 --save ", (temp.path() / "a.safetensors").string());
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" --batch -1", "perception: --batch must be >= 0 (0: the config's), got -1"},
+      {" --window -3", "perception: --window must be >= 0 (0: the config's), got -3"},
+      {" --warmup -2", "perception: --warmup must be >= 0, or -1 for the config's, got -2"},
+  };
+  for (const auto& [args, message] : refused) {
+    const CommandResult result = RunCommand(absl::StrCat(train, args));
+    EXPECT_EQ(result.exit_code, 1) << args << result.output;
+    EXPECT_THAT(result.output, HasSubstr(message)) << args;
+  }
+}
+
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
 // up instead of waiting forever on a daemon that stopped answering.
 TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
