@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
@@ -39,13 +40,14 @@ ABSL_FLAG(int, window, 0, "events per window (0: the config's; below 0 is refuse
 ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's; below -1 is refused)");
 ABSL_FLAG(double, lr, 1e-3, "peak learning rate");
 ABSL_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
-ABSL_FLAG(int, lr_warmup_steps, 20, "warmup steps of the cosine schedule");
+ABSL_FLAG(int, lr_warmup_steps, 20,
+          "warmup steps of the cosine schedule, >= 0 and < --steps (left unset: 20, or --steps - 1 if that is less)");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
 ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (0: off)");
 ABSL_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
 ABSL_FLAG(double, train_fraction, 0.7, "leading fraction of the events used for training; the rest validates");
 ABSL_FLAG(int, log_every, 25, "steps between progress lines");
-ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end)");
+ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
 ABSL_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
 ABSL_FLAG(std::string, checkpoint, "", "checkpoint to evaluate");
 ABSL_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
@@ -73,6 +75,13 @@ absl::StatusOr<LobsterData> ReadLobsterFlag() {
 
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
+// Whether `flag` was given on the command line (or in a --flagfile) rather than left at its default. absl 20220623
+// keeps CommandLineFlag::IsSpecifiedOnCommandLine private; the parser's own record of the names it saw is this.
+template <typename T>
+bool SetOnCommandLine(const absl::Flag<T>& flag) {
+  return absl::flags_internal::WasPresentOnCommandLine(absl::GetFlagReflectionHandle(flag).Name());
+}
+
 absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   OptimizerConfig o;
   o.lr = absl::GetFlag(FLAGS_lr);
@@ -80,7 +89,18 @@ absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
   ASSIGN_OR_RETURN(o.schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
   o.total_steps = absl::GetFlag(FLAGS_steps);
-  o.warmup_steps = std::min<int64_t>(absl::GetFlag(FLAGS_lr_warmup_steps), o.total_steps - 1);
+  const int warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
+  if (warmup_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--lr_warmup_steps must be >= 0, got ", warmup_steps));
+  }
+  // The cosine schedule needs warmup_steps < total_steps (ValidateOptimizerConfig). A warmup asked for that does not
+  // fit is refused rather than shortened behind the user's back; only the default (20) is cut to fit a short run.
+  if (o.schedule == LrSchedule::kWarmupCosine && SetOnCommandLine(FLAGS_lr_warmup_steps) &&
+      warmup_steps >= o.total_steps) {
+    return absl::InvalidArgumentError(absl::StrCat("--lr_warmup_steps (", warmup_steps, ") must be < --steps (",
+                                                   o.total_steps, ") for the cosine schedule"));
+  }
+  o.warmup_steps = std::min<int64_t>(warmup_steps, o.total_steps - 1);
   o.min_lr = o.lr * 0.1;
   RETURN_IF_ERROR(ValidateOptimizerConfig(o));
   return o;
@@ -124,12 +144,16 @@ absl::Status Train() {
     return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
   }
   RETURN_IF_ERROR(CheckShapeFlags());
+  if (const int val_every = absl::GetFlag(FLAGS_val_every); val_every < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--val_every must be >= 0 (0: only at the end), got ", val_every));
+  }
+  // The schedule does not depend on the data: a bad one fails before the data is read.
+  ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
   // The checkpoint is written only after training: a destination that cannot be written must fail now.
   RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_save)));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
-  ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
   ASSIGN_OR_RETURN(SplitSeries split, SplitByTime(series, absl::GetFlag(FLAGS_train_fraction)));
   spdlog::info("{} events at {} levels: {} train, {} validation; config {} (F={}, T={}, B={})", series.size(),

@@ -374,6 +374,27 @@ TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
   }
 }
 
+// --lr_warmup_steps at or past --steps was cut to steps - 1 without a word (--steps 5 --lr_warmup_steps 500 warmed
+// up over 4 steps), and --lr_warmup_steps -5 and --val_every -1 (which acted as 0) were accepted: all refused naming
+// the flags, before any data is read (the LOBSTER files named here do not exist).
+TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
+  const ScopedTempDir temp("cli_schedule_flags");
+  const std::string train =
+      absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster /nonexistent/ob.csv ",
+                   "/nonexistent/msg.csv --save ", (temp.path() / "a.safetensors").string());
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" --steps 5 --lr_warmup_steps 500", "perception: --lr_warmup_steps (500) must be < --steps (5) for the cosine"},
+      {" --steps 5 --lr_warmup_steps 5", "perception: --lr_warmup_steps (5) must be < --steps (5) for the cosine"},
+      {" --steps 5 --lr_warmup_steps -5", "perception: --lr_warmup_steps must be >= 0, got -5"},
+      {" --steps 5 --val_every -1", "perception: --val_every must be >= 0 (0: only at the end), got -1"},
+  };
+  for (const auto& [args, message] : refused) {
+    const CommandResult result = RunCommand(absl::StrCat(train, args));
+    EXPECT_EQ(result.exit_code, 1) << args << result.output;
+    EXPECT_THAT(result.output, HasSubstr(message)) << args;
+  }
+}
+
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
 // up instead of waiting forever on a daemon that stopped answering.
 TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
