@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
@@ -49,7 +50,7 @@ ABSL_FLAG(double, train_fraction, 0.7, "leading fraction of the events used for 
 ABSL_FLAG(int, log_every, 25, "steps between progress lines");
 ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
 ABSL_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
-ABSL_FLAG(std::string, checkpoint, "", "checkpoint to evaluate");
+ABSL_FLAG(std::string, checkpoint, "", "eval: checkpoint to evaluate (train starts from a fresh initialization)");
 ABSL_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
 ABSL_FLAG(std::string, features_out, "", "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
 
@@ -63,7 +64,8 @@ constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offlin
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
   (--device defaults to cpu)
-  perception inspect CKPT)";
+  perception inspect CKPT
+  (a subcommand refuses the flags it does not read, such as train --checkpoint or eval --config))";
 
 absl::StatusOr<LobsterData> ReadLobsterFlag() {
   const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
@@ -77,9 +79,62 @@ BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.
 
 // Whether `flag` was given on the command line (or in a --flagfile) rather than left at its default. absl 20220623
 // keeps CommandLineFlag::IsSpecifiedOnCommandLine private; the parser's own record of the names it saw is this.
+bool SetOnCommandLine(const absl::CommandLineFlag& flag) {
+  return absl::flags_internal::WasPresentOnCommandLine(flag.Name());
+}
 template <typename T>
 bool SetOnCommandLine(const absl::Flag<T>& flag) {
-  return absl::flags_internal::WasPresentOnCommandLine(absl::GetFlagReflectionHandle(flag).Name());
+  return SetOnCommandLine(absl::GetFlagReflectionHandle(flag));
+}
+
+// The subcommands that read each flag. One set for another subcommand would be ignored without a word (train
+// --checkpoint X trained a fresh model, not X further), so CheckFlagsTakenBy refuses it.
+enum Command { kTrain = 1, kEval = 2, kInspect = 4 };
+struct FlagUse {
+  const absl::CommandLineFlag& flag;
+  int commands;  // Command bits
+};
+const std::vector<FlagUse>& FlagUses() {
+  static const auto* const uses = new std::vector<FlagUse>{
+      {absl::GetFlagReflectionHandle(FLAGS_device), kTrain | kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_precision), kTrain | kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_lobster), kTrain | kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_levels), kTrain | kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_graphs), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_config), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_steps), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_batch), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_window), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_warmup), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_lr), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_lr_schedule), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_lr_warmup_steps), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_weight_decay), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_max_grad_norm), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_seed), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_train_fraction), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_log_every), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_val_every), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_save), kTrain},
+      {absl::GetFlagReflectionHandle(FLAGS_checkpoint), kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_out), kEval},
+      {absl::GetFlagReflectionHandle(FLAGS_features_out), kEval},
+  };
+  return *uses;
+}
+
+// Refuses every flag of this program set on the command line that `command` does not read, naming whose it is.
+absl::Status CheckFlagsTakenBy(Command command, const std::string& name) {
+  std::vector<std::string> refused;
+  for (const FlagUse& use : FlagUses()) {
+    if ((use.commands & command) != 0 || !SetOnCommandLine(use.flag)) continue;
+    const std::string owner = use.commands == kTrain  ? "train's"
+                              : use.commands == kEval ? "eval's"
+                                                      : "train's and eval's";
+    refused.push_back(absl::StrCat("--", use.flag.Name(), " (", owner, " flag)"));
+  }
+  if (refused.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(name, " does not take ", absl::StrJoin(refused, ", ")));
 }
 
 absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
@@ -278,9 +333,18 @@ absl::Status Inspect(const std::string& path) {
 absl::Status Run(const std::vector<char*>& args) {
   if (args.size() < 2) return absl::InvalidArgumentError(kUsage);
   const std::string command = args[1];
-  if (command == "train" && args.size() == 2) return Train();
-  if (command == "eval" && args.size() == 2) return Eval();
-  if (command == "inspect" && args.size() == 3) return Inspect(args[2]);
+  if (command == "train" && args.size() == 2) {
+    RETURN_IF_ERROR(CheckFlagsTakenBy(kTrain, command));
+    return Train();
+  }
+  if (command == "eval" && args.size() == 2) {
+    RETURN_IF_ERROR(CheckFlagsTakenBy(kEval, command));
+    return Eval();
+  }
+  if (command == "inspect" && args.size() == 3) {
+    RETURN_IF_ERROR(CheckFlagsTakenBy(kInspect, command));
+    return Inspect(args[2]);
+  }
   return absl::InvalidArgumentError(absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "),
                                                  "\n\n", kUsage));
 }

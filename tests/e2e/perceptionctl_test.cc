@@ -395,6 +395,34 @@ TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
   }
 }
 
+// A subcommand ignored the other's flags: train --checkpoint X --out Y trained a fresh model and wrote no Y, and eval
+// ran with --graphs, --config, --save, --steps and --train_fraction set. Each is refused, naming whose flag it is,
+// before anything is read or written.
+TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
+  const ScopedTempDir temp("cli_foreign_flags");
+  const std::filesystem::path save = temp.path() / "a.safetensors", out = temp.path() / "logits.npy";
+  const CommandResult train = RunCommand(
+      absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
+                   " --steps 2 --save ", save.string(), " --checkpoint ", save.string(), " --out ", out.string()));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("perception: train does not take --checkpoint (eval's flag), --out (eval's"));
+  EXPECT_FALSE(std::filesystem::exists(save));
+  EXPECT_FALSE(std::filesystem::exists(out));
+
+  const CommandResult eval = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint /nonexistent/a.safetensors --lobster ", kOrderbook, " ",
+      kMessages, " --out ", out.string(), " --graphs bogus --config huge --save /x --steps -4 --train_fraction 7"));
+  EXPECT_EQ(eval.exit_code, 1) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr("perception: eval does not take --graphs (train's flag), --config (train's flag), "
+                                     "--steps (train's flag), --train_fraction (train's flag), --save (train's"));
+  EXPECT_FALSE(std::filesystem::exists(out));
+
+  const CommandResult inspect =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " inspect /nonexistent/a.safetensors --device cpu"));
+  EXPECT_EQ(inspect.exit_code, 1) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("perception: inspect does not take --device (train's and eval's flag)"));
+}
+
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
 // up instead of waiting forever on a daemon that stopped answering.
 TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
