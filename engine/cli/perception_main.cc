@@ -284,6 +284,12 @@ absl::Status Eval() {
   const std::string path = absl::GetFlag(FLAGS_checkpoint);
   if (path.empty()) return absl::InvalidArgumentError("eval needs --checkpoint");
   if (absl::GetFlag(FLAGS_out).empty()) return absl::InvalidArgumentError("eval needs --out LOGITS.npy");
+  // Both outputs are written only after the forward pass, one after the other: a destination that cannot be written
+  // must fail now, before the work and before the other file is written.
+  RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_out)));
+  if (const std::string features_out = absl::GetFlag(FLAGS_features_out); !features_out.empty()) {
+    RETURN_IF_ERROR(CheckWritableDestination(features_out));
+  }
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   const ModelConfig& config = checkpoint.config;

@@ -423,6 +423,31 @@ TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
   EXPECT_THAT(inspect.output, HasSubstr("perception: inspect does not take --device (train's and eval's flag)"));
 }
 
+// eval first touched --out and --features_out after the forward pass, one after the other: an unwritable
+// --features_out failed after LOGITS.npy was written. Both are checked first, so nothing is written.
+TEST(PerceptionCliTest, EvalRefusesUnwritableOutputsBeforeWritingAny) {
+  const ScopedTempDir temp("cli_eval_outputs");
+  const std::filesystem::path checkpoint = temp.path() / "a.safetensors", out = temp.path() / "logits.npy";
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --steps 2 --save ", checkpoint.string()));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const std::string eval = absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(),
+                                        " --lobster ", kOrderbook, " ", kMessages);
+
+  const CommandResult features = RunCommand(
+      absl::StrCat(eval, " --out ", out.string(), " --features_out /nonexistent/features.npy"));
+  EXPECT_EQ(features.exit_code, 1) << features.output;
+  EXPECT_THAT(features.output, HasSubstr("cannot create /nonexistent/features.npy.tmp."));
+  EXPECT_THAT(features.output, Not(HasSubstr("masked BCE")));
+  EXPECT_FALSE(std::filesystem::exists(out)) << "no output is written when one of them cannot be";
+
+  const CommandResult logits = RunCommand(absl::StrCat(eval, " --out /nonexistent/logits.npy"));
+  EXPECT_EQ(logits.exit_code, 1) << logits.output;
+  EXPECT_THAT(logits.output, HasSubstr("cannot create /nonexistent/logits.npy.tmp."));
+  EXPECT_THAT(logits.output, Not(HasSubstr("masked BCE")));
+}
+
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
 // up instead of waiting forever on a daemon that stopped answering.
 TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
