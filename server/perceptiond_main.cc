@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,10 @@ ABSL_FLAG(bool, graphs, true, "CUDA graphs for the training step and streaming t
 ABSL_FLAG(std::string, checkpoint_dir, "checkpoints",
           "folder that checkpoint names are relative to; created when missing");
 ABSL_FLAG(std::string, load, "", "checkpoint name to load at startup");
+ABSL_FLAG(std::string, load_if_present, "",
+          "checkpoint name to load at startup when the file exists (as --load: one that cannot be loaded fails the "
+          "start); when it does not, the daemon starts from --init_config if given, else with no model. With "
+          "--checkpoint_on_exit of the same name, a restarted daemon resumes the model it saved");
 ABSL_FLAG(std::string, init_config, "", "preset to create a model from at startup (tiny, small, large; seed 1)");
 ABSL_FLAG(int, init_levels, 0, "with --init_config: LOBSTER book levels, n_features = 4*levels + 8 (0: the preset's)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "largest request message in bytes");
@@ -267,17 +272,77 @@ absl::Status CheckInitLevels() {
                                                  "] (0: the preset's feature count), got ", levels));
 }
 
-// --load or --init_config.
-absl::Status PrepareModel(PerceptionService& service) {
-  const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
-  if (!load.empty() && !preset.empty())
+// The start-up model flags' combinations and names, checked before the listeners open, so that a refused one ends
+// the daemon before a supervisor or load balancer sees it up. PrepareModel resolves the name again, as it loads.
+absl::Status CheckModelFlags(const CheckpointDirectory& checkpoints) {
+  const std::string load = absl::GetFlag(FLAGS_load), load_if_present = absl::GetFlag(FLAGS_load_if_present);
+  if (!load.empty() && !load_if_present.empty()) {
+    return absl::InvalidArgumentError(
+        "--load and --load_if_present exclude each other (--load: the checkpoint must exist; --load_if_present: "
+        "it may be missing)");
+  }
+  // --init_config is --load_if_present's fallback, but --load has none: a missing file there fails the start.
+  if (!load.empty() && !absl::GetFlag(FLAGS_init_config).empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
-  if (!load.empty()) return service.LoadModel(load, "--load", /*optimizer=*/std::nullopt).status();
-  if (preset.empty()) return absl::OkStatus();
+  if (load_if_present.empty()) return absl::OkStatus();
+  return checkpoints.Resolve(load_if_present, "--load_if_present").status();
+}
+
+absl::Status CreatePreset(PerceptionService& service, const std::string& preset) {
   ASSIGN_OR_RETURN(ModelConfig config, NamedConfig(preset));
   if (const int levels = absl::GetFlag(FLAGS_init_levels); levels > 0) config.n_features = LobsterFeatureCount(levels);
   RETURN_IF_ERROR(ValidateConfig(config));
   return service.CreateModel(config, OptimizerConfig{}, /*seed=*/1, std::nullopt, /*replace=*/false).status();
+}
+
+// --load_if_present: whether its file is there. Any entry with the name counts, a dangling symlink or a folder
+// included, so that the load, not a silent fallback to a fresh model, reports what is wrong with it; a name that
+// cannot be looked up (a folder on the way without search permission) fails too, for the same reason.
+absl::StatusOr<bool> CheckpointPresent(const std::string& path) {
+  std::error_code error;
+  const std::filesystem::file_status status = std::filesystem::symlink_status(path, error);
+  if (status.type() == std::filesystem::file_type::not_found) return false;
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--load_if_present: cannot tell whether ", path, " exists: ", error.message()));
+  }
+  return true;
+}
+
+// Loads --load_if_present's checkpoint when present; otherwise false, having logged which start the daemon makes.
+absl::StatusOr<bool> LoadIfPresent(PerceptionService& service, const CheckpointDirectory& checkpoints,
+                                   const std::string& name, const std::string& preset) {
+  ASSIGN_OR_RETURN(const std::string path, checkpoints.Resolve(name, "--load_if_present"));
+  ASSIGN_OR_RETURN(const bool present, CheckpointPresent(path));
+  if (!present) {
+    spdlog::info("--load_if_present: no checkpoint '{}' yet; {}", name,
+                 preset.empty() ? "serving with no model (InitModel or LoadCheckpoint creates one)"
+                                : absl::StrCat("creating a model from --init_config=", preset));
+    return false;
+  }
+  // A checkpoint that is there but does not load fails the start: serving a fresh model instead would lose the one
+  // the file held without anyone noticing, and the next exit's save would overwrite it.
+  const absl::StatusOr<PerceptionService::LoadedModel> loaded =
+      service.LoadModel(name, "--load_if_present", /*optimizer=*/std::nullopt);
+  if (!loaded.ok()) {
+    return absl::Status(loaded.status().code(),
+                        absl::StrCat("--load_if_present: checkpoint '", name, "' exists but does not load: ",
+                                     loaded.status().message()));
+  }
+  spdlog::info("--load_if_present: loaded checkpoint '{}' at step {}", name, loaded->model.step());
+  return true;
+}
+
+// --load, --load_if_present or --init_config (CheckModelFlags has refused the combinations that exclude each other).
+absl::Status PrepareModel(PerceptionService& service, const CheckpointDirectory& checkpoints) {
+  const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
+  if (!load.empty()) return service.LoadModel(load, "--load", /*optimizer=*/std::nullopt).status();
+  if (const std::string name = absl::GetFlag(FLAGS_load_if_present); !name.empty()) {
+    ASSIGN_OR_RETURN(const bool loaded, LoadIfPresent(service, checkpoints, name, preset));
+    if (loaded) return absl::OkStatus();
+  }
+  if (preset.empty()) return absl::OkStatus();
+  return CreatePreset(service, preset);
 }
 
 // A name the exit's save would refuse is refused before the daemon serves, not found after the drain with the model
@@ -401,6 +466,7 @@ absl::Status Serve() {
   ASSIGN_OR_RETURN(const CheckpointDirectory checkpoints,
                    CheckpointDirectory::Open(absl::GetFlag(FLAGS_checkpoint_dir)));
   RETURN_IF_ERROR(CheckCheckpointOnExit(checkpoints));
+  RETURN_IF_ERROR(CheckModelFlags(checkpoints));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
@@ -415,13 +481,13 @@ absl::Status Serve() {
   PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
   RendezvousService rendezvous(data_parallel ? data_parallel->options.rank : 0,
                                data_parallel ? data_parallel->options.world_size : 0);
-  // Both listeners open before the data-parallel join and --load or --init_config: scrapes see the daemon through a
-  // long join or load (nothing they render needs a model), and a data-parallel rank 0 can hand out the NCCL id
-  // while it joins. Health says SERVING once the job is joined and the model is ready.
+  // Both listeners open before the data-parallel join and --load, --load_if_present or --init_config: scrapes see the
+  // daemon through a long join or load (nothing they render needs a model), and a data-parallel rank 0 can hand out
+  // the NCCL id while it joins. Health says SERVING once the job is joined and the model is ready.
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
   ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits));
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
-  RETURN_IF_ERROR(PrepareModel(service));
+  RETURN_IF_ERROR(PrepareModel(service, checkpoints));
   ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
   server->GetHealthCheckService()->SetServingStatus(true);
 
