@@ -1,16 +1,21 @@
-// Checkpoints across daemon restarts: save, restart, load gives identical Evaluate outputs; a SIGKILL in the
-// middle of a save leaves the previous checkpoint loadable.
+// Checkpoints across daemon restarts: save, restart, load gives identical Evaluate outputs; --load_if_present
+// resumes the exit's checkpoint; a SIGKILL in the middle of a save leaves the previous checkpoint loadable.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <filesystem>
 #include <future>
 #include <string>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
 namespace {
+
+using ::testing::HasSubstr;
 
 v1::EvaluateResponse Evaluate(client::PerceptionClient& client, const v1::EvaluateRequest& request) {
   absl::StatusOr<v1::EvaluateResponse> response = client.Evaluate(request);
@@ -77,6 +82,68 @@ TEST(CheckpointTest, SaveRestartLoadGivesIdenticalEvaluateOutputs) {
       (*preloaded)->client().TrainStep(TrainRequest(testing::MakeRandomBatch(config, 2, 9, 12), config));
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->step(), 6);
+}
+
+// deploy/'s flags: the first start finds no checkpoint and serves --init_config's preset; SIGTERM saves it; the
+// restart with the same flags loads it instead of a fresh preset, at the same step with the same outputs.
+TEST(CheckpointTest, LoadIfPresentResumesTheExitCheckpointAfterARestart) {
+  const ModelConfig config = TinyConfig();
+  const v1::EvaluateRequest probe = EvaluateRequest(testing::MakeRandomBatch(config, 3, 20, 42), config, true);
+  const ScopedTempDir temp("load_if_present");
+  const std::filesystem::path checkpoints = temp.path() / "checkpoints";
+  const std::vector<std::string> flags = {"--load_if_present=last.safetensors", "--init_config=tiny",
+                                          "--checkpoint_on_exit=last.safetensors"};
+  v1::EvaluateResponse before;
+  {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(checkpoints, flags);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    client::PerceptionClient& client = (*daemon)->client();
+    const absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+    ASSERT_TRUE(status.ok()) << status.status();
+    ASSERT_TRUE(status->has_model()) << "no checkpoint yet: --init_config's preset";
+    EXPECT_EQ(status->model().step(), 0);
+    EXPECT_EQ(status->model().config().d_model(), config.d_model);
+    EXPECT_THAT((*daemon)->Log(),
+                HasSubstr("--load_if_present: no checkpoint 'last.safetensors' yet; creating a model from "
+                          "--init_config=tiny"));
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(client.TrainStep(TrainRequest(testing::MakeRandomBatch(config, 2, 9, 50 + i), config)).ok());
+    }
+    before = Evaluate(client, probe);
+    (*daemon)->Signal(SIGTERM);
+    const absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(20));
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0);
+  }
+  ASSERT_EQ(before.step(), 3);
+  ASSERT_TRUE(std::filesystem::is_regular_file(checkpoints / "last.safetensors")) << "the exit's save";
+
+  absl::StatusOr<std::unique_ptr<Daemon>> restarted = Daemon::Start(checkpoints, flags);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  client::PerceptionClient& client = (*restarted)->client();
+  const absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(status->has_model());
+  EXPECT_EQ(status->model().step(), 3) << "the saved model, not a fresh preset at step 0";
+  EXPECT_EQ(EvaluationBits(Evaluate(client, probe)), EvaluationBits(before)) << "bit for bit";
+  EXPECT_THAT((*restarted)->Log(), HasSubstr("--load_if_present: loaded checkpoint 'last.safetensors' at step 3"));
+  const absl::StatusOr<v1::TrainStepResponse> next =
+      client.TrainStep(TrainRequest(testing::MakeRandomBatch(config, 2, 9, 60), config));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->step(), 4) << "training continues from the saved step";
+}
+
+// Without --init_config a missing checkpoint leaves the daemon serving with no model, as a plain start does.
+TEST(CheckpointTest, LoadIfPresentWithoutAFileOrInitConfigServesWithNoModel) {
+  const ScopedTempDir temp("load_if_present_none");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--load_if_present=runs/last.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_FALSE(status->has_model());
+  EXPECT_THAT((*daemon)->Log(),
+              HasSubstr("--load_if_present: no checkpoint 'runs/last.safetensors' yet; serving with no model"));
 }
 
 // A checkpoint carries its optimizer settings: a run loaded without naming them continues on the same schedule.

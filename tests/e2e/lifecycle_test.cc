@@ -123,6 +123,29 @@ TEST(LifecycleTest, ARefusedLoadNameNamesTheFlag) {
                          "--load: checkpoint name '../escape.safetensors' must not contain '..'");
 }
 
+// --load_if_present falls back only where the file is missing: one that is there but does not load ends the start,
+// --init_config or not, since serving a fresh model would lose it (and the exit's save would overwrite it).
+TEST(LifecycleTest, ACheckpointThatDoesNotLoadFailsLoadIfPresent) {
+  const ScopedTempDir checkpoints("load_if_present_corrupt");
+  std::ofstream(checkpoints.path() / "last.safetensors") << "not a safetensors file";
+  for (const std::string fallback : {"", " --init_config=tiny"}) {
+    ExpectRefusedAtStartUp(checkpoints.path(), "--load_if_present=last.safetensors" + fallback,
+                           "--load_if_present: checkpoint 'last.safetensors' exists but does not load: ");
+  }
+  std::filesystem::create_directory(checkpoints.path() / "runs");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load_if_present=runs --init_config=tiny",
+                         "--load_if_present: checkpoint 'runs' exists but does not load: ");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load_if_present=../escape.safetensors",
+                         "--load_if_present: checkpoint name '../escape.safetensors' must not contain '..'");
+}
+
+// --load requires the file and --load_if_present does not: asked for both, the daemon cannot tell which was meant.
+TEST(LifecycleTest, LoadAndLoadIfPresentExcludeEachOther) {
+  const ScopedTempDir checkpoints("load_and_load_if_present");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load=a.safetensors --load_if_present=a.safetensors",
+                         "--load and --load_if_present exclude each other");
+}
+
 // The exit's save resolves the name again: a folder that took it while the daemon served fails the exit, non-zero.
 TEST(LifecycleTest, ACheckpointOnExitThatBecameAFolderFailsTheExit) {
   const ScopedTempDir temp("checkpoint_on_exit_folder");
