@@ -110,6 +110,15 @@ std::string FileText(const std::filesystem::path& path) {
   return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
 }
 
+// `command` followed by each case's arguments fails (exit code 1), its output naming the case's reason.
+void ExpectEachRefused(const std::string& command, const std::vector<std::pair<std::string, std::string>>& cases) {
+  for (const auto& [args, reason] : cases) {
+    const CommandResult result = RunCommand(absl::StrCat(command, args));
+    EXPECT_EQ(result.exit_code, 1) << args << result.output;
+    EXPECT_THAT(result.output, HasSubstr(reason)) << args;
+  }
+}
+
 // "loss L  grad_norm G" of a `train --steps 1` run's progress line.
 std::string OnlyStep(const std::string& output) {
   const std::string line = "step 1/1  ";
@@ -309,11 +318,7 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {" --timeout 0s status", "INVALID_ARGUMENT: --timeout must be > 0, got 0"},
       {" --timeout -1s status", "INVALID_ARGUMENT: --timeout must be > 0, got -1s"},
   };
-  for (const auto& [args, message] : refused) {
-    const CommandResult result = RunCommand(absl::StrCat(ctl, args));
-    EXPECT_EQ(result.exit_code, 1) << args;
-    EXPECT_THAT(result.output, HasSubstr(message)) << args;
-  }
+  ExpectEachRefused(ctl, refused);
 }
 
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
@@ -367,11 +372,7 @@ TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
       {" --window -3", "perception: --window must be >= 0 (0: the config's), got -3"},
       {" --warmup -2", "perception: --warmup must be >= 0, or -1 for the config's, got -2"},
   };
-  for (const auto& [args, message] : refused) {
-    const CommandResult result = RunCommand(absl::StrCat(train, args));
-    EXPECT_EQ(result.exit_code, 1) << args << result.output;
-    EXPECT_THAT(result.output, HasSubstr(message)) << args;
-  }
+  ExpectEachRefused(train, refused);
 }
 
 // --lr_warmup_steps at or past --steps was cut to steps - 1 without a word (--steps 5 --lr_warmup_steps 500 warmed
@@ -388,11 +389,7 @@ TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
       {" --steps 5 --lr_warmup_steps -5", "perception: --lr_warmup_steps must be >= 0, got -5"},
       {" --steps 5 --val_every -1", "perception: --val_every must be >= 0 (0: only at the end), got -1"},
   };
-  for (const auto& [args, message] : refused) {
-    const CommandResult result = RunCommand(absl::StrCat(train, args));
-    EXPECT_EQ(result.exit_code, 1) << args << result.output;
-    EXPECT_THAT(result.output, HasSubstr(message)) << args;
-  }
+  ExpectEachRefused(train, refused);
 }
 
 // A subcommand ignored the other's flags: train --checkpoint X --out Y trained a fresh model and wrote no Y, and eval
