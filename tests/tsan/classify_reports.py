@@ -111,6 +111,20 @@ def set_aside_by(block, build):
     return handed_over_by_grpc(accesses)
 
 
+def digest(block, root):
+    """One report in a line (CI's log may show no more of it than the count line): its kind, then each access as its
+    heading's kind and the first frame of our code or the libraries' below the C++ library and the headers, or
+    "stack lost"."""
+    kind = re.search(r"ThreadSanitizer: ([^(\n]+)", block)[1].strip()
+    parts = []
+    for head, stack in access_stacks(block):
+        where = next((f"{func} {spot.split()[0].removeprefix(root + '/')}" for func, spot in stack
+                      if not any(part in spot for part in LIBRARY + ("/usr/include/",))), None)
+        access = ACCESS.match(head)
+        parts.append(f"{access['kind'] if access else head.strip().split(' in thread')[0]} in {where or 'stack lost'}")
+    return f"{kind}: " + "; ".join(parts)
+
+
 def main():
     root, build, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
     ours, rules = [], collections.Counter()
@@ -123,6 +137,8 @@ def main():
                 ours.append(block)
     by_rule = ", ".join(f"{rules[rule]} {rule}" for rule in (THEIR_ACCESS, HANDED_OVER_OBJECT, HANDED_OVER_MUTEX))
     print(f"tsan reports: {len(ours)} ours, {sum(rules.values())} set aside ({by_rule})")
+    for i, block in enumerate(ours):
+        print(f"ours {i + 1}: {digest(block, root)}")
     for block in ours:
         print("==================\n" + block, end="")
     return 1 if ours else 0

@@ -295,6 +295,15 @@ class ClassifyReportsTest(unittest.TestCase):
                       "an object's allocation and a call gRPC made, 1 between a mutex's creation and a call gRPC "
                       "made)", output)
 
+    def test_each_of_ours_is_told_in_one_line_after_the_count(self):
+        lines = self.assertClassified(OUR_LOST_WRITES_BESIDE_A_LOCK[0], INVERSION, ours=2, theirs=0).splitlines()
+        self.assertEqual(lines[1], "ours 1: data race: Atomic read in perception::server::StreamReactor::"
+                                   "OnReadDone(bool) server/streaming.cc:53; Previous write in stack lost")
+        self.assertEqual(lines[2], "ours 2: lock-order-inversion: Mutex M1 acquired here while holding mutex M0 in "
+                                   "StreamBatcher::Tick(ModelHost&) server/stream_batcher.cc:290; Mutex M0 acquired "
+                                   "here while holding mutex M1 in perception::server::StreamReactor::OnProcessed() "
+                                   "server/streaming.cc:90")
+
     def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
         for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
             with self.subTest(report=report):
