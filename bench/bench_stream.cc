@@ -122,10 +122,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     row.config = name;
     row.instruments = n;
     row.default_shape = streamer->ShapeFor(n);
+    // Every tick of the row counts (graphed, eager, lone and swept); Main fails the run on any.
     const int64_t allocations_before = CudaAllocationCount();
     streamer->set_use_graphs(true);
     ASSIGN_OR_RETURN(std::vector<double> graphed, TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }));
-    row.allocations = CudaAllocationCount() - allocations_before;
     row.graph_median_us = Percentile(graphed, 0.5);
     row.graph_p99_us = Percentile(graphed, 0.99);
     streamer->set_use_graphs(false);
@@ -160,6 +160,7 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
         row.best_shape = shape;
       }
     }
+    row.allocations = CudaAllocationCount() - allocations_before;
     rows.push_back(row);
     std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f)  eager %9.2f us  lone tick wall %9.2f us  best eager %9.2f us "
                 "(%s; default %s)  allocations %lld\n",
@@ -176,7 +177,8 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 // Synchronize, which waits for its answer; median and percentiles of `iterations`·10), `iterations`·50 events back
 // to back (Step after Step, then one Synchronize; µs per event), and the round trip of the first lone event after a
 // stop (what the daemon's idle release costs the next event: a launch and the weights' load; `iterations` of them).
-absl::Status BenchResident(const std::string& name, int iterations) {
+// Returns the allocations made meanwhile.
+absl::StatusOr<int64_t> BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
@@ -186,7 +188,7 @@ absl::Status BenchResident(const std::string& name, int iterations) {
   RETURN_IF_ERROR(streamer->PublishFromHost(params));
   if (!streamer->resident_available()) {
     std::printf("%-6s resident: no resident step on this device\n", name.c_str());
-    return absl::OkStatus();
+    return 0;
   }
   Rng rng(7);
   std::vector<float> x(config.n_features), dt = {0.25f};
@@ -223,6 +225,7 @@ absl::Status BenchResident(const std::string& name, int iterations) {
     RETURN_IF_ERROR(streamer->Synchronize());
     return us_since(start) / count;
   };
+  const int64_t allocations_before = CudaAllocationCount();
   ASSIGN_OR_RETURN(const std::vector<double> launched, round_trips(false));
   ASSIGN_OR_RETURN(const std::vector<double> resident, round_trips(true));
   ASSIGN_OR_RETURN(const double launched_per_event, back_to_back(false));
@@ -238,14 +241,16 @@ absl::Status BenchResident(const std::string& name, int iterations) {
   }
   std::vector<float> probs(config.n_horizons);
   RETURN_IF_ERROR(streamer->ReadSlotProbabilities(0, probs));  // (which stops the resident step)
+  const int64_t allocations = CudaAllocationCount() - allocations_before;
   std::printf("%-6s resident: round trip %8.2f us (p10 %8.2f, p99 %8.2f; launched tick's Step + Synchronize %8.2f, "
               "p10 %8.2f, p99 %8.2f), back to back %8.2f us/event (launched %8.2f) over %d events; the first event "
-              "after a stop %8.2f us (p99 %8.2f)\n",
+              "after a stop %8.2f us (p99 %8.2f); allocations %lld\n",
               name.c_str(), Percentile(resident, 0.5), Percentile(resident, 0.1), Percentile(resident, 0.99),
               Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), resident_per_event,
-              launched_per_event, 50 * iterations, Percentile(restarts, 0.5), Percentile(restarts, 0.99));
+              launched_per_event, 50 * iterations, Percentile(restarts, 0.5), Percentile(restarts, 0.99),
+              static_cast<long long>(allocations));
   std::fflush(stdout);
-  return absl::OkStatus();
+  return allocations;
 }
 
 std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
@@ -276,13 +281,22 @@ absl::Status Main() {
     std::printf("every config with %d LOBSTER book level(s): %d features\n", levels, LobsterFeatureCount(levels));
   }
   std::vector<Row> all;
+  int64_t allocations = 0;
   for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
     ASSIGN_OR_RETURN(std::vector<Row> rows, BenchConfig(name, sizes, absl::GetFlag(FLAGS_iterations)));
+    for (const Row& row : rows) allocations += row.allocations;
     all.insert(all.end(), rows.begin(), rows.end());
-    if (absl::GetFlag(FLAGS_resident)) RETURN_IF_ERROR(BenchResident(name, absl::GetFlag(FLAGS_iterations)));
+    if (absl::GetFlag(FLAGS_resident)) {
+      ASSIGN_OR_RETURN(const int64_t resident_allocations, BenchResident(name, absl::GetFlag(FLAGS_iterations)));
+      allocations += resident_allocations;
+    }
   }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << ToJson(all, properties.name);
+  }
+  if (allocations != 0) {
+    return absl::InternalError(absl::StrCat(allocations, " allocations (device or pinned) during timed ticks (listed "
+                                            "above): a tick must allocate none"));
   }
   return absl::OkStatus();
 }

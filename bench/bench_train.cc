@@ -55,7 +55,7 @@ struct Result {
   double replay_median_us = 0, replay_min_us = 0;  // replayed graph
   double prefetch_median_us = 0, prefetch_min_us = 0;  // replayed, each step's batch copied in beside the step before
   Launches launches;
-  double allocations_per_step = 0;  // over the eager, replayed and prefetching timed steps
+  int64_t allocations = 0;  // AllocateCuda's (device or pinned) over the eager, replayed and prefetching timed steps
   double gemm_flops = 0, other_flops = 0, bytes = 0;  // per step
   double roofline_us = 0;
 };
@@ -233,7 +233,11 @@ absl::StatusOr<Result> Measure(const std::string& name, const Ceilings& ceilings
   r.replay_min_us = replayed.front();
   r.prefetch_median_us = Median(prefetched);
   r.prefetch_min_us = prefetched.front();
-  r.allocations_per_step = static_cast<double>(allocated) / (3 * steps);
+  r.allocations = allocated;
+  if (allocated != 0) {
+    return absl::InternalError(absl::StrCat(allocated, " allocations (device or pinned) over the ", 3 * steps,
+                                            " timed steps (eager, replayed, prefetching): a step must allocate none"));
+  }
   r.other_flops = NonGemmFlops(config);
   // Every buffer of the step written once and read once: an estimate of the traffic, not a measurement.
   r.bytes = 2.0 * model->device_bytes();
@@ -263,7 +267,7 @@ int Run() {
               ceilings->sgemm_flops_per_s / 1e12);
   std::printf("%-6s %5s %4s %13s %14s %16s %7s %9s %10s %12s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T",
               "eager_us/step", "replay_us/step", "prefetch_us/step", "ratio", "eager_min", "replay_min",
-              "prefetch_min", "kernels", "memcpys", "allocs/st", "GFLOP/st", "GB/st(est)", "roofline_us");
+              "prefetch_min", "kernels", "memcpys", "allocs", "GFLOP/st", "GB/st(est)", "roofline_us");
   nlohmann::ordered_json json;
   json["device"] = properties.name;
   json["precision"] = PrecisionName(*precision);
@@ -278,10 +282,10 @@ int Run() {
       status = 1;
       continue;
     }
-    std::printf("%-6s %5d %4d %13.1f %14.1f %16.1f %7.2f %9.1f %10.1f %12.1f %8d %8d %10.2f %9.2f %11.2f %11.1f\n",
+    std::printf("%-6s %5d %4d %13.1f %14.1f %16.1f %7.2f %9.1f %10.1f %12.1f %8d %8d %10lld %9.2f %11.2f %11.1f\n",
                 name.c_str(), r->batch, r->window, r->median_us, r->replay_median_us, r->prefetch_median_us,
                 r->median_us / r->replay_median_us, r->min_us, r->replay_min_us, r->prefetch_min_us,
-                r->launches.kernels, r->launches.copies, r->allocations_per_step,
+                r->launches.kernels, r->launches.copies, static_cast<long long>(r->allocations),
                 (r->gemm_flops + r->other_flops) / 1e9, r->bytes / 1e9, r->roofline_us);
     json["configs"][name] = {{"batch", r->batch},
                              {"window", r->window},
@@ -295,7 +299,7 @@ int Run() {
                              {"kernel_launches_per_step", r->launches.kernels},
                              {"memcpy_nodes_per_step", r->launches.copies},
                              {"other_nodes_per_step", r->launches.other},
-                             {"device_allocations_per_step", r->allocations_per_step},
+                             {"allocations_in_timed_steps", r->allocations},
                              {"gemm_gflop_per_step", r->gemm_flops / 1e9},
                              {"other_gflop_per_step", r->other_flops / 1e9},
                              {"gbytes_per_step_estimate", r->bytes / 1e9},
