@@ -1,6 +1,7 @@
 // bench_stream: device time per streaming tick (forward_step_into) for 1 .. 10,000 instruments, graph-replayed and
 // eager, with CUDA events around every tick; prints one table and optionally writes JSON.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -47,34 +48,47 @@ struct Row {
   double graph_median_us = 0, graph_p99_us = 0, eager_median_us = 0, best_shape_us = 0, host_step_us = 0;
   StreamLaunchShape best_shape, default_shape;
   int64_t allocations = 0;
+  int graph_queued_ahead = 0;  // graphed ticks queued when the stream's hold ended (TimeTicks)
 };
 
 std::string ShapeName(StreamLaunchShape shape) {
   return shape.wide ? "wide" : absl::StrCat("group ", shape.events_per_group, ", cluster ", shape.cluster_size);
 }
 
-void CUDART_CB HoldStream(void* microseconds) {
-  std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int*>(microseconds)));
+struct StreamHold {
+  int microseconds = 0;
+  std::atomic<bool> released{false};
+};
+
+void CUDART_CB HoldStream(void* hold) {
+  auto& stream_hold = *static_cast<StreamHold*>(hold);
+  std::this_thread::sleep_for(std::chrono::microseconds(stream_hold.microseconds));
+  stream_hold.released = true;
 }
 
 // Device time of each tick between events recorded on the streamer's stream; `run` enqueues one tick. A tick that
 // the device finishes faster than the host submits the next would otherwise be timed with the host's submission in
-// it, so the stream is held while the host queues the ticks (as far as the staging buffers let it).
+// it, so the stream is held while the host queues the ticks (as far as the staging buffers let it). `queued_ahead`,
+// where given, gets how many ticks the host had queued when the hold ended: past them, a tick the device finishes
+// before the host queues the next is timed with the host's time in it.
 template <typename Run>
-absl::StatusOr<std::vector<double>> TimeTicks(CudaStreamer& streamer, int iterations, Run run) {
+absl::StatusOr<std::vector<double>> TimeTicks(CudaStreamer& streamer, int iterations, Run run,
+                                              int* queued_ahead = nullptr) {
   for (int i = 0; i < 20; ++i) RETURN_IF_ERROR(run());
   RETURN_IF_ERROR(streamer.Synchronize());
   std::vector<cudaEvent_t> events(2 * iterations);
   for (cudaEvent_t& e : events) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  static int hold_us;
-  hold_us = absl::GetFlag(FLAGS_queue_us);
-  if (hold_us > 0) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(streamer.stream(), HoldStream, &hold_us));
+  StreamHold hold{absl::GetFlag(FLAGS_queue_us)};
+  if (hold.microseconds > 0) CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(streamer.stream(), HoldStream, &hold));
+  int queued = iterations;
   for (int i = 0; i < iterations; ++i) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i], streamer.stream()));
     RETURN_IF_ERROR(run());
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1], streamer.stream()));
+    if (queued == iterations && (hold.microseconds == 0 || hold.released)) queued = i + 1;
   }
-  RETURN_IF_ERROR(streamer.Synchronize());
+  RETURN_IF_ERROR(streamer.Synchronize());  // (the hold has ended: it runs on the stream)
+  if (queued_ahead != nullptr) *queued_ahead = queued;
   std::vector<double> us;
   for (int i = 0; i < iterations; ++i) {
     float ms = 0;
@@ -125,7 +139,8 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     // Every tick of the row counts (graphed, eager, lone and swept); Main fails the run on any.
     const int64_t allocations_before = CudaAllocationCount();
     streamer->set_use_graphs(true);
-    ASSIGN_OR_RETURN(std::vector<double> graphed, TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }));
+    ASSIGN_OR_RETURN(std::vector<double> graphed,
+                     TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }, &row.graph_queued_ahead));
     row.graph_median_us = Percentile(graphed, 0.5);
     row.graph_p99_us = Percentile(graphed, 0.99);
     streamer->set_use_graphs(false);
@@ -163,10 +178,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     row.allocations = CudaAllocationCount() - allocations_before;
     rows.push_back(row);
     std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f)  eager %9.2f us  lone tick wall %9.2f us  best eager %9.2f us "
-                "(%s; default %s)  allocations %lld\n",
+                "(%s; default %s)  allocations %lld  queued ahead %d of %d\n",
                 name.c_str(), n, row.graph_median_us, row.graph_p99_us, row.eager_median_us, row.host_step_us,
                 row.best_shape_us, ShapeName(row.best_shape).c_str(), ShapeName(row.default_shape).c_str(),
-                static_cast<long long>(row.allocations));
+                static_cast<long long>(row.allocations), row.graph_queued_ahead, iterations);
     std::fflush(stdout);
   }
   return rows;
@@ -263,7 +278,7 @@ std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
         ",\"best_group\":", r.best_shape.events_per_group, ",\"best_cluster\":", r.best_shape.cluster_size,
         ",\"best_wide\":", r.best_shape.wide ? "true" : "false", ",\"default_group\":", r.default_shape.events_per_group,
         ",\"default_cluster\":", r.default_shape.cluster_size, ",\"default_wide\":", r.default_shape.wide ? "true" : "false",
-        ",\"allocations\":", r.allocations, "}"));
+        ",\"allocations\":", r.allocations, ",\"graph_queued_ahead\":", r.graph_queued_ahead, "}"));
   }
   return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "]}\n");
 }
