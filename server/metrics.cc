@@ -277,12 +277,16 @@ ServerMetrics::ServerMetrics()
 }
 
 void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
-  stream_events_.Increment(instruments);
   stream_step_seconds_.Observe(seconds);
   stream_tick_instruments_.Observe(instruments);
 }
 
-void ServerMetrics::ObserveStreamEventLatency(double seconds) { stream_event_latency_.Observe(seconds); }
+void ServerMetrics::ObserveStreamEventLatency(double seconds) {
+  // Counted here, once the event's tick finished, not at its launch: an event a later check drops (an output not
+  // finite, a failed tick) has no conviction.
+  stream_events_.Increment();
+  stream_event_latency_.Observe(seconds);
+}
 
 void ServerMetrics::RejectStreamEvent(std::string_view reason) {
   stream_rejected_.Add({{"reason", std::string(reason)}}).Increment();

@@ -48,7 +48,8 @@ class ServerMetrics {
 
   // One streaming tick: `instruments` events (one per instrument) in one batched step of `seconds`.
   void ObserveStreamTick(int instruments, double seconds);
-  // One streamed event, from its receipt to its conviction being in the log.
+  // One streamed event processed (perception_stream_events_total), from its receipt to its conviction being in the
+  // log.
   void ObserveStreamEventLatency(double seconds);
   // A streamed event refused, by reason: one of kStreamRejectReasons.
   void RejectStreamEvent(std::string_view reason);
