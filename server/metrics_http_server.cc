@@ -28,7 +28,9 @@ using Clock = std::chrono::steady_clock;
 // A scrape takes milliseconds; a connection that has not sent its head and taken its answer by then is dropped,
 // however it trickles, so that it does not hold one of the few slots.
 constexpr Clock::duration kConnectionDeadline = std::chrono::seconds(2);
-// Connections served at once; more wait in the listen backlog until a slot frees, within kConnectionDeadline.
+// Connections served at once. A new one takes the slot of the longest-connected client still to send its request head,
+// so that a client holding many idle connections does not delay every scrape by up to kConnectionDeadline; it waits
+// in the listen backlog only while every slot is answering.
 constexpr size_t kMaxConnections = 16;
 constexpr size_t kMaxRequestHead = 8192;
 // Once its answer is sent, what a client still sends is read and dropped until it closes, up to this much: closing
@@ -184,11 +186,18 @@ void MetricsHttpServer::Serve() {
   std::vector<Connection> connections;
   std::vector<pollfd> watched;
   AcceptFailures accept_failures;
+  // The longest-connected client still to send its request head, or connections.end() when every one is answering.
+  const auto longest_waiting = [&connections] {
+    const auto waiting = std::ranges::min_element(connections, {}, [](const Connection& connection) {
+      return connection.answering ? Clock::time_point::max() : connection.deadline;
+    });
+    return waiting != connections.end() && !waiting->answering ? waiting : connections.end();
+  };
+  const auto room = [&] { return connections.size() < kMaxConnections || longest_waiting() != connections.end(); };
   while (true) {
     const bool resting = Clock::now() < accept_failures.resume();
-    // The wake pipe, the listener (ignored, as fd -1, while every slot is taken or it rests), then each connection.
-    watched = {{wake_pipe_[0], POLLIN, 0},
-               {connections.size() < kMaxConnections && !resting ? listen_fd_ : -1, POLLIN, 0}};
+    // The wake pipe, the listener (ignored, as fd -1, while every slot is answering or it rests), then each connection.
+    watched = {{wake_pipe_[0], POLLIN, 0}, {room() && !resting ? listen_fd_ : -1, POLLIN, 0}};
     Clock::time_point next_deadline = resting ? accept_failures.resume() : Clock::time_point::max();
     for (const Connection& connection : connections) {
       const bool sending = connection.answering && !connection.draining;
@@ -211,9 +220,14 @@ void MetricsHttpServer::Serve() {
       if (over) ::close(connection.fd);
       return over;
     });
-    if (watched[1].revents != 0) {
+    if (watched[1].revents != 0 && room()) {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) {
+        if (connections.size() >= kMaxConnections) {
+          const auto dropped = longest_waiting();
+          ::close(dropped->fd);
+          connections.erase(dropped);
+        }
         connections.emplace_back(fd, now + kConnectionDeadline);
       } else if (!WouldBlock() && errno != ECONNABORTED) {
         accept_failures.Record(errno, now);

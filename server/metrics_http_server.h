@@ -16,9 +16,10 @@ namespace perception::server {
 class MetricsHttpServer {
  public:
   // Listens on `address` ("host:port"; port 0 picks a free one) and answers GET /metrics with `render()`. One thread
-  // polls the listener and every open connection (up to 16); each connection has 2 s in all to send its request
-  // head and take its answer, so an idle or trickling client neither delays a concurrent scrape nor holds its slot
-  // for long, and the destructor does not wait for it. A head over 8 KiB is answered 431. When accept fails for want
+  // polls the listener and every open connection (up to 16; a new one takes the slot of the longest-connected client
+  // still to send its head); each connection has 2 s in all to send its request head and take its answer, so idle or
+  // trickling clients, however many, neither delay a concurrent scrape nor hold a slot for long, and the destructor
+  // does not wait for them. A head over 8 KiB is answered 431. When accept fails for want
   // of descriptors or memory, the listener rests 100 ms (logged at most every 10 s) instead of spinning.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
                                                                   std::function<std::string()> render);

@@ -141,6 +141,30 @@ TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBesideAnIdleAndATricklingClie
   EXPECT_LT(SecondsSince(opened), 3.0);
 }
 
+// More idle connections than slots (a port scanner's, or a client that holds them open): each new one takes the slot
+// of the longest-connected client that has not sent its head, so the scrape behind them is not kept waiting for their
+// deadlines.
+TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBehindMoreIdleClientsThanSlots) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  std::vector<std::unique_ptr<Client>> idle;
+  for (int i = 0; i < 24; ++i) {
+    idle.push_back(std::make_unique<Client>(server->port()));
+    ASSERT_TRUE(idle.back()->connected());
+  }
+  const Clock::time_point asked = Clock::now();
+  const Client scraper(server->port());
+  ASSERT_TRUE(scraper.connected());
+  ASSERT_TRUE(scraper.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  const std::string answer = scraper.ReadToEnd(std::chrono::seconds(10));
+  EXPECT_LT(SecondsSince(asked), 1.0);
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
+  // The first to connect gave up its slot, closed unanswered already.
+  const Clock::time_point read = Clock::now();
+  EXPECT_EQ(idle.front()->ReadToEnd(std::chrono::seconds(1)), "");
+  EXPECT_LT(SecondsSince(read), 0.5);
+}
+
 TEST(MetricsHttpServerTest, TheDestructorDoesNotWaitForATricklingClient) {
   std::unique_ptr<MetricsHttpServer> server = StartServer();
   ASSERT_NE(server, nullptr);
