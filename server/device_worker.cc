@@ -71,6 +71,16 @@ absl::Duration DeviceWorker::busy_for() const {
   return absl::FromChrono(std::chrono::steady_clock::now() - *job_started_);
 }
 
+DeviceWorker::PeerWait::PeerWait(DeviceWorker& worker) : worker_(worker) {
+  absl::MutexLock lock(&worker_.mu_);
+  worker_.job_started_.reset();
+}
+
+DeviceWorker::PeerWait::~PeerWait() {
+  absl::MutexLock lock(&worker_.mu_);
+  worker_.job_started_ = std::chrono::steady_clock::now();
+}
+
 void DeviceWorker::Stop() {
   {
     absl::MutexLock lock(&mu_);

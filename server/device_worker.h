@@ -64,9 +64,25 @@ class DeviceWorker {
   // The model host's status as of the last finished job; any thread, never waits for the device.
   HostStatus status() const;
   int queued_jobs() const;
-  // How long the job the device runs now (the idle job included) has been running; zero between jobs. Measured on
-  // the monotonic clock: a step of the wall clock (NTP, a manual set) neither fakes a stall nor hides one.
+  // How long the job the device runs now (the idle job included) has been running; zero between jobs and while the
+  // job waits on its peers (PeerWait). Measured on the monotonic clock: a step of the wall clock (NTP, a manual set)
+  // neither fakes a stall nor hides one.
   absl::Duration busy_for() const;
+
+  // Held by a job, on the worker thread, while it waits for other ranks rather than for the device (the data-parallel
+  // join, which waits up to --collective_timeout for a rank still starting): busy_for() reads zero meanwhile, so that
+  // neither the stall watch nor perception_device_job_seconds takes a slow peer for a hung kernel. The job's clock
+  // starts again when it is released.
+  class PeerWait {
+   public:
+    explicit PeerWait(DeviceWorker& worker);
+    ~PeerWait();
+    PeerWait(const PeerWait&) = delete;
+    PeerWait& operator=(const PeerWait&) = delete;
+
+   private:
+    DeviceWorker& worker_;
+  };
 
   // Refuses new jobs, runs those already queued, then ends the thread. Idempotent.
   void Stop();
@@ -83,7 +99,8 @@ class DeviceWorker {
   std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
-  std::optional<std::chrono::steady_clock::time_point> job_started_ ABSL_GUARDED_BY(mu_);  // none between jobs
+  // None between jobs and while the job waits on its peers.
+  std::optional<std::chrono::steady_clock::time_point> job_started_ ABSL_GUARDED_BY(mu_);
   HostStatus status_ ABSL_GUARDED_BY(mu_);
   const int queue_depth_;
   const absl::Duration idle_period_;

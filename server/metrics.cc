@@ -190,7 +190,8 @@ ServerMetrics::ServerMetrics()
       device_job_seconds_(prometheus::BuildGauge()
                               .Name("perception_device_job_seconds")
                               .Help("How long the device's running job (a training step, a tick, a checkpoint "
-                                    "load) has run so far in seconds; 0 when the device is idle. A hung kernel "
+                                    "load) has run so far in seconds; 0 when the device is idle or the job waits for "
+                                    "its data-parallel peers (the join). A hung kernel "
                                     "shows as a value that keeps climbing (health turns NOT_SERVING past "
                                     "--device_stall_timeout).")
                               .Register(*registry_)

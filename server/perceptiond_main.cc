@@ -238,8 +238,10 @@ absl::Status JoinDataParallel(DeviceWorker& worker, RendezvousService& rendezvou
   }
   spdlog::info("rank {} of {}: joining the data-parallel job (timeout {})", options.rank, options.world_size,
                absl::FormatDuration(options.timeout));
-  return worker.Run(JobPriority::kTraining,
-                    [&](ModelHost& host) { return host.JoinDataParallel(unique_id, options); });
+  return worker.Run(JobPriority::kTraining, [&](ModelHost& host) {
+    const DeviceWorker::PeerWait waiting(worker);  // the join waits for the other ranks, not for the device
+    return host.JoinDataParallel(unique_id, options);
+  });
 }
 
 // --device, and --precision on the backend it resolves to: the CPU computes in fp32 only, and refusing the pair here

@@ -165,5 +165,36 @@ TEST(StallWatchTest, AJobRunningPastTheLimitIsReportedOnceAndItsEndToo) {
   EXPECT_EQ(stalls.load(), 1);
 }
 
+// A job waiting on its peers (the data-parallel join) is not a stalled device: busy_for reads zero while it waits,
+// and the job's clock starts again once the wait ends.
+TEST(StallWatchTest, AJobWaitingOnItsPeersIsNotBusy) {
+  ServerMetrics metrics;
+  DeviceWorker worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/8);
+  absl::Notification waiting, stop_waiting, waited, release;
+  ASSERT_TRUE(worker
+                  .Enqueue(JobPriority::kTraining,
+                           [&](ModelHost&) {
+                             {
+                               const DeviceWorker::PeerWait peers(worker);
+                               waiting.Notify();
+                               stop_waiting.WaitForNotification();
+                             }
+                             waited.Notify();
+                             release.WaitForNotification();
+                           })
+                  .ok());
+  waiting.WaitForNotification();
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(worker.busy_for(), absl::ZeroDuration()) << "waiting on peers";
+  const auto stopped_waiting = std::chrono::steady_clock::now();
+  stop_waiting.Notify();
+  waited.WaitForNotification();
+  std::this_thread::sleep_for(milliseconds(50));
+  const absl::Duration busy = worker.busy_for();
+  EXPECT_GE(busy, absl::Milliseconds(50)) << "busy again after the wait";
+  EXPECT_LE(busy, absl::FromChrono(std::chrono::steady_clock::now() - stopped_waiting)) << "timed from the wait's end";
+  release.Notify();
+}
+
 }  // namespace
 }  // namespace perception::server
