@@ -113,7 +113,8 @@ ServerMetrics::ServerMetrics()
                               .Add({}, DecadeBuckets(-6, 1))),
       train_steps_(prometheus::BuildCounter()
                        .Name("perception_train_steps_total")
-                       .Help("Training steps run on the device.")
+                       .Help("Training steps that succeeded on the device (refused ones: "
+                             "perception_train_steps_not_taken_total; failed ones: the RPC metrics' code label).")
                        .Register(*registry_)
                        .Add({})),
       train_loss_(prometheus::BuildGauge()
@@ -129,7 +130,7 @@ ServerMetrics::ServerMetrics()
                                 .Add({})),
       train_graph_replays_(prometheus::BuildCounter()
                                .Name("perception_train_graph_replays_total")
-                               .Help("Training steps run as one replay of a captured CUDA graph.")
+                               .Help("Training steps run as one replay of a captured CUDA graph, applied or not.")
                                .Register(*registry_)
                                .Add({})),
       replica_checks_(prometheus::BuildCounter()
@@ -311,13 +312,15 @@ void ServerMetrics::SetStreamWeightsVersion(int64_t version) {
   stream_weights_version_.Set(static_cast<double>(version));
 }
 
-void ServerMetrics::ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures,
-                                     int64_t graph_replays) {
+void ServerMetrics::ObserveTrainStep(double device_seconds, double loss) {
   train_step_seconds_.Observe(device_seconds);
   train_steps_.Increment();
   train_loss_.Set(loss);
-  train_graph_captures_.Increment(static_cast<double>(graph_captures));
-  train_graph_replays_.Increment(static_cast<double>(graph_replays));
+}
+
+void ServerMetrics::ObserveTrainGraphs(int64_t captures, int64_t replays) {
+  train_graph_captures_.Increment(static_cast<double>(captures));
+  train_graph_replays_.Increment(static_cast<double>(replays));
 }
 
 void ServerMetrics::ForgetTrainLoss() { train_loss_.Set(std::numeric_limits<double>::quiet_NaN()); }

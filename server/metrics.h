@@ -27,8 +27,10 @@ class ServerMetrics {
  public:
   ServerMetrics();
 
-  // One training step that ran on the device, and the CUDA graphs it captured (0 or 1) and replayed (0 or 1).
-  void ObserveTrainStep(double device_seconds, double loss, int64_t graph_captures, int64_t graph_replays);
+  // One training step applied: its device time and loss.
+  void ObserveTrainStep(double device_seconds, double loss);
+  // The CUDA graphs a step run on the device captured (0 or 1) and replayed (0 or 1), whether it was applied or not.
+  void ObserveTrainGraphs(int64_t captures, int64_t replays);
   // A new model is resident (InitModel, LoadCheckpoint): the last loss was another model's, so the loss reads NaN
   // (no sample, a gap on a dashboard, where 0 would read as a perfect fit) until the new model trains.
   void ForgetTrainLoss();

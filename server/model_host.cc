@@ -203,18 +203,20 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
     spdlog::warn("a training step was not taken: {}", std::string(stepped.status().message()));
     metrics_.ObserveStepNotTaken();
   }
+  // Counted for every step run, a failed or refused one too (its graph replayed all the same), so that they do not
+  // land on the next step that succeeds.
+  const TrainingCounters counters = backend_->training_counters();
+  const bool device_timed = counters.timed_steps > training_counters_.timed_steps;
+  metrics_.ObserveTrainGraphs(counters.graph_captures - training_counters_.graph_captures,
+                              counters.graph_replays - training_counters_.graph_replays);
+  metrics_.ObserveReplicaChecks(counters.replica_checks - training_counters_.replica_checks);
+  training_counters_ = counters;
   if (!stepped.ok()) return AfterFailedStep(stepped.status());
   const TrainStepResult result = *std::move(stepped);
   // On CUDA the step's device time comes from events recorded around its launch; on the CPU the step's wall time
   // is its device time.
-  const TrainingCounters counters = backend_->training_counters();
-  const bool device_timed = counters.timed_steps > training_counters_.timed_steps;
   const TrainOutcome outcome{result, device_timed ? counters.last_step_seconds : stopwatch.Seconds()};
-  metrics_.ObserveTrainStep(outcome.device_seconds, result.loss,
-                            counters.graph_captures - training_counters_.graph_captures,
-                            counters.graph_replays - training_counters_.graph_replays);
-  metrics_.ObserveReplicaChecks(counters.replica_checks - training_counters_.replica_checks);
-  training_counters_ = counters;
+  metrics_.ObserveTrainStep(outcome.device_seconds, result.loss);
   RecordAppliedStep(result.step);
   return outcome;
 }

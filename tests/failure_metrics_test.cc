@@ -39,14 +39,20 @@ class DivergingBackend final : public ForwardingBackend {
   }
 };
 
-// Every training step's gradient norm is infinite, as a diverging job's would be.
+// Every training step's gradient norm is infinite, as a diverging job's would be; each step replays a graph first,
+// as the CUDA backend's does.
 class OverflowingBackend final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
 
   absl::StatusOr<TrainStepResult> TrainStep(const BatchView<float>&) override {
+    ++counters_.graph_replays;
     return StepNotTakenError(TrainStepResult{.loss = 0.7, .grad_norm = INFINITY, .step = 0});
   }
+  TrainingCounters training_counters() const override { return counters_; }
+
+ private:
+  TrainingCounters counters_;
 };
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + std::chrono::seconds(60); }
@@ -94,6 +100,8 @@ TEST(FailureMetricsTest, AStepNotTakenIsARefusalCountedAndLoggedForTheOperator) 
 
   const std::string metrics = daemon.metrics().Render();
   EXPECT_THAT(metrics, HasSubstr("\nperception_train_steps_not_taken_total 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("\nperception_train_steps_total 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\nperception_train_graph_replays_total 1\n")) << "the refused step's own graph";
   EXPECT_THAT(metrics, HasSubstr("perception_requests_rejected_total{reason=\"failed_precondition\"} 1\n"));
   EXPECT_THAT(log.lines(), Contains(StartsWith("warning|a training step was not taken: the batch's gradient norm is inf")));
 }
