@@ -1,19 +1,22 @@
 // Prometheus metrics of the daemon: a prometheus-cpp registry plus process metrics read from /proc at each scrape.
 #include "server/metrics.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/text_serializer.h"
 
 namespace perception::server {
@@ -51,15 +54,6 @@ prometheus::MetricFamily ProcessFamily(std::string name, std::string help, prome
   return {std::move(name), std::move(help), type, {metric}};
 }
 
-// Fields of /proc/self/stat after the command name (which may hold spaces): [0] is field 3, `state`.
-std::vector<std::string> ProcStatFields() {
-  std::ifstream file("/proc/self/stat");
-  const std::string stat{std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
-  const size_t name_end = stat.rfind(')');
-  if (name_end == std::string::npos) return {};
-  return absl::StrSplit(stat.substr(name_end + 2), ' ', absl::SkipEmpty());
-}
-
 double BootTimeSeconds() {
   std::ifstream file("/proc/stat");
   std::string key;
@@ -71,32 +65,87 @@ double BootTimeSeconds() {
   return 0;
 }
 
+// /proc/self/stat and /proc/self/fd, opened once for the process's life: a process out of descriptors could not open
+// them at the scrape, and its process metrics vanished just when process_open_fds should show the limit reached. The
+// boot time too is read once.
+class ProcSelf {
+ public:
+  static ProcSelf& Get() {
+    static ProcSelf* const proc = new ProcSelf();
+    return *proc;
+  }
+
+  // Fields of /proc/self/stat after the command name (which may hold spaces): [0] is field 3, `state`.
+  std::vector<std::string> StatFields() const {
+    char buffer[4096];
+    const ssize_t n = stat_ < 0 ? -1 : ::pread(stat_, buffer, sizeof(buffer) - 1, 0);
+    if (n <= 0) return {};
+    const absl::string_view stat(buffer, static_cast<size_t>(n));
+    const size_t name_end = stat.rfind(')');
+    if (name_end == absl::string_view::npos || name_end + 2 > stat.size()) return {};
+    return absl::StrSplit(stat.substr(name_end + 2), absl::ByAnyChar(" \n"), absl::SkipEmpty());
+  }
+
+  double boot_time_seconds() const { return boot_time_seconds_; }
+
+  // Open descriptors, this one's included; nullopt where /proc/self/fd could not be read.
+  std::optional<double> OpenFds() {
+    absl::MutexLock lock(&mu_);
+    if (fd_dir_ < 0 || ::lseek(fd_dir_, 0, SEEK_SET) != 0) return std::nullopt;
+    alignas(dirent64) char buffer[8192];
+    double fds = 0;
+    for (ssize_t n; (n = ::getdents64(fd_dir_, buffer, sizeof(buffer))) != 0;) {
+      if (n < 0) return std::nullopt;
+      for (ssize_t at = 0; at < n;) {
+        const auto* entry = reinterpret_cast<const dirent64*>(buffer + at);
+        if (entry->d_name[0] != '.') ++fds;  // not "." or ".."
+        at += entry->d_reclen;
+      }
+    }
+    return fds;
+  }
+
+ private:
+  ProcSelf()
+      : stat_(::open("/proc/self/stat", O_RDONLY | O_CLOEXEC)),
+        fd_dir_(::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC)),
+        boot_time_seconds_(BootTimeSeconds()) {}
+
+  const int stat_;
+  absl::Mutex mu_;  // the directory's read offset
+  const int fd_dir_;
+  const double boot_time_seconds_;
+};
+
+
 // The process metrics every Prometheus client library exports, read from /proc; empty where /proc is missing.
 std::vector<prometheus::MetricFamily> ProcessMetrics() {
-  const std::vector<std::string> fields = ProcStatFields();
+  const std::vector<std::string> fields = ProcSelf::Get().StatFields();
   constexpr size_t kUtime = 14 - 3, kStime = 15 - 3, kStartTime = 22 - 3, kVsize = 23 - 3, kRss = 24 - 3;
   if (fields.size() <= kRss) return {};
   const double ticks = static_cast<double>(::sysconf(_SC_CLK_TCK));
   const double page = static_cast<double>(::sysconf(_SC_PAGESIZE));
   auto field = [&](size_t i) { return std::stod(fields[i]); };
-  std::error_code error;
-  const auto fds = std::filesystem::directory_iterator("/proc/self/fd", error);
-  const double open_fds = static_cast<double>(std::distance(fds, std::filesystem::directory_iterator()));
+  const std::optional<double> open_fds = ProcSelf::Get().OpenFds();
   rlimit fd_limit{};
   ::getrlimit(RLIMIT_NOFILE, &fd_limit);
   using prometheus::MetricType;
-  return {
+  std::vector<prometheus::MetricFamily> families = {
       ProcessFamily("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
                     MetricType::Counter, (field(kUtime) + field(kStime)) / ticks),
       ProcessFamily("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge,
                     field(kRss) * page),
       ProcessFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge, field(kVsize)),
       ProcessFamily("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
-                    MetricType::Gauge, BootTimeSeconds() + field(kStartTime) / ticks),
-      ProcessFamily("process_open_fds", "Number of open file descriptors.", MetricType::Gauge, open_fds),
-      ProcessFamily("process_max_fds", "Maximum number of open file descriptors.", MetricType::Gauge,
-                    static_cast<double>(fd_limit.rlim_cur)),
+                    MetricType::Gauge, ProcSelf::Get().boot_time_seconds() + field(kStartTime) / ticks),
   };
+  if (open_fds.has_value()) {
+    families.push_back(
+        ProcessFamily("process_open_fds", "Number of open file descriptors.", MetricType::Gauge, *open_fds));
+  }
+  families.push_back(ProcessFamily("process_max_fds", "Maximum number of open file descriptors.", MetricType::Gauge,
+                                   static_cast<double>(fd_limit.rlim_cur)));
+  return families;
 }
 
 }  // namespace
@@ -272,6 +321,7 @@ ServerMetrics::ServerMetrics()
                                   .Register(*registry_)
                                   .Add({})) {
   ForgetTrainLoss();
+  ProcSelf::Get();  // opens its files now, while descriptors are free
   for (const absl::StatusCode code : kRefusalCodes) {
     rejected_.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(code))}});
   }

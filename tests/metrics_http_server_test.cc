@@ -1,6 +1,6 @@
 // The /metrics responder against clients that connect and send nothing or trickle their request: scrapes beside
 // them are answered at once, the slow ones are dropped at their deadline, and the destructor does not wait for them.
-// Heads over the limit or with bare LF line ends, and a process out of file descriptors.
+// Heads over the limit or with bare LF line ends, and a process out of file descriptors (its process metrics too).
 #include "server/metrics_http_server.h"
 
 #include <arpa/inet.h>
@@ -24,6 +24,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "server/metrics.h"
 #include "tests/captured_log.h"
 
 namespace perception::server {
@@ -31,6 +32,7 @@ namespace {
 
 using ::perception::testing::CapturedLog;
 using ::testing::Contains;
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using Clock = std::chrono::steady_clock;
@@ -292,6 +294,22 @@ TEST(MetricsHttpServerTest, OutOfDescriptorsTheListenerRestsAndRecovers) {
             1)
       << ::testing::PrintToString(lines);
   EXPECT_THAT(lines, Contains(HasSubstr("warning|metrics: cannot accept a connection: Too many open files")));
+}
+
+// The process metrics of a process out of descriptors: its files in /proc were opened with the metrics, so the scrape
+// that should show process_open_fds at the limit does not lose them.
+TEST(ProcessMetricsTest, AreRenderedWhileTheProcessIsOutOfDescriptors) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "under AddressSanitizer/UndefinedBehaviorSanitizer, whose checks need descriptors of their own";
+#endif
+  const ServerMetrics metrics;
+  const std::string before = metrics.Render();
+  EXPECT_THAT(before, ContainsRegex("\nprocess_open_fds [1-9][0-9]*\n"));
+  DescriptorsExhausted exhausted;
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, ContainsRegex("\nprocess_open_fds [1-9][0-9]*\n"));
+  EXPECT_THAT(text, ContainsRegex("\nprocess_cpu_seconds_total [0-9.e+-]+\n"));
+  EXPECT_THAT(text, ContainsRegex("\nprocess_start_time_seconds [0-9.e+-]+\n"));
 }
 
 }  // namespace
