@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -120,6 +121,17 @@ void WaitUntilTrickling(const Trickler& trickler) {
   ASSERT_GE(trickler.sent(), 2u);
 }
 
+// What a scrape of `port` got (a new connection, the usual GET, read until the server closed) and how many seconds it
+// took from connecting.
+std::pair<std::string, double> TimedScrape(int port) {
+  const Clock::time_point asked = Clock::now();
+  const Client scraper(port);
+  EXPECT_TRUE(scraper.connected());
+  EXPECT_TRUE(scraper.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  std::string answer = scraper.ReadToEnd(std::chrono::seconds(10));
+  return {std::move(answer), SecondsSince(asked)};
+}
+
 TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBesideAnIdleAndATricklingClient) {
   const std::unique_ptr<MetricsHttpServer> server = StartServer();
   ASSERT_NE(server, nullptr);
@@ -129,12 +141,8 @@ TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBesideAnIdleAndATricklingClie
   Trickler trickler(server->port());
   WaitUntilTrickling(trickler);
 
-  const Clock::time_point asked = Clock::now();
-  const Client scraper(server->port());
-  ASSERT_TRUE(scraper.connected());
-  ASSERT_TRUE(scraper.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
-  const std::string answer = scraper.ReadToEnd(std::chrono::seconds(10));
-  EXPECT_LT(SecondsSince(asked), 1.0);
+  const auto [answer, seconds] = TimedScrape(server->port());
+  EXPECT_LT(seconds, 1.0);
   EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK\r\n"));
   EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
 
@@ -154,12 +162,8 @@ TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBehindMoreIdleClientsThanSlot
     idle.push_back(std::make_unique<Client>(server->port()));
     ASSERT_TRUE(idle.back()->connected());
   }
-  const Clock::time_point asked = Clock::now();
-  const Client scraper(server->port());
-  ASSERT_TRUE(scraper.connected());
-  ASSERT_TRUE(scraper.Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
-  const std::string answer = scraper.ReadToEnd(std::chrono::seconds(10));
-  EXPECT_LT(SecondsSince(asked), 1.0);
+  const auto [answer, seconds] = TimedScrape(server->port());
+  EXPECT_LT(seconds, 1.0);
   EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
   // The first to connect gave up its slot, closed unanswered already.
   const Clock::time_point read = Clock::now();
