@@ -2,9 +2,11 @@
 // eager, with CUDA events around every tick; prints one table and optionally writes JSON.
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/percentile.h"
+#include "bench/resident_stamps.h"
 #include "engine/config.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_check.h"
@@ -35,6 +38,9 @@ ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of 
 ABSL_FLAG(bool, resident, false,
           "also time the streamer's resident step (lone events, kernels/stream_step.h) of each config that has one: "
           "one instrument's events posted into mapped pinned memory, host-timed round trips and back-to-back events");
+ABSL_FLAG(bool, resident_stamps, true,
+          "with --resident: the kernel stamps each event on the device's clocks (StreamResidentStamp), for the device "
+          "time an event; false times the host-clock figures without the stamps' stores");
 ABSL_FLAG(int, queue_us, 3000,
           "hold the stream this long (a sleeping host function) before the timed ticks, so that the host queues them "
           "ahead and the events time the device alone; 0: ticks are timed as the host submits them");
@@ -192,8 +198,15 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 // Synchronize, which waits for its answer; median and percentiles of `iterations`·10), `iterations`·50 events back
 // to back (Step after Step, then one Synchronize; µs per event), and the round trip of the first lone event after a
 // stop (what the daemon's idle release costs the next event: a launch and the weights' load; `iterations` of them).
-// Returns the allocations made meanwhile.
-absl::StatusOr<int64_t> BenchResident(const std::string& name, int iterations) {
+// With --resident_stamps, also the device's own time an event (the kernel's stamps, ResidentDeviceTimes) of the lone
+// and the back-to-back events.
+struct ResidentResult {
+  std::string config;
+  double round_trip_us = 0, back_to_back_us = 0;  // host clock
+  std::optional<ResidentDeviceTimes> lone_device, piped_device;
+  int64_t allocations = 0;  // made meanwhile
+};
+absl::StatusOr<std::optional<ResidentResult>> BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
@@ -203,7 +216,7 @@ absl::StatusOr<int64_t> BenchResident(const std::string& name, int iterations) {
   RETURN_IF_ERROR(streamer->PublishFromHost(params));
   if (!streamer->resident_available()) {
     std::printf("%-6s resident: no resident step on this device\n", name.c_str());
-    return 0;
+    return std::nullopt;
   }
   Rng rng(7);
   std::vector<float> x(config.n_features), dt = {0.25f};
@@ -240,11 +253,25 @@ absl::StatusOr<int64_t> BenchResident(const std::string& name, int iterations) {
     RETURN_IF_ERROR(streamer->Synchronize());
     return us_since(start) / count;
   };
+  // The device's own time for the resident events (stamped by the kernel): a ring that holds a whole phase.
+  constexpr size_t kWarmupEvents = 20;
+  const bool stamps = absl::GetFlag(FLAGS_resident_stamps);
+  if (stamps) {
+    RETURN_IF_ERROR(
+        streamer->RecordResidentStamps(std::bit_ceil(static_cast<uint32_t>(50 * iterations + kWarmupEvents))));
+  }
+  auto device_times = [&]() -> absl::StatusOr<std::optional<ResidentDeviceTimes>> {
+    if (!stamps) return std::nullopt;
+    ASSIGN_OR_RETURN(const std::vector<kernels::StreamResidentStamp> taken, streamer->TakeResidentStamps());
+    return SummarizeResidentStamps(taken, kWarmupEvents);
+  };
   const int64_t allocations_before = CudaAllocationCount();
   ASSIGN_OR_RETURN(const std::vector<double> launched, round_trips(false));
   ASSIGN_OR_RETURN(const std::vector<double> resident, round_trips(true));
+  ASSIGN_OR_RETURN(const std::optional<ResidentDeviceTimes> lone_device, device_times());
   ASSIGN_OR_RETURN(const double launched_per_event, back_to_back(false));
   ASSIGN_OR_RETURN(const double resident_per_event, back_to_back(true));
+  ASSIGN_OR_RETURN(const std::optional<ResidentDeviceTimes> piped_device, device_times());
   std::vector<double> restarts;
   for (int i = 0; i < iterations + 5; ++i) {
     RETURN_IF_ERROR(streamer->StopResident());
@@ -264,11 +291,30 @@ absl::StatusOr<int64_t> BenchResident(const std::string& name, int iterations) {
               Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), resident_per_event,
               launched_per_event, 50 * iterations, Percentile(restarts, 0.5), Percentile(restarts, 0.99),
               static_cast<long long>(allocations));
+  // Device clocks (the kernel's stamps): an event from its ring entry found whole to its answer stored, and from one
+  // answer to the next back to back.
+  if (stamps) {
+    std::printf("%-6s resident, device clock: an event %8.2f us (p99 %8.2f; by the global timer %8.2f) over %d lone "
+                "events; back to back %8.2f us (p99 %8.2f; global timer %8.2f), %8.2f us answer to answer, over %d; "
+                "clock %.3f GHz\n",
+                name.c_str(), lone_device->busy_median_us, lone_device->busy_p99_us,
+                lone_device->busy_timer_median_us, lone_device->events, piped_device->busy_median_us,
+                piped_device->busy_p99_us, piped_device->busy_timer_median_us, piped_device->period_median_us,
+                piped_device->events, piped_device->cycles_per_ns);
+  }
   std::fflush(stdout);
-  return allocations;
+  return ResidentResult{name, Percentile(resident, 0.5), resident_per_event, lone_device, piped_device, allocations};
 }
 
-std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
+std::string DeviceTimesJson(const std::optional<ResidentDeviceTimes>& t) {
+  if (!t.has_value()) return "null";
+  return absl::StrCat("{\"events\":", t->events, ",\"median_us\":", t->busy_median_us, ",\"p99_us\":", t->busy_p99_us,
+                      ",\"timer_median_us\":", t->busy_timer_median_us, ",\"answer_to_answer_median_us\":",
+                      t->period_median_us, ",\"cycles_per_ns\":", t->cycles_per_ns, "}");
+}
+
+std::string ToJson(const std::vector<Row>& rows, const std::vector<ResidentResult>& resident,
+                   const std::string& device) {
   std::vector<std::string> items;
   for (const Row& r : rows) {
     items.push_back(absl::StrCat(
@@ -280,7 +326,16 @@ std::string ToJson(const std::vector<Row>& rows, const std::string& device) {
         ",\"default_cluster\":", r.default_shape.cluster_size, ",\"default_wide\":", r.default_shape.wide ? "true" : "false",
         ",\"allocations\":", r.allocations, ",\"graph_queued_ahead\":", r.graph_queued_ahead, "}"));
   }
-  return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "]}\n");
+  std::vector<std::string> resident_items;
+  for (const ResidentResult& r : resident) {
+    resident_items.push_back(absl::StrCat("{\"config\":\"", r.config, "\",\"round_trip_median_us\":", r.round_trip_us,
+                                          ",\"back_to_back_host_mean_us\":", r.back_to_back_us,
+                                          ",\"lone_device\":", DeviceTimesJson(r.lone_device),
+                                          ",\"back_to_back_device\":", DeviceTimesJson(r.piped_device),
+                                          ",\"allocations\":", r.allocations, "}"));
+  }
+  return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "],\"resident\":[",
+                      absl::StrJoin(resident_items, ","), "]}\n");
 }
 
 absl::Status Main() {
@@ -296,18 +351,22 @@ absl::Status Main() {
     std::printf("every config with %d LOBSTER book level(s): %d features\n", levels, LobsterFeatureCount(levels));
   }
   std::vector<Row> all;
+  std::vector<ResidentResult> resident;
   int64_t allocations = 0;
   for (const std::string& name : absl::GetFlag(FLAGS_configs)) {
     ASSIGN_OR_RETURN(std::vector<Row> rows, BenchConfig(name, sizes, absl::GetFlag(FLAGS_iterations)));
     for (const Row& row : rows) allocations += row.allocations;
     all.insert(all.end(), rows.begin(), rows.end());
     if (absl::GetFlag(FLAGS_resident)) {
-      ASSIGN_OR_RETURN(const int64_t resident_allocations, BenchResident(name, absl::GetFlag(FLAGS_iterations)));
-      allocations += resident_allocations;
+      ASSIGN_OR_RETURN(std::optional<ResidentResult> result, BenchResident(name, absl::GetFlag(FLAGS_iterations)));
+      if (result.has_value()) {
+        allocations += result->allocations;
+        resident.push_back(*std::move(result));
+      }
     }
   }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    std::ofstream(path) << ToJson(all, properties.name);
+    std::ofstream(path) << ToJson(all, resident, properties.name);
   }
   if (allocations != 0) {
     return absl::InternalError(absl::StrCat(allocations, " allocations (device or pinned) during timed ticks (listed "

@@ -635,8 +635,14 @@ absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
   if (!resident_.running) {
     // The cluster never leaves by itself (one that did could not tell the host which posted event it had not read):
     // the host stops it, also when the feed has gone quiet (StopResident).
-    const kernels::StreamResidentQueue queue{resident_.ring, kResidentRing, resident_.done,
-                                             std::numeric_limits<uint64_t>::max(), resident_.posted};
+    const kernels::StreamResidentQueue queue{
+        resident_.ring,
+        kResidentRing,
+        resident_.done,
+        std::numeric_limits<uint64_t>::max(),
+        resident_.posted,
+        resident_.stamp_slots > 0 ? static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get()) : nullptr,
+        resident_.stamp_slots};
     CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));
     resident_.running = true;
     resident_.since_yield = true;
@@ -665,6 +671,36 @@ absl::Status CudaStreamer::FaultResident() {
   // The trap entry is never answered: the wait ends on the stream's error.
   RETURN_IF_ERROR(WaitResidentAnswered(resident_.posted));
   return absl::InternalError("the resident streaming step answered its trap entry");
+}
+
+absl::Status CudaStreamer::RecordResidentStamps(uint32_t slots) {
+  if ((slots & (slots - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("resident stamps: ", slots, " slots is not a power of two"));
+  }
+  RETURN_IF_ERROR(Quiesce());
+  resident_.stamp_slots = 0;
+  resident_.stamp_memory = CudaAllocation();
+  if (slots == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(resident_.stamp_memory,
+                   AllocateCuda(MemoryKind::kDevice, slots * sizeof(kernels::StreamResidentStamp)));
+  resident_.stamp_slots = slots;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<kernels::StreamResidentStamp>> CudaStreamer::TakeResidentStamps() {
+  if (resident_.stamp_slots == 0) {
+    return absl::FailedPreconditionError("the resident step records no stamps (RecordResidentStamps)");
+  }
+  RETURN_IF_ERROR(Quiesce());
+  std::vector<kernels::StreamResidentStamp> stamps(resident_.stamp_slots);
+  const size_t bytes = stamps.size() * sizeof(kernels::StreamResidentStamp);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(stamps.data(), resident_.stamp_memory.get(), bytes, cudaMemcpyDeviceToHost, stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(resident_.stamp_memory.get(), 0, bytes, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  std::erase_if(stamps, [](const kernels::StreamResidentStamp& s) { return s.done_cycles == 0; });
+  std::ranges::sort(stamps, {}, &kernels::StreamResidentStamp::event);
+  return stamps;
 }
 
 absl::Status CudaStreamer::YieldTo(cudaStream_t other) {

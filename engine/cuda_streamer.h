@@ -124,6 +124,12 @@ class CudaStreamer {
   // Tests only: makes the running resident step execute `trap` behind the events posted before (a fault inside the
   // running kernel) and returns the error its stream reports, which loses the device.
   absl::Status FaultResident();
+  // Benchmarks: from its next launch (a running one is stopped first), the resident step stamps each event on the
+  // device's clocks (kernels::StreamResidentStamp) into a ring of `slots` (a power of two, allocated here; 0 stops the
+  // stamping). TakeResidentStamps stops the resident step, waits until it has left and returns the events it answered
+  // since the last take, in order, clearing the ring.
+  absl::Status RecordResidentStamps(uint32_t slots);
+  absl::StatusOr<std::vector<kernels::StreamResidentStamp>> TakeResidentStamps();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
   // What the streamer timed when it started, to choose the shapes of ticks that do not take the wide path by rule
@@ -302,6 +308,8 @@ class CudaStreamer {
     bool running = false;         // launched, and no stop posted since
     bool since_yield = false;     // launched since the last YieldTo
     cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
+    CudaAllocation stamp_memory;  // RecordResidentStamps' ring, `stamp_slots` stamps (none where 0)
+    uint32_t stamp_slots = 0;
   };
   // A power of two (StreamResidentQueue). 64 entries (24 KB): a lone event's round trip on the H200 took 10.9 µs
   // against 12.4 with 1,024 (the host's stores into a larger ring reach the device later); back to back the same.

@@ -822,6 +822,12 @@ __device__ __forceinline__ uint64_t GlobalNanoseconds() {
   return t;
 }
 
+// The global timer of a stamped event, 0 but every kStreamResidentTimerEvery-th: the cycle counter times every event,
+// and the timer only converts cycles to time, which a few events of a run do as well as all.
+__device__ __forceinline__ uint64_t TimerStamp(uint32_t event) {
+  return event % kStreamResidentTimerEvery == 0 ? GlobalNanoseconds() : 0;
+}
+
 constexpr int kResidentReaders = kStreamResidentWords / 2;
 static_assert(kStreamResidentWords % 2 == 0 && kResidentReaders <= kWarpSize, "a lane reads two words");
 // A lane of rank 0's warp 0 reads its two words of ring entry k (each 8-byte word whole). The registers wait for the
@@ -843,7 +849,8 @@ __device__ __forceinline__ void ReadResidentWords(const StreamResidentQueue& q, 
 // mailbox, each store completing that block's mailbox barrier. Without an event for idle_ns (read every 256 polls), a
 // stop.
 __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, uint32_t k, uint64_t w0, uint64_t w1,
-                                                uint32_t* mail, uint64_t* mail_bar, int R) {
+                                                uint32_t* mail, uint64_t* mail_bar, int R,
+                                                StreamResidentStamp* stamp) {
   const int lane = threadIdx.x % kWarpSize;
   constexpr int kReaders = kResidentReaders;
   const uint64_t start = GlobalNanoseconds();
@@ -861,11 +868,15 @@ __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, ui
       break;
     }
   }
+  const uint64_t seen_cycles = stamp != nullptr ? clock64() : 0;
   for (int r = 0; lane < kReaders && r < R; ++r) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
                      MapToRank(SharedAddress(mail + 2 * lane), r)),
                  "r"(payload[0]), "r"(payload[1]), "r"(MapToRank(SharedAddress(mail_bar), r))
                  : "memory");
+  }
+  if (stamp != nullptr && lane == 0 && static_cast<int32_t>(payload[0]) >= 0) {  // (an event, not a stop)
+    *stamp = StreamResidentStamp{k, seen_cycles, TimerStamp(k), 0, 0};
   }
 }
 
@@ -1088,13 +1099,22 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
   const int conv_stride = kSlotConv ? cd : p.conv_channels;  // between a channel's taps
   if constexpr (kResident) ClusterWait();  // (rank 0 stores into every block's mailbox from the first event on)
   uint64_t ahead[2] = {0, 0};  // (the resident step's rank 0, warp 0: the next event's words, read ahead)
+  // (The resident step's stamps: read from the parameters once, so that an event's reads only its clocks.)
+  StreamResidentStamp* stamps = nullptr;
+  uint32_t stamp_mask = 0;
   if constexpr (kResident) {
     if (rank == 0 && warp == 0) ReadResidentWords(tick, tick.first, ahead[0], ahead[1]);
+    stamps = tick.stamps;
+    stamp_mask = tick.stamp_slots - 1;
   }
   for (; kResident || group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if constexpr (kResident) {
       // The next event, or a stop (slot −1), which every block receives alike.
-      if (rank == 0 && warp == 0) FetchResidentEvent(tick, tick.first + phase, ahead[0], ahead[1], mail, mail_bar, R);
+      if (rank == 0 && warp == 0) {
+        const uint32_t k = tick.first + phase;
+        FetchResidentEvent(tick, k, ahead[0], ahead[1], mail, mail_bar, R,
+                           stamps != nullptr ? stamps + (k & stamp_mask) : nullptr);
+      }
       if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
       ExchangeWait(mail_bar, phase & 1);
       if (static_cast<int>(mail[kResidentSlot]) < 0) {
@@ -1469,7 +1489,13 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       ClusterArrive();
       ClusterWait();
       if (rank == 0 && tid == 0) {
-        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(tick.first + phase + 1) : "memory");
+        const uint32_t k = tick.first + phase;
+        const uint64_t done_cycles = stamps != nullptr ? clock64() : 0;
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(k + 1) : "memory");
+        if (stamps != nullptr) {  // (after the answer, which it does not hold back)
+          stamps[k & stamp_mask].done_cycles = done_cycles;
+          stamps[k & stamp_mask].done_ns = TimerStamp(k);
+        }
       }
     }
   }
@@ -2507,8 +2533,9 @@ bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {
 cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                                  const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream) {
   const int shape = ResidentShape(w, max_shared_bytes);
-  if (shape < 0 || queue.ring == nullptr || queue.ring_size < 1 || (queue.ring_size & (queue.ring_size - 1)) != 0 ||
-      queue.done == nullptr) {
+  auto power_of_two = [](int64_t n) { return n > 0 && (n & (n - 1)) == 0; };
+  if (shape < 0 || queue.ring == nullptr || !power_of_two(queue.ring_size) || queue.done == nullptr ||
+      (queue.stamps != nullptr && !power_of_two(queue.stamp_slots))) {
     return cudaErrorInvalidValue;
   }
   const StreamPlan plan = FixedPlan(shape);

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "bench/resident_stamps.h"
 #include "engine/backend.h"
 #include "engine/cpu_reference.h"
 #include "engine/cuda_streamer.h"
@@ -558,6 +559,76 @@ TEST(StreamResidentTest, LobsterLevelsEventsGiveTheLaunchedTicksBits) {
     launched.ExpectLogsMatch();
     resident.ExpectLogsMatch();
   }
+}
+
+// The resident step's stamps on the device's clocks (bench_stream's device time an event): one for every answered
+// event, in the ring's order, the last ring-full of them where more were posted, and the stamping leaves the bits
+// alone.
+TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity resident("small", 4, 256);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
+  CudaStreamer& streamer = resident.streamer();
+  EXPECT_EQ(streamer.RecordResidentStamps(48).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(streamer.RecordResidentStamps(64).ok());
+  for (int i = 0; i < 40; ++i) resident.Tick({i % 4}, 700 + i);
+  ASSERT_TRUE(streamer.resident_running());
+  absl::StatusOr<std::vector<kernels::StreamResidentStamp>> stamps = streamer.TakeResidentStamps();
+  ASSERT_TRUE(stamps.ok()) << stamps.status();
+  ASSERT_EQ(stamps->size(), 40u);
+  EXPECT_EQ(stamps->front().event, 0u);
+  absl::StatusOr<ResidentDeviceTimes> times = SummarizeResidentStamps(*stamps, 4);
+  ASSERT_TRUE(times.ok()) << times.status();
+  EXPECT_EQ(times->events, 36);
+  EXPECT_GT(times->busy_median_us, 0.5);
+  EXPECT_LT(times->busy_median_us, 1000.0);
+  EXPECT_NEAR(times->busy_timer_median_us, times->busy_median_us, 0.25 * times->busy_median_us + 1.0)
+      << "the cycle counter at " << times->cycles_per_ns << " GHz against the global timer";
+  // 100 more events (the stop after the first 40 took number 40): the ring of 64 keeps the last 64.
+  for (int i = 0; i < 100; ++i) resident.Tick({i % 4}, 800 + i);
+  stamps = streamer.TakeResidentStamps();
+  ASSERT_TRUE(stamps.ok()) << stamps.status();
+  ASSERT_EQ(stamps->size(), 64u);
+  EXPECT_EQ(stamps->front().event, 41u + 36u);
+  EXPECT_EQ(stamps->back().event, 140u);
+  EXPECT_TRUE(SummarizeResidentStamps(*stamps, 0).ok());
+  ASSERT_TRUE(streamer.RecordResidentStamps(0).ok());
+  EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
+  resident.ExpectLogsMatch();
+}
+
+// The summary of stamps (no device needed): 8 µs an event and 10 between answers at 2 GHz, converted by the rate over
+// the run's timer-stamped events; stamps that skip an event, carry one timer stamp or whose clocks disagree are
+// refused.
+TEST(StreamResidentTest, StampsSummarizeToTheDeviceTimeAnEvent) {
+  std::vector<kernels::StreamResidentStamp> stamps;
+  for (uint64_t k = 0; k < 50; ++k) {
+    const uint64_t seen_ns = 1'000'000 + 10'000 * k + (k % 3);  // (the timer a little off the clock)
+    const bool timed = (k + 7) % kernels::kStreamResidentTimerEvery == 0;
+    stamps.push_back({k + 7, 2 * seen_ns, timed ? seen_ns : 0, 2 * seen_ns + 16'000, timed ? seen_ns + 8'000 : 0});
+  }
+  stamps[3].done_cycles += 100'000;  // a slow event among the skipped ones
+  absl::StatusOr<ResidentDeviceTimes> times = SummarizeResidentStamps(stamps, 5);
+  ASSERT_TRUE(times.ok()) << times.status();
+  EXPECT_EQ(times->events, 45);
+  EXPECT_NEAR(times->cycles_per_ns, 2.0, 1e-9);
+  EXPECT_NEAR(times->busy_median_us, 8.0, 1e-9);
+  EXPECT_NEAR(times->busy_p99_us, 8.0, 1e-9);
+  EXPECT_NEAR(times->busy_timer_median_us, 8.0, 1e-9);
+  EXPECT_NEAR(times->period_median_us, 10.0, 0.002);
+  std::vector<kernels::StreamResidentStamp> gap = stamps;
+  gap.erase(gap.begin() + 20);
+  EXPECT_EQ(SummarizeResidentStamps(gap, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<kernels::StreamResidentStamp> two_clocks = stamps;
+  for (auto& s : two_clocks) {  // a timer ten times the clock's rate
+    s.seen_ns *= 10;
+    s.done_ns *= 10;
+  }
+  EXPECT_EQ(SummarizeResidentStamps(two_clocks, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(SummarizeResidentStamps(stamps, 48).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(SummarizeResidentStamps(stamps, 30).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "one timer stamp (event 48) gives no rate";
 }
 
 // A resident step that no event reaches leaves by itself (here after 50 ms), its first copies landed.
