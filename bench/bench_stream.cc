@@ -199,13 +199,29 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 // to back (Step after Step, then one Synchronize; µs per event), and the round trip of the first lone event after a
 // stop (what the daemon's idle release costs the next event: a launch and the weights' load; `iterations` of them).
 // With --resident_stamps, also the device's own time an event (the kernel's stamps, ResidentDeviceTimes) of the lone
-// and the back-to-back events.
+// and the back-to-back events, or why a phase has none (too few events to carry two timer stamps).
 struct ResidentResult {
   std::string config;
   double round_trip_us = 0, back_to_back_us = 0;  // host clock
-  std::optional<ResidentDeviceTimes> lone_device, piped_device;
+  absl::StatusOr<ResidentDeviceTimes> lone_device, back_to_back_device;
   int64_t allocations = 0;  // made meanwhile
 };
+// One phase's device-clock line: an event from its ring entry found whole to just before its answer's store (and,
+// back to back, from one answer to the next), or why there is none.
+void PrintDeviceTimes(const std::string& name, const char* phase, const absl::StatusOr<ResidentDeviceTimes>& t,
+                      bool back_to_back) {
+  if (!t.ok()) {
+    std::printf("%-6s resident, device clock, %s: none (%s)\n", name.c_str(), phase,
+                std::string(t.status().message()).c_str());
+    return;
+  }
+  std::printf("%-6s resident, device clock, %s: an event %8.2f us (p99 %8.2f; by the global timer %8.2f) over %d "
+              "events",
+              name.c_str(), phase, t->busy_median_us, t->busy_p99_us, t->busy_timer_median_us, t->events);
+  if (back_to_back) std::printf("; answer to answer %8.2f us", t->period_median_us);
+  std::printf("; clock %.3f GHz\n", t->cycles_per_ns);
+}
+
 absl::StatusOr<std::optional<ResidentResult>> BenchResident(const std::string& name, int iterations) {
   ASSIGN_OR_RETURN(const ModelConfig config, BenchModelConfig(name));
   const ParamLayout layout(config);
@@ -255,23 +271,24 @@ absl::StatusOr<std::optional<ResidentResult>> BenchResident(const std::string& n
   };
   // The device's own time for the resident events (stamped by the kernel): a ring that holds a whole phase.
   constexpr size_t kWarmupEvents = 20;
-  const bool stamps = absl::GetFlag(FLAGS_resident_stamps);
-  if (stamps) {
+  const bool record_stamps = absl::GetFlag(FLAGS_resident_stamps);
+  if (record_stamps) {
     RETURN_IF_ERROR(
         streamer->RecordResidentStamps(std::bit_ceil(static_cast<uint32_t>(50 * iterations + kWarmupEvents))));
   }
-  auto device_times = [&]() -> absl::StatusOr<std::optional<ResidentDeviceTimes>> {
-    if (!stamps) return std::nullopt;
+  // A phase's summary, or why it has none; only a failure to take the stamps fails the bench.
+  auto device_times = [&]() -> absl::StatusOr<absl::StatusOr<ResidentDeviceTimes>> {
+    if (!record_stamps) return absl::StatusOr<ResidentDeviceTimes>(absl::UnavailableError("--resident_stamps=false"));
     ASSIGN_OR_RETURN(const std::vector<kernels::StreamResidentStamp> taken, streamer->TakeResidentStamps());
     return SummarizeResidentStamps(taken, kWarmupEvents);
   };
   const int64_t allocations_before = CudaAllocationCount();
   ASSIGN_OR_RETURN(const std::vector<double> launched, round_trips(false));
   ASSIGN_OR_RETURN(const std::vector<double> resident, round_trips(true));
-  ASSIGN_OR_RETURN(const std::optional<ResidentDeviceTimes> lone_device, device_times());
+  ASSIGN_OR_RETURN(const absl::StatusOr<ResidentDeviceTimes> lone_device, device_times());
   ASSIGN_OR_RETURN(const double launched_per_event, back_to_back(false));
   ASSIGN_OR_RETURN(const double resident_per_event, back_to_back(true));
-  ASSIGN_OR_RETURN(const std::optional<ResidentDeviceTimes> piped_device, device_times());
+  ASSIGN_OR_RETURN(const absl::StatusOr<ResidentDeviceTimes> back_to_back_device, device_times());
   std::vector<double> restarts;
   for (int i = 0; i < iterations + 5; ++i) {
     RETURN_IF_ERROR(streamer->StopResident());
@@ -291,26 +308,22 @@ absl::StatusOr<std::optional<ResidentResult>> BenchResident(const std::string& n
               Percentile(launched, 0.5), Percentile(launched, 0.1), Percentile(launched, 0.99), resident_per_event,
               launched_per_event, 50 * iterations, Percentile(restarts, 0.5), Percentile(restarts, 0.99),
               static_cast<long long>(allocations));
-  // Device clocks (the kernel's stamps): an event from its ring entry found whole to its answer stored, and from one
-  // answer to the next back to back.
-  if (stamps) {
-    std::printf("%-6s resident, device clock: an event %8.2f us (p99 %8.2f; by the global timer %8.2f) over %d lone "
-                "events; back to back %8.2f us (p99 %8.2f; global timer %8.2f), %8.2f us answer to answer, over %d; "
-                "clock %.3f GHz\n",
-                name.c_str(), lone_device->busy_median_us, lone_device->busy_p99_us,
-                lone_device->busy_timer_median_us, lone_device->events, piped_device->busy_median_us,
-                piped_device->busy_p99_us, piped_device->busy_timer_median_us, piped_device->period_median_us,
-                piped_device->events, piped_device->cycles_per_ns);
+  if (record_stamps) {
+    PrintDeviceTimes(name, "lone events", lone_device, /*back_to_back=*/false);
+    PrintDeviceTimes(name, "back to back", back_to_back_device, /*back_to_back=*/true);
   }
   std::fflush(stdout);
-  return ResidentResult{name, Percentile(resident, 0.5), resident_per_event, lone_device, piped_device, allocations};
+  return ResidentResult{name, Percentile(resident, 0.5), resident_per_event, lone_device, back_to_back_device,
+                        allocations};
 }
 
-std::string DeviceTimesJson(const std::optional<ResidentDeviceTimes>& t) {
-  if (!t.has_value()) return "null";
+// Only back to back is one answer to the next a device time (between lone events it is the host's round trip).
+std::string DeviceTimesJson(const absl::StatusOr<ResidentDeviceTimes>& t, bool back_to_back) {
+  if (!t.ok()) return "null";
   return absl::StrCat("{\"events\":", t->events, ",\"median_us\":", t->busy_median_us, ",\"p99_us\":", t->busy_p99_us,
-                      ",\"timer_median_us\":", t->busy_timer_median_us, ",\"answer_to_answer_median_us\":",
-                      t->period_median_us, ",\"cycles_per_ns\":", t->cycles_per_ns, "}");
+                      ",\"timer_median_us\":", t->busy_timer_median_us,
+                      back_to_back ? absl::StrCat(",\"answer_to_answer_median_us\":", t->period_median_us) : "",
+                      ",\"cycles_per_ns\":", t->cycles_per_ns, "}");
 }
 
 std::string ToJson(const std::vector<Row>& rows, const std::vector<ResidentResult>& resident,
@@ -330,8 +343,8 @@ std::string ToJson(const std::vector<Row>& rows, const std::vector<ResidentResul
   for (const ResidentResult& r : resident) {
     resident_items.push_back(absl::StrCat("{\"config\":\"", r.config, "\",\"round_trip_median_us\":", r.round_trip_us,
                                           ",\"back_to_back_host_mean_us\":", r.back_to_back_us,
-                                          ",\"lone_device\":", DeviceTimesJson(r.lone_device),
-                                          ",\"back_to_back_device\":", DeviceTimesJson(r.piped_device),
+                                          ",\"lone_device\":", DeviceTimesJson(r.lone_device, false),
+                                          ",\"back_to_back_device\":", DeviceTimesJson(r.back_to_back_device, true),
                                           ",\"allocations\":", r.allocations, "}"));
   }
   return absl::StrCat("{\"device\":\"", device, "\",\"rows\":[", absl::StrJoin(items, ","), "],\"resident\":[",

@@ -14,9 +14,9 @@ namespace perception {
 struct ResidentDeviceTimes {
   int events = 0;              // the stamped events summarized (after the skipped ones)
   double cycles_per_ns = 0;    // the multiprocessor's clock over the run: its cycles against the global timer's ns
-  double busy_median_us = 0;   // an event's ring entry found whole → its answer stored, by the cycle counter
+  double busy_median_us = 0;   // ring entry found whole → just before the answer's store, by the cycle counter
   double busy_p99_us = 0;
-  double busy_timer_median_us = 0;  // the same by the global timer (a cross-check of the clock conversion)
+  double busy_timer_median_us = 0;  // the same by the global timer, of the events it stamped (a cross-check)
   double period_median_us = 0;  // one answer → the next (the device's time an event back to back, its poll included)
 };
 
@@ -31,12 +31,15 @@ inline absl::StatusOr<ResidentDeviceTimes> SummarizeResidentStamps(
     return absl::FailedPreconditionError(
         absl::StrCat("resident stamps: ", stamps.size(), " events stamped, need more than ", skip + 1));
   }
-  for (size_t i = skip + 1; i < stamps.size(); ++i) {
-    const kernels::StreamResidentStamp &before = stamps[i - 1], &s = stamps[i];
-    if (s.event != before.event + 1 || s.seen_cycles < before.done_cycles || s.done_cycles < s.seen_cycles ||
-        s.done_ns < s.seen_ns) {  // (the timer's stamps are both 0 or both set)
-      return absl::FailedPreconditionError(absl::StrCat("resident stamps: event ", s.event, " does not follow event ",
-                                                        before.event, " in one launch's order"));
+  for (size_t i = skip; i < stamps.size(); ++i) {
+    const kernels::StreamResidentStamp& s = stamps[i];
+    const bool in_order = s.done_cycles >= s.seen_cycles && s.done_ns >= s.seen_ns;  // (timer stamps: both or none)
+    const bool follows =
+        i == skip || (s.event == stamps[i - 1].event + 1 && s.seen_cycles >= stamps[i - 1].done_cycles);
+    if (!in_order || !follows) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("resident stamps: event ", s.event, " is not stamped in one launch's order after event ",
+                       i > 0 ? stamps[i - 1].event : s.event));
     }
   }
   std::vector<size_t> timed;  // the events with timer stamps

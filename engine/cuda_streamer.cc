@@ -698,8 +698,13 @@ absl::StatusOr<std::vector<kernels::StreamResidentStamp>> CudaStreamer::TakeResi
       cudaMemcpyAsync(stamps.data(), resident_.stamp_memory.get(), bytes, cudaMemcpyDeviceToHost, stream_));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(resident_.stamp_memory.get(), 0, bytes, stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  std::erase_if(stamps, [](const kernels::StreamResidentStamp& s) { return s.done_cycles == 0; });
-  std::ranges::sort(stamps, {}, &kernels::StreamResidentStamp::event);
+  // Events are numbered modulo 2³² up to the stop just posted: an answered event's distance back from it orders the
+  // stamps, and one farther back than the ring is a slot's leftover that no later event overwrote (a stop's slot).
+  auto back = [&](const kernels::StreamResidentStamp& s) { return resident_.posted - static_cast<uint32_t>(s.event); };
+  std::erase_if(stamps, [&](const kernels::StreamResidentStamp& s) {
+    return s.done_cycles == 0 || back(s) > resident_.stamp_slots;
+  });
+  std::ranges::sort(stamps, std::greater<>(), back);
   return stamps;
 }
 

@@ -127,7 +127,7 @@ class CudaStreamer {
   // Benchmarks: from its next launch (a running one is stopped first), the resident step stamps each event on the
   // device's clocks (kernels::StreamResidentStamp) into a ring of `slots` (a power of two, allocated here; 0 stops the
   // stamping). TakeResidentStamps stops the resident step, waits until it has left and returns the events it answered
-  // since the last take, in order, clearing the ring.
+  // since the last take (the last `slots` events posted at most, stops included), oldest first, clearing the ring.
   absl::Status RecordResidentStamps(uint32_t slots);
   absl::StatusOr<std::vector<kernels::StreamResidentStamp>> TakeResidentStamps();
   // The launch shape Step chooses for a tick of n events.

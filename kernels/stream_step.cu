@@ -847,7 +847,8 @@ __device__ __forceinline__ void ReadResidentWords(const StreamResidentQueue& q, 
 // Rank 0's warp 0: waits until ring entry k holds event k (every word carries k + 1, so a word read before the host
 // wrote it is seen as stale), from the words read ahead (w0, w1) on, then stores its payload into every block's
 // mailbox, each store completing that block's mailbox barrier. Without an event for idle_ns (read every 256 polls), a
-// stop.
+// stop. kStamped: an event (not a stop) is stamped into `stamp` as seen.
+template <bool kStamped>
 __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, uint32_t k, uint64_t w0, uint64_t w1,
                                                 uint32_t* mail, uint64_t* mail_bar, int R,
                                                 StreamResidentStamp* stamp) {
@@ -868,22 +869,24 @@ __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, ui
       break;
     }
   }
-  const uint64_t seen_cycles = stamp != nullptr ? clock64() : 0;
+  const uint64_t seen_cycles = kStamped ? clock64() : 0;
   for (int r = 0; lane < kReaders && r < R; ++r) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
                      MapToRank(SharedAddress(mail + 2 * lane), r)),
                  "r"(payload[0]), "r"(payload[1]), "r"(MapToRank(SharedAddress(mail_bar), r))
                  : "memory");
   }
-  if (stamp != nullptr && lane == 0 && static_cast<int32_t>(payload[0]) >= 0) {  // (an event, not a stop)
+  if (kStamped && lane == 0 && static_cast<int32_t>(payload[0]) >= 0) {  // (an event, not a stop)
     *stamp = StreamResidentStamp{k, seen_cycles, TimerStamp(k), 0, 0};
   }
 }
 
 // The step of one tick (Source = StreamTickInput: a launched kernel) or, resident (Source = StreamResidentQueue: a
 // fixed plan's lone events), of every event the host posts until a stop: the same code, so the same bits.
-// kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread).
-template <int EG, int kShape, typename Source>
+// kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread). kStamped (resident only):
+// each event is stamped on the device's clocks into tick.stamps (a kernel of its own, so that the daemon's unstamped
+// step carries none of it).
+template <int EG, int kShape, typename Source, bool kStamped = false>
 __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* __restrict__ pack,
                                            const StreamSlots& st, const Source& tick) {
   constexpr bool kResident = std::is_same_v<Source, StreamResidentQueue>;
@@ -1099,21 +1102,21 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
   const int conv_stride = kSlotConv ? cd : p.conv_channels;  // between a channel's taps
   if constexpr (kResident) ClusterWait();  // (rank 0 stores into every block's mailbox from the first event on)
   uint64_t ahead[2] = {0, 0};  // (the resident step's rank 0, warp 0: the next event's words, read ahead)
-  // (The resident step's stamps: read from the parameters once, so that an event's reads only its clocks.)
   StreamResidentStamp* stamps = nullptr;
   uint32_t stamp_mask = 0;
   if constexpr (kResident) {
     if (rank == 0 && warp == 0) ReadResidentWords(tick, tick.first, ahead[0], ahead[1]);
-    stamps = tick.stamps;
-    stamp_mask = tick.stamp_slots - 1;
+    if constexpr (kStamped) {
+      stamps = tick.stamps;
+      stamp_mask = tick.stamp_slots - 1;
+    }
   }
   for (; kResident || group_index < groups; group_index += static_cast<int>(gridDim.x) / R, ++phase) {
     if constexpr (kResident) {
       // The next event, or a stop (slot −1), which every block receives alike.
       if (rank == 0 && warp == 0) {
         const uint32_t k = tick.first + phase;
-        FetchResidentEvent(tick, k, ahead[0], ahead[1], mail, mail_bar, R,
-                           stamps != nullptr ? stamps + (k & stamp_mask) : nullptr);
+        FetchResidentEvent<kStamped>(tick, k, ahead[0], ahead[1], mail, mail_bar, R, stamps + (k & stamp_mask));
       }
       if (tid == 0) MbarrierArriveExpect(SharedAddress(mail_bar), kResidentEventBytes);
       ExchangeWait(mail_bar, phase & 1);
@@ -1490,9 +1493,9 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
       ClusterWait();
       if (rank == 0 && tid == 0) {
         const uint32_t k = tick.first + phase;
-        const uint64_t done_cycles = stamps != nullptr ? clock64() : 0;
+        const uint64_t done_cycles = kStamped ? clock64() : 0;
         asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(k + 1) : "memory");
-        if (stamps != nullptr) {  // (after the answer, which it does not hold back)
+        if constexpr (kStamped) {  // (after the answer, which it does not hold back)
           stamps[k & stamp_mask].done_cycles = done_cycles;
           stamps[k & stamp_mask].done_ns = TimerStamp(k);
         }
@@ -1513,11 +1516,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 }
 
 // The resident step (CudaStreamer's path for lone events): one cluster, launched once, carries the events the host posts.
-template <int kShape>
+template <int kShape, bool kStamped>
 __global__ void __launch_bounds__(kStreamThreads, 1)
     StreamResidentKernel(const __grid_constant__ StreamPlan plan, const float* __restrict__ pack,
                          const __grid_constant__ StreamSlots st, const __grid_constant__ StreamResidentQueue queue) {
-  StreamStep<1, kShape>(plan, pack, st, queue);
+  StreamStep<1, kShape, StreamResidentQueue, kStamped>(plan, pack, st, queue);
 }
 
 // ---- The wide path: a tick of many events as a few grid-wide kernels ----
@@ -2302,13 +2305,14 @@ template <int... kShapes>
 constexpr std::array<StreamStepKernelPointer, kFixedShapes> FixedKernels(std::integer_sequence<int, kShapes...>) {
   return {StreamStepKernel<1, kShapes>...};
 }
-template <int... kShapes>
+template <bool kStamped, int... kShapes>
 constexpr std::array<StreamResidentKernelPointer, kFixedShapes> ResidentKernels(
     std::integer_sequence<int, kShapes...>) {
-  return {StreamResidentKernel<kShapes>...};
+  return {StreamResidentKernel<kShapes, kStamped>...};
 }
 constexpr auto kFixedKernels = FixedKernels(std::make_integer_sequence<int, kFixedShapes>());
-constexpr auto kResidentKernels = ResidentKernels(std::make_integer_sequence<int, kFixedShapes>());
+constexpr auto kResidentKernels = ResidentKernels<false>(std::make_integer_sequence<int, kFixedShapes>());
+constexpr auto kStampedResidentKernels = ResidentKernels<true>(std::make_integer_sequence<int, kFixedShapes>());
 
 // The kernel of a launch's plan and its shared memory: its fixed plan's own where it has one (and the device room for
 // the slot's conv inputs), else the one that reads the plan.
@@ -2540,10 +2544,12 @@ cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, cons
   }
   const StreamPlan plan = FixedPlan(shape);
   const size_t bytes = ResidentSharedBytes(plan);
-  if (const cudaError_t error = Prepare(kResidentKernels[shape], bytes); error != cudaSuccess) return error;
+  const StreamResidentKernelPointer kernel =
+      queue.stamps != nullptr ? kStampedResidentKernels[shape] : kResidentKernels[shape];
+  if (const cudaError_t error = Prepare(kernel, bytes); error != cudaSuccess) return error;
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = LaunchConfig(plan, bytes, 1, stream, &attribute);
-  return cudaLaunchKernelEx(&config, kResidentKernels[shape], plan, pack, slots, queue);
+  return cudaLaunchKernelEx(&config, kernel, plan, pack, slots, queue);
 }
 
 namespace {

@@ -145,11 +145,12 @@ constexpr int kStreamResidentWords = 56;  // an event: slot, Δt, logged, log en
 struct StreamResidentEntry {
   uint64_t words[kStreamResidentWords];
 };
-// One event through the resident step on the device's own clocks, read by rank 0's thread 0: when the kernel found
-// its ring entry whole (`seen`) and when it had stored its answer (`done`), as the multiprocessor's cycle counter
-// (clock64) and, for every kStreamResidentTimerEvery-th event (0 for the others), the global nanosecond timer, which
-// converts the cycles to time. A launched tick's device time is timed by CUDA events around its launch; the resident
-// step has no launch per event, and these are its counterpart (bench_stream --resident).
+// One event through the resident step on the device's own clocks, read by rank 0's thread 0: the multiprocessor's
+// cycle counter (clock64) when the kernel found the event's ring entry whole (`seen`) and just before it stored its
+// answer (`done`); for every kStreamResidentTimerEvery-th event (0 for the others) also the global nanosecond timer,
+// read just after each (after the mailbox's stores and the answer's), which converts the cycles to time. A launched
+// tick's device time is timed by CUDA events around its launch; the resident step has no launch per event, and these
+// are its counterpart (bench_stream --resident).
 struct StreamResidentStamp {
   uint64_t event;  // the event's index (events are numbered over the ring)
   uint64_t seen_cycles, seen_ns;

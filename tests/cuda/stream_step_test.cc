@@ -585,14 +585,24 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
   EXPECT_LT(times->busy_median_us, 1000.0);
   EXPECT_NEAR(times->busy_timer_median_us, times->busy_median_us, 0.25 * times->busy_median_us + 1.0)
       << "the cycle counter at " << times->cycles_per_ns << " GHz against the global timer";
-  // 100 more events (the stop after the first 40 took number 40): the ring of 64 keeps the last 64.
-  for (int i = 0; i < 100; ++i) resident.Tick({i % 4}, 800 + i);
+  // 10 more events (the stop after the first 40 took number 40): only they, not what the ring held before.
+  for (int i = 0; i < 10; ++i) resident.Tick({i % 4}, 800 + i);
   stamps = streamer.TakeResidentStamps();
   ASSERT_TRUE(stamps.ok()) << stamps.status();
-  ASSERT_EQ(stamps->size(), 64u);
-  EXPECT_EQ(stamps->front().event, 41u + 36u);
-  EXPECT_EQ(stamps->back().event, 140u);
-  EXPECT_TRUE(SummarizeResidentStamps(*stamps, 0).ok());
+  ASSERT_EQ(stamps->size(), 10u);
+  EXPECT_EQ(stamps->front().event, 41u);
+  EXPECT_EQ(stamps->back().event, 50u);
+  // 100 more (51 was the stop), then a stop (152) and 30 (153–182): the ring of 64 keeps the last 64 posted, which
+  // leaves out the stops' slots, including the leftover of event 88 that no later event overwrote.
+  for (int i = 0; i < 100; ++i) resident.Tick({i % 4}, 900 + i);
+  ASSERT_TRUE(streamer.StopResident().ok());
+  for (int i = 0; i < 30; ++i) resident.Tick({i % 4}, 1000 + i);
+  stamps = streamer.TakeResidentStamps();
+  ASSERT_TRUE(stamps.ok()) << stamps.status();
+  ASSERT_EQ(stamps->size(), 62u);
+  EXPECT_EQ(stamps->front().event, 120u);
+  EXPECT_EQ(stamps->back().event, 182u);
+  EXPECT_TRUE(SummarizeResidentStamps(std::vector(stamps->end() - 30, stamps->end()), 0).ok());
   ASSERT_TRUE(streamer.RecordResidentStamps(0).ok());
   EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
   resident.ExpectLogsMatch();
@@ -620,6 +630,9 @@ TEST(StreamResidentTest, StampsSummarizeToTheDeviceTimeAnEvent) {
   std::vector<kernels::StreamResidentStamp> gap = stamps;
   gap.erase(gap.begin() + 20);
   EXPECT_EQ(SummarizeResidentStamps(gap, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<kernels::StreamResidentStamp> answered_before_seen = stamps;
+  answered_before_seen[5].done_cycles = answered_before_seen[5].seen_cycles - 1;
+  EXPECT_EQ(SummarizeResidentStamps(answered_before_seen, 5).status().code(), absl::StatusCode::kFailedPrecondition);
   std::vector<kernels::StreamResidentStamp> two_clocks = stamps;
   for (auto& s : two_clocks) {  // a timer ten times the clock's rate
     s.seen_ns *= 10;
