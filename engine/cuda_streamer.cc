@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -674,7 +675,7 @@ absl::Status CudaStreamer::FaultResident() {
 }
 
 absl::Status CudaStreamer::RecordResidentStamps(uint32_t slots) {
-  if ((slots & (slots - 1)) != 0) {
+  if (slots != 0 && !std::has_single_bit(slots)) {
     return absl::InvalidArgumentError(absl::StrCat("resident stamps: ", slots, " slots is not a power of two"));
   }
   RETURN_IF_ERROR(Quiesce());

@@ -2537,9 +2537,9 @@ bool StreamResidentFits(const StreamWeights& w, size_t max_shared_bytes) {
 cudaError_t LaunchStreamResident(const StreamWeights& w, const float* pack, const StreamSlots& slots,
                                  const StreamResidentQueue& queue, size_t max_shared_bytes, cudaStream_t stream) {
   const int shape = ResidentShape(w, max_shared_bytes);
-  auto power_of_two = [](int64_t n) { return n > 0 && (n & (n - 1)) == 0; };
-  if (shape < 0 || queue.ring == nullptr || !power_of_two(queue.ring_size) || queue.done == nullptr ||
-      (queue.stamps != nullptr && !power_of_two(queue.stamp_slots))) {
+  if (shape < 0 || queue.ring == nullptr || queue.ring_size < 1 ||
+      !std::has_single_bit(static_cast<uint32_t>(queue.ring_size)) || queue.done == nullptr ||
+      (queue.stamps != nullptr && !std::has_single_bit(queue.stamp_slots))) {
     return cudaErrorInvalidValue;
   }
   const StreamPlan plan = FixedPlan(shape);

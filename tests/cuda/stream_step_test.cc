@@ -561,6 +561,17 @@ TEST(StreamResidentTest, LobsterLevelsEventsGiveTheLaunchedTicksBits) {
   }
 }
 
+// Takes the resident step's stamps into `stamps`: `count` of them, from event `first` to event `last`.
+void TakeStamps(CudaStreamer& streamer, std::vector<kernels::StreamResidentStamp>& stamps, size_t count,
+                uint64_t first, uint64_t last) {
+  absl::StatusOr<std::vector<kernels::StreamResidentStamp>> taken = streamer.TakeResidentStamps();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  stamps = *std::move(taken);
+  ASSERT_EQ(stamps.size(), count);
+  EXPECT_EQ(stamps.front().event, first);
+  EXPECT_EQ(stamps.back().event, last);
+}
+
 // The resident step's stamps on the device's clocks (bench_stream's device time an event): one for every answered
 // event, in the ring's order, the last ring-full of them where more were posted, and the stamping leaves the bits
 // alone.
@@ -574,11 +585,9 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
   ASSERT_TRUE(streamer.RecordResidentStamps(64).ok());
   for (int i = 0; i < 40; ++i) resident.Tick({i % 4}, 700 + i);
   ASSERT_TRUE(streamer.resident_running());
-  absl::StatusOr<std::vector<kernels::StreamResidentStamp>> stamps = streamer.TakeResidentStamps();
-  ASSERT_TRUE(stamps.ok()) << stamps.status();
-  ASSERT_EQ(stamps->size(), 40u);
-  EXPECT_EQ(stamps->front().event, 0u);
-  absl::StatusOr<ResidentDeviceTimes> times = SummarizeResidentStamps(*stamps, 4);
+  std::vector<kernels::StreamResidentStamp> stamps;
+  ASSERT_NO_FATAL_FAILURE(TakeStamps(streamer, stamps, 40, 0, 39));
+  absl::StatusOr<ResidentDeviceTimes> times = SummarizeResidentStamps(stamps, 4);
   ASSERT_TRUE(times.ok()) << times.status();
   EXPECT_EQ(times->events, 36);
   EXPECT_GT(times->busy_median_us, 0.5);
@@ -587,22 +596,14 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
       << "the cycle counter at " << times->cycles_per_ns << " GHz against the global timer";
   // 10 more events (the stop after the first 40 took number 40): only they, not what the ring held before.
   for (int i = 0; i < 10; ++i) resident.Tick({i % 4}, 800 + i);
-  stamps = streamer.TakeResidentStamps();
-  ASSERT_TRUE(stamps.ok()) << stamps.status();
-  ASSERT_EQ(stamps->size(), 10u);
-  EXPECT_EQ(stamps->front().event, 41u);
-  EXPECT_EQ(stamps->back().event, 50u);
+  ASSERT_NO_FATAL_FAILURE(TakeStamps(streamer, stamps, 10, 41, 50));
   // 100 more (51 was the stop), then a stop (152) and 30 (153–182): the ring of 64 keeps the last 64 posted, which
   // leaves out the stops' slots, including the leftover of event 88 that no later event overwrote.
   for (int i = 0; i < 100; ++i) resident.Tick({i % 4}, 900 + i);
   ASSERT_TRUE(streamer.StopResident().ok());
   for (int i = 0; i < 30; ++i) resident.Tick({i % 4}, 1000 + i);
-  stamps = streamer.TakeResidentStamps();
-  ASSERT_TRUE(stamps.ok()) << stamps.status();
-  ASSERT_EQ(stamps->size(), 62u);
-  EXPECT_EQ(stamps->front().event, 120u);
-  EXPECT_EQ(stamps->back().event, 182u);
-  EXPECT_TRUE(SummarizeResidentStamps(std::vector(stamps->end() - 30, stamps->end()), 0).ok());
+  ASSERT_NO_FATAL_FAILURE(TakeStamps(streamer, stamps, 62, 120, 182));
+  EXPECT_TRUE(SummarizeResidentStamps(std::vector(stamps.end() - 30, stamps.end()), 0).ok());
   ASSERT_TRUE(streamer.RecordResidentStamps(0).ok());
   EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
   resident.ExpectLogsMatch();
