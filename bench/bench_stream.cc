@@ -38,9 +38,11 @@ ABSL_FLAG(bool, print_shapes, false, "print the median of every launch shape of 
 ABSL_FLAG(bool, resident, false,
           "also time the streamer's resident step (lone events, kernels/stream_step.h) of each config that has one: "
           "one instrument's events posted into mapped pinned memory, host-timed round trips and back-to-back events");
-ABSL_FLAG(bool, resident_stamps, true,
-          "with --resident: the kernel stamps each event on the device's clocks (StreamResidentStamp), for the device "
-          "time an event; false times the host-clock figures without the stamps' stores");
+ABSL_FLAG(int, time_ticks, perception::CudaStreamer::kTimedTickEvery,
+          "the streamer times its ticks on the device as the daemon's does (CudaStreamer::set_time_ticks): one "
+          "launched tick in this many between CUDA events (whose median the graph row also prints as its own events'), "
+          "and, with --resident, each lone event by the resident kernel's stamps on the device's clocks "
+          "(StreamResidentStamp), for its device time an event; 0 times nothing");
 ABSL_FLAG(int, queue_us, 3000,
           "hold the stream this long (a sleeping host function) before the timed ticks, so that the host queues them "
           "ahead and the events time the device alone; 0: ticks are timed as the host submits them");
@@ -52,6 +54,7 @@ struct Row {
   std::string config;
   int instruments = 0;
   double graph_median_us = 0, graph_p99_us = 0, eager_median_us = 0, best_shape_us = 0, host_step_us = 0;
+  double graph_own_median_us = 0;  // the streamer's own events around the graphed ticks it timed (0: none)
   StreamLaunchShape best_shape, default_shape;
   int64_t allocations = 0;
   int graph_queued_ahead = 0;  // graphed ticks queued when the stream's hold ended (TimeTicks)
@@ -128,6 +131,7 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
   // Launched ticks alone, timed between events on the stream: a resident step has no launch per tick to time that
   // way (BenchResident times it).
   streamer->set_use_resident(false);
+  streamer->set_time_ticks(absl::GetFlag(FLAGS_time_ticks));
   std::vector<Row> rows;
   Rng rng(7);
   for (int n : sizes) {
@@ -145,10 +149,17 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     // Every tick of the row counts (graphed, eager, lone and swept); Main fails the run on any.
     const int64_t allocations_before = CudaAllocationCount();
     streamer->set_use_graphs(true);
+    RETURN_IF_ERROR(streamer->CheckTicks(/*wait_for_ticks=*/true).status());  // (the times of earlier ticks dropped)
     ASSIGN_OR_RETURN(std::vector<double> graphed,
                      TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }, &row.graph_queued_ahead));
     row.graph_median_us = Percentile(graphed, 0.5);
     row.graph_p99_us = Percentile(graphed, 0.99);
+    ASSIGN_OR_RETURN(const TicksChecked own, streamer->CheckTicks(/*wait_for_ticks=*/true));
+    if (!own.device_seconds.empty()) {  // (the warmup's ticks among them: the same tick)
+      std::vector<double> own_us = own.device_seconds;
+      for (double& t : own_us) t *= 1e6;
+      row.graph_own_median_us = Percentile(own_us, 0.5);
+    }
     streamer->set_use_graphs(false);
     ASSIGN_OR_RETURN(std::vector<double> eager, TimeTicks(*streamer, iterations, [&] { return streamer->Step(tick); }));
     row.eager_median_us = Percentile(eager, 0.5);
@@ -183,9 +194,10 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
     }
     row.allocations = CudaAllocationCount() - allocations_before;
     rows.push_back(row);
-    std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f)  eager %9.2f us  lone tick wall %9.2f us  best eager %9.2f us "
-                "(%s; default %s)  allocations %lld  queued ahead %d of %d\n",
-                name.c_str(), n, row.graph_median_us, row.graph_p99_us, row.eager_median_us, row.host_step_us,
+    std::printf("%-6s %6d  graph %9.2f us (p99 %9.2f; own events %9.2f)  eager %9.2f us  lone tick wall %9.2f us  "
+                "best eager %9.2f us (%s; default %s)  allocations %lld  queued ahead %d of %d\n",
+                name.c_str(), n, row.graph_median_us, row.graph_p99_us, row.graph_own_median_us, row.eager_median_us,
+                row.host_step_us,
                 row.best_shape_us, ShapeName(row.best_shape).c_str(), ShapeName(row.default_shape).c_str(),
                 static_cast<long long>(row.allocations), row.graph_queued_ahead, iterations);
     std::fflush(stdout);
@@ -198,8 +210,8 @@ absl::StatusOr<std::vector<Row>> BenchConfig(const std::string& name, const std:
 // Synchronize, which waits for its answer; median and percentiles of `iterations`·10), `iterations`·50 events back
 // to back (Step after Step, then one Synchronize; µs per event), and the round trip of the first lone event after a
 // stop (what the daemon's idle release costs the next event: a launch and the weights' load; `iterations` of them).
-// With --resident_stamps, also the device's own time an event (the kernel's stamps, ResidentDeviceTimes) of the lone
-// and the back-to-back events, or why a phase has none (too few events to carry two timer stamps).
+// With --time_ticks, also the device's own time an event (the kernel's stamps, ResidentDeviceTimes) of the lone and
+// the back-to-back events, or why a phase has none (too few events past the warmup for a clock rate).
 struct ResidentResult {
   std::string config;
   double round_trip_us = 0, back_to_back_us = 0;  // host clock
@@ -271,14 +283,15 @@ absl::StatusOr<std::optional<ResidentResult>> BenchResident(const std::string& n
   };
   // The device's own time for the resident events (stamped by the kernel): a ring that holds a whole phase.
   constexpr size_t kWarmupEvents = 20;
-  const bool record_stamps = absl::GetFlag(FLAGS_resident_stamps);
+  const bool record_stamps = absl::GetFlag(FLAGS_time_ticks) > 0;
+  streamer->set_time_ticks(absl::GetFlag(FLAGS_time_ticks));
   if (record_stamps) {
     RETURN_IF_ERROR(
-        streamer->RecordResidentStamps(std::bit_ceil(static_cast<uint32_t>(50 * iterations + kWarmupEvents))));
+        streamer->SizeResidentStamps(std::bit_ceil(static_cast<uint32_t>(50 * iterations + kWarmupEvents))));
   }
   // A phase's summary, or why it has none; only a failure to take the stamps fails the bench.
   auto device_times = [&]() -> absl::StatusOr<absl::StatusOr<ResidentDeviceTimes>> {
-    if (!record_stamps) return absl::StatusOr<ResidentDeviceTimes>(absl::UnavailableError("--resident_stamps=false"));
+    if (!record_stamps) return absl::StatusOr<ResidentDeviceTimes>(absl::UnavailableError("--time_ticks=0"));
     ASSIGN_OR_RETURN(const std::vector<kernels::StreamResidentStamp> taken, streamer->TakeResidentStamps());
     return SummarizeResidentStamps(taken, kWarmupEvents);
   };
@@ -332,7 +345,8 @@ std::string ToJson(const std::vector<Row>& rows, const std::vector<ResidentResul
   for (const Row& r : rows) {
     items.push_back(absl::StrCat(
         "{\"config\":\"", r.config, "\",\"instruments\":", r.instruments, ",\"graph_median_us\":", r.graph_median_us,
-        ",\"graph_p99_us\":", r.graph_p99_us, ",\"eager_median_us\":", r.eager_median_us,
+        ",\"graph_p99_us\":", r.graph_p99_us, ",\"graph_own_median_us\":", r.graph_own_median_us,
+        ",\"eager_median_us\":", r.eager_median_us,
         ",\"lone_tick_wall_us\":", r.host_step_us, ",\"best_eager_us\":", r.best_shape_us,
         ",\"best_group\":", r.best_shape.events_per_group, ",\"best_cluster\":", r.best_shape.cluster_size,
         ",\"best_wide\":", r.best_shape.wide ? "true" : "false", ",\"default_group\":", r.default_shape.events_per_group,

@@ -16,15 +16,15 @@ struct ResidentDeviceTimes {
   double cycles_per_ns = 0;    // the multiprocessor's clock over the run: its cycles against the global timer's ns
   double busy_median_us = 0;   // ring entry found whole → just before the answer's store, by the cycle counter
   double busy_p99_us = 0;
-  double busy_timer_median_us = 0;  // the same by the global timer, of the events it stamped (a cross-check)
+  double busy_timer_median_us = 0;  // the same by the global timer (a cross-check)
   double period_median_us = 0;  // one answer → the next (the device's time an event back to back, its poll included)
 };
 
 // Summarizes `stamps` (TakeResidentStamps: one launch's events, in order) past the first `skip` (the launch's and the
 // weights' first loads). The cycle counter is the one multiprocessor's that stamped them all, which one launch keeps;
-// it is converted to µs at its rate against the global timer from the first timer-stamped event to the last, so the
-// timer's granularity does not enter a single event's figure. Fails where the stamps are not consecutive events, hold
-// fewer than two timer stamps, or give a rate that is not a clock's.
+// it is converted to µs at its rate against the global timer from the first event to the last, so the timer's
+// granularity does not enter a single event's figure. Fails where the stamps are not consecutive events in order on
+// both clocks, or give a rate that is not a clock's.
 inline absl::StatusOr<ResidentDeviceTimes> SummarizeResidentStamps(
     const std::vector<kernels::StreamResidentStamp>& stamps, size_t skip) {
   if (stamps.size() < skip + 2) {
@@ -33,7 +33,7 @@ inline absl::StatusOr<ResidentDeviceTimes> SummarizeResidentStamps(
   }
   for (size_t i = skip; i < stamps.size(); ++i) {
     const kernels::StreamResidentStamp& s = stamps[i];
-    const bool in_order = s.done_cycles >= s.seen_cycles && s.done_ns >= s.seen_ns;  // (timer stamps: both or none)
+    const bool in_order = s.done_cycles >= s.seen_cycles && s.done_ns >= s.seen_ns && s.seen_ns != 0;
     const bool follows =
         i == skip || (s.event == stamps[i - 1].event + 1 && s.seen_cycles >= stamps[i - 1].done_cycles);
     if (!in_order || !follows) {
@@ -42,15 +42,7 @@ inline absl::StatusOr<ResidentDeviceTimes> SummarizeResidentStamps(
                        i > 0 ? stamps[i - 1].event : s.event));
     }
   }
-  std::vector<size_t> timed;  // the events with timer stamps
-  for (size_t i = skip; i < stamps.size(); ++i) {
-    if (stamps[i].seen_ns != 0) timed.push_back(i);
-  }
-  if (timed.size() < 2) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("resident stamps: ", timed.size(), " of ", stamps.size() - skip, " events carry the timer"));
-  }
-  const kernels::StreamResidentStamp &first = stamps[timed.front()], &last = stamps[timed.back()];
+  const kernels::StreamResidentStamp &first = stamps[skip], &last = stamps.back();
   ResidentDeviceTimes t;
   t.events = static_cast<int>(stamps.size() - skip);
   t.cycles_per_ns = static_cast<double>(last.done_cycles - first.seen_cycles) /
@@ -63,7 +55,7 @@ inline absl::StatusOr<ResidentDeviceTimes> SummarizeResidentStamps(
   for (size_t i = skip; i < stamps.size(); ++i) {
     const kernels::StreamResidentStamp& s = stamps[i];
     busy.push_back(static_cast<double>(s.done_cycles - s.seen_cycles) / t.cycles_per_ns * 1e-3);
-    if (s.seen_ns != 0) busy_timer.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-3);
+    busy_timer.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-3);
     if (i > skip) period.push_back(static_cast<double>(s.done_cycles - stamps[i - 1].done_cycles) / t.cycles_per_ns * 1e-3);
   }
   t.busy_median_us = Median(busy);

@@ -68,6 +68,14 @@ struct TicksChecked {
   // The logged events whose logits came out not finite, the first of each slot since the slot was last reported, reset
   // or seeded; a tick still unfinished may be among them.
   std::vector<NonFiniteOutput> nonfinite;
+  // The device time in seconds of each launched tick found finished since the last call, in order: CUDA events
+  // recorded on the device's stream just before the tick's work and just after it (the CUDA backend). Lone events
+  // that the resident step took have no launch and are not among them; backends without a device report none.
+  std::vector<double> device_seconds;
+  // The device time in seconds of each lone event the resident step took (the CUDA backend), in order: its stamps on
+  // the device's global timer, from its ring entry found to just before its answer's store; reported once the run of
+  // the resident step that took it has stopped (an idle release, any other request), its last 1,024 events at most.
+  std::vector<double> resident_seconds;
 };
 
 // SeedSlot's answer where the window leads to a state that is not finite (FAILED_PRECONDITION).

@@ -72,10 +72,13 @@ CudaStreamer::~CudaStreamer() {
   if (published_ready_) cudaEventDestroy(published_ready_);
   if (published_copied_) cudaEventDestroy(published_copied_);
   if (resident_.left) cudaEventDestroy(resident_.left);
+  if (tick_started_) cudaEventDestroy(tick_started_);
   for (const QueuedTick& tick : unfinished_ticks_) {
     if (tick.finished) cudaEventDestroy(tick.finished);
+    if (tick.started) cudaEventDestroy(tick.started);
   }
   for (cudaEvent_t event : spare_tick_events_) cudaEventDestroy(event);
+  for (cudaEvent_t event : spare_timing_events_) cudaEventDestroy(event);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -156,6 +159,7 @@ absl::Status CudaStreamer::Initialize() {
   CUDA_RETURN_IF_ERROR(kernels::PrepareStreamStep(max_shared_bytes_));
   wide_fits_ = kernels::StreamWideFits(weights_, max_shared_bytes_);
   resident_fits_ = kernels::StreamResidentFits(weights_, max_shared_bytes_);
+  if (resident_fits_) RETURN_IF_ERROR(SizeResidentStamps(kResidentStamps));
   for (size_t gi = 0; gi < kStreamGroupSizes.size(); ++gi) {
     for (size_t ci = 0; ci < kStreamClusterSizes.size(); ++ci) {
       kernels::StreamShapeFit& fit = fits_[gi][ci];
@@ -547,8 +551,29 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
 }
 
 absl::Status CudaStreamer::Step(const StreamTick& tick) {
-  RETURN_IF_ERROR(StepQueued(tick));
+  if (const absl::Status queued = StepQueued(tick); !queued.ok()) {
+    if (tick_started_) spare_timing_events_.push_back(std::exchange(tick_started_, nullptr));
+    return queued;
+  }
   return NoteTickQueued();
+}
+
+absl::StatusOr<cudaEvent_t> CudaStreamer::SpareTickEvent(bool timing) {
+  std::vector<cudaEvent_t>& spare = timing ? spare_timing_events_ : spare_tick_events_;
+  cudaEvent_t event = nullptr;
+  if (spare.empty()) {
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  } else {
+    event = spare.back();
+    spare.pop_back();
+  }
+  return event;
+}
+
+absl::Status CudaStreamer::RecordTickStart() {
+  ASSIGN_OR_RETURN(tick_started_, SpareTickEvent(/*timing=*/true));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(tick_started_, stream_));
+  return absl::OkStatus();
 }
 
 absl::Status CudaStreamer::NoteTickQueued() {
@@ -560,14 +585,8 @@ absl::Status CudaStreamer::NoteTickQueued() {
     unfinished_ticks_.push_back({resident_.posted, nullptr});
     return absl::OkStatus();
   }
-  cudaEvent_t finished = nullptr;
-  if (spare_tick_events_.empty()) {
-    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&finished, cudaEventDisableTiming));
-  } else {
-    finished = spare_tick_events_.back();
-    spare_tick_events_.pop_back();
-  }
-  unfinished_ticks_.push_back({std::nullopt, finished});
+  ASSIGN_OR_RETURN(cudaEvent_t finished, SpareTickEvent(/*timing=*/tick_started_ != nullptr));
+  unfinished_ticks_.push_back({std::nullopt, finished, std::exchange(tick_started_, nullptr)});
   CUDA_RETURN_IF_ERROR(cudaEventRecord(finished, stream_));
   return absl::OkStatus();
 }
@@ -585,7 +604,14 @@ absl::Status CudaStreamer::ForgetFinishedTicks(bool all_finished) {
         CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(a streaming tick's end)");
       }
     }
-    if (tick.finished) spare_tick_events_.push_back(tick.finished);
+    if (tick.started) {
+      float ms = 0;
+      const cudaError_t timed = cudaEventElapsedTime(&ms, tick.started, tick.finished);
+      if (timed != cudaErrorNotReady) CUDA_RETURN_IF_ERROR_OF(timed, "cudaEventElapsedTime(a streaming tick)");
+      if (timed == cudaSuccess && tick_seconds_.size() < kTickTimesKept) tick_seconds_.push_back(ms * 1e-3);
+      spare_timing_events_.push_back(tick.started);
+    }
+    if (tick.finished) (tick.started ? spare_timing_events_ : spare_tick_events_).push_back(tick.finished);
     unfinished_ticks_.pop_front();
   }
   return absl::OkStatus();
@@ -597,6 +623,7 @@ absl::Status CudaStreamer::StepQueued(const StreamTick& tick) {
   if (n == 0) return absl::OkStatus();
   if (n == 1 && use_graphs_ && use_resident_ && resident_fits_) return PostResident(tick);
   RETURN_IF_ERROR(StopResident());
+  if (time_ticks_every_ > 0 && ticks_to_time_++ % time_ticks_every_ == 0) RETURN_IF_ERROR(RecordTickStart());
   if (!use_graphs_) return StepEagerly(tick, ShapeFor(n));
   const int bucket = BucketFor(n);
   if (Inline(bucket)) {
@@ -636,15 +663,18 @@ absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
   if (!resident_.running) {
     // The cluster never leaves by itself (one that did could not tell the host which posted event it had not read):
     // the host stops it, also when the feed has gone quiet (StopResident).
+    RETURN_IF_ERROR(ReadStoppedRun(/*wait=*/true));  // (before this run may overwrite its stamps)
     const kernels::StreamResidentQueue queue{
         resident_.ring,
         kResidentRing,
         resident_.done,
         std::numeric_limits<uint64_t>::max(),
         resident_.posted,
-        resident_.stamp_slots > 0 ? static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get()) : nullptr,
+        time_ticks_every_ > 0 ? static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get()) : nullptr,
         resident_.stamp_slots};
     CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));
+    resident_.run_first = resident_.posted;
+    resident_.run_stamped = time_ticks_every_ > 0;
     resident_.running = true;
     resident_.since_yield = true;
   }
@@ -659,7 +689,30 @@ absl::Status CudaStreamer::StopResident() {
   RETURN_IF_ERROR(WaitForRingEntry());
   kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, resident_.posted++, -1, 0.f, false, 0, nullptr, 0);
   resident_.running = false;
+  if (resident_.run_stamped) resident_.unread_run.emplace(resident_.run_first, resident_.posted - 1);
   CUDA_RETURN_IF_ERROR(cudaEventRecord(resident_.left, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStreamer::ReadStoppedRun(bool wait) {
+  if (!resident_.unread_run.has_value()) return absl::OkStatus();
+  if (wait) {
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resident_.left));
+  } else {
+    const cudaError_t state = cudaEventQuery(resident_.left);
+    if (state == cudaErrorNotReady) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(the resident step's exit)");
+  }
+  // The run has left: its stamps are in the ring, whole. Events are numbered modulo 2³²; the ring keeps the last
+  // stamp_slots of them.
+  auto [first, end] = *std::exchange(resident_.unread_run, std::nullopt);
+  if (end - first > resident_.stamp_slots) first = end - resident_.stamp_slots;
+  const auto* stamps = static_cast<const kernels::StreamResidentStamp*>(resident_.stamp_memory.get());
+  for (uint32_t k = first; k != end && resident_seconds_.size() < kTickTimesKept; ++k) {
+    const kernels::StreamResidentStamp& s = stamps[k & (resident_.stamp_slots - 1)];
+    if (static_cast<uint32_t>(s.event) != k || s.done_cycles == 0 || s.done_ns < s.seen_ns) continue;
+    resident_seconds_.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-9);
+  }
   return absl::OkStatus();
 }
 
@@ -674,31 +727,27 @@ absl::Status CudaStreamer::FaultResident() {
   return absl::InternalError("the resident streaming step answered its trap entry");
 }
 
-absl::Status CudaStreamer::RecordResidentStamps(uint32_t slots) {
-  if (slots != 0 && !std::has_single_bit(slots)) {
+absl::Status CudaStreamer::SizeResidentStamps(uint32_t slots) {
+  if (!std::has_single_bit(slots)) {
     return absl::InvalidArgumentError(absl::StrCat("resident stamps: ", slots, " slots is not a power of two"));
   }
   RETURN_IF_ERROR(Quiesce());
   resident_.stamp_slots = 0;
   resident_.stamp_memory = CudaAllocation();
-  if (slots == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(resident_.stamp_memory,
-                   AllocateCuda(MemoryKind::kDevice, slots * sizeof(kernels::StreamResidentStamp)));
+                   AllocateCuda(MemoryKind::kPinnedHost, slots * sizeof(kernels::StreamResidentStamp)));
   resident_.stamp_slots = slots;
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<kernels::StreamResidentStamp>> CudaStreamer::TakeResidentStamps() {
-  if (resident_.stamp_slots == 0) {
-    return absl::FailedPreconditionError("the resident step records no stamps (RecordResidentStamps)");
+  if (time_ticks_every_ == 0 || resident_.stamp_slots == 0) {
+    return absl::FailedPreconditionError("the resident step stamps no events (set_time_ticks(0), or none fits)");
   }
   RETURN_IF_ERROR(Quiesce());
-  std::vector<kernels::StreamResidentStamp> stamps(resident_.stamp_slots);
-  const size_t bytes = stamps.size() * sizeof(kernels::StreamResidentStamp);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(stamps.data(), resident_.stamp_memory.get(), bytes, cudaMemcpyDeviceToHost, stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(resident_.stamp_memory.get(), 0, bytes, stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  auto* ring = static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get());
+  std::vector<kernels::StreamResidentStamp> stamps(ring, ring + resident_.stamp_slots);
+  std::fill(ring, ring + resident_.stamp_slots, kernels::StreamResidentStamp{});
   // Events are numbered modulo 2³² up to the stop just posted: an answered event's distance back from it orders the
   // stamps, and one farther back than the ring is a slot's leftover that no later event overwrote (a stop's slot).
   auto back = [&](const kernels::StreamResidentStamp& s) { return resident_.posted - static_cast<uint32_t>(s.event); };
@@ -720,7 +769,7 @@ absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
 absl::Status CudaStreamer::Quiesce() {
   RETURN_IF_ERROR(StopResident());
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resident_.left));  // (a never-recorded event: at once)
-  return absl::OkStatus();
+  return ReadStoppedRun(/*wait=*/false);
 }
 
 absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
@@ -874,6 +923,7 @@ absl::StatusOr<TicksChecked> CudaStreamer::CheckTicks(bool wait_for_ticks) {
   // Which ticks finished is settled before the word is read: a non-finite output of a finished tick is in it (the
   // kernels write the word before their tick's end; the resident step fences it ahead of its answer).
   RETURN_IF_ERROR(ForgetFinishedTicks(wait_for_ticks));
+  RETURN_IF_ERROR(ReadStoppedRun(/*wait=*/false));
   if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) != 0) {
     // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
     std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);
@@ -890,6 +940,8 @@ absl::StatusOr<TicksChecked> CudaStreamer::CheckTicks(bool wait_for_ticks) {
     }
   }
   checked.unfinished = static_cast<int64_t>(unfinished_ticks_.size());
+  checked.device_seconds.swap(tick_seconds_);
+  checked.resident_seconds.swap(resident_seconds_);
   return checked;
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -87,11 +88,29 @@ class CudaStreamer {
   // kernels read in place, or, while ticks queue up, from a device copy made on a stream of its own beside the tick
   // ahead (StagedRead). Nothing waits for the device, except, rarely, for the staged tick two before this one,
   // whose pinned buffer is about to be reused. With graphs off, the same work is enqueued eagerly. An event recorded
-  // behind the tick (or, for a lone event, the resident step's answer) tells CheckTicks when it has finished.
+  // behind the tick (or, for a lone event, the resident step's answer) tells CheckTicks when it has finished; with
+  // set_time_ticks, one recorded just before its work times one tick in so many.
   absl::Status Step(const StreamTick& tick);
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
+  // How Step(tick) times its ticks on the device: one launched tick in `every` (0: none) between timing CUDA events on
+  // stream(), which CheckTicks reports as TicksChecked::device_seconds; and, where `every` > 0, each lone event the
+  // resident step takes by the stamps of its stamped kernel (kernels::StreamResidentStamp: the global timer from the
+  // event's ring entry found to its answer), which CheckTicks reports as TicksChecked::resident_seconds once that run
+  // of the resident step has stopped (its last kResidentStamps events at most). A timing event costs the stream about
+  // 1.3 µs more than the plain one behind an untimed tick (H200, bench/RESULTS.md, the fifty-first session), hence one
+  // tick in kTimedTickEvery by default; the stamps cost the resident step 0.01 µs an event. A running resident step
+  // keeps its kernel until it is stopped. The next launched tick is a timed one.
+  void set_time_ticks(int every) {
+    time_ticks_every_ = every;
+    ticks_to_time_ = 0;
+  }
+  static constexpr int kTimedTickEvery = 16;
+  // Device times kept for CheckTicks at most (a caller that never asks, a benchmark, keeps the first ones only).
+  static constexpr size_t kTickTimesKept = 4096;
+  // The resident step's stamp ring by default: the most events of one run that CheckTicks reports (40 KB).
+  static constexpr uint32_t kResidentStamps = 1024;
   // Where a staged tick's kernels read it: in place in pinned memory (a bus round trip in their first stage), or from
   // its copy in device memory, made on a copy stream beside the ticks queued ahead, so that the tick starts without
   // the bus. The copy pays only where a whole tick runs while it is made (bench/RESULTS.md, the twentieth session):
@@ -124,11 +143,11 @@ class CudaStreamer {
   // Tests only: makes the running resident step execute `trap` behind the events posted before (a fault inside the
   // running kernel) and returns the error its stream reports, which loses the device.
   absl::Status FaultResident();
-  // Benchmarks: from its next launch (a running one is stopped first), the resident step stamps each event on the
-  // device's clocks (kernels::StreamResidentStamp) into a ring of `slots` (a power of two, allocated here; 0 stops the
-  // stamping). TakeResidentStamps stops the resident step, waits until it has left and returns the events it answered
-  // since the last take (the last `slots` events posted at most, stops included), oldest first, clearing the ring.
-  absl::Status RecordResidentStamps(uint32_t slots);
+  // Benchmarks: the resident step's stamp ring (set_time_ticks) holds `slots` events (a power of two, allocated here;
+  // a running resident step is stopped first), instead of kResidentStamps. TakeResidentStamps stops the resident step,
+  // waits until it has left and returns the events it stamped since the last take (the last `slots` events posted at
+  // most, stops included), oldest first, clearing the ring.
+  absl::Status SizeResidentStamps(uint32_t slots);
   absl::StatusOr<std::vector<kernels::StreamResidentStamp>> TakeResidentStamps();
   // The launch shape Step chooses for a tick of n events.
   StreamLaunchShape ShapeFor(int n) const;
@@ -151,9 +170,9 @@ class CudaStreamer {
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
   absl::Status ReadSlotProbabilities(int slot, std::span<float> probs);
   // Backend::CheckTicks over the Step(tick) calls: which have finished (by the resident step's answer count, or an
-  // event recorded behind the tick; `wait_for_ticks` first waits for all), then the word the ticks set in mapped
-  // memory; only where it is set, it stops a running resident step, waits for every tick and copies the slots' first
-  // non-finite entries.
+  // event recorded behind the tick; `wait_for_ticks` first waits for all) and the device times of the timed ones, then
+  // the word the ticks set in mapped memory; only where it is set, it stops a running resident step, waits for every
+  // tick and copies the slots' first non-finite entries.
   absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks);
 
   // Waits for everything asked so far: a running resident step's answers (it keeps running), or stream().
@@ -240,10 +259,20 @@ class CudaStreamer {
   absl::Status EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape);
   // Step's work, before NoteTickQueued.
   absl::Status StepQueued(const StreamTick& tick);
+  // Records the event that times the tick Step is about to queue on stream_ (kept in tick_started_ until
+  // NoteTickQueued, or returned to the pool where the tick fails to queue).
+  absl::Status RecordTickStart();
   // Remembers how to tell when the tick Step just queued has finished.
   absl::Status NoteTickQueued();
-  // Forgets the queued ticks known finished, oldest first: all of them when `all_finished`.
+  // A spare event of the tick events' pool, or a new one: a timing event, or one without timing (lighter on the
+  // stream).
+  absl::StatusOr<cudaEvent_t> SpareTickEvent(bool timing);
+  // Forgets the queued ticks known finished, oldest first (all of them when `all_finished`), keeping the device time
+  // of the timed ones in tick_seconds_.
   absl::Status ForgetFinishedTicks(bool all_finished);
+  // Where a stamped run of the resident step was stopped and has left (`wait`: waits until it has), keeps its events'
+  // device times in resident_seconds_; the next run may then reuse the ring.
+  absl::Status ReadStoppedRun(bool wait);
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
@@ -291,14 +320,22 @@ class CudaStreamer {
   std::vector<int64_t> first_nonfinite_;  // CheckTicks' copy of state_.first_nonfinite
   int* seed_not_finite_ = nullptr;        // mapped: the seeded state's check (kernels::CheckStreamSlotFinite)
   // The Step(tick) calls not yet known finished, oldest first: a lone event posted to the resident step finishes with
-  // the answer count `answered`, any other tick with its event `finished` (reused from spare_tick_events_).
+  // the answer count `answered`, any other tick with its event `finished`, and a timed tick started with `started`
+  // (reused from spare_tick_events_, or spare_timing_events_ for both events of a timed tick).
   struct QueuedTick {
     std::optional<uint32_t> answered;
     cudaEvent_t finished = nullptr;
+    cudaEvent_t started = nullptr;
   };
   std::deque<QueuedTick> unfinished_ticks_;
   static constexpr size_t kTicksRemembered = 64;  // past this many, Step forgets the finished ones itself
-  std::vector<cudaEvent_t> spare_tick_events_;
+  std::vector<cudaEvent_t> spare_tick_events_, spare_timing_events_;
+  int time_ticks_every_ = kTimedTickEvery;
+  uint64_t ticks_to_time_ = 0;  // launched ticks counted towards the next timed one
+  cudaEvent_t tick_started_ = nullptr;  // RecordTickStart's, until NoteTickQueued
+  // The device times of the timed ticks found finished, and of the stamped lone events of stopped resident runs, since
+  // CheckTicks last took them, up to kTickTimesKept each.
+  std::vector<double> tick_seconds_, resident_seconds_;
   // The resident step's ring (pinned, read by the device over the bus) and answer counter; events are numbered over
   // the ring across launches (StreamResidentQueue), `posted` counting the stops too.
   struct Resident {
@@ -308,8 +345,12 @@ class CudaStreamer {
     bool running = false;         // launched, and no stop posted since
     bool since_yield = false;     // launched since the last YieldTo
     cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
-    CudaAllocation stamp_memory;  // RecordResidentStamps' ring, `stamp_slots` stamps (none where 0)
+    CudaAllocation stamp_memory;  // the stamps' ring (pinned, written by the device), `stamp_slots` stamps
     uint32_t stamp_slots = 0;
+    uint32_t run_first = 0;     // the first event of the latest launch
+    bool run_stamped = false;   // whose kernel is the stamped one
+    // A stopped stamped run whose stamps ReadStoppedRun has not read: its events [first, end).
+    std::optional<std::pair<uint32_t, uint32_t>> unread_run;
   };
   // A power of two (StreamResidentQueue). 64 entries (24 KB): a lone event's round trip on the H200 took 10.9 µs
   // against 12.4 with 1,024 (the host's stores into a larger ring reach the device later); back to back the same.

@@ -822,12 +822,6 @@ __device__ __forceinline__ uint64_t GlobalNanoseconds() {
   return t;
 }
 
-// The global timer of a stamped event, 0 but every kStreamResidentTimerEvery-th: the cycle counter times every event,
-// and the timer only converts cycles to time, which a few events of a run do as well as all.
-__device__ __forceinline__ uint64_t TimerStamp(uint32_t event) {
-  return event % kStreamResidentTimerEvery == 0 ? GlobalNanoseconds() : 0;
-}
-
 constexpr int kResidentReaders = kStreamResidentWords / 2;
 static_assert(kStreamResidentWords % 2 == 0 && kResidentReaders <= kWarpSize, "a lane reads two words");
 // A lane of rank 0's warp 0 reads its two words of ring entry k (each 8-byte word whole). The registers wait for the
@@ -877,7 +871,7 @@ __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, ui
                  : "memory");
   }
   if (kStamped && lane == 0 && static_cast<int32_t>(payload[0]) >= 0) {  // (an event, not a stop)
-    *stamp = StreamResidentStamp{k, seen_cycles, TimerStamp(k), 0, 0};
+    *stamp = StreamResidentStamp{k, seen_cycles, GlobalNanoseconds(), 0, 0};
   }
 }
 
@@ -1497,7 +1491,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
         asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(tick.done), "r"(k + 1) : "memory");
         if constexpr (kStamped) {  // (after the answer, which it does not hold back)
           stamps[k & stamp_mask].done_cycles = done_cycles;
-          stamps[k & stamp_mask].done_ns = TimerStamp(k);
+          stamps[k & stamp_mask].done_ns = GlobalNanoseconds();
         }
       }
     }

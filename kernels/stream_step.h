@@ -147,23 +147,23 @@ struct StreamResidentEntry {
 };
 // One event through the resident step on the device's own clocks, read by rank 0's thread 0: the multiprocessor's
 // cycle counter (clock64) when the kernel found the event's ring entry whole (`seen`) and just before it stored its
-// answer (`done`); for every kStreamResidentTimerEvery-th event (0 for the others) also the global nanosecond timer,
-// read just after each (after the mailbox's stores and the answer's), which converts the cycles to time. A launched
-// tick's device time is timed by CUDA events around its launch; the resident step has no launch per event, and these
-// are its counterpart (bench_stream --resident).
+// answer (`done`), and the global nanosecond timer just after each (after the mailbox's stores and the answer's). A
+// launched tick's device time is timed by CUDA events around its launch; the resident step has no launch per event,
+// and these are its counterpart: the daemon's device time an event (seen → done by the timer), and bench_stream
+// --resident's finer figures (the cycles, converted to time at their rate against the timer).
 struct StreamResidentStamp {
   uint64_t event;  // the event's index (events are numbered over the ring)
   uint64_t seen_cycles, seen_ns;
   uint64_t done_cycles, done_ns;  // done_cycles 0 until the answer is stored
 };
-constexpr uint32_t kStreamResidentTimerEvery = 16;
 struct StreamResidentQueue {
   const StreamResidentEntry* ring;  // device address of ring_size entries (mapped pinned memory); a power of two
   int ring_size;
   uint32_t* done;    // device address (mapped pinned memory): after event k, k + 1 (the events answered, modulo 2³²)
   uint64_t idle_ns;  // without an event for this long the kernel leaves (as at a stop)
   uint32_t first = 0;  // the index of the first event this launch reads
-  // Where set (device memory of stamp_slots entries, a power of two), event k's stamps go to stamps[k % stamp_slots].
+  // Where set (device memory or mapped pinned memory of stamp_slots entries, a power of two), event k's stamps go to
+  // stamps[k % stamp_slots].
   StreamResidentStamp* stamps = nullptr;
   uint32_t stamp_slots = 0;
 };

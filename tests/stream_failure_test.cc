@@ -76,7 +76,7 @@ class StreamFaultBackend final : public ForwardingBackend {
   absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
     if (faults_->ticks_unknown) return absl::InternalError("an injected error asking which ticks finished");
     if (faults_->slow_ticks && !wait_for_ticks) {
-      TicksChecked unfinished{running_, {}};
+      TicksChecked unfinished{running_, {}, {}, {}};
       // As a backend may: a non-finite output found while its tick, or one after it, is still running.
       if (faults_->nonfinite_unwaited && faults_->nonfinite_slot >= 0) {
         unfinished.nonfinite.push_back({faults_->nonfinite_slot.exchange(-1), faults_->nonfinite_entry});

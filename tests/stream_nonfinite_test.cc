@@ -49,7 +49,7 @@ class OverflowingBackend final : public ForwardingBackend {
     return absl::OkStatus();
   }
   absl::StatusOr<TicksChecked> CheckTicks(bool wait_for_ticks) override {
-    if (*slow_device_ && !wait_for_ticks) return TicksChecked{running_, {}};
+    if (*slow_device_ && !wait_for_ticks) return TicksChecked{running_, {}, {}, {}};
     running_ = 0;
     return ForwardingBackend::CheckTicks(wait_for_ticks);
   }

@@ -580,9 +580,11 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
   StreamStepParity resident("small", 4, 256);
   if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
   CudaStreamer& streamer = resident.streamer();
-  EXPECT_EQ(streamer.RecordResidentStamps(48).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(streamer.SizeResidentStamps(48).code(), absl::StatusCode::kInvalidArgument);
+  streamer.set_time_ticks(0);
   EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(streamer.RecordResidentStamps(64).ok());
+  streamer.set_time_ticks(CudaStreamer::kTimedTickEvery);
+  ASSERT_TRUE(streamer.SizeResidentStamps(64).ok());
   for (int i = 0; i < 40; ++i) resident.Tick({i % 4}, 700 + i);
   ASSERT_TRUE(streamer.resident_running());
   std::vector<kernels::StreamResidentStamp> stamps;
@@ -604,20 +606,18 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
   for (int i = 0; i < 30; ++i) resident.Tick({i % 4}, 1000 + i);
   ASSERT_NO_FATAL_FAILURE(TakeStamps(streamer, stamps, 62, 120, 182));
   EXPECT_TRUE(SummarizeResidentStamps(std::vector(stamps.end() - 30, stamps.end()), 0).ok());
-  ASSERT_TRUE(streamer.RecordResidentStamps(0).ok());
+  streamer.set_time_ticks(0);
   EXPECT_EQ(streamer.TakeResidentStamps().status().code(), absl::StatusCode::kFailedPrecondition);
   resident.ExpectLogsMatch();
 }
 
 // The summary of stamps (no device needed): 8 µs an event and 10 between answers at 2 GHz, converted by the rate over
-// the run's timer-stamped events; stamps that skip an event, carry one timer stamp or whose clocks disagree are
-// refused.
+// the run; stamps that skip an event, lack the timer or whose clocks disagree are refused.
 TEST(StreamResidentTest, StampsSummarizeToTheDeviceTimeAnEvent) {
   std::vector<kernels::StreamResidentStamp> stamps;
   for (uint64_t k = 0; k < 50; ++k) {
-    const uint64_t seen_ns = 1'000'000 + 10'000 * k + (k % 3);  // (the timer a little off the clock)
-    const bool timed = (k + 7) % kernels::kStreamResidentTimerEvery == 0;
-    stamps.push_back({k + 7, 2 * seen_ns, timed ? seen_ns : 0, 2 * seen_ns + 16'000, timed ? seen_ns + 8'000 : 0});
+    const uint64_t seen_ns = 1'000'000 + 10'000 * k + (k % 3);  // (events not evenly spaced)
+    stamps.push_back({k + 7, 2 * seen_ns, seen_ns, 2 * seen_ns + 16'000, seen_ns + 8'000});
   }
   stamps[3].done_cycles += 100'000;  // a slow event among the skipped ones
   absl::StatusOr<ResidentDeviceTimes> times = SummarizeResidentStamps(stamps, 5);
@@ -640,9 +640,12 @@ TEST(StreamResidentTest, StampsSummarizeToTheDeviceTimeAnEvent) {
     s.done_ns *= 10;
   }
   EXPECT_EQ(SummarizeResidentStamps(two_clocks, 5).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(SummarizeResidentStamps(stamps, 48).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(SummarizeResidentStamps(stamps, 30).status().code(), absl::StatusCode::kFailedPrecondition)
-      << "one timer stamp (event 48) gives no rate";
+  std::vector<kernels::StreamResidentStamp> untimed = stamps;
+  untimed[30].seen_ns = untimed[30].done_ns = 0;
+  EXPECT_EQ(SummarizeResidentStamps(untimed, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(SummarizeResidentStamps(stamps, 49).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "one event gives no rate";
+  EXPECT_TRUE(SummarizeResidentStamps(stamps, 48).ok()) << "two do";
 }
 
 // A resident step that no event reaches leaves by itself (here after 50 ms), its first copies landed.
@@ -899,6 +902,113 @@ TEST(StreamStepManyTest, CheckTicksCountsTheStepsStillRunningWithoutWaiting) {
   const std::vector<int64_t> entries(kSlots, kTicks + kLone);
   ASSERT_TRUE(streamer.Step({events.x, events.dt, slots, entries}).ok());
   EXPECT_EQ(unfinished(/*wait=*/true), 0);
+}
+
+// Timing every tick, each launched tick's device time (CUDA events just before its work and just after it) reaches
+// CheckTicks once, in order, nested within events recorded around its Step call: graph-launched ticks inline (4 events)
+// and staged (64 events on a cluster shape, 1,024 on the wide path) and an eager one; by default one tick in
+// kTimedTickEvery; none with timing off; a caller that never asks keeps the first kTickTimesKept. Lone events the
+// resident step takes have no launch: their stamps' times come once their run has stopped (the last kResidentStamps of
+// a longer run), none where timing was off when the run started.
+TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  const ParamLayout layout(config);
+  const int F = config.n_features, kSlots = 1024;
+  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, 8);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaStreamer& streamer = **created;
+  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 107)).ok());
+  const testing::RandomBatch events = MakeRandomBatch(config, 1, kSlots, 79);
+  std::vector<int32_t> slots(kSlots);
+  std::iota(slots.begin(), slots.end(), 0);
+  int64_t entry = 0;
+  std::vector<int64_t> entries;
+  auto step = [&](int n) {
+    entries.assign(n, entry++);
+    return streamer.Step({std::span<const float>(events.x).subspan(0, static_cast<size_t>(n) * F),
+                          std::span<const float>(events.dt).subspan(0, n),
+                          std::span<const int32_t>(slots).subspan(0, n), entries});
+  };
+  auto check = [&] {
+    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(/*wait_for_ticks=*/true);
+    EXPECT_TRUE(checked.ok()) << checked.status();
+    return checked.ok() ? *std::move(checked) : TicksChecked{};
+  };
+  auto device_seconds = [&] { return check().device_seconds; };
+  streamer.set_use_resident(false);
+  streamer.set_time_ticks(1);
+  const std::vector<std::pair<int, bool>> ticks = {{4, true}, {64, true}, {1024, true}, {64, false}, {1024, true}};
+  for (const auto& [n, graphs] : ticks) {  // (captures each bucket's graph: timed too)
+    streamer.set_use_graphs(graphs);
+    ASSERT_TRUE(step(n).ok());
+  }
+  EXPECT_EQ(device_seconds().size(), ticks.size());
+
+  std::vector<cudaEvent_t> around(2 * ticks.size());
+  for (cudaEvent_t& event : around) ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+  for (size_t i = 0; i < ticks.size(); ++i) {
+    streamer.set_use_graphs(ticks[i].second);
+    ASSERT_EQ(cudaEventRecord(around[2 * i], streamer.stream()), cudaSuccess);
+    ASSERT_TRUE(step(ticks[i].first).ok());
+    ASSERT_EQ(cudaEventRecord(around[2 * i + 1], streamer.stream()), cudaSuccess);
+  }
+  streamer.set_use_graphs(true);
+  const std::vector<double> timed = device_seconds();
+  ASSERT_EQ(timed.size(), ticks.size());
+  for (size_t i = 0; i < ticks.size(); ++i) {
+    float outer_ms = 0;
+    ASSERT_EQ(cudaEventElapsedTime(&outer_ms, around[2 * i], around[2 * i + 1]), cudaSuccess);
+    const double us = timed[i] * 1e6, outer_us = outer_ms * 1e3;
+    const std::string what = absl::StrCat("tick ", i, " of ", ticks[i].first, " events: ", us, " µs inside ", outer_us);
+    EXPECT_GT(us, 0) << what;
+    EXPECT_LE(us, outer_us + 1.0) << what << " (the events' resolution is about 0.5 µs)";
+    if (ticks[i].first == 1024) {
+      EXPECT_GE(us, 0.8 * outer_us) << what << ": a long tick is most of the span around it";
+    }
+  }
+  for (cudaEvent_t event : around) cudaEventDestroy(event);
+  EXPECT_TRUE(device_seconds().empty()) << "each time is reported once";
+
+  if (streamer.resident_available()) {
+    streamer.set_use_resident(true);
+    for (int t = 0; t < 20; ++t) ASSERT_TRUE(step(1).ok());
+    ASSERT_TRUE(streamer.resident_running());
+    TicksChecked running = check();
+    EXPECT_TRUE(running.device_seconds.empty()) << "the resident step's lone events have no launch to time";
+    EXPECT_TRUE(running.resident_seconds.empty()) << "its stamps are read once it has stopped";
+    ASSERT_TRUE(step(64).ok());  // (stops the resident step)
+    const TicksChecked stopped = check();
+    EXPECT_EQ(stopped.device_seconds.size(), 1u);
+    ASSERT_EQ(stopped.resident_seconds.size(), 20u);
+    for (const double seconds : stopped.resident_seconds) {
+      EXPECT_GT(seconds, 1e-6);
+      EXPECT_LT(seconds, 1e-3);
+    }
+    const int kLongRun = CudaStreamer::kResidentStamps + 100;
+    for (int t = 0; t < kLongRun; ++t) ASSERT_TRUE(step(1).ok());
+    ASSERT_TRUE(streamer.StopResident().ok());
+    EXPECT_EQ(check().resident_seconds.size(), CudaStreamer::kResidentStamps) << "a run's last events";
+    for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(1).ok());
+    streamer.set_time_ticks(0);  // (the running step keeps its stamped kernel)
+    for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(1).ok());
+    ASSERT_TRUE(streamer.StopResident().ok());
+    EXPECT_EQ(check().resident_seconds.size(), 10u);
+    for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(1).ok());
+    ASSERT_TRUE(streamer.StopResident().ok());
+    EXPECT_TRUE(check().resident_seconds.empty()) << "the unstamped kernel";
+    streamer.set_time_ticks(1);
+    streamer.set_use_resident(false);
+  }
+  streamer.set_time_ticks(0);
+  for (int t = 0; t < 3; ++t) ASSERT_TRUE(step(64).ok());
+  EXPECT_TRUE(device_seconds().empty()) << "timing off";
+  streamer.set_time_ticks(CudaStreamer::kTimedTickEvery);
+  for (int t = 0; t < 2 * CudaStreamer::kTimedTickEvery + 1; ++t) ASSERT_TRUE(step(64).ok());
+  EXPECT_EQ(device_seconds().size(), 3u) << "the first of every kTimedTickEvery";
+  streamer.set_time_ticks(1);
+  for (size_t t = 0; t < CudaStreamer::kTickTimesKept + 10; ++t) ASSERT_TRUE(step(4).ok()) << "tick " << t;
+  EXPECT_EQ(device_seconds().size(), CudaStreamer::kTickTimesKept) << "a caller that never asks keeps the first ones";
 }
 
 // Every way a tick runs (each cluster shape and the wide path launched eagerly; graph-launched ticks inline and staged;
