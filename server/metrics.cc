@@ -269,6 +269,16 @@ ServerMetrics::ServerMetrics()
                                       "conviction logged), in seconds.")
                                 .Register(*registry_)
                                 .Add({}, DecadeBuckets(-6, 1))),
+      stream_tick_device_seconds_(prometheus::BuildHistogram()
+                                      .Name("perception_stream_tick_device_seconds")
+                                      .Help("Device time of one streaming tick in seconds (CUDA only). "
+                                            "path=\"launched\": a launched tick, between CUDA events recorded on the "
+                                            "device's stream before and after it; path=\"resident\": a lone event "
+                                            "through the resident step, on the device's global timer from its arrival "
+                                            "to its answer, observed once that run of the resident step has stopped.")
+                                      .Register(*registry_)),
+      launched_tick_device_seconds_(stream_tick_device_seconds_.Add({{"path", "launched"}}, DecadeBuckets(-6, 0))),
+      resident_event_device_seconds_(stream_tick_device_seconds_.Add({{"path", "resident"}}, DecadeBuckets(-6, 0))),
       active_streams_(prometheus::BuildGauge()
                           .Name("perception_active_streams")
                           .Help("Live streams (instruments holding a state slot).")
@@ -338,6 +348,10 @@ void ServerMetrics::ObserveStreamEventLatency(double seconds) {
   // finite, a failed tick) has no conviction.
   stream_events_.Increment();
   stream_event_latency_.Observe(seconds);
+}
+
+void ServerMetrics::ObserveStreamTickDeviceTime(double seconds, bool resident) {
+  (resident ? resident_event_device_seconds_ : launched_tick_device_seconds_).Observe(seconds);
 }
 
 void ServerMetrics::RejectStreamEvent(std::string_view reason) {

@@ -53,6 +53,9 @@ class ServerMetrics {
   // One streamed event processed (perception_stream_events_total), from its receipt to its conviction being in the
   // log.
   void ObserveStreamEventLatency(double seconds);
+  // The device time of one launched streaming tick (TicksChecked::device_seconds) or of one lone event through the
+  // resident step (TicksChecked::resident_seconds).
+  void ObserveStreamTickDeviceTime(double seconds, bool resident);
   // A streamed event refused, by reason: one of kStreamRejectReasons.
   void RejectStreamEvent(std::string_view reason);
   void AddConvictionsOverwritten(uint64_t entries);
@@ -103,6 +106,9 @@ class ServerMetrics {
   prometheus::Histogram& stream_step_seconds_;
   prometheus::Histogram& stream_tick_instruments_;
   prometheus::Histogram& stream_event_latency_;
+  prometheus::Family<prometheus::Histogram>& stream_tick_device_seconds_;
+  prometheus::Histogram& launched_tick_device_seconds_;
+  prometheus::Histogram& resident_event_device_seconds_;
   prometheus::Gauge& active_streams_;
   prometheus::Gauge& stream_pending_events_;
   prometheus::Counter& stream_reads_held_;

@@ -338,6 +338,12 @@ absl::Status StreamBatcher::FinishTicks(Backend& backend, bool wait_for_ticks) {
     return checked.status();
   }
   if (!checked->nonfinite.empty()) StopNonFiniteStreams(checked->nonfinite);
+  for (const double seconds : checked->device_seconds) {
+    metrics_.ObserveStreamTickDeviceTime(seconds, /*resident=*/false);
+  }
+  for (const double seconds : checked->resident_seconds) {
+    metrics_.ObserveStreamTickDeviceTime(seconds, /*resident=*/true);
+  }
   const Clock::time_point now = Clock::now();
   while (static_cast<int64_t>(launched_.size()) > checked->unfinished) {
     LaunchedTick& tick = launched_.front();
