@@ -37,7 +37,10 @@ echo "listed AMZN with $events events processed, none pending: $(awk -v n="$even
 "${ctl[@]}" streams close AMZN2 | tail -1
 "${ctl[@]}" init --config small --levels 1 --replace | tail -1
 "${ctl[@]}" stream --lobster "$ob" "$msg" --instrument AMZN3 --count 50 | tail -1
-python3 - "$metrics_port" <<'PY' | tee "$out/metrics.txt" | grep -E '^perception_(train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)|stream_tick_device_seconds_(sum|count)|stream_events_total|stream_weights_version|stream_resident_idle_stops_total)'
+shown='train_step_seconds_(sum|count)|train_graph_(captures|replays)_total|stream_step_seconds_(sum|count)'
+shown+='|stream_tick_device_seconds_(sum|count)|stream_events_total|stream_weights_version'
+shown+='|stream_resident_idle_stops_total'
+python3 - "$metrics_port" <<'PY' | tee "$out/metrics.txt" | grep -E "^perception_($shown)"
 import sys, urllib.request
 print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
 PY

@@ -74,7 +74,8 @@ struct TicksChecked {
   std::vector<double> device_seconds;
   // The device time in seconds of each lone event the resident step took (the CUDA backend), in order: its stamps on
   // the device's global timer, from its ring entry found to just before its answer's store; reported once the run of
-  // the resident step that took it has stopped (an idle release, any other request), its last 1,024 events at most.
+  // the resident step that took it has stopped (an idle release, any other request) and left, where the stamp ring
+  // still holds it (the last 1,024 events posted); at most 4,096 a call on either path.
   std::vector<double> resident_seconds;
 };
 

@@ -31,6 +31,13 @@ int IndexOf(const std::array<int, N>& values, int value) {
 CudaStreamer::CudaStreamer(const ParamLayout& layout, int slots, int64_t log_entries_per_slot)
     : layout_(layout), slots_(slots), log_entries_(log_entries_per_slot), slot_seen_(new bool[slots]()) {}
 
+std::pair<uint32_t, uint32_t> ResidentStampsToRead(uint32_t first, uint32_t end, uint32_t posted, uint32_t slots) {
+  // Event k's slot is rewritten by event k + slots, which is not posted yet where k is at most `slots` back.
+  const uint32_t first_back = posted - first, end_back = posted - end;
+  if (end_back >= slots) return {end, end};
+  return {first_back > slots ? posted - slots : first, end};
+}
+
 std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
                                                        const PerClusterShape<float>& group_us) {
   std::vector<std::pair<float, StreamLaunchShape>> estimates;
@@ -551,11 +558,11 @@ absl::Status CudaStreamer::EnqueueTick(const kernels::StreamTickInput& input, St
 }
 
 absl::Status CudaStreamer::Step(const StreamTick& tick) {
-  if (const absl::Status queued = StepQueued(tick); !queued.ok()) {
-    if (tick_started_) spare_timing_events_.push_back(std::exchange(tick_started_, nullptr));
-    return queued;
-  }
-  return NoteTickQueued();
+  absl::Status status = StepQueued(tick);
+  if (status.ok()) status = NoteTickQueued();
+  tick_timing_due_ = false;
+  if (tick_started_) spare_timing_events_.push_back(std::exchange(tick_started_, nullptr));  // (a failed tick's)
+  return status;
 }
 
 absl::StatusOr<cudaEvent_t> CudaStreamer::SpareTickEvent(bool timing) {
@@ -570,7 +577,8 @@ absl::StatusOr<cudaEvent_t> CudaStreamer::SpareTickEvent(bool timing) {
   return event;
 }
 
-absl::Status CudaStreamer::RecordTickStart() {
+absl::Status CudaStreamer::RecordTickStartIfDue() {
+  if (!std::exchange(tick_timing_due_, false)) return absl::OkStatus();
   ASSIGN_OR_RETURN(tick_started_, SpareTickEvent(/*timing=*/true));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(tick_started_, stream_));
   return absl::OkStatus();
@@ -585,9 +593,13 @@ absl::Status CudaStreamer::NoteTickQueued() {
     unfinished_ticks_.push_back({resident_.posted, nullptr});
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(cudaEvent_t finished, SpareTickEvent(/*timing=*/tick_started_ != nullptr));
+  const bool timed = tick_started_ != nullptr;
+  ASSIGN_OR_RETURN(cudaEvent_t finished, SpareTickEvent(timed));
+  if (const cudaError_t recorded = cudaEventRecord(finished, stream_); recorded != cudaSuccess) {
+    (timed ? spare_timing_events_ : spare_tick_events_).push_back(finished);
+    CUDA_RETURN_IF_ERROR_OF(recorded, "cudaEventRecord(finished, stream_)");
+  }
   unfinished_ticks_.push_back({std::nullopt, finished, std::exchange(tick_started_, nullptr)});
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(finished, stream_));
   return absl::OkStatus();
 }
 
@@ -606,9 +618,13 @@ absl::Status CudaStreamer::ForgetFinishedTicks(bool all_finished) {
     }
     if (tick.started) {
       float ms = 0;
-      const cudaError_t timed = cudaEventElapsedTime(&ms, tick.started, tick.finished);
-      if (timed != cudaErrorNotReady) CUDA_RETURN_IF_ERROR_OF(timed, "cudaEventElapsedTime(a streaming tick)");
-      if (timed == cudaSuccess && tick_seconds_.size() < kTickTimesKept) tick_seconds_.push_back(ms * 1e-3);
+      if (cudaEventElapsedTime(&ms, tick.started, tick.finished) == cudaSuccess) {
+        if (tick_seconds_.size() < kTickTimesKept) tick_seconds_.push_back(ms * 1e-3);
+      } else {
+        // The tick's end was seen: a time that cannot be read loses only the sample (a lost device shows in every
+        // other call), and its error must not stay behind for the next launch's check.
+        cudaGetLastError();
+      }
       spare_timing_events_.push_back(tick.started);
     }
     if (tick.finished) (tick.started ? spare_timing_events_ : spare_tick_events_).push_back(tick.finished);
@@ -623,7 +639,7 @@ absl::Status CudaStreamer::StepQueued(const StreamTick& tick) {
   if (n == 0) return absl::OkStatus();
   if (n == 1 && use_graphs_ && use_resident_ && resident_fits_) return PostResident(tick);
   RETURN_IF_ERROR(StopResident());
-  if (time_ticks_every_ > 0 && ticks_to_time_++ % time_ticks_every_ == 0) RETURN_IF_ERROR(RecordTickStart());
+  tick_timing_due_ = time_ticks_every_ > 0 && launched_since_set_++ % time_ticks_every_ == 0;
   if (!use_graphs_) return StepEagerly(tick, ShapeFor(n));
   const int bucket = BucketFor(n);
   if (Inline(bucket)) {
@@ -634,6 +650,7 @@ absl::Status CudaStreamer::StepQueued(const StreamTick& tick) {
       return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
     }
     CUDA_RETURN_IF_ERROR(kernels::SetStreamStepTick(graph.exec, graph.node, input));
+    RETURN_IF_ERROR(RecordTickStartIfDue());
     CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
     return absl::OkStatus();
   }
@@ -648,6 +665,7 @@ absl::Status CudaStreamer::StepQueued(const StreamTick& tick) {
   if (graph.staging_x != input.x || graph.pack != pack_ || graph.conv_state != state_.conv) {
     return absl::InternalError(absl::StrCat("the graph for ticks of ", bucket, " events was captured over other buffers"));
   }
+  RETURN_IF_ERROR(RecordTickStartIfDue());
   CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph.exec, stream_));
   return ReleaseStaging(s, read);
 }
@@ -663,7 +681,7 @@ absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
   if (!resident_.running) {
     // The cluster never leaves by itself (one that did could not tell the host which posted event it had not read):
     // the host stops it, also when the feed has gone quiet (StopResident).
-    RETURN_IF_ERROR(ReadStoppedRun(/*wait=*/true));  // (before this run may overwrite its stamps)
+    RETURN_IF_ERROR(ReadStoppedRuns());  // (early, before this run's events come round the ring)
     const kernels::StreamResidentQueue queue{
         resident_.ring,
         kResidentRing,
@@ -674,7 +692,7 @@ absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
         resident_.stamp_slots};
     CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));
     resident_.run_first = resident_.posted;
-    resident_.run_stamped = time_ticks_every_ > 0;
+    resident_.run_stamped = queue.stamps != nullptr;
     resident_.running = true;
     resident_.since_yield = true;
   }
@@ -689,26 +707,28 @@ absl::Status CudaStreamer::StopResident() {
   RETURN_IF_ERROR(WaitForRingEntry());
   kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, resident_.posted++, -1, 0.f, false, 0, nullptr, 0);
   resident_.running = false;
-  if (resident_.run_stamped) resident_.unread_run.emplace(resident_.run_first, resident_.posted - 1);
+  if (resident_.run_stamped) {
+    const uint32_t stop = resident_.posted - 1;
+    if (resident_.unread_runs.has_value()) {
+      resident_.unread_runs->second = stop;
+    } else {
+      resident_.unread_runs.emplace(resident_.run_first, stop);
+    }
+  }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(resident_.left, stream_));
   return absl::OkStatus();
 }
 
-absl::Status CudaStreamer::ReadStoppedRun(bool wait) {
-  if (!resident_.unread_run.has_value()) return absl::OkStatus();
-  if (wait) {
-    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resident_.left));
-  } else {
-    const cudaError_t state = cudaEventQuery(resident_.left);
-    if (state == cudaErrorNotReady) return absl::OkStatus();
-    CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(the resident step's exit)");
-  }
-  // The run has left: its stamps are in the ring, whole. Events are numbered modulo 2³²; the ring keeps the last
-  // stamp_slots of them.
-  auto [first, end] = *std::exchange(resident_.unread_run, std::nullopt);
-  if (end - first > resident_.stamp_slots) first = end - resident_.stamp_slots;
+absl::Status CudaStreamer::ReadStoppedRuns() {
+  if (!resident_.unread_runs.has_value()) return absl::OkStatus();
+  const cudaError_t state = cudaEventQuery(resident_.left);
+  if (state == cudaErrorNotReady) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(the resident step's exit)");
+  // The runs have left: their stamps in the ring are whole, up to those a later run may have rewritten.
+  const auto [first, end] = *std::exchange(resident_.unread_runs, std::nullopt);
+  const auto [from, to] = ResidentStampsToRead(first, end, resident_.posted, resident_.stamp_slots);
   const auto* stamps = static_cast<const kernels::StreamResidentStamp*>(resident_.stamp_memory.get());
-  for (uint32_t k = first; k != end && resident_seconds_.size() < kTickTimesKept; ++k) {
+  for (uint32_t k = from; k != to && resident_seconds_.size() < kTickTimesKept; ++k) {
     const kernels::StreamResidentStamp& s = stamps[k & (resident_.stamp_slots - 1)];
     if (static_cast<uint32_t>(s.event) != k || s.done_cycles == 0 || s.done_ns < s.seen_ns) continue;
     resident_seconds_.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-9);
@@ -769,7 +789,7 @@ absl::Status CudaStreamer::YieldTo(cudaStream_t other) {
 absl::Status CudaStreamer::Quiesce() {
   RETURN_IF_ERROR(StopResident());
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resident_.left));  // (a never-recorded event: at once)
-  return ReadStoppedRun(/*wait=*/false);
+  return ReadStoppedRuns();
 }
 
 absl::Status CudaStreamer::WaitResidentAnswered(uint32_t count) {
@@ -800,7 +820,10 @@ absl::Status CudaStreamer::StepEagerly(const StreamTick& tick, StreamLaunchShape
                                                    shape.cluster_size, " blocks per cluster is not supported"));
   }
   const int n = static_cast<int>(tick.size());
-  if (Inline(n)) return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
+  if (Inline(n)) {
+    RETURN_IF_ERROR(RecordTickStartIfDue());
+    return EnqueueTick(InlineInput(tick, n, /*log=*/true), shape);
+  }
   return EnqueueStagedTick(tick, /*log=*/true, shape);
 }
 
@@ -810,6 +833,7 @@ absl::Status CudaStreamer::EnqueueStagedTick(const StreamTick& tick, bool log, S
   Staging& s = NextStaging(&index);
   ASSIGN_OR_RETURN(const StagedRead read, StagedReadFor(s));
   RETURN_IF_ERROR(StageTick(s, tick, n, read));
+  RETURN_IF_ERROR(RecordTickStartIfDue());  // (Step's eager ticks; a seed's never)
   RETURN_IF_ERROR(EnqueueTick(StagedInput(s, n, log, read), shape));
   return ReleaseStaging(s, read);
 }
@@ -923,7 +947,7 @@ absl::StatusOr<TicksChecked> CudaStreamer::CheckTicks(bool wait_for_ticks) {
   // Which ticks finished is settled before the word is read: a non-finite output of a finished tick is in it (the
   // kernels write the word before their tick's end; the resident step fences it ahead of its answer).
   RETURN_IF_ERROR(ForgetFinishedTicks(wait_for_ticks));
-  RETURN_IF_ERROR(ReadStoppedRun(/*wait=*/false));
+  RETURN_IF_ERROR(ReadStoppedRuns());
   if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) != 0) {
     // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
     std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);

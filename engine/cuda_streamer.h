@@ -3,6 +3,7 @@
 // ticks, a few grid-wide ones for large ticks), or, for lone events where the model has one, the resident step.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <map>
@@ -44,6 +45,11 @@ using PerClusterShape = std::array<std::array<T, kStreamClusterSizes.size()>, kS
 // groups need (`fits`' max_clusters at once); shapes with no clusters are out.
 std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
                                                        const PerClusterShape<float>& group_us);
+// The events [from, end) of a stopped resident run [first, end) (numbered modulo 2³²) whose stamps a ring of `slots`
+// (a power of two) still holds, and that no event posted so far (`posted`, stops included, every event of the run
+// among them) can be rewriting: those at most `slots` back from `posted`. Empty (from == end) where none is.
+std::pair<uint32_t, uint32_t> ResidentStampsToRead(uint32_t first, uint32_t end, uint32_t posted, uint32_t slots);
+
 // How many of the estimate's fastest cluster shapes CudaStreamer times on a whole tick of each bucket below
 // kStreamWideFrom, beside the wide path.
 constexpr int kStreamTimedClusterShapes = 3;
@@ -89,22 +95,24 @@ class CudaStreamer {
   // ahead (StagedRead). Nothing waits for the device, except, rarely, for the staged tick two before this one,
   // whose pinned buffer is about to be reused. With graphs off, the same work is enqueued eagerly. An event recorded
   // behind the tick (or, for a lone event, the resident step's answer) tells CheckTicks when it has finished; with
-  // set_time_ticks, one recorded just before its work times one tick in so many.
+  // set_time_ticks, one recorded just before its launch times one tick in so many.
   absl::Status Step(const StreamTick& tick);
   // An eager tick with an explicit launch shape (benchmarks and tests).
   absl::Status Step(const StreamTick& tick, StreamLaunchShape shape);
   void set_use_graphs(bool use_graphs) { use_graphs_ = use_graphs; }
-  // How Step(tick) times its ticks on the device: one launched tick in `every` (0: none) between timing CUDA events on
-  // stream(), which CheckTicks reports as TicksChecked::device_seconds; and, where `every` > 0, each lone event the
+  // How Step(tick) times its ticks on the device: one launched tick in `every` (0 or less: none) between timing CUDA
+  // events on stream(), the first recorded just before its launch (on an idle stream, the launch's latency is in the
+  // time), which CheckTicks reports as TicksChecked::device_seconds; and, where `every` > 0, each lone event the
   // resident step takes by the stamps of its stamped kernel (kernels::StreamResidentStamp: the global timer from the
   // event's ring entry found to its answer), which CheckTicks reports as TicksChecked::resident_seconds once that run
-  // of the resident step has stopped (its last kResidentStamps events at most). A timing event costs the stream about
-  // 1.3 µs more than the plain one behind an untimed tick (H200, bench/RESULTS.md, the fifty-first session), hence one
-  // tick in kTimedTickEvery by default; the stamps cost the resident step 0.01 µs an event. A running resident step
-  // keeps its kernel until it is stopped. The next launched tick is a timed one.
+  // of the resident step has stopped and left (those of its events the stamp ring still holds: the last
+  // kResidentStamps posted, by default). A timing event costs the stream about 1.3 µs more than the plain one behind
+  // an untimed tick (H200, bench/RESULTS.md, the fifty-first session), hence one tick in kTimedTickEvery by default;
+  // the stamps cost the resident step 0.01–0.02 µs an event. A running resident step keeps its kernel until it is
+  // stopped. The next launched tick is a timed one.
   void set_time_ticks(int every) {
-    time_ticks_every_ = every;
-    ticks_to_time_ = 0;
+    time_ticks_every_ = std::max(every, 0);
+    launched_since_set_ = 0;
   }
   static constexpr int kTimedTickEvery = 16;
   // Device times kept for CheckTicks at most (a caller that never asks, a benchmark, keeps the first ones only).
@@ -259,9 +267,9 @@ class CudaStreamer {
   absl::Status EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape);
   // Step's work, before NoteTickQueued.
   absl::Status StepQueued(const StreamTick& tick);
-  // Records the event that times the tick Step is about to queue on stream_ (kept in tick_started_ until
-  // NoteTickQueued, or returned to the pool where the tick fails to queue).
-  absl::Status RecordTickStart();
+  // Where the tick Step is about to launch is one to time (tick_timing_due_), records the event that times it on
+  // stream_: kept in tick_started_ until NoteTickQueued, or returned to the pool where the tick fails.
+  absl::Status RecordTickStartIfDue();
   // Remembers how to tell when the tick Step just queued has finished.
   absl::Status NoteTickQueued();
   // A spare event of the tick events' pool, or a new one: a timing event, or one without timing (lighter on the
@@ -270,9 +278,9 @@ class CudaStreamer {
   // Forgets the queued ticks known finished, oldest first (all of them when `all_finished`), keeping the device time
   // of the timed ones in tick_seconds_.
   absl::Status ForgetFinishedTicks(bool all_finished);
-  // Where a stamped run of the resident step was stopped and has left (`wait`: waits until it has), keeps its events'
-  // device times in resident_seconds_; the next run may then reuse the ring.
-  absl::Status ReadStoppedRun(bool wait);
+  // Where the stopped runs of the resident step not read yet have left (asked without waiting), keeps the device times
+  // of their stamped events that the ring still holds (ResidentStampsToRead) in resident_seconds_.
+  absl::Status ReadStoppedRuns();
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
@@ -331,8 +339,9 @@ class CudaStreamer {
   static constexpr size_t kTicksRemembered = 64;  // past this many, Step forgets the finished ones itself
   std::vector<cudaEvent_t> spare_tick_events_, spare_timing_events_;
   int time_ticks_every_ = kTimedTickEvery;
-  uint64_t ticks_to_time_ = 0;  // launched ticks counted towards the next timed one
-  cudaEvent_t tick_started_ = nullptr;  // RecordTickStart's, until NoteTickQueued
+  uint64_t launched_since_set_ = 0;     // Step's ticks past the resident step since set_time_ticks
+  bool tick_timing_due_ = false;        // the tick Step is launching is one to time
+  cudaEvent_t tick_started_ = nullptr;  // RecordTickStartIfDue's, until NoteTickQueued
   // The device times of the timed ticks found finished, and of the stamped lone events of stopped resident runs, since
   // CheckTicks last took them, up to kTickTimesKept each.
   std::vector<double> tick_seconds_, resident_seconds_;
@@ -349,8 +358,10 @@ class CudaStreamer {
     uint32_t stamp_slots = 0;
     uint32_t run_first = 0;     // the first event of the latest launch
     bool run_stamped = false;   // whose kernel is the stamped one
-    // A stopped stamped run whose stamps ReadStoppedRun has not read: its events [first, end).
-    std::optional<std::pair<uint32_t, uint32_t>> unread_run;
+    // The events [first, end) of the stopped stamped runs ReadStoppedRuns has not read (the first's first event to
+    // the last's stop): each left before the latest stop's `left`, and a stop or an unstamped run's event between
+    // them is no stamp's event.
+    std::optional<std::pair<uint32_t, uint32_t>> unread_runs;
   };
   // A power of two (StreamResidentQueue). 64 entries (24 KB): a lone event's round trip on the H200 took 10.9 µs
   // against 12.4 with 1,024 (the host's stores into a larger ring reach the device later); back to back the same.

@@ -878,8 +878,8 @@ __device__ __noinline__ void FetchResidentEvent(const StreamResidentQueue& q, ui
 // The step of one tick (Source = StreamTickInput: a launched kernel) or, resident (Source = StreamResidentQueue: a
 // fixed plan's lone events), of every event the host posts until a stop: the same code, so the same bits.
 // kShape ≥ 0: the launch's plan is kFixedPlans[kShape] (the launch passes it too, unread). kStamped (resident only):
-// each event is stamped on the device's clocks into tick.stamps (a kernel of its own, so that the daemon's unstamped
-// step carries none of it).
+// each event is stamped on the device's clocks into tick.stamps (a kernel of its own, so that a step run without
+// stamps, CudaStreamer::set_time_ticks(0), carries none of their code).
 template <int EG, int kShape, typename Source, bool kStamped = false>
 __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* __restrict__ pack,
                                            const StreamSlots& st, const Source& tick) {

@@ -85,7 +85,9 @@ class StreamDeviceTimeTest : public ::testing::Test {
 TEST_F(StreamDeviceTimeTest, EveryTickTimeTheBackendReportsIsObservedOnce) {
   const auto reported = std::make_shared<Reported>();
   InProcessDaemon daemon(
-      [reported](std::unique_ptr<Backend> inner) { return std::make_unique<TimingBackend>(std::move(inner), reported); },
+      [reported](std::unique_ptr<Backend> inner) {
+        return std::make_unique<TimingBackend>(std::move(inner), reported);
+      },
       "stream_device_time_checkpoints");
   StreamEvents(daemon, 6, 2);
   EXPECT_GE(reported->ticks.load() + reported->lone_events.load(), 8) << "at most the two instruments share a tick";

@@ -611,6 +611,26 @@ TEST(StreamResidentTest, StampsEveryAnsweredEventOnTheDevicesClocks) {
   resident.ExpectLogsMatch();
 }
 
+// Which stamps of a stopped resident run the host reads (no device needed): those the ring holds and no event posted
+// can be rewriting, at most the ring's size back from the events posted, numbered modulo 2³² (here across the wrap).
+TEST(StreamResidentTest, AStoppedRunsStampsAreReadWhileTheRingHoldsThem) {
+  using Range = std::pair<uint32_t, uint32_t>;
+  constexpr uint32_t kSlots = 64;
+  for (const uint32_t base : {0u, 1000u, 0xffffffffu - 10, 0xffffffffu - 70}) {
+    SCOPED_TRACE(base);
+    // A run of 10 events [base, base + 10), its stop base + 10.
+    EXPECT_EQ(ResidentStampsToRead(base, base + 10, base + 11, kSlots), Range(base, base + 10));
+    // 53 more posted: event base is 64 back, still held; one more and its slot may be event base + 64's.
+    EXPECT_EQ(ResidentStampsToRead(base, base + 10, base + 64, kSlots), Range(base, base + 10));
+    EXPECT_EQ(ResidentStampsToRead(base, base + 10, base + 65, kSlots), Range(base + 1, base + 10));
+    EXPECT_EQ(ResidentStampsToRead(base, base + 10, base + 73, kSlots), Range(base + 9, base + 10));
+    const Range none = ResidentStampsToRead(base, base + 10, base + 74, kSlots);
+    EXPECT_EQ(none.first, none.second) << "every slot may hold a later event";
+    // A run longer than the ring: its last 63 events (the stop takes the 64th slot back).
+    EXPECT_EQ(ResidentStampsToRead(base, base + 100, base + 101, kSlots), Range(base + 37, base + 100));
+  }
+}
+
 // The summary of stamps (no device needed): 8 µs an event and 10 between answers at 2 GHz, converted by the rate over
 // the run; stamps that skip an event, lack the timer or whose clocks disagree are refused.
 TEST(StreamResidentTest, StampsSummarizeToTheDeviceTimeAnEvent) {
@@ -988,7 +1008,8 @@ TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
     const int kLongRun = CudaStreamer::kResidentStamps + 100;
     for (int t = 0; t < kLongRun; ++t) ASSERT_TRUE(step(1).ok());
     ASSERT_TRUE(streamer.StopResident().ok());
-    EXPECT_EQ(check().resident_seconds.size(), CudaStreamer::kResidentStamps) << "a run's last events";
+    EXPECT_EQ(check().resident_seconds.size(), CudaStreamer::kResidentStamps - 1)
+        << "the ring's last kResidentStamps events posted, the stop among them";
     for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(1).ok());
     streamer.set_time_ticks(0);  // (the running step keeps its stamped kernel)
     for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(1).ok());
