@@ -62,10 +62,10 @@ for path in launched resident; do
 done
 # Back-pressure on the device: a daemon bounded at 512 pending events over 4 connections of 256 instruments, each
 # with 8 requests in flight (8,192 events offered): the Stream calls are held at the bound and every event is
-# processed and acknowledged, none lost.
+# processed and acknowledged, none lost. It times every launched tick (--stream_tick_timing=1).
 "$bundle/env" perceptiond --listen="127.0.0.1:$((port + 1))" --metrics_listen="127.0.0.1:$((metrics_port + 1))" \
   --device=cuda --checkpoint_dir="$out/checkpoints" --stream_max_pending_events=512 --stream_slots=1024 \
-  --init_config=small 2> "$out/perceptiond_bounded.log" &
+  --init_config=small --stream_tick_timing=1 2> "$out/perceptiond_bounded.log" &
 bounded=$!
 bounded_ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$((port + 1))")
 "${bounded_ctl[@]}" --wait=60s bench --instruments 1024 --events 200000 --connections 4 --in-flight 8 \
@@ -80,6 +80,12 @@ processed=$(awk '/^perception_stream_events_total /{print $2}' "$out/metrics_bou
 echo "bounded daemon: reads held ${held:-0} times, ${processed:-0} of 200000 events processed:" \
   "$([ "${held:-0}" -ge 1 ] && [ "${processed:-0}" = 200000 ] && grep -q '^not acknowledged: 0 events' \
        "$out/bench_bounded.txt" && echo PASS || echo FAIL)"
+# Every tick of more than one event was launched (lone ones go to the resident step) and timed once.
+awk '/^perception_stream_tick_instruments_count /{ticks = $2}
+  /^perception_stream_tick_instruments_bucket\{le="1"\} /{lone = $2}
+  $1 == "perception_stream_tick_device_seconds_count{path=\"launched\"}" {timed = $2}
+  END {printf "bounded daemon, every tick timed: %d launched ticks timed, %d ticks of more than one event: %s\n", timed,
+       ticks - lone, (timed > 0 && timed == ticks - lone) ? "PASS" : "FAIL"}' "$out/metrics_bounded.txt"
 # A lost device: the streaming tick numbered by --inject_device_loss_at_tick executes `trap` (a real sticky error),
 # once among lone paced events, inside the running resident step, and once among launched ticks (100 instruments), in
 # a kernel of its own. The stream ends UNAVAILABLE naming the failed call and the CUDA error, and the daemon drains

@@ -79,6 +79,11 @@ struct TicksChecked {
   std::vector<double> resident_seconds;
 };
 
+// One launched streaming tick in this many is timed on the device by default: a timing CUDA event costs the CUDA
+// stream 1.2–1.5 µs more than a plain one (~2 µs behind a tick of 1,024 events; H200, bench/RESULTS.md, the
+// fifty-first session).
+constexpr int kStreamTickTimingEvery = 16;
+
 // SeedSlot's answer where the window leads to a state that is not finite (FAILED_PRECONDITION).
 absl::Status SeedNotFiniteError();
 
@@ -132,6 +137,10 @@ class Backend {
   // Lone streaming events through a resident step where the backend has one (CUDA, small: engine/cuda_streamer.h;
   // on by default), instead of a launch per tick. A backend without one ignores it.
   virtual void set_stream_resident(bool /*resident*/) {}
+  // How CheckTicks times the streaming ticks on the device (TicksChecked::device_seconds, resident_seconds): one
+  // launched tick in `every` (kStreamTickTimingEvery by default), and, unless `every` is 0, every lone event the
+  // resident step takes. A backend without a device ignores it.
+  virtual void set_stream_tick_timing(int /*every*/) {}
   // Leaves nothing of this backend running on the device between calls (CUDA: a resident streaming step is stopped
   // and waited for; the next lone event starts it again), before work that may wait for the whole device, such as
   // creating another backend.

@@ -57,6 +57,10 @@ class CudaBackend final : public Backend {
     stream_resident_ = resident;
     if (streamer_) streamer_->set_use_resident(resident);
   }
+  void set_stream_tick_timing(int every) override {
+    stream_tick_timing_ = every;
+    if (streamer_) streamer_->set_time_ticks(every);
+  }
   absl::Status InjectDeviceLoss() override {
     // A running resident step faults itself. Otherwise a trapping kernel runs alone: the daemon runs nothing beside
     // the resident step (every other device job stops it first), and on the H200 a trap launched beside it never
@@ -155,6 +159,7 @@ class CudaBackend final : public Backend {
     ASSIGN_OR_RETURN(streamer_, CudaStreamer::Create(layout(), slots, log_entries_per_slot));
     streamer_->set_use_graphs(model_->use_graphs());
     streamer_->set_use_resident(stream_resident_);
+    streamer_->set_time_ticks(stream_tick_timing_);
     return PublishWeights();
   }
   absl::Status PublishWeights() override {
@@ -292,6 +297,7 @@ class CudaBackend final : public Backend {
   int64_t replica_checks_ = 0;
   int64_t step_ = 0;  // the device's step counter as of the last completed step or import (step())
   bool stream_resident_ = true;
+  int stream_tick_timing_ = kStreamTickTimingEvery;
   // x of the batch the last TrainStepWithNext or TrainStepStagingNext staged as `next`, if any.
   const float* staged_next_ = nullptr;
   std::vector<float> chunk_x_, chunk_dt_, chunk_labels_, chunk_mask_;  // Evaluate's chunks of long windows

@@ -106,7 +106,7 @@ class CudaStreamer {
   // resident step takes by the stamps of its stamped kernel (kernels::StreamResidentStamp: the global timer from the
   // event's ring entry found to its answer), which CheckTicks reports as TicksChecked::resident_seconds once that run
   // of the resident step has stopped and left (those of its events the stamp ring still holds: the last
-  // kResidentStamps posted, by default). A timing event costs the stream about 1.3 µs more than the plain one behind
+  // kResidentStamps posted, by default). A timing event costs the stream 1.2–1.5 µs more than the plain one behind
   // an untimed tick (H200, bench/RESULTS.md, the fifty-first session), hence one tick in kTimedTickEvery by default;
   // the stamps cost the resident step 0.01–0.02 µs an event. A running resident step keeps its kernel until it is
   // stopped. The next launched tick is a timed one.
@@ -114,7 +114,7 @@ class CudaStreamer {
     time_ticks_every_ = std::max(every, 0);
     launched_since_set_ = 0;
   }
-  static constexpr int kTimedTickEvery = 16;
+  static constexpr int kTimedTickEvery = kStreamTickTimingEvery;
   // Device times kept for CheckTicks at most (a caller that never asks, a benchmark, keeps the first ones only).
   static constexpr size_t kTickTimesKept = 4096;
   // The resident step's stamp ring by default: the most events of one run that CheckTicks reports (40 KB).

@@ -64,6 +64,7 @@ absl::StatusOr<std::unique_ptr<Backend>> ModelHost::NewBackend(const ModelConfig
   if (decorate_ != nullptr) backend = decorate_(std::move(backend));
   backend->set_use_graphs(use_graphs_);
   backend->set_stream_resident(streaming_.resident);
+  backend->set_stream_tick_timing(streaming_.tick_timing_every);
   return backend;
 }
 

@@ -36,6 +36,7 @@ struct StreamingConfig {
   int64_t log_entries_total = 5'000'000;  // conviction-log entries over all slots (each slot gets total / slots)
   int publish_every_steps = 1;            // training steps between refreshes of the weights streaming reads
   bool resident = true;                   // lone events through a resident step where the backend has one
+  int tick_timing_every = kStreamTickTimingEvery;  // Backend::set_stream_tick_timing
 };
 
 struct HostStatus {

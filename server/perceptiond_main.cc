@@ -90,6 +90,11 @@ ABSL_FLAG(int, stream_resident_idle_ms, 1000,
           "on CUDA: once the device has had no work for this many milliseconds, a running resident streaming step is "
           "stopped, freeing its multiprocessors and its polling of host memory; the next lone event starts it again "
           "(0: it runs until other work needs the device)");
+ABSL_FLAG(int, stream_tick_timing, perception::kStreamTickTimingEvery,
+          "on CUDA: the device time of one launched streaming tick in this many is measured between CUDA events, "
+          "which make that tick 2.5-3 us longer on the H200 (~4 us at 1,024 instruments; 1: every tick), and of every "
+          "lone event through the resident step by its kernel's stamps (~0.02 us each), for "
+          "perception_stream_tick_device_seconds (0: none of either)");
 ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many processed events...");
 ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
 ABSL_FLAG(int, publish_every_steps, 1,
@@ -168,7 +173,8 @@ absl::StatusOr<Limits> LimitsFromFlags() {
 absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   StreamOptions options;
   options.device = {absl::GetFlag(FLAGS_stream_slots), absl::GetFlag(FLAGS_stream_log_entries),
-                    absl::GetFlag(FLAGS_publish_every_steps), absl::GetFlag(FLAGS_stream_resident)};
+                    absl::GetFlag(FLAGS_publish_every_steps), absl::GetFlag(FLAGS_stream_resident),
+                    absl::GetFlag(FLAGS_stream_tick_timing)};
   options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
@@ -183,6 +189,9 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   const int idle_ms = absl::GetFlag(FLAGS_stream_resident_idle_ms);
   if (idle_ms < 0) return absl::InvalidArgumentError("--stream_resident_idle_ms must be 0 (never) or positive");
   options.resident_idle_period = idle_ms == 0 ? absl::InfiniteDuration() : absl::Milliseconds(idle_ms);
+  if (options.device.tick_timing_every < 0) {
+    return absl::InvalidArgumentError("--stream_tick_timing must be 0 (none) or positive");
+  }
   if (options.device.slots < 1 || options.device.log_entries_total < options.device.slots ||
       options.device.publish_every_steps < 1 || options.ack_every_events < 1 || options.ack_every_ms < 1 ||
       options.max_read_count < 1 || options.max_pending_events < 1) {

@@ -35,6 +35,7 @@ class ForwardingBackend : public Backend {
   TrainingCounters training_counters() const override { return inner_->training_counters(); }
   void set_use_graphs(bool use_graphs) override { inner_->set_use_graphs(use_graphs); }
   void set_stream_resident(bool resident) override { inner_->set_stream_resident(resident); }
+  void set_stream_tick_timing(int every) override { inner_->set_stream_tick_timing(every); }
   absl::Status QuiesceDevice() override { return inner_->QuiesceDevice(); }
   absl::StatusOr<bool> ReleaseIdleDevice() override { return inner_->ReleaseIdleDevice(); }
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {

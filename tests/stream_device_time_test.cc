@@ -1,6 +1,7 @@
 // The device time of streaming ticks, through the service in process: every time the backend's CheckTicks reports
 // reaches perception_stream_tick_device_seconds once, under its path (launched ticks, the resident step's lone events),
-// and a backend that reports none (the CPU's) leaves it empty.
+// a backend that reports none (the CPU's) leaves it empty, and the daemon's timing period (--stream_tick_timing)
+// reaches each model's backend.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -23,6 +24,7 @@ namespace {
 struct Reported {
   std::atomic<int64_t> ticks{0}, microseconds{0};
   std::atomic<int64_t> lone_events{0}, lone_microseconds{0};
+  std::atomic<int> timing_every{-1};  // what set_stream_tick_timing was given last
 };
 
 // Times the i-th tick forwarded (from 1) at i µs, reported by the CheckTicks that finds it finished, as the CUDA
@@ -33,6 +35,10 @@ class TimingBackend final : public ForwardingBackend {
   TimingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<Reported> reported)
       : ForwardingBackend(std::move(inner)), reported_(std::move(reported)) {}
 
+  void set_stream_tick_timing(int every) override {
+    reported_->timing_every = every;
+    ForwardingBackend::set_stream_tick_timing(every);
+  }
   absl::Status ForwardStepInto(const StreamTick& tick) override {
     RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
     forwarded_.push_back(tick.size());
@@ -90,6 +96,7 @@ TEST_F(StreamDeviceTimeTest, EveryTickTimeTheBackendReportsIsObservedOnce) {
       },
       "stream_device_time_checkpoints");
   StreamEvents(daemon, 6, 2);
+  EXPECT_EQ(reported->timing_every.load(), kStreamTickTimingEvery) << "the default";
   EXPECT_GE(reported->ticks.load() + reported->lone_events.load(), 8) << "at most the two instruments share a tick";
   EXPECT_GE(reported->lone_events.load(), 2) << "A's last two events, one call each";
   EXPECT_EQ(daemon.Metric("perception_stream_tick_device_seconds_count{path=\"launched\"}"), reported->ticks.load());
@@ -100,6 +107,19 @@ TEST_F(StreamDeviceTimeTest, EveryTickTimeTheBackendReportsIsObservedOnce) {
   EXPECT_NEAR(daemon.Metric("perception_stream_tick_device_seconds_sum{path=\"resident\"}"),
               reported->lone_microseconds.load() * 1e-6, 1e-12);
   EXPECT_EQ(daemon.Metric("perception_stream_events_total"), 14);
+}
+
+TEST_F(StreamDeviceTimeTest, TheDaemonsTimingPeriodReachesTheBackend) {
+  const auto reported = std::make_shared<Reported>();
+  server::StreamOptions options;
+  options.device.tick_timing_every = 0;
+  InProcessDaemon daemon(
+      [reported](std::unique_ptr<Backend> inner) {
+        return std::make_unique<TimingBackend>(std::move(inner), reported);
+      },
+      "stream_device_time_off_checkpoints", options);
+  ASSERT_TRUE(daemon.InitTinyModel(3).ok());
+  EXPECT_EQ(reported->timing_every.load(), 0);
 }
 
 TEST_F(StreamDeviceTimeTest, ABackendWithoutADeviceTimesNoTick) {

@@ -100,6 +100,12 @@ TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
   }
 }
 
+TEST(LifecycleTest, TheDaemonRefusesANegativeStreamTickTiming) {
+  const ScopedTempDir checkpoints("stream_tick_timing");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_tick_timing=-1",
+                         "--stream_tick_timing must be 0 (none) or positive");
+}
+
 // Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
 TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
   const ScopedTempDir checkpoints("checkpoint_on_exit");
