@@ -561,12 +561,12 @@ absl::Status CudaStreamer::Step(const StreamTick& tick) {
   absl::Status status = StepQueued(tick);
   if (status.ok()) status = NoteTickQueued();
   tick_timing_due_ = false;
-  if (tick_started_) spare_timing_events_.push_back(std::exchange(tick_started_, nullptr));  // (a failed tick's)
+  if (tick_started_) TickEventPool(/*timing=*/true).push_back(std::exchange(tick_started_, nullptr));  // (failed tick)
   return status;
 }
 
 absl::StatusOr<cudaEvent_t> CudaStreamer::SpareTickEvent(bool timing) {
-  std::vector<cudaEvent_t>& spare = timing ? spare_timing_events_ : spare_tick_events_;
+  std::vector<cudaEvent_t>& spare = TickEventPool(timing);
   cudaEvent_t event = nullptr;
   if (spare.empty()) {
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
@@ -596,7 +596,7 @@ absl::Status CudaStreamer::NoteTickQueued() {
   const bool timed = tick_started_ != nullptr;
   ASSIGN_OR_RETURN(cudaEvent_t finished, SpareTickEvent(timed));
   if (const cudaError_t recorded = cudaEventRecord(finished, stream_); recorded != cudaSuccess) {
-    (timed ? spare_timing_events_ : spare_tick_events_).push_back(finished);
+    TickEventPool(timed).push_back(finished);
     CUDA_RETURN_IF_ERROR_OF(recorded, "cudaEventRecord(finished, stream_)");
   }
   unfinished_ticks_.push_back({std::nullopt, finished, std::exchange(tick_started_, nullptr)});
@@ -625,9 +625,9 @@ absl::Status CudaStreamer::ForgetFinishedTicks(bool all_finished) {
         // other call), and its error must not stay behind for the next launch's check.
         cudaGetLastError();
       }
-      spare_timing_events_.push_back(tick.started);
+      TickEventPool(/*timing=*/true).push_back(tick.started);
     }
-    if (tick.finished) (tick.started ? spare_timing_events_ : spare_tick_events_).push_back(tick.finished);
+    if (tick.finished) TickEventPool(/*timing=*/tick.started != nullptr).push_back(tick.finished);
     unfinished_ticks_.pop_front();
   }
   return absl::OkStatus();

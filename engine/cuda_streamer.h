@@ -272,8 +272,9 @@ class CudaStreamer {
   absl::Status RecordTickStartIfDue();
   // Remembers how to tell when the tick Step just queued has finished.
   absl::Status NoteTickQueued();
-  // A spare event of the tick events' pool, or a new one: a timing event, or one without timing (lighter on the
-  // stream).
+  // The tick events' pool of timing events, or of events without timing (lighter on the stream), to take from or give
+  // back to; SpareTickEvent takes one, or makes a new one.
+  std::vector<cudaEvent_t>& TickEventPool(bool timing) { return timing ? spare_timing_events_ : spare_tick_events_; }
   absl::StatusOr<cudaEvent_t> SpareTickEvent(bool timing);
   // Forgets the queued ticks known finished, oldest first (all of them when `all_finished`), keeping the device time
   // of the timed ones in tick_seconds_.
