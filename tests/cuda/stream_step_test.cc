@@ -50,6 +50,18 @@ std::vector<int32_t> ShuffledSlots(int n, Rng& rng) {
   return slots;
 }
 
+// A streamer over `layout` (which must outlive it) of `slots` slots and `log_entries` log entries a slot, publishing
+// RandomParams(layout, seed); null, with the failure recorded, where it cannot be made or publish.
+std::unique_ptr<CudaStreamer> PublishedStreamer(const ParamLayout& layout, int slots, int64_t log_entries,
+                                                uint64_t seed) {
+  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, slots, log_entries);
+  EXPECT_TRUE(created.ok()) << created.status();
+  if (!created.ok()) return nullptr;
+  const absl::Status published = (*created)->PublishFromHost(RandomParams(layout, seed));
+  EXPECT_TRUE(published.ok()) << published;
+  return published.ok() ? *std::move(created) : nullptr;
+}
+
 // Runs the same ticks through CpuReference::Step (one state per slot) and the CUDA streamer, and compares every
 // event's probabilities and conviction.
 class StreamStepParity {
@@ -887,10 +899,9 @@ TEST(StreamStepManyTest, CheckTicksCountsTheStepsStillRunningWithoutWaiting) {
   const ModelConfig config = *NamedConfig("small");
   const ParamLayout layout(config);
   const int F = config.n_features, kSlots = 8192, kTicks = 4, kLone = 100;
-  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, 8);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaStreamer& streamer = **created;
-  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 103)).ok());
+  const std::unique_ptr<CudaStreamer> made = PublishedStreamer(layout, kSlots, 8, 103);
+  ASSERT_NE(made, nullptr);
+  CudaStreamer& streamer = *made;
   const testing::RandomBatch events = MakeRandomBatch(config, 1, kSlots, 77);
   std::vector<int32_t> slots(kSlots);
   std::iota(slots.begin(), slots.end(), 0);
@@ -935,10 +946,9 @@ TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
   const ModelConfig config = *NamedConfig("small");
   const ParamLayout layout(config);
   const int F = config.n_features, kSlots = 1024;
-  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, 8);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaStreamer& streamer = **created;
-  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 107)).ok());
+  const std::unique_ptr<CudaStreamer> made = PublishedStreamer(layout, kSlots, 8, 107);
+  ASSERT_NE(made, nullptr);
+  CudaStreamer& streamer = *made;
   const testing::RandomBatch events = MakeRandomBatch(config, 1, kSlots, 79);
   std::vector<int32_t> slots(kSlots);
   std::iota(slots.begin(), slots.end(), 0);
@@ -1042,10 +1052,9 @@ TEST(StreamStepManyTest, EveryPathFlagsTheSlotsWhoseLogitsAreNotFinite) {
   const ParamLayout layout(config);
   const int F = config.n_features, kSlots = 300;
   const int64_t kLog = 8, first_entry = 20;
-  absl::StatusOr<std::unique_ptr<CudaStreamer>> created = CudaStreamer::Create(layout, kSlots, kLog);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaStreamer& streamer = **created;
-  ASSERT_TRUE(streamer.PublishFromHost(RandomParams(layout, 101)).ok());
+  const std::unique_ptr<CudaStreamer> made = PublishedStreamer(layout, kSlots, kLog, 101);
+  ASSERT_NE(made, nullptr);
+  CudaStreamer& streamer = *made;
   struct Path {
     std::string name;
     std::optional<StreamLaunchShape> shape;  // eager with this shape; none: Step's choice, graph-launched
