@@ -73,9 +73,10 @@ struct TicksChecked {
   // that the resident step took have no launch and are not among them; backends without a device report none.
   std::vector<double> device_seconds;
   // The device time in seconds of each lone event the resident step took (the CUDA backend), in order: its stamps on
-  // the device's global timer, from its ring entry found to just before its answer's store; reported once the run of
-  // the resident step that took it has stopped (an idle release, any other request) and left, where the stamp ring
-  // still holds it (the last 1,024 events posted); at most 4,096 a call on either path.
+  // the device's global timer, from its ring entry found to just before its answer's store; reported while the run of
+  // the resident step that took it goes on, once a later event is answered, or else once that run has stopped (an idle
+  // release, any other request) and left, where the stamp ring still holds it (the last 1,024 events posted); at most
+  // 4,096 a call on either path.
   std::vector<double> resident_seconds;
 };
 

@@ -726,14 +726,37 @@ absl::Status CudaStreamer::ReadStoppedRuns() {
   CUDA_RETURN_IF_ERROR_OF(state, "cudaEventQuery(the resident step's exit)");
   // The runs have left: their stamps in the ring are whole, up to those a later run may have rewritten.
   const auto [first, end] = *std::exchange(resident_.unread_runs, std::nullopt);
+  KeepResidentTimes(first, end, /*running=*/false);
+  return absl::OkStatus();
+}
+
+void CudaStreamer::ReadRunningStamps() {
+  // (Stopped runs not read yet go first: the next stop extends their range over this run's events.)
+  if (!resident_.running || !resident_.run_stamped || resident_.unread_runs.has_value()) return;
+  const uint32_t answered = std::atomic_ref<uint32_t>(*resident_.done).load(std::memory_order_acquire);
+  // The last answered event's done stamp is stored behind its answer; an earlier event's, by the same thread ahead of
+  // a later answer, so at least an event's time (~9 µs) before it. Nothing orders those stores at system scope (a
+  // fence there would cost every event): a stamp not yet whole as the host sees it (the slot's earlier event number,
+  // its done time unset) is read again at the next check, or once the run has left. (A stamp seen part new, part old
+  // in another way would pass unnoticed; the margin makes that unlikely, not impossible.)
+  const uint32_t end = answered - 1;
+  if (static_cast<int32_t>(end - resident_.run_first) <= 0) return;
+  resident_.run_first = KeepResidentTimes(resident_.run_first, end, /*running=*/true);
+}
+
+uint32_t CudaStreamer::KeepResidentTimes(uint32_t first, uint32_t end, bool running) {
   const auto [from, to] = ResidentStampsToRead(first, end, resident_.posted, resident_.stamp_slots);
   const auto* stamps = static_cast<const kernels::StreamResidentStamp*>(resident_.stamp_memory.get());
-  for (uint32_t k = from; k != to && resident_seconds_.size() < kTickTimesKept; ++k) {
+  for (uint32_t k = from; k != to; ++k) {
+    if (resident_seconds_.size() >= kTickTimesKept) return k;
     const kernels::StreamResidentStamp& s = stamps[k & (resident_.stamp_slots - 1)];
-    if (static_cast<uint32_t>(s.event) != k || s.done_cycles == 0 || s.done_ns < s.seen_ns) continue;
-    resident_seconds_.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-9);
+    if (static_cast<uint32_t>(s.event) == k && s.done_cycles != 0 && s.done_ns >= s.seen_ns) {
+      resident_seconds_.push_back(static_cast<double>(s.done_ns - s.seen_ns) * 1e-9);
+    } else if (running) {
+      return k;
+    }
   }
-  return absl::OkStatus();
+  return to;
 }
 
 absl::Status CudaStreamer::FaultResident() {
@@ -948,6 +971,7 @@ absl::StatusOr<TicksChecked> CudaStreamer::CheckTicks(bool wait_for_ticks) {
   // kernels write the word before their tick's end; the resident step fences it ahead of its answer).
   RETURN_IF_ERROR(ForgetFinishedTicks(wait_for_ticks));
   RETURN_IF_ERROR(ReadStoppedRuns());
+  ReadRunningStamps();
   if (std::atomic_ref<int>(*state_.nonfinite_seen).load(std::memory_order_acquire) != 0) {
     // Cleared before the copy: a tick that sets it again meanwhile has its slots in the copy, or in the next call's.
     std::atomic_ref<int>(*state_.nonfinite_seen).store(0, std::memory_order_relaxed);

@@ -45,9 +45,10 @@ using PerClusterShape = std::array<std::array<T, kStreamClusterSizes.size()>, kS
 // groups need (`fits`' max_clusters at once); shapes with no clusters are out.
 std::vector<StreamLaunchShape> ClusterShapesByEstimate(int n, const PerClusterShape<kernels::StreamShapeFit>& fits,
                                                        const PerClusterShape<float>& group_us);
-// The events [from, end) of a stopped resident run [first, end) (numbered modulo 2³²) whose stamps a ring of `slots`
-// (a power of two) still holds, and that no event posted so far (`posted`, stops included, every event of the run
-// among them) can be rewriting: those at most `slots` back from `posted`. Empty (from == end) where none is.
+// The events [from, end) of a resident run's events [first, end) (numbered modulo 2³²; a stopped run's, or a running
+// one's answered) whose stamps a ring of `slots` (a power of two) still holds, and that no event posted so far
+// (`posted`, stops included, every event of [first, end) among them) can be rewriting: those at most `slots` back from
+// `posted`. Empty (from == end) where none is.
 std::pair<uint32_t, uint32_t> ResidentStampsToRead(uint32_t first, uint32_t end, uint32_t posted, uint32_t slots);
 
 // How many of the estimate's fastest cluster shapes CudaStreamer times on a whole tick of each bucket below
@@ -104,12 +105,12 @@ class CudaStreamer {
   // events on stream(), the first recorded just before its launch (on an idle stream, the launch's latency is in the
   // time), which CheckTicks reports as TicksChecked::device_seconds; and, where `every` > 0, each lone event the
   // resident step takes by the stamps of its stamped kernel (kernels::StreamResidentStamp: the global timer from the
-  // event's ring entry found to its answer), which CheckTicks reports as TicksChecked::resident_seconds once that run
-  // of the resident step has stopped and left (those of its events the stamp ring still holds: the last
-  // kResidentStamps posted, by default). A timing event costs the stream 1.2–1.5 µs more than the plain one behind
-  // an untimed tick (H200, bench/RESULTS.md, the fifty-first session), hence one tick in kTimedTickEvery by default;
-  // the stamps cost the resident step 0.01–0.02 µs an event. A running resident step keeps its kernel until it is
-  // stopped. The next launched tick is a timed one.
+  // event's ring entry found to its answer), which CheckTicks reports as TicksChecked::resident_seconds while the run
+  // goes on (each answered event but the latest, whose done stamp may still be on its way) and once it has stopped and
+  // left (those of its events the stamp ring still holds: of the last kResidentStamps posted, by default). A timing
+  // event costs the stream 1.2–1.5 µs more than the plain one behind an untimed tick (H200, bench/RESULTS.md, the
+  // fifty-first session), hence one tick in kTimedTickEvery by default; the stamps cost the resident step 0.01–0.02 µs
+  // an event. A running resident step keeps its kernel until it is stopped. The next launched tick is a timed one.
   void set_time_ticks(int every) {
     time_ticks_every_ = std::max(every, 0);
     launched_since_set_ = 0;
@@ -117,7 +118,8 @@ class CudaStreamer {
   static constexpr int kTimedTickEvery = kStreamTickTimingEvery;
   // Device times kept for CheckTicks at most (a caller that never asks, a benchmark, keeps the first ones only).
   static constexpr size_t kTickTimesKept = 4096;
-  // The resident step's stamp ring by default: the most events of one run that CheckTicks reports (40 KB).
+  // The resident step's stamp ring by default (40 KB): the most events CheckTicks reports of those posted since it last
+  // read a run's stamps.
   static constexpr uint32_t kResidentStamps = 1024;
   // Where a staged tick's kernels read it: in place in pinned memory (a bus round trip in their first stage), or from
   // its copy in device memory, made on a copy stream beside the ticks queued ahead, so that the tick starts without
@@ -282,6 +284,14 @@ class CudaStreamer {
   // Where the stopped runs of the resident step not read yet have left (asked without waiting), keeps the device times
   // of their stamped events that the ring still holds (ResidentStampsToRead) in resident_seconds_.
   absl::Status ReadStoppedRuns();
+  // Keeps the device times of the running stamped run's events answered since the last read, but its latest, where no
+  // stopped run waits to be read.
+  void ReadRunningStamps();
+  // Keeps the device times of the stamped events [first, end) that the ring still holds in resident_seconds_, up to
+  // kTickTimesKept; returns the first event not taken: `end`, the one where that bound was reached, or (`running`, a
+  // run still going) the first whose stamp is not whole yet. A stopped run's stamps are whole: one that is not is no
+  // event's of the run (a stop's slot, one rewritten) and is skipped.
+  uint32_t KeepResidentTimes(uint32_t first, uint32_t end, bool running);
   // The resident step's side of the host: a lone event posted (launching the cluster first if none runs), the stop
   // posted (a no-op if none runs), and the waits on the ring's answers.
   absl::Status PostResident(const StreamTick& tick);
@@ -343,7 +353,7 @@ class CudaStreamer {
   uint64_t launched_since_set_ = 0;     // Step's ticks past the resident step since set_time_ticks
   bool tick_timing_due_ = false;        // the tick Step is launching is one to time
   cudaEvent_t tick_started_ = nullptr;  // RecordTickStartIfDue's, until NoteTickQueued
-  // The device times of the timed ticks found finished, and of the stamped lone events of stopped resident runs, since
+  // The device times of the timed ticks found finished, and of the resident step's stamped lone events read, since
   // CheckTicks last took them, up to kTickTimesKept each.
   std::vector<double> tick_seconds_, resident_seconds_;
   // The resident step's ring (pinned, read by the device over the bus) and answer counter; events are numbered over
@@ -357,10 +367,10 @@ class CudaStreamer {
     cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
     CudaAllocation stamp_memory;  // the stamps' ring (pinned, written by the device), `stamp_slots` stamps
     uint32_t stamp_slots = 0;
-    uint32_t run_first = 0;     // the first event of the latest launch
+    uint32_t run_first = 0;     // the first event of the latest launch that ReadRunningStamps has not read
     bool run_stamped = false;   // whose kernel is the stamped one
-    // The events [first, end) of the stopped stamped runs ReadStoppedRuns has not read (the first's first event to
-    // the last's stop): each left before the latest stop's `left`, and a stop or an unstamped run's event between
+    // The events [first, end) of the stopped stamped runs ReadStoppedRuns has not read (the first's first unread event
+    // to the last's stop): each left before the latest stop's `left`, and a stop or an unstamped run's event between
     // them is no stamp's event.
     std::optional<std::pair<uint32_t, uint32_t>> unread_runs;
   };

@@ -275,7 +275,8 @@ ServerMetrics::ServerMetrics()
                                             "path=\"launched\": a launched tick, between CUDA events recorded on the "
                                             "device's stream before and after it; path=\"resident\": a lone event "
                                             "through the resident step, on the device's global timer from its arrival "
-                                            "to its answer, observed once that run of the resident step has stopped.")
+                                            "to its answer, observed while that run of the resident step goes on "
+                                            "(but its latest event) and once it has stopped.")
                                       .Register(*registry_)),
       launched_tick_device_seconds_(stream_tick_device_seconds_.Add({{"path", "launched"}}, DecadeBuckets(-6, 0))),
       resident_event_device_seconds_(stream_tick_device_seconds_.Add({{"path", "resident"}}, DecadeBuckets(-6, 0))),

@@ -939,8 +939,9 @@ TEST(StreamStepManyTest, CheckTicksCountsTheStepsStillRunningWithoutWaiting) {
 // CheckTicks once, in order, nested within events recorded around its Step call: graph-launched ticks inline (4 events)
 // and staged (64 events on a cluster shape, 1,024 on the wide path) and an eager one; by default one tick in
 // kTimedTickEvery; none with timing off; a caller that never asks keeps the first kTickTimesKept. Lone events the
-// resident step takes have no launch: their stamps' times come once their run has stopped (the last kResidentStamps of
-// a longer run), none where timing was off when the run started.
+// resident step takes have no launch: their stamps' times come while their run goes on (each answered event but the
+// latest) and once it has stopped (the rest, up to the last kResidentStamps of a longer run), none where timing was
+// off when the run started.
 TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("small");
@@ -1006,11 +1007,13 @@ TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
     ASSERT_TRUE(streamer.resident_running());
     TicksChecked running = check();
     EXPECT_TRUE(running.device_seconds.empty()) << "the resident step's lone events have no launch to time";
-    EXPECT_TRUE(running.resident_seconds.empty()) << "its stamps are read once it has stopped";
+    EXPECT_EQ(running.resident_seconds.size(), 19u) << "a running step's answered events but the latest";
     ASSERT_TRUE(step(64).ok());  // (stops the resident step)
-    const TicksChecked stopped = check();
+    TicksChecked stopped = check();
     EXPECT_EQ(stopped.device_seconds.size(), 1u);
-    ASSERT_EQ(stopped.resident_seconds.size(), 20u);
+    EXPECT_EQ(stopped.resident_seconds.size(), 1u) << "the run's latest, once it has left";
+    stopped.resident_seconds.insert(stopped.resident_seconds.end(), running.resident_seconds.begin(),
+                                    running.resident_seconds.end());
     for (const double seconds : stopped.resident_seconds) {
       EXPECT_GT(seconds, 1e-6);
       EXPECT_LT(seconds, 1e-3);
@@ -1040,6 +1043,73 @@ TEST(StreamStepManyTest, CheckTicksReportsEachLaunchedTicksDeviceTime) {
   streamer.set_time_ticks(1);
   for (size_t t = 0; t < CudaStreamer::kTickTimesKept + 10; ++t) ASSERT_TRUE(step(4).ok()) << "tick " << t;
   EXPECT_EQ(device_seconds().size(), CudaStreamer::kTickTimesKept) << "a caller that never asks keeps the first ones";
+}
+
+// A busy feed of lone events (a resident run that never stops while it is read) reports the device time of each of its
+// events once, while it runs: 3,000 events, CheckTicks without waiting every 100, then the stop. A run stopped and not
+// yet read when the next one starts (the stream held behind a host function, so that it cannot leave) keeps the next
+// one from being read while it runs; the two are read together after the next stop, each event once.
+TEST(StreamStepManyTest, ABusyResidentRunReportsItsEventsTimesWhileItRuns) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("small");
+  const ParamLayout layout(config);
+  const int F = config.n_features, kSlots = 16;
+  const std::unique_ptr<CudaStreamer> made = PublishedStreamer(layout, kSlots, 8, 211);
+  ASSERT_NE(made, nullptr);
+  CudaStreamer& streamer = *made;
+  if (!streamer.resident_available()) GTEST_SKIP() << "no resident step fits this device";
+  const testing::RandomBatch events = MakeRandomBatch(config, 1, kSlots, 83);
+  int64_t entry = 0;
+  auto step = [&](int slot) {
+    const std::array<int32_t, 1> slots = {slot};
+    const std::array<int64_t, 1> entries = {entry++};
+    return streamer.Step({std::span<const float>(events.x).subspan(static_cast<size_t>(slot) * F, F),
+                          std::span<const float>(events.dt).subspan(slot, 1), slots, entries});
+  };
+  size_t reported = 0;
+  auto take = [&](bool wait) {
+    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(wait);
+    EXPECT_TRUE(checked.ok()) << checked.status();
+    if (!checked.ok()) return size_t{0};
+    for (const double seconds : checked->resident_seconds) {
+      EXPECT_GT(seconds, 1e-6);
+      EXPECT_LT(seconds, 0.1) << "an event's time, not a span of many (a stamp seen torn)";
+    }
+    reported += checked->resident_seconds.size();
+    return checked->resident_seconds.size();
+  };
+  constexpr int kEvents = 3000, kEvery = 100;
+  size_t while_running = 0;
+  for (int t = 1; t <= kEvents; ++t) {
+    ASSERT_TRUE(step(t % kSlots).ok());
+    if (t % kEvery == 0) while_running += take(/*wait=*/false);
+  }
+  ASSERT_TRUE(streamer.resident_running()) << "one run took every event";
+  EXPECT_GE(while_running, static_cast<size_t>(kEvents - 2 * kEvery))
+      << "all but the events of the last reads' lag came in while the run went on";
+  ASSERT_TRUE(streamer.StopResident().ok());
+  take(/*wait=*/true);
+  EXPECT_EQ(reported, static_cast<size_t>(kEvents)) << "each event once, none lost past the stamp ring's 1,024";
+
+  reported = 0;
+  std::atomic<bool> released = false;
+  struct Release {  // (also where an assertion returns early: the stream must not stay held)
+    std::atomic<bool>& flag;
+    ~Release() { flag = true; }
+  } release{released};
+  const cudaHostFn_t hold = [](void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(streamer.stream(), hold, &released), cudaSuccess);
+  for (int t = 0; t < 7; ++t) ASSERT_TRUE(step(t).ok());
+  ASSERT_TRUE(streamer.StopResident().ok());
+  for (int t = 0; t < 5; ++t) ASSERT_TRUE(step(t).ok());
+  ASSERT_TRUE(streamer.resident_running());
+  EXPECT_EQ(take(/*wait=*/false), 0u) << "neither run has started";
+  ASSERT_TRUE(streamer.StopResident().ok());
+  released = true;
+  take(/*wait=*/true);
+  EXPECT_EQ(reported, 12u) << "two runs read together, each event once";
 }
 
 // Every way a tick runs (each cluster shape and the wide path launched eagerly; graph-launched ticks inline and staged;
