@@ -50,10 +50,12 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
                                                    " is the largest there is; numbers must stay below it"));
   }
-  if (s.last_accepted && seq != *s.last_accepted + 1) {
+  // (An instrument whose every event was dropped takes its first one again: DropFrom's "then from seq N".)
+  const std::optional<uint64_t> expected = s.last_accepted ? std::optional(*s.last_accepted + 1) : s.first_seq;
+  if (expected && seq != *expected) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
-                                                   " out of order, expected ", *s.last_accepted + 1,
-                                                   seq <= *s.last_accepted ? " (repeated)" : " (skipped)"));
+                                                   " out of order, expected ", *expected,
+                                                   seq < *expected ? " (repeated)" : " (skipped)"));
   }
   if (!s.first_seq) s.first_seq = seq;
   s.last_accepted = seq;
@@ -107,8 +109,7 @@ uint64_t StreamTable::OldestRetained(const Slot& s) const {
 void StreamTable::ForgetUnprocessed(int slot) {
   Slot& s = slots_[slot];
   if (s.processed == 0) {
-    s.first_seq.reset();
-    s.last_accepted.reset();
+    s.last_accepted.reset();  // (first_seq stays: the next event accepted must carry it)
   } else {
     s.last_accepted = *s.first_seq + s.processed - 1;
   }

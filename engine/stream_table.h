@@ -50,7 +50,7 @@ class StreamTable {
   // has gone wrong.
   absl::Status TickFinished(int slot);
   // The slot's accepted events not yet processed are dropped: the next event accepted must carry the last
-  // processed sequence number + 1 (any number, where none was processed).
+  // processed sequence number + 1 (the first one accepted, where none was processed).
   void ForgetUnprocessed(int slot);
   // The sequence number of the slot's log entry `entry` (< processed(slot)).
   uint64_t SeqOfEntry(int slot, int64_t entry) const;

@@ -513,5 +513,24 @@ TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelT
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
 }
 
+// An instrument stopped at its very first event (nothing of it processed) resumes from that event after a reset, as
+// its stop says: a later number would skip events.
+TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEventAfterAReset) {
+  faults_->failing_ticks = 1;
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 0, 10)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL) << failed.status.error_message();
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("then from seq 10"));
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  const StreamOutcome skipping = daemon_.Stream({{Event("A", 0, 12)}});
+  EXPECT_EQ(skipping.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(skipping.status.error_message(), HasSubstr("sequence number 12 out of order, expected 10 (skipped)"));
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 0, 10), Event("A", 1, 11)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  EXPECT_EQ(resumed.acked.at("A"), 11u);
+  const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
+  ASSERT_EQ(log.seqs_size(), 2);
+  EXPECT_EQ(log.first_seq(), 10u);
+}
+
 }  // namespace
 }  // namespace perception::testing

@@ -109,13 +109,16 @@ TEST(StreamTableTest, ForgettingUnprocessedEventsRewindsToTheLastProcessed) {
   EXPECT_EQ(r->first_seq, 40u);
   EXPECT_EQ(r->next_seq, 43u);
   EXPECT_EQ(r->max_weights_version, 2u);
-  // With nothing processed, the stream starts afresh: any first number again.
+  // With nothing processed, the stream takes its first number again, not another (that would skip events; a new
+  // start is CloseStream's).
   const int fresh = *table.Open("AAPL");
   ASSERT_TRUE(table.Accept(fresh, 7).ok());
   table.ForgetUnprocessed(fresh);
-  ASSERT_TRUE(table.Accept(fresh, 3).ok());
+  EXPECT_THAT(table.Accept(fresh, 9).message(), HasSubstr("expected 7 (skipped)"));
+  EXPECT_THAT(table.Accept(fresh, 3).message(), HasSubstr("expected 7 (repeated)"));
+  ASSERT_TRUE(table.Accept(fresh, 7).ok());
   AppendFinished(table, fresh, 1);
-  EXPECT_EQ(table.Range(fresh, 0, 10)->first_seq, 3u);
+  EXPECT_EQ(table.Range(fresh, 0, 10)->first_seq, 7u);
 }
 
 TEST(StreamTableTest, RingsWrapCountOverwritesAndAnswerRanges) {
@@ -186,9 +189,10 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   r = table.Range(slot, 12, 10);
   EXPECT_EQ(r->count, 4);
   EXPECT_EQ(r->max_weights_version, 2u);
-  table.DropFrom(slot, 0);  // everything: the stream starts afresh
+  table.DropFrom(slot, 0);  // everything: the stream takes its first number again
   EXPECT_EQ(table.Range(slot, 0, 10)->count, 0);
-  EXPECT_TRUE(table.Accept(slot, 3).ok());
+  EXPECT_THAT(table.Accept(slot, 3).message(), HasSubstr("expected 10 (repeated)"));
+  EXPECT_TRUE(table.Accept(slot, 10).ok());
 }
 
 // A launched tick's entries join the log at once (the next event's entry follows them), but reads and listings count
