@@ -440,9 +440,12 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
     absl::MutexLock lock(&mu_);
     dropped_.clear();
     std::vector<bool> stopping(table_.capacity());
+    // Where each instrument resumes: its first event not processed, whichever call sent it.
+    std::vector<uint64_t> resume_seq(table_.capacity());
     for (const Notice& notice : failed) {
       if (stopping[notice.slot]) continue;
       stopping[notice.slot] = true;
+      resume_seq[notice.slot] = notice.seq;
       SlotQueue& queue = queues_[notice.slot];
       queue.stopped = absl::FailedPreconditionError(absl::StrCat(
           "instrument '", queue.instrument, "' stopped at seq ", notice.seq, " when the device failed its tick (",
@@ -466,7 +469,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
       const std::string stopped = NameInstruments(
           events, table_.capacity(), ", ",
           [&](const Notice& event) {
-            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", event.seq);
+            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", resume_seq[event.slot]);
           },
           [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
@@ -706,7 +709,9 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
     response.mutable_seqs()->Reserve(static_cast<int>(range.count));
     for (int64_t i = 0; i < range.count; ++i) response.add_seqs(range.first_seq + i);
     absl::MutexLock lock(&mu_);
-    table_.MarkRead(slot, response.next_seq());
+    // A caller that stopped waiting while the job ran (its deadline passed, it cancelled) never gets these entries:
+    // they stay unread, so that a drain waiting for every conviction to be read back waits for them too.
+    if (CallerGone(caller).ok()) table_.MarkRead(slot, response.next_seq());
     return response;
   }, caller);
 }

@@ -532,5 +532,54 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
   EXPECT_EQ(log.first_seq(), 10u);
 }
 
+// A ReadConvictions whose caller stopped waiting while its job ran (here its deadline passed while the job waited for
+// the device) leaves the convictions unread: the drain, which waits for every conviction to be read back, still waits
+// for them.
+TEST_F(StreamFailureTest, AReadWhoseCallerStoppedWaitingLeavesItsConvictionsUnread) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
+  ASSERT_EQ(daemon_.streams().NotReadBack().convictions, 2u);
+  faults_->hold_ticks = true;  // (the read's job waits in its CheckTicks for the ticks to finish, after it started)
+  std::thread release([&] {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (faults_->ticks_held == 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+    absl::SleepFor(absl::Milliseconds(500));  // past the caller's deadline
+    faults_->hold_ticks = false;
+  });
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  v1::ReadConvictionsRequest request;
+  request.set_instrument("A");
+  v1::ReadConvictionsResponse response;
+  const grpc::Status status = daemon_.stub().ReadConvictions(&context, request, &response);
+  release.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());  // (a job queued behind the read's: that one has finished)
+  EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 2u) << "the caller never got them";
+  EXPECT_EQ(daemon_.ReadConvictions("A").seqs_size(), 2);
+  EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 0u);
+}
+
+// Two calls stream one instrument and its tick fails: each call is told where the instrument resumes (its first event
+// not processed, the first call's), not the call's own first event.
+TEST_F(StreamFailureTest, EveryCallOfAStoppedInstrumentIsToldWhereItResumes) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->hold_launch = true;
+  faults_->failing_ticks = 1;
+  StreamOutcome first, second;
+  std::thread first_call([&] { first = daemon_.Stream({{Event("A", 1, 2)}}); });
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (faults_->launches_held == 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  std::thread second_call([&] { second = daemon_.Stream({{Event("A", 2, 3)}}); });
+  while (daemon_.Streams()["A"].last_accepted_seq() != 3u && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  faults_->hold_launch = false;
+  first_call.join();
+  second_call.join();
+  EXPECT_THAT(first.status.error_message(), HasSubstr(kFailedFromTwo));
+  EXPECT_THAT(second.status.error_message(), HasSubstr("1 events of this call were not processed: 'A' from seq 2"));
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("then from seq 2"));
+}
+
 }  // namespace
 }  // namespace perception::testing
