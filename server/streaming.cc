@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "server/proto_convert.h"
 
@@ -58,7 +59,11 @@ void StreamReactor::OnReadDone(bool ok) {
       input_done_ = true;
       return;
     }
-    if (broken_ || !error_.ok()) return;
+    if (broken_) return;
+    if (!error_.ok()) {  // (a read already under way when the call's failure, refusal or drain came)
+      NoteNotTakenLocked(*request);
+      return;
+    }
     // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
     const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
     unprocessed_ += submitted.accepted;
@@ -69,6 +74,14 @@ void StreamReactor::OnReadDone(bool ok) {
       input_done_ = true;
     }
   });
+}
+
+void StreamReactor::NoteNotTakenLocked(const v1::StreamRequest& request) {
+  for (const v1::StreamEvent& event : request.events()) {
+    ++not_taken_events_;
+    if (!not_taken_.insert(event.instrument()).second || not_taken_named_.size() >= kNotTakenNamed) continue;
+    not_taken_named_.push_back(absl::StrCat("'", event.instrument(), "' from seq ", event.seq()));
+  }
 }
 
 void StreamReactor::AwaitLocked(const v1::StreamRequest& request, int64_t accepted) {
@@ -108,12 +121,17 @@ void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
     // The failure, which names where each instrument resumes, outranks a refusal of one of the call's requests (one
     // read while the failure was on its way, refused because the failed tick had stopped its instrument, or before)
     // and a drain that reached the call first (a lost device begins one as it fails the ticks).
+    // A later failure (another tick's, another stop) is named after the first: its instruments stopped too. A lost
+    // device's code (UNAVAILABLE: retry once the daemon is back) outranks the others.
     if (error_.ok()) {
       error_ = status;
     } else if (outranked_ != nullptr) {
       error_ = absl::Status(status.code(),
                             absl::StrCat(status.message(), ". Besides, ", outranked_, ": ", error_.message()));
       outranked_ = nullptr;
+    } else {
+      const absl::StatusCode code = absl::IsUnavailable(status) ? status.code() : error_.code();
+      error_ = absl::Status(code, absl::StrCat(error_.message(), ". Then ", status.message()));
     }
     input_done_ = true;
   });
@@ -198,9 +216,17 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
     return std::nullopt;
   }
   finished_ = true;
-  const absl::Status status =
+  absl::Status status =
       broken_ ? absl::CancelledError("the client cancelled the stream or stopped reading its acknowledgements")
               : error_;
+  if (!broken_ && not_taken_events_ > 0) {
+    std::string named = absl::StrJoin(not_taken_named_, ", ");
+    if (const size_t more = not_taken_.size() - not_taken_named_.size(); more > 0) {
+      absl::StrAppend(&named, " and ", more, " more instruments");
+    }
+    status = absl::Status(status.code(), absl::StrCat(status.message(), ". ", not_taken_events_,
+                                                      " events of this call read after that were not taken: ", named));
+  }
   on_finish_(status);
   return ToGrpcStatus(status);
 }

@@ -581,5 +581,62 @@ TEST_F(StreamFailureTest, EveryCallOfAStoppedInstrumentIsToldWhereItResumes) {
   EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("then from seq 2"));
 }
 
+// A call whose instrument A was stopped (an output not finite) and whose instrument B's tick then fails is told of
+// both: B's stop and its events not processed are named after A's.
+TEST_F(StreamFailureTest, ASecondFailureOfACallIsNamedAfterTheFirst) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->nonfinite_entry = 1;  // A's seq 2
+  faults_->nonfinite_unwaited = true;
+  faults_->nonfinite_slot = daemon_.Streams()["A"].slot();
+  faults_->slow_ticks = true;
+  faults_->failing_tick_in = 2;  // tick 1: A's seq 2 and B's 1; tick 2: B's 2 fails
+  const StreamOutcome out = daemon_.Stream(
+      {{Event("A", 1, 2), Event("A", 2, 3), Event("B", 0, 1), Event("B", 1, 2), Event("B", 2, 3)}});
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << out.status.error_message();
+  EXPECT_THAT(out.status.error_message(), HasSubstr("instrument 'A' stopped at seq 2: the model's output"));
+  EXPECT_THAT(out.status.error_message(),
+              HasSubstr(". Then the device failed a streaming tick (an injected device error); 2 events of this call "
+                        "were not processed: 'B' from seq 2"));
+  EXPECT_THAT(daemon_.Streams()["B"].stopped(), HasSubstr("instrument 'B' stopped at seq 2"));
+}
+
+// A request that a call's read takes in after the call's failure (the read was under way) is neither processed nor
+// refused event by event: the call's status names its events as not taken, each instrument from its first.
+TEST_F(StreamFailureTest, ARequestReadAfterTheCallsFailureIsNamedAsNotTaken) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->nonfinite_entry = 1;  // A's seq 2
+  faults_->nonfinite_unwaited = true;
+  faults_->nonfinite_slot = daemon_.Streams()["A"].slot();
+  faults_->slow_ticks = true;
+  faults_->hold_ticks = true;  // the last tick's wait holds the call open after A's stop reached it
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const auto call = daemon_.stub().Stream(&context);
+  v1::StreamRequest first, later;
+  for (const v1::StreamEvent& event : {Event("A", 1, 2), Event("A", 2, 3), Event("B", 0, 1), Event("B", 1, 2)}) {
+    *first.add_events() = event;
+  }
+  ASSERT_TRUE(call->Write(first));
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (faults_->ticks_held == 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(faults_->ticks_held, 1);
+  *later.add_events() = Event("B", 2, 3);
+  *later.add_events() = Event("B", 3, 4);
+  ASSERT_TRUE(call->Write(later));
+  absl::SleepFor(absl::Milliseconds(200));
+  faults_->hold_ticks = false;
+  call->WritesDone();
+  std::map<std::string, uint64_t> acked;
+  for (v1::StreamResponse response; call->Read(&response);) {
+    for (const v1::InstrumentAck& ack : response.acks()) acked[ack.instrument()] = ack.last_seq();
+  }
+  const grpc::Status status = call->Finish();
+  EXPECT_EQ(acked["B"], 2u);
+  EXPECT_EQ(daemon_.Streams()["B"].last_accepted_seq(), 2u);
+  EXPECT_THAT(status.error_message(), HasSubstr("instrument 'A' stopped at seq 2"));
+  EXPECT_THAT(status.error_message(), HasSubstr(". 2 events of this call read after that were not taken: 'B' from "
+                                                "seq 3"));
+}
+
 }  // namespace
 }  // namespace perception::testing
