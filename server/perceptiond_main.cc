@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -489,6 +490,9 @@ absl::Status Serve() {
                                                   absl::GetFlag(FLAGS_graphs), precision),
                       limits.queue_depth, stream_options.resident_idle_period);
   StreamBatcher streams(worker, stream_options, metrics);
+  // The worker runs what is left in its queue as it stops, the batcher's jobs among them: it stops while the batcher
+  // lives, on every way out of here (a lost device, a failed save or start-up returns early).
+  absl::Cleanup stop_worker = [&worker] { worker.Stop(); };
   PerceptionService service(worker, streams, stream_options, checkpoints, limits, metrics);
   RendezvousService rendezvous(data_parallel ? data_parallel->options.rank : 0,
                                data_parallel ? data_parallel->options.world_size : 0);
@@ -508,7 +512,7 @@ absl::Status Serve() {
   Drain(*server, service, streams);
   RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
-  worker.Stop();
+  std::move(stop_worker).Invoke();
   spdlog::info("drained; exiting");
   return absl::OkStatus();
 }
