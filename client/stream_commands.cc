@@ -72,12 +72,13 @@ absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& clien
 }
 
 // Refuses, before anything is sent, a seed window that would replace the live state of an instrument that already
-// has events (unless `reseed`), and a reseeded stream whose numbers would not continue the instrument's.
+// has events (unless `reseed`), and a seeded stream whose numbers would not continue the instrument's (one whose
+// every event was dropped takes its first again).
 absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
-  if (!stream.has_value() || !stream->has_last_accepted_seq()) return absl::OkStatus();
-  const uint64_t next = stream->last_accepted_seq() + 1;
-  if (!options.reseed) {
+  if (!stream.has_value() || !stream->has_next_seq()) return absl::OkStatus();
+  const uint64_t next = stream->next_seq();
+  if (stream->has_last_accepted_seq() && !options.reseed) {
     return absl::FailedPreconditionError(absl::StrCat(
         "instrument ", options.instrument, " already has events (through seq ", stream->last_accepted_seq(),
         "): --seed-window would replace its live state; stream without it to continue (--start_seq ", next,

@@ -50,8 +50,7 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
                                                    " is the largest there is; numbers must stay below it"));
   }
-  // (An instrument whose every event was dropped takes its first one again: DropFrom's "then from seq N".)
-  const std::optional<uint64_t> expected = s.last_accepted ? std::optional(*s.last_accepted + 1) : s.first_seq;
+  const std::optional<uint64_t> expected = NextSeq(slot);
   if (expected && seq != *expected) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
                                                    " out of order, expected ", *expected,
@@ -60,6 +59,12 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
   if (!s.first_seq) s.first_seq = seq;
   s.last_accepted = seq;
   return absl::OkStatus();
+}
+
+std::optional<uint64_t> StreamTable::NextSeq(int slot) const {
+  const Slot& s = slots_[slot];
+  // (An instrument whose every event was dropped takes its first one again: DropFrom's "then from seq N".)
+  return s.last_accepted ? std::optional(*s.last_accepted + 1) : s.first_seq;
 }
 
 int64_t StreamTable::NextLogEntry(int slot) const { return static_cast<int64_t>(slots_[slot].processed); }
@@ -180,7 +185,8 @@ void StreamTable::ResetFeatures(int slot) { slots_[slot].featurizer.reset(); }
 std::vector<StreamTable::InstrumentInfo> StreamTable::List() const {
   std::vector<InstrumentInfo> out;
   for (const auto& [instrument, slot] : by_instrument_) {
-    out.push_back({instrument, slot, finished(slot), slots_[slot].unfinished, slots_[slot].last_accepted});
+    const Slot& s = slots_[slot];
+    out.push_back({instrument, slot, finished(slot), s.unfinished, s.last_accepted, NextSeq(slot)});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.instrument < b.instrument; });
   return out;

@@ -35,10 +35,12 @@ class StreamTable {
   // Frees the instrument's slot and forgets its log; the caller also resets the backend's slot state.
   absl::Status Close(const std::string& instrument);
 
-  // Receipt of an event: `seq` must be the first of the stream or the last accepted + 1 (INVALID_ARGUMENT naming
-  // the expected number otherwise), and below UINT64_MAX so that one past it has a number. Accepted events are then
-  // processed in order.
+  // Receipt of an event: `seq` must be NextSeq where it has one (INVALID_ARGUMENT naming it otherwise), and below
+  // UINT64_MAX so that one past it has a number. Accepted events are then processed in order.
   absl::Status Accept(int slot, uint64_t seq);
+  // The sequence number the slot takes next: the last accepted + 1, or its first accepted where every event it took
+  // was dropped; none (any number) before its first event.
+  std::optional<uint64_t> NextSeq(int slot) const;
   // The number of the log entry that the slot's oldest accepted, unprocessed event takes (entries are numbered from 0
   // in the stream's processing order; the ring keeps number n at position n mod log_entries_per_slot).
   int64_t NextLogEntry(int slot) const;
@@ -103,6 +105,7 @@ class StreamTable {
     uint64_t finished;  // events processed since the stream opened, their ticks finished
     uint64_t unfinished;  // events whose ticks the device may still be running
     std::optional<uint64_t> last_seq;  // last accepted sequence number
+    std::optional<uint64_t> next_seq;  // NextSeq
   };
   std::vector<InstrumentInfo> List() const;
 

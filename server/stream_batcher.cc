@@ -14,20 +14,21 @@
 #include "spdlog/spdlog.h"
 
 namespace perception::server {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// An instrument id as a message names it: ids too long to be accepted are cut, so that the refusal stays short.
-std::string Shown(absl::string_view instrument) {
+std::string ShownInstrumentId(absl::string_view instrument) {
   constexpr size_t kShownBytes = 32;
   if (instrument.size() <= kMaxInstrumentIdBytes) return std::string(instrument);
   return absl::StrCat(instrument.substr(0, kShownBytes), "... (", instrument.size(), " bytes)");
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
 // "event 3 (instrument 'AAPL', seq 17): ": where a refused event sits in its request.
 std::string Where(int index, const v1::StreamEvent& event) {
-  return absl::StrCat("event ", index, " (instrument '", Shown(event.instrument()), "', seq ", event.seq(), "): ");
+  return absl::StrCat("event ", index, " (instrument '", ShownInstrumentId(event.instrument()), "', seq ", event.seq(),
+                      "): ");
 }
 
 absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
@@ -388,9 +389,6 @@ struct Failure {
   int64_t count;
 };
 
-// How many stopped instruments a failure's message names.
-constexpr size_t kInstrumentsNamed = 4;
-
 // A failure message's list of the instruments of one sink's `events`: `name(event)` for each instrument's first event,
 // up to kInstrumentsNamed, joined by `separator`, then `more(count)` for the instruments not named.
 template <typename Event, typename Name, typename More>
@@ -708,10 +706,11 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
     }
     response.mutable_seqs()->Reserve(static_cast<int>(range.count));
     for (int64_t i = 0; i < range.count; ++i) response.add_seqs(range.first_seq + i);
-    absl::MutexLock lock(&mu_);
     // A caller that stopped waiting while the job ran (its deadline passed, it cancelled) never gets these entries:
     // they stay unread, so that a drain waiting for every conviction to be read back waits for them too.
-    if (CallerGone(caller).ok()) table_.MarkRead(slot, response.next_seq());
+    if (!CallerGone(caller).ok()) return response;
+    absl::MutexLock lock(&mu_);
+    table_.MarkRead(slot, response.next_seq());
     return response;
   }, caller);
 }
@@ -760,6 +759,7 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     stream.set_processed_events(info.finished);
     stream.set_pending_events(queues_[info.slot].events.size() + info.unfinished);
     if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
+    if (info.next_seq.has_value()) stream.set_next_seq(*info.next_seq);
     stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
     if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
       stream.set_end_seq(range->next_seq);
@@ -767,6 +767,10 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     }
   }
   return response;
+}
+
+void StreamBatcher::NoteNotTaken(int events) {
+  for (int i = 0; i < events; ++i) metrics_.RejectStreamEvent("call_ended");
 }
 
 bool StreamBatcher::RoomToRead(bool held) {

@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/stream_table.h"
@@ -27,6 +28,10 @@ namespace perception::server {
 // The longest instrument id any streaming call takes: every live id is in ListStreams' one answer, which must stay
 // far below the message limit however many slots there are.
 inline constexpr size_t kMaxInstrumentIdBytes = 256;
+// How many instruments a failure's message names; the others are counted.
+inline constexpr size_t kInstrumentsNamed = 4;
+// An instrument id as a message names it: ids too long to be accepted are cut, so that the message stays short.
+std::string ShownInstrumentId(absl::string_view instrument);
 
 // Streaming's flags.
 struct StreamOptions {
@@ -107,6 +112,8 @@ class StreamBatcher {
   // request of each live call more than the limit. A call that was not `held` before and is now counts in the
   // metrics.
   bool RoomToRead(bool held);
+  // Counts `events` a Stream call read after its failure or the drain, and took no further, as refused (call_ended).
+  void NoteNotTaken(int events);
   // Everything but the weights version (the model host's).
   void FillStatus(v1::StreamingStatus& status) const;
   // What clients have not read back yet: accepted events still to process (each will log a conviction) and logged

@@ -60,7 +60,7 @@ void StreamReactor::OnReadDone(bool ok) {
       return;
     }
     if (broken_) return;
-    if (!error_.ok()) {  // (a read already under way when the call's failure, refusal or drain came)
+    if (!error_.ok()) {  // (a read already under way when the call's failure or the drain came)
       NoteNotTakenLocked(*request);
       return;
     }
@@ -77,10 +77,11 @@ void StreamReactor::OnReadDone(bool ok) {
 }
 
 void StreamReactor::NoteNotTakenLocked(const v1::StreamRequest& request) {
+  batcher_.NoteNotTaken(request.events_size());
   for (const v1::StreamEvent& event : request.events()) {
     ++not_taken_events_;
-    if (!not_taken_.insert(event.instrument()).second || not_taken_named_.size() >= kNotTakenNamed) continue;
-    not_taken_named_.push_back(absl::StrCat("'", event.instrument(), "' from seq ", event.seq()));
+    if (!not_taken_.insert(event.instrument()).second || not_taken_named_.size() >= kInstrumentsNamed) continue;
+    not_taken_named_.push_back(absl::StrCat("'", ShownInstrumentId(event.instrument()), "' from seq ", event.seq()));
   }
 }
 
@@ -126,8 +127,8 @@ void StreamReactor::OnFailed(const absl::Status& status, int64_t count) {
     if (error_.ok()) {
       error_ = status;
     } else if (outranked_ != nullptr) {
-      error_ = absl::Status(status.code(),
-                            absl::StrCat(status.message(), ". Besides, ", outranked_, ": ", error_.message()));
+      besides_ = absl::StrCat(". Besides, ", outranked_, ": ", error_.message());
+      error_ = status;
       outranked_ = nullptr;
     } else {
       const absl::StatusCode code = absl::IsUnavailable(status) ? status.code() : error_.code();
@@ -219,13 +220,17 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
   absl::Status status =
       broken_ ? absl::CancelledError("the client cancelled the stream or stopped reading its acknowledgements")
               : error_;
-  if (!broken_ && not_taken_events_ > 0) {
-    std::string named = absl::StrJoin(not_taken_named_, ", ");
-    if (const size_t more = not_taken_.size() - not_taken_named_.size(); more > 0) {
-      absl::StrAppend(&named, " and ", more, " more instruments");
+  if (!broken_ && !status.ok()) {
+    std::string message(status.message());
+    if (not_taken_events_ > 0) {
+      std::string named = absl::StrJoin(not_taken_named_, ", ");
+      if (const size_t more = not_taken_.size() - not_taken_named_.size(); more > 0) {
+        absl::StrAppend(&named, " and ", more, " more instruments");
+      }
+      absl::StrAppend(&message, ". ", not_taken_events_, " events of this call read after that were not taken: ",
+                      named);
     }
-    status = absl::Status(status.code(), absl::StrCat(status.message(), ". ", not_taken_events_,
-                                                      " events of this call read after that were not taken: ", named));
+    status = absl::Status(status.code(), absl::StrCat(message, besides_));
   }
   on_finish_(status);
   return ToGrpcStatus(status);

@@ -56,8 +56,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   // Starts the reads, writes and alarm the state allows; the status to finish with once the call has ended.
   std::optional<grpc::Status> AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AckDueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records the events of a request read after the call's error (a failure, a refusal, the drain) as not taken: the
-  // final status names them, each instrument from its first such event.
+  // Records the events of a request read after the call's error (a failure, the drain) as not taken: the final status
+  // names them, each instrument from its first such event.
   void NoteNotTakenLocked(const v1::StreamRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records what a request with `ack` waits for: the last of its first `accepted` events of each instrument.
   void AwaitLocked(const v1::StreamRequest& request, int64_t accepted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -74,10 +74,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   // What error_ is where it is a refusal of one of the call's requests or the drain, which a failure (naming where
   // each instrument resumes) outranks and keeps as an aside; null otherwise.
   const char* outranked_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // What a failure outranked (". Besides, " the refusal or drain and its message), said last in the final status.
+  std::string besides_ ABSL_GUARDED_BY(mu_);
   int64_t unprocessed_ ABSL_GUARDED_BY(mu_) = 0;  // accepted events not yet processed
   // Events read after error_ was set, neither processed nor refused one by one (NoteNotTakenLocked): how many, their
-  // instruments, and the first kNotTakenNamed instruments' first such events, named.
-  static constexpr size_t kNotTakenNamed = 8;
+  // instruments, and the first kInstrumentsNamed instruments' first such events, named.
   int64_t not_taken_events_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<std::string> not_taken_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> not_taken_named_ ABSL_GUARDED_BY(mu_);

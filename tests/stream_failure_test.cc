@@ -514,12 +514,17 @@ TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelT
 }
 
 // An instrument stopped at its very first event (nothing of it processed) resumes from that event after a reset, as
-// its stop says: a later number would skip events.
+// its stop says: a later number would skip events. ListStreams names the number it takes next (none for a stream
+// that has taken no event, which takes any).
 TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEventAfterAReset) {
+  ASSERT_TRUE(Seed("B", 0, 4).ok());
+  EXPECT_FALSE(daemon_.Streams()["B"].has_next_seq()) << "no event yet: any number";
   faults_->failing_ticks = 1;
   const StreamOutcome failed = daemon_.Stream({{Event("A", 0, 10)}});
   EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL) << failed.status.error_message();
   EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("then from seq 10"));
+  EXPECT_FALSE(daemon_.Streams()["A"].has_last_accepted_seq()) << "every event it took was dropped";
+  EXPECT_EQ(daemon_.Streams()["A"].next_seq(), 10u);
   ASSERT_TRUE(daemon_.ResetStream("A").ok());
   const StreamOutcome skipping = daemon_.Stream({{Event("A", 0, 12)}});
   EXPECT_EQ(skipping.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -527,6 +532,7 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
   const StreamOutcome resumed = daemon_.Stream({{Event("A", 0, 10), Event("A", 1, 11)}});
   ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
   EXPECT_EQ(resumed.acked.at("A"), 11u);
+  EXPECT_EQ(daemon_.Streams()["A"].next_seq(), 12u);
   const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 2);
   EXPECT_EQ(log.first_seq(), 10u);
@@ -539,19 +545,21 @@ TEST_F(StreamFailureTest, AReadWhoseCallerStoppedWaitingLeavesItsConvictionsUnre
   ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
   ASSERT_EQ(daemon_.streams().NotReadBack().convictions, 2u);
   faults_->hold_ticks = true;  // (the read's job waits in its CheckTicks for the ticks to finish, after it started)
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
   std::thread release([&] {
     const absl::Time give_up = absl::Now() + absl::Seconds(30);
     while (faults_->ticks_held == 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
-    absl::SleepFor(absl::Milliseconds(500));  // past the caller's deadline
+    std::this_thread::sleep_until(deadline + std::chrono::milliseconds(300));
     faults_->hold_ticks = false;
   });
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  context.set_deadline(deadline);
   v1::ReadConvictionsRequest request;
   request.set_instrument("A");
   v1::ReadConvictionsResponse response;
   const grpc::Status status = daemon_.stub().ReadConvictions(&context, request, &response);
   release.join();
+  ASSERT_EQ(faults_->ticks_held, 1) << "the read's job started before the deadline";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   ASSERT_TRUE(daemon_.ResetStream("A").ok());  // (a job queued behind the read's: that one has finished)
   EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 2u) << "the caller never got them";
@@ -573,6 +581,8 @@ TEST_F(StreamFailureTest, EveryCallOfAStoppedInstrumentIsToldWhereItResumes) {
   while (daemon_.Streams()["A"].last_accepted_seq() != 3u && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(1));
   }
+  EXPECT_EQ(faults_->launches_held, 1);
+  EXPECT_EQ(daemon_.Streams()["A"].last_accepted_seq(), 3u) << "the second call's event waits behind the held tick";
   faults_->hold_launch = false;
   first_call.join();
   second_call.join();
@@ -623,7 +633,11 @@ TEST_F(StreamFailureTest, ARequestReadAfterTheCallsFailureIsNamedAsNotTaken) {
   *later.add_events() = Event("B", 2, 3);
   *later.add_events() = Event("B", 3, 4);
   ASSERT_TRUE(call->Write(later));
-  absl::SleepFor(absl::Milliseconds(200));
+  const auto not_taken = [&] {
+    return daemon_.Metric("perception_stream_events_rejected_total{reason=\"call_ended\"}");
+  };
+  while (not_taken() < 2 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(not_taken(), 2) << "read after A's stop, and counted";
   faults_->hold_ticks = false;
   call->WritesDone();
   std::map<std::string, uint64_t> acked;
