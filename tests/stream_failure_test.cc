@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "client/perception_client.h"
+#include "client/stream_commands.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/backend.h"
@@ -26,6 +28,7 @@
 #include "tests/batch_message.h"
 #include "tests/forwarding_backend.h"
 #include "tests/in_process_daemon.h"
+#include "tests/lobster_samples.h"
 #include "tests/test_util.h"
 
 namespace perception::testing {
@@ -536,6 +539,39 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
   const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 2);
   EXPECT_EQ(log.first_seq(), 10u);
+}
+
+// perceptionctl's seed-window check reads ListStreams' next_seq: onto an instrument stopped at its first event (seq
+// 10), a seeded stream that would start elsewhere is refused before anything is sent, and one that starts there
+// streams.
+TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustStartWhereItStopped) {
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_levels(10);
+  init.set_seed(kSeed);
+  init.set_replace(true);
+  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  client::PerceptionClient client(daemon_.target());
+  client::StreamOptions options;
+  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
+  options.instrument = "AAPL";
+  options.count = 1;
+  options.start_seq = 10;
+  faults_->failing_ticks = 1;
+  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
+  ASSERT_EQ(daemon_.Streams()["AAPL"].next_seq(), 10u);
+  ASSERT_TRUE(daemon_.ResetStream("AAPL").ok());
+  options.seed_window = 5;
+  options.count = 10;
+  options.start_seq = 20;  // (the stream after the window would start at 25)
+  const absl::Status refused = client::StreamLobster(client, options);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("instrument AAPL takes seq 10 next, but the stream after the seed window "
+                                           "would start at 25 (--start_seq 5 continues it)"));
+  options.start_seq = 5;
+  const absl::Status streamed = client::StreamLobster(client, options);
+  ASSERT_TRUE(streamed.ok()) << streamed;
+  EXPECT_EQ(daemon_.Streams()["AAPL"].next_seq(), 15u);
 }
 
 // A ReadConvictions whose caller stopped waiting while its job ran (here its deadline passed while the job waited for
