@@ -54,8 +54,13 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
     return absl::InvalidArgumentError("optimizer: weight_decay must be finite and >= 0");
   }
   RETURN_IF_ERROR(CheckFitsFloat32("lr * weight_decay", c.lr * c.weight_decay));
-  if (std::isnan(c.max_grad_norm)) {
-    return absl::InvalidArgumentError("optimizer: max_grad_norm is NaN (<= 0 disables clipping)");
+  // (Every field must be finite: a checkpoint's JSON metadata, where they are saved, has no infinities or NaNs.)
+  if (!std::isfinite(c.max_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: max_grad_norm ", c.max_grad_norm,
+                                                   " is not finite (<= 0 disables clipping)"));
+  }
+  if (!std::isfinite(c.min_lr)) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: min_lr ", c.min_lr, " is not finite"));
   }
   if (c.schedule == LrSchedule::kWarmupCosine) {
     if (c.warmup_steps < 0 || c.total_steps <= c.warmup_steps) {

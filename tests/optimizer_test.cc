@@ -145,7 +145,9 @@ TEST(ScheduleTest, ConstantAndWarmupCosine) {
   EXPECT_FALSE(ParseLrSchedule("linear").ok());
 }
 
-// An infinite weight decay made every weight ±inf or NaN one step later, and a NaN max-norm turned clipping off.
+// An infinite weight decay made every weight ±inf or NaN one step later, and a NaN max-norm turned clipping off. An
+// infinite max-norm, or a NaN min_lr under the constant schedule (which does not read it), trained, but its checkpoint
+// saved them as JSON null and then did not load.
 TEST(ValidateOptimizerConfigTest, RefusesInfinitiesAndNaNs) {
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
   OptimizerConfig c;
@@ -156,11 +158,18 @@ TEST(ValidateOptimizerConfigTest, RefusesInfinitiesAndNaNs) {
   EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("eps must be positive"));
   c = OptimizerConfig{};
   c.max_grad_norm = nan;
-  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("max_grad_norm is NaN"));
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("max_grad_norm nan is not finite"));
+  c.max_grad_norm = inf;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("max_grad_norm inf is not finite (<= 0 "
+                                                                         "disables clipping)"));
   c.max_grad_norm = 0;  // disables clipping, as documented
   EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
-  c.max_grad_norm = inf;  // never clips
-  EXPECT_TRUE(ValidateOptimizerConfig(c).ok());
+  c = OptimizerConfig{};
+  ASSERT_EQ(c.schedule, LrSchedule::kConstant);
+  c.min_lr = nan;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("min_lr nan is not finite"));
+  c.min_lr = -inf;
+  EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("min_lr -inf is not finite"));
 }
 
 // The update computes in float32: before, lr 1e39 (or lr * weight_decay, or lr / (1 - beta1), past float32's range)
