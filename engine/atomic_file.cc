@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdint>
 #include <filesystem>
 #include <random>
@@ -34,17 +35,28 @@ absl::Status WriteAll(int fd, std::string_view bytes, const std::string& path) {
   return absl::OkStatus();
 }
 
-// A new file of our own beside `path`, named `<path>.tmp.<pid>.<random>`: never a name that exists (a user's file,
-// another writer's temporary, a planted link), which O_EXCL | O_NOFOLLOW refuse rather than replace or follow.
+// A new file of our own beside `path`, named `<path>.tmp.<pid>.<random>` (the name cut to fit NAME_MAX where it is
+// long): never a name that exists (a user's file, another writer's temporary, a planted link), which O_EXCL |
+// O_NOFOLLOW refuse rather than replace or follow.
 struct Temporary {
   std::string path;
   int fd = -1;
 };
+// `path` with its last component cut so that `suffix_bytes` more still make a name the file system takes (NAME_MAX):
+// a valid name up to NAME_MAX long must get a temporary too.
+std::string WithinNameMax(const std::string& path, size_t suffix_bytes) {
+  const size_t name_start = path.rfind('/') + 1;  // (0 without a folder: npos + 1)
+  const size_t name_bytes = path.size() - name_start;
+  if (name_bytes + suffix_bytes <= NAME_MAX) return path;
+  return path.substr(0, name_start + (NAME_MAX - suffix_bytes));
+}
+
 absl::StatusOr<Temporary> CreateTemporary(const std::string& path) {
   thread_local std::mt19937_64 random(std::random_device{}() ^ static_cast<uint64_t>(::getpid()));
   constexpr int kAttempts = 16;
   for (int attempt = 1;; ++attempt) {
-    Temporary temp{absl::StrCat(path, ".tmp.", ::getpid(), ".", absl::Hex(random(), absl::kZeroPad16))};
+    const std::string suffix = absl::StrCat(".tmp.", ::getpid(), ".", absl::Hex(random(), absl::kZeroPad16));
+    Temporary temp{absl::StrCat(WithinNameMax(path, suffix.size()), suffix)};
     temp.fd = ::open(temp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (temp.fd >= 0) return temp;
     if (errno != EEXIST || attempt == kAttempts) return Errno("cannot create", temp.path);

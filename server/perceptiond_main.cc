@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "engine/atomic_file.h"
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
@@ -357,12 +358,13 @@ absl::Status PrepareModel(PerceptionService& service, const CheckpointDirectory&
   return CreatePreset(service, preset);
 }
 
-// A name the exit's save would refuse is refused before the daemon serves, not found after the drain with the model
-// lost. SaveOnExit resolves it again: a folder may have taken the name meanwhile.
+// A name the exit's save would refuse, or a folder it cannot write in, is refused before the daemon serves, not found
+// after the drain with the model lost. SaveOnExit resolves it again: a folder may have taken the name meanwhile.
 absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
   if (name.empty()) return absl::OkStatus();
-  return checkpoints.ResolveForWriting(name, "--checkpoint_on_exit").status();
+  ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name, "--checkpoint_on_exit"));
+  return CheckWritableDestination(path);
 }
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -157,6 +158,20 @@ TEST_F(SafetensorsTest, WriteLeavesFilesAndLinksAtTemporaryLikeNamesAlone) {
   const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(dir_.Entries().size(), 4u) << "the file, the user's file, the link and its target; no temporary";
+}
+
+// A name of NAME_MAX bytes is one the file system takes, and so is its temporary: before, `<name>.tmp.<pid>.<random>`
+// outgrew NAME_MAX and every save to a name over ~225 bytes failed ("File name too long").
+TEST_F(SafetensorsTest, AFileNameOfNameMaxBytesIsWritten) {
+  for (const size_t bytes : {size_t{230}, size_t{NAME_MAX}}) {
+    const std::string name(bytes, 'n');
+    const std::string path = Path(name);
+    const absl::Status written = WriteSafetensors(path, {{{"t", {2}, std::vector<float>{1.f, 2.f}}}}, {});
+    ASSERT_TRUE(written.ok()) << bytes << " bytes: " << written;
+    ASSERT_TRUE(ReadSafetensors(path).ok());
+    EXPECT_EQ(dir_.Entries(), std::vector<std::string>{name}) << "no temporary left";
+    std::filesystem::remove(path);
+  }
 }
 
 TEST_F(SafetensorsTest, OverwriteReplacesTheFileAndLeavesNoTemporary) {

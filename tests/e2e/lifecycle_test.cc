@@ -120,6 +120,10 @@ TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
     ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=" + name,
                            absl::StrCat("--checkpoint_on_exit: checkpoint name '", name, "' ", why));
   }
+  // A folder the save cannot write in (here one that does not exist) too, as the CLI's --save is.
+  ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=missing/x.safetensors",
+                         absl::StrCat("cannot create ", (checkpoints.path() / "missing/x.safetensors").string(),
+                                      ".tmp."));
 }
 
 // A refused --load names the flag, not a request's field.
