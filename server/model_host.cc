@@ -112,12 +112,23 @@ absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& o
 absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
   RETURN_IF_ERROR(RequireModel());
   RETURN_IF_ERROR(CheckNormalizerSize(normalizer, backend_->config()));
-  ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
-  WriteNormalizer(backend_->layout(), normalizer, state.params);
-  RETURN_IF_ERROR(backend_->ImportState(state));
-  normalizer_ = normalizer;
+  ASSIGN_OR_RETURN(const Checkpoint previous, backend_->ExportState());
+  Checkpoint changed = previous;
+  WriteNormalizer(backend_->layout(), normalizer, changed.params);
+  RETURN_IF_ERROR(backend_->ImportState(changed));
   ++weights_version_;
-  return MaybePublish(/*due=*/true);
+  if (const absl::Status published = MaybePublish(/*due=*/true); !published.ok()) {
+    // The previous model stays in place, as after any failure here: the change is taken back, since the weights
+    // streaming reads (and its standardization with them) could not follow it.
+    --weights_version_;
+    if (const absl::Status restored = backend_->ImportState(previous); !restored.ok()) {
+      return absl::Status(published.code(), absl::StrCat(published.message(), "; restoring the previous normalizer "
+                                                         "failed too: ", restored.message()));
+    }
+    return published;
+  }
+  normalizer_ = normalizer;
+  return absl::OkStatus();
 }
 
 absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {

@@ -1,4 +1,6 @@
-// ModelHost::TrainStep when refreshing the weights streaming reads fails: the step, applied, is still answered.
+// ModelHost::TrainStep when refreshing the weights streaming reads fails: the step, applied, is still answered;
+// SetNormalizer then fails and leaves the previous model in place.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -55,6 +57,39 @@ TEST(ModelHostPublishTest, AStepWhosePublicationFailsIsAnsweredAndTheNextOnePubl
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->result.step, 2);
   EXPECT_EQ(host.published_weights_version(), initial + 2) << "the next step published both steps' weights";
+}
+
+// Before, SetNormalizer whose publication failed answered the failure with the new normalizer kept (in the model, its
+// weights and the weights version), while streaming read the previous weights.
+TEST(ModelHostPublishTest, ASetNormalizerWhosePublicationFailsLeavesThePreviousModel) {
+  const auto failures = std::make_shared<std::atomic<int>>(0);
+  ServerMetrics metrics;
+  ModelHost host("cpu", metrics, StreamingConfig{}, /*use_graphs=*/true, Precision::kFloat32,
+                 [failures](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
+                   return std::make_unique<FailingPublishBackend>(std::move(backend), failures);
+                 });
+  const ModelConfig config = *NamedConfig("tiny");
+  ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 3, std::nullopt, /*replace=*/false).ok());
+  ASSERT_TRUE(host.StreamingBackend().ok());
+  const ModelInfo before = *host.Status().model;
+  const absl::StatusOr<Checkpoint> weights_before = (*host.StreamingBackend())->ExportState();
+  ASSERT_TRUE(weights_before.ok());
+  const Normalizer changed{std::vector<float>(config.n_features, 0.5f), std::vector<float>(config.n_features, 2.f)};
+
+  *failures = 1;
+  const absl::Status failed = host.SetNormalizer(changed);
+  EXPECT_THAT(failed.message(), ::testing::HasSubstr("an injected device error"));
+  const ModelInfo after = *host.Status().model;
+  EXPECT_EQ(after.normalizer.mean, before.normalizer.mean);
+  EXPECT_EQ(after.normalizer.inv_std, before.normalizer.inv_std);
+  EXPECT_EQ(after.weights_version, before.weights_version);
+  const absl::StatusOr<Checkpoint> weights_after = (*host.StreamingBackend())->ExportState();
+  ASSERT_TRUE(weights_after.ok());
+  EXPECT_EQ(weights_after->params, weights_before->params) << "the weights carry the previous normalizer";
+
+  ASSERT_TRUE(host.SetNormalizer(changed).ok());
+  EXPECT_EQ(host.Status().model->normalizer.mean, changed.mean);
+  EXPECT_EQ(host.published_weights_version(), before.weights_version + 1);
 }
 
 }  // namespace
