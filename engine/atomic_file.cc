@@ -43,12 +43,15 @@ struct Temporary {
   int fd = -1;
 };
 // `path` with its last component cut so that `suffix_bytes` more still make a name the file system takes (NAME_MAX):
-// a valid name up to NAME_MAX long must get a temporary too.
+// a valid name up to NAME_MAX long must get a temporary too. The cut keeps whole UTF-8 characters (file systems that
+// hold names to UTF-8 refuse a split one).
 std::string WithinNameMax(const std::string& path, size_t suffix_bytes) {
   const size_t name_start = path.rfind('/') + 1;  // (0 without a folder: npos + 1)
   const size_t name_bytes = path.size() - name_start;
   if (name_bytes + suffix_bytes <= NAME_MAX) return path;
-  return path.substr(0, name_start + (NAME_MAX - suffix_bytes));
+  size_t end = name_start + (NAME_MAX - suffix_bytes);
+  while (end > name_start && (static_cast<unsigned char>(path[end]) & 0xC0) == 0x80) --end;
+  return path.substr(0, end);
 }
 
 absl::StatusOr<Temporary> CreateTemporary(const std::string& path) {

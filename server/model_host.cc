@@ -117,18 +117,26 @@ absl::Status ModelHost::SetNormalizer(const Normalizer& normalizer) {
   WriteNormalizer(backend_->layout(), normalizer, changed.params);
   RETURN_IF_ERROR(backend_->ImportState(changed));
   ++weights_version_;
-  if (const absl::Status published = MaybePublish(/*due=*/true); !published.ok()) {
-    // The previous model stays in place, as after any failure here: the change is taken back, since the weights
-    // streaming reads (and its standardization with them) could not follow it.
-    --weights_version_;
-    if (const absl::Status restored = backend_->ImportState(previous); !restored.ok()) {
-      return absl::Status(published.code(), absl::StrCat(published.message(), "; restoring the previous normalizer "
-                                                         "failed too: ", restored.message()));
-    }
-    return published;
+  const absl::Status published = MaybePublish(/*due=*/true);
+  if (published.ok()) {
+    normalizer_ = normalizer;
+    return absl::OkStatus();
   }
-  normalizer_ = normalizer;
-  return absl::OkStatus();
+  // The previous model stays in place, as after any failure here: the change is taken back, since the weights
+  // streaming reads (and its standardization with them) could not follow it. A publication that failed part way may
+  // have copied some of it: the previous weights are published again.
+  if (const absl::Status restored = backend_->ImportState(previous); !restored.ok()) {
+    normalizer_ = normalizer;  // (the backend holds the change)
+    return absl::Status(published.code(), absl::StrCat(published.message(), "; restoring the previous normalizer "
+                                                       "failed too, so the model has the new one: ",
+                                                       restored.message()));
+  }
+  --weights_version_;
+  if (const absl::Status republished = MaybePublish(/*due=*/true); !republished.ok()) {
+    return absl::Status(published.code(), absl::StrCat(published.message(), "; publishing the previous weights again "
+                                                       "failed too: ", republished.message()));
+  }
+  return published;
 }
 
 absl::Status ModelHost::SetOptimizer(const OptimizerConfig& optimizer) {

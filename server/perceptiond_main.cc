@@ -364,7 +364,13 @@ absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
   if (name.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name, "--checkpoint_on_exit"));
-  return CheckWritableDestination(path);
+  if (absl::GetFlag(FLAGS_rank) != 0) return absl::OkStatus();  // (only rank 0 saves)
+  // The save creates the folders the name adds (ModelHost::Save): the nearest one there is must take a file.
+  const std::filesystem::path file(path);
+  std::filesystem::path folder = file.parent_path();
+  std::error_code error;
+  while (!folder.empty() && !std::filesystem::exists(folder, error)) folder = folder.parent_path();
+  return CheckWritableDestination((folder / file.filename()).string());
 }
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {

@@ -86,6 +86,7 @@ TEST(ModelHostPublishTest, ASetNormalizerWhosePublicationFailsLeavesThePreviousM
   const absl::StatusOr<Checkpoint> weights_after = (*host.StreamingBackend())->ExportState();
   ASSERT_TRUE(weights_after.ok());
   EXPECT_EQ(weights_after->params, weights_before->params) << "the weights carry the previous normalizer";
+  EXPECT_EQ(host.published_weights_version(), before.weights_version) << "the previous weights published again";
 
   ASSERT_TRUE(host.SetNormalizer(changed).ok());
   EXPECT_EQ(host.Status().model->normalizer.mean, changed.mean);

@@ -120,10 +120,26 @@ TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
     ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=" + name,
                            absl::StrCat("--checkpoint_on_exit: checkpoint name '", name, "' ", why));
   }
-  // A folder the save cannot write in (here one that does not exist) too, as the CLI's --save is.
-  ExpectRefusedAtStartUp(checkpoints.path(), "--checkpoint_on_exit=missing/x.safetensors",
-                         absl::StrCat("cannot create ", (checkpoints.path() / "missing/x.safetensors").string(),
-                                      ".tmp."));
+  // A name the save cannot write (here below a file, where its folder would be) too, as the CLI's --save is.
+  std::ofstream(checkpoints.path() / "plain") << "a file";
+  ExpectRefusedAtStartUp(
+      checkpoints.path(), "--checkpoint_on_exit=plain/x.safetensors",
+      absl::StrCat("cannot create ", (std::filesystem::canonical(checkpoints.path()) / "plain/x.safetensors").string(),
+                   ".tmp."));
+}
+
+// The exit's save creates the folders its name adds: a name in a folder not there yet is taken at start-up.
+TEST(LifecycleTest, ACheckpointOnExitInAFolderNotThereYetIsSavedThere) {
+  const ScopedTempDir temp("checkpoint_on_exit_new_folder");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=runs/day1/exit.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_TRUE(std::filesystem::is_regular_file(temp.path() / "checkpoints/runs/day1/exit.safetensors"));
 }
 
 // A refused --load names the flag, not a request's field.
