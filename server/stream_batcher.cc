@@ -437,12 +437,10 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
   {
     absl::MutexLock lock(&mu_);
     dropped_.clear();
-    std::vector<bool> stopping(table_.capacity());
-    // Where each instrument resumes: its first event not processed, whichever call sent it.
-    std::vector<uint64_t> resume_seq(table_.capacity());
+    // Where each instrument stopping resumes: its first event not processed, whichever call sent it.
+    std::vector<std::optional<uint64_t>> resume_seq(table_.capacity());
     for (const Notice& notice : failed) {
-      if (stopping[notice.slot]) continue;
-      stopping[notice.slot] = true;
+      if (resume_seq[notice.slot].has_value()) continue;
       resume_seq[notice.slot] = notice.seq;
       SlotQueue& queue = queues_[notice.slot];
       queue.stopped = absl::FailedPreconditionError(absl::StrCat(
@@ -467,7 +465,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
       const std::string stopped = NameInstruments(
           events, table_.capacity(), ", ",
           [&](const Notice& event) {
-            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", resume_seq[event.slot]);
+            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", *resume_seq[event.slot]);
           },
           [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
