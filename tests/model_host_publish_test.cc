@@ -32,16 +32,22 @@ class FailingPublishBackend final : public testing::ForwardingBackend {
   const std::shared_ptr<std::atomic<int>> failures_;
 };
 
-// Before, the step came back as an error although the model had taken it, so a client retrying it trained twice.
-TEST(ModelHostPublishTest, AStepWhosePublicationFailsIsAnsweredAndTheNextOnePublishes) {
-  const auto failures = std::make_shared<std::atomic<int>>(0);
+// A `tiny` model on the CPU whose backends fail PublishWeights while `failures` is positive.
+class ModelHostPublishTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 3, std::nullopt, /*replace=*/false).ok()); }
+
+  const std::shared_ptr<std::atomic<int>> failures = std::make_shared<std::atomic<int>>(0);
   ServerMetrics metrics;
-  ModelHost host("cpu", metrics, StreamingConfig{}, /*use_graphs=*/true, Precision::kFloat32,
-                 [failures](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
+  ModelHost host{"cpu", metrics, StreamingConfig{}, /*use_graphs=*/true, Precision::kFloat32,
+                 [failures = failures](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
                    return std::make_unique<FailingPublishBackend>(std::move(backend), failures);
-                 });
+                 }};
   const ModelConfig config = *NamedConfig("tiny");
-  ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 3, std::nullopt, /*replace=*/false).ok());
+};
+
+// Before, the step came back as an error although the model had taken it, so a client retrying it trained twice.
+TEST_F(ModelHostPublishTest, AStepWhosePublicationFailsIsAnsweredAndTheNextOnePublishes) {
   ASSERT_TRUE(host.StreamingBackend().ok());  // streaming configured: every step publishes (publish_every_steps 1)
   const int64_t initial = host.published_weights_version();
 
@@ -61,15 +67,7 @@ TEST(ModelHostPublishTest, AStepWhosePublicationFailsIsAnsweredAndTheNextOnePubl
 
 // Before, SetNormalizer whose publication failed answered the failure with the new normalizer kept (in the model, its
 // weights and the weights version), while streaming read the previous weights.
-TEST(ModelHostPublishTest, ASetNormalizerWhosePublicationFailsLeavesThePreviousModel) {
-  const auto failures = std::make_shared<std::atomic<int>>(0);
-  ServerMetrics metrics;
-  ModelHost host("cpu", metrics, StreamingConfig{}, /*use_graphs=*/true, Precision::kFloat32,
-                 [failures](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
-                   return std::make_unique<FailingPublishBackend>(std::move(backend), failures);
-                 });
-  const ModelConfig config = *NamedConfig("tiny");
-  ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 3, std::nullopt, /*replace=*/false).ok());
+TEST_F(ModelHostPublishTest, ASetNormalizerWhosePublicationFailsLeavesThePreviousModel) {
   ASSERT_TRUE(host.StreamingBackend().ok());
   const ModelInfo before = *host.Status().model;
   const absl::StatusOr<Checkpoint> weights_before = (*host.StreamingBackend())->ExportState();
