@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
@@ -26,33 +26,53 @@
 #include "engine/status_macros.h"
 #include "spdlog/spdlog.h"
 
-ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
-ABSL_FLAG(std::string, graphs, "on", "CUDA graphs for the training step: on, or off to run it eagerly (debugging)");
-ABSL_FLAG(std::string, precision, "auto",
-          "the CUDA backend's linear-layer products: auto (3xtf32 on CUDA, fp32 on the CPU), fp32 (cuBLAS float32), "
-          "3xtf32 (float32 accuracy on the TF32 tensor cores, held to fp32's bars) or tf32 (inputs rounded to TF32)");
-ABSL_FLAG(std::string, config, "small", "model config: tiny, small or large");
-ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
-ABSL_FLAG(int, levels, 0,
-          "book levels to read: the orderbook file's first (best) levels (0: all, inferred from its column count)");
-ABSL_FLAG(int, steps, 200, "optimizer steps (>= 1)");
-ABSL_FLAG(int, batch, 0, "windows per batch (0: the config's; below 0 is refused)");
-ABSL_FLAG(int, window, 0, "events per window (0: the config's; below 0 is refused)");
-ABSL_FLAG(int, warmup, -1, "leading window positions masked out of the loss (-1: the config's; below -1 is refused)");
-ABSL_FLAG(double, lr, 1e-3, "peak learning rate");
-ABSL_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
-ABSL_FLAG(int, lr_warmup_steps, 20,
-          "warmup steps of the cosine schedule, >= 0 and < --steps (left unset: 20, or --steps - 1 if that is less)");
-ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
-ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (0: off)");
-ABSL_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
-ABSL_FLAG(double, train_fraction, 0.7, "leading fraction of the events used for training; the rest validates");
-ABSL_FLAG(int, log_every, 25, "steps between progress lines");
-ABSL_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
-ABSL_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
-ABSL_FLAG(std::string, checkpoint, "", "eval: checkpoint to evaluate (train starts from a fresh initialization)");
-ABSL_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
-ABSL_FLAG(std::string, features_out, "", "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
+namespace perception {
+
+// The names of the flags given on the command line (or in a --flagfile), each noted by its flag's OnUpdate callback.
+// absl 20220623 keeps "was this flag given" private (CommandLineFlag::IsSpecifiedOnCommandLine); a value equal to
+// the default cannot tell `eval --config small` from plain `eval`. main clears the notes that flag registration made.
+absl::flat_hash_set<std::string>& FlagsGiven() {
+  static auto* const names = new absl::flat_hash_set<std::string>();
+  return *names;
+}
+
+}  // namespace perception
+
+#define PERCEPTION_FLAG(Type, name, default_value, help) \
+  ABSL_FLAG(Type, name, default_value, help).OnUpdate([] { perception::FlagsGiven().insert(#name); })
+
+PERCEPTION_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
+PERCEPTION_FLAG(std::string, graphs, "on",
+    "CUDA graphs for the training step: on, or off to run it eagerly (debugging)");
+PERCEPTION_FLAG(std::string, precision, "auto",
+    "the CUDA backend's linear-layer products: auto (3xtf32 on CUDA, fp32 on the CPU), fp32 (cuBLAS float32), "
+    "3xtf32 (float32 accuracy on the TF32 tensor cores, held to fp32's bars) or tf32 (inputs rounded to TF32)");
+PERCEPTION_FLAG(std::string, config, "small", "model config: tiny, small or large");
+PERCEPTION_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
+PERCEPTION_FLAG(int, levels, 0,
+    "book levels to read: the orderbook file's first (best) levels (0: all, inferred from its column count)");
+PERCEPTION_FLAG(int, steps, 200, "optimizer steps (>= 1)");
+PERCEPTION_FLAG(int, batch, 0, "windows per batch (0: the config's; below 0 is refused)");
+PERCEPTION_FLAG(int, window, 0, "events per window (0: the config's; below 0 is refused)");
+PERCEPTION_FLAG(int, warmup, -1,
+    "leading window positions masked out of the loss (-1: the config's; below -1 is refused)");
+PERCEPTION_FLAG(double, lr, 1e-3, "peak learning rate");
+PERCEPTION_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
+PERCEPTION_FLAG(int, lr_warmup_steps, 20,
+    "warmup steps of the cosine schedule, >= 0 and < --steps (left unset: 20, or --steps - 1 if that is less)");
+PERCEPTION_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
+PERCEPTION_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (0: off)");
+PERCEPTION_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
+PERCEPTION_FLAG(double, train_fraction, 0.7,
+    "leading fraction of the events used for training; the rest validates");
+PERCEPTION_FLAG(int, log_every, 25, "steps between progress lines");
+PERCEPTION_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
+PERCEPTION_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
+PERCEPTION_FLAG(std::string, checkpoint, "",
+    "eval: checkpoint to evaluate (train starts from a fresh initialization)");
+PERCEPTION_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
+PERCEPTION_FLAG(std::string, features_out, "",
+    "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
 
 namespace perception {
 namespace {
@@ -77,11 +97,7 @@ absl::StatusOr<LobsterData> ReadLobsterFlag() {
 
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
-// Whether `flag` was given on the command line (or in a --flagfile) rather than left at its default. absl 20220623
-// keeps CommandLineFlag::IsSpecifiedOnCommandLine private; the parser's own record of the names it saw is this.
-bool SetOnCommandLine(const absl::CommandLineFlag& flag) {
-  return absl::flags_internal::WasPresentOnCommandLine(flag.Name());
-}
+bool SetOnCommandLine(const absl::CommandLineFlag& flag) { return FlagsGiven().contains(flag.Name()); }
 template <typename T>
 bool SetOnCommandLine(const absl::Flag<T>& flag) {
   return SetOnCommandLine(absl::GetFlagReflectionHandle(flag));
@@ -351,8 +367,8 @@ absl::Status Run(const std::vector<char*>& args) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(kInspect, command));
     return Inspect(args[2]);
   }
-  return absl::InvalidArgumentError(absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "),
-                                                 "\n\n", kUsage));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
 }
 
 }  // namespace
@@ -363,6 +379,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> normalized = perception::NormalizeArguments(argc, argv);
   std::vector<char*> normalized_argv;
   for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  perception::FlagsGiven().clear();
   const std::vector<char*> args =
       absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
   const absl::Status status = perception::Run(args);

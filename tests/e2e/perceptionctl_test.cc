@@ -386,6 +386,8 @@ TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
   const std::vector<std::pair<std::string, std::string>> refused = {
       {" --steps 5 --lr_warmup_steps 500", "perception: --lr_warmup_steps (500) must be < --steps (5) for the cosine"},
       {" --steps 5 --lr_warmup_steps 5", "perception: --lr_warmup_steps (5) must be < --steps (5) for the cosine"},
+      // The default's own value, given: still the user's word, so refused rather than cut.
+      {" --steps 10 --lr_warmup_steps 20", "perception: --lr_warmup_steps (20) must be < --steps (10) for the cosine"},
       {" --steps 5 --lr_warmup_steps -5", "perception: --lr_warmup_steps must be >= 0, got -5"},
       {" --steps 5 --val_every -1", "perception: --val_every must be >= 0 (0: only at the end), got -1"},
   };
@@ -418,6 +420,16 @@ TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
       RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " inspect /nonexistent/a.safetensors --device cpu"));
   EXPECT_EQ(inspect.exit_code, 1) << inspect.output;
   EXPECT_THAT(inspect.output, HasSubstr("perception: inspect does not take --device (train's and eval's flag)"));
+
+  // A flag given in a --flagfile is given as well.
+  const std::filesystem::path flagfile = temp.path() / "flags";
+  { std::ofstream(flagfile) << "--config=small\n--steps=3\n"; }
+  const CommandResult eval_flagfile = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint /nonexistent/a.safetensors --lobster ", kOrderbook, " ",
+      kMessages, " --out ", out.string(), " --flagfile ", flagfile.string()));
+  EXPECT_EQ(eval_flagfile.exit_code, 1) << eval_flagfile.output;
+  EXPECT_THAT(eval_flagfile.output,
+              HasSubstr("perception: eval does not take --config (train's flag), --steps (train's flag)\n"));
 }
 
 // eval first touched --out and --features_out after the forward pass, one after the other: an unwritable
