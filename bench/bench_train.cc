@@ -6,7 +6,8 @@
 // (TrainingCounters::last_step_seconds); kernel launches per
 // step (one step captured into a graph, its kernel nodes counted); device allocations per step; and a roofline
 // estimate — FLOPs and bytes per step over ceilings measured in the same run (a 1 GiB device-to-device copy, an
-// 8192³ SGEMM, TF32 under --precision=tf32). Prints one table; --json writes the same numbers.
+// 8192³ SGEMM: float32 under --precision=fp32, TF32 under tf32, and under 3xtf32 a third of TF32's, since each float32
+// product there is three TF32 products). Prints one table; --json writes the same numbers.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -33,7 +34,7 @@ ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), af
 ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
 ABSL_FLAG(std::string, precision, "3xtf32",
           "the products: 3xtf32 (float32-accurate on the TF32 tensor cores; perceptiond's default on CUDA), fp32 "
-          "(cuBLAS) or tf32 (also the SGEMM ceiling's)");
+          "(cuBLAS) or tf32; the SGEMM ceiling follows (fp32: float32, tf32: TF32, 3xtf32: a third of TF32's)");
 ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
 
 namespace perception {
@@ -41,7 +42,7 @@ namespace {
 
 struct Ceilings {
   double copy_bytes_per_s = 0;   // device-to-device copy, bytes read + written
-  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³ (TF32 with --precision=tf32)
+  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³: float32, TF32 (tf32), or TF32's over three (3xtf32)
 };
 
 struct Launches {
@@ -78,7 +79,9 @@ absl::StatusOr<float> TimeOnStream(cudaStream_t stream, Enqueue enqueue) {
   return ms;
 }
 
-absl::StatusOr<Ceilings> MeasureCeilings(bool tf32) {
+// The 8192³ SGEMM runs on the tensor cores (TF32) for tf32 and 3xtf32; 3xtf32's ceiling is a third of it.
+absl::StatusOr<Ceilings> MeasureCeilings(Precision precision) {
+  const bool tf32 = precision != Precision::kFloat32;
   Ceilings ceilings;
   cudaStream_t stream;
   CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream));
@@ -118,7 +121,8 @@ absl::StatusOr<Ceilings> MeasureCeilings(bool tf32) {
     RETURN_IF_ERROR(TimeOnStream(stream, [&] { return products(2); }).status());
     ASSIGN_OR_RETURN(const float ms, TimeOnStream(stream, [&] { return products(10); }));
     CUBLAS_RETURN_IF_ERROR(cublasDestroy(handle));
-    ceilings.sgemm_flops_per_s = 2.0 * n * n * n * 10 / (ms * 1e-3);
+    ceilings.sgemm_flops_per_s =
+        2.0 * n * n * n * 10 / (ms * 1e-3) / (precision == Precision::kFloat32Tf32x3 ? 3.0 : 1.0);
   }
   CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
   return ceilings;
@@ -252,8 +256,7 @@ int Run() {
     std::fprintf(stderr, "%s\n", std::string(precision.status().message()).c_str());
     return 1;
   }
-  const bool tf32 = *precision == Precision::kTf32;
-  auto ceilings = MeasureCeilings(tf32);
+  auto ceilings = MeasureCeilings(*precision);
   if (!ceilings.ok()) {
     std::fprintf(stderr, "ceilings: %s\n", std::string(ceilings.status().message()).c_str());
     return 1;
@@ -262,8 +265,11 @@ int Run() {
   cudaDeviceProp properties{};
   cudaGetDevice(&device);
   cudaGetDeviceProperties(&properties, device);
+  const char* const sgemm_kind = *precision == Precision::kFloat32 ? ""
+                                 : *precision == Precision::kTf32  ? " (TF32)"
+                                                                   : " (TF32 / 3)";
   std::printf("device %s; products %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
-              PrecisionName(*precision), ceilings->copy_bytes_per_s / 1e9, tf32 ? " (TF32)" : "",
+              PrecisionName(*precision), ceilings->copy_bytes_per_s / 1e9, sgemm_kind,
               ceilings->sgemm_flops_per_s / 1e12);
   std::printf("%-6s %5s %4s %13s %14s %16s %7s %9s %10s %12s %8s %8s %10s %9s %11s %11s\n", "config", "B", "T",
               "eager_us/step", "replay_us/step", "prefetch_us/step", "ratio", "eager_min", "replay_min",
