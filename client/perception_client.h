@@ -1,4 +1,4 @@
-// The C++ client of perceptiond: one method per RPC, a deadline on every call, errors as absl::Status.
+// perceptiond's C++ client: one method per RPC, deadlines on unary calls, watchdogs on streams, errors as absl::Status.
 #pragma once
 
 #include <atomic>
