@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,62 +24,64 @@
 #include "engine/status_macros.h"
 #include "perception/v1/default_address.h"
 
-ABSL_FLAG(std::string, target, perception::v1::kDefaultAddress, "perceptiond address, host:port");
-ABSL_FLAG(std::vector<std::string>, targets, {},
-          "the daemons of one data-parallel job (perceptiond --world_size), in rank order, instead of --target: "
-          "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
-          "goes to rank 0");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60),
-          "deadline of each call; train: the longest wait for a step's response, stream and bench: for an "
-          "acknowledgement, while steps or events are outstanding");
-ABSL_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
-ABSL_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
-ABSL_FLAG(int, levels, 0,
-          "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train, eval and stream read the "
-          "orderbook file's first (best) levels (0: all, inferred from its column count)");
-ABSL_FLAG(uint64_t, seed, 1,
-          "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
-          "each run of train continues with fresh windows)");
-ABSL_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
-ABSL_FLAG(int, eval_every, 0,
-          "train: steps between validation passes, each printed (0: only the one at the end of the run)");
-ABSL_FLAG(std::string, save_best, "",
-          "train: checkpoint name (on the daemon, rank 0) that each validation beating the run's best so far saves "
-          "the model to; the starting model is validated and saved first, so a bad name fails before any step");
-ABSL_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
-ABSL_FLAG(int, warmup, -1,
-          "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
-          "the model's config; -1: the preset's)");
-ABSL_FLAG(std::optional<double>, lr, std::nullopt,
-          "peak learning rate, > 0; init: without it 1e-3; train: without it the model's is kept");
-ABSL_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
-ABSL_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
-ABSL_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the learning rate reaches --min_lr");
-ABSL_FLAG(double, min_lr, 0, "init, cosine schedule: the final learning rate");
-ABSL_FLAG(bool, replace, false, "init: replace the daemon's existing model");
-ABSL_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK MESSAGES (or ORDERBOOK,MESSAGES): a LOBSTER file pair");
-ABSL_FLAG(int, steps, 100, "train: optimizer steps (>= 1)");
-ABSL_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to train on; the rest validates");
-ABSL_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
-ABSL_FLAG(std::string, instrument, "", "stream, convictions: the instrument id");
-ABSL_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
-ABSL_FLAG(int, seed_window, 0,
-          "stream: seed the state with the first N events (SeedStream), then stream the rest; refused on an "
-          "instrument that already has events unless --reseed");
-ABSL_FLAG(bool, reseed, false, "stream: let --seed-window replace the live state of an instrument that has events");
-ABSL_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
-ABSL_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
-ABSL_FLAG(uint64_t, start_seq, 1,
-          "stream: the sequence number of event --first (seed window included); a failed stream names the "
-          "--first and --start_seq that resume it");
-ABSL_FLAG(uint64_t, from, 0,
-          "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
-          "OUT_OF_RANGE; one past the log's end writes only the header)");
-ABSL_FLAG(std::string, out, "", "convictions: the CSV file to write");
-ABSL_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
-ABSL_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");
-ABSL_FLAG(int, connections, 1, "bench: Stream calls, each with its share of the instruments");
-ABSL_FLAG(int, in_flight, 8, "bench: unacknowledged requests per connection (one event per instrument each)");
+PERCEPTION_FLAG(std::string, target, perception::v1::kDefaultAddress, "perceptiond address, host:port");
+PERCEPTION_FLAG(std::vector<std::string>, targets, {},
+    "the daemons of one data-parallel job (perceptiond --world_size), in rank order, instead of --target: "
+    "init and checkpoint load go to every rank, train shards each global batch across them, checkpoint save "
+    "goes to rank 0");
+PERCEPTION_FLAG(absl::Duration, timeout, absl::Seconds(60),
+    "deadline of each call; train: the longest wait for a step's response, stream and bench: for an "
+    "acknowledgement, while steps or events are outstanding");
+PERCEPTION_FLAG(absl::Duration, wait, absl::ZeroDuration(), "first wait up to this long for the daemon to serve");
+PERCEPTION_FLAG(std::string, config, "small", "init: model preset (tiny, small, large)");
+PERCEPTION_FLAG(int, levels, 0,
+    "book levels: init sets n_features = 4*levels + 8 (0: the preset's); train, eval and stream read the "
+    "orderbook file's first (best) levels (0: all, inferred from its column count)");
+PERCEPTION_FLAG(uint64_t, seed, 1,
+    "init: weight initialization seed; train: window sampling seed (mixed with the model's step, so that "
+    "each run of train continues with fresh windows)");
+PERCEPTION_FLAG(int, batch, 0, "windows per training batch: init sets it (0: the preset's); train checks it (0: any)");
+PERCEPTION_FLAG(int, eval_every, 0,
+    "train: steps between validation passes, each printed (0: only the one at the end of the run)");
+PERCEPTION_FLAG(std::string, save_best, "",
+    "train: checkpoint name (on the daemon, rank 0) that each validation beating the run's best so far saves "
+    "the model to; the starting model is validated and saved first, so a bad name fails before any step");
+PERCEPTION_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
+PERCEPTION_FLAG(int, warmup, -1,
+    "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
+    "the model's config; -1: the preset's)");
+PERCEPTION_FLAG(std::optional<double>, lr, std::nullopt,
+    "peak learning rate, > 0; init: without it 1e-3; train: without it the model's is kept");
+PERCEPTION_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
+PERCEPTION_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
+PERCEPTION_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the learning rate reaches --min_lr");
+PERCEPTION_FLAG(double, min_lr, 0, "init, cosine schedule: the final learning rate");
+PERCEPTION_FLAG(bool, replace, false, "init: replace the daemon's existing model");
+PERCEPTION_FLAG(std::vector<std::string>, lobster, {},
+    "ORDERBOOK MESSAGES (or ORDERBOOK,MESSAGES): a LOBSTER file pair");
+PERCEPTION_FLAG(int, steps, 100, "train: optimizer steps (>= 1)");
+PERCEPTION_FLAG(double, train_fraction, 0.7, "train: leading fraction of the events to train on; the rest validates");
+PERCEPTION_FLAG(int, log_every, 10, "train: steps between progress lines when the output is not a terminal");
+PERCEPTION_FLAG(std::string, instrument, "", "stream, convictions: the instrument id");
+PERCEPTION_FLAG(std::string, rate, "max", "stream, bench: events per second (in all), or max");
+PERCEPTION_FLAG(int, seed_window, 0,
+    "stream: seed the state with the first N events (SeedStream), then stream the rest; refused on an "
+    "instrument that already has events unless --reseed");
+PERCEPTION_FLAG(bool, reseed, false,
+    "stream, with --seed-window: let the seed replace the live state of an instrument that has events");
+PERCEPTION_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
+PERCEPTION_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
+PERCEPTION_FLAG(uint64_t, start_seq, 1,
+    "stream: the sequence number of event --first (seed window included), >= 1; a failed stream names the "
+    "--first and --start_seq that resume it");
+PERCEPTION_FLAG(uint64_t, from, 0,
+    "convictions: the first sequence number to write (0: the log's oldest; one already overwritten is "
+    "OUT_OF_RANGE; one past the log's end writes only the header)");
+PERCEPTION_FLAG(std::string, out, "", "convictions: the CSV file to write");
+PERCEPTION_FLAG(int, instruments, 1, "bench: instruments (bench-0, bench-1, ...)");
+PERCEPTION_FLAG(int64_t, events, 10000, "bench: events in all, spread round-robin over the instruments");
+PERCEPTION_FLAG(int, connections, 1, "bench: Stream calls, each with its share of the instruments");
+PERCEPTION_FLAG(int, in_flight, 8, "bench: unacknowledged requests per connection (one event per instrument each)");
 
 namespace perception::client {
 namespace {
@@ -104,6 +105,45 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     streams                                  (list the live streams)
     streams reset ID | streams close ID
     bench --instruments N --events M [--rate R|max] [--connections C] [--in-flight K])";
+
+// The flags and the commands that read them (CheckFlagsTakenBy refuses the rest); --target, --targets, --timeout
+// and --wait are every command's.
+const std::vector<FlagUse>& FlagUses() {
+  static const auto* const uses = new std::vector<FlagUse>{
+      {FLAGS_config, {"init"}},
+      {FLAGS_levels, {"init", "train", "eval", "stream"}},
+      {FLAGS_seed, {"init", "train"}},
+      {FLAGS_batch, {"init", "train"}},
+      {FLAGS_eval_every, {"train"}},
+      {FLAGS_save_best, {"train"}},
+      {FLAGS_window, {"init", "train", "eval"}},
+      {FLAGS_warmup, {"init"}},
+      {FLAGS_lr, {"init", "train"}},
+      {FLAGS_lr_schedule, {"init"}},
+      {FLAGS_lr_warmup_steps, {"init"}},
+      {FLAGS_total_steps, {"init"}},
+      {FLAGS_min_lr, {"init"}},
+      {FLAGS_replace, {"init"}},
+      {FLAGS_lobster, {"train", "eval", "stream"}},
+      {FLAGS_steps, {"train"}},
+      {FLAGS_train_fraction, {"train"}},
+      {FLAGS_log_every, {"train"}},
+      {FLAGS_instrument, {"stream", "convictions"}},
+      {FLAGS_rate, {"stream", "bench"}},
+      {FLAGS_seed_window, {"stream"}},
+      {FLAGS_reseed, {"stream"}},
+      {FLAGS_first, {"stream"}},
+      {FLAGS_count, {"stream"}},
+      {FLAGS_start_seq, {"stream"}},
+      {FLAGS_from, {"convictions"}},
+      {FLAGS_out, {"convictions"}},
+      {FLAGS_instruments, {"bench"}},
+      {FLAGS_events, {"bench"}},
+      {FLAGS_connections, {"bench"}},
+      {FLAGS_in_flight, {"bench"}},
+  };
+  return *uses;
+}
 
 std::string Describe(const v1::Model& model) {
   const v1::ModelConfig& c = model.config();
@@ -191,7 +231,12 @@ absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
 absl::StatusOr<v1::InitModelRequest> InitRequestFromFlags() {
   v1::InitModelRequest request;
   request.set_config_name(absl::GetFlag(FLAGS_config));
-  if (absl::GetFlag(FLAGS_levels) > 0) request.set_levels(absl::GetFlag(FLAGS_levels));
+  // 0 (the default) keeps the preset's feature count; below it the preset's was used in silence.
+  if (const int levels = absl::GetFlag(FLAGS_levels); levels < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--levels must be >= 0 (0: the preset's), got ", levels));
+  } else if (levels > 0) {
+    request.set_levels(levels);
+  }
   request.set_batch(absl::GetFlag(FLAGS_batch));
   ASSIGN_OR_RETURN(const int window, WindowFromFlag());
   request.set_window(window);
@@ -217,6 +262,10 @@ absl::Status Init(PerceptionClient& client, const v1::InitModelRequest& request)
 absl::StatusOr<LobsterFiles> LobsterFromFlags() {
   const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
   if (files.size() != 2) return absl::InvalidArgumentError("--lobster takes two files: ORDERBOOK MESSAGES");
+  if (const int levels = absl::GetFlag(FLAGS_levels); levels < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--levels must be >= 0 (0: all of the orderbook file's levels), got ", levels));
+  }
   return LobsterFiles{files[0], files[1], absl::GetFlag(FLAGS_levels)};
 }
 
@@ -227,6 +276,13 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   }
   if (const int every = absl::GetFlag(FLAGS_eval_every); every < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--eval_every must be >= 0 (0: only at the end), got ", every));
+  }
+  if (const int every = absl::GetFlag(FLAGS_log_every); every < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--log_every must be >= 1, got ", every));
+  }
+  // Checked here, before --wait waits and the files are read; NaN fails both comparisons.
+  if (const double fraction = absl::GetFlag(FLAGS_train_fraction); !(fraction > 0 && fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--train_fraction must be in (0, 1), got ", fraction));
   }
   ASSIGN_OR_RETURN(const int window, WindowFromFlag());
   ASSIGN_OR_RETURN(const double lr, LrFromFlag());
@@ -371,6 +427,7 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
 // `several`: --targets named the daemons, so only the commands that address every rank are taken.
 absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool several) {
   const std::string command = args.size() > 1 ? args[1] : "";
+  RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
   if (command == "status" && args.size() == 2) return OnEveryDaemon(Status);
   if (command == "init" && args.size() == 2) {
     ASSIGN_OR_RETURN(const v1::InitModelRequest request, InitRequestFromFlags());
@@ -403,6 +460,10 @@ absl::Status Run(const std::vector<std::string>& args) {
   }
   const ClientOptions options{.timeout = absl::GetFlag(FLAGS_timeout)};
   const absl::Duration wait = absl::GetFlag(FLAGS_wait);
+  if (wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wait must be >= 0 (0: no wait), got ", absl::FormatDuration(wait)));
+  }
   std::vector<std::string> targets = absl::GetFlag(FLAGS_targets);
   ASSIGN_OR_RETURN(const Command command, ParseCommand(args, /*several=*/!targets.empty()));
   if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
@@ -420,12 +481,7 @@ absl::Status Run(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(perception::client::kUsage);
-  std::vector<std::string> normalized = perception::NormalizeArguments(argc, argv);
-  std::vector<char*> normalized_argv;
-  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
-  const std::vector<char*> positional =
-      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
-  const absl::Status status = perception::client::Run({positional.begin(), positional.end()});
+  const absl::Status status = perception::client::Run(perception::ParseArguments(argc, argv));
   if (!status.ok()) {
     std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
     std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),

@@ -188,6 +188,18 @@ absl::Status CheckStreamOptions(const StreamOptions& options) {
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
   if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
+  if (options.seed_window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--seed-window must be >= 0 (0: no seed), got ", options.seed_window));
+  }
+  if (options.count > 0 && options.seed_window >= options.count) {
+    return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
+                                                   options.count, " events of --count to stream"));
+  }
+  // --reseed only lets a seed replace a live state: without one it would be ignored.
+  if (options.reseed && options.seed_window == 0) {
+    return absl::InvalidArgumentError("--reseed applies to --seed-window N: there is no seed to let replace a state");
+  }
   // Without --count, the files' size decides the last number: StreamLobster checks it once it has read them.
   return CheckLastSeq(options.start_seq, std::max<int64_t>(options.count, 1));
 }
@@ -211,7 +223,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   }
   const int64_t first = options.first;
   const int64_t n = options.count > 0 ? options.count : size - first;
-  if (options.seed_window < 0 || options.seed_window >= n) {
+  if (options.seed_window >= n) {
     return absl::InvalidArgumentError(absl::StrCat("--seed-window ", options.seed_window, " leaves nothing of the ",
                                                    n, " events to stream"));
   }
@@ -320,6 +332,12 @@ absl::Status CheckBenchOptions(const BenchOptions& options) {
   if (options.instruments < 1 || options.events < 1 || options.connections < 1 || options.in_flight < 1) {
     return absl::InvalidArgumentError("bench needs --instruments, --events, --connections and --in_flight >= 1");
   }
+  // Each event's send time and latency are kept for the percentiles (up to 24 bytes an event): a larger run failed
+  // deep in a worker thread (std::bad_alloc, abort) or ran the machine out of memory.
+  if (options.events > kMaxBenchEvents) {
+    return absl::InvalidArgumentError(absl::StrCat("--events ", options.events, " is more than one bench keeps (",
+                                                   kMaxBenchEvents, "): run several"));
+  }
   return absl::OkStatus();
 }
 
@@ -327,6 +345,10 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   RETURN_IF_ERROR(CheckBenchOptions(options));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
   if (!status.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
+  if (const int slots = status.streaming().slots(); options.instruments > slots) {
+    return absl::InvalidArgumentError(absl::StrCat("--instruments ", options.instruments, " is more than the daemon's ",
+                                                   slots, " stream slots (perceptiond --stream_slots)"));
+  }
   const int F = status.model().config().n_features();
   const int C = std::min(options.connections, options.instruments);
   const auto name = [](int i) { return absl::StrCat("bench-", i); };

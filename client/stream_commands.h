@@ -54,6 +54,9 @@ struct BenchOptions {
   int in_flight = 8;       // unacknowledged requests per connection (each holds one event per instrument)
 };
 
+// The most events one bench keeps the latencies of.
+inline constexpr int64_t kMaxBenchEvents = 100'000'000;
+
 // What Bench checks of `options` before it calls the daemon.
 absl::Status CheckBenchOptions(const BenchOptions& options);
 

@@ -1,11 +1,34 @@
-// Normalization of the documented command-line spellings into what absl flags parse.
+// Normalization of the documented command-line spellings, the record of the flags given, and the refusal of flags a
+// command does not read.
 #include "engine/cli/arguments.h"
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace perception {
+namespace {
+
+// The names of the flags set since ParseArguments began; registration's own OnUpdate calls come before and are
+// cleared.
+absl::flat_hash_set<std::string>& FlagsGiven() {
+  static auto* const names = new absl::flat_hash_set<std::string>();
+  return *names;
+}
+
+// "train's", "train's and eval's", "init's, train's and eval's".
+std::string Owners(const std::vector<std::string>& commands) {
+  std::vector<std::string> owners;
+  for (const std::string& command : commands) owners.push_back(absl::StrCat(command, "'s"));
+  if (owners.size() <= 1) return absl::StrJoin(owners, "");
+  return absl::StrCat(absl::StrJoin(owners.begin(), owners.end() - 1, ", "), " and ", owners.back());
+}
+
+}  // namespace
 
 std::vector<std::string> NormalizeArguments(int argc, char** argv) {
   std::vector<std::string> out;
@@ -15,7 +38,9 @@ std::vector<std::string> NormalizeArguments(int argc, char** argv) {
       const size_t name_end = std::min(arg.find('='), arg.size());
       std::replace(arg.begin() + 2, arg.begin() + name_end, '-', '_');
     }
-    const bool next_two_are_files = i + 2 < argc && argv[i + 1][0] != '-' && argv[i + 2][0] != '-';
+    // Only the two-word form: after the comma form (`--lobster A,B`) the next word is a command or an argument.
+    const bool next_two_are_files = i + 2 < argc && argv[i + 1][0] != '-' && argv[i + 2][0] != '-' &&
+                                    !absl::StrContains(argv[i + 1], ',');
     if (arg == "--lobster" && next_two_are_files) {
       out.push_back(absl::StrCat("--lobster=", argv[i + 1], ",", argv[i + 2]));
       i += 2;
@@ -24,6 +49,30 @@ std::vector<std::string> NormalizeArguments(int argc, char** argv) {
     out.push_back(std::move(arg));
   }
   return out;
+}
+
+std::vector<std::string> ParseArguments(int argc, char** argv) {
+  std::vector<std::string> normalized = NormalizeArguments(argc, argv);
+  std::vector<char*> normalized_argv;
+  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  FlagsGiven().clear();
+  const std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  return {positional.begin(), positional.end()};
+}
+
+void NoteFlagGiven(std::string_view name) { FlagsGiven().insert(std::string(name)); }
+
+bool FlagGiven(const absl::CommandLineFlag& flag) { return FlagsGiven().contains(flag.Name()); }
+
+absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagUse> uses) {
+  std::vector<std::string> refused;
+  for (const FlagUse& use : uses) {
+    if (std::ranges::find(use.commands, command) != use.commands.end() || !FlagGiven(use.flag)) continue;
+    refused.push_back(absl::StrCat("--", use.flag.Name(), " (", Owners(use.commands), " flag)"));
+  }
+  if (refused.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(command, " does not take ", absl::StrJoin(refused, ", ")));
 }
 
 }  // namespace perception

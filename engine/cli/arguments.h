@@ -1,13 +1,51 @@
-// Command-line spellings shared by the project's programs, accepted before absl parses the flags.
+// Command-line handling shared by the project's programs: the documented spellings accepted before absl parses the
+// flags, which flags the command line gave, and the refusal of flags a command does not read.
 #pragma once
 
+#include <initializer_list>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+
+// An absl flag whose presence on the command line (or in a --flagfile) FlagGiven tells, even at its default value.
+// absl 20220623 keeps CommandLineFlag::IsSpecifiedOnCommandLine private; OnUpdate is its public record of a setting.
+#define PERCEPTION_FLAG(Type, name, default_value, help) \
+  ABSL_FLAG(Type, name, default_value, help).OnUpdate([] { ::perception::NoteFlagGiven(#name); })
 
 namespace perception {
 
 // `--lobster ORDERBOOK MESSAGES` (two words) becomes `--lobster=ORDERBOOK,MESSAGES`, and dashes in flag names
 // become underscores (`--features-out` is `--features_out`). argv[0] is kept.
 std::vector<std::string> NormalizeArguments(int argc, char** argv);
+
+// NormalizeArguments, then absl's parse (which exits on a bad flag or --help): the positional arguments, argv[0]
+// first. FlagGiven answers for the flags this parse set.
+std::vector<std::string> ParseArguments(int argc, char** argv);
+
+// PERCEPTION_FLAG's callback.
+void NoteFlagGiven(std::string_view name);
+bool FlagGiven(const absl::CommandLineFlag& flag);
+template <typename T>
+bool FlagGiven(const absl::Flag<T>& flag) {
+  return FlagGiven(absl::GetFlagReflectionHandle(flag));
+}
+
+// A flag and the commands that read it.
+struct FlagUse {
+  template <typename T>
+  FlagUse(const absl::Flag<T>& flag, std::initializer_list<std::string> readers)
+      : flag(absl::GetFlagReflectionHandle(flag)), commands(readers) {}
+  const absl::CommandLineFlag& flag;
+  std::vector<std::string> commands;
+};
+
+// Refuses every flag of `uses` given on the command line that `command` does not read, naming whose it is: one set
+// for another command would be ignored without a word (`perception train --checkpoint X` trained a fresh model).
+absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagUse> uses);
 
 }  // namespace perception

@@ -3,13 +3,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <span>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,21 +26,6 @@
 #include "engine/precision.h"
 #include "engine/status_macros.h"
 #include "spdlog/spdlog.h"
-
-namespace perception {
-
-// The names of the flags given on the command line (or in a --flagfile), each noted by its flag's OnUpdate callback.
-// absl 20220623 keeps "was this flag given" private (CommandLineFlag::IsSpecifiedOnCommandLine); a value equal to
-// the default cannot tell `eval --config small` from plain `eval`. main clears the notes that flag registration made.
-absl::flat_hash_set<std::string>& FlagsGiven() {
-  static auto* const names = new absl::flat_hash_set<std::string>();
-  return *names;
-}
-
-}  // namespace perception
-
-#define PERCEPTION_FLAG(Type, name, default_value, help) \
-  ABSL_FLAG(Type, name, default_value, help).OnUpdate([] { perception::FlagsGiven().insert(#name); })
 
 PERCEPTION_FLAG(std::string, device, "cpu", "compute device: cpu, cuda, or auto (cuda when a device is present)");
 PERCEPTION_FLAG(std::string, graphs, "on",
@@ -61,7 +47,7 @@ PERCEPTION_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear
 PERCEPTION_FLAG(int, lr_warmup_steps, 20,
     "warmup steps of the cosine schedule, >= 0 and < --steps (left unset: 20, or --steps - 1 if that is less)");
 PERCEPTION_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
-PERCEPTION_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (0: off)");
+PERCEPTION_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (<= 0: off)");
 PERCEPTION_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
 PERCEPTION_FLAG(double, train_fraction, 0.7,
     "leading fraction of the events used for training; the rest validates");
@@ -97,60 +83,75 @@ absl::StatusOr<LobsterData> ReadLobsterFlag() {
 
 BatchView<float> View(const Batch& b) { return {b.batch, b.window, b.x, b.dt, b.labels, b.mask}; }
 
-bool SetOnCommandLine(const absl::CommandLineFlag& flag) { return FlagsGiven().contains(flag.Name()); }
-template <typename T>
-bool SetOnCommandLine(const absl::Flag<T>& flag) {
-  return SetOnCommandLine(absl::GetFlagReflectionHandle(flag));
-}
-
-// The subcommands that read each flag. One set for another subcommand would be ignored without a word (train
-// --checkpoint X trained a fresh model, not X further), so CheckFlagsTakenBy refuses it.
-enum Command { kTrain = 1, kEval = 2, kInspect = 4 };
-struct FlagUse {
-  const absl::CommandLineFlag& flag;
-  int commands;  // Command bits
-};
+// The flags and the subcommands that read them (CheckFlagsTakenBy refuses the rest).
 const std::vector<FlagUse>& FlagUses() {
   static const auto* const uses = new std::vector<FlagUse>{
-      {absl::GetFlagReflectionHandle(FLAGS_device), kTrain | kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_precision), kTrain | kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_lobster), kTrain | kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_levels), kTrain | kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_graphs), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_config), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_steps), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_batch), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_window), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_warmup), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_lr), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_lr_schedule), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_lr_warmup_steps), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_weight_decay), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_max_grad_norm), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_seed), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_train_fraction), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_log_every), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_val_every), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_save), kTrain},
-      {absl::GetFlagReflectionHandle(FLAGS_checkpoint), kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_out), kEval},
-      {absl::GetFlagReflectionHandle(FLAGS_features_out), kEval},
+      {FLAGS_device, {"train", "eval"}},
+      {FLAGS_precision, {"train", "eval"}},
+      {FLAGS_lobster, {"train", "eval"}},
+      {FLAGS_levels, {"train", "eval"}},
+      {FLAGS_graphs, {"train"}},
+      {FLAGS_config, {"train"}},
+      {FLAGS_steps, {"train"}},
+      {FLAGS_batch, {"train"}},
+      {FLAGS_window, {"train"}},
+      {FLAGS_warmup, {"train"}},
+      {FLAGS_lr, {"train"}},
+      {FLAGS_lr_schedule, {"train"}},
+      {FLAGS_lr_warmup_steps, {"train"}},
+      {FLAGS_weight_decay, {"train"}},
+      {FLAGS_max_grad_norm, {"train"}},
+      {FLAGS_seed, {"train"}},
+      {FLAGS_train_fraction, {"train"}},
+      {FLAGS_log_every, {"train"}},
+      {FLAGS_val_every, {"train"}},
+      {FLAGS_save, {"train"}},
+      {FLAGS_checkpoint, {"eval"}},
+      {FLAGS_out, {"eval"}},
+      {FLAGS_features_out, {"eval"}},
   };
   return *uses;
 }
 
-// Refuses every flag of this program set on the command line that `command` does not read, naming whose it is.
-absl::Status CheckFlagsTakenBy(Command command, const std::string& name) {
-  std::vector<std::string> refused;
-  for (const FlagUse& use : FlagUses()) {
-    if ((use.commands & command) != 0 || !SetOnCommandLine(use.flag)) continue;
-    const std::string owner = use.commands == kTrain  ? "train's"
-                              : use.commands == kEval ? "eval's"
-                                                      : "train's and eval's";
-    refused.push_back(absl::StrCat("--", use.flag.Name(), " (", owner, " flag)"));
+// Whether `a` and `b` name one file: one inode where both exist, else one path once symlinks and dots resolve.
+bool SameFile(const std::string& a, const std::string& b) {
+  std::error_code error;
+  if (std::filesystem::equivalent(a, b, error)) return true;
+  const std::filesystem::path resolved_a = std::filesystem::weakly_canonical(a, error);
+  if (error) return a == b;
+  const std::filesystem::path resolved_b = std::filesystem::weakly_canonical(b, error);
+  return error ? a == b : resolved_a == resolved_b;
+}
+
+// A path a subcommand writes or reads, by the flag that names it.
+struct NamedPath {
+  std::string flag, path;
+};
+// Refuses an output that names an input or another output: `eval --out X --features_out X` kept only the features,
+// and `eval --out CKPT --checkpoint CKPT` replaced the checkpoint with logits, each with exit code 0.
+absl::Status CheckOutputsDistinct(std::span<const NamedPath> outputs, std::span<const NamedPath> inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (const NamedPath& other : outputs.subspan(i + 1)) {
+      if (SameFile(outputs[i].path, other.path)) {
+        return absl::InvalidArgumentError(absl::StrCat(outputs[i].flag, " and ", other.flag, " name one file ('",
+                                                       other.path, "'): the second would overwrite the first"));
+      }
+    }
+    for (const NamedPath& input : inputs) {
+      if (SameFile(outputs[i].path, input.path)) {
+        return absl::InvalidArgumentError(absl::StrCat(outputs[i].flag, " names the file ", input.flag,
+                                                       " reads ('", input.path, "'): writing it would destroy it"));
+      }
+    }
   }
-  if (refused.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(name, " does not take ", absl::StrJoin(refused, ", ")));
+  return absl::OkStatus();
+}
+
+// --lobster's two files, as inputs CheckOutputsDistinct compares outputs with.
+std::vector<NamedPath> LobsterInputs() {
+  std::vector<NamedPath> inputs;
+  for (const std::string& file : absl::GetFlag(FLAGS_lobster)) inputs.push_back({"--lobster", file});
+  return inputs;
 }
 
 absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
@@ -166,7 +167,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   }
   // The cosine schedule needs warmup_steps < total_steps (ValidateOptimizerConfig). A warmup asked for that does not
   // fit is refused rather than shortened behind the user's back; only the default (20) is cut to fit a short run.
-  if (o.schedule == LrSchedule::kWarmupCosine && SetOnCommandLine(FLAGS_lr_warmup_steps) &&
+  if (o.schedule == LrSchedule::kWarmupCosine && FlagGiven(FLAGS_lr_warmup_steps) &&
       warmup_steps >= o.total_steps) {
     return absl::InvalidArgumentError(absl::StrCat("--lr_warmup_steps (", warmup_steps, ") must be < --steps (",
                                                    o.total_steps, ") for the cosine schedule"));
@@ -223,6 +224,7 @@ absl::Status Train() {
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
   // The checkpoint is written only after training: a destination that cannot be written must fail now.
   RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_save)));
+  RETURN_IF_ERROR(CheckOutputsDistinct({{{"--save", absl::GetFlag(FLAGS_save)}}}, LobsterInputs()));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
@@ -302,10 +304,14 @@ absl::Status Eval() {
   if (absl::GetFlag(FLAGS_out).empty()) return absl::InvalidArgumentError("eval needs --out LOGITS.npy");
   // Both outputs are written only after the forward pass, one after the other: a destination that cannot be written
   // must fail now, before the work and before the other file is written.
-  RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_out)));
+  std::vector<NamedPath> outputs = {{"--out", absl::GetFlag(FLAGS_out)}};
   if (const std::string features_out = absl::GetFlag(FLAGS_features_out); !features_out.empty()) {
-    RETURN_IF_ERROR(CheckWritableDestination(features_out));
+    outputs.push_back({"--features_out", features_out});
   }
+  std::vector<NamedPath> inputs = LobsterInputs();
+  inputs.push_back({"--checkpoint", path});
+  RETURN_IF_ERROR(CheckOutputsDistinct(outputs, inputs));
+  for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   const ModelConfig& config = checkpoint.config;
@@ -352,19 +358,19 @@ absl::Status Inspect(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status Run(const std::vector<char*>& args) {
+absl::Status Run(const std::vector<std::string>& args) {
   if (args.size() < 2) return absl::InvalidArgumentError(kUsage);
   const std::string command = args[1];
   if (command == "train" && args.size() == 2) {
-    RETURN_IF_ERROR(CheckFlagsTakenBy(kTrain, command));
+    RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
     return Train();
   }
   if (command == "eval" && args.size() == 2) {
-    RETURN_IF_ERROR(CheckFlagsTakenBy(kEval, command));
+    RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
     return Eval();
   }
   if (command == "inspect" && args.size() == 3) {
-    RETURN_IF_ERROR(CheckFlagsTakenBy(kInspect, command));
+    RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
     return Inspect(args[2]);
   }
   return absl::InvalidArgumentError(
@@ -376,13 +382,7 @@ absl::Status Run(const std::vector<char*>& args) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(perception::kUsage);
-  std::vector<std::string> normalized = perception::NormalizeArguments(argc, argv);
-  std::vector<char*> normalized_argv;
-  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
-  perception::FlagsGiven().clear();
-  const std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
-  const absl::Status status = perception::Run(args);
+  const absl::Status status = perception::Run(perception::ParseArguments(argc, argv));
   if (!status.ok()) {
     std::fprintf(stderr, "perception: %s\n", std::string(status.message()).c_str());
     return 1;

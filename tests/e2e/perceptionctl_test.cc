@@ -317,8 +317,53 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {absl::StrCat(" eval", files, " --window -3"), "INVALID_ARGUMENT: --window must be >= 0 (0: the model's)"},
       {" --timeout 0s status", "INVALID_ARGUMENT: --timeout must be > 0, got 0"},
       {" --timeout -1s status", "INVALID_ARGUMENT: --timeout must be > 0, got -1s"},
+      // A negative --levels was the preset's feature count for init and failed inside the file read for the rest; a
+      // --log_every below 1 was 1, a negative --wait no wait.
+      {" init --config tiny --levels -3", "INVALID_ARGUMENT: --levels must be >= 0 (0: the preset's), got -3"},
+      {absl::StrCat(" eval", files, " --levels -1"), "INVALID_ARGUMENT: --levels must be >= 0 (0: all of the"},
+      {absl::StrCat(" train", files, " --steps 5 --log_every 0"), "INVALID_ARGUMENT: --log_every must be >= 1, got 0"},
+      {" --wait -1s status", "INVALID_ARGUMENT: --wait must be >= 0 (0: no wait), got -1s"},
+      // Checked only once the daemon answered and the files were read, the first with another reason.
+      {absl::StrCat(" train", files, " --steps 5 --train_fraction 1.5"),
+       "INVALID_ARGUMENT: --train_fraction must be in (0, 1), got 1.5"},
+      {absl::StrCat(" stream", files, " --instrument A --count 100 --seed-window -1"),
+       "INVALID_ARGUMENT: --seed-window must be >= 0 (0: no seed), got -1"},
+      {absl::StrCat(" stream", files, " --instrument A --count 100 --seed-window 100"),
+       "INVALID_ARGUMENT: --seed-window 100 leaves nothing of the 100 events of --count to stream"},
+      // --reseed without a seed did nothing; a bench too large to keep its latencies aborted in a worker thread.
+      {absl::StrCat(" stream", files, " --instrument A --count 100 --reseed"),
+       "INVALID_ARGUMENT: --reseed applies to --seed-window N"},
+      {" bench --events 10000000000", "INVALID_ARGUMENT: --events 10000000000 is more than one bench keeps"},
   };
   ExpectEachRefused(ctl, refused);
+}
+
+// A command took the flags of the others and ignored them: `train --lr_schedule cosine --total_steps 100` trained at
+// the model's constant rate, `stream --out X` wrote nothing. Each is refused, naming whose flag it is, before --wait
+// waits; the global flags and a flag's own commands pass.
+TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 2s");
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {absl::StrCat(" train", files, " --steps 3 --lr_schedule cosine --total_steps 100 --config large"),
+       "INVALID_ARGUMENT: train does not take --config (init's flag), --lr_schedule (init's flag), --total_steps "
+       "(init's flag)"},
+      {absl::StrCat(" stream", files, " --instrument A --from 7 --out /tmp/x.csv"),
+       "INVALID_ARGUMENT: stream does not take --from (convictions's flag), --out (convictions's flag)"},
+      {absl::StrCat(" status", files), "INVALID_ARGUMENT: status does not take --lobster (train's, eval's and "
+                                       "stream's flag)"},
+      {" checkpoint save a --steps 3", "INVALID_ARGUMENT: checkpoint does not take --steps (train's flag)"},
+      {" bench --instrument A", "INVALID_ARGUMENT: bench does not take --instrument (stream's and convictions's"},
+      // Given at its default value, a flag is still given.
+      {" init --config tiny --rate max", "INVALID_ARGUMENT: init does not take --rate (stream's and bench's flag)"},
+  };
+  ExpectEachRefused(ctl, refused);
+  // Taken: the command's own flags and the global ones reach the wait for the daemon, which none answers here.
+  const CommandResult init = RunCommand(absl::StrCat(
+      PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 1s --timeout 5s init --config tiny --levels 1 --seed 3 "
+                          "--lr_schedule cosine --lr_warmup_steps 2 --total_steps 10 --min_lr 1e-5 --replace"));
+  EXPECT_EQ(init.exit_code, 1);
+  EXPECT_THAT(init.output, HasSubstr("DEADLINE_EXCEEDED: perceptiond at 127.0.0.1:1 is not serving after 1s"));
 }
 
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
@@ -430,6 +475,51 @@ TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
   EXPECT_EQ(eval_flagfile.exit_code, 1) << eval_flagfile.output;
   EXPECT_THAT(eval_flagfile.output,
               HasSubstr("perception: eval does not take --config (train's flag), --steps (train's flag)\n"));
+}
+
+// eval wrote --out and --features_out without comparing them with each other or with its inputs: one path for both
+// kept only the features, and --out naming the checkpoint replaced it with logits, each with exit code 0. train's
+// --save could name a LOBSTER file. Refused before anything is read or written; the files are unchanged.
+TEST(PerceptionCliTest, AnOutputNamingAnInputOrTheOtherOutputIsRefused) {
+  const ScopedTempDir temp("cli_same_paths");
+  const std::filesystem::path orderbook = temp.path() / "ob.csv", messages = temp.path() / "msg.csv";
+  std::filesystem::copy_file(kOrderbook, orderbook);
+  std::filesystem::copy_file(kMessages, messages);
+  const std::filesystem::path checkpoint = temp.path() / "a.safetensors", out = temp.path() / "x.npy";
+  const std::string lobster = absl::StrCat(" --lobster ", orderbook.string(), " ", messages.string());
+  const CommandResult trained = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny",
+                                                        lobster, " --steps 2 --save ", checkpoint.string()));
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string checkpoint_bytes = FileText(checkpoint), orderbook_bytes = FileText(orderbook);
+
+  const std::string eval = absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(),
+                                        lobster);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {absl::StrCat(" --out ", out.string(), " --features_out ", out.string()),
+       absl::StrCat("perception: --out and --features_out name one file ('", out.string(), "')")},
+      {absl::StrCat(" --out ", checkpoint.string()),
+       absl::StrCat("perception: --out names the file --checkpoint reads ('", checkpoint.string(), "')")},
+      // Another spelling of the same path.
+      {absl::StrCat(" --out ", out.string(), " --features_out ", (temp.path() / "." / "ob.csv").string()),
+       "perception: --features_out names the file --lobster reads"},
+  };
+  ExpectEachRefused(eval, refused);
+  const CommandResult save_over_data =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny", lobster,
+                              " --steps 2 --save ", orderbook.string()));
+  EXPECT_EQ(save_over_data.exit_code, 1) << save_over_data.output;
+  EXPECT_THAT(save_over_data.output,
+              HasSubstr(absl::StrCat("perception: --save names the file --lobster reads ('", orderbook.string())));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  EXPECT_EQ(FileText(checkpoint), checkpoint_bytes);
+  EXPECT_EQ(FileText(orderbook), orderbook_bytes);
+
+  // The comma form of --lobster before the subcommand: the word after it is the subcommand, not a third file.
+  const CommandResult comma = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " --lobster ", orderbook.string(), ",",
+                                                      messages.string(), " eval --device cpu --checkpoint ",
+                                                      checkpoint.string(), " --out ", out.string()));
+  EXPECT_EQ(comma.exit_code, 0) << comma.output;
+  EXPECT_TRUE(std::filesystem::exists(out));
 }
 
 // eval first touched --out and --features_out after the forward pass, one after the other: an unwritable

@@ -942,7 +942,12 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   CommandResult uneven = RunCommand(absl::StrCat(ctl, " bench --instruments 3 --events 10"));
   ASSERT_EQ(uneven.exit_code, 0) << uneven.output;
   EXPECT_THAT(uneven.output, HasSubstr("10 events (10 sent, 10 acknowledged)"));
-  CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
+  // More instruments than the daemon has slots is refused before any stream opens.
+  CommandResult beyond = RunCommand(absl::StrCat(ctl, " bench --instruments 9 --events 90"));
+  EXPECT_EQ(beyond.exit_code, 1);
+  EXPECT_THAT(beyond.output, HasSubstr("INVALID_ARGUMENT: --instruments 9 is more than the daemon's 8 stream slots"));
+  // As many as its slots, with AAPL's and SLOW's taken: the daemon refuses the connections that find none free.
+  CommandResult over = RunCommand(absl::StrCat(ctl, " bench --instruments 8 --events 80"));
   EXPECT_THAT(over.output, HasSubstr("RESOURCE_EXHAUSTED"));
   EXPECT_EQ(over.exit_code, 1) << "a refused connection fails the command";
   EXPECT_THAT(over.output, HasSubstr("connection(s) failed; the first: "));
