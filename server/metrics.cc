@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "engine/device_loss.h"
 #include "prometheus/text_serializer.h"
 
 namespace perception::server {
@@ -221,7 +222,8 @@ ServerMetrics::ServerMetrics()
                     .Help("Requests refused, by reason: the status code they were refused with, in lower case "
                           "(invalid_argument, failed_precondition, not_found, unavailable while draining, "
                           "resource_exhausted: a full queue, a limit, or the device's memory). Failures such as "
-                          "data_loss or internal are not refusals: see the RPC histograms' code label.")
+                          "data_loss, internal, or unavailable once the device is lost, are not refusals: see the "
+                          "RPC histograms' code label.")
                     .Register(*registry_)),
       checkpoint_duration_(prometheus::BuildHistogram()
                                .Name("perception_checkpoint_duration_seconds")
@@ -426,6 +428,9 @@ std::string ServerMetrics::Render() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
-bool IsRefusal(absl::StatusCode code) { return std::ranges::find(kRefusalCodes, code) != kRefusalCodes.end(); }
+bool IsRefusal(absl::StatusCode code) {
+  if (code == absl::StatusCode::kUnavailable && !DeviceLostStatus().ok()) return false;
+  return std::ranges::find(kRefusalCodes, code) != kRefusalCodes.end();
+}
 
 }  // namespace perception::server

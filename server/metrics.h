@@ -121,7 +121,8 @@ class ServerMetrics {
 
 // A status that refuses the request (bad input, no model, a limit or a full queue, draining, a missing checkpoint),
 // as opposed to OK, a client that gave up (CANCELLED, DEADLINE_EXCEEDED) or a failure: DATA_LOSS (a corrupt
-// checkpoint, data-parallel replicas that diverged), INTERNAL and the like. RESOURCE_EXHAUSTED counts as a refusal
+// checkpoint, data-parallel replicas that diverged), INTERNAL and the like, and UNAVAILABLE once the device is lost
+// (DeviceLostStatus: the daemon failed the call, and drains to exit). RESOURCE_EXHAUSTED counts as a refusal
 // although a device out of memory answers it too.
 bool IsRefusal(absl::StatusCode code);
 // The codes IsRefusal takes for refusals: perception_requests_rejected_total's reasons, in lower case.

@@ -24,12 +24,14 @@ absl::StatusOr<v1::Model> ModelAfter(const absl::Status& change, const ModelHost
 
 // How loudly a call that did not succeed is logged. A plain refusal is the client's business; RESOURCE_EXHAUSTED
 // may be the device's memory running out rather than a full queue, and a client that gave up is worth a note;
-// DATA_LOSS (a replica divergence, a corrupt checkpoint) and the daemon's own failures need an operator.
+// DATA_LOSS (a replica divergence, a corrupt checkpoint), a lost device's UNAVAILABLE (IsRefusal) and the daemon's
+// own failures need an operator.
 spdlog::level::level_enum LogLevelOf(absl::StatusCode code) {
   if (code == absl::StatusCode::kResourceExhausted) return spdlog::level::warn;
   if (IsRefusal(code)) return spdlog::level::debug;
   switch (code) {
     case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
     case absl::StatusCode::kAborted:

@@ -1,4 +1,5 @@
-// ModelHost once the device is lost: every call that needs the device is refused, naming the failure and the remedy.
+// ModelHost once the device is lost: every call that needs the device is refused, naming the failure and the remedy;
+// the metrics count those answers as failures, not refusals.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -60,6 +61,34 @@ int ChecksAfterTheLoss() {
 TEST(ModelHostDeviceLossDeathTest, EveryDeviceCallIsRefusedOnceTheDeviceIsLost) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(std::exit(ChecksAfterTheLoss()), ::testing::ExitedWithCode(0), "");
+}
+
+// 0 when UNAVAILABLE is a refusal (draining) before the loss and a failure after it: not in
+// perception_requests_rejected_total, whose help promised refusals only and counted every call the loss failed.
+int UnavailableIsAFailureOnceTheDeviceIsLost() {
+  ServerMetrics metrics;
+  if (!IsRefusal(absl::StatusCode::kUnavailable)) return 2;
+  metrics.ObserveRpc("TrainStep", ServerMetrics::RpcKind::kUnary, absl::StatusCode::kUnavailable, 0.01);
+  NoteDeviceLost(absl::InternalError("injected cudaErrorIllegalAddress"));
+  if (IsRefusal(absl::StatusCode::kUnavailable)) return 3;
+  metrics.ObserveRpc("Stream", ServerMetrics::RpcKind::kBidirectional, absl::StatusCode::kUnavailable, 0.01);
+  metrics.ObserveRpc("Evaluate", ServerMetrics::RpcKind::kUnary, absl::StatusCode::kUnavailable, 0.01);
+  const std::string text = metrics.Render();
+  if (text.find("perception_requests_rejected_total{reason=\"unavailable\"} 1\n") == std::string::npos) {
+    std::fprintf(stderr, "the refusals counted are not the one before the loss:\n%s\n", text.c_str());
+    return 4;
+  }
+  if (text.find("perception_rpc_session_seconds_count{code=\"UNAVAILABLE\",method=\"Stream\"} 1\n") ==
+      std::string::npos) {
+    std::fprintf(stderr, "the failed Stream call is not in its histogram:\n%s\n", text.c_str());
+    return 5;
+  }
+  return IsRefusal(absl::StatusCode::kInvalidArgument) ? 0 : 6;
+}
+
+TEST(ModelHostDeviceLossDeathTest, UnavailableIsAFailureNotARefusalOnceTheDeviceIsLost) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(UnavailableIsAFailureOnceTheDeviceIsLost()), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace
