@@ -249,10 +249,14 @@ class CudaBackend final : public Backend {
     }
     if (next && staging == NextStaging::kBeforeLaunch) RETURN_IF_ERROR(model_->StageBatch(*next));
     RETURN_IF_ERROR(model_->EnqueueTrainStep());
-    if (next && staging == NextStaging::kDuringStep) RETURN_IF_ERROR(model_->StageBatch(*next));
-    if (next) staged_next_ = next->x.data();
+    // Once enqueued the step runs: a `next` refused here (arrays that do not match its shape) is reported after the
+    // step is waited for and counted, so that step() says it was applied (ModelHost::AfterFailedStep reads it).
+    const absl::Status staged_during_step =
+        next && staging == NextStaging::kDuringStep ? model_->StageBatch(*next) : absl::OkStatus();
+    if (next && staged_during_step.ok()) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
     step_ = report.step;  // applied, whatever the replica check finds
+    RETURN_IF_ERROR(staged_during_step);
     const TrainStepResult result{report.loss, report.grad_norm, report.step};
     if (!std::isfinite(result.grad_norm)) return StepNotTakenError(result);
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));

@@ -11,9 +11,15 @@
 
 namespace perception::cuda_internal {
 
-// The errors after which the CUDA context cannot be used again ("sticky": every later call of the process fails).
+// The errors after which the CUDA context cannot be used again ("sticky": every later call of the process fails):
+// each that CUDA 13's driver_types.h says needs the process "terminated and relaunched", and the uncorrectable ECC
+// and NVLink errors.
 inline bool IsStickyCudaError(cudaError_t error) {
   switch (error) {
+    case cudaErrorContained:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
     case cudaErrorIllegalAddress:
     case cudaErrorLaunchFailure:
     case cudaErrorLaunchTimeout:
@@ -45,6 +51,11 @@ inline absl::Status CudaFailure(cudaError_t error, const char* call, const char*
 }
 
 inline absl::Status CublasFailure(cublasStatus_t status, const char* call, const char* file, int line) {
+  // A device fault that cuBLAS met first (CUBLAS_STATUS_EXECUTION_FAILED and the like) is the context's sticky error:
+  // reported as the lost device it is, not as a failed product the next request would retry.
+  if (const cudaError_t sticky = cudaPeekAtLastError(); IsStickyCudaError(sticky)) {
+    return CudaFailure(sticky, call, file, line);
+  }
   return absl::InternalError(absl::StrCat(call, " failed with ", cublasGetStatusName(status), " (",
                                           cublasGetStatusString(status), ") at ", file, ":", line));
 }

@@ -64,6 +64,7 @@ absl::StatusOr<CudaAllocation> AllocateCuda(MemoryKind kind, size_t bytes) {
 }
 
 absl::Status CudaArena::Allocate() {
+  if (overflowed_) return absl::ResourceExhaustedError("the buffers reserved together exceed any allocation's size");
   auto allocation = AllocateCuda(kind_, size_);
   if (!allocation.ok()) return allocation.status();
   allocation_ = *std::move(allocation);

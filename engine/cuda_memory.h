@@ -48,13 +48,21 @@ class CudaArena {
  public:
   explicit CudaArena(MemoryKind kind) : kind_(kind) {}
 
+  // A count whose bytes overflow size_t (an absurd --stream_log_entries) wrapped to a small size, and the buffers
+  // reserved after it overlapped it: such a count makes Allocate fail instead.
   template <typename T>
   void Reserve(T** slot, size_t count) {
     const size_t offset = size_;
-    size_ += (count * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
+    size_t bytes = 0;
+    if (__builtin_mul_overflow(count, sizeof(T), &bytes) || bytes > SIZE_MAX - (kAlignment - 1) ||
+        __builtin_add_overflow(size_, (bytes + kAlignment - 1) / kAlignment * kAlignment, &size_)) {
+      overflowed_ = true;
+      return;
+    }
     assign_.push_back([slot, offset](std::byte* base) { *slot = reinterpret_cast<T*>(base + offset); });
   }
 
+  // RESOURCE_EXHAUSTED where the reservations' sum overflowed size_t, or the allocation's error.
   absl::Status Allocate();
   size_t bytes() const { return size_; }
 
@@ -62,6 +70,7 @@ class CudaArena {
   static constexpr size_t kAlignment = 256;
   MemoryKind kind_;
   size_t size_ = 0;
+  bool overflowed_ = false;
   std::vector<std::function<void(std::byte*)>> assign_;
   CudaAllocation allocation_;
 };

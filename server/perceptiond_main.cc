@@ -81,8 +81,8 @@ ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "not at all");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
-          "conviction-log entries kept on the device over all slots (each slot retains total / stream_slots; "
-          "older entries are overwritten and counted)");
+          "conviction-log entries kept on the device over all slots, at most 2^30 (each slot retains total / "
+          "stream_slots; older entries are overwritten and counted)");
 ABSL_FLAG(bool, stream_resident, true,
           "on CUDA (small fed by any LOBSTER level count from 1 to 10: 4*levels + 8 features): lone streaming events "
           "go to a resident step that polls a ring in pinned memory, instead of a launch per tick; it holds 8 "
@@ -133,6 +133,9 @@ namespace {
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
 // How often a drain looks again whether the convictions have been read back.
 constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
+// The most conviction-log entries --stream_log_entries may ask for: 2^30 take 24 GiB of device memory at five
+// horizons.
+constexpr int64_t kMaxStreamLogEntries = int64_t{1} << 30;
 
 // Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them.
 sigset_t TerminationSignals() {
@@ -199,6 +202,13 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
       options.max_read_count < 1 || options.max_pending_events < 1) {
     return absl::InvalidArgumentError(
         "streaming flags must be positive, and --stream_log_entries at least --stream_slots");
+  }
+  // Each entry takes (horizons + 1) floats on the device and a weights version on the host: far more entries than
+  // any device holds wrapped the logs' sizes to a few bytes (CudaArena now refuses that) or failed the first stream's
+  // host allocation, which ended the daemon.
+  if (options.device.log_entries_total > kMaxStreamLogEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream_log_entries must be at most ", kMaxStreamLogEntries,
+                                                   ", got ", options.device.log_entries_total));
   }
   return options;
 }

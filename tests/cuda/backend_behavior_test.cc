@@ -1,15 +1,19 @@
 // How the CUDA backend behaves beyond its numbers: a clear error without a device, no allocation per step, bit-identical
-// runs, refused shapes, NaNs that surface instead of passing, and checkpoints that move between backends.
+// runs, refused shapes, NaNs that surface instead of passing, checkpoints that move between backends, arenas too large
+// to allocate and the errors that lose the device.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
+#include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/step_not_taken.h"
@@ -25,7 +29,40 @@ using testing::RelativeError;
 using testing::Contains;
 using testing::InitialParams;
 
-// The one test here that runs on machines without a GPU.
+// Reservations whose bytes overflow size_t wrapped the arena's size to a few bytes, the buffers after them overlapping
+// (an absurd --stream_log_entries): refused before any allocation, on any machine.
+TEST(CudaArenaTest, ReservationsBeyondAnyAllocationAreRefusedBeforeAllocating) {
+  for (const std::vector<size_t>& counts : std::vector<std::vector<size_t>>{
+           {1000, size_t{1} << 62, 1000},          // count × 4 bytes overflows
+           {SIZE_MAX / sizeof(float)},             // the bytes fit, rounded up to 256 they do not
+           {size_t{1} << 61, size_t{1} << 61}}) {  // each fits, their sum does not
+    CudaArena arena(MemoryKind::kDevice);
+    std::vector<float*> slots(counts.size(), nullptr);
+    for (size_t i = 0; i < counts.size(); ++i) arena.Reserve(&slots[i], counts[i]);
+    const int64_t allocations = CudaAllocationCount();
+    const absl::Status allocated = arena.Allocate();
+    EXPECT_EQ(allocated.code(), absl::StatusCode::kResourceExhausted) << allocated;
+    EXPECT_EQ(CudaAllocationCount(), allocations);
+  }
+}
+
+// Every error that CUDA 13's driver_types.h says needs the process relaunched is a lost device (the daemon drains and
+// exits to be restarted); an MPS client the server terminated kept answering INTERNAL to every call.
+TEST(CudaCheckTest, TheErrorsThatNeedARelaunchAreSticky) {
+  for (const cudaError_t error :
+       {cudaErrorContained, cudaErrorIllegalAddress, cudaErrorLaunchTimeout, cudaErrorAssert,
+        cudaErrorHardwareStackError, cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+        cudaErrorInvalidAddressSpace, cudaErrorInvalidPc, cudaErrorLaunchFailure, cudaErrorTensorMemoryLeak,
+        cudaErrorMpsClientTerminated, cudaErrorExternalDevice, cudaErrorECCUncorrectable,
+        cudaErrorNvlinkUncorrectable}) {
+    EXPECT_TRUE(cuda_internal::IsStickyCudaError(error)) << cudaGetErrorName(error);
+  }
+  for (const cudaError_t error : {cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorNotReady}) {
+    EXPECT_FALSE(cuda_internal::IsStickyCudaError(error)) << cudaGetErrorName(error);
+  }
+}
+
+// The one test here that runs on machines without a GPU only.
 TEST(CudaBackendWithoutDevice, MakeBackendNamesTheMissingDevice) {
   if (CudaDeviceAvailable().ok()) GTEST_SKIP() << "a CUDA device is present; this checks machines without one";
   const ModelConfig config = *NamedConfig("tiny");

@@ -252,5 +252,34 @@ TEST(CudaPrefetch, TinyBatchStagedForAFailedStepIsNotTakenForALaterOneAtItsAddre
   EXPECT_EQ(std::memcmp(&expected->loss, &got->loss, sizeof(double)), 0) << expected->loss << " vs " << got->loss;
 }
 
+// A next batch whose arrays do not match its (batch, window) was refused after the step was enqueued, before it was
+// waited for: the step ran and was applied while step() stayed behind, so the daemon took it for not applied. Now the
+// refusal comes after the wait, with step() advanced; the step equals TrainStep's.
+TEST(CudaPrefetch, TinyNextBatchRefusedDuringTheStepLeavesTheStepCounted) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const ModelConfig config = *NamedConfig("tiny");
+  const OptimizerConfig optimizer = WarmupCosine(8);
+  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 24));
+  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 24));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  const std::vector<RandomBatch> batches = Batches(config, 2);
+  BatchView<float> short_next = batches[1].view();
+  short_next.mask = short_next.mask.first(short_next.mask.size() - 1);
+  const auto refused = (*ahead)->TrainStepStagingNext(batches[0].view(), short_next);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_EQ((*ahead)->step(), 1);
+  ASSERT_TRUE((*plain)->TrainStep(batches[0].view()).ok());
+  const auto a = (*plain)->ExportState(), b = (*ahead)->ExportState();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(BitIdentical(a->params, b->params)) << "the step was applied as TrainStep applies it";
+  EXPECT_EQ(a->step, b->step);
+  // The refused batch is not staged: the next call trains on what it is given.
+  const auto expected = (*plain)->TrainStep(batches[1].view());
+  const auto got = (*ahead)->TrainStep(batches[1].view());
+  ASSERT_TRUE(expected.ok() && got.ok());
+  EXPECT_EQ(std::memcmp(&expected->loss, &got->loss, sizeof(double)), 0) << expected->loss << " vs " << got->loss;
+}
+
 }  // namespace
 }  // namespace perception

@@ -106,6 +106,14 @@ TEST(LifecycleTest, TheDaemonRefusesANegativeStreamTickTiming) {
                          "--stream_tick_timing must be 0 (none) or positive");
 }
 
+// 2^62 entries wrapped the CUDA logs' sizes to nothing (every log and the buffers after it overlapping), and the CPU
+// daemon's first stream ended it (std::length_error in the host log's allocation).
+TEST(LifecycleTest, TheDaemonRefusesMoreLogEntriesThanAnyDeviceHolds) {
+  const ScopedTempDir checkpoints("stream_log_entries");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=1 --stream_log_entries=4611686018427387904",
+                         "--stream_log_entries must be at most 1073741824, got 4611686018427387904");
+}
+
 // Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
 TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
   const ScopedTempDir checkpoints("checkpoint_on_exit");
