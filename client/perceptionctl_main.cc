@@ -466,6 +466,10 @@ absl::Status Run(const std::vector<std::string>& args) {
   }
   std::vector<std::string> targets = absl::GetFlag(FLAGS_targets);
   ASSIGN_OR_RETURN(const Command command, ParseCommand(args, /*several=*/!targets.empty()));
+  // --target beside --targets was ignored without a word.
+  if (!targets.empty() && FlagGiven(FLAGS_target)) {
+    return absl::InvalidArgumentError("give --target (one daemon) or --targets (the ranks of a job), not both");
+  }
   if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
   std::vector<std::unique_ptr<PerceptionClient>> clients;
   std::vector<PerceptionClient*> daemons;

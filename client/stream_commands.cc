@@ -56,8 +56,8 @@ class Pacer {
   absl::Time start_;
 };
 
-double Percentile(std::vector<double>& sorted, double q) {
-  if (sorted.empty()) return 0;
+// `sorted` not empty.
+double Percentile(const std::vector<double>& sorted, double q) {
   const size_t index = std::min(sorted.size() - 1, static_cast<size_t>(std::ceil(q * sorted.size())) - 1);
   return sorted[index];
 }
@@ -78,6 +78,12 @@ absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
   if (!stream.has_value() || !stream->has_next_seq()) return absl::OkStatus();
   const uint64_t next = stream->next_seq();
+  // A stopped instrument takes no events until a reset or a seed: "stream without it to continue" would fail too.
+  if (!stream->stopped().empty() && !options.reseed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "instrument ", options.instrument, " is stopped (", stream->stopped(), "): pass --reseed to let --seed-window "
+        "seed it again, the stream after the window starting at seq ", next));
+  }
   if (stream->has_last_accepted_seq() && !options.reseed) {
     return absl::FailedPreconditionError(absl::StrCat(
         "instrument ", options.instrument, " already has events (through seq ", stream->last_accepted_seq(),
@@ -455,13 +461,17 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
     if (!c.status.ok()) refusals.push_back(c.status.ToString());
   }
   std::sort(latencies.begin(), latencies.end());
+  // With no event acknowledged there is no latency to give: "p50 0.000 ms" read as a very fast daemon.
+  const std::string latency =
+      latencies.empty() ? "none (no event acknowledged)"
+                        : absl::StrFormat("p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms", 1e3 * Percentile(latencies, 0.5),
+                                          1e3 * Percentile(latencies, 0.99), 1e3 * Percentile(latencies, 0.999));
   std::printf(
       "bench: %d instruments over %d connection(s), %lld events (%lld sent, %lld acknowledged) in %.3f s: %.0f "
-      "events/s\nlatency (%s to acknowledgement): p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms\n",
+      "events/s\nlatency (%s to acknowledgement): %s\n",
       options.instruments, C, static_cast<long long>(options.events), static_cast<long long>(sent),
       static_cast<long long>(acked), seconds, acked / std::max(seconds, 1e-9),
-      options.rate > 0 ? "scheduled send" : "send", 1e3 * Percentile(latencies, 0.5),
-      1e3 * Percentile(latencies, 0.99), 1e3 * Percentile(latencies, 0.999));
+      options.rate > 0 ? "scheduled send" : "send", latency.c_str());
   std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
               static_cast<long long>(sent - acked), refusals.empty() ? "" : ":");
   for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());

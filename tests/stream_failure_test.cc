@@ -574,6 +574,44 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustS
   EXPECT_EQ(daemon_.Streams()["AAPL"].next_seq(), 15u);
 }
 
+// perceptionctl's seed-window check onto a stopped instrument with events: it advised "stream without it to continue
+// (--start_seq N)", which the stopped instrument would refuse too. It now says the instrument is stopped and that
+// --reseed seeds it again; with --reseed, the seeded stream resumes where the instrument stopped.
+TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTakesReseed) {
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_levels(10);
+  init.set_seed(kSeed);
+  init.set_replace(true);
+  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  client::PerceptionClient client(daemon_.target());
+  client::StreamOptions options;
+  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
+  options.instrument = "AAPL";
+  options.count = 3;
+  ASSERT_TRUE(client::StreamLobster(client, options).ok());
+  faults_->failing_ticks = 1;
+  options.first = 3;
+  options.count = 1;
+  options.start_seq = 4;
+  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
+  ASSERT_THAT(daemon_.Streams()["AAPL"].stopped(), HasSubstr("then from seq 4"));
+  options.first = 2;  // events 2 and 3 seed it, 4 to 6 stream as seq 4 to 6
+  options.count = 5;
+  options.start_seq = 2;
+  options.seed_window = 2;
+  const absl::Status refused = client::StreamLobster(client, options);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("instrument AAPL is stopped (instrument 'AAPL' stopped at seq 4"));
+  EXPECT_THAT(refused.message(), HasSubstr("pass --reseed to let --seed-window seed it again, the stream after the "
+                                           "window starting at seq 4"));
+  options.reseed = true;
+  const absl::Status reseeded = client::StreamLobster(client, options);
+  ASSERT_TRUE(reseeded.ok()) << reseeded;
+  EXPECT_EQ(daemon_.Streams()["AAPL"].next_seq(), 7u);
+  EXPECT_TRUE(daemon_.Streams()["AAPL"].stopped().empty());
+}
+
 // A ReadConvictions whose caller stopped waiting while its job ran (here its deadline passed while the job waited for
 // the device) leaves the convictions unread: the drain, which waits for every conviction to be read back, still waits
 // for them.

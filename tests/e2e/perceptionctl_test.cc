@@ -323,6 +323,8 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {absl::StrCat(" eval", files, " --levels -1"), "INVALID_ARGUMENT: --levels must be >= 0 (0: all of the"},
       {absl::StrCat(" train", files, " --steps 5 --log_every 0"), "INVALID_ARGUMENT: --log_every must be >= 1, got 0"},
       {" --wait -1s status", "INVALID_ARGUMENT: --wait must be >= 0 (0: no wait), got -1s"},
+      {" --targets=127.0.0.1:2,127.0.0.1:3 status",
+       "INVALID_ARGUMENT: give --target (one daemon) or --targets (the ranks of a job), not both"},
       // Checked only once the daemon answered and the files were read, the first with another reason.
       {absl::StrCat(" train", files, " --steps 5 --train_fraction 1.5"),
        "INVALID_ARGUMENT: --train_fraction must be in (0, 1), got 1.5"},
