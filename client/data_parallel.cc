@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace perception::client {
 
@@ -25,6 +28,31 @@ void CopyWindows(const Batch& from, int first, int count, v1::Batch& to) {
   copy(from.labels, T * from.n_horizons, to.mutable_labels());
   copy(from.mask, T * from.n_horizons, to.mutable_mask());
 }
+
+namespace {
+
+// What of the normalizer, optimizer, precision and replica checks `rank` holds otherwise than `first`, "" if nothing.
+std::string RankDifference(const v1::GetStatusResponse& first, const v1::GetStatusResponse& rank) {
+  std::vector<std::string> differences;
+  if (rank.model().normalizer_fitted() != first.model().normalizer_fitted()) {
+    differences.push_back(absl::StrCat("normalizer (", rank.model().normalizer_fitted() ? "fitted" : "not fitted",
+                                       " vs ", first.model().normalizer_fitted() ? "fitted" : "not fitted", ")"));
+  }
+  if (rank.model().optimizer().SerializeAsString() != first.model().optimizer().SerializeAsString()) {
+    differences.push_back("optimizer settings");
+  }
+  if (rank.device().precision() != first.device().precision()) {
+    differences.push_back(absl::StrCat("precision (", rank.device().precision(), " vs ", first.device().precision(),
+                                       ")"));
+  }
+  if (rank.data_parallel().replica_check_every() != first.data_parallel().replica_check_every()) {
+    differences.push_back(absl::StrCat("--replica_check_every (", rank.data_parallel().replica_check_every(), " vs ",
+                                       first.data_parallel().replica_check_every(), ")"));
+  }
+  return absl::StrJoin(differences, ", ");
+}
+
+}  // namespace
 
 absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::span<const std::string> targets) {
   const int n = static_cast<int>(statuses.size());
@@ -46,6 +74,16 @@ absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::sp
       return absl::FailedPreconditionError(absl::StrCat(who, " holds another model than rank 0 (config or step ",
                                                         s.model().step(), " vs ", statuses[0].model().step(),
                                                         "): init or load the same model on every rank"));
+    }
+    // Beside the model's shape and step, what every rank must share for their updates to stay identical: a rank
+    // without the normalizer trains on unstandardized inputs (a run stopped after fitting rank 0's), another optimizer
+    // or precision diverges from the first step, and another --replica_check_every pairs one rank's checksum
+    // all-gather with its peers' next step's sums (NCCL: undefined).
+    const std::string differs = RankDifference(statuses[0], s);
+    if (!differs.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " differs from rank 0 in its ", differs, ": the ranks' updates would not stay identical (save on rank "
+          "0 and load the checkpoint on every rank, or init every rank, with the same perceptiond flags)"));
     }
   }
   return absl::OkStatus();

@@ -72,6 +72,15 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::st
 #endif
 }
 
+absl::Status DataParallelUsable(const NcclCommunicator& communicator) {
+#if PERCEPTION_HAVE_CUDA
+  return communicator.Usable();
+#else
+  (void)communicator;  // (none can exist without CUDA: JoinDataParallel refuses)
+  return absl::OkStatus();
+#endif
+}
+
 absl::Status CheckDeviceName(const std::string& device) {
   if (device == "cpu" || device == "cuda" || device == "auto") return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "' (cpu, cuda, auto)"));

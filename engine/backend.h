@@ -220,6 +220,10 @@ absl::StatusOr<std::string> NewDataParallelId();
 absl::StatusOr<std::shared_ptr<NcclCommunicator>> JoinDataParallel(const std::string& unique_id,
                                                                    const DataParallelOptions& options);
 
+// OK until `communicator` was aborted (a peer failed or stalled during a step); then FAILED_PRECONDITION with the
+// reason (NcclCommunicator::Usable).
+absl::Status DataParallelUsable(const NcclCommunicator& communicator);
+
 // OK for the device names MakeBackend takes (cpu, cuda, auto); INVALID_ARGUMENT naming them otherwise.
 absl::Status CheckDeviceName(const std::string& device);
 // OK where MakeBackend can build the CUDA backend (the one "auto" then resolves to); otherwise FAILED_PRECONDITION

@@ -169,6 +169,15 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
                                                       data_parallel_->world_size,
                                                       " of a data-parallel job: checkpoints are saved by rank 0"));
   }
+  // An aborted step may have applied a partial sum of the ranks' gradients: saving that (--checkpoint_on_exit included)
+  // would overwrite the last good checkpoint with weights no rank agrees on.
+  if (communicator_ != nullptr) {
+    if (const absl::Status usable = DataParallelUsable(*communicator_); !usable.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "not saved: the data-parallel job was aborted (", usable.message(), "), so a step may have left the "
+          "weights half updated; restart every rank from the last checkpoint"));
+    }
+  }
   const Stopwatch stopwatch;
   ASSIGN_OR_RETURN(Checkpoint state, backend_->ExportState());
   state.optimizer = optimizer_;

@@ -34,6 +34,14 @@ grpc::Status RendezvousService::GetUniqueId(grpc::ServerContext*, const v1::GetU
   }
   absl::MutexLock lock(&mu_);
   if (!unique_id_.has_value()) return {grpc::StatusCode::UNAVAILABLE, "rank 0 has not created the NCCL unique id yet"};
+  // A rank that asks again has restarted (or another daemon runs as it): the id names a job that formed, or is
+  // forming, with its first self, whose bootstrap it cannot join again. It waited out --collective_timeout, blaming a
+  // peer, and crash-looped under a supervisor.
+  if (!handed_to_.insert(request->rank()).second) {
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            absl::StrCat("rank ", request->rank(), " was handed this job's NCCL unique id already: a rank that "
+                         "restarted cannot rejoin the job it formed; restart every rank")};
+  }
   response->set_unique_id(*unique_id_);
   return grpc::Status::OK;
 }

@@ -3,6 +3,7 @@
 // each global batch.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -85,6 +86,24 @@ TEST(Rendezvous, AStrangerIsRefusedAtOnce) {
   const auto asked_plain = FetchUniqueId(not_parallel.target(), 1, 2, absl::Seconds(10));
   EXPECT_EQ(asked_plain.status().code(), absl::StatusCode::kFailedPrecondition) << asked_plain.status();
   EXPECT_NE(std::string(asked_plain.status().message()).find("not part of a data-parallel job"), std::string::npos);
+}
+
+// A rank that restarted got the formed job's id again, then waited out its join timeout blaming a peer (rank 0's
+// bootstrap had closed). Each rank is handed the id once; a second ask is refused at once, saying what to do.
+TEST(Rendezvous, EachRankIsHandedTheIdOnce) {
+  RendezvousServer rank0(0, 3);
+  rank0.service().Publish(OpaqueId());
+  ASSERT_TRUE(FetchUniqueId(rank0.target(), 1, 3, absl::Seconds(10)).ok());
+  const absl::Time start = absl::Now();
+  const auto again = FetchUniqueId(rank0.target(), 1, 3, absl::Seconds(10));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_NE(std::string(again.status().message())
+                .find("rank 1 was handed this job's NCCL unique id already: a rank that restarted cannot rejoin the "
+                      "job it formed; restart every rank"),
+            std::string::npos)
+      << again.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a refusal is not retried";
+  EXPECT_TRUE(FetchUniqueId(rank0.target(), 2, 3, absl::Seconds(10)).ok()) << "another rank still gets it";
 }
 
 TEST(Rendezvous, ARankZeroThatNeverPublishesTimesOut) {
@@ -171,6 +190,31 @@ TEST(CheckRanks, TargetsMustBeOneJobsRanksInOrderWithOneModel) {
   plain.clear_data_parallel();
   const absl::Status not_parallel = CheckRanks(std::vector{plain, RankStatus(1, 2, 5)}, targets);
   EXPECT_NE(std::string(not_parallel.message()).find("not part of a data-parallel job"), std::string::npos);
+}
+
+// Ranks with the same model config and step but another normalizer state, optimizer, precision or replica-check
+// interval passed: a rank without the normalizer (a run stopped after fitting rank 0's) trained on unstandardized
+// inputs, and differing check intervals paired one rank's checksum all-gather with its peers' next sums.
+TEST(CheckRanks, RanksMustShareNormalizerOptimizerPrecisionAndReplicaChecks) {
+  const std::vector<std::string> targets = {"a:1", "b:2"};
+  const auto with = [](const std::function<void(v1::GetStatusResponse&)>& change) {
+    v1::GetStatusResponse status = RankStatus(1, 2, 5);
+    change(status);
+    return status;
+  };
+  const std::vector<std::pair<v1::GetStatusResponse, std::string>> cases = {
+      {with([](auto& s) { s.mutable_model()->set_normalizer_fitted(true); }),
+       "target 1 (b:2) differs from rank 0 in its normalizer (fitted vs not fitted)"},
+      {with([](auto& s) { s.mutable_model()->mutable_optimizer()->set_lr(3e-3); }), "in its optimizer settings"},
+      {with([](auto& s) { s.mutable_device()->set_precision("tf32"); }), "in its precision (tf32 vs )"},
+      {with([](auto& s) { s.mutable_data_parallel()->set_replica_check_every(50); }),
+       "in its --replica_check_every (50 vs 0)"},
+  };
+  for (const auto& [rank1, reason] : cases) {
+    const absl::Status refused = CheckRanks(std::vector{RankStatus(0, 2, 5), rank1}, targets);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << reason;
+    EXPECT_NE(std::string(refused.message()).find(reason), std::string::npos) << refused;
+  }
 }
 
 // One --target that reports rank 0 of 2 was trained alone (the rank check ran only for several targets); README:
