@@ -1,12 +1,15 @@
 // perceptionctl: the command line of perceptiond (status, init, train, eval, checkpoints, live streaming).
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -105,6 +108,9 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     streams                                  (list the live streams)
     streams reset ID | streams close ID
     bench --instruments N --events M [--rate R|max] [--connections C] [--in-flight K])";
+
+constexpr std::array<std::string_view, 9> kCommands = {"status", "init",        "train",   "eval", "checkpoint",
+                                                      "stream", "convictions", "streams", "bench"};
 
 // The flags and the commands that read them (CheckFlagsTakenBy refuses the rest); --target, --targets, --timeout
 // and --wait are every command's.
@@ -427,7 +433,8 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
 // `several`: --targets named the daemons, so only the commands that address every rank are taken.
 absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool several) {
   const std::string command = args.size() > 1 ? args[1] : "";
-  RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
+  // Only a command there is: a mistyped one is named as unexpected, with the usage, rather than its flags refused.
+  if (std::ranges::find(kCommands, command) != kCommands.end()) RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
   if (command == "status" && args.size() == 2) return OnEveryDaemon(Status);
   if (command == "init" && args.size() == 2) {
     ASSIGN_OR_RETURN(const v1::InitModelRequest request, InitRequestFromFlags());

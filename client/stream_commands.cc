@@ -78,8 +78,9 @@ absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
   if (!stream.has_value() || !stream->has_next_seq()) return absl::OkStatus();
   const uint64_t next = stream->next_seq();
-  // A stopped instrument takes no events until a reset or a seed: "stream without it to continue" would fail too.
-  if (!stream->stopped().empty() && !options.reseed) {
+  // A stopped instrument with events takes none until a reset or a seed: "stream without it to continue" would fail
+  // too. (One stopped at its first event has no state to lose: a seed starting where it stopped needs no --reseed.)
+  if (!stream->stopped().empty() && stream->has_last_accepted_seq() && !options.reseed) {
     return absl::FailedPreconditionError(absl::StrCat(
         "instrument ", options.instrument, " is stopped (", stream->stopped(), "): pass --reseed to let --seed-window "
         "seed it again, the stream after the window starting at seq ", next));

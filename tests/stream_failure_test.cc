@@ -612,6 +612,32 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTak
   EXPECT_TRUE(daemon_.Streams()["AAPL"].stopped().empty());
 }
 
+// An instrument stopped at its first event has no state to lose: a seed window that resumes where it stopped needs no
+// --reseed (the check for stopped instruments with events must not catch it).
+TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventNeedsNoReseed) {
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_levels(10);
+  init.set_seed(kSeed);
+  init.set_replace(true);
+  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  client::PerceptionClient client(daemon_.target());
+  client::StreamOptions options;
+  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
+  options.instrument = "AAPL";
+  options.count = 1;
+  options.start_seq = 10;
+  faults_->failing_ticks = 1;
+  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
+  ASSERT_FALSE(daemon_.Streams()["AAPL"].stopped().empty());
+  options.seed_window = 5;
+  options.count = 10;
+  options.start_seq = 5;  // the stream after the window starts at 10, where it stopped
+  const absl::Status seeded = client::StreamLobster(client, options);
+  ASSERT_TRUE(seeded.ok()) << seeded;
+  EXPECT_EQ(daemon_.Streams()["AAPL"].next_seq(), 15u);
+}
+
 // A ReadConvictions whose caller stopped waiting while its job ran (here its deadline passed while the job waited for
 // the device) leaves the convictions unread: the drain, which waits for every conviction to be read back, still waits
 // for them.

@@ -1,5 +1,4 @@
-// Normalization of the documented command-line spellings, the record of the flags given, and the refusal of flags a
-// command does not read.
+// Command-line spellings, the record of the flags given, and the refusal of flags a command does not read.
 #include "engine/cli/arguments.h"
 
 #include <algorithm>
@@ -14,16 +13,18 @@ namespace perception {
 namespace {
 
 // The names of the flags set since ParseArguments began; registration's own OnUpdate calls come before and are
-// cleared.
+// cleared. Unlocked: flags are parsed on the main thread before any other starts.
 absl::flat_hash_set<std::string>& FlagsGiven() {
   static auto* const names = new absl::flat_hash_set<std::string>();
   return *names;
 }
 
-// "train's", "train's and eval's", "init's, train's and eval's".
+// "train's", "train's and eval's", "init's, train's and eval's", "convictions'".
 std::string Owners(const std::vector<std::string>& commands) {
   std::vector<std::string> owners;
-  for (const std::string& command : commands) owners.push_back(absl::StrCat(command, "'s"));
+  for (const std::string& command : commands) {
+    owners.push_back(absl::StrCat(command, absl::EndsWith(command, "s") ? "'" : "'s"));
+  }
   if (owners.size() <= 1) return absl::StrJoin(owners, "");
   return absl::StrCat(absl::StrJoin(owners.begin(), owners.end() - 1, ", "), " and ", owners.back());
 }

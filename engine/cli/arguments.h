@@ -1,5 +1,4 @@
-// Command-line handling shared by the project's programs: the documented spellings accepted before absl parses the
-// flags, which flags the command line gave, and the refusal of flags a command does not read.
+// Command-line handling shared by the programs: spellings, the flags given, and flags a command does not read.
 #pragma once
 
 #include <initializer_list>

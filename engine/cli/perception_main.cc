@@ -113,13 +113,17 @@ const std::vector<FlagUse>& FlagUses() {
   return *uses;
 }
 
-// Whether `a` and `b` name one file: one inode where both exist, else one path once symlinks and dots resolve.
+// Whether `a` and `b` name one file: one inode where both exist, else one absolute path once symlinks and dots
+// resolve (weakly_canonical leaves a relative path to a file not there yet relative: x.npy against ./x.npy).
 bool SameFile(const std::string& a, const std::string& b) {
   std::error_code error;
   if (std::filesystem::equivalent(a, b, error)) return true;
-  const std::filesystem::path resolved_a = std::filesystem::weakly_canonical(a, error);
+  const auto resolved = [&error](const std::string& path) {
+    return std::filesystem::weakly_canonical(std::filesystem::absolute(path, error), error);
+  };
+  const std::filesystem::path resolved_a = resolved(a);
   if (error) return a == b;
-  const std::filesystem::path resolved_b = std::filesystem::weakly_canonical(b, error);
+  const std::filesystem::path resolved_b = resolved(b);
   return error ? a == b : resolved_a == resolved_b;
 }
 

@@ -351,13 +351,15 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
        "INVALID_ARGUMENT: train does not take --config (init's flag), --lr_schedule (init's flag), --total_steps "
        "(init's flag)"},
       {absl::StrCat(" stream", files, " --instrument A --from 7 --out /tmp/x.csv"),
-       "INVALID_ARGUMENT: stream does not take --from (convictions's flag), --out (convictions's flag)"},
+       "INVALID_ARGUMENT: stream does not take --from (convictions' flag), --out (convictions' flag)"},
       {absl::StrCat(" status", files), "INVALID_ARGUMENT: status does not take --lobster (train's, eval's and "
                                        "stream's flag)"},
       {" checkpoint save a --steps 3", "INVALID_ARGUMENT: checkpoint does not take --steps (train's flag)"},
-      {" bench --instrument A", "INVALID_ARGUMENT: bench does not take --instrument (stream's and convictions's"},
+      {" bench --instrument A", "INVALID_ARGUMENT: bench does not take --instrument (stream's and convictions' flag)"},
       // Given at its default value, a flag is still given.
       {" init --config tiny --rate max", "INVALID_ARGUMENT: init does not take --rate (stream's and bench's flag)"},
+      // A mistyped command is named as unexpected, not its flags as another command's.
+      {" trian --steps 3", "INVALID_ARGUMENT: unexpected arguments: trian"},
   };
   ExpectEachRefused(ctl, refused);
   // Taken: the command's own flags and the global ones reach the wait for the daemon, which none answers here.
@@ -515,6 +517,13 @@ TEST(PerceptionCliTest, AnOutputNamingAnInputOrTheOtherOutputIsRefused) {
   EXPECT_FALSE(std::filesystem::exists(out));
   EXPECT_EQ(FileText(checkpoint), checkpoint_bytes);
   EXPECT_EQ(FileText(orderbook), orderbook_bytes);
+
+  // Two spellings of one file not there yet, relative to the folder the command runs in.
+  const CommandResult relative = RunCommand(absl::StrCat("cd ", temp.path().string(), " && ", eval,
+                                                         " --out new.npy --features_out ./new.npy"));
+  EXPECT_EQ(relative.exit_code, 1) << relative.output;
+  EXPECT_THAT(relative.output, HasSubstr("perception: --out and --features_out name one file ('./new.npy')"));
+  EXPECT_FALSE(std::filesystem::exists(temp.path() / "new.npy"));
 
   // The comma form of --lobster before the subcommand: the word after it is the subcommand, not a third file.
   const CommandResult comma = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " --lobster ", orderbook.string(), ",",
