@@ -6,8 +6,9 @@
 // (TrainingCounters::last_step_seconds); kernel launches per
 // step (one step captured into a graph, its kernel nodes counted); device allocations per step; and a roofline
 // estimate — FLOPs and bytes per step over ceilings measured in the same run (a 1 GiB device-to-device copy, an
-// 8192³ SGEMM: float32 under --precision=fp32, TF32 under tf32, and under 3xtf32 a third of TF32's, since each float32
-// product there is three TF32 products). Prints one table; --json writes the same numbers.
+// 8192³ SGEMM: float32 under --precision=fp32, TF32 under tf32; under 3xtf32 a third of TF32's where its 3×TF32
+// kernels run, Hopper, an upper bound on the mix of those and cuBLAS float32 products, float32's elsewhere).
+// Prints one table; --json writes the same numbers.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -24,6 +25,7 @@
 #include "bench/bench_model.h"
 #include "bench/percentile.h"
 #include "engine/cuda_backend.h"
+#include "engine/cuda_blas.h"
 #include "engine/cuda_check.h"
 #include "engine/cuda_memory.h"
 #include "engine/cuda_model.h"
@@ -34,7 +36,8 @@ ABSL_FLAG(int, steps, 60, "timed steps per config and mode (eager, replayed), af
 ABSL_FLAG(int, warmup, 5, "untimed steps first (cuBLAS heuristics, caches)");
 ABSL_FLAG(std::string, precision, "3xtf32",
           "the products: 3xtf32 (float32-accurate on the TF32 tensor cores; perceptiond's default on CUDA), fp32 "
-          "(cuBLAS) or tf32; the SGEMM ceiling follows (fp32: float32, tf32: TF32, 3xtf32: a third of TF32's)");
+          "(cuBLAS) or tf32; the SGEMM ceiling follows (fp32: float32, tf32: TF32, 3xtf32: a third of TF32's on "
+          "Hopper)");
 ABSL_FLAG(std::string, json, "", "also write the results here as JSON");
 
 namespace perception {
@@ -42,7 +45,7 @@ namespace {
 
 struct Ceilings {
   double copy_bytes_per_s = 0;   // device-to-device copy, bytes read + written
-  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³: float32, TF32 (tf32), or TF32's over three (3xtf32)
+  double sgemm_flops_per_s = 0;  // cublasSgemm 8192³: float32, TF32, or TF32's over three (SgemmCeiling)
 };
 
 struct Launches {
@@ -79,9 +82,17 @@ absl::StatusOr<float> TimeOnStream(cudaStream_t stream, Enqueue enqueue) {
   return ms;
 }
 
-// The 8192³ SGEMM runs on the tensor cores (TF32) for tf32 and 3xtf32; 3xtf32's ceiling is a third of it.
-absl::StatusOr<Ceilings> MeasureCeilings(Precision precision) {
-  const bool tf32 = precision != Precision::kFloat32;
+// What the 8192³ SGEMM ceiling stands for: a 3×TF32 product is three TF32 products, so where 3xtf32 runs them its
+// ceiling is a third of TF32's. That bounds a step whose other products run on cuBLAS float32 from above.
+enum class SgemmCeiling { kFloat32, kTf32, kTf32Over3 };
+SgemmCeiling CeilingOf(Precision precision, const cudaDeviceProp& device) {
+  if (precision == Precision::kTf32) return SgemmCeiling::kTf32;
+  const bool tf32x3 = precision == Precision::kFloat32Tf32x3 && Blas::UsesTf32x3Kernels(precision, device);
+  return tf32x3 ? SgemmCeiling::kTf32Over3 : SgemmCeiling::kFloat32;
+}
+
+absl::StatusOr<Ceilings> MeasureCeilings(SgemmCeiling kind) {
+  const bool tf32 = kind != SgemmCeiling::kFloat32;
   Ceilings ceilings;
   cudaStream_t stream;
   CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream));
@@ -122,7 +133,7 @@ absl::StatusOr<Ceilings> MeasureCeilings(Precision precision) {
     ASSIGN_OR_RETURN(const float ms, TimeOnStream(stream, [&] { return products(10); }));
     CUBLAS_RETURN_IF_ERROR(cublasDestroy(handle));
     ceilings.sgemm_flops_per_s =
-        2.0 * n * n * n * 10 / (ms * 1e-3) / (precision == Precision::kFloat32Tf32x3 ? 3.0 : 1.0);
+        2.0 * n * n * n * 10 / (ms * 1e-3) / (kind == SgemmCeiling::kTf32Over3 ? 3.0 : 1.0);
   }
   CUDA_RETURN_IF_ERROR(cudaStreamDestroy(stream));
   return ceilings;
@@ -256,17 +267,18 @@ int Run() {
     std::fprintf(stderr, "%s\n", std::string(precision.status().message()).c_str());
     return 1;
   }
-  auto ceilings = MeasureCeilings(*precision);
-  if (!ceilings.ok()) {
-    std::fprintf(stderr, "ceilings: %s\n", std::string(ceilings.status().message()).c_str());
-    return 1;
-  }
   int device = 0;
   cudaDeviceProp properties{};
   cudaGetDevice(&device);
   cudaGetDeviceProperties(&properties, device);
-  const char* const sgemm_kind = *precision == Precision::kFloat32 ? ""
-                                 : *precision == Precision::kTf32  ? " (TF32)"
+  const SgemmCeiling ceiling = CeilingOf(*precision, properties);
+  auto ceilings = MeasureCeilings(ceiling);
+  if (!ceilings.ok()) {
+    std::fprintf(stderr, "ceilings: %s\n", std::string(ceilings.status().message()).c_str());
+    return 1;
+  }
+  const char* const sgemm_kind = ceiling == SgemmCeiling::kFloat32 ? ""
+                                 : ceiling == SgemmCeiling::kTf32  ? " (TF32)"
                                                                    : " (TF32 / 3)";
   std::printf("device %s; products %s; ceilings: copy %.0f GB/s, SGEMM%s %.1f TFLOP/s\n", properties.name,
               PrecisionName(*precision), ceilings->copy_bytes_per_s / 1e9, sgemm_kind,

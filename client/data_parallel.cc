@@ -60,9 +60,10 @@ absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::sp
     const v1::GetStatusResponse& s = statuses[r];
     const std::string who = absl::StrCat("target ", r, " (", targets[r], ")");
     if (!s.has_data_parallel() || s.data_parallel().rank() != r || s.data_parallel().world_size() != n) {
+      const v1::DataParallelStatus& p = s.data_parallel();
       return absl::FailedPreconditionError(absl::StrCat(
           who, " is ",
-          s.has_data_parallel() ? absl::StrCat("rank ", s.data_parallel().rank(), " of ", s.data_parallel().world_size())
+          s.has_data_parallel() ? absl::StrCat("rank ", p.rank(), " of ", p.world_size())
                                 : "not part of a data-parallel job",
           "; --targets must list the ", n, " ranks of one job in rank order"));
     }
@@ -78,7 +79,8 @@ absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::sp
     // Beside the model's shape and step, what every rank must share for their updates to stay identical: a rank
     // without the normalizer trains on unstandardized inputs (a run stopped after fitting rank 0's), another optimizer
     // or precision diverges from the first step, and another --replica_check_every pairs one rank's checksum
-    // all-gather with its peers' next step's sums (NCCL: undefined).
+    // all-gather with its peers' next step's sums (NCCL: undefined). Whether a normalizer is fitted, not its values:
+    // the replica check's checksum covers those.
     const std::string differs = RankDifference(statuses[0], s);
     if (!differs.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(

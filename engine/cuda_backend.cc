@@ -256,10 +256,10 @@ class CudaBackend final : public Backend {
     if (next && staged_during_step.ok()) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
     step_ = report.step;  // applied, whatever the replica check finds
-    RETURN_IF_ERROR(staged_during_step);
     const TrainStepResult result{report.loss, report.grad_norm, report.step};
     if (!std::isfinite(result.grad_norm)) return StepNotTakenError(result);
-    RETURN_IF_ERROR(MaybeCheckReplicas(report.step));
+    RETURN_IF_ERROR(MaybeCheckReplicas(report.step));  // a collective: every rank runs it, whatever `next` was
+    RETURN_IF_ERROR(staged_during_step);
     return result;
   }
 

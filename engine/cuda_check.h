@@ -51,11 +51,6 @@ inline absl::Status CudaFailure(cudaError_t error, const char* call, const char*
 }
 
 inline absl::Status CublasFailure(cublasStatus_t status, const char* call, const char* file, int line) {
-  // A device fault that cuBLAS met first (CUBLAS_STATUS_EXECUTION_FAILED and the like) is the context's sticky error:
-  // reported as the lost device it is, not as a failed product the next request would retry.
-  if (const cudaError_t sticky = cudaPeekAtLastError(); IsStickyCudaError(sticky)) {
-    return CudaFailure(sticky, call, file, line);
-  }
   return absl::InternalError(absl::StrCat(call, " failed with ", cublasGetStatusName(status), " (",
                                           cublasGetStatusString(status), ") at ", file, ":", line));
 }

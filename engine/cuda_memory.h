@@ -53,12 +53,13 @@ class CudaArena {
   template <typename T>
   void Reserve(T** slot, size_t count) {
     const size_t offset = size_;
-    size_t bytes = 0;
+    size_t bytes = 0, end = 0;
     if (__builtin_mul_overflow(count, sizeof(T), &bytes) || bytes > SIZE_MAX - (kAlignment - 1) ||
-        __builtin_add_overflow(size_, (bytes + kAlignment - 1) / kAlignment * kAlignment, &size_)) {
+        __builtin_add_overflow(size_, (bytes + kAlignment - 1) / kAlignment * kAlignment, &end)) {
       overflowed_ = true;
       return;
     }
+    size_ = end;
     assign_.push_back([slot, offset](std::byte* base) { *slot = reinterpret_cast<T*>(base + offset); });
   }
 

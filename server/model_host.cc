@@ -174,8 +174,8 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
   if (communicator_ != nullptr) {
     if (const absl::Status usable = DataParallelUsable(*communicator_); !usable.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "not saved: the data-parallel job was aborted (", usable.message(), "), so a step may have left the "
-          "weights half updated; restart every rank from the last checkpoint"));
+          "not saved, so that the last checkpoint is kept: a step of the aborted job may have left the weights half "
+          "updated (", usable.message(), ")"));
     }
   }
   const Stopwatch stopwatch;

@@ -2,6 +2,8 @@
 #include "server/rendezvous.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -34,13 +36,15 @@ grpc::Status RendezvousService::GetUniqueId(grpc::ServerContext*, const v1::GetU
   }
   absl::MutexLock lock(&mu_);
   if (!unique_id_.has_value()) return {grpc::StatusCode::UNAVAILABLE, "rank 0 has not created the NCCL unique id yet"};
-  // A rank that asks again has restarted (or another daemon runs as it): the id names a job that formed, or is
-  // forming, with its first self, whose bootstrap it cannot join again. It waited out --collective_timeout, blaming a
-  // peer, and crash-looped under a supervisor.
-  if (!handed_to_.insert(request->rank()).second) {
+  // Another process asking as a rank already handed the id has restarted (or runs as the same rank): the id names a
+  // job that formed, or is forming, with the first, whose bootstrap it cannot join again. It waited out
+  // --collective_timeout blaming a peer, and crash-looped under a supervisor. The same process asking again (a retry
+  // whose answer was lost) is answered again.
+  const auto [handed, first_ask] = handed_to_.try_emplace(request->rank(), request->asker());
+  if (!first_ask && handed->second != request->asker()) {
     return {grpc::StatusCode::FAILED_PRECONDITION,
-            absl::StrCat("rank ", request->rank(), " was handed this job's NCCL unique id already: a rank that "
-                         "restarted cannot rejoin the job it formed; restart every rank")};
+            absl::StrCat("rank ", request->rank(), " was handed this job's NCCL unique id already, by another "
+                         "process: a rank that restarted cannot rejoin the job it formed; restart every rank")};
   }
   response->set_unique_id(*unique_id_);
   return grpc::Status::OK;
@@ -53,6 +57,7 @@ absl::StatusOr<std::string> FetchUniqueId(const std::string& target, int rank, i
   v1::GetUniqueIdRequest request;
   request.set_rank(rank);
   request.set_world_size(world_size);
+  request.set_asker((uint64_t{std::random_device{}()} << 32) | std::random_device{}());
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     grpc::ClientContext context;
