@@ -121,7 +121,7 @@ ABSL_FLAG(std::vector<std::string>, peers, {},
           "from the first");
 ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "with --world_size: how long joining the job, and a training step's collectives, may take before the step "
-          "fails (a peer died or stalled) and the communicator is aborted");
+          "fails (a peer died or stalled) and the communicator is aborted; at most --device_stall_timeout");
 ABSL_FLAG(int64_t, replica_check_every, 100,
           "with --world_size: optimizer steps between checksums of the parameters compared across the ranks (0: none)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
@@ -242,6 +242,14 @@ absl::StatusOr<std::optional<DataParallelFlags>> DataParallelFromFlags() {
                                     absl::GetFlag(FLAGS_replica_check_every)};
   if (options.timeout <= absl::ZeroDuration() || options.check_every < 0) {
     return absl::InvalidArgumentError("--collective_timeout must be positive and --replica_check_every at least 0");
+  }
+  // A step waiting on a slow peer is a device job all the while: past the stall watch's limit health turns
+  // NOT_SERVING as for a hung kernel, and a liveness probe restarts a healthy rank, which ends the whole job.
+  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); options.timeout > stall) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--collective_timeout (", absl::FormatDuration(options.timeout), ") must not exceed --device_stall_timeout (",
+        absl::FormatDuration(stall), "): a step waiting that long on a slow peer would turn health NOT_SERVING as a "
+        "hung device would, and a liveness probe would restart this rank, ending the job; raise both"));
   }
   return DataParallelFlags{options, peers};
 }

@@ -45,6 +45,12 @@ TEST(DataParallelTest, TheDaemonRefusesWorldSizesItCannotJoin) {
   const CommandResult peers = RunDaemon("--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1");
   EXPECT_EQ(peers.exit_code, 1);
   EXPECT_THAT(peers.output, HasSubstr("--peers must list the 2 ranks' gRPC addresses in rank order; it lists 1"));
+  // A step may wait on a peer for --collective_timeout: longer than the stall watch allows, a healthy rank would turn
+  // NOT_SERVING and be restarted by a liveness probe, ending the job.
+  const CommandResult outlasts = RunDaemon(
+      "--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 --collective_timeout=120s");
+  EXPECT_EQ(outlasts.exit_code, 1);
+  EXPECT_THAT(outlasts.output, HasSubstr("--collective_timeout (2m) must not exceed --device_stall_timeout (1m)"));
   const CommandResult alone = RunDaemon("--rank=1");
   EXPECT_EQ(alone.exit_code, 1);
   EXPECT_THAT(alone.output, HasSubstr("--rank and --peers need --world_size"));
