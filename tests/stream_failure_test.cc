@@ -138,6 +138,24 @@ class StreamFailureTest : public ::testing::Test {
     return response.processed_events();
   }
 
+  // The tiny model from kSeed on 10-level books, replacing the one there (perceptionctl stream's tests of the AAPL file).
+  void InitAaplModel() {
+    v1::InitModelRequest init;
+    init.set_config_name("tiny");
+    init.set_levels(10);
+    init.set_seed(kSeed);
+    init.set_replace(true);
+    ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  }
+
+  // perceptionctl stream's options for the shipped AAPL 10-level files, as instrument AAPL.
+  static client::StreamOptions AaplOptions() {
+    client::StreamOptions options;
+    options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
+    options.instrument = "AAPL";
+    return options;
+  }
+
   // Seeds the instrument with its series' events [from, to).
   grpc::Status Seed(const std::string& instrument, int from, int to) {
     std::vector<v1::StreamEvent> window;
@@ -545,16 +563,9 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
 // 10), a seeded stream that would start elsewhere is refused before anything is sent, and one that starts there
 // streams.
 TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustStartWhereItStopped) {
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  init.set_levels(10);
-  init.set_seed(kSeed);
-  init.set_replace(true);
-  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
   client::PerceptionClient client(daemon_.target());
-  client::StreamOptions options;
-  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
-  options.instrument = "AAPL";
+  client::StreamOptions options = AaplOptions();
   options.count = 1;
   options.start_seq = 10;
   faults_->failing_ticks = 1;
@@ -578,16 +589,9 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustS
 // (--start_seq N)", which the stopped instrument would refuse too. It now says the instrument is stopped and that
 // --reseed seeds it again; with --reseed, the seeded stream resumes where the instrument stopped.
 TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTakesReseed) {
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  init.set_levels(10);
-  init.set_seed(kSeed);
-  init.set_replace(true);
-  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
   client::PerceptionClient client(daemon_.target());
-  client::StreamOptions options;
-  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
-  options.instrument = "AAPL";
+  client::StreamOptions options = AaplOptions();
   options.count = 3;
   ASSERT_TRUE(client::StreamLobster(client, options).ok());
   faults_->failing_ticks = 1;
@@ -615,16 +619,9 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTak
 // An instrument stopped at its first event has no state to lose: a seed window that resumes where it stopped needs no
 // --reseed (the check for stopped instruments with events must not catch it).
 TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventNeedsNoReseed) {
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  init.set_levels(10);
-  init.set_seed(kSeed);
-  init.set_replace(true);
-  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
   client::PerceptionClient client(daemon_.target());
-  client::StreamOptions options;
-  options.files = {ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10), 10};
-  options.instrument = "AAPL";
+  client::StreamOptions options = AaplOptions();
   options.count = 1;
   options.start_seq = 10;
   faults_->failing_ticks = 1;

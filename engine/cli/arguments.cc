@@ -29,8 +29,7 @@ std::string Owners(const std::vector<std::string>& commands) {
   return absl::StrCat(absl::StrJoin(owners.begin(), owners.end() - 1, ", "), " and ", owners.back());
 }
 
-}  // namespace
-
+// `--lobster ORDERBOOK MESSAGES` as `--lobster=ORDERBOOK,MESSAGES`, dashes in flag names as underscores; argv[0] kept.
 std::vector<std::string> NormalizeArguments(int argc, char** argv) {
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
@@ -51,6 +50,8 @@ std::vector<std::string> NormalizeArguments(int argc, char** argv) {
   }
   return out;
 }
+
+}  // namespace
 
 std::vector<std::string> ParseArguments(int argc, char** argv) {
   std::vector<std::string> normalized = NormalizeArguments(argc, argv);

@@ -18,12 +18,9 @@
 
 namespace perception {
 
-// `--lobster ORDERBOOK MESSAGES` (two words) becomes `--lobster=ORDERBOOK,MESSAGES`, and dashes in flag names
-// become underscores (`--features-out` is `--features_out`). argv[0] is kept.
-std::vector<std::string> NormalizeArguments(int argc, char** argv);
-
-// NormalizeArguments, then absl's parse (which exits on a bad flag or --help): the positional arguments, argv[0]
-// first. FlagGiven answers for the flags this parse set.
+// absl's parse (which exits on a bad flag or --help) of the arguments with `--lobster ORDERBOOK MESSAGES` (two words)
+// read as `--lobster=ORDERBOOK,MESSAGES` and dashes in flag names as underscores (`--features-out` is
+// `--features_out`): the positional arguments, argv[0] first. FlagGiven answers for the flags this parse set.
 std::vector<std::string> ParseArguments(int argc, char** argv);
 
 // PERCEPTION_FLAG's callback.
