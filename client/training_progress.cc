@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -20,6 +21,11 @@ std::string MinutesSeconds(double seconds) {
 }
 
 }  // namespace
+
+int FilledBarCells(int done, int total, int width) {
+  if (total <= 0) return width;
+  return static_cast<int>(std::clamp<int64_t>(int64_t{width} * done / total, 0, width));
+}
 
 TrainingProgress::TrainingProgress(int total_steps, int log_every, bool terminal)
     : total_steps_(total_steps), log_every_(std::max(log_every, 1)), terminal_(terminal) {}
@@ -49,7 +55,7 @@ void TrainingProgress::Finish() {
 
 void TrainingProgress::DrawBar(double loss, double steps_per_second, double eta_seconds) {
   last_draw_ = Clock::now();
-  const int filled = total_steps_ > 0 ? kBarWidth * done_ / total_steps_ : kBarWidth;
+  const int filled = FilledBarCells(done_, total_steps_, kBarWidth);
   const std::string bar = std::string(filled, '#') + std::string(kBarWidth - filled, '.');
   std::printf("\rstep %d/%d [%s] loss %.5f  %.2f steps/s  ETA %s ", done_, total_steps_, bar.c_str(), loss,
               steps_per_second, MinutesSeconds(eta_seconds).c_str());

@@ -6,6 +6,10 @@
 
 namespace perception::client {
 
+// The cells of a bar `width` wide filled after `done` of `total` steps (all of them where total ≤ 0), in 64 bits:
+// width · done overflowed an int past 71,582,788 steps of a 30-cell bar.
+int FilledBarCells(int done, int total, int width);
+
 class TrainingProgress {
  public:
   // `log_every`: steps between plain lines (the first and last step always get one).
