@@ -279,6 +279,14 @@ absl::Status ValidateTypeAndDirection(int64_t type, int64_t direction) {
 
 int64_t TimeNanoseconds(double seconds) { return std::llround(seconds * 1e9); }
 
+namespace {
+
+int64_t MessageNanoseconds(const LobsterMessage& message) {
+  return message.time_ns.value_or(TimeNanoseconds(message.time));
+}
+
+}  // namespace
+
 LobsterFeaturizer::LobsterFeaturizer(int levels) : levels_(levels) {}
 
 std::string LobsterFeatureName(int feature, int levels) {
@@ -309,7 +317,7 @@ absl::Status LobsterFeaturizer::Validate(std::span<const int64_t> book_row, cons
     return absl::InvalidArgumentError(
         absl::StrCat("message time ", FormatTime(message.time), " is not within ±", kMaxLobsterTimeSeconds, " s"));
   }
-  if (last_doubled_mid_.has_value() && TimeNanoseconds(message.time) < last_time_ns_) {
+  if (last_doubled_mid_.has_value() && MessageNanoseconds(message) < last_time_ns_) {
     return absl::InvalidArgumentError(absl::StrCat("time ", FormatTime(message.time),
                                                    " is earlier than the previous event's ",
                                                    FormatTime(static_cast<double>(last_time_ns_) * 1e-9)));
@@ -335,7 +343,7 @@ absl::StatusOr<double> LobsterFeaturizer::Next(std::span<const int64_t> book_row
 
   // From whole nanoseconds: the difference of the two doubles would carry their rounding (about 7e-12 s near
   // 34,200 s), which differs between a file's absolute times and a stream's times relative to its first event.
-  const int64_t time_ns = TimeNanoseconds(message.time);
+  const int64_t time_ns = MessageNanoseconds(message);
   const double dt = last_doubled_mid_.has_value() ? static_cast<double>(time_ns - last_time_ns_) * 1e-9 : 0.0;
   last_doubled_mid_ = doubled_mid;
   last_time_ns_ = time_ns;

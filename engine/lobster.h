@@ -26,6 +26,10 @@ struct LobsterMessage {
   int64_t size = 0;
   int64_t price = 0;
   int direction = 0;  // +1 buy (bid side), -1 sell (ask side)
+  // The time in whole nanoseconds where the source has them (a stream's exchange_time_ns, relative to its first
+  // event), taken instead of rounding `time`: exact at any distance, where a double of seconds rounds the nanoseconds
+  // from 2^51 ns (26 days) on.
+  std::optional<int64_t> time_ns = std::nullopt;
 };
 
 struct LobsterData {
@@ -70,8 +74,9 @@ inline constexpr double kMaxLobsterTimeSeconds = 1e9;
 
 // A message time in seconds as whole nanoseconds, rounded to the nearest. Exact for a time written with at most 9
 // decimals (as LOBSTER writes them) and below 2^22 s (48 days): the double nearest the decimal is then within
-// 0.02 ns of it, once scaled. Δt is computed from these, so that the file's times after midnight and a stream's
-// times relative to its first event (server/stream_batcher.cc) give the same bits.
+// 0.02 ns of it, once scaled. Δt is computed from whole nanoseconds (these, or a stream's own:
+// LobsterMessage::time_ns), so that the file's times after midnight and a stream's times relative to its first event
+// (server/stream_batcher.cc) give the same bits.
 int64_t TimeNanoseconds(double seconds);
 
 // The name of feature `feature` of MODEL.md §1.1's LOBSTER transform of `levels` book levels, for messages: ask_px1,
@@ -87,7 +92,8 @@ class LobsterFeaturizer {
   int n_features() const;  // 4*levels + 8
 
   // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and
-  // returns Δt in seconds, (ns − previous ns)·1e-9 of TimeNanoseconds (0 for the first event of the stream). A book
+  // returns Δt in seconds, (ns − previous ns)·1e-9 of the message's time_ns or else TimeNanoseconds of its time (0
+  // for the first event of the stream). A book
   // row of the wrong size or one ValidateBookRow refuses, a message ValidateTypeAndDirection refuses, a time beyond
   // kMaxLobsterTimeSeconds or earlier than the previous event or a `features` of the wrong size gives
   // INVALID_ARGUMENT and leaves the state (and `features`) unchanged.

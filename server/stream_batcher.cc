@@ -84,19 +84,19 @@ absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::str
   }
 }
 
-LobsterMessage MessageOf(const v1::LobsterEvent& l, double time) {
-  return {.time = time, .type = l.type(), .order_id = l.order_id(), .size = l.size(), .price = l.price(),
-          .direction = l.direction()};
+LobsterMessage MessageOf(const v1::LobsterEvent& l, int64_t time_ns) {
+  return {.time = static_cast<double>(time_ns) * 1e-9, .type = l.type(), .order_id = l.order_id(), .size = l.size(),
+          .price = l.price(), .direction = l.direction(), .time_ns = time_ns};
 }
 
-// Seconds from the stream's first event; INVALID_ARGUMENT where the difference of the two int64s overflows.
-absl::StatusOr<double> RelativeSeconds(int64_t time_ns, int64_t base_ns) {
+// Nanoseconds from the stream's first event; INVALID_ARGUMENT where the difference of the two int64s overflows.
+absl::StatusOr<int64_t> RelativeNanoseconds(int64_t time_ns, int64_t base_ns) {
   int64_t difference = 0;
   if (__builtin_sub_overflow(time_ns, base_ns, &difference)) {
     return absl::InvalidArgumentError(absl::StrCat("exchange_time_ns ", time_ns, " is too far from the stream's first ",
                                                    "event's ", base_ns));
   }
-  return static_cast<double>(difference) * 1e-9;
+  return difference;
 }
 
 // Features and Δt of one event; LOBSTER rows advance `featurizer` (a copy the caller keeps on success), their times
@@ -112,10 +112,10 @@ absl::Status Featurize(const v1::StreamEvent& event, std::optional<int64_t> base
   const v1::LobsterEvent& l = event.lobster();
   const int64_t base = base_time_ns.value_or(event.exchange_time_ns());
   reason = "exchange_time";
-  ASSIGN_OR_RETURN(const double time, RelativeSeconds(event.exchange_time_ns(), base));
+  ASSIGN_OR_RETURN(const int64_t time_ns, RelativeNanoseconds(event.exchange_time_ns(), base));
   reason = "book";
-  ASSIGN_OR_RETURN(const double seconds,
-                   featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()), MessageOf(l, time), x));
+  ASSIGN_OR_RETURN(const double seconds, featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()),
+                                                          MessageOf(l, time_ns), x));
   dt = static_cast<float>(seconds);
   return absl::OkStatus();
 }

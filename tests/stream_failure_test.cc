@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/perception_client.h"
 #include "client/stream_commands.h"
@@ -53,6 +54,9 @@ struct StreamFaults {
   std::atomic<int> nonfinite_slot{-1};        // the next CheckTicks with a wait also reports this slot's...
   std::atomic<int64_t> nonfinite_entry{0};    // ...log entry's output as not finite...
   std::atomic<bool> nonfinite_unwaited{false};  // ...or, with slow_ticks, the next without a wait
+  // And what they were given: every event's Δt the ticks carried, in order.
+  absl::Mutex mu;
+  std::vector<float> dt_ticked ABSL_GUARDED_BY(mu);
 };
 
 class StreamFaultBackend final : public ForwardingBackend {
@@ -73,6 +77,10 @@ class StreamFaultBackend final : public ForwardingBackend {
     if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
     faults_->failing_ticks = 0;
     RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
+    {
+      absl::MutexLock lock(&faults_->mu);
+      faults_->dt_ticked.insert(faults_->dt_ticked.end(), tick.dt.begin(), tick.dt.end());
+    }
     ++running_;
     return absl::OkStatus();
   }
@@ -138,7 +146,7 @@ class StreamFailureTest : public ::testing::Test {
     return response.processed_events();
   }
 
-  // The tiny model from kSeed on 10-level books, replacing the one there (perceptionctl stream's tests of the AAPL file).
+  // The tiny model from kSeed on 10-level books, replacing the one there (for perceptionctl stream's AAPL tests).
   void InitAaplModel() {
     v1::InitModelRequest init;
     init.set_config_name("tiny");
@@ -557,6 +565,38 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
   const v1::ReadConvictionsResponse log = daemon_.ReadConvictions("A");
   ASSERT_EQ(log.seqs_size(), 2);
   EXPECT_EQ(log.first_seq(), 10u);
+}
+
+// A LOBSTER stream's Δt comes from the exchange's whole nanoseconds also a month after its first event: the daemon
+// handed the featurizer seconds in a double, whose nanoseconds rounded from 2^51 ns (26 days) on, so a 1 ms Δt there
+// came out 0.999999 ms (another float than the file's, or a client's own features', for the same events).
+TEST_F(StreamFailureTest, ALobsterStreamsDtIsExactAMonthAfterItsFirstEvent) {
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_levels(1);
+  init.set_seed(kSeed);
+  init.set_replace(true);
+  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  constexpr int64_t kFirst = 1'340'265'600'000'000'000;   // 2012-06-21 00:00 UTC
+  constexpr int64_t kMonth = 2'419'200'000'000'002;        // 28 days and 2 ns
+  std::vector<v1::StreamEvent> events;
+  for (const int64_t after : {int64_t{0}, kMonth, kMonth + 1'000'000}) {
+    v1::StreamEvent& event = events.emplace_back();
+    event.set_instrument("L");
+    event.set_seq(events.size());
+    event.set_exchange_time_ns(kFirst + after);
+    for (const int64_t value : {2'239'500 + static_cast<int64_t>(events.size()) * 100, int64_t{100}, int64_t{2'231'800},
+                                int64_t{300}}) {
+      event.mutable_lobster()->add_book(value);
+    }
+    event.mutable_lobster()->set_type(1);
+    event.mutable_lobster()->set_direction(-1);
+  }
+  const StreamOutcome streamed = daemon_.Stream({events});
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
+  absl::MutexLock lock(&faults_->mu);
+  EXPECT_EQ(faults_->dt_ticked, (std::vector<float>{0.f, static_cast<float>(static_cast<double>(kMonth) * 1e-9),
+                                                    static_cast<float>(1'000'000 * 1e-9)}));
 }
 
 // perceptionctl's seed-window check reads ListStreams' next_seq: onto an instrument stopped at its first event (seq
