@@ -185,7 +185,7 @@ class ModelHost {
   const StreamingConfig streaming_;
   bool streaming_configured_ = false;  // on the current backend
   int64_t published_weights_version_ = 0;
-  int steps_since_publish_ = 0;
+  int64_t steps_since_publish_ = 0;  // (a daemon that never streams counts every step it applies)
   std::vector<float> logits_;  // Evaluate's output buffer, reused
 };
 
