@@ -281,6 +281,9 @@ class StreamingBackendTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Backend> backend_;
 };
 
+// Three instruments interleaved in ticks (slot numbers not in instrument order; the third skips every third tick, so
+// ticks differ in size and its log entries, each at its tick's index, leave gaps): every instrument's convictions and
+// probabilities equal its own sequence path's.
 TEST_P(StreamingBackendTest, InterleavedStreamsEqualTheirOwnSequencePaths) {
   const int F = config_.n_features, H = config_.n_horizons, n = 40;
   std::vector<testing::RandomBatch> streams;
@@ -298,15 +301,33 @@ TEST_P(StreamingBackendTest, InterleavedStreamsEqualTheirOwnSequencePaths) {
     }
     ASSERT_TRUE(backend_->ForwardStepInto({x, dt, slots, log_indices}).ok());
   }
-  for (int s = 0; s < 2; ++s) {
-    const std::vector<float> expected = ExpectedConvictions(*backend_, streams[s]);
+  for (int s = 0; s < 3; ++s) {
+    // The instrument's events (instrument 2's: those at t % 3 != 0, each logged at entry t) by the sequence path.
+    std::vector<int> times;
+    std::vector<float> x, dt;
+    for (int t = 0; t < n; ++t) {
+      if (s == 2 && t % 3 == 0) continue;
+      times.push_back(t);
+      x.insert(x.end(), streams[s].x.begin() + t * F, streams[s].x.begin() + (t + 1) * F);
+      dt.push_back(streams[s].dt[t]);
+    }
+    std::vector<float> logits(times.size() * H);
+    ASSERT_TRUE(backend_->ForwardStream(x, dt, logits).ok());
     std::vector<float> got(n), probs(n * H);
     ASSERT_TRUE(backend_->ReadLog(s == 0 ? 3 : s, 0, n, got, probs).ok());
-    for (int t = 0; t < n; ++t) EXPECT_NEAR(got[t], expected[t], tolerance()) << "stream " << s << " event " << t;
-    for (float p : probs) EXPECT_TRUE(p > 0.f && p < 1.f);
+    for (size_t i = 0; i < times.size(); ++i) {
+      const int t = times[i];
+      const std::span<const float> expected_logits = std::span<const float>(logits).subspan(i * H, H);
+      EXPECT_NEAR(got[t], Conviction<float>(expected_logits), tolerance()) << "stream " << s << " event " << t;
+      for (int h = 0; h < H; ++h) {
+        EXPECT_NEAR(probs[t * H + h], 1.0 / (1.0 + std::exp(-static_cast<double>(expected_logits[h]))), tolerance())
+            << "stream " << s << " event " << t << " horizon " << h;
+      }
+    }
     std::vector<float> latest(H);
     ASSERT_TRUE(backend_->ReadSlotProbabilities(s == 0 ? 3 : s, latest).ok());
-    EXPECT_EQ(std::vector<float>(probs.end() - H, probs.end()), latest);
+    const auto last = probs.begin() + times.back() * H;
+    EXPECT_EQ(std::vector<float>(last, last + H), latest);
   }
 }
 

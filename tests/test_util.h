@@ -12,9 +12,10 @@
 
 namespace perception::testing {
 
-// ‖a − b‖ / ‖b‖ in double; infinite if either holds a NaN.
+// ‖a − b‖ / ‖b‖ in double; infinite if either holds a NaN or their sizes differ.
 template <typename A, typename B>
 double RelativeError(std::span<const A> a, std::span<const B> b) {
+  if (a.size() != b.size()) return INFINITY;  // (a result cut short, or none, is no match)
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     const double x = static_cast<double>(a[i]), y = static_cast<double>(b[i]);
