@@ -233,7 +233,7 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
   });
 }
 
-grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* PerceptionService::Train(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PerceptionService::Train(
     grpc::CallbackServerContext*) {
   return new TrainReactor(
       worker_, limits_, live_calls_,
@@ -269,7 +269,7 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
   });
 }
 
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* PerceptionService::Stream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PerceptionService::Stream(
     grpc::CallbackServerContext*) {
   return new StreamReactor(
       streams_, stream_options_, live_calls_,

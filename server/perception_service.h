@@ -21,9 +21,10 @@ namespace perception::server {
 
 // Unary calls are synchronous: the handler's thread validates, queues a job and waits for it. Train and Stream
 // are callback streams (TrainReactor, StreamReactor) so that they read, run and answer in parallel without a
-// thread of their own.
+// thread of their own; raw ones, whose requests the reactors parse (a request gRPC could not parse would read as
+// the client's half-close).
 class PerceptionService final
-    : public v1::Perception::WithCallbackMethod_Train<v1::Perception::WithCallbackMethod_Stream<
+    : public v1::Perception::WithRawCallbackMethod_Train<v1::Perception::WithRawCallbackMethod_Stream<
           v1::Perception::Service>> {
  public:
   PerceptionService(DeviceWorker& worker, StreamBatcher& streams, const StreamOptions& stream_options,
@@ -65,12 +66,12 @@ class PerceptionService final
                               v1::SaveCheckpointResponse* response) override;
   grpc::Status TrainStep(grpc::ServerContext* context, const v1::TrainStepRequest* request,
                          v1::TrainStepResponse* response) override;
-  grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>* Train(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Train(
       grpc::CallbackServerContext* context) override;
   grpc::Status Evaluate(grpc::ServerContext* context, const v1::EvaluateRequest* request,
                         v1::EvaluateResponse* response) override;
 
-  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* Stream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
   grpc::Status SeedStream(grpc::ServerContext* context, const v1::SeedStreamRequest* request,
                           v1::SeedStreamResponse* response) override;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "server/proto_convert.h"
+#include "server/raw_messages.h"
 
 namespace perception::server {
 
@@ -54,20 +55,28 @@ void StreamReactor::Drain(const absl::Status& status) {
 
 void StreamReactor::OnReadDone(bool ok) {
   Update([&] {
-    const std::unique_ptr<v1::StreamRequest> request = std::move(incoming_);
+    const std::unique_ptr<grpc::ByteBuffer> bytes = std::move(incoming_);
     if (!ok) {
       input_done_ = true;
       return;
     }
     if (broken_) return;
+    v1::StreamRequest request;
+    const absl::Status parsed = ParseRequest(*bytes, request);
     if (!error_.ok()) {  // (a read already under way when the call's failure or the drain came)
-      NoteNotTakenLocked(*request);
+      if (parsed.ok()) NoteNotTakenLocked(request);
+      return;
+    }
+    if (!parsed.ok()) {
+      error_ = parsed;
+      outranked_ = "a request of this call could not be parsed";
+      input_done_ = true;
       return;
     }
     // Under this reactor's lock: the worker's OnProcessed for these events waits until the counts are updated.
-    const StreamBatcher::Submitted submitted = batcher_.Submit(*request, this);
+    const StreamBatcher::Submitted submitted = batcher_.Submit(request, this);
     unprocessed_ += submitted.accepted;
-    if (request->ack() && submitted.accepted > 0) AwaitLocked(*request, submitted.accepted);
+    if (request.ack() && submitted.accepted > 0) AwaitLocked(request, submitted.accepted);
     if (!submitted.status.ok()) {
       error_ = submitted.status;
       outranked_ = "a request of this call was refused";
@@ -175,14 +184,15 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
   if (!broken_) {
     // StartWrite, StartRead and Alarm::Set are safe under the lock: gRPC runs no reaction inside them.
     if (!writing_ && AckDueLocked()) {
-      outgoing_.Clear();
+      v1::StreamResponse response;
       for (const auto& [instrument, seq] : unacked_) {
-        v1::InstrumentAck& ack = *outgoing_.add_acks();
+        v1::InstrumentAck& ack = *response.add_acks();
         ack.set_instrument(instrument);
         ack.set_last_seq(seq);
       }
-      outgoing_.set_processed_events(processed_);
-      outgoing_.set_weights_version(weights_version_);
+      response.set_processed_events(processed_);
+      response.set_weights_version(weights_version_);
+      SerializeResponse(response, outgoing_);
       unacked_.clear();
       unacked_events_ = 0;
       alarm_fired_ = false;
@@ -195,7 +205,7 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
     // on, and one that waited for room would lose every race for it to the calls that do.
     held_ = may_read && unprocessed_ > 0 && !batcher_.RoomToRead(held_);
     if (may_read && !held_) {
-      incoming_ = std::make_unique<v1::StreamRequest>();
+      incoming_ = std::make_unique<grpc::ByteBuffer>();
       StartRead(incoming_.get());
     }
     if (!unacked_.empty() && !alarm_pending_) {

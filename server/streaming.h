@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/alarm.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "perception/v1/perception.pb.h"
 #include "server/live_calls.h"
@@ -27,11 +28,11 @@ namespace perception::server {
 // all calls' events (unless none of its own), wait for the device, so a fast client is held back by gRPC's flow control
 // rather than buffered. Acknowledgements carry, per instrument, the last processed sequence number: one goes out after
 // options.ack_every_events processed events, after options.ack_every_ms from the first unacknowledged one (a gRPC
-// alarm), when a request with `ack` is wholly processed, and at the end. The first refusal, or the client's half-close,
-// ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
+// alarm), when a request with `ack` is wholly processed, and at the end. The first refusal (a request that cannot be
+// parsed included: requests are read as bytes, raw_messages.h), or the client's half-close, ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
 // or OK. A drain ends the input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements,
 // not the processing. The reactor deletes itself when gRPC is done.
-class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>,
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public StreamSink,
                             public DrainableCall {
  public:
@@ -68,7 +69,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
 
   absl::Mutex mu_;
-  std::unique_ptr<v1::StreamRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
+  std::unique_ptr<grpc::ByteBuffer> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a request was refused, or a drain began
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // why the call ends: a device failure, else a refusal or the drain
   // What error_ is where it is a refusal of one of the call's requests or the drain, which a failure (naming where
@@ -100,7 +101,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::StreamRequest, v1
   int64_t unacked_events_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t weights_version_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  v1::StreamResponse outgoing_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer outgoing_ ABSL_GUARDED_BY(mu_);  // the write in progress
   std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_), retired_alarm_ ABSL_GUARDED_BY(mu_);
   bool alarm_pending_ ABSL_GUARDED_BY(mu_) = false;  // set and its callback not yet run
   bool alarm_fired_ ABSL_GUARDED_BY(mu_) = false;    // the ack interval has passed

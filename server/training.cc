@@ -7,6 +7,7 @@
 
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
+#include "server/raw_messages.h"
 
 namespace perception::server {
 
@@ -53,12 +54,19 @@ void TrainReactor::Drain(const absl::Status& status) {
 
 void TrainReactor::OnReadDone(bool ok) {
   Update([&] {
-    std::unique_ptr<v1::TrainStepRequest> request = std::move(incoming_);
+    const std::unique_ptr<grpc::ByteBuffer> bytes = std::move(incoming_);
     if (!ok) {
       input_done_ = true;
-    } else if (!input_done_ && !EndingLocked()) {  // a batch read after the input ended (a drain) is not trained
-      AcceptLocked(std::move(request));
+      return;
     }
+    if (input_done_ || EndingLocked()) return;  // a batch read after the input ended (a drain) is not trained
+    auto request = std::make_unique<v1::TrainStepRequest>();
+    if (absl::Status parsed = ParseRequest(*bytes, *request); !parsed.ok()) {
+      steps_.push_back(Step{nullptr, std::move(parsed)});  // (refused as a batch is, after the steps before it)
+      input_done_ = true;
+      return;
+    }
+    AcceptLocked(std::move(request));
   });
 }
 
@@ -153,13 +161,13 @@ std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
   // to its executor), and the reactor outlives them because it is not finished.
   if (!EndingLocked()) {
     if (!writing_ && !steps_.empty() && steps_.front().result.has_value()) {
-      outgoing_ = *std::move(*steps_.front().result);
+      SerializeResponse(**steps_.front().result, outgoing_);
       steps_.pop_front();
       writing_ = true;
       StartWrite(&outgoing_);
     }
     if (incoming_ == nullptr && !input_done_ && steps_.size() < kMaxUnansweredSteps) {
-      incoming_ = std::make_unique<v1::TrainStepRequest>();
+      incoming_ = std::make_unique<grpc::ByteBuffer>();
       StartRead(incoming_.get());
     }
     return std::nullopt;

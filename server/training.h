@@ -10,6 +10,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "perception/v1/perception.pb.h"
 #include "server/device_worker.h"
@@ -31,7 +32,8 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
 // one runs) and is staged while the step runs; with two it was read only once the step had started.
 // A stream trains one model: a step that finds another installed (InitModel or LoadCheckpoint from another call)
-// fails with ABORTED and trains nothing on it. The first failure, whether refused on arrival or on the device, ends
+// fails with ABORTED and trains nothing on it. The first failure, whether refused on arrival (a request that cannot be
+// parsed included: requests are read as bytes, raw_messages.h) or on the device, ends
 // the stream with its status once the steps queued before it are done; the steps queued behind it, like those still
 // queued when the client cancels, do not run, so a client that resends from the failed batch trains on nothing
 // twice. A cancellation cannot stop a step the device is running, nor recall the responses it had no time to send:
@@ -39,7 +41,7 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // further past the last one the client read). A drain (LiveCalls) ends the input, idle streams' included: the steps
 // queued are run and answered, then the stream finishes UNAVAILABLE. The reactor deletes itself when gRPC is done
 // with it.
-class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, v1::TrainStepResponse>,
+class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                            public DrainableCall {
  public:
   static constexpr size_t kMaxUnansweredSteps = 3;
@@ -85,13 +87,13 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainStepRequest, 
   absl::AnyInvocable<void(const absl::Status&)> on_finish_;
 
   absl::Mutex mu_;
-  std::unique_ptr<v1::TrainStepRequest> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
+  std::unique_ptr<grpc::ByteBuffer> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a batch was refused, or a drain began
   absl::Status drained_ ABSL_GUARDED_BY(mu_);      // the drain that ended the input, if one did
   std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);   // in batch order, until answered
   int running_ ABSL_GUARDED_BY(mu_) = 0;          // steps whose device job has not finished
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  v1::TrainStepResponse outgoing_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer outgoing_ ABSL_GUARDED_BY(mu_);  // the write in progress
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // cancelled, or the client stopped taking responses
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   // ModelHost::model_generation() at the stream's first step: every later step must train that same model.

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -129,6 +130,31 @@ absl::StatusOr<int> Daemon::WaitForExit(absl::Duration timeout) {
 std::string Daemon::Log() const {
   std::ifstream file(log_path_);
   return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+RawCallResult CallRaw(const std::string& target, const std::string& method, const std::vector<std::string>& requests) {
+  const std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  // (What a generated stub does for a bidirectional method, with messages of bytes: gRPC's own ByteBuffer traits.)
+  const grpc::internal::RpcMethod rpc(method.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), rpc,
+                                                                                            &context));
+  for (const std::string& request : requests) {
+    grpc::Slice slice(request);
+    if (!call->Write(grpc::ByteBuffer(&slice, 1))) break;
+  }
+  call->WritesDone();
+  RawCallResult result;
+  for (grpc::ByteBuffer response; call->Read(&response);) {
+    std::vector<grpc::Slice> slices;
+    if (!response.Dump(&slices).ok()) continue;
+    std::string& bytes = result.responses.emplace_back();
+    for (const grpc::Slice& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  result.status = call->Finish();
+  return result;
 }
 
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {

@@ -13,6 +13,7 @@
 #include "client/perception_client.h"
 #include "engine/config.h"
 #include "engine/dataset.h"
+#include "grpcpp/grpcpp.h"
 #include "perception/v1/perception.pb.h"
 #include "tests/file_util.h"
 #include "tests/test_util.h"
@@ -52,6 +53,14 @@ class Daemon {
   const std::filesystem::path log_path_;
   std::unique_ptr<client::PerceptionClient> client_;
 };
+
+// One bidirectional call of `method` ("/perception.v1.Perception/Stream") that writes each of `requests` as it is (a
+// serialized message, or any bytes), half-closes, and reads to the end: the responses' bytes and the final status.
+struct RawCallResult {
+  std::vector<std::string> responses;
+  grpc::Status status;
+};
+RawCallResult CallRaw(const std::string& target, const std::string& method, const std::vector<std::string>& requests);
 
 // GET http://127.0.0.1:port/path: the body of a 200 answer, an error naming the status line otherwise.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);

@@ -316,5 +316,54 @@ TEST_F(ValidationTest, CheckpointsOfATrainingShapeBeyondTheLimitsAreRefused) {
               HasSubstr("training shape 2 windows x 9 events exceeds the daemon's limits (1 x 4096)"));
 }
 
+// A Stream request gRPC could not parse (here a string field that is not UTF-8, which a C++ client sends) read as the
+// client's half-close: the call ended OK and the events after it were silently not taken. Now the call ends
+// INVALID_ARGUMENT once the events before it are processed and acknowledged, nothing after it is taken, and the
+// instrument goes on from there in the next call.
+TEST_F(ValidationTest, AStreamRequestThatCannotBeParsedEndsTheCallInvalidArgument) {
+  InitTiny();
+  const auto request = [&](uint64_t seq, const std::string& instrument) {
+    v1::StreamRequest r;
+    r.set_ack(true);
+    v1::StreamEvent& event = *r.add_events();
+    event.set_instrument(instrument);
+    event.set_seq(seq);
+    event.mutable_features()->mutable_features()->Resize(config_.n_features, 0.25f * static_cast<float>(seq + 1));
+    event.mutable_features()->set_dt(0.5f);
+    return r.SerializeAsString();
+  };
+  std::string unparsable = request(1, "B?");
+  unparsable[unparsable.find("B?") + 1] = '\xff';
+  const char* const kStream = "/perception.v1.Perception/Stream";
+  const RawCallResult call = CallRaw(daemon_->target(), kStream, {request(0, "B"), unparsable, request(2, "B")});
+  EXPECT_EQ(call.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << call.status.error_message();
+  EXPECT_THAT(call.status.error_message(), HasSubstr("a request could not be parsed as perception.v1.StreamRequest"));
+  ASSERT_FALSE(call.responses.empty());
+  v1::StreamResponse last;
+  ASSERT_TRUE(last.ParseFromString(call.responses.back()));
+  ASSERT_EQ(last.acks_size(), 1);
+  EXPECT_EQ(last.acks(0).last_seq(), 0u);
+  EXPECT_EQ(last.processed_events(), 1u);
+  const RawCallResult next = CallRaw(daemon_->target(), kStream, {request(1, "B")});
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
+// A Train request gRPC could not parse ended the stream OK after the steps before it, the batches after it silently
+// not trained. Now it ends INVALID_ARGUMENT, as a refused batch does: the steps before it answered, none after it.
+TEST_F(ValidationTest, ATrainRequestThatCannotBeParsedEndsTheStreamInvalidArgument) {
+  InitTiny();
+  const std::string batch = TrainRequest(testing::MakeRandomBatch(config_, 2, 9, 77), config_).SerializeAsString();
+  const RawCallResult call =
+      CallRaw(daemon_->target(), "/perception.v1.Perception/Train", {batch, "\xff\xff\xff\xff", batch});
+  EXPECT_EQ(call.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << call.status.error_message();
+  EXPECT_THAT(call.status.error_message(), HasSubstr("a request could not be parsed as perception.v1.TrainStepRequest"));
+  ASSERT_EQ(call.responses.size(), 1u);
+  v1::TrainStepResponse first;
+  ASSERT_TRUE(first.ParseFromString(call.responses[0]));
+  EXPECT_EQ(first.step(), 1);
+  steps_ = 1;
+  ExpectNextStepSucceeds();  // step 2: nothing after the request was trained
+}
+
 }  // namespace
 }  // namespace perception::e2e
