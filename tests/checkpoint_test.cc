@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "engine/backend.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
 #include "tests/model_spec_table.h"
@@ -154,6 +155,40 @@ TEST_P(CheckpointRoundTripTest, IsBitIdentical) {
 }
 
 INSTANTIATE_TEST_SUITE_P(NamedConfigs, CheckpointRoundTripTest, ::testing::Values("tiny", "small"));
+
+// Training resumed from the file goes on exactly as the run that never stopped: the same loss and the same weights,
+// moments and step after two more steps, under a schedule and bias corrections that depend on the step (a load that
+// dropped the moments or the step would give the same logits at once, and another update only at the next step).
+TEST_F(CheckpointTest, TrainingResumedFromTheFileGoesOnAsTheUninterruptedRun) {
+  const ModelConfig config = Config("tiny");
+  OptimizerConfig optimizer;
+  optimizer.schedule = LrSchedule::kWarmupCosine;
+  optimizer.warmup_steps = 2;
+  optimizer.total_steps = 6;
+  const std::unique_ptr<Backend> uninterrupted =
+      MakeCpuBackend(config, optimizer, testing::InitialParams(config, 31));
+  auto batch = [&](int step) { return testing::MakeRandomBatch(config, config.batch, config.window, 600 + step); };
+  for (int step = 1; step <= 3; ++step) ASSERT_TRUE(uninterrupted->TrainStep(batch(step).view()).ok());
+  const absl::StatusOr<Checkpoint> saved = uninterrupted->ExportState();
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(SaveCheckpoint(path_, *saved).ok());
+  const absl::StatusOr<Checkpoint> loaded = LoadCheckpoint(path_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const std::unique_ptr<Backend> resumed = MakeCpuBackend(config, optimizer, testing::InitialParams(config, 32));
+  ASSERT_TRUE(resumed->ImportState(*loaded).ok());
+  for (int step = 4; step <= 5; ++step) {
+    const auto a = uninterrupted->TrainStep(batch(step).view()), b = resumed->TrainStep(batch(step).view());
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(b->step, step);
+    EXPECT_EQ(std::memcmp(&a->loss, &b->loss, sizeof(double)), 0) << a->loss << " vs " << b->loss;
+  }
+  const absl::StatusOr<Checkpoint> a = uninterrupted->ExportState(), b = resumed->ExportState();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(b->step, 5);
+  EXPECT_TRUE(BitIdentical(a->params, b->params)) << "parameters";
+  EXPECT_TRUE(BitIdentical(a->exp_avg, b->exp_avg)) << "first moments";
+  EXPECT_TRUE(BitIdentical(a->exp_avg_sq, b->exp_avg_sq)) << "second moments";
+}
 
 TEST_F(CheckpointTest, FileIsStandardSafetensors) {
   const ModelConfig config = Config("small");
