@@ -89,6 +89,14 @@ TEST(ConcurrencyTest, EightClientsTrainAndEvaluateAtOnce) {
   absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(status->model().step(), kTotal);
+  // Two evaluations of the final weights, so that at least one step's group holds several (the concurrent ones need
+  // not share a step).
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<v1::EvaluateResponse> response = (*daemon)->client().Evaluate(probe);
+    ASSERT_TRUE(response.ok()) << response.status();
+    loss_bits_by_step[response->step()].push_back(std::bit_cast<uint64_t>(response->loss()));
+  }
+  ASSERT_GE(loss_bits_by_step[kTotal].size(), 2u);
   for (const auto& [step, bits] : loss_bits_by_step) {
     EXPECT_TRUE(std::ranges::all_of(bits, [&](uint64_t b) { return b == bits.front(); }))
         << "evaluations at step " << step << " disagree";

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -130,6 +131,18 @@ absl::StatusOr<int> Daemon::WaitForExit(absl::Duration timeout) {
 std::string Daemon::Log() const {
   std::ifstream file(log_path_);
   return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+std::vector<float> ReadNpy(const std::filesystem::path& path, std::string* header) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (bytes.size() < 10) return {};
+  const size_t header_size = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9]) << 8;
+  if (bytes.size() < 10 + header_size) return {};
+  if (header != nullptr) *header = bytes.substr(10, header_size);
+  std::vector<float> data((bytes.size() - 10 - header_size) / sizeof(float));
+  std::memcpy(data.data(), bytes.data() + 10 + header_size, data.size() * sizeof(float));
+  return data;
 }
 
 RawCallResult CallRaw(const std::string& target, const std::string& method, const std::vector<std::string>& requests) {

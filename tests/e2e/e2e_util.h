@@ -62,6 +62,10 @@ struct RawCallResult {
 };
 RawCallResult CallRaw(const std::string& target, const std::string& method, const std::vector<std::string>& requests);
 
+// The float32 data of a .npy file written by perception eval (version 1.0 header); its header's dictionary (with the
+// shape) into `header` where given. Empty where the file is shorter than a header.
+std::vector<float> ReadNpy(const std::filesystem::path& path, std::string* header = nullptr);
+
 // GET http://127.0.0.1:port/path: the body of a 200 answer, an error naming the status line otherwise.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 

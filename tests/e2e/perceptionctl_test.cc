@@ -18,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "engine/lobster.h"
+#include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
 
@@ -556,6 +558,48 @@ TEST(PerceptionCliTest, EvalRefusesUnwritableOutputsBeforeWritingAny) {
   EXPECT_EQ(logits.exit_code, 1) << logits.output;
   EXPECT_THAT(logits.output, HasSubstr("cannot create /nonexistent/logits.npy.tmp."));
   EXPECT_THAT(logits.output, Not(HasSubstr("masked BCE")));
+}
+
+// eval --features_out writes [events, F + 1]: each event's raw MODEL.md §1.1 features, not standardized (the model
+// here has a fitted normalizer), then its Δt, as the featurizer computes them over the file; inspect names the
+// checkpoint's step and every tensor.
+TEST(PerceptionCliTest, EvalWritesTheRawFeaturesAndDtAndInspectDescribesTheCheckpoint) {
+  const ScopedTempDir temp("cli_eval_features");
+  const std::filesystem::path checkpoint = temp.path() / "a.safetensors", logits = temp.path() / "logits.npy",
+                              features = temp.path() / "features.npy";
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --steps 2 --save ", checkpoint.string()));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const CommandResult eval = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ",
+                                                     checkpoint.string(), " --lobster ", kOrderbook, " ", kMessages,
+                                                     " --out ", logits.string(), " --features-out ", features.string()));
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok()) << data.status();
+  LobsterFeaturizer featurizer(data->levels);
+  const int F = featurizer.n_features();
+  std::vector<float> expected;
+  for (size_t i = 0; i < data->size(); ++i) {
+    std::vector<float> row(F);
+    const absl::StatusOr<double> dt = featurizer.Next(data->BookRow(i), data->messages[i], row);
+    ASSERT_TRUE(dt.ok()) << dt.status();
+    expected.insert(expected.end(), row.begin(), row.end());
+    expected.push_back(static_cast<float>(*dt));
+  }
+  std::string header;
+  const std::vector<float> written = ReadNpy(features, &header);
+  EXPECT_THAT(header, HasSubstr(absl::StrCat("'shape': (", data->size(), ", ", F + 1, ")")));
+  EXPECT_EQ(written, expected);
+
+  const CommandResult inspect = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " inspect ", checkpoint.string()));
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("format perception-v1, step 2,"));
+  const ParamLayout layout(*NamedConfig("tiny"));
+  for (const TensorSpec& tensor : layout.tensors()) {
+    EXPECT_THAT(inspect.output, HasSubstr(absl::StrCat(tensor.name, " "))) << tensor.name;
+  }
 }
 
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives

@@ -41,17 +41,6 @@ constexpr char kOrderbook[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_3420000
 constexpr char kMessages[] = PERCEPTION_TEST_DATA_DIR "/AAPL_2012-06-21_34200000_57600000_message_10.csv";
 constexpr int kLevels = 10;
 
-// The float32 data of a .npy file written by perception eval (version 1.0 header).
-std::vector<float> ReadNpy(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  if (bytes.size() < 10) return {};
-  const size_t header = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9]) << 8;
-  std::vector<float> data((bytes.size() - 10 - header) / sizeof(float));
-  std::memcpy(data.data(), bytes.data() + 10 + header, data.size() * sizeof(float));
-  return data;
-}
-
 std::vector<float> ConvictionsOf(const std::vector<float>& logits, int H) {
   std::vector<float> out;
   for (size_t i = 0; i + H <= logits.size(); i += H) {
