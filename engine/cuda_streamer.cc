@@ -678,6 +678,9 @@ absl::Status CudaStreamer::Step(const StreamTick& tick, StreamLaunchShape shape)
 }
 
 absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
+  if (resident_.running && resident_.posted - resident_.launch_first >= resident_launch_events_) {
+    RETURN_IF_ERROR(StopResident());
+  }
   if (!resident_.running) {
     // The cluster never leaves by itself (one that did could not tell the host which posted event it had not read):
     // the host stops it, also when the feed has gone quiet (StopResident).
@@ -691,7 +694,8 @@ absl::Status CudaStreamer::PostResident(const StreamTick& tick) {
         time_ticks_every_ > 0 ? static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get()) : nullptr,
         resident_.stamp_slots};
     CUDA_RETURN_IF_ERROR(kernels::LaunchStreamResident(weights_, pack_, state_, queue, max_shared_bytes_, stream_));
-    resident_.run_first = resident_.posted;
+    resident_.run_first = resident_.launch_first = resident_.posted;
+    ++resident_.launches;
     resident_.run_stamped = queue.stamps != nullptr;
     resident_.running = true;
     resident_.since_yield = true;
@@ -768,6 +772,20 @@ absl::Status CudaStreamer::FaultResident() {
   // The trap entry is never answered: the wait ends on the stream's error.
   RETURN_IF_ERROR(WaitResidentAnswered(resident_.posted));
   return absl::InternalError("the resident streaming step answered its trap entry");
+}
+
+absl::Status CudaStreamer::NumberResidentEventsFromForTest(uint32_t first) {
+  RETURN_IF_ERROR(Quiesce());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  RETURN_IF_ERROR(ForgetFinishedTicks(/*all_finished=*/true));
+  // The ring's entries as events first − kResidentRing … first − 1 left them (stops), so that none reads as an event
+  // still to come; the answers up to them.
+  for (uint32_t k = first - kResidentRing; k != first; ++k) {
+    kernels::PostStreamResidentEvent(resident_.ring, kResidentRing, k, -1, 0.f, false, 0, nullptr, 0);
+  }
+  std::atomic_ref<uint32_t>(*resident_.done).store(first, std::memory_order_release);
+  resident_.posted = first;
+  return absl::OkStatus();
 }
 
 absl::Status CudaStreamer::SizeResidentStamps(uint32_t slots) {

@@ -153,6 +153,18 @@ class CudaStreamer {
   // Tests only: makes the running resident step execute `trap` behind the events posted before (a fault inside the
   // running kernel) and returns the error its stream reports, which loses the device.
   absl::Status FaultResident();
+  // One launch of the resident step carries at most kResidentLaunchEvents events: its kernel counts a launch's events
+  // in an int, so the host stops it at the bound and the next lone event launches another (one relaunch in 2³⁰
+  // events: ~3 hours of back-to-back lone events on the H200). Tests lower the bound, and move the events' numbering
+  // (modulo 2³² over the streamer's life: half a day of a busy feed) to just before its wrap; the numbering moves
+  // once the resident step has left and every queued tick has finished, as if `first` events had been posted.
+  static constexpr uint32_t kResidentLaunchEvents = uint32_t{1} << 30;
+  void set_resident_launch_events(uint32_t events) {
+    resident_launch_events_ = std::clamp(events, 1u, kResidentLaunchEvents);
+  }
+  absl::Status NumberResidentEventsFromForTest(uint32_t first);
+  // The resident step's launches since the streamer was made.
+  uint64_t resident_launches() const { return resident_.launches; }
   // Benchmarks: the resident step's stamp ring (set_time_ticks) holds `slots` events (a power of two, allocated here;
   // a running resident step is stopped first), instead of kResidentStamps. TakeResidentStamps stops the resident step,
   // waits until it has left and returns the events it stamped since the last take (the last `slots` events posted at
@@ -363,6 +375,8 @@ class CudaStreamer {
     uint32_t* done = nullptr;
     uint32_t posted = 0;
     bool running = false;         // launched, and no stop posted since
+    uint32_t launch_first = 0;    // the first event of the latest launch
+    uint64_t launches = 0;
     bool since_yield = false;     // launched since the last YieldTo
     cudaEvent_t left = nullptr;   // recorded on stream_ behind a stopped cluster, for YieldTo
     CudaAllocation stamp_memory;  // the stamps' ring (pinned, written by the device), `stamp_slots` stamps
@@ -378,6 +392,7 @@ class CudaStreamer {
   // against 12.4 with 1,024 (the host's stores into a larger ring reach the device later); back to back the same.
   static constexpr int kResidentRing = 64;
   Resident resident_;
+  uint32_t resident_launch_events_ = kResidentLaunchEvents;
   bool resident_fits_ = false;
   bool use_resident_ = true;
 };

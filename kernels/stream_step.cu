@@ -1076,7 +1076,7 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
     }
   };
   // Waits for the stage's results: every block's share of its exchange, or this block's own.
-  int phase = 0;
+  int phase = 0;  // (a resident launch carries fewer than 2³¹ events: CudaStreamer::kResidentLaunchEvents)
   auto finish = [&](int si) {
     if (exchanged(si)) {
       ExchangeWait(exchange_bars + si, phase & 1);

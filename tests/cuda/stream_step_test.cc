@@ -281,6 +281,9 @@ TEST_P(StreamStepTest, EveryLaunchShapeGivesTheSameBits) {
     parity.ExpectLogsMatch();
   }
   ASSERT_TRUE(StreamStepParity(GetParam(), 10, 4).streamer().Supports(kStreamWideShape));
+  // (Unsupported shapes are skipped: without a cluster shape run, the wide path would be compared with itself.)
+  std::printf("[shapes] %s: %zu of %zu launch shapes supported\n", GetParam().c_str(), results.size(), shapes.size());
+  EXPECT_GE(results.size(), 2u) << "the wide path and at least one cluster shape";
   for (const auto& r : results) EXPECT_EQ(r, results.front());
 }
 
@@ -748,6 +751,55 @@ TEST(StreamResidentTest, TheStreamersLoneEventsGiveTheLaunchedTicksBits) {
   resident.ExpectLogsMatch();
 }
 
+// A launch of the resident step carries a bounded count of events (its kernel counts them in an int): past the bound
+// the host stops it and the next lone event launches another, which carries the states on. Here the bound is 16 and
+// the events are numbered from just before the wrap of their 32-bit count: 400 lone events give the launched ticks'
+// bits and the CPU's results, each event's device time is reported once, and a larger tick and a seed between them
+// keep their order. (The two streamers run one after the other, as above.)
+TEST(StreamResidentTest, LaunchesAgainPastItsBoundAndNumbersEventsAcrossTheWrap) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity launched("small", 6, 512), resident("small", 6, 512);
+  if (!resident.streamer().resident_available()) GTEST_SKIP() << "no resident step for small on this device";
+  launched.streamer().set_use_resident(false);
+  CudaStreamer& streamer = resident.streamer();
+  streamer.set_resident_launch_events(16);
+  ASSERT_TRUE(streamer.NumberResidentEventsFromForTest(0xffffffffu - 150).ok());
+  size_t timed = 0;
+  auto take_times = [&] {
+    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(/*wait=*/true);
+    ASSERT_TRUE(checked.ok()) << checked.status();
+    for (const double seconds : checked->resident_seconds) {
+      EXPECT_GT(seconds, 1e-6);
+      EXPECT_LT(seconds, 0.1) << "an event's time, not a span of many";
+    }
+    timed += checked->resident_seconds.size();
+  };
+  auto run = [&](StreamStepParity& p) {
+    const bool resident_path = &p == &resident;
+    Rng rng(29);
+    for (int i = 0; i < 400; ++i) {
+      p.Tick({static_cast<int32_t>(rng.Below(6))}, 3000 + i);
+      ASSERT_EQ(p.streamer().resident_running(), resident_path) << "event " << i;
+      if (resident_path && i % 50 == 49) {
+        ASSERT_NO_FATAL_FAILURE(take_times());
+      }
+      if (i == 150) p.Tick({0, 2, 5}, 4000);
+      if (i == 250) p.Seed(4, 7, 4100);
+    }
+    ASSERT_TRUE(p.streamer().StopResident().ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(run(launched));
+  const uint64_t launches_before = streamer.resident_launches();
+  ASSERT_NO_FATAL_FAILURE(run(resident));
+  // 400 events at 16 a launch, and one launch more after each of the larger tick and the seed.
+  EXPECT_EQ(streamer.resident_launches() - launches_before, 25u + 2u);
+  ASSERT_NO_FATAL_FAILURE(take_times());
+  EXPECT_EQ(timed, 400u) << "each lone event's device time once, across the relaunches and the wrap";
+  EXPECT_EQ(launched.Logs(), resident.Logs());
+  launched.ExpectLogsMatch();
+  resident.ExpectLogsMatch();
+}
+
 // YieldTo stops a running resident step and orders the other stream behind its exit; the next lone event starts a
 // new one, which carries the states on; Quiesce stops it and returns once it has left.
 TEST(StreamResidentTest, YieldToAndQuiesceStopTheResidentStepAndTheNextLoneEventStartsAnother) {
@@ -1137,6 +1189,7 @@ TEST(StreamStepManyTest, EveryPathFlagsTheSlotsWhoseLogitsAreNotFinite) {
       if (streamer.Supports(shape)) paths.push_back({absl::StrCat(group, "x", cluster), shape, 10, 10});
     }
   }
+  EXPECT_FALSE(paths.empty()) << "no cluster shape supported: only the wide and graphed paths would be checked";
   paths.push_back({"wide", kStreamWideShape, 10, 10});
   paths.push_back({"wide, 38 tiles", kStreamWideShape, kSlots, kSlots});
   paths.push_back({"graphs, inline", std::nullopt, 6, 6});
