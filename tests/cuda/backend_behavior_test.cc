@@ -27,6 +27,7 @@ using testing::RandomParams;
 using testing::RelativeError;
 
 using testing::Contains;
+using testing::BitIdentical;
 using testing::InitialParams;
 
 // Reservations whose bytes overflow size_t wrapped the arena's size to a few bytes, the buffers after them overlapping
@@ -204,7 +205,15 @@ TEST(CudaBackend, CheckpointsMoveBetweenBackends) {
   const auto next_a = (*trained)->TrainStep(batch.view()), next_b = (*resumed)->TrainStep(batch.view());
   ASSERT_TRUE(next_a.ok() && next_b.ok());
   EXPECT_EQ(next_a->step, 4);
+  EXPECT_EQ(next_b->step, 4);
   EXPECT_EQ(next_a->loss, next_b->loss);
+  // The loss comes before the update: the update (moments and step included) shows in the state after it.
+  const auto after_a = (*trained)->ExportState(), after_b = (*resumed)->ExportState();
+  ASSERT_TRUE(after_a.ok() && after_b.ok());
+  EXPECT_TRUE(BitIdentical(after_a->params, after_b->params)) << "parameters";
+  EXPECT_TRUE(BitIdentical(after_a->exp_avg, after_b->exp_avg)) << "first moments";
+  EXPECT_TRUE(BitIdentical(after_a->exp_avg_sq, after_b->exp_avg_sq)) << "second moments";
+  EXPECT_EQ(after_b->step, 4);
 }
 
 }  // namespace

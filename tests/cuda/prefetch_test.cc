@@ -180,13 +180,26 @@ TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
 // The Backend face (Backend::TrainStepWithNext, as perception train calls it, and TrainStepStagingNext, as the
 // daemon's Train stream does): the same results and checkpoint as TrainStep alone, also where an Evaluate comes
 // between two steps or the next call's batch is a copy at another address (both drop the head start, not the batch).
-void ExpectTrainingWithNextMatchesTrainStep(bool staging_during_step) {
+// Two CUDA backends of `tiny` from the same initial parameters (`seed`) under an 8-step schedule: one trained by
+// TrainStep alone, one with a next batch staged; where either cannot be made, the failure is recorded.
+struct PlainAndAhead {
+  explicit PlainAndAhead(uint64_t seed)
+      : plain(MakeCudaBackend(config, WarmupCosine(8), InitialParams(config, seed))),
+        ahead(MakeCudaBackend(config, WarmupCosine(8), InitialParams(config, seed))) {
+    EXPECT_TRUE(plain.ok()) << plain.status();
+    EXPECT_TRUE(ahead.ok()) << ahead.status();
+  }
+  bool ok() const { return plain.ok() && ahead.ok(); }
+
   const ModelConfig config = *NamedConfig("tiny");
+  absl::StatusOr<std::unique_ptr<Backend>> plain, ahead;
+};
+
+void ExpectTrainingWithNextMatchesTrainStep(bool staging_during_step) {
   constexpr int kSteps = 8;
-  const OptimizerConfig optimizer = WarmupCosine(kSteps);
-  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 22));
-  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 22));
-  ASSERT_TRUE(plain.ok() && ahead.ok());
+  PlainAndAhead backends(22);
+  ASSERT_TRUE(backends.ok());
+  auto& [config, plain, ahead] = backends;
   const std::vector<RandomBatch> batches = Batches(config, kSteps);
   const RandomBatch moved = batches[6];  // step 7's batch at another address
   for (int i = 0; i < kSteps; ++i) {
@@ -229,12 +242,9 @@ TEST(CudaPrefetch, TinyBackendTrainStepStagingNextMatchesTrainStep) {
 // batch at the same address (as a freed request's memory may come back) is trained on as it is then, not as staged.
 TEST(CudaPrefetch, TinyBatchStagedForAFailedStepIsNotTakenForALaterOneAtItsAddress) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  const ModelConfig config = *NamedConfig("tiny");
-  const OptimizerConfig optimizer = WarmupCosine(8);
-  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 23));
-  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 23));
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  PlainAndAhead backends(23);
+  ASSERT_TRUE(backends.ok());
+  auto& [config, plain, ahead] = backends;
   const std::vector<RandomBatch> batches = Batches(config, 3);
   RandomBatch reused = batches[1];  // staged as the next step's batch, then rewritten in place with another batch
   ASSERT_TRUE((*plain)->TrainStep(batches[0].view()).ok());
@@ -257,12 +267,9 @@ TEST(CudaPrefetch, TinyBatchStagedForAFailedStepIsNotTakenForALaterOneAtItsAddre
 // refusal comes after the wait, with step() advanced; the step equals TrainStep's.
 TEST(CudaPrefetch, TinyNextBatchRefusedDuringTheStepLeavesTheStepCounted) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  const ModelConfig config = *NamedConfig("tiny");
-  const OptimizerConfig optimizer = WarmupCosine(8);
-  auto plain = MakeCudaBackend(config, optimizer, InitialParams(config, 24));
-  auto ahead = MakeCudaBackend(config, optimizer, InitialParams(config, 24));
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  PlainAndAhead backends(24);
+  ASSERT_TRUE(backends.ok());
+  auto& [config, plain, ahead] = backends;
   const std::vector<RandomBatch> batches = Batches(config, 2);
   BatchView<float> short_next = batches[1].view();
   short_next.mask = short_next.mask.first(short_next.mask.size() - 1);
