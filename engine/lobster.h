@@ -91,12 +91,11 @@ class LobsterFeaturizer {
   int levels() const { return levels_; }
   int n_features() const;  // 4*levels + 8
 
-  // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and
-  // returns Δt in seconds, (ns − previous ns)·1e-9 of the message's time_ns or else TimeNanoseconds of its time (0
-  // for the first event of the stream). A book
-  // row of the wrong size or one ValidateBookRow refuses, a message ValidateTypeAndDirection refuses, a time beyond
-  // kMaxLobsterTimeSeconds or earlier than the previous event or a `features` of the wrong size gives
-  // INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
+  // Writes the features (in MODEL.md order, computed in double) into `features` (size n_features()) and returns Δt in
+  // seconds, (ns − previous ns)·1e-9 of the message's time_ns or else TimeNanoseconds of its time (0 for the first
+  // event of the stream). A book row of the wrong size or one ValidateBookRow refuses, a message
+  // ValidateTypeAndDirection refuses, a time beyond kMaxLobsterTimeSeconds or earlier than the previous event or a
+  // `features` of the wrong size gives INVALID_ARGUMENT and leaves the state (and `features`) unchanged.
   absl::StatusOr<double> Next(std::span<const int64_t> book_row, const LobsterMessage& message,
                               std::span<float> features);
 

@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/impl/codegen/proto_utils.h"  // (SerializationTraits of protobuf messages; gRPC 1.51's path)
 #include "grpcpp/support/byte_buffer.h"
 
 namespace perception::server {
@@ -13,9 +13,10 @@ namespace perception::server {
 template <typename Message>
 absl::Status ParseRequest(grpc::ByteBuffer& bytes, Message& message) {
   if (grpc::SerializationTraits<Message>::Deserialize(&bytes, &message).ok()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("a request could not be parsed as ", Message::descriptor()->full_name(),
-                                                 " (a string field that is not UTF-8, or bytes that are no such "
-                                                 "message); nothing of it or after it was taken"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("a request could not be parsed as ", Message::descriptor()->full_name(),
+                   " (a string field that is not UTF-8, or bytes that are no such message); nothing of it or after it "
+                   "was taken"));
 }
 
 // `message` serialized into `bytes` (what they held before, an earlier write's, released), for a write.

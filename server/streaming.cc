@@ -54,15 +54,18 @@ void StreamReactor::Drain(const absl::Status& status) {
 }
 
 void StreamReactor::OnReadDone(bool ok) {
+  // Parsed outside the lock (a request may take milliseconds), which the device worker takes to deliver processed
+  // events; the buffer stays in `incoming_` meanwhile, so that no other read starts before this one is taken.
+  v1::StreamRequest request;
+  absl::Status parsed;
+  if (ok) parsed = ParseRequest(*ReadInProgress(), request);
   Update([&] {
-    const std::unique_ptr<grpc::ByteBuffer> bytes = std::move(incoming_);
+    incoming_.reset();
     if (!ok) {
       input_done_ = true;
       return;
     }
     if (broken_) return;
-    v1::StreamRequest request;
-    const absl::Status parsed = ParseRequest(*bytes, request);
     if (!error_.ok()) {  // (a read already under way when the call's failure or the drain came)
       if (parsed.ok()) NoteNotTakenLocked(request);
       return;
@@ -83,6 +86,11 @@ void StreamReactor::OnReadDone(bool ok) {
       input_done_ = true;
     }
   });
+}
+
+grpc::ByteBuffer* StreamReactor::ReadInProgress() {
+  absl::MutexLock lock(&mu_);
+  return incoming_.get();
 }
 
 void StreamReactor::NoteNotTakenLocked(const v1::StreamRequest& request) {

@@ -29,9 +29,10 @@ namespace perception::server {
 // rather than buffered. Acknowledgements carry, per instrument, the last processed sequence number: one goes out after
 // options.ack_every_events processed events, after options.ack_every_ms from the first unacknowledged one (a gRPC
 // alarm), when a request with `ack` is wholly processed, and at the end. The first refusal (a request that cannot be
-// parsed included: requests are read as bytes, raw_messages.h), or the client's half-close, ends the input; the call finishes once every accepted event is processed and acknowledged, with the refusal's status
-// or OK. A drain ends the input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements,
-// not the processing. The reactor deletes itself when gRPC is done.
+// parsed included: requests are read as bytes, raw_messages.h), or the client's half-close, ends the input; the call
+// finishes once every accepted event is processed and acknowledged, with the refusal's status or OK. A drain ends the
+// input as a refusal does (LiveCalls). A client that disconnects stops the acknowledgements, not the processing. The
+// reactor deletes itself when gRPC is done.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public StreamSink,
                             public DrainableCall {
@@ -52,6 +53,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
  private:
   void OnAlarm(bool ok);
+  // The buffer of the read in progress (OnReadDone's, until it takes it).
+  grpc::ByteBuffer* ReadInProgress();
   template <typename Change>
   void Update(Change change);
   // Starts the reads, writes and alarm the state allows; the status to finish with once the call has ended.

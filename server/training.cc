@@ -53,15 +53,19 @@ void TrainReactor::Drain(const absl::Status& status) {
 }
 
 void TrainReactor::OnReadDone(bool ok) {
+  // Parsed outside the lock (a batch may take milliseconds), which the device worker takes at each step's start and
+  // end; the buffer stays in `incoming_` meanwhile, so that no other read starts before this one is taken.
+  auto request = std::make_unique<v1::TrainStepRequest>();
+  absl::Status parsed;
+  if (ok) parsed = ParseRequest(*ReadInProgress(), *request);
   Update([&] {
-    const std::unique_ptr<grpc::ByteBuffer> bytes = std::move(incoming_);
+    incoming_.reset();
     if (!ok) {
       input_done_ = true;
       return;
     }
     if (input_done_ || EndingLocked()) return;  // a batch read after the input ended (a drain) is not trained
-    auto request = std::make_unique<v1::TrainStepRequest>();
-    if (absl::Status parsed = ParseRequest(*bytes, *request); !parsed.ok()) {
+    if (!parsed.ok()) {
       steps_.push_back(Step{nullptr, std::move(parsed)});  // (refused as a batch is, after the steps before it)
       input_done_ = true;
       return;
@@ -94,6 +98,11 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
     step.result = std::move(accepted);
     input_done_ = true;  // nothing after a refused batch is read
   }
+}
+
+grpc::ByteBuffer* TrainReactor::ReadInProgress() {
+  absl::MutexLock lock(&mu_);
+  return incoming_.get();
 }
 
 const v1::Batch* TrainReactor::NextBatch(const Step& step) {

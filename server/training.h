@@ -31,16 +31,15 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
 // being received, so a client that writes ahead keeps the device busy without the daemon buffering its stream.
 // Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
 // one runs) and is staged while the step runs; with two it was read only once the step had started.
-// A stream trains one model: a step that finds another installed (InitModel or LoadCheckpoint from another call)
-// fails with ABORTED and trains nothing on it. The first failure, whether refused on arrival (a request that cannot be
-// parsed included: requests are read as bytes, raw_messages.h) or on the device, ends
-// the stream with its status once the steps queued before it are done; the steps queued behind it, like those still
-// queued when the client cancels, do not run, so a client that resends from the failed batch trains on nothing
-// twice. A cancellation cannot stop a step the device is running, nor recall the responses it had no time to send:
-// those steps stay applied, so the model can be up to kMaxUnansweredSteps steps past the last response sent (and
-// further past the last one the client read). A drain (LiveCalls) ends the input, idle streams' included: the steps
-// queued are run and answered, then the stream finishes UNAVAILABLE. The reactor deletes itself when gRPC is done
-// with it.
+// A stream trains one model: a step that finds another installed (InitModel or LoadCheckpoint from another call) fails
+// with ABORTED and trains nothing on it. The first failure, whether refused on arrival (a request that cannot be parsed
+// included: requests are read as bytes, raw_messages.h) or on the device, ends the stream with its status once the
+// steps queued before it are done; the steps queued behind it, like those still queued when the client cancels, do not
+// run, so a client that resends from the failed batch trains on nothing twice. A cancellation cannot stop a step the
+// device is running, nor recall the responses it had no time to send: those steps stay applied, so the model can be up
+// to kMaxUnansweredSteps steps past the last response sent (and further past the last one the client read). A drain
+// (LiveCalls) ends the input, idle streams' included: the steps queued are run and answered, then the stream finishes
+// UNAVAILABLE. The reactor deletes itself when gRPC is done with it.
 class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                            public DrainableCall {
  public:
@@ -64,6 +63,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
     std::optional<absl::StatusOr<v1::TrainStepResponse>> result;
   };
 
+  // The buffer of the read in progress (OnReadDone's, until it takes it).
+  grpc::ByteBuffer* ReadInProgress();
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
   // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of

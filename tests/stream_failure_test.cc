@@ -146,11 +146,11 @@ class StreamFailureTest : public ::testing::Test {
     return response.processed_events();
   }
 
-  // The tiny model from kSeed on 10-level books, replacing the one there (for perceptionctl stream's AAPL tests).
-  void InitAaplModel() {
+  // The tiny model from kSeed for LOBSTER books of `levels` levels, replacing the one there.
+  void InitLobsterModel(int levels) {
     v1::InitModelRequest init;
     init.set_config_name("tiny");
-    init.set_levels(10);
+    init.set_levels(levels);
     init.set_seed(kSeed);
     init.set_replace(true);
     ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
@@ -571,12 +571,7 @@ TEST_F(StreamFailureTest, AnInstrumentStoppedAtItsFirstEventResumesFromThatEvent
 // handed the featurizer seconds in a double, whose nanoseconds rounded from 2^51 ns (26 days) on, so a 1 ms Δt there
 // came out 0.999999 ms (another float than the file's, or a client's own features', for the same events).
 TEST_F(StreamFailureTest, ALobsterStreamsDtIsExactAMonthAfterItsFirstEvent) {
-  v1::InitModelRequest init;
-  init.set_config_name("tiny");
-  init.set_levels(1);
-  init.set_seed(kSeed);
-  init.set_replace(true);
-  ASSERT_TRUE((daemon_.Call(&v1::Perception::Stub::InitModel, init).ok()));
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(1));
   constexpr int64_t kFirst = 1'340'265'600'000'000'000;   // 2012-06-21 00:00 UTC
   constexpr int64_t kMonth = 2'419'200'000'000'002;        // 28 days and 2 ns
   std::vector<v1::StreamEvent> events;
@@ -603,7 +598,7 @@ TEST_F(StreamFailureTest, ALobsterStreamsDtIsExactAMonthAfterItsFirstEvent) {
 // 10), a seeded stream that would start elsewhere is refused before anything is sent, and one that starts there
 // streams.
 TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustStartWhereItStopped) {
-  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
   client::PerceptionClient client(daemon_.target());
   client::StreamOptions options = AaplOptions();
   options.count = 1;
@@ -629,7 +624,7 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustS
 // (--start_seq N)", which the stopped instrument would refuse too. It now says the instrument is stopped and that
 // --reseed seeds it again; with --reseed, the seeded stream resumes where the instrument stopped.
 TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTakesReseed) {
-  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
   client::PerceptionClient client(daemon_.target());
   client::StreamOptions options = AaplOptions();
   options.count = 3;
@@ -659,7 +654,7 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTak
 // An instrument stopped at its first event has no state to lose: a seed window that resumes where it stopped needs no
 // --reseed (the check for stopped instruments with events must not catch it).
 TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventNeedsNoReseed) {
-  ASSERT_NO_FATAL_FAILURE(InitAaplModel());
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
   client::PerceptionClient client(daemon_.target());
   client::StreamOptions options = AaplOptions();
   options.count = 1;

@@ -10,11 +10,11 @@
 #include <unistd.h>
 
 #include <array>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 
@@ -149,7 +149,8 @@ RawCallResult CallRaw(const std::string& target, const std::string& method, cons
   const std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  // (What a generated stub does for a bidirectional method, with messages of bytes: gRPC's own ByteBuffer traits.)
+  // (What a generated stub does for a bidirectional method, with messages of bytes: gRPC's own ByteBuffer traits.
+  // grpc::internal is not a stable interface; a gRPC upgrade may move it.)
   const grpc::internal::RpcMethod rpc(method.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), rpc,

@@ -571,9 +571,10 @@ TEST(PerceptionCliTest, EvalWritesTheRawFeaturesAndDtAndInspectDescribesTheCheck
       RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
                               kMessages, " --steps 2 --save ", checkpoint.string()));
   ASSERT_EQ(train.exit_code, 0) << train.output;
-  const CommandResult eval = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ",
-                                                     checkpoint.string(), " --lobster ", kOrderbook, " ", kMessages,
-                                                     " --out ", logits.string(), " --features-out ", features.string()));
+  const CommandResult eval =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(), " --lobster ",
+                              kOrderbook, " ", kMessages, " --out ", logits.string(), " --features-out ",
+                              features.string()));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
 
   absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);

@@ -356,7 +356,8 @@ TEST_F(ValidationTest, ATrainRequestThatCannotBeParsedEndsTheStreamInvalidArgume
   const RawCallResult call =
       CallRaw(daemon_->target(), "/perception.v1.Perception/Train", {batch, "\xff\xff\xff\xff", batch});
   EXPECT_EQ(call.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << call.status.error_message();
-  EXPECT_THAT(call.status.error_message(), HasSubstr("a request could not be parsed as perception.v1.TrainStepRequest"));
+  EXPECT_THAT(call.status.error_message(),
+              HasSubstr("a request could not be parsed as perception.v1.TrainStepRequest"));
   ASSERT_EQ(call.responses.size(), 1u);
   v1::TrainStepResponse first;
   ASSERT_TRUE(first.ParseFromString(call.responses[0]));
