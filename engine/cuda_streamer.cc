@@ -785,6 +785,11 @@ absl::Status CudaStreamer::NumberResidentEventsFromForTest(uint32_t first) {
   }
   std::atomic_ref<uint32_t>(*resident_.done).store(first, std::memory_order_release);
   resident_.posted = first;
+  // No stamp left over may carry one of the new numbers (a stop takes a number and stamps nothing).
+  if (resident_.stamp_slots > 0) {
+    auto* stamps = static_cast<kernels::StreamResidentStamp*>(resident_.stamp_memory.get());
+    std::fill(stamps, stamps + resident_.stamp_slots, kernels::StreamResidentStamp{});
+  }
   return absl::OkStatus();
 }
 

@@ -1076,7 +1076,9 @@ __device__ __forceinline__ void StreamStep(const StreamPlan& plan, const float* 
     }
   };
   // Waits for the stage's results: every block's share of its exchange, or this block's own.
-  int phase = 0;  // (a resident launch carries fewer than 2³¹ events: CudaStreamer::kResidentLaunchEvents)
+  // (It and group_index count a resident launch's events in an int: the host relaunches before 2³¹,
+  // CudaStreamer::kResidentLaunchEvents.)
+  int phase = 0;
   auto finish = [&](int si) {
     if (exchanged(si)) {
       ExchangeWait(exchange_bars + si, phase & 1);

@@ -177,15 +177,13 @@ TEST(CudaPrefetch, TinyReplayOverAMovedNextSlotIsRefused) {
   EXPECT_EQ(report->step, 4);
 }
 
-// The Backend face (Backend::TrainStepWithNext, as perception train calls it, and TrainStepStagingNext, as the
-// daemon's Train stream does): the same results and checkpoint as TrainStep alone, also where an Evaluate comes
-// between two steps or the next call's batch is a copy at another address (both drop the head start, not the batch).
-// Two CUDA backends of `tiny` from the same initial parameters (`seed`) under an 8-step schedule: one trained by
-// TrainStep alone, one with a next batch staged; where either cannot be made, the failure is recorded.
+// Two CUDA backends of `tiny` from the same initial parameters (`seed`) under a schedule of kSteps steps: one trained
+// by TrainStep alone, one with a next batch staged; where either cannot be made, the failure is recorded.
 struct PlainAndAhead {
+  static constexpr int kSteps = 8;
   explicit PlainAndAhead(uint64_t seed)
-      : plain(MakeCudaBackend(config, WarmupCosine(8), InitialParams(config, seed))),
-        ahead(MakeCudaBackend(config, WarmupCosine(8), InitialParams(config, seed))) {
+      : plain(MakeCudaBackend(config, WarmupCosine(kSteps), InitialParams(config, seed))),
+        ahead(MakeCudaBackend(config, WarmupCosine(kSteps), InitialParams(config, seed))) {
     EXPECT_TRUE(plain.ok()) << plain.status();
     EXPECT_TRUE(ahead.ok()) << ahead.status();
   }
@@ -195,8 +193,11 @@ struct PlainAndAhead {
   absl::StatusOr<std::unique_ptr<Backend>> plain, ahead;
 };
 
+// The Backend face (Backend::TrainStepWithNext, as perception train calls it, and TrainStepStagingNext, as the
+// daemon's Train stream does): the same results and checkpoint as TrainStep alone, also where an Evaluate comes
+// between two steps or the next call's batch is a copy at another address (both drop the head start, not the batch).
 void ExpectTrainingWithNextMatchesTrainStep(bool staging_during_step) {
-  constexpr int kSteps = 8;
+  constexpr int kSteps = PlainAndAhead::kSteps;
   PlainAndAhead backends(22);
   ASSERT_TRUE(backends.ok());
   auto& [config, plain, ahead] = backends;

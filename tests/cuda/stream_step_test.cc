@@ -765,9 +765,13 @@ TEST(StreamResidentTest, LaunchesAgainPastItsBoundAndNumbersEventsAcrossTheWrap)
   streamer.set_resident_launch_events(16);
   ASSERT_TRUE(streamer.NumberResidentEventsFromForTest(0xffffffffu - 150).ok());
   size_t timed = 0;
+  // Without a wait, so that the answered events are found by their numbers (modulo 2³²), after the answers are in:
+  // every tick is then found finished.
   auto take_times = [&] {
-    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(/*wait=*/true);
+    ASSERT_TRUE(streamer.Synchronize().ok());
+    absl::StatusOr<TicksChecked> checked = streamer.CheckTicks(/*wait=*/false);
     ASSERT_TRUE(checked.ok()) << checked.status();
+    EXPECT_EQ(checked->unfinished, 0);
     for (const double seconds : checked->resident_seconds) {
       EXPECT_GT(seconds, 1e-6);
       EXPECT_LT(seconds, 0.1) << "an event's time, not a span of many";
@@ -795,6 +799,14 @@ TEST(StreamResidentTest, LaunchesAgainPastItsBoundAndNumbersEventsAcrossTheWrap)
   EXPECT_EQ(streamer.resident_launches() - launches_before, 25u + 2u);
   ASSERT_NO_FATAL_FAILURE(take_times());
   EXPECT_EQ(timed, 400u) << "each lone event's device time once, across the relaunches and the wrap";
+  absl::StatusOr<std::vector<kernels::StreamResidentStamp>> stamps = streamer.TakeResidentStamps();
+  ASSERT_TRUE(stamps.ok()) << stamps.status();
+  const auto stamped = [&](uint64_t from, uint64_t to) {
+    return std::ranges::any_of(*stamps, [&](const kernels::StreamResidentStamp& s) {
+      return s.done_cycles != 0 && s.event >= from && s.event < to;
+    });
+  };
+  EXPECT_TRUE(stamped(0xffffff00u, 0x100000000u) && stamped(0, 0x100)) << "events numbered on both sides of the wrap";
   EXPECT_EQ(launched.Logs(), resident.Logs());
   launched.ExpectLogsMatch();
   resident.ExpectLogsMatch();
