@@ -241,6 +241,7 @@ StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request,
     if (absl::Status status = AcceptLocked(request.events(i), sink, reason); !status.ok()) {
       metrics_.RejectStreamEvent(reason);
       submitted.status = Prefixed(status, Where(i, request.events(i)));
+      NoteNotTaken(request.events_size() - i - 1);  // (the request's events after it: the call has ended)
       break;
     }
     ++submitted.accepted;

@@ -112,7 +112,8 @@ class StreamBatcher {
   // request of each live call more than the limit. A call that was not `held` before and is now counts in the
   // metrics.
   bool RoomToRead(bool held);
-  // Counts `events` a Stream call read after its failure or the drain, and took no further, as refused (call_ended).
+  // Counts `events` a Stream call read after its failure, its refused event or the drain, and took no further, as
+  // refused (call_ended).
   void NoteNotTaken(int events);
   // Everything but the weights version (the model host's).
   void FillStatus(v1::StreamingStatus& status) const;

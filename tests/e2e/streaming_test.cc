@@ -625,6 +625,8 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"payload\"} 1"));
+  // The event after the refused one in the middle of its request: not taken, and counted (it was not).
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"call_ended\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 7\n"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_active_streams 1\n"));
   ASSERT_STRNE(PERCEPTION_PROMTOOL, "");
