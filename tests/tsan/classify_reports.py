@@ -12,7 +12,9 @@ ours. A race between an object's allocation (or a mutex's creation, whose stack 
 call gRPC made is gRPC's too (the creation as the annotations record it, or as a plain write to the mutex's word):
 gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
 by this project's code, and every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and
-printed whole. The summary counts the reports set aside under the rule that set each aside.
+printed whole. A data race report that the process's end cut off before its first frame (the last of its file, without
+its SUMMARY line: a daemon killed while TSan wrote it) names no code at all and is set aside too. The summary counts the
+reports set aside under the rule that set each aside.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
 """
@@ -86,6 +88,14 @@ def creates_a_mutex(accesses):
 THEIR_ACCESS = "with an access made by uninstrumented gRPC, protobuf or abseil code"
 HANDED_OVER_OBJECT = "between an object's allocation and a call gRPC made"
 HANDED_OVER_MUTEX = "between a mutex's creation and a call gRPC made"
+CUT_SHORT = "cut off before their first frame as their process ended"
+
+
+def cut_short(block, last_in_file):
+    """A data race report TSan had not finished writing when its process was killed: the last of its file, without
+    its SUMMARY line, and not one frame written yet."""
+    return (last_in_file and "ThreadSanitizer: data race" in block and "SUMMARY: ThreadSanitizer" not in block
+            and not any(stack for _, stack in access_stacks(block)))
 
 
 def handed_over_by_grpc(accesses):
@@ -129,13 +139,15 @@ def main():
     root, build, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
     ours, rules = [], collections.Counter()
     for path in paths:
-        for block in reports(path):
-            rule = set_aside_by(block, build)
+        blocks = list(reports(path))
+        for i, block in enumerate(blocks):
+            rule = CUT_SHORT if cut_short(block, i == len(blocks) - 1) else set_aside_by(block, build)
             if rule:
                 rules[rule] += 1
             else:
                 ours.append(block)
-    by_rule = ", ".join(f"{rules[rule]} {rule}" for rule in (THEIR_ACCESS, HANDED_OVER_OBJECT, HANDED_OVER_MUTEX))
+    by_rule = ", ".join(f"{rules[rule]} {rule}"
+                        for rule in (THEIR_ACCESS, HANDED_OVER_OBJECT, HANDED_OVER_MUTEX, CUT_SHORT))
     print(f"tsan reports: {len(ours)} ours, {sum(rules.values())} set aside ({by_rule})")
     for i, block in enumerate(ours):
         print(f"ours {i + 1}: {digest(block, root)}")

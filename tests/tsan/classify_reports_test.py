@@ -231,6 +231,12 @@ SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libupb.so.29+0x12db1)
 ==================
 """
 
+# The last report of a daemon killed while TSan wrote it (CI, the fifty-fourth session): nothing past its first line.
+CUT_OFF = """==================
+WARNING: ThreadSanitizer: data race (pid=12153)
+  Write of size 8 at 0x7b740000fbc0 by thread T9:
+"""
+
 
 def classify(*texts):
     with tempfile.TemporaryDirectory() as folder:
@@ -293,7 +299,7 @@ class ClassifyReportsTest(unittest.TestCase):
                                        MESSAGE_COPIED_BY_UPB, ours=0, theirs=6)
         self.assertIn("6 set aside (4 with an access made by uninstrumented gRPC, protobuf or abseil code, 1 between "
                       "an object's allocation and a call gRPC made, 1 between a mutex's creation and a call gRPC "
-                      "made)", output)
+                      "made, 0 cut off before their first frame as their process ended)", output)
 
     def test_each_of_ours_is_told_in_one_line_after_the_count(self):
         lines = self.assertClassified(OUR_LOST_WRITES_BESIDE_A_LOCK[0], INVERSION, ours=2, theirs=0).splitlines()
@@ -303,6 +309,15 @@ class ClassifyReportsTest(unittest.TestCase):
                                    "StreamBatcher::Tick(ModelHost&) server/stream_batcher.cc:290; Mutex M0 acquired "
                                    "here while holding mutex M1 in perception::server::StreamReactor::OnProcessed() "
                                    "server/streaming.cc:90")
+
+    def test_a_race_cut_off_before_its_first_frame_at_the_end_of_its_file_is_set_aside(self):
+        self.assertIn("1 cut off before their first frame as their process ended",
+                      self.assertClassified(GRPC_RACE + CUT_OFF, ours=0, theirs=4))
+
+    def test_a_race_without_frames_before_another_report_or_one_cut_off_after_its_first_frame_is_ours(self):
+        self.assertClassified(CUT_OFF + OUR_RACE, ours=2, theirs=0)
+        self.assertClassified(OUR_RACE.removesuffix("==================\n").split("\n  Previous")[0] + "\n",
+                              ours=1, theirs=0)
 
     def test_a_lost_write_that_cannot_be_a_mutex_creation_in_grpcs_hands_is_ours(self):
         for report in OUR_LOST_WRITES_BESIDE_A_LOCK:
