@@ -30,11 +30,6 @@ LobsterData ReadShipped(const std::string& stock, int levels) {
   return data.ok() ? *std::move(data) : LobsterData{};
 }
 
-// A message at `time` seconds (no whole nanoseconds of its own, as a file's).
-LobsterMessage Message(double time, int type, int64_t order_id, int64_t size, int64_t price, int direction) {
-  return {.time = time, .type = type, .order_id = order_id, .size = size, .price = price, .direction = direction};
-}
-
 LobsterData Aapl() { return ReadShipped("AAPL", 10); }
 LobsterData Amzn() { return ReadShipped("AMZN", 1); }
 
@@ -429,7 +424,7 @@ TEST(LobsterFeaturizer, EmptyLevelsGiveZerosPerSideAndEmptySizesGiveZeroImbalanc
   std::vector<float> features(16, -7.f);
   // The shipped AAPL rows have no empty level, so: level 2 holds a bid but no ask; level-1 sizes are both 0.
   const std::vector<int64_t> row = {1000100, 0, 999900, 0, kEmptyAskPrice, 0, 999800, 30};
-  ASSERT_TRUE(featurizer.Next(row, Message(100.0, 3, 1, 5, 1000100, -1), features).ok());
+  ASSERT_TRUE(featurizer.Next(row, LobsterMessage{100.0, 3, 1, 5, 1000100, -1}, features).ok());
   // mid 1000000: ±100/1000000*1e4 = ±1; log1p(0) = 0.
   EXPECT_FLOAT_EQ(features[0], 1.0);
   EXPECT_EQ(features[1], 0.f);
@@ -444,7 +439,7 @@ TEST(LobsterFeaturizer, EmptyLevelsGiveZerosPerSideAndEmptySizesGiveZeroImbalanc
 
   // Now the bid side of level 2 is empty and the ask side real.
   const std::vector<int64_t> bid_empty = {1000100, 10, 999900, 30, 1000500, 40, kEmptyBidPrice, 0};
-  ASSERT_TRUE(featurizer.Next(bid_empty, Message(100.5, 1, 2, 40, 1000500, -1), features).ok());
+  ASSERT_TRUE(featurizer.Next(bid_empty, LobsterMessage{100.5, 1, 2, 40, 1000500, -1}, features).ok());
   // level 2 ask: 500/1000000*1e4 = 5, log1p(40) = 3.713572066704308; imbalance (30-10)/40 = 0.5.
   EXPECT_FLOAT_EQ(features[4], 5.0);
   EXPECT_FLOAT_EQ(features[5], 3.713572066704308);
@@ -458,7 +453,7 @@ TEST(LobsterFeaturizer, HaltGivesNoTypeAndKeepsDirection) {
   std::vector<float> features(12, -7.f);
   ASSERT_TRUE(
       featurizer
-          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, Message(34200.0, 7, 0, 0, 0, 1), features)
+          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, LobsterMessage{34200.0, 7, 0, 0, 0, 1}, features)
           .ok());
   ExpectTail(features, 1, 0.0, 0.0, /*type=*/7, 1);  // type 7 matches none of the one-hot slots 1..5
 }
@@ -469,7 +464,7 @@ TEST(LobsterFeaturizer, CrossTradeGivesNoTypeAndKeepsDirection) {
   std::vector<float> features(12, -7.f);
   ASSERT_TRUE(
       featurizer
-          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, Message(34200.0, 6, 0, 0, 0, -1), features)
+          .Next(std::vector<int64_t>{2239500, 100, 2231800, 100}, LobsterMessage{34200.0, 6, 0, 0, 0, -1}, features)
           .ok());
   ExpectTail(features, 1, 0.0, 0.0, /*type=*/6, -1);
 }
@@ -480,12 +475,12 @@ TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
   EXPECT_FALSE(featurizer.last_mid().has_value());
   // Accepted: mid (2000200+1999800)/2 = 2000000 at t = 10 s.
   ASSERT_TRUE(
-      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, Message(10.0, 1, 1, 5, 1999800, 1), features)
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, LobsterMessage{10.0, 1, 1, 5, 1999800, 1}, features)
           .ok());
   ASSERT_EQ(featurizer.last_mid(), 2000000.0);
 
   std::vector<float> untouched(12, -7.f);
-  const LobsterMessage later = Message(20.0, 1, 2, 5, 2000000, 1);
+  const LobsterMessage later{20.0, 1, 2, 5, 2000000, 1};
   const absl::StatusOr<double> crossed =
       featurizer.Next(std::vector<int64_t>{2000000, 5, 2000000, 5}, later, untouched);
   EXPECT_EQ(crossed.status().code(), absl::StatusCode::kInvalidArgument);
@@ -497,7 +492,7 @@ TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
       featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5, 2000300, 1, 1999700, 1}, later, untouched);
   EXPECT_THAT(wide_row.status().message(), HasSubstr("book row has 8 values, expected 4"));
   const absl::StatusOr<double> earlier = featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5},
-                                                         Message(9.5, 1, 3, 5, 2000600, -1), untouched);
+                                                         LobsterMessage{9.5, 1, 3, 5, 2000600, -1}, untouched);
   EXPECT_THAT(earlier.status().message(), HasSubstr("earlier than the previous event"));
   const absl::StatusOr<double> short_buffer =
       featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5}, later, std::span<float>(untouched).first(11));
@@ -507,7 +502,7 @@ TEST(LobsterFeaturizer, RejectedEventsLeaveTheStateUnchanged) {
 
   // Accepted at t = 12.5 s with mid (2000600+1999800)/2 = 2000200: Δt and the return relate to the t = 10 s event.
   const absl::StatusOr<double> dt = featurizer.Next(std::vector<int64_t>{2000600, 5, 1999800, 5},
-                                                    Message(12.5, 1, 4, 5, 2000600, -1), features);
+                                                    LobsterMessage{12.5, 1, 4, 5, 2000600, -1}, features);
   ASSERT_TRUE(dt.ok()) << dt.status();
   EXPECT_DOUBLE_EQ(*dt, 2.5);
   EXPECT_FLOAT_EQ(features[4 + kMidReturn], 1.0);  // (2000200/2000000 - 1)*1e4 = 1
@@ -522,15 +517,15 @@ TEST(LobsterFeaturizer, DtFromWholeNanosecondsIsExactAMonthOn) {
   std::vector<float> features(12);
   auto dt_after_a_month = [&](bool whole_nanoseconds) {
     LobsterFeaturizer featurizer(1);
-    std::optional<double> dt;
+    double dt = -1;
     for (const int64_t ns : {kMonth, kNext}) {
-      LobsterMessage message = Message(static_cast<double>(ns) * 1e-9, 1, 1, 5, 1999800, 1);
+      LobsterMessage message{static_cast<double>(ns) * 1e-9, 1, 1, 5, 1999800, 1};
       if (whole_nanoseconds) message.time_ns = ns;
       const absl::StatusOr<double> next = featurizer.Next(row, message, features);
       EXPECT_TRUE(next.ok()) << next.status();
       dt = next.value_or(-1);
     }
-    return *dt;
+    return dt;
   };
   EXPECT_EQ(dt_after_a_month(true), 1'000'000 * 1e-9);
   EXPECT_NE(dt_after_a_month(false), 1'000'000 * 1e-9) << "(why the stream passes its nanoseconds)";
@@ -542,8 +537,8 @@ TEST(LobsterFeaturizer, RefusesSizesPricesTypesAndDirectionsOutsideTheirRanges) 
   LobsterFeaturizer featurizer(2);
   std::vector<float> features(16);
   const std::vector<int64_t> valid{2000200, 5, 1999800, 5, 2000300, 7, 1999700, 9};
-  ASSERT_TRUE(featurizer.Next(valid, Message(10.0, 1, 1, 5, 1999800, 1), features).ok());
-  const LobsterMessage later = Message(11.0, 1, 2, 5, 2000000, -1);
+  ASSERT_TRUE(featurizer.Next(valid, LobsterMessage{10.0, 1, 1, 5, 1999800, 1}, features).ok());
+  const LobsterMessage later{11.0, 1, 2, 5, 2000000, -1};
   const std::vector<std::pair<std::vector<int64_t>, std::string>> rows = {
       {{2000200, -1, 1999800, 5, 2000300, 7, 1999700, 9}, "level 1 ask size -1 is not a share count"},
       {{2000200, 5, 1999800, 5, 2000300, 7, 1999700, -3}, "level 2 bid size -3 is not a share count"},
@@ -560,9 +555,9 @@ TEST(LobsterFeaturizer, RefusesSizesPricesTypesAndDirectionsOutsideTheirRanges) 
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << what;
     EXPECT_THAT(refused.status().message(), HasSubstr(what));
   }
-  EXPECT_THAT(featurizer.Next(valid, Message(11.0, 9, 2, 5, 2000000, 1), untouched).status().message(),
+  EXPECT_THAT(featurizer.Next(valid, LobsterMessage{11.0, 9, 2, 5, 2000000, 1}, untouched).status().message(),
               HasSubstr("event type 9 is not in 1..7"));
-  EXPECT_THAT(featurizer.Next(valid, Message(11.0, 1, 2, 5, 2000000, 0), untouched).status().message(),
+  EXPECT_THAT(featurizer.Next(valid, LobsterMessage{11.0, 1, 2, 5, 2000000, 0}, untouched).status().message(),
               HasSubstr("direction 0 is not +1 or -1"));
   EXPECT_EQ(untouched, std::vector<float>(16, -7.f));
   // Empty levels keep their dummies on either side.
@@ -578,12 +573,12 @@ TEST(LobsterFeaturizer, ARejectedFirstEventLeavesTheStreamUnstarted) {
   std::vector<float> features(12);
   EXPECT_FALSE(
       featurizer
-          .Next(std::vector<int64_t>{kEmptyAskPrice, 0, 1999800, 5}, Message(50.0, 1, 1, 5, 0, 1), features)
+          .Next(std::vector<int64_t>{kEmptyAskPrice, 0, 1999800, 5}, LobsterMessage{50.0, 1, 1, 5, 0, 1}, features)
           .ok());
   EXPECT_FALSE(featurizer.last_mid().has_value());
   // The next valid event is still the first: Δt 0 and return 0, even though it is earlier than the rejected one.
   const absl::StatusOr<double> dt = featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5},
-                                                    Message(10.0, 1, 2, 5, 1999800, 1), features);
+                                                    LobsterMessage{10.0, 1, 2, 5, 1999800, 1}, features);
   ASSERT_TRUE(dt.ok()) << dt.status();
   EXPECT_EQ(*dt, 0.0);
   EXPECT_EQ(features[4 + kMidReturn], 0.f);
@@ -593,13 +588,13 @@ TEST(LobsterFeaturizer, ResetStartsANewStream) {
   LobsterFeaturizer featurizer(1);
   std::vector<float> features(12);
   ASSERT_TRUE(
-      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, Message(10.0, 1, 1, 5, 1, 1), features)
+      featurizer.Next(std::vector<int64_t>{2000200, 5, 1999800, 5}, LobsterMessage{10.0, 1, 1, 5, 1, 1}, features)
           .ok());
   featurizer.Reset();
   EXPECT_FALSE(featurizer.last_mid().has_value());
   // An earlier time and another mid are fine after Reset: Δt 0, return 0.
   const absl::StatusOr<double> dt =
-      featurizer.Next(std::vector<int64_t>{3000200, 5, 2999800, 5}, Message(5.0, 1, 2, 5, 1, 1), features);
+      featurizer.Next(std::vector<int64_t>{3000200, 5, 2999800, 5}, LobsterMessage{5.0, 1, 2, 5, 1, 1}, features);
   ASSERT_TRUE(dt.ok()) << dt.status();
   EXPECT_EQ(*dt, 0.0);
   EXPECT_EQ(features[4 + kMidReturn], 0.f);
