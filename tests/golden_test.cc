@@ -1,17 +1,18 @@
-// The engine's CPU reference against the independent PyTorch reference in CI, where torch is absent: a golden of
+// The engine's CPU reference against the independent PyTorch reference in CI, where torch is absent: goldens of
 // tests/reference/perception_ref.py's float64 run on `tiny` (B=3), written by tests/reference/make_golden.py into
-// tests/data/golden/tiny (init.safetensors, the parameters; golden.safetensors, the batch and torch's logits, loss,
+// tests/data/golden/<name> (init.safetensors, the parameters; golden.safetensors, the batch and torch's logits, loss,
 // dx, every gradient, the per-step losses and pre-clip norms and the parameters after S clip+AdamW steps).
+// `tiny` steps at max_norm 1, which its norms (0.21-0.39) never reach; `tiny_clipped` at 0.25, where all steps but
+// one clip, so the clip's scale and its branch are held to torch's clip_grad_norm_ too.
 // CpuReference<double> and <float> run the same forward, backward and steps (the golden's steps, lr, max_norm,
 // weight_decay, betas, eps) and are held per tensor, by ‖a−b‖/‖b‖, to MODEL.md §8's bars: double against torch's
 // float64 1e-9; float logits, loss and per-step losses 1e-5, gradients, dx, norms and parameters after the steps
-// 1e-4. A NaN or Inf never passes.
-//
-// Missing golden files fail the test, saying how to generate them. While tests/data/golden/tiny/GENERATE_ME exists
-// (committed until the golden is generated on a host with torch; make_golden.py removes it) the tests skip.
-// PERCEPTION_GOLDEN_DIR in the environment replaces the folder (tests/CMakeLists.txt compiles in the committed one).
+// 1e-4. A NaN or Inf never passes. A missing golden fails the test, saying how to generate it.
+// PERCEPTION_GOLDEN_ROOT in the environment replaces the goldens' folder (tests/CMakeLists.txt compiles in the
+// committed one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <string>
 #include <vector>
@@ -35,19 +37,32 @@
 namespace perception {
 namespace {
 
-constexpr char kHowToGenerate[] =
-    "generate it on a host with torch (pip install torch safetensors numpy):\n"
-    "  cmake --build build --target reference_dump\n"
-    "  python3 tests/reference/make_golden.py --dump-bin build/bin/reference_dump --out tests/data/golden/tiny\n"
-    "and commit tests/data/golden/tiny";
+// A golden of the committed set: its folder under the goldens' root and make_golden.py's flags beyond the defaults.
+struct GoldenCase {
+  const char* name;
+  const char* make_golden_flags;
+  bool clips;  // whether some steps' norms exceed max_norm (and others not), or none does
+};
+
+// gtest names a failed case by this, not by the struct's bytes.
+void PrintTo(const GoldenCase& golden, std::ostream* os) { *os << golden.name; }
+
+constexpr GoldenCase kGoldens[] = {{"tiny", "", false}, {"tiny_clipped", "--max-norm 0.25 ", true}};
+
+std::string HowToGenerate(const GoldenCase& golden) {
+  return absl::StrCat("generate it on a host with torch (pip install torch safetensors numpy):\n",
+                      "  cmake --build build --target reference_dump\n",
+                      "  python3 tests/reference/make_golden.py --dump-bin build/bin/reference_dump ",
+                      golden.make_golden_flags, "--out tests/data/golden/", golden.name, "\nand commit the folder");
+}
 
 constexpr double kBarF64 = 1e-9;          // float64 against float64
 constexpr double kBarF32Values = 1e-5;    // logits, loss (MODEL.md §8)
 constexpr double kBarF32Gradients = 1e-4;  // gradients, dx, parameters after the steps (MODEL.md §8)
 
-std::string GoldenDir() {
-  if (const char* dir = std::getenv("PERCEPTION_GOLDEN_DIR"); dir != nullptr && *dir != '\0') return dir;
-  return PERCEPTION_GOLDEN_DIR;
+std::string GoldenDir(const GoldenCase& golden) {
+  const char* root = std::getenv("PERCEPTION_GOLDEN_ROOT");
+  return absl::StrCat(root != nullptr && *root != '\0' ? root : PERCEPTION_GOLDEN_ROOT, "/", golden.name);
 }
 
 // ‖a−b‖/‖b‖ in double; infinite where either holds a NaN or Inf, or the shapes differ, or b is zero and a not.
@@ -98,17 +113,13 @@ std::string Meta(const SafetensorsMetadata& m, const std::string& key) {
   return it == m.end() ? "" : it->second;
 }
 
-class GoldenTest : public ::testing::Test {
+class GoldenTest : public ::testing::TestWithParam<GoldenCase> {
  protected:
   void SetUp() override {
-    const std::string dir = GoldenDir();
-    if (std::filesystem::exists(dir + "/GENERATE_ME")) {
-      GTEST_SKIP() << dir << "/GENERATE_ME exists: the golden is not generated yet; " << kHowToGenerate
-                   << " (make_golden.py removes GENERATE_ME)";
-    }
+    const std::string dir = GoldenDir(GetParam());
     for (const char* name : {"init.safetensors", "golden.safetensors"}) {
       ASSERT_TRUE(std::filesystem::exists(dir + "/" + name))
-          << "no golden: " << dir << "/" << name << " is missing; " << kHowToGenerate;
+          << "no golden: " << dir << "/" << name << " is missing; " << HowToGenerate(GetParam());
     }
     absl::StatusOr<Checkpoint> checkpoint = LoadCheckpoint(dir + "/init.safetensors");
     ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
@@ -212,11 +223,31 @@ class GoldenTest : public ::testing::Test {
   Golden g_;
 };
 
-TEST_F(GoldenTest, CpuReferenceDoubleMatchesTorchFloat64) { Check<double>("cpu64", kBarF64, kBarF64); }
+TEST_P(GoldenTest, CpuReferenceDoubleMatchesTorchFloat64) { Check<double>("cpu64", kBarF64, kBarF64); }
 
-TEST_F(GoldenTest, CpuReferenceFloatMatchesTorchFloat64) {
+TEST_P(GoldenTest, CpuReferenceFloatMatchesTorchFloat64) {
   Check<float>("cpu32", kBarF32Values, kBarF32Gradients);
 }
+
+// What a golden's steps hold the clip to: torch's pre-clip norms against its max_norm. A regenerated golden whose
+// steps no longer clip (or all clip) would leave a branch of the clip unchecked without this.
+TEST_P(GoldenTest, ItsStepsClipAsItsCaseSays) {
+  const std::vector<double> norms = g_.Doubles("torch64.train.grad_norm", {g_.steps});
+  ASSERT_EQ(norms.size(), static_cast<size_t>(g_.steps));
+  const auto clipped = std::count_if(norms.begin(), norms.end(),
+                                     [&](double norm) { return norm > g_.optimizer.max_grad_norm; });
+  std::printf("%ld of %d steps clipped at max_norm %g\n", static_cast<long>(clipped), g_.steps,
+              g_.optimizer.max_grad_norm);
+  if (GetParam().clips) {
+    EXPECT_GT(clipped, 0);
+    EXPECT_LT(clipped, g_.steps);
+  } else {
+    EXPECT_EQ(clipped, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Goldens, GoldenTest, ::testing::ValuesIn(kGoldens),
+                         [](const ::testing::TestParamInfo<GoldenCase>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace perception

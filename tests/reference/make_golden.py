@@ -4,6 +4,8 @@
     make_golden.py --dump-bin build/bin/reference_dump --out tests/data/golden/tiny   # runs reference_dump itself
     make_golden.py --dump-dir DIR --out tests/data/golden/tiny                         # an existing dump of
                                                                                        #   --config tiny --batch 3
+    make_golden.py --dump-bin build/bin/reference_dump --max-norm 0.25 --out tests/data/golden/tiny_clipped
+                                                     # the steps' clipping engaged (tiny's norms are 0.21-0.39)
 
 The PyTorch reference (perception_ref.py) runs in float64 on the dump's checkpoint and batch exactly as
 compare.py runs it (compare.torch_run: the checkpoint loaded with the reference's loader, SSD chunk T//3+1,
@@ -18,7 +20,6 @@ torch.optim.AdamW with §4's decay groups, clip_grad_norm_). Written into --out:
                       encoding), which recovers v to ~2^-48 relative.
                       Metadata: format, encoding, config (JSON), config_name, seeds, steps, lr, max_norm,
                       weight_decay, beta1, beta2, eps, chunk, torch_version.
-A `GENERATE_ME` file in --out (which keeps golden_test skipped until the golden exists) is removed.
 Exit status: 0 written, 1 a failure, 77 when torch or safetensors cannot be imported.
 """
 
@@ -36,7 +37,7 @@ SKIP = 77
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMAT = "perception-golden-v1"
 ENCODING = "float64 v as F32 <key> = float(v) and F32 <key>@lo = float(v - float(v))"
-DUMP_ARGS = ["--config", "tiny", "--batch", "3", "--float32", "off"]  # default seeds, steps, lr and max_norm
+DUMP_ARGS = ["--config", "tiny", "--batch", "3", "--float32", "off"]  # default seeds, steps and lr
 
 
 def main() -> int:
@@ -45,6 +46,7 @@ def main() -> int:
     src.add_argument("--dump-bin", help=f"run this reference_dump ({' '.join(DUMP_ARGS)}) into a temporary folder")
     src.add_argument("--dump-dir", help="an existing reference_dump output folder (--config tiny --batch 3)")
     ap.add_argument("--out", required=True, help="the golden folder (tests/data/golden/tiny)")
+    ap.add_argument("--max-norm", help="reference_dump's --max-norm with --dump-bin (its default: 1.0)")
     args = ap.parse_args()
 
     try:
@@ -62,6 +64,8 @@ def main() -> int:
         if args.dump_bin:
             dump_dir = tmp
             cmd = [args.dump_bin, "--out", dump_dir] + DUMP_ARGS
+            if args.max_norm is not None:
+                cmd += ["--max-norm", args.max_norm]
             print("$ " + " ".join(cmd), flush=True)
             if subprocess.run(cmd).returncode != 0:
                 print("make_golden.py: reference_dump failed", flush=True)
@@ -154,10 +158,6 @@ def write_golden(torch, save_file, compare, dump_dir: str, out: str) -> int:
     save_file(tensors, os.path.join(out, "golden.safetensors"), metadata=metadata)
     print(f"wrote {os.path.join(out, 'init.safetensors')} and {os.path.join(out, 'golden.safetensors')} "
           f"({len(results)} float64 tensors, loss {results['loss'].item():.17g})", flush=True)
-    marker = os.path.join(out, "GENERATE_ME")
-    if os.path.exists(marker):
-        os.remove(marker)
-        print(f"removed {marker}: golden_test now runs (commit the folder)", flush=True)
     return 0
 
 
