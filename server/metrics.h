@@ -18,9 +18,9 @@ namespace perception::server {
 
 // What perception_stream_events_rejected_total counts by: every series exists from the start at 0, so that a
 // first refusal shows in rate() and increase() (a series born at 1 would be its own baseline).
-inline constexpr std::array<std::string_view, 12> kStreamRejectReasons = {
-    "sequence", "features", "book",    "exchange_time", "capacity", "model_change",
-    "stopped",  "no_model", "empty",   "seeding",       "payload",  "call_ended"};
+inline constexpr std::array<std::string_view, 13> kStreamRejectReasons = {
+    "instrument", "sequence", "features", "book",    "exchange_time", "capacity",  "model_change",
+    "stopped",    "no_model", "empty",    "seeding", "payload",       "call_ended"};
 
 // Thread-safe: every method may be called from any thread.
 class ServerMetrics {

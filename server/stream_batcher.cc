@@ -113,7 +113,8 @@ absl::Status Featurize(const v1::StreamEvent& event, std::optional<int64_t> base
   const int64_t base = base_time_ns.value_or(event.exchange_time_ns());
   reason = "exchange_time";
   ASSIGN_OR_RETURN(const int64_t time_ns, RelativeNanoseconds(event.exchange_time_ns(), base));
-  reason = "book";
+  // The row, its type and direction passed CheckPayload: what the featurizer refuses now is the event's time
+  // (earlier than the previous event's, or beyond the bound on a stream's times).
   ASSIGN_OR_RETURN(const double seconds, featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()),
                                                           MessageOf(l, time_ns), x));
   dt = static_cast<float>(seconds);
@@ -147,7 +148,7 @@ absl::Status StreamBatcher::CloseSlotLocked(int slot) {
 }
 
 absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSink* sink, std::string& reason) {
-  reason = "features";
+  reason = "instrument";
   RETURN_IF_ERROR(CheckInstrumentId(event.instrument()));
   RETURN_IF_ERROR(CheckPayload(event, NFeaturesLocked(), reason));
   reason = "sequence";

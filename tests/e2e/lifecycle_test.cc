@@ -513,8 +513,9 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
        {"invalid_argument", "failed_precondition", "not_found", "resource_exhausted", "unavailable"}) {
     EXPECT_EQ(Sample(*idle, absl::StrCat("perception_requests_rejected_total{reason=\"", reason, "\"}")), 0) << reason;
   }
-  for (const std::string reason : {"sequence", "features", "book", "exchange_time", "capacity", "model_change",
-                                    "stopped", "no_model", "empty", "seeding", "payload"}) {
+  for (const std::string reason : {"instrument", "sequence", "features", "book", "exchange_time", "capacity",
+                                    "model_change", "stopped", "no_model", "empty", "seeding", "payload",
+                                    "call_ended"}) {
     EXPECT_EQ(Sample(*idle, absl::StrCat("perception_stream_events_rejected_total{reason=\"", reason, "\"}")), 0)
         << reason;
   }

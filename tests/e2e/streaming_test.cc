@@ -618,9 +618,11 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
 
   absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok());
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 8"));
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"exchange_time\"} 1"));
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 5"));
+  // The time going back in the middle request counts as exchange_time, the empty instrument id as instrument.
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 7"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"exchange_time\"} 2"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 4"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"instrument\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
