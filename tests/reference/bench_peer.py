@@ -35,7 +35,11 @@ import statistics
 import sys
 import time
 
-import torch
+try:
+    import torch
+except ImportError as e:  # a python without torch: ctest's SKIP, as compare.py's
+    print(f"SKIP: bench_peer.py needs torch ({e}); pip install torch safetensors numpy", flush=True)
+    sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import perception_ref as ref  # noqa: E402
