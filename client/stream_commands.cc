@@ -348,25 +348,47 @@ absl::Status CheckBenchOptions(const BenchOptions& options) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Whether `instrument` is one of a bench's own, bench-0..N-1: a live feed named bench-live (or bench-07) is not.
+bool IsBenchInstrument(const std::string& instrument, int instruments) {
+  int i = 0;
+  return absl::StartsWith(instrument, "bench-") && absl::SimpleAtoi(instrument.substr(6), &i) &&
+         instrument == absl::StrCat("bench-", i) && i >= 0 && i < instruments;
+}
+
+}  // namespace
+
 absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   RETURN_IF_ERROR(CheckBenchOptions(options));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
   if (!status.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
-  if (const int slots = status.streaming().slots(); options.instruments > slots) {
+  const int slots = status.streaming().slots();
+  if (options.instruments > slots) {
     return absl::InvalidArgumentError(absl::StrCat("--instruments ", options.instruments, " is more than the daemon's ",
                                                    slots, " stream slots (perceptiond --stream_slots)"));
   }
   const int F = status.model().config().n_features();
   const int C = std::min(options.connections, options.instruments);
   const auto name = [](int i) { return absl::StrCat("bench-", i); };
-  // A fresh start: sequence numbers from 1. Only the streams an earlier bench left are closed, so that a run adds no
-  // NOT_FOUND refusals to the daemon's metrics.
+  // A fresh start: sequence numbers from 1. Only the streams of this run's instruments an earlier bench left are
+  // closed (so that a run adds no NOT_FOUND refusals to the daemon's metrics); every other stream, a live feed's
+  // included, is left as it is, and its slot is not this run's.
   ASSIGN_OR_RETURN(const v1::ListStreamsResponse live, client.ListStreams());
+  int others = 0;
   for (const v1::StreamInfo& stream : live.streams()) {
-    if (!absl::StartsWith(stream.instrument(), "bench-")) continue;
+    if (!IsBenchInstrument(stream.instrument(), options.instruments)) {
+      ++others;
+      continue;
+    }
     v1::CloseStreamRequest close;
     close.set_instrument(stream.instrument());
     RETURN_IF_ERROR(client.CloseStream(close).status());
+  }
+  if (options.instruments > slots - others) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--instruments ", options.instruments, " is more than the daemon's free stream slots: ", others, " of its ",
+        slots, " hold other streams (perceptionctl streams; close some, or bench fewer instruments)"));
   }
 
   // Event j goes to instrument j mod N, so the first events % N instruments have one event more than the rest.
@@ -480,11 +502,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   // others (no event: fewer events than instruments; or refused) would add NOT_FOUND refusals to its metrics.
   if (const absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
     for (const v1::StreamInfo& stream : streams->streams()) {
-      int i = 0;
-      if (!absl::StartsWith(stream.instrument(), "bench-") || !absl::SimpleAtoi(stream.instrument().substr(6), &i) ||
-          stream.instrument() != name(i) || i >= options.instruments) {
-        continue;
-      }
+      if (!IsBenchInstrument(stream.instrument(), options.instruments)) continue;
       v1::CloseStreamRequest close;
       close.set_instrument(stream.instrument());
       (void)client.CloseStream(close);

@@ -10,6 +10,7 @@
 #include <functional>
 #include <future>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -996,6 +997,49 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
   absl::StatusOr<std::string> metrics = HttpGet((*daemon)->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
+}
+
+// bench closed every stream whose name began with bench- before its run, a live feed's included (bench-live lost its
+// state and its log without a word), and counted only the daemon's slots, so a run beside other streams failed
+// partway. It closes only bench-0..N-1, and refuses N beyond the slots the other streams leave free before it sends.
+TEST(PerceptionctlTest, BenchLeavesOtherStreamsAloneAndCountsOnlyTheirFreeSlots) {
+  const ScopedTempDir temp("ctl_bench_others");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints", {"--stream_slots=4"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  for (const char* live : {"bench-live", "bench-2"}) {
+    const CommandResult stream = RunCommand(absl::StrCat(kKillAfter30s, ctl, " stream --lobster ", kOrderbook, " ",
+                                                         kMessages, " --instrument ", live, " --count 5"));
+    ASSERT_EQ(stream.exit_code, 0) << stream.output;
+  }
+  const auto processed = [&] {
+    std::map<std::string, uint64_t> events;
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    EXPECT_TRUE(streams.ok()) << streams.status();
+    if (streams.ok()) {
+      for (const v1::StreamInfo& stream : streams->streams()) events[stream.instrument()] = stream.processed_events();
+    }
+    return events;
+  };
+
+  // bench-2 is not one of a two-instrument run's: both feeds keep their state, and the run fits the 2 free slots.
+  const CommandResult bench = RunCommand(absl::StrCat(kKillAfter30s, ctl, " bench --instruments 2 --events 4"));
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  EXPECT_THAT(bench.output, HasSubstr("4 events (4 sent, 4 acknowledged)"));
+  EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}, {"bench-2", 5}}));
+
+  // Three instruments: bench-2 is the run's own (closed and started afresh), so bench-live alone is another's.
+  const CommandResult three = RunCommand(absl::StrCat(kKillAfter30s, ctl, " bench --instruments 3 --events 3"));
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}}));
+
+  // Four: one slot is bench-live's, so only three are free, and nothing is sent.
+  const CommandResult four = RunCommand(absl::StrCat(kKillAfter30s, ctl, " bench --instruments 4 --events 4"));
+  EXPECT_EQ(four.exit_code, 1) << four.output;
+  EXPECT_THAT(four.output, HasSubstr("RESOURCE_EXHAUSTED: --instruments 4 is more than the daemon's free stream "
+                                     "slots: 1 of its 4 hold other streams"));
+  EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}}));
 }
 
 // Paced, event k goes out at k / rate: 2 events at 1 per second take about 1 s, not 2 (the wait counted the request's
