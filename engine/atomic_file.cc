@@ -85,6 +85,12 @@ absl::Status SyncDirectoryOf(const std::string& path) {
 }  // namespace
 
 absl::Status CheckWritableDestination(const std::string& path) {
+  // The trial file goes beside the path, so a folder (or a name ending in '/') would pass it, and only the rename
+  // at the end of the work would fail. A symbolic link to a folder is replaced by the rename, as any link is.
+  std::error_code error;
+  if (path.ends_with('/') || std::filesystem::is_directory(std::filesystem::symlink_status(path, error))) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is a folder; the output is a file"));
+  }
   ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
   ::close(temp.fd);
   ::unlink(temp.path.c_str());

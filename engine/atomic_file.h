@@ -16,7 +16,7 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
 // OK when WriteFileAtomically could start writing `path` now: it creates a temporary file beside `path` as that
 // would (`<path>.tmp.<pid>.<random>`, the name cut to fit NAME_MAX, never one that exists) and removes it again. For
 // a long job that writes only at its end, so that a mistyped or read-only destination fails before the work instead
-// of after it. The error names the path and the system's reason.
+// of after it. The error names the path and the system's reason; a folder (or a path ending in '/') is refused.
 absl::Status CheckWritableDestination(const std::string& path);
 
 }  // namespace perception

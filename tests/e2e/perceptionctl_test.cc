@@ -412,6 +412,30 @@ TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
   EXPECT_THAT(train.output, Not(HasSubstr("step     1")));
 }
 
+// A folder as an output passed the check beside it (a trial file inside the folder's parent), so train ran every
+// step and failed on the save's rename, and eval wrote its logits, then failed on --features_out: both are refused
+// before the work, and eval writes neither file (the checkpoint and the LOBSTER files named here do not exist).
+TEST(PerceptionCliTest, AFolderAsAnOutputIsRefusedBeforeTheWork) {
+  const ScopedTempDir temp("cli_folder_outputs");
+  std::filesystem::create_directory(temp.path() / "folder");
+  const std::string folder = (temp.path() / "folder").string(), logits = (temp.path() / "logits.npy").string();
+  const std::string train = absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                         kOrderbook, " ", kMessages, " --steps 2 --save ");
+  for (const std::string& save : {folder, folder + "/", (temp.path() / "new").string() + "/"}) {
+    SCOPED_TRACE(save);
+    const CommandResult refused = RunCommand(train + save);
+    EXPECT_EQ(refused.exit_code, 1) << refused.output;
+    EXPECT_THAT(refused.output, HasSubstr(absl::StrCat("perception: ", save, " is a folder; the output is a file")));
+    EXPECT_THAT(refused.output, Not(HasSubstr("class-prior baseline")));
+  }
+  const CommandResult eval = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint /nonexistent/c.safetensors --lobster /nonexistent/ob.csv ",
+      "/nonexistent/msg.csv --out ", logits, " --features_out ", folder));
+  EXPECT_EQ(eval.exit_code, 1) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr(absl::StrCat("perception: ", folder, " is a folder; the output is a file")));
+  EXPECT_FALSE(std::filesystem::exists(logits));
+}
+
 // --batch and --window below 0 and --warmup below -1 were replaced by the config's values (only 0 and -1 mean the
 // config's): refused naming the flag, before any data is read (the LOBSTER files named here do not exist).
 TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
