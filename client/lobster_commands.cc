@@ -92,8 +92,16 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
                                                  " --window ", options.window, " differ (re-init to change them)"));
 }
 
-// Before the first step: the normalizer if the model has none, the learning rate if one is asked for.
+// Before the first step: the learning rate if one is asked for, then the normalizer if the model has none. The
+// learning rate first: the daemon refuses it while live streams hold state (it rebuilds the model), and a refusal
+// then leaves the model as it was, where a normalizer sent before it would have changed what those streams read.
 absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, const EventSeries& training, double lr) {
+  if (lr > 0) {
+    v1::SetOptimizerRequest request;
+    *request.mutable_optimizer() = model.optimizer();
+    request.mutable_optimizer()->set_lr(lr);
+    RETURN_IF_ERROR(client.SetOptimizer(request).status());
+  }
   if (!model.normalizer_fitted()) {
     const Normalizer normalizer = FitNormalizer(training);
     if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
@@ -104,12 +112,6 @@ absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, cons
     request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());
     RETURN_IF_ERROR(client.SetNormalizer(request).status());
     std::printf("fitted the normalizer on %zu training events and sent it\n", training.size());
-  }
-  if (lr > 0) {
-    v1::SetOptimizerRequest request;
-    *request.mutable_optimizer() = model.optimizer();
-    request.mutable_optimizer()->set_lr(lr);
-    RETURN_IF_ERROR(client.SetOptimizer(request).status());
   }
   return absl::OkStatus();
 }

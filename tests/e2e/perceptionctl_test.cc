@@ -1023,6 +1023,29 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
   EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
 }
 
+// train --lr sent the normalizer it fitted first, then the learning rate, which the daemon refuses while a live
+// stream holds state: the command failed, and the stream went on reading a normalization that no run trained.
+TEST(PerceptionctlTest, ARefusedLearningRateLeavesTheModelAsItWas) {
+  const ScopedTempDir temp("ctl_refused_lr");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  const CommandResult stream =
+      RunCommand(absl::StrCat(kKillAfter30s, ctl, " stream", files, " --instrument LIVE --count 20"));
+  ASSERT_EQ(stream.exit_code, 0) << stream.output;
+
+  const CommandResult train = RunCommand(absl::StrCat(kKillAfter30s, ctl, " train", files, " --steps 2 --lr 0.002"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("1 live stream(s) hold state on the current model"));
+  EXPECT_THAT(train.output, Not(HasSubstr("sent it")));
+  absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_FALSE(status->model().normalizer_fitted());
+  EXPECT_EQ(status->model().step(), 0);
+}
+
 // bench closed every stream whose name began with bench- before its run, a live feed's included (bench-live lost its
 // state and its log without a word), and counted only the daemon's slots, so a run beside other streams failed
 // partway. It closes only bench-0..N-1, and refuses N beyond the slots the other streams leave free before it sends.
