@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -225,6 +226,16 @@ absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
   ASSIGN_OR_RETURN(const double lr, LrFromFlag());
   if (lr > 0) settings.set_lr(lr);
   ASSIGN_OR_RETURN(const LrSchedule schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
+  // The cosine schedule's settings: a constant learning rate would ignore them in silence.
+  const std::pair<bool, const char*> cosine_flags[] = {{FlagGiven(FLAGS_lr_warmup_steps), "--lr_warmup_steps"},
+                                                       {FlagGiven(FLAGS_total_steps), "--total_steps"},
+                                                       {FlagGiven(FLAGS_min_lr), "--min_lr"}};
+  for (const auto& [given, flag] : cosine_flags) {
+    if (given && schedule == LrSchedule::kConstant) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " sets the cosine schedule: without --lr_schedule cosine it would be ignored"));
+    }
+  }
   settings.set_schedule(schedule == LrSchedule::kWarmupCosine ? v1::LR_SCHEDULE_WARMUP_COSINE
                                                               : v1::LR_SCHEDULE_CONSTANT);
   settings.set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));

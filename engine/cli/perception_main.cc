@@ -169,6 +169,10 @@ absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   if (warmup_steps < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--lr_warmup_steps must be >= 0, got ", warmup_steps));
   }
+  if (o.schedule == LrSchedule::kConstant && FlagGiven(FLAGS_lr_warmup_steps)) {
+    return absl::InvalidArgumentError(
+        "--lr_warmup_steps sets the cosine schedule: with --lr_schedule constant it would be ignored");
+  }
   // The cosine schedule needs warmup_steps < total_steps (ValidateOptimizerConfig). A warmup asked for that does not
   // fit is refused rather than shortened behind the user's back; only the default (20) is cut to fit a short run.
   if (o.schedule == LrSchedule::kWarmupCosine && FlagGiven(FLAGS_lr_warmup_steps) &&

@@ -339,6 +339,11 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {absl::StrCat(" stream", files, " --instrument A --count 100 --reseed"),
        "INVALID_ARGUMENT: --reseed applies to --seed-window N"},
       {" bench --events 10000000000", "INVALID_ARGUMENT: --events 10000000000 is more than one bench keeps"},
+      // The cosine schedule's settings under the constant schedule (init's default) were ignored, even contradictory.
+      {" init --config tiny --lr_warmup_steps 50 --total_steps 10",
+       "INVALID_ARGUMENT: --lr_warmup_steps sets the cosine schedule: without --lr_schedule cosine it would be ignored"},
+      {" init --config tiny --min_lr 5", "INVALID_ARGUMENT: --min_lr sets the cosine schedule"},
+      {" init --config tiny --lr_schedule constant --total_steps 10", "INVALID_ARGUMENT: --total_steps sets the cosine"},
   };
   ExpectEachRefused(ctl, refused);
 }
@@ -466,6 +471,9 @@ TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
       {" --steps 10 --lr_warmup_steps 20", "perception: --lr_warmup_steps (20) must be < --steps (10) for the cosine"},
       {" --steps 5 --lr_warmup_steps -5", "perception: --lr_warmup_steps must be >= 0, got -5"},
       {" --steps 5 --val_every -1", "perception: --val_every must be >= 0 (0: only at the end), got -1"},
+      // A warmup under the constant schedule was ignored.
+      {" --steps 5 --lr_schedule constant --lr_warmup_steps 2",
+       "perception: --lr_warmup_steps sets the cosine schedule: with --lr_schedule constant it would be ignored"},
   };
   ExpectEachRefused(train, refused);
 }
