@@ -14,13 +14,13 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/atomic_file.h"
 #include "engine/backend.h"
+#include "engine/cli/arguments.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
 #include "engine/precision.h"
@@ -548,7 +548,7 @@ absl::Status Serve() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("trains and serves PerceptionNet v1 on one device over gRPC");  // --help names it
-  absl::ParseCommandLine(argc, argv);
+  perception::ParseFlags(argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("perceptiond"));
   const absl::StatusOr<spdlog::level::level_enum> level = perception::server::LogLevelFromFlags();
   if (!level.ok()) {

@@ -2,9 +2,13 @@
 #include "engine/cli/arguments.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/flags/parse.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -53,13 +57,23 @@ std::vector<std::string> NormalizeArguments(int argc, char** argv) {
 
 }  // namespace
 
+std::vector<char*> ParseFlags(int argc, char** argv) {
+  // absl::ParseCommandLine, but for the exit after --help and its kin: absl 20220623 (Debian's) exits 1 there, as if
+  // asking for help failed; later releases exit 0, as this does. Its internal parse is the one ParseCommandLine runs.
+  namespace internal = absl::flags_internal;
+  std::vector<char*> positional =
+      internal::ParseCommandLineImpl(argc, argv, internal::ArgvListAction::kRemoveParsedArgs,
+                                     internal::UsageFlagsAction::kIgnoreUsage, internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) std::exit(0);  // (--version: 0 too)
+  return positional;
+}
+
 std::vector<std::string> ParseArguments(int argc, char** argv) {
   std::vector<std::string> normalized = NormalizeArguments(argc, argv);
   std::vector<char*> normalized_argv;
   for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
   FlagsGiven().clear();
-  const std::vector<char*> positional =
-      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  const std::vector<char*> positional = ParseFlags(static_cast<int>(normalized_argv.size()), normalized_argv.data());
   return {positional.begin(), positional.end()};
 }
 

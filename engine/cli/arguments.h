@@ -18,7 +18,11 @@
 
 namespace perception {
 
-// absl's parse (which exits on a bad flag or --help) of the arguments with `--lobster ORDERBOOK MESSAGES` (two words)
+// absl::ParseCommandLine (which exits on a bad flag, 1, and after --help's usage), except that asking for help
+// (--help, --helpfull, ...) exits 0: the flags' values set, the positional arguments returned, argv[0] first.
+std::vector<char*> ParseFlags(int argc, char** argv);
+
+// ParseFlags (which exits on a bad flag or --help) of the arguments with `--lobster ORDERBOOK MESSAGES` (two words)
 // read as `--lobster=ORDERBOOK,MESSAGES` and dashes in flag names as underscores (`--features-out` is
 // `--features_out`): the positional arguments, argv[0] first. FlagGiven answers for the flags this parse set.
 std::vector<std::string> ParseArguments(int argc, char** argv);

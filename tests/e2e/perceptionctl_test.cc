@@ -306,6 +306,20 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
 }
 
+// --help exited 1 (abseil 20220623's exit after usage), so a script that asked a program for its flags saw a failure.
+// Asking for help exits 0; a flag no program has still exits 1.
+TEST(PerceptionctlTest, EveryProgramsHelpExitsZero) {
+  for (const char* program : {PERCEPTIONCTL_PATH, PERCEPTION_CLI_PATH, PERCEPTIOND_PATH}) {
+    SCOPED_TRACE(program);
+    for (const char* flag : {" --help", " --helpfull"}) {
+      const CommandResult help = RunCommand(absl::StrCat(program, flag));
+      EXPECT_EQ(help.exit_code, 0) << flag << ": " << help.output;
+      EXPECT_THAT(help.output, HasSubstr("Flags from ")) << flag;
+    }
+    EXPECT_EQ(RunCommand(absl::StrCat(program, " --no_such_flag_anywhere")).exit_code, 1);
+  }
+}
+
 // Out-of-range values were replaced by defaults (--lr <= 0: init's 1e-3 or the model's; --warmup below -1: the
 // preset's; eval --window below 0: the model's) or accepted (--timeout <= 0 failed every call at once): refused
 // naming the flag, before --wait waits (none listens here; a regression fails on the message after 2 s).
