@@ -189,7 +189,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
     // The starting model is the run's first candidate: saving it checks the name before any step is spent, and a
     // run that only made the model worse keeps the model it started from.
     ASSIGN_OR_RETURN(const EvaluationTotals start, EvaluateWindows(client, validation, status.limits()));
-    progress.Note(absl::StrFormat("step %d: validation loss %.5f", step, start.loss()));
+    progress.Note(absl::StrFormat("model step %d: validation loss %.5f", step, start.loss()));
     RETURN_IF_ERROR(best.Offer(start.loss(), step));
   }
   for (int done = 0; done < options.steps;) {
@@ -203,7 +203,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
     done += chunk;
     if (done == options.steps) break;
     ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
-    progress.Note(absl::StrFormat("step %d: validation loss %.5f", step, totals.loss()));
+    progress.Note(absl::StrFormat("model step %d: validation loss %.5f", step, totals.loss()));
     RETURN_IF_ERROR(best.Offer(totals.loss(), step));
   }
   progress.Finish();
@@ -215,7 +215,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
               AccuracyByHorizon(totals).c_str());
   RETURN_IF_ERROR(best.Offer(totals.loss(), step));
   if (options.eval_every > 0) {
-    std::printf("best validation loss %.5f at step %lld\n", best.loss(), static_cast<long long>(best.step()));
+    std::printf("best validation loss %.5f at model step %lld\n", best.loss(), static_cast<long long>(best.step()));
   }
   return absl::OkStatus();
 }

@@ -250,12 +250,20 @@ TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
     ASSERT_NE(at, std::string::npos) << train.output;
     finals.push_back(train.output.substr(train.output.rfind("\nvalidation loss ") + 1, 40));
     if (extra.empty()) continue;
-    EXPECT_THAT(train.output, HasSubstr("step 0: validation loss "));  // the starting model, a candidate too
-    EXPECT_THAT(train.output, HasSubstr("step 3: validation loss "));
-    EXPECT_THAT(train.output, HasSubstr("step 6: validation loss "));
+    EXPECT_THAT(train.output, HasSubstr("model step 0: validation loss "));  // the starting model, a candidate too
+    EXPECT_THAT(train.output, HasSubstr("model step 3: validation loss "));
+    EXPECT_THAT(train.output, HasSubstr("model step 6: validation loss "));
     EXPECT_THAT(train.output, HasSubstr("best validation loss "));
     EXPECT_THAT(train.output, HasSubstr("saved the best model so far (validation loss "));
     EXPECT_TRUE(std::filesystem::exists(temp.path() / "checkpoints" / "best" / "run.safetensors"));
+    // A run on a trained model: its progress counts this run's steps, its validations name the model's step (they
+    // read "step 10" before "step 3/3", as if the run had gone past its end).
+    const CommandResult more = RunCommand(
+        absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 3 --eval-every 2"));
+    ASSERT_EQ(more.exit_code, 0) << more.output;
+    EXPECT_THAT(more.output, HasSubstr("\nmodel step 10: validation loss "));
+    EXPECT_THAT(more.output, HasSubstr("\nstep 3/3 "));
+    EXPECT_THAT(more.output, HasSubstr("at model step 1"));
   }
   EXPECT_EQ(finals[0], finals[1]) << "validating during the run changed it";
 }
