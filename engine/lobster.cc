@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -27,6 +28,11 @@ std::string FormatTime(double seconds) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::error_code error;
+  // A folder opens as a stream and reads as nothing, which would be reported as a file without rows.
+  if (std::filesystem::is_directory(path, error)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is a folder, not a LOBSTER file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   std::ostringstream text;

@@ -315,6 +315,9 @@ absl::Status CheckModelFlags(const CheckpointDirectory& checkpoints) {
   // --init_config is --load_if_present's fallback, but --load has none: a missing file there fails the start.
   if (!load.empty() && !absl::GetFlag(FLAGS_init_config).empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
+  if (absl::GetFlag(FLAGS_init_levels) != 0 && absl::GetFlag(FLAGS_init_config).empty()) {
+    return absl::InvalidArgumentError("--init_levels applies to --init_config's preset; without one it would be ignored");
+  }
   if (load_if_present.empty()) return absl::OkStatus();
   return checkpoints.Resolve(load_if_present, "--load_if_present").status();
 }

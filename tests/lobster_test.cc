@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/lobster_samples.h"
@@ -287,6 +288,14 @@ TEST_F(ReadLobsterErrors, MissingFile) {
   const absl::StatusOr<LobsterData> data = ReadLobster("/nonexistent/orderbook.csv", "/nonexistent/message.csv");
   EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(data.status().message(), HasSubstr("/nonexistent/orderbook.csv"));
+}
+
+// A folder opened as a stream that reads nothing, and was reported as a file without rows.
+TEST_F(ReadLobsterErrors, AFolderIsNamedAsOne) {
+  const std::string folder = ::testing::TempDir();
+  const absl::StatusOr<LobsterData> data = ReadLobster(folder, folder);
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument) << data.status();
+  EXPECT_THAT(data.status().message(), HasSubstr(absl::StrCat(folder, " is a folder, not a LOBSTER file")));
 }
 
 TEST(LobsterFeaturizer, AaplFirstEvent) {

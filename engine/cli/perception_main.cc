@@ -65,7 +65,7 @@ namespace {
 
 constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offline.
 
-  perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N --batch B --window T
+  perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N [--batch B] [--window T]
                    [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off] --save CKPT
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
@@ -77,6 +77,9 @@ absl::StatusOr<LobsterData> ReadLobsterFlag() {
   const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
   if (files.size() != 2) {
     return absl::InvalidArgumentError("--lobster takes two files: ORDERBOOK,MESSAGES");
+  }
+  if (const int levels = absl::GetFlag(FLAGS_levels); levels < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--levels must be >= 0 (0: all of the files' levels), got ", levels));
   }
   return ReadLobster(files[0], files[1], absl::GetFlag(FLAGS_levels));
 }

@@ -98,6 +98,9 @@ TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
                            absl::StrCat("--init_levels must be in [0, ", kMaxLobsterLevels,
                                         "] (0: the preset's feature count), got ", levels));
   }
+  // Without a preset to apply to, it was accepted and did nothing.
+  ExpectRefusedAtStartUp(checkpoints.path(), "--init_levels=1",
+                         "--init_levels applies to --init_config's preset; without one it would be ignored");
 }
 
 TEST(LifecycleTest, TheDaemonRefusesANegativeStreamTickTiming) {

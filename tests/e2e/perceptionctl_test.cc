@@ -474,6 +474,7 @@ TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
       {" --batch -1", "perception: --batch must be >= 0 (0: the config's), got -1"},
       {" --window -3", "perception: --window must be >= 0 (0: the config's), got -3"},
       {" --warmup -2", "perception: --warmup must be >= 0, or -1 for the config's, got -2"},
+      {" --levels -1", "perception: --levels must be >= 0 (0: all of the files' levels), got -1"},
   };
   ExpectEachRefused(train, refused);
 }
