@@ -236,11 +236,21 @@ absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
           absl::StrCat(flag, " sets the cosine schedule: without --lr_schedule cosine it would be ignored"));
     }
   }
+  // The daemon's own checks of these name the request's fields; the flags are named here, before --wait waits.
+  const int64_t warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps), total_steps = absl::GetFlag(FLAGS_total_steps);
+  const double min_lr = absl::GetFlag(FLAGS_min_lr);
+  if (schedule == LrSchedule::kWarmupCosine && (warmup_steps < 0 || total_steps <= warmup_steps)) {
+    return absl::InvalidArgumentError(absl::StrCat("--lr_schedule cosine needs 0 <= --lr_warmup_steps (", warmup_steps,
+                                                   ") < --total_steps (", total_steps, ")"));
+  }
+  if (schedule == LrSchedule::kWarmupCosine && !(min_lr >= 0 && (lr == 0 || min_lr <= lr))) {
+    return absl::InvalidArgumentError(absl::StrCat("--min_lr (", min_lr, ") must be in [0, --lr]"));
+  }
   settings.set_schedule(schedule == LrSchedule::kWarmupCosine ? v1::LR_SCHEDULE_WARMUP_COSINE
                                                               : v1::LR_SCHEDULE_CONSTANT);
-  settings.set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));
-  settings.set_total_steps(absl::GetFlag(FLAGS_total_steps));
-  settings.set_min_lr(absl::GetFlag(FLAGS_min_lr));
+  settings.set_warmup_steps(warmup_steps);
+  settings.set_total_steps(total_steps);
+  settings.set_min_lr(min_lr);
   return settings;
 }
 

@@ -366,6 +366,11 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
        "INVALID_ARGUMENT: --lr_warmup_steps sets the cosine schedule: without --lr_schedule cosine it would be ignored"},
       {" init --config tiny --min_lr 5", "INVALID_ARGUMENT: --min_lr sets the cosine schedule"},
       {" init --config tiny --lr_schedule constant --total_steps 10", "INVALID_ARGUMENT: --total_steps sets the cosine"},
+      // The cosine schedule's own bounds named the request's fields (warmup_steps, total_steps), after the wait.
+      {" init --config tiny --lr_schedule cosine",
+       "INVALID_ARGUMENT: --lr_schedule cosine needs 0 <= --lr_warmup_steps (0) < --total_steps (0)"},
+      {" init --config tiny --lr 0.001 --lr_schedule cosine --total_steps 10 --min_lr 0.01",
+       "INVALID_ARGUMENT: --min_lr (0.01) must be in [0, --lr]"},
   };
   ExpectEachRefused(ctl, refused);
 }
