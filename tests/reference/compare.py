@@ -147,8 +147,7 @@ def train(model, opt, batch, steps: int, max_norm: float):
         opt.zero_grad(set_to_none=True)
         loss = ref.masked_bce(model(x, dt), y, m)
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).detach())
-        opt.step()
+        norms.append(ref.clip_and_step(model, opt, max_norm))
         losses.append(loss.detach())
     return torch.stack(losses), torch.stack(norms)
 

@@ -573,9 +573,12 @@ def make_optimizer(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0
 
 
 def clip_and_step(model: nn.Module, opt: torch.optim.Optimizer, max_norm: float = 1.0) -> Tensor:
-    """Global-norm clipping (scale = min(1, max/(‖g‖+1e-6)), torch's exact rule) then the AdamW step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm > 0 else None
-    opt.step()
+    """Global-norm clipping (scale = min(1, max/(‖g‖+1e-6)), torch's exact rule; max_norm <= 0 clips nothing) then
+    the AdamW step, which a norm that is not finite skips, as clip_grad_norm_(error_if_nonfinite=True) refuses it
+    (README.md's decisions: the engine takes no step there). Returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf).detach()
+    if torch.isfinite(norm):
+        opt.step()
     return norm
 
 
