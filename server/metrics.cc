@@ -175,7 +175,10 @@ ServerMetrics::ServerMetrics()
                       .Add({})),
       train_graph_captures_(prometheus::BuildCounter()
                                 .Name("perception_train_graph_captures_total")
-                                .Help("Training-step CUDA graphs captured (one per training shape and model).")
+                                .Help("Training-step CUDA graphs captured: one per training shape and input plan (a Train stream "
+                                      "that stages its next batch beside the step uses two or three plans a "
+                                      "shape), again after the model is rebuilt (InitModel, LoadCheckpoint, "
+                                      "SetOptimizer). A count that keeps rising at one shape is a recapture.")
                                 .Register(*registry_)
                                 .Add({})),
       train_graph_replays_(prometheus::BuildCounter()
@@ -220,7 +223,8 @@ ServerMetrics::ServerMetrics()
       rejected_(prometheus::BuildCounter()
                     .Name("perception_requests_rejected_total")
                     .Help("Requests refused, by reason: the status code they were refused with, in lower case "
-                          "(invalid_argument, failed_precondition, not_found, unavailable while draining, "
+                          "(invalid_argument, failed_precondition, not_found, unavailable while draining or while the "
+                          "model is replaced (a Stream's new instrument), "
                           "resource_exhausted: a full queue, a limit, or the device's memory). Failures such as "
                           "data_loss, internal, or unavailable once the device is lost, are not refusals: see the "
                           "RPC histograms' code label.")

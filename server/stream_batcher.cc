@@ -230,6 +230,7 @@ StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request,
   if (NFeaturesLocked() == 0) {
     metrics_.RejectStreamEvent("no_model");
     submitted.status = absl::FailedPreconditionError("no model: call InitModel or LoadCheckpoint first");
+    NoteNotTaken(std::max(request.events_size() - 1, 0));  // (the request's other events: the call has ended)
     return submitted;
   }
   if (request.events_size() == 0) {  // nothing to process, so its `ack` would never come

@@ -510,8 +510,10 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
     *requests[0].add_events() = std::move(event);
     return requests;
   };
-  ExpectRefused(StreamAll(client(), one(LobsterEvent(*data, 0, "A", 1))), absl::StatusCode::kFailedPrecondition,
-                "no model");
+  // Three events without a model: the first is refused for it, the two after it count as the call's end.
+  std::vector<v1::StreamRequest> no_model = one(LobsterEvent(*data, 0, "A", 1));
+  for (int i = 1; i < 3; ++i) *no_model[0].add_events() = LobsterEvent(*data, i, "A", i + 1);
+  ExpectRefused(StreamAll(client(), no_model), absl::StatusCode::kFailedPrecondition, "no model");
   v1::InitModelRequest init = TinyInitRequest(5);
   init.set_levels(kLevels);
   ASSERT_TRUE(client().InitModel(init).ok());
@@ -627,8 +629,9 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"payload\"} 1"));
-  // The event after the refused one in the middle of its request: not taken, and counted (it was not).
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"call_ended\"} 1"));
+  // The events after a refused one in their request (the middle one's, and two of the request without a model): not
+  // taken, and counted (they were not).
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"call_ended\"} 3"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_stream_events_total 7\n"));
   EXPECT_THAT(*metrics, HasSubstr("\nperception_active_streams 1\n"));
   ASSERT_STRNE(PERCEPTION_PROMTOOL, "");
