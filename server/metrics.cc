@@ -268,7 +268,8 @@ ServerMetrics::ServerMetrics()
                                    .Name("perception_stream_tick_instruments")
                                    .Help("Instruments (events) in one streaming tick.")
                                    .Register(*registry_)
-                                   .Add({}, PowerOfTwoBuckets(4096))),
+                                   // (to 65,536: ticks of 10,000 instruments are measured, and slots unbounded)
+                                   .Add({}, PowerOfTwoBuckets(65536))),
       stream_event_latency_(prometheus::BuildHistogram()
                                 .Name("perception_stream_event_latency_seconds")
                                 .Help("Time from receiving a streamed event to the device finishing its tick (its "

@@ -124,6 +124,8 @@ class ModelHost {
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
 
   HostStatus Status() const;
+  // OK with a model on a device that is not lost; FAILED_PRECONDITION without one (UNAVAILABLE once it is lost).
+  absl::Status RequireModel() const;
   // Which model is installed: changes with every InitModel and LoadCheckpoint (Install), not with a change of the
   // weights or of the optimizer, so that a Train stream can tell its model was replaced under it.
   int64_t model_generation() const { return model_generation_; }
@@ -142,7 +144,6 @@ class ModelHost {
   int64_t log_entries_per_slot() const { return streaming_.log_entries_total / streaming_.slots; }
 
  private:
-  absl::Status RequireModel() const;
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
   // ... and the model's training (batch, window).
   absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;

@@ -607,7 +607,7 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
     FinishTicksBefore(host);  // the seed forgets the slot's
-    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    RETURN_IF_ERROR(host.RequireModel());  // (the window's checks need its feature count)
     // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
     // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
     // (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or replaces the model.
@@ -626,11 +626,14 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       base_time_ns = queues_[slot].base_time_ns;
     }
     absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, normalizer, base_time_ns);
+    // Streaming's device state is set up (and the weights published) only for a window that passed its checks: a
+    // refused request changes nothing.
+    const absl::StatusOr<Backend*> backend = window.ok() ? host.StreamingBackend() : window.status();
     const Stopwatch stopwatch;
-    absl::Status seeded = window.status();
+    absl::Status seeded = backend.status();
     bool device_written = false;
     if (seeded.ok()) {
-      seeded = backend->SeedSlot(slot, window->x, window->dt);
+      seeded = (*backend)->SeedSlot(slot, window->x, window->dt);
       device_written = true;
     }
     absl::MutexLock lock(&mu_);

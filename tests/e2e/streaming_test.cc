@@ -206,6 +206,40 @@ TEST_F(StreamingTest, StreamedConvictionsEqualPerceptionEval) {
   EXPECT_EQ(status->streaming().active_streams(), 1);
 }
 
+// A SeedStream refused for its window set up streaming first (its slots and logs, the weights published): the
+// daemon's streaming weights version moved from 0 although "a refused request changes nothing". Now it stays, and a
+// window that passes sets it up.
+TEST_F(StreamingTest, ARefusedSeedChangesNothing) {
+  StartDaemon({"--stream_slots=2"});
+  v1::InitModelRequest init = TinyInitRequest(5);
+  init.set_levels(kLevels);
+  absl::StatusOr<v1::InitModelResponse> model = client().InitModel(init);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_GT(model->model().weights_version(), 0);
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok());
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("AAPL");
+  for (int i = 0; i < 5; ++i) *seed.add_events() = LobsterEvent(*data, i, "", 0);
+  v1::SeedStreamRequest bad = seed;
+  bad.mutable_events(3)->mutable_lobster()->set_direction(0);
+
+  const absl::StatusOr<v1::SeedStreamResponse> refused = client().SeedStream(bad);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("seed window event 3: direction 0"));
+  absl::StatusOr<v1::GetStatusResponse> status = client().GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->streaming().weights_version(), 0) << "the refused seed published the weights";
+  absl::StatusOr<v1::ListStreamsResponse> listed = client().ListStreams();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->streams_size(), 0);
+
+  ASSERT_TRUE(client().SeedStream(seed).ok());
+  status = client().GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->streaming().weights_version(), model->model().weights_version());
+}
+
 TEST_F(StreamingTest, SeedThenStreamEqualsEvalOverTheConcatenation) {
   StartDaemon({"--stream_slots=2", "--stream_log_entries=4000"});
   const std::vector<float> logits = InitLevel10AndEval("seed.safetensors");
