@@ -647,10 +647,12 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
       // stays stops, as after a failed tick: its next events would otherwise step from a state its events did not
       // lead to.
       if (!closed && device_written) {
+        const std::optional<uint64_t> next_seq = table_.NextSeq(slot);
         queue.stopped = absl::FailedPreconditionError(absl::StrCat(
             "instrument '", queue.instrument, "' stopped when its seed failed (", seeded.message(),
             "); its state is not the one its events led to: it takes no events until ResetStream, SeedStream or "
-            "CloseStream"));
+            "CloseStream, then ",
+            next_seq.has_value() ? absl::StrCat("from seq ", *next_seq) : std::string("from any seq (none yet)")));
       }
       return seeded;
     }

@@ -474,6 +474,9 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
   EXPECT_THAT(daemon_.Streams()["A"].stopped(),
               HasSubstr("instrument 'A' stopped when its seed failed (an injected seed failure)"));
+  // The field names where the stream resumes, as a failed tick's does (ListStreams' proto says so).
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(),
+              HasSubstr("until ResetStream, SeedStream or CloseStream, then from seq 3"));
   const StreamOutcome refused = daemon_.Stream({{Event("A", 2, 3)}});
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(refused.status.error_message(), HasSubstr("its state is not the one its events led to"));
@@ -508,6 +511,7 @@ TEST_F(StreamFailureTest, AFailedSeedWhoseSlotCannotBeZeroedLeavesItsNewStreamSt
   ASSERT_EQ(streams.count("C"), 1u) << "the slot, not zeroed, stays the instrument's";
   EXPECT_THAT(streams["C"].stopped(),
               HasSubstr("instrument 'C' stopped when its seed failed (an injected seed failure)"));
+  EXPECT_THAT(streams["C"].stopped(), HasSubstr("then from any seq (none yet)"));
   const StreamOutcome refused = daemon_.Stream({{Event("C", 0, 1)}});
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   ASSERT_TRUE(daemon_.ResetStream("C").ok());
