@@ -342,6 +342,12 @@ TEST_F(SafetensorsTest, ReaderReportsAMissingFile) {
   const absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
   EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(file.status().message(), HasSubstr(path));
+  // A path through a file names none either: NOT_FOUND too (it was FAILED_PRECONDITION, abseil's code for ENOTDIR).
+  const std::vector<float> values = {1.f};
+  ASSERT_TRUE(WriteSafetensors(Path("a_file"), {{{"a", {1}, values}}}, {}).ok());
+  const absl::StatusOr<SafetensorsFile> through = ReadSafetensors(Path("a_file/x.safetensors"));
+  EXPECT_EQ(through.status().code(), absl::StatusCode::kNotFound) << through.status();
+  EXPECT_THAT(through.status().message(), HasSubstr("Not a directory"));
 }
 
 }  // namespace
