@@ -92,27 +92,28 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
                                                  " --window ", options.window, " differ (re-init to change them)"));
 }
 
-// Before the first step: the learning rate if one is asked for, then the normalizer if the model has none. The
-// learning rate first: the daemon refuses it while live streams hold state (it rebuilds the model), and a refusal
-// then leaves the model as it was, where a normalizer sent before it would have changed what those streams read.
-absl::Status PrepareModel(PerceptionClient& client, const v1::Model& model, const EventSeries& training, double lr) {
+// Before the first step, on every rank: the learning rate if one is asked for, then the normalizer if the model
+// has none. Every rank's learning rate first: a daemon refuses it while live streams hold state (it rebuilds the
+// model), and a refusal then leaves every model as it was, where a normalizer sent before it would have changed what
+// those streams read.
+absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::Model& model,
+                           const EventSeries& training, double lr) {
   if (lr > 0) {
     v1::SetOptimizerRequest request;
     *request.mutable_optimizer() = model.optimizer();
     request.mutable_optimizer()->set_lr(lr);
-    RETURN_IF_ERROR(client.SetOptimizer(request).status());
+    for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(rank->SetOptimizer(request).status());
   }
-  if (!model.normalizer_fitted()) {
-    const Normalizer normalizer = FitNormalizer(training);
-    if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
-      std::fprintf(stderr, "warning: %s\n", warning.c_str());
-    }
-    v1::SetNormalizerRequest request;
-    request.mutable_normalizer()->mutable_mean()->Assign(normalizer.mean.begin(), normalizer.mean.end());
-    request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());
-    RETURN_IF_ERROR(client.SetNormalizer(request).status());
-    std::printf("fitted the normalizer on %zu training events and sent it\n", training.size());
+  if (model.normalizer_fitted()) return absl::OkStatus();
+  const Normalizer normalizer = FitNormalizer(training);
+  if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
   }
+  v1::SetNormalizerRequest request;
+  request.mutable_normalizer()->mutable_mean()->Assign(normalizer.mean.begin(), normalizer.mean.end());
+  request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());
+  for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(rank->SetNormalizer(request).status());
+  std::printf("fitted the normalizer on %zu training events and sent it\n", training.size());
   return absl::OkStatus();
 }
 
@@ -130,7 +131,7 @@ class BestValidation {
     v1::SaveCheckpointRequest request;
     request.set_name(checkpoint_);
     ASSIGN_OR_RETURN(const v1::SaveCheckpointResponse saved, client_.SaveCheckpoint(request));
-    std::printf("saved the best model so far (validation loss %.5f, step %lld) to %s\n", loss,
+    std::printf("saved the best model so far (validation loss %.5f, model step %lld) to %s\n", loss,
                 static_cast<long long>(saved.step()), saved.name().c_str());
     return absl::OkStatus();
   }
@@ -180,7 +181,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
               series.size(), split.train.size(), split.validation.size(), validation.batch,
               world_size * config.batch(), config.window(), status.device().name().c_str(),
               world_size > 1 ? absl::StrCat(", split over ", world_size, " ranks").c_str() : "");
-  for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(PrepareModel(*rank, status.model(), split.train, options.lr));
+  RETURN_IF_ERROR(PrepareModels(ranks, status.model(), split.train, options.lr));
 
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
   BestValidation best(client, options.save_best);

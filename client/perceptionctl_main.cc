@@ -243,8 +243,11 @@ absl::StatusOr<v1::OptimizerSettings> OptimizerFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--lr_schedule cosine needs 0 <= --lr_warmup_steps (", warmup_steps,
                                                    ") < --total_steps (", total_steps, ")"));
   }
-  if (schedule == LrSchedule::kWarmupCosine && !(min_lr >= 0 && (lr == 0 || min_lr <= lr))) {
-    return absl::InvalidArgumentError(absl::StrCat("--min_lr (", min_lr, ") must be in [0, --lr]"));
+  // Without --lr, init's learning rate is the optimizer's default (the daemon's OptimizerFromProto).
+  if (const double bound = lr > 0 ? lr : OptimizerConfig{}.lr;
+      schedule == LrSchedule::kWarmupCosine && !(min_lr >= 0 && min_lr <= bound)) {
+    return absl::InvalidArgumentError(absl::StrCat("--min_lr (", min_lr, ") must be in [0, --lr] (--lr ", bound,
+                                                   lr > 0 ? ")" : ", init's default)"));
   }
   settings.set_schedule(schedule == LrSchedule::kWarmupCosine ? v1::LR_SCHEDULE_WARMUP_COSINE
                                                               : v1::LR_SCHEDULE_CONSTANT);

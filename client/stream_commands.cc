@@ -374,21 +374,21 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   // A fresh start: sequence numbers from 1. Only the streams of this run's instruments an earlier bench left are
   // closed (so that a run adds no NOT_FOUND refusals to the daemon's metrics); every other stream, a live feed's
   // included, is left as it is, and its slot is not this run's.
+  // A refused run changes nothing, so the slots are counted before any stream is closed.
   ASSIGN_OR_RETURN(const v1::ListStreamsResponse live, client.ListStreams());
-  int others = 0;
-  for (const v1::StreamInfo& stream : live.streams()) {
-    if (!IsBenchInstrument(stream.instrument(), options.instruments)) {
-      ++others;
-      continue;
-    }
-    v1::CloseStreamRequest close;
-    close.set_instrument(stream.instrument());
-    RETURN_IF_ERROR(client.CloseStream(close).status());
-  }
+  const auto others = std::ranges::count_if(live.streams(), [&](const v1::StreamInfo& stream) {
+    return !IsBenchInstrument(stream.instrument(), options.instruments);
+  });
   if (options.instruments > slots - others) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "--instruments ", options.instruments, " is more than the daemon's free stream slots: ", others, " of its ",
         slots, " hold other streams (perceptionctl streams; close some, or bench fewer instruments)"));
+  }
+  for (const v1::StreamInfo& stream : live.streams()) {
+    if (!IsBenchInstrument(stream.instrument(), options.instruments)) continue;
+    v1::CloseStreamRequest close;
+    close.set_instrument(stream.instrument());
+    RETURN_IF_ERROR(client.CloseStream(close).status());
   }
 
   // Event j goes to instrument j mod N, so the first events % N instruments have one event more than the rest.

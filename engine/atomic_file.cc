@@ -84,6 +84,13 @@ absl::Status SyncDirectoryOf(const std::string& path) {
 
 }  // namespace
 
+absl::Status CheckCanCreateBeside(const std::string& path) {
+  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
+  ::close(temp.fd);
+  ::unlink(temp.path.c_str());
+  return absl::OkStatus();
+}
+
 absl::Status CheckWritableDestination(const std::string& path) {
   // The trial file goes beside the path, so a folder (or a name ending in '/') would pass it, and only the rename
   // at the end of the work would fail. A symbolic link to a folder is replaced by the rename, as any link is.
@@ -91,10 +98,7 @@ absl::Status CheckWritableDestination(const std::string& path) {
   if (path.ends_with('/') || std::filesystem::is_directory(std::filesystem::symlink_status(path, error))) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a folder; the output is a file"));
   }
-  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
-  ::close(temp.fd);
-  ::unlink(temp.path.c_str());
-  return absl::OkStatus();
+  return CheckCanCreateBeside(path);
 }
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {

@@ -18,5 +18,8 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
 // a long job that writes only at its end, so that a mistyped or read-only destination fails before the work instead
 // of after it. The error names the path and the system's reason; a folder (or a path ending in '/') is refused.
 absl::Status CheckWritableDestination(const std::string& path);
+// Only the trial file of CheckWritableDestination: for a caller whose `path` stands in for a file of its folder
+// that is not there yet (whatever holds the name `path` itself).
+absl::Status CheckCanCreateBeside(const std::string& path);
 
 }  // namespace perception

@@ -175,10 +175,11 @@ ServerMetrics::ServerMetrics()
                       .Add({})),
       train_graph_captures_(prometheus::BuildCounter()
                                 .Name("perception_train_graph_captures_total")
-                                .Help("Training-step CUDA graphs captured: one per training shape and input plan (a Train stream "
-                                      "that stages its next batch beside the step uses two or three plans a "
-                                      "shape), again after the model is rebuilt (InitModel, LoadCheckpoint, "
-                                      "SetOptimizer). A count that keeps rising at one shape is a recapture.")
+                                .Help("Training-step CUDA graphs captured: one per training shape and input "
+                                      "plan (a Train stream that stages its next batch beside the step uses two "
+                                      "or three plans a shape), again after the model is rebuilt (InitModel, "
+                                      "LoadCheckpoint, SetOptimizer). A count that keeps rising at one shape is a "
+                                      "recapture.")
                                 .Register(*registry_)
                                 .Add({})),
       train_graph_replays_(prometheus::BuildCounter()
@@ -329,8 +330,8 @@ ServerMetrics::ServerMetrics()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: instrument (an empty or too long id), sequence, "
                                  "features, book, exchange_time (earlier than the stream's last event, beyond the "
-                                 "bound, or too far from the stream's first event's), capacity, model_change, stopped (by a "
-                                 "failed tick, until reset), no_model, empty (a request without events), seeding (a "
+                                 "bound, or too far from the stream's first event's), capacity, model_change, "
+                                 "stopped (by a failed tick, until reset), no_model, empty (a request without events), seeding (a "
                                  "SeedStream runs on the instrument), payload (LOBSTER rows and feature vectors mixed "
                                  "on one instrument), call_ended (read after the call's failure, a refused event "
                                  "or the drain).")

@@ -91,7 +91,8 @@ absl::Status ModelHost::JoinDataParallel(const std::string& unique_id, const Dat
 absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
                              const std::optional<Normalizer>& normalizer, bool replace) {
   if (backend_ != nullptr && !replace) {
-    return absl::FailedPreconditionError("a model already exists; set replace to discard it (perceptionctl init --replace)");
+    return absl::FailedPreconditionError(
+        "a model already exists; set replace to discard it (perceptionctl init --replace)");
   }
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());

@@ -316,7 +316,8 @@ absl::Status CheckModelFlags(const CheckpointDirectory& checkpoints) {
   if (!load.empty() && !absl::GetFlag(FLAGS_init_config).empty())
     return absl::InvalidArgumentError("--load and --init_config exclude each other");
   if (absl::GetFlag(FLAGS_init_levels) != 0 && absl::GetFlag(FLAGS_init_config).empty()) {
-    return absl::InvalidArgumentError("--init_levels applies to --init_config's preset; without one it would be ignored");
+    return absl::InvalidArgumentError(
+        "--init_levels applies to --init_config's preset; without one it would be ignored");
   }
   if (load_if_present.empty()) return absl::OkStatus();
   return checkpoints.Resolve(load_if_present, "--load_if_present").status();
@@ -391,7 +392,7 @@ absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
   std::filesystem::path folder = file.parent_path();
   std::error_code error;
   while (!folder.empty() && !std::filesystem::exists(folder, error)) folder = folder.parent_path();
-  return CheckWritableDestination((folder / file.filename()).string());
+  return CheckCanCreateBeside((folder / file.filename()).string());
 }
 
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {

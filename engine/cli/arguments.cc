@@ -5,9 +5,11 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "absl/base/config.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/internal/usage.h"
+#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -58,14 +60,19 @@ std::vector<std::string> NormalizeArguments(int argc, char** argv) {
 }  // namespace
 
 std::vector<char*> ParseFlags(int argc, char** argv) {
-  // absl::ParseCommandLine, but for the exit after --help and its kin: absl 20220623 (Debian's) exits 1 there, as if
-  // asking for help failed; later releases exit 0, as this does. Its internal parse is the one ParseCommandLine runs.
+#if defined(ABSL_LTS_RELEASE_VERSION) && ABSL_LTS_RELEASE_VERSION <= 20220623
+  // absl::ParseCommandLine, but for the exit after --help and its kin: abseil 20220623 (Debian 12's) exits 1 there,
+  // as if asking for help failed. Its internal parse is the one ParseCommandLine runs; later releases changed it.
   namespace internal = absl::flags_internal;
-  std::vector<char*> positional =
-      internal::ParseCommandLineImpl(argc, argv, internal::ArgvListAction::kRemoveParsedArgs,
-                                     internal::UsageFlagsAction::kIgnoreUsage, internal::OnUndefinedFlag::kAbortIfUndefined);
-  if (internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) std::exit(0);  // (--version: 0 too)
+  std::vector<char*> positional = internal::ParseCommandLineImpl(
+      argc, argv, internal::ArgvListAction::kRemoveParsedArgs, internal::UsageFlagsAction::kIgnoreUsage,
+      internal::OnUndefinedFlag::kAbortIfUndefined);
+  // (--version and --only_check_args exit 0 there too)
+  if (internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) std::exit(0);
   return positional;
+#else
+  return absl::ParseCommandLine(argc, argv);
+#endif
 }
 
 std::vector<std::string> ParseArguments(int argc, char** argv) {

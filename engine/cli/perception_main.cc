@@ -79,7 +79,8 @@ absl::StatusOr<LobsterData> ReadLobsterFlag() {
     return absl::InvalidArgumentError("--lobster takes two files: ORDERBOOK,MESSAGES");
   }
   if (const int levels = absl::GetFlag(FLAGS_levels); levels < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--levels must be >= 0 (0: all of the files' levels), got ", levels));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--levels must be >= 0 (0: all of the files' levels), got ", levels));
   }
   return ReadLobster(files[0], files[1], absl::GetFlag(FLAGS_levels));
 }

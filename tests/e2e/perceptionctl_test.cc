@@ -363,14 +363,18 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {" bench --events 10000000000", "INVALID_ARGUMENT: --events 10000000000 is more than one bench keeps"},
       // The cosine schedule's settings under the constant schedule (init's default) were ignored, even contradictory.
       {" init --config tiny --lr_warmup_steps 50 --total_steps 10",
-       "INVALID_ARGUMENT: --lr_warmup_steps sets the cosine schedule: without --lr_schedule cosine it would be ignored"},
+       "INVALID_ARGUMENT: --lr_warmup_steps sets the cosine schedule: without --lr_schedule cosine it would be "
+       "ignored"},
       {" init --config tiny --min_lr 5", "INVALID_ARGUMENT: --min_lr sets the cosine schedule"},
-      {" init --config tiny --lr_schedule constant --total_steps 10", "INVALID_ARGUMENT: --total_steps sets the cosine"},
+      {" init --config tiny --lr_schedule constant --total_steps 10",
+       "INVALID_ARGUMENT: --total_steps sets the cosine"},
       // The cosine schedule's own bounds named the request's fields (warmup_steps, total_steps), after the wait.
       {" init --config tiny --lr_schedule cosine",
        "INVALID_ARGUMENT: --lr_schedule cosine needs 0 <= --lr_warmup_steps (0) < --total_steps (0)"},
       {" init --config tiny --lr 0.001 --lr_schedule cosine --total_steps 10 --min_lr 0.01",
-       "INVALID_ARGUMENT: --min_lr (0.01) must be in [0, --lr]"},
+       "INVALID_ARGUMENT: --min_lr (0.01) must be in [0, --lr] (--lr 0.001)"},
+      {" init --config tiny --lr_schedule cosine --total_steps 10 --min_lr 0.01",
+       "INVALID_ARGUMENT: --min_lr (0.01) must be in [0, --lr] (--lr 0.001, init's default)"},
   };
   ExpectEachRefused(ctl, refused);
 }
@@ -1117,12 +1121,16 @@ TEST(PerceptionctlTest, BenchLeavesOtherStreamsAloneAndCountsOnlyTheirFreeSlots)
   ASSERT_EQ(three.exit_code, 0) << three.output;
   EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}}));
 
-  // Four: one slot is bench-live's, so only three are free, and nothing is sent.
+  // Four: one slot is bench-live's, so only three are free, and nothing is sent. The refused run changes nothing:
+  // bench-1, which an earlier run would have left and this one would close, stays.
+  const CommandResult left = RunCommand(absl::StrCat(kKillAfter30s, ctl, " stream --lobster ", kOrderbook, " ",
+                                                     kMessages, " --instrument bench-1 --count 5"));
+  ASSERT_EQ(left.exit_code, 0) << left.output;
   const CommandResult four = RunCommand(absl::StrCat(kKillAfter30s, ctl, " bench --instruments 4 --events 4"));
   EXPECT_EQ(four.exit_code, 1) << four.output;
   EXPECT_THAT(four.output, HasSubstr("RESOURCE_EXHAUSTED: --instruments 4 is more than the daemon's free stream "
                                      "slots: 1 of its 4 hold other streams"));
-  EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}}));
+  EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}, {"bench-1", 5}}));
 }
 
 // Paced, event k goes out at k / rate: 2 events at 1 per second take about 1 s, not 2 (the wait counted the request's

@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="the golden folder (tests/data/golden/tiny)")
     ap.add_argument("--max-norm", help="reference_dump's --max-norm with --dump-bin (its default: 1.0)")
     args = ap.parse_args()
+    if args.max_norm is not None and args.dump_dir:
+        ap.error("--max-norm applies to --dump-bin's run; a --dump-dir dump has its own (its metadata's max_norm)")
 
     try:
         import torch
