@@ -139,34 +139,24 @@ TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
                    ".tmp."));
 }
 
-// The exit's save creates the folders its name adds: a name in a folder not there yet is taken at start-up.
+// The exit's save creates the folders its name adds: a name in a folder not there yet is taken at start-up. The
+// start-up check tries a file of the name's nearest existing folder, where a folder of the file's name may be
+// (runs/exit.safetensors, for runs/day1/exit.safetensors): that is not the name saved, and must not refuse it.
 TEST(LifecycleTest, ACheckpointOnExitInAFolderNotThereYetIsSavedThere) {
-  const ScopedTempDir temp("checkpoint_on_exit_new_folder");
-  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=runs/day1/exit.safetensors"});
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
-  (*daemon)->Signal(SIGTERM);
-  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
-  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
-  EXPECT_TRUE(std::filesystem::is_regular_file(temp.path() / "checkpoints/runs/day1/exit.safetensors"));
-}
-
-// The start-up check tries a file of the name's nearest existing folder, where a folder of the file's name may be
-// (runs/exit.safetensors here, for runs/day1/exit.safetensors): that is not the name saved, and must not refuse it.
-TEST(LifecycleTest, AFolderOfTheNamesFileNameAboveItDoesNotRefuseTheExitsSave) {
-  const ScopedTempDir temp("checkpoint_on_exit_folder_above");
-  std::filesystem::create_directories(temp.path() / "checkpoints/runs/exit.safetensors");
-  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=runs/day1/exit.safetensors"});
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
-  (*daemon)->Signal(SIGTERM);
-  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
-  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
-  EXPECT_TRUE(std::filesystem::is_regular_file(temp.path() / "checkpoints/runs/day1/exit.safetensors"));
+  for (const bool folder_above : {false, true}) {
+    SCOPED_TRACE(folder_above ? "a folder runs/exit.safetensors" : "no folder runs");
+    const ScopedTempDir temp("checkpoint_on_exit_new_folder");
+    if (folder_above) std::filesystem::create_directories(temp.path() / "checkpoints/runs/exit.safetensors");
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+        Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=runs/day1/exit.safetensors"});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
+    (*daemon)->Signal(SIGTERM);
+    absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+    EXPECT_TRUE(std::filesystem::is_regular_file(temp.path() / "checkpoints/runs/day1/exit.safetensors"));
+  }
 }
 
 // A refused --load names the flag, not a request's field.
