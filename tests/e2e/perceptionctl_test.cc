@@ -27,6 +27,7 @@
 namespace perception::e2e {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -1131,6 +1132,26 @@ TEST(PerceptionctlTest, BenchLeavesOtherStreamsAloneAndCountsOnlyTheirFreeSlots)
   EXPECT_THAT(four.output, HasSubstr("RESOURCE_EXHAUSTED: --instruments 4 is more than the daemon's free stream "
                                      "slots: 1 of its 4 hold other streams"));
   EXPECT_EQ(processed(), (std::map<std::string, uint64_t>{{"bench-live", 5}, {"bench-1", 5}}));
+}
+
+// A bench whose connections the daemon ends part way (here its drain) fails, naming the first connection's status,
+// and counts the events never sent (the calls ended first) as not acknowledged, saying how many were sent.
+TEST(PerceptionctlTest, ABenchTheDaemonEndsPartWayFailsAndCountsWhatWentUnanswered) {
+  const ScopedTempDir temp("ctl_bench_drained");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  std::future<CommandResult> bench = std::async(
+      std::launch::async, RunCommand,
+      absl::StrCat(kKillAfter30s, ctl, " bench --instruments 2 --events 400 --rate 100"));  // ~4 s paced
+  ASSERT_TRUE(WaitUntilProcessed((*daemon)->client(), "bench-0", 10));
+  (*daemon)->Signal(SIGTERM);
+  const CommandResult drained = bench.get();
+  EXPECT_EQ(drained.exit_code, 1) << drained.output;
+  EXPECT_THAT(drained.output,
+              HasSubstr("UNAVAILABLE: 1 of 1 connection(s) failed; the first: perceptiond is draining"));
+  EXPECT_THAT(drained.output, ContainsRegex("not acknowledged: [1-9][0-9]* events \\([0-9]+ of them sent\\)"));
 }
 
 // Paced, event k goes out at k / rate: 2 events at 1 per second take about 1 s, not 2 (the wait counted the request's
