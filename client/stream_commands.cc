@@ -350,11 +350,14 @@ absl::Status CheckBenchOptions(const BenchOptions& options) {
 
 namespace {
 
+// A bench's i-th instrument.
+std::string BenchInstrument(int i) { return absl::StrCat("bench-", i); }
+
 // Whether `instrument` is one of a bench's own, bench-0..N-1: a live feed named bench-live (or bench-07) is not.
 bool IsBenchInstrument(const std::string& instrument, int instruments) {
   int i = 0;
   return absl::StartsWith(instrument, "bench-") && absl::SimpleAtoi(instrument.substr(6), &i) &&
-         instrument == absl::StrCat("bench-", i) && i >= 0 && i < instruments;
+         instrument == BenchInstrument(i) && i >= 0 && i < instruments;
 }
 
 }  // namespace
@@ -370,7 +373,6 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   }
   const int F = status.model().config().n_features();
   const int C = std::min(options.connections, options.instruments);
-  const auto name = [](int i) { return absl::StrCat("bench-", i); };
   // A fresh start: sequence numbers from 1. Only the streams of this run's instruments an earlier bench left are
   // closed (so that a run adds no NOT_FOUND refusals to the daemon's metrics); every other stream, a live feed's
   // included, is left as it is, and its slot is not this run's.
@@ -447,7 +449,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
         for (const int i : c.instruments) {
           if (r >= events_of(i)) continue;
           v1::StreamEvent& event = *request.add_events();
-          event.set_instrument(name(i));
+          event.set_instrument(BenchInstrument(i));
           event.set_seq(static_cast<uint64_t>(r + 1));
           v1::FeatureEvent& features = *event.mutable_features();
           for (int f = 0; f < F; ++f) features.add_features(uniform(rng));
