@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "engine/backend.h"
+#include "engine/checkpoint.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace perception::e2e {
@@ -146,7 +148,34 @@ TEST(CheckpointTest, LoadIfPresentWithoutAFileOrInitConfigServesWithNoModel) {
               HasSubstr("--load_if_present: no checkpoint 'runs/last.safetensors' yet; serving with no model"));
 }
 
-// A checkpoint carries its optimizer settings: a run loaded without naming them continues on the same schedule.
+// The daemon's next TrainStep on `batch` against the offline engine's from the checkpoint `from` under `optimizer`:
+// parameters, moments and step after it, bit for bit. What the daemon reports of its optimizer is a record of its
+// own; this is what it trains with.
+void ExpectNextStepTrainsWith(client::PerceptionClient& client, const std::filesystem::path& checkpoints,
+                              const std::string& from, const OptimizerConfig& optimizer,
+                              const testing::RandomBatch& batch) {
+  SCOPED_TRACE(from);
+  absl::StatusOr<Checkpoint> start = LoadCheckpoint((checkpoints / from).string());
+  ASSERT_TRUE(start.ok()) << start.status();
+  std::unique_ptr<Backend> offline = MakeCpuBackend(start->config, optimizer, start->params);
+  ASSERT_TRUE(offline->ImportState(*start).ok());
+  ASSERT_TRUE(offline->TrainStep(batch.view()).ok());
+  absl::StatusOr<Checkpoint> expected = offline->ExportState();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  const absl::StatusOr<v1::TrainStepResponse> step = client.TrainStep(TrainRequest(batch, start->config));
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_TRUE(Save(client, "next_" + from).ok());
+  absl::StatusOr<Checkpoint> trained = LoadCheckpoint((checkpoints / ("next_" + from)).string());
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  EXPECT_EQ(trained->step, expected->step);
+  EXPECT_TRUE(testing::BitIdentical(trained->params, expected->params)) << "parameters";
+  EXPECT_TRUE(testing::BitIdentical(trained->exp_avg, expected->exp_avg)) << "first moments";
+  EXPECT_TRUE(testing::BitIdentical(trained->exp_avg_sq, expected->exp_avg_sq)) << "second moments";
+}
+
+// A checkpoint carries its optimizer settings: a run loaded without naming them continues on the same schedule, and
+// one loaded with settings (or given them by SetOptimizer) trains under those.
 TEST(CheckpointTest, LoadKeepsTheSavedOptimizerUnlessTheRequestNamesOne) {
   const ModelConfig config = TinyConfig();
   const ScopedTempDir temp("optimizer");
@@ -182,6 +211,34 @@ TEST(CheckpointTest, LoadKeepsTheSavedOptimizerUnlessTheRequestNamesOne) {
   EXPECT_EQ(resumed->model().optimizer().SerializeAsString(), created->model().optimizer().SerializeAsString())
       << "loaded: " << resumed->model().optimizer().DebugString()
       << "saved: " << created->model().optimizer().DebugString();
+
+  // What each trains with: the cosine schedule resumed at step 3, the named constant 5e-4, and SetOptimizer's.
+  const std::filesystem::path checkpoints = temp.path() / "checkpoints";
+  OptimizerConfig saved;
+  saved.lr = 3e-3;
+  saved.weight_decay = 0.05;
+  saved.schedule = LrSchedule::kWarmupCosine;
+  saved.warmup_steps = 2;
+  saved.total_steps = 50;
+  saved.min_lr = 1e-4;
+  const testing::RandomBatch batch = testing::MakeRandomBatch(config, 2, 9, 40);
+  ExpectNextStepTrainsWith(client, checkpoints, "cosine.safetensors", saved, batch);
+  ASSERT_TRUE(client.LoadCheckpoint(named).ok());
+  OptimizerConfig constant;
+  constant.lr = 5e-4;
+  ExpectNextStepTrainsWith(client, checkpoints, "cosine.safetensors", constant, batch);
+
+  v1::SetOptimizerRequest set;
+  set.mutable_optimizer()->set_lr(2e-3);
+  set.mutable_optimizer()->set_weight_decay(0.3);
+  set.mutable_optimizer()->set_max_grad_norm(0.05);
+  ASSERT_TRUE(client.SetOptimizer(set).ok());
+  ASSERT_TRUE(Save(client, "set.safetensors").ok());
+  OptimizerConfig changed;
+  changed.lr = 2e-3;
+  changed.weight_decay = 0.3;
+  changed.max_grad_norm = 0.05;
+  ExpectNextStepTrainsWith(client, checkpoints, "set.safetensors", changed, batch);
 }
 
 // Saves a large model over `name` in the background and SIGKILLs the daemon as soon as the save's temporary file
