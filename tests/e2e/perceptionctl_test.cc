@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdint>
 #include <fstream>
@@ -12,13 +13,16 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <ranges>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "engine/checkpoint.h"
 #include "engine/lobster.h"
 #include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
@@ -236,6 +240,39 @@ TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
 
 // --eval-every validates during the run without changing it: the same batches, so the same final model as one
 // uninterrupted run; --save-best keeps the best validated model.
+// A run's validations as printed (every "validation loss X" line, the final one included): the model step each
+// names (-1 for the final line, which names none) and its loss.
+std::vector<std::pair<int64_t, double>> Validations(const std::string& output) {
+  std::vector<std::pair<int64_t, double>> found;
+  for (const absl::string_view line : absl::StrSplit(output, '\n')) {
+    int64_t step = -1;
+    absl::string_view rest = line;
+    if (absl::ConsumePrefix(&rest, "model step ")) {
+      const size_t colon = rest.find(':');
+      if (colon == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, colon), &step)) continue;
+      rest.remove_prefix(colon + 2);
+    }
+    double loss = 0;
+    if (!absl::ConsumePrefix(&rest, "validation loss ") || !absl::SimpleAtod(rest.substr(0, rest.find(' ')), &loss)) {
+      continue;
+    }
+    found.emplace_back(step, loss);
+  }
+  return found;
+}
+
+// --save-best holds the model of the run's lowest validation loss: the checkpoint's step is the one the run names
+// as best, and that loss is the lowest printed.
+void ExpectSavedBest(const std::string& output, const std::filesystem::path& checkpoint, int64_t best_step) {
+  const std::vector<std::pair<int64_t, double>> validations = Validations(output);
+  ASSERT_GE(validations.size(), 3u) << output;
+  const double lowest = std::ranges::min(validations | std::views::values);
+  EXPECT_THAT(output, HasSubstr(absl::StrFormat("best validation loss %.5f at model step %d", lowest, best_step)));
+  absl::StatusOr<Checkpoint> saved = LoadCheckpoint(checkpoint.string());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step, best_step) << output;
+}
+
 TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
   const ScopedTempDir temp("ctl_eval_every");
   std::vector<std::string> finals;
@@ -256,7 +293,7 @@ TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
     EXPECT_THAT(train.output, HasSubstr("model step 6: validation loss "));
     EXPECT_THAT(train.output, HasSubstr("best validation loss "));
     EXPECT_THAT(train.output, HasSubstr("saved the best model so far (validation loss "));
-    EXPECT_TRUE(std::filesystem::exists(temp.path() / "checkpoints" / "best" / "run.safetensors"));
+    ExpectSavedBest(train.output, temp.path() / "checkpoints" / "best" / "run.safetensors", 8);
     // A run on a trained model: its progress counts this run's steps, its validations name the model's step (they
     // read "step 10" before "step 3/3", as if the run had gone past its end).
     const CommandResult more = RunCommand(
@@ -265,6 +302,11 @@ TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
     EXPECT_THAT(more.output, HasSubstr("\nmodel step 10: validation loss "));
     EXPECT_THAT(more.output, HasSubstr("\nstep 3/3 "));
     EXPECT_THAT(more.output, HasSubstr("at model step 1"));
+    // A rate that makes things worse: the model the run started from (step 11) stays the best, and the one kept.
+    const CommandResult worse = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages,
+                                                        " --steps 4 --eval-every 2 --lr 0.5 --save-best best/worse"));
+    ASSERT_EQ(worse.exit_code, 0) << worse.output;
+    ExpectSavedBest(worse.output, temp.path() / "checkpoints" / "best" / "worse", 11);
   }
   EXPECT_EQ(finals[0], finals[1]) << "validating during the run changed it";
 }
