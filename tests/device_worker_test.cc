@@ -89,7 +89,7 @@ TEST(DeviceWorkerTest, AnInfiniteIdlePeriodNeverRunsTheIdleJob) {
   EXPECT_EQ(w.idle_runs.load(), 0);
 }
 
-TEST(DeviceWorkerTest, StopRunsTheQueuedJobsAndReturnsWhileAPauseIsBeingTimed) {
+TEST(DeviceWorkerTest, StopReturnsWhileAPauseIsBeingTimed) {
   CountingWorker w(absl::Seconds(30));
   ASSERT_TRUE(w.RunJob().ok());
   const auto start = std::chrono::steady_clock::now();
@@ -97,6 +97,34 @@ TEST(DeviceWorkerTest, StopRunsTheQueuedJobsAndReturnsWhileAPauseIsBeingTimed) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_EQ(w.idle_runs.load(), 0);
   EXPECT_EQ(w.worker.Enqueue(JobPriority::kTraining, [](ModelHost&) {}).code(), absl::StatusCode::kUnavailable);
+}
+
+// Jobs still queued when Stop comes run before it returns, in both priorities: a queued job's caller (Run) gets its
+// result, never a broken promise, at shutdown.
+TEST(DeviceWorkerTest, StopRunsTheJobsQueuedBehindARunningOne) {
+  CountingWorker w(absl::InfiniteDuration());
+  absl::Notification held, release;
+  ASSERT_TRUE(w.worker
+                  .Enqueue(JobPriority::kTraining,
+                           [&](ModelHost&) {
+                             held.Notify();
+                             release.WaitForNotification();
+                           })
+                  .ok());
+  held.WaitForNotification();
+  constexpr int kQueued = 6;
+  for (int i = 0; i < kQueued; ++i) {
+    const JobPriority priority = i % 2 == 0 ? JobPriority::kStreaming : JobPriority::kTraining;
+    ASSERT_TRUE(w.worker.Enqueue(priority, [&](ModelHost&) { w.jobs.fetch_add(1); }).ok());
+  }
+  std::thread stopper([&] { w.worker.Stop(); });
+  while (w.worker.Enqueue(JobPriority::kStreaming, [](ModelHost&) {}).code() != absl::StatusCode::kUnavailable) {
+    std::this_thread::sleep_for(milliseconds(1));  // until Stop has begun: from then on nothing new is taken
+  }
+  EXPECT_EQ(w.jobs.load(), 0) << "the queue waits behind the held job";
+  release.Notify();
+  stopper.join();
+  EXPECT_EQ(w.jobs.load(), kQueued);
 }
 
 // A caller that has its job's reply finds the job's effect in status() (perceptionctl load, then status): the status
