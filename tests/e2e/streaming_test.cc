@@ -943,15 +943,26 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
   CommandResult convictions = RunCommand(absl::StrCat(ctl, " convictions --instrument AAPL --out ", csv.string()));
   ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
   EXPECT_THAT(convictions.output, HasSubstr("899 convictions of AAPL (seq 101..999"));
+  // Every row is the log's, value for value: %.9g gives a float back exactly.
+  const Log log = ReadAll(client(), "AAPL", 1, 300);
+  ASSERT_EQ(log.seqs.size(), 899u);
+  const size_t H = log.probabilities.size() / log.seqs.size();
   std::ifstream file(csv);
-  std::string header, first;
+  std::string header;
   std::getline(file, header);
-  std::getline(file, first);
   EXPECT_EQ(header, "seq,conviction,p1,p2,p3");
-  EXPECT_TRUE(absl::StartsWith(first, "101,")) << first;
-  int rows = 2;
-  for (std::string line; std::getline(file, line);) ++rows;
-  EXPECT_EQ(rows - 1, 899);
+  size_t row = 0;
+  for (std::string line; std::getline(file, line); ++row) {
+    ASSERT_LT(row, log.seqs.size()) << line;
+    const std::vector<std::string> fields = absl::StrSplit(line, ',');
+    ASSERT_EQ(fields.size(), 2 + H) << line;
+    std::vector<float> values(fields.size());
+    for (size_t f = 0; f < fields.size(); ++f) ASSERT_TRUE(absl::SimpleAtof(fields[f], &values[f])) << line;
+    EXPECT_EQ(fields[0], absl::StrCat(log.seqs[row])) << line;
+    EXPECT_EQ(values[1], log.convictions[row]) << line;
+    for (size_t h = 0; h < H; ++h) EXPECT_EQ(values[2 + h], log.probabilities[row * H + h]) << line << ", p" << h + 1;
+  }
+  EXPECT_EQ(row, 899u);
 
   CommandResult reset = RunCommand(absl::StrCat(ctl, " streams reset AAPL"));
   ASSERT_EQ(reset.exit_code, 0) << reset.output;
