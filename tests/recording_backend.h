@@ -30,8 +30,8 @@ struct BatchContents {
   bool operator==(const BatchContents&) const = default;
 };
 
-// The three training entry points of Backend.
-enum class TrainEntry { kTrainStep, kTrainStepWithNext, kTrainStepStagingNext };
+// The three training entry points of Backend, and ForgetStagedNext (no batch: the one a step before gave as `next`).
+enum class TrainEntry { kTrainStep, kTrainStepWithNext, kTrainStepStagingNext, kForgetStagedNext };
 
 struct TrainCall {
   TrainEntry entry = TrainEntry::kTrainStep;
@@ -57,8 +57,8 @@ class TrainCallLog {
   std::vector<TrainCall> calls_ ABSL_GUARDED_BY(mu_);
 };
 
-// Forwards every Backend call to `inner` unchanged, each training entry point to the same entry point, after
-// recording it in `log` and sleeping `step_delay` (which lets a test make steps slow enough for later batches of a
+// Forwards every Backend call to `inner` unchanged, each training entry point (and ForgetStagedNext) to the same entry
+// point, after recording it in `log` and sleeping `step_delay` (which lets a test make steps slow enough for later batches of a
 // stream to queue behind them).
 class RecordingBackend final : public ForwardingBackend {
  public:
@@ -79,6 +79,10 @@ class RecordingBackend final : public ForwardingBackend {
                                                        const BatchView<float>& next) override {
     Record(TrainEntry::kTrainStepStagingNext, batch, &next);
     return ForwardingBackend::TrainStepStagingNext(batch, next);
+  }
+  void ForgetStagedNext() override {
+    log_->Add({TrainEntry::kForgetStagedNext, {}, std::nullopt});
+    ForwardingBackend::ForgetStagedNext();
   }
 
  private:

@@ -179,9 +179,13 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
   EXPECT_THAT(finished.error_message(), ::testing::HasSubstr("features"));
   ASSERT_EQ(responses.size(), 1u);
   EXPECT_EQ(responses[0].step(), 1);
+  // Only the batch before the failed one reached the backend; the dropped step told it to forget any batch a step
+  // before staged as its next, before that batch's memory was freed for a later one to reuse (the CUDA backend knows
+  // a staged batch by its address).
   const std::vector<TrainCall> calls = log_->calls();
-  ASSERT_EQ(calls.size(), 1u) << "only the batch before the failed one reached the backend";
+  ASSERT_EQ(calls.size(), 2u);
   EXPECT_EQ(IndexOfBatch(calls[0].batch, {BatchContents::Of(sent[0].view())}), 0);
+  EXPECT_EQ(calls[1].entry, TrainEntry::kForgetStagedNext);
 
   // The next step is the model's second.
   v1::TrainStepRequest request;
@@ -222,7 +226,10 @@ TEST_F(TrainStreamHandoffTest, AStreamWhoseModelWasReplacedEndsAborted) {
   v1::GetStatusResponse status;
   ASSERT_TRUE(daemon_.stub().GetStatus(&status_context, v1::GetStatusRequest(), &status).ok());
   EXPECT_EQ(status.model().step(), 0) << "the new model was trained";
-  EXPECT_EQ(log_->calls().size(), 1u);
+  const std::vector<TrainCall> calls = log_->calls();
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_NE(calls[0].entry, TrainEntry::kForgetStagedNext);
+  EXPECT_EQ(calls[1].entry, TrainEntry::kForgetStagedNext) << "the dropped step's, and no training call after it";
 }
 
 // SetOptimizer keeps the model (weights, moments, step), so a stream goes on across it.
