@@ -149,5 +149,38 @@ TEST_P(ModelSpecTest, InitializedValuesFollowTheTable) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, ModelSpecTest, ::testing::ValuesIn(SpecPresets()), PresetName);
 
+// The median of `values` (a copy is sorted).
+double Median(std::vector<double> values) {
+  std::ranges::sort(values);
+  return values[values.size() / 2];
+}
+
+// The draws of dt_bias and A_log, not only their ranges: over 1,024 heads (headdim 1), softplus(dt_bias) is
+// log-uniform on [1e-3, 1e-1] (median 1e-2; a dt drawn uniformly has median 0.05, and dt_bias = ln dt without the
+// softplus inverse never passes softplus(ln 0.1) = 0.0953), and exp(A_log) uniform on [1, 16] (median 8.5, where
+// A_log drawn uniformly on [0, ln 16] has median 4).
+TEST(ModelSpecInit, DtBiasAndALogFollowTheirDistributions) {
+  ModelConfig config = *NamedConfig("tiny");
+  config.d_model = 512;
+  config.headdim = 1;
+  config.n_layers = 1;
+  ASSERT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config);
+  const ParamLayout layout(config);
+  ASSERT_EQ(config.n_heads(), 1024);
+  std::vector<float> params(layout.total_size());
+  InitializeParameters(layout, 12, params);
+  const TensorSpec& dt_bias = layout.tensor(layout.layers[0].dt_bias);
+  const TensorSpec& a_log = layout.tensor(layout.layers[0].a_log);
+  std::vector<double> log_dt, a;
+  for (size_t i = 0; i < dt_bias.size; ++i) log_dt.push_back(std::log(std::log1p(std::exp(params[dt_bias.offset + i]))));
+  for (size_t i = 0; i < a_log.size; ++i) a.push_back(std::exp(params[a_log.offset + i]));
+  EXPECT_NEAR(Median(log_dt), std::log(1e-2), 0.3);
+  EXPECT_GT(std::ranges::max(log_dt), std::log(0.097));
+  EXPECT_LT(std::ranges::min(log_dt), std::log(1.1e-3));
+  EXPECT_NEAR(Median(a), 8.5, 1.0);
+  EXPECT_GT(std::ranges::max(a), 15.5);
+  EXPECT_LT(std::ranges::min(a), 1.5);
+}
+
 }  // namespace
 }  // namespace perception
