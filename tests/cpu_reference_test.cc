@@ -177,6 +177,26 @@ TEST(PrecisionTest, FloatAgreesWithDouble) {
   }
 }
 
+// Heads whose Δt argument passes 20 (softplus is the argument there): float32 stays finite and agrees with double.
+TEST(PrecisionTest, FloatAgreesWithDoubleWhereSoftplusIsItsArgument) {
+  const ModelConfig config = *NamedConfig("tiny");
+  ParamLayout layout(config);
+  const auto params = testing::RandomParamsWithLargeDtBias(layout, 43);
+  const int B = 2, T = config.window;
+  auto data = MakeRandomBatch(config, B, T, 44);
+  CpuReference<float> f32(layout);
+  CpuReference<double> f64(layout);
+  std::vector<float> g32(layout.total_size()), logits32(static_cast<size_t>(B) * T * config.n_horizons);
+  std::vector<double> g64(layout.total_size()), logits64(logits32.size());
+  const float loss32 = f32.LossAndGradients(params, data.view(), g32);
+  const double loss64 = f64.LossAndGradients(ToDouble(params), data.As<double>().view(B, T), g64);
+  f32.Forward(params, data.view(), logits32);
+  f64.Forward(ToDouble(params), data.As<double>().view(B, T), logits64);
+  EXPECT_LE(std::abs(loss32 - loss64) / std::abs(loss64), 1e-5);
+  EXPECT_LE(RelativeError(logits32, logits64), 1e-5);
+  EXPECT_LE(RelativeError(g32, g64), 1e-4);
+}
+
 // The same batch on one thread and on two gives the same loss and gradients (the batch split is exact).
 TEST(ThreadingTest, TwoWorkersMatchOne) {
   const ModelConfig config = *NamedConfig("tiny");

@@ -63,6 +63,16 @@ inline std::vector<float> RandomParams(const ParamLayout& layout, uint64_t seed)
   return params;
 }
 
+// RandomParams with layer 0's first heads' dt_bias at 30 and 100: softplus(Δt's argument) past 20, where MODEL.md's
+// softplus is the argument itself (log1p(exp(100)) overflows float32), is reached.
+inline std::vector<float> RandomParamsWithLargeDtBias(const ParamLayout& layout, uint64_t seed) {
+  std::vector<float> params = RandomParams(layout, seed);
+  const TensorSpec& dt_bias = layout.tensor(layout.layers[0].dt_bias);
+  params[dt_bias.offset] = 30.f;
+  params[dt_bias.offset + 1] = 100.f;
+  return params;
+}
+
 struct RandomBatch {
   int batch, window;
   std::vector<float> x, dt, labels, mask;
