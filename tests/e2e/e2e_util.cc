@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -64,6 +65,11 @@ void CopyFloats(const std::vector<float>& from, google::protobuf::RepeatedField<
 
 }  // namespace
 
+std::string DaemonDevice() {
+  const char* device = std::getenv("PERCEPTION_E2E_DEVICE");
+  return device != nullptr && *device != '\0' ? device : "cpu";
+}
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::filesystem::path& checkpoint_dir,
                                                       const std::vector<std::string>& flags) {
   absl::Status exited;
@@ -71,7 +77,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::filesystem::pat
     const int port = FreeLoopbackPort(), metrics_port = FreeLoopbackPort();
     const std::string target = absl::StrCat("127.0.0.1:", port);
     const std::filesystem::path log_path = checkpoint_dir.parent_path() / absl::StrCat("perceptiond.", port, ".log");
-    std::vector<std::string> arguments = {PERCEPTIOND_PATH, "--device=cpu", "--listen=" + target,
+    std::vector<std::string> arguments = {PERCEPTIOND_PATH, absl::StrCat("--device=", DaemonDevice()),
+                                          "--listen=" + target,
                                           absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port),
                                           "--checkpoint_dir=" + checkpoint_dir.string()};
     arguments.insert(arguments.end(), flags.begin(), flags.end());

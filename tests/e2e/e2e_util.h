@@ -22,10 +22,14 @@ namespace perception::e2e {
 
 using testing::ScopedTempDir;
 
+// The daemons' --device: cpu, or PERCEPTION_E2E_DEVICE where set (cuda: the tests that hold for either backend, run
+// against the CUDA daemon on a CUDA host).
+std::string DaemonDevice();
+
 // A perceptiond process. The destructor kills it (SIGKILL) if it still runs.
 class Daemon {
  public:
-  // Starts perceptiond (--device=cpu, free loopback ports for gRPC and metrics, checkpoints in `checkpoint_dir`,
+  // Starts perceptiond (--device=DaemonDevice(), free loopback ports for gRPC and metrics, checkpoints in `checkpoint_dir`,
   // then `flags`) and waits until its health is SERVING; a port taken in the meantime gets another try.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::filesystem::path& checkpoint_dir,
                                                        const std::vector<std::string>& flags = {});
