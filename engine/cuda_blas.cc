@@ -8,6 +8,7 @@
 #include <string>
 
 #include "engine/cuda_check.h"
+#include "engine/status_macros.h"
 #include "kernels/gemm_tf32x3.h"
 #include "kernels/skinny_grad.h"
 
@@ -261,6 +262,21 @@ absl::Status Blas::FillPlan(const Shape& shape, Plan& plan) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<const Blas::Plan*> Blas::PlanOf(const Shape& shape) {
+  auto it = plans_.find(shape);
+  if (it == plans_.end()) {
+    ASSIGN_OR_RETURN(Plan plan, MakePlan(shape));
+    if (plans_.size() >= kMaxPlans) {
+      auto oldest = std::ranges::min_element(plans_, {}, [](const auto& entry) { return entry.second.last_use; });
+      DestroyPlan(oldest->second);
+      plans_.erase(oldest);
+    }
+    it = plans_.emplace(shape, plan).first;
+  }
+  it->second.last_use = ++plan_uses_;
+  return &it->second;
+}
+
 absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, const float* a, int lda,
                         int64_t stride_a, const float* b, int ldb, int64_t stride_b, const float* bias,
                         int64_t stride_bias, float beta, float* c, int ldc, int64_t stride_c, int count) {
@@ -268,13 +284,8 @@ absl::Status Blas::Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, i
                     lda,      ldb,      ldc,      count,       stride_a,
                     stride_b, stride_c, stride_bias, bias != nullptr, Alignment(a, lda, stride_a),
                     Alignment(b, ldb, stride_b), Alignment(c, ldc, stride_c)};
-  auto it = plans_.find(shape);
-  if (it == plans_.end()) {
-    absl::StatusOr<Plan> plan = MakePlan(shape);
-    if (!plan.ok()) return plan.status();
-    it = plans_.emplace(shape, *plan).first;
-  }
-  const Plan& plan = it->second;
+  ASSIGN_OR_RETURN(const Plan* found, PlanOf(shape));
+  const Plan& plan = *found;
   if (bias != nullptr) {  // the descriptor is the shape's; the bias is this call's
     CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));

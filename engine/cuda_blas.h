@@ -67,6 +67,12 @@ class Blas {
 
   // 2·m·n·k summed over every product issued so far.
   double flops() const { return flops_; }
+  // The shapes planned and kept (at most kMaxPlans).
+  size_t plan_count() const { return plans_.size(); }
+
+  // Plans kept: a training step's shapes and those of the last few Evaluate shapes, where every (batch, window) an
+  // Evaluate takes brings shapes of its own and a daemon lives for weeks.
+  static constexpr size_t kMaxPlans = 1024;
 
  private:
   // A column-major product as cuBLASLt sees it: ops, m, n, k, leading dimensions, batch count and strides, whether a
@@ -78,11 +84,14 @@ class Blas {
     int align_a, align_b, align_c;
     auto operator<=>(const Shape&) const = default;
   };
-  // Descriptors and the algorithm of one shape, fixed when the shape is first seen (an eager step, never a capture).
+  // Descriptors and the algorithm of one shape, fixed when the shape is first seen (an eager step; a capture only
+  // where kMaxPlans newer shapes came between its warmup step and it: planning is host work, as PyTorch's cuBLASLt
+  // products plan inside captures). `last_use` orders the plans for eviction.
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    uint64_t last_use = 0;
   };
 
   Blas(cublasLtHandle_t handle, cudaStream_t stream, void* workspace, size_t workspace_bytes, Precision precision)
@@ -99,6 +108,8 @@ class Blas {
   absl::StatusOr<Plan> MakePlan(const Shape& shape);
   absl::Status FillPlan(const Shape& shape, Plan& plan);  // MakePlan's work; `plan` keeps what it created
   static void DestroyPlan(Plan& plan);
+  // The plan of `shape`, made where there is none; at kMaxPlans the least recently used goes first.
+  absl::StatusOr<const Plan*> PlanOf(const Shape& shape);
   // The tuned algorithm of `shape` on this device and library, if the table has one that the library accepts.
   bool TunedAlgo(const Shape& shape, const Plan& plan, cublasLtMatmulAlgo_t* algo) const;
 
@@ -116,6 +127,7 @@ class Blas {
   bool skinny_ = false;
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
+  uint64_t plan_uses_ = 0;  // PlanOf's calls, the clock of Plan::last_use
   double flops_ = 0;
 };
 

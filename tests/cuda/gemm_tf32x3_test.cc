@@ -1,7 +1,8 @@
 // The 3×TF32 products (kernels/gemm_tf32x3.h) against a double-precision CPU product at the small, large and tiny
 // configs' shapes and awkward ones: float32-level normalized error (printed beside cuBLAS float32's on the same
 // inputs) for every tile, bit-identical reruns, the same bits from a replayed CUDA graph; and Blas in the 3×TF32
-// precision, which routes what the kernels do not take to cuBLAS, at float32 accuracy on every shape.
+// precision, which routes what the kernels do not take to cuBLAS, at float32 accuracy on every shape; and Blas's
+// plans bounded over many shapes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -444,6 +445,48 @@ TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
       std::printf("[gemm] Blas 3xtf32 %-13s forward %.2e backward_data %.2e backward_weight %.2e\n", p.name.c_str(),
                   forward, data, weight);
     }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Every Evaluate shape brings product shapes of its own: Blas keeps at most kMaxPlans plans, every product stays
+// right past the bound, and a shape whose plan was evicted is planned again and gives the bits it gave before.
+TEST(BlasPlans, StayWithinTheirBoundOverManyShapes) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  {
+    DeviceArray<float> workspace(kBlasWorkspaceBytes / sizeof(float));
+    auto blas = Blas::Create(stream, workspace.get(), kBlasWorkspaceBytes, Precision::kFloat32);
+    ASSERT_TRUE(blas.ok()) << blas.status();
+    constexpr int kIn = 8, kOut = 5;
+    const int max_rows = static_cast<int>(Blas::kMaxPlans) + 200;
+    const auto x = RandomFloats(static_cast<size_t>(max_rows) * kIn, 21);
+    const auto w = RandomFloats(static_cast<size_t>(kOut) * kIn, 22);
+    const auto bias = RandomFloats(kOut, 23);
+    const DeviceArray<float> dx(x), dw(w), dbias(bias);
+    DeviceArray<float> y(static_cast<size_t>(max_rows) * kOut);
+    const auto product = [&](int rows) {
+      EXPECT_TRUE((*blas)->Forward(rows, kIn, kOut, dx.get(), kIn, dw.get(), kIn, dbias.get(), 0.f, y.get(), kOut).ok());
+      std::vector<float> out = y.Download();
+      out.resize(static_cast<size_t>(rows) * kOut);
+      return out;
+    };
+    std::vector<std::vector<float>> first(9);
+    for (int rows = 1; rows <= max_rows; ++rows) {
+      const std::vector<float> out = product(rows);
+      ASSERT_LE((*blas)->plan_count(), Blas::kMaxPlans) << "after " << rows << " shapes";
+      const Product p{"rows", rows, kIn, kOut, 0};
+      ASSERT_LE(RelativeError(out, ForwardReference(p, x, w, bias, 0, std::vector<float>(out.size()))),
+                kFloat32ProductError)
+          << rows << " rows";
+      if (rows < static_cast<int>(first.size())) first[rows] = out;
+    }
+    EXPECT_EQ((*blas)->plan_count(), Blas::kMaxPlans);
+    for (int rows = 1; rows < static_cast<int>(first.size()); ++rows) {  // planned again, long evicted
+      EXPECT_TRUE(BitIdentical(product(rows), first[rows])) << rows << " rows";
+    }
+    EXPECT_EQ((*blas)->plan_count(), Blas::kMaxPlans);
   }
   cudaStreamDestroy(stream);
 }
