@@ -66,10 +66,11 @@ std::unique_ptr<CudaStreamer> PublishedStreamer(const ParamLayout& layout, int s
 // event's probabilities and conviction.
 class StreamStepParity {
  public:
-  StreamStepParity(const std::string& config_name, int slots, int64_t log_entries)
+  // `large_dt_bias`: RandomParamsWithLargeDtBias's, heads whose Δt argument passes 20.
+  StreamStepParity(const std::string& config_name, int slots, int64_t log_entries, bool large_dt_bias = false)
       : config_(TestConfig(config_name)),
         layout_(config_),
-        params_(RandomParams(layout_, 101)),
+        params_(large_dt_bias ? testing::RandomParamsWithLargeDtBias(layout_, 101) : RandomParams(layout_, 101)),
         cpu_(layout_, 2),
         cpu_states_(slots, StreamState<float>::Zero(config_)),
         log_counts_(slots, 0) {
@@ -296,6 +297,18 @@ TEST_P(StreamStepTest, TwoWideTicksMatchTheCpuStepPath) {
   parity.Seed(5, 3, 9);
   parity.Tick({5, 0, 11, 3, 7, 1, 10, 2, 8}, 41, kStreamWideShape);
   parity.Tick({8, 5, 0}, 42, kStreamWideShape);
+  parity.ExpectLogsMatch();
+}
+
+// Heads whose Δt argument passes 20, where softplus is the argument itself (log1pf(expf(100)) overflows): the tick
+// kernels' convictions stay those of the CPU step path, on the cluster kernels and the wide path.
+TEST_P(StreamStepTest, SoftplusPastTwentyIsItsArgument) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  StreamStepParity parity(GetParam(), 12, 8, /*large_dt_bias=*/true);
+  parity.Seed(5, 3, 9);
+  parity.Tick({5, 0, 11}, 41);
+  parity.Tick({5}, 42);
+  if (parity.streamer().Supports(kStreamWideShape)) parity.Tick({8, 5, 0, 1, 2, 3, 4, 6, 7}, 43, kStreamWideShape);
   parity.ExpectLogsMatch();
 }
 
