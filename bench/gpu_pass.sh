@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One whole GPU pass on the CUDA host: every GPU test, the sanitizers on tiny, both benchmarks and a CUDA training
-# run of the offline CLI. Usage (on the CUDA host): bench/gpu_pass.sh BUNDLE_DIR OUT_DIR [DATA_DIR]
+# One whole GPU pass on the CUDA host: every GPU test, the sanitizers on tiny, both benchmarks, a CUDA training run
+# of the offline CLI and the PyTorch reference against the CUDA backend.
+# Usage (on the CUDA host): bench/gpu_pass.sh BUNDLE_DIR OUT_DIR [DATA_DIR]
 # where BUNDLE_DIR comes from shared/tools/bundle-binaries with cuda_tests, engine_tests, bench_train, bench_stream
-# and perception. Logs and JSON land in OUT_DIR; the last lines printed are the summary.
+# and perception (and reference_dump, for tests/reference/compare.py on CUDA, where python3 has torch). Logs and JSON
+# land in OUT_DIR; the last lines printed are the summary.
 set -uo pipefail
 bundle=$1 out=$2 data=${3:-}
 run() { "$bundle/env" "$@"; }
@@ -25,6 +27,18 @@ if [ -n "$data" ]; then
   run perception train --device cuda --config small --lobster "$ob" "$msg" --steps 200 --batch 256 --val_every 100 \
     --save "$out/amzn_cuda.safetensors" > "$out/train_cuda.log" 2>&1
   summary+=("perception train --device cuda: exit $? $(tail -2 "$out/train_cuda.log" | head -1)")
+fi
+if [ -x "$bundle/bin/reference_dump" ]; then
+  # PyTorch's autograd in float64 against the CUDA backend on small (B=256). compare.py runs reference_dump itself,
+  # so through a wrapper that gives it the bundle's libraries.
+  printf '#!/bin/sh\nexec "%s/env" reference_dump "$@"\n' "$bundle" > "$out/reference_dump"
+  chmod +x "$out/reference_dump"
+  for p in 3xtf32 fp32; do
+    python3 "$(dirname "$0")/../tests/reference/compare.py" --device cuda --precisions float64 \
+      --dump-bin "$out/reference_dump" --dir "$out/reference_$p" -- --config small --device cuda --float32 off \
+      --threads 16 --precision "$p" > "$out/compare_$p.log" 2>&1
+    summary+=("compare.py small on cuda, $p: exit $? $(tail -1 "$out/compare_$p.log")")
+  done
 fi
 if command -v compute-sanitizer > /dev/null; then
   for tool in ${SANITIZERS:-memcheck racecheck}; do
