@@ -57,9 +57,9 @@ class TrainCallLog {
   std::vector<TrainCall> calls_ ABSL_GUARDED_BY(mu_);
 };
 
-// Forwards every Backend call to `inner` unchanged, each training entry point (and ForgetStagedNext) to the same entry
-// point, after recording it in `log` and sleeping `step_delay` (which lets a test make steps slow enough for later batches of a
-// stream to queue behind them).
+// Forwards every Backend call to `inner` unchanged, each training entry point to the same entry point, after recording
+// it in `log` and sleeping `step_delay` (which lets a test make steps slow enough for later batches of a stream to
+// queue behind them); ForgetStagedNext is recorded too, without the sleep.
 class RecordingBackend final : public ForwardingBackend {
  public:
   RecordingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<TrainCallLog> log,

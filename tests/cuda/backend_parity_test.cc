@@ -137,9 +137,9 @@ INSTANTIATE_TEST_SUITE_P(Tf32x3, CudaParity,
                          ::testing::Values(ParityCase{"tiny", 5, Precision::kFloat32Tf32x3},
                                            ParityCase{"small", 16, Precision::kFloat32Tf32x3}),
                          CaseName);
-// `large` (its full width, a window of 32: its loss skips the first 16 events): its GRN head (G = 128) is wider than
-// the fused head kernel takes, so its separate head kernels run, side by side in float32 and stacked gate and value
-// products in 3×TF32.
+// `large` (its full width, a window of 32: the config's warmup, 16, must be below it): its GRN head (G = 128) is wider
+// than the fused head kernel takes, so its separate head kernels run, side by side in float32 and stacked gate and
+// value products in 3×TF32.
 INSTANTIATE_TEST_SUITE_P(Large, CudaParity,
                          ::testing::Values(ParityCase{"large", 2, Precision::kFloat32, 32},
                                            ParityCase{"large", 2, Precision::kFloat32Tf32x3, 32}),

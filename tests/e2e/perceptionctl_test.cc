@@ -238,8 +238,6 @@ TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
   EXPECT_THAT(stream.output, HasSubstr("streamed 50 events of AAPL1"));
 }
 
-// --eval-every validates during the run without changing it: the same batches, so the same final model as one
-// uninterrupted run; --save-best keeps the best validated model.
 // A run's validations as printed (every "validation loss X" line, the final one included): the model step each
 // names (-1 for the final line, which names none) and its loss.
 std::vector<std::pair<int64_t, double>> Validations(const std::string& output) {
@@ -273,6 +271,8 @@ void ExpectSavedBest(const std::string& output, const std::filesystem::path& che
   EXPECT_EQ(saved->step, best_step) << output;
 }
 
+// --eval-every validates during the run without changing it: the same batches, so the same final model as one
+// uninterrupted run; --save-best keeps the best validated model.
 TEST(PerceptionctlTest, EvalEveryValidatesDuringTheRunAndSaveBestKeepsTheBest) {
   const ScopedTempDir temp("ctl_eval_every");
   std::vector<std::string> finals;
