@@ -172,7 +172,9 @@ TEST(ModelSpecInit, DtBiasAndALogFollowTheirDistributions) {
   const TensorSpec& dt_bias = layout.tensor(layout.layers[0].dt_bias);
   const TensorSpec& a_log = layout.tensor(layout.layers[0].a_log);
   std::vector<double> log_dt, a;
-  for (size_t i = 0; i < dt_bias.size; ++i) log_dt.push_back(std::log(std::log1p(std::exp(params[dt_bias.offset + i]))));
+  for (size_t i = 0; i < dt_bias.size; ++i) {
+    log_dt.push_back(std::log(std::log1p(std::exp(params[dt_bias.offset + i]))));  // ln softplus(dt_bias)
+  }
   for (size_t i = 0; i < a_log.size; ++i) a.push_back(std::exp(params[a_log.offset + i]));
   EXPECT_NEAR(Median(log_dt), std::log(1e-2), 0.3);
   EXPECT_GT(std::ranges::max(log_dt), std::log(0.097));

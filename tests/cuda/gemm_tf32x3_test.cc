@@ -467,7 +467,8 @@ TEST(BlasPlans, StayWithinTheirBoundOverManyShapes) {
     const DeviceArray<float> dx(x), dw(w), dbias(bias);
     DeviceArray<float> y(static_cast<size_t>(max_rows) * kOut);
     const auto product = [&](int rows) {
-      EXPECT_TRUE((*blas)->Forward(rows, kIn, kOut, dx.get(), kIn, dw.get(), kIn, dbias.get(), 0.f, y.get(), kOut).ok());
+      EXPECT_TRUE(
+          (*blas)->Forward(rows, kIn, kOut, dx.get(), kIn, dw.get(), kIn, dbias.get(), 0.f, y.get(), kOut).ok());
       std::vector<float> out = y.Download();
       out.resize(static_cast<size_t>(rows) * kOut);
       return out;

@@ -29,8 +29,9 @@ std::string DaemonDevice();
 // A perceptiond process. The destructor kills it (SIGKILL) if it still runs.
 class Daemon {
  public:
-  // Starts perceptiond (--device=DaemonDevice(), free loopback ports for gRPC and metrics, checkpoints in `checkpoint_dir`,
-  // then `flags`) and waits until its health is SERVING; a port taken in the meantime gets another try.
+  // Starts perceptiond (--device=DaemonDevice(), free loopback ports for gRPC and metrics, checkpoints in
+  // `checkpoint_dir`, then `flags`) and waits until its health is SERVING; a port taken in the meantime gets another
+  // try.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::filesystem::path& checkpoint_dir,
                                                        const std::vector<std::string>& flags = {});
   ~Daemon();
