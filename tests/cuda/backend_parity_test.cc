@@ -15,6 +15,7 @@
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
 #include "engine/cuda_model.h"
+#include "engine/status_macros.h"
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/test_util.h"
 
@@ -77,6 +78,19 @@ double ExpectEveryTensorClose(const ParamLayout& layout, const std::vector<float
   return worst;
 }
 
+// `model`'s loss report and gradients on `batch`.
+struct DeviceGradients {
+  kernels::StepReport report;
+  std::vector<float> grads;
+};
+absl::StatusOr<DeviceGradients> GradientsOn(CudaModel& model, const BatchView<float>& batch) {
+  RETURN_IF_ERROR(model.StageBatch(batch));
+  RETURN_IF_ERROR(model.EnqueueGradients());
+  ASSIGN_OR_RETURN(const kernels::StepReport report, model.Wait());
+  ASSIGN_OR_RETURN(std::vector<float> grads, model.DownloadGrads());
+  return DeviceGradients{report, std::move(grads)};
+}
+
 class CudaParity : public ::testing::TestWithParam<ParityCase> {
  protected:
   void SetUp() override {
@@ -108,19 +122,15 @@ class CudaParity : public ::testing::TestWithParam<ParityCase> {
     const auto batch = MakeRandomBatch(config_, B, T, seed);
     auto model = CudaModel::Create(config_, OptimizerConfig{}, params_, options_);
     ASSERT_TRUE(model.ok()) << model.status();
-    ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
-    ASSERT_TRUE((*model)->EnqueueGradients().ok());
-    const auto report = (*model)->Wait();
-    ASSERT_TRUE(report.ok()) << report.status();
-    const auto grads = (*model)->DownloadGrads();
-    ASSERT_TRUE(grads.ok()) << grads.status();
+    const absl::StatusOr<DeviceGradients> device = GradientsOn(**model, batch.view());
+    ASSERT_TRUE(device.ok()) << device.status();
 
     CpuReference<double> reference(*layout_);
     std::vector<double> expected(layout_->total_size());
     const double loss = reference.LossAndGradients(ToDouble(params_), batch.As<double>().view(B, T), expected);
-    EXPECT_LE(RelativeDifference(report->loss, loss), kLogitsTolerance);
-    const double worst = ExpectEveryTensorClose(*layout_, *grads, expected, kGradientTolerance, "gradient");
-    for (size_t i = 0; i < layout_->trained_begin(); ++i) EXPECT_EQ((*grads)[i], 0.f) << "normalizer buffers";
+    EXPECT_LE(RelativeDifference(device->report.loss, loss), kLogitsTolerance);
+    const double worst = ExpectEveryTensorClose(*layout_, device->grads, expected, kGradientTolerance, "gradient");
+    for (size_t i = 0; i < layout_->trained_begin(); ++i) EXPECT_EQ(device->grads[i], 0.f) << "normalizer buffers";
     std::printf("[parity] %s worst gradient tensor %.2e\n", CaseName({GetParam(), 0}).c_str(), worst);
   }
 
@@ -273,19 +283,15 @@ TEST(CudaParityTf32, SmallStaysWithinTheTf32Tolerance) {
   options.precision = Precision::kTf32;
   auto model = CudaModel::Create(config, OptimizerConfig{}, params, options);
   ASSERT_TRUE(model.ok()) << model.status();
-  ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
-  ASSERT_TRUE((*model)->EnqueueGradients().ok());
-  const auto report = (*model)->Wait();
-  ASSERT_TRUE(report.ok()) << report.status();
-  const auto grads = (*model)->DownloadGrads();
-  ASSERT_TRUE(grads.ok());
+  const absl::StatusOr<DeviceGradients> device = GradientsOn(**model, batch.view());
+  ASSERT_TRUE(device.ok()) << device.status();
 
   CpuReference<double> reference(layout);
   std::vector<double> expected(layout.total_size());
   const double loss = reference.LossAndGradients(ToDouble(params), batch.As<double>().view(config.batch, config.window),
                                                  expected);
-  EXPECT_LE(RelativeDifference(report->loss, loss), 5e-3);
-  const double worst = ExpectEveryTensorClose(layout, *grads, expected, 3e-2, "TF32 gradient");
+  EXPECT_LE(RelativeDifference(device->report.loss, loss), 5e-3);
+  const double worst = ExpectEveryTensorClose(layout, device->grads, expected, 3e-2, "TF32 gradient");
   // The logits themselves (errors that average out in the mean loss would pass its bar), by the forward pass alone.
   ASSERT_TRUE((*model)->StageBatch(batch.view()).ok());
   ASSERT_TRUE((*model)->EnqueueEvaluate(/*carry_state=*/false).ok());
@@ -297,7 +303,7 @@ TEST(CudaParityTf32, SmallStaysWithinTheTf32Tolerance) {
   EXPECT_LE(logits_error, 5e-3);
   EXPECT_GT(logits_error, kLogitsTolerance) << "tf32 computed as float32";
   std::printf("[parity] small TF32 logits %.2e loss %.2e worst gradient tensor %.2e\n", logits_error,
-              RelativeDifference(report->loss, loss), worst);
+              RelativeDifference(device->report.loss, loss), worst);
 }
 
 }  // namespace
