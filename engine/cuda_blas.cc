@@ -266,6 +266,7 @@ absl::StatusOr<const Blas::Plan*> Blas::PlanOf(const Shape& shape) {
   auto it = plans_.find(shape);
   if (it == plans_.end()) {
     ASSIGN_OR_RETURN(Plan plan, MakePlan(shape));
+    ++plans_made_;
     if (plans_.size() >= kMaxPlans) {
       auto oldest = std::ranges::min_element(plans_, {}, [](const auto& entry) { return entry.second.last_use; });
       DestroyPlan(oldest->second);

@@ -69,6 +69,8 @@ class Blas {
   double flops() const { return flops_; }
   // The shapes planned and kept (at most kMaxPlans).
   size_t plan_count() const { return plans_.size(); }
+  // The plans made so far, evicted ones included: a shape used again counts once while its plan is kept.
+  uint64_t plans_made() const { return plans_made_; }
 
   // Plans kept: a training step's shapes and those of the last few Evaluate shapes, where every (batch, window) an
   // Evaluate takes brings shapes of its own and a daemon lives for weeks.
@@ -128,6 +130,7 @@ class Blas {
   bool tuned_device_ = false;  // the device and cuBLASLt version the table was tuned on
   std::map<Shape, Plan> plans_;
   uint64_t plan_uses_ = 0;  // PlanOf's calls, the clock of Plan::last_use
+  uint64_t plans_made_ = 0;
   double flops_ = 0;
 };
 

@@ -449,47 +449,84 @@ TEST(BlasTf32x3, EveryShapeAtFloat32Accuracy) {
   cudaStreamDestroy(stream);
 }
 
-// Every Evaluate shape brings product shapes of its own: Blas keeps at most kMaxPlans plans, every product stays
-// right past the bound, and a shape whose plan was evicted is planned again and gives the bits it gave before.
-TEST(BlasPlans, StayWithinTheirBoundOverManyShapes) {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  {
-    DeviceArray<float> workspace(kBlasWorkspaceBytes / sizeof(float));
-    auto blas = Blas::Create(stream, workspace.get(), kBlasWorkspaceBytes, Precision::kFloat32);
+// Blas's plan map over many product shapes (every Evaluate shape brings shapes of its own): one float32 product
+// y[rows, 5] = x[rows, 8] · wᵀ + bias per row count, each row count a shape.
+class BlasPlans : public ::testing::Test {
+ protected:
+  static constexpr int kIn = 8, kOut = 5;
+  static constexpr int kMaxRows = static_cast<int>(Blas::kMaxPlans) + 200;
+
+  void SetUp() override {
+    SKIP_WITHOUT_CUDA_DEVICE();
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    workspace_.emplace(kBlasWorkspaceBytes / sizeof(float));
+    auto blas = Blas::Create(stream_, workspace_->get(), kBlasWorkspaceBytes, Precision::kFloat32);
     ASSERT_TRUE(blas.ok()) << blas.status();
-    constexpr int kIn = 8, kOut = 5;
-    const int max_rows = static_cast<int>(Blas::kMaxPlans) + 200;
-    const auto x = RandomFloats(static_cast<size_t>(max_rows) * kIn, 21);
-    const auto w = RandomFloats(static_cast<size_t>(kOut) * kIn, 22);
-    const auto bias = RandomFloats(kOut, 23);
-    const DeviceArray<float> dx(x), dw(w), dbias(bias);
-    DeviceArray<float> y(static_cast<size_t>(max_rows) * kOut);
-    const auto product = [&](int rows) {
-      EXPECT_TRUE(
-          (*blas)->Forward(rows, kIn, kOut, dx.get(), kIn, dw.get(), kIn, dbias.get(), 0.f, y.get(), kOut).ok());
-      std::vector<float> out = y.Download();
-      out.resize(static_cast<size_t>(rows) * kOut);
-      return out;
-    };
-    std::vector<std::vector<float>> first(9);
-    for (int rows = 1; rows <= max_rows; ++rows) {
-      const std::vector<float> out = product(rows);
-      ASSERT_LE((*blas)->plan_count(), Blas::kMaxPlans) << "after " << rows << " shapes";
-      const Product p{"rows", rows, kIn, kOut, 0};
-      ASSERT_LE(RelativeError(out, ForwardReference(p, x, w, bias, 0, std::vector<float>(out.size()))),
-                kFloat32ProductError)
-          << rows << " rows";
-      if (rows < static_cast<int>(first.size())) first[rows] = out;
-    }
-    EXPECT_EQ((*blas)->plan_count(), Blas::kMaxPlans);
-    for (int rows = 1; rows < static_cast<int>(first.size()); ++rows) {  // planned again, long evicted
-      EXPECT_TRUE(BitIdentical(product(rows), first[rows])) << rows << " rows";
-    }
-    EXPECT_EQ((*blas)->plan_count(), Blas::kMaxPlans);
+    blas_ = *std::move(blas);
+    x_.emplace(x_host_);
+    w_.emplace(w_host_);
+    bias_.emplace(bias_host_);
+    y_.emplace(static_cast<size_t>(kMaxRows) * kOut);
   }
-  cudaStreamDestroy(stream);
+  void TearDown() override {
+    blas_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::vector<float> Multiply(int rows) {
+    EXPECT_TRUE(blas_->Forward(rows, kIn, kOut, x_->get(), kIn, w_->get(), kIn, bias_->get(), 0.f, y_->get(), kOut)
+                    .ok());
+    std::vector<float> out = y_->Download();
+    out.resize(static_cast<size_t>(rows) * kOut);
+    return out;
+  }
+  double ProductError(int rows, const std::vector<float>& out) const {
+    const Product p{"rows", rows, kIn, kOut, 0};
+    return RelativeError(out, ForwardReference(p, x_host_, w_host_, bias_host_, 0, std::vector<float>(out.size())));
+  }
+
+  const std::vector<float> x_host_ = RandomFloats(static_cast<size_t>(kMaxRows) * kIn, 21);
+  const std::vector<float> w_host_ = RandomFloats(static_cast<size_t>(kOut) * kIn, 22);
+  const std::vector<float> bias_host_ = RandomFloats(kOut, 23);
+  cudaStream_t stream_ = nullptr;
+  std::optional<DeviceArray<float>> workspace_, x_, w_, bias_, y_;
+  std::unique_ptr<Blas> blas_;
+};
+
+// Blas keeps at most kMaxPlans plans, every product stays right past the bound, and a shape whose plan was evicted
+// is planned again and gives the bits it gave before.
+TEST_F(BlasPlans, StayWithinTheirBoundOverManyShapes) {
+  std::vector<std::vector<float>> first(9);
+  for (int rows = 1; rows <= kMaxRows; ++rows) {
+    const std::vector<float> out = Multiply(rows);
+    ASSERT_LE(blas_->plan_count(), Blas::kMaxPlans) << "after " << rows << " shapes";
+    ASSERT_LE(ProductError(rows, out), kFloat32ProductError) << rows << " rows";
+    if (rows < static_cast<int>(first.size())) first[rows] = out;
+  }
+  EXPECT_EQ(blas_->plan_count(), Blas::kMaxPlans);
+  for (int rows = 1; rows < static_cast<int>(first.size()); ++rows) {  // planned again, long evicted
+    EXPECT_TRUE(BitIdentical(Multiply(rows), first[rows])) << rows << " rows";
+  }
+  EXPECT_EQ(blas_->plan_count(), Blas::kMaxPlans);
+}
+
+// At the bound a new shape evicts the plan used longest ago, not the oldest made: a daemon's training step, planned
+// first and used every step, keeps its plans however many Evaluate shapes come after it.
+TEST_F(BlasPlans, EvictTheLeastRecentlyUsedFirst) {
+  const int kept = static_cast<int>(Blas::kMaxPlans);
+  for (int rows = 1; rows <= kept; ++rows) Multiply(rows);
+  ASSERT_EQ(blas_->plan_count(), Blas::kMaxPlans);
+  const uint64_t made = blas_->plans_made();
+  Multiply(1);  // the first made, now the last used
+  EXPECT_EQ(blas_->plans_made(), made) << "a kept plan was made again";
+  Multiply(kept + 1);  // evicts 2 rows' plan
+  EXPECT_EQ(blas_->plans_made(), made + 1);
+  Multiply(1);
+  Multiply(kept);
+  EXPECT_EQ(blas_->plans_made(), made + 1) << "a recently used plan was evicted";
+  Multiply(2);
+  EXPECT_EQ(blas_->plans_made(), made + 2) << "the least recently used plan was kept";
+  EXPECT_EQ(blas_->plan_count(), Blas::kMaxPlans);
 }
 
 }  // namespace
