@@ -45,9 +45,9 @@ inline std::vector<float> InitialParams(const ModelConfig& config, uint64_t seed
   return params;
 }
 
-// Initialized parameters with every tensor perturbed (constants like norm weights 1 and D 1 become random),
-// and a random normalizer, so that no gradient path is hidden by a special value.
-inline std::vector<float> RandomParams(const ParamLayout& layout, uint64_t seed) {
+// Initialized parameters with every tensor perturbed by up to ±`perturbation` (constants like norm weights 1 and D 1
+// become random), and a random normalizer, so that no gradient path is hidden by a special value.
+inline std::vector<float> RandomParams(const ParamLayout& layout, uint64_t seed, double perturbation = 0.2) {
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, seed, params);
   Rng rng(seed ^ 0x5eed);
@@ -56,7 +56,7 @@ inline std::vector<float> RandomParams(const ParamLayout& layout, uint64_t seed)
       if (t.name == "norm.inv_std") {
         params[i] = static_cast<float>(rng.Uniform(0.5, 2.0));
       } else {
-        params[i] += static_cast<float>(rng.Uniform(-0.2, 0.2));
+        params[i] += static_cast<float>(rng.Uniform(-perturbation, perturbation));
       }
     }
   }

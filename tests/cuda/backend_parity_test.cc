@@ -35,6 +35,7 @@ struct ParityCase {
   int batch;
   Precision precision = Precision::kFloat32;
   int window = 0;  // the config's where 0
+  double perturbation = 0.2;  // RandomParams'
 };
 
 void PrintTo(const ParityCase& c, std::ostream* os) {
@@ -96,7 +97,7 @@ class CudaParity : public ::testing::TestWithParam<ParityCase> {
   void SetUp() override {
     config_ = ConfigOf(GetParam());
     layout_ = std::make_unique<ParamLayout>(config_);
-    params_ = RandomParams(*layout_, 7);
+    params_ = RandomParams(*layout_, 7, GetParam().perturbation);
     options_.precision = GetParam().precision;
   }
   // `backend`'s Evaluate of B random windows of T events (from `seed`) against the float64 reference: logits and
@@ -149,10 +150,12 @@ INSTANTIATE_TEST_SUITE_P(Tf32x3, CudaParity,
                          CaseName);
 // `large` (its full width, a window of 32: the config's warmup, 16, must be below it): its GRN head (G = 128) is wider
 // than the fused head kernel takes, so its separate head kernels run, side by side in float32 and stacked gate and
-// value products in 3×TF32.
+// value products in 3×TF32. Its parameters are perturbed by ±0.05, about its initial weights' scale (1/√512): at
+// ±0.2 its 10-step trajectory is so ill-conditioned that the CPU reference's own float32 run ends 9.7e-4 from
+// float64 in the AdamW moments (2e-4 in step 9's gradient norm), where at ±0.05 it ends 2e-5 from it.
 INSTANTIATE_TEST_SUITE_P(Large, CudaParity,
-                         ::testing::Values(ParityCase{"large", 2, Precision::kFloat32, 32},
-                                           ParityCase{"large", 2, Precision::kFloat32Tf32x3, 32}),
+                         ::testing::Values(ParityCase{"large", 2, Precision::kFloat32, 32, 0.05},
+                                           ParityCase{"large", 2, Precision::kFloat32Tf32x3, 32, 0.05}),
                          CaseName);
 
 TEST_P(CudaParity, LogitsAndLossMatchTheReference) {
