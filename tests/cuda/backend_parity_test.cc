@@ -150,7 +150,7 @@ INSTANTIATE_TEST_SUITE_P(Tf32x3, CudaParity,
                          CaseName);
 // `large` (its full width, a window of 32: the config's warmup, 16, must be below it): its GRN head (G = 128) is wider
 // than the fused head kernel takes, so its separate head kernels run, side by side in float32 and stacked gate and
-// value products in 3×TF32. Its parameters are perturbed by ±0.05, about its initial weights' scale (1/√512): at
+// value products in 3×TF32. Its parameters are perturbed by ±0.05, about its in_proj's initial scale (1/√512): at
 // ±0.2 its 10-step trajectory is so ill-conditioned that the CPU reference's own float32 run ends 9.7e-4 from
 // float64 in the AdamW moments (2e-4 in step 9's gradient norm), where at ±0.05 it ends 2e-5 from it.
 INSTANTIATE_TEST_SUITE_P(Large, CudaParity,
