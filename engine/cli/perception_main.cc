@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <span>
@@ -54,6 +55,9 @@ PERCEPTION_FLAG(double, train_fraction, 0.7,
 PERCEPTION_FLAG(int, log_every, 25, "steps between progress lines");
 PERCEPTION_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
 PERCEPTION_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
+PERCEPTION_FLAG(std::string, save_best, "",
+    "train: checkpoint path that holds the model of the run's lowest validation loss, written at each validation "
+    "that beats the run's best (optional)");
 PERCEPTION_FLAG(std::string, checkpoint, "",
     "eval: checkpoint to evaluate (train starts from a fresh initialization)");
 PERCEPTION_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
@@ -66,7 +70,8 @@ namespace {
 constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offline.
 
   perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N [--batch B] [--window T]
-                   [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off] --save CKPT
+                   [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off]
+                   [--val_every N] [--save_best CKPT] --save CKPT
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
   (--device defaults to cpu)
@@ -110,6 +115,7 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_log_every, {"train"}},
       {FLAGS_val_every, {"train"}},
       {FLAGS_save, {"train"}},
+      {FLAGS_save_best, {"train"}},
       {FLAGS_checkpoint, {"eval"}},
       {FLAGS_out, {"eval"}},
       {FLAGS_features_out, {"eval"}},
@@ -223,6 +229,35 @@ absl::Status CheckShapeFlags() {
   return absl::OkStatus();
 }
 
+// --save_best: the model of the run's lowest validation loss so far, written to `path` whenever a validation beats
+// it (nothing where `path` is empty). A run on one day overfits it (the shipped AMZN day's validation is lowest
+// near step 50 of the default 200 steps), and --save keeps the last model.
+class BestModel {
+ public:
+  BestModel(std::string path, const OptimizerConfig& optimizer) : path_(std::move(path)), optimizer_(optimizer) {}
+
+  absl::Status Offer(Backend& backend, double val_loss) {
+    if (path_.empty() || !(val_loss < loss_)) return absl::OkStatus();
+    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend.ExportState());
+    checkpoint.optimizer = optimizer_;
+    RETURN_IF_ERROR(SaveCheckpoint(path_, checkpoint));
+    loss_ = val_loss;
+    step_ = checkpoint.step;
+    return absl::OkStatus();
+  }
+  void Report() const {
+    if (path_.empty()) return;
+    std::printf("best validation loss %.5f at step %lld: saved %s\n", loss_, static_cast<long long>(step_),
+                path_.c_str());
+  }
+
+ private:
+  std::string path_;
+  OptimizerConfig optimizer_;
+  double loss_ = INFINITY;
+  int64_t step_ = 0;
+};
+
 absl::Status Train() {
   if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
@@ -234,9 +269,13 @@ absl::Status Train() {
   // The schedule does not depend on the data: a bad one fails before the data is read.
   ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
-  // The checkpoint is written only after training: a destination that cannot be written must fail now.
-  RETURN_IF_ERROR(CheckWritableDestination(absl::GetFlag(FLAGS_save)));
-  RETURN_IF_ERROR(CheckOutputsDistinct({{{"--save", absl::GetFlag(FLAGS_save)}}}, LobsterInputs()));
+  // The checkpoints are written only after steps: a destination that cannot be written must fail now.
+  std::vector<NamedPath> outputs = {{"--save", absl::GetFlag(FLAGS_save)}};
+  if (const std::string save_best = absl::GetFlag(FLAGS_save_best); !save_best.empty()) {
+    outputs.push_back({"--save_best", save_best});
+  }
+  for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
+  RETURN_IF_ERROR(CheckOutputsDistinct(outputs, LobsterInputs()));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
@@ -280,6 +319,7 @@ absl::Status Train() {
   const int val_every = absl::GetFlag(FLAGS_val_every);
   const auto start = std::chrono::steady_clock::now();
   double val_loss = NAN;
+  BestModel best(absl::GetFlag(FLAGS_save_best), optimizer);
   sampler.Sample(config.batch, batches[0]);
   for (int s = 1; s <= steps; ++s) {
     const Batch& batch = batches[(s - 1) % 2];
@@ -291,6 +331,7 @@ absl::Status Train() {
     const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
     if (validate) {
       ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
+      RETURN_IF_ERROR(best.Offer(*backend, val_loss));
     }
     if (validate || s % log_every == 0 || s == 1) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -307,6 +348,7 @@ absl::Status Train() {
   checkpoint.optimizer = optimizer;
   RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
+  best.Report();
   return absl::OkStatus();
 }
 

@@ -480,6 +480,59 @@ TEST(PerceptionCliTest, TrainRefusesNoStepsAndNoSave) {
   EXPECT_TRUE(std::filesystem::exists(temp.path() / "tiny.safetensors"));
 }
 
+// The (step, val_loss) of each progress line of `perception train` that validated.
+std::vector<std::pair<int64_t, double>> CliValidations(const std::string& output) {
+  std::vector<std::pair<int64_t, double>> found;
+  for (const absl::string_view line : absl::StrSplit(output, '\n')) {
+    const std::vector<absl::string_view> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    const auto at = std::ranges::find(words, "val_loss");
+    int64_t step = 0;
+    double loss = 0;
+    if (words.size() < 2 || words[0] != "step" || at == words.end() || std::next(at) == words.end() ||
+        !absl::SimpleAtoi(words[1], &step) || !absl::SimpleAtod(*std::next(at), &loss)) {
+      continue;
+    }
+    found.emplace_back(step, loss);
+  }
+  return found;
+}
+
+// --save_best holds the model of the run's lowest validation loss, --save the last. On the AMZN day at this rate
+// the best is neither the first validation nor the last, so a file written at either would not pass.
+TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
+  const ScopedTempDir temp("cli_save_best");
+  const std::filesystem::path last = temp.path() / "last.safetensors", best = temp.path() / "best.safetensors";
+  const std::string amzn = absl::StrCat(testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ",
+                                        testing::ShippedLobsterPath("AMZN", "message", 1));
+  const std::string train = absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", amzn,
+                                         " --steps 12 --val_every 2 --lr 0.05 --save ", last.string());
+  const CommandResult run = RunCommand(absl::StrCat(train, " --save_best ", best.string()));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<std::pair<int64_t, double>> validations = CliValidations(run.output);
+  ASSERT_EQ(validations.size(), 6u) << run.output;
+  const auto lowest = std::ranges::min_element(validations, {}, [](const auto& v) { return v.second; });
+  ASSERT_NE(lowest, validations.begin()) << "the run no longer tells the best from the first validation";
+  ASSERT_NE(lowest, std::prev(validations.end())) << "the run no longer tells the best from the last";
+  EXPECT_THAT(run.output, HasSubstr(absl::StrFormat("best validation loss %.5f at step %d: saved %s", lowest->second,
+                                                    lowest->first, best.string())));
+  const absl::StatusOr<Checkpoint> saved_best = LoadCheckpoint(best.string());
+  const absl::StatusOr<Checkpoint> saved_last = LoadCheckpoint(last.string());
+  ASSERT_TRUE(saved_best.ok()) << saved_best.status();
+  ASSERT_TRUE(saved_last.ok()) << saved_last.status();
+  EXPECT_EQ(saved_best->step, lowest->first);
+  EXPECT_EQ(saved_last->step, 12);
+
+  // Refused before any data is read: --save's own file, and a folder that does not exist.
+  const CommandResult same = RunCommand(absl::StrCat(train, " --save_best ", last.string()));
+  EXPECT_EQ(same.exit_code, 1) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("--save and --save_best name one file"));
+  EXPECT_THAT(same.output, Not(HasSubstr("class-prior baseline")));
+  const CommandResult unwritable = RunCommand(absl::StrCat(train, " --save_best /nonexistent/b.st"));
+  EXPECT_EQ(unwritable.exit_code, 1) << unwritable.output;
+  EXPECT_THAT(unwritable.output, HasSubstr("cannot create /nonexistent/b.st.tmp."));
+  EXPECT_THAT(unwritable.output, Not(HasSubstr("class-prior baseline")));
+}
+
 // --save was first touched after training, so a typo in its folder threw the whole run away.
 TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
   const CommandResult train =
