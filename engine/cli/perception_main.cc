@@ -236,24 +236,43 @@ class BestModel {
  public:
   BestModel(std::string path, const OptimizerConfig& optimizer) : path_(std::move(path)), optimizer_(optimizer) {}
 
-  absl::Status Offer(Backend& backend, double val_loss) {
-    if (path_.empty() || !(val_loss < loss_)) return absl::OkStatus();
-    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend.ExportState());
-    checkpoint.optimizer = optimizer_;
-    RETURN_IF_ERROR(SaveCheckpoint(path_, checkpoint));
-    loss_ = val_loss;
-    step_ = checkpoint.step;
-    return absl::OkStatus();
+  // A failed write is kept for Report and ends the offers, not the run: the steps and --save's model are not lost
+  // to a full disk.
+  void Offer(Backend& backend, double val_loss) {
+    if (path_.empty() || !failure_.ok() || !(val_loss < loss_)) return;
+    failure_ = Save(backend);
+    if (failure_.ok()) {
+      loss_ = val_loss;
+    } else {
+      spdlog::error("--save_best {} not written: {}; the run goes on", path_, failure_.ToString());
+    }
   }
-  void Report() const {
-    if (path_.empty()) return;
+  // The best's line; an error where a write failed or no validation loss was finite (a file already at the path
+  // is not this run's best).
+  absl::Status Report() const {
+    if (path_.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(failure_);
+    if (!std::isfinite(loss_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--save_best ", path_, " not written: no validation loss was finite"));
+    }
     std::printf("best validation loss %.5f at step %lld: saved %s\n", loss_, static_cast<long long>(step_),
                 path_.c_str());
+    return absl::OkStatus();
   }
 
  private:
+  absl::Status Save(Backend& backend) {
+    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend.ExportState());
+    checkpoint.optimizer = optimizer_;
+    RETURN_IF_ERROR(SaveCheckpoint(path_, checkpoint));
+    step_ = checkpoint.step;
+    return absl::OkStatus();
+  }
+
   std::string path_;
   OptimizerConfig optimizer_;
+  absl::Status failure_;
   double loss_ = INFINITY;
   int64_t step_ = 0;
 };
@@ -273,6 +292,8 @@ absl::Status Train() {
   std::vector<NamedPath> outputs = {{"--save", absl::GetFlag(FLAGS_save)}};
   if (const std::string save_best = absl::GetFlag(FLAGS_save_best); !save_best.empty()) {
     outputs.push_back({"--save_best", save_best});
+  } else if (FlagGiven(FLAGS_save_best)) {
+    return absl::InvalidArgumentError("--save_best needs a checkpoint path");
   }
   for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
   RETURN_IF_ERROR(CheckOutputsDistinct(outputs, LobsterInputs()));
@@ -331,7 +352,7 @@ absl::Status Train() {
     const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
     if (validate) {
       ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
-      RETURN_IF_ERROR(best.Offer(*backend, val_loss));
+      best.Offer(*backend, val_loss);
     }
     if (validate || s % log_every == 0 || s == 1) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -348,8 +369,7 @@ absl::Status Train() {
   checkpoint.optimizer = optimizer;
   RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
-  best.Report();
-  return absl::OkStatus();
+  return best.Report();
 }
 
 absl::Status Eval() {
