@@ -161,6 +161,14 @@ absl::Status CheckOutputsDistinct(std::span<const NamedPath> outputs, std::span<
   return absl::OkStatus();
 }
 
+// The outputs a subcommand writes only after its work: distinct from each other and from its inputs, and each a
+// destination that takes a new file, so that a run fails before the work and before any of them is written.
+absl::Status CheckOutputsBeforeTheWork(std::span<const NamedPath> outputs, std::span<const NamedPath> inputs) {
+  RETURN_IF_ERROR(CheckOutputsDistinct(outputs, inputs));
+  for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
+  return absl::OkStatus();
+}
+
 // --lobster's two files, as inputs CheckOutputsDistinct compares outputs with.
 std::vector<NamedPath> LobsterInputs() {
   std::vector<NamedPath> inputs;
@@ -229,6 +237,14 @@ absl::Status CheckShapeFlags() {
   return absl::OkStatus();
 }
 
+// The backend's model and optimizer state with the run's optimizer settings, written to `path`; its step.
+absl::StatusOr<int64_t> SaveModel(Backend& backend, const OptimizerConfig& optimizer, const std::string& path) {
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, backend.ExportState());
+  checkpoint.optimizer = optimizer;
+  RETURN_IF_ERROR(SaveCheckpoint(path, checkpoint));
+  return checkpoint.step;
+}
+
 // --save_best: the model of the run's lowest validation loss so far, written to `path` whenever a validation beats
 // it (nothing where `path` is empty). A run on one day overfits it (the shipped AMZN day's validation is lowest
 // near step 50 of the default 200 steps), and --save keeps the last model.
@@ -240,10 +256,12 @@ class BestModel {
   // to a full disk.
   void Offer(Backend& backend, double val_loss) {
     if (path_.empty() || !failure_.ok() || !(val_loss < loss_)) return;
-    failure_ = Save(backend);
-    if (failure_.ok()) {
+    absl::StatusOr<int64_t> step = SaveModel(backend, optimizer_, path_);
+    if (step.ok()) {
       loss_ = val_loss;
+      step_ = *step;
     } else {
+      failure_ = step.status();
       spdlog::error("--save_best {} not written: {}; the run goes on", path_, failure_.ToString());
     }
   }
@@ -262,14 +280,6 @@ class BestModel {
   }
 
  private:
-  absl::Status Save(Backend& backend) {
-    ASSIGN_OR_RETURN(Checkpoint checkpoint, backend.ExportState());
-    checkpoint.optimizer = optimizer_;
-    RETURN_IF_ERROR(SaveCheckpoint(path_, checkpoint));
-    step_ = checkpoint.step;
-    return absl::OkStatus();
-  }
-
   std::string path_;
   OptimizerConfig optimizer_;
   absl::Status failure_;
@@ -288,15 +298,13 @@ absl::Status Train() {
   // The schedule does not depend on the data: a bad one fails before the data is read.
   ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
-  // The checkpoints are written only after steps: a destination that cannot be written must fail now.
   std::vector<NamedPath> outputs = {{"--save", absl::GetFlag(FLAGS_save)}};
   if (const std::string save_best = absl::GetFlag(FLAGS_save_best); !save_best.empty()) {
     outputs.push_back({"--save_best", save_best});
   } else if (FlagGiven(FLAGS_save_best)) {
     return absl::InvalidArgumentError("--save_best needs a checkpoint path");
   }
-  for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
-  RETURN_IF_ERROR(CheckOutputsDistinct(outputs, LobsterInputs()));
+  RETURN_IF_ERROR(CheckOutputsBeforeTheWork(outputs, LobsterInputs()));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
@@ -365,10 +373,8 @@ absl::Status Train() {
   std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n", val_loss, prior_loss,
               val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
   const std::string save = absl::GetFlag(FLAGS_save);
-  ASSIGN_OR_RETURN(Checkpoint checkpoint, backend->ExportState());
-  checkpoint.optimizer = optimizer;
-  RETURN_IF_ERROR(SaveCheckpoint(save, checkpoint));
-  std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(checkpoint.step));
+  ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
+  std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));
   return best.Report();
 }
 
@@ -376,16 +382,13 @@ absl::Status Eval() {
   const std::string path = absl::GetFlag(FLAGS_checkpoint);
   if (path.empty()) return absl::InvalidArgumentError("eval needs --checkpoint");
   if (absl::GetFlag(FLAGS_out).empty()) return absl::InvalidArgumentError("eval needs --out LOGITS.npy");
-  // Both outputs are written only after the forward pass, one after the other: a destination that cannot be written
-  // must fail now, before the work and before the other file is written.
   std::vector<NamedPath> outputs = {{"--out", absl::GetFlag(FLAGS_out)}};
   if (const std::string features_out = absl::GetFlag(FLAGS_features_out); !features_out.empty()) {
     outputs.push_back({"--features_out", features_out});
   }
   std::vector<NamedPath> inputs = LobsterInputs();
   inputs.push_back({"--checkpoint", path});
-  RETURN_IF_ERROR(CheckOutputsDistinct(outputs, inputs));
-  for (const NamedPath& output : outputs) RETURN_IF_ERROR(CheckWritableDestination(output.path));
+  RETURN_IF_ERROR(CheckOutputsBeforeTheWork(outputs, inputs));
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
   const ModelConfig& config = checkpoint.config;
