@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
 
 namespace perception {
 
@@ -44,8 +45,8 @@ absl::Status StreamTable::Close(const std::string& instrument) {
   return absl::OkStatus();
 }
 
-absl::Status StreamTable::Accept(int slot, uint64_t seq) {
-  Slot& s = slots_[slot];
+absl::Status StreamTable::CheckNextSeq(int slot, uint64_t seq) const {
+  const Slot& s = slots_[slot];
   if (seq == UINT64_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("instrument '", s.instrument, "': sequence number ", seq,
                                                    " is the largest there is; numbers must stay below it"));
@@ -56,6 +57,12 @@ absl::Status StreamTable::Accept(int slot, uint64_t seq) {
                                                    " out of order, expected ", *expected,
                                                    seq < *expected ? " (repeated)" : " (skipped)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status StreamTable::Accept(int slot, uint64_t seq) {
+  RETURN_IF_ERROR(CheckNextSeq(slot, seq));
+  Slot& s = slots_[slot];
   if (!s.first_seq) s.first_seq = seq;
   s.last_accepted = seq;
   return absl::OkStatus();

@@ -35,8 +35,11 @@ class StreamTable {
   // Frees the instrument's slot and forgets its log; the caller also resets the backend's slot state.
   absl::Status Close(const std::string& instrument);
 
-  // Receipt of an event: `seq` must be NextSeq where it has one (INVALID_ARGUMENT naming it otherwise), and below
-  // UINT64_MAX so that one past it has a number. Accepted events are then processed in order.
+  // Whether the slot would accept `seq`: it must be NextSeq where it has one (INVALID_ARGUMENT naming it otherwise),
+  // and below UINT64_MAX so that one past it has a number.
+  absl::Status CheckNextSeq(int slot, uint64_t seq) const;
+  // Receipt of an event whose `seq` CheckNextSeq takes (its error otherwise). Accepted events are then processed in
+  // order.
   absl::Status Accept(int slot, uint64_t seq);
   // The sequence number the slot takes next: the last accepted + 1, or its first accepted where every event it took
   // was dropped; none (any number) before its first event.

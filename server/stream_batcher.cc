@@ -136,6 +136,7 @@ absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
   ASSIGN_OR_RETURN(const int slot, table_.Open(instrument));
   queues_[slot] = SlotQueue{};
   queues_[slot].instrument = instrument;
+  queues_[slot].stream = ++streams_opened_;
   metrics_.SetActiveStreams(table_.active());
   return slot;
 }
@@ -157,6 +158,8 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
                                                    " is the largest there is; numbers must stay below it"));
   }
   absl::StatusOr<int> slot = table_.SlotOf(event.instrument());
+  reason = "closed";
+  RETURN_IF_ERROR(CheckSameStreamLocked(*sink, event.instrument(), slot));
   const bool opens = !slot.ok();
   if (opens) slot = OpenLocked(event.instrument());
   if (!slot.ok()) {
@@ -166,7 +169,18 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
   const absl::Status queued = QueueLocked(event, sink, *slot, reason);
   // A stream the refused event would have opened is not left behind holding a slot: nothing of it reached the device.
   if (!queued.ok() && opens) CloseSlotLocked(*slot).IgnoreError();
+  if (queued.ok()) sink->streams_fed_.try_emplace(event.instrument(), queues_[*slot].stream);
   return queued;
+}
+
+absl::Status StreamBatcher::CheckSameStreamLocked(const StreamSink& sink, const std::string& instrument,
+                                                  const absl::StatusOr<int>& slot) const {
+  const auto fed = sink.streams_fed_.find(instrument);
+  if (fed == sink.streams_fed_.end() || (slot.ok() && queues_[*slot].stream == fed->second)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "instrument '", instrument, "' was closed (CloseStream) after this call's earlier events of it",
+      slot.ok() ? " and has been opened again since" : "",
+      ": its later events would start a stream from nothing; send them on a new Stream call"));
 }
 
 absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot,
@@ -187,6 +201,10 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
         lobster ? "a LOBSTER row" : "a feature vector", " cannot follow them (the rows' Δt and mid return would skip ",
         "the other events): reset or close the stream first"));
   }
+  // Before the features: a repeated event (a client resending what it is unsure was processed) is refused as
+  // repeated, not for the time or book its featurizer, which is past it, would find out of order.
+  reason = "sequence";
+  RETURN_IF_ERROR(table_.CheckNextSeq(slot, event.seq()));
   std::vector<float>& x = accept_x_;
   x.resize(NFeaturesLocked());
   float dt = 0;

@@ -209,6 +209,15 @@ TEST_F(StreamingTest, StreamedConvictionsEqualPerceptionEval) {
   EXPECT_EQ(log.max_version, status->model().weights_version());
   EXPECT_EQ(status->streaming().weights_version(), status->model().weights_version());
   EXPECT_EQ(status->streaming().active_streams(), 1);
+
+  // Rows a client resends, unsure whether they were processed (at-least-once delivery), are refused as repeated,
+  // not for their times, which run back from the stream's last.
+  std::vector<v1::StreamRequest> resent(1);
+  for (size_t i = 900; i < 903; ++i) *resent[0].add_events() = LobsterEvent(*data, i, "AAPL", i + 1);
+  const absl::Status repeated = StreamAll(client(), resent);
+  EXPECT_EQ(repeated.code(), absl::StatusCode::kInvalidArgument) << repeated;
+  EXPECT_THAT(std::string(repeated.message()), HasSubstr("sequence number 901 out of order, expected 1000 (repeated)"));
+  EXPECT_EQ(ReadAll(client(), "AAPL", 1, 300).seqs.size(), 999u);
 }
 
 // A SeedStream refused for its window set up streaming first (its slots and logs, the weights published): the
@@ -679,6 +688,55 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
       RunCommand(absl::StrCat(PERCEPTION_PROMTOOL, " check metrics < ", (dir_ / "metrics.txt").string()));
   EXPECT_EQ(promtool.exit_code, 0) << promtool.output;
   EXPECT_EQ(promtool.output, "") << "promtool lint findings";
+}
+
+// CloseStream while a Stream call still feeds the instrument: the call's next event of it is refused, and the call
+// ends saying so. It had been queued on a new stream from a zero state, and the call ended "all acknowledged" with
+// the closed stream's convictions gone and nothing to tell the client. A new call opens the instrument afresh.
+TEST_F(StreamingTest, ACallWhoseInstrumentWasClosedUnderItHearsSo) {
+  StartDaemon({"--stream_slots=2"});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 8, 4);
+  absl::Mutex mu;
+  uint64_t acked = 0;
+  const std::unique_ptr<client::EventStream> stream = client().OpenStream([&](const v1::StreamResponse& response) {
+    absl::MutexLock lock(&mu);
+    for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
+  });
+  v1::StreamRequest first;
+  first.set_ack(true);
+  for (int t = 0; t < 3; ++t) *first.add_events() = FeatureEvent(series, config.n_features, t, "Z", t + 1);
+  ASSERT_TRUE(stream->Write(first));
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(+[](uint64_t* seq) { return *seq == 3; }, &acked),
+                                    absl::Seconds(30)));
+  }
+  v1::CloseStreamRequest close;
+  close.set_instrument("Z");
+  absl::StatusOr<v1::CloseStreamResponse> closed = client().CloseStream(close);
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  EXPECT_EQ(closed->processed_events(), 3u);
+
+  v1::StreamRequest next;
+  *next.add_events() = FeatureEvent(series, config.n_features, 3, "Z", 4);
+  stream->Write(next);  // (false where the call ended already)
+  ExpectRefused(stream->Finish(), absl::StatusCode::kFailedPrecondition,
+                "event 0 (instrument 'Z', seq 4): instrument 'Z' was closed (CloseStream) after this call's earlier "
+                "events of it: its later events would start a stream from nothing; send them on a new Stream call");
+  absl::StatusOr<v1::ListStreamsResponse> streams = client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << "the refused event opened no stream";
+
+  // A new call starts Z again; the old call's refusal was counted.
+  std::vector<v1::StreamRequest> again(1);
+  *again[0].add_events() = FeatureEvent(series, config.n_features, 0, "Z", 1);
+  ASSERT_TRUE(StreamAll(client(), again).ok());
+  EXPECT_EQ(ReadAll(client(), "Z", 0, 10).seqs, std::vector<uint64_t>{1});
+  absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"closed\"} 1"));
 }
 
 // A feature vector that standardizes beyond kMaxStandardizedFeature would overflow float32 in the model and leave
