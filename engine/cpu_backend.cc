@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
+#include "engine/host_allocation.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -93,11 +94,24 @@ class CpuBackend final : public Backend {
                                                      log_entries_per_slot, ") > 0"));
     }
     const size_t H = layout_.config().n_horizons;
-    slots_.assign(slots, StreamState<float>::Zero(layout_.config()));
-    slot_probs_.assign(slots * H, 0.f);
+    const size_t entries = static_cast<size_t>(slots) * static_cast<size_t>(log_entries_per_slot);
+    // Built aside, so that a configuration the host cannot hold leaves the last one (or none) whole.
+    std::vector<StreamState<float>> states;
+    std::vector<float> probs, convictions, log_probs;
+    RETURN_IF_ERROR(AllocateOrExhausted(
+        absl::StrCat("the streams' states and conviction logs (", slots, " slots of ", log_entries_per_slot,
+                     " entries; perceptiond --stream_slots, --stream_log_entries)"),
+        [&] {
+          states.assign(slots, StreamState<float>::Zero(layout_.config()));
+          probs.assign(slots * H, 0.f);
+          convictions.assign(entries, 0.f);
+          log_probs.assign(entries * H, 0.f);
+        }));
+    slots_ = std::move(states);
+    slot_probs_ = std::move(probs);
     log_entries_ = log_entries_per_slot;
-    log_convictions_.assign(slots * log_entries_per_slot, 0.f);
-    log_probs_.assign(slots * log_entries_per_slot * H, 0.f);
+    log_convictions_ = std::move(convictions);
+    log_probs_ = std::move(log_probs);
     first_nonfinite_.assign(slots, std::nullopt);
     return PublishWeights();
   }

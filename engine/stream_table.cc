@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "engine/host_allocation.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -25,12 +26,17 @@ absl::StatusOr<int> StreamTable::Open(const std::string& instrument) {
     return absl::ResourceExhaustedError(absl::StrCat("all ", slots_.size(), " stream slots are in use; close a stream",
                                                      " or start the daemon with more (perceptiond --stream_slots)"));
   }
+  // Allocated before the slot is taken: a log the host cannot hold refuses the stream and leaves the slot free.
+  std::vector<uint64_t> weights_versions;
+  RETURN_IF_ERROR(AllocateOrExhausted(
+      absl::StrCat("the conviction log of a stream (", log_entries_, " entries; perceptiond --stream_log_entries)"),
+      [&] { weights_versions.assign(log_entries_, 0); }));
   const int slot = free_slots_.back();
   free_slots_.pop_back();
   Slot& s = slots_[slot];
   s = Slot{};
   s.instrument = instrument;
-  s.weights_versions.assign(log_entries_, 0);
+  s.weights_versions = std::move(weights_versions);
   by_instrument_[instrument] = slot;
   return slot;
 }

@@ -245,6 +245,22 @@ TEST(StreamTableTest, FeaturizerKeepsItsLevelCount) {
   EXPECT_TRUE(table.Featurizer(slot, 1).ok());
 }
 
+// A log the host cannot hold (here one larger than a vector holds: the same refusal as running out of memory, in
+// every build) refuses the stream, and its slot stays free. The allocation threw on a gRPC thread and the slot,
+// taken first, was lost.
+TEST(StreamTableTest, ALogTheHostCannotHoldRefusesTheStreamAndKeepsItsSlot) {
+  StreamTable table(1, int64_t{1} << 62);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const absl::StatusOr<int> opened = table.Open("AAPL");
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(opened.status().message(),
+                HasSubstr("cannot allocate the conviction log of a stream (4611686018427387904 entries; perceptiond "
+                          "--stream_log_entries)"));
+    EXPECT_EQ(table.active(), 0);
+    EXPECT_EQ(table.SlotOf("AAPL").status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
 // Streams several instruments interleaved, one event per instrument per tick, and checks every conviction against
 // the sequence path over that instrument's own events. Runs on every backend: "cpu" here, "cuda" where a device
 // exists (skipped with the reason elsewhere).
@@ -531,6 +547,30 @@ TEST_P(StreamingBackendTest, ASeedWhoseStateIsNotFiniteIsRefusedAndAFiniteOneSee
   std::vector<float> conviction(1);
   ASSERT_TRUE(backend_->ReadLog(1, 0, 1, conviction, {}).ok());
   EXPECT_TRUE(std::isfinite(conviction[0])) << conviction[0];
+}
+
+// Streaming logs the host cannot hold are refused (they threw std::bad_alloc on the daemon's device worker, which
+// ended the daemon), and the configuration before them stays whole: its slots still step and read back.
+TEST(CpuStreamingTest, LogsTheHostCannotHoldAreRefusedAndTheLastConfigurationStays) {
+  const ModelConfig config = *NamedConfig("tiny");
+  const ParamLayout layout(config);
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      MakeBackend("cpu", config, OptimizerConfig{}, testing::RandomParams(layout, 62));
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->ConfigureStreaming(2, 8).ok());
+  const absl::Status refused = (*backend)->ConfigureStreaming(1, int64_t{1} << 62);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("cannot allocate the streams' states and conviction logs (1 slots of "
+                                           "4611686018427387904 entries; perceptiond --stream_slots, "
+                                           "--stream_log_entries)"));
+  const testing::RandomBatch events = testing::MakeRandomBatch(config, 1, 1, 63);
+  const std::vector<int32_t> slots = {1};
+  const std::vector<int64_t> entries = {7};
+  ASSERT_TRUE((*backend)->ForwardStepInto({events.x, events.dt, slots, entries}).ok());
+  std::vector<float> conviction(1), probs(config.n_horizons);
+  ASSERT_TRUE((*backend)->ReadLog(1, 7, 1, conviction, probs).ok());
+  EXPECT_TRUE(std::isfinite(conviction[0]));
+  EXPECT_NE(conviction[0], 0.f);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StreamingBackendTest, ::testing::Values("cpu", "cuda"),
