@@ -105,7 +105,9 @@ ABSL_FLAG(int64_t, stream_max_pending_events, 1 << 20,
           "streamed events accepted and not yet processed, over all streams, at which Stream calls stop reading "
           "requests until the device catches up (bounds the daemon's memory; each call reads at most one request "
           "past it)");
-ABSL_FLAG(int64_t, stream_read_max, 65536, "most convictions one ReadConvictions page returns");
+ABSL_FLAG(int64_t, stream_read_max, 65536,
+          "most convictions one ReadConvictions page returns (a page also stays within 4,000,000 bytes, which gRPC's "
+          "clients receive without raising their limit)");
 ABSL_FLAG(int64_t, inject_device_loss_at_tick, 0,
           "for tests of a lost device: the streaming tick with this number (from 1) loses the device instead of "
           "running (on CUDA a kernel that traps, a real sticky error); 0: never");

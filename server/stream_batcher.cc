@@ -582,6 +582,12 @@ absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument)
 
 namespace {
 
+// What one entry of a ReadConvictions page takes at most: its sequence number (a varint), its conviction and, where
+// asked for, its probabilities.
+int64_t ReadEntryBytes(int horizons, bool with_probabilities) {
+  return 10 + 4 + (with_probabilities ? 4 * int64_t{horizons} : 0);
+}
+
 // A seed window's features and Δt, [events, F] and [events].
 struct SeedWindow {
   std::vector<float> x, dt;
@@ -697,17 +703,22 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
                                                      : std::min(request.max_count(), options_.max_read_count);
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::ReadConvictionsResponse> {
     FinishTicksBefore(host);  // no entry read is one of them
-    StreamTable::LogRange range;
     int slot = 0;
     {
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(slot, table_.SlotOf(request.instrument()));
-      absl::StatusOr<StreamTable::LogRange> held = table_.Range(slot, request.from_seq(), max_count);
+    }
+    // (Only this thread, the worker's, closes streams: the slot stays the instrument's.)
+    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
+    const int H = backend->config().n_horizons;
+    const int64_t page = std::min(max_count, options_.max_read_bytes / ReadEntryBytes(H, request.with_probabilities()));
+    StreamTable::LogRange range;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<StreamTable::LogRange> held = table_.Range(slot, request.from_seq(), std::max<int64_t>(page, 1));
       if (absl::IsOutOfRange(held.status())) metrics_.ObserveOverwrittenRead();
       ASSIGN_OR_RETURN(range, std::move(held));
     }
-    ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
-    const int H = backend->config().n_horizons;
     v1::ReadConvictionsResponse response;
     response.set_first_seq(range.first_seq);
     response.set_n_horizons(H);

@@ -39,7 +39,11 @@ struct StreamOptions {
   StreamingConfig device;        // slots, log capacity, publishing (the model host's part)
   int ack_every_events = 1000;   // a Stream acknowledges after this many processed events...
   int ack_every_ms = 50;         // ...or this long after the first unacknowledged one
-  int64_t max_read_count = 65536;      // most convictions per ReadConvictions page
+  int64_t max_read_count = 65536;      // most convictions per ReadConvictions page...
+  // ...and at most this many bytes of entries (ReadEntryBytes): a page stays within the 4 MiB that gRPC's clients
+  // receive unless raised (grpcio's, C++'s) at any --stream_read_max and horizon count; past INT_MAX entries a page
+  // could not be built at all.
+  int64_t max_read_bytes = 4'000'000;
   int64_t max_unprocessed_per_call = 16384;  // a Stream call reads no further request while it has this many
                                              // accepted events not yet processed (back-pressure on the client)
   int64_t max_pending_events = 1 << 20;  // no Stream call reads a further request while the daemon holds this many
