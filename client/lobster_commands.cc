@@ -175,7 +175,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
                                                                 SamplerSeed(options.seed, status.model().step())));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());
-  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  RETURN_IF_ERROR(CheckValidationWindows(validation));
   const int world_size = static_cast<int>(ranks.size());
   std::printf("%zu events: %zu train, %zu validation (%d windows); batches of %d x %d events on %s%s\n",
               series.size(), split.train.size(), split.validation.size(), validation.batch,
@@ -237,6 +237,11 @@ absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files
   const Batch windows = SequentialWindows(series, T, config.warmup());
   if (windows.batch == 0)
     return absl::InvalidArgumentError(absl::StrCat("the files hold less than one window of ", T, " events"));
+  if (!ScoresALabel(windows.mask)) {
+    return absl::InvalidArgumentError(
+        "the files' windows score no label (every event is within a horizon of the files' end or in a window's "
+        "warmup): nothing to evaluate");
+  }
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, windows, status.limits()));
   const double prior_loss = PriorBaselineLoss(ClassPrior(series), windows.labels, windows.mask);
   std::printf(

@@ -205,6 +205,10 @@ std::vector<double> ClassPrior(const EventSeries& series) {
   return prior;
 }
 
+bool ScoresALabel(std::span<const float> mask) {
+  return std::any_of(mask.begin(), mask.end(), [](float m) { return m > 0; });
+}
+
 double PriorBaselineLoss(std::span<const double> prior, std::span<const float> labels, std::span<const float> mask) {
   const size_t horizons = prior.size();
   std::vector<double> logits(horizons);
@@ -250,6 +254,16 @@ Batch SequentialWindows(const EventSeries& series, int window, int warmup, int m
     CopyWindow(series, row * static_cast<size_t>(window), warmup, static_cast<int>(row), out);
   }
   return out;
+}
+
+absl::Status CheckValidationWindows(const Batch& validation) {
+  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  if (!ScoresALabel(validation.mask)) {
+    return absl::InvalidArgumentError(
+        "the validation part scores no label (every event is within a horizon of its end or in a window's warmup): a "
+        "smaller --train_fraction gives it more events");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace perception

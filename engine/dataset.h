@@ -67,6 +67,10 @@ inline constexpr float kMaxStandardizedFeature = 1e24f;
 // float32, as the model computes it); else INVALID_ARGUMENT naming the first that does not.
 absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<const float> x);
 
+// Whether any label of mask [n, H] (a series' or a batch's) is scored. Where none is, a masked loss reads 0 (Σ m·bce
+// over max(Σ m, 1)): a perfect model, not "nothing to score".
+bool ScoresALabel(std::span<const float> mask);
+
 // Class prior per horizon: the fraction of label 1 among masked-in labels (0.5 for a horizon with none).
 std::vector<double> ClassPrior(const EventSeries& series);
 // The masked BCE of MODEL.md §2.7 when predicting the constant probability prior[h] (logit log(p/(1-p)))
@@ -101,5 +105,8 @@ class WindowSampler {
 // All non-overlapping windows in order (the last partial one dropped), warmup-masked: for validation.
 // Needs window >= 1 and 0 <= warmup <= window; max_windows = 0 takes them all.
 Batch SequentialWindows(const EventSeries& series, int window, int warmup, int max_windows = 0);
+// OK when a training run's validation windows can judge it: one or more, with a scored label; INVALID_ARGUMENT naming
+// the remedy otherwise (before the run, which would print a loss of 0 where no label is scored).
+absl::Status CheckValidationWindows(const Batch& validation);
 
 }  // namespace perception

@@ -337,7 +337,7 @@ absl::Status Train() {
   ASSIGN_OR_RETURN(WindowSampler sampler,
                    WindowSampler::Create(split.train, config.window, config.warmup, absl::GetFlag(FLAGS_seed)));
   const Batch validation = SequentialWindows(split.validation, config.window, config.warmup);
-  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  RETURN_IF_ERROR(CheckValidationWindows(validation));
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
   std::printf("class-prior baseline on validation (%d windows): %.5f\n", validation.batch, prior_loss);
 
@@ -400,8 +400,11 @@ absl::Status Eval() {
   std::vector<float> logits(n * H);
   RETURN_IF_ERROR(backend->ForwardStream(series.features, series.dt, logits));
   RETURN_IF_ERROR(WriteNpy(absl::GetFlag(FLAGS_out), logits, {static_cast<int64_t>(n), H}));
-  const double loss = CpuReference<float>::MaskedBce(logits, series.labels, series.mask);
-  std::printf("%zu events, masked BCE over the whole stream %.5f; logits [%zu, %d] -> %s\n", n, loss, n, H,
+  const std::string loss =
+      ScoresALabel(series.mask)
+          ? absl::StrFormat("%.5f", CpuReference<float>::MaskedBce(logits, series.labels, series.mask))
+          : std::string("none (no label is scored: every event is within a horizon of the file's end)");
+  std::printf("%zu events, masked BCE over the whole stream %s; logits [%zu, %d] -> %s\n", n, loss.c_str(), n, H,
               absl::GetFlag(FLAGS_out).c_str());
   const std::string features_out = absl::GetFlag(FLAGS_features_out);
   if (!features_out.empty()) {

@@ -13,6 +13,7 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <utility>
 #include <ranges>
 #include <string>
 #include <vector>
@@ -208,6 +209,44 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
   CommandResult mismatch = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4"));
   EXPECT_EQ(mismatch.exit_code, 1);
   EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
+}
+
+// The first 10 rows of the AAPL files: tiny's one window of 9 events, every label within a horizon (10 and more) of
+// the end, so none is scored.
+struct UnscoredFiles {
+  std::string orderbook, messages;
+};
+UnscoredFiles WriteUnscoredFiles(const std::filesystem::path& dir) {
+  UnscoredFiles files{(dir / "ob10.csv").string(), (dir / "msg10.csv").string()};
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{kOrderbook, files.orderbook},
+                                 std::pair<std::string, std::string>{kMessages, files.messages}}) {
+    std::ifstream in(from);
+    std::ofstream out(to);
+    std::string line;
+    for (int i = 0; i < 10 && std::getline(in, line); ++i) out << line << '\n';
+  }
+  return files;
+}
+
+// Where no label is scored a masked loss reads 0: train printed "validation loss 0.00000 vs class-prior baseline
+// 0.00000" (and its --save-best took the starting model as a best no step could beat), eval a loss of 0. Both refuse.
+TEST(PerceptionctlTest, RunsOverDataThatScoresNoLabelAreRefused) {
+  const ScopedTempDir temp("ctl_unscored");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const CommandResult train = RunCommand(
+      absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 2 --train_fraction 0.99"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("the validation part scores no label (every event is within a horizon of its "
+                                      "end or in a window's warmup): a smaller --train_fraction gives it more events"));
+  EXPECT_THAT(train.output, Not(HasSubstr("step 1/2")));
+  const UnscoredFiles files = WriteUnscoredFiles(temp.path());
+  const CommandResult eval = RunCommand(absl::StrCat(ctl, " eval --lobster ", files.orderbook, " ", files.messages));
+  EXPECT_EQ(eval.exit_code, 1) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr("the files' windows score no label"));
+  EXPECT_THAT(eval.output, Not(HasSubstr("class-prior baseline")));
 }
 
 // A model of fewer book levels than the files hold: without --levels the mismatch names the flag that fits; with it,
@@ -541,6 +580,30 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
                     {{absl::StrCat(" --save_best ", last.string()), "--save and --save_best name one file"},
                      {" --save_best /nonexistent/b.st", "cannot create /nonexistent/b.st.tmp."},
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
+}
+
+// The offline train refuses a validation part that scores no label, before any step; eval still writes the logits
+// of data that scores none and says that there is no loss, where it printed one of 0.
+TEST(PerceptionCliTest, DataThatScoresNoLabelHasNoLoss) {
+  const ScopedTempDir temp("cli_unscored");
+  const std::string checkpoint = (temp.path() / "tiny.st").string();
+  const std::string train = absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                         kOrderbook, " ", kMessages, " --steps 1 --save ", checkpoint);
+  const CommandResult refused = RunCommand(train + " --train_fraction 0.99");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("perception: the validation part scores no label"));
+  EXPECT_THAT(refused.output, Not(HasSubstr("step     1")));
+  const CommandResult trained = RunCommand(train);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const UnscoredFiles files = WriteUnscoredFiles(temp.path());
+  const std::string logits = (temp.path() / "logits.npy").string();
+  const CommandResult eval = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ",
+                                                     checkpoint, " --lobster ", files.orderbook, " ", files.messages,
+                                                     " --out ", logits));
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr("10 events, masked BCE over the whole stream none (no label is scored: every "
+                                     "event is within a horizon of the file's end); logits [10, 3]"));
+  EXPECT_EQ(ReadNpy(logits).size(), 30u);
 }
 
 // --save was first touched after training, so a typo in its folder threw the whole run away.
