@@ -84,12 +84,14 @@ int64_t StreamTable::NextLogEntry(int slot) const { return static_cast<int64_t>(
 
 void StreamTable::Append(int slot, uint64_t weights_version) {
   Slot& s = slots_[slot];
-  // (Rewriting an entry that DropFrom took out overwrites nothing that was retained.)
-  if (s.processed >= s.written && s.processed >= static_cast<uint64_t>(log_entries_)) ++overwritten_total_;
+  // A full ring's next position holds its oldest entry; otherwise a free position or an entry DropFrom took out.
+  if (s.processed - s.oldest == static_cast<uint64_t>(log_entries_)) {
+    ++s.oldest;
+    ++overwritten_total_;
+  }
   s.weights_versions[s.processed % static_cast<uint64_t>(log_entries_)] = weights_version;
   ++s.processed;
   ++s.unfinished;
-  s.written = std::max(s.written, s.processed);
 }
 
 absl::Status StreamTable::TickFinished(int slot) {
@@ -116,12 +118,8 @@ void StreamTable::DropFrom(int slot, int64_t entry) {
   s.processed = std::min(s.processed, static_cast<uint64_t>(entry));
   s.unfinished = s.processed - std::min(s.processed, first_unfinished);
   s.read = std::min(s.read, s.processed);
+  s.oldest = std::min(s.oldest, s.processed);
   ForgetUnprocessed(slot);
-}
-
-uint64_t StreamTable::OldestRetained(const Slot& s) const {
-  // The ring holds the last log_entries written, of which those below `processed` are still the log's.
-  return std::min(s.processed, s.written - std::min<uint64_t>(s.written, log_entries_));
 }
 
 void StreamTable::ForgetUnprocessed(int slot) {
@@ -137,7 +135,7 @@ absl::StatusOr<StreamTable::LogRange> StreamTable::Range(int slot, uint64_t from
   const Slot& s = slots_[slot];
   LogRange range;
   const uint64_t first = s.first_seq.value_or(0);
-  const uint64_t oldest_retained = OldestRetained(s);
+  const uint64_t oldest_retained = s.oldest;
   range.next_seq = first + finished(slot);
   range.oldest_retained_seq = first + std::min(oldest_retained, finished(slot));
   if (from_seq < range.oldest_retained_seq && oldest_retained > 0) {
@@ -176,7 +174,7 @@ StreamTable::UnreadEntries StreamTable::Unread() const {
   UnreadEntries unread;
   for (const auto& [instrument, slot] : by_instrument_) {
     const Slot& s = slots_[slot];
-    const uint64_t entries = s.processed - std::max(s.read, OldestRetained(s));
+    const uint64_t entries = s.processed - std::max(s.read, s.oldest);
     unread.entries += entries;
     unread.streams += entries > 0 ? 1 : 0;
   }

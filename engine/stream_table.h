@@ -118,14 +118,14 @@ class StreamTable {
     std::optional<uint64_t> first_seq, last_accepted;
     uint64_t processed = 0;
     uint64_t unfinished = 0;  // the newest of the processed entries whose ticks may still run
-    uint64_t written = 0;  // entries ever written to the ring: above `processed` after DropFrom
+    // The oldest entry the ring still holds. The retained entries, [oldest, processed), are at most a ring's length
+    // and each at its own position; entries DropFrom took out stay written at theirs until appended again.
+    uint64_t oldest = 0;
     uint64_t read = 0;  // entries of the whole history up to the furthest read's end (MarkRead)
     std::vector<uint64_t> weights_versions;  // ring, sized on open
     std::unique_ptr<LobsterFeaturizer> featurizer;
   };
 
-  // Index of the slot's oldest entry that its ring still holds.
-  uint64_t OldestRetained(const Slot& s) const;
 
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;  // a stack: the most recently freed slot is reused first

@@ -195,6 +195,42 @@ TEST(StreamTableTest, DroppingEntriesEndsTheLogBeforeThemAndRewindsTheSequence) 
   EXPECT_TRUE(table.Accept(slot, 10).ok());
 }
 
+// A drop of more than a ring's length: the entries appended again after it are retained, read and counted unread. They
+// were taken for overwritten (the ring's newest position was reckoned from the dropped entries) until the stream
+// caught up with them, so reads of them failed OUT_OF_RANGE and a drain did not wait for them.
+TEST(StreamTableTest, EntriesAppendedAfterALongDropAreRetained) {
+  StreamTable table(1, 10);
+  const int slot = *table.Open("X");
+  for (uint64_t seq = 1; seq <= 25; ++seq) {
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    AppendFinished(table, slot, 1);  // the ring holds 16..25
+  }
+  EXPECT_EQ(table.overwritten_total(), 15u);
+  table.DropFrom(slot, 12);  // 13..25 leave; 1..12 were overwritten by 16..25
+  EXPECT_THAT(table.Range(slot, 1, 100).status().message(), HasSubstr("the oldest retained is 13"));
+  for (uint64_t seq = 13; seq <= 14; ++seq) {
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    AppendFinished(table, slot, 2);
+  }
+  absl::StatusOr<StreamTable::LogRange> r = table.Range(slot, 13, 100);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first_seq, 13u);
+  EXPECT_EQ(r->count, 2);
+  EXPECT_EQ(r->max_weights_version, 2u);
+  EXPECT_EQ(table.Unread().entries, 2u);
+  EXPECT_EQ(table.overwritten_total(), 15u) << "the appended entries took dropped entries' positions";
+  for (uint64_t seq = 15; seq <= 30; ++seq) {
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    AppendFinished(table, slot, 3);
+  }
+  EXPECT_EQ(table.overwritten_total(), 23u) << "once the ring is full again, each entry overwrites the oldest";
+  r = table.Range(slot, 1, 100);
+  EXPECT_THAT(r.status().message(), HasSubstr("the oldest retained is 21"));
+  r = table.Range(slot, 21, 100);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->count, 10);
+}
+
 // A launched tick's entries join the log at once (the next event's entry follows them), but reads and listings count
 // only those whose ticks the device has finished; dropping entries keeps that count right on both sides of the drop.
 TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirTicksFinish) {
