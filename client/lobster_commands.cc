@@ -239,8 +239,8 @@ absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files
     return absl::InvalidArgumentError(absl::StrCat("the files hold less than one window of ", T, " events"));
   if (!ScoresALabel(windows.mask)) {
     return absl::InvalidArgumentError(
-        "the files' windows score no label (every event is within a horizon of the files' end or in a window's "
-        "warmup): nothing to evaluate");
+        "the files' windows score no label (each event is within a horizon of the files' end, in a window's warmup, "
+        "or a tie: its mid's mean over the horizon equals its mid): nothing to evaluate");
   }
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, windows, status.limits()));
   const double prior_loss = PriorBaselineLoss(ClassPrior(series), windows.labels, windows.mask);

@@ -260,8 +260,9 @@ absl::Status CheckValidationWindows(const Batch& validation) {
   if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
   if (!ScoresALabel(validation.mask)) {
     return absl::InvalidArgumentError(
-        "the validation part scores no label (every event is within a horizon of its end or in a window's warmup): a "
-        "smaller --train_fraction gives it more events");
+        "the validation part scores no label (each of its events is within a horizon of its end, in a window's "
+        "warmup, or a tie: its mid's mean over the horizon equals its mid): a smaller --train_fraction gives it more "
+        "events");
   }
   return absl::OkStatus();
 }

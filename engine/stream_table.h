@@ -126,7 +126,6 @@ class StreamTable {
     std::unique_ptr<LobsterFeaturizer> featurizer;
   };
 
-
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;  // a stack: the most recently freed slot is reused first
   std::unordered_map<std::string, int> by_instrument_;

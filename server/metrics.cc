@@ -333,9 +333,8 @@ ServerMetrics::ServerMetrics()
                                  "bound, or too far from the stream's first event's), capacity, model_change, "
                                  "stopped (by a failed tick, until reset), no_model, empty (a request without "
                                  "events), seeding (a SeedStream runs on the instrument), payload (LOBSTER rows and "
-                                 "feature vectors mixed on one instrument), closed (the call had fed the "
-                                 "instrument's stream, closed since), call_ended (read after the call's failure, a "
-                                 "refused event or the drain).")
+                                 "feature vectors mixed on one instrument), call_ended (read after the call's "
+                                 "failure, a refused event or the drain).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")

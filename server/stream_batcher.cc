@@ -136,7 +136,6 @@ absl::StatusOr<int> StreamBatcher::OpenLocked(const std::string& instrument) {
   ASSIGN_OR_RETURN(const int slot, table_.Open(instrument));
   queues_[slot] = SlotQueue{};
   queues_[slot].instrument = instrument;
-  queues_[slot].stream = ++streams_opened_;
   metrics_.SetActiveStreams(table_.active());
   return slot;
 }
@@ -158,8 +157,6 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
                                                    " is the largest there is; numbers must stay below it"));
   }
   absl::StatusOr<int> slot = table_.SlotOf(event.instrument());
-  reason = "closed";
-  RETURN_IF_ERROR(CheckSameStreamLocked(*sink, event.instrument(), slot));
   const bool opens = !slot.ok();
   if (opens) slot = OpenLocked(event.instrument());
   if (!slot.ok()) {
@@ -169,18 +166,7 @@ absl::Status StreamBatcher::AcceptLocked(const v1::StreamEvent& event, StreamSin
   const absl::Status queued = QueueLocked(event, sink, *slot, reason);
   // A stream the refused event would have opened is not left behind holding a slot: nothing of it reached the device.
   if (!queued.ok() && opens) CloseSlotLocked(*slot).IgnoreError();
-  if (queued.ok()) sink->streams_fed_.try_emplace(event.instrument(), queues_[*slot].stream);
   return queued;
-}
-
-absl::Status StreamBatcher::CheckSameStreamLocked(const StreamSink& sink, const std::string& instrument,
-                                                  const absl::StatusOr<int>& slot) const {
-  const auto fed = sink.streams_fed_.find(instrument);
-  if (fed == sink.streams_fed_.end() || (slot.ok() && queues_[*slot].stream == fed->second)) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "instrument '", instrument, "' was closed (CloseStream) after this call's earlier events of it",
-      slot.ok() ? " and has been opened again since" : "",
-      ": its later events would start a stream from nothing; send them on a new Stream call"));
 }
 
 absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot,
@@ -708,7 +694,8 @@ absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadCo
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(slot, table_.SlotOf(request.instrument()));
     }
-    // (Only this thread, the worker's, closes streams: the slot stays the instrument's.)
+    // (Only this thread, the worker's, closes a stream that has taken an event, and a gRPC thread only the slot that
+    // its refused first event opened: the slot stays the instrument's.)
     ASSIGN_OR_RETURN(Backend* const backend, host.StreamingBackend());
     const int H = backend->config().n_horizons;
     const int64_t page = std::min(max_count, options_.max_read_bytes / ReadEntryBytes(H, request.with_probabilities()));

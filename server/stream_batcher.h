@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -76,13 +75,6 @@ class StreamSink {
 
  protected:
   ~StreamSink() = default;
-
- private:
-  friend class StreamBatcher;
-  // The batcher's, under its lock: by instrument, the stream (its number) that the sink's events were queued on. A
-  // later event of an instrument whose stream was closed meanwhile is refused, not queued on a new stream that would
-  // start again from nothing behind the sink's back.
-  absl::flat_hash_map<std::string, uint64_t> streams_fed_;
 };
 
 // Thread-safe. gRPC handlers validate and queue events here (Submit), featurizing LOBSTER rows on arrival with the
@@ -167,7 +159,6 @@ class StreamBatcher {
     // Whether the stream's events are LOBSTER rows (else feature vectors), from its first event or seed until a
     // reset: the featurizer's previous mid and time would skip events of the other kind.
     std::optional<bool> lobster;
-    uint64_t stream = 0;  // the stream's number, from 1 as streams open: a stream closed and opened again is another
   };
   struct Notice {
     StreamSink* sink;
@@ -192,10 +183,6 @@ class StreamBatcher {
   // AcceptLocked's checks that need the instrument's stream, then the queueing.
   absl::Status QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot, std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION where `sink` fed the instrument's stream before and that stream is not the one open now
-  // (`slot`'s, if any): it was closed, and perhaps opened again by another call or a seed.
-  absl::Status CheckSameStreamLocked(const StreamSink& sink, const std::string& instrument,
-                                     const absl::StatusOr<int>& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One tick on the worker thread.
@@ -238,7 +225,6 @@ class StreamBatcher {
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   bool tick_queued_ ABSL_GUARDED_BY(mu_) = false;
   bool changing_model_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t streams_opened_ ABSL_GUARDED_BY(mu_) = 0;
   // The model's, empty without one: every event's features must standardize in range.
   Normalizer normalizer_ ABSL_GUARDED_BY(mu_);
   int NFeaturesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return static_cast<int>(normalizer_.mean.size()); }

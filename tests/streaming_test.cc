@@ -229,6 +229,25 @@ TEST(StreamTableTest, EntriesAppendedAfterALongDropAreRetained) {
   r = table.Range(slot, 21, 100);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->count, 10);
+  // A drop into unfinished entries of a full ring, then of everything: what is appended after each is all retained.
+  for (uint64_t seq = 31; seq <= 33; ++seq) {
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    table.Append(slot, 4);  // 31..33 launched, not finished
+  }
+  table.DropFrom(slot, 31);  // 32 went non-finite: 32 and 33 leave, 31 is still running
+  EXPECT_EQ(table.Unread().entries, 8u) << "24..31: the ring less the two entries the drop took out";
+  EXPECT_THAT(table.Range(slot, 1, 100).status().message(), HasSubstr("the oldest retained is 24"));
+  table.DropFrom(slot, 0);
+  EXPECT_EQ(table.Unread().entries, 0u);
+  for (uint64_t seq = 1; seq <= 3; ++seq) {
+    ASSERT_TRUE(table.Accept(slot, seq).ok());
+    AppendFinished(table, slot, 5);
+  }
+  r = table.Range(slot, 1, 100);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first_seq, 1u);
+  EXPECT_EQ(r->count, 3);
+  EXPECT_EQ(table.Unread().entries, 3u);
 }
 
 // A launched tick's entries join the log at once (the next event's entry follows them), but reads and listings count

@@ -403,7 +403,7 @@ absl::Status Eval() {
   const std::string loss =
       ScoresALabel(series.mask)
           ? absl::StrFormat("%.5f", CpuReference<float>::MaskedBce(logits, series.labels, series.mask))
-          : std::string("none (no label is scored: every event is within a horizon of the file's end)");
+          : std::string("none (no label is scored: each event is within a horizon of the file's end or a tie)");
   std::printf("%zu events, masked BCE over the whole stream %s; logits [%zu, %d] -> %s\n", n, loss.c_str(), n, H,
               absl::GetFlag(FLAGS_out).c_str());
   const std::string features_out = absl::GetFlag(FLAGS_features_out);

@@ -239,8 +239,9 @@ TEST(PerceptionctlTest, RunsOverDataThatScoresNoLabelAreRefused) {
   const CommandResult train = RunCommand(
       absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 2 --train_fraction 0.99"));
   EXPECT_EQ(train.exit_code, 1) << train.output;
-  EXPECT_THAT(train.output, HasSubstr("the validation part scores no label (every event is within a horizon of its "
-                                      "end or in a window's warmup): a smaller --train_fraction gives it more events"));
+  EXPECT_THAT(train.output, HasSubstr("the validation part scores no label (each of its events is within a horizon "
+                                      "of its end, in a window's warmup, or a tie: its mid's mean over the horizon "
+                                      "equals its mid): a smaller --train_fraction gives it more events"));
   EXPECT_THAT(train.output, Not(HasSubstr("step 1/2")));
   const UnscoredFiles files = WriteUnscoredFiles(temp.path());
   const CommandResult eval = RunCommand(absl::StrCat(ctl, " eval --lobster ", files.orderbook, " ", files.messages));
@@ -601,8 +602,8 @@ TEST(PerceptionCliTest, DataThatScoresNoLabelHasNoLoss) {
                                                      checkpoint, " --lobster ", files.orderbook, " ", files.messages,
                                                      " --out ", logits));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
-  EXPECT_THAT(eval.output, HasSubstr("10 events, masked BCE over the whole stream none (no label is scored: every "
-                                     "event is within a horizon of the file's end); logits [10, 3]"));
+  EXPECT_THAT(eval.output, HasSubstr("10 events, masked BCE over the whole stream none (no label is scored: each "
+                                     "event is within a horizon of the file's end or a tie); logits [10, 3]"));
   EXPECT_EQ(ReadNpy(logits).size(), 30u);
 }
 
