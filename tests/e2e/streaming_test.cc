@@ -745,13 +745,14 @@ TEST_F(StreamingTest, AnInstrumentClosedUnderALiveCallStartsAfreshOnItsNextEvent
     EXPECT_EQ(info.processed_events(), info.instrument() == "Z" ? 1u : 4u);
     EXPECT_EQ(info.last_accepted_seq(), 4u);
   }
-  EXPECT_EQ(ReadAll(client(), "Z", 0, 10).seqs, std::vector<uint64_t>{4});
+  const Log log = ReadAll(client(), "Z", 0, 10);
+  EXPECT_EQ(log.seqs, std::vector<uint64_t>{4});
   // Its conviction is the first event's, from a zero state: the step path over that one event alone.
   const std::unique_ptr<Backend> local = LocalModel(config, 5);
   testing::RandomBatch alone = testing::MakeRandomBatch(config, 1, 1, 4);
   alone.x.assign(series.x.begin() + 3 * config.n_features, series.x.begin() + 4 * config.n_features);
   alone.dt = {series.dt[3]};
-  ExpectNear(ReadAll(client(), "Z", 0, 10).convictions, OfflineConvictions(*local, alone, 0, 1), 1e-6,
+  ExpectNear(log.convictions, OfflineConvictions(*local, alone, 0, 1), 1e-6,
              "Z's new stream vs its first event alone");
 }
 
