@@ -82,6 +82,25 @@ absl::Status SyncDirectoryOf(const std::string& path) {
   return status;
 }
 
+// The rename replaces whatever holds the name: a device, FIFO or socket there (or behind a link there, as
+// /dev/stdout is) would be replaced by a regular file, and for root that means /dev/null itself. Refused instead.
+absl::Status CheckNotASpecialFile(const std::string& path) {
+  std::error_code error;
+  const std::filesystem::file_status target = std::filesystem::status(path, error);
+  const char* kind = nullptr;
+  switch (target.type()) {
+    case std::filesystem::file_type::character: kind = "a character device"; break;
+    case std::filesystem::file_type::block: kind = "a block device"; break;
+    case std::filesystem::file_type::fifo: kind = "a FIFO"; break;
+    case std::filesystem::file_type::socket: kind = "a socket"; break;
+    default: return absl::OkStatus();
+  }
+  const bool through_link = std::filesystem::is_symlink(std::filesystem::symlink_status(path, error));
+  return absl::InvalidArgumentError(absl::StrCat(path, " is ", kind, through_link ? " (through a link)" : "",
+                                                 "; the output is a regular file, written beside it and renamed ",
+                                                 "over its name, so give a file's path"));
+}
+
 }  // namespace
 
 absl::Status CheckCanCreateBeside(const std::string& path) {
@@ -98,10 +117,12 @@ absl::Status CheckWritableDestination(const std::string& path) {
   if (path.ends_with('/') || std::filesystem::is_directory(std::filesystem::symlink_status(path, error))) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a folder; the output is a file"));
   }
+  RETURN_IF_ERROR(CheckNotASpecialFile(path));
   return CheckCanCreateBeside(path);
 }
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+  RETURN_IF_ERROR(CheckNotASpecialFile(path));
   ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
   absl::Status status = WriteAll(temp.fd, bytes, temp.path);
   if (status.ok() && ::fsync(temp.fd) != 0) status = Errno("cannot fsync", temp.path);
