@@ -428,12 +428,17 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   const std::string address = absl::GetFlag(FLAGS_listen);
   grpc::ServerBuilder builder;
   int port = 0;
+  // gRPC sets SO_REUSEPORT on Linux by default: a second daemon on a port in use started and took calls at random
+  // with the first. Its start now fails as a taken --metrics_listen does.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
   builder.RegisterService(&service);
   builder.RegisterService(&rendezvous);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  if (server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address, " (in use, or not an address of this host)"));
+  }
   server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), false);
   server->GetHealthCheckService()->SetServingStatus(false);  // every service, the server's own ("") included
   spdlog::info("serving {} on {} (port {})", v1::Perception::service_full_name(), address, port);

@@ -67,6 +67,17 @@ void ExpectRefusedAtStartUp(const std::filesystem::path& checkpoints, const std:
   EXPECT_THAT(refused.output, HasSubstr(reason));
 }
 
+// gRPC's default SO_REUSEPORT let a second daemon listen on the first one's port: it started, and calls went to
+// either daemon at random (an init to one, the train after it to the other). The second now fails its start.
+TEST(LifecycleTest, ASecondDaemonOnAPortInUseFailsToStart) {
+  const ScopedTempDir first_checkpoints("port_first"), second_checkpoints("port_second");
+  absl::StatusOr<std::unique_ptr<Daemon>> first = Daemon::Start(first_checkpoints.path());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ExpectRefusedAtStartUp(second_checkpoints.path(), absl::StrCat("--listen=", (*first)->target()),
+                         absl::StrCat("cannot listen on ", (*first)->target(), " (in use"));
+  EXPECT_TRUE((*first)->client().GetStatus().ok()) << "the first daemon stopped serving";
+}
+
 // --precision is checked before the daemon serves: an unknown name, or a CUDA precision on --device=cpu, ends it
 // with the reason and exit code 1.
 TEST(LifecycleTest, TheDaemonRefusesAPrecisionItCannotRun) {
