@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "engine/host_allocation.h"
 #include "grpcpp/server_context.h"
 #include "server/model_host.h"
 
@@ -55,7 +56,8 @@ class DeviceWorker {
   absl::Status Enqueue(JobPriority priority, Job job, bool bounded = true);
 
   // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
-  // is returned as the result. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
+  // is returned as the result. Work that runs the host out of memory (a model or a batch the host cannot hold: a
+  // std::bad_alloc) answers RESOURCE_EXHAUSTED instead of ending the daemon; what it allocated is freed as it unwinds. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
   // starts after the client stopped waiting; a deadline that passes while the work runs does not stop it.
   template <typename Work>
   std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work,
@@ -122,9 +124,12 @@ std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, 
       done.set_value(std::move(gone));
       return;
     }
-    Result result = work(host);
+    std::optional<Result> result;
+    const absl::Status allocated =
+        AllocateOrExhausted("what this call needs", [&] { result.emplace(work(host)); });
+    if (!allocated.ok()) result.emplace(allocated);
     PublishStatus(host);
-    done.set_value(std::move(result));
+    done.set_value(std::move(*result));
   });
   if (!queued.ok()) return queued;
   return result.get();

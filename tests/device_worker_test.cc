@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <new>
 #include <optional>
 #include <thread>
 
@@ -68,6 +69,18 @@ TEST(DeviceWorkerTest, TheIdleJobRunsOnceAfterEachPauseInTheWorkAndNeverBeforeAn
   std::this_thread::sleep_for(milliseconds(150));
   EXPECT_EQ(w.idle_runs.load(), 2);
   EXPECT_EQ(w.jobs.load(), 3);
+}
+
+// A model the host could not hold (an InitModel's config within the limits on a small machine) threw std::bad_alloc
+// on the worker thread, which ended the daemon unsaved: the call answers RESOURCE_EXHAUSTED and the worker goes on.
+TEST(DeviceWorkerTest, WorkThatRunsTheHostOutOfMemoryIsRefusedAndTheWorkerGoesOn) {
+  CountingWorker w(absl::InfiniteDuration());
+  const absl::StatusOr<int> refused =
+      w.worker.Run(JobPriority::kTraining, [](ModelHost&) -> absl::StatusOr<int> { throw std::bad_alloc(); });
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("out of host memory"));
+  ASSERT_TRUE(w.RunJob().ok());
+  EXPECT_EQ(w.jobs.load(), 1);
 }
 
 TEST(DeviceWorkerTest, TheIdleJobWaitsWhileJobsKeepComing) {
