@@ -349,18 +349,30 @@ absl::Status Train() {
   const auto start = std::chrono::steady_clock::now();
   double val_loss = NAN;
   BestModel best(absl::GetFlag(FLAGS_save_best), optimizer);
+  // A step whose gradient norm is not finite ends the run on the model before it, which is still saved.
+  absl::Status stopped;
+  int64_t last_validated = -1;
   sampler.Sample(config.batch, batches[0]);
   for (int s = 1; s <= steps; ++s) {
     const Batch& batch = batches[(s - 1) % 2];
     Batch& next = batches[s % 2];
     if (s < steps) sampler.Sample(config.batch, next);
-    ASSIGN_OR_RETURN(const TrainStepResult r, s < steps ? backend->TrainStepWithNext(View(batch), View(next))
-                                                        : backend->TrainStep(View(batch)));
+    absl::StatusOr<TrainStepResult> step = s < steps ? backend->TrainStepWithNext(View(batch), View(next))
+                                                     : backend->TrainStep(View(batch));
+    if (IsStepNotTaken(step.status())) {
+      stopped = absl::FailedPreconditionError(absl::StrCat(
+          "step ", s, " of ", steps, " was not taken (", step.status().message(), "). perception train stops at a step not taken and ",
+          "saves the model before it to --save; to go on, train again with a lower --lr"));
+      break;
+    }
+    RETURN_IF_ERROR(step.status());
+    const TrainStepResult& r = *step;
     if (!std::isfinite(r.loss)) return absl::InternalError(absl::StrCat("loss is not finite at step ", s));
     const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
     if (validate) {
       ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
       best.Offer(*backend, val_loss);
+      last_validated = s;
     }
     if (validate || s % log_every == 0 || s == 1) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -370,12 +382,19 @@ absl::Status Train() {
       std::fflush(stdout);
     }
   }
+  if (!stopped.ok() && last_validated != backend->step()) {  // the model saved below, validated
+    ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
+    best.Offer(*backend, val_loss);
+  }
   std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n", val_loss, prior_loss,
               val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
   const std::string save = absl::GetFlag(FLAGS_save);
   ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));
-  return best.Report();
+  const absl::Status best_saved = best.Report();
+  if (stopped.ok()) return best_saved;
+  if (!best_saved.ok()) spdlog::error("{}", std::string(best_saved.message()));
+  return stopped;
 }
 
 absl::Status Eval() {
@@ -464,6 +483,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(perception::kUsage);
   const absl::Status status = perception::Run(perception::ParseArguments(argc, argv));
   if (!status.ok()) {
+    std::fflush(stdout);  // what the run printed before its error, in that order where both go to one pipe
     std::fprintf(stderr, "perception: %s\n", std::string(status.message()).c_str());
     return 1;
   }

@@ -583,6 +583,29 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
 }
 
+// A step whose gradient norm is not finite ended the run with exit 1 and nothing saved: the steps before it were lost
+// and the daemon's advice (train on without the batch) could not be taken. The run now stops there and saves the
+// model before that step, whose weights are finite (LoadCheckpoint refuses a NaN), then exits 1 saying so.
+TEST(PerceptionCliTest, ARunThatDivergesSavesTheModelBeforeTheStepNotTaken) {
+  const ScopedTempDir temp("cli_diverges");
+  const std::filesystem::path last = temp.path() / "last.safetensors";
+  const CommandResult run = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+      testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ", testing::ShippedLobsterPath("AMZN", "message", 1),
+      " --lr 100 --steps 300 --val_every 0 --save ", last.string()));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  const size_t stop = run.output.find(" of 300 was not taken (the batch's gradient norm is ");
+  ASSERT_NE(stop, std::string::npos) << run.output;
+  const size_t number = run.output.rfind("step ", stop) + 5;
+  const int not_taken = std::stoi(run.output.substr(number, stop - number));
+  ASSERT_GT(not_taken, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("perception train stops at a step not taken and saves the model before it"));
+  EXPECT_THAT(run.output, HasSubstr(absl::StrCat("saved ", last.string(), " (step ", not_taken - 1, ")")));
+  const absl::StatusOr<Checkpoint> saved = LoadCheckpoint(last.string());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step, not_taken - 1);
+}
+
 // The offline train refuses a validation part that scores no label, before any step; eval still writes the logits
 // of data that scores none and says that there is no loss, where it printed one of 0.
 TEST(PerceptionCliTest, DataThatScoresNoLabelHasNoLoss) {
