@@ -644,31 +644,36 @@ T CpuReference<T>::LossAndGradients(std::span<const T> params, const BatchView<T
   const int Tn = batch.window, F = c.n_features, H = c.n_horizons;
   const size_t per_seq = static_cast<size_t>(Tn) * H;
   const T denom = MaskCount(batch.mask);
-  const int workers = std::max(1, std::min(threads_, batch.batch));
+  // The sums' order, and so their bits, must not depend on the machine: sequence b adds into group b mod
+  // kGradientGroups in b's order, the groups are added in theirs, and the workers only share the groups out.
+  const int groups = std::min(kGradientGroups, batch.batch);
+  const int workers = std::max(1, std::min(threads_, groups));
   std::vector<Workspace<T>> workspaces;
-  std::vector<std::vector<T>> worker_grads(workers, std::vector<T>(layout_.total_size(), T(0)));
-  std::vector<T> worker_loss(workers, T(0));
+  std::vector<std::vector<T>> group_grads(groups, std::vector<T>(layout_.total_size(), T(0)));
+  std::vector<T> group_loss(groups, T(0));
   for (int w = 0; w < workers; ++w) workspaces.emplace_back(c, Tn, /*keep_states=*/true);
-  ParallelFor(batch.batch, workers, [&](int b, int w) {
+  ParallelFor(groups, workers, [&](int g, int w) {
     SequenceModel<T> model(layout_, params.data());
-    const T* x = batch.x.data() + static_cast<size_t>(b) * Tn * F;
-    const T* dt = batch.dt.data() + static_cast<size_t>(b) * Tn;
     std::vector<T> logits(per_seq), dlogits(per_seq);
-    model.Forward(x, dt, workspaces[w], states.empty() ? nullptr : &states[b], logits.data());
-    const T* y = batch.labels.data() + b * per_seq;
-    const T* m = batch.mask.data() + b * per_seq;
-    for (size_t i = 0; i < per_seq; ++i) {
-      worker_loss[w] += m[i] * Bce(logits[i], y[i]);
-      dlogits[i] = m[i] * (Sigmoid(logits[i]) - y[i]) / denom;
+    for (int b = g; b < batch.batch; b += groups) {
+      const T* x = batch.x.data() + static_cast<size_t>(b) * Tn * F;
+      const T* dt = batch.dt.data() + static_cast<size_t>(b) * Tn;
+      model.Forward(x, dt, workspaces[w], states.empty() ? nullptr : &states[b], logits.data());
+      const T* y = batch.labels.data() + b * per_seq;
+      const T* m = batch.mask.data() + b * per_seq;
+      for (size_t i = 0; i < per_seq; ++i) {
+        group_loss[g] += m[i] * Bce(logits[i], y[i]);
+        dlogits[i] = m[i] * (Sigmoid(logits[i]) - y[i]) / denom;
+      }
+      model.Backward(dt, dlogits.data(), workspaces[w], group_grads[g].data(),
+                     dx.empty() ? nullptr : dx.data() + static_cast<size_t>(b) * Tn * F);
     }
-    model.Backward(dt, dlogits.data(), workspaces[w], worker_grads[w].data(),
-                   dx.empty() ? nullptr : dx.data() + static_cast<size_t>(b) * Tn * F);
   });
   std::fill(grads.begin(), grads.end(), T(0));
   T loss = 0;
-  for (int w = 0; w < workers; ++w) {
-    for (size_t i = layout_.trained_begin(); i < grads.size(); ++i) grads[i] += worker_grads[w][i];
-    loss += worker_loss[w];
+  for (int g = 0; g < groups; ++g) {
+    for (size_t i = layout_.trained_begin(); i < grads.size(); ++i) grads[i] += group_grads[g][i];
+    loss += group_loss[g];
   }
   return loss / denom;
 }

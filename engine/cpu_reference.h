@@ -43,8 +43,12 @@ class CpuReference {
   // Forward, masked BCE (MODEL.md §2.7) and the full backward. Writes d loss / d params into `grads`
   // (layout.total_size(), zero for the normalizer buffers and padding) and, when non-empty, d loss / d x
   // into `dx` [B,T,F]. States as in Forward; no gradient flows into the initial state. Returns the loss.
+  // The same bits on any number of threads (see kGradientGroups).
   T LossAndGradients(std::span<const T> params, const BatchView<T>& batch, std::span<T> grads,
                      std::span<T> dx = {}, std::span<StreamState<T>> states = {}) const;
+  // LossAndGradients sums the batch in this many fixed groups of sequences, whatever the thread count, so that a
+  // training run gives the same bits on every machine; a step uses at most this many threads.
+  static constexpr int kGradientGroups = 16;
 
   // Masked BCE of given logits, the loss of MODEL.md §2.7.
   static T MaskedBce(std::span<const T> logits, std::span<const T> labels, std::span<const T> mask);
