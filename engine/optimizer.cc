@@ -2,6 +2,7 @@
 #include "engine/optimizer.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numbers>
 #include <string>
@@ -62,8 +63,13 @@ absl::Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   if (!std::isfinite(c.min_lr)) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer: min_lr ", c.min_lr, " is not finite"));
   }
+  // Unused by the constant schedule, but kept, shown and saved with it: a negative one is refused there too.
+  if (c.warmup_steps < 0 || c.total_steps < 0 || !(c.min_lr >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: warmup_steps (", c.warmup_steps, "), total_steps (",
+                                                   c.total_steps, ") and min_lr (", c.min_lr, ") must be >= 0"));
+  }
   if (c.schedule == LrSchedule::kWarmupCosine) {
-    if (c.warmup_steps < 0 || c.total_steps <= c.warmup_steps) {
+    if (c.total_steps <= c.warmup_steps) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer: cosine schedule needs 0 <= warmup_steps (",
                                                      c.warmup_steps, ") < total_steps (", c.total_steps, ")"));
     }
@@ -113,6 +119,11 @@ absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text) {
     if (it == j.end() || !it->is_number_integer()) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer: '", key, "' must be an integer"));
     }
+    // (nlohmann reads an integer past int64's range as unsigned, which get<int64_t> would wrap to a negative count.)
+    if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer: '", key, "' ", it->get<uint64_t>(),
+                                                     " exceeds the largest step count, ", INT64_MAX));
+    }
     *field = it->get<int64_t>();
   }
   const auto schedule = j.find("schedule");
@@ -121,6 +132,17 @@ absl::StatusOr<OptimizerConfig> OptimizerFromJson(const std::string& text) {
   }
   ASSIGN_OR_RETURN(c.schedule, ParseLrSchedule(schedule->get<std::string>()));
   RETURN_IF_ERROR(ValidateOptimizerConfig(c));
+  // MODEL.md §5 fixes them, and no request can set or show them: a file with others would train with settings
+  // nothing reports, and its next SetOptimizer would reset them unnoticed.
+  const OptimizerConfig fixed;
+  const std::pair<const char*, std::pair<double, double>> fixed_values[] = {
+      {"beta1", {c.beta1, fixed.beta1}}, {"beta2", {c.beta2, fixed.beta2}}, {"eps", {c.eps, fixed.eps}}};
+  for (const auto& [key, values] : fixed_values) {
+    if (values.first != values.second) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer: ", key, " is ", values.first, " where MODEL.md §5 ",
+                                                     "fixes it at ", values.second));
+    }
+  }
   return c;
 }
 

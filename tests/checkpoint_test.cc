@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "engine/backend.h"
 #include "engine/param_layout.h"
 #include "tests/file_util.h"
@@ -444,6 +445,19 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
       {"optimizer", OptimizerToJson(OptimizerConfig{.lr = -1}), "metadata optimizer is invalid: optimizer: lr must"},
       {"optimizer", OptimizerToJson(OptimizerConfig{.lr = 1e39}),
        "metadata optimizer is invalid: optimizer: lr 1e+39 exceeds float32's largest value"},
+      // β and eps are fixed (MODEL.md §5) and no request shows them: other values trained unreported.
+      {"optimizer", OptimizerToJson(OptimizerConfig{.beta1 = 0.5}),
+       "metadata optimizer is invalid: optimizer: beta1 is 0.5 where MODEL.md §5 fixes it at 0.9"},
+      {"optimizer", OptimizerToJson(OptimizerConfig{.eps = 1}),
+       "metadata optimizer is invalid: optimizer: eps is 1 where MODEL.md §5 fixes it at 1e-08"},
+      // The constant schedule does not read them, but they are shown and saved: a negative one was kept, and a
+      // count past int64's range wrapped to a negative one.
+      {"optimizer", OptimizerToJson(OptimizerConfig{.warmup_steps = -5}),
+       "metadata optimizer is invalid: optimizer: warmup_steps (-5), total_steps (0) and min_lr (0) must be >= 0"},
+      {"optimizer",
+       absl::StrReplaceAll(OptimizerToJson(OptimizerConfig{.warmup_steps = 7}),
+                           {{"\"warmup_steps\":7", "\"warmup_steps\":9223372036854775813"}}),
+       "metadata optimizer is invalid: optimizer: 'warmup_steps' 9223372036854775813 exceeds the largest step count"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.message);
@@ -457,9 +471,6 @@ TEST_F(CheckpointTest, MetadataProblemsAreRejected) {
 TEST_F(CheckpointTest, OptimizerSettingsRoundTripExactlyAndAreOptional) {
   Checkpoint saved = RandomCheckpoint(Config("tiny"), 7);
   saved.optimizer = OptimizerConfig{.lr = 0.1 + 0.2,  // 0.30000000000000004: no short decimal
-                                    .beta1 = 0.85,
-                                    .beta2 = 0.98,
-                                    .eps = 1e-7,
                                     .weight_decay = 0.05,
                                     .max_grad_norm = 0.5,
                                     .schedule = LrSchedule::kWarmupCosine,

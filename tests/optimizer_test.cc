@@ -172,6 +172,25 @@ TEST(ValidateOptimizerConfigTest, RefusesInfinitiesAndNaNs) {
   EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("min_lr -inf is not finite"));
 }
 
+// The constant schedule does not read warmup_steps, total_steps or min_lr, but GetStatus shows them and checkpoints
+// save them: InitModel took negative ones and echoed them back.
+TEST(ValidateOptimizerConfigTest, RefusesNegativeScheduleFieldsUnderEverySchedule) {
+  for (const LrSchedule schedule : {LrSchedule::kConstant, LrSchedule::kWarmupCosine}) {
+    const OptimizerConfig valid{.schedule = schedule, .warmup_steps = 2, .total_steps = 10, .min_lr = 1e-5};
+    ASSERT_TRUE(ValidateOptimizerConfig(valid).ok()) << ValidateOptimizerConfig(valid);
+    OptimizerConfig c = valid;
+    c.warmup_steps = -5;
+    EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("must be >= 0"));
+    c = valid;
+    c.total_steps = -9;
+    EXPECT_THAT(ValidateOptimizerConfig(c).message(), ::testing::HasSubstr("must be >= 0"));
+    c = valid;
+    c.min_lr = -3;
+    EXPECT_THAT(ValidateOptimizerConfig(c).message(),
+                ::testing::HasSubstr("warmup_steps (2), total_steps (10) and min_lr (-3) must be >= 0"));
+  }
+}
+
 // The update computes in float32: before, lr 1e39 (or lr * weight_decay, or lr / (1 - beta1), past float32's range)
 // became inf and one step made every weight inf or NaN, and eps 1e-50 became 0, dividing a zero moment by zero. Every path to an optimizer
 // (InitModel and SetOptimizer's settings, a checkpoint's metadata, the CLI) validates through this function.
