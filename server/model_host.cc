@@ -2,6 +2,7 @@
 #include "server/model_host.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <span>
@@ -44,6 +45,15 @@ absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig
   if (normalizer.mean.size() == static_cast<size_t>(config.n_features)) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("normalizer has ", normalizer.mean.size(), " features but the model takes ", config.n_features));
+}
+
+// A name through a file (ENOTDIR) is the caller's mistake, as LoadCheckpoint's NOT_FOUND for it says; other causes
+// keep errno's code (a refused permission, a full disk). abseil's code for ENOTDIR, FAILED_PRECONDITION, reads as
+// "the model's state; retry later" in this API.
+absl::Status FolderNotCreated(const std::string& path, const std::error_code& error) {
+  const std::string message = absl::StrCat("cannot create the folder for checkpoint '", path, "': ", error.message());
+  if (error.value() == ENOTDIR) return absl::InvalidArgumentError(message);
+  return absl::ErrnoToStatus(error.value(), message);
 }
 
 }  // namespace
@@ -192,10 +202,7 @@ absl::StatusOr<SaveOutcome> ModelHost::Save(const std::string& path) {
     created.push_back(folder);
   }
   std::filesystem::create_directories(parent, error);
-  const absl::Status saved =
-      error ? absl::FailedPreconditionError(
-                  absl::StrCat("cannot create the folder for checkpoint '", path, "': ", error.message()))
-            : SaveCheckpoint(path, state);
+  const absl::Status saved = error ? FolderNotCreated(path, error) : SaveCheckpoint(path, state);
   if (!saved.ok()) {
     // remove, not remove_all: a folder that something else has filled meanwhile stays.
     for (const std::filesystem::path& folder : created) std::filesystem::remove(folder, error);

@@ -104,6 +104,17 @@ TEST_F(CheckpointNamesTest, ASaveCreatesTheMissingFolders) {
   EXPECT_TRUE(std::filesystem::is_regular_file(root_ / "deep/er/x.safetensors"));
 }
 
+// A name through a file answered FAILED_PRECONDITION, which this API keeps for the model's state (retry later), where
+// LoadCheckpoint answers the same name NOT_FOUND.
+TEST_F(CheckpointNamesTest, ANameThroughAFileIsTheCallersMistake) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  ASSERT_TRUE(Save("a.safetensors").ok());
+  const grpc::Status refused = Save("a.safetensors/x");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("cannot create the folder for checkpoint"));
+  EXPECT_EQ(Load("a.safetensors/x").error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 // The OS reads a path up to its first NUL: before, "x\0.safetensors" saved to and loaded from the file "x".
 TEST_F(CheckpointNamesTest, ANameWithANulIsRefused) {
   ASSERT_NO_FATAL_FAILURE(InitModel());
