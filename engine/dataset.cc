@@ -231,7 +231,7 @@ absl::StatusOr<WindowSampler> WindowSampler::Create(const EventSeries& series, i
   }
   if (series.size() < static_cast<size_t>(window)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("series of ", series.size(), " events is shorter than one window of ", window));
+        absl::StrCat("the training part (", series.size(), " events) is shorter than one window of ", window));
   }
   return WindowSampler(series, window, warmup, seed);
 }
@@ -257,7 +257,10 @@ Batch SequentialWindows(const EventSeries& series, int window, int warmup, int m
 }
 
 absl::Status CheckValidationWindows(const Batch& validation) {
-  if (validation.batch == 0) return absl::InvalidArgumentError("the validation part is shorter than one window");
+  if (validation.batch == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the validation part is shorter than one window of ", validation.window, " events"));
+  }
   if (!ScoresALabel(validation.mask)) {
     return absl::InvalidArgumentError(
         "the validation part scores no label (each of its events is within a horizon of its end, in a window's "

@@ -1,6 +1,7 @@
 // LOBSTER reader, feature transform and labels (MODEL.md §1.1–§1.2).
 #include "engine/lobster.h"
 
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -34,7 +35,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a folder, not a LOBSTER file"));
   }
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  if (!in) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", path));
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
@@ -73,6 +74,9 @@ class CsvLines {
   absl::Status ParseInteger(size_t column, int64_t& value) const {
     const absl::string_view field = fields_[column];
     const auto [end, error] = std::from_chars(field.data(), field.data() + field.size(), value);
+    if (error == std::errc::result_out_of_range && end == field.data() + field.size()) {
+      return Error(absl::StrCat("column ", column + 1, " is out of a 64-bit integer's range: '", field, "'"));
+    }
     if (field.empty() || error != std::errc() || end != field.data() + field.size()) {
       return Error(absl::StrCat("column ", column + 1, " is not an integer: '", field, "'"));
     }

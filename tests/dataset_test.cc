@@ -422,7 +422,7 @@ TEST(WindowSampler, ReusesTheBatchAndReachesEveryStart) {
 TEST(WindowSampler, CreateRejectsImpossibleWindows) {
   const EventSeries series = IndexedSeries(10, 2, 1);
   EXPECT_THAT(WindowSampler::Create(series, 11, 2, 1).status().message(),
-              HasSubstr("series of 10 events is shorter than one window of 11"));
+              HasSubstr("the training part (10 events) is shorter than one window of 11"));
   EXPECT_EQ(WindowSampler::Create(series, 0, 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(WindowSampler::Create(series, 8, 8, 1).status().message(), HasSubstr("need 0 <= warmup < window"));
   EXPECT_EQ(WindowSampler::Create(series, 8, -1, 1).status().code(), absl::StatusCode::kInvalidArgument);

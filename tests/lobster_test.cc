@@ -229,6 +229,12 @@ TEST_F(ReadLobsterErrors, NonNumericTime) {
               message_ + ":3:", "column 1 is not a time in seconds: 'noon'");
 }
 
+// A value past int64's range was reported as "not an integer".
+TEST_F(ReadLobsterErrors, OrderbookFieldPastInt64) {
+  ExpectError(Read("2239500,100,2231800,100\n99999999999999999999,100,2238100,21\n", kMessages),
+              orderbook_ + ":2:", "column 1 is out of a 64-bit integer's range: '99999999999999999999'");
+}
+
 TEST_F(ReadLobsterErrors, FractionalType) {
   ExpectError(Read(kBook, "34200.017459617,5.0,0,1,2238200,-1\n"),
               message_ + ":1:", "column 2 is not an integer: '5.0'");
@@ -287,7 +293,8 @@ TEST_F(ReadLobsterErrors, SharesOnAnEmptyLevel) {
 TEST_F(ReadLobsterErrors, MissingFile) {
   const absl::StatusOr<LobsterData> data = ReadLobster("/nonexistent/orderbook.csv", "/nonexistent/message.csv");
   EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(data.status().message(), HasSubstr("/nonexistent/orderbook.csv"));
+  // The system's reason with the path: "cannot open" alone hid a refused permission as a missing file.
+  EXPECT_THAT(data.status().message(), HasSubstr("cannot open /nonexistent/orderbook.csv: No such file or directory"));
 }
 
 // A folder opened as a stream that reads nothing, and was reported as a file without rows.
