@@ -82,13 +82,28 @@ absl::Status SyncDirectoryOf(const std::string& path) {
   return status;
 }
 
-// The rename replaces whatever holds the name: a device, FIFO or socket there (or behind a link there, as
-// /dev/stdout is) would be replaced by a regular file, and for root that means /dev/null itself. Refused instead.
-absl::Status CheckNotASpecialFile(const std::string& path) {
+}  // namespace
+
+absl::Status CheckCanCreateBeside(const std::string& path) {
+  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
+  ::close(temp.fd);
+  ::unlink(temp.path.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CheckReplaceableByAFile(const std::string& path) {
   std::error_code error;
-  const std::filesystem::file_status target = std::filesystem::status(path, error);
+  // /dev/stdout links to /proc/self/fd/1, which is a regular file while stdout goes to one: only the folder tells.
+  const std::filesystem::path folder =
+      std::filesystem::weakly_canonical(std::filesystem::absolute(path, error).parent_path(), error);
+  for (const char* system : {"/dev", "/proc"}) {
+    if (folder == system || folder.string().starts_with(absl::StrCat(system, "/"))) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " is in ", system, ", where a regular file renamed over ",
+                                                     "the name would replace the system's own; give a file's path"));
+    }
+  }
   const char* kind = nullptr;
-  switch (target.type()) {
+  switch (std::filesystem::status(path, error).type()) {
     case std::filesystem::file_type::character: kind = "a character device"; break;
     case std::filesystem::file_type::block: kind = "a block device"; break;
     case std::filesystem::file_type::fifo: kind = "a FIFO"; break;
@@ -101,15 +116,6 @@ absl::Status CheckNotASpecialFile(const std::string& path) {
                                                  "over its name, so give a file's path"));
 }
 
-}  // namespace
-
-absl::Status CheckCanCreateBeside(const std::string& path) {
-  ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
-  ::close(temp.fd);
-  ::unlink(temp.path.c_str());
-  return absl::OkStatus();
-}
-
 absl::Status CheckWritableDestination(const std::string& path) {
   // The trial file goes beside the path, so a folder (or a name ending in '/') would pass it, and only the rename
   // at the end of the work would fail. A symbolic link to a folder is replaced by the rename, as any link is.
@@ -117,12 +123,12 @@ absl::Status CheckWritableDestination(const std::string& path) {
   if (path.ends_with('/') || std::filesystem::is_directory(std::filesystem::symlink_status(path, error))) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a folder; the output is a file"));
   }
-  RETURN_IF_ERROR(CheckNotASpecialFile(path));
+  RETURN_IF_ERROR(CheckReplaceableByAFile(path));
   return CheckCanCreateBeside(path);
 }
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
-  RETURN_IF_ERROR(CheckNotASpecialFile(path));
+  RETURN_IF_ERROR(CheckReplaceableByAFile(path));
   ASSIGN_OR_RETURN(const Temporary temp, CreateTemporary(path));
   absl::Status status = WriteAll(temp.fd, bytes, temp.path);
   if (status.ok() && ::fsync(temp.fd) != 0) status = Errno("cannot fsync", temp.path);

@@ -196,7 +196,8 @@ class Backend {
   virtual absl::Status InjectDeviceLoss();
 };
 
-// The CPU reference as a backend (float32), `threads` workers over the batch (0: one per core).
+// The CPU reference as a backend (float32), `threads` workers over the batch (0: one per core; a training step uses
+// at most CpuReference::kGradientGroups, so that its bits do not depend on the machine).
 std::unique_ptr<Backend> MakeCpuBackend(const ModelConfig& config, const OptimizerConfig& optimizer,
                                         std::vector<float> params, int threads = 0);
 

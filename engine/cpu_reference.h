@@ -30,7 +30,7 @@ struct StreamState {
 template <typename T>
 class CpuReference {
  public:
-  // `threads` workers split the batch; 0 means one per hardware core.
+  // `threads` workers split the batch; 0 means one per hardware core. LossAndGradients uses at most kGradientGroups.
   explicit CpuReference(const ParamLayout& layout, int threads = 0);
 
   const ParamLayout& layout() const { return layout_; }

@@ -35,7 +35,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a folder, not a LOBSTER file"));
   }
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", path));
+  if (!in) {
+    // A path through a file (ENOTDIR) names no file either: NOT_FOUND, as a missing one (abseil's code for ENOTDIR is
+    // FAILED_PRECONDITION).
+    if (errno == ENOTDIR) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": Not a directory"));
+    return absl::ErrnoToStatus(errno != 0 ? errno : EIO, absl::StrCat("cannot open ", path));
+  }
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));

@@ -5,6 +5,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "engine/atomic_file.h"
 
 namespace perception::server {
 namespace {
@@ -59,6 +60,10 @@ absl::StatusOr<std::string> CheckpointDirectory::ResolveForWriting(const std::st
   if (!path.ok()) return path;
   std::error_code error;
   if (std::filesystem::is_directory(*path, error)) return Refused(source, name, "is a folder; a checkpoint is a file");
+  // A FIFO or device left in the folder: refused now, not by the save at the end of a drain (--checkpoint_on_exit).
+  if (const absl::Status replaceable = CheckReplaceableByAFile(*path); !replaceable.ok()) {
+    return Refused(source, name, absl::StrCat("cannot be written: ", replaceable.message()));
+  }
   return path;
 }
 

@@ -57,7 +57,8 @@ class DeviceWorker {
 
   // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
   // is returned as the result. Work that runs the host out of memory (a model or a batch the host cannot hold: a
-  // std::bad_alloc) answers RESOURCE_EXHAUSTED instead of ending the daemon; what it allocated is freed as it unwinds. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
+  // std::bad_alloc) answers RESOURCE_EXHAUSTED instead of ending the daemon; what it allocated is freed as it
+  // unwinds. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
   // starts after the client stopped waiting; a deadline that passes while the work runs does not stop it.
   template <typename Work>
   std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work,
@@ -124,12 +125,11 @@ std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, 
       done.set_value(std::move(gone));
       return;
     }
-    std::optional<Result> result;
-    const absl::Status allocated =
-        AllocateOrExhausted("what this call needs", [&] { result.emplace(work(host)); });
-    if (!allocated.ok()) result.emplace(allocated);
+    std::optional<Result> answer;
+    const absl::Status allocated = AllocateOrExhausted("what this call needs", [&] { answer.emplace(work(host)); });
+    if (!allocated.ok()) answer.emplace(allocated);
     PublishStatus(host);
-    done.set_value(std::move(*result));
+    done.set_value(std::move(*answer));
   });
   if (!queued.ok()) return queued;
   return result.get();

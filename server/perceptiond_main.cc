@@ -437,7 +437,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   builder.RegisterService(&rendezvous);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address, " (in use, or not an address of this host)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", address, " (in use, or not an address of this host)"));
   }
   server->GetHealthCheckService()->SetServingStatus(v1::Perception::service_full_name(), false);
   server->GetHealthCheckService()->SetServingStatus(false);  // every service, the server's own ("") included

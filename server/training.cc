@@ -5,6 +5,7 @@
 #include <iterator>
 #include <optional>
 
+#include "engine/host_allocation.h"
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 #include "server/raw_messages.h"
@@ -86,8 +87,12 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
         OnStepDone(step, std::move(dropped));
         return;
       }
-      absl::StatusOr<v1::TrainStepResponse> result =
-          TrainOnDevice(host, step.request->batch(), NextBatch(step), queued);
+      // As DeviceWorker::Run answers a unary TrainStep: a batch the host cannot hold ends the stream, not the daemon.
+      absl::StatusOr<v1::TrainStepResponse> result;
+      const absl::Status allocated = AllocateOrExhausted("what this step needs", [&] {
+        result = TrainOnDevice(host, step.request->batch(), NextBatch(step), queued);
+      });
+      if (!allocated.ok()) result = allocated;
       worker_.PublishStatus(host);
       OnStepDone(step, std::move(result));
     });

@@ -22,7 +22,7 @@ using testing::WriteBytes;
 
 // The rename over a FIFO, or over a link to a character device, made a regular file of it: `--out /dev/null` run as
 // root replaced the machine's /dev/null. Both writers refuse such a name and leave it as it was; a regular file
-// and a link to one are still replaced.
+// and a link to one are still replaced (the link by the file).
 TEST(AtomicFileTest, ADeviceOrFifoIsRefusedAndLeftInPlace) {
   const ScopedTempDir dir("atomic_file_test");
   const std::string fifo = (dir.path() / "fifo").string(), to_null = (dir.path() / "to_null").string();
@@ -48,6 +48,20 @@ TEST(AtomicFileTest, ADeviceOrFifoIsRefusedAndLeftInPlace) {
     ASSERT_TRUE(WriteFileAtomically(path, "new " + path).ok());
     EXPECT_EQ(ReadBytes(path), "new " + path);
   }
+}
+
+// /dev/stdout links through /proc to whatever stdout is: a regular file where it is redirected to one, which the
+// rename would then have replaced the link with. Names in /dev or /proc are refused whatever they are (only the
+// check is called here: a regression must not write into /dev).
+TEST(AtomicFileTest, NamesInDevOrProcAreRefused) {
+  for (const std::string path : {"/dev/stdout", "/dev/perception-test-absent", "/proc/self/fd/1", "/dev/null"}) {
+    SCOPED_TRACE(path);
+    const absl::Status refused = CheckReplaceableByAFile(path);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr(path + " is in /"));
+    EXPECT_EQ(CheckWritableDestination(path).code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(CheckReplaceableByAFile((std::filesystem::path(::testing::TempDir()) / "x.npy").string()).ok());
 }
 
 }  // namespace

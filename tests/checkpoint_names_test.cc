@@ -2,9 +2,12 @@
 // refused before anything is created, and a refused save leaves no folders behind that would block a later one.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -113,6 +116,19 @@ TEST_F(CheckpointNamesTest, ANameThroughAFileIsTheCallersMistake) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
   EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("cannot create the folder for checkpoint"));
   EXPECT_EQ(Load("a.safetensors/x").error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A FIFO in the checkpoint folder was replaced by the save's rename (and a --checkpoint_on_exit of its name would
+// have failed only after the drain): refused, and left in place.
+TEST_F(CheckpointNamesTest, ANameThatIsAFifoIsRefusedAndLeftInPlace) {
+  ASSERT_NO_FATAL_FAILURE(InitModel());
+  std::filesystem::create_directories(root_);
+  ASSERT_EQ(::mkfifo((root_ / "pipe").c_str(), 0600), 0) << std::strerror(errno);
+  const grpc::Status refused = Save("pipe");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("checkpoint name 'pipe' cannot be written: "));
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("is a FIFO"));
+  EXPECT_TRUE(std::filesystem::is_fifo(root_ / "pipe"));
 }
 
 // The OS reads a path up to its first NUL: before, "x\0.safetensors" saved to and loaded from the file "x".

@@ -444,5 +444,17 @@ TEST(SequentialWindows, NonOverlappingInOrderWithThePartialOneDropped) {
   EXPECT_EQ(SequentialWindows(series, 51, 0).batch, 0);
 }
 
+// Train's checks of its validation part: one window at least (the message names its length), and a label scored.
+TEST(CheckValidationWindows, RefusesNoWindowAndNoScoredLabel) {
+  const EventSeries series = IndexedSeries(50, 3, 2);
+  const absl::Status none = CheckValidationWindows(SequentialWindows(series, 51, 0));
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(none.message(), HasSubstr("the validation part is shorter than one window of 51 events"));
+  Batch unscored = SequentialWindows(series, 16, 5);
+  EXPECT_TRUE(CheckValidationWindows(unscored).ok());
+  std::fill(unscored.mask.begin(), unscored.mask.end(), 0.f);
+  EXPECT_THAT(CheckValidationWindows(unscored).message(), HasSubstr("the validation part scores no label"));
+}
+
 }  // namespace
 }  // namespace perception

@@ -361,8 +361,9 @@ absl::Status Train() {
                                                      : backend->TrainStep(View(batch));
     if (IsStepNotTaken(step.status())) {
       stopped = absl::FailedPreconditionError(absl::StrCat(
-          "step ", s, " of ", steps, " was not taken (", step.status().message(), "). perception train stops at a step not taken and ",
-          "saves the model before it to --save; to go on, train again with a lower --lr"));
+          "step ", s, " of ", steps, " was not taken (", step.status().message(),
+          "). perception train stops at a step not taken and saves the model before it to --save; to go on, train ",
+          "again with a lower --lr"));
       break;
     }
     RETURN_IF_ERROR(step.status());
