@@ -93,14 +93,18 @@ absl::Status CheckCanCreateBeside(const std::string& path) {
 
 absl::Status CheckReplaceableByAFile(const std::string& path) {
   std::error_code error;
-  // /dev/stdout links to /proc/self/fd/1, which is a regular file while stdout goes to one: only the folder tells.
-  const std::filesystem::path folder =
-      std::filesystem::weakly_canonical(std::filesystem::absolute(path, error).parent_path(), error);
-  for (const char* system : {"/dev", "/proc"}) {
-    if (folder == system || folder.string().starts_with(absl::StrCat(system, "/"))) {
-      return absl::InvalidArgumentError(absl::StrCat(path, " is in ", system, ", where a regular file renamed over ",
-                                                     "the name would replace the system's own; give a file's path"));
+  // /dev/stdout links to /proc/self/fd/1, which is a regular file while stdout goes to one: only the link tells.
+  std::filesystem::path hop = path;
+  for (int hops = 0; hops < 40 && std::filesystem::is_symlink(std::filesystem::symlink_status(hop, error)); ++hops) {
+    std::filesystem::path target = std::filesystem::read_symlink(hop, error);
+    if (error) break;
+    if (target.is_relative()) target = hop.parent_path() / target;
+    if (target.lexically_normal().string().starts_with("/proc/")) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " is a link through /proc (", target.string(), ") to a ",
+                                                     "process's descriptor, which the rename would replace with a ",
+                                                     "file; give a file's path"));
     }
+    hop = target;
   }
   const char* kind = nullptr;
   switch (std::filesystem::status(path, error).type()) {

@@ -15,9 +15,8 @@ namespace perception {
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
 
 // INVALID_ARGUMENT where the rename onto `path` would put a regular file in place of something that is not one: a
-// device, FIFO or socket at `path` or behind a link there (the output would not reach it, and it would be gone), or
-// any name in /dev or /proc (as root, `--out /dev/null` replaced the machine's /dev/null, and `/dev/stdout` links
-// through /proc to whatever stdout is, a regular file too).
+// device, FIFO or socket at `path` or behind a link there (the output would not reach it, and as root `--out
+// /dev/null` replaced the machine's /dev/null), or a link through /proc (`/dev/stdout`, whatever stdout is).
 absl::Status CheckReplaceableByAFile(const std::string& path);
 
 // OK when WriteFileAtomically could start writing `path` now: it creates a temporary file beside `path` as that
