@@ -3,7 +3,10 @@
 #pragma once
 
 #include <new>
+#include <optional>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -22,6 +25,16 @@ absl::Status AllocateOrExhausted(absl::string_view what, Allocate&& allocate) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", what, ": larger than a vector holds"));
   }
   return absl::OkStatus();
+}
+
+// Runs `work` (returning absl::Status or absl::StatusOr<T>): its result, or AllocateOrExhausted's refusal where it ran
+// the host out of memory.
+template <typename Work>
+std::invoke_result_t<Work&> RunOrExhausted(absl::string_view what, Work&& work) {
+  std::optional<std::invoke_result_t<Work&>> result;
+  const absl::Status allocated = AllocateOrExhausted(what, [&] { result.emplace(work()); });
+  if (!allocated.ok()) return allocated;
+  return std::move(*result);
 }
 
 }  // namespace perception

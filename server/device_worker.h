@@ -125,11 +125,9 @@ std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, 
       done.set_value(std::move(gone));
       return;
     }
-    std::optional<Result> answer;
-    const absl::Status allocated = AllocateOrExhausted("what this call needs", [&] { answer.emplace(work(host)); });
-    if (!allocated.ok()) answer.emplace(allocated);
+    Result result = RunOrExhausted("what this call needs", [&] { return work(host); });
     PublishStatus(host);
-    done.set_value(std::move(*answer));
+    done.set_value(std::move(result));
   });
   if (!queued.ok()) return queued;
   return result.get();

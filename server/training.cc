@@ -88,11 +88,8 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
         return;
       }
       // As DeviceWorker::Run answers a unary TrainStep: a batch the host cannot hold ends the stream, not the daemon.
-      absl::StatusOr<v1::TrainStepResponse> result;
-      const absl::Status allocated = AllocateOrExhausted("what this step needs", [&] {
-        result = TrainOnDevice(host, step.request->batch(), NextBatch(step), queued);
-      });
-      if (!allocated.ok()) result = allocated;
+      absl::StatusOr<v1::TrainStepResponse> result = RunOrExhausted(
+          "what this step needs", [&] { return TrainOnDevice(host, step.request->batch(), NextBatch(step), queued); });
       worker_.PublishStatus(host);
       OnStepDone(step, std::move(result));
     });
