@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
+#include "engine/input_file.h"
 #include "engine/status_macros.h"
 
 namespace perception {
@@ -36,10 +37,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    // A path through a file (ENOTDIR) names no file either: NOT_FOUND, as a missing one (abseil's code for ENOTDIR is
-    // FAILED_PRECONDITION).
-    if (errno == ENOTDIR) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": Not a directory"));
-    return absl::ErrnoToStatus(errno != 0 ? errno : EIO, absl::StrCat("cannot open ", path));
+    return InputNotOpened(errno != 0 ? errno : EIO, absl::StrCat("cannot open ", path));
   }
   std::ostringstream text;
   text << in.rdbuf();

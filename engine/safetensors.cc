@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "engine/atomic_file.h"
+#include "engine/input_file.h"
 #include "engine/json_object.h"
 #include "engine/status_macros.h"
 
@@ -261,10 +262,7 @@ absl::StatusOr<FileContents> ReadOpenFile(int fd) {
 absl::StatusOr<FileContents> ReadFileContents(const std::string& path) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; fstat then refuses it.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  // A path through a file (ENOTDIR) names no file either: NOT_FOUND, as a missing one (abseil's code for it,
-  // FAILED_PRECONDITION, reads as "the daemon's state refuses this" to a client).
-  if (fd < 0) return errno == ENOTDIR ? absl::NotFoundError("cannot open: Not a directory")
-                                      : absl::ErrnoToStatus(errno, "cannot open");
+  if (fd < 0) return InputNotOpened(errno, "cannot open");
   absl::StatusOr<FileContents> contents = ReadOpenFile(fd);
   ::close(fd);
   return contents;

@@ -297,6 +297,16 @@ TEST_F(ReadLobsterErrors, MissingFile) {
   EXPECT_THAT(data.status().message(), HasSubstr("cannot open /nonexistent/orderbook.csv: No such file or directory"));
 }
 
+// A path through a file names no file either: NOT_FOUND, as a missing one (not FAILED_PRECONDITION, abseil's code for
+// ENOTDIR), with the system's reason.
+TEST_F(ReadLobsterErrors, APathThroughAFileIsNotFound) {
+  ASSERT_TRUE(Read(kBook, kMessages).ok());
+  const std::string through = orderbook_ + "/orderbook.csv";
+  const absl::StatusOr<LobsterData> data = ReadLobster(through, through);
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(data.status().message(), HasSubstr(absl::StrCat("cannot open ", through, ": Not a directory")));
+}
+
 // A folder opened as a stream that reads nothing, and was reported as a file without rows.
 TEST_F(ReadLobsterErrors, AFolderIsNamedAsOne) {
   const std::string folder = ::testing::TempDir();
