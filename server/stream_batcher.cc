@@ -9,6 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
+#include "engine/host_allocation.h"
 #include "engine/status_macros.h"
 #include "server/stopwatch.h"
 #include "spdlog/spdlog.h"
@@ -309,9 +310,12 @@ void StreamBatcher::Tick(ModelHost& host) {
   absl::Status status = backend.status();
   const Stopwatch stopwatch;
   if (status.ok()) {
+    // A tick that runs the host out of memory fails as a device error would: its instruments stop, the daemon goes on.
     status = ++ticks_started_ == options_.inject_device_loss_at_tick
                  ? (*backend)->InjectDeviceLoss()
-                 : (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
+                 : RunOrExhausted("this tick", [&] {
+                     return (*backend)->ForwardStepInto({tick_x_, tick_dt_, tick_slots_, tick_log_indices_});
+                   });
   }
   if (status.ok()) {
     metrics_.ObserveStreamTick(static_cast<int>(notices_.size()), stopwatch.Seconds());

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <new>
 #include <span>
 #include <string>
 #include <thread>
@@ -42,6 +43,7 @@ using ::testing::Not;
 struct StreamFaults {
   std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
+  std::atomic<bool> tick_out_of_memory{false};  // the next ForwardStepInto runs the host out of memory
   std::atomic<int> failing_seeds{0};          // the next SeedSlot calls write the slot, then fail
   std::atomic<int> failing_tick_in{0};        // the ForwardStepInto call this many from now fails (1: the next)
   std::atomic<bool> slow_ticks{false};        // CheckTicks without a wait: every tick since the last wait unfinished
@@ -74,6 +76,7 @@ class StreamFaultBackend final : public ForwardingBackend {
       ++faults_->launches_held;
       while (faults_->hold_launch) absl::SleepFor(absl::Milliseconds(1));
     }
+    if (faults_->tick_out_of_memory.exchange(false)) throw std::bad_alloc();
     if (faults_->failing_ticks.fetch_sub(1) > 0) return absl::InternalError("an injected device error");
     faults_->failing_ticks = 0;
     RETURN_IF_ERROR(ForwardingBackend::ForwardStepInto(tick));
@@ -284,6 +287,24 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
 
 // A tick that fails while the one before it may still be running: the device, asked with a wait, says that one
 // finished, so its events are processed and acknowledged, and only the failed tick's and those queued behind it fail.
+// A std::bad_alloc on the device worker ended the daemon; now the tick fails as a device error does.
+TEST_F(StreamFailureTest, ATickThatRunsTheHostOutOfMemoryStopsItsInstrumentsAndTheDaemonGoesOn) {
+  ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
+  faults_->tick_out_of_memory = true;
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 1, 2), Event("B", 0, 1)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("(cannot allocate this tick: out of host memory)"));
+  EXPECT_THAT(failed.status.error_message(), HasSubstr("'A' from seq 2, 'B' from seq 1"));
+  EXPECT_THAT(daemon_.Streams()["A"].stopped(), HasSubstr("instrument 'A' stopped at seq 2"));
+
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  ASSERT_TRUE(daemon_.ResetStream("B").ok());
+  const StreamOutcome resumed = daemon_.Stream({{Event("A", 1, 2), Event("B", 0, 1)}});
+  ASSERT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+  EXPECT_EQ(resumed.acked.at("A"), 2u);
+  EXPECT_EQ(daemon_.ReadConvictions("A").seqs_size(), 2);
+}
+
 TEST_F(StreamFailureTest, ATickFailingBehindAnUnfinishedOneFailsOnlyItsOwnEventsOnceTheDeviceSaysTheFirstFinished) {
   ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
   faults_->slow_ticks = true;
