@@ -1,8 +1,10 @@
 // The Perception service's handlers.
 #include "server/perception_service.h"
 
+#include <chrono>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "engine/status_macros.h"
 #include "server/proto_convert.h"
 #include "server/stopwatch.h"
@@ -47,6 +49,20 @@ void Record(ServerMetrics& metrics, std::string_view method, ServerMetrics::RpcK
   if (status.ok()) return;
   spdlog::log(LogLevelOf(status.code()), "{} {}: {}", method, IsRefusal(status.code()) ? "refused" : "failed",
               status.ToString());
+}
+
+// The outcome a streaming call's client saw. Where it cancelled the call, or its deadline passed, it never got the
+// status the call finished with: a read that fails as the client goes away ends the input as its half-close would,
+// and the call may finish OK before gRPC reports the cancellation.
+absl::Status AsTheClientSawIt(const absl::Status& finished, const grpc::CallbackServerContext& context) {
+  if (!context.IsCancelled()) return finished;
+  const bool deadline_passed = std::chrono::system_clock::now() >= context.deadline();
+  const absl::StatusCode code =
+      deadline_passed ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
+  const char* what = deadline_passed ? "the call's deadline passed" : "the client cancelled the call or went away";
+  // (CANCELLED is the call's own note of the client's going: the reactor saw it first.)
+  if (finished.ok() || absl::IsCancelled(finished)) return absl::Status(code, what);
+  return absl::Status(code, absl::StrCat(what, "; the daemon had finished it with ", finished.ToString()));
 }
 
 }  // namespace
@@ -234,11 +250,12 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PerceptionService::Train(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* context) {
   return new TrainReactor(
       worker_, limits_, live_calls_,
-      [this, stopwatch = Stopwatch()](const absl::Status& status) {
-        Record(metrics_, "Train", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      [this, context, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Train", ServerMetrics::RpcKind::kBidirectional, AsTheClientSawIt(status, *context),
+               stopwatch);
       });
 }
 
@@ -270,11 +287,12 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PerceptionService::Stream(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* context) {
   return new StreamReactor(
       streams_, stream_options_, live_calls_,
-      [this, stopwatch = Stopwatch()](const absl::Status& status) {
-        Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, status, stopwatch);
+      [this, context, stopwatch = Stopwatch()](const absl::Status& status) {
+        Record(metrics_, "Stream", ServerMetrics::RpcKind::kBidirectional, AsTheClientSawIt(status, *context),
+               stopwatch);
       });
 }
 

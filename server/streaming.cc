@@ -176,7 +176,12 @@ void StreamReactor::OnCancel() {
 void StreamReactor::OnDone() {
   // gRPC runs OnDone once every other reaction has returned, an order its own (uninstrumented) atomics keep; taking
   // the lock the reactions write under shows ThreadSanitizer that order too, before the reactor is freed.
-  { absl::MutexLock lock(&mu_); }
+  absl::Status outcome;
+  {
+    absl::MutexLock lock(&mu_);
+    outcome = outcome_;
+  }
+  on_finish_(outcome);
   registry_.Remove(this);
   delete this;
 }
@@ -250,7 +255,7 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
     }
     status = absl::Status(status.code(), absl::StrCat(message, besides_));
   }
-  on_finish_(status);
+  outcome_ = status;
   return ToGrpcStatus(status);
 }
 

@@ -37,7 +37,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                             public StreamSink,
                             public DrainableCall {
  public:
-  // `registry` holds the call while it lives; `on_finish` sees the call's final status.
+  // `registry` holds the call while it lives; `on_finish` sees the status the call finished with, once gRPC is done
+  // with it (OnDone: whether the client went away before that status reached it is known only then).
   StreamReactor(StreamBatcher& batcher, const StreamOptions& options, LiveCalls& registry,
                 absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
@@ -112,6 +113,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool cancelling_ ABSL_GUARDED_BY(mu_) = false;     // a thread is in Alarm::Cancel: the call must not finish yet
   bool broken_ ABSL_GUARDED_BY(mu_) = false;         // cancelled, or the client stopped taking responses
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status outcome_ ABSL_GUARDED_BY(mu_);  // the status the call finished with
 };
 
 }  // namespace perception::server

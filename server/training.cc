@@ -156,7 +156,12 @@ void TrainReactor::OnCancel() {
 void TrainReactor::OnDone() {
   // gRPC runs OnDone once every other reaction has returned, an order its own (uninstrumented) atomics keep; taking
   // the lock the reactions write under shows ThreadSanitizer that order too, before the reactor is freed.
-  { absl::MutexLock lock(&mu_); }
+  absl::Status outcome;
+  {
+    absl::MutexLock lock(&mu_);
+    outcome = outcome_;
+  }
+  on_finish_(outcome);
   registry_.Remove(this);
   delete this;
 }
@@ -199,7 +204,7 @@ std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
   } else {
     status = drained_;
   }
-  on_finish_(status);
+  outcome_ = status;
   return ToGrpcStatus(status);
 }
 

@@ -45,7 +45,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
  public:
   static constexpr size_t kMaxUnansweredSteps = 3;
 
-  // `registry` holds the stream while it lives; `on_finish` sees the stream's final status.
+  // `registry` holds the stream while it lives; `on_finish` sees the status the stream finished with, once gRPC is
+  // done with it (OnDone: whether the client went away before that status reached it is known only then).
   TrainReactor(DeviceWorker& worker, const Limits& limits, LiveCalls& registry,
                absl::AnyInvocable<void(const absl::Status&)> on_finish);
 
@@ -97,6 +98,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   grpc::ByteBuffer outgoing_ ABSL_GUARDED_BY(mu_);  // the write in progress
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // cancelled, or the client stopped taking responses
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status outcome_ ABSL_GUARDED_BY(mu_);  // the status the stream finished with
   // ModelHost::model_generation() at the stream's first step: every later step must train that same model.
   std::optional<int64_t> model_generation_ ABSL_GUARDED_BY(mu_);
 };

@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/config.h"
@@ -163,6 +164,59 @@ TEST_F(AbandonedCallsTest, StreamingCallsWhoseDeadlinePassedInTheQueueChangeNoth
   ASSERT_EQ(b.convictions_size(), 4);
   EXPECT_EQ(a.first_seq(), 0u);
   EXPECT_EQ(a.convictions(3), b.convictions(3));
+}
+
+// A Stream or Train call whose client went quiet until its deadline passed, or cancelled it, after the call had
+// answered all it had sent: the failed read ended the call's input as a half-close does, and the call was recorded
+// (perception_rpc_session_seconds, the log) as OK when gRPC reported the cancellation after it had finished.
+TEST_F(AbandonedCallsTest, StreamingCallsTheClientAbandonedAreRecordedAsTheClientSawThem) {
+  const testing::RandomBatch series = MakeRandomBatch(config_, 1, 8, 21);
+  const auto stream_then_leave = [&](const std::string& instrument, bool cancel) {
+    grpc::ClientContext context;
+    context.set_deadline(In(cancel ? kPatient : std::chrono::milliseconds(300)));
+    const auto call = daemon_.stub().Stream(&context);
+    v1::StreamRequest request;
+    *request.add_events() = FeatureEvent(series, config_.n_features, 0, instrument, 1);
+    request.set_ack(true);
+    v1::StreamResponse ack;
+    EXPECT_TRUE(call->Write(request));
+    EXPECT_TRUE(call->Read(&ack));
+    EXPECT_EQ(ack.processed_events(), 1);
+    if (cancel) context.TryCancel();
+    EXPECT_FALSE(call->Read(&ack));
+    return call->Finish().error_code();
+  };
+  const auto train_then_leave = [&]() {
+    grpc::ClientContext context;
+    context.set_deadline(In(std::chrono::milliseconds(300)));
+    const auto call = daemon_.stub().Train(&context);
+    v1::TrainStepRequest request;
+    *request.mutable_batch() = BatchMessage(MakeRandomBatch(config_, config_.batch, config_.window, 12), config_);
+    v1::TrainStepResponse response;
+    EXPECT_TRUE(call->Write(request));
+    EXPECT_TRUE(call->Read(&response));
+    EXPECT_FALSE(call->Read(&response));
+    return call->Finish().error_code();
+  };
+  EXPECT_EQ(stream_then_leave("quiet", /*cancel=*/false), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(stream_then_leave("cancelled", /*cancel=*/true), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(train_then_leave(), grpc::StatusCode::DEADLINE_EXCEEDED);
+
+  // Recorded as gRPC finishes with each call (OnDone), which may come just after the client's Finish returns.
+  const auto count = [&](const std::string& code, const std::string& method) {
+    return daemon_.Metric(absl::StrCat("perception_rpc_session_seconds_count{code=\"", code, "\",method=\"",
+                                       method, "\"}"));
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline && (count("DEADLINE_EXCEEDED", "Stream") < 1 || count("CANCELLED", "Stream") < 1 ||
+                                    count("DEADLINE_EXCEEDED", "Train") < 1)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(count("DEADLINE_EXCEEDED", "Stream"), 1);
+  EXPECT_EQ(count("CANCELLED", "Stream"), 1);
+  EXPECT_EQ(count("DEADLINE_EXCEEDED", "Train"), 1);
+  EXPECT_EQ(count("OK", "Stream"), -1) << "no Stream call of this test ended OK";
+  EXPECT_EQ(count("OK", "Train"), -1) << "no Train call of this test ended OK";
 }
 
 }  // namespace
