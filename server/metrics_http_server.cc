@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -29,8 +30,9 @@ using Clock = std::chrono::steady_clock;
 // however it trickles, so that it does not hold one of the few slots.
 constexpr Clock::duration kConnectionDeadline = std::chrono::seconds(2);
 // Connections served at once. A new one takes the slot of the longest-connected client still to send its request head,
-// so that a client holding many idle connections does not delay every scrape by up to kConnectionDeadline; it waits
-// in the listen backlog only while every slot is answering.
+// else of the longest-connected one that has its answer and is only left to close (one that never reads or closes
+// would hold the slot to its deadline), so that a client holding many connections does not delay every scrape by up
+// to kConnectionDeadline; it waits in the listen backlog only while every slot is still sending its answer.
 constexpr size_t kMaxConnections = 16;
 constexpr size_t kMaxRequestHead = 8192;
 // Once its answer is sent, what a client still sends is read and dropped until it closes, up to this much: closing
@@ -186,14 +188,17 @@ void MetricsHttpServer::Serve() {
   std::vector<Connection> connections;
   std::vector<pollfd> watched;
   AcceptFailures accept_failures;
-  // The longest-connected client still to send its request head, or connections.end() when every one is answering.
-  const auto longest_waiting = [&connections] {
-    const auto waiting = std::ranges::min_element(connections, {}, [](const Connection& connection) {
-      return connection.answering ? Clock::time_point::max() : connection.deadline;
+  // The connection a new one may take the slot of (kMaxConnections), or connections.end() when every one is still
+  // sending its answer. One that has its answer (its write side shut) keeps it through the close, unless bytes it
+  // sent after its request are still unread there: the close then resets it, as its deadline would.
+  const auto evictable = [&connections] {
+    const auto sending = [](const Connection& connection) { return connection.answering && !connection.draining; };
+    const auto found = std::ranges::min_element(connections, {}, [&](const Connection& connection) {
+      return std::pair(sending(connection) ? 2 : connection.answering ? 1 : 0, connection.deadline);
     });
-    return waiting != connections.end() && !waiting->answering ? waiting : connections.end();
+    return found != connections.end() && !sending(*found) ? found : connections.end();
   };
-  const auto room = [&] { return connections.size() < kMaxConnections || longest_waiting() != connections.end(); };
+  const auto room = [&] { return connections.size() < kMaxConnections || evictable() != connections.end(); };
   while (true) {
     const bool resting = Clock::now() < accept_failures.resume();
     // The wake pipe, the listener (ignored, as fd -1, while every slot is answering or it rests), then each connection.
@@ -224,7 +229,7 @@ void MetricsHttpServer::Serve() {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) {
         if (connections.size() >= kMaxConnections) {
-          const auto dropped = longest_waiting();
+          const auto dropped = evictable();
           ::close(dropped->fd);
           connections.erase(dropped);
         }

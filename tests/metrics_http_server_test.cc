@@ -171,6 +171,25 @@ TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBehindMoreIdleClientsThanSlot
   EXPECT_LT(SecondsSince(read), 0.5);
 }
 
+// More clients than slots that send their request and then neither read the answer nor close: each held its slot to
+// its 2 s deadline once answered, and a scrape behind them waited for those deadlines. A new connection now takes the
+// slot of one that has its answer, which stays readable there.
+TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBehindMoreAnsweredClientsThanSlotsThatDoNotClose) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  std::vector<std::unique_ptr<Client>> silent;
+  for (int i = 0; i < 24; ++i) {
+    silent.push_back(std::make_unique<Client>(server->port()));
+    ASSERT_TRUE(silent.back()->connected());
+    ASSERT_TRUE(silent.back()->Send("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  }
+  const auto [answer, seconds] = TimedScrape(server->port());
+  EXPECT_LT(seconds, 1.0);
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
+  EXPECT_THAT(silent.front()->ReadToEnd(std::chrono::seconds(1)), HasSubstr("\r\n\r\nperception_test_metric 1\n"))
+      << "the first client's answer survives its slot's being taken";
+}
+
 TEST(MetricsHttpServerTest, TheDestructorDoesNotWaitForATricklingClient) {
   std::unique_ptr<MetricsHttpServer> server = StartServer();
   ASSERT_NE(server, nullptr);
