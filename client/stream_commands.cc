@@ -171,7 +171,7 @@ absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
 
 }  // namespace
 
-std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked) {
+std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code) {
   const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
   // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the
   // call's end) leaves nothing to replay: flags for "the rest" would read --count 0 (all the rest of the files) or a
@@ -180,10 +180,22 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
     return absl::StrCat("; acknowledged through seq ", acked, ": the daemon acknowledged every event, so nothing is "
                         "left to resume");
   }
-  // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
   const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
-  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", options.first + done,
-                      options.count > 0 ? absl::StrCat(" --count ", n - done) : "", " --start_seq ", acked + 1,
+  const int64_t resume_first = options.first + done;  // the files' event of seq acked + 1
+  const auto count = [&](int64_t seed) { return options.count > 0 ? absl::StrCat(" --count ", n - done + seed) : ""; };
+  // The seed: the failed run's window, within the events before the resume point (and sequence numbers from 0).
+  const int64_t seed = std::min({options.seed_window > 0 ? int64_t{options.seed_window} : kResumeSeedEvents,
+                                 resume_first, static_cast<int64_t>(std::min<uint64_t>(acked + 1, INT64_MAX))});
+  if (code == absl::StatusCode::kUnavailable && seed > 0) {
+    return absl::StrCat("; acknowledged through seq ", acked, " (the daemon is going or gone, and one that restarts ",
+                        "holds no state for ", options.instrument, ": once it is back, resume with --first ",
+                        resume_first - seed, count(seed), " --start_seq ", acked + 1 - seed, " --seed-window ", seed,
+                        ", whose ", seed, " events before seq ", acked + 1, " seed the state again; where the daemon ",
+                        "kept the instrument, that seed is refused, naming the --start_seq to go on with)");
+  }
+  // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
+  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first, count(0),
+                      " --start_seq ", acked + 1,
                       ", or from the instrument's end_seq in `perceptionctl streams` where that differs: the daemon "
                       "took more than it acknowledged)");
 }
@@ -282,7 +294,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (!status.ok() && acked == 0) {
     return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
   }
-  if (!status.ok()) return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked)));
+  if (!status.ok()) return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code())));
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),
               static_cast<unsigned long long>(seq_of(options.seed_window)),

@@ -31,10 +31,16 @@ absl::Status CheckStreamOptions(const StreamOptions& options);
 // daemon acknowledged and the flags that resume from there.
 absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
 
+// Events before the resume point that seed the state of an instrument a restarted daemon no longer holds, where the
+// failed run had no --seed-window (the demo's seed).
+inline constexpr int64_t kResumeSeedEvents = 500;
+
 // The end of a failed `stream`'s error once the daemon acknowledged through `acked` (> 0) of the `n` events used
 // (seed window included): the flags that resume after it, or, when it acknowledged the last one, that nothing is
-// left to resume.
-std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked);
+// left to resume. Where the call ended UNAVAILABLE (`code`: the daemon drained, lost its device or could not be
+// reached) the resume seeds the state again from the events before it: a daemon that restarted holds none for the
+// instrument, and a plain resume would start it from zero without a word.
+std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code);
 
 // Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
 // `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and

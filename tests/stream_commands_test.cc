@@ -4,6 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
 namespace perception::client {
 namespace {
 
@@ -20,17 +23,44 @@ StreamOptions Options(int64_t count) {
 }
 
 TEST(ResumeAdvice, NamesTheFlagsThatCarryOnAfterTheLastAcknowledgedEvent) {
-  EXPECT_THAT(ResumeAdvice(Options(50), 50, 1010),
-              HasSubstr("acknowledged through seq 1010 (resume with --first 110 --count 40 --start_seq 1011,"));
-  EXPECT_THAT(ResumeAdvice(Options(0), 50, 1010),
-              HasSubstr("acknowledged through seq 1010 (resume with --first 110 --start_seq 1011,"));
+  for (const absl::StatusCode code : {absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kInternal}) {
+    EXPECT_THAT(ResumeAdvice(Options(50), 50, 1010, code),
+                HasSubstr("acknowledged through seq 1010 (resume with --first 110 --count 40 --start_seq 1011,"));
+    EXPECT_THAT(ResumeAdvice(Options(0), 50, 1010, code),
+                HasSubstr("acknowledged through seq 1010 (resume with --first 110 --start_seq 1011,"));
+  }
+}
+
+// UNAVAILABLE: the daemon drained, lost its device or could not be reached, and one that restarts holds no state for
+// the instrument. The advice that continued after the last acknowledged event then started it from a zero state
+// without a word; it now seeds the state from the events before it: the run's own --seed-window, else
+// kResumeSeedEvents, as far as the files (and sequence numbers from 0) go.
+TEST(ResumeAdvice, AfterUnavailableTheResumeSeedsTheStateAgain) {
+  const absl::StatusCode unavailable = absl::StatusCode::kUnavailable;
+  EXPECT_THAT(ResumeAdvice(Options(50), 50, 1010, unavailable),
+              HasSubstr("once it is back, resume with --first 0 --count 150 --start_seq 901 --seed-window 110, whose "
+                        "110 events before seq 1011 seed the state again"));
+  StreamOptions seeded = Options(0);
+  seeded.seed_window = 20;
+  EXPECT_THAT(ResumeAdvice(seeded, 50, 1010, unavailable),
+              HasSubstr("resume with --first 90 --start_seq 991 --seed-window 20, whose 20 events before seq 1011"));
+  StreamOptions far = Options(0);
+  far.first = 5000;
+  far.start_seq = 1;
+  EXPECT_THAT(ResumeAdvice(far, 50, 10, unavailable),
+              HasSubstr("resume with --first 4999 --start_seq 0 --seed-window 11,"))
+      << "no sequence number below 0";
+  far.start_seq = 100000;
+  EXPECT_THAT(ResumeAdvice(far, 50, 100009, unavailable),
+              HasSubstr(absl::StrCat("resume with --first ", 5010 - kResumeSeedEvents, " --start_seq ",
+                                     100010 - kResumeSeedEvents, " --seed-window ", kResumeSeedEvents, ",")));
 }
 
 // A call that failed once every event was acknowledged (a drain, the watchdog on the call's end) advised
 // `--count 0`, which means all the rest of the files, or, without --count, a --first past the files' end.
 TEST(ResumeAdvice, SaysNothingIsLeftWhenTheLastEventWasAcknowledged) {
   for (const int64_t count : {int64_t{50}, int64_t{0}}) {
-    const std::string advice = ResumeAdvice(Options(count), 50, 1050);
+    const std::string advice = ResumeAdvice(Options(count), 50, 1050, absl::StatusCode::kUnavailable);
     EXPECT_THAT(advice, HasSubstr("acknowledged through seq 1050: the daemon acknowledged every event, so nothing is "
                                   "left to resume"));
     EXPECT_THAT(advice, Not(HasSubstr("--count 0")));

@@ -1022,6 +1022,10 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
   const std::optional<uint64_t> acked = AcknowledgedThrough(failed.output);
   ASSERT_TRUE(acked.has_value()) << failed.output;
   EXPECT_LT(*acked, 200u) << "nothing past the lost tick was acknowledged";
+  // The resume the error names seeds the state again: a plain one on the restarted daemon would start from zero.
+  EXPECT_THAT(failed.output, HasSubstr(absl::StrCat("once it is back, resume with --first 0 --start_seq 1 --seed-window ",
+                                                    *acked, ", whose ", *acked, " events before seq ", *acked + 1,
+                                                    " seed the state again")));
 
   client::PerceptionClient& client = (*daemon)->client();
   const auto health = client.Health();  // in the drain grace
