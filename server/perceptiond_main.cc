@@ -373,7 +373,13 @@ absl::StatusOr<bool> LoadIfPresent(PerceptionService& service, const CheckpointD
 // --load, --load_if_present or --init_config (CheckModelFlags has refused the combinations that exclude each other).
 absl::Status PrepareModel(PerceptionService& service, const CheckpointDirectory& checkpoints) {
   const std::string load = absl::GetFlag(FLAGS_load), preset = absl::GetFlag(FLAGS_init_config);
-  if (!load.empty()) return service.LoadModel(load, "--load", /*optimizer=*/std::nullopt).status();
+  if (!load.empty()) {
+    RETURN_IF_ERROR(checkpoints.Resolve(load, "--load").status());  // (a refused name names the flag already)
+    const absl::Status loaded = service.LoadModel(load, "--load", /*optimizer=*/std::nullopt).status();
+    if (loaded.ok()) return loaded;
+    return absl::Status(loaded.code(),
+                        absl::StrCat("--load: checkpoint '", load, "' does not load: ", loaded.message()));
+  }
   if (const std::string name = absl::GetFlag(FLAGS_load_if_present); !name.empty()) {
     ASSIGN_OR_RETURN(const bool loaded, LoadIfPresent(service, checkpoints, name, preset));
     if (loaded) return absl::OkStatus();

@@ -170,11 +170,17 @@ TEST(LifecycleTest, ACheckpointOnExitInAFolderNotThereYetIsSavedThere) {
   }
 }
 
-// A refused --load names the flag, not a request's field.
+// A refused --load names the flag, not a request's field: a refused name, and a file that is missing or does not load
+// (those said only "safetensors file '...': cannot open").
 TEST(LifecycleTest, ARefusedLoadNameNamesTheFlag) {
   const ScopedTempDir checkpoints("load_name");
   ExpectRefusedAtStartUp(checkpoints.path(), "--load=../escape.safetensors",
                          "--load: checkpoint name '../escape.safetensors' must not contain '..'");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load=missing.safetensors",
+                         "--load: checkpoint 'missing.safetensors' does not load: ");
+  std::ofstream(checkpoints.path() / "corrupt.safetensors") << "not a safetensors file";
+  ExpectRefusedAtStartUp(checkpoints.path(), "--load=corrupt.safetensors",
+                         "--load: checkpoint 'corrupt.safetensors' does not load: ");
 }
 
 // --load_if_present falls back only where the file is missing: one that is there but does not load ends the start,
