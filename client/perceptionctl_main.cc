@@ -450,6 +450,7 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
       return absl::OkStatus();
     });
   }
+  if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", kUsage));
   return absl::InvalidArgumentError(
       absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
 }

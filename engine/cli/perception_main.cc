@@ -459,7 +459,7 @@ absl::Status Inspect(const std::string& path) {
 }
 
 absl::Status Run(const std::vector<std::string>& args) {
-  if (args.size() < 2) return absl::InvalidArgumentError(kUsage);
+  if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", kUsage));
   const std::string command = args[1];
   if (command == "train" && args.size() == 2) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
@@ -472,6 +472,9 @@ absl::Status Run(const std::vector<std::string>& args) {
   if (command == "inspect" && args.size() == 3) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
     return Inspect(args[2]);
+  }
+  if (command == "inspect" && args.size() == 2) {
+    return absl::InvalidArgumentError("inspect needs a checkpoint: inspect CKPT");
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));

@@ -482,6 +482,8 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
       {" init --config tiny --rate max", "INVALID_ARGUMENT: init does not take --rate (stream's and bench's flag)"},
       // A mistyped command is named as unexpected, not its flags as another command's.
       {" trian --steps 3", "INVALID_ARGUMENT: unexpected arguments: trian"},
+      // No command: it said "unexpected arguments: " and nothing after it.
+      {"", "INVALID_ARGUMENT: no command given\n\ndrive perceptiond over gRPC."},
   };
   ExpectEachRefused(ctl, refused);
   // Taken: the command's own flags and the global ones reach the wait for the daemon, which none answers here.
@@ -490,6 +492,16 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
                           "--lr_schedule cosine --lr_warmup_steps 2 --total_steps 10 --min_lr 1e-5 --replace"));
   EXPECT_EQ(init.exit_code, 1);
   EXPECT_THAT(init.output, HasSubstr("DEADLINE_EXCEEDED: perceptiond at 127.0.0.1:1 is not serving after 1s"));
+}
+
+// No command, or inspect without its checkpoint, said "unexpected arguments: inspect".
+TEST(PerceptionCliTest, AMissingCommandOrCheckpointIsNamed) {
+  const CommandResult none = RunCommand(PERCEPTION_CLI_PATH);
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_THAT(none.output, HasSubstr("perception: no command given\n\ntrain, evaluate and inspect"));
+  const CommandResult inspect = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " inspect"));
+  EXPECT_EQ(inspect.exit_code, 1);
+  EXPECT_THAT(inspect.output, HasSubstr("perception: inspect needs a checkpoint: inspect CKPT"));
 }
 
 // --log_every 0 divided by zero at the first step (SIGFPE); perceptionctl already clamps its own.
@@ -1023,9 +1035,9 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
   ASSERT_TRUE(acked.has_value()) << failed.output;
   EXPECT_LT(*acked, 200u) << "nothing past the lost tick was acknowledged";
   // The resume the error names seeds the state again: a plain one on the restarted daemon would start from zero.
-  EXPECT_THAT(failed.output, HasSubstr(absl::StrCat("once it is back, resume with --first 0 --start_seq 1 --seed-window ",
-                                                    *acked, ", whose ", *acked, " events before seq ", *acked + 1,
-                                                    " seed the state again")));
+  EXPECT_THAT(failed.output,
+              HasSubstr(absl::StrCat("once it is back, resume with --first 0 --start_seq 1 --seed-window ", *acked,
+                                     ", whose ", *acked, " events before seq ", *acked + 1, " seed the state again")));
 
   client::PerceptionClient& client = (*daemon)->client();
   const auto health = client.Health();  // in the drain grace
