@@ -97,7 +97,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
                                       (one data-parallel job, ranks in order; train's batch is N x the model's)
     status
     init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
-         [--lr_schedule cosine --lr_warmup_steps W --total_steps N --min_lr Y] [--replace]
+         [--lr_schedule cosine --total_steps N [--lr_warmup_steps W] [--min_lr Y]] [--replace]
     train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
           [--eval-every N] [--save-best NAME]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]

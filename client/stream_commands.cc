@@ -183,15 +183,19 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
   const int64_t resume_first = options.first + done;  // the files' event of seq acked + 1
   const auto count = [&](int64_t seed) { return options.count > 0 ? absl::StrCat(" --count ", n - done + seed) : ""; };
-  // The seed: the failed run's window, within the events before the resume point (and sequence numbers from 0).
-  const int64_t seed = std::min({options.seed_window > 0 ? int64_t{options.seed_window} : kResumeSeedEvents,
-                                 resume_first, static_cast<int64_t>(std::min<uint64_t>(acked + 1, INT64_MAX))});
-  if (code == absl::StatusCode::kUnavailable && seed > 0) {
-    return absl::StrCat("; acknowledged through seq ", acked, " (the daemon is going or gone, and one that restarts ",
-                        "holds no state for ", options.instrument, ": once it is back, resume with --first ",
-                        resume_first - seed, count(seed), " --start_seq ", acked + 1 - seed, " --seed-window ", seed,
-                        ", whose ", seed, " events before seq ", acked + 1, " seed the state again; where the daemon ",
-                        "kept the instrument, that seed is refused, naming the --start_seq to go on with)");
+  if (code == absl::StatusCode::kUnavailable) {
+    // The seed: the failed run's window, within the events before the resume point and the sequence numbers from 1
+    // (--start_seq's least; acked >= 1 and resume_first >= 1 here, so it is at least one event).
+    const int64_t seed = std::min({options.seed_window > 0 ? int64_t{options.seed_window} : kResumeSeedEvents,
+                                   resume_first, static_cast<int64_t>(std::min<uint64_t>(acked, INT64_MAX))});
+    return absl::StrCat(
+        "; acknowledged through seq ", acked, " (the daemon is going or gone, and one that restarts holds no state ",
+        "for ", options.instrument, ": once it is back, resume with --first ", resume_first - seed, count(seed),
+        " --start_seq ", acked + 1 - seed, " --seed-window ", seed, ", whose ", seed, " events before seq ", acked + 1,
+        " seed the state again. Where the daemon kept the instrument (a connection that failed), that seed is refused; ",
+        "resume instead from its end_seq E in `perceptionctl streams` with --first ", resume_first, " + (E - ",
+        acked + 1, ")", options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "",
+        " --start_seq E)");
   }
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
   return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first, count(0),
@@ -294,7 +298,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (!status.ok() && acked == 0) {
     return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
   }
-  if (!status.ok()) return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code())));
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code())));
+  }
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),
               static_cast<unsigned long long>(seq_of(options.seed_window)),

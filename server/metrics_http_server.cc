@@ -97,6 +97,18 @@ int BoundPort(int fd) {
 // True when a failed recv or send only has to be tried again once poll says so.
 bool WouldBlock() { return errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK; }
 
+// Reads and drops what a draining connection (`drained` bytes dropped so far) has sent and not been read, up to
+// kMaxDrained in all, without waiting: closing with bytes unread would reset it, and the reset may lose its answer.
+void DropUnread(int fd, size_t drained) {
+  char chunk[1024];
+  while (drained <= kMaxDrained) {
+    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    drained += static_cast<size_t>(n);
+  }
+}
+
 // Milliseconds from now until `deadline`, rounded up so that poll does not wake just before it; 0 once past.
 int PollTimeoutMs(Clock::time_point deadline) {
   const std::chrono::milliseconds left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
@@ -189,8 +201,8 @@ void MetricsHttpServer::Serve() {
   std::vector<pollfd> watched;
   AcceptFailures accept_failures;
   // The connection a new one may take the slot of (kMaxConnections), or connections.end() when every one is still
-  // sending its answer. One that has its answer (its write side shut) keeps it through the close, unless bytes it
-  // sent after its request are still unread there: the close then resets it, as its deadline would.
+  // sending its answer. One that has its answer (its write side shut) keeps it through the close: what it sent since
+  // is read first (DropUnread), so that the close does not reset it.
   const auto evictable = [&connections] {
     const auto sending = [](const Connection& connection) { return connection.answering && !connection.draining; };
     const auto found = std::ranges::min_element(connections, {}, [&](const Connection& connection) {
@@ -230,6 +242,7 @@ void MetricsHttpServer::Serve() {
       if (fd >= 0) {
         if (connections.size() >= kMaxConnections) {
           const auto dropped = evictable();
+          if (dropped->draining) DropUnread(dropped->fd, dropped->drained);
           ::close(dropped->fd);
           connections.erase(dropped);
         }

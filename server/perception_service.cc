@@ -59,7 +59,9 @@ absl::Status AsTheClientSawIt(const absl::Status& finished, const grpc::Callback
   const bool deadline_passed = std::chrono::system_clock::now() >= context.deadline();
   const absl::StatusCode code =
       deadline_passed ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
-  const char* what = deadline_passed ? "the call's deadline passed" : "the client cancelled the call or went away";
+  // (The daemon's own exit also cancels the calls its shutdown deadline cuts; the log says so before.)
+  const char* what = deadline_passed ? "the call's deadline passed"
+                                     : "the call was cancelled (the client cancelled or went away, or the exit cut it)";
   // (CANCELLED is the call's own note of the client's going: the reactor saw it first.)
   if (finished.ok() || absl::IsCancelled(finished)) return absl::Status(code, what);
   return absl::Status(code, absl::StrCat(what, "; the daemon had finished it with ", finished.ToString()));

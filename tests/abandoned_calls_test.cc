@@ -170,10 +170,12 @@ TEST_F(AbandonedCallsTest, StreamingCallsWhoseDeadlinePassedInTheQueueChangeNoth
 // answered all it had sent: the failed read ended the call's input as a half-close does, and the call was recorded
 // (perception_rpc_session_seconds, the log) as OK when gRPC reported the cancellation after it had finished.
 TEST_F(AbandonedCallsTest, StreamingCallsTheClientAbandonedAreRecordedAsTheClientSawThem) {
+  // Time for the first acknowledgement or step to come back, under ThreadSanitizer too, before the client goes quiet.
+  constexpr std::chrono::milliseconds kBriefDeadline(1500);
   const testing::RandomBatch series = MakeRandomBatch(config_, 1, 8, 21);
   const auto stream_then_leave = [&](const std::string& instrument, bool cancel) {
     grpc::ClientContext context;
-    context.set_deadline(In(cancel ? kPatient : std::chrono::milliseconds(300)));
+    context.set_deadline(In(cancel ? kPatient : kBriefDeadline));
     const auto call = daemon_.stub().Stream(&context);
     v1::StreamRequest request;
     *request.add_events() = FeatureEvent(series, config_.n_features, 0, instrument, 1);
@@ -188,7 +190,7 @@ TEST_F(AbandonedCallsTest, StreamingCallsTheClientAbandonedAreRecordedAsTheClien
   };
   const auto train_then_leave = [&]() {
     grpc::ClientContext context;
-    context.set_deadline(In(std::chrono::milliseconds(300)));
+    context.set_deadline(In(kBriefDeadline));
     const auto call = daemon_.stub().Train(&context);
     v1::TrainStepRequest request;
     *request.mutable_batch() = BatchMessage(MakeRandomBatch(config_, config_.batch, config_.window, 12), config_);

@@ -34,12 +34,15 @@ TEST(ResumeAdvice, NamesTheFlagsThatCarryOnAfterTheLastAcknowledgedEvent) {
 // UNAVAILABLE: the daemon drained, lost its device or could not be reached, and one that restarts holds no state for
 // the instrument. The advice that continued after the last acknowledged event then started it from a zero state
 // without a word; it now seeds the state from the events before it: the run's own --seed-window, else
-// kResumeSeedEvents, as far as the files (and sequence numbers from 0) go.
+// kResumeSeedEvents, as far as the files (and sequence numbers from 1) go. It also names the resume from the
+// instrument's end_seq where the daemon kept it after all (UNAVAILABLE from a connection that failed).
 TEST(ResumeAdvice, AfterUnavailableTheResumeSeedsTheStateAgain) {
   const absl::StatusCode unavailable = absl::StatusCode::kUnavailable;
   EXPECT_THAT(ResumeAdvice(Options(50), 50, 1010, unavailable),
               HasSubstr("once it is back, resume with --first 0 --count 150 --start_seq 901 --seed-window 110, whose "
-                        "110 events before seq 1011 seed the state again"));
+                        "110 events before seq 1011 seed the state again. Where the daemon kept the instrument (a "
+                        "connection that failed), that seed is refused; resume instead from its end_seq E in "
+                        "`perceptionctl streams` with --first 110 + (E - 1011) --count 40 - (E - 1011) --start_seq E)"));
   StreamOptions seeded = Options(0);
   seeded.seed_window = 20;
   EXPECT_THAT(ResumeAdvice(seeded, 50, 1010, unavailable),
@@ -48,8 +51,8 @@ TEST(ResumeAdvice, AfterUnavailableTheResumeSeedsTheStateAgain) {
   far.first = 5000;
   far.start_seq = 1;
   EXPECT_THAT(ResumeAdvice(far, 50, 10, unavailable),
-              HasSubstr("resume with --first 4999 --start_seq 0 --seed-window 11,"))
-      << "no sequence number below 0";
+              HasSubstr("resume with --first 5000 --start_seq 1 --seed-window 10,"))
+      << "no sequence number below 1, --start_seq's least";
   far.start_seq = 100000;
   EXPECT_THAT(ResumeAdvice(far, 50, 100009, unavailable),
               HasSubstr(absl::StrCat("resume with --first ", 5010 - kResumeSeedEvents, " --start_seq ",

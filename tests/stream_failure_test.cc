@@ -285,8 +285,6 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   for (int i = 0; i < 6; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
 }
 
-// A tick that fails while the one before it may still be running: the device, asked with a wait, says that one
-// finished, so its events are processed and acknowledged, and only the failed tick's and those queued behind it fail.
 // A std::bad_alloc on the device worker ended the daemon; now the tick fails as a device error does.
 TEST_F(StreamFailureTest, ATickThatRunsTheHostOutOfMemoryStopsItsInstrumentsAndTheDaemonGoesOn) {
   ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1)}}).status.ok());
@@ -305,6 +303,8 @@ TEST_F(StreamFailureTest, ATickThatRunsTheHostOutOfMemoryStopsItsInstrumentsAndT
   EXPECT_EQ(daemon_.ReadConvictions("A").seqs_size(), 2);
 }
 
+// A tick that fails while the one before it may still be running: the device, asked with a wait, says that one
+// finished, so its events are processed and acknowledged, and only the failed tick's and those queued behind it fail.
 TEST_F(StreamFailureTest, ATickFailingBehindAnUnfinishedOneFailsOnlyItsOwnEventsOnceTheDeviceSaysTheFirstFinished) {
   ASSERT_TRUE(daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}}).status.ok());
   faults_->slow_ticks = true;

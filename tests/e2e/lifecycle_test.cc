@@ -574,8 +574,16 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   save.set_name("m.safetensors");
   ASSERT_TRUE(client.SaveCheckpoint(save).ok());
 
-  absl::StatusOr<std::string> busy = HttpGet((*daemon)->metrics_port(), "/metrics");
-  ASSERT_TRUE(busy.ok()) << busy.status();
+  // A Train or Stream call is recorded once gRPC is done with it, which may be just after its client's Finish.
+  const std::string train_session = R"(perception_rpc_session_seconds_count{code="OK",method="Train"})";
+  const std::string stream_session = R"(perception_rpc_session_seconds_count{code="OK",method="Stream"})";
+  absl::StatusOr<std::string> busy;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(30); absl::Now() < give_up;) {
+    busy = HttpGet((*daemon)->metrics_port(), "/metrics");
+    ASSERT_TRUE(busy.ok()) << busy.status();
+    if (Sample(*busy, train_session) == 1 && Sample(*busy, stream_session) == 1) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   ExpectPromtoolAccepts(*busy, dir);
   EXPECT_EQ(Sample(*busy, "perception_train_steps_total"), 12);
   EXPECT_EQ(Sample(*busy, "perception_train_step_seconds_count"), 12);
@@ -583,8 +591,8 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
   EXPECT_NEAR(Sample(*busy, "perception_train_loss"), last_loss, 1e-9);
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="TrainStep"})"), 5);
   // A bidirectional call lasts as long as its client keeps it open: its length is not an RPC latency.
-  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Train"})"), 1);
-  EXPECT_EQ(Sample(*busy, R"(perception_rpc_session_seconds_count{code="OK",method="Stream"})"), 1);
+  EXPECT_EQ(Sample(*busy, train_session), 1);
+  EXPECT_EQ(Sample(*busy, stream_session), 1);
   EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Train"})")));
   EXPECT_TRUE(std::isnan(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="OK",method="Stream"})")));
   EXPECT_EQ(Sample(*busy, R"(perception_rpc_duration_seconds_count{code="INVALID_ARGUMENT",method="TrainStep"})"), 1);

@@ -607,9 +607,10 @@ TEST(PerceptionCliTest, ASaveBestThatFailsMidRunLeavesTheRunAndSaveGoingOn) {
       testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ", testing::ShippedLobsterPath("AMZN", "message", 1),
       " --val_every 1 --steps 30 --save ", last.string(), " --save_best ", best.string());
   const std::string fifo = (temp.path() / "fifo").string();
+  // (In a subshell, so that RunCommand's 2>&1 takes the background run's stderr too.)
   const CommandResult run = RunCommand(absl::StrCat(
-      train, " & pid=$!; while [ ! -e ", best.string(), " ] && kill -0 $pid 2>/dev/null; do sleep 0.005; done; ",
-      "mkfifo ", fifo, " && mv -f ", fifo, " ", best.string(), "; wait $pid"));
+      "(", train, " & pid=$!; while [ ! -e ", best.string(), " ] && kill -0 $pid 2>/dev/null; do sleep 0.005; done; ",
+      "mkfifo ", fifo, " && mv -f ", fifo, " ", best.string(), "; wait $pid)"));
   EXPECT_EQ(run.exit_code, 1) << run.output;
   const std::vector<std::pair<int64_t, double>> validations = PerceptionTrainValidations(run.output);
   ASSERT_EQ(validations.size(), 30u) << run.output;
@@ -617,6 +618,9 @@ TEST(PerceptionCliTest, ASaveBestThatFailsMidRunLeavesTheRunAndSaveGoingOn) {
   EXPECT_THAT(run.output, HasSubstr(absl::StrCat("--save_best ", best.string(), " not written: ")));
   EXPECT_THAT(run.output, HasSubstr("is a FIFO"));
   EXPECT_THAT(run.output, HasSubstr("the run goes on"));
+  // The run's last word, after --save's line.
+  EXPECT_THAT(run.output, HasSubstr(absl::StrCat("\nperception: saving checkpoint '", best.string(), "': ",
+                                                 best.string(), " is a FIFO")));
   EXPECT_THAT(run.output, HasSubstr(absl::StrCat("saved ", last.string(), " (step 30)")));
   EXPECT_THAT(run.output, Not(HasSubstr("best validation loss")));
   const absl::StatusOr<Checkpoint> saved = LoadCheckpoint(last.string());
