@@ -12,8 +12,9 @@ ours. A race between an object's allocation (or a mutex's creation, whose stack 
 call gRPC made is gRPC's too (the creation as the annotations record it, or as a plain write to the mutex's word):
 gRPC handed the object over (a reactor it calls back). A race whose accesses were all made
 by this project's code, and every report of another kind (lock-order inversions, mutex misuse, a crash), is ours and
-printed whole. A data race report that the process's end cut off before its first frame (the last of its file, without
-its SUMMARY line: a daemon killed while TSan wrote it) names no code at all and is set aside too. The summary counts the
+printed whole. A data race report that the process's end cut off before naming any code (the last of its file, without
+its SUMMARY line: a daemon killed while TSan wrote it; what it wrote holds no frame but the C and C++ libraries' and the
+sanitizer's, such as the interceptor of the call that read) names no code to blame and is set aside too. The summary counts the
 reports set aside under the rule that set each aside.
 
 Usage: classify_reports.py REPO_ROOT BUILD_DIR REPORT_FILE...
@@ -88,14 +89,15 @@ def creates_a_mutex(accesses):
 THEIR_ACCESS = "with an access made by uninstrumented gRPC, protobuf or abseil code"
 HANDED_OVER_OBJECT = "between an object's allocation and a call gRPC made"
 HANDED_OVER_MUTEX = "between a mutex's creation and a call gRPC made"
-CUT_SHORT = "cut off before their first frame as their process ended"
+CUT_SHORT = "cut off before naming any code as their process ended"
 
 
 def cut_short(block, last_in_file):
     """A data race report TSan had not finished writing when its process was killed: the last of its file, without
-    its SUMMARY line, and not one frame written yet."""
+    its SUMMARY line, and no frame written yet outside the C and C++ libraries and the sanitizer (a report cut off in
+    its first stack's interceptor frames names no code)."""
     return (last_in_file and "ThreadSanitizer: data race" in block and "SUMMARY: ThreadSanitizer" not in block
-            and not any(stack for _, stack in access_stacks(block)))
+            and not any(first_frame(stack) for _, stack in access_stacks(block)))
 
 
 def handed_over_by_grpc(accesses):
