@@ -29,6 +29,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "perception/v1/default_address.h"
+#include "server/calls_in_flight.h"
 #include "server/checkpoint_directory.h"
 #include "server/device_worker.h"
 #include "server/metrics.h"
@@ -131,8 +132,11 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, crit
 namespace perception::server {
 namespace {
 
-// Calls still running this long after the listener closes are cancelled.
+// Calls still unanswered this long into the shutdown are cancelled.
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
+// Once every call is answered: how long a call that came just then, and each client's side of its connection's
+// GOAWAY, are given before gRPC cancels and disconnects what is left.
+constexpr absl::Duration kCloseGrace = absl::Milliseconds(250);
 // How often a drain looks again whether the convictions have been read back.
 constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
 // The most conviction-log entries --stream_log_entries may ask for: 2^30 take 24 GiB of device memory at five
@@ -428,7 +432,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(ServerMetrics& m
 
 // Health stays NOT_SERVING until Serve has the model ready.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& service, RendezvousService& rendezvous,
-                                                        const Limits& limits) {
+                                                        const Limits& limits, CallsInFlight& calls) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   const std::string address = absl::GetFlag(FLAGS_listen);
@@ -441,6 +445,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
   builder.RegisterService(&service);
   builder.RegisterService(&rendezvous);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(calls.Counter());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     return absl::UnavailableError(
@@ -503,14 +510,20 @@ void WaitForReadBack(const StreamBatcher& streams) {
   }
 }
 
+// The listener closes, and with it the connections clients keep open.
+void StopListening(grpc::Server& server) { server.Shutdown(absl::ToChronoTime(absl::Now() + kCloseGrace)); }
+
 // Health NOT_SERVING and new work refused, a grace period, the wait for convictions to be read back, then the
 // listener closes once calls in flight are answered; the device finishes what it had queued.
-void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher& streams) {
+void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher& streams, CallsInFlight& calls) {
   server.GetHealthCheckService()->SetServingStatus(false);
   service.BeginDrain();
   absl::SleepFor(absl::GetFlag(FLAGS_drain_grace));
   WaitForReadBack(streams);
-  server.Shutdown(absl::ToChronoTime(absl::Now() + kShutdownTimeout));
+  if (const int64_t unanswered = calls.WaitUntilNone(absl::Now() + kShutdownTimeout); unanswered > 0) {
+    spdlog::warn("{} call(s) still unanswered after {}: cancelled", unanswered, absl::FormatDuration(kShutdownTimeout));
+  }
+  StopListening(server);
 }
 
 absl::Status Serve() {
@@ -544,7 +557,10 @@ absl::Status Serve() {
   // daemon through a long join or load (nothing they render needs a model), and a data-parallel rank 0 can hand out
   // the NCCL id while it joins. Health says SERVING once the job is joined and the model is ready.
   ASSIGN_OR_RETURN(const std::unique_ptr<MetricsHttpServer> metrics_server, StartMetrics(metrics, worker));
-  ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits));
+  CallsInFlight calls;
+  ASSIGN_OR_RETURN(const std::unique_ptr<grpc::Server> server, StartGrpc(service, rendezvous, limits, calls));
+  // A start-up that fails from here on stops listening too (the server's own destructor would wait for its clients).
+  absl::Cleanup stop_listening = [&server] { StopListening(*server); };
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
   RETURN_IF_ERROR(PrepareModel(service, checkpoints));
   ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
@@ -553,7 +569,7 @@ absl::Status Serve() {
   const int signal = WaitForTerminationSignal();
   spdlog::info("{}: draining", strsignal(signal));
   stall_watch.reset();  // health stays NOT_SERVING from here on
-  Drain(*server, service, streams);
+  Drain(*server, service, streams, calls);
   RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
   std::move(stop_worker).Invoke();
