@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
@@ -122,9 +123,22 @@ size_t HeadEnd(absl::string_view head) {
   return std::min(lf == absl::string_view::npos ? lf : lf + 2, crlf == absl::string_view::npos ? crlf : crlf + 3);
 }
 
-std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body) {
+// `headers`: further header lines, each ending in CRLF.
+std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body,
+                     absl::string_view headers = "") {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type, "\r\nContent-Length: ", body.size(),
-                      "\r\nConnection: close\r\n\r\n", body);
+                      "\r\n", headers, "Connection: close\r\n\r\n", body);
+}
+
+// The path of a request target in origin form ("/metrics?q") or in the absolute form a server must also accept
+// (RFC 9112 §3.2.2: "http://host:port/metrics"), without its query.
+absl::string_view TargetPath(absl::string_view target) {
+  if (const size_t scheme_end = target.find("://"); scheme_end != absl::string_view::npos &&
+                                                   absl::EqualsIgnoreCase(target.substr(0, scheme_end), "http")) {
+    const size_t path_start = target.find('/', scheme_end + 3);
+    target = path_start == absl::string_view::npos ? "/" : target.substr(path_start);
+  }
+  return target.substr(0, target.find('?'));
 }
 
 // Failures of accept other than a client that left first: after each the listener rests for kAcceptBackoff, and
@@ -297,20 +311,29 @@ void MetricsHttpServer::Advance(Connection& connection) const {
 }
 
 std::string MetricsHttpServer::Respond(absl::string_view head) const {
+  // Empty lines before the request line are ignored (RFC 9112 §2.2): some clients end their previous request so.
+  while (absl::ConsumePrefix(&head, "\r\n") || absl::ConsumePrefix(&head, "\n")) {
+  }
   absl::string_view request_line = head.substr(0, head.find('\n'));
   absl::ConsumeSuffix(&request_line, "\r");
-  // "METHOD TARGET VERSION"; a query string on the target is ignored.
+  // "METHOD TARGET VERSION".
   const size_t method_end = request_line.find(' ');
   const size_t target_end = request_line.find(' ', method_end + 1);
   if (method_end == absl::string_view::npos || target_end == absl::string_view::npos) {
     return Response("400 Bad Request", "text/plain", "malformed request line\n");
   }
   const absl::string_view method = request_line.substr(0, method_end);
-  absl::string_view target = request_line.substr(method_end + 1, target_end - method_end - 1);
-  target = target.substr(0, target.find('?'));
-  if (target != "/metrics") return Response("404 Not Found", "text/plain", "only /metrics is served here\n");
-  if (method != "GET") return Response("405 Method Not Allowed", "text/plain", "use GET\n");
-  return Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_());
+  const absl::string_view target = request_line.substr(method_end + 1, target_end - method_end - 1);
+  if (TargetPath(target) != "/metrics") {
+    return Response("404 Not Found", "text/plain", "only /metrics is served here\n");
+  }
+  if (method != "GET" && method != "HEAD") {
+    return Response("405 Method Not Allowed", "text/plain", "use GET or HEAD\n", "Allow: GET, HEAD\r\n");
+  }
+  const std::string exposition = render_();
+  std::string answer = Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", exposition);
+  if (method == "HEAD") answer.resize(answer.size() - exposition.size());  // GET's head, Content-Length included
+  return answer;
 }
 
 }  // namespace perception::server

@@ -1,6 +1,7 @@
 // The /metrics responder against clients that connect and send nothing or trickle their request: scrapes beside
 // them are answered at once, the slow ones are dropped at their deadline, and the destructor does not wait for them.
-// Heads over the limit or with bare LF line ends, and a process out of file descriptors (its process metrics too).
+// Heads over the limit or with bare LF line ends, requests as HTTP/1.1 allows them, and a process out of file
+// descriptors (its process metrics too).
 #include "server/metrics_http_server.h"
 
 #include <arpa/inet.h>
@@ -25,6 +26,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "server/metrics.h"
 #include "tests/captured_log.h"
 
@@ -247,6 +249,38 @@ TEST(MetricsHttpServerTest, AHeadWithBareLineFeedsIsAnswered) {
     EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK\r\n"));
     EXPECT_THAT(answer, HasSubstr("\r\n\r\nperception_test_metric 1\n"));
   }
+}
+
+// What `head` sent on a new connection to `port` got back, read until the server closed.
+std::string Exchange(int port, const std::string& head) {
+  const Client client(port);
+  EXPECT_TRUE(client.connected());
+  EXPECT_TRUE(client.Send(head));
+  return client.ReadToEnd(std::chrono::seconds(10));
+}
+
+// As HTTP/1.1 asks of a server (RFC 9112, 9110): an empty line before the request line is ignored, a target in
+// absolute form is accepted, HEAD gets GET's head without the body, and a 405 names the methods allowed. The first
+// three were answered 400, 404 and 405, the last without its Allow header.
+TEST(MetricsHttpServerTest, RequestsAreAnsweredAsHttp11Asks) {
+  const std::unique_ptr<MetricsHttpServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const std::string get = Exchange(server->port(), "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+  ASSERT_THAT(get, StartsWith("HTTP/1.1 200 OK\r\n"));
+  const std::string exposition = "perception_test_metric 1\n";
+  ASSERT_THAT(get, ::testing::EndsWith("\r\n\r\n" + exposition));
+  const std::string absolute = absl::StrCat("GET http://127.0.0.1:", server->port(), "/metrics?x=1 HTTP/1.1\r\n\r\n");
+  for (const std::string& head : {std::string("\r\nGET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"), absolute}) {
+    SCOPED_TRACE(::testing::PrintToString(head));
+    EXPECT_EQ(Exchange(server->port(), head), get);
+  }
+  EXPECT_EQ(Exchange(server->port(), "HEAD /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+            get.substr(0, get.size() - exposition.size()));
+  const std::string post = Exchange(server->port(), "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+  EXPECT_THAT(post, StartsWith("HTTP/1.1 405 Method Not Allowed\r\n"));
+  EXPECT_THAT(post, HasSubstr("\r\nAllow: GET, HEAD\r\n"));
+  EXPECT_THAT(Exchange(server->port(), "GET http://127.0.0.1/other HTTP/1.1\r\n\r\n"),
+              StartsWith("HTTP/1.1 404 Not Found\r\n"));
 }
 
 // Takes every free file descriptor below a lowered RLIMIT_NOFILE (at most 1024), so that the process can open no
