@@ -113,10 +113,10 @@ absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& o
   }
   Normalizer installed = ReadNormalizer(layout, params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackend(config, optimizer, std::move(params)));
+  const std::string replaced = WhatInstallReplaces();
   Install(std::move(backend), optimizer, 0, std::move(installed));
-  spdlog::info("model initialized on {} ({} products): {} trained parameters, seed {}", backend_->device_name(),
-               PrecisionName(backend_->precision()),
-               backend_->layout().trained_count(), seed);
+  spdlog::info("model initialized on {} ({} products): {} trained parameters, seed {}{}", backend_->device_name(),
+               PrecisionName(backend_->precision()), backend_->layout().trained_count(), seed, replaced);
   return absl::OkStatus();
 }
 
@@ -166,10 +166,11 @@ absl::StatusOr<double> ModelHost::Load(const std::string& path, const std::optio
   const OptimizerConfig optimizer = requested.value_or(checkpoint.optimizer.value_or(OptimizerConfig{}));
   Normalizer installed = ReadNormalizer(ParamLayout(checkpoint.config), checkpoint.params);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, NewBackendFrom(checkpoint, optimizer));
+  const std::string replaced = WhatInstallReplaces();
   Install(std::move(backend), optimizer, checkpoint.step, std::move(installed));
   const double seconds = stopwatch.Seconds();
   metrics_.ObserveCheckpoint("load", seconds);
-  spdlog::info("loaded checkpoint {} (step {}) in {:.3f} s", path, checkpoint.step, seconds);
+  spdlog::info("loaded checkpoint {} (step {}) in {:.3f} s{}", path, checkpoint.step, seconds, replaced);
   return seconds;
 }
 
@@ -335,6 +336,11 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
                                                    config.n_horizons));
   }
   return absl::OkStatus();
+}
+
+std::string ModelHost::WhatInstallReplaces() const {
+  if (backend_ == nullptr) return "";
+  return absl::StrCat("; the model it replaces, at step ", step_, ", is discarded");
 }
 
 void ModelHost::Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,

@@ -147,6 +147,8 @@ class ModelHost {
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
   // ... and the model's training (batch, window).
   absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;
+  // For the log of an Init or Load: the model it replaces and its step, discarded ("" without one).
+  std::string WhatInstallReplaces() const;
   // Makes `backend` the model; weights changed.
   void Install(std::unique_ptr<Backend> backend, const OptimizerConfig& optimizer, int64_t step,
                Normalizer normalizer);
