@@ -311,7 +311,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
 absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
-  return absl::OkStatus();
+  // Before any page is read: during a drain, a read counts as the convictions read back, which the daemon then
+  // takes with it as it exits.
+  return CheckWritableDestination(out_path);
 }
 
 absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,

@@ -46,7 +46,7 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
 // `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
 // starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only
 // once every page is in, so a refused read leaves an existing file as it was.
-// What WriteConvictions checks of its arguments before it calls the daemon.
+// What WriteConvictions checks of its arguments before it calls the daemon, `out_path` writable among them.
 absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path);
 
 absl::Status WriteConvictions(PerceptionClient& client, const std::string& instrument, uint64_t from_seq,

@@ -62,7 +62,9 @@ absl::StatusOr<Temporary> CreateTemporary(const std::string& path) {
     Temporary temp{absl::StrCat(WithinNameMax(path, suffix.size()), suffix)};
     temp.fd = ::open(temp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (temp.fd >= 0) return temp;
-    if (errno != EEXIST || attempt == kAttempts) return Errno("cannot create", temp.path);
+    if (errno != EEXIST || attempt == kAttempts) {
+      return Errno(absl::StrCat("cannot write ", path, ": cannot create its temporary file"), temp.path);
+    }
   }
 }
 

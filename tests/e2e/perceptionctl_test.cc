@@ -591,7 +591,7 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
   ExpectEachRefused(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster /nonexistent/ob.csv ",
                                  "/nonexistent/msg.csv --steps 2 --save ", last.string()),
                     {{absl::StrCat(" --save_best ", last.string()), "--save and --save_best name one file"},
-                     {" --save_best /nonexistent/b.st", "cannot create /nonexistent/b.st.tmp."},
+                     {" --save_best /nonexistent/b.st", "cannot write /nonexistent/b.st: cannot create its temporary file /nonexistent/b.st.tmp."},
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
 }
 
@@ -682,7 +682,7 @@ TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
       RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
                               kMessages, " --steps 2 --save /nonexistent/x.st"));
   EXPECT_EQ(train.exit_code, 1) << train.output;
-  EXPECT_THAT(train.output, HasSubstr("cannot create /nonexistent/x.st.tmp."));
+  EXPECT_THAT(train.output, HasSubstr("cannot write /nonexistent/x.st: cannot create its temporary file /nonexistent/x.st.tmp."));
   EXPECT_THAT(train.output, Not(HasSubstr("class-prior baseline")));
   EXPECT_THAT(train.output, Not(HasSubstr("step     1")));
 }
@@ -854,13 +854,13 @@ TEST(PerceptionCliTest, EvalRefusesUnwritableOutputsBeforeWritingAny) {
   const CommandResult features = RunCommand(
       absl::StrCat(eval, " --out ", out.string(), " --features_out /nonexistent/features.npy"));
   EXPECT_EQ(features.exit_code, 1) << features.output;
-  EXPECT_THAT(features.output, HasSubstr("cannot create /nonexistent/features.npy.tmp."));
+  EXPECT_THAT(features.output, HasSubstr("cannot write /nonexistent/features.npy: cannot create its temporary file /nonexistent/features.npy.tmp."));
   EXPECT_THAT(features.output, Not(HasSubstr("masked BCE")));
   EXPECT_FALSE(std::filesystem::exists(out)) << "no output is written when one of them cannot be";
 
   const CommandResult logits = RunCommand(absl::StrCat(eval, " --out /nonexistent/logits.npy"));
   EXPECT_EQ(logits.exit_code, 1) << logits.output;
-  EXPECT_THAT(logits.output, HasSubstr("cannot create /nonexistent/logits.npy.tmp."));
+  EXPECT_THAT(logits.output, HasSubstr("cannot write /nonexistent/logits.npy: cannot create its temporary file /nonexistent/logits.npy.tmp."));
   EXPECT_THAT(logits.output, Not(HasSubstr("masked BCE")));
 }
 
