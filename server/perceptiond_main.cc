@@ -134,7 +134,7 @@ namespace {
 
 // Calls still unanswered this long into the shutdown are cancelled.
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
-// Once every call is answered: how long a call that came just then, and each client's side of its connection's
+// Once every answer is delivered: how long a call that came just then, and each client's side of its connection's
 // GOAWAY, are given before gRPC cancels and disconnects what is left.
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(250);
 // How often a drain looks again whether the convictions have been read back.
@@ -520,8 +520,11 @@ void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher
   service.BeginDrain();
   absl::SleepFor(absl::GetFlag(FLAGS_drain_grace));
   WaitForReadBack(streams);
-  if (const int64_t unanswered = calls.WaitUntilNone(absl::Now() + kShutdownTimeout); unanswered > 0) {
-    spdlog::warn("{} call(s) still unanswered after {}: cancelled", unanswered, absl::FormatDuration(kShutdownTimeout));
+  if (const CallsInFlight::Undelivered left = calls.WaitUntilDelivered(absl::Now() + kShutdownTimeout);
+      left.calls > 0 || left.bytes > 0) {
+    spdlog::warn("after {}, {} call(s) still unanswered (cancelled) and {} byte(s) sent not yet acknowledged by the "
+                 "clients (their connections closed all the same)",
+                 absl::FormatDuration(kShutdownTimeout), left.calls, left.bytes);
   }
   StopListening(server);
 }
