@@ -1,5 +1,10 @@
 // The daemon's life as operators see it: flags refused before it serves, health and reflection, draining on
 // SIGTERM/SIGINT with exit code 0, and /metrics scraped from the running binary.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,6 +25,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "engine/backend.h"
 #include "engine/checkpoint.h"
@@ -446,6 +453,183 @@ TEST(LifecycleTest, TheDrainWaitsForUnreadConvictionsUntilTheyAreReadBack) {
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
   EXPECT_THAT((*daemon)->Log(), HasSubstr("40 conviction(s) of 1 stream(s) not read back"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+}
+
+// A loopback relay to `upstream` for one connection that passes the server's bytes on at `rate` bytes/s (the
+// server's side of it taking little into its buffer, so that the server's kernel holds what is still to go) and,
+// as a client consuming a large answer does, sends the server an HTTP/2 WINDOW_UPDATE between the client's frames
+// every 5 ms once the client has sent its first frames.
+class SlowChattyLink {
+ public:
+  SlowChattyLink(int upstream_port, int rate) : rate_(rate) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address = Loopback(0);
+    socklen_t size = sizeof(address);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+    EXPECT_EQ(::listen(listener_, 1), 0);
+    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &size), 0);
+    port_ = ntohs(address.sin_port);
+    accepter_ = std::thread([this, upstream_port] { Relay(upstream_port); });
+  }
+  ~SlowChattyLink() {
+    stop_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    for (const int fd : {client_.load(), server_.load()}) {
+      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    }
+    accepter_.join();
+    for (std::thread& pump : pumps_) pump.join();
+    for (const int fd : {listener_, client_.load(), server_.load()}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  static sockaddr_in Loopback(int port) {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    return address;
+  }
+
+  void Relay(int upstream_port) {
+    const int client = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (client < 0) return;
+    client_ = client;
+    const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int small = 32 * 1024;
+    ::setsockopt(server, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    const sockaddr_in address = Loopback(upstream_port);
+    if (::connect(server, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) return;
+    server_ = server;
+    pumps_.emplace_back([this] { Upstream(); });
+    pumps_.emplace_back([this] { Downstream(); });
+    pumps_.emplace_back([this] { Inject(); });
+  }
+
+  bool SendToServer(const std::string& bytes) {
+    absl::MutexLock lock(&upstream_mu_);
+    return ::send(server_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+  }
+
+  // The client's bytes, passed on whole frames at a time (after the 24-byte connection preface).
+  void Upstream() {
+    std::string pending;
+    bool preface_sent = false;
+    char chunk[65536];
+    while (!stop_) {
+      const ssize_t n = ::recv(client_, chunk, sizeof(chunk), 0);
+      if (n <= 0) break;
+      pending.append(chunk, static_cast<size_t>(n));
+      std::string whole;
+      if (!preface_sent && pending.size() >= 24) {
+        whole = pending.substr(0, 24);
+        pending.erase(0, 24);
+        preface_sent = true;
+      }
+      while (preface_sent && pending.size() >= 9) {
+        const size_t frame = 9 + ((static_cast<uint8_t>(pending[0]) << 16) | (static_cast<uint8_t>(pending[1]) << 8) |
+                                  static_cast<uint8_t>(pending[2]));
+        if (pending.size() < frame) break;
+        whole += pending.substr(0, frame);
+        pending.erase(0, frame);
+      }
+      if (!whole.empty()) {
+        if (!SendToServer(whole)) break;
+        client_spoke_ = true;
+      }
+    }
+    ::shutdown(server_, SHUT_WR);
+  }
+
+  void Downstream() {
+    char chunk[16384];
+    while (!stop_) {
+      const ssize_t n = ::recv(server_, chunk, sizeof(chunk), 0);
+      if (n <= 0) break;
+      absl::SleepFor(absl::Seconds(static_cast<double>(n) / rate_));
+      if (::send(client_, chunk, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+    }
+    ::shutdown(client_, SHUT_WR);
+  }
+
+  void Inject() {
+    const std::string window_update("\x00\x00\x04\x08\x00\x00\x00\x00\x00\x00\x00\x00\x01", 13);
+    while (!stop_) {
+      absl::SleepFor(absl::Milliseconds(5));
+      if (client_spoke_ && !SendToServer(window_update)) return;
+    }
+  }
+
+  const int rate_;
+  int listener_ = -1, port_ = 0;
+  std::atomic<int> client_ = -1, server_ = -1;
+  std::atomic<bool> stop_ = false, client_spoke_ = false;
+  absl::Mutex upstream_mu_;
+  std::thread accepter_;
+  std::vector<std::thread> pumps_;
+};
+
+// gRPC finishes a call once its answer is in the kernel. The exit closed the connections 250 ms after the last call
+// ended, and a close with the client's bytes (window updates) coming in resets the connection, which drops what the
+// kernel still held: a client reading back a large page over a slow link lost it, and the daemon had counted it read.
+TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheConnection) {
+  const ScopedTempDir temp("drain_slow_link");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--drain_for_reads=60s", "--stream_slots=4",
+                                                  "--stream_log_entries=200000", "--stream_read_max=50000"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+  constexpr int kEvents = 40'000, kPerRequest = 4'000;
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kEvents, 17);
+  std::atomic<uint64_t> acked = 0;
+  const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
+    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+  });
+  for (int first = 0; first < kEvents; first += kPerRequest) {
+    v1::StreamRequest request;
+    for (int t = first; t < first + kPerRequest; ++t) {
+      *request.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
+    }
+    request.set_ack(true);
+    ASSERT_TRUE(stream->Write(request));
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(120);
+  while (acked < kEvents && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(acked, kEvents);
+  ASSERT_TRUE(stream->Finish().ok());
+
+  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 300'000);
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(64 << 20);
+  const std::unique_ptr<v1::Perception::Stub> reader = v1::Perception::NewStub(
+      grpc::CreateCustomChannel(link.target(), grpc::InsecureChannelCredentials(), arguments));
+  {
+    grpc::ClientContext context;
+    v1::ListStreamsResponse streams;
+    ASSERT_TRUE(reader->ListStreams(&context, v1::ListStreamsRequest(), &streams).ok());  // connected
+  }
+  (*daemon)->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  v1::ReadConvictionsRequest read;
+  read.set_instrument("A");
+  read.set_from_seq(1);
+  read.set_with_probabilities(true);
+  v1::ReadConvictionsResponse page;
+  const grpc::Status status = reader->ReadConvictions(&context, read, &page);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(page.ByteSizeLong(), 500'000u) << "a page the slow link takes seconds to carry";
+  EXPECT_EQ(page.convictions_size(), kEvents);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
   EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
 }
 
