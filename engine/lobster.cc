@@ -242,10 +242,17 @@ absl::StatusOr<LobsterData> ReadLobster(const std::string& orderbook_path, const
 absl::Status CheckLobsterFeatureCount(int levels, int n_features, absl::string_view consumer) {
   if (LobsterFeatureCount(levels) == n_features) return absl::OkStatus();
   const int model_levels = (n_features - 8) / 4;
-  const bool fewer_fit = n_features > 8 && (n_features - 8) % 4 == 0 && model_levels < levels;
-  return absl::InvalidArgumentError(absl::StrCat(
-      consumer, " takes ", n_features, " features but ", levels, " book levels give ", LobsterFeatureCount(levels),
-      fewer_fit ? absl::StrCat("; --levels ", model_levels, " reads the file's first ", model_levels) : ""));
+  const bool a_book_fits = n_features > 8 && (n_features - 8) % 4 == 0;
+  std::string remedy;
+  if (a_book_fits && model_levels < levels) {
+    remedy = absl::StrCat("; --levels ", model_levels, " reads the file's first ", model_levels);
+  } else if (!a_book_fits) {
+    // A preset's own feature count (tiny's 6) that no book gives: the model must be made for the files.
+    remedy = absl::StrCat("; no LOBSTER book gives ", n_features, " (4 per level + 8): make the model for these files ",
+                          "with --levels ", levels, " (perceptiond: --init_levels ", levels, ")");
+  }
+  return absl::InvalidArgumentError(absl::StrCat(consumer, " takes ", n_features, " features but ", levels,
+                                                 " book levels give ", LobsterFeatureCount(levels), remedy));
 }
 
 absl::Status ValidateBookRow(std::span<const int64_t> book_row) {

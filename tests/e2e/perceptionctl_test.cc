@@ -251,14 +251,22 @@ TEST(PerceptionctlTest, RunsOverDataThatScoresNoLabelAreRefused) {
 }
 
 // A model of fewer book levels than the files hold: without --levels the mismatch names the flag that fits; with it,
-// train, eval and stream take the files' first levels.
+// train, eval and stream take the files' first levels. A model that fits no book is told how to make one.
 TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
   const ScopedTempDir temp("ctl_levels");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
-  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1 --batch 8 --window 32")).exit_code, 0);
   const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  // A preset's own feature count (tiny's 6, without --levels) fits no book: the refusal says how to make one that fits.
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny")).exit_code, 0);
+  const CommandResult no_book = RunCommand(absl::StrCat(ctl, " train", files, " --steps 4"));
+  EXPECT_EQ(no_book.exit_code, 1);
+  EXPECT_THAT(no_book.output, HasSubstr("the model takes 6 features but 10 book levels give 48; no LOBSTER book gives 6 "
+                                        "(4 per level + 8): make the model for these files with --levels 10 "
+                                        "(perceptiond: --init_levels 10)"));
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1 --batch 8 --window 32 --replace")).exit_code,
+            0);
 
   const CommandResult refused = RunCommand(absl::StrCat(ctl, " train", files, " --steps 4"));
   EXPECT_EQ(refused.exit_code, 1);
