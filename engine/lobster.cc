@@ -380,6 +380,11 @@ std::optional<double> LobsterFeaturizer::last_mid() const {
   return static_cast<double>(*last_doubled_mid_) / 2;
 }
 
+std::optional<int64_t> LobsterFeaturizer::last_time_ns() const {
+  if (!last_doubled_mid_.has_value()) return std::nullopt;
+  return last_time_ns_;
+}
+
 void ComputeLabels(std::span<const int64_t> doubled_mids, std::span<const int> horizons, std::span<float> labels,
                    std::span<float> mask) {
   const size_t n = doubled_mids.size(), n_horizons = horizons.size();

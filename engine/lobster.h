@@ -104,6 +104,8 @@ class LobsterFeaturizer {
 
   // The mid of the last accepted event, in price units (1e-4 dollars); empty before the first.
   std::optional<double> last_mid() const;
+  // The time of the last accepted event, in nanoseconds as its message gave it; empty before the first.
+  std::optional<int64_t> last_time_ns() const;
 
  private:
   absl::Status Validate(std::span<const int64_t> book_row, const LobsterMessage& message,

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
 #include "engine/host_allocation.h"
@@ -114,8 +115,14 @@ absl::Status Featurize(const v1::StreamEvent& event, std::optional<int64_t> base
   const int64_t base = base_time_ns.value_or(event.exchange_time_ns());
   reason = "exchange_time";
   ASSIGN_OR_RETURN(const int64_t time_ns, RelativeNanoseconds(event.exchange_time_ns(), base));
+  // Told here in the client's own terms: the featurizer sees times counted from the stream's first event.
+  if (const std::optional<int64_t> previous = featurizer->last_time_ns(); previous && time_ns < *previous) {
+    return absl::InvalidArgumentError(absl::StrCat("exchange_time_ns ", event.exchange_time_ns(),
+                                                   " is earlier than the previous event's ", base + *previous, " (by ",
+                                                   absl::FormatDuration(absl::Nanoseconds(*previous - time_ns)), ")"));
+  }
   // The row, its type and direction passed CheckPayload: what the featurizer refuses now is the event's time
-  // (earlier than the previous event's, or beyond the bound on a stream's times).
+  // (beyond the bound on a stream's times).
   ASSIGN_OR_RETURN(const double seconds, featurizer->Next(std::span<const int64_t>(l.book().data(), l.book_size()),
                                                           MessageOf(l, time_ns), x));
   dt = static_cast<float>(seconds);

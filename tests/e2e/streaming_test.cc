@@ -622,8 +622,11 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   *middle[0].add_events() = LobsterEvent(*data, 0, "A", 4);  // earlier than event 2: time goes back
   *middle[0].add_events() = LobsterEvent(*data, 4, "A", 5);
   std::map<std::string, uint64_t> acked;
+  // In the times the client sent: the daemon's count from the stream's first event read as negative times.
   ExpectRefused(StreamAll(client(), middle, &acked), absl::StatusCode::kInvalidArgument,
-                "event 3 (instrument 'A', seq 4): time");
+                absl::StrCat("event 3 (instrument 'A', seq 4): exchange_time_ns ",
+                             middle[0].events(3).exchange_time_ns(), " is earlier than the previous event's ",
+                             middle[0].events(2).exchange_time_ns(), " (by "));
   EXPECT_EQ(acked["A"], 3u);
   EXPECT_EQ(ReadAll(client(), "A", 0, 100).seqs.size(), 3u);
   v1::StreamEvent far = LobsterEvent(*data, 3, "A", 4);  // its time less the stream's first's overflows an int64
