@@ -170,13 +170,36 @@ absl::StatusOr<spdlog::level::level_enum> LogLevelFromFlags() {
   return level;
 }
 
+// INVALID_ARGUMENT naming the first of `flags` (name, value) below 1.
+absl::Status CheckAtLeastOne(std::initializer_list<std::pair<absl::string_view, int64_t>> flags) {
+  for (const auto& [name, value] : flags) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be at least 1, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// A negative wait was taken as none, without a word.
+absl::Status CheckDrainFlags() {
+  for (const auto& [name, wait] : {std::pair{"drain_grace", absl::GetFlag(FLAGS_drain_grace)},
+                                   std::pair{"drain_for_reads", absl::GetFlag(FLAGS_drain_for_reads)}}) {
+    if (wait < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " must be 0 (none) or positive, got ", absl::FormatDuration(wait)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Limits> LimitsFromFlags() {
   const Limits limits{absl::GetFlag(FLAGS_max_message_bytes), absl::GetFlag(FLAGS_max_batch),
                       absl::GetFlag(FLAGS_max_window), absl::GetFlag(FLAGS_queue_depth)};
-  if (limits.max_message_bytes < 1 || limits.max_message_bytes > INT_MAX || limits.max_batch < 1 ||
-      limits.max_window < 1 || limits.queue_depth < 1) {
+  RETURN_IF_ERROR(CheckAtLeastOne({{"max_message_bytes", limits.max_message_bytes},
+                                   {"max_batch", limits.max_batch},
+                                   {"max_window", limits.max_window},
+                                   {"queue_depth", limits.queue_depth}}));
+  if (limits.max_message_bytes > INT_MAX) {
     return absl::InvalidArgumentError(
-        absl::StrCat("limits must be positive (and --max_message_bytes at most ", INT_MAX, ")"));
+        absl::StrCat("--max_message_bytes must be at most ", INT_MAX, ", got ", limits.max_message_bytes));
   }
   return limits;
 }
@@ -203,11 +226,16 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
   if (options.device.tick_timing_every < 0) {
     return absl::InvalidArgumentError("--stream_tick_timing must be 0 (none) or positive");
   }
-  if (options.device.slots < 1 || options.device.log_entries_total < options.device.slots ||
-      options.device.publish_every_steps < 1 || options.ack_every_events < 1 || options.ack_every_ms < 1 ||
-      options.max_read_count < 1 || options.max_pending_events < 1) {
-    return absl::InvalidArgumentError(
-        "streaming flags must be positive, and --stream_log_entries at least --stream_slots");
+  RETURN_IF_ERROR(CheckAtLeastOne({{"stream_slots", options.device.slots},
+                                   {"publish_every_steps", options.device.publish_every_steps},
+                                   {"stream_ack_events", options.ack_every_events},
+                                   {"stream_ack_ms", options.ack_every_ms},
+                                   {"stream_read_max", options.max_read_count},
+                                   {"stream_max_pending_events", options.max_pending_events}}));
+  if (options.device.log_entries_total < options.device.slots) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream_log_entries (", options.device.log_entries_total,
+                                                   ") must be at least --stream_slots (", options.device.slots,
+                                                   "): each slot keeps a log"));
   }
   // Each entry takes (horizons + 1) floats on the device and a weights version on the host: far more entries than
   // any device holds wrapped the logs' sizes to a few bytes (CudaArena now refuses that) or failed the first stream's
@@ -540,6 +568,7 @@ absl::Status Serve() {
   RETURN_IF_ERROR(CheckCheckpointOnExit(checkpoints));
   RETURN_IF_ERROR(CheckModelFlags(checkpoints));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
+  RETURN_IF_ERROR(CheckDrainFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
   ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));

@@ -122,6 +122,23 @@ TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
                          "--init_levels applies to --init_config's preset; without one it would be ignored");
 }
 
+// Each refusal names its flag and value: "limits must be positive" left the operator to find which of four, and a
+// negative drain wait was taken as none.
+TEST(LifecycleTest, TheDaemonNamesTheFlagOutOfRange) {
+  const ScopedTempDir checkpoints("flag_ranges");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--queue_depth=0", "--queue_depth must be at least 1, got 0");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--max_message_bytes=3000000000",
+                         "--max_message_bytes must be at most 2147483647, got 3000000000");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=0", "--stream_slots must be at least 1, got 0");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_read_max=-3", "--stream_read_max must be at least 1, got -3");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=8 --stream_log_entries=4",
+                         "--stream_log_entries (4) must be at least --stream_slots (8)");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--drain_grace=-1s",
+                         "--drain_grace must be 0 (none) or positive, got -1s");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--drain_for_reads=-2s",
+                         "--drain_for_reads must be 0 (none) or positive, got -2s");
+}
+
 TEST(LifecycleTest, TheDaemonRefusesANegativeStreamTickTiming) {
   const ScopedTempDir checkpoints("stream_tick_timing");
   ExpectRefusedAtStartUp(checkpoints.path(), "--stream_tick_timing=-1",

@@ -262,8 +262,8 @@ TEST(PerceptionctlTest, LevelsTakesTheFirstLevelsOfDeeperFiles) {
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny")).exit_code, 0);
   const CommandResult no_book = RunCommand(absl::StrCat(ctl, " train", files, " --steps 4"));
   EXPECT_EQ(no_book.exit_code, 1);
-  EXPECT_THAT(no_book.output, HasSubstr("the model takes 6 features but 10 book levels give 48; no LOBSTER book gives 6 "
-                                        "(4 per level + 8): make the model for these files with --levels 10 "
+  EXPECT_THAT(no_book.output, HasSubstr("the model takes 6 features but 10 book levels give 48; no LOBSTER book gives "
+                                        "6 (4 per level + 8): make the model for these files with --levels 10 "
                                         "(perceptiond: --init_levels 10)"));
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1 --batch 8 --window 32 --replace")).exit_code,
             0);
@@ -599,7 +599,8 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
   ExpectEachRefused(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster /nonexistent/ob.csv ",
                                  "/nonexistent/msg.csv --steps 2 --save ", last.string()),
                     {{absl::StrCat(" --save_best ", last.string()), "--save and --save_best name one file"},
-                     {" --save_best /nonexistent/b.st", "cannot write /nonexistent/b.st: cannot create its temporary file /nonexistent/b.st.tmp."},
+                     {" --save_best /nonexistent/b.st",
+                      "cannot write /nonexistent/b.st: cannot create its temporary file /nonexistent/b.st.tmp."},
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
 }
 
@@ -690,7 +691,8 @@ TEST(PerceptionCliTest, TrainRefusesAnUnwritableSaveBeforeTraining) {
       RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
                               kMessages, " --steps 2 --save /nonexistent/x.st"));
   EXPECT_EQ(train.exit_code, 1) << train.output;
-  EXPECT_THAT(train.output, HasSubstr("cannot write /nonexistent/x.st: cannot create its temporary file /nonexistent/x.st.tmp."));
+  EXPECT_THAT(train.output,
+              HasSubstr("cannot write /nonexistent/x.st: cannot create its temporary file /nonexistent/x.st.tmp."));
   EXPECT_THAT(train.output, Not(HasSubstr("class-prior baseline")));
   EXPECT_THAT(train.output, Not(HasSubstr("step     1")));
 }
@@ -862,13 +864,15 @@ TEST(PerceptionCliTest, EvalRefusesUnwritableOutputsBeforeWritingAny) {
   const CommandResult features = RunCommand(
       absl::StrCat(eval, " --out ", out.string(), " --features_out /nonexistent/features.npy"));
   EXPECT_EQ(features.exit_code, 1) << features.output;
-  EXPECT_THAT(features.output, HasSubstr("cannot write /nonexistent/features.npy: cannot create its temporary file /nonexistent/features.npy.tmp."));
+  EXPECT_THAT(features.output, HasSubstr("cannot write /nonexistent/features.npy: cannot create its temporary file "
+                                         "/nonexistent/features.npy.tmp."));
   EXPECT_THAT(features.output, Not(HasSubstr("masked BCE")));
   EXPECT_FALSE(std::filesystem::exists(out)) << "no output is written when one of them cannot be";
 
   const CommandResult logits = RunCommand(absl::StrCat(eval, " --out /nonexistent/logits.npy"));
   EXPECT_EQ(logits.exit_code, 1) << logits.output;
-  EXPECT_THAT(logits.output, HasSubstr("cannot write /nonexistent/logits.npy: cannot create its temporary file /nonexistent/logits.npy.tmp."));
+  EXPECT_THAT(logits.output, HasSubstr("cannot write /nonexistent/logits.npy: cannot create its temporary file "
+                                       "/nonexistent/logits.npy.tmp."));
   EXPECT_THAT(logits.output, Not(HasSubstr("masked BCE")));
 }
 
