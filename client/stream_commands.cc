@@ -145,15 +145,32 @@ absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, cons
   }
 }
 
-// What the instrument's log holds now, [oldest, end); {0, 0} for an instrument the daemon does not know (the read
+// What the instrument's log holds now, [oldest, end), and the sequence number of the first conviction its stream
+// logged (before `oldest`, the ring overwrote them); all 0 for an instrument the daemon does not know (the read
 // then says so).
 struct RetainedLog {
-  uint64_t oldest = 0, end = 0;
+  uint64_t oldest = 0, end = 0, first_logged = 0;
 };
 absl::StatusOr<RetainedLog> RetainedLogOf(PerceptionClient& client, const std::string& instrument) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, instrument));
   if (!stream.has_value()) return RetainedLog{};
-  return RetainedLog{stream->oldest_retained_seq(), stream->end_seq()};
+  // processed_events and end_seq count the same finished entries, and a reset keeps the numbers and the log going.
+  return RetainedLog{stream->oldest_retained_seq(), stream->end_seq(),
+                     stream->end_seq() - std::min(stream->processed_events(), stream->end_seq())};
+}
+
+// Where a log kept `kept` convictions an instrument and `wanted` of them were asked of it: how to keep them all.
+std::string KeepThemAllAdvice(const v1::StreamingStatus& streaming, uint64_t wanted) {
+  constexpr uint64_t kMaxLogEntries = uint64_t{1} << 30;  // perceptiond's bound on --stream_log_entries
+  const uint64_t slots = static_cast<uint64_t>(std::max(streaming.slots(), 1));
+  const std::string read_meanwhile = "read them while the instrument streams (perceptionctl convictions --from SEQ)";
+  if (wanted * slots <= kMaxLogEntries) {
+    return absl::StrCat(read_meanwhile, ", or run perceptiond with --stream_log_entries >= ", wanted * slots,
+                        " (each of its ", slots, " slots keeps --stream_log_entries / --stream_slots)");
+  }
+  return absl::StrCat(read_meanwhile, ", or run perceptiond with --stream_slots <= ", kMaxLogEntries / wanted,
+                      " and --stream_log_entries ", kMaxLogEntries, " (each slot keeps --stream_log_entries / ",
+                      "--stream_slots, and --stream_log_entries is at most 2^30)");
 }
 
 // The largest sequence number the daemon takes (2^64 − 1 is refused: StreamEvent.seq in the proto).
@@ -253,6 +270,17 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   RETURN_IF_ERROR(CheckLastSeq(options.start_seq, n));
   // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
   const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
+  const uint64_t logged = static_cast<uint64_t>(n - options.seed_window);
+  const auto kept = static_cast<uint64_t>(std::max<int64_t>(daemon.streaming().log_entries_per_slot(), 0));
+  if (logged > kept) {
+    // Streaming goes on (the convictions can be read meanwhile), but not as if all of them will be there at the end.
+    std::fprintf(stderr,
+                 "warning: the daemon's log keeps the last %llu convictions of an instrument, and this run streams "
+                 "%llu events: read back after it, the first %llu of its convictions will have been overwritten; to "
+                 "keep them, %s\n",
+                 static_cast<unsigned long long>(kept), static_cast<unsigned long long>(logged),
+                 static_cast<unsigned long long>(logged - kept), KeepThemAllAdvice(daemon.streaming(), logged).c_str());
+  }
   if (options.seed_window > 0) {
     RETURN_IF_ERROR(CheckSeeding(client, options, seq_of(options.seed_window)));
     v1::SeedStreamRequest seed;
@@ -305,6 +333,15 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
               static_cast<long long>(streamed), options.instrument.c_str(),
               static_cast<unsigned long long>(seq_of(options.seed_window)),
               static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
+  // Whatever the warning before the run foresaw (another client may read or stream the instrument too): what the
+  // log still holds of this run now.
+  ASSIGN_OR_RETURN(const RetainedLog log, RetainedLogOf(client, options.instrument));
+  if (log.oldest > seq_of(options.seed_window)) {
+    std::printf("its log now holds seq %llu..%llu: the convictions of seq %llu..%llu were overwritten\n",
+                static_cast<unsigned long long>(log.oldest), static_cast<unsigned long long>(log.end - 1),
+                static_cast<unsigned long long>(seq_of(options.seed_window)),
+                static_cast<unsigned long long>(std::min(log.oldest - 1, seq_of(n - 1))));
+  }
   return absl::OkStatus();
 }
 
@@ -320,6 +357,7 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
                               const std::string& out_path) {
   RETURN_IF_ERROR(CheckConvictionsOptions(instrument, out_path));
   absl::StatusOr<ConvictionsCsv> csv;
+  uint64_t first_logged = 0;  // read from the oldest: the stream's first logged conviction's sequence number
   if (from_seq > 0) {
     csv = ReadConvictionsCsv(client, instrument, from_seq);
   } else {
@@ -336,6 +374,7 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
       lead = std::min(std::max({2 * lead, now.oldest - log.oldest, uint64_t{1}}), (now.end - now.oldest) / 2);
       log = now;
     }
+    first_logged = log.first_logged;
   }
   RETURN_IF_ERROR(csv.status());
   RETURN_IF_ERROR(WriteFileAtomically(out_path, csv->text));
@@ -351,6 +390,16 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
                 static_cast<long long>(csv->rows), instrument.c_str(), static_cast<unsigned long long>(csv->first_seq),
                 static_cast<unsigned long long>(csv->last_seq), static_cast<long long>(csv->min_version),
                 static_cast<long long>(csv->max_version), out_path.c_str());
+  }
+  if (from_seq == 0 && csv->rows > 0 && csv->first_seq > first_logged) {
+    ASSIGN_OR_RETURN(const v1::GetStatusResponse daemon, client.GetStatus());
+    std::fprintf(stderr,
+                 "warning: the log no longer holds the first %llu convictions of %s (seq %llu..%llu): it keeps the "
+                 "last %lld of an instrument and overwrote them; to keep them, %s\n",
+                 static_cast<unsigned long long>(csv->first_seq - first_logged), instrument.c_str(),
+                 static_cast<unsigned long long>(first_logged), static_cast<unsigned long long>(csv->first_seq - 1),
+                 static_cast<long long>(daemon.streaming().log_entries_per_slot()),
+                 KeepThemAllAdvice(daemon.streaming(), csv->end_seq - first_logged).c_str());
   }
   return absl::OkStatus();
 }

@@ -1212,6 +1212,79 @@ TEST(PerceptionctlTest, ConvictionsFromTheOldestOfAWrappingLog) {
   stream.get();
 }
 
+// A run longer than what the daemon's log keeps an instrument says so before it streams (with the flags that keep
+// them all) and after (which convictions are gone), and `convictions` says which of the instrument's it no longer
+// has: the output alone looked like a whole run read back. A run that fits says neither.
+TEST(PerceptionctlTest, AStreamLongerThanTheLogSaysWhichConvictionsAreOverwritten) {
+  const ScopedTempDir temp("ctl_stream_past_the_log");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--stream_slots=4", "--stream_log_entries=400"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+
+  const CommandResult stream = RunCommand(absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --count 250"));
+  ASSERT_EQ(stream.exit_code, 0) << stream.output;
+  EXPECT_THAT(stream.output,
+              HasSubstr("warning: the daemon's log keeps the last 100 convictions of an instrument, and this run "
+                        "streams 250 events: read back after it, the first 150 of its convictions will have been "
+                        "overwritten; to keep them, read them while the instrument streams (perceptionctl "
+                        "convictions --from SEQ), or run perceptiond with --stream_log_entries >= 1000 (each of its 4 "
+                        "slots keeps --stream_log_entries / --stream_slots)"));
+  EXPECT_THAT(stream.output, HasSubstr("its log now holds seq 151..250: the convictions of seq 1..150 were "
+                                       "overwritten"));
+  const std::filesystem::path csv = temp.path() / "amzn.csv";
+  const CommandResult convictions = RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+  ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
+  EXPECT_THAT(convictions.output, HasSubstr("100 convictions of AMZN (seq 151..250"));
+  EXPECT_THAT(convictions.output,
+              HasSubstr("warning: the log no longer holds the first 150 convictions of AMZN (seq 1..150): it keeps "
+                        "the last 100 of an instrument and overwrote them; to keep them, read them while the "
+                        "instrument streams (perceptionctl convictions --from SEQ), or run perceptiond with "
+                        "--stream_log_entries >= 1000"));
+  // A second run continuing the instrument: its own events fit, but the instrument's first ones stay lost.
+  const CommandResult more = RunCommand(
+      absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --first 250 --count 50 --start_seq 251"));
+  ASSERT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_THAT(more.output, Not(HasSubstr("warning")));
+  EXPECT_THAT(more.output, Not(HasSubstr("overwritten")));
+  const CommandResult all_of_it = RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+  EXPECT_THAT(all_of_it.output, HasSubstr("the first 200 convictions of AMZN (seq 1..200)"));
+  EXPECT_THAT(all_of_it.output, HasSubstr("--stream_log_entries >= 1200"));
+
+  const CommandResult fits = RunCommand(absl::StrCat(ctl, " stream", kLongFeed, " --instrument AAPL --count 100"));
+  ASSERT_EQ(fits.exit_code, 0) << fits.output;
+  EXPECT_THAT(fits.output, Not(HasSubstr("warning")));
+  EXPECT_THAT(fits.output, Not(HasSubstr("overwritten")));
+  const CommandResult whole = RunCommand(absl::StrCat(ctl, " convictions --instrument AAPL --out ", csv.string()));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_THAT(whole.output, HasSubstr("100 convictions of AAPL (seq 1..100"));
+  EXPECT_THAT(whole.output, Not(HasSubstr("warning")));
+  // From a sequence number the reader chose, what is before it is none of its concern.
+  const CommandResult from = RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --from 260 --out ", csv.string()));
+  ASSERT_EQ(from.exit_code, 0) << from.output;
+  EXPECT_THAT(from.output, Not(HasSubstr("warning")));
+}
+
+// Where keeping a whole run would take more than --stream_log_entries' bound over the daemon's slots, the advice is
+// fewer slots.
+TEST(PerceptionctlTest, KeepingALongRunAdvisesFewerSlotsPastTheLogsBound) {
+  const ScopedTempDir temp("ctl_stream_past_the_bound");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--stream_slots=65536", "--stream_log_entries=65536"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const CommandResult stream = RunCommand(absl::StrCat(ctl, " stream", kLongFeed, " --instrument AMZN --count 20000"));
+  ASSERT_EQ(stream.exit_code, 0) << stream.output;
+  // 2^30 / 20,000 = 53,687.1.
+  EXPECT_THAT(stream.output, HasSubstr("or run perceptiond with --stream_slots <= 53687 and --stream_log_entries "
+                                       "1073741824 (each slot keeps --stream_log_entries / --stream_slots, and "
+                                       "--stream_log_entries is at most 2^30)"));
+  EXPECT_THAT(stream.output, HasSubstr("its log now holds seq 20000..20000: the convictions of seq 1..19999 were "
+                                       "overwritten"));
+}
+
 // A writer that laps the reader (16 entries a slot, the feed at full speed) can make every read from the oldest fail:
 // `convictions` then fails saying so, or writes what it caught, and never an empty file as if the log were empty
 // (its retries once started past the log's end).
