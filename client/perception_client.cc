@@ -32,10 +32,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
 }
 
-void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
-  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-}
-
 }  // namespace
 
 // Cancels a streaming call once it owes answers (step responses, acknowledged events, or its end after the
@@ -131,9 +127,17 @@ absl::StatusOr<Response> PerceptionClient::Call(grpc::Status (Stub::*method)(grp
                                                                              Response*),
                                                 Stub& stub, const Request& request, absl::Duration timeout) {
   grpc::ClientContext context;
-  SetDeadline(context, timeout);
+  const absl::Time deadline = absl::Now() + timeout;
+  context.set_deadline(absl::ToChronoTime(deadline));
   Response response;
   const grpc::Status status = (stub.*method)(&context, request, &response);
+  // gRPC's own words for its deadline were all a user saw ("DEADLINE_EXCEEDED: Deadline Exceeded"): neither which
+  // limit it was nor that the daemon may still be doing what it was asked.
+  if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no answer from the daemon within ", absl::FormatDuration(timeout), timeout == options_.timeout ? " (--timeout)" : "",
+        "; the call was abandoned, and what it asked for may still take effect there"));
+  }
   if (!status.ok()) return FromGrpc(status);
   return response;
 }

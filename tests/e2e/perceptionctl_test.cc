@@ -942,6 +942,28 @@ TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
   EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
 }
 
+// A one-off call past --timeout says which limit it met and that the daemon may still do what it was asked: the
+// message was gRPC's alone ("DEADLINE_EXCEEDED: Deadline Exceeded").
+TEST(PerceptionctlTest, ACallPastTheTimeoutSaysWhatItMeans) {
+  const ScopedTempDir temp("ctl_unary_timeout");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+
+  (*daemon)->Signal(SIGSTOP);
+  const CommandResult status = RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s status"));
+  const CommandResult save = RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s checkpoint save a.safetensors"));
+  (*daemon)->Signal(SIGCONT);
+  for (const CommandResult& stalled : {status, save}) {
+    EXPECT_EQ(stalled.exit_code, 1) << stalled.output;
+    EXPECT_THAT(stalled.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon within 1s (--timeout); the "
+                                          "call was abandoned, and what it asked for may still take effect there"));
+  }
+  const CommandResult after = RunCommand(absl::StrCat(ctl, " status"));
+  EXPECT_EQ(after.exit_code, 0) << after.output;
+}
+
 // --timeout bounds each step of train, not the whole run (where 2 s x 100000 steps would never end).
 TEST(PerceptionctlTest, TrainGivesUpOnADaemonThatStopsAnswering) {
   const ScopedTempDir temp("ctl_train_stall");
