@@ -438,7 +438,13 @@ absl::Status CheckCheckpointOnExit(const CheckpointDirectory& checkpoints) {
 absl::Status SaveOnExit(DeviceWorker& worker, const CheckpointDirectory& checkpoints) {
   const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit);
   const HostStatus status = worker.status();
-  if (name.empty() || !status.model.has_value()) return absl::OkStatus();
+  if (name.empty()) return absl::OkStatus();
+  if (!status.model.has_value()) {
+    // Not an error (the daemon served what it was asked), but the operator who asked for the file must not look for it.
+    spdlog::warn("--checkpoint_on_exit={}: no checkpoint saved, the daemon holds no model (none was initialized or "
+                 "loaded)", name);
+    return absl::OkStatus();
+  }
   if (status.data_parallel.has_value() && status.data_parallel->rank != 0) return absl::OkStatus();  // rank 0 saves
   ASSIGN_OR_RETURN(const std::string path, checkpoints.ResolveForWriting(name, "--checkpoint_on_exit"));
   return worker.Run(JobPriority::kTraining, [&](ModelHost& host) { return host.Save(path).status(); });

@@ -231,6 +231,21 @@ TEST(LifecycleTest, LoadAndLoadIfPresentExcludeEachOther) {
                          "--load and --load_if_present exclude each other");
 }
 
+// With no model there is nothing to save: the exit says so, instead of leaving the operator to look for the file.
+TEST(LifecycleTest, ACheckpointOnExitWithNoModelSaysNoneWasSaved) {
+  const ScopedTempDir temp("checkpoint_on_exit_no_model");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=exit.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("--checkpoint_on_exit=exit.safetensors: no checkpoint saved, the daemon "
+                                          "holds no model (none was initialized or loaded)"));
+  EXPECT_FALSE(std::filesystem::exists(temp.path() / "checkpoints" / "exit.safetensors"));
+}
+
 // The exit's save resolves the name again: a folder that took it while the daemon served fails the exit, non-zero.
 TEST(LifecycleTest, ACheckpointOnExitThatBecameAFolderFailsTheExit) {
   const ScopedTempDir temp("checkpoint_on_exit_folder");
