@@ -191,6 +191,10 @@ absl::Status Status(PerceptionClient& client) {
       s.active_streams(), s.slots(), static_cast<long long>(s.log_entries_per_slot()),
       static_cast<long long>(s.weights_version()), static_cast<long long>(s.pending_events()),
       static_cast<long long>(s.max_pending_events()));
+  if (status.draining()) {
+    std::printf("draining: the daemon is exiting; it refuses new work and answers reads of the convictions until "
+                "they are read back or its --drain_for_reads ends\n");
+  }
   if (status.has_data_parallel()) {
     const v1::DataParallelStatus& p = status.data_parallel();
     std::printf("data parallel: rank %d of %d, parameter checksum every %lld steps (%lld compared equal)\n", p.rank(),

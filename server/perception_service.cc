@@ -115,6 +115,7 @@ grpc::Status PerceptionService::GetStatus(grpc::ServerContext*, const v1::GetSta
     limits.set_max_window(limits_.max_window);
     limits.set_queue_depth(limits_.queue_depth);
     response->set_queued_jobs(worker_.queued_jobs());
+    response->set_draining(draining_.load());
     v1::StreamingStatus& streaming = *response->mutable_streaming();
     streams_.FillStatus(streaming);
     if (status.model.has_value()) streaming.set_weights_version(status.model->published_weights_version);

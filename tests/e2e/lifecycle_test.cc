@@ -300,6 +300,7 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   ASSERT_GE(answered, 5) << stream.get();
+  EXPECT_FALSE(client.GetStatus()->draining());
   (*daemon)->Signal(SIGTERM);
 
   absl::StatusOr<ServingStatus::ServingStatus> health = ServingStatus::SERVING;
@@ -310,7 +311,12 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   const absl::Status refused = client.InitModel(TinyInitRequest(5)).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("draining"));
-  EXPECT_TRUE(client.GetStatus().ok()) << "a read, answered through the grace";
+  const absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+  ASSERT_TRUE(status.ok()) << "a read, answered through the grace: " << status.status();
+  EXPECT_TRUE(status->draining());
+  const CommandResult ctl_status = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target(), " status"));
+  EXPECT_THAT(ctl_status.output, HasSubstr("draining: the daemon is exiting; it refuses new work and answers reads of "
+                                           "the convictions until they are read back or its --drain_for_reads ends"));
 
   const absl::Status ended = stream.get();
   EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
