@@ -135,7 +135,8 @@ absl::StatusOr<Response> PerceptionClient::Call(grpc::Status (Stub::*method)(grp
   // limit it was nor that the daemon may still be doing what it was asked.
   if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= deadline) {
     return absl::DeadlineExceededError(absl::StrCat(
-        "no answer from the daemon within ", absl::FormatDuration(timeout), timeout == options_.timeout ? " (--timeout)" : "",
+        "no answer from the daemon within ", absl::FormatDuration(timeout),
+        timeout == options_.timeout ? " (--timeout)" : "",
         "; the call was abandoned, and what it asked for may still take effect there"));
   }
   if (!status.ok()) return FromGrpc(status);

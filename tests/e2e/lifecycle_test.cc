@@ -314,7 +314,8 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   const absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
   ASSERT_TRUE(status.ok()) << "a read, answered through the grace: " << status.status();
   EXPECT_TRUE(status->draining());
-  const CommandResult ctl_status = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target(), " status"));
+  const CommandResult ctl_status =
+      RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target(), " status"));
   EXPECT_THAT(ctl_status.output, HasSubstr("draining: the daemon is exiting; it refuses new work and answers reads of "
                                            "the convictions until they are read back or its --drain_for_reads ends"));
 

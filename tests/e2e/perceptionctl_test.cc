@@ -953,7 +953,8 @@ TEST(PerceptionctlTest, ACallPastTheTimeoutSaysWhatItMeans) {
 
   (*daemon)->Signal(SIGSTOP);
   const CommandResult status = RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s status"));
-  const CommandResult save = RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s checkpoint save a.safetensors"));
+  const CommandResult save =
+      RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s checkpoint save a.safetensors"));
   (*daemon)->Signal(SIGCONT);
   for (const CommandResult& stalled : {status, save}) {
     EXPECT_EQ(stalled.exit_code, 1) << stalled.output;
@@ -1256,7 +1257,8 @@ TEST(PerceptionctlTest, AStreamLongerThanTheLogSaysWhichConvictionsAreOverwritte
   EXPECT_THAT(stream.output, HasSubstr("its log now holds seq 151..250: the convictions of seq 1..150 were "
                                        "overwritten"));
   const std::filesystem::path csv = temp.path() / "amzn.csv";
-  const CommandResult convictions = RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
+  const CommandResult convictions =
+      RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --out ", csv.string()));
   ASSERT_EQ(convictions.exit_code, 0) << convictions.output;
   EXPECT_THAT(convictions.output, HasSubstr("100 convictions of AMZN (seq 151..250"));
   EXPECT_THAT(convictions.output,
@@ -1283,7 +1285,8 @@ TEST(PerceptionctlTest, AStreamLongerThanTheLogSaysWhichConvictionsAreOverwritte
   EXPECT_THAT(whole.output, HasSubstr("100 convictions of AAPL (seq 1..100"));
   EXPECT_THAT(whole.output, Not(HasSubstr("warning")));
   // From a sequence number the reader chose, what is before it is none of its concern.
-  const CommandResult from = RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --from 260 --out ", csv.string()));
+  const CommandResult from =
+      RunCommand(absl::StrCat(ctl, " convictions --instrument AMZN --from 260 --out ", csv.string()));
   ASSERT_EQ(from.exit_code, 0) << from.output;
   EXPECT_THAT(from.output, Not(HasSubstr("warning")));
 }
