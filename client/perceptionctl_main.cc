@@ -96,9 +96,9 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
   perceptionctl --targets H:P,H:P,... status | init ... | train ... | checkpoint save|load NAME
                                       (one data-parallel job, ranks in order; train's batch is N x the model's)
     status
-    init --config NAME [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
+    init [--config NAME (small)] [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --total_steps N [--lr_warmup_steps W] [--min_lr Y]] [--replace]
-    train --lobster ORDERBOOK MESSAGES [--levels N] --steps N [--batch B] [--window T] [--lr X]
+    train --lobster ORDERBOOK MESSAGES [--levels N] [--steps N (100)] [--batch B] [--window T] [--lr X]
           [--eval-every N] [--save-best NAME]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
@@ -454,9 +454,7 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
       return absl::OkStatus();
     });
   }
-  if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", kUsage));
-  return absl::InvalidArgumentError(
-      absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
+  return UnexpectedArguments(args, kCommands, kUsage);
 }
 
 // `several`: --targets named the daemons, so only the commands that address every rank are taken.

@@ -98,4 +98,22 @@ absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagU
   return absl::InvalidArgumentError(absl::StrCat(command, " does not take ", absl::StrJoin(refused, ", ")));
 }
 
+absl::Status UnexpectedArguments(std::span<const std::string> args, std::span<const std::string_view> commands,
+                                 std::string_view usage) {
+  // (This absl's string_view is not std's: both views are taken as strings.)
+  const std::string usage_text(usage);
+  if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", usage_text));
+  const std::string& command = args[1];
+  if (std::ranges::find(commands, command) == commands.end()) {
+    const std::string known = absl::StrJoin(commands, ", ", [](std::string* out, std::string_view name) {
+      out->append(name);
+    });
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown command '", command, "' (the commands: ", known, ")\n\n", usage_text));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unexpected arguments for ", command, ": ",
+                                                 absl::StrJoin(args.begin() + 1, args.end(), " "),
+                                                 " (its usage is below)\n\n", usage_text));
+}
+
 }  // namespace perception

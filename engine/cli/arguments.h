@@ -48,4 +48,9 @@ struct FlagUse {
 // for another command would be ignored without a word (`perception train --checkpoint X` trained a fresh model).
 absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagUse> uses);
 
+// The error for positional arguments (argv[0] first) that no command of `commands` takes: none given, an unknown
+// command (named, with the known ones), or a known one with arguments its usage does not have; `usage` follows.
+absl::Status UnexpectedArguments(std::span<const std::string> args, std::span<const std::string_view> commands,
+                                 std::string_view usage);
+
 }  // namespace perception

@@ -1,5 +1,6 @@
 // `perception`: offline training, evaluation and checkpoint inspection on the engine (no daemon).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -69,9 +70,10 @@ namespace {
 
 constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offline.
 
-  perception train --config NAME --lobster ORDERBOOK,MESSAGES [--levels N] --steps N [--batch B] [--window T]
+  perception train [--config NAME] --lobster ORDERBOOK,MESSAGES [--levels N] [--steps N] [--batch B] [--window T]
                    [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off]
                    [--val_every N] [--save_best CKPT] --save CKPT
+  (--config defaults to small, --steps to 200)
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
   (--device defaults to cpu)
@@ -476,8 +478,8 @@ absl::Status Run(const std::vector<std::string>& args) {
   if (command == "inspect" && args.size() == 2) {
     return absl::InvalidArgumentError("inspect needs a checkpoint: inspect CKPT");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unexpected arguments: ", absl::StrJoin(args.begin() + 1, args.end(), " "), "\n\n", kUsage));
+  constexpr std::array<std::string_view, 3> kCommands = {"train", "eval", "inspect"};
+  return UnexpectedArguments(args, kCommands, kUsage);
 }
 
 }  // namespace

@@ -381,7 +381,8 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const absl::Time start = absl::Now();
   const CommandResult mistyped = RunCommand(absl::StrCat(ctl, " stauts"));
   EXPECT_EQ(mistyped.exit_code, 1);
-  EXPECT_THAT(mistyped.output, HasSubstr("INVALID_ARGUMENT: unexpected arguments: stauts"));
+  EXPECT_THAT(mistyped.output, HasSubstr("INVALID_ARGUMENT: unknown command 'stauts' (the commands: status, init, "
+                                         "train, eval, checkpoint, stream, convictions, streams, bench)"));
   const CommandResult negative =
       RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps -5"));
   EXPECT_EQ(negative.exit_code, 1);
@@ -489,7 +490,8 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
       // Given at its default value, a flag is still given.
       {" init --config tiny --rate max", "INVALID_ARGUMENT: init does not take --rate (stream's and bench's flag)"},
       // A mistyped command is named as unexpected, not its flags as another command's.
-      {" trian --steps 3", "INVALID_ARGUMENT: unexpected arguments: trian"},
+      {" trian --steps 3", "INVALID_ARGUMENT: unknown command 'trian' (the commands: status, init, train, eval"},
+      {" checkpoint save", "INVALID_ARGUMENT: unexpected arguments for checkpoint: checkpoint save (its usage is below)"},
       // No command: it said "unexpected arguments: " and nothing after it.
       {"", "INVALID_ARGUMENT: no command given\n\ndrive perceptiond over gRPC."},
   };
@@ -502,11 +504,19 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
   EXPECT_THAT(init.output, HasSubstr("DEADLINE_EXCEEDED: perceptiond at 127.0.0.1:1 is not serving after 1s"));
 }
 
-// No command, or inspect without its checkpoint, said "unexpected arguments: inspect".
+// No command, or inspect without its checkpoint, said "unexpected arguments: inspect"; a mistyped command is named
+// as unknown, with the commands there are.
 TEST(PerceptionCliTest, AMissingCommandOrCheckpointIsNamed) {
   const CommandResult none = RunCommand(PERCEPTION_CLI_PATH);
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_THAT(none.output, HasSubstr("perception: no command given\n\ntrain, evaluate and inspect"));
+  const CommandResult mistyped = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " trian"));
+  EXPECT_EQ(mistyped.exit_code, 1);
+  EXPECT_THAT(mistyped.output, HasSubstr("perception: unknown command 'trian' (the commands: train, eval, inspect)\n\n"
+                                         "train, evaluate and inspect"));
+  const CommandResult extra = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval more"));
+  EXPECT_EQ(extra.exit_code, 1);
+  EXPECT_THAT(extra.output, HasSubstr("perception: unexpected arguments for eval: eval more (its usage is below)"));
   const CommandResult inspect = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " inspect"));
   EXPECT_EQ(inspect.exit_code, 1);
   EXPECT_THAT(inspect.output, HasSubstr("perception: inspect needs a checkpoint: inspect CKPT"));
