@@ -305,14 +305,10 @@ absl::StatusOr<LobsterFiles> LobsterFromFlags() {
 
 absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   ASSIGN_OR_RETURN(const LobsterFiles files, LobsterFromFlags());
-  if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
-  }
+  RETURN_IF_ERROR(
+      CheckAtLeastOne({{"steps", absl::GetFlag(FLAGS_steps)}, {"log_every", absl::GetFlag(FLAGS_log_every)}}));
   if (const int every = absl::GetFlag(FLAGS_eval_every); every < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--eval_every must be >= 0 (0: only at the end), got ", every));
-  }
-  if (const int every = absl::GetFlag(FLAGS_log_every); every < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--log_every must be >= 1, got ", every));
   }
   // Checked here, before --wait waits and the files are read; NaN fails both comparisons.
   if (const double fraction = absl::GetFlag(FLAGS_train_fraction); !(fraction > 0 && fraction < 1)) {

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "engine/atomic_file.h"
+#include "engine/cli/arguments.h"
 #include "engine/lobster.h"
 #include "engine/status_macros.h"
 
@@ -227,7 +228,7 @@ absl::Status CheckStreamOptions(const StreamOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
   }
-  if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1");
+  if (options.start_seq < 1) return absl::InvalidArgumentError("--start_seq must be >= 1, got 0");
   if (options.seed_window < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--seed-window must be >= 0 (0: no seed), got ", options.seed_window));
@@ -405,9 +406,10 @@ absl::Status WriteConvictions(PerceptionClient& client, const std::string& instr
 }
 
 absl::Status CheckBenchOptions(const BenchOptions& options) {
-  if (options.instruments < 1 || options.events < 1 || options.connections < 1 || options.in_flight < 1) {
-    return absl::InvalidArgumentError("bench needs --instruments, --events, --connections and --in_flight >= 1");
-  }
+  RETURN_IF_ERROR(CheckAtLeastOne({{"instruments", options.instruments},
+                                   {"events", options.events},
+                                   {"connections", options.connections},
+                                   {"in_flight", options.in_flight}}));
   // Each event's send time and latency are kept for the percentiles (up to 24 bytes an event): a larger run failed
   // deep in a worker thread (std::bad_alloc, abort) or ran the machine out of memory.
   if (options.events > kMaxBenchEvents) {

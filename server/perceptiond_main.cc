@@ -170,14 +170,6 @@ absl::StatusOr<spdlog::level::level_enum> LogLevelFromFlags() {
   return level;
 }
 
-// INVALID_ARGUMENT naming the first of `flags` (name, value) below 1.
-absl::Status CheckAtLeastOne(std::initializer_list<std::pair<absl::string_view, int64_t>> flags) {
-  for (const auto& [name, value] : flags) {
-    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be at least 1, got ", value));
-  }
-  return absl::OkStatus();
-}
-
 // A negative wait was taken as none, without a word.
 absl::Status CheckDrainFlags() {
   for (const auto& [name, wait] : {std::pair{"drain_grace", absl::GetFlag(FLAGS_drain_grace)},

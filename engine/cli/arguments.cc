@@ -98,6 +98,15 @@ absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagU
   return absl::InvalidArgumentError(absl::StrCat(command, " does not take ", absl::StrJoin(refused, ", ")));
 }
 
+absl::Status CheckAtLeastOne(std::initializer_list<std::pair<std::string_view, int64_t>> flags) {
+  for (const auto& [name, value] : flags) {
+    if (value < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--", std::string(name), " must be >= 1, got ", value));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UnexpectedArguments(std::span<const std::string> args, std::span<const std::string_view> commands,
                                  std::string_view usage) {
   // (This absl's string_view is not std's: both views are taken as strings.)

@@ -1,10 +1,12 @@
 // Command-line handling shared by the programs: spellings, the flags given, and flags a command does not read.
 #pragma once
 
+#include <cstdint>
 #include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
@@ -47,6 +49,9 @@ struct FlagUse {
 // Refuses every flag of `uses` given on the command line that `command` does not read, naming whose it is: one set
 // for another command would be ignored without a word (`perception train --checkpoint X` trained a fresh model).
 absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagUse> uses);
+
+// INVALID_ARGUMENT naming the first of `flags` (name without dashes, value) below 1: "--steps must be >= 1, got 0".
+absl::Status CheckAtLeastOne(std::initializer_list<std::pair<std::string_view, int64_t>> flags);
 
 // The error for positional arguments (argv[0] first) that no command of `commands` takes: none given, an unknown
 // command (named, with the known ones), or a known one with arguments its usage does not have; `usage` follows.

@@ -290,9 +290,7 @@ class BestModel {
 };
 
 absl::Status Train() {
-  if (const int steps = absl::GetFlag(FLAGS_steps); steps < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 1, got ", steps));
-  }
+  RETURN_IF_ERROR(CheckAtLeastOne({{"steps", absl::GetFlag(FLAGS_steps)}}));
   RETURN_IF_ERROR(CheckShapeFlags());
   if (const int val_every = absl::GetFlag(FLAGS_val_every); val_every < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--val_every must be >= 0 (0: only at the end), got ", val_every));
@@ -329,9 +327,7 @@ absl::Status Train() {
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
-  if (absl::GetFlag(FLAGS_log_every) < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--log_every must be >= 1, got ", absl::GetFlag(FLAGS_log_every)));
-  }
+  RETURN_IF_ERROR(CheckAtLeastOne({{"log_every", absl::GetFlag(FLAGS_log_every)}}));
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));

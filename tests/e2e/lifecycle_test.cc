@@ -126,11 +126,11 @@ TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
 // negative drain wait was taken as none.
 TEST(LifecycleTest, TheDaemonNamesTheFlagOutOfRange) {
   const ScopedTempDir checkpoints("flag_ranges");
-  ExpectRefusedAtStartUp(checkpoints.path(), "--queue_depth=0", "--queue_depth must be at least 1, got 0");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--queue_depth=0", "--queue_depth must be >= 1, got 0");
   ExpectRefusedAtStartUp(checkpoints.path(), "--max_message_bytes=3000000000",
                          "--max_message_bytes must be at most 2147483647, got 3000000000");
-  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=0", "--stream_slots must be at least 1, got 0");
-  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_read_max=-3", "--stream_read_max must be at least 1, got -3");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=0", "--stream_slots must be >= 1, got 0");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_read_max=-3", "--stream_read_max must be >= 1, got -3");
   ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=8 --stream_log_entries=4",
                          "--stream_log_entries (4) must be at least --stream_slots (8)");
   ExpectRefusedAtStartUp(checkpoints.path(), "--drain_grace=-1s",

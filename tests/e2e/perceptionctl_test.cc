@@ -402,7 +402,7 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   EXPECT_THAT(no_out.output, HasSubstr("INVALID_ARGUMENT: convictions needs --out FILE.csv"));
   const CommandResult no_events = RunCommand(absl::StrCat(waits_10s, " bench --events 0"));
   EXPECT_EQ(no_events.exit_code, 1);
-  EXPECT_THAT(no_events.output, HasSubstr("INVALID_ARGUMENT: bench needs --instruments, --events"));
+  EXPECT_THAT(no_events.output, HasSubstr("INVALID_ARGUMENT: --events must be >= 1, got 0"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
 }
 
