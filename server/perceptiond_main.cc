@@ -74,7 +74,7 @@ ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
           "on SIGTERM/SIGINT, how long health reports NOT_SERVING and new work is refused (UNAVAILABLE) before the "
           "listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
           "still answer meanwhile, so that clients read back the convictions of the events streamed before the "
-          "signal (which the device holds only until the daemon exits)");
+          "signal (which the device holds only until the daemon exits); a second signal ends it");
 ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "on SIGTERM/SIGINT, after --drain_grace: how much longer reads still answer while convictions wait to be "
           "read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
@@ -137,6 +137,8 @@ constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
 // Once every answer is delivered: how long a call that came just then, and each client's side of its connection's
 // GOAWAY, are given before gRPC cancels and disconnects what is left.
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(250);
+// How often the drain's grace and its wait for answers to be delivered look for a second signal.
+constexpr absl::Duration kSignalPoll = absl::Milliseconds(100);
 // How often a drain looks again whether the convictions have been read back.
 constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
 // The most conviction-log entries --stream_log_entries may ask for: 2^30 take 24 GiB of device memory at five
@@ -504,11 +506,16 @@ absl::StatusOr<std::unique_ptr<StallWatch>> WatchForStalls(const DeviceWorker& w
       });
 }
 
-// Whether a termination signal is pending (one more, during the drain); takes it.
-bool TerminationSignalPending() {
-  const sigset_t signals = TerminationSignals();
-  const timespec now = {};
-  return sigtimedwait(&signals, nullptr, &now) > 0;
+// Whether a second termination signal has come during the drain (taking it, and remembering it: every wait of the
+// drain after it ends at once, since its sender wants the daemon gone). Called from the main thread alone.
+bool SecondSignalArrived() {
+  static bool arrived = false;
+  if (!arrived) {
+    const sigset_t signals = TerminationSignals();
+    const timespec now = {};
+    arrived = sigtimedwait(&signals, nullptr, &now) > 0;
+  }
+  return arrived;
 }
 
 std::string DescribeUnread(const StreamBatcher::Unread& unread) {
@@ -525,7 +532,7 @@ void WaitForReadBack(const StreamBatcher& streams) {
   spdlog::info("{}: reads answer until they are read back, for up to {} (--drain_for_reads; a second signal ends it)",
                DescribeUnread(unread), absl::FormatDuration(limit));
   const absl::Time deadline = absl::Now() + limit;
-  while (!unread.none() && absl::Now() < deadline && !TerminationSignalPending() && DeviceLostStatus().ok()) {
+  while (!unread.none() && absl::Now() < deadline && !SecondSignalArrived() && DeviceLostStatus().ok()) {
     absl::SleepFor(kReadBackPoll);
     unread = streams.NotReadBack();
   }
@@ -536,22 +543,35 @@ void WaitForReadBack(const StreamBatcher& streams) {
   }
 }
 
+// Until the answers owed are delivered, for at most kShutdownTimeout or until a second signal.
+void WaitForAnswersDelivered(CallsInFlight& calls) {
+  const absl::Time start = absl::Now(), deadline = start + kShutdownTimeout;
+  CallsInFlight::Undelivered left;
+  do {
+    left = calls.WaitUntilDelivered(std::min(deadline, absl::Now() + kSignalPoll));
+  } while ((left.calls > 0 || left.bytes > 0) && absl::Now() < deadline && !SecondSignalArrived());
+  if (left.calls == 0 && left.bytes == 0) return;
+  spdlog::warn("{} {}, {} call(s) still unanswered (cancelled) and {} byte(s) sent not yet acknowledged by the "
+               "clients (their connections closed all the same)",
+               SecondSignalArrived() ? "a second signal ended the wait for answers to be delivered: after" : "after",
+               absl::FormatDuration(absl::Now() - start), left.calls, left.bytes);
+}
+
 // The listener closes, and with it the connections clients keep open.
 void StopListening(grpc::Server& server) { server.Shutdown(absl::ToChronoTime(absl::Now() + kCloseGrace)); }
 
 // Health NOT_SERVING and new work refused, a grace period, the wait for convictions to be read back, then the
-// listener closes once calls in flight are answered; the device finishes what it had queued.
+// listener closes once calls in flight are answered; the device finishes what it had queued. A second signal ends
+// each of the waits.
 void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher& streams, CallsInFlight& calls) {
   server.GetHealthCheckService()->SetServingStatus(false);
   service.BeginDrain();
-  absl::SleepFor(absl::GetFlag(FLAGS_drain_grace));
-  WaitForReadBack(streams);
-  if (const CallsInFlight::Undelivered left = calls.WaitUntilDelivered(absl::Now() + kShutdownTimeout);
-      left.calls > 0 || left.bytes > 0) {
-    spdlog::warn("after {}, {} call(s) still unanswered (cancelled) and {} byte(s) sent not yet acknowledged by the "
-                 "clients (their connections closed all the same)",
-                 absl::FormatDuration(kShutdownTimeout), left.calls, left.bytes);
+  const absl::Time grace_ends = absl::Now() + absl::GetFlag(FLAGS_drain_grace);
+  while (absl::Now() < grace_ends && !SecondSignalArrived()) {
+    absl::SleepFor(std::min(kSignalPoll, grace_ends - absl::Now()));
   }
+  WaitForReadBack(streams);
+  WaitForAnswersDelivered(calls);
   StopListening(server);
 }
 

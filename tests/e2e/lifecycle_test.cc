@@ -612,25 +612,24 @@ class SlowChattyLink {
   std::vector<std::thread> pumps_;
 };
 
-// gRPC finishes a call once its answer is in the kernel. The exit closed the connections 250 ms after the last call
-// ended, and a close with the client's bytes (window updates) coming in resets the connection, which drops what the
-// kernel still held: a client reading back a large page over a slow link lost it, and the daemon had counted it read.
-TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheConnection) {
-  const ScopedTempDir temp("drain_slow_link");
-  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Start(temp.path() / "checkpoints", {"--drain_for_reads=60s", "--stream_slots=4",
-                                                  "--stream_log_entries=200000", "--stream_read_max=50000"});
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  client::PerceptionClient& client = (*daemon)->client();
+// The daemon's flags, `extra` among them, under which one ReadConvictions page holds what StreamAPageOfConvictions
+// streams.
+std::vector<std::string> OnePageFlags(const std::string& extra) {
+  return {extra, "--stream_slots=4", "--stream_log_entries=200000", "--stream_read_max=50000"};
+}
+constexpr int kPageEvents = 40'000;
+
+// Streams kPageEvents events of instrument "A" into a fresh tiny model: a page of ~2.9 MB with probabilities.
+void StreamAPageOfConvictions(client::PerceptionClient& client) {
   ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
-  constexpr int kEvents = 40'000, kPerRequest = 4'000;
+  constexpr int kPerRequest = 4'000;
   const ModelConfig config = TinyConfig();
-  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kEvents, 17);
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, kPageEvents, 17);
   std::atomic<uint64_t> acked = 0;
   const std::unique_ptr<client::EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
     for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
   });
-  for (int first = 0; first < kEvents; first += kPerRequest) {
+  for (int first = 0; first < kPageEvents; first += kPerRequest) {
     v1::StreamRequest request;
     for (int t = first; t < first + kPerRequest; ++t) {
       *request.add_events() = testing::FeatureEvent(series, config.n_features, t, "A", t + 1);
@@ -639,37 +638,106 @@ TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheCon
     ASSERT_TRUE(stream->Write(request));
   }
   const absl::Time give_up = absl::Now() + absl::Seconds(120);
-  while (acked < kEvents && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(acked, kEvents);
+  while (acked < kPageEvents && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(acked, kPageEvents);
   ASSERT_TRUE(stream->Finish().ok());
+}
 
-  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 300'000);
+// A stub on its own channel to `target`, connected (one call answered).
+std::unique_ptr<v1::Perception::Stub> ConnectedReader(const std::string& target) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(64 << 20);
-  const std::unique_ptr<v1::Perception::Stub> reader = v1::Perception::NewStub(
-      grpc::CreateCustomChannel(link.target(), grpc::InsecureChannelCredentials(), arguments));
-  {
-    grpc::ClientContext context;
-    v1::ListStreamsResponse streams;
-    ASSERT_TRUE(reader->ListStreams(&context, v1::ListStreamsRequest(), &streams).ok());  // connected
-  }
-  (*daemon)->Signal(SIGTERM);
-  absl::SleepFor(absl::Milliseconds(200));
+  std::unique_ptr<v1::Perception::Stub> reader =
+      v1::Perception::NewStub(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments));
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  v1::ListStreamsResponse streams;
+  EXPECT_TRUE(reader->ListStreams(&context, v1::ListStreamsRequest(), &streams).ok());
+  return reader;
+}
+
+v1::ReadConvictionsRequest ReadAllOfA() {
   v1::ReadConvictionsRequest read;
   read.set_instrument("A");
   read.set_from_seq(1);
   read.set_with_probabilities(true);
+  return read;
+}
+
+// gRPC finishes a call once its answer is in the kernel. The exit closed the connections 250 ms after the last call
+// ended, and a close with the client's bytes (window updates) coming in resets the connection, which drops what the
+// kernel still held: a client reading back a large page over a slow link lost it, and the daemon had counted it read.
+TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheConnection) {
+  const ScopedTempDir temp("drain_slow_link");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", OnePageFlags("--drain_for_reads=60s"));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_NO_FATAL_FAILURE(StreamAPageOfConvictions((*daemon)->client()));
+  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 300'000);
+  const std::unique_ptr<v1::Perception::Stub> reader = ConnectedReader(link.target());
+  (*daemon)->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
   v1::ReadConvictionsResponse page;
-  const grpc::Status status = reader->ReadConvictions(&context, read, &page);
+  const grpc::Status status = reader->ReadConvictions(&context, ReadAllOfA(), &page);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_GT(page.ByteSizeLong(), 500'000u) << "a page the slow link takes seconds to carry";
-  EXPECT_EQ(page.convictions_size(), kEvents);
+  EXPECT_EQ(page.convictions_size(), kPageEvents);
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
   EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+}
+
+// A second signal ends the exit's wait for answers to be delivered, as it ends --drain_for_reads': a client on a link
+// too slow for its page held the exit for the whole 60 s with the operator's second signal ignored.
+TEST(LifecycleTest, ASecondSignalEndsTheWaitForAnAnswerOnASlowLink) {
+  const ScopedTempDir temp("drain_slow_link_second_signal");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", OnePageFlags("--drain_for_reads=60s"));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_NO_FATAL_FAILURE(StreamAPageOfConvictions((*daemon)->client()));
+  // ~150 s for the ~2.9 MB page.
+  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 20'000);
+  const std::unique_ptr<v1::Perception::Stub> reader = ConnectedReader(link.target());
+  (*daemon)->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  std::future<grpc::Status> read = std::async(std::launch::async, [&] {
+    v1::ReadConvictionsResponse page;
+    return reader->ReadConvictions(&context, ReadAllOfA(), &page);
+  });
+  // The page was answered (so the convictions count as read back), and it is on its slow way.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains((*daemon)->Log(), "every conviction was read back") && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Time second_signal = absl::Now();
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_LT(absl::Now() - second_signal, absl::Seconds(5)) << (*daemon)->Log();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("a second signal ended the wait for answers to be delivered: after "));
+  EXPECT_FALSE(read.get().ok()) << "the page could not have crossed the link yet";
+}
+
+// A second signal ends --drain_grace too.
+TEST(LifecycleTest, ASecondSignalEndsTheDrainGrace) {
+  const ScopedTempDir temp("drain_grace_second_signal");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints", {"--drain_grace=600s"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  (*daemon)->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Time second_signal = absl::Now();
+  (*daemon)->Signal(SIGTERM);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_LT(absl::Now() - second_signal, absl::Seconds(5));
 }
 
 // Convictions nobody reads hold the drain only for --drain_for_reads, or until a second signal; the log says what
