@@ -4,9 +4,13 @@
 // ranks in order, and saves checkpoints on rank 0 only; a rank that dies stops the client's other streams at once.
 // Training across ranks needs GPUs (tests/cuda).
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
+#include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/data_parallel.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
@@ -75,6 +80,33 @@ TEST(DataParallelTest, RankOneGivesUpCleanlyWithoutARankZero) {
   EXPECT_EQ(refused.exit_code, 1);
   EXPECT_THAT(refused.output, HasSubstr("FAILED_PRECONDITION: rank 0 at " + (*plain)->target() +
                                         " refused rank 1: this daemon is not part of a data-parallel job"));
+}
+
+// A start-up that fails after the listener opened (rank 1's join, which no rank 0 answers) stops listening: the
+// server's own destructor would wait on every client, and a Health/Watch, which a supervisor may hold open from the
+// first moment, stays open until its client ends it.
+TEST(DataParallelTest, AStartUpThatFailsAfterListeningExitsWithAHealthWatchOpen) {
+  const int port = FreeLoopbackPort();
+  std::future<CommandResult> daemon = std::async(std::launch::async, [port] {
+    return RunDaemon(absl::StrCat("--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 ",
+                                  "--collective_timeout=3s --listen=127.0.0.1:", port));
+  });
+  const std::unique_ptr<grpc::health::v1::Health::Stub> health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_wait_for_ready(true);  // through the daemon's start
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+  const auto watch = health->Watch(&context, grpc::health::v1::HealthCheckRequest());
+  grpc::health::v1::HealthCheckResponse seen;
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING) << "joining";
+  const absl::Time watching = absl::Now();
+  ASSERT_EQ(daemon.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "the open watch held the exit";
+  EXPECT_LT(absl::Now() - watching, absl::Seconds(10));
+  const CommandResult failed = daemon.get();
+  EXPECT_EQ(failed.exit_code, 1);
+  EXPECT_THAT(failed.output, HasSubstr("did not hand out the NCCL unique id within 3s"));
+  context.TryCancel();
 }
 
 TEST(DataParallelTest, TargetsMustBeOneJobsRanksAndRankZeroSaves) {

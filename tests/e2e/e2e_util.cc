@@ -31,19 +31,6 @@ namespace {
 constexpr int kStartAttempts = 3;
 constexpr absl::Duration kStartTimeout = absl::Seconds(20);
 
-// A loopback port nothing was bound to a moment ago: the daemon binds it right after (a clash gets a retry).
-int FreeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof(address);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), size);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& arguments, const std::filesystem::path& log_path) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -64,6 +51,18 @@ void CopyFloats(const std::vector<float>& from, google::protobuf::RepeatedField<
 }
 
 }  // namespace
+
+int FreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(address);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), size);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
 
 std::string DaemonDevice() {
   const char* device = std::getenv("PERCEPTION_E2E_DEVICE");

@@ -22,6 +22,9 @@ namespace perception::e2e {
 
 using testing::ScopedTempDir;
 
+// A loopback port nothing was bound to a moment ago: a daemon binds it right after (a clash gets a retry).
+int FreeLoopbackPort();
+
 // The daemons' --device: cpu, or PERCEPTION_E2E_DEVICE where set (cuda: the tests that hold for either backend, run
 // against the CUDA daemon on a CUDA host).
 std::string DaemonDevice();
