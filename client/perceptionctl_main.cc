@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "absl/strings/numbers.h"
+#include "client/data_parallel.h"
 #include "client/lobster_commands.h"
 #include "client/stream_commands.h"
 #include "client/perception_client.h"
@@ -384,6 +385,21 @@ absl::Status ListStreams(PerceptionClient& client) {
   return absl::OkStatus();
 }
 
+// CheckRanks over `daemons` (--targets), for `command`, which acts for the whole job through rank 0.
+absl::Status CheckOneJob(std::span<PerceptionClient* const> daemons, const std::string& command) {
+  std::vector<v1::GetStatusResponse> statuses;
+  std::vector<std::string> targets;
+  for (PerceptionClient* daemon : daemons) {
+    ASSIGN_OR_RETURN(statuses.emplace_back(), daemon->GetStatus());
+    targets.push_back(daemon->target());
+  }
+  if (const absl::Status ranks = CheckRanks(statuses, targets); !ranks.ok()) {
+    return absl::Status(ranks.code(), absl::StrCat(ranks.message(), " (", command, " acts for the job through rank 0; "
+                                                   "give each daemon of its own a --target)"));
+  }
+  return absl::OkStatus();
+}
+
 // A command resolved from the arguments and flags before anything is sent or waited for (--wait), so that a
 // mistyped one fails at once. It addresses the daemons of --targets (the ranks of a data-parallel job) or the one of
 // --target.
@@ -470,9 +486,13 @@ absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool 
   if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
     return OnEveryDaemon([name = args[3]](PerceptionClient& rank) { return LoadCheckpoint(rank, name); });
   }
-  // Every rank holds the same parameters (checked by checksum); rank 0 saves them.
+  // Every rank holds the same parameters (checked by checksum); rank 0 saves them. Targets that are not one job's
+  // ranks hold models of their own, and saving the first alone left the others unsaved without a word.
   if (command == "checkpoint" && args.size() == 4 && args[2] == "save") {
-    return OnFirstDaemon([name = args[3]](PerceptionClient& rank) { return SaveCheckpoint(rank, name); });
+    return Command([name = args[3]](std::span<PerceptionClient* const> daemons) -> absl::Status {
+      if (daemons.size() > 1) RETURN_IF_ERROR(CheckOneJob(daemons, "checkpoint save"));
+      return SaveCheckpoint(*daemons[0], name);
+    });
   }
   if (several) {
     return absl::InvalidArgumentError(absl::StrCat(

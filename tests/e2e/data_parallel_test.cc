@@ -109,7 +109,7 @@ TEST(DataParallelTest, AStartUpThatFailsAfterListeningExitsWithAHealthWatchOpen)
   context.TryCancel();
 }
 
-TEST(DataParallelTest, TargetsMustBeOneJobsRanksAndRankZeroSaves) {
+TEST(DataParallelTest, TargetsMustBeOneJobsRanksToTrainOrSave) {
   const ScopedTempDir temp0("dp-a"), temp1("dp-b");
   absl::StatusOr<std::unique_ptr<Daemon>> a = Daemon::Start(temp0.path()), b = Daemon::Start(temp1.path());
   ASSERT_TRUE(a.ok() && b.ok());
@@ -127,10 +127,15 @@ TEST(DataParallelTest, TargetsMustBeOneJobsRanksAndRankZeroSaves) {
                                                    ") is not part of a data-parallel job; --targets must list the 2 "
                                                    "ranks of one job in rank order")));
 
+  // A job's rank 0 saves for the whole job; daemons of their own are refused, where the first alone saved.
   const CommandResult save = RunCommand(absl::StrCat(ctl, " checkpoint save ck.safetensors"));
-  ASSERT_EQ(save.exit_code, 0) << save.output;
-  EXPECT_TRUE(std::filesystem::exists(temp0.path() / "ck.safetensors"));
-  EXPECT_FALSE(std::filesystem::exists(temp1.path() / "ck.safetensors")) << "rank 0 alone saves";
+  EXPECT_EQ(save.exit_code, 1) << save.output;
+  EXPECT_THAT(save.output, HasSubstr(absl::StrCat("FAILED_PRECONDITION: target 0 (", (*a)->target(),
+                                                  ") is not part of a data-parallel job; --targets must list the 2 "
+                                                  "ranks of one job in rank order (checkpoint save acts for the job "
+                                                  "through rank 0; give each daemon of its own a --target)")));
+  EXPECT_FALSE(std::filesystem::exists(temp0.path() / "ck.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(temp1.path() / "ck.safetensors"));
 
   const CommandResult other = RunCommand(absl::StrCat(ctl, " streams"));
   EXPECT_EQ(other.exit_code, 1);
