@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
+
+#include "absl/strings/str_format.h"
 
 namespace perception::client {
 namespace {
@@ -27,19 +30,29 @@ int FilledBarCells(int done, int total, int width) {
   return static_cast<int>(std::clamp<int64_t>(int64_t{width} * done / total, 0, width));
 }
 
-TrainingProgress::TrainingProgress(int total_steps, int log_every, bool terminal)
-    : total_steps_(total_steps), log_every_(std::max(log_every, 1)), terminal_(terminal) {}
+TrainingProgress::TrainingProgress(int total_steps, int log_every, bool terminal,
+                                   std::function<Clock::time_point()> now)
+    : total_steps_(total_steps), log_every_(std::max(log_every, 1)), terminal_(terminal), now_(std::move(now)) {}
 
 void TrainingProgress::Update(double loss, double grad_norm) {
   ++done_;
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
-  const double rate = elapsed > 0 ? done_ / elapsed : 0;
-  const double eta = rate > 0 ? (total_steps_ - done_) / rate : 0;
+  const Clock::time_point now = now_();
+  if (done_ == 1) first_answered_ = now;
+  // Steps per second since the first answer, and the time left at that pace; unknown until a second answer.
+  const double elapsed = std::chrono::duration<double>(now - first_answered_).count();
+  std::string pace = "-- steps/s  ETA --:--";
+  if (done_ > 1 && elapsed > 0) {
+    const double rate = (done_ - 1) / elapsed;
+    pace = absl::StrFormat("%.2f steps/s  ETA %s", rate, MinutesSeconds((total_steps_ - done_) / rate));
+  }
   const bool last = done_ == total_steps_;
   if (terminal_) {
-    if (last || Clock::now() - last_draw_ >= kRedrawInterval) DrawBar(loss, rate, eta);
+    if (last || now - last_draw_ >= kRedrawInterval) {
+      DrawBar(loss, pace);
+      last_draw_ = now;
+    }
   } else if (last || done_ == 1 || done_ % log_every_ == 0) {
-    PrintLine(loss, grad_norm, rate, eta);
+    PrintLine(loss, grad_norm, pace);
   }
 }
 
@@ -53,18 +66,15 @@ void TrainingProgress::Finish() {
   std::fflush(stdout);
 }
 
-void TrainingProgress::DrawBar(double loss, double steps_per_second, double eta_seconds) {
-  last_draw_ = Clock::now();
+void TrainingProgress::DrawBar(double loss, const std::string& pace) {
   const int filled = FilledBarCells(done_, total_steps_, kBarWidth);
   const std::string bar = std::string(filled, '#') + std::string(kBarWidth - filled, '.');
-  std::printf("\rstep %d/%d [%s] loss %.5f  %.2f steps/s  ETA %s ", done_, total_steps_, bar.c_str(), loss,
-              steps_per_second, MinutesSeconds(eta_seconds).c_str());
+  std::printf("\rstep %d/%d [%s] loss %.5f  %s ", done_, total_steps_, bar.c_str(), loss, pace.c_str());
   std::fflush(stdout);
 }
 
-void TrainingProgress::PrintLine(double loss, double grad_norm, double steps_per_second, double eta_seconds) const {
-  std::printf("step %d/%d  loss %.5f  grad_norm %.4f  %.2f steps/s  ETA %s\n", done_, total_steps_, loss, grad_norm,
-              steps_per_second, MinutesSeconds(eta_seconds).c_str());
+void TrainingProgress::PrintLine(double loss, double grad_norm, const std::string& pace) const {
+  std::printf("step %d/%d  loss %.5f  grad_norm %.4f  %s\n", done_, total_steps_, loss, grad_norm, pace.c_str());
   std::fflush(stdout);
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 namespace perception::client {
@@ -12,8 +13,11 @@ int FilledBarCells(int done, int total, int width);
 
 class TrainingProgress {
  public:
-  // `log_every`: steps between plain lines (the first and last step always get one).
-  TrainingProgress(int total_steps, int log_every, bool terminal);
+  using Clock = std::chrono::steady_clock;
+
+  // `log_every`: steps between plain lines (the first and last step always get one). `now`: the clock (tests).
+  TrainingProgress(int total_steps, int log_every, bool terminal,
+                   std::function<Clock::time_point()> now = Clock::now);
 
   // After each answered step.
   void Update(double loss, double grad_norm);
@@ -23,14 +27,15 @@ class TrainingProgress {
   void Finish();
 
  private:
-  using Clock = std::chrono::steady_clock;
-
-  void DrawBar(double loss, double steps_per_second, double eta_seconds);
-  void PrintLine(double loss, double grad_norm, double steps_per_second, double eta_seconds) const;
+  void DrawBar(double loss, const std::string& pace);
+  void PrintLine(double loss, double grad_norm, const std::string& pace) const;
 
   const int total_steps_, log_every_;
   const bool terminal_;
-  const Clock::time_point start_ = Clock::now();
+  const std::function<Clock::time_point()> now_;
+  // The first step's answer: the pace is measured from it, since the first step also carries the run's start
+  // (the connection, the daemon's first step at the shape, which runs eagerly before a graph is captured).
+  Clock::time_point first_answered_{};
   Clock::time_point last_draw_{};
   int done_ = 0;
 };

@@ -1,7 +1,10 @@
-// perceptionctl train's progress bar: how many of its cells a run's steps fill, also for runs of many millions.
+// perceptionctl train's progress: how many of the bar's cells a run's steps fill, also for runs of many millions, and
+// the pace and time left it shows.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <limits>
+#include <string>
 
 #include "client/training_progress.h"
 
@@ -26,6 +29,30 @@ TEST(FilledBarCells, LongRunsPastTheOldOverflow) {
   const int most = std::numeric_limits<int>::max();
   EXPECT_EQ(FilledBarCells(most / 2, most, 30), 14);
   EXPECT_EQ(FilledBarCells(most, most, 30), 30);
+}
+
+// The pace counts from the first answer: the first step also carries the run's start (the daemon's first step at a
+// shape runs eagerly, before its graph is captured), and a slow one made the early ETAs far too long. Before a
+// second answer there is no pace to show.
+TEST(TrainingProgress, ThePaceCountsFromTheFirstAnswer) {
+  using std::chrono::milliseconds;
+  TrainingProgress::Clock::time_point now{};
+  TrainingProgress progress(101, 1, /*terminal=*/false, [&now] { return now; });
+  testing::internal::CaptureStdout();
+  now += milliseconds(5000);  // a slow first step
+  progress.Update(0.7, 1.0);
+  now += milliseconds(100);
+  progress.Update(0.6, 1.0);
+  now += milliseconds(100);
+  progress.Update(0.5, 1.0);
+  const std::string lines = testing::internal::GetCapturedStdout();
+  EXPECT_NE(lines.find("step 1/101  loss 0.70000  grad_norm 1.0000  -- steps/s  ETA --:--\n"), std::string::npos)
+      << lines;
+  // 2 steps in 0.2 s after the first: 10 steps/s, 98 steps left.
+  EXPECT_NE(lines.find("step 2/101  loss 0.60000  grad_norm 1.0000  10.00 steps/s  ETA 0:10\n"), std::string::npos)
+      << lines;
+  EXPECT_NE(lines.find("step 3/101  loss 0.50000  grad_norm 1.0000  10.00 steps/s  ETA 0:10\n"), std::string::npos)
+      << lines;
 }
 
 }  // namespace
