@@ -211,9 +211,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
-  std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n%s\n", totals.loss(), prior_loss,
-              totals.loss() < prior_loss ? "better" : "WORSE", std::abs(prior_loss - totals.loss()),
-              AccuracyByHorizon(totals).c_str());
+  std::printf("%s\n%s\n", CompareWithPrior(totals.loss(), prior_loss).c_str(), AccuracyByHorizon(totals).c_str());
   RETURN_IF_ERROR(best.Offer(totals.loss(), step));
   if (options.eval_every > 0) {
     std::printf("best validation loss %.5f at model step %lld\n", best.loss(), static_cast<long long>(best.step()));

@@ -224,6 +224,16 @@ double PriorBaselineLoss(std::span<const double> prior, std::span<const float> l
   return loss / std::max(weight, 1.0);
 }
 
+std::string CompareWithPrior(double validation_loss, double prior_loss) {
+  if (!std::isfinite(validation_loss)) {
+    return absl::StrFormat("validation loss %f vs class-prior baseline %.5f: not finite, the model has diverged "
+                           "(train again from a checkpoint with a lower --lr)",
+                           std::fabs(validation_loss), prior_loss);
+  }
+  return absl::StrFormat("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)", validation_loss, prior_loss,
+                         validation_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - validation_loss));
+}
+
 absl::StatusOr<WindowSampler> WindowSampler::Create(const EventSeries& series, int window, int warmup, uint64_t seed) {
   if (window < 1 || warmup < 0 || warmup >= window) {
     return absl::InvalidArgumentError(

@@ -341,6 +341,16 @@ TEST(PriorBaselineLoss, OneClassPriorStaysFinite) {
   EXPECT_NEAR(loss, 2 * 20.72326583694641 / 7, 1e-6);
 }
 
+TEST(CompareWithPrior, SaysBetterOrWorseAndNamesADivergedModel) {
+  EXPECT_EQ(CompareWithPrior(0.6, 0.69), "validation loss 0.60000 vs class-prior baseline 0.69000 (better by 0.09000)");
+  EXPECT_EQ(CompareWithPrior(0.7, 0.69), "validation loss 0.70000 vs class-prior baseline 0.69000 (WORSE by 0.01000)");
+  for (const double diverged : {std::nan(""), -std::nan(""), double{INFINITY}}) {
+    EXPECT_THAT(CompareWithPrior(diverged, 0.69),
+                ::testing::MatchesRegex("validation loss (nan|inf) vs class-prior baseline 0.69000: not finite, the "
+                                        "model has diverged \\(train again from a checkpoint with a lower --lr\\)"));
+  }
+}
+
 TEST(WindowSampler, WindowsAreConsecutiveEventsWithWarmupMasked) {
   const EventSeries series = IndexedSeries(200, 3, 2);
   absl::StatusOr<WindowSampler> sampler = WindowSampler::Create(series, 16, 4, 7);

@@ -385,8 +385,7 @@ absl::Status Train() {
     ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
     best.Offer(*backend, val_loss);
   }
-  std::printf("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)\n", val_loss, prior_loss,
-              val_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - val_loss));
+  std::printf("%s\n", CompareWithPrior(val_loss, prior_loss).c_str());
   const std::string save = absl::GetFlag(FLAGS_save);
   ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));

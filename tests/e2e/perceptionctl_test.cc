@@ -666,6 +666,9 @@ TEST(PerceptionCliTest, ARunThatDivergesSavesTheModelBeforeTheStepNotTaken) {
   ASSERT_GT(not_taken, 1) << run.output;
   EXPECT_THAT(run.output, HasSubstr("perception train stops at a step not taken and saves the model before it"));
   EXPECT_THAT(run.output, HasSubstr(absl::StrCat("saved ", last.string(), " (step ", not_taken - 1, ")")));
+  // Its weights already overflow: the validation says so, where it said "(WORSE by nan)".
+  EXPECT_THAT(run.output, HasSubstr(": not finite, the model has diverged (train again from a checkpoint with a "
+                                    "lower --lr)"));
   const absl::StatusOr<Checkpoint> saved = LoadCheckpoint(last.string());
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(saved->step, not_taken - 1);
