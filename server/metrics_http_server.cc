@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "server/listen_address.h"
 #include "spdlog/spdlog.h"
 
 namespace perception::server {
@@ -50,10 +51,10 @@ absl::Status Errno(absl::string_view what, const std::string& address) {
 
 // "host:port" or "[v6]:port"; an empty host listens on every interface.
 absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", address, "' is not host:port"));
+  if (const absl::Status port = CheckListenPort(address); !port.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics address ", port.message()));
   }
+  const size_t colon = address.rfind(':');
   std::string host = address.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
   return std::pair{host, address.substr(colon + 1)};

@@ -32,6 +32,7 @@
 #include "server/calls_in_flight.h"
 #include "server/checkpoint_directory.h"
 #include "server/device_worker.h"
+#include "server/listen_address.h"
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
 #include "server/perception_service.h"
@@ -170,6 +171,22 @@ absl::StatusOr<spdlog::level::level_enum> LogLevelFromFlags() {
         absl::StrCat("unknown --log_level '", name, "' (trace, debug, info, warn, error, critical or off)"));
   }
   return level;
+}
+
+// Checked before the listeners open, as every flag is: a refusal after them logged "serving ... on ..." first.
+absl::Status CheckListenFlags() {
+  for (const auto& [name, address] : {std::pair{"listen", absl::GetFlag(FLAGS_listen)},
+                                      std::pair{"metrics_listen", absl::GetFlag(FLAGS_metrics_listen)}}) {
+    if (address.empty() && std::string_view(name) == "metrics_listen") continue;  // no metrics endpoint
+    if (const absl::Status checked = CheckListenPort(address); !checked.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " ", checked.message()));
+    }
+  }
+  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); stall <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device_stall_timeout must be positive (inf: no watch), got ",
+                                                   absl::FormatDuration(stall)));
+  }
+  return absl::OkStatus();
 }
 
 // A negative wait was taken as none, without a word.
@@ -347,6 +364,11 @@ absl::Status CheckModelFlags(const CheckpointDirectory& checkpoints) {
     return absl::InvalidArgumentError(
         "--init_levels applies to --init_config's preset; without one it would be ignored");
   }
+  if (const std::string preset = absl::GetFlag(FLAGS_init_config); !preset.empty()) {
+    if (const absl::Status known = NamedConfig(preset).status(); !known.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--init_config: ", known.message()));
+    }
+  }
   if (load_if_present.empty()) return absl::OkStatus();
   return checkpoints.Resolve(load_if_present, "--load_if_present").status();
 }
@@ -489,8 +511,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
 
 // Health NOT_SERVING while a device job runs past --device_stall_timeout; none where it is infinite.
 absl::StatusOr<std::unique_ptr<StallWatch>> WatchForStalls(const DeviceWorker& worker, grpc::Server& server) {
-  const absl::Duration limit = absl::GetFlag(FLAGS_device_stall_timeout);
-  if (limit <= absl::ZeroDuration()) return absl::InvalidArgumentError("--device_stall_timeout must be positive");
+  const absl::Duration limit = absl::GetFlag(FLAGS_device_stall_timeout);  // positive (CheckListenFlags)
   if (limit == absl::InfiniteDuration()) return nullptr;
   grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
   return std::make_unique<StallWatch>(
@@ -587,6 +608,7 @@ absl::Status Serve() {
   RETURN_IF_ERROR(CheckModelFlags(checkpoints));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
   RETURN_IF_ERROR(CheckDrainFlags());
+  RETURN_IF_ERROR(CheckListenFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
   ASSIGN_OR_RETURN(const std::optional<Precision> precision, ParsePrecisionChoice(absl::GetFlag(FLAGS_precision)));

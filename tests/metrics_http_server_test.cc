@@ -134,6 +134,17 @@ std::pair<std::string, double> TimedScrape(int port) {
   return {std::move(answer), SecondsSince(asked)};
 }
 
+// getaddrinfo takes a port past 65535 and keeps its low 16 bits: the server listened where no scrape would look.
+TEST(MetricsHttpServerTest, APortPast65535IsRefused) {
+  const auto render = [] { return std::string("perception_test_metric 1\n"); };
+  for (const std::string address : {"127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:", "127.0.0.1"}) {
+    const absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server = MetricsHttpServer::Start(address, render);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << address;
+    EXPECT_THAT(std::string(server.status().message()), ::testing::HasSubstr("metrics address '" + address + "'"));
+  }
+  EXPECT_TRUE(MetricsHttpServer::Start("127.0.0.1:0", render).ok());
+}
+
 TEST(MetricsHttpServerTest, AScrapeIsAnsweredAtOnceBesideAnIdleAndATricklingClient) {
   const std::unique_ptr<MetricsHttpServer> server = StartServer();
   ASSERT_NE(server, nullptr);

@@ -139,6 +139,30 @@ TEST(LifecycleTest, TheDaemonNamesTheFlagOutOfRange) {
                          "--drain_for_reads must be 0 (none) or positive, got -2s");
 }
 
+// A port past 65535 listened on its low 16 bits (99999: port 34463) and an empty one on any free port, where no
+// probe would look; a stall timeout or a preset the daemon refuses was refused only after both listeners opened.
+TEST(LifecycleTest, TheDaemonRefusesBadListenPortsAndFlagsBeforeListening) {
+  const ScopedTempDir checkpoints("listen_ports");
+  const std::pair<std::string, std::string> refusals[] = {
+      {"--listen=127.0.0.1:99999",
+       "--listen '127.0.0.1:99999': the port must be a number from 0 to 65535 (0: any free one), got '99999'"},
+      {"--metrics_listen=127.0.0.1:65536", "--metrics_listen '127.0.0.1:65536': the port must be a number from 0 to "
+                                           "65535 (0: any free one), got '65536'"},
+      {"--metrics_listen=127.0.0.1:", "--metrics_listen '127.0.0.1:': the port must be a number from 0 to 65535"},
+      {"--listen=[::1]:+80", "--listen '[::1]:+80': the port must be a number from 0 to 65535"},
+      {"--listen=localhost", "--listen 'localhost' is not host:port"},
+      {"--device_stall_timeout=0", "--device_stall_timeout must be positive (inf: no watch), got 0"},
+      {"--device_stall_timeout=-1s", "--device_stall_timeout must be positive (inf: no watch), got -1s"},
+      {"--init_config=bogus", "--init_config: unknown config 'bogus'"},
+  };
+  for (const auto& [flags, reason] : refusals) {
+    ExpectRefusedAtStartUp(checkpoints.path(), flags, reason);
+    const CommandResult refused = RunCommand(absl::StrCat("timeout 20 ", PERCEPTIOND_PATH, " --checkpoint_dir=",
+                                                          checkpoints.path().string(), " ", flags));
+    EXPECT_THAT(refused.output, ::testing::Not(HasSubstr("serving "))) << flags << ": refused before listening";
+  }
+}
+
 TEST(LifecycleTest, TheDaemonRefusesANegativeStreamTickTiming) {
   const ScopedTempDir checkpoints("stream_tick_timing");
   ExpectRefusedAtStartUp(checkpoints.path(), "--stream_tick_timing=-1",
