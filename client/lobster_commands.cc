@@ -241,6 +241,14 @@ absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files
         "or a tie: its mid's mean over the horizon equals its mid): nothing to evaluate");
   }
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, windows, status.limits()));
+  // Not a result: NaN outputs score as "down", so the accuracies came out as the share of down labels, a model that
+  // seemed to beat a coin on every horizon.
+  if (!std::isfinite(totals.loss())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model at step ", status.model().step(), " gives outputs that are not finite on these windows (loss ",
+        totals.loss(), "): it has diverged; load a checkpoint saved before it did (perceptionctl checkpoint load) "
+        "or init a new model"));
+  }
   const double prior_loss = PriorBaselineLoss(ClassPrior(series), windows.labels, windows.mask);
   std::printf(
       "%d windows of %d events at step %lld: loss %.5f vs class-prior baseline %.5f (prior of these files)\n%s\n",

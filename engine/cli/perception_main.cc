@@ -416,6 +416,13 @@ absl::Status Eval() {
   const int F = config.n_features, H = config.n_horizons;
   std::vector<float> logits(n * H);
   RETURN_IF_ERROR(backend->ForwardStream(series.features, series.dt, logits));
+  // A file of NaNs with exit 0 went on to whatever read it next.
+  if (const auto not_finite = std::ranges::count_if(logits, [](float v) { return !std::isfinite(v); });
+      not_finite > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        not_finite, " of ", logits.size(), " logits are not finite: the checkpoint's model has diverged (",
+        absl::GetFlag(FLAGS_out), " not written)"));
+  }
   RETURN_IF_ERROR(WriteNpy(absl::GetFlag(FLAGS_out), logits, {static_cast<int64_t>(n), H}));
   const std::string loss =
       ScoresALabel(series.mask)

@@ -672,6 +672,37 @@ TEST(PerceptionCliTest, ARunThatDivergesSavesTheModelBeforeTheStepNotTaken) {
   const absl::StatusOr<Checkpoint> saved = LoadCheckpoint(last.string());
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(saved->step, not_taken - 1);
+
+  // Evaluated, the diverged model is refused, where eval wrote a file of NaNs and exited 0.
+  const std::filesystem::path logits = temp.path() / "logits.npy";
+  const CommandResult eval = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", last.string(), " --lobster ",
+      testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ", testing::ShippedLobsterPath("AMZN", "message", 1),
+      " --out ", logits.string()));
+  EXPECT_EQ(eval.exit_code, 1) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr(absl::StrCat(" of 172545 logits are not finite: the checkpoint's model has "
+                                                  "diverged (", logits.string(), " not written)")));
+  EXPECT_FALSE(std::filesystem::exists(logits));
+}
+
+// perceptionctl eval of a diverged model fails saying so: NaN outputs scored as "down", so it printed the share of
+// down labels as accuracies, a model that seemed to beat a coin, and exited 0.
+TEST(PerceptionctlTest, EvalOfADivergedModelFailsSayingSo) {
+  const ScopedTempDir temp("ctl_eval_diverged");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const CommandResult train =
+      RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 5 --lr 1e9"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("the batch's gradient norm is nan")) << "step 1 took the weights to infinity";
+  const CommandResult eval = RunCommand(absl::StrCat(ctl, " eval --lobster ", kOrderbook, " ", kMessages));
+  EXPECT_EQ(eval.exit_code, 1) << eval.output;
+  EXPECT_THAT(eval.output, HasSubstr("FAILED_PRECONDITION: the model at step 1 gives outputs that are not finite on "
+                                     "these windows (loss nan): it has diverged; load a checkpoint saved before it "
+                                     "did (perceptionctl checkpoint load) or init a new model"));
+  EXPECT_THAT(eval.output, Not(HasSubstr("accuracy")));
 }
 
 // The offline train refuses a validation part that scores no label, before any step; eval still writes the logits
