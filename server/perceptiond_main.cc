@@ -72,13 +72,13 @@ ABSL_FLAG(absl::Duration, device_stall_timeout, absl::Seconds(60),
           "SERVING again once it ends (a CPU daemon's big evaluations can take longer: raise it there); inf turns "
           "the watch off");
 ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
-          "on SIGTERM/SIGINT, how long health reports NOT_SERVING and new work is refused (UNAVAILABLE) before the "
-          "listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
+          "on SIGTERM/SIGINT/SIGHUP, how long health reports NOT_SERVING and new work is refused (UNAVAILABLE) before "
+          "the listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
           "still answer meanwhile, so that clients read back the convictions of the events streamed before the "
           "signal (which the device holds only until the daemon exits); a second signal ends it");
 ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
-          "on SIGTERM/SIGINT, after --drain_grace: how much longer reads still answer while convictions wait to be "
-          "read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
+          "on SIGTERM/SIGINT/SIGHUP, after --drain_grace: how much longer reads still answer while convictions wait to "
+          "be read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
           "process); the listener closes as soon as none waits, the device is lost, or a second signal arrives; 0: "
           "not at all");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
@@ -146,12 +146,15 @@ constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
 // horizons.
 constexpr int64_t kMaxStreamLogEntries = int64_t{1} << 30;
 
-// Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them.
+// Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them. SIGHUP
+// (the terminal a daemon was started from closing) drains as the others do: by default it killed the daemon on the
+// spot, its model and unread convictions with it and --checkpoint_on_exit unsaved.
 sigset_t TerminationSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   return signals;
 }
 
@@ -534,7 +537,10 @@ bool SecondSignalArrived() {
   if (!arrived) {
     const sigset_t signals = TerminationSignals();
     const timespec now = {};
-    arrived = sigtimedwait(&signals, nullptr, &now) > 0;
+    if (const int signal = sigtimedwait(&signals, nullptr, &now); signal > 0) {
+      spdlog::warn("{} again: the drain's waits end now", strsignal(signal));
+      arrived = true;
+    }
   }
   return arrived;
 }
@@ -549,19 +555,30 @@ std::string DescribeUnread(const StreamBatcher::Unread& unread) {
 void WaitForReadBack(const StreamBatcher& streams) {
   const absl::Duration limit = absl::GetFlag(FLAGS_drain_for_reads);
   StreamBatcher::Unread unread = streams.NotReadBack();
-  if (unread.none() || limit <= absl::ZeroDuration() || !DeviceLostStatus().ok()) return;
-  spdlog::info("{}: reads answer until they are read back, for up to {} (--drain_for_reads; a second signal ends it)",
-               DescribeUnread(unread), absl::FormatDuration(limit));
+  if (unread.none()) return;
   const absl::Time deadline = absl::Now() + limit;
+  if (limit > absl::ZeroDuration() && DeviceLostStatus().ok() && !SecondSignalArrived()) {
+    spdlog::info("{}: reads answer until they are read back, for up to {} (--drain_for_reads; a second signal ends "
+                 "it)", DescribeUnread(unread), absl::FormatDuration(limit));
+  }
   while (!unread.none() && absl::Now() < deadline && !SecondSignalArrived() && DeviceLostStatus().ok()) {
     absl::SleepFor(kReadBackPoll);
     unread = streams.NotReadBack();
   }
+  // (Read back: every stream's log read to its end; what a read started past, by --from, is not waited for.)
   if (unread.none()) {
-    spdlog::info("every conviction was read back");
-  } else {
-    spdlog::warn("{}: they are lost with the exit", DescribeUnread(unread));
+    spdlog::info("every stream's log was read to its end");
+    return;
   }
+  std::string why = "--drain_for_reads is 0";
+  if (!DeviceLostStatus().ok()) {
+    why = "the device is lost";
+  } else if (SecondSignalArrived()) {
+    why = "a second signal ended the wait";
+  } else if (limit > absl::ZeroDuration()) {
+    why = absl::StrCat("--drain_for_reads (", absl::FormatDuration(limit), ") ran out");
+  }
+  spdlog::warn("{}: they are lost with the exit ({})", DescribeUnread(unread), why);
 }
 
 // Until the answers owed are delivered, for at most kShutdownTimeout or until a second signal.
@@ -639,10 +656,16 @@ absl::Status Serve() {
   server->GetHealthCheckService()->SetServingStatus(true);
 
   const int signal = WaitForTerminationSignal();
-  spdlog::info("{}: draining", strsignal(signal));
+  // A lost device raised the signal itself, and has said so.
+  if (DeviceLostStatus().ok()) spdlog::info("{}: draining", strsignal(signal));
   stall_watch.reset();  // health stays NOT_SERVING from here on
   Drain(*server, service, streams, calls);
-  RETURN_IF_ERROR(DeviceLostStatus());  // nothing can be read back from a lost device: exit non-zero, unsaved
+  if (const absl::Status lost = DeviceLostStatus(); !lost.ok()) {  // exit non-zero, unsaved: the weights were there
+    if (const std::string name = absl::GetFlag(FLAGS_checkpoint_on_exit); !name.empty()) {
+      spdlog::error("--checkpoint_on_exit={} not saved: the model was on the lost device", name);
+    }
+    return lost;
+  }
   RETURN_IF_ERROR(SaveOnExit(worker, checkpoints));
   std::move(stop_worker).Invoke();
   spdlog::info("drained; exiting");

@@ -255,6 +255,22 @@ TEST(LifecycleTest, LoadAndLoadIfPresentExcludeEachOther) {
                          "--load and --load_if_present exclude each other");
 }
 
+// A hang-up (the terminal the daemon was started from closing) drains and saves as SIGTERM does: it killed the daemon
+// on the spot, the model and its --checkpoint_on_exit with it.
+TEST(LifecycleTest, AHangUpDrainsAndSavesLikeSigterm) {
+  const ScopedTempDir temp("hang_up");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--checkpoint_on_exit=exit.safetensors"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(1)).ok());
+  (*daemon)->Signal(SIGHUP);
+  absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("Hangup: draining"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(temp.path() / "checkpoints" / "exit.safetensors"));
+}
+
 // With no model there is nothing to save: the exit says so, instead of leaving the operator to look for the file.
 TEST(LifecycleTest, ACheckpointOnExitWithNoModelSaysNoneWasSaved) {
   const ScopedTempDir temp("checkpoint_on_exit_no_model");
@@ -516,7 +532,7 @@ TEST(LifecycleTest, TheDrainWaitsForUnreadConvictionsUntilTheyAreReadBack) {
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
   EXPECT_THAT((*daemon)->Log(), HasSubstr("40 conviction(s) of 1 stream(s) not read back"));
-  EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("every stream's log was read to its end"));
 }
 
 // A loopback relay to `upstream` for one connection that passes the server's bytes on at `rate` bytes/s (the
@@ -710,7 +726,7 @@ TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheCon
   absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(30));
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
-  EXPECT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("every stream's log was read to its end"));
 }
 
 // A second signal ends the exit's wait for answers to be delivered, as it ends --drain_for_reads': a client on a link
@@ -734,10 +750,10 @@ TEST(LifecycleTest, ASecondSignalEndsTheWaitForAnAnswerOnASlowLink) {
   });
   // The page was answered (so the convictions count as read back), and it is on its slow way.
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (!absl::StrContains((*daemon)->Log(), "every conviction was read back") && absl::Now() < give_up) {
+  while (!absl::StrContains((*daemon)->Log(), "every stream's log was read to its end") && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  ASSERT_THAT((*daemon)->Log(), HasSubstr("every conviction was read back"));
+  ASSERT_THAT((*daemon)->Log(), HasSubstr("every stream's log was read to its end"));
   absl::SleepFor(absl::Milliseconds(500));
   const absl::Time second_signal = absl::Now();
   (*daemon)->Signal(SIGTERM);
@@ -791,8 +807,12 @@ TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondS
     if (!second_signal) {
       EXPECT_GE(absl::Now() - signalled, absl::Seconds(2));
     }
-    EXPECT_THAT((*daemon)->Log(), HasSubstr("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to "
-                                            "process: they are lost with the exit"));
+    EXPECT_THAT((*daemon)->Log(), HasSubstr(absl::StrCat(
+                                      "10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to process: "
+                                      "they are lost with the exit (",
+                                      second_signal ? "a second signal ended the wait" : "--drain_for_reads (2s) ran out",
+                                      ")")));
+    if (second_signal) EXPECT_THAT((*daemon)->Log(), HasSubstr("Terminated again: the drain's waits end now"));
   }
 }
 

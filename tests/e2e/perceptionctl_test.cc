@@ -1102,7 +1102,8 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
 TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZero) {
   const ScopedTempDir temp("ctl_device_lost");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon =
-      Daemon::Start(temp.path() / "checkpoints", {"--inject_device_loss_at_tick=200", "--drain_grace=3s"});
+      Daemon::Start(temp.path() / "checkpoints",
+                    {"--inject_device_loss_at_tick=200", "--drain_grace=3s", "--checkpoint_on_exit=exit.safetensors"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
@@ -1149,6 +1150,13 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 1);
   EXPECT_THAT((*daemon)->Log(), HasSubstr(lost));
+  // The log tells what the loss took, and no signal that nobody sent.
+  EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("Terminated: draining")));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("not read back and 0 event(s) still to process: they are lost with the exit "
+                                          "(the device is lost)"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("--checkpoint_on_exit=exit.safetensors not saved: the model was on the lost "
+                                          "device"));
+  EXPECT_FALSE(std::filesystem::exists(temp.path() / "checkpoints" / "exit.safetensors"));
 }
 
 // --seed-window replaces an instrument's live state, so onto one that already has events it is refused (nothing
