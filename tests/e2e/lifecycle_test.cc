@@ -812,7 +812,9 @@ TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondS
                                       "they are lost with the exit (",
                                       second_signal ? "a second signal ended the wait" : "--drain_for_reads (2s) ran out",
                                       ")")));
-    if (second_signal) EXPECT_THAT((*daemon)->Log(), HasSubstr("Terminated again: the drain's waits end now"));
+    if (second_signal) {
+      EXPECT_THAT((*daemon)->Log(), HasSubstr("Terminated again: the drain's waits end now"));
+    }
   }
 }
 

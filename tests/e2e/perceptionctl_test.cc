@@ -1117,7 +1117,9 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
       on_cuda ? "the CUDA device is lost (" : "the CUDA device is lost (a loss of cpu injected by a test)";
   EXPECT_THAT(failed.output, HasSubstr(absl::StrCat("perceptionctl: UNAVAILABLE: the device failed a streaming tick (",
                                                     lost)));
-  if (on_cuda) EXPECT_THAT(failed.output, HasSubstr("cudaErrorLaunchFailure"));
+  if (on_cuda) {
+    EXPECT_THAT(failed.output, HasSubstr("cudaErrorLaunchFailure"));
+  }
   EXPECT_THAT(failed.output, HasSubstr("seed each instrument named again (SeedStream), then stream from the seq"));
   // Tick 200 took the instrument's 200th event, which the files number seq 200 (the first row is seq 1). On CUDA the
   // error surfaces at the next check of the ticks, and the ticks launched since the last good one are lost with it:
