@@ -314,10 +314,11 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
   const absl::Status finished = watchdog.Explain(FromGrpc(stream->Finish()));
   if (finished.ok()) return finished;
   return absl::Status(finished.code(),
-                      absl::StrCat(finished.message(), "; ", StepAfterFailedTrain(last_answered_step)));
+                      absl::StrCat(finished.message(), "; ", StepAfterFailedTrain(last_answered_step, finished.code())));
 }
 
-std::string PerceptionClient::StepAfterFailedTrain(std::optional<int64_t> last_answered_step) {
+std::string PerceptionClient::StepAfterFailedTrain(std::optional<int64_t> last_answered_step,
+                                                   absl::StatusCode failure) {
   // A step the device was running, or had finished but not answered, when the stream ended is applied without a
   // response, so the last response's step may be behind the model's: the daemon's own count is the one to resume
   // from. Read briefly: a daemon that stopped answering the stream would hold a full timeout for nothing.
@@ -329,6 +330,12 @@ std::string PerceptionClient::StepAfterFailedTrain(std::optional<int64_t> last_a
            std::min(options_.timeout, kStepReadTimeout));
   if (!status.ok()) return absl::StrCat(answered, "; the model's step could not be read: ", status.status().message());
   if (!status->has_model()) return absl::StrCat(answered, "; the daemon now holds no model");
+  // A call this side cut (its --timeout, a cancel) may have left a step running, which GetStatus does not count yet.
+  if (failure == absl::StatusCode::kDeadlineExceeded || failure == absl::StatusCode::kCancelled) {
+    return absl::StrCat("the model was at step ", status->model().step(), " when read (GetStatus; ", answered,
+                        "), and a step the daemon was running as the call ended still completes: read its step with "
+                        "`perceptionctl status` once it is idle before resuming");
+  }
   return absl::StrCat("the model is at step ", status->model().step(), " (GetStatus; ", answered, ")");
 }
 

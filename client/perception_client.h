@@ -124,8 +124,9 @@ class PerceptionClient {
   // The longest a failed Train waits for GetStatus to tell the model's step.
   static constexpr absl::Duration kStepReadTimeout = absl::Seconds(5);
 
-  // What a failed Train's message ends with: the model's step now and the last response's.
-  std::string StepAfterFailedTrain(std::optional<int64_t> last_answered_step);
+  // What a failed Train's message ends with: the model's step now and the last response's (`failure`: the
+  // call's status; one this side cut may have left a step running).
+  std::string StepAfterFailedTrain(std::optional<int64_t> last_answered_step, absl::StatusCode failure);
   template <typename Request, typename Response, typename Stub>
   absl::StatusOr<Response> Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
                                 Stub& stub, const Request& request, absl::Duration timeout);

@@ -1031,6 +1031,24 @@ TEST(PerceptionctlTest, TrainGivesUpOnADaemonThatStopsAnswering) {
   EXPECT_LT(waited, absl::Seconds(10));
 }
 
+// A run cut by --timeout in the middle of a step reported the model's step as GetStatus read it then, and the step
+// completed after: "resume from the step reported" started a step behind. The error now says so.
+TEST(PerceptionctlTest, ATrainCutByTheTimeoutSaysAStepMayStillComplete) {
+  if (DaemonDevice() != "cpu") GTEST_SKIP() << "needs a step longer than --timeout: large on the CPU";
+  const ScopedTempDir temp("ctl_train_cut");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config large --levels 10")).exit_code, 0);
+  const CommandResult train = RunCommand(
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 1s train --lobster ", kOrderbook, " ", kMessages, " --steps 3"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 1s (--timeout)"));
+  EXPECT_THAT(train.output, HasSubstr("; the model was at step 0 when read (GetStatus; no step was answered), and a "
+                                      "step the daemon was running as the call ended still completes: read its step "
+                                      "with `perceptionctl status` once it is idle before resuming"));
+}
+
 // A replay continues in a second run: --first picks up the file where the first run ended and --start_seq the
 // sequence numbers, so the daemon's log is one contiguous run whose convictions equal a replay in one go.
 TEST(PerceptionctlTest, AReplayContinuesInASecondRunWithStartSeq) {
