@@ -210,10 +210,7 @@ absl::Status Status(PerceptionClient& client) {
 absl::StatusOr<double> LrFromFlag() {
   const std::optional<double> lr = absl::GetFlag(FLAGS_lr);
   if (!lr.has_value()) return 0.0;
-  if (!(*lr > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--lr must be > 0 (leave it out for init's default or to keep the model's), got ", *lr));
-  }
+  RETURN_IF_ERROR(CheckFinitePositive("lr", *lr, "leave it out for init's default or to keep the model's"));
   return *lr;
 }
 
@@ -312,9 +309,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--eval_every must be >= 0 (0: only at the end), got ", every));
   }
   // Checked here, before --wait waits and the files are read; NaN fails both comparisons.
-  if (const double fraction = absl::GetFlag(FLAGS_train_fraction); !(fraction > 0 && fraction < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("--train_fraction must be in (0, 1), got ", fraction));
-  }
+  RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
   ASSIGN_OR_RETURN(const int window, WindowFromFlag());
   ASSIGN_OR_RETURN(const double lr, LrFromFlag());
   return TrainOptions{files,

@@ -2,6 +2,7 @@
 #include "engine/cli/arguments.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 
@@ -105,6 +106,18 @@ absl::Status CheckAtLeastOne(std::initializer_list<std::pair<std::string_view, i
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckFinitePositive(std::string_view name, double value, std::string_view hint) {
+  if (value > 0 && std::isfinite(value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", std::string(name), " must be a finite number > 0",
+                                                 hint.empty() ? "" : absl::StrCat(" (", std::string(hint), ")"),
+                                                 ", got ", value));
+}
+
+absl::Status CheckOpenFraction(std::string_view name, double value) {
+  if (value > 0 && value < 1) return absl::OkStatus();  // (NaN fails both)
+  return absl::InvalidArgumentError(absl::StrCat("--", std::string(name), " must be in (0, 1), got ", value));
 }
 
 absl::Status UnexpectedArguments(std::span<const std::string> args, std::span<const std::string_view> commands,

@@ -53,6 +53,13 @@ absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagU
 // INVALID_ARGUMENT naming the first of `flags` (name without dashes, value) below 1: "--steps must be >= 1, got 0".
 absl::Status CheckAtLeastOne(std::initializer_list<std::pair<std::string_view, int64_t>> flags);
 
+// INVALID_ARGUMENT unless `value` of --`name` is a finite number > 0 ("--lr must be a finite number > 0, got inf"),
+// `hint` in parentheses after the bound where given. NaN and infinity passed checks of `> 0` alone.
+absl::Status CheckFinitePositive(std::string_view name, double value, std::string_view hint = "");
+
+// INVALID_ARGUMENT unless 0 < `value` < 1 ("--train_fraction must be in (0, 1), got 1.5").
+absl::Status CheckOpenFraction(std::string_view name, double value);
+
 // The error for positional arguments (argv[0] first) that no command of `commands` takes: none given, an unknown
 // command (named, with the known ones), or a known one with arguments its usage does not have; `usage` follows.
 absl::Status UnexpectedArguments(std::span<const std::string> args, std::span<const std::string_view> commands,

@@ -181,6 +181,7 @@ std::vector<NamedPath> LobsterInputs() {
 absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
   OptimizerConfig o;
   o.lr = absl::GetFlag(FLAGS_lr);
+  RETURN_IF_ERROR(CheckFinitePositive("lr", o.lr));
   o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
   o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
   ASSIGN_OR_RETURN(o.schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
@@ -297,6 +298,8 @@ absl::Status Train() {
   }
   // The schedule does not depend on the data: a bad one fails before the data is read.
   ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
+  // Before the files are read (SplitByTime's refusal came after, and said the split "leaves an empty part").
+  RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
   std::vector<NamedPath> outputs = {{"--save", absl::GetFlag(FLAGS_save)}};
   if (const std::string save_best = absl::GetFlag(FLAGS_save_best); !save_best.empty()) {

@@ -427,9 +427,14 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 2s");
   const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
   const std::vector<std::pair<std::string, std::string>> refused = {
-      {" init --config tiny --lr 0", "INVALID_ARGUMENT: --lr must be > 0"},
-      {" init --config tiny --lr -0.001", "INVALID_ARGUMENT: --lr must be > 0"},
-      {absl::StrCat(" train", files, " --steps 5 --lr -1"), "INVALID_ARGUMENT: --lr must be > 0"},
+      {" init --config tiny --lr 0", "INVALID_ARGUMENT: --lr must be a finite number > 0"},
+      {" init --config tiny --lr -0.001", "INVALID_ARGUMENT: --lr must be a finite number > 0"},
+      {absl::StrCat(" train", files, " --steps 5 --lr -1"), "INVALID_ARGUMENT: --lr must be a finite number > 0"},
+      // Infinity is > 0: it reached the daemon, which said "lr must be positive", after the files were read.
+      {absl::StrCat(" train", files, " --steps 5 --lr inf"),
+       "INVALID_ARGUMENT: --lr must be a finite number > 0 (leave it out for init's default or to keep the model's), "
+       "got inf"},
+      {" init --config tiny --lr nan", "INVALID_ARGUMENT: --lr must be a finite number > 0"},
       {" init --config tiny --warmup -2", "INVALID_ARGUMENT: --warmup must be >= 0, or -1 for the preset's, got -2"},
       {absl::StrCat(" eval", files, " --window -3"), "INVALID_ARGUMENT: --window must be >= 0 (0: the model's)"},
       {" --timeout 0s status", "INVALID_ARGUMENT: --timeout must be > 0, got 0"},
@@ -777,6 +782,10 @@ TEST(PerceptionCliTest, TrainRefusesOutOfRangeShapeFlagsBeforeReadingData) {
       {" --window -3", "perception: --window must be >= 0 (0: the config's), got -3"},
       {" --warmup -2", "perception: --warmup must be >= 0, or -1 for the config's, got -2"},
       {" --levels -1", "perception: --levels must be >= 0 (0: all of the files' levels), got -1"},
+      // These said "optimizer: lr must be positive" (of infinity too), and the split "leaves an empty part".
+      {" --lr inf", "perception: --lr must be a finite number > 0, got inf"},
+      {" --lr nan", "perception: --lr must be a finite number > 0, got nan"},
+      {" --train_fraction 1.5", "perception: --train_fraction must be in (0, 1), got 1.5"},
   };
   ExpectEachRefused(train, refused);
 }
