@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -19,8 +22,14 @@ namespace perception::server {
 
 std::string ShownInstrumentId(absl::string_view instrument) {
   constexpr size_t kShownBytes = 32;
-  if (instrument.size() <= kMaxInstrumentIdBytes) return std::string(instrument);
-  return absl::StrCat(instrument.substr(0, kShownBytes), "... (", instrument.size(), " bytes)");
+  // An id refused for its control characters is shown escaped: a newline in it would break the log line it is in.
+  const auto shown = [](absl::string_view id) {
+    return absl::c_any_of(id, [](char c) { return absl::ascii_iscntrl(static_cast<unsigned char>(c)); })
+               ? absl::CHexEscape(id)
+               : std::string(id);
+  };
+  if (instrument.size() <= kMaxInstrumentIdBytes) return shown(instrument);
+  return absl::StrCat(shown(instrument.substr(0, kShownBytes)), "... (", instrument.size(), " bytes)");
 }
 
 namespace {
@@ -37,12 +46,20 @@ absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
-// Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes.
+// Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes, none of them a control character:
+// ids are printed in tables (perceptionctl streams) and log lines, which a newline in one broke.
 absl::Status CheckInstrumentId(absl::string_view instrument) {
   if (instrument.empty()) return absl::InvalidArgumentError("the instrument id is empty");
   if (instrument.size() > kMaxInstrumentIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("the instrument id has ", instrument.size(), " bytes; at most ",
                                                    kMaxInstrumentIdBytes, " are allowed"));
+  }
+  for (size_t i = 0; i < instrument.size(); ++i) {
+    if (const unsigned char c = instrument[i]; absl::ascii_iscntrl(c)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the instrument id holds a control character (byte %d is 0x%02x); ids are printed in tables and logs", i,
+          c));
+    }
   }
   return absl::OkStatus();
 }

@@ -593,6 +593,10 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   spoil("negative dt", [](v1::StreamEvent& e) { e.mutable_features()->set_dt(-1.f); },
         "dt is -1; dt must be finite and >= 0");
   spoil("empty instrument", [](v1::StreamEvent& e) { e.clear_instrument(); }, "the instrument id is empty");
+  // A newline broke `perceptionctl streams`' table and the log line naming the id (shown escaped here).
+  spoil("control character", [](v1::StreamEvent& e) { e.set_instrument("A\nB"); },
+        "event 0 (instrument 'A\\nB', seq 1): the instrument id holds a control character (byte 1 is 0x0a); ids "
+        "are printed in tables and logs");
   spoil("no payload", [](v1::StreamEvent& e) { e.clear_features(); }, "neither a LOBSTER row nor a feature vector");
   spoil("book crossed", [](v1::StreamEvent& e) { e.mutable_lobster()->set_book(0, e.lobster().book(2)); },
         "no mid: level 1 has ask");
@@ -673,11 +677,12 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
 
   absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
   ASSERT_TRUE(metrics.ok());
-  // The time going back in the middle request counts as exchange_time, the empty instrument id as instrument.
+  // The time going back in the middle request counts as exchange_time, the empty instrument id and the one with a
+  // newline as instrument.
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"book\"} 7"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"exchange_time\"} 2"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"features\"} 4"));
-  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"instrument\"} 1"));
+  EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"instrument\"} 2"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"capacity\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"no_model\"} 1"));
   EXPECT_THAT(*metrics, HasSubstr("perception_stream_events_rejected_total{reason=\"empty\"} 1"));
