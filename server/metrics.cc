@@ -329,12 +329,12 @@ ServerMetrics::ServerMetrics()
       stream_rejected_(prometheus::BuildCounter()
                            .Name("perception_stream_events_rejected_total")
                            .Help("Streamed events refused, by reason: instrument (an empty or too long id, or one "
-                                 "with a control character), sequence, features, book, exchange_time (earlier than the stream's last event, beyond the "
-                                 "bound, or too far from the stream's first event's), capacity, model_change, "
-                                 "stopped (by a failed tick, until reset), no_model, empty (a request without "
-                                 "events), seeding (a SeedStream runs on the instrument), payload (LOBSTER rows and "
-                                 "feature vectors mixed on one instrument), call_ended (read after the call's "
-                                 "failure, a refused event or the drain).")
+                                 "with a control character), sequence, features, book, exchange_time (earlier than "
+                                 "the stream's last event, beyond the bound, or too far from the stream's first "
+                                 "event's), capacity, model_change, stopped (by a failed tick, until reset), "
+                                 "no_model, empty (a request without events), seeding (a SeedStream runs on the "
+                                 "instrument), payload (LOBSTER rows and feature vectors mixed on one instrument), "
+                                 "call_ended (read after the call's failure, a refused event or the drain).")
                            .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")
