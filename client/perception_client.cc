@@ -314,7 +314,8 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
   const absl::Status finished = watchdog.Explain(FromGrpc(stream->Finish()));
   if (finished.ok()) return finished;
   return absl::Status(finished.code(),
-                      absl::StrCat(finished.message(), "; ", StepAfterFailedTrain(last_answered_step, finished.code())));
+                      absl::StrCat(finished.message(), "; ",
+                                   StepAfterFailedTrain(last_answered_step, finished.code())));
 }
 
 std::string PerceptionClient::StepAfterFailedTrain(std::optional<int64_t> last_answered_step,

@@ -807,11 +807,9 @@ TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondS
     if (!second_signal) {
       EXPECT_GE(absl::Now() - signalled, absl::Seconds(2));
     }
-    EXPECT_THAT((*daemon)->Log(), HasSubstr(absl::StrCat(
-                                      "10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to process: "
-                                      "they are lost with the exit (",
-                                      second_signal ? "a second signal ended the wait" : "--drain_for_reads (2s) ran out",
-                                      ")")));
+    const std::string why = second_signal ? "a second signal ended the wait" : "--drain_for_reads (2s) ran out";
+    EXPECT_THAT((*daemon)->Log(), HasSubstr(absl::StrCat("10 conviction(s) of 1 stream(s) not read back and 0 event(s) "
+                                                         "still to process: they are lost with the exit (", why, ")")));
     if (second_signal) {
       EXPECT_THAT((*daemon)->Log(), HasSubstr("Terminated again: the drain's waits end now"));
     }

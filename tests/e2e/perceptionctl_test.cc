@@ -496,7 +496,8 @@ TEST(PerceptionctlTest, CommandsRefuseFlagsTheyDoNotTake) {
       {" init --config tiny --rate max", "INVALID_ARGUMENT: init does not take --rate (stream's and bench's flag)"},
       // A mistyped command is named as unexpected, not its flags as another command's.
       {" trian --steps 3", "INVALID_ARGUMENT: unknown command 'trian' (the commands: status, init, train, eval"},
-      {" checkpoint save", "INVALID_ARGUMENT: unexpected arguments for checkpoint: checkpoint save (its usage is below)"},
+      {" checkpoint save",
+       "INVALID_ARGUMENT: unexpected arguments for checkpoint: checkpoint save (its usage is below)"},
       // No command: it said "unexpected arguments: " and nothing after it.
       {"", "INVALID_ARGUMENT: no command given\n\ndrive perceptiond over gRPC."},
   };
