@@ -16,6 +16,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/atomic_file.h"
@@ -123,10 +124,10 @@ ABSL_FLAG(int, rank, 0, "with --world_size: this daemon's rank in [0, world_size
 ABSL_FLAG(std::vector<std::string>, peers, {},
           "with --world_size > 1: every rank's gRPC address (host:port), in rank order; the others fetch the NCCL id "
           "from the first");
-ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
+PERCEPTION_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "with --world_size: how long joining the job, and a training step's collectives, may take before the step "
           "fails (a peer died or stalled) and the communicator is aborted; at most --device_stall_timeout");
-ABSL_FLAG(int64_t, replica_check_every, 100,
+PERCEPTION_FLAG(int64_t, replica_check_every, 100,
           "with --world_size: optimizer steps between checksums of the parameters compared across the ranks (0: none)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
 
@@ -272,6 +273,11 @@ absl::StatusOr<std::optional<DataParallelFlags>> DataParallelFromFlags() {
   const std::vector<std::string> peers = absl::GetFlag(FLAGS_peers);
   if (world_size == 0) {
     if (rank != 0 || !peers.empty()) return absl::InvalidArgumentError("--rank and --peers need --world_size");
+    // (Ignored without a job, as --rank and --peers would be.)
+    if (FlagGiven(FLAGS_collective_timeout) || FlagGiven(FLAGS_replica_check_every)) {
+      return absl::InvalidArgumentError(
+          "--collective_timeout and --replica_check_every apply to --world_size; without it they would be ignored");
+    }
     return std::nullopt;
   }
   if (world_size < 0 || rank < 0 || rank >= world_size) {
@@ -288,8 +294,13 @@ absl::StatusOr<std::optional<DataParallelFlags>> DataParallelFromFlags() {
   }
   const DataParallelOptions options{rank, world_size, absl::GetFlag(FLAGS_collective_timeout),
                                     absl::GetFlag(FLAGS_replica_check_every)};
-  if (options.timeout <= absl::ZeroDuration() || options.check_every < 0) {
-    return absl::InvalidArgumentError("--collective_timeout must be positive and --replica_check_every at least 0");
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--collective_timeout must be positive, got ", absl::FormatDuration(options.timeout)));
+  }
+  if (options.check_every < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replica_check_every must be >= 0 (0: none), got ", options.check_every));
   }
   // A step waiting on a slow peer is a device job all the while: past the stall watch's limit health turns
   // NOT_SERVING as for a hung kernel, and a liveness probe restarts a healthy rank, which ends the whole job.
@@ -677,8 +688,14 @@ absl::Status Serve() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("trains and serves PerceptionNet v1 on one device over gRPC");  // --help names it
-  perception::ParseFlags(argc, argv);
+  // (ParseArguments: FlagGiven answers for the flags given, and `--drain-grace` is `--drain_grace` as for the clients.)
+  const std::vector<std::string> arguments = perception::ParseArguments(argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("perceptiond"));
+  if (arguments.size() > 1) {  // a flag without its dashes, say, was ignored without a word
+    spdlog::critical("INVALID_ARGUMENT: perceptiond takes flags only, not '{}' (perceptiond --help lists them)",
+                     absl::StrJoin(arguments.begin() + 1, arguments.end(), " "));
+    return 1;
+  }
   const absl::StatusOr<spdlog::level::level_enum> level = perception::server::LogLevelFromFlags();
   if (!level.ok()) {
     spdlog::critical("{}", level.status().ToString());

@@ -56,6 +56,21 @@ TEST(DataParallelTest, TheDaemonRefusesWorldSizesItCannotJoin) {
       "--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 --collective_timeout=120s");
   EXPECT_EQ(outlasts.exit_code, 1);
   EXPECT_THAT(outlasts.output, HasSubstr("--collective_timeout (2m) must not exceed --device_stall_timeout (1m)"));
+  // Each refusal names its flag and value (one message covered both), and without a job both were ignored.
+  const CommandResult checks = RunDaemon(
+      "--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 --replica_check_every=-1");
+  EXPECT_EQ(checks.exit_code, 1);
+  EXPECT_THAT(checks.output, HasSubstr("--replica_check_every must be >= 0 (0: none), got -1"));
+  const CommandResult zero = RunDaemon(
+      "--device=cuda --world_size=2 --rank=1 --peers=127.0.0.1:1,127.0.0.1:2 --collective_timeout=0s");
+  EXPECT_EQ(zero.exit_code, 1);
+  EXPECT_THAT(zero.output, HasSubstr("--collective_timeout must be positive, got 0"));
+  for (const std::string flag : {"--replica_check_every=5", "--collective_timeout=10s"}) {
+    const CommandResult alone = RunDaemon(absl::StrCat("--device=cpu ", flag));
+    EXPECT_EQ(alone.exit_code, 1) << flag;
+    EXPECT_THAT(alone.output, HasSubstr("--collective_timeout and --replica_check_every apply to --world_size; "
+                                        "without it they would be ignored"));
+  }
   const CommandResult alone = RunDaemon("--rank=1");
   EXPECT_EQ(alone.exit_code, 1);
   EXPECT_THAT(alone.output, HasSubstr("--rank and --peers need --world_size"));

@@ -139,6 +139,15 @@ TEST(LifecycleTest, TheDaemonNamesTheFlagOutOfRange) {
                          "--drain_for_reads must be 0 (none) or positive, got -2s");
 }
 
+// A word that is not a flag (one without its dashes, say) was ignored; flag names take dashes as the clients' do.
+TEST(LifecycleTest, TheDaemonRefusesArgumentsThatAreNotFlags) {
+  const ScopedTempDir checkpoints("not_flags");
+  ExpectRefusedAtStartUp(checkpoints.path(), "drain_grace=5s",
+                         "INVALID_ARGUMENT: perceptiond takes flags only, not 'drain_grace=5s' (perceptiond --help "
+                         "lists them)");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--drain-grace=-1s", "--drain_grace must be 0 (none) or positive");
+}
+
 // A port past 65535 listened on its low 16 bits (99999: port 34463) and an empty one on any free port, where no
 // probe would look; a stall timeout or a preset the daemon refuses was refused only after both listeners opened.
 TEST(LifecycleTest, TheDaemonRefusesBadListenPortsAndFlagsBeforeListening) {
