@@ -325,6 +325,14 @@ std::string MetricsHttpServer::Respond(absl::string_view head) const {
   }
   const absl::string_view method = request_line.substr(0, method_end);
   const absl::string_view target = request_line.substr(method_end + 1, target_end - method_end - 1);
+  // The answer is HTTP/1.1's: a request of another major version was answered 200 all the same (RFC 9110 §15.6.6).
+  const absl::string_view version = request_line.substr(target_end + 1);
+  if (!absl::StartsWith(version, "HTTP/")) {
+    return Response("400 Bad Request", "text/plain", "malformed request line\n");
+  }
+  if (version != "HTTP/1.0" && version != "HTTP/1.1") {
+    return Response("505 HTTP Version Not Supported", "text/plain", "use HTTP/1.1\n");
+  }
   if (TargetPath(target) != "/metrics") {
     return Response("404 Not Found", "text/plain", "only /metrics is served here\n");
   }

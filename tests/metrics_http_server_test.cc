@@ -292,6 +292,11 @@ TEST(MetricsHttpServerTest, RequestsAreAnsweredAsHttp11Asks) {
   EXPECT_THAT(post, HasSubstr("\r\nAllow: GET, HEAD\r\n"));
   EXPECT_THAT(Exchange(server->port(), "GET http://127.0.0.1/other HTTP/1.1\r\n\r\n"),
               StartsWith("HTTP/1.1 404 Not Found\r\n"));
+  // Another version was answered 200 as if it were HTTP/1.1.
+  EXPECT_EQ(Exchange(server->port(), "GET /metrics HTTP/1.0\r\n\r\n"), get);
+  EXPECT_THAT(Exchange(server->port(), "GET /metrics HTTP/2.0\r\n\r\n"),
+              StartsWith("HTTP/1.1 505 HTTP Version Not Supported\r\n"));
+  EXPECT_THAT(Exchange(server->port(), "GET /metrics SPDY\r\n\r\n"), StartsWith("HTTP/1.1 400 Bad Request\r\n"));
 }
 
 // Takes every free file descriptor below a lowered RLIMIT_NOFILE (at most 1024), so that the process can open no
