@@ -170,6 +170,13 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   const v1::GetStatusResponse& status = statuses[0];
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
+  // The daemon's refusal named neither (its optimizer's "min_lr must be in [0, lr]"), after the files were read.
+  if (const v1::OptimizerSettings& optimizer = status.model().optimizer();
+      options.lr > 0 && optimizer.schedule() == v1::LR_SCHEDULE_WARMUP_COSINE && options.lr < optimizer.min_lr()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr ", options.lr, " is below the model's min_lr ", optimizer.min_lr(), ", where its cosine schedule ends: "
+        "give --lr >= ", optimizer.min_lr(), ", or init the model again with a lower --min_lr"));
+  }
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),

@@ -691,6 +691,26 @@ TEST(PerceptionCliTest, ARunThatDivergesSavesTheModelBeforeTheStepNotTaken) {
   EXPECT_FALSE(std::filesystem::exists(logits));
 }
 
+// A --lr below the model's cosine floor was refused by the daemon's optimizer check ("min_lr must be in [0, lr]"),
+// naming neither flag, after the files were read.
+TEST(PerceptionctlTest, ALearningRateBelowTheModelsFloorIsNamed) {
+  const ScopedTempDir temp("ctl_lr_below_min");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10 --lr 0.005 --lr_schedule cosine ",
+                                    "--total_steps 100 --lr_warmup_steps 10 --min_lr 0.001"))
+                .exit_code,
+            0);
+  const CommandResult train =
+      RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --steps 2 --lr 0.0005"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("INVALID_ARGUMENT: --lr 0.0005 is below the model's min_lr 0.001, where its "
+                                      "cosine schedule ends: give --lr >= 0.001, or init the model again with a "
+                                      "lower --min_lr"));
+  EXPECT_EQ((*daemon)->client().GetStatus()->model().optimizer().lr(), 0.005) << "the model as it was";
+}
+
 // perceptionctl eval of a diverged model fails saying so: NaN outputs scored as "down", so it printed the share of
 // down labels as accuracies, a model that seemed to beat a coin, and exited 0.
 TEST(PerceptionctlTest, EvalOfADivergedModelFailsSayingSo) {
