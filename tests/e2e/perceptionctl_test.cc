@@ -1070,6 +1070,11 @@ TEST(PerceptionctlTest, ATrainCutByTheTimeoutSaysAStepMayStillComplete) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config large --levels 10")).exit_code, 0);
+  // A normalizer already there: train's own SetNormalizer, a unary call, ran past the 1 s under ThreadSanitizer.
+  v1::SetNormalizerRequest normalizer;
+  normalizer.mutable_normalizer()->mutable_mean()->Resize(48, 0.f);
+  normalizer.mutable_normalizer()->mutable_inv_std()->Resize(48, 1.f);
+  ASSERT_TRUE((*daemon)->client().SetNormalizer(normalizer).ok());
   const CommandResult train = RunCommand(
       absl::StrCat(kKillAfter30s, ctl, " --timeout 1s train --lobster ", kOrderbook, " ", kMessages, " --steps 3"));
   EXPECT_EQ(train.exit_code, 1) << train.output;
