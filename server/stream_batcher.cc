@@ -442,6 +442,15 @@ std::string NameInstruments(std::span<const Event> events, int slots, absl::stri
   return named;
 }
 
+// The code a Stream call ends with when a tick took its events: UNAVAILABLE on a lost device (retry once the daemon
+// is back), INTERNAL for a tick the device failed, and where streaming could not start RESOURCE_EXHAUSTED for want of
+// memory (as the flags' own refusals), else FAILED_PRECONDITION (the model cannot stream).
+absl::StatusCode FailedTickCode(const absl::Status& cause, bool device_configured) {
+  if (!DeviceLostStatus().ok()) return absl::StatusCode::kUnavailable;
+  if (device_configured) return absl::StatusCode::kInternal;
+  return cause.code() == absl::StatusCode::kResourceExhausted ? cause.code() : absl::StatusCode::kFailedPrecondition;
+}
+
 // Zeroes the slot's state on the device; nothing to do where streaming never started (its first tick failed).
 absl::Status ResetDeviceSlot(ModelHost& host, int slot) {
   if (!host.streaming_configured()) return absl::OkStatus();
@@ -472,43 +481,53 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
   {
     absl::MutexLock lock(&mu_);
     dropped_.clear();
+    // A lost device takes every slot's state and log with it, and the daemon exits to be restarted: the instruments
+    // start again from a seed, not from their states.
+    const bool device_lost = !DeviceLostStatus().ok();
+    // Where streaming never started, no instrument has a state or a log entry on the device (a model changes only with
+    // no live stream), so the failed ones close instead of stopping: their slots go back, nothing is to be reset, and
+    // the next event of each opens it afresh.
+    const bool close_failed = !device_configured && !device_lost;
     // Where each instrument stopping resumes: its first event not processed, whichever call sent it.
     std::vector<std::optional<uint64_t>> resume_seq(table_.capacity());
+    std::vector<std::string> instruments(table_.capacity());
     for (const Notice& notice : failed) {
       if (resume_seq[notice.slot].has_value()) continue;
       resume_seq[notice.slot] = notice.seq;
       SlotQueue& queue = queues_[notice.slot];
+      instruments[notice.slot] = queue.instrument;
+      DropQueuedLocked(notice.slot);
+      if (close_failed) continue;
       queue.stopped = absl::FailedPreconditionError(absl::StrCat(
           "instrument '", queue.instrument, "' stopped at seq ", notice.seq, " when the device failed its tick (",
           cause.message(), "); it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
           notice.seq));
-      DropQueuedLocked(notice.slot);
       table_.DropFrom(notice.slot, table_.EntryOfSeq(notice.slot, notice.seq));
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
     failed.insert(failed.end(), dropped_.begin(), dropped_.end());
+    for (int slot = 0; close_failed && slot < table_.capacity(); ++slot) {
+      if (resume_seq[slot].has_value()) CloseSlotLocked(slot).IgnoreError();
+    }
     const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
-    // A lost device takes every slot's state and log with it, and the daemon exits to be restarted: UNAVAILABLE
-    // (retry once it is back), and the instruments start again from a seed, not from their states.
-    const bool device_lost = !DeviceLostStatus().ok();
-    const char* remedy = device_lost ? ". The daemon exits to be restarted, and every instrument's state and unread "
-                                       "convictions were on the lost device: once it is back, seed each instrument "
-                                       "named again (SeedStream), then stream from the seq named"
-                                     : ". Each instrument named stopped: it takes no events until ResetStream, "
-                                       "SeedStream or CloseStream, then from the seq named";
+    const char* remedy = device_lost    ? ". The daemon exits to be restarted, and every instrument's state and unread "
+                                          "convictions were on the lost device: once it is back, seed each instrument "
+                                          "named again (SeedStream), then stream from the seq named"
+                         : close_failed ? ". Nothing of them reached the device, and each instrument named was closed: "
+                                          "its events may be sent again, from any seq, once the daemon can stream"
+                                        : ". Each instrument named stopped: it takes no events until ResetStream, "
+                                          "SeedStream or CloseStream, then from the seq named";
     ForEachSink(std::span<Notice>(failed), [&](std::span<const Notice> events) {
       const std::string stopped = NameInstruments(
           events, table_.capacity(), ", ",
           [&](const Notice& event) {
-            return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", *resume_seq[event.slot]);
+            return absl::StrCat("'", instruments[event.slot], "' from seq ", *resume_seq[event.slot]);
           },
           [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
                                                " events of this call were not processed: ", stopped, remedy);
-      const absl::StatusCode code = device_lost          ? absl::StatusCode::kUnavailable
-                                    : device_configured ? absl::StatusCode::kInternal
-                                                        : absl::StatusCode::kFailedPrecondition;
-      failures.push_back({events.front().sink, absl::Status(code, message), static_cast<int64_t>(events.size())});
+      failures.push_back({events.front().sink, absl::Status(FailedTickCode(cause, device_configured), message),
+                          static_cast<int64_t>(events.size())});
     });
   }
   if (options_.before_failure_notices) options_.before_failure_notices();

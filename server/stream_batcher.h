@@ -192,7 +192,8 @@ class StreamBatcher {
   void DropQueuedLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a failed tick, or a device that could not say whether the launched ticks finished: stops the instruments of
   // every launched tick not known finished (launched_) and of the failed one (notices_), drops their queued events and
-  // the log entries of those ticks, and tells every sink concerned.
+  // the log entries of those ticks, and tells every sink concerned. Where streaming could not start (`device_configured`
+  // false) the instruments close instead: the device never held them.
   void StopFailedStreams(const absl::Status& cause, bool device_configured);
   // Asks the device which launched ticks have finished (Backend::CheckTicks, `wait_for_ticks` passed on), stops the
   // instruments whose outputs came out not finite (StopNonFiniteStreams), then tells the finished ticks' sinks that

@@ -42,6 +42,7 @@ using ::testing::Not;
 // What the decorated backends do wrong, set by the test while the daemon runs.
 struct StreamFaults {
   std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
+  std::atomic<bool> streaming_out_of_memory{false};  // ConfigureStreaming cannot allocate the slots and logs
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
   std::atomic<bool> tick_out_of_memory{false};  // the next ForwardStepInto runs the host out of memory
   std::atomic<int> failing_seeds{0};          // the next SeedSlot calls write the slot, then fail
@@ -68,6 +69,9 @@ class StreamFaultBackend final : public ForwardingBackend {
 
   absl::Status ConfigureStreaming(int slots, int64_t log_entries_per_slot) override {
     if (faults_->refuse_streaming) return absl::InvalidArgumentError("this model's streaming step is not supported");
+    if (faults_->streaming_out_of_memory) {
+      return absl::ResourceExhaustedError("cannot allocate the streams' states and conviction logs: out of memory");
+    }
     return ForwardingBackend::ConfigureStreaming(slots, log_entries_per_slot);
   }
   absl::Status ForwardStepInto(const StreamTick& tick) override {
@@ -541,21 +545,22 @@ TEST_F(StreamFailureTest, AFailedSeedWhoseSlotCannotBeZeroedLeavesItsNewStreamSt
   EXPECT_EQ(fresh.acked.at("C"), 1u);
 }
 
-TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelThatCanBeReplaced) {
+// Where streaming cannot start, the device never held the instruments of the failed tick: they close (no slot is kept,
+// nothing is stopped), their next events try again, and the model can be replaced at once.
+TEST_F(StreamFailureTest, AModelThatCannotStreamClosesTheStreamsItFailedAndCanBeReplaced) {
   faults_->refuse_streaming = true;
   ASSERT_TRUE(InitModel().ok());
   const StreamOutcome failed = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
   EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(failed.status.error_message(),
               HasSubstr("streaming could not start (this model's streaming step is not supported); 2 events of this "
-                        "call were not processed: 'A' from seq 1"));
-  EXPECT_EQ(daemon_.Streams()["A"].processed_events(), 0u);
-  EXPECT_EQ(daemon_.Stream({{Event("A", 0, 1)}}).status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+                        "call were not processed: 'A' from seq 1. Nothing of them reached the device, and each "
+                        "instrument named was closed"));
+  EXPECT_EQ(daemon_.Streams().count("A"), 0u);
+  const StreamOutcome again = daemon_.Stream({{Event("A", 0, 5)}});
+  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(again.status.error_message(), HasSubstr("streaming could not start")) << "tried again, not stopped";
 
-  // The stream closes although the device never held it, and then the model can be replaced.
-  const absl::StatusOr<uint64_t> closed = Close("A");
-  ASSERT_TRUE(closed.ok()) << closed.status();
-  EXPECT_EQ(*closed, 0u);
   faults_->refuse_streaming = false;
   const grpc::Status replaced = InitModel();
   ASSERT_TRUE(replaced.ok()) << replaced.error_message();
@@ -565,6 +570,24 @@ TEST_F(StreamFailureTest, AModelThatCannotStreamLeavesStreamsThatCloseAndAModelT
   ASSERT_EQ(log.seqs_size(), 2);
   const std::vector<float> expected = Offline("A", 0, 2);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(log.convictions(i), expected[i], 1e-6) << "seq " << i + 1;
+}
+
+// Slots and logs that do not fit (a --stream_log_entries too large for the device) end the call RESOURCE_EXHAUSTED,
+// as the flags' own refusals do, and hold no slot: once memory is found the same instruments stream from their start.
+TEST_F(StreamFailureTest, StreamingWithoutTheMemoryItNeedsIsResourceExhaustedAndHoldsNoSlot) {
+  faults_->streaming_out_of_memory = true;
+  const StreamOutcome failed = daemon_.Stream({{Event("A", 0, 1), Event("B", 0, 1), Event("A", 1, 2)}});
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << failed.status.error_message();
+  EXPECT_THAT(failed.status.error_message(),
+              HasSubstr("streaming could not start (cannot allocate the streams' states and conviction logs: out of "
+                        "memory); 3 events of this call were not processed: 'A' from seq 1, 'B' from seq 1"));
+  EXPECT_TRUE(daemon_.Streams().empty());
+
+  faults_->streaming_out_of_memory = false;
+  const StreamOutcome streamed = daemon_.Stream({{Event("A", 0, 1), Event("B", 0, 1), Event("A", 1, 2)}});
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
+  EXPECT_EQ(streamed.acked.at("A"), 2u);
+  EXPECT_EQ(daemon_.ReadConvictions("B").seqs_size(), 1);
 }
 
 // An instrument stopped at its very first event (nothing of it processed) resumes from that event after a reset, as
