@@ -47,8 +47,10 @@ void TrainingProgress::Update(double loss, double grad_norm) {
   }
   const bool last = done_ == total_steps_;
   if (terminal_) {
+    last_loss_ = loss;
+    last_pace_ = std::move(pace);
     if (last || now - last_draw_ >= kRedrawInterval) {
-      DrawBar(loss, pace);
+      DrawBar();
       last_draw_ = now;
     }
   } else if (last || done_ == 1 || done_ % log_every_ == 0) {
@@ -57,20 +59,32 @@ void TrainingProgress::Update(double loss, double grad_norm) {
 }
 
 void TrainingProgress::Note(const std::string& line) {
-  std::printf("%s%s\n", terminal_ && done_ > 0 ? "\n" : "", line.c_str());
+  EndBarLine();
+  std::printf("%s\n", line.c_str());
   std::fflush(stdout);
 }
 
 void TrainingProgress::Finish() {
-  if (terminal_ && done_ > 0) std::printf("\n");
+  EndBarLine();
   std::fflush(stdout);
 }
 
-void TrainingProgress::DrawBar(double loss, const std::string& pace) {
+void TrainingProgress::EndBarLine() {
+  if (!terminal_ || done_ == 0) return;
+  // Steps answered since the last draw (within kRedrawInterval of it) are shown before the line ends, and a line
+  // without a bar (a note right after another) is not ended again: that left an empty line after a validation.
+  if (drawn_ != done_) DrawBar();
+  if (bar_on_line_) std::printf("\n");
+  bar_on_line_ = false;
+}
+
+void TrainingProgress::DrawBar() {
   const int filled = FilledBarCells(done_, total_steps_, kBarWidth);
   const std::string bar = std::string(filled, '#') + std::string(kBarWidth - filled, '.');
-  std::printf("\rstep %d/%d [%s] loss %.5f  %s ", done_, total_steps_, bar.c_str(), loss, pace.c_str());
+  std::printf("\rstep %d/%d [%s] loss %.5f  %s ", done_, total_steps_, bar.c_str(), last_loss_, last_pace_.c_str());
   std::fflush(stdout);
+  drawn_ = done_;
+  bar_on_line_ = true;
 }
 
 void TrainingProgress::PrintLine(double loss, double grad_norm, const std::string& pace) const {

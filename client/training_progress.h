@@ -27,7 +27,9 @@ class TrainingProgress {
   void Finish();
 
  private:
-  void DrawBar(double loss, const std::string& pace);
+  void DrawBar();
+  // On a terminal: the bar drawn at the step answered last, then its line ended.
+  void EndBarLine();
   void PrintLine(double loss, double grad_norm, const std::string& pace) const;
 
   const int total_steps_, log_every_;
@@ -38,6 +40,12 @@ class TrainingProgress {
   Clock::time_point first_answered_{};
   Clock::time_point last_draw_{};
   int done_ = 0;
+  // The bar (terminal only): the last answer's loss and pace, the step it was last drawn at, and whether the cursor is
+  // on its line.
+  double last_loss_ = 0;
+  std::string last_pace_;
+  int drawn_ = 0;
+  bool bar_on_line_ = false;
 };
 
 }  // namespace perception::client

@@ -55,5 +55,36 @@ TEST(TrainingProgress, ThePaceCountsFromTheFirstAnswer) {
       << lines;
 }
 
+// On a terminal a note ends the bar's line, showing the steps answered since its last draw first: steps within the
+// redraw interval of the draw before them were not drawn, and the note after them left an empty line (the bar's line,
+// never drawn again, ended a second time) and hid how far the run had got.
+TEST(TrainingProgress, ANoteOnATerminalShowsTheLastStepAndLeavesNoEmptyLine) {
+  using std::chrono::milliseconds;
+  TrainingProgress::Clock::time_point now{};
+  TrainingProgress progress(6, 1, /*terminal=*/true, [&now] { return now; });
+  testing::internal::CaptureStdout();
+  progress.Note("model step 0: validation loss 0.70000");
+  now += milliseconds(5000);
+  progress.Update(0.7, 1.0);
+  now += milliseconds(10);
+  progress.Update(0.6, 1.0);
+  progress.Note("model step 2: validation loss 0.65000");
+  now += milliseconds(10);
+  progress.Update(0.5, 1.0);
+  progress.Note("model step 3: validation loss 0.60000");
+  progress.Note("saved the best model so far");
+  progress.Finish();
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(out.find("\n\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\rstep 2/6 [##########....................] loss 0.60000  100.00 steps/s  ETA 0:00 \nmodel step 2: "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("loss 0.50000  100.00 steps/s  ETA 0:00 \nmodel step 3: validation loss 0.60000\nsaved the best"),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(out.starts_with("model step 0: validation loss 0.70000\n\rstep 1/6 ")) << out;
+  EXPECT_TRUE(out.ends_with("saved the best model so far\n")) << out;
+}
+
 }  // namespace
 }  // namespace perception::client
