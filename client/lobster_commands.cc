@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -123,17 +124,39 @@ class BestValidation {
   BestValidation(PerceptionClient& client, std::string checkpoint)
       : client_(client), checkpoint_(std::move(checkpoint)) {}
 
+  // The first save's failure is returned: it checks the name before any step is spent. A later one (a full disk, a
+  // file put at the name) is kept for Report and ends the saves, not the run, as perception train's --save_best: the
+  // steps go on, and the checkpoint keeps the best saved before.
   absl::Status Offer(double loss, int64_t step) {
     if (!(loss < loss_)) return absl::OkStatus();
     loss_ = loss;
     step_ = step;
-    if (checkpoint_.empty()) return absl::OkStatus();
+    if (checkpoint_.empty() || !failure_.ok()) return absl::OkStatus();
     v1::SaveCheckpointRequest request;
     request.set_name(checkpoint_);
-    ASSIGN_OR_RETURN(const v1::SaveCheckpointResponse saved, client_.SaveCheckpoint(request));
+    absl::StatusOr<v1::SaveCheckpointResponse> saved = client_.SaveCheckpoint(request);
+    if (!saved.ok() && !saved_step_.has_value()) return saved.status();
+    if (!saved.ok()) {
+      failure_ = absl::Status(saved.status().code(),
+                              absl::StrCat("--save-best ", checkpoint_, " not written at model step ", step, " (",
+                                           saved.status().message(), "); the last best it saved was model step ",
+                                           *saved_step_, " (validation loss ", absl::StrFormat("%.5f", saved_loss_),
+                                           ")"));
+      std::fprintf(stderr, "warning: %s; the run goes on without saving its bests\n",
+                   std::string(failure_.message()).c_str());
+      return absl::OkStatus();
+    }
+    saved_step_ = saved->step();
+    saved_loss_ = loss;
     std::printf("saved the best model so far (validation loss %.5f, model step %lld) to %s\n", loss,
-                static_cast<long long>(saved.step()), saved.name().c_str());
+                static_cast<long long>(saved->step()), saved->name().c_str());
     return absl::OkStatus();
+  }
+  // The run's end, at the daemon's model step `step`: the failed save, if one failed.
+  absl::Status Report(int64_t step) const {
+    if (failure_.ok()) return failure_;
+    return absl::Status(failure_.code(), absl::StrCat(failure_.message(), ". The run went on to model step ", step,
+                                                      " (perceptionctl checkpoint save NAME keeps it)"));
   }
   double loss() const { return loss_; }
   int64_t step() const { return step_; }
@@ -143,6 +166,9 @@ class BestValidation {
   const std::string checkpoint_;
   double loss_ = std::numeric_limits<double>::infinity();
   int64_t step_ = 0;
+  std::optional<int64_t> saved_step_;
+  double saved_loss_ = 0;
+  absl::Status failure_;
 };
 
 // The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
@@ -223,7 +249,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   if (options.eval_every > 0) {
     std::printf("best validation loss %.5f at model step %lld\n", best.loss(), static_cast<long long>(best.step()));
   }
-  return absl::OkStatus();
+  return best.Report(step);
 }
 
 absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files, int window) {

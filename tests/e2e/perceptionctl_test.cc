@@ -375,6 +375,39 @@ TEST(PerceptionctlTest, SaveBestRefusesABadNameBeforeTraining) {
   EXPECT_THAT(status.output, HasSubstr("  step 0, ")) << "the run trained before it failed";
 }
 
+// A --save-best save that fails mid-run (a FIFO put at its name after the first best was saved, which the daemon's
+// write refuses to replace) ends the saves, not the run, as perception train's --save_best does: every step runs, the
+// failure is named when it happens and again as the run's last word (exit 1), with the step the model reached. It
+// ended the run at that validation. On the AMZN day every validation of these steps beats the one before it.
+TEST(PerceptionctlTest, ASaveBestThatFailsMidRunLeavesTheRunGoingOn) {
+  const ScopedTempDir temp("ctl_save_best_fails");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const std::filesystem::path best = temp.path() / "checkpoints" / "best" / "run";
+  const std::string fifo = (temp.path() / "fifo").string();
+  const std::string train =
+      absl::StrCat(ctl, " train", kLongFeed, " --steps 12 --eval-every 1 --log-every 100 --save-best best/run");
+  const CommandResult run = RunCommand(absl::StrCat(
+      "(", train, " & pid=$!; while [ ! -e ", best.string(), " ] && kill -0 $pid 2>/dev/null; do sleep 0.005; done; ",
+      "mkfifo ", fifo, " && mv -f ", fifo, " ", best.string(), "; wait $pid)"));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("saved the best model so far (validation loss ")) << "the first best, before";
+  EXPECT_THAT(run.output, HasSubstr("warning: --save-best best/run not written at model step 1 (name: checkpoint "
+                                    "name 'best/run' cannot be written: "));
+  EXPECT_THAT(run.output, HasSubstr("the last best it saved was model step 0 (validation loss "));
+  EXPECT_THAT(run.output, HasSubstr("the run goes on without saving its bests"));
+  EXPECT_THAT(run.output, HasSubstr("model step 11: validation loss "));
+  EXPECT_THAT(run.output, HasSubstr("best validation loss "));
+  EXPECT_THAT(run.output, HasSubstr("\nperceptionctl: INVALID_ARGUMENT: --save-best best/run not written at model "
+                                    "step 1 "));
+  EXPECT_THAT(run.output, HasSubstr("The run went on to model step 12 (perceptionctl checkpoint save NAME keeps it)"));
+  const CommandResult status = RunCommand(absl::StrCat(ctl, " status"));
+  EXPECT_THAT(status.output, HasSubstr("  step 12, ")) << status.output;
+  EXPECT_TRUE(std::filesystem::is_fifo(best)) << "the FIFO is left in place";
+}
+
 // A mistyped command or a bad flag fails at once, before --wait waits for a daemon (none listens here).
 TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=127.0.0.1:1 --wait 60s");
