@@ -253,6 +253,13 @@ ServerMetrics::ServerMetrics()
                                     "--device_stall_timeout).")
                               .Register(*registry_)
                               .Add({})),
+      draining_(prometheus::BuildGauge()
+                    .Name("perception_draining")
+                    .Help("1 once the daemon drains before it exits (a signal, a lost device): it accepts no new "
+                          "work, answers reads until --drain_grace ends, then saves --checkpoint_on_exit; 0 while it "
+                          "serves. Health turns NOT_SERVING and GetStatus.draining true with it.")
+                    .Register(*registry_)
+                    .Add({})),
       stream_events_(prometheus::BuildCounter()
                          .Name("perception_stream_events_total")
                          .Help("Streamed events processed (one conviction each).")
@@ -429,6 +436,8 @@ void ServerMetrics::SetModelParameters(int64_t trained_parameters) {
 void ServerMetrics::SetQueuedJobs(int jobs) { queued_jobs_.Set(jobs); }
 
 void ServerMetrics::SetDeviceJobSeconds(double seconds) { device_job_seconds_.Set(seconds); }
+
+void ServerMetrics::SetDraining() { draining_.Set(1); }
 
 std::string ServerMetrics::Render() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();

@@ -79,6 +79,8 @@ class ServerMetrics {
   void SetQueuedJobs(int jobs);
   // How long the device's running job has run so far (0 when it is idle): a hung kernel shows as a climbing value.
   void SetDeviceJobSeconds(double seconds);
+  // The daemon has begun to drain before it exits (a signal, a lost device).
+  void SetDraining();
 
   // Every metric, process metrics included, in the Prometheus text exposition format (version 0.0.4).
   std::string Render() const;
@@ -102,6 +104,7 @@ class ServerMetrics {
   prometheus::Gauge& model_parameters_;
   prometheus::Gauge& queued_jobs_;
   prometheus::Gauge& device_job_seconds_;
+  prometheus::Gauge& draining_;
   prometheus::Counter& stream_events_;
   prometheus::Histogram& stream_step_seconds_;
   prometheus::Histogram& stream_tick_instruments_;

@@ -81,6 +81,7 @@ PerceptionService::PerceptionService(DeviceWorker& worker, StreamBatcher& stream
 
 void PerceptionService::BeginDrain() {
   draining_ = true;
+  metrics_.SetDraining();
   live_calls_.BeginDrain(Admit());
 }
 

@@ -350,6 +350,7 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   }
   ASSERT_GE(answered, 5) << stream.get();
   EXPECT_FALSE(client.GetStatus()->draining());
+  EXPECT_THAT(HttpGet((*daemon)->metrics_port(), "/metrics").value_or(""), HasSubstr("\nperception_draining 0\n"));
   (*daemon)->Signal(SIGTERM);
 
   absl::StatusOr<ServingStatus::ServingStatus> health = ServingStatus::SERVING;
@@ -363,6 +364,7 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
   const absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
   ASSERT_TRUE(status.ok()) << "a read, answered through the grace: " << status.status();
   EXPECT_TRUE(status->draining());
+  EXPECT_THAT(HttpGet((*daemon)->metrics_port(), "/metrics").value_or(""), HasSubstr("\nperception_draining 1\n"));
   const CommandResult ctl_status =
       RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target(), " status"));
   EXPECT_THAT(ctl_status.output, HasSubstr("draining: the daemon is exiting; it refuses new work and answers reads of "
