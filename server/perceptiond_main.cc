@@ -186,21 +186,21 @@ absl::Status CheckListenFlags() {
       return absl::InvalidArgumentError(absl::StrCat("--", name, " ", checked.message()));
     }
   }
-  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); stall <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--device_stall_timeout must be positive (inf: no watch), got ",
-                                                   absl::FormatDuration(stall)));
-  }
   return absl::OkStatus();
 }
 
-// A negative wait was taken as none, without a word.
-absl::Status CheckDrainFlags() {
+// The daemon's waits. A negative drain wait was taken as none, without a word.
+absl::Status CheckWaitFlags() {
   for (const auto& [name, wait] : {std::pair{"drain_grace", absl::GetFlag(FLAGS_drain_grace)},
                                    std::pair{"drain_for_reads", absl::GetFlag(FLAGS_drain_for_reads)}}) {
     if (wait < absl::ZeroDuration()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", name, " must be 0 (none) or positive, got ", absl::FormatDuration(wait)));
     }
+  }
+  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); stall <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device_stall_timeout must be positive (inf: no watch), got ",
+                                                   absl::FormatDuration(stall)));
   }
   return absl::OkStatus();
 }
@@ -525,7 +525,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
 
 // Health NOT_SERVING while a device job runs past --device_stall_timeout; none where it is infinite.
 absl::StatusOr<std::unique_ptr<StallWatch>> WatchForStalls(const DeviceWorker& worker, grpc::Server& server) {
-  const absl::Duration limit = absl::GetFlag(FLAGS_device_stall_timeout);  // positive (CheckListenFlags)
+  const absl::Duration limit = absl::GetFlag(FLAGS_device_stall_timeout);  // positive (CheckWaitFlags)
   if (limit == absl::InfiniteDuration()) return nullptr;
   grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
   return std::make_unique<StallWatch>(
@@ -635,7 +635,7 @@ absl::Status Serve() {
   RETURN_IF_ERROR(CheckCheckpointOnExit(checkpoints));
   RETURN_IF_ERROR(CheckModelFlags(checkpoints));
   ASSIGN_OR_RETURN(const Limits limits, LimitsFromFlags());
-  RETURN_IF_ERROR(CheckDrainFlags());
+  RETURN_IF_ERROR(CheckWaitFlags());
   RETURN_IF_ERROR(CheckListenFlags());
   ASSIGN_OR_RETURN(const StreamOptions stream_options, StreamOptionsFromFlags());
   ASSIGN_OR_RETURN(const std::optional<DataParallelFlags> data_parallel, DataParallelFromFlags());
