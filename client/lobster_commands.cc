@@ -77,8 +77,11 @@ absl::StatusOr<EvaluationTotals> EvaluateWindows(PerceptionClient& client, const
 std::string AccuracyByHorizon(const EvaluationTotals& totals) {
   std::string text = "accuracy by horizon (events):";
   for (const v1::HorizonAccuracy& h : totals.horizons) {
-    const double accuracy = h.masked_labels() > 0 ? static_cast<double>(h.correct()) / h.masked_labels() : 0;
-    absl::StrAppend(&text, " ", h.horizon_events(), ": ", absl::StrFormat("%.3f", accuracy));
+    // A horizon that scored no label has no accuracy (0.000 read as always wrong).
+    const std::string accuracy = h.masked_labels() > 0
+                                     ? absl::StrFormat("%.3f", static_cast<double>(h.correct()) / h.masked_labels())
+                                     : std::string("n/a (no label scored)");
+    absl::StrAppend(&text, " ", h.horizon_events(), ": ", accuracy);
   }
   return text;
 }
@@ -93,16 +96,15 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
                                                  " --window ", options.window, " differ (re-init to change them)"));
 }
 
-// Before the first step, on every rank: the learning rate if one is asked for, then the normalizer if the model
-// has none. Every rank's learning rate first: a daemon refuses it while live streams hold state (it rebuilds the
-// model), and a refusal then leaves every model as it was, where a normalizer sent before it would have changed what
-// those streams read.
+// Before the first step, on every rank: the run's optimizer settings where it changes them (--lr, --total_steps,
+// --min_lr), then the normalizer if the model has none. Every rank's settings first: a daemon refuses them while live
+// streams hold state (it rebuilds the model), and a refusal then leaves every model as it was, where a normalizer
+// sent before it would have changed what those streams read.
 absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::Model& model,
-                           const EventSeries& training, double lr) {
-  if (lr > 0) {
+                           const EventSeries& training, const v1::OptimizerSettings* changed_optimizer) {
+  if (changed_optimizer != nullptr) {
     v1::SetOptimizerRequest request;
-    *request.mutable_optimizer() = model.optimizer();
-    request.mutable_optimizer()->set_lr(lr);
+    *request.mutable_optimizer() = *changed_optimizer;
     for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(rank->SetOptimizer(request).status());
   }
   if (model.normalizer_fitted()) return absl::OkStatus();
@@ -171,6 +173,52 @@ class BestValidation {
   absl::Status failure_;
 };
 
+// The model's optimizer settings with the run's --lr, --total_steps and --min_lr, checked before the files are read:
+// the daemon takes settings under which the run would not train as asked. Past a cosine schedule's end every step
+// trains at min_lr, so a new --lr there changed nothing, and with min_lr 0 the run left the weights as they were
+// while its progress and the status read as training.
+absl::StatusOr<v1::OptimizerSettings> RunOptimizer(const v1::Model& model, const TrainOptions& options) {
+  v1::OptimizerSettings run = model.optimizer();
+  const bool cosine = run.schedule() == v1::LR_SCHEDULE_WARMUP_COSINE;
+  if (!cosine && (options.total_steps > 0 || options.min_lr.has_value())) {
+    return absl::InvalidArgumentError(
+        "--total_steps and --min_lr change the model's cosine schedule, and its learning rate is constant");
+  }
+  if (options.lr > 0) run.set_lr(options.lr);
+  if (!cosine) return run;
+  if (options.total_steps > 0) run.set_total_steps(options.total_steps);
+  if (options.min_lr.has_value()) run.set_min_lr(*options.min_lr);
+  if (run.total_steps() <= run.warmup_steps()) {
+    return absl::InvalidArgumentError(absl::StrCat("--total_steps (", run.total_steps(),
+                                                   ") must be past the model's warmup (", run.warmup_steps(),
+                                                   " steps)"));
+  }
+  // The daemon's refusal named neither flag (its optimizer's "min_lr must be in [0, lr]"), after the files were read.
+  if (!(run.min_lr() >= 0 && run.min_lr() <= run.lr())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the learning rate ", run.lr(), options.lr > 0 ? " (--lr)" : " (the model's)", " is below min_lr ",
+        run.min_lr(), options.min_lr.has_value() ? " (--min_lr)" : " (the model's)",
+        ", where the cosine schedule ends: give --lr >= ", run.min_lr(), ", or --min_lr in [0, ", run.lr(), "]"));
+  }
+  const int64_t step = model.step();
+  if (step < run.total_steps()) return run;
+  const std::string past_end = absl::StrCat("the model is at step ", step, " and its cosine schedule ended at step ",
+                                            run.total_steps(), ": every step from there trains at min_lr ",
+                                            run.min_lr());
+  if (run.min_lr() == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this run would not change the model: ", past_end, ". Give --total_steps beyond ", step,
+        " to extend the schedule (it goes on from where step ", step, " falls on it), or --min_lr > 0"));
+  }
+  if (options.lr > 0 && options.total_steps == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr ", options.lr, " would not apply: ", past_end, ". Give --total_steps beyond ", step,
+        " as well to extend the schedule, or --min_lr instead to change the rate past its end"));
+  }
+  std::printf("%s\n", past_end.c_str());
+  return run;
+}
+
 // The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
 // on every run, so training in chunks (train --steps N, again and again) would see the first chunk's batches over
 // and over. A run stays reproducible from (seed, starting step).
@@ -196,13 +244,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   const v1::GetStatusResponse& status = statuses[0];
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
-  // The daemon's refusal named neither (its optimizer's "min_lr must be in [0, lr]"), after the files were read.
-  if (const v1::OptimizerSettings& optimizer = status.model().optimizer();
-      options.lr > 0 && optimizer.schedule() == v1::LR_SCHEDULE_WARMUP_COSINE && options.lr < optimizer.min_lr()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--lr ", options.lr, " is below the model's min_lr ", optimizer.min_lr(), ", where its cosine schedule ends: "
-        "give --lr >= ", optimizer.min_lr(), ", or init the model again with a lower --min_lr"));
-  }
+  ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
@@ -214,7 +256,8 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
               series.size(), split.train.size(), split.validation.size(), validation.batch,
               world_size * config.batch(), config.window(), status.device().name().c_str(),
               world_size > 1 ? absl::StrCat(", split over ", world_size, " ranks").c_str() : "");
-  RETURN_IF_ERROR(PrepareModels(ranks, status.model(), split.train, options.lr));
+  const bool optimizer_changes = options.lr > 0 || options.total_steps > 0 || options.min_lr.has_value();
+  RETURN_IF_ERROR(PrepareModels(ranks, status.model(), split.train, optimizer_changes ? &optimizer : nullptr));
 
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
   BestValidation best(client, options.save_best);
@@ -244,7 +287,15 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
-  std::printf("%s\n%s\n", CompareWithPrior(totals.loss(), prior_loss).c_str(), AccuracyByHorizon(totals).c_str());
+  std::printf("%s\n", CompareWithPrior(totals.loss(), prior_loss).c_str());
+  // (NaN outputs score as "down": the accuracies would be the share of down labels, a model that seemed to work.)
+  if (!std::isfinite(totals.loss())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model at step ", step, " has diverged: its validation loss is not finite. It stays on the daemon as it "
+        "is; load a checkpoint saved before", options.save_best.empty() ? "" : " (--save-best kept the best one)",
+        " (perceptionctl checkpoint load) and train it with a lower --lr, or init a new model"));
+  }
+  std::printf("%s\n", AccuracyByHorizon(totals).c_str());
   RETURN_IF_ERROR(best.Offer(totals.loss(), step));
   if (options.eval_every > 0) {
     std::printf("best validation loss %.5f at model step %lld\n", best.loss(), static_cast<long long>(best.step()));

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -20,6 +21,9 @@ struct TrainOptions {
   int steps = 0;
   int batch = 0, window = 0;  // 0: the model's; anything else must equal it
   double lr = 0;              // 0: keep the model's
+  // The model's cosine schedule, changed for this run and on: its last step (0: keep the model's) and its final rate.
+  int64_t total_steps = 0;
+  std::optional<double> min_lr;
   double train_fraction = 0.7;
   uint64_t seed = 1;  // window sampling, mixed with the model's step (each run continues with fresh windows)
   int log_every = 10;

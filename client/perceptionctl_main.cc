@@ -59,8 +59,11 @@ PERCEPTION_FLAG(std::optional<double>, lr, std::nullopt,
     "peak learning rate, > 0; init: without it 1e-3; train: without it the model's is kept");
 PERCEPTION_FLAG(std::string, lr_schedule, "constant", "init: constant, or cosine (linear warmup then cosine decay)");
 PERCEPTION_FLAG(int64_t, lr_warmup_steps, 0, "init, cosine schedule: steps of the linear warmup");
-PERCEPTION_FLAG(int64_t, total_steps, 0, "init, cosine schedule: the step at which the learning rate reaches --min_lr");
-PERCEPTION_FLAG(double, min_lr, 0, "init, cosine schedule: the final learning rate");
+PERCEPTION_FLAG(int64_t, total_steps, 0,
+                "init, cosine schedule: the step at which the learning rate reaches --min_lr; train: moves the model's "
+                "(0: keeps it), to extend its schedule");
+PERCEPTION_FLAG(double, min_lr, 0,
+                "init, cosine schedule: the final learning rate; train: changes the model's (without it: kept)");
 PERCEPTION_FLAG(bool, replace, false, "init: replace the daemon's existing model");
 PERCEPTION_FLAG(std::vector<std::string>, lobster, {},
     "ORDERBOOK MESSAGES (or ORDERBOOK,MESSAGES): a LOBSTER file pair");
@@ -100,7 +103,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     init [--config NAME (small)] [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --total_steps N [--lr_warmup_steps W] [--min_lr Y]] [--replace]
     train --lobster ORDERBOOK MESSAGES [--levels N] [--steps N (100)] [--batch B] [--window T] [--lr X]
-          [--eval-every N] [--save-best NAME]
+          [--total_steps N] [--min_lr Y] [--eval-every N] [--save-best NAME]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
@@ -129,8 +132,8 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_lr, {"init", "train"}},
       {FLAGS_lr_schedule, {"init"}},
       {FLAGS_lr_warmup_steps, {"init"}},
-      {FLAGS_total_steps, {"init"}},
-      {FLAGS_min_lr, {"init"}},
+      {FLAGS_total_steps, {"init", "train"}},
+      {FLAGS_min_lr, {"init", "train"}},
       {FLAGS_replace, {"init"}},
       {FLAGS_lobster, {"train", "eval", "stream"}},
       {FLAGS_steps, {"train"}},
@@ -312,11 +315,20 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
   RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
   ASSIGN_OR_RETURN(const int window, WindowFromFlag());
   ASSIGN_OR_RETURN(const double lr, LrFromFlag());
+  if (const int64_t total_steps = absl::GetFlag(FLAGS_total_steps); total_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--total_steps must be >= 1 (0: the model's), got ", total_steps));
+  }
+  // (Checked against the learning rate once the model's settings are known: TrainOnLobster.)
+  const std::optional<double> min_lr =
+      FlagGiven(FLAGS_min_lr) ? std::optional(absl::GetFlag(FLAGS_min_lr)) : std::nullopt;
   return TrainOptions{files,
                       absl::GetFlag(FLAGS_steps),
                       absl::GetFlag(FLAGS_batch),
                       window,
                       lr,
+                      absl::GetFlag(FLAGS_total_steps),
+                      min_lr,
                       absl::GetFlag(FLAGS_train_fraction),
                       absl::GetFlag(FLAGS_seed),
                       absl::GetFlag(FLAGS_log_every),

@@ -40,8 +40,7 @@ constexpr char kStepNotTakenPayload[] = "type.perception/step_not_taken";
 absl::Status StepNotTakenError(const TrainStepResult& result) {
   absl::Status not_taken = absl::FailedPreconditionError(absl::StrCat(
       "the batch's gradient norm is ", result.grad_norm, " (loss ", result.loss,
-      "): the update was not applied, and the model stays at step ", result.step,
-      "; train on without the batch, or, if the weights have diverged, load a checkpoint and lower the learning rate"));
+      "): the update was not applied, and the model stays at step ", result.step));
   not_taken.SetPayload(kStepNotTakenPayload, absl::Cord());
   return not_taken;
 }

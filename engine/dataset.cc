@@ -226,8 +226,7 @@ double PriorBaselineLoss(std::span<const double> prior, std::span<const float> l
 
 std::string CompareWithPrior(double validation_loss, double prior_loss) {
   if (!std::isfinite(validation_loss)) {
-    return absl::StrFormat("validation loss %f vs class-prior baseline %.5f: not finite, the model has diverged "
-                           "(train again from a checkpoint with a lower --lr)",
+    return absl::StrFormat("validation loss %f vs class-prior baseline %.5f: not finite, the model has diverged",
                            std::fabs(validation_loss), prior_loss);
   }
   return absl::StrFormat("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)", validation_loss, prior_loss,

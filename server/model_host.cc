@@ -240,6 +240,10 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
     // A refusal by its code, but a diverging job is the operator's concern too.
     spdlog::warn("a training step was not taken: {}", std::string(stepped.status().message()));
     metrics_.ObserveStepNotTaken();
+    // What a client of the daemon can do (the engine's message leaves it to each program).
+    stepped = absl::Status(stepped.status().code(),
+                           absl::StrCat(stepped.status().message(), "; train on without the batch, or, if the weights "
+                                        "have diverged, load a checkpoint and lower the learning rate"));
   }
   // Counted for every step run, a failed or refused one too (its graph replayed all the same), so that they do not
   // land on the next step that succeeds.

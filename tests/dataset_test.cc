@@ -347,7 +347,7 @@ TEST(CompareWithPrior, SaysBetterOrWorseAndNamesADivergedModel) {
   for (const double diverged : {std::nan(""), -std::nan(""), double{INFINITY}}) {
     EXPECT_THAT(CompareWithPrior(diverged, 0.69),
                 ::testing::MatchesRegex("validation loss (nan|inf) vs class-prior baseline 0.69000: not finite, the "
-                                        "model has diverged \\(train again from a checkpoint with a lower --lr\\)"));
+                                        "model has diverged"));
   }
 }
 

@@ -380,7 +380,8 @@ absl::Status Train() {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::printf("step %5d  loss %.5f  grad_norm %.4f  lr %.2e  val_loss %s  %.2f steps/s\n", s, r.loss,
                   r.grad_norm, LearningRate(optimizer, s),
-                  validate ? absl::StrFormat("%.5f", val_loss).c_str() : "   -   ", s / seconds);
+                  validate ? absl::StrFormat("%.5f", std::isnan(val_loss) ? NAN : val_loss).c_str() : "   -   ",
+                  s / seconds);  // (NaN's sign bit printed "-nan")
       std::fflush(stdout);
     }
   }
@@ -393,6 +394,13 @@ absl::Status Train() {
   ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));
   const absl::Status best_saved = best.Report();
+  // A model whose validation outputs overflow is no result to exit 0 on (`train && deploy` shipped it).
+  if (stopped.ok() && !std::isfinite(val_loss)) {
+    if (!best_saved.ok()) spdlog::error("{}", std::string(best_saved.message()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model has diverged at step ", step, ": its validation loss is not finite (saved to --save all the "
+        "same); train again with a lower --lr"));
+  }
   if (stopped.ok()) return best_saved;
   if (!best_saved.ok()) spdlog::error("{}", std::string(best_saved.message()));
   return stopped;
