@@ -581,6 +581,11 @@ TEST(PerceptionctlTest, OutOfRangeFlagsAreRefusedNotReplacedByDefaults) {
       {absl::StrCat(" stream", files, " --instrument A --count 100 --reseed"),
        "INVALID_ARGUMENT: --reseed applies to --seed-window N"},
       {" bench --events 10000000000", "INVALID_ARGUMENT: --events 10000000000 is more than one bench keeps"},
+      // An infinite rate paced every send at the run's start, and bench timed its latencies from there.
+      {" bench --events 10 --rate inf", "INVALID_ARGUMENT: --rate must be a finite positive number of events per "
+                                        "second, or max, not 'inf'"},
+      {" train --lobster a b --steps 2 --total_steps -1", "INVALID_ARGUMENT: --total_steps must be >= 1 (0: the "
+                                                           "model's), got -1"},
       // The cosine schedule's settings under the constant schedule (init's default) were ignored, even contradictory.
       {" init --config tiny --lr_warmup_steps 50 --total_steps 10",
        "INVALID_ARGUMENT: --lr_warmup_steps sets the cosine schedule: without --lr_schedule cosine it would be "
