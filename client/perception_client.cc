@@ -39,9 +39,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
 // a long run from a daemon that stopped answering.
 class ResponseWatchdog {
  public:
-  // `unit` names what is owed in the error ("events", "steps").
-  ResponseWatchdog(grpc::ClientContext& context, absl::Duration timeout, std::string unit)
-      : context_(context), timeout_(timeout), unit_(std::move(unit)), thread_([this] { Watch(); }) {}
+  // `unit` names what is owed in the error ("events", "steps"), `limit` where `timeout` comes from.
+  ResponseWatchdog(grpc::ClientContext& context, absl::Duration timeout, std::string unit,
+                   std::string limit = "--timeout")
+      : context_(context),
+        timeout_(timeout),
+        unit_(std::move(unit)),
+        limit_(std::move(limit)),
+        thread_([this] { Watch(); }) {}
   ~ResponseWatchdog() { Stop(); }
 
   // `count` more answers owed; called before the write, so that a write blocked by a stalled daemon is timed too.
@@ -78,7 +83,7 @@ class ResponseWatchdog {
     const std::string owed = owed_ > answered_ ? absl::StrCat(owed_ - answered_, " ", unit_, " unanswered")
                                                : "the end of the call owed";
     return absl::DeadlineExceededError(absl::StrCat("no answer from the daemon for ", absl::FormatDuration(timeout_),
-                                                    " (--timeout) with ", owed, "; cancelled the call"));
+                                                    " (", limit_, ") with ", owed, "; cancelled the call"));
   }
 
  private:
@@ -104,7 +109,7 @@ class ResponseWatchdog {
 
   grpc::ClientContext& context_;
   const absl::Duration timeout_;
-  const std::string unit_;
+  const std::string unit_, limit_;
   mutable absl::Mutex mu_;
   int64_t owed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t answered_ ABSL_GUARDED_BY(mu_) = 0;
@@ -176,8 +181,9 @@ absl::StatusOr<v1::EvaluateResponse> PerceptionClient::Evaluate(const v1::Evalua
 }
 
 EventStream::EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
-                         absl::Duration ack_timeout)
-    : watchdog_(std::make_unique<ResponseWatchdog>(context_, ack_timeout, "events")), on_ack_(std::move(on_ack)) {
+                         absl::Duration ack_timeout, std::string limit)
+    : watchdog_(std::make_unique<ResponseWatchdog>(context_, ack_timeout, "events", std::move(limit))),
+      on_ack_(std::move(on_ack)) {
   // Corked, the call starts with the first Write, which the watchdog times, instead of here, where a daemon that
   // accepts connections but never answers (SIGSTOP) would block unwatched.
   context_.set_initial_metadata_corked(true);
@@ -224,8 +230,15 @@ absl::Status EventStream::Finish() {
   return watchdog_->Explain(FromGrpc(stream_->Finish()));
 }
 
-std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack) {
-  return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack), options_.timeout));
+std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack,
+                                                          absl::Duration ack_every) {
+  if (ack_every <= absl::ZeroDuration()) {
+    return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack), options_.timeout, "--timeout"));
+  }
+  return std::unique_ptr<EventStream>(
+      new EventStream(*perception_, std::move(on_ack), options_.timeout + ack_every,
+                      absl::StrCat("--timeout ", absl::FormatDuration(options_.timeout),
+                                   " past the daemon's acknowledgement interval, ", absl::FormatDuration(ack_every))));
 }
 
 absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {

@@ -41,8 +41,9 @@ class EventStream {
 
  private:
   friend class PerceptionClient;
+  // `ack_timeout`: how long owed acknowledgements may be waited for; `limit` names where it comes from.
   EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
-              absl::Duration ack_timeout);
+              absl::Duration ack_timeout, std::string limit);
 
   grpc::ClientContext context_;
   const std::unique_ptr<ResponseWatchdog> watchdog_;  // refers to context_, so declared after it
@@ -94,8 +95,10 @@ class PerceptionClient {
   absl::StatusOr<v1::EvaluateResponse> Evaluate(const v1::EvaluateRequest& request);
 
   // Live streaming. OpenStream starts a Stream call (cancelled when events wait longer than options.timeout for an
-  // acknowledgement); `on_ack` sees each acknowledgement on the stream's reader thread.
-  std::unique_ptr<EventStream> OpenStream(std::function<void(const v1::StreamResponse&)> on_ack);
+  // acknowledgement, beyond `ack_every`: the daemon's acknowledgement interval, GetStatus.streaming.ack_every_ms,
+  // which a paced stream's events may wait out); `on_ack` sees each acknowledgement on the stream's reader thread.
+  std::unique_ptr<EventStream> OpenStream(std::function<void(const v1::StreamResponse&)> on_ack,
+                                          absl::Duration ack_every = absl::ZeroDuration());
   absl::StatusOr<v1::SeedStreamResponse> SeedStream(const v1::SeedStreamRequest& request);
   absl::StatusOr<v1::ReadConvictionsResponse> ReadConvictions(const v1::ReadConvictionsRequest& request);
   absl::StatusOr<v1::ResetStreamResponse> ResetStream(const v1::ResetStreamRequest& request);

@@ -218,8 +218,8 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
   return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first, count(0),
                       " --start_seq ", acked + 1,
-                      ", or from the instrument's end_seq in `perceptionctl streams` where that differs: the daemon "
-                      "took more than it acknowledged)");
+                      ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0, "
+                      "where that differs: the daemon took more than it acknowledged)");
 }
 
 absl::Status CheckStreamOptions(const StreamOptions& options) {
@@ -294,10 +294,12 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
 
   absl::Mutex mu;
   uint64_t acked = 0;  // guarded by mu
-  const std::unique_ptr<EventStream> stream = client.OpenStream([&](const v1::StreamResponse& response) {
-    absl::MutexLock lock(&mu);
-    for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
-  });
+  const std::unique_ptr<EventStream> stream = client.OpenStream(
+      [&](const v1::StreamResponse& response) {
+        absl::MutexLock lock(&mu);
+        for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
+      },
+      absl::Milliseconds(daemon.streaming().ack_every_ms()));
   // At full speed requests carry many events; paced, one event each so that each leaves on time.
   const int per_request = options.rate > 0 ? 1 : 256;
   const Pacer pacer(options.rate);
@@ -324,8 +326,18 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   if (status.ok() && acked != seq_of(n - 1)) {
     status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
   }
+  // The daemon may have taken events it had not acknowledged: their numbers are used (its end_seq says how far).
   if (!status.ok() && acked == 0) {
-    return absl::Status(status.code(), absl::StrCat(status.message(), "; the daemon acknowledged none of its events"));
+    return absl::Status(
+        status.code(),
+        absl::StrCat(status.message(), "; the daemon acknowledged none of its events, but may have taken some ",
+                     "(resume from the instrument's end_seq E in `perceptionctl streams`, once its pending reads 0, "
+                     "with ",
+                     "--first ", first + options.seed_window, " + (E - ", seq_of(options.seed_window), ")",
+                     options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ",
+                                                      seq_of(options.seed_window), ")")
+                                       : "",
+                     " --start_seq E; where it is not listed, the daemon took none: run the same command again)"));
   }
   if (!status.ok()) {
     return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code())));
@@ -509,7 +521,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           if (acked_i < events_of(i)) through = std::min(through, acked_i);
         }
         acked_rounds = through;
-      });
+      }, absl::Milliseconds(status.streaming().ack_every_ms()));
       const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
       std::mt19937 rng(ci);
       std::uniform_real_distribution<float> uniform(-1.f, 1.f);

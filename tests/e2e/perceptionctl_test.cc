@@ -1155,8 +1155,68 @@ TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
                    " --instrument AAPL --rate 200"),
       streaming);
   EXPECT_EQ(stream.exit_code, 1) << stream.output;
-  EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2s (--timeout) with "));
+  EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 2.05s (--timeout 2s past "
+                                       "the daemon's acknowledgement interval, 50ms) with "));
   EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
+}
+
+// A daemon that acknowledges every --stream_ack_ms is not a stalled one: a paced stream's events wait that long for
+// their acknowledgement, and the client's watchdog cancelled a healthy run once the interval passed --timeout.
+TEST(PerceptionctlTest, AStreamWaitsOutTheDaemonsAcknowledgementInterval) {
+  const ScopedTempDir temp("ctl_slow_acks");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--stream_ack_ms=2500", "--stream_ack_events=100000"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const CommandResult stream = RunCommand(absl::StrCat(kKillAfter30s, ctl, " --timeout 1s stream --lobster ",
+                                                       kOrderbook, " ", kMessages, " --instrument A --count 8 --rate 4"));
+  EXPECT_EQ(stream.exit_code, 0) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("streamed 8 events of A (seq 1..8) in "));
+}
+
+// A daemon that stops answering before its first acknowledgement may have taken events all the same: the error said
+// "the daemon acknowledged none of its events", and the same command then met "sequence number 1 out of order".
+TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) {
+  const ScopedTempDir temp("ctl_no_acks");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--stream_ack_ms=5000", "--stream_ack_events=100000"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const auto streaming = [&] {
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() > 0;
+  };
+  const auto [waited, stream] = RunThenStopTheDaemon(
+      **daemon,
+      absl::StrCat(kKillAfter30s, ctl, " --timeout 1s stream --lobster ", kOrderbook, " ", kMessages,
+                   " --instrument AAPL --first 100 --count 500 --start_seq 7 --rate 100"),
+      streaming);
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("DEADLINE_EXCEEDED: no answer from the daemon for 6s (--timeout 1s past the "
+                                       "daemon's acknowledgement interval, 5s) with "));
+  EXPECT_THAT(stream.output, HasSubstr("; the daemon acknowledged none of its events, but may have taken some (resume "
+                                       "from the instrument's end_seq E in `perceptionctl streams`, once its pending "
+                                       "reads 0, with --first 100 + (E - 7) --count 500 - (E - 7) --start_seq E; "
+                                       "where it is not listed, the daemon took none: run the same command again)"));
+  // The advice, followed: the rest of the 500 events from the instrument's end_seq, once what it took is processed.
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(10);
+       streams.ok() && streams->streams_size() == 1 && streams->streams(0).pending_events() > 0 &&
+       absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(20));
+    streams = (*daemon)->client().ListStreams();
+  }
+  ASSERT_TRUE(streams.ok() && streams->streams_size() == 1) << streams.status();
+  ASSERT_EQ(streams->streams(0).pending_events(), 0u);
+  const uint64_t end = streams->streams(0).end_seq();
+  ASSERT_GT(end, 7u);
+  const CommandResult resumed = RunCommand(absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages,
+                                                        " --instrument AAPL --first ", 100 + (end - 7), " --count ",
+                                                        500 - (end - 7), " --start_seq ", end));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr(absl::StrCat("(seq ", end, "..506)")));
 }
 
 // A one-off call past --timeout says which limit it met and that the daemon may still do what it was asked: the
