@@ -152,12 +152,15 @@ absl::StatusOr<ConvictionsCsv> ReadConvictionsCsv(PerceptionClient& client, cons
 struct RetainedLog {
   uint64_t oldest = 0, end = 0, first_logged = 0;
 };
+RetainedLog RetainedLogOf(const v1::StreamInfo& stream) {
+  // processed_events and end_seq count the same finished entries, and a reset keeps the numbers and the log going.
+  return RetainedLog{stream.oldest_retained_seq(), stream.end_seq(),
+                     stream.end_seq() - std::min(stream.processed_events(), stream.end_seq())};
+}
 absl::StatusOr<RetainedLog> RetainedLogOf(PerceptionClient& client, const std::string& instrument) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, instrument));
   if (!stream.has_value()) return RetainedLog{};
-  // processed_events and end_seq count the same finished entries, and a reset keeps the numbers and the log going.
-  return RetainedLog{stream->oldest_retained_seq(), stream->end_seq(),
-                     stream->end_seq() - std::min(stream->processed_events(), stream->end_seq())};
+  return RetainedLogOf(*stream);
 }
 
 // Where a log kept `kept` convictions an instrument and `wanted` of them were asked of it: how to keep them all.
@@ -185,6 +188,21 @@ absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
       "--start_seq ", start_seq, " numbers the last of ", n, " events past ", kMaxSeq,
       ", the largest sequence number the daemon takes; with ", n, " events --start_seq must be <= ",
       kMaxSeq - static_cast<uint64_t>(n - 1)));
+}
+
+// Where the failure stopped the instrument (a failed tick, an output not finite), resuming needs a reset or a seed
+// first: the resume flags alone were refused ("stopped at seq N"). Asked only of a daemon that answers (a stalled one
+// would hold the question for --timeout as well).
+std::string StoppedAdvice(PerceptionClient& client, const std::string& instrument, absl::StatusCode code) {
+  if (code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kUnavailable ||
+      code == absl::StatusCode::kCancelled) {
+    return "";
+  }
+  const absl::StatusOr<std::optional<v1::StreamInfo>> stream = FindStream(client, instrument);
+  if (!stream.ok() || !stream->has_value() || (*stream)->stopped().empty()) return "";
+  return absl::StrCat(". The instrument is stopped: before resuming, run `perceptionctl streams reset ", instrument,
+                      "` (its state zeroed), or resume with --seed-window N --reseed as well, the N events before the "
+                      "resume point seeding its state");
 }
 
 }  // namespace
@@ -337,10 +355,12 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
                      options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ",
                                                       seq_of(options.seed_window), ")")
                                        : "",
-                     " --start_seq E; where it is not listed, the daemon took none: run the same command again)"));
+                     " --start_seq E; where it is not listed, the daemon took none: run the same command again)",
+                     StoppedAdvice(client, options.instrument, status.code())));
   }
   if (!status.ok()) {
-    return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code())));
+    return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code()),
+                                                    StoppedAdvice(client, options.instrument, status.code())));
   }
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),
@@ -348,7 +368,21 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
               static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
   // Whatever the warning before the run foresaw (another client may read or stream the instrument too): what the
   // log still holds of this run now.
-  ASSIGN_OR_RETURN(const RetainedLog log, RetainedLogOf(client, options.instrument));
+  ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> listed, FindStream(client, options.instrument));
+  // Another client's CloseStream during the run: the log the daemon keeps is not this run's (what it had was
+  // dropped, and the events after the close ran from a zeroed state), where the run read as "overwritten".
+  if (!listed.has_value()) {
+    return absl::DataLossError(absl::StrCat("instrument '", options.instrument, "' was closed (CloseStream) during ",
+                                            "or right after the run: the daemon holds none of its convictions"));
+  }
+  const RetainedLog log = RetainedLogOf(*listed);
+  if (log.first_logged > seq_of(options.seed_window)) {
+    return absl::DataLossError(absl::StrCat(
+        "instrument '", options.instrument, "' was closed (CloseStream) during the run and opened afresh by seq ",
+        log.first_logged, ": the convictions of seq ", seq_of(options.seed_window), "..", log.first_logged - 1,
+        " are gone, and those from seq ", log.first_logged, " on come from a zeroed state, not from the events "
+        "before it"));
+  }
   if (log.oldest > seq_of(options.seed_window)) {
     std::printf("its log now holds seq %llu..%llu: the convictions of seq %llu..%llu were overwritten\n",
                 static_cast<unsigned long long>(log.oldest), static_cast<unsigned long long>(log.end - 1),

@@ -1160,6 +1160,56 @@ TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
   EXPECT_LT(waited, absl::Seconds(4)) << "within twice the timeout";
 }
 
+// A stream that stops its instrument (here: a diverged model's outputs are not finite from the first event) said to
+// resume with flags the daemon then refused ("stopped at seq N"): the instrument needs a reset or a seed first.
+TEST(PerceptionctlTest, AStreamThatStopsItsInstrumentSaysToResetItBeforeResuming) {
+  const ScopedTempDir temp("ctl_stopped_resume");
+  const std::filesystem::path diverged = temp.path() / "checkpoints" / "diverged.safetensors";
+  std::filesystem::create_directories(diverged.parent_path());
+  const CommandResult trained = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny",
+                                                        kLongFeed, " --lr 100 --steps 300 --val_every 0 --save ",
+                                                        diverged.string()));
+  ASSERT_TRUE(std::filesystem::exists(diverged)) << trained.output;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " checkpoint load diverged.safetensors")).exit_code, 0);
+  const CommandResult stream = RunCommand(absl::StrCat(ctl, " stream", kLongFeed, " --instrument nf --count 20"));
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("stopped at seq 1: the model's output for that event was not finite"));
+  EXPECT_THAT(stream.output, HasSubstr(". The instrument is stopped: before resuming, run `perceptionctl streams "
+                                       "reset nf` (its state zeroed), or resume with --seed-window N --reseed as "
+                                       "well"));
+}
+
+// Another client's CloseStream during a run dropped the instrument's convictions so far, and the events after it ran
+// from a zeroed state: the run exited 0 saying its first convictions "were overwritten".
+TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
+  const ScopedTempDir temp("ctl_closed_mid_run");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand,
+                                                  absl::StrCat(ctl, " stream", kLongFeed,
+                                                               " --instrument cl --count 3000 --rate 1500"));
+  const auto processed = [&] {
+    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+    return streams.ok() && streams->streams_size() == 1 ? streams->streams(0).processed_events() : 0;
+  };
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20); processed() < 300 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  v1::CloseStreamRequest close;
+  close.set_instrument("cl");
+  ASSERT_TRUE((*daemon)->client().CloseStream(close).ok());
+  const CommandResult stream = running.get();
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("DATA_LOSS: instrument 'cl' was closed (CloseStream) during the run and opened "
+                                       "afresh by seq "));
+  EXPECT_THAT(stream.output, Not(HasSubstr("were overwritten")));
+}
+
 // A daemon that acknowledges every --stream_ack_ms is not a stalled one: a paced stream's events wait that long for
 // their acknowledgement, and the client's watchdog cancelled a healthy run once the interval passed --timeout.
 TEST(PerceptionctlTest, AStreamWaitsOutTheDaemonsAcknowledgementInterval) {
