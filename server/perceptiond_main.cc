@@ -80,8 +80,9 @@ ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
 ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "on SIGTERM/SIGINT/SIGHUP, after --drain_grace: how much longer reads still answer while convictions wait to "
           "be read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
-          "process); the listener closes as soon as none waits, the device is lost, or a second signal arrives; 0: "
-          "not at all");
+          "process), ending as soon as none waits, the device is lost, or a second signal arrives (0: not at all); "
+          "then the listener closes once the calls in flight are answered (their accepted events processed, for up "
+          "to 60 s)");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots, at most 2^30 (each slot retains total / "
@@ -589,7 +590,16 @@ void WaitForReadBack(const StreamBatcher& streams) {
   } else if (limit > absl::ZeroDuration()) {
     why = absl::StrCat("--drain_for_reads (", absl::FormatDuration(limit), ") ran out");
   }
-  spdlog::warn("{}: they are lost with the exit ({})", DescribeUnread(unread), why);
+  // Not lost yet: calls in flight still have their accepted events processed and acknowledged, and reads answer,
+  // until WaitForAnswersDelivered lets the listener close (LogLostWithTheExit).
+  spdlog::warn("{}: the drain stops waiting for them ({}); calls in flight are still answered, their events processed, "
+               "for up to {}", DescribeUnread(unread), why, absl::FormatDuration(kShutdownTimeout));
+}
+
+// What no client read back by the time the listener closes: it goes with the exit (the device's memory).
+void LogLostWithTheExit(const StreamBatcher& streams) {
+  const StreamBatcher::Unread unread = streams.NotReadBack();
+  if (!unread.none()) spdlog::warn("{}: they are lost with the exit", DescribeUnread(unread));
 }
 
 // Until the answers owed are delivered, for at most kShutdownTimeout or until a second signal.
@@ -621,6 +631,7 @@ void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher
   }
   WaitForReadBack(streams);
   WaitForAnswersDelivered(calls);
+  LogLostWithTheExit(streams);
   StopListening(server);
 }
 

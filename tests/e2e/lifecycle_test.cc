@@ -791,8 +791,8 @@ TEST(LifecycleTest, ASecondSignalEndsTheDrainGrace) {
   EXPECT_LT(absl::Now() - second_signal, absl::Seconds(5));
 }
 
-// Convictions nobody reads hold the drain only for --drain_for_reads, or until a second signal; the log says what
-// was lost.
+// Convictions nobody reads hold the drain only for --drain_for_reads, or until a second signal; the log says why the
+// wait ended and, as the listener closes, what was lost.
 TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondSignal) {
   for (const bool second_signal : {false, true}) {
     SCOPED_TRACE(second_signal ? "second signal" : "limit");
@@ -819,8 +819,12 @@ TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondS
       EXPECT_GE(absl::Now() - signalled, absl::Seconds(2));
     }
     const std::string why = second_signal ? "a second signal ended the wait" : "--drain_for_reads (2s) ran out";
-    EXPECT_THAT((*daemon)->Log(), HasSubstr(absl::StrCat("10 conviction(s) of 1 stream(s) not read back and 0 event(s) "
-                                                         "still to process: they are lost with the exit (", why, ")")));
+    EXPECT_THAT((*daemon)->Log(),
+                HasSubstr(absl::StrCat("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to process: "
+                                       "the drain stops waiting for them (", why, "); calls in flight are still "
+                                       "answered, their events processed, for up to 1m")));
+    EXPECT_THAT((*daemon)->Log(), HasSubstr("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to "
+                                            "process: they are lost with the exit\n"));
     if (second_signal) {
       EXPECT_THAT((*daemon)->Log(), HasSubstr("Terminated again: the drain's waits end now"));
     }

@@ -1460,8 +1460,9 @@ TEST(PerceptionctlTest, ALostDeviceEndsTheStreamUnavailableAndTheDaemonExitsNonZ
   EXPECT_THAT((*daemon)->Log(), HasSubstr(lost));
   // The log tells what the loss took, and no signal that nobody sent.
   EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("Terminated: draining")));
-  EXPECT_THAT((*daemon)->Log(), HasSubstr("not read back and 0 event(s) still to process: they are lost with the exit "
-                                          "(the device is lost)"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("not read back and 0 event(s) still to process: the drain stops waiting for "
+                                          "them (the device is lost)"));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("not read back and 0 event(s) still to process: they are lost with the exit"));
   EXPECT_THAT((*daemon)->Log(), HasSubstr("--checkpoint_on_exit=exit.safetensors not saved: the model was on the lost "
                                           "device"));
   EXPECT_FALSE(std::filesystem::exists(temp.path() / "checkpoints" / "exit.safetensors"));
