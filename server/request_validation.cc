@@ -90,6 +90,16 @@ absl::Status CheckTrainingShapeWithinLimits(const ModelConfig& config, const Lim
                                                      " events exceeds the daemon's limits (", limits.max_batch, " x ",
                                                      limits.max_window, ")"));
   }
+  // A batch is one TrainStep request: x, dt, labels and mask as packed floats, plus a few bytes of tags and lengths.
+  // Beyond --max_message_bytes none could ever be sent, and the first train failed in gRPC's words, not these.
+  constexpr int64_t kRequestFraming = 64;
+  const int64_t floats = int64_t{config.batch} * config.window * (config.n_features + 1 + 2 * config.n_horizons);
+  if (const int64_t bytes = 4 * floats + kRequestFraming; bytes > limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "training shape ", config.batch, " windows x ", config.window, " events makes batches of ", bytes,
+        " bytes, beyond the daemon's largest message (--max_message_bytes ", limits.max_message_bytes,
+        "): none could be sent; a smaller batch or window fits"));
+  }
   return absl::OkStatus();
 }
 

@@ -22,7 +22,7 @@ struct Limits {
 // dt >= 0, labels and mask in {0, 1}. The message names the field, and for a bad value its index and position.
 absl::Status ValidateBatch(const v1::Batch& batch, const Limits& limits);
 
-// A model's training shape fits the limits (RESOURCE_EXHAUSTED otherwise).
+// A model's training shape fits the limits, its batches within --max_message_bytes (RESOURCE_EXHAUSTED otherwise).
 absl::Status CheckTrainingShapeWithinLimits(const ModelConfig& config, const Limits& limits);
 
 }  // namespace perception::server

@@ -201,6 +201,15 @@ TEST_F(ValidationTest, BadModelRequestsAreRefused) {
   too_wide.set_window(65);
   ExpectRefused(client().InitModel(too_wide).status(), absl::StatusCode::kResourceExhausted,
                 "training shape 2 windows x 65 events exceeds the daemon's limits (8 x 64)");
+  // Within the batch and window limits, but its batches (4 bytes x 8 x 64 x (600 + 1 + 2 x 3) floats) are beyond
+  // --max_message_bytes: the model was made, and its first train failed in gRPC's words.
+  v1::InitModelRequest too_heavy = TinyInitRequest(1);
+  too_heavy.set_n_features(600);
+  too_heavy.set_batch(8);
+  too_heavy.set_window(64);
+  ExpectRefused(client().InitModel(too_heavy).status(), absl::StatusCode::kResourceExhausted,
+                "training shape 8 windows x 64 events makes batches of 1243200 bytes, beyond the daemon's largest "
+                "message (--max_message_bytes 1048576): none could be sent; a smaller batch or window fits");
   InitTiny();
   ExpectNextStepSucceeds();
 
