@@ -59,6 +59,12 @@ std::pair<absl::Duration, CommandResult> RunThenStopTheDaemon(Daemon& daemon, co
   return {waited, std::move(result)};
 }
 
+// The processed events of the daemon's one live stream (0 while it has none, or more than one).
+uint64_t ProcessedByTheOnlyStream(Daemon& daemon) {
+  const absl::StatusOr<v1::ListStreamsResponse> streams = daemon.client().ListStreams();
+  return streams.ok() && streams->streams_size() == 1 ? streams->streams(0).processed_events() : 0;
+}
+
 // N of a failed `perceptionctl stream`'s "acknowledged through seq N"; nullopt when it says none.
 std::optional<uint64_t> AcknowledgedThrough(const std::string& output) {
   const std::string through = "acknowledged through seq ";
@@ -1145,10 +1151,7 @@ TEST(PerceptionctlTest, StreamGivesUpOnADaemonThatStopsAnswering) {
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
 
-  const auto streaming = [&] {
-    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
-    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() > 0;
-  };
+  const auto streaming = [&] { return ProcessedByTheOnlyStream(**daemon) > 0; };
   const auto [waited, stream] = RunThenStopTheDaemon(
       **daemon,
       absl::StrCat(kKillAfter30s, ctl, " --timeout 2s stream --lobster ", kOrderbook, " ", kMessages,
@@ -1193,11 +1196,8 @@ TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
   std::future<CommandResult> running = std::async(std::launch::async, RunCommand,
                                                   absl::StrCat(ctl, " stream", kLongFeed,
                                                                " --instrument cl --count 3000 --rate 1500"));
-  const auto processed = [&] {
-    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
-    return streams.ok() && streams->streams_size() == 1 ? streams->streams(0).processed_events() : 0;
-  };
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20); processed() < 300 && absl::Now() < give_up;) {
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       ProcessedByTheOnlyStream(**daemon) < 300 && absl::Now() < give_up;) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   v1::CloseStreamRequest close;
@@ -1234,10 +1234,7 @@ TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) 
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
-  const auto streaming = [&] {
-    absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
-    return streams.ok() && streams->streams_size() == 1 && streams->streams(0).processed_events() > 0;
-  };
+  const auto streaming = [&] { return ProcessedByTheOnlyStream(**daemon) > 0; };
   const auto [waited, stream] = RunThenStopTheDaemon(
       **daemon,
       absl::StrCat(kKillAfter30s, ctl, " --timeout 1s stream --lobster ", kOrderbook, " ", kMessages,
