@@ -193,6 +193,26 @@ TEST_F(ValidationTest, InitModelTakesAFullConfigAndRefusesAnInvalidOne) {
   ASSERT_TRUE(step.ok()) << step.status();
 }
 
+// A client that floods refused calls does not flood the log: each method and code logs 20 lines every 10 s (the
+// metrics count every call), and the next line after the period says how many were left out.
+TEST_F(ValidationTest, RefusedCallsAreLoggedAtMostTwentyEveryTenSeconds) {
+  v1::InitModelRequest too_wide = TinyInitRequest(1);
+  too_wide.set_window(65);
+  for (int i = 0; i < 30; ++i) {
+    ASSERT_EQ(client().InitModel(too_wide).status().code(), absl::StatusCode::kResourceExhausted);
+  }
+  const std::string log = daemon_->Log();
+  const std::string line = "InitModel refused: RESOURCE_EXHAUSTED: training shape 2 windows x 65 events";
+  size_t lines = 0;
+  for (size_t at = log.find(line); at != std::string::npos; at = log.find(line, at + 1)) ++lines;
+  EXPECT_EQ(lines, 20u) << log;
+  absl::StatusOr<std::string> metrics = HttpGet(daemon_->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics,
+              HasSubstr("perception_rpc_duration_seconds_count{code=\"RESOURCE_EXHAUSTED\",method=\"InitModel\"} 30"))
+      << "the calls are counted all the same";
+}
+
 TEST_F(ValidationTest, BadModelRequestsAreRefused) {
   v1::InitModelRequest unknown = TinyInitRequest(1);
   unknown.set_config_name("huge");

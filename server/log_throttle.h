@@ -1,0 +1,37 @@
+// Bounds how many log lines of one kind (a method and a status code) the daemon writes per period.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace perception::server {
+
+// A client that floods refused or cancelled calls would flood the log line by line (the metrics count every call):
+// each kind logs at most `burst` lines a `period`, and the first line after a period that dropped some says how many.
+class LogThrottle {
+ public:
+  LogThrottle(int burst, absl::Duration period, std::function<absl::Time()> now = [] { return absl::Now(); });
+
+  // Whether a line of `kind` is logged now; where it is, `dropped` is how many of the kind were not since the last.
+  bool Admit(const std::string& kind, int64_t& dropped);
+
+ private:
+  struct Window {
+    absl::Time start;
+    int logged = 0;
+    int64_t dropped = 0;
+  };
+  const int burst_;
+  const absl::Duration period_;
+  const std::function<absl::Time()> now_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace perception::server
