@@ -9,6 +9,8 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
@@ -45,10 +47,33 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return std::move(text).str();
 }
 
+constexpr absl::string_view kUtf8ByteOrderMark = "\xEF\xBB\xBF";
+
+// A field as an error quotes it: bytes that do not print (a carriage return, a byte-order mark) escaped, where the
+// terminal showed a field that looked valid, or a line overwritten by the message's own tail.
+std::string Shown(absl::string_view field) {
+  std::string shown;
+  for (const char c : field) {
+    if (c == '\r') {
+      shown += "\\r";
+    } else if (c == '\t') {
+      shown += "\\t";
+    } else if (absl::ascii_isprint(static_cast<unsigned char>(c))) {
+      shown += c;
+    } else {
+      absl::StrAppend(&shown, "\\x", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+    }
+  }
+  return shown;
+}
+
 // A CSV file in memory, walked line by line so that every error can name "<path>:<line>".
 class CsvLines {
  public:
-  CsvLines(const std::string& path, std::string text) : path_(path), text_(std::move(text)) {}
+  // A UTF-8 byte-order mark (a spreadsheet's export) is not part of the first field.
+  CsvLines(const std::string& path, std::string text) : path_(path), text_(std::move(text)) {
+    if (absl::StartsWith(text_, kUtf8ByteOrderMark)) position_ = kUtf8ByteOrderMark.size();
+  }
 
   // Advances to the next line and splits it at commas; false once the text is used up. Empty lines at the end
   // are not rows: an editor or a concatenation easily leaves one, and refusing the whole file for it helps no one.
@@ -78,10 +103,10 @@ class CsvLines {
     const absl::string_view field = fields_[column];
     const auto [end, error] = std::from_chars(field.data(), field.data() + field.size(), value);
     if (error == std::errc::result_out_of_range && end == field.data() + field.size()) {
-      return Error(absl::StrCat("column ", column + 1, " is out of a 64-bit integer's range: '", field, "'"));
+      return Error(absl::StrCat("column ", column + 1, " is out of a 64-bit integer's range: '", Shown(field), "'"));
     }
     if (field.empty() || error != std::errc() || end != field.data() + field.size()) {
-      return Error(absl::StrCat("column ", column + 1, " is not an integer: '", field, "'"));
+      return Error(absl::StrCat("column ", column + 1, " is not an integer: '", Shown(field), "'"));
     }
     return absl::OkStatus();
   }
@@ -90,7 +115,7 @@ class CsvLines {
     const absl::string_view field = fields_[column];
     const auto [end, error] = std::from_chars(field.data(), field.data() + field.size(), value);
     if (field.empty() || error != std::errc() || end != field.data() + field.size() || !std::isfinite(value)) {
-      return Error(absl::StrCat("column ", column + 1, " is not a time in seconds: '", field, "'"));
+      return Error(absl::StrCat("column ", column + 1, " is not a time in seconds: '", Shown(field), "'"));
     }
     return absl::OkStatus();
   }

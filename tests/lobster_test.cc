@@ -158,8 +158,8 @@ class ReadLobsterErrors : public ::testing::Test {
 
   void ExpectError(const absl::Status& status, const std::string& file_and_line, const std::string& what) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-    EXPECT_THAT(status.message(), HasSubstr(file_and_line)) << status;
-    EXPECT_THAT(status.message(), HasSubstr(what)) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(file_and_line));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(what));
   }
 
   std::string orderbook_, message_;
@@ -227,6 +227,17 @@ TEST_F(ReadLobsterErrors, NonNumericTime) {
                    "34200.017459617,5,0,1,2238200,-1\n34200.18960767,1,11885113,21,2238100,1\n"
                    "noon,4,11885113,21,2238100,1\n"),
               message_ + ":3:", "column 1 is not a time in seconds: 'noon'");
+}
+
+// A spreadsheet's export starts with a UTF-8 byte-order mark: it was read as part of the first field, refused as "not
+// an integer: '2239500'" (the mark does not print). It is skipped; a byte that does not print elsewhere is escaped in
+// the message, where a lone carriage return (old Mac line ends) overwrote the line on a terminal.
+TEST_F(ReadLobsterErrors, AByteOrderMarkIsSkippedAndUnprintableBytesAreEscaped) {
+  EXPECT_TRUE(Read(std::string("\xEF\xBB\xBF") + kBook, std::string("\xEF\xBB\xBF") + kMessages).ok());
+  ExpectError(Read("2239500,100,2231800,1\r00\n", kMessages), orderbook_ + ":1:",
+              "column 4 is not an integer: '1\\r00'");
+  ExpectError(Read(kBook, std::string("34200.017459617,5,0,1,2238200,-1\n\xEF\xBB\xBF") + (kMessages + 33)),
+              message_ + ":2:", "column 1 is not a time in seconds: '\\xef\\xbb\\xbf34200.18960767'");
 }
 
 // A value past int64's range was reported as "not an integer".
