@@ -39,7 +39,8 @@ TEST(ModelHostReplaceTest, AnInitOrLoadThatReplacesAModelNamesTheStepItDiscards)
   ASSERT_TRUE(host.Init(config, OptimizerConfig{}, 4, std::nullopt, /*replace=*/true).ok());
   EXPECT_THAT(log.lines(), Contains(AllOf(HasSubstr("model initialized"), HasSubstr("seed 4"),
                                           HasSubstr("the model it replaces, at step 3, is discarded"))));
-  const absl::StatusOr<double> load = host.Load(saved.string(), std::nullopt, Limits{.max_batch = 64, .max_window = 64});
+  const Limits limits{.max_message_bytes = 1 << 20, .max_batch = 64, .max_window = 64};
+  const absl::StatusOr<double> load = host.Load(saved.string(), std::nullopt, limits);
   ASSERT_TRUE(load.ok()) << load.status();
   EXPECT_THAT(log.lines(), Contains(AllOf(HasSubstr("loaded checkpoint"), HasSubstr("(step 3)"),
                                           HasSubstr("the model it replaces, at step 0, is discarded"))));
