@@ -23,6 +23,7 @@
 #include "engine/config.h"
 #include "engine/backend.h"
 #include "engine/dataset.h"
+#include "engine/host_allocation.h"
 #include "engine/lobster.h"
 #include "engine/npy.h"
 #include "engine/precision.h"
@@ -353,7 +354,13 @@ absl::Status Train() {
   // A step whose gradient norm is not finite ends the run on the model before it, which is still saved.
   absl::Status stopped;
   int64_t last_validated = -1;
-  sampler.Sample(config.batch, batches[0]);
+  // The two batches' buffers come with the first sample: a shape the host cannot hold is refused, where std::bad_alloc
+  // aborted the program.
+  RETURN_IF_ERROR(AllocateOrExhausted(
+      absl::StrCat("two training batches of ", config.batch, " windows x ", config.window, " events"), [&] {
+        sampler.Sample(config.batch, batches[0]);
+        batches[1] = batches[0];
+      }));
   for (int s = 1; s <= steps; ++s) {
     const Batch& batch = batches[(s - 1) % 2];
     Batch& next = batches[s % 2];

@@ -804,6 +804,21 @@ TEST(PerceptionCliTest, ARunWhoseValidationIsNotFiniteExitsNonZero) {
                                     "(saved to --save all the same); train again with a lower --lr"));
 }
 
+// A training shape the host cannot hold aborted on std::bad_alloc (exit 134) in the first batch's sampling; it is
+// refused with what it needed. The address space is held to 2.5 GB for the run, below the two batches' ~4.7 GB.
+TEST(PerceptionCliTest, TrainingBatchesTheHostCannotHoldAreRefused) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's shadow memory does not run under an address-space limit";
+#endif
+  const ScopedTempDir temp("cli_huge_batches");
+  const CommandResult run = RunCommand(absl::StrCat(
+      "ulimit -v 2500000; ", PERCEPTION_CLI_PATH, " train --device cpu --config tiny", kLongFeed,
+      " --steps 1 --window 15000 --batch 1600 --save ", (temp.path() / "big.safetensors").string()));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("perception: cannot allocate two training batches of 1600 windows x 15000 events: "
+                                    "out of host memory"));
+}
+
 // A step whose gradient norm is not finite ended the run with exit 1 and nothing saved: the steps before it were lost
 // and the daemon's advice (train on without the batch) could not be taken. The run now stops there and saves the
 // model before that step, whose weights are finite (LoadCheckpoint refuses a NaN), then exits 1 saying so.
