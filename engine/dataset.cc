@@ -193,6 +193,36 @@ std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted
                       "where one differs moves the model's input by 1e6 a unit; fit on data where they vary");
 }
 
+std::string FlooredFeaturesVaryWarning(const Normalizer& normalizer, const EventSeries& series) {
+  const size_t F = normalizer.mean.size();
+  if (static_cast<size_t>(series.n_features) != F) return "";
+  const int levels = (static_cast<int>(F) - LobsterFeatureCount(0)) / 4;
+  std::vector<std::string> varied;
+  for (const int f : UnvaryingFeatures(normalizer)) {
+    size_t differ = 0;
+    for (size_t i = 0; i < series.size(); ++i) differ += series.features[i * F + f] != normalizer.mean[f];
+    if (differ > 0) varied.push_back(absl::StrCat(LobsterFeatureName(f, levels), " (", differ, " events)"));
+  }
+  if (varied.empty()) return "";
+  return absl::StrCat("the model's normalizer was fitted where feature(s) ", absl::StrJoin(varied, ", "),
+                      " never varied (inv_std 1e6, MODEL.md's std floor of 1e-6), and these events differ there: each "
+                      "such event moves the model's input by 1e6 a unit, so its outputs, and the stream's after it, are "
+                      "not to be trusted; fit the normalizer on data where these features vary");
+}
+
+Normalizer ReadNormalizer(const ParamLayout& layout, std::span<const float> params) {
+  const TensorSpec& mean = layout.tensor(layout.norm_mean);
+  const TensorSpec& inv_std = layout.tensor(layout.norm_inv_std);
+  const auto mean_values = params.subspan(mean.offset, mean.size);
+  const auto inv_std_values = params.subspan(inv_std.offset, inv_std.size);
+  return {{mean_values.begin(), mean_values.end()}, {inv_std_values.begin(), inv_std_values.end()}};
+}
+
+void WriteNormalizer(const ParamLayout& layout, const Normalizer& normalizer, std::span<float> params) {
+  std::ranges::copy(normalizer.mean, params.subspan(layout.tensor(layout.norm_mean).offset).begin());
+  std::ranges::copy(normalizer.inv_std, params.subspan(layout.tensor(layout.norm_inv_std).offset).begin());
+}
+
 std::vector<double> ClassPrior(const EventSeries& series) {
   const size_t horizons = static_cast<size_t>(series.n_horizons);
   std::vector<double> positives(horizons, 0.0), counted(horizons, 0.0);

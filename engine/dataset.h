@@ -44,6 +44,9 @@ struct Normalizer {
   std::vector<float> mean, inv_std;
 };
 Normalizer FitNormalizer(const EventSeries& series);
+// The normalizer a flat parameter buffer holds (its norm.mean and norm.inv_std tensors), and one written into it.
+Normalizer ReadNormalizer(const ParamLayout& layout, std::span<const float> params);
+void WriteNormalizer(const ParamLayout& layout, const Normalizer& normalizer, std::span<float> params);
 // The features whose std fell to the 1e-6 floor: constant in the data the normalizer was fitted on. Their inv_std is
 // 1e6, so a later event where one differs by a unit moves the model's input by a million, as MODEL.md §2 step 0
 // defines; a user should know before training on such a fit.
@@ -51,6 +54,9 @@ std::vector<int> UnvaryingFeatures(const Normalizer& normalizer);
 // A warning naming UnvaryingFeatures (LOBSTER names, for a normalizer of a LOBSTER transform's width) and what they
 // do to later events; empty when every feature varied.
 std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted_events);
+// A warning naming the UnvaryingFeatures that vary in `series` (a LOBSTER series the model is run on), with how many
+// of its events differ from the fitted mean there: each moves the model's input by 1e6 a unit. Empty where none does.
+std::string FlooredFeaturesVaryWarning(const Normalizer& normalizer, const EventSeries& series);
 // OK when `mean` and `inv_std` have equal sizes and every value is finite with inv_std > 0: the normalizers the
 // model can apply. INVALID_ARGUMENT naming the first feature that is not. The one check for every source of a
 // normalizer (the API, a checkpoint).

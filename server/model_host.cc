@@ -19,26 +19,9 @@
 namespace perception::server {
 namespace {
 
-// The view of one tensor in a flat parameter buffer, const or not as the buffer is.
-template <typename Params>
-auto Tensor(const ParamLayout& layout, int index, Params& params) {
-  const TensorSpec& t = layout.tensor(index);
-  return std::span(params).subspan(t.offset, t.size);
-}
-
-Normalizer ReadNormalizer(const ParamLayout& layout, const std::vector<float>& params) {
-  const auto mean = Tensor(layout, layout.norm_mean, params), inv_std = Tensor(layout, layout.norm_inv_std, params);
-  return {{mean.begin(), mean.end()}, {inv_std.begin(), inv_std.end()}};
-}
-
 bool IsIdentityNormalizer(const Normalizer& normalizer) {
   return std::ranges::all_of(normalizer.mean, [](float v) { return v == 0.f; }) &&
          std::ranges::all_of(normalizer.inv_std, [](float v) { return v == 1.f; });
-}
-
-void WriteNormalizer(const ParamLayout& layout, const Normalizer& normalizer, std::vector<float>& params) {
-  std::ranges::copy(normalizer.mean, Tensor(layout, layout.norm_mean, params).begin());
-  std::ranges::copy(normalizer.inv_std, Tensor(layout, layout.norm_inv_std, params).begin());
 }
 
 absl::Status CheckNormalizerSize(const Normalizer& normalizer, const ModelConfig& config) {

@@ -282,6 +282,35 @@ TEST(UnvaryingFeatures, TheAaplTrainingPartHasNoPartialCancellation) {
   EXPECT_EQ(UnvaryingFeaturesWarning(varied, with_partial_cancel.size()), "");
 }
 
+// Evaluating such a model on data where the floored feature varies said nothing, while each event there moves the
+// model's input by 1e6 a unit (a review moved a logit from -0.40 to +0.46 by one message's type).
+TEST(UnvaryingFeatures, AModelRunWhereAFlooredFeatureVariesIsWarned) {
+  const absl::StatusOr<LobsterData> data =
+      ReadLobster(ShippedLobsterPath("AAPL", "orderbook", 10), ShippedLobsterPath("AAPL", "message", 10));
+  ASSERT_TRUE(data.ok()) << data.status();
+  absl::StatusOr<EventSeries> series = BuildSeries(*data, kDefaultHorizons);
+  ASSERT_TRUE(series.ok()) << series.status();
+  const Normalizer fitted = FitNormalizer(*series);
+  EXPECT_EQ(FlooredFeaturesVaryWarning(fitted, *series), "") << "the data it was fitted on";
+  for (const size_t event : {500, 600}) series->features[event * 48 + 4 * 10 + 3] = 1.f;
+  EXPECT_THAT(FlooredFeaturesVaryWarning(fitted, *series),
+              HasSubstr("the model's normalizer was fitted where feature(s) type2 (2 events) never varied (inv_std "
+                        "1e6"));
+}
+
+// ReadNormalizer takes back what WriteNormalizer put in a parameter buffer, and touches nothing else.
+TEST(Normalizer, WrittenIntoParametersReadsBack) {
+  const ModelConfig config = *NamedConfig("tiny");
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total_size(), 0.5f);
+  const Normalizer normalizer{{1, 2, 3, 4, 5, 6}, {0.75f, 0.25f, 2, 4, 8, 1e6f}};
+  WriteNormalizer(layout, normalizer, params);
+  const Normalizer read = ReadNormalizer(layout, params);
+  EXPECT_EQ(read.mean, normalizer.mean);
+  EXPECT_EQ(read.inv_std, normalizer.inv_std);
+  EXPECT_EQ(std::count(params.begin(), params.end(), 0.5f), static_cast<long>(params.size()) - 12);
+}
+
 TEST(LobsterFeatureName, FollowsTheTransformsOrder) {
   EXPECT_EQ(LobsterFeatureName(0, 1), "ask_px1");
   EXPECT_EQ(LobsterFeatureName(3, 1), "bid_sz1");

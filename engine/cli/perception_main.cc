@@ -324,9 +324,7 @@ absl::Status Train() {
   if (const std::string warning = UnvaryingFeaturesWarning(normalizer, split.train.size()); !warning.empty()) {
     spdlog::warn("{}", warning);
   }
-  std::copy(normalizer.mean.begin(), normalizer.mean.end(), params.begin() + layout.tensor(layout.norm_mean).offset);
-  std::copy(normalizer.inv_std.begin(), normalizer.inv_std.end(),
-            params.begin() + layout.tensor(layout.norm_inv_std).offset);
+  WriteNormalizer(layout, normalizer, params);
   const std::string graphs = absl::GetFlag(FLAGS_graphs);
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
@@ -429,6 +427,11 @@ absl::Status Eval() {
   const ModelConfig& config = checkpoint.config;
   RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features, "the checkpoint"));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
+  if (const std::string warning = FlooredFeaturesVaryWarning(ReadNormalizer(ParamLayout(config), checkpoint.params),
+                                                             series);
+      !warning.empty()) {
+    spdlog::warn("{}", warning);
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, OptimizerConfig{}, checkpoint.params));
   const size_t n = series.size();
   const int F = config.n_features, H = config.n_horizons;
