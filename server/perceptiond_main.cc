@@ -355,6 +355,17 @@ absl::Status CheckDeviceFlags(const std::optional<Precision>& precision) {
                                                  "--precision=fp32 or auto"));
 }
 
+// --device=cuda where no CUDA device can be used (no driver, no GPU in the container) served, health SERVING, and
+// refused every model. Checked after a data-parallel join, whose rank 1 asks rank 0 for the NCCL id before it touches
+// a device.
+absl::Status CheckCudaDeviceUsable() {
+  if (absl::GetFlag(FLAGS_device) != "cuda") return absl::OkStatus();
+  const absl::Status usable = CudaBackendAvailable();
+  if (usable.ok()) return usable;
+  return absl::FailedPreconditionError(absl::StrCat("--device=cuda, but no CUDA device can be used here (",
+                                                    usable.message(), "): the daemon would serve no model"));
+}
+
 // LobsterFeatureCount(levels) must not overflow, and a negative count was silently the preset's.
 absl::Status CheckInitLevels() {
   const int levels = absl::GetFlag(FLAGS_init_levels);
@@ -673,6 +684,7 @@ absl::Status Serve() {
   // A start-up that fails from here on stops listening too (the server's own destructor would wait for its clients).
   absl::Cleanup stop_listening = [&server] { StopListening(*server); };
   if (data_parallel.has_value()) RETURN_IF_ERROR(JoinDataParallel(worker, rendezvous, *data_parallel));
+  RETURN_IF_ERROR(CheckCudaDeviceUsable());
   RETURN_IF_ERROR(PrepareModel(service, checkpoints));
   ASSIGN_OR_RETURN(std::unique_ptr<StallWatch> stall_watch, WatchForStalls(worker, *server));
   server->GetHealthCheckService()->SetServingStatus(true);

@@ -108,6 +108,15 @@ TEST(LifecycleTest, TheDaemonRefusesAnUnknownDevice) {
   ExpectRefusedAtStartUp(checkpoints.path(), "--device=gpu", "--device: unknown device 'gpu' (cpu, cuda, auto)");
 }
 
+// --device=cuda where no CUDA device can be used (a host without the driver, a container without the GPU) started and
+// reported SERVING, then refused every model: a supervisor's probes passed a daemon that could do nothing.
+TEST(LifecycleTest, TheDaemonRefusesCudaWhereNoCudaDeviceCanBeUsed) {
+  if (CudaBackendAvailable().ok()) GTEST_SKIP() << "a CUDA device can be used here";
+  const ScopedTempDir checkpoints("no_cuda");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--device=cuda",
+                         "FAILED_PRECONDITION: --device=cuda, but no CUDA device can be used here (");
+}
+
 // Before, a negative --init_levels silently kept the preset's features, and a large one overflowed 4*levels + 8
 // (INT_MAX gave a model of 4 features) or was refused only as a config dimension.
 TEST(LifecycleTest, TheDaemonRefusesInitLevelsOutOfRange) {
