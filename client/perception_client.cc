@@ -232,13 +232,13 @@ absl::Status EventStream::Finish() {
 
 std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack,
                                                           absl::Duration ack_every) {
-  if (ack_every <= absl::ZeroDuration()) {
-    return std::unique_ptr<EventStream>(new EventStream(*perception_, std::move(on_ack), options_.timeout, "--timeout"));
-  }
-  return std::unique_ptr<EventStream>(
-      new EventStream(*perception_, std::move(on_ack), options_.timeout + ack_every,
-                      absl::StrCat("--timeout ", absl::FormatDuration(options_.timeout),
-                                   " past the daemon's acknowledgement interval, ", absl::FormatDuration(ack_every))));
+  const bool acks_wait = ack_every > absl::ZeroDuration();
+  const std::string limit = acks_wait ? absl::StrCat("--timeout ", absl::FormatDuration(options_.timeout),
+                                                     " past the daemon's acknowledgement interval, ",
+                                                     absl::FormatDuration(ack_every))
+                                      : "--timeout";
+  return std::unique_ptr<EventStream>(new EventStream(
+      *perception_, std::move(on_ack), options_.timeout + (acks_wait ? ack_every : absl::ZeroDuration()), limit));
 }
 
 absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {

@@ -208,6 +208,17 @@ std::string StoppedAdvice(PerceptionClient& client, const std::string& instrumen
 }  // namespace
 
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code) {
+  // None acknowledged: the daemon may have taken events all the same, and their numbers are used (its end_seq says
+  // how far), so the same command would be refused.
+  if (acked == 0) {
+    const uint64_t first_streamed = options.start_seq + static_cast<uint64_t>(options.seed_window);
+    return absl::StrCat(
+        "; the daemon acknowledged none of its events, but may have taken some (resume from the instrument's end_seq "
+        "E in `perceptionctl streams`, once its pending reads 0, with --first ", options.first + options.seed_window,
+        " + (E - ", first_streamed, ")",
+        options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed, ")") : "",
+        " --start_seq E; where it is not listed, the daemon took none: run the same command again)");
+  }
   const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
   // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the
   // call's end) leaves nothing to replay: flags for "the rest" would read --count 0 (all the rest of the files) or a
@@ -343,20 +354,6 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   absl::MutexLock lock(&mu);
   if (status.ok() && acked != seq_of(n - 1)) {
     status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
-  }
-  // The daemon may have taken events it had not acknowledged: their numbers are used (its end_seq says how far).
-  if (!status.ok() && acked == 0) {
-    return absl::Status(
-        status.code(),
-        absl::StrCat(status.message(), "; the daemon acknowledged none of its events, but may have taken some ",
-                     "(resume from the instrument's end_seq E in `perceptionctl streams`, once its pending reads 0, "
-                     "with ",
-                     "--first ", first + options.seed_window, " + (E - ", seq_of(options.seed_window), ")",
-                     options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ",
-                                                      seq_of(options.seed_window), ")")
-                                       : "",
-                     " --start_seq E; where it is not listed, the daemon took none: run the same command again)",
-                     StoppedAdvice(client, options.instrument, status.code())));
   }
   if (!status.ok()) {
     return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code()),

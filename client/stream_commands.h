@@ -35,9 +35,10 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
 // failed run had no --seed-window (the demo's seed).
 inline constexpr int64_t kResumeSeedEvents = 500;
 
-// The end of a failed `stream`'s error once the daemon acknowledged through `acked` (> 0) of the `n` events used
-// (seed window included): the flags that resume after it, or, when it acknowledged the last one, that nothing is
-// left to resume. Where the call ended UNAVAILABLE (`code`: the daemon drained, lost its device or could not be
+// The end of a failed `stream`'s error once the daemon acknowledged through `acked` of the `n` events used (seed
+// window included): the flags that resume after it, or, when it acknowledged the last one, that nothing is left to
+// resume; with none acknowledged (0), how to resume from the instrument's end_seq, since the daemon may have taken
+// some. Where the call ended UNAVAILABLE (`code`: the daemon drained, lost its device or could not be
 // reached) the resume seeds the state again from the events before it: a daemon that restarted holds none for the
 // instrument, and a plain resume would start it from zero without a word.
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code);

@@ -182,12 +182,20 @@ std::vector<int> UnvaryingFeatures(const Normalizer& normalizer) {
   return unvarying;
 }
 
+namespace {
+
+// A normalizer's feature by its LOBSTER name (the normalizer's width gives the book levels).
+std::string FeatureNameOf(const Normalizer& normalizer, int feature) {
+  return LobsterFeatureName(feature, (static_cast<int>(normalizer.inv_std.size()) - LobsterFeatureCount(0)) / 4);
+}
+
+}  // namespace
+
 std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted_events) {
   const std::vector<int> unvarying = UnvaryingFeatures(normalizer);
   if (unvarying.empty()) return "";
-  const int levels = (static_cast<int>(normalizer.inv_std.size()) - LobsterFeatureCount(0)) / 4;
   std::vector<std::string> names;
-  for (int f : unvarying) names.push_back(LobsterFeatureName(f, levels));
+  for (int f : unvarying) names.push_back(FeatureNameOf(normalizer, f));
   return absl::StrCat("the normalizer's feature(s) ", absl::StrJoin(names, ", "), " never vary in the ", fitted_events,
                       " events it was fitted on: their inv_std is 1e6 (MODEL.md's std floor of 1e-6), so an event "
                       "where one differs moves the model's input by 1e6 a unit; fit on data where they vary");
@@ -196,12 +204,11 @@ std::string UnvaryingFeaturesWarning(const Normalizer& normalizer, size_t fitted
 std::string FlooredFeaturesVaryWarning(const Normalizer& normalizer, const EventSeries& series) {
   const size_t F = normalizer.mean.size();
   if (static_cast<size_t>(series.n_features) != F) return "";
-  const int levels = (static_cast<int>(F) - LobsterFeatureCount(0)) / 4;
   std::vector<std::string> varied;
   for (const int f : UnvaryingFeatures(normalizer)) {
     size_t differ = 0;
     for (size_t i = 0; i < series.size(); ++i) differ += series.features[i * F + f] != normalizer.mean[f];
-    if (differ > 0) varied.push_back(absl::StrCat(LobsterFeatureName(f, levels), " (", differ, " events)"));
+    if (differ > 0) varied.push_back(absl::StrCat(FeatureNameOf(normalizer, f), " (", differ, " events)"));
   }
   if (varied.empty()) return "";
   return absl::StrCat("the model's normalizer was fitted where feature(s) ", absl::StrJoin(varied, ", "),
