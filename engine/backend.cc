@@ -1,9 +1,13 @@
 // Chooses the backend for a device name; the CUDA backend exists only in builds with PERCEPTION_CUDA.
 #include "engine/backend.h"
 
+#include <cmath>
+#include <string>
+
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "engine/device_loss.h"
+#include "engine/optimizer.h"
 #include "engine/status_macros.h"
 
 #if PERCEPTION_HAVE_CUDA
@@ -30,7 +34,11 @@ absl::Status Backend::ConfigureStreaming(int, int64_t) { return NoStreaming(*thi
 absl::Status Backend::PublishWeights() { return NoStreaming(*this); }
 absl::Status Backend::ForwardStepInto(const StreamTick&) { return NoStreaming(*this); }
 absl::Status Backend::ResetSlot(int) { return NoStreaming(*this); }
-absl::Status Backend::SeedSlot(int, std::span<const float>, std::span<const float>) { return NoStreaming(*this); }
+absl::Status Backend::AdvanceSlot(int, std::span<const float>, std::span<const float>) { return NoStreaming(*this); }
+absl::Status Backend::SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) {
+  RETURN_IF_ERROR(ResetSlot(slot));
+  return AdvanceSlot(slot, x, dt);
+}
 absl::Status Backend::ReadLog(int, int64_t, int64_t, std::span<float>, std::span<float>) { return NoStreaming(*this); }
 absl::Status Backend::ReadSlotProbabilities(int, std::span<float>) { return NoStreaming(*this); }
 absl::StatusOr<TicksChecked> Backend::CheckTicks(bool) { return NoStreaming(*this); }
@@ -38,8 +46,13 @@ absl::StatusOr<TicksChecked> Backend::CheckTicks(bool) { return NoStreaming(*thi
 constexpr char kStepNotTakenPayload[] = "type.perception/step_not_taken";
 
 absl::Status StepNotTakenError(const TrainStepResult& result) {
+  // (A finite norm is refused for its size: StepApplies.)
+  const std::string too_large = std::isfinite(result.grad_norm)
+                                    ? absl::StrCat(", too large once clipped for float32's second moment (at most ",
+                                                   LargestAppliedGradNorm<float>(), ": clip gradients, max_grad_norm)")
+                                    : "";
   absl::Status not_taken = absl::FailedPreconditionError(absl::StrCat(
-      "the batch's gradient norm is ", result.grad_norm, " (loss ", result.loss,
+      "the batch's gradient norm is ", result.grad_norm, too_large, " (loss ", result.loss,
       "): the update was not applied, and the model stays at step ", result.step));
   not_taken.SetPayload(kStepNotTakenPayload, absl::Cord());
   return not_taken;

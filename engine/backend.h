@@ -85,7 +85,7 @@ struct TicksChecked {
 // fifty-first session).
 constexpr int kStreamTickTimingEvery = 16;
 
-// SeedSlot's answer where the window leads to a state that is not finite (FAILED_PRECONDITION).
+// AdvanceSlot's (and SeedSlot's) answer where the window leads to a state that is not finite (FAILED_PRECONDITION).
 absl::Status SeedNotFiniteError();
 
 // Implemented by the CPU reference backend and the CUDA backend; the daemon's device worker and the offline
@@ -173,9 +173,12 @@ class Backend {
   virtual absl::Status ForwardStepInto(const StreamTick& tick);
   // Zeroes one slot's state.
   virtual absl::Status ResetSlot(int slot);
-  // Replaces one slot's state with the sequence path's final state over x [n,F], dt [n] from a zero state. Where that
-  // state is not finite (float32 overflowed inside the model), the slot holds it and SeedNotFiniteError is returned.
-  virtual absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
+  // Carries one slot's state through x [n,F], dt [n] (n >= 1) as the sequence path does, logging nothing: a window
+  // stepped in parts ends in the state of the whole. Where the state it reaches is not finite (float32 overflowed
+  // inside the model), the slot holds it and SeedNotFiniteError is returned.
+  virtual absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt);
+  // The sequence path's final state over the window from a zero state: ResetSlot, then AdvanceSlot.
+  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
   // Copies log entries [begin, begin + count) of `slot` (no wrap: the caller splits a wrapped range) into
   // convictions [count] and, when non-empty, probs [count, H].
   virtual absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,

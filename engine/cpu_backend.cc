@@ -42,7 +42,7 @@ class CpuBackend final : public Backend {
     TrainStepResult result;
     result.loss = model_.LossAndGradients(params_, batch, grads_);
     result.grad_norm = ClipAndAdamW<float>(layout_, optimizer_, step_ + 1, params_, grads_, exp_avg_, exp_avg_sq_);
-    if (!std::isfinite(result.grad_norm)) {
+    if (!StepApplies<float>(result.grad_norm, optimizer_)) {
       result.step = step_;
       return StepNotTakenError(result);
     }
@@ -160,19 +160,17 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+  absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
     RETURN_IF_ERROR(CheckSlot(slot));
     const ModelConfig& c = layout_.config();
     if (dt.empty() || x.size() != dt.size() * c.n_features) {
-      return absl::InvalidArgumentError(absl::StrCat("SeedSlot: ", dt.size(), " events need x of ",
+      return absl::InvalidArgumentError(absl::StrCat("AdvanceSlot: ", dt.size(), " events need x of ",
                                                      dt.size() * c.n_features, " floats, got ", x.size()));
     }
-    StreamState<float> state = StreamState<float>::Zero(c);
+    StreamState<float>& state = slots_[slot];
     std::vector<float> logits(dt.size() * c.n_horizons);
     RunStream(published_, x, dt, state, logits);
     const bool finite = AllFinite(state.conv) && AllFinite(state.ssm) && AllFinite(state.cfc);
-    slots_[slot] = std::move(state);
-    first_nonfinite_[slot].reset();
     return finite ? absl::OkStatus() : SeedNotFiniteError();
   }
 

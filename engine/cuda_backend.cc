@@ -174,9 +174,9 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(RequireStreaming());
     return streamer_->ResetSlot(slot);
   }
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+  absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
     RETURN_IF_ERROR(RequireStreaming());
-    return streamer_->SeedSlot(slot, x, dt);
+    return streamer_->AdvanceSlot(slot, x, dt);
   }
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
                        std::span<float> probs) override {
@@ -255,9 +255,10 @@ class CudaBackend final : public Backend {
         next && staging == NextStaging::kDuringStep ? model_->StageBatch(*next) : absl::OkStatus();
     if (next && staged_during_step.ok()) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
+    const bool applied = report.step > step_;  // the device advances its counter only for a step it applies
     step_ = report.step;  // applied, whatever the replica check finds
     const TrainStepResult result{report.loss, report.grad_norm, report.step};
-    if (!std::isfinite(result.grad_norm)) return StepNotTakenError(result);
+    if (!applied) return StepNotTakenError(result);
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));  // a collective: every rank runs it, whatever `next` was
     RETURN_IF_ERROR(staged_during_step);
     return result;

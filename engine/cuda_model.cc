@@ -54,21 +54,6 @@ absl::Status CheckKernelLimits(const ModelConfig& c) {
   return absl::OkStatus();
 }
 
-kernels::AdamWConfig DeviceAdamW(const OptimizerConfig& o) {
-  kernels::AdamWConfig c;
-  c.lr = o.lr;
-  c.beta1 = o.beta1;
-  c.beta2 = o.beta2;
-  c.eps = o.eps;
-  c.weight_decay = o.weight_decay;
-  c.max_grad_norm = o.max_grad_norm;
-  c.warmup_cosine = o.schedule == LrSchedule::kWarmupCosine;
-  c.warmup_steps = o.warmup_steps;
-  c.total_steps = o.total_steps;
-  c.min_lr = o.min_lr;
-  return c;
-}
-
 // Every trained tensor cut into pieces of at most kAdamWChunkFloats: one optimizer block each.
 std::vector<kernels::AdamWChunk> AdamWChunks(const ParamLayout& layout) {
   std::vector<kernels::AdamWChunk> chunks;
@@ -99,6 +84,22 @@ absl::Status WaitForStream(cudaStream_t waiter, cudaStream_t source, cudaEvent_t
 }
 
 }  // namespace
+
+kernels::AdamWConfig DeviceAdamW(const OptimizerConfig& o) {
+  kernels::AdamWConfig c;
+  c.lr = o.lr;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.max_grad_norm = o.max_grad_norm;
+  c.largest_applied_grad_norm = LargestAppliedGradNorm<float>();
+  c.warmup_cosine = o.schedule == LrSchedule::kWarmupCosine;
+  c.warmup_steps = o.warmup_steps;
+  c.total_steps = o.total_steps;
+  c.min_lr = o.min_lr;
+  return c;
+}
 
 CudaModel::CudaModel(const ModelConfig& config, const OptimizerConfig& optimizer)
     : layout_(config), adamw_(DeviceAdamW(optimizer)), chunks_host_(AdamWChunks(layout_)) {}

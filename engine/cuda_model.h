@@ -33,6 +33,9 @@
 
 namespace perception {
 
+// `optimizer` as the optimizer kernel reads it (kernels::LaunchClipAdamW).
+kernels::AdamWConfig DeviceAdamW(const OptimizerConfig& optimizer);
+
 class NcclCommunicator;
 
 struct CudaModelOptions {

@@ -932,13 +932,14 @@ absl::Status CudaStreamer::ResetSlot(int slot) {
   return absl::OkStatus();
 }
 
-absl::Status CudaStreamer::SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) {
+absl::Status CudaStreamer::AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt) {
   const size_t F = layout_.config().n_features;
+  RETURN_IF_ERROR(CheckSlot(slot));
   if (dt.empty() || x.size() != dt.size() * F) {
-    return absl::InvalidArgumentError(absl::StrCat("SeedSlot: ", dt.size(), " events need x of ", dt.size() * F,
+    return absl::InvalidArgumentError(absl::StrCat("AdvanceSlot: ", dt.size(), " events need x of ", dt.size() * F,
                                                    " floats, got ", x.size()));
   }
-  RETURN_IF_ERROR(ResetSlot(slot));
+  RETURN_IF_ERROR(StopResident());  // the events below are launched ticks
   const int32_t slots[1] = {slot};
   for (size_t i = 0; i < dt.size(); ++i) {
     const StreamTick event{x.subspan(i * F, F), dt.subspan(i, 1), slots, {}};

@@ -183,10 +183,10 @@ class CudaStreamer {
   const std::vector<ShapeTiming>& start_timings() const { return start_timings_; }
 
   absl::Status ResetSlot(int slot);
-  // Steps the slot through x [n,F], dt [n] from a zero state without logging: the state equals stepping the same
+  // Steps the slot through x [n,F], dt [n] from its state without logging: the state equals stepping the same
   // events one by one, because it is exactly that (MODEL.md §3 makes it the sequence path's final state too). Then
   // waits for the device, to check that state (SeedNotFiniteError where it is not finite).
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt);
+  absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt);
 
   // Off the hot path: wait for the queued ticks, then one device-to-host copy of the range.
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions, std::span<float> probs);
@@ -277,7 +277,7 @@ class CudaStreamer {
   // afterwards, outside any graph capture.)
   absl::Status EnqueueTick(const kernels::StreamTickInput& input, StreamLaunchShape shape);
   absl::Status StepEagerly(const StreamTick& tick, StreamLaunchShape shape);
-  // A staged tick of its own size, its step kernel enqueued eagerly with `shape` (StepEagerly, SeedSlot).
+  // A staged tick of its own size, its step kernel enqueued eagerly with `shape` (StepEagerly, AdvanceSlot).
   absl::Status EnqueueStagedTick(const StreamTick& tick, bool log, StreamLaunchShape shape);
   // Step's work, before NoteTickQueued.
   absl::Status StepQueued(const StreamTick& tick);

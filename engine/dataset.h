@@ -62,13 +62,15 @@ std::string FlooredFeaturesVaryWarning(const Normalizer& normalizer, const Event
 // normalizer (the API, a checkpoint).
 absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const float> inv_std);
 
-// The largest standardized feature, |(x - mean)·inv_std|, a stream takes. Far beyond it float32 overflows in the
-// model: the embedding's sums, then products folded before their RMSNorm's scale (infinity times a scale of 0). The
-// event's output is then NaN, and so is its stream's state for every later event. Up to it the model's norms keep
-// every output and state finite (StreamingBackendTest.FeaturesAtTheStandardizedBoundKeepTheStateFinite); the demo's
-// trained `small` first overflows from about 1.8e37 (README, "Decisions where MODEL.md is silent"). No LOBSTER row
-// comes near it under a fitted normalizer (its features stay below 1e14 and inv_std at most 1e6).
-inline constexpr float kMaxStandardizedFeature = 1e24f;
+// The largest standardized feature, |(x - mean)·inv_std|, a stream takes: up to it float32 computes MODEL.md's
+// function (StreamingBackendTest.FeaturesAtTheStandardizedBoundKeepTheStateFiniteAndTheOutputsModelMds). Beyond, the
+// RMSNorms' sums of squares over the embedding (|h| near 1.8e19 / sqrt(d_model)) overflow first: the scale becomes 0
+// and the output finite but wrong (a review measured a relative error of 0.89 at 6.7e19), then the embedding's sums
+// and products overflow to infinity and the output and the stream's state are NaN. 1e16 leaves a margin of ~100 for
+// embeddings whose rows sum to a few units in absolute value (the demo's trained `small`: at most 2.4). A LOBSTER row
+// stays below 1e14 before standardization, so only under a normalizer whose inv_std was floored at 1e6 (a feature
+// constant in the fitted sample: FlooredFeaturesVaryWarning) can one reach it.
+inline constexpr float kMaxStandardizedFeature = 1e16f;
 // OK when every feature of one event, x [F], standardizes within ±kMaxStandardizedFeature under `normalizer` (in
 // float32, as the model computes it); else INVALID_ARGUMENT naming the first that does not.
 absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<const float> x);

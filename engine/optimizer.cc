@@ -167,7 +167,7 @@ template <typename T>
 double ClipAndAdamW(const ParamLayout& layout, const OptimizerConfig& c, int64_t step, std::span<T> params,
                     std::span<T> grads, std::span<T> exp_avg, std::span<T> exp_avg_sq) {
   const double norm = GlobalGradNorm<T>(layout, grads);
-  if (!std::isfinite(norm)) return norm;
+  if (!StepApplies<T>(norm, c)) return norm;
   const T scale = c.max_grad_norm > 0 ? static_cast<T>(std::min(1.0, c.max_grad_norm / (norm + 1e-6))) : T(1);
   const double lr = LearningRate(c, step);
   const T bias_correction1 = static_cast<T>(1.0 - std::pow(c.beta1, static_cast<double>(step)));

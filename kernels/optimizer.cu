@@ -108,9 +108,11 @@ __global__ void __launch_bounds__(kThreads)
   double part = 0.0;
   for (int i = threadIdx.x; i < count; i += kThreads) part += partials[i];
   const double norm = sqrt(BlockSum(part, scratch));
-  // A norm that is not finite (the same in every block) takes no step: ClipAndAdamW's rule, so that the update does
-  // not write NaN into every parameter and moment; the counter stays, which tells the host.
-  if (!isfinite(norm)) {
+  // A norm that is not finite, or too large for float32's second moment once clipped (the same in every block), takes
+  // no step: StepApplies' rule, so that the update does not write NaN into every parameter and moment (or infinity
+  // into the second moments); the counter stays, which tells the host. (A NaN or infinite norm fails the comparison.)
+  const double clipped = c.max_grad_norm > 0 ? norm * fmin(1.0, c.max_grad_norm / (norm + 1e-6)) : norm;
+  if (!(isfinite(norm) && clipped < c.largest_applied_grad_norm)) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       report->grad_norm = norm;
       report->step = step - 1;

@@ -59,10 +59,11 @@ class DeviceWorker {
   // is returned as the result. Work that runs the host out of memory (a model or a batch the host cannot hold: a
   // std::bad_alloc) answers RESOURCE_EXHAUSTED instead of ending the daemon; what it allocated is freed as it
   // unwinds. With a `caller`, the work is skipped, and CallerGone's status returned, when the job
-  // starts after the client stopped waiting; a deadline that passes while the work runs does not stop it.
+  // starts after the client stopped waiting; a deadline that passes while the work runs does not stop it. `bounded`
+  // as for Enqueue.
   template <typename Work>
   std::invoke_result_t<Work&, ModelHost&> Run(JobPriority priority, Work work,
-                                              const grpc::ServerContextBase* caller = nullptr);
+                                              const grpc::ServerContextBase* caller = nullptr, bool bounded = true);
 
   // The model host's status as of the last finished job; any thread, never waits for the device.
   HostStatus status() const;
@@ -114,7 +115,7 @@ class DeviceWorker {
 
 template <typename Work>
 std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, Work work,
-                                                          const grpc::ServerContextBase* caller) {
+                                                          const grpc::ServerContextBase* caller, bool bounded) {
   using Result = std::invoke_result_t<Work&, ModelHost&>;
   std::promise<Result> done;
   std::future<Result> result = done.get_future();
@@ -128,7 +129,7 @@ std::invoke_result_t<Work&, ModelHost&> DeviceWorker::Run(JobPriority priority, 
     Result result = RunOrExhausted("what this call needs", [&] { return work(host); });
     PublishStatus(host);
     done.set_value(std::move(result));
-  });
+  }, bounded);
   if (!queued.ok()) return queued;
   return result.get();
 }

@@ -249,8 +249,8 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
 void ModelHost::RecordAppliedStep(int64_t step) {
   step_ = step;
   ++weights_version_;
-  if (const absl::Status published = MaybePublish(++steps_since_publish_ >= streaming_.publish_every_steps);
-      !published.ok()) {
+  const bool due = ++steps_since_publish_ >= streaming_.publish_every_steps && publication_holds_ == 0;
+  if (const absl::Status published = MaybePublish(due); !published.ok()) {
     // The step is applied whatever becomes of its publication: an error here would have the client train it again.
     // Streaming keeps the weights it reads; the next step publishes again.
     spdlog::error("step {}: refreshing the weights streaming reads failed: {}", step, published.ToString());
@@ -284,7 +284,8 @@ absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bo
     if (batch.mask[i] == 0.f) continue;
     HorizonScore& score = evaluation.horizons[i % H];
     ++score.masked_labels;
-    score.correct += (logits_[i] > 0.f) == (batch.labels[i] == 1.f);
+    // A logit that is not a number predicts neither way: never correct (NaN > 0 is false, which read as "down").
+    score.correct += !std::isnan(logits_[i]) && (logits_[i] > 0.f) == (batch.labels[i] == 1.f);
   }
   for (const HorizonScore& score : evaluation.horizons) evaluation.masked_labels += score.masked_labels;
   if (with_probabilities) {
@@ -368,6 +369,14 @@ absl::StatusOr<Backend*> ModelHost::StreamingBackend() {
                  backend_->device_name(), streaming_.slots, log_entries_per_slot(), weights_version_);
   }
   return backend_.get();
+}
+
+void ModelHost::ReleasePublication() {
+  if (--publication_holds_ > 0 || steps_since_publish_ < streaming_.publish_every_steps) return;
+  if (const absl::Status published = MaybePublish(/*due=*/true); !published.ok()) {
+    spdlog::error("step {}: refreshing the weights streaming reads, held during a seed, failed: {}", step_,
+                  published.ToString());
+  }
 }
 
 absl::Status ModelHost::MaybePublish(bool due) {

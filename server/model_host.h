@@ -142,6 +142,10 @@ class ModelHost {
   // The weights version the published copy holds (0 before StreamingBackend configured the model).
   int64_t published_weights_version() const { return published_weights_version_; }
   int64_t log_entries_per_slot() const { return streaming_.log_entries_total / streaming_.slots; }
+  // While held (a SeedStream stepping its window in several jobs), training's publications wait, so that the window
+  // runs under one weights version; the last release publishes what waited. SetNormalizer still publishes at once.
+  void HoldPublication() { ++publication_holds_; }
+  void ReleasePublication();
 
  private:
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
@@ -189,6 +193,7 @@ class ModelHost {
   bool streaming_configured_ = false;  // on the current backend
   int64_t published_weights_version_ = 0;
   int64_t steps_since_publish_ = 0;  // (a daemon that never streams counts every step it applies)
+  int publication_holds_ = 0;
   std::vector<float> logits_;  // Evaluate's output buffer, reused
 };
 

@@ -101,6 +101,11 @@ ABSL_FLAG(int, stream_tick_timing, perception::kStreamTickTimingEvery,
           "which make that tick 2.5-3 us longer on the H200 (~4 us at 1,024 instruments; 1: every tick), and of every "
           "lone event through the resident step by its kernel's stamps (~0.02 us each), for "
           "perception_stream_tick_device_seconds (0: none of either)");
+ABSL_FLAG(int, stream_seed_job_us, 250,
+          "a SeedStream steps its window in device jobs of about this many microseconds each (the first 16 events), "
+          "with other instruments' ticks between them: a long window holds each tick up by one job, not by its whole "
+          "length, and takes at most job / (job + tick) of the device while events wait (each tick takes one event "
+          "of each instrument, so a larger job lowers the rate an instrument can stream at during a seed)");
 ABSL_FLAG(int, stream_ack_events, 1000, "a Stream acknowledges after this many processed events...");
 ABSL_FLAG(int, stream_ack_ms, 50, "...or this many milliseconds after the first unacknowledged one");
 ABSL_FLAG(int, publish_every_steps, 1,
@@ -227,6 +232,8 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
                     absl::GetFlag(FLAGS_stream_tick_timing)};
   options.ack_every_events = absl::GetFlag(FLAGS_stream_ack_events);
   options.ack_every_ms = absl::GetFlag(FLAGS_stream_ack_ms);
+  const int seed_job_us = absl::GetFlag(FLAGS_stream_seed_job_us);
+  options.seed_job_time = absl::Microseconds(seed_job_us);
   options.max_read_count = absl::GetFlag(FLAGS_stream_read_max);
   options.max_pending_events = absl::GetFlag(FLAGS_stream_max_pending_events);
   options.inject_device_loss_at_tick = absl::GetFlag(FLAGS_inject_device_loss_at_tick);
@@ -246,6 +253,7 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
                                    {"publish_every_steps", options.device.publish_every_steps},
                                    {"stream_ack_events", options.ack_every_events},
                                    {"stream_ack_ms", options.ack_every_ms},
+                                   {"stream_seed_job_us", seed_job_us},
                                    {"stream_read_max", options.max_read_count},
                                    {"stream_max_pending_events", options.max_pending_events}}));
   if (options.device.log_entries_total < options.device.slots) {

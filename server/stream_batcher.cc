@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
@@ -232,6 +233,7 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   RETURN_IF_ERROR(CheckStandardizedRange(normalizer_, x));
   reason = "sequence";
   RETURN_IF_ERROR(table_.Accept(slot, event.seq()));
+  if (std::exchange(queue.zero_state, false)) dt = 0.f;
   if (trial.has_value()) {
     *table_.Featurizer(slot, trial->levels()).value() = *trial;
     if (!queue.base_time_ns.has_value()) queue.base_time_ns = event.exchange_time_ns();
@@ -606,6 +608,10 @@ void StreamBatcher::Notify(std::span<Notice> notices, int64_t weights_version) {
 
 absl::StatusOr<int> StreamBatcher::IdleSlotLocked(const std::string& instrument) const {
   ASSIGN_OR_RETURN(const int slot, table_.SlotOf(instrument));
+  if (queues_[slot].seeding) {
+    return absl::FailedPreconditionError(absl::StrCat("instrument '", instrument, "' is being seeded (a SeedStream ",
+                                                      "steps its window); try again once it has answered"));
+  }
   if (const size_t waiting = queues_[slot].events.size(); waiting > 0) {
     return absl::FailedPreconditionError(absl::StrCat("instrument '", instrument, "' has ", waiting,
                                                       " events not yet processed; wait for their acknowledgement"));
@@ -628,8 +634,7 @@ struct SeedWindow {
   int64_t base_time_ns = 0;                     // the stream's first event's exchange time
 };
 
-absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, const Normalizer& normalizer,
-                                               std::optional<int64_t> base_time_ns) {
+absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& request, const Normalizer& normalizer) {
   const int n_features = static_cast<int>(normalizer.mean.size());
   const int n = request.events_size();
   const bool lobster = request.events(0).has_lobster();
@@ -637,7 +642,7 @@ absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& requ
   window.x.resize(static_cast<size_t>(n) * n_features);
   window.dt.resize(n);
   if (lobster) window.featurizer.emplace(request.events(0).lobster().book_size() / 4);
-  window.base_time_ns = base_time_ns.value_or(request.events(0).exchange_time_ns());
+  window.base_time_ns = request.events(0).exchange_time_ns();  // the window starts the stream afresh
   for (int i = 0; i < n; ++i) {
     const v1::StreamEvent& event = request.events(i);
     std::string reason;
@@ -656,76 +661,161 @@ absl::StatusOr<SeedWindow> FeaturizeSeedWindow(const v1::SeedStreamRequest& requ
   return window;
 }
 
+// How many events the next part of a seed steps: about `budget`'s worth at the pace of the part before (at most four
+// times as many as it had, so that a part that ran fast by chance does not make the next overrun).
+int64_t NextSeedPart(int64_t events, double seconds, absl::Duration budget) {
+  const double at_pace = static_cast<double>(events) * absl::ToDoubleSeconds(budget) / std::max(seconds, 1e-9);
+  return std::clamp<int64_t>(static_cast<int64_t>(at_pace), 1, 4 * events);
+}
+
 }  // namespace
+
+struct StreamBatcher::SeedProgress {
+  SeedProgress(const v1::SeedStreamRequest& request, const grpc::ServerContextBase* caller)
+      : request(request), caller(caller) {}
+
+  const v1::SeedStreamRequest& request;
+  const grpc::ServerContextBase* caller;
+  int slot = 0;
+  bool opened = false;             // the seed opened the stream
+  bool device_written = false;     // the slot's device state was zeroed or stepped
+  bool publication_held = false;   // ModelHost::HoldPublication
+  std::optional<SeedWindow> window;
+  int64_t stepped = 0;             // the window's events stepped so far
+  int64_t next_part = 16;          // how many the next part steps: the first few, then NextSeedPart
+  int64_t weights_version = 0;     // the published version the window runs under
+  double device_seconds = 0;
+};
 
 absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamRequest& request,
                                                            const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
-  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<v1::SeedStreamResponse> {
-    FinishTicksBefore(host);  // the seed forgets the slot's
-    RETURN_IF_ERROR(host.RequireModel());  // (the window's checks need its feature count)
-    // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
-    // other instruments' events need not wait for a long window; Submit refuses this instrument's events meanwhile
-    // (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or replaces the model.
-    int slot = 0;
-    Normalizer normalizer;
-    bool opened = false;
-    std::optional<int64_t> base_time_ns;
-    {
-      absl::MutexLock lock(&mu_);
-      absl::StatusOr<int> claimed = IdleSlotLocked(request.instrument());
-      opened = claimed.status().code() == absl::StatusCode::kNotFound;
-      if (opened) claimed = OpenLocked(request.instrument());
-      ASSIGN_OR_RETURN(slot, claimed);
-      queues_[slot].seeding = true;
-      normalizer = normalizer_;
-      base_time_ns = queues_[slot].base_time_ns;
-    }
-    absl::StatusOr<SeedWindow> window = FeaturizeSeedWindow(request, normalizer, base_time_ns);
-    // Streaming's device state is set up (and the weights published) only for a window that passed its checks: a
-    // refused request changes nothing.
-    const absl::StatusOr<Backend*> backend = window.ok() ? host.StreamingBackend() : window.status();
-    const Stopwatch stopwatch;
-    absl::Status seeded = backend.status();
-    bool device_written = false;
-    if (seeded.ok()) {
-      seeded = (*backend)->SeedSlot(slot, window->x, window->dt);
-      device_written = true;
-    }
+  SeedProgress seed{request, caller};
+  absl::StatusOr<bool> more =
+      worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return StartSeed(host, seed); }, caller);
+  // Each next part queues behind the ticks that came meanwhile. Unbounded, as ticks are: the seed holds its slot until
+  // a job of its own gives it back. Its client's going away is the job's to find (ContinueSeed), for the same reason.
+  while (more.ok() && *more) {
+    more = worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return ContinueSeed(host, seed); },
+                       /*caller=*/nullptr, /*bounded=*/false);
+  }
+  RETURN_IF_ERROR(more.status());
+  v1::SeedStreamResponse response;
+  response.set_events(request.events_size());
+  response.set_weights_version(seed.weights_version);
+  response.set_device_seconds(seed.device_seconds);
+  return response;
+}
+
+absl::StatusOr<bool> StreamBatcher::StartSeed(ModelHost& host, SeedProgress& seed) {
+  FinishTicksBefore(host);  // the seed forgets the slot's
+  RETURN_IF_ERROR(host.RequireModel());  // (the window's checks need its feature count)
+  // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
+  // other instruments' events need not wait for a long window; Submit, ResetStream, CloseStream and other seeds refuse
+  // this instrument meanwhile (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or
+  // replaces the model.
+  Normalizer normalizer;
+  {
     absl::MutexLock lock(&mu_);
-    SlotQueue& queue = queues_[slot];
-    queue.seeding = false;
-    if (!seeded.ok()) {
-      // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
-      bool closed = false;
-      if (opened && (!device_written || ResetDeviceSlot(host, slot).ok())) closed = CloseSlotLocked(slot).ok();
-      // A stream whose state the failed seed may have written (in part, or to values that are not finite) and that
-      // stays stops, as after a failed tick: its next events would otherwise step from a state its events did not
-      // lead to.
-      if (!closed && device_written) {
-        const std::optional<uint64_t> next_seq = table_.NextSeq(slot);
-        queue.stopped = absl::FailedPreconditionError(absl::StrCat(
-            "instrument '", queue.instrument, "' stopped when its seed failed (", seeded.message(),
-            "); its state is not the one its events led to: it takes no events until ResetStream, SeedStream or "
-            "CloseStream, then ",
-            next_seq.has_value() ? absl::StrCat("from seq ", *next_seq) : std::string("from any seq (none yet)")));
-      }
-      return seeded;
-    }
-    table_.ResetFeatures(slot);
-    if (window->featurizer.has_value()) {
-      *table_.Featurizer(slot, window->featurizer->levels()).value() = *window->featurizer;
-    }
-    queue.base_time_ns = window->base_time_ns;
-    queue.lobster = window->featurizer.has_value();
-    queue.stopped = absl::OkStatus();
-    v1::SeedStreamResponse response;
-    response.set_events(request.events_size());
-    response.set_weights_version(host.published_weights_version());
-    response.set_device_seconds(stopwatch.Seconds());
-    return response;
-  }, caller);
+    absl::StatusOr<int> claimed = IdleSlotLocked(seed.request.instrument());
+    seed.opened = claimed.status().code() == absl::StatusCode::kNotFound;
+    if (seed.opened) claimed = OpenLocked(seed.request.instrument());
+    ASSIGN_OR_RETURN(seed.slot, claimed);
+    queues_[seed.slot].seeding = true;
+    normalizer = normalizer_;
+  }
+  // From here every way out gives the slot back (FinishSeed, FailSeed).
+  absl::StatusOr<SeedWindow> window = RunOrExhausted(
+      "the seed window's features", [&] { return FeaturizeSeedWindow(seed.request, normalizer); });
+  if (!window.ok()) return FailSeed(host, seed, window.status());
+  seed.window = *std::move(window);
+  // Streaming's device state is set up (and the weights published) only for a window that passed its checks: a
+  // refused request changes nothing.
+  const absl::StatusOr<Backend*> backend = host.StreamingBackend();
+  if (!backend.ok()) return FailSeed(host, seed, backend.status());
+  seed.weights_version = host.published_weights_version();
+  host.HoldPublication();
+  seed.publication_held = true;
+  seed.device_written = true;
+  if (absl::Status reset = (*backend)->ResetSlot(seed.slot); !reset.ok()) return FailSeed(host, seed, reset);
+  return StepSeedPart(host, seed, **backend);
+}
+
+absl::StatusOr<bool> StreamBatcher::ContinueSeed(ModelHost& host, SeedProgress& seed) {
+  // A client that stopped waiting was told the seed failed: the rest of its window is not stepped.
+  if (const absl::Status gone = CallerGone(seed.caller); !gone.ok()) {
+    return FailSeed(host, seed, absl::Status(gone.code(), absl::StrCat(
+        "the window was cut off after ", seed.stepped, " of its ", seed.request.events_size(), " events: ",
+        absl::IsDeadlineExceeded(gone) ? "the call's deadline passed" : "the client cancelled the call or went away")));
+  }
+  // Only SetNormalizer publishes while the seed holds publication: the window's features were checked against the
+  // normalizer before it, and its parts would not have run under one set of weights.
+  if (host.published_weights_version() != seed.weights_version) {
+    return FailSeed(host, seed, absl::AbortedError(absl::StrCat(
+        "the weights streaming reads changed (SetNormalizer: version ", seed.weights_version, " to ",
+        host.published_weights_version(), ") after ", seed.stepped, " of the window's ", seed.request.events_size(),
+        " events; seed it again")));
+  }
+  const absl::StatusOr<Backend*> backend = host.StreamingBackend();
+  if (!backend.ok()) return FailSeed(host, seed, backend.status());
+  return StepSeedPart(host, seed, **backend);
+}
+
+absl::StatusOr<bool> StreamBatcher::StepSeedPart(ModelHost& host, SeedProgress& seed, Backend& backend) {
+  const int64_t events = seed.request.events_size(), n = std::min(seed.next_part, events - seed.stepped);
+  const size_t F = seed.window->x.size() / events;
+  const Stopwatch stopwatch;
+  const absl::Status stepped = RunOrExhausted("the seed window", [&] {
+    return backend.AdvanceSlot(seed.slot, std::span<const float>(seed.window->x).subspan(seed.stepped * F, n * F),
+                               std::span<const float>(seed.window->dt).subspan(seed.stepped, n));
+  });
+  if (!stepped.ok()) return FailSeed(host, seed, stepped);
+  const double seconds = stopwatch.Seconds();
+  seed.device_seconds += seconds;
+  seed.stepped += n;
+  seed.next_part = NextSeedPart(n, seconds, options_.seed_job_time);
+  if (seed.stepped < events) return true;
+  FinishSeed(host, seed);
+  return false;
+}
+
+void StreamBatcher::FinishSeed(ModelHost& host, SeedProgress& seed) {
+  host.ReleasePublication();
+  absl::MutexLock lock(&mu_);
+  SlotQueue& queue = queues_[seed.slot];
+  queue.seeding = false;
+  table_.ResetFeatures(seed.slot);
+  if (seed.window->featurizer.has_value()) {
+    *table_.Featurizer(seed.slot, seed.window->featurizer->levels()).value() = *seed.window->featurizer;
+  }
+  queue.base_time_ns = seed.window->base_time_ns;
+  queue.lobster = seed.window->featurizer.has_value();
+  queue.zero_state = false;
+  queue.stopped = absl::OkStatus();
+}
+
+absl::Status StreamBatcher::FailSeed(ModelHost& host, SeedProgress& seed, absl::Status failure) {
+  if (seed.publication_held) host.ReleasePublication();
+  absl::MutexLock lock(&mu_);
+  SlotQueue& queue = queues_[seed.slot];
+  queue.seeding = false;
+  // A stream this seed opened goes again, unless its device state cannot be zeroed for the slot's next owner.
+  bool closed = false;
+  if (seed.opened && (!seed.device_written || ResetDeviceSlot(host, seed.slot).ok())) {
+    closed = CloseSlotLocked(seed.slot).ok();
+  }
+  // A stream whose state the failed seed may have written (in part, or to values that are not finite) and that stays
+  // stops, as after a failed tick: its next events would otherwise step from a state its events did not lead to.
+  if (!closed && seed.device_written) {
+    const std::optional<uint64_t> next_seq = table_.NextSeq(seed.slot);
+    queue.stopped = absl::FailedPreconditionError(absl::StrCat(
+        "instrument '", queue.instrument, "' stopped when its seed failed (", failure.message(),
+        "); its state is not the one its events led to: it takes no events until ResetStream, SeedStream or "
+        "CloseStream, then ",
+        next_seq.has_value() ? absl::StrCat("from seq ", *next_seq) : std::string("from any seq (none yet)")));
+  }
+  return failure;
 }
 
 absl::StatusOr<v1::ReadConvictionsResponse> StreamBatcher::Read(const v1::ReadConvictionsRequest& request,
@@ -799,6 +889,8 @@ absl::Status StreamBatcher::Reset(const std::string& instrument, const grpc::Ser
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     table_.ResetFeatures(slot);
     queues_[slot].lobster.reset();
+    queues_[slot].base_time_ns.reset();  // the next event is a first event, whatever clock it is on
+    queues_[slot].zero_state = true;
     queues_[slot].stopped = absl::OkStatus();
     return absl::OkStatus();
   }, caller);

@@ -38,6 +38,8 @@ struct StreamOptions {
   StreamingConfig device;        // slots, log capacity, publishing (the model host's part)
   int ack_every_events = 1000;   // a Stream acknowledges after this many processed events...
   int ack_every_ms = 50;         // ...or this long after the first unacknowledged one
+  // A SeedStream steps its window in device jobs of about this long each, with other instruments' ticks between them.
+  absl::Duration seed_job_time = absl::Microseconds(250);
   int64_t max_read_count = 65536;      // most convictions per ReadConvictions page...
   // ...and at most this many bytes of entries (ReadEntryBytes): a page stays within the 4 MiB that gRPC's clients
   // receive unless raised (grpcio's, C++'s) at any --stream_read_max and horizon count; past INT_MAX entries a page
@@ -153,13 +155,19 @@ class StreamBatcher {
     std::deque<Pending> events;
     std::deque<float> x;                 // [events, F] features of the pending events
     bool ready = false;                  // in ready_
-    std::optional<int64_t> base_time_ns;  // exchange time of the stream's first event: LOBSTER times are relative
+    // Exchange time of the first event since the stream opened, was reset or seeded: LOBSTER times count from it.
+    std::optional<int64_t> base_time_ns;
     absl::Status stopped;                 // FAILED_PRECONDITION once a failed tick stopped the stream, until reset
     bool seeding = false;                 // a SeedStream runs on it: its events are refused meanwhile
+    // No event has stepped its state since it was zeroed (opened, reset): the next one accepted is its first, whose
+    // Δt is 0 whatever it carries (MODEL.md §1), as a seed window's first is.
+    bool zero_state = true;
     // Whether the stream's events are LOBSTER rows (else feature vectors), from its first event or seed until a
     // reset: the featurizer's previous mid and time would skip events of the other kind.
     std::optional<bool> lobster;
   };
+  // A SeedStream from the job that claims its slot to the one that gives it back (stream_batcher.cc).
+  struct SeedProgress;
   struct Notice {
     StreamSink* sink;
     int slot;
@@ -183,7 +191,19 @@ class StreamBatcher {
   // AcceptLocked's checks that need the instrument's stream, then the queueing.
   absl::Status QueueLocked(const v1::StreamEvent& event, StreamSink* sink, int slot, std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The instrument's slot for a reset, close or seed: refused while it has events queued or a seed runs on it.
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SeedStream's jobs on the worker thread, each answering whether parts of the window remain. The first claims the
+  // slot (`seeding`), featurizes the window, zeroes the slot and steps the first part; each next one steps another
+  // part; the last part (FinishSeed) or a failure (FailSeed) gives the slot back. While one seed's parts remain,
+  // training's publications wait (ModelHost::HoldPublication): the whole window runs under one weights version.
+  absl::StatusOr<bool> StartSeed(ModelHost& host, SeedProgress& seed);
+  absl::StatusOr<bool> ContinueSeed(ModelHost& host, SeedProgress& seed);
+  absl::StatusOr<bool> StepSeedPart(ModelHost& host, SeedProgress& seed, Backend& backend);
+  void FinishSeed(ModelHost& host, SeedProgress& seed);
+  // Gives the slot back after `failure` (returned): a stream the seed opened closes, one that its failed seed may have
+  // written stops.
+  absl::Status FailSeed(ModelHost& host, SeedProgress& seed, absl::Status failure);
   void ScheduleTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One tick on the worker thread.
   void Tick(ModelHost& host);

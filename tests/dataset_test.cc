@@ -234,29 +234,42 @@ TEST(CheckStandardizedRange, RefusesAFeatureThatStandardizesBeyondTheBoundOrOver
   EXPECT_TRUE(CheckStandardizedRange(normalizer, std::vector<float>{bound, 10.f - bound / 2, -bound / 1e6f}).ok());
   const absl::Status beyond = CheckStandardizedRange(normalizer, std::vector<float>{0.f, 10.f - bound, 0.f});
   EXPECT_EQ(beyond.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(beyond.message(), HasSubstr("feature 1 is -1e+24, -2e+24 standard deviations from the model's "
-                                          "normalizer mean; a streamed feature must stay within 1e+24 of it"));
+  EXPECT_THAT(beyond.message(), HasSubstr("feature 1 is -1e+16, -2e+16 standard deviations from the model's "
+                                          "normalizer mean; a streamed feature must stay within 1e+16 of it"));
   // Finite, but infinite once standardized in float32, as the model computes it.
   EXPECT_THAT(CheckStandardizedRange(normalizer, std::vector<float>{0.f, 3e38f, 0.f}).message(),
               HasSubstr("feature 1 is 3e+38, inf standard deviations"));
 }
 
-// The features of a valid book row are bounded (prices below 1e10, a mid of at least 1.5): even under a normalizer
-// whose every std fell to the 1e-6 floor, the most extreme rows standardize far inside the bound.
-TEST(CheckStandardizedRange, TheMostExtremeValidBookRowsPassUnderTheFloorNormalizer) {
+// The features of a valid book row are bounded (prices below 1e10, a mid of at least 1.5): under a normalizer whose
+// every std fell to the 1e-6 floor, the most extreme rows standardize past 1e19, where float32's norms no longer
+// compute MODEL.md's function; they are refused there (before, with a bound of 1e24, they passed and gave outputs a
+// review found wrong by 89%). Under a normalizer fitted where those large features vary (a std of 1,000), they pass.
+TEST(CheckStandardizedRange, TheMostExtremeValidBookRowsAreRefusedOnlyWhereAPriceStdIsFloored) {
   LobsterFeaturizer featurizer(2);
   const int F = featurizer.n_features();
   const Normalizer floor{std::vector<float>(F, 0.f), std::vector<float>(F, 1e6f)};
+  Normalizer prices_fitted = floor;
   const int64_t far = kEmptyAskPrice - 1, most = int64_t{1} << 53;
   const LobsterMessage message{.time = 1.0, .type = 1, .size = 1, .price = 2, .direction = -1};
   // Level 1 at the lowest mid, level 2 at the highest prices; then the mid jumps to the highest there is.
   const std::vector<std::vector<int64_t>> rows = {{2, most, 1, most, far, most, kEmptyBidPrice, 0},
                                                   {far, 0, far - 1, most, kEmptyAskPrice, 0, 1, 7}};
+  std::vector<std::vector<float>> features;
   for (const std::vector<int64_t>& row : rows) {
     std::vector<float> x(F);
     ASSERT_TRUE(featurizer.Next(row, message, x).ok());
-    EXPECT_TRUE(CheckStandardizedRange(floor, x).ok()) << CheckStandardizedRange(floor, x);
     EXPECT_GT(*std::ranges::max_element(x, {}, [](float v) { return std::fabs(v); }), 1e13f) << "not extreme";
+    for (int f = 0; f < F; ++f) {
+      if (std::fabs(x[f]) > 1e6f) prices_fitted.inv_std[f] = 1e-3f;  // a std of 1,000 bps, say
+    }
+    features.push_back(x);
+  }
+  for (const std::vector<float>& x : features) {
+    const absl::Status refused = CheckStandardizedRange(floor, x);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("a streamed feature must stay within 1e+16 of it"));
+    EXPECT_TRUE(CheckStandardizedRange(prices_fitted, x).ok()) << CheckStandardizedRange(prices_fitted, x);
   }
 }
 

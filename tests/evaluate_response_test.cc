@@ -24,6 +24,7 @@ namespace {
 struct RecordedLogits {
   absl::Mutex mu;
   std::vector<float> last ABSL_GUARDED_BY(mu);  // the logits of the latest Evaluate, [B, T, H]
+  bool nan_logits ABSL_GUARDED_BY(mu) = false;  // Evaluate's logits come out NaN, as an overflowed model's do
 };
 
 // Passes every call through; keeps the logits each evaluation produced.
@@ -34,6 +35,7 @@ class LogitRecordingBackend final : public testing::ForwardingBackend {
   absl::StatusOr<double> Evaluate(const BatchView<float>& batch, std::span<float> logits) override {
     absl::StatusOr<double> loss = ForwardingBackend::Evaluate(batch, logits);
     absl::MutexLock lock(&recorded_->mu);
+    if (recorded_->nan_logits) std::ranges::fill(logits, std::nanf(""));
     recorded_->last.assign(logits.begin(), logits.end());
     return loss;
   }
@@ -196,6 +198,26 @@ TEST_F(EvaluateResponseTest, LossesCombineThroughMaskedLabels) {
     EXPECT_EQ(all.horizons(h).masked_labels(),
               a.horizons(h).masked_labels() + b.horizons(h).masked_labels() + c.horizons(h).masked_labels());
     EXPECT_EQ(all.horizons(h).correct(), a.horizons(h).correct() + b.horizons(h).correct() + c.horizons(h).correct());
+  }
+}
+
+// A logit that is not a number predicts neither up nor down: before, NaN > 0 being false, it counted as a correct
+// "down" on every label 0, so a model whose outputs overflowed scored the share of down labels.
+TEST_F(EvaluateResponseTest, ANotANumberPredictionIsNeverCorrect) {
+  {
+    absl::MutexLock lock(&recorded_->mu);
+    recorded_->nan_logits = true;
+  }
+  const testing::RandomBatch batch = testing::MakeRandomBatch(config_, 2, config_.window, 61);
+  std::vector<float> logits;
+  const v1::EvaluateResponse response = Evaluate(batch, logits);
+  ASSERT_TRUE(std::isnan(logits[0]));
+  ASSERT_NE(std::count(batch.labels.begin(), batch.labels.end(), 0.f), 0) << "labels the old count took as right";
+  for (const v1::HorizonAccuracy& horizon : response.horizons()) {
+    SCOPED_TRACE(horizon.horizon_events());
+    EXPECT_GT(horizon.masked_labels(), 0);
+    EXPECT_EQ(horizon.correct(), 0);
+    EXPECT_EQ(horizon.accuracy(), 0.0);
   }
 }
 

@@ -52,8 +52,8 @@ class ForwardingBackend : public Backend {
   absl::Status PublishWeights() override { return inner_->PublishWeights(); }
   absl::Status ForwardStepInto(const StreamTick& tick) override { return inner_->ForwardStepInto(tick); }
   absl::Status ResetSlot(int slot) override { return inner_->ResetSlot(slot); }
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
-    return inner_->SeedSlot(slot, x, dt);
+  absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+    return inner_->AdvanceSlot(slot, x, dt);
   }
   absl::Status ReadLog(int slot, int64_t begin, int64_t count, std::span<float> convictions,
                        std::span<float> probs) override {

@@ -1,5 +1,5 @@
-// ModelHost::TrainStep when refreshing the weights streaming reads fails: the step, applied, is still answered;
-// SetNormalizer then fails and leaves the previous model in place.
+// ModelHost's publication of the weights streaming reads: a step whose publication fails is still answered,
+// SetNormalizer's failure leaves the previous model in place, and a seed's hold defers training's publications.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -89,6 +89,30 @@ TEST_F(ModelHostPublishTest, ASetNormalizerWhosePublicationFailsLeavesThePreviou
   ASSERT_TRUE(host.SetNormalizer(changed).ok());
   EXPECT_EQ(host.Status().model->normalizer.mean, changed.mean);
   EXPECT_EQ(host.published_weights_version(), before.weights_version + 1);
+}
+
+// A SeedStream steps its window in several jobs under one weights version: training steps taken meanwhile publish
+// once the last hold is released, not before; SetNormalizer still publishes at once.
+TEST_F(ModelHostPublishTest, HeldPublicationWaitsForTheLastReleaseButNotForSetNormalizer) {
+  ASSERT_TRUE(host.StreamingBackend().ok());
+  const int64_t initial = host.published_weights_version();
+  host.HoldPublication();
+  host.HoldPublication();  // two seeds at once
+  ASSERT_TRUE(host.TrainStep(testing::MakeRandomBatch(config, config.batch, config.window, 23).view()).ok());
+  EXPECT_EQ(host.published_weights_version(), initial);
+  host.ReleasePublication();
+  EXPECT_EQ(host.published_weights_version(), initial) << "one seed still holds it";
+  host.ReleasePublication();
+  EXPECT_EQ(host.published_weights_version(), initial + 1) << "the step's weights, published at the last release";
+
+  host.HoldPublication();
+  const Normalizer changed{std::vector<float>(config.n_features, 0.5f), std::vector<float>(config.n_features, 2.f)};
+  ASSERT_TRUE(host.SetNormalizer(changed).ok());
+  EXPECT_EQ(host.published_weights_version(), initial + 2) << "streaming standardizes with the normalizer at once";
+  host.ReleasePublication();
+  EXPECT_EQ(host.published_weights_version(), initial + 2) << "nothing waited";
+  ASSERT_TRUE(host.TrainStep(testing::MakeRandomBatch(config, config.batch, config.window, 24).view()).ok());
+  EXPECT_EQ(host.published_weights_version(), initial + 3) << "released: steps publish again";
 }
 
 }  // namespace

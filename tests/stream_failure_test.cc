@@ -45,13 +45,14 @@ struct StreamFaults {
   std::atomic<bool> streaming_out_of_memory{false};  // ConfigureStreaming cannot allocate the slots and logs
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
   std::atomic<bool> tick_out_of_memory{false};  // the next ForwardStepInto runs the host out of memory
-  std::atomic<int> failing_seeds{0};          // the next SeedSlot calls write the slot, then fail
+  std::atomic<int> failing_seeds{0};          // the next AdvanceSlot calls write the slot, then fail
   std::atomic<int> failing_tick_in{0};        // the ForwardStepInto call this many from now fails (1: the next)
   std::atomic<bool> slow_ticks{false};        // CheckTicks without a wait: every tick since the last wait unfinished
   std::atomic<bool> ticks_unknown{false};     // CheckTicks fails, as on a device error
   std::atomic<bool> hold_ticks{false};        // CheckTicks with a wait waits until this is cleared...
   std::atomic<int> ticks_held{0};             // ...and counts its waits here
   std::atomic<int> failing_resets{0};         // the next ResetSlot calls fail
+  std::atomic<bool> seed_failure_fails_reset{false};  // the ResetSlot after an AdvanceSlot failed by failing_seeds fails
   std::atomic<bool> hold_launch{false};       // ForwardStepInto waits, before launching, until this is cleared...
   std::atomic<int> launches_held{0};          // ...and counts its waits here
   std::atomic<int> nonfinite_slot{-1};        // the next CheckTicks with a wait also reports this slot's...
@@ -117,9 +118,12 @@ class StreamFaultBackend final : public ForwardingBackend {
     faults_->failing_resets = 0;
     return ForwardingBackend::ResetSlot(slot);
   }
-  absl::Status SeedSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
-    const absl::Status seeded = ForwardingBackend::SeedSlot(slot, x, dt);
-    if (faults_->failing_seeds.fetch_sub(1) > 0) return absl::InternalError("an injected seed failure");
+  absl::Status AdvanceSlot(int slot, std::span<const float> x, std::span<const float> dt) override {
+    const absl::Status seeded = ForwardingBackend::AdvanceSlot(slot, x, dt);
+    if (faults_->failing_seeds.fetch_sub(1) > 0) {
+      if (faults_->seed_failure_fails_reset.exchange(false)) faults_->failing_resets = 1;
+      return absl::InternalError("an injected seed failure");
+    }
     faults_->failing_seeds = 0;
     return seeded;
   }
@@ -178,16 +182,16 @@ class StreamFailureTest : public ::testing::Test {
     return daemon_.SeedStream(instrument, window);
   }
 
-  // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU.
+  // Convictions of the instrument's events [from, to) streamed from a zero state, by the model on the CPU: the first
+  // event's Δt is 0 (MODEL.md §1), as the daemon takes it.
   std::vector<float> Offline(const std::string& instrument, int from, int to) const {
     const RandomBatch& series = instrument == "A" ? a_ : b_;
     const std::unique_ptr<Backend> model = MakeCpuBackend(config_, OptimizerConfig{}, InitialParams(config_, kSeed));
     const int F = config_.n_features, H = config_.n_horizons, n = to - from;
+    std::vector<float> dt(series.dt.begin() + from, series.dt.begin() + to);
+    dt[0] = 0.f;
     std::vector<float> logits(static_cast<size_t>(n) * H);
-    EXPECT_TRUE(model
-                    ->ForwardStream(std::span<const float>(series.x).subspan(from * F, n * F),
-                                    std::span<const float>(series.dt).subspan(from, n), logits)
-                    .ok());
+    EXPECT_TRUE(model->ForwardStream(std::span<const float>(series.x).subspan(from * F, n * F), dt, logits).ok());
     std::vector<float> convictions;
     for (int i = 0; i < n; ++i) {
       convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
@@ -530,7 +534,7 @@ TEST_F(StreamFailureTest, ASeedTheDeviceFailsStopsALiveStreamAndLeavesNoNewOne) 
 // pass to another instrument with this state) and stopped, so that its events do not step from what the seed left.
 TEST_F(StreamFailureTest, AFailedSeedWhoseSlotCannotBeZeroedLeavesItsNewStreamStopped) {
   faults_->failing_seeds = 1;
-  faults_->failing_resets = 1;
+  faults_->seed_failure_fails_reset = true;
   EXPECT_EQ(Seed("C", 0, 4).error_code(), grpc::StatusCode::INTERNAL);
   std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
   ASSERT_EQ(streams.count("C"), 1u) << "the slot, not zeroed, stays the instrument's";

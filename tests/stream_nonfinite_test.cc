@@ -30,7 +30,7 @@ using ::testing::HasSubstr;
 
 // The model as InitModel made it, with its embedding's weights scaled by 1e30: finite, and a checkpoint would hold
 // them. A feature standardized to 1e9 then makes the embedding infinite and the event's logits NaN, well inside the
-// daemon's bound on standardized features (1e24); features of the usual size stay finite through the norms.
+// daemon's bound on standardized features (1e16); features of the usual size stay finite through the norms.
 // `slow_device` answers CheckTicks as a device still running every tick since the last wait would: each unfinished,
 // none of their outputs found yet. The batcher must then hold their acknowledgements until a wait finds them.
 class OverflowingBackend final : public ForwardingBackend {

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "engine/backend.h"
+#include "engine/cpu_reference.h"
 #include "engine/dataset.h"
 #include "engine/stream_table.h"
 #include "tests/check_ticks_util.h"
@@ -428,6 +429,41 @@ TEST_P(StreamingBackendTest, SeededSlotContinuesLikeTheConcatenation) {
   EXPECT_NEAR(got[0], expected[0], tolerance());
 }
 
+// The daemon steps a long seed window in parts, between other instruments' ticks: the parts must end in the state
+// the whole window does, bit for bit, so that the next event's conviction is the one a single seed gives.
+TEST_P(StreamingBackendTest, AWindowAdvancedInPartsEndsWhereTheWholeWindowDoes) {
+  const int F = config_.n_features, window = 29;
+  const testing::RandomBatch all = testing::MakeRandomBatch(config_, 1, window + 1, 81);
+  const auto x = [&](int begin, int n) { return std::span<const float>(all.x).subspan(begin * F, n * F); };
+  const auto dt = [&](int begin, int n) { return std::span<const float>(all.dt).subspan(begin, n); };
+  ASSERT_TRUE(backend_->SeedSlot(1, x(0, window), dt(0, window)).ok());
+  ASSERT_TRUE(backend_->ResetSlot(2).ok());
+  for (const auto& [begin, n] : {std::pair{0, 1}, std::pair{1, 12}, std::pair{13, 16}}) {
+    ASSERT_TRUE(backend_->AdvanceSlot(2, x(begin, n), dt(begin, n)).ok()) << begin;
+  }
+  const int32_t slots[2] = {1, 2};
+  const int64_t indices[2] = {0, 0};
+  const std::vector<float> next_x = [&] {
+    std::vector<float> twice(x(window, 1).begin(), x(window, 1).end());
+    twice.insert(twice.end(), twice.begin(), twice.end());
+    return twice;
+  }();
+  const float next_dt[2] = {all.dt[window], all.dt[window]};
+  ASSERT_TRUE(backend_->ForwardStepInto({next_x, next_dt, slots, indices}).ok());
+  const int H = config_.n_horizons;
+  std::vector<float> whole(H), parts(H);
+  ASSERT_TRUE(backend_->ReadSlotProbabilities(1, whole).ok());
+  ASSERT_TRUE(backend_->ReadSlotProbabilities(2, parts).ok());
+  EXPECT_EQ(whole, parts);
+  // And it is a seeded state, not a fresh one: a fresh slot's first event gives other probabilities.
+  ASSERT_TRUE(backend_->ResetSlot(3).ok());
+  const int32_t fresh = 3;
+  ASSERT_TRUE(backend_->ForwardStepInto({x(window, 1), dt(window, 1), {&fresh, 1}, {&indices[0], 1}}).ok());
+  std::vector<float> unseeded(H);
+  ASSERT_TRUE(backend_->ReadSlotProbabilities(3, unseeded).ok());
+  EXPECT_NE(whole, unseeded);
+}
+
 TEST_P(StreamingBackendTest, StreamingReadsThePublishedWeightsOnly) {
   const int F = config_.n_features;
   const testing::RandomBatch event = testing::MakeRandomBatch(config_, 1, 1, 90);
@@ -463,9 +499,11 @@ TEST_P(StreamingBackendTest, MalformedTicksAreRefused) {
 }
 
 // An event whose every feature standardizes to just inside ±kMaxStandardizedFeature, signs alternating, amid random
-// ones: every conviction stays finite, before, at and after it, and equals the sequence path over the same events. A
-// feature of 3e38 here (standardized to infinity) made every later conviction NaN.
-TEST_P(StreamingBackendTest, FeaturesAtTheStandardizedBoundKeepTheStateFinite) {
+// ones: every conviction stays finite, before, at and after it, and equals the sequence path over the same events,
+// whose logits are MODEL.md's (a float64 evaluation) within §8's 1e-5. A feature of 3e38 here (standardized to
+// infinity) made every later conviction NaN; up to the old bound of 1e24 the outputs stayed finite but not MODEL.md's
+// (the RMSNorms' sums of squares overflowed to a scale of 0: relative error 0.89 at 6.7e19, a review found).
+TEST_P(StreamingBackendTest, FeaturesAtTheStandardizedBoundKeepTheStateFiniteAndTheOutputsModelMds) {
   const int F = config_.n_features, n = 24, extreme = 8;
   testing::RandomBatch events = testing::MakeRandomBatch(config_, 1, n, 90);
   const std::vector<float> params = testing::RandomParams(*layout_, 61);  // SetUp's
@@ -492,6 +530,21 @@ TEST_P(StreamingBackendTest, FeaturesAtTheStandardizedBoundKeepTheStateFinite) {
     EXPECT_TRUE(std::isfinite(got[t])) << "event " << t << ": " << got[t];
     EXPECT_NEAR(got[t], expected[t], tolerance()) << "event " << t;
   }
+  const int H = config_.n_horizons;
+  std::vector<float> logits(static_cast<size_t>(n) * H);
+  ASSERT_TRUE(backend_->ForwardStream(events.x, events.dt, logits).ok());
+  const CpuReference<double> reference(*layout_, 1);
+  const std::vector<double> params64(params.begin(), params.end());
+  const std::vector<double> x64(events.x.begin(), events.x.end()), dt64(events.dt.begin(), events.dt.end());
+  const std::vector<double> no_labels(static_cast<size_t>(n) * H);
+  std::vector<double> logits64(static_cast<size_t>(n) * H);
+  reference.Forward(params64, BatchView<double>{1, n, x64, dt64, no_labels, no_labels}, logits64);
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    diff += (logits[i] - logits64[i]) * (logits[i] - logits64[i]);
+    norm += logits64[i] * logits64[i];
+  }
+  EXPECT_LE(std::sqrt(diff / norm), 1e-5) << "MODEL.md §8 against float64";
 }
 
 // A feature of 3e38 (infinite once standardized) makes one instrument's logits NaN, and its state with them, amid

@@ -178,6 +178,11 @@ TEST(CudaBackend, AStepWithANonFiniteGradientIsRefusedAndChangesNothing) {
   testing::ExpectAStepWithANonFiniteGradientChangesNothing("cuda");
 }
 
+TEST(CudaBackend, AStepWhoseGradientSquaresOverflowIsRefusedAndChangesNothing) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  testing::ExpectAStepWhoseGradientSquaresOverflowChangesNothing("cuda");
+}
+
 TEST(CudaBackend, CheckpointsMoveBetweenBackends) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const ModelConfig config = *NamedConfig("tiny");

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/cuda_model.h"
 #include "engine/optimizer.h"
 #include "kernels/cfc.h"
 #include "kernels/column_sum.h"
@@ -1110,9 +1111,7 @@ TEST(KernelTest, ClipAndAdamWMatchTheCpuOptimizer) {
     DeviceArray<double> norm_partials(chunks.size());
     DeviceArray<int64_t> step(1);
     DeviceArray<kernels::StepReport> report(1);
-    kernels::AdamWConfig c{config.lr, config.beta1, config.beta2, config.eps, config.weight_decay,
-                           config.max_grad_norm, config.schedule == LrSchedule::kWarmupCosine,
-                           config.warmup_steps, config.total_steps, config.min_lr};
+    const kernels::AdamWConfig c = DeviceAdamW(config);
     for (int s = 1; s <= 5; ++s) {
       SCOPED_TRACE(::testing::Message() << "step " << s << " schedule " << static_cast<int>(config.schedule)
                                         << " pieces of " << piece);

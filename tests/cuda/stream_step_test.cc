@@ -99,7 +99,15 @@ class StreamStepParity {
 
   void Seed(int32_t slot, int events, uint64_t seed) {
     const testing::RandomBatch window = MakeRandomBatch(config_, 1, events, seed);
-    ASSERT_TRUE(streamer_->SeedSlot(slot, window.x, window.dt).ok());
+    // In two parts, as the daemon steps a long window: the second carries on from the state the first left.
+    const int first = events / 2, F = config_.n_features;
+    ASSERT_TRUE(streamer_->ResetSlot(slot).ok());
+    if (first > 0) {
+      ASSERT_TRUE(streamer_->AdvanceSlot(slot, std::span<const float>(window.x).first(first * F),
+                                         std::span<const float>(window.dt).first(first)).ok());
+    }
+    ASSERT_TRUE(streamer_->AdvanceSlot(slot, std::span<const float>(window.x).subspan(first * F),
+                                       std::span<const float>(window.dt).subspan(first)).ok());
     cpu_states_[slot] = StreamState<float>::Zero(config_);
     std::vector<float> logits(config_.n_horizons);
     for (int i = 0; i < events; ++i) {
