@@ -646,6 +646,37 @@ TEST_F(StreamFailureTest, ALobsterStreamsDtIsExactAMonthAfterItsFirstEvent) {
                                                     static_cast<float>(1'000'000 * 1e-9)}));
 }
 
+// ResetStream and SeedStream start the stream afresh, its times included: a feed replayed on one clock (epoch
+// nanoseconds) and then streamed on another (nanoseconds after midnight) was refused after the reset, and its seed
+// window too, for times more than 1e9 s from the first clock's first event (a review).
+TEST_F(StreamFailureTest, AResetOrSeededStreamTakesItsFirstEventOnAnotherClock) {
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(1));
+  const auto row = [](uint64_t seq, int64_t time_ns) {
+    v1::StreamEvent event;
+    event.set_instrument("L");
+    event.set_seq(seq);
+    event.set_exchange_time_ns(time_ns);
+    for (const int64_t value : {int64_t{2'239'500}, int64_t{100}, int64_t{2'231'800}, int64_t{300}}) {
+      event.mutable_lobster()->add_book(value);
+    }
+    event.mutable_lobster()->set_type(1);
+    event.mutable_lobster()->set_direction(-1);
+    return event;
+  };
+  constexpr int64_t kEpoch = 1'700'000'000'000'000'000, kAfterMidnight = 34'200'000'000'000;
+  ASSERT_TRUE(daemon_.Stream({{row(1, kEpoch), row(2, kEpoch + 1'000)}}).status.ok());
+  ASSERT_TRUE(daemon_.ResetStream("L").ok());
+  const StreamOutcome after_reset = daemon_.Stream({{row(3, kAfterMidnight), row(4, kAfterMidnight + 5'000)}});
+  ASSERT_TRUE(after_reset.status.ok()) << after_reset.status.error_message();
+  const grpc::Status seeded = daemon_.SeedStream("L", {row(0, kEpoch), row(0, kEpoch + 2'000)});
+  ASSERT_TRUE(seeded.ok()) << seeded.error_message();
+  const StreamOutcome after_seed = daemon_.Stream({{row(5, kEpoch + 3'000)}});
+  ASSERT_TRUE(after_seed.status.ok()) << after_seed.status.error_message();
+  absl::MutexLock lock(&faults_->mu);
+  EXPECT_EQ(faults_->dt_ticked, (std::vector<float>{0.f, 1e-6f, 0.f, 5e-6f, 1e-6f}))
+      << "each first event's Δt 0, the others' from their own clock";
+}
+
 // perceptionctl's seed-window check reads ListStreams' next_seq: onto an instrument stopped at its first event (seq
 // 10), a seeded stream that would start elsewhere is refused before anything is sent, and one that starts there
 // streams.
