@@ -166,9 +166,20 @@ absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<cons
     const float standardized = (x[i] - normalizer.mean[i]) * normalizer.inv_std[i];
     if (std::fabs(standardized) <= kMaxStandardizedFeature) continue;
     return absl::InvalidArgumentError(absl::StrFormat(
-        "feature %d is %g, %g standard deviations from the model's normalizer mean; a streamed feature must stay "
-        "within %g of it (beyond, float32 overflows in the model and every later conviction of the instrument is NaN)",
+        "feature %d is %g, %g standard deviations from the model's normalizer mean; a feature must stay within %g "
+        "of it (beyond, float32 no longer computes the model: its norms' sums of squares overflow, then the model)",
         i, x[i], standardized, kMaxStandardizedFeature));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const EventSeries& series) {
+  const size_t F = static_cast<size_t>(series.n_features);
+  for (size_t i = 0; i < series.size(); ++i) {
+    const std::span<const float> x = std::span<const float>(series.features).subspan(i * F, F);
+    if (const absl::Status status = CheckStandardizedRange(normalizer, x); !status.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("line ", i + 1, " of the LOBSTER files: ", status.message()));
+    }
   }
   return absl::OkStatus();
 }

@@ -74,6 +74,9 @@ inline constexpr float kMaxStandardizedFeature = 1e16f;
 // OK when every feature of one event, x [F], standardizes within ±kMaxStandardizedFeature under `normalizer` (in
 // float32, as the model computes it); else INVALID_ARGUMENT naming the first that does not.
 absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<const float> x);
+// CheckStandardizedRange over every event of `series` (a LOBSTER series run through the model offline): its first
+// refusal, named by the files' line.
+absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const EventSeries& series);
 
 // Whether any label of mask [n, H] (a series' or a batch's) is scored. Where none is, a masked loss reads 0 (Σ m·bce
 // over max(Σ m, 1)): a perfect model, not "nothing to score".

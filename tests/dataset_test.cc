@@ -235,10 +235,26 @@ TEST(CheckStandardizedRange, RefusesAFeatureThatStandardizesBeyondTheBoundOrOver
   const absl::Status beyond = CheckStandardizedRange(normalizer, std::vector<float>{0.f, 10.f - bound, 0.f});
   EXPECT_EQ(beyond.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(beyond.message(), HasSubstr("feature 1 is -1e+16, -2e+16 standard deviations from the model's "
-                                          "normalizer mean; a streamed feature must stay within 1e+16 of it"));
+                                          "normalizer mean; a feature must stay within 1e+16 of it"));
   // Finite, but infinite once standardized in float32, as the model computes it.
   EXPECT_THAT(CheckStandardizedRange(normalizer, std::vector<float>{0.f, 3e38f, 0.f}).message(),
               HasSubstr("feature 1 is 3e+38, inf standard deviations"));
+}
+
+// perception eval runs a whole file through the model: it refuses one whose event standardizes beyond the bound,
+// naming the line, as the daemon refuses that event streamed (the logits from it on would not be MODEL.md's).
+TEST(CheckStandardizedRange, ASeriesIsRefusedAtItsFirstEventBeyondTheBound) {
+  EventSeries series;
+  series.n_features = 3;
+  series.features = {0.f, 1.f, 2.f, 0.f, 1.f, 2.f, 0.f, 5e16f, 2.f, 0.f, -5e16f, 0.f};
+  series.dt = {0.f, 1.f, 1.f, 1.f};
+  const Normalizer identity{{0.f, 0.f, 0.f}, {1.f, 1.f, 1.f}};
+  const absl::Status refused = CheckSeriesStandardizedRange(identity, series);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("line 3 of the LOBSTER files: feature 1 is 5e+16"));
+  series.features[7] = 5e15f;
+  series.features[10] = -5e15f;
+  EXPECT_TRUE(CheckSeriesStandardizedRange(identity, series).ok());
 }
 
 // The features of a valid book row are bounded (prices below 1e10, a mid of at least 1.5): under a normalizer whose
@@ -268,7 +284,7 @@ TEST(CheckStandardizedRange, TheMostExtremeValidBookRowsAreRefusedOnlyWhereAPric
   for (const std::vector<float>& x : features) {
     const absl::Status refused = CheckStandardizedRange(floor, x);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-    EXPECT_THAT(refused.message(), HasSubstr("a streamed feature must stay within 1e+16 of it"));
+    EXPECT_THAT(refused.message(), HasSubstr("a feature must stay within 1e+16 of it"));
     EXPECT_TRUE(CheckStandardizedRange(prices_fitted, x).ok()) << CheckStandardizedRange(prices_fitted, x);
   }
 }

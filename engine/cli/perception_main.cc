@@ -427,11 +427,12 @@ absl::Status Eval() {
   const ModelConfig& config = checkpoint.config;
   RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features, "the checkpoint"));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
-  if (const std::string warning = FlooredFeaturesVaryWarning(ReadNormalizer(ParamLayout(config), checkpoint.params),
-                                                             series);
-      !warning.empty()) {
+  const Normalizer normalizer = ReadNormalizer(ParamLayout(config), checkpoint.params);
+  if (const std::string warning = FlooredFeaturesVaryWarning(normalizer, series); !warning.empty()) {
     spdlog::warn("{}", warning);
   }
+  // As the daemon refuses such an event streamed: the logits from it on would not be MODEL.md's.
+  RETURN_IF_ERROR(CheckSeriesStandardizedRange(normalizer, series));
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, OptimizerConfig{}, checkpoint.params));
   const size_t n = series.size();
   const int F = config.n_features, H = config.n_horizons;

@@ -789,7 +789,7 @@ TEST_F(StreamingTest, AFeatureBeyondTheStandardizedBoundIsRefusedAndTheStreamGoe
   far[0].mutable_events(0)->mutable_features()->set_features(2, 1e17f);
   ExpectRefused(StreamAll(client(), far), absl::StatusCode::kInvalidArgument,
                 "event 0 (instrument 'A', seq 3): feature 2 is 1e+17, 1e+17 standard deviations from the model's "
-                "normalizer mean; a streamed feature must stay within 1e+16 of it");
+                "normalizer mean; a feature must stay within 1e+16 of it");
   ASSERT_TRUE(StreamAll(client(), events(2, 6, 3)).ok());
   const Log log = ReadAll(client(), "A", 0, 100);
   ASSERT_EQ(log.seqs.size(), 6u);
