@@ -255,10 +255,9 @@ class CudaBackend final : public Backend {
         next && staging == NextStaging::kDuringStep ? model_->StageBatch(*next) : absl::OkStatus();
     if (next && staged_during_step.ok()) staged_next_ = next->x.data();
     ASSIGN_OR_RETURN(const kernels::StepReport report, model_->Wait());
-    const bool applied = report.step > step_;  // the device advances its counter only for a step it applies
     step_ = report.step;  // applied, whatever the replica check finds
     const TrainStepResult result{report.loss, report.grad_norm, report.step};
-    if (!applied) return StepNotTakenError(result);
+    if (report.applied == 0) return StepNotTakenError(result);  // the optimizer refused it (StepApplies)
     RETURN_IF_ERROR(MaybeCheckReplicas(report.step));  // a collective: every rank runs it, whatever `next` was
     RETURN_IF_ERROR(staged_during_step);
     return result;

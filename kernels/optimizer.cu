@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(kThreads)
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       report->grad_norm = norm;
       report->step = step - 1;
+      report->applied = 0;
     }
     return;
   }
@@ -133,6 +134,7 @@ __global__ void __launch_bounds__(kThreads)
     *step_counter = step;
     report->grad_norm = norm;
     report->step = step;
+    report->applied = 1;
   }
 }
 

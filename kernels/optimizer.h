@@ -34,8 +34,9 @@ struct AdamWConfig {
 // Increments *step (it then names the step being taken); norm = sqrt(Σ g²) over every chunk (partials[i] = Σ g² of
 // chunk i in double, added in chunk order); g ← g·min(1, max/(norm + 1e-6)) in place; θ ← θ(1 − lr·wd) where
 // decayed; then m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², θ ← θ − lr/(1−β1^step) · m / (sqrt(v)/sqrt(1−β2^step) +
-// eps). Writes report->grad_norm and report->step. A norm that is not finite, or whose clipped value is not below
-// config.largest_applied_grad_norm, changes nothing and leaves *step (StepApplies). partials holds `count` doubles.
+// eps). Writes report->grad_norm, report->step and report->applied. A norm that is not finite, or whose clipped value
+// is not below config.largest_applied_grad_norm, changes nothing and leaves *step (StepApplies). partials holds
+// `count` doubles.
 cudaError_t LaunchClipAdamW(const AdamWChunk* chunks, int count, double* partials, int64_t* step,
                             const AdamWConfig& config, float* params, float* grads, float* exp_avg, float* exp_avg_sq,
                             StepReport* report, cudaStream_t stream);

@@ -11,6 +11,7 @@ struct StepReport {
   double mask_count = 0;  // Σ m
   double grad_norm = 0;   // global gradient norm before clipping
   int64_t step = 0;       // optimizer steps taken, this one included
+  int32_t applied = 0;    // 1 where the optimizer applied the step, 0 where it refused it (StepApplies)
 };
 
 }  // namespace perception::kernels
