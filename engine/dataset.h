@@ -67,9 +67,10 @@ absl::Status ValidateNormalizer(std::span<const float> mean, std::span<const flo
 // RMSNorms' sums of squares over the embedding (|h| near 1.8e19 / sqrt(d_model)) overflow first: the scale becomes 0
 // and the output finite but wrong (a review measured a relative error of 0.89 at 6.7e19), then the embedding's sums
 // and products overflow to infinity and the output and the stream's state are NaN. 1e16 leaves a margin of ~100 for
-// embeddings whose rows sum to a few units in absolute value (the demo's trained `small`: at most 2.4). A LOBSTER row
-// stays below 1e14 before standardization, so only under a normalizer whose inv_std was floored at 1e6 (a feature
-// constant in the fitted sample: FlooredFeaturesVaryWarning) can one reach it.
+// embeddings whose rows sum to a few units in absolute value (the demo's trained `small`: at most 2.4). A valid
+// LOBSTER row's features stay below 1e14 before standardization (the extremes: prices near 1e10 over a mid of 1.5), so
+// only a feature whose fitted std is below 0.01 can take one past it; the likeliest is one floored at 1e-6 (constant
+// in the fitted sample: FlooredFeaturesVaryWarning).
 inline constexpr float kMaxStandardizedFeature = 1e16f;
 // OK when every feature of one event, x [F], standardizes within ±kMaxStandardizedFeature under `normalizer` (in
 // float32, as the model computes it); else INVALID_ARGUMENT naming the first that does not.

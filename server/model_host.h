@@ -146,6 +146,11 @@ class ModelHost {
   // runs under one weights version; the last release publishes what waited. SetNormalizer still publishes at once.
   void HoldPublication() { ++publication_holds_; }
   void ReleasePublication();
+  // Whether a training publication is due and waits for a hold's release: a new seed then waits too, so that seeds
+  // that overlap one another cannot hold it back for good.
+  bool PublicationWaits() const {
+    return publication_holds_ > 0 && streaming_configured_ && steps_since_publish_ >= streaming_.publish_every_steps;
+  }
 
  private:
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
@@ -677,6 +678,8 @@ struct StreamBatcher::SeedProgress {
   const v1::SeedStreamRequest& request;
   const grpc::ServerContextBase* caller;
   int slot = 0;
+  bool claimed = false;            // the slot is the seed's (`seeding`)...
+  bool released = false;           // ...until FinishSeed or FailSeed gave it back
   bool opened = false;             // the seed opened the stream
   bool device_written = false;     // the slot's device state was zeroed or stepped
   bool publication_held = false;   // ModelHost::HoldPublication
@@ -692,15 +695,28 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
   RETURN_IF_ERROR(CheckInstrumentId(request.instrument()));
   if (request.events_size() == 0) return absl::InvalidArgumentError("the seed window has no events");
   SeedProgress seed{request, caller};
-  absl::StatusOr<bool> more =
-      worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return StartSeed(host, seed); }, caller);
+  // A seed starts only once no training publication waits for other seeds to finish: seeds that overlap one another
+  // would otherwise hold the weights streaming reads back for as long as they keep coming.
+  absl::StatusOr<SeedNext> next = SeedNext::kStartAfterPublication;
+  while (next.ok() && *next == SeedNext::kStartAfterPublication) {
+    next = worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return StartSeed(host, seed); }, caller);
+    if (next.ok() && *next == SeedNext::kStartAfterPublication) absl::SleepFor(absl::Milliseconds(1));
+  }
   // Each next part queues behind the ticks that came meanwhile. Unbounded, as ticks are: the seed holds its slot until
   // a job of its own gives it back. Its client's going away is the job's to find (ContinueSeed), for the same reason.
-  while (more.ok() && *more) {
-    more = worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return ContinueSeed(host, seed); },
+  while (next.ok() && *next == SeedNext::kAnotherPart) {
+    next = worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) { return ContinueSeed(host, seed); },
                        /*caller=*/nullptr, /*bounded=*/false);
   }
-  RETURN_IF_ERROR(more.status());
+  if (!next.ok() && seed.claimed && !seed.released) {
+    // A job that failed past FailSeed's reach (the host out of memory outside the parts' own guards) gives the slot
+    // back in a job of its own; only a worker already stopped (the daemon exiting) takes none.
+    worker_
+        .Run(JobPriority::kStreaming, [&](ModelHost& host) { return FailSeed(host, seed, next.status()); },
+             /*caller=*/nullptr, /*bounded=*/false)
+        .IgnoreError();
+  }
+  RETURN_IF_ERROR(next.status());
   v1::SeedStreamResponse response;
   response.set_events(request.events_size());
   response.set_weights_version(seed.weights_version);
@@ -708,9 +724,10 @@ absl::StatusOr<v1::SeedStreamResponse> StreamBatcher::Seed(const v1::SeedStreamR
   return response;
 }
 
-absl::StatusOr<bool> StreamBatcher::StartSeed(ModelHost& host, SeedProgress& seed) {
+absl::StatusOr<StreamBatcher::SeedNext> StreamBatcher::StartSeed(ModelHost& host, SeedProgress& seed) {
   FinishTicksBefore(host);  // the seed forgets the slot's
   RETURN_IF_ERROR(host.RequireModel());  // (the window's checks need its feature count)
+  if (host.PublicationWaits()) return SeedNext::kStartAfterPublication;
   // The slot is claimed under the lock, then featurized and seeded without it, so that GetStatus, ListStreams and
   // other instruments' events need not wait for a long window; Submit, ResetStream, CloseStream and other seeds refuse
   // this instrument meanwhile (`seeding`). Only this thread, the worker's, ticks, resets, closes or seeds streams or
@@ -723,9 +740,10 @@ absl::StatusOr<bool> StreamBatcher::StartSeed(ModelHost& host, SeedProgress& see
     if (seed.opened) claimed = OpenLocked(seed.request.instrument());
     ASSIGN_OR_RETURN(seed.slot, claimed);
     queues_[seed.slot].seeding = true;
+    seed.claimed = true;
     normalizer = normalizer_;
   }
-  // From here every way out gives the slot back (FinishSeed, FailSeed).
+  // From here every way out gives the slot back (FinishSeed, FailSeed; Seed's own job where a job failed otherwise).
   absl::StatusOr<SeedWindow> window = RunOrExhausted(
       "the seed window's features", [&] { return FeaturizeSeedWindow(seed.request, normalizer); });
   if (!window.ok()) return FailSeed(host, seed, window.status());
@@ -742,7 +760,7 @@ absl::StatusOr<bool> StreamBatcher::StartSeed(ModelHost& host, SeedProgress& see
   return StepSeedPart(host, seed, **backend);
 }
 
-absl::StatusOr<bool> StreamBatcher::ContinueSeed(ModelHost& host, SeedProgress& seed) {
+absl::StatusOr<StreamBatcher::SeedNext> StreamBatcher::ContinueSeed(ModelHost& host, SeedProgress& seed) {
   // A client that stopped waiting was told the seed failed: the rest of its window is not stepped.
   if (const absl::Status gone = CallerGone(seed.caller); !gone.ok()) {
     return FailSeed(host, seed, absl::Status(gone.code(), absl::StrCat(
@@ -762,9 +780,13 @@ absl::StatusOr<bool> StreamBatcher::ContinueSeed(ModelHost& host, SeedProgress& 
   return StepSeedPart(host, seed, **backend);
 }
 
-absl::StatusOr<bool> StreamBatcher::StepSeedPart(ModelHost& host, SeedProgress& seed, Backend& backend) {
+absl::StatusOr<StreamBatcher::SeedNext> StreamBatcher::StepSeedPart(ModelHost& host, SeedProgress& seed,
+                                                                     Backend& backend) {
   const int64_t events = seed.request.events_size(), n = std::min(seed.next_part, events - seed.stepped);
   const size_t F = seed.window->x.size() / events;
+  // The ticks launched before it finish first, so that the part is timed alone: a part timed with their device time
+  // would size the next smaller, down to one event (and its device_seconds would count their work).
+  FinishTicksBefore(host);
   const Stopwatch stopwatch;
   const absl::Status stepped = RunOrExhausted("the seed window", [&] {
     return backend.AdvanceSlot(seed.slot, std::span<const float>(seed.window->x).subspan(seed.stepped * F, n * F),
@@ -775,13 +797,14 @@ absl::StatusOr<bool> StreamBatcher::StepSeedPart(ModelHost& host, SeedProgress& 
   seed.device_seconds += seconds;
   seed.stepped += n;
   seed.next_part = NextSeedPart(n, seconds, options_.seed_job_time);
-  if (seed.stepped < events) return true;
+  if (seed.stepped < events) return SeedNext::kAnotherPart;
   FinishSeed(host, seed);
-  return false;
+  return SeedNext::kDone;
 }
 
 void StreamBatcher::FinishSeed(ModelHost& host, SeedProgress& seed) {
-  host.ReleasePublication();
+  seed.released = true;
+  if (std::exchange(seed.publication_held, false)) host.ReleasePublication();
   absl::MutexLock lock(&mu_);
   SlotQueue& queue = queues_[seed.slot];
   queue.seeding = false;
@@ -796,7 +819,8 @@ void StreamBatcher::FinishSeed(ModelHost& host, SeedProgress& seed) {
 }
 
 absl::Status StreamBatcher::FailSeed(ModelHost& host, SeedProgress& seed, absl::Status failure) {
-  if (seed.publication_held) host.ReleasePublication();
+  seed.released = true;
+  if (std::exchange(seed.publication_held, false)) host.ReleasePublication();
   absl::MutexLock lock(&mu_);
   SlotQueue& queue = queues_[seed.slot];
   queue.seeding = false;

@@ -193,13 +193,16 @@ class StreamBatcher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The instrument's slot for a reset, close or seed: refused while it has events queued or a seed runs on it.
   absl::StatusOr<int> IdleSlotLocked(const std::string& instrument) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // SeedStream's jobs on the worker thread, each answering whether parts of the window remain. The first claims the
-  // slot (`seeding`), featurizes the window, zeroes the slot and steps the first part; each next one steps another
-  // part; the last part (FinishSeed) or a failure (FailSeed) gives the slot back. While one seed's parts remain,
-  // training's publications wait (ModelHost::HoldPublication): the whole window runs under one weights version.
-  absl::StatusOr<bool> StartSeed(ModelHost& host, SeedProgress& seed);
-  absl::StatusOr<bool> ContinueSeed(ModelHost& host, SeedProgress& seed);
-  absl::StatusOr<bool> StepSeedPart(ModelHost& host, SeedProgress& seed, Backend& backend);
+  // What a SeedStream job leaves to do.
+  enum class SeedNext { kDone, kAnotherPart, kStartAfterPublication };
+  // SeedStream's jobs on the worker thread. The first claims the slot (`seeding`), featurizes the window, zeroes the
+  // slot and steps the first part, unless a training publication waits for other seeds' holds (it is then tried
+  // again); each next one steps another part; the last part (FinishSeed) or a failure (FailSeed) gives the slot back.
+  // While one seed's parts remain, training's publications wait (ModelHost::HoldPublication): the whole window runs
+  // under one weights version.
+  absl::StatusOr<SeedNext> StartSeed(ModelHost& host, SeedProgress& seed);
+  absl::StatusOr<SeedNext> ContinueSeed(ModelHost& host, SeedProgress& seed);
+  absl::StatusOr<SeedNext> StepSeedPart(ModelHost& host, SeedProgress& seed, Backend& backend);
   void FinishSeed(ModelHost& host, SeedProgress& seed);
   // Gives the slot back after `failure` (returned): a stream the seed opened closes, one that its failed seed may have
   // written stops.

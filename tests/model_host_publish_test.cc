@@ -98,12 +98,15 @@ TEST_F(ModelHostPublishTest, HeldPublicationWaitsForTheLastReleaseButNotForSetNo
   const int64_t initial = host.published_weights_version();
   host.HoldPublication();
   host.HoldPublication();  // two seeds at once
+  EXPECT_FALSE(host.PublicationWaits());
   ASSERT_TRUE(host.TrainStep(testing::MakeRandomBatch(config, config.batch, config.window, 23).view()).ok());
   EXPECT_EQ(host.published_weights_version(), initial);
+  EXPECT_TRUE(host.PublicationWaits()) << "a new seed must wait for it";
   host.ReleasePublication();
   EXPECT_EQ(host.published_weights_version(), initial) << "one seed still holds it";
   host.ReleasePublication();
   EXPECT_EQ(host.published_weights_version(), initial + 1) << "the step's weights, published at the last release";
+  EXPECT_FALSE(host.PublicationWaits());
 
   host.HoldPublication();
   const Normalizer changed{std::vector<float>(config.n_features, 0.5f), std::vector<float>(config.n_features, 2.f)};

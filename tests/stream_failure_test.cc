@@ -43,6 +43,7 @@ using ::testing::Not;
 struct StreamFaults {
   std::atomic<bool> refuse_streaming{false};  // ConfigureStreaming fails, as for a model the kernels cannot stream
   std::atomic<bool> streaming_out_of_memory{false};  // ConfigureStreaming cannot allocate the slots and logs
+  std::atomic<bool> streaming_throws{false};  // ConfigureStreaming runs the host out of memory (std::bad_alloc)
   std::atomic<int> failing_ticks{0};          // the next ForwardStepInto calls fail, as on a device error
   std::atomic<bool> tick_out_of_memory{false};  // the next ForwardStepInto runs the host out of memory
   std::atomic<int> failing_seeds{0};          // the next AdvanceSlot calls write the slot, then fail
@@ -73,6 +74,7 @@ class StreamFaultBackend final : public ForwardingBackend {
     if (faults_->streaming_out_of_memory) {
       return absl::ResourceExhaustedError("cannot allocate the streams' states and conviction logs: out of memory");
     }
+    if (faults_->streaming_throws.exchange(false)) throw std::bad_alloc();
     return ForwardingBackend::ConfigureStreaming(slots, log_entries_per_slot);
   }
   absl::Status ForwardStepInto(const StreamTick& tick) override {
@@ -592,6 +594,18 @@ TEST_F(StreamFailureTest, StreamingWithoutTheMemoryItNeedsIsResourceExhaustedAnd
   ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
   EXPECT_EQ(streamed.acked.at("A"), 2u);
   EXPECT_EQ(daemon_.ReadConvictions("B").seqs_size(), 1);
+}
+
+// A seed job that runs the host out of memory outside the parts' own guards (here configuring streaming, which its
+// first job does) answers RESOURCE_EXHAUSTED and gives the slot back: before, the stream it opened stayed "being
+// seeded", refusing every event, reset, close and seed until the daemon restarted.
+TEST_F(StreamFailureTest, ASeedWhoseJobRunsTheHostOutOfMemoryGivesItsSlotBack) {
+  faults_->streaming_throws = true;
+  EXPECT_EQ(Seed("A", 0, 4).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(daemon_.Streams().count("A"), 0u) << "the stream the seed opened is closed";
+  ASSERT_TRUE(Seed("A", 0, 4).ok());
+  const StreamOutcome streamed = daemon_.Stream({{Event("A", 4, 1)}});
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
 }
 
 // An instrument stopped at its very first event (nothing of it processed) resumes from that event after a reset, as
