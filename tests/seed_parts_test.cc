@@ -117,7 +117,9 @@ class SeedPartsTest : public ::testing::Test {
     std::vector<float> logits(static_cast<size_t>(n) * H);
     EXPECT_TRUE(model->ForwardStream(std::span<const float>(a_.x).first(n * F), dt, logits).ok());
     std::vector<float> convictions;
-    for (int i = 0; i < n; ++i) convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    for (int i = 0; i < n; ++i) {
+      convictions.push_back(Conviction<float>(std::span<const float>(logits).subspan(i * H, H)));
+    }
     return convictions;
   }
 
