@@ -184,6 +184,21 @@ absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const Ev
   return absl::OkStatus();
 }
 
+absl::Status CheckBatchStandardizedRange(const Normalizer& normalizer, int window, std::span<const float> x) {
+  const size_t F = normalizer.mean.size();
+  for (size_t event = 0; event * F < x.size(); ++event) {
+    const std::span<const float> features = x.subspan(event * F, F);
+    int beyond = 0;  // a count, not a max: an integer sum vectorizes where a float max needs -ffast-math
+    for (size_t i = 0; i < F; ++i) {
+      beyond += !(std::fabs((features[i] - normalizer.mean[i]) * normalizer.inv_std[i]) <= kMaxStandardizedFeature);
+    }
+    if (beyond == 0) continue;
+    return absl::InvalidArgumentError(absl::StrCat("batch window ", event / window, ", event ", event % window, ": ",
+                                                   CheckStandardizedRange(normalizer, features).message()));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<int> UnvaryingFeatures(const Normalizer& normalizer) {
   std::vector<int> unvarying;
   const float floor_inv_std = static_cast<float>(1.0 / kMinStd);

@@ -211,13 +211,17 @@ absl::Status ModelHost::CheckTrainingBatch(const BatchView<float>& batch) const 
   return absl::OkStatus();
 }
 
-absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch, const BatchView<float>* next) {
+absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch, const BatchView<float>* next,
+                                                  const Normalizer* batch_checked_under,
+                                                  const Normalizer* next_checked_under) {
   RETURN_IF_ERROR(RequireModel());
   RETURN_IF_ERROR(CheckTrainingBatch(batch));
+  RETURN_IF_ERROR(CheckBatchRange(batch, batch_checked_under));
   const Stopwatch stopwatch;
-  absl::StatusOr<TrainStepResult> stepped = next != nullptr && CheckTrainingBatch(*next).ok()
-                                                ? backend_->TrainStepStagingNext(batch, *next)
-                                                : backend_->TrainStep(batch);
+  const bool stage_next = next != nullptr && CheckTrainingBatch(*next).ok() &&
+                          CheckBatchRange(*next, next_checked_under).ok();
+  absl::StatusOr<TrainStepResult> stepped =
+      stage_next ? backend_->TrainStepStagingNext(batch, *next) : backend_->TrainStep(batch);
   if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
   if (IsStepNotTaken(stepped.status())) {
     // A refusal by its code, but a diverging job is the operator's concern too.
@@ -267,9 +271,11 @@ absl::Status ModelHost::AfterFailedStep(const absl::Status& failed) {
                                                   applied, ")"));
 }
 
-absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bool with_probabilities) {
+absl::StatusOr<Evaluation> ModelHost::Evaluate(const BatchView<float>& batch, bool with_probabilities,
+                                               const Normalizer* checked_under) {
   RETURN_IF_ERROR(RequireModel());
   RETURN_IF_ERROR(CheckFeaturesAndHorizons(batch));
+  RETURN_IF_ERROR(CheckBatchRange(batch, checked_under));
   const Stopwatch stopwatch;
   logits_.resize(batch.labels.size());
   Evaluation evaluation;
@@ -324,6 +330,11 @@ absl::Status ModelHost::CheckFeaturesAndHorizons(const BatchView<float>& batch) 
                                                    config.n_horizons));
   }
   return absl::OkStatus();
+}
+
+absl::Status ModelHost::CheckBatchRange(const BatchView<float>& batch, const Normalizer* checked_under) const {
+  if (checked_under != nullptr && *checked_under == normalizer_) return absl::OkStatus();
+  return CheckBatchStandardizedRange(normalizer_, batch.window, batch.x);
 }
 
 std::string ModelHost::WhatInstallReplaces() const {

@@ -116,12 +116,15 @@ class ModelHost {
   // is the batch of the training step that will come next (the Train stream's): staged while this step runs
   // (Backend::TrainStepStagingNext) where it passes the same checks, so that step cannot fail them and leave the
   // backend holding a batch it knows by address only.
-  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr);
+  absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr,
+                                         const Normalizer* batch_checked_under = nullptr,
+                                         const Normalizer* next_checked_under = nullptr);
   // The step whose batch was given as `next` will not run (Backend::ForgetStagedNext).
   void ForgetStagedNext() {
     if (backend_ != nullptr) backend_->ForgetStagedNext();
   }
-  absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities);
+  absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities,
+                                      const Normalizer* checked_under = nullptr);
 
   HostStatus Status() const;
   // OK with a model on a device that is not lost; FAILED_PRECONDITION without one (UNAVAILABLE once it is lost).
@@ -154,6 +157,10 @@ class ModelHost {
 
  private:
   absl::Status CheckFeaturesAndHorizons(const BatchView<float>& batch) const;
+  // Every feature within kMaxStandardizedFeature of the normalizer's mean (beyond, the step or evaluation would not be
+  // MODEL.md's, as for such an event streamed), unless the batch was checked before its job under the normalizer the
+  // host has now: `checked_under` (the pass over a training batch would leave the device idle for a few hundred µs).
+  absl::Status CheckBatchRange(const BatchView<float>& batch, const Normalizer* checked_under) const;
   // ... and the model's training (batch, window).
   absl::Status CheckTrainingBatch(const BatchView<float>& batch) const;
   // For the log of an Init or Load: the model it replaces and its step, discarded ("" without one).

@@ -253,6 +253,8 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
                                           v1::TrainStepResponse* response) {
   return Answer("TrainStep", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
+    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under,
+                     CheckRangeBeforeTheJob(worker_.status(), request->batch()));
     const Stopwatch queued;
     // A data-parallel rank takes every step its peers take, even one its client gave up on: skipping it would leave
     // them waiting in the step's all-reduce until the collective timeout aborts the job.
@@ -260,7 +262,8 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
     ASSIGN_OR_RETURN(*response, worker_.Run(
                                     JobPriority::kTraining,
                                     [&](ModelHost& host) {
-                                      return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued);
+                                      return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued,
+                                                           checked_under ? &*checked_under : nullptr);
                                     },
                                     caller));
     return absl::OkStatus();
@@ -281,11 +284,14 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
                                          v1::EvaluateResponse* response) {
   return Answer("Evaluate", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
+    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under,
+                     CheckRangeBeforeTheJob(worker_.status(), request->batch()));
     ASSIGN_OR_RETURN(const Evaluation evaluation,
                      worker_.Run(
                          JobPriority::kTraining,
                          [&](ModelHost& host) {
-                           return host.Evaluate(ViewOf(request->batch()), request->return_probabilities());
+                           return host.Evaluate(ViewOf(request->batch()), request->return_probabilities(),
+                                                checked_under ? &*checked_under : nullptr);
                          },
                          context));
     response->set_loss(evaluation.loss);

@@ -12,12 +12,22 @@
 
 namespace perception::server {
 
+absl::StatusOr<std::optional<Normalizer>> CheckRangeBeforeTheJob(const HostStatus& status, const v1::Batch& batch) {
+  if (!status.model.has_value()) return std::nullopt;
+  const Normalizer& normalizer = status.model->normalizer;
+  if (batch.n_features() != static_cast<int>(normalizer.mean.size())) return std::nullopt;
+  RETURN_IF_ERROR(CheckBatchStandardizedRange(normalizer, batch.window(), ViewOf(batch).x));
+  return normalizer;
+}
+
 absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
-                                                    const Stopwatch& queued) {
+                                                    const Stopwatch& queued, const Normalizer* batch_checked_under,
+                                                    const Normalizer* next_checked_under) {
   const double queue_seconds = queued.Seconds();
   const std::optional<BatchView<float>> next_view =
       next != nullptr ? std::optional<BatchView<float>>(ViewOf(*next)) : std::nullopt;
-  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch), next_view ? &*next_view : nullptr));
+  ASSIGN_OR_RETURN(const TrainOutcome outcome, host.TrainStep(ViewOf(batch), next_view ? &*next_view : nullptr,
+                                                              batch_checked_under, next_checked_under));
   v1::TrainStepResponse response;
   response.set_loss(outcome.result.loss);
   response.set_grad_norm(outcome.result.grad_norm);
@@ -25,6 +35,10 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
   response.set_device_seconds(outcome.device_seconds);
   response.set_queue_seconds(queue_seconds);
   return response;
+}
+
+const Normalizer* TrainReactor::CheckedUnder(const Step& step) {
+  return step.range_checked_under.has_value() ? &*step.range_checked_under : nullptr;
 }
 
 template <typename Change>
@@ -59,6 +73,12 @@ void TrainReactor::OnReadDone(bool ok) {
   auto request = std::make_unique<v1::TrainStepRequest>();
   absl::Status parsed;
   if (ok) parsed = ParseRequest(*ReadInProgress(), *request);
+  // Checked outside the lock too: a pass over the batch each.
+  absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
+  if (ok && parsed.ok()) {
+    const absl::Status valid = ValidateBatch(request->batch(), limits_);
+    checked = valid.ok() ? CheckRangeBeforeTheJob(worker_.status(), request->batch()) : valid;
+  }
   Update([&] {
     incoming_.reset();
     if (!ok) {
@@ -67,18 +87,21 @@ void TrainReactor::OnReadDone(bool ok) {
     }
     if (input_done_ || EndingLocked()) return;  // a batch read after the input ended (a drain) is not trained
     if (!parsed.ok()) {
-      steps_.push_back(Step{nullptr, std::move(parsed)});  // (refused as a batch is, after the steps before it)
+      // (Refused as a batch is, after the steps before it.)
+      steps_.push_back(Step{nullptr, std::move(parsed), std::nullopt});
       input_done_ = true;
       return;
     }
-    AcceptLocked(std::move(request));
+    AcceptLocked(std::move(request), std::move(checked));
   });
 }
 
-void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
-  Step& step = steps_.emplace_back(Step{std::move(request), std::nullopt});
-  absl::Status accepted = ValidateBatch(step.request->batch(), limits_);
+void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
+                                absl::StatusOr<std::optional<Normalizer>> checked) {
+  Step& step = steps_.emplace_back(Step{std::move(request), std::nullopt, std::nullopt});
+  absl::Status accepted = checked.status();
   if (accepted.ok()) {
+    step.range_checked_under = *std::move(checked);
     // The job refers to `step`, which stays in place (a deque keeps its elements where they are when others
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
@@ -88,8 +111,11 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) {
         return;
       }
       // As DeviceWorker::Run answers a unary TrainStep: a batch the host cannot hold ends the stream, not the daemon.
-      absl::StatusOr<v1::TrainStepResponse> result = RunOrExhausted(
-          "what this step needs", [&] { return TrainOnDevice(host, step.request->batch(), NextBatch(step), queued); });
+      absl::StatusOr<v1::TrainStepResponse> result = RunOrExhausted("what this step needs", [&] {
+        const Step* next = NextStep(step);
+        return TrainOnDevice(host, step.request->batch(), next != nullptr ? &next->request->batch() : nullptr, queued,
+                             CheckedUnder(step), next != nullptr ? CheckedUnder(*next) : nullptr);
+      });
       worker_.PublishStatus(host);
       OnStepDone(step, std::move(result));
     });
@@ -107,12 +133,12 @@ grpc::ByteBuffer* TrainReactor::ReadInProgress() {
   return incoming_.get();
 }
 
-const v1::Batch* TrainReactor::NextBatch(const Step& step) {
+const TrainReactor::Step* TrainReactor::NextStep(const Step& step) {
   absl::MutexLock lock(&mu_);
   const auto at = std::find_if(steps_.begin(), steps_.end(), [&](const Step& s) { return &s == &step; });
   if (at == steps_.end() || std::next(at) == steps_.end()) return nullptr;
   const Step& next = *std::next(at);
-  return next.request != nullptr && !next.result.has_value() ? &next.request->batch() : nullptr;
+  return next.request != nullptr && !next.result.has_value() ? &next : nullptr;
 }
 
 absl::Status TrainReactor::DroppedBecause(const Step& step, int64_t model_generation) {

@@ -21,10 +21,19 @@
 
 namespace perception::server {
 
+// A batch that passed ValidateBatch, checked against kMaxStandardizedFeature under the normalizer of `status` (the
+// device worker's last published one) before its job is queued, so that the pass over it runs on a gRPC thread, not
+// on the worker between two steps. The normalizer it was checked under (for ModelHost's `checked_under`); nullopt
+// where it could not be checked (no model, or features the model does not take: the host's own checks refuse it).
+absl::StatusOr<std::optional<Normalizer>> CheckRangeBeforeTheJob(const HostStatus& status, const v1::Batch& batch);
+
 // One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds). `next`, where
-// given, is the batch of the step queued right behind this one (ModelHost::TrainStep stages it meanwhile).
+// given, is the batch of the step queued right behind this one (ModelHost::TrainStep stages it meanwhile). Each batch
+// was range-checked under its `..._checked_under` where not null (CheckRangeBeforeTheJob).
 absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
-                                                    const Stopwatch& queued);
+                                                    const Stopwatch& queued,
+                                                    const Normalizer* batch_checked_under = nullptr,
+                                                    const Normalizer* next_checked_under = nullptr);
 
 // One Train stream. Each batch read is validated and queued on the device worker; responses go out in batch
 // order. At most kMaxUnansweredSteps batches are held (queued, running or waiting to be answered), plus the one
@@ -62,6 +71,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   struct Step {
     std::unique_ptr<v1::TrainStepRequest> request;  // released once the device is done with it
     std::optional<absl::StatusOr<v1::TrainStepResponse>> result;
+    std::optional<Normalizer> range_checked_under;  // CheckRangeBeforeTheJob's
   };
 
   // The buffer of the read in progress (OnReadDone's, until it takes it).
@@ -71,11 +81,14 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of
   // `model_generation` now, is not the one the stream's first step trained); OK to run it.
   absl::Status DroppedBecause(const Step& step, int64_t model_generation);
-  // The batch of the step after `step`, if it has been accepted (its job is queued behind `step`'s, so it stays in
-  // place until that job is done); else null.
-  const v1::Batch* NextBatch(const Step& step);
-  // Queues the batch just read as the next step, or records why it was refused.
-  void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static const Normalizer* CheckedUnder(const Step& step);
+  // The step after `step`, if its batch has been accepted (its job is queued behind `step`'s, so it stays in place
+  // until that job is done); else null.
+  const Step* NextStep(const Step& step);
+  // Queues the batch just read as the next step, or records why it was refused: `checked`, its ValidateBatch and
+  // CheckRangeBeforeTheJob, run before the lock was taken.
+  void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
+                    absl::StatusOr<std::optional<Normalizer>> checked) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies `change` to the stream's state under the lock, then moves the stream forward.
   template <typename Change>
   void Update(Change change);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -255,6 +256,25 @@ TEST(CheckStandardizedRange, ASeriesIsRefusedAtItsFirstEventBeyondTheBound) {
   series.features[7] = 5e15f;
   series.features[10] = -5e15f;
   EXPECT_TRUE(CheckSeriesStandardizedRange(identity, series).ok());
+}
+
+// A batch [B, T, F] is refused at its first event beyond the bound, named by window and event; one within it passes.
+TEST(CheckStandardizedRange, ABatchIsRefusedAtItsFirstEventBeyondTheBoundByWindowAndEvent) {
+  const Normalizer normalizer{{1.f, -2.f}, {0.5f, 1e6f}};
+  constexpr int kWindows = 3, kWindow = 4;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> noise(0.f, 3.f);
+  std::vector<float> x(kWindows * kWindow * 2);
+  for (float& value : x) value = noise(rng);
+  EXPECT_TRUE(CheckBatchStandardizedRange(normalizer, kWindow, x).ok());
+  x[(1 * kWindow + 3) * 2 + 1] = 2e10f;  // window 1, event 3, feature 1: 2e16 standardized
+  x[(2 * kWindow + 0) * 2 + 0] = 5e16f;  // a later one, not the first
+  const absl::Status refused = CheckBatchStandardizedRange(normalizer, kWindow, x);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("batch window 1, event 3: feature 1 is 2e+10, 2e+16 standard deviations"));
+  x[(1 * kWindow + 3) * 2 + 1] = 9e9f;  // 9e15 standardized: within
+  EXPECT_THAT(CheckBatchStandardizedRange(normalizer, kWindow, x).message(),
+              HasSubstr("batch window 2, event 0: feature 0 is 5e+16, 2.5e+16 standard deviations"));
 }
 
 // The features of a valid book row are bounded (prices below 1e10, a mid of at least 1.5): under a normalizer whose

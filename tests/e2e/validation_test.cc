@@ -96,6 +96,12 @@ TEST_F(ValidationTest, BadBatchesGetTheirCodeAndTheNextStepSucceeds) {
        "batch shape 3 windows x 9 events differs from the model's training shape 2 x 9"},
       {"NaN feature", [&](v1::Batch& b) { b.set_x(17, nan); }, absl::StatusCode::kInvalidArgument,
        "x[17] (window 0, event 2, feature 5) is nan; features must be finite"},
+      // Finite, but beyond kMaxStandardizedFeature once standardized (the model's normalizer is the identity):
+      // float32 would not compute MODEL.md's step from it, as for such an event streamed.
+      {"feature beyond the standardized bound", [&](v1::Batch& b) { b.set_x(17, -2e16f); },
+       absl::StatusCode::kInvalidArgument,
+       "batch window 0, event 2: feature 5 is -2e+16, -2e+16 standard deviations from the model's normalizer mean; a "
+       "feature must stay within 1e+16 of it"},
       {"infinite dt", [&](v1::Batch& b) { b.set_dt(10, inf); }, absl::StatusCode::kInvalidArgument,
        "dt[10] (window 1, event 1) is inf"},
       {"negative dt", [](v1::Batch& b) { b.set_dt(3, -0.5f); }, absl::StatusCode::kInvalidArgument,
@@ -137,6 +143,19 @@ TEST_F(ValidationTest, BadBatchesGetTheirCodeAndTheNextStepSucceeds) {
   ExpectRefused(stream, absl::StatusCode::kInvalidArgument, "labels[0] (window 0, event 0, horizon 0) is -1");
   EXPECT_EQ(answered, (std::vector<int64_t>{steps_ + 1, steps_ + 2}));
   steps_ += 2;
+  ExpectNextStepSucceeds();
+  // So does a batch beyond the standardized bound, checked as it is read (off the device worker).
+  answered.clear();
+  const absl::Status beyond = client().Train(
+      2,
+      [&](int i, v1::TrainStepRequest& request) {
+        request = TrainRequest(testing::MakeRandomBatch(config_, 2, 9, 60 + i), config_);
+        if (i == 1) request.mutable_batch()->set_x(6 * 9 + 1, 3e16f);
+      },
+      [&](const v1::TrainStepResponse& response) { answered.push_back(response.step()); });
+  ExpectRefused(beyond, absl::StatusCode::kInvalidArgument, "batch window 1, event 0: feature 1 is 3e+16");
+  EXPECT_EQ(answered, (std::vector<int64_t>{steps_ + 1}));
+  steps_ += 1;
   ExpectNextStepSucceeds();
 }
 
