@@ -390,6 +390,7 @@ absl::Status ListStreams(PerceptionClient& client) {
                 static_cast<unsigned long long>(s.oldest_retained_seq()),
                 static_cast<unsigned long long>(s.end_seq()));
     if (!s.stopped().empty()) std::printf("  stopped: %s\n", s.stopped().c_str());
+    if (s.seeding()) std::printf("  seeding: a SeedStream runs on it\n");
   }
   return absl::OkStatus();
 }

@@ -946,6 +946,7 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
     if (info.next_seq.has_value()) stream.set_next_seq(*info.next_seq);
     stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
+    stream.set_seeding(queues_[info.slot].seeding);
     if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
       stream.set_end_seq(range->next_seq);
       stream.set_oldest_retained_seq(range->oldest_retained_seq);

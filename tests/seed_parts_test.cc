@@ -174,10 +174,12 @@ TEST_F(SeedPartsTest, AnotherInstrumentsEventsAreProcessedBetweenTheParts) {
       << "a part of the seed ran after B's first tick";
 }
 
+// ... and ListStreams says why (`seeding`) until the seed has answered.
 TEST_F(SeedPartsTest, TheInstrumentBeingSeededRefusesItsEventsResetsClosesAndOtherSeeds) {
   calls_->part_sleep_ms = 5;
   std::thread seeding([&] { EXPECT_TRUE(Seed("A", kWindow).ok()); });
   AwaitFirstPart();
+  EXPECT_TRUE(daemon_.Streams()["A"].seeding());
   const grpc::Status reset = daemon_.ResetStream("A");
   EXPECT_EQ(reset.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(reset.error_message(), HasSubstr("instrument 'A' is being seeded"));
@@ -196,6 +198,7 @@ TEST_F(SeedPartsTest, TheInstrumentBeingSeededRefusesItsEventsResetsClosesAndOth
   seeding.join();
   EXPECT_LT(parts_before_the_end, PartsSeen().second) << "the seed had ended before the refusals";
   EXPECT_EQ(PartsSeen().first, kWindow) << "the refused second seed stepped nothing";
+  EXPECT_FALSE(daemon_.Streams()["A"].seeding());
   const StreamOutcome after = daemon_.Stream({{Event("A", kWindow, 1)}});
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_NEAR(daemon_.ReadConvictions("A").convictions(0), Offline(kWindow + 1)[kWindow], 1e-6);
