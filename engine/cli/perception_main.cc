@@ -324,6 +324,9 @@ absl::Status Train() {
   if (const std::string warning = UnvaryingFeaturesWarning(normalizer, split.train.size()); !warning.empty()) {
     spdlog::warn("{}", warning);
   }
+  // A validation event can lie far out under a std fitted on the training part (floored where a feature did not
+  // vary there): as eval, the run refuses it rather than train and validate on outputs that are not MODEL.md's.
+  RETURN_IF_ERROR(CheckSeriesStandardizedRange(normalizer, series));
   WriteNormalizer(layout, normalizer, params);
   const std::string graphs = absl::GetFlag(FLAGS_graphs);
   if (graphs != "on" && graphs != "off") {

@@ -804,6 +804,32 @@ TEST(PerceptionCliTest, ARunWhoseValidationIsNotFiniteExitsNonZero) {
                                     "(saved to --save all the same); train again with a lower --lr"));
 }
 
+// A validation event that standardizes beyond kMaxStandardizedFeature under the normalizer fitted on the training
+// part is refused before any step, naming its line, as eval refuses it: the mid never moves in the first 200 rows (its
+// return's std is floored at 1e-6), then row 250's book jumps from a mid of 100 to one of ~5e9 (a return of 5e11,
+// 5e17 standardized). Before, the run trained and validated on outputs that were not MODEL.md's.
+TEST(PerceptionCliTest, AValidationEventBeyondTheStandardizedBoundIsRefusedBeforeAnyStep) {
+  const ScopedTempDir temp("cli_train_beyond_bound");
+  const std::string orderbook = (temp.path() / "orderbook.csv").string();
+  const std::string messages = (temp.path() / "message.csv").string();
+  {
+    std::ofstream book(orderbook), message(messages);
+    for (int row = 1; row <= 300; ++row) {
+      const int64_t ask = row == 250 ? 9'999'999'000 : 101 + row % 3, bid = row == 250 ? 1 : 99 - row % 3;
+      book << ask << ',' << 100 + row % 7 << ',' << bid << ',' << 200 - row % 5 << '\n';
+      message << absl::StrFormat("%.2f", 34200 + row * 0.01) << ',' << 1 + row % 4 << ',' << row << ",10," << ask
+              << ',' << (row % 2 ? 1 : -1) << '\n';
+    }
+  }
+  const std::filesystem::path last = temp.path() / "last.safetensors";
+  const CommandResult run = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
+                                                    orderbook, " ", messages, " --steps 2 --save ", last.string()));
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("line 250 of the LOBSTER files: feature 5 is "));
+  EXPECT_THAT(run.output, HasSubstr("a feature must stay within 1e+16 of it"));
+  EXPECT_FALSE(std::filesystem::exists(last));
+}
+
 // A training shape the host cannot hold aborted on std::bad_alloc (exit 134) in the first batch's sampling; it is
 // refused with what it needed. The address space is held to 2.5 GB for the run, below the two batches' ~4.7 GB.
 TEST(PerceptionCliTest, TrainingBatchesTheHostCannotHoldAreRefused) {
