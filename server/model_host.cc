@@ -216,7 +216,12 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
                                                   const Normalizer* next_checked_under) {
   RETURN_IF_ERROR(RequireModel());
   RETURN_IF_ERROR(CheckTrainingBatch(batch));
-  RETURN_IF_ERROR(CheckBatchRange(batch, batch_checked_under));
+  if (absl::Status in_range = CheckBatchRange(batch, batch_checked_under); !in_range.ok()) {
+    // The step before may have staged it as its `next`, under a normalizer a SetNormalizer has replaced since: the
+    // backend must not train that copy for a later batch at the same address.
+    ForgetStagedNext();
+    return in_range;
+  }
   const Stopwatch stopwatch;
   const bool stage_next = next != nullptr && CheckTrainingBatch(*next).ok() &&
                           CheckBatchRange(*next, next_checked_under).ok();

@@ -112,10 +112,13 @@ class ModelHost {
   // A save SaveCheckpoint refuses removes the folders it created.
   absl::StatusOr<SaveOutcome> Save(const std::string& path);
 
-  // `batch` must have the model's features and horizons and, for training, its (batch, window). `next`, where given,
-  // is the batch of the training step that will come next (the Train stream's): staged while this step runs
-  // (Backend::TrainStepStagingNext) where it passes the same checks, so that step cannot fail them and leave the
-  // backend holding a batch it knows by address only.
+  // `batch` must have the model's features and horizons and, for training, its (batch, window), and every feature
+  // within kMaxStandardizedFeature of the normalizer's mean, which is checked here unless the batch was checked under
+  // the normalizer the host has (`batch_checked_under`, `next_checked_under`: the daemon checks a batch off the
+  // worker under the one it last published). `next`, where given, is the batch of the training step that will come
+  // next (the Train stream's): staged while this step runs (Backend::TrainStepStagingNext) where it passes the same
+  // checks. Its step may still be refused (a SetNormalizer in between puts it beyond the bound): then what was staged
+  // is dropped, so that the backend, which knows it by address only, never trains it for another batch.
   absl::StatusOr<TrainOutcome> TrainStep(const BatchView<float>& batch, const BatchView<float>* next = nullptr,
                                          const Normalizer* batch_checked_under = nullptr,
                                          const Normalizer* next_checked_under = nullptr);
@@ -123,6 +126,7 @@ class ModelHost {
   void ForgetStagedNext() {
     if (backend_ != nullptr) backend_->ForgetStagedNext();
   }
+  // `batch` as TrainStep's, in any (batch, window); `checked_under` as TrainStep's `batch_checked_under`.
   absl::StatusOr<Evaluation> Evaluate(const BatchView<float>& batch, bool with_probabilities,
                                       const Normalizer* checked_under = nullptr);
 

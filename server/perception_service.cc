@@ -253,17 +253,17 @@ grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1
                                           v1::TrainStepResponse* response) {
   return Answer("TrainStep", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
-    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under,
-                     CheckRangeBeforeTheJob(worker_.status(), request->batch()));
+    const HostStatus status = worker_.status();
+    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under, CheckRangeBeforeTheJob(status, request->batch()));
     const Stopwatch queued;
     // A data-parallel rank takes every step its peers take, even one its client gave up on: skipping it would leave
     // them waiting in the step's all-reduce until the collective timeout aborts the job.
-    const grpc::ServerContextBase* caller = worker_.status().data_parallel.has_value() ? nullptr : context;
+    const grpc::ServerContextBase* caller = status.data_parallel.has_value() ? nullptr : context;
     ASSIGN_OR_RETURN(*response, worker_.Run(
                                     JobPriority::kTraining,
                                     [&](ModelHost& host) {
                                       return TrainOnDevice(host, request->batch(), /*next=*/nullptr, queued,
-                                                           checked_under ? &*checked_under : nullptr);
+                                                           CheckedUnder(checked_under));
                                     },
                                     caller));
     return absl::OkStatus();
@@ -291,7 +291,7 @@ grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1:
                          JobPriority::kTraining,
                          [&](ModelHost& host) {
                            return host.Evaluate(ViewOf(request->batch()), request->return_probabilities(),
-                                                checked_under ? &*checked_under : nullptr);
+                                                CheckedUnder(checked_under));
                          },
                          context));
     response->set_loss(evaluation.loss);

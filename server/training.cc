@@ -37,10 +37,6 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
   return response;
 }
 
-const Normalizer* TrainReactor::CheckedUnder(const Step& step) {
-  return step.range_checked_under.has_value() ? &*step.range_checked_under : nullptr;
-}
-
 template <typename Change>
 void TrainReactor::Update(Change change) {
   std::optional<grpc::Status> finish;
@@ -114,7 +110,8 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
       absl::StatusOr<v1::TrainStepResponse> result = RunOrExhausted("what this step needs", [&] {
         const Step* next = NextStep(step);
         return TrainOnDevice(host, step.request->batch(), next != nullptr ? &next->request->batch() : nullptr, queued,
-                             CheckedUnder(step), next != nullptr ? CheckedUnder(*next) : nullptr);
+                             CheckedUnder(step.range_checked_under),
+                             next != nullptr ? CheckedUnder(next->range_checked_under) : nullptr);
       });
       worker_.PublishStatus(host);
       OnStepDone(step, std::move(result));

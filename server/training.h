@@ -27,6 +27,11 @@ namespace perception::server {
 // where it could not be checked (no model, or features the model does not take: the host's own checks refuse it).
 absl::StatusOr<std::optional<Normalizer>> CheckRangeBeforeTheJob(const HostStatus& status, const v1::Batch& batch);
 
+// The normalizer CheckRangeBeforeTheJob checked under, as ModelHost takes it (null: not checked).
+inline const Normalizer* CheckedUnder(const std::optional<Normalizer>& normalizer) {
+  return normalizer.has_value() ? &*normalizer : nullptr;
+}
+
 // One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds). `next`, where
 // given, is the batch of the step queued right behind this one (ModelHost::TrainStep stages it meanwhile). Each batch
 // was range-checked under its `..._checked_under` where not null (CheckRangeBeforeTheJob).
@@ -81,7 +86,6 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of
   // `model_generation` now, is not the one the stream's first step trained); OK to run it.
   absl::Status DroppedBecause(const Step& step, int64_t model_generation);
-  static const Normalizer* CheckedUnder(const Step& step);
   // The step after `step`, if its batch has been accepted (its job is queued behind `step`'s, so it stays in place
   // until that job is done); else null.
   const Step* NextStep(const Step& step);

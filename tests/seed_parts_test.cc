@@ -174,7 +174,8 @@ TEST_F(SeedPartsTest, AnotherInstrumentsEventsAreProcessedBetweenTheParts) {
       << "a part of the seed ran after B's first tick";
 }
 
-// ... and ListStreams says why (`seeding`) until the seed has answered.
+// While a seed runs, the instrument refuses its events, resets, closes and other seeds, and ListStreams says why
+// (`seeding`) until the seed has answered.
 TEST_F(SeedPartsTest, TheInstrumentBeingSeededRefusesItsEventsResetsClosesAndOtherSeeds) {
   calls_->part_sleep_ms = 5;
   std::thread seeding([&] { EXPECT_TRUE(Seed("A", kWindow).ok()); });
