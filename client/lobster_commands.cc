@@ -21,6 +21,16 @@
 #include "engine/status_macros.h"
 
 namespace perception::client {
+
+std::optional<Normalizer> NormalizerOf(const v1::Model& model) {
+  const v1::Normalizer& normalizer = model.normalizer();
+  if (normalizer.mean_size() != model.config().n_features() || normalizer.inv_std_size() != normalizer.mean_size()) {
+    return std::nullopt;
+  }
+  return Normalizer{{normalizer.mean().begin(), normalizer.mean().end()},
+                    {normalizer.inv_std().begin(), normalizer.inv_std().end()}};
+}
+
 namespace {
 
 // The Evaluate answers over many requests, combined exactly.
@@ -96,19 +106,38 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
                                                  " --window ", options.window, " differ (re-init to change them)"));
 }
 
+// The files' events against the normalizer they will be standardized with, as perception eval checks them: refused,
+// naming the line, where one lies beyond kMaxStandardizedFeature (the daemon would refuse its batch, naming only a
+// window); with `warn_floored`, a warning where features the normalizer floored vary in them.
+absl::Status CheckFilesAgainst(const Normalizer& normalizer, const EventSeries& series, bool warn_floored) {
+  if (const std::string warning = warn_floored ? FlooredFeaturesVaryWarning(normalizer, series) : "";
+      !warning.empty()) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+  }
+  return CheckSeriesStandardizedRange(normalizer, series);
+}
+
 // Before the first step, on every rank: the run's optimizer settings where it changes them (--lr, --total_steps,
-// --min_lr), then the normalizer if the model has none. Every rank's settings first: a daemon refuses them while live
-// streams hold state (it rebuilds the model), and a refusal then leaves every model as it was, where a normalizer
-// sent before it would have changed what those streams read.
+// --min_lr), then the normalizer if the model has none (fitted on `training`, the files' training part). Every rank's
+// settings first: a daemon refuses them while live streams hold state (it rebuilds the model), and a refusal then
+// leaves every model as it was, where a normalizer sent before it would have changed what those streams read. Before
+// either, the files (`series`) are checked against the normalizer the run will train under, so that a refusal there
+// too leaves every model as it was.
 absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::Model& model,
-                           const EventSeries& training, const v1::OptimizerSettings* changed_optimizer) {
+                           const EventSeries& training, const EventSeries& series,
+                           const v1::OptimizerSettings* changed_optimizer) {
+  const std::optional<Normalizer> fitted =
+      model.normalizer_fitted() ? std::nullopt : std::optional<Normalizer>(FitNormalizer(training));
+  if (const std::optional<Normalizer> normalizer = fitted.has_value() ? fitted : NormalizerOf(model)) {
+    RETURN_IF_ERROR(CheckFilesAgainst(*normalizer, series, /*warn_floored=*/!fitted.has_value()));
+  }
   if (changed_optimizer != nullptr) {
     v1::SetOptimizerRequest request;
     *request.mutable_optimizer() = *changed_optimizer;
     for (PerceptionClient* rank : ranks) RETURN_IF_ERROR(rank->SetOptimizer(request).status());
   }
-  if (model.normalizer_fitted()) return absl::OkStatus();
-  const Normalizer normalizer = FitNormalizer(training);
+  if (!fitted.has_value()) return absl::OkStatus();
+  const Normalizer& normalizer = *fitted;
   if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
     std::fprintf(stderr, "warning: %s\n", warning.c_str());
   }
@@ -257,7 +286,8 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
               world_size * config.batch(), config.window(), status.device().name().c_str(),
               world_size > 1 ? absl::StrCat(", split over ", world_size, " ranks").c_str() : "");
   const bool optimizer_changes = options.lr > 0 || options.total_steps > 0 || options.min_lr.has_value();
-  RETURN_IF_ERROR(PrepareModels(ranks, status.model(), split.train, optimizer_changes ? &optimizer : nullptr));
+  RETURN_IF_ERROR(
+      PrepareModels(ranks, status.model(), split.train, series, optimizer_changes ? &optimizer : nullptr));
 
   TrainingProgress progress(options.steps, options.log_every, ::isatty(STDOUT_FILENO) == 1);
   BestValidation best(client, options.save_best);
@@ -315,6 +345,9 @@ absl::Status EvaluateLobster(PerceptionClient& client, const LobsterFiles& files
   if (T <= config.warmup()) {
     return absl::InvalidArgumentError(absl::StrCat("--window ", T, " would mask every position: the model's first ",
                                                    config.warmup(), " (its warmup) are not scored"));
+  }
+  if (const std::optional<Normalizer> normalizer = NormalizerOf(status.model())) {
+    RETURN_IF_ERROR(CheckFilesAgainst(*normalizer, series, /*warn_floored=*/true));
   }
   const Batch windows = SequentialWindows(series, T, config.warmup());
   if (windows.batch == 0)

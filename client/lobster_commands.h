@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "client/perception_client.h"
+#include "engine/dataset.h"
 
 namespace perception::client {
 
@@ -38,6 +39,10 @@ struct TrainOptions {
 // Several `ranks` are the daemons of one data-parallel job in rank order: each global batch of N·B windows is
 // sampled once and rank r trains on its windows [r·B, (r+1)·B) (client/data_parallel.h); rank 0 validates.
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options);
+
+// The normalizer the daemon's model standardizes its inputs with (v1::Model.normalizer); nullopt where the daemon
+// sent none of the model's size.
+std::optional<Normalizer> NormalizerOf(const v1::Model& model);
 
 // Evaluates every whole window of the files (the model's window unless `window` > 0) and prints the masked loss,
 // the per-horizon accuracy and the baseline of predicting the files' own class prior.

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "engine/atomic_file.h"
 #include "engine/cli/arguments.h"
+#include "engine/dataset.h"
 #include "engine/lobster.h"
 #include "engine/status_macros.h"
 
@@ -38,6 +39,21 @@ void FillLobsterEvent(const LobsterData& data, size_t i, v1::StreamEvent& event)
   l.set_size(m.size);
   l.set_price(m.price);
   l.set_direction(m.direction);
+}
+
+// Where the model's normalizer floored features (constant where it was fitted) that vary in the `n` events from
+// `first` (a stream of them, featurized as the daemon does from a fresh start), the warning perception eval gives;
+// empty where none does, or where the events cannot be featurized (the daemon refuses such an event as it comes).
+std::string FlooredFeaturesWarning(const LobsterData& data, int64_t first, int64_t n, const v1::Model& model) {
+  const std::optional<Normalizer> normalizer = NormalizerOf(model);
+  if (!normalizer.has_value()) return "";
+  const size_t width = 4 * static_cast<size_t>(data.levels);
+  LobsterData streamed;
+  streamed.levels = data.levels;
+  streamed.book.assign(data.book.begin() + first * width, data.book.begin() + (first + n) * width);
+  streamed.messages.assign(data.messages.begin() + first, data.messages.begin() + first + n);
+  const absl::StatusOr<EventSeries> series = BuildSeries(streamed, std::vector<int>{1});
+  return series.ok() ? FlooredFeaturesVaryWarning(*normalizer, *series) : "";
 }
 
 // Paces a sender at `rate` events per second (0: no pacing).
@@ -298,6 +314,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
                                                    n, " events to stream"));
   }
   RETURN_IF_ERROR(CheckLastSeq(options.start_seq, n));
+  if (const std::string warning = FlooredFeaturesWarning(data, first, n, daemon.model()); !warning.empty()) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+  }
   // Event k (0-based from `first`) carries seq start_seq + k; the seed window's numbers are not logged.
   const auto seq_of = [&](int64_t k) { return options.start_seq + static_cast<uint64_t>(k); };
   const uint64_t logged = static_cast<uint64_t>(n - options.seed_window);

@@ -139,6 +139,8 @@ v1::Model ToProto(const ModelInfo& model) {
   m.set_trained_parameters(model.trained_parameters);
   m.set_normalizer_fitted(model.normalizer_fitted);
   *m.mutable_optimizer() = ToProto(model.optimizer);
+  m.mutable_normalizer()->mutable_mean()->Assign(model.normalizer.mean.begin(), model.normalizer.mean.end());
+  m.mutable_normalizer()->mutable_inv_std()->Assign(model.normalizer.inv_std.begin(), model.normalizer.inv_std.end());
   return m;
 }
 

@@ -41,6 +41,22 @@ const std::string kMessages = testing::ShippedLobsterPath("AAPL", "message", 10)
 // 57,514 events at one level: long enough a feed to wrap a small conviction log many times.
 const std::string kLongFeed = absl::StrCat(" --lobster ", testing::ShippedLobsterPath("AMZN", "orderbook", 1), " ",
                                            testing::ShippedLobsterPath("AMZN", "message", 1));
+// Writes LOBSTER files (level 1, 300 rows) whose mid stays at 100 but at row 250, where the book jumps to a mid of
+// ~5e9 (a mid return, feature 5, of 5e11) and back: under a normalizer fitted on the first 70% (the return's std
+// floored at 1e-6, its inv_std 1e6) that event standardizes to 5e17, beyond kMaxStandardizedFeature. Returns the
+// flags naming them (" --lobster ORDERBOOK MESSAGES").
+std::string WriteFilesWithAJumpAtRow250(const std::filesystem::path& dir) {
+  const std::string orderbook = (dir / "orderbook.csv").string(), messages = (dir / "message.csv").string();
+  std::ofstream book(orderbook), message(messages);
+  for (int row = 1; row <= 300; ++row) {
+    const int64_t ask = row == 250 ? 9'999'999'000 : 101 + row % 3, bid = row == 250 ? 1 : 99 - row % 3;
+    book << ask << ',' << 100 + row % 7 << ',' << bid << ',' << 200 - row % 5 << '\n';
+    message << absl::StrFormat("%.2f", 34200 + row * 0.01) << ',' << 1 + row % 4 << ',' << row << ",10," << ask
+            << ',' << (row % 2 ? 1 : -1) << '\n';
+  }
+  return absl::StrCat(" --lobster ", orderbook, " ", messages);
+}
+
 // Long enough for a command that never gives up to fail the test instead of hanging it.
 const std::string kKillAfter30s = "timeout -s KILL 30 ";
 
@@ -805,25 +821,14 @@ TEST(PerceptionCliTest, ARunWhoseValidationIsNotFiniteExitsNonZero) {
 }
 
 // A validation event that standardizes beyond kMaxStandardizedFeature under the normalizer fitted on the training
-// part is refused before any step, naming its line, as eval refuses it: the mid never moves in the first 200 rows (its
-// return's std is floored at 1e-6), then row 250's book jumps from a mid of 100 to one of ~5e9 (a return of 5e11,
-// 5e17 standardized). Before, the run trained and validated on outputs that were not MODEL.md's.
+// part is refused before any step, naming its line, as eval refuses it (WriteFilesWithAJumpAtRow250). Before, the run
+// trained and validated on outputs that were not MODEL.md's.
 TEST(PerceptionCliTest, AValidationEventBeyondTheStandardizedBoundIsRefusedBeforeAnyStep) {
   const ScopedTempDir temp("cli_train_beyond_bound");
-  const std::string orderbook = (temp.path() / "orderbook.csv").string();
-  const std::string messages = (temp.path() / "message.csv").string();
-  {
-    std::ofstream book(orderbook), message(messages);
-    for (int row = 1; row <= 300; ++row) {
-      const int64_t ask = row == 250 ? 9'999'999'000 : 101 + row % 3, bid = row == 250 ? 1 : 99 - row % 3;
-      book << ask << ',' << 100 + row % 7 << ',' << bid << ',' << 200 - row % 5 << '\n';
-      message << absl::StrFormat("%.2f", 34200 + row * 0.01) << ',' << 1 + row % 4 << ',' << row << ",10," << ask
-              << ',' << (row % 2 ? 1 : -1) << '\n';
-    }
-  }
   const std::filesystem::path last = temp.path() / "last.safetensors";
-  const CommandResult run = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ",
-                                                    orderbook, " ", messages, " --steps 2 --save ", last.string()));
+  const CommandResult run =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny",
+                              WriteFilesWithAJumpAtRow250(temp.path()), " --steps 2 --save ", last.string()));
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, HasSubstr("line 250 of the LOBSTER files: feature 5 is "));
   EXPECT_THAT(run.output, HasSubstr("a feature must stay within 1e+16 of it"));
@@ -1326,6 +1331,53 @@ TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) 
                                                         500 - (end - 7), " --start_seq ", end));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_THAT(resumed.output, HasSubstr(absl::StrCat("(seq ", end, "..506)")));
+}
+
+// perceptionctl checks the files' events against the normalizer they will be standardized with before sending any:
+// train (the one it fits on the training part, or the model's) and eval refuse files holding an event beyond the
+// bound, naming its line, where the daemon would refuse a batch naming only its window (and, in a data-parallel job,
+// leave the other ranks waiting in the step); with the model's normalizer, eval and stream warn, as perception eval
+// does, that features it floored vary in the files.
+TEST(PerceptionctlTest, FilesBeyondTheStandardizedBoundAreRefusedBeforeAnythingIsSent) {
+  const ScopedTempDir temp("ctl_beyond_bound");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string files = WriteFilesWithAJumpAtRow250(temp.path());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const auto model = [&] {
+    absl::StatusOr<v1::GetStatusResponse> status = (*daemon)->client().GetStatus();
+    EXPECT_TRUE(status.ok()) << status.status();
+    return status.ok() ? status->model() : v1::Model();
+  };
+  const std::string refusal = "line 250 of the LOBSTER files: feature 5 is 5e+11, 5e+17 standard deviations";
+
+  const CommandResult fitting = RunCommand(absl::StrCat(ctl, " train", files, " --steps 2"));
+  EXPECT_EQ(fitting.exit_code, 1) << fitting.output;
+  EXPECT_THAT(fitting.output, HasSubstr(refusal));
+  EXPECT_FALSE(model().normalizer_fitted()) << "the normalizer fitted was not sent";
+
+  // The model's own normalizer, the mid return's std floored as a fit on the first rows would have it.
+  v1::SetNormalizerRequest floored;
+  for (int f = 0; f < 12; ++f) {
+    floored.mutable_normalizer()->add_mean(0.f);
+    floored.mutable_normalizer()->add_inv_std(f == 5 ? 1e6f : 1.f);
+  }
+  ASSERT_TRUE((*daemon)->client().SetNormalizer(floored).ok());
+  EXPECT_EQ(model().normalizer().inv_std(5), 1e6f);
+  for (const std::string command : {" train", " eval"}) {
+    const CommandResult run = RunCommand(absl::StrCat(ctl, command, files, command == " train" ? " --steps 2" : ""));
+    EXPECT_EQ(run.exit_code, 1) << run.output;
+    EXPECT_THAT(run.output, HasSubstr(refusal));
+    EXPECT_THAT(run.output, HasSubstr("feature(s) mid_return (2 events) never varied"));
+  }
+  EXPECT_EQ(model().step(), 0);
+  // A stream warns, then the daemon refuses the event itself as it comes.
+  const CommandResult stream = RunCommand(absl::StrCat(ctl, " stream", files, " --instrument J --count 260"));
+  EXPECT_EQ(stream.exit_code, 1) << stream.output;
+  EXPECT_THAT(stream.output, HasSubstr("warning: the model's normalizer was fitted where feature(s) mid_return (2 "
+                                       "events) never varied"));
+  EXPECT_THAT(stream.output, HasSubstr("seq 250): feature 5 is 5e+11, 5e+17 standard deviations"));
 }
 
 // A one-off call past --timeout says which limit it met and that the daemon may still do what it was asked: the
