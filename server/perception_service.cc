@@ -252,9 +252,9 @@ grpc::Status PerceptionService::SaveCheckpoint(grpc::ServerContext* context, con
 grpc::Status PerceptionService::TrainStep(grpc::ServerContext* context, const v1::TrainStepRequest* request,
                                           v1::TrainStepResponse* response) {
   return Answer("TrainStep", [&]() -> absl::Status {
-    RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
     const HostStatus status = worker_.status();
-    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under, CheckRangeBeforeTheJob(status, request->batch()));
+    ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under,
+                     ValidateBeforeTheJob(request->batch(), limits_, status));
     const Stopwatch queued;
     // A data-parallel rank takes every step its peers take, even one its client gave up on: skipping it would leave
     // them waiting in the step's all-reduce until the collective timeout aborts the job.
@@ -283,9 +283,8 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* PerceptionService::
 grpc::Status PerceptionService::Evaluate(grpc::ServerContext* context, const v1::EvaluateRequest* request,
                                          v1::EvaluateResponse* response) {
   return Answer("Evaluate", [&]() -> absl::Status {
-    RETURN_IF_ERROR(ValidateBatch(request->batch(), limits_));
     ASSIGN_OR_RETURN(const std::optional<Normalizer> checked_under,
-                     CheckRangeBeforeTheJob(worker_.status(), request->batch()));
+                     ValidateBeforeTheJob(request->batch(), limits_, worker_.status()));
     ASSIGN_OR_RETURN(const Evaluation evaluation,
                      worker_.Run(
                          JobPriority::kTraining,

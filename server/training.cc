@@ -12,12 +12,13 @@
 
 namespace perception::server {
 
-absl::StatusOr<std::optional<Normalizer>> CheckRangeBeforeTheJob(const HostStatus& status, const v1::Batch& batch) {
-  if (!status.model.has_value()) return std::nullopt;
-  const Normalizer& normalizer = status.model->normalizer;
-  if (batch.n_features() != static_cast<int>(normalizer.mean.size())) return std::nullopt;
-  RETURN_IF_ERROR(CheckBatchStandardizedRange(normalizer, batch.window(), ViewOf(batch).x));
-  return normalizer;
+absl::StatusOr<std::optional<Normalizer>> ValidateBeforeTheJob(const v1::Batch& batch, const Limits& limits,
+                                                               const HostStatus& status) {
+  const Normalizer* normalizer = status.model.has_value() ? &status.model->normalizer : nullptr;
+  if (normalizer != nullptr && batch.n_features() != static_cast<int>(normalizer->mean.size())) normalizer = nullptr;
+  RETURN_IF_ERROR(ValidateBatch(batch, limits, normalizer));
+  if (normalizer == nullptr) return std::nullopt;
+  return *normalizer;
 }
 
 absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
@@ -69,12 +70,9 @@ void TrainReactor::OnReadDone(bool ok) {
   auto request = std::make_unique<v1::TrainStepRequest>();
   absl::Status parsed;
   if (ok) parsed = ParseRequest(*ReadInProgress(), *request);
-  // Checked outside the lock too: a pass over the batch each.
+  // Validated outside the lock too (the device worker takes it at each step's start and end): a pass over each array.
   absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
-  if (ok && parsed.ok()) {
-    const absl::Status valid = ValidateBatch(request->batch(), limits_);
-    checked = valid.ok() ? CheckRangeBeforeTheJob(worker_.status(), request->batch()) : valid;
-  }
+  if (ok && parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
   Update([&] {
     incoming_.reset();
     if (!ok) {

@@ -21,20 +21,22 @@
 
 namespace perception::server {
 
-// A batch that passed ValidateBatch, checked against kMaxStandardizedFeature under the normalizer of `status` (the
-// device worker's last published one) before its job is queued, so that the pass over it runs on a gRPC thread, not
-// on the worker between two steps. The normalizer it was checked under (for ModelHost's `checked_under`); nullopt
-// where it could not be checked (no model, or features the model does not take: the host's own checks refuse it).
-absl::StatusOr<std::optional<Normalizer>> CheckRangeBeforeTheJob(const HostStatus& status, const v1::Batch& batch);
+// ValidateBatch before a batch's job is queued, under the normalizer of `status` (the device worker's last published
+// one), so that the range check shares the pass over x with the finiteness check on a gRPC thread instead of taking
+// one of its own on the worker between two steps. The normalizer it was checked under (for ModelHost's
+// `checked_under`); nullopt where the range could not be checked (no model, or features the model does not take: the
+// host's own checks refuse such a batch).
+absl::StatusOr<std::optional<Normalizer>> ValidateBeforeTheJob(const v1::Batch& batch, const Limits& limits,
+                                                               const HostStatus& status);
 
-// The normalizer CheckRangeBeforeTheJob checked under, as ModelHost takes it (null: not checked).
+// The normalizer ValidateBeforeTheJob checked under, as ModelHost takes it (null: not checked).
 inline const Normalizer* CheckedUnder(const std::optional<Normalizer>& normalizer) {
   return normalizer.has_value() ? &*normalizer : nullptr;
 }
 
 // One TrainStep on the worker thread; `queued` started when the job was queued (for queue_seconds). `next`, where
 // given, is the batch of the step queued right behind this one (ModelHost::TrainStep stages it meanwhile). Each batch
-// was range-checked under its `..._checked_under` where not null (CheckRangeBeforeTheJob).
+// was range-checked under its `..._checked_under` where not null (ValidateBeforeTheJob).
 absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::Batch& batch, const v1::Batch* next,
                                                     const Stopwatch& queued,
                                                     const Normalizer* batch_checked_under = nullptr,
@@ -76,7 +78,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   struct Step {
     std::unique_ptr<v1::TrainStepRequest> request;  // released once the device is done with it
     std::optional<absl::StatusOr<v1::TrainStepResponse>> result;
-    std::optional<Normalizer> range_checked_under;  // CheckRangeBeforeTheJob's
+    std::optional<Normalizer> range_checked_under;  // ValidateBeforeTheJob's
   };
 
   // The buffer of the read in progress (OnReadDone's, until it takes it).
@@ -89,8 +91,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   // The step after `step`, if its batch has been accepted (its job is queued behind `step`'s, so it stays in place
   // until that job is done); else null.
   const Step* NextStep(const Step& step);
-  // Queues the batch just read as the next step, or records why it was refused: `checked`, its ValidateBatch and
-  // CheckRangeBeforeTheJob, run before the lock was taken.
+  // Queues the batch just read as the next step, or records why it was refused: `checked`, its ValidateBeforeTheJob,
+  // run before the lock was taken.
   void AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
                     absl::StatusOr<std::optional<Normalizer>> checked) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies `change` to the stream's state under the lock, then moves the stream forward.
