@@ -230,7 +230,8 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
     const uint64_t first_streamed = options.start_seq + static_cast<uint64_t>(options.seed_window);
     return absl::StrCat(
         "; the daemon acknowledged none of its events, but may have taken some (resume from the instrument's end_seq "
-        "E in `perceptionctl streams`, once its pending reads 0, with --first ", options.first + options.seed_window,
+        "E in `perceptionctl streams`, once its pending reads 0 and E stays put for a second (a request the call sent "
+        "may still be on its way), with --first ", options.first + options.seed_window,
         " + (E - ", first_streamed, ")",
         options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed, ")") : "",
         " --start_seq E; where it is not listed, the daemon took none: run the same command again)");
@@ -263,7 +264,8 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
   return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first, count(0),
                       " --start_seq ", acked + 1,
-                      ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0, "
+                      ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0 and "
+                      "its end_seq stays put for a second, "
                       "where that differs: the daemon took more than it acknowledged)");
 }
 

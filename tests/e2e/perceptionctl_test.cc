@@ -1299,7 +1299,8 @@ TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) 
                                        "daemon's acknowledgement interval, 5s) with "));
   EXPECT_THAT(stream.output, HasSubstr("; the daemon acknowledged none of its events, but may have taken some (resume "
                                        "from the instrument's end_seq E in `perceptionctl streams`, once its pending "
-                                       "reads 0, with --first 100 + (E - 7) --count 500 - (E - 7) --start_seq E; "
+                                       "reads 0 and E stays put for a second (a request the call sent may still be "
+                                       "on its way), with --first 100 + (E - 7) --count 500 - (E - 7) --start_seq E; "
                                        "where it is not listed, the daemon took none: run the same command again)"));
   // The advice, followed: the rest of the 500 events from the instrument's end_seq, once what it took is processed.
   absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
