@@ -37,6 +37,8 @@ std::string RankDifference(const v1::GetStatusResponse& first, const v1::GetStat
   if (rank.model().normalizer_fitted() != first.model().normalizer_fitted()) {
     differences.push_back(absl::StrCat("normalizer (", rank.model().normalizer_fitted() ? "fitted" : "not fitted",
                                        " vs ", first.model().normalizer_fitted() ? "fitted" : "not fitted", ")"));
+  } else if (rank.model().normalizer().SerializeAsString() != first.model().normalizer().SerializeAsString()) {
+    differences.push_back("normalizer (its values)");
   }
   if (rank.model().optimizer().SerializeAsString() != first.model().optimizer().SerializeAsString()) {
     differences.push_back("optimizer settings");
@@ -79,8 +81,9 @@ absl::Status CheckRanks(std::span<const v1::GetStatusResponse> statuses, std::sp
     // Beside the model's shape and step, what every rank must share for their updates to stay identical: a rank
     // without the normalizer trains on unstandardized inputs (a run stopped after fitting rank 0's), another optimizer
     // or precision diverges from the first step, and another --replica_check_every pairs one rank's checksum
-    // all-gather with its peers' next step's sums (NCCL: undefined). Whether a normalizer is fitted, not its values:
-    // the replica check's checksum covers those.
+    // all-gather with its peers' next step's sums (NCCL: undefined). Another normalizer's values would also show in
+    // the replica check's checksum, but only after a step, and a rank whose normalizer refuses its slice of a batch
+    // (the standardized bound) leaves its peers in the step's all-reduce.
     const std::string differs = RankDifference(statuses[0], s);
     if (!differs.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -128,6 +128,11 @@ absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::M
                            const v1::OptimizerSettings* changed_optimizer) {
   const std::optional<Normalizer> fitted =
       model.normalizer_fitted() ? std::nullopt : std::optional<Normalizer>(FitNormalizer(training));
+  // (First: a std floored on the training part is the likely cause of a refusal below.)
+  if (const std::string warning = fitted.has_value() ? UnvaryingFeaturesWarning(*fitted, training.size()) : "";
+      !warning.empty()) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+  }
   if (const std::optional<Normalizer> normalizer = fitted.has_value() ? fitted : NormalizerOf(model)) {
     RETURN_IF_ERROR(CheckFilesAgainst(*normalizer, series, /*warn_floored=*/!fitted.has_value()));
   }
@@ -138,9 +143,6 @@ absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::M
   }
   if (!fitted.has_value()) return absl::OkStatus();
   const Normalizer& normalizer = *fitted;
-  if (const std::string warning = UnvaryingFeaturesWarning(normalizer, training.size()); !warning.empty()) {
-    std::fprintf(stderr, "warning: %s\n", warning.c_str());
-  }
   v1::SetNormalizerRequest request;
   request.mutable_normalizer()->mutable_mean()->Assign(normalizer.mean.begin(), normalizer.mean.end());
   request.mutable_normalizer()->mutable_inv_std()->Assign(normalizer.inv_std.begin(), normalizer.inv_std.end());

@@ -81,7 +81,8 @@ absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<cons
 absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const EventSeries& series);
 // CheckStandardizedRange over every event of a batch's features x [B, T, F] (F the normalizer's size): its first
 // refusal, named by window and event. One pass that branches only per event (137 µs for a `small` training batch of
-// 786,432 features on the development machine): the daemon runs it inside ValidateBatch, off the device worker.
+// 786,432 features on the development machine): the daemon runs it inside ValidateBatch, off the device worker
+// unless a SetNormalizer came between (ModelHost checks again).
 absl::Status CheckBatchStandardizedRange(const Normalizer& normalizer, int window, std::span<const float> x);
 
 // Whether any label of mask [n, H] (a series' or a batch's) is scored. Where none is, a masked loss reads 0 (Σ m·bce

@@ -205,9 +205,9 @@ TEST(CheckRanks, TargetsMustBeOneJobsRanksInOrderWithOneModel) {
   EXPECT_NE(std::string(not_parallel.message()).find("not part of a data-parallel job"), std::string::npos);
 }
 
-// Ranks with the same model config and step but another normalizer state, optimizer, precision or replica-check
-// interval passed: a rank without the normalizer (a run stopped after fitting rank 0's) trained on unstandardized
-// inputs, and differing check intervals paired one rank's checksum all-gather with its peers' next sums.
+// Ranks with the same model config and step but another normalizer (fitted or not, or its values), optimizer, precision
+// or replica-check interval passed: a rank without the normalizer (a run stopped after fitting rank 0's) trained on
+// unstandardized inputs, and differing check intervals paired one rank's checksum all-gather with its peers' next sums.
 TEST(CheckRanks, RanksMustShareNormalizerOptimizerPrecisionAndReplicaChecks) {
   const std::vector<std::string> targets = {"a:1", "b:2"};
   const auto with = [](const std::function<void(v1::GetStatusResponse&)>& change) {
@@ -218,6 +218,8 @@ TEST(CheckRanks, RanksMustShareNormalizerOptimizerPrecisionAndReplicaChecks) {
   const std::vector<std::pair<v1::GetStatusResponse, std::string>> cases = {
       {with([](auto& s) { s.mutable_model()->set_normalizer_fitted(true); }),
        "target 1 (b:2) differs from rank 0 in its normalizer (fitted vs not fitted)"},
+      {with([](auto& s) { s.mutable_model()->mutable_normalizer()->add_inv_std(2.f); }),
+       "target 1 (b:2) differs from rank 0 in its normalizer (its values)"},
       {with([](auto& s) { s.mutable_model()->mutable_optimizer()->set_lr(3e-3); }), "in its optimizer settings"},
       {with([](auto& s) { s.mutable_device()->set_precision("tf32"); }), "in its precision (tf32 vs )"},
       {with([](auto& s) { s.mutable_data_parallel()->set_replica_check_every(50); }),

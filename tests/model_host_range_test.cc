@@ -86,9 +86,9 @@ TEST_P(ModelHostRangeTest, ABatchCheckedUnderAnotherNormalizerIsCheckedAgainAndR
   EXPECT_EQ(Step(), 1);
 }
 
-// A next batch beyond the bound, checked under a stale normalizer, is refused as its own step's batch, and nothing of
-// it is left staged: a later batch at the same addresses trains on what it holds.
-TEST_P(ModelHostRangeTest, ANextBatchBeyondTheBoundIsRefusedAndLeavesNothingStaged) {
+// A next batch beyond the bound, checked under a stale normalizer, is checked again before it is staged (so not
+// staged) and refused as its own step's batch: a later batch at the same addresses trains on what it holds.
+TEST_P(ModelHostRangeTest, ANextBatchBeyondTheBoundIsNotStagedAndItsStepIsRefused) {
   const BatchView<float> far = far_.view();
   ASSERT_TRUE(host_.TrainStep(near_.view(), &far, &fitted_, &identity_).ok());
   ASSERT_TRUE(reference_.TrainStep(near_.view()).ok());

@@ -102,8 +102,22 @@ TEST_F(ValidationTest, BadBatchesGetTheirCodeAndTheNextStepSucceeds) {
        absl::StatusCode::kInvalidArgument,
        "batch window 0, event 2: feature 5 is -2e+16, -2e+16 standard deviations from the model's normalizer mean; a "
        "feature must stay within 1e+16 of it"},
+      // The finiteness and range checks share one pass over x: a feature that is not finite is named as such, and
+      // the range is refused after the checks that need no model.
+      {"infinite feature", [&](v1::Batch& b) { b.set_x(40, -inf); }, absl::StatusCode::kInvalidArgument,
+       "x[40] (window 0, event 6, feature 4) is -inf; features must be finite"},
+      {"feature beyond the bound and a negative dt",
+       [&](v1::Batch& b) {
+         b.set_x(17, -2e16f);
+         b.set_dt(3, -0.5f);
+       },
+       absl::StatusCode::kInvalidArgument, "dt[3] (window 0, event 3) is -0.5; dt must be finite and >= 0"},
       {"infinite dt", [&](v1::Batch& b) { b.set_dt(10, inf); }, absl::StatusCode::kInvalidArgument,
        "dt[10] (window 1, event 1) is inf"},
+      {"NaN dt", [&](v1::Batch& b) { b.set_dt(11, nan); }, absl::StatusCode::kInvalidArgument,
+       "dt[11] (window 1, event 2) is nan"},
+      {"label just above 1", [](v1::Batch& b) { b.set_labels(7, 1.0000001f); }, absl::StatusCode::kInvalidArgument,
+       "labels[7] (window 0, event 2, horizon 1) is 1.00000012; labels must be 0 or 1"},
       {"negative dt", [](v1::Batch& b) { b.set_dt(3, -0.5f); }, absl::StatusCode::kInvalidArgument,
        "dt[3] (window 0, event 3) is -0.5; dt must be finite and >= 0"},
       {"label outside {0,1}", [](v1::Batch& b) { b.set_labels(4, 0.5f); }, absl::StatusCode::kInvalidArgument,
