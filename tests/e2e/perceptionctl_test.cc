@@ -1437,7 +1437,7 @@ TEST(PerceptionctlTest, ATrainCutByTheTimeoutSaysAStepMayStillComplete) {
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config large --levels 10")).exit_code, 0);
   // A normalizer already there: train's own SetNormalizer, a unary call, ran past the 1 s under ThreadSanitizer.
   v1::SetNormalizerRequest normalizer;
-  normalizer.mutable_normalizer()->mutable_mean()->Resize(48, 0.f);
+  normalizer.mutable_normalizer()->mutable_mean()->Resize(48, 0.5f);  // not the identity, which counts as none
   normalizer.mutable_normalizer()->mutable_inv_std()->Resize(48, 1.f);
   ASSERT_TRUE((*daemon)->client().SetNormalizer(normalizer).ok());
   const CommandResult train = RunCommand(
