@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -173,30 +174,41 @@ absl::Status CheckStandardizedRange(const Normalizer& normalizer, std::span<cons
   return absl::OkStatus();
 }
 
-absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const EventSeries& series) {
-  const size_t F = static_cast<size_t>(series.n_features);
-  for (size_t i = 0; i < series.size(); ++i) {
-    const std::span<const float> x = std::span<const float>(series.features).subspan(i * F, F);
-    if (const absl::Status status = CheckStandardizedRange(normalizer, x); !status.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("line ", i + 1, " of the LOBSTER files: ", status.message()));
-    }
-  }
-  return absl::OkStatus();
-}
+namespace {
 
-absl::Status CheckBatchStandardizedRange(const Normalizer& normalizer, int window, std::span<const float> x) {
+// The first event of x [events, F] (F the normalizer's size) with a feature beyond kMaxStandardizedFeature once
+// standardized, if any: one pass that branches only per event.
+std::optional<size_t> FirstEventBeyondTheBound(const Normalizer& normalizer, std::span<const float> x) {
   const size_t F = normalizer.mean.size();
   for (size_t event = 0; event * F < x.size(); ++event) {
-    const std::span<const float> features = x.subspan(event * F, F);
+    const float* features = x.data() + event * F;
     int beyond = 0;  // a count, not a max: an integer sum vectorizes where a float max needs -ffast-math
     for (size_t i = 0; i < F; ++i) {
       beyond += !(std::fabs((features[i] - normalizer.mean[i]) * normalizer.inv_std[i]) <= kMaxStandardizedFeature);
     }
-    if (beyond == 0) continue;
-    return absl::InvalidArgumentError(absl::StrCat("batch window ", event / window, ", event ", event % window, ": ",
-                                                   CheckStandardizedRange(normalizer, features).message()));
+    if (beyond > 0) return event;
   }
-  return absl::OkStatus();
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::Status CheckSeriesStandardizedRange(const Normalizer& normalizer, const EventSeries& series) {
+  const std::optional<size_t> i = FirstEventBeyondTheBound(normalizer, series.features);
+  if (!i.has_value()) return absl::OkStatus();
+  const size_t F = normalizer.mean.size();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "line ", *i + 1, " of the LOBSTER files: ",
+      CheckStandardizedRange(normalizer, std::span<const float>(series.features).subspan(*i * F, F)).message()));
+}
+
+absl::Status CheckBatchStandardizedRange(const Normalizer& normalizer, int window, std::span<const float> x) {
+  const std::optional<size_t> event = FirstEventBeyondTheBound(normalizer, x);
+  if (!event.has_value()) return absl::OkStatus();
+  const size_t F = normalizer.mean.size();
+  return absl::InvalidArgumentError(
+      absl::StrCat("batch window ", *event / window, ", event ", *event % window, ": ",
+                   CheckStandardizedRange(normalizer, x.subspan(*event * F, F)).message()));
 }
 
 std::vector<int> UnvaryingFeatures(const Normalizer& normalizer) {
