@@ -38,12 +38,13 @@ DeviceWorker::~DeviceWorker() { Stop(); }
 absl::Status DeviceWorker::Enqueue(JobPriority priority, Job job, bool bounded) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the device worker has stopped");
-  std::deque<Job>& queue = queues_[static_cast<int>(priority)];
-  if (bounded && static_cast<int>(queue.size()) >= queue_depth_) {
+  int& bounded_waiting = bounded_waiting_[static_cast<int>(priority)];
+  if (bounded && bounded_waiting >= queue_depth_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the device queue is full (", queue_depth_, " jobs waiting); retry later"));
   }
-  queue.push_back(std::move(job));
+  queues_[static_cast<int>(priority)].push_back({std::move(job), bounded});
+  if (bounded) ++bounded_waiting;
   return absl::OkStatus();
 }
 
@@ -61,7 +62,7 @@ void DeviceWorker::PublishStatus(const ModelHost& host) {
 int DeviceWorker::queued_jobs() const {
   absl::MutexLock lock(&mu_);
   int jobs = 0;
-  for (const std::deque<Job>& queue : queues_) jobs += static_cast<int>(queue.size());
+  for (const std::deque<QueuedJob>& queue : queues_) jobs += static_cast<int>(queue.size());
   return jobs;
 }
 
@@ -98,7 +99,7 @@ void DeviceWorker::Loop() {
       absl::MutexLock lock(&mu_);
       const auto has_work_or_stops = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (stopping_) return true;
-        for (const std::deque<Job>& queue : queues_) {
+        for (const std::deque<QueuedJob>& queue : queues_) {
           if (!queue.empty()) return true;
         }
         return false;
@@ -106,12 +107,15 @@ void DeviceWorker::Loop() {
       idle = !mu_.AwaitWithTimeout(absl::Condition(&has_work_or_stops),
                                    worked_since_idle ? idle_period_ : absl::InfiniteDuration());
       if (!idle) {
-        std::deque<Job>& streaming = queues_[static_cast<int>(JobPriority::kStreaming)];
-        std::deque<Job>& training = queues_[static_cast<int>(JobPriority::kTraining)];
+        std::deque<QueuedJob>& streaming = queues_[static_cast<int>(JobPriority::kStreaming)];
+        std::deque<QueuedJob>& training = queues_[static_cast<int>(JobPriority::kTraining)];
         const bool training_turn = !training.empty() && (streaming.empty() || streaming_run_ >= kStreamingRun);
-        std::deque<Job>& queue = training_turn || streaming.empty() ? training : streaming;
+        const int taken = static_cast<int>(training_turn || streaming.empty() ? JobPriority::kTraining
+                                                                                 : JobPriority::kStreaming);
+        std::deque<QueuedJob>& queue = queues_[taken];
         if (!queue.empty()) {
-          job = std::move(queue.front());
+          job = std::move(queue.front().job);
+          if (queue.front().bounded) --bounded_waiting_[taken];
           queue.pop_front();
           streaming_run_ = &queue == &streaming && !training.empty() ? streaming_run_ + 1 : 0;
         }

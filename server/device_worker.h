@@ -44,15 +44,16 @@ class DeviceWorker {
   // What the worker runs once the device has had no job for the idle period after the last one.
   using IdleJob = absl::AnyInvocable<void(ModelHost&)>;
 
-  // Starts the thread; at most `queue_depth` jobs wait per priority. Once no job has come for `idle_period` after the
+  // Starts the thread; at most `queue_depth` bounded jobs wait per priority. Once no job has come for `idle_period` after the
   // last one, `on_idle` runs (once per pause; by default ModelHost::ReleaseIdleDevice); an infinite period never.
   DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth, absl::Duration idle_period = absl::InfiniteDuration(),
                IdleJob on_idle = ReleaseIdleDevice);
   ~DeviceWorker();  // Stop()
 
-  // Queues `job`; every accepted job runs, in order within its priority. RESOURCE_EXHAUSTED when that priority's
-  // queue is full (unless `bounded` is false: the stream batcher, which keeps at most one tick queued, must never
-  // lose one), UNAVAILABLE after Stop.
+  // Queues `job`; every accepted job runs, in order within its priority. RESOURCE_EXHAUSTED when that priority
+  // already has `queue_depth` bounded jobs waiting, UNAVAILABLE after Stop. An unbounded job (`bounded` false: the
+  // stream batcher's ticks and seed parts, which it keeps few of and must never lose) is always taken and takes no
+  // bounded job's place: a tick waiting at --queue_depth=1 would otherwise refuse every ResetStream and CloseStream.
   absl::Status Enqueue(JobPriority priority, Job job, bool bounded = true);
 
   // Queues `work` (ModelHost& → absl::Status or absl::StatusOr<T>) and waits for its result; a refusal to queue
@@ -100,7 +101,12 @@ class DeviceWorker {
   static void ReleaseIdleDevice(ModelHost& host);
 
   mutable absl::Mutex mu_;
-  std::array<std::deque<Job>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
+  struct QueuedJob {
+    Job job;
+    bool bounded = true;
+  };
+  std::array<std::deque<QueuedJob>, kJobPriorities> queues_ ABSL_GUARDED_BY(mu_);
+  std::array<int, kJobPriorities> bounded_waiting_ ABSL_GUARDED_BY(mu_) = {};  // the bounded jobs of queues_
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int streaming_run_ ABSL_GUARDED_BY(mu_) = 0;  // streaming jobs run in a row while training jobs waited
   // None between jobs and while the job waits on its peers.

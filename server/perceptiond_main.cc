@@ -64,8 +64,8 @@ ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "largest request message in byte
 ABSL_FLAG(int, max_batch, 1024, "most windows in one batch");
 ABSL_FLAG(int, max_window, 4096, "most events in one window");
 ABSL_FLAG(int, queue_depth, 64,
-          "most jobs waiting for the device at each priority (streaming, training); beyond it, calls answer "
-          "RESOURCE_EXHAUSTED");
+          "most calls' jobs waiting for the device at each priority (streaming, training); beyond it, calls answer "
+          "RESOURCE_EXHAUSTED (the streaming ticks and seed parts the daemon queues itself are not counted)");
 ABSL_FLAG(std::string, checkpoint_on_exit, "", "checkpoint name to save the model to after draining (empty: none)");
 ABSL_FLAG(absl::Duration, device_stall_timeout, absl::Seconds(60),
           "health reports NOT_SERVING while one device job (a training step, a tick, a checkpoint load) has run "

@@ -140,6 +140,40 @@ TEST(DeviceWorkerTest, StopRunsTheJobsQueuedBehindARunningOne) {
   EXPECT_EQ(w.jobs.load(), kQueued);
 }
 
+// Only jobs queued for calls count against --queue_depth: the stream batcher's own (a tick, a seed's next part) take no
+// call's place. At a depth of 1 a waiting tick made every ResetStream and CloseStream answer RESOURCE_EXHAUSTED.
+TEST(DeviceWorkerTest, UnboundedJobsTakeNoPlaceOfTheBoundedOnes) {
+  ServerMetrics metrics;
+  std::atomic<int> jobs{0};
+  DeviceWorker worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/1);
+  absl::Notification held, release;
+  ASSERT_TRUE(worker
+                  .Enqueue(JobPriority::kStreaming,
+                           [&](ModelHost&) {
+                             held.Notify();
+                             release.WaitForNotification();
+                           })
+                  .ok());
+  held.WaitForNotification();
+  const auto count = [&](ModelHost&) { jobs.fetch_add(1); };
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(worker.Enqueue(JobPriority::kStreaming, count, /*bounded=*/false).ok());
+  }
+  EXPECT_TRUE(worker.Enqueue(JobPriority::kStreaming, count).ok()) << "three unbounded jobs filled a queue of 1";
+  const absl::Status second = worker.Enqueue(JobPriority::kStreaming, count);
+  EXPECT_EQ(second.code(), absl::StatusCode::kResourceExhausted) << second;
+  EXPECT_THAT(second.message(), HasSubstr("the device queue is full (1 jobs waiting)"));
+  EXPECT_TRUE(worker.Enqueue(JobPriority::kTraining, count).ok()) << "each priority has its own bound";
+  EXPECT_TRUE(worker.Enqueue(JobPriority::kStreaming, count, /*bounded=*/false).ok());
+  EXPECT_EQ(worker.queued_jobs(), 6);
+  release.Notify();
+  // Once the bounded job has run, its place is free again.
+  while (worker.queued_jobs() > 0) std::this_thread::sleep_for(milliseconds(1));
+  EXPECT_TRUE(worker.Run(JobPriority::kStreaming, [&](ModelHost&) { return absl::OkStatus(); }).ok());
+  worker.Stop();
+  EXPECT_EQ(jobs.load(), 6);
+}
+
 // A caller that has its job's reply finds the job's effect in status() (perceptionctl load, then status): the status
 // is published before the reply, not after it, where a GetStatus between the two saw the model before the job.
 TEST(DeviceWorkerTest, StatusShowsAJobsEffectOnceItsReplyIsIn) {
