@@ -382,16 +382,7 @@ absl::StatusOr<BenchOptions> BenchOptionsFromFlags() {
 
 absl::Status ListStreams(PerceptionClient& client) {
   ASSIGN_OR_RETURN(const v1::ListStreamsResponse response, client.ListStreams());
-  std::printf("%-16s %5s %12s %9s %12s %12s\n", "instrument", "slot", "processed", "pending", "oldest_seq", "end_seq");
-  for (const v1::StreamInfo& s : response.streams()) {
-    std::printf("%-16s %5d %12llu %9llu %12llu %12llu\n", s.instrument().c_str(), s.slot(),
-                static_cast<unsigned long long>(s.processed_events()),
-                static_cast<unsigned long long>(s.pending_events()),
-                static_cast<unsigned long long>(s.oldest_retained_seq()),
-                static_cast<unsigned long long>(s.end_seq()));
-    if (!s.stopped().empty()) std::printf("  stopped: %s\n", s.stopped().c_str());
-    if (s.seeding()) std::printf("  seeding: a SeedStream runs on it\n");
-  }
+  std::fputs(StreamsTable(response).c_str(), stdout);
   return absl::OkStatus();
 }
 

@@ -410,6 +410,19 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   return absl::OkStatus();
 }
 
+std::string StreamsTable(const v1::ListStreamsResponse& response) {
+  std::string table =
+      absl::StrFormat("%-16s %5s %12s %9s %12s %12s\n", "instrument", "slot", "processed", "pending", "oldest_seq",
+                      "end_seq");
+  for (const v1::StreamInfo& s : response.streams()) {
+    absl::StrAppendFormat(&table, "%-16s %5d %12d %9d %12d %12d\n", s.instrument(), s.slot(), s.processed_events(),
+                          s.pending_events(), s.oldest_retained_seq(), s.end_seq());
+    if (!s.stopped().empty()) absl::StrAppend(&table, "  stopped: ", s.stopped(), "\n");
+    if (s.seeding()) absl::StrAppend(&table, "  seeding: a SeedStream runs on it\n");
+  }
+  return table;
+}
+
 absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");

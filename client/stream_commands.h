@@ -43,6 +43,10 @@ inline constexpr int64_t kResumeSeedEvents = 500;
 // instrument, and a plain resume would start it from zero without a word.
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code);
 
+// `perceptionctl streams`: a row per live stream (its slot, processed and pending events, the retained log's sequence
+// numbers), under it why a stopped stream takes no events and whether a SeedStream runs on it.
+std::string StreamsTable(const v1::ListStreamsResponse& response);
+
 // Writes every retained conviction of `instrument` from `from_seq` on as CSV: a header row, then
 // `seq,conviction,p1,...,pH` per event; prints what it wrote. `from_seq` 0 starts at the log's oldest entry, and
 // starts over (a few times) should the stream overwrite what the read has yet to reach. The file is replaced only

@@ -1,4 +1,5 @@
-// perceptionctl's streaming commands without a daemon: the resume advice that ends a failed stream's error.
+// perceptionctl's streaming commands without a daemon: the resume advice that ends a failed stream's error, the
+// table `streams` prints.
 #include "client/stream_commands.h"
 
 #include <gmock/gmock.h>
@@ -69,6 +70,32 @@ TEST(ResumeAdvice, SaysNothingIsLeftWhenTheLastEventWasAcknowledged) {
     EXPECT_THAT(advice, Not(HasSubstr("--count 0")));
     EXPECT_THAT(advice, Not(HasSubstr("--first")));
   }
+}
+
+// A row per stream, full 64-bit counts, and under a row why it takes no events or that a seed runs on it.
+TEST(StreamsTable, ShowsEachStreamWithItsStoppedAndSeedingLines) {
+  v1::ListStreamsResponse response;
+  v1::StreamInfo& live = *response.add_streams();
+  live.set_instrument("AMZN");
+  live.set_slot(3);
+  live.set_processed_events(5'000'000'000);
+  live.set_pending_events(12);
+  live.set_oldest_retained_seq(4'000'000'001);
+  live.set_end_seq(5'000'000'001);
+  v1::StreamInfo& stopped = *response.add_streams();
+  stopped.set_instrument("AAPL");
+  stopped.set_slot(0);
+  stopped.set_stopped("a logged event's logits are not finite");
+  stopped.set_seeding(true);
+  const std::string table = StreamsTable(response);
+  EXPECT_EQ(table,
+            "instrument        slot    processed   pending   oldest_seq      end_seq\n"
+            "AMZN                 3   5000000000        12   4000000001   5000000001\n"
+            "AAPL                 0            0         0            0            0\n"
+            "  stopped: a logged event's logits are not finite\n"
+            "  seeding: a SeedStream runs on it\n");
+  EXPECT_EQ(StreamsTable(v1::ListStreamsResponse()),
+            "instrument        slot    processed   pending   oldest_seq      end_seq\n");
 }
 
 }  // namespace
