@@ -64,12 +64,22 @@ void TrainReactor::Drain(const absl::Status& status) {
   });
 }
 
+absl::Status ParseKeepingTheBatch(grpc::ByteBuffer& bytes, v1::TrainStepRequest& request) {
+  v1::Batch* batch = request.has_batch() ? request.release_batch() : nullptr;
+  request.Clear();
+  if (batch != nullptr) {
+    batch->Clear();
+    request.set_allocated_batch(batch);
+  }
+  return MergeRequest(bytes, request);
+}
+
 void TrainReactor::OnReadDone(bool ok) {
   // Parsed outside the lock (a batch may take milliseconds), which the device worker takes at each step's start and
   // end; the buffer stays in `incoming_` meanwhile, so that no other read starts before this one is taken.
-  auto request = std::make_unique<v1::TrainStepRequest>();
+  std::unique_ptr<v1::TrainStepRequest> request = RequestToParseInto();
   absl::Status parsed;
-  if (ok) parsed = ParseRequest(*ReadInProgress(), *request);
+  if (ok) parsed = ParseKeepingTheBatch(*ReadInProgress(), *request);
   // Validated outside the lock too (the device worker takes it at each step's start and end): a pass over each array.
   absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
   if (ok && parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
@@ -123,6 +133,14 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
   }
 }
 
+std::unique_ptr<v1::TrainStepRequest> TrainReactor::RequestToParseInto() {
+  absl::MutexLock lock(&mu_);
+  if (spare_requests_.empty()) return std::make_unique<v1::TrainStepRequest>();
+  std::unique_ptr<v1::TrainStepRequest> request = std::move(spare_requests_.back());
+  spare_requests_.pop_back();
+  return request;
+}
+
 grpc::ByteBuffer* TrainReactor::ReadInProgress() {
   absl::MutexLock lock(&mu_);
   return incoming_.get();
@@ -158,7 +176,7 @@ void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> 
   Update([&] {
     if (!result.ok()) input_done_ = true;  // nothing after a failed batch is read
     step.result = std::move(result);
-    step.request.reset();
+    if (step.request != nullptr) spare_requests_.push_back(std::move(step.request));
     --running_;
   });
 }

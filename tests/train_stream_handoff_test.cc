@@ -1,9 +1,11 @@
 // The Train stream through the real service in process: a step is handed, as `next`, only the batch sent right
 // after its own; the batches trained are the batches sent, in order; the last step stages nothing; nothing queued
-// behind a failed batch is trained; a stream whose model another call replaced trains nothing on the new one.
+// behind a failed batch is trained; a stream whose model another call replaced trains nothing on the new one; a
+// request is parsed into a kept batch.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -79,6 +81,41 @@ class TrainStreamHandoffTest : public ::testing::Test {
   WorkerGate gate_;  // outlives the daemon, whose worker runs the gate's job
   InProcessDaemon daemon_{RecordTrainCalls(log_, kStepDelay), "train_stream_handoff_checkpoints"};
 };
+
+// `message` serialized into a buffer of 16 KiB slices, as the transport delivers a large request.
+grpc::ByteBuffer SlicedBytes(const std::string& bytes) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += 16384) {
+    slices.emplace_back(bytes.data() + at, std::min<size_t>(16384, bytes.size() - at));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// A request parsed into a spare holds exactly the message read, in the spare's batch storage; bytes that are no
+// request are refused as ParseRequest refuses them.
+TEST(ParseKeepingTheBatch, ParsesIntoTheBatchAlreadyThere) {
+  ModelConfig config = *NamedConfig("small");
+  v1::TrainStepRequest first, second, spare;
+  *first.mutable_batch() = BatchMessage(MakeRandomBatch(config, config.batch, config.window, 1), config);
+  *second.mutable_batch() = BatchMessage(MakeRandomBatch(config, 3, config.window, 2), config);
+  grpc::ByteBuffer bytes = SlicedBytes(first.SerializeAsString());
+  ASSERT_TRUE(ParseKeepingTheBatch(bytes, spare).ok());
+  EXPECT_EQ(spare.SerializeAsString(), first.SerializeAsString());
+  const float* const storage = spare.batch().x().data();
+  bytes = SlicedBytes(second.SerializeAsString());
+  ASSERT_TRUE(ParseKeepingTheBatch(bytes, spare).ok());
+  EXPECT_EQ(spare.SerializeAsString(), second.SerializeAsString()) << "nothing of the first batch is left";
+  EXPECT_EQ(spare.batch().x().data(), storage);
+  bytes = SlicedBytes(v1::TrainStepRequest().SerializeAsString());
+  ASSERT_TRUE(ParseKeepingTheBatch(bytes, spare).ok());
+  EXPECT_EQ(spare.batch().x_size(), 0);
+  EXPECT_EQ(spare.batch().batch(), 0);
+  bytes = SlicedBytes("\xff\xff\xff\xff");
+  const absl::Status refused = ParseKeepingTheBatch(bytes, spare);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(),
+              ::testing::HasSubstr("a request could not be parsed as perception.v1.TrainStepRequest"));
+}
 
 TEST_F(TrainStreamHandoffTest, EachStepIsHandedOnlyTheBatchSentAfterItsOwn) {
   constexpr int kBatches = 8;
