@@ -115,12 +115,19 @@ void ShardedBatches::Shard(int step, int rank, v1::Batch& out) {
   absl::MutexLock lock(&mu_);
   while (sampled_ <= step) {
     Pending& next = pending_[sampled_++];
+    if (!spare_.empty()) {
+      next.batch = std::move(spare_.back());
+      spare_.pop_back();
+    }
     sample_(next.batch);
     next.untaken = world_size_;
   }
   const auto it = pending_.find(step);
   CopyWindows(it->second.batch, rank * per_rank_, per_rank_, out);
-  if (--it->second.untaken == 0) pending_.erase(it);
+  if (--it->second.untaken == 0) {
+    spare_.push_back(std::move(it->second.batch));
+    pending_.erase(it);
+  }
 }
 
 absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,

@@ -34,7 +34,8 @@ absl::Status CheckTargets(std::span<const v1::GetStatusResponse> statuses, std::
 // thread; a global batch is dropped once every rank has taken its slice.
 class ShardedBatches {
  public:
-  // `sample` fills the next global batch of world_size · per_rank windows.
+  // `sample` fills the next global batch of world_size · per_rank windows, overwriting whatever the batch it is given
+  // holds (one every rank has taken, whose storage is used again).
   ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank);
 
   // Rank `rank`'s slice of global batch `step` (0-based); each rank asks for each step once.
@@ -50,6 +51,8 @@ class ShardedBatches {
   absl::AnyInvocable<void(Batch&)> sample_ ABSL_GUARDED_BY(mu_);
   int sampled_ ABSL_GUARDED_BY(mu_) = 0;  // global batches sampled so far
   std::map<int, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  // Global batches every rank has taken, sampled into again: a fresh one faulted in megabytes of new pages each step.
+  std::vector<Batch> spare_ ABSL_GUARDED_BY(mu_);
 };
 
 // Streams `steps` steps to every rank at once (rank r trains on its slices of `batches`), one Train stream per rank
