@@ -26,6 +26,7 @@
 #include "client/stream_commands.h"
 #include "client/perception_client.h"
 #include "engine/cli/arguments.h"
+#include "engine/host_allocation.h"
 #include "engine/optimizer.h"
 #include "engine/status_macros.h"
 #include "perception/v1/default_address.h"
@@ -535,6 +536,7 @@ absl::Status Run(const std::vector<std::string>& args) {
 }  // namespace perception::client
 
 int main(int argc, char** argv) {
+  perception::KeepFreedHostMemoryForReuse();  // train and eval serialize megabytes a request
   absl::SetProgramUsageMessage(perception::client::kUsage);
   const absl::Status status = perception::client::Run(perception::ParseArguments(argc, argv));
   if (!status.ok()) {

@@ -24,6 +24,7 @@
 #include "engine/cli/arguments.h"
 #include "engine/config.h"
 #include "engine/device_loss.h"
+#include "engine/host_allocation.h"
 #include "engine/precision.h"
 #include "engine/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -718,6 +719,7 @@ absl::Status Serve() {
 }  // namespace perception::server
 
 int main(int argc, char** argv) {
+  const bool keeps_freed_memory = perception::KeepFreedHostMemoryForReuse();
   absl::SetProgramUsageMessage("trains and serves PerceptionNet v1 on one device over gRPC");  // --help names it
   // (ParseArguments: FlagGiven answers for the flags given, and `--drain-grace` is `--drain_grace` as for the clients.)
   const std::vector<std::string> arguments = perception::ParseArguments(argc, argv);
@@ -733,6 +735,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::set_level(*level);
+  if (!keeps_freed_memory) spdlog::debug("the allocator hands freed memory back to the kernel (not glibc's)");
   const sigset_t signals = perception::server::TerminationSignals();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
   const absl::Status status = perception::server::Serve();
