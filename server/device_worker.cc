@@ -41,7 +41,7 @@ absl::Status DeviceWorker::Enqueue(JobPriority priority, Job job, bool bounded) 
   int& bounded_waiting = bounded_waiting_[static_cast<int>(priority)];
   if (bounded && bounded_waiting >= queue_depth_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("the device queue is full (", queue_depth_, " jobs waiting); retry later"));
+        absl::StrCat("the device queue is full (", queue_depth_, " calls' jobs waiting); retry later"));
   }
   queues_[static_cast<int>(priority)].push_back({std::move(job), bounded});
   if (bounded) ++bounded_waiting;

@@ -44,8 +44,9 @@ class DeviceWorker {
   // What the worker runs once the device has had no job for the idle period after the last one.
   using IdleJob = absl::AnyInvocable<void(ModelHost&)>;
 
-  // Starts the thread; at most `queue_depth` bounded jobs wait per priority. Once no job has come for `idle_period` after the
-  // last one, `on_idle` runs (once per pause; by default ModelHost::ReleaseIdleDevice); an infinite period never.
+  // Starts the thread; at most `queue_depth` bounded jobs wait per priority. Once no job has come for `idle_period`
+  // after the last one, `on_idle` runs (once per pause; by default ModelHost::ReleaseIdleDevice); an infinite period
+  // never.
   DeviceWorker(std::unique_ptr<ModelHost> host, int queue_depth, absl::Duration idle_period = absl::InfiniteDuration(),
                IdleJob on_idle = ReleaseIdleDevice);
   ~DeviceWorker();  // Stop()

@@ -162,16 +162,31 @@ TEST(DeviceWorkerTest, UnboundedJobsTakeNoPlaceOfTheBoundedOnes) {
   EXPECT_TRUE(worker.Enqueue(JobPriority::kStreaming, count).ok()) << "three unbounded jobs filled a queue of 1";
   const absl::Status second = worker.Enqueue(JobPriority::kStreaming, count);
   EXPECT_EQ(second.code(), absl::StatusCode::kResourceExhausted) << second;
-  EXPECT_THAT(second.message(), HasSubstr("the device queue is full (1 jobs waiting)"));
+  EXPECT_THAT(second.message(), HasSubstr("the device queue is full (1 calls' jobs waiting)"));
   EXPECT_TRUE(worker.Enqueue(JobPriority::kTraining, count).ok()) << "each priority has its own bound";
   EXPECT_TRUE(worker.Enqueue(JobPriority::kStreaming, count, /*bounded=*/false).ok());
   EXPECT_EQ(worker.queued_jobs(), 6);
   release.Notify();
-  // Once the bounded job has run, its place is free again.
+  // Once the bounded jobs have run, each priority's place is free again, and one only.
   while (worker.queued_jobs() > 0) std::this_thread::sleep_for(milliseconds(1));
-  EXPECT_TRUE(worker.Run(JobPriority::kStreaming, [&](ModelHost&) { return absl::OkStatus(); }).ok());
-  worker.Stop();
   EXPECT_EQ(jobs.load(), 6);
+  for (const JobPriority priority : {JobPriority::kStreaming, JobPriority::kTraining}) {
+    absl::Notification held_again, release_again;
+    ASSERT_TRUE(worker
+                    .Enqueue(priority,
+                             [&](ModelHost&) {
+                               held_again.Notify();
+                               release_again.WaitForNotification();
+                             })
+                    .ok());
+    held_again.WaitForNotification();
+    EXPECT_TRUE(worker.Enqueue(priority, count).ok());
+    EXPECT_EQ(worker.Enqueue(priority, count).code(), absl::StatusCode::kResourceExhausted);
+    release_again.Notify();
+    while (worker.queued_jobs() > 0) std::this_thread::sleep_for(milliseconds(1));
+  }
+  worker.Stop();
+  EXPECT_EQ(jobs.load(), 8);
 }
 
 // A caller that has its job's reply finds the job's effect in status() (perceptionctl load, then status): the status
