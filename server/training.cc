@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <iterator>
 #include <optional>
+#include <tuple>
+#include <utility>
 
 #include "engine/host_allocation.h"
 #include "engine/status_macros.h"
@@ -77,9 +79,13 @@ absl::Status ParseKeepingTheBatch(grpc::ByteBuffer& bytes, v1::TrainStepRequest&
 void TrainReactor::OnReadDone(bool ok) {
   // Parsed outside the lock (a batch may take milliseconds), which the device worker takes at each step's start and
   // end; the buffer stays in `incoming_` meanwhile, so that no other read starts before this one is taken.
-  std::unique_ptr<v1::TrainStepRequest> request = RequestToParseInto();
+  std::unique_ptr<v1::TrainStepRequest> request;
   absl::Status parsed;
-  if (ok) parsed = ParseKeepingTheBatch(*ReadInProgress(), *request);
+  if (ok) {
+    grpc::ByteBuffer* bytes = nullptr;
+    std::tie(bytes, request) = TakeReadAndSpare();
+    parsed = ParseKeepingTheBatch(*bytes, *request);
+  }
   // Validated outside the lock too (the device worker takes it at each step's start and end): a pass over each array.
   absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
   if (ok && parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
@@ -110,7 +116,9 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
     // are added or removed at the ends) until the stream has answered it.
     accepted = worker_.Enqueue(JobPriority::kTraining, [this, &step, queued = Stopwatch()](ModelHost& host) {
       if (absl::Status dropped = DroppedBecause(step, host.model_generation()); !dropped.ok()) {
-        host.ForgetStagedNext();  // the step before may have staged this one's batch, which is freed now
+        // The step before may have staged this one's batch, whose request is a spare now: a later batch parsed into it
+        // has the same address, by which the backend knows what it staged.
+        host.ForgetStagedNext();
         OnStepDone(step, std::move(dropped));
         return;
       }
@@ -133,17 +141,12 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
   }
 }
 
-std::unique_ptr<v1::TrainStepRequest> TrainReactor::RequestToParseInto() {
+std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> TrainReactor::TakeReadAndSpare() {
   absl::MutexLock lock(&mu_);
-  if (spare_requests_.empty()) return std::make_unique<v1::TrainStepRequest>();
+  if (spare_requests_.empty()) return {incoming_.get(), std::make_unique<v1::TrainStepRequest>()};
   std::unique_ptr<v1::TrainStepRequest> request = std::move(spare_requests_.back());
   spare_requests_.pop_back();
-  return request;
-}
-
-grpc::ByteBuffer* TrainReactor::ReadInProgress() {
-  absl::MutexLock lock(&mu_);
-  return incoming_.get();
+  return {incoming_.get(), std::move(request)};
 }
 
 const TrainReactor::Step* TrainReactor::NextStep(const Step& step) {
@@ -176,7 +179,10 @@ void TrainReactor::OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> 
   Update([&] {
     if (!result.ok()) input_done_ = true;  // nothing after a failed batch is read
     step.result = std::move(result);
-    if (step.request != nullptr) spare_requests_.push_back(std::move(step.request));
+    if (step.request != nullptr && !input_done_ && spare_requests_.size() < kMaxSpareRequests) {
+      spare_requests_.push_back(std::move(step.request));
+    }
+    step.request.reset();
     --running_;
   });
 }

@@ -5,6 +5,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -88,10 +89,9 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
     std::optional<Normalizer> range_checked_under;  // ValidateBeforeTheJob's
   };
 
-  // The buffer of the read in progress (OnReadDone's, until it takes it).
-  grpc::ByteBuffer* ReadInProgress();
-  // A spare request to parse the read into, else a new one.
-  std::unique_ptr<v1::TrainStepRequest> RequestToParseInto();
+  // The buffer of the read in progress (OnReadDone's, until it takes it), and a spare request to parse it into (else
+  // a new one).
+  std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> TakeReadAndSpare();
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
   // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of
@@ -118,9 +118,11 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
 
   absl::Mutex mu_;
   std::unique_ptr<grpc::ByteBuffer> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
-  // Requests whose step is done, parsed into again: their arrays keep their capacity, where a fresh request grew each
-  // array of a batch of megabytes from nothing, copying and faulting in new pages, and freed it on the device
-  // worker's thread between two steps. At most kMaxUnansweredSteps + 1 requests exist (held, and being parsed).
+  // Requests whose step is done, parsed into again (ParseKeepingTheBatch): their arrays keep their capacity, where a
+  // fresh request grew each array of a batch of megabytes from nothing, copying and faulting in new pages, and freed
+  // it on the device worker's thread between two steps. At most kMaxSpareRequests, none once the input has ended: an
+  // idle stream holds no more than that beyond its unanswered steps.
+  static constexpr size_t kMaxSpareRequests = 2;
   std::vector<std::unique_ptr<v1::TrainStepRequest>> spare_requests_ ABSL_GUARDED_BY(mu_);
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a batch was refused, or a drain began
   absl::Status drained_ ABSL_GUARDED_BY(mu_);      // the drain that ended the input, if one did

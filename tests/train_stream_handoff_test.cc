@@ -82,7 +82,7 @@ class TrainStreamHandoffTest : public ::testing::Test {
   InProcessDaemon daemon_{RecordTrainCalls(log_, kStepDelay), "train_stream_handoff_checkpoints"};
 };
 
-// `message` serialized into a buffer of 16 KiB slices, as the transport delivers a large request.
+// `bytes` in a buffer of 16 KiB slices, as the transport delivers a large request.
 grpc::ByteBuffer SlicedBytes(const std::string& bytes) {
   std::vector<grpc::Slice> slices;
   for (size_t at = 0; at < bytes.size(); at += 16384) {
