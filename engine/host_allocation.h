@@ -9,12 +9,6 @@
 #include <type_traits>
 #include <utility>
 
-// Whether malloc is glibc's: __GLIBC__ comes with the headers above; ASan and TSan replace it with their own.
-#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define PERCEPTION_GLIBC_MALLOC 1
-#include <malloc.h>
-#endif
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -48,16 +42,9 @@ std::invoke_result_t<Work&> RunOrExhausted(absl::string_view what, Work&& work) 
 // them back to the kernel. By default a block above a threshold that starts at 128 KiB is mapped afresh and unmapped
 // at free, and the heap's free top is trimmed, so each request's megabytes of arrays were faulted in again page by
 // page: parsing a `small` batch at 10 book levels from the transport's slices took 3.0 ms on the development machine,
-// 0.3 ms with this. For the programs' main, before anything is allocated; false where the allocator refused them (not
-// glibc's: a sanitizer's, say).
-inline bool KeepFreedHostMemoryForReuse() {
-#if defined(PERCEPTION_GLIBC_MALLOC)
-  constexpr int kLargestHeapBlock = 32 << 20;  // glibc's ceiling for M_MMAP_THRESHOLD on 64-bit hosts
-  constexpr int kKeptFreeHeap = 256 << 20;
-  return mallopt(M_MMAP_THRESHOLD, kLargestHeapBlock) == 1 && mallopt(M_TRIM_THRESHOLD, kKeptFreeHeap) == 1;
-#else
-  return false;
-#endif
-}
+// 0.3 ms with this. The price: the process's resident memory stays near its peak instead of shrinking after large
+// requests. For the programs' main, before anything is allocated; false where the allocator refused them (not glibc's:
+// a sanitizer's, say).
+bool KeepFreedHostMemoryForReuse();
 
 }  // namespace perception
