@@ -2,8 +2,9 @@
 # The daemon's Train stream end to end on a CUDA host: `perceptionctl train` steps/s (since the first answer) and the
 # device's mean step time (perception_train_step_seconds), for each daemon given, alternating, on AMZN level 1
 # (F = 12) and AAPL level 10 (F = 48, a batch of 3.1 MB of features), `small`'s training shape. A daemon is given as
-# NAME=PROGRAM, PROGRAM a perceptiond build in the bundle (another tree's, for a comparison in one call).
-# Usage: bench/train_rpc_rate.sh BUNDLE_DIR OUT_DIR DATA_DIR STEPS ROUNDS NAME=PROGRAM...
+# NAME=PROGRAM or NAME=PROGRAM:CLIENT, PROGRAM a perceptiond build in the bundle (another tree's, for a comparison in
+# one call) and CLIENT the perceptionctl build that feeds it (perceptionctl where not given).
+# Usage: bench/train_rpc_rate.sh BUNDLE_DIR OUT_DIR DATA_DIR STEPS ROUNDS NAME=PROGRAM[:CLIENT]...
 set -uo pipefail
 bundle=$1 out=$2 data=$3 steps=$4 rounds=$5
 shift 5
@@ -17,11 +18,12 @@ for round in $(seq "$rounds"); do
     levels=1 files=$amzn
     [ "$data_name" = aapl ] && levels=10 files=$aapl
     for variant in "$@"; do
-      name=${variant%%=*} program=${variant#*=}
+      name=${variant%%=*} program=${variant#*=} client=perceptionctl
+      if [[ $program == *:* ]]; then client=${program#*:} program=${program%%:*}; fi
       "$bundle/env" "$program" --listen="127.0.0.1:$port" \
         --metrics_listen="127.0.0.1:$metrics_port" --device=cuda --checkpoint_dir="$out/ckpt" 2> "$out/daemon.log" &
       pid=$!
-      ctl=("$bundle/env" perceptionctl --target="127.0.0.1:$port")
+      ctl=("$bundle/env" "$client" --target="127.0.0.1:$port")
       "${ctl[@]}" --wait=60s status > /dev/null
       "${ctl[@]}" init --config small --levels "$levels" > /dev/null
       rate=$("${ctl[@]}" train --lobster $files --steps "$steps" --log-every "$steps" 2>&1 |
