@@ -40,11 +40,11 @@ std::invoke_result_t<Work&> RunOrExhausted(absl::string_view what, Work&& work) 
 
 // Has glibc's allocator keep freed blocks of up to 32 MiB, and up to 256 MiB of free heap, for reuse instead of handing
 // them back to the kernel. By default a block above a threshold that starts at 128 KiB is mapped afresh and unmapped
-// at free, and the heap's free top is trimmed, so each request's megabytes of arrays were faulted in again page by
-// page: parsing a `small` batch at 10 book levels from the transport's slices took 3.0 ms on the development machine,
-// 0.3 ms with this. The price: the process's resident memory stays near its peak instead of shrinking after large
-// requests. For the programs' main, before anything is allocated; false where the allocator refused them (not glibc's:
-// a sanitizer's, say).
+// at free, and the heap's free top is trimmed, so that a request's megabytes of arrays could be faulted in again page
+// by page (on the development machine, a Train stream's host side alone, `small` batches at 10 book levels: 269
+// steps/s without this, 329 with it; bench/RESULTS.md, sixty-sixth session). The price: the process's resident
+// memory stays near its peak instead of shrinking after large requests. For the programs' main, before anything is
+// allocated; false where the allocator refused them (not glibc's: a sanitizer's, say).
 bool KeepFreedHostMemoryForReuse();
 
 }  // namespace perception
