@@ -3,7 +3,6 @@
 // request) and into a spare whose batch is kept (ParseKeepingTheBatch), under glibc's default allocator or with
 // --keep_freed_memory (KeepFreedHostMemoryForReuse). `--unary HOST:PORT`: unary TrainStep calls one after another
 // against a daemon holding a model of the --levels' features at `small`'s training shape. µs are medians over rounds.
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -15,7 +14,7 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
+#include "bench/percentile.h"
 #include "client/perception_client.h"
 #include "engine/config.h"
 #include "engine/host_allocation.h"
@@ -36,11 +35,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // Random TrainStep requests of `small`'s training shape with the --levels' features.
 std::vector<v1::TrainStepRequest> Requests(int count) {
   ModelConfig config = *NamedConfig("small");
@@ -53,15 +47,6 @@ std::vector<v1::TrainStepRequest> Requests(int count) {
   return requests;
 }
 
-// `bytes` cut into slices of `slice` bytes.
-std::vector<grpc::Slice> Slices(const std::string& bytes, size_t slice) {
-  std::vector<grpc::Slice> slices;
-  for (size_t at = 0; at < bytes.size(); at += slice) {
-    slices.emplace_back(bytes.data() + at, std::min(slice, bytes.size() - at));
-  }
-  return slices;
-}
-
 absl::Status TimeParses() {
   if (absl::GetFlag(FLAGS_keep_freed_memory) && !KeepFreedHostMemoryForReuse()) {
     return absl::FailedPreconditionError("the allocator refused the settings");
@@ -70,7 +55,7 @@ absl::Status TimeParses() {
   std::printf("a request of %zu bytes; allocator %s\n", bytes.size(),
               absl::GetFlag(FLAGS_keep_freed_memory) ? "keeping freed memory" : "glibc's default");
   for (const size_t slice : {size_t{16} << 10, size_t{64} << 10, bytes.size()}) {
-    const std::vector<grpc::Slice> slices = Slices(bytes, slice);
+    const std::vector<grpc::Slice> slices = testing::Slices(bytes, slice);
     v1::TrainStepRequest spare;
     std::vector<double> fresh_us, kept_us;
     for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {

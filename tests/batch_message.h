@@ -1,11 +1,14 @@
-// Training batches and streamed events as messages, for the tests that send them to a daemon (e2e, in process).
+// Training batches and streamed events as messages, for the tests that send them to a daemon (e2e, in process), and
+// a message's bytes cut as the transport delivers a large one.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "engine/config.h"
+#include "grpcpp/support/slice.h"
 #include "perception/v1/perception.pb.h"
 #include "tests/test_util.h"
 
@@ -40,6 +43,16 @@ inline v1::StreamEvent FeatureEvent(const RandomBatch& series, int F, int t, con
   event.mutable_features()->mutable_features()->Assign(series.x.begin() + t * F, series.x.begin() + (t + 1) * F);
   event.mutable_features()->set_dt(series.dt[t]);
   return event;
+}
+
+// `bytes` cut into slices of `slice` bytes, as the transport delivers a large request (a grpc::ByteBuffer of them is
+// one read).
+inline std::vector<grpc::Slice> Slices(const std::string& bytes, size_t slice) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += slice) {
+    slices.emplace_back(bytes.data() + at, std::min(slice, bytes.size() - at));
+  }
+  return slices;
 }
 
 }  // namespace perception::testing

@@ -8,6 +8,7 @@
 #include <new>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include "server/metrics.h"
 #include "server/model_host.h"
 #include "server/stall_watch.h"
+#include "tests/in_process_daemon.h"
 
 namespace perception::server {
 namespace {
@@ -145,16 +147,9 @@ TEST(DeviceWorkerTest, StopRunsTheJobsQueuedBehindARunningOne) {
 TEST(DeviceWorkerTest, UnboundedJobsTakeNoPlaceOfTheBoundedOnes) {
   ServerMetrics metrics;
   std::atomic<int> jobs{0};
+  testing::WorkerGate first, streaming_again, training_again;  // outlive the worker, whose jobs wait on them
   DeviceWorker worker(std::make_unique<ModelHost>("cpu", metrics), /*queue_depth=*/1);
-  absl::Notification held, release;
-  ASSERT_TRUE(worker
-                  .Enqueue(JobPriority::kStreaming,
-                           [&](ModelHost&) {
-                             held.Notify();
-                             release.WaitForNotification();
-                           })
-                  .ok());
-  held.WaitForNotification();
+  ASSERT_NO_FATAL_FAILURE(first.Hold(worker, JobPriority::kStreaming));
   const auto count = [&](ModelHost&) { jobs.fetch_add(1); };
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(worker.Enqueue(JobPriority::kStreaming, count, /*bounded=*/false).ok());
@@ -166,23 +161,16 @@ TEST(DeviceWorkerTest, UnboundedJobsTakeNoPlaceOfTheBoundedOnes) {
   EXPECT_TRUE(worker.Enqueue(JobPriority::kTraining, count).ok()) << "each priority has its own bound";
   EXPECT_TRUE(worker.Enqueue(JobPriority::kStreaming, count, /*bounded=*/false).ok());
   EXPECT_EQ(worker.queued_jobs(), 6);
-  release.Notify();
+  first.Open();
   // Once the bounded jobs have run, each priority's place is free again, and one only.
   while (worker.queued_jobs() > 0) std::this_thread::sleep_for(milliseconds(1));
   EXPECT_EQ(jobs.load(), 6);
-  for (const JobPriority priority : {JobPriority::kStreaming, JobPriority::kTraining}) {
-    absl::Notification held_again, release_again;
-    ASSERT_TRUE(worker
-                    .Enqueue(priority,
-                             [&](ModelHost&) {
-                               held_again.Notify();
-                               release_again.WaitForNotification();
-                             })
-                    .ok());
-    held_again.WaitForNotification();
+  for (const auto& [priority, gate] : {std::pair{JobPriority::kStreaming, &streaming_again},
+                                       std::pair{JobPriority::kTraining, &training_again}}) {
+    ASSERT_NO_FATAL_FAILURE(gate->Hold(worker, priority));
     EXPECT_TRUE(worker.Enqueue(priority, count).ok());
     EXPECT_EQ(worker.Enqueue(priority, count).code(), absl::StatusCode::kResourceExhausted);
-    release_again.Notify();
+    gate->Open();
     while (worker.queued_jobs() > 0) std::this_thread::sleep_for(milliseconds(1));
   }
   worker.Stop();

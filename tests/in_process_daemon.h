@@ -168,9 +168,9 @@ class InProcessDaemon {
 class WorkerGate {
  public:
   // Returns once the job runs.
-  void Hold(server::DeviceWorker& worker) {
+  void Hold(server::DeviceWorker& worker, server::JobPriority priority = server::JobPriority::kTraining) {
     ASSERT_TRUE(worker
-                    .Enqueue(server::JobPriority::kTraining,
+                    .Enqueue(priority,
                              [this](server::ModelHost&) {
                                running_.Notify();
                                open_.WaitForNotification();

@@ -5,7 +5,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -84,10 +83,7 @@ class TrainStreamHandoffTest : public ::testing::Test {
 
 // `bytes` in a buffer of 16 KiB slices, as the transport delivers a large request.
 grpc::ByteBuffer SlicedBytes(const std::string& bytes) {
-  std::vector<grpc::Slice> slices;
-  for (size_t at = 0; at < bytes.size(); at += 16384) {
-    slices.emplace_back(bytes.data() + at, std::min<size_t>(16384, bytes.size() - at));
-  }
+  const std::vector<grpc::Slice> slices = testing::Slices(bytes, 16384);
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
