@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <iterator>
 #include <optional>
-#include <tuple>
 #include <utility>
 
 #include "engine/host_allocation.h"
@@ -77,33 +76,50 @@ absl::Status ParseKeepingTheBatch(grpc::ByteBuffer& bytes, v1::TrainStepRequest&
 }
 
 void TrainReactor::OnReadDone(bool ok) {
-  // Parsed outside the lock (a batch may take milliseconds), which the device worker takes at each step's start and
-  // end; the buffer stays in `incoming_` meanwhile, so that no other read starts before this one is taken.
-  std::unique_ptr<v1::TrainStepRequest> request;
-  absl::Status parsed;
-  if (ok) {
-    grpc::ByteBuffer* bytes = nullptr;
-    std::tie(bytes, request) = TakeReadAndSpare();
-    parsed = ParseKeepingTheBatch(*bytes, *request);
-  }
-  // Validated outside the lock too (the device worker takes it at each step's start and end): a pass over each array.
-  absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
-  if (ok && parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
+  bool parse_here = false;
   Update([&] {
-    incoming_.reset();
+    std::unique_ptr<grpc::ByteBuffer> bytes = std::move(incoming_);
     if (!ok) {
-      input_done_ = true;
+      // The batches received before the half-close are still parsed and trained: the input ends after them.
+      reads_ended_ = true;
+      input_done_ = input_done_ || received_.empty();
       return;
     }
     if (input_done_ || EndingLocked()) return;  // a batch read after the input ended (a drain) is not trained
-    if (!parsed.ok()) {
-      // (Refused as a batch is, after the steps before it.)
-      steps_.push_back(Step{nullptr, std::move(parsed), std::nullopt});
-      input_done_ = true;
-      return;
-    }
-    AcceptLocked(std::move(request), std::move(checked));
+    // The next read starts as this Update ends (AdvanceLocked), so that the transport receives the next batch while
+    // this one is parsed; the thread that finds no batch ahead of its own parses them all, in order.
+    parse_here = received_.empty();
+    received_.push_back(std::move(bytes));
   });
+  if (parse_here) AcceptReceived();
+}
+
+void TrainReactor::AcceptReceived() {
+  for (bool more = true; more;) {
+    // Parsed and validated outside the lock (a batch may take milliseconds), which the device worker takes at each
+    // step's start and end; the batch stays first in `received_` meanwhile, counted among those the stream holds.
+    auto [bytes, request] = OldestReceivedAndSpare();
+    absl::Status parsed = ParseKeepingTheBatch(*bytes, *request);
+    absl::StatusOr<std::optional<Normalizer>> checked = std::nullopt;
+    if (parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
+    Update([&] {
+      received_.pop_front();
+      // A batch received before the input ended (a drain) or the stream failed is not trained, nor those behind it.
+      if (input_done_ || EndingLocked()) {
+        received_.clear();
+      } else if (!parsed.ok()) {
+        // (Refused as a batch is, after the steps before it.)
+        steps_.push_back(Step{nullptr, std::move(parsed), std::nullopt});
+        input_done_ = true;
+        received_.clear();
+      } else {
+        AcceptLocked(std::move(request), std::move(checked));
+        if (input_done_) received_.clear();  // refused: nothing after it is trained
+      }
+      more = !received_.empty();
+      if (!more && reads_ended_) input_done_ = true;
+    });
+  }
 }
 
 void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
@@ -141,12 +157,13 @@ void TrainReactor::AcceptLocked(std::unique_ptr<v1::TrainStepRequest> request,
   }
 }
 
-std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> TrainReactor::TakeReadAndSpare() {
+std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> TrainReactor::OldestReceivedAndSpare() {
   absl::MutexLock lock(&mu_);
-  if (spare_requests_.empty()) return {incoming_.get(), std::make_unique<v1::TrainStepRequest>()};
+  grpc::ByteBuffer* oldest = received_.front().get();
+  if (spare_requests_.empty()) return {oldest, std::make_unique<v1::TrainStepRequest>()};
   std::unique_ptr<v1::TrainStepRequest> request = std::move(spare_requests_.back());
   spare_requests_.pop_back();
-  return {incoming_.get(), std::move(request)};
+  return {oldest, std::move(request)};
 }
 
 const TrainReactor::Step* TrainReactor::NextStep(const Step& step) {
@@ -227,7 +244,8 @@ std::optional<grpc::Status> TrainReactor::AdvanceLocked() {
       writing_ = true;
       StartWrite(&outgoing_);
     }
-    if (incoming_ == nullptr && !input_done_ && steps_.size() < kMaxUnansweredSteps) {
+    const size_t held = steps_.size() + received_.size();
+    if (incoming_ == nullptr && !input_done_ && !reads_ended_ && held < kMaxUnansweredSteps) {
       incoming_ = std::make_unique<grpc::ByteBuffer>();
       StartRead(incoming_.get());
     }

@@ -52,8 +52,9 @@ absl::StatusOr<v1::TrainStepResponse> TrainOnDevice(ModelHost& host, const v1::B
                                                     const Normalizer* next_checked_under = nullptr);
 
 // One Train stream. Each batch read is validated and queued on the device worker; responses go out in batch
-// order. At most kMaxUnansweredSteps batches are held (queued, running or waiting to be answered), plus the one
-// being received, so a client that writes ahead keeps the device busy without the daemon buffering its stream.
+// order. At most kMaxUnansweredSteps batches are held (received and waiting for their parse, queued, running or
+// waiting to be answered), plus the one being received, so a client that writes ahead keeps the device busy without
+// the daemon buffering its stream.
 // Three, so that the batch after a step is mostly in when the step starts (it is read as the step before that
 // one runs) and is staged while the step runs; with two it was read only once the step had started.
 // A stream trains one model: a step that finds another installed (InitModel or LoadCheckpoint from another call) fails
@@ -79,7 +80,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
-  // The daemon drains: no further batch is read (one arriving in a read already started is not trained); the
+  // The daemon drains: no further batch is read (one received but not yet queued is not trained); the
   // steps queued are run and answered, then the stream finishes with `status` unless a step failed.
   void Drain(const absl::Status& status) override;
 
@@ -90,9 +91,12 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
     std::optional<Normalizer> range_checked_under;  // ValidateBeforeTheJob's
   };
 
-  // The buffer of the read in progress (OnReadDone's, until it takes it), and a spare request to parse it into (else
-  // a new one).
-  std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> TakeReadAndSpare();
+  // Parses, validates and accepts the batches received, oldest first, until none is left: run by the read that found
+  // none ahead of its own, so that one thread at a time takes them, in order.
+  void AcceptReceived();
+  // The oldest batch received (it stays in `received_` until accepted), and a spare request to parse it into (else a
+  // new one).
+  std::pair<grpc::ByteBuffer*, std::unique_ptr<v1::TrainStepRequest>> OldestReceivedAndSpare();
   // The device worker's thread delivers a step's result.
   void OnStepDone(Step& step, absl::StatusOr<v1::TrainStepResponse> result);
   // Why the device worker must not run `step` (a batch before it failed, the client cancelled, or the model, of
@@ -119,13 +123,18 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
 
   absl::Mutex mu_;
   std::unique_ptr<grpc::ByteBuffer> incoming_ ABSL_GUARDED_BY(mu_);  // the read in progress, if any
+  // Batches read but not yet accepted (the oldest may be being parsed), in order: the next read starts once one is
+  // here, so that the transport receives a batch while the one before it is parsed and validated.
+  std::deque<std::unique_ptr<grpc::ByteBuffer>> received_ ABSL_GUARDED_BY(mu_);
+  bool reads_ended_ ABSL_GUARDED_BY(mu_) = false;  // a read came back empty: the client half-closed or went away
   // Requests whose step is done, parsed into again (ParseKeepingTheBatch): their arrays keep their capacity, where a
   // fresh request grew each array of a batch of megabytes from nothing, copying and faulting in new pages, and freed
   // it on the device worker's thread between two steps. At most kMaxSpareRequests, none once the input has ended: an
   // idle stream holds no more than that beyond its unanswered steps.
   static constexpr size_t kMaxSpareRequests = 2;
   std::vector<std::unique_ptr<v1::TrainStepRequest>> spare_requests_ ABSL_GUARDED_BY(mu_);
-  bool input_done_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed, a batch was refused, or a drain began
+  // Every batch received is accepted and the client half-closed, or a batch was refused, or a drain began.
+  bool input_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status drained_ ABSL_GUARDED_BY(mu_);      // the drain that ended the input, if one did
   std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);   // in batch order, until answered
   int running_ ABSL_GUARDED_BY(mu_) = 0;          // steps whose device job has not finished

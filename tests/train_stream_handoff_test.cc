@@ -1,7 +1,7 @@
 // The Train stream through the real service in process: a step is handed, as `next`, only the batch sent right
 // after its own; the batches trained are the batches sent, in order; the last step stages nothing; nothing queued
-// behind a failed batch is trained; a stream whose model another call replaced trains nothing on the new one; a
-// request is parsed into a kept batch.
+// behind a failed batch is trained; a batch sent with the half-close is trained; a stream whose model another call
+// replaced trains nothing on the new one; a request is parsed into a kept batch.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -228,6 +228,38 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
   v1::TrainStepResponse response;
   ASSERT_TRUE(daemon_.stub().TrainStep(&unary, request, &response).ok());
   EXPECT_EQ(response.step(), 2);
+}
+
+// A stream reads its next request as soon as a batch is in, so the read that finds the client's half-close can come
+// back while that batch is still being parsed: the batch is trained all the same. Each stream here sends one batch
+// with its half-close (WriteLast), a batch of many windows, whose parse takes a while.
+TEST_F(TrainStreamHandoffTest, ABatchSentWithTheHalfCloseIsTrained) {
+  constexpr int kWindows = 1024, kStreams = 24;
+  v1::InitModelRequest init;
+  init.set_config_name("tiny");
+  init.set_batch(kWindows);
+  init.set_seed(5);
+  init.set_replace(true);
+  const grpc::Status initialized = daemon_.Call(&v1::Perception::Stub::InitModel, init);
+  ASSERT_TRUE(initialized.ok()) << initialized.error_message();
+  for (int i = 0; i < kStreams; ++i) {
+    SCOPED_TRACE(::testing::Message() << "stream " << i);
+    const RandomBatch batch = MakeRandomBatch(config_, kWindows, config_.window, 200 + i);
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    const std::unique_ptr<grpc::ClientReaderWriter<v1::TrainStepRequest, v1::TrainStepResponse>> stream =
+        daemon_.stub().Train(&context);
+    v1::TrainStepRequest request;
+    *request.mutable_batch() = BatchMessage(batch, config_);
+    ASSERT_TRUE(stream->Write(request, grpc::WriteOptions().set_last_message()));
+    std::vector<v1::TrainStepResponse> responses;
+    for (v1::TrainStepResponse response; stream->Read(&response);) responses.push_back(response);
+    const grpc::Status finished = stream->Finish();
+    ASSERT_TRUE(finished.ok()) << finished.error_code() << ": " << finished.error_message();
+    ASSERT_EQ(responses.size(), 1u);
+    EXPECT_EQ(responses[0].step(), i + 1);
+  }
+  EXPECT_EQ(log_->calls().size(), static_cast<size_t>(kStreams));
 }
 
 // Before, the stream went on training whatever model was installed, answering every batch as a success.
