@@ -47,7 +47,9 @@ void TrainReactor::Update(Change change) {
     change();
     finish = AdvanceLocked();
   }
-  // Outside the lock: once Finish is called, gRPC may delete the reactor (OnDone) on another thread at any time.
+  // Outside the lock: once Finish is called, gRPC may delete the reactor (OnDone) on another thread as soon as no
+  // reaction is running. (AcceptReceived goes on after a Finish, within the OnReadDone that runs it: gRPC runs OnDone
+  // only once that reaction has returned.)
   if (finish.has_value()) Finish(*std::move(finish));
 }
 
@@ -59,7 +61,9 @@ TrainReactor::TrainReactor(DeviceWorker& worker, const Limits& limits, LiveCalls
 
 void TrainReactor::Drain(const absl::Status& status) {
   Update([&] {
-    if (input_done_) return;  // a stream whose input ended already finishes as it would have
+    // A stream whose input ended already finishes as it would have; so does one whose client half-closed, whose
+    // batches received are still trained.
+    if (input_done_ || reads_ended_) return;
     drained_ = status;
     input_done_ = true;
   });

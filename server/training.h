@@ -80,8 +80,9 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
-  // The daemon drains: no further batch is read (one received but not yet queued is not trained); the
-  // steps queued are run and answered, then the stream finishes with `status` unless a step failed.
+  // The daemon drains: no further batch is read (one received but not yet queued is not trained, unless the client
+  // has half-closed: then the stream goes on to the end of its input); the steps queued are run and answered, then
+  // the stream finishes with `status` unless a step failed.
   void Drain(const absl::Status& status) override;
 
  private:
@@ -92,7 +93,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   };
 
   // Parses, validates and accepts the batches received, oldest first, until none is left: run by the read that found
-  // none ahead of its own, so that one thread at a time takes them, in order.
+  // none ahead of its own, so that one thread at a time takes them, in order; only within OnReadDone (Update says
+  // why).
   void AcceptReceived();
   // The oldest batch received (it stays in `received_` until accepted), and a spare request to parse it into (else a
   // new one).
@@ -126,14 +128,15 @@ class TrainReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc
   // Batches read but not yet accepted (the oldest may be being parsed), in order: the next read starts once one is
   // here, so that the transport receives a batch while the one before it is parsed and validated.
   std::deque<std::unique_ptr<grpc::ByteBuffer>> received_ ABSL_GUARDED_BY(mu_);
-  bool reads_ended_ ABSL_GUARDED_BY(mu_) = false;  // a read came back empty: the client half-closed or went away
+  // A read came back empty: the client half-closed or went away, or the stream finished.
+  bool reads_ended_ ABSL_GUARDED_BY(mu_) = false;
   // Requests whose step is done, parsed into again (ParseKeepingTheBatch): their arrays keep their capacity, where a
   // fresh request grew each array of a batch of megabytes from nothing, copying and faulting in new pages, and freed
   // it on the device worker's thread between two steps. At most kMaxSpareRequests, none once the input has ended: an
   // idle stream holds no more than that beyond its unanswered steps.
   static constexpr size_t kMaxSpareRequests = 2;
   std::vector<std::unique_ptr<v1::TrainStepRequest>> spare_requests_ ABSL_GUARDED_BY(mu_);
-  // Every batch received is accepted and the client half-closed, or a batch was refused, or a drain began.
+  // Every batch received is accepted and the client half-closed, or a batch was refused or failed, or a drain began.
   bool input_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status drained_ ABSL_GUARDED_BY(mu_);      // the drain that ended the input, if one did
   std::deque<Step> steps_ ABSL_GUARDED_BY(mu_);   // in batch order, until answered
