@@ -108,18 +108,18 @@ void TrainReactor::AcceptReceived() {
     if (parsed.ok()) checked = ValidateBeforeTheJob(request->batch(), limits_, worker_.status());
     Update([&] {
       received_.pop_front();
-      // A batch received before the input ended (a drain) or the stream failed is not trained, nor those behind it.
-      if (input_done_ || EndingLocked()) {
-        received_.clear();
-      } else if (!parsed.ok()) {
-        // (Refused as a batch is, after the steps before it.)
-        steps_.push_back(Step{nullptr, std::move(parsed), std::nullopt});
-        input_done_ = true;
-        received_.clear();
-      } else {
-        AcceptLocked(std::move(request), std::move(checked));
-        if (input_done_) received_.clear();  // refused: nothing after it is trained
+      // A batch received before the input ended (a drain) or the stream failed is not trained.
+      if (!input_done_ && !EndingLocked()) {
+        if (parsed.ok()) {
+          AcceptLocked(std::move(request), std::move(checked));
+        } else {
+          // (Refused as a batch is, after the steps before it.)
+          steps_.push_back(Step{nullptr, std::move(parsed), std::nullopt});
+          input_done_ = true;
+        }
       }
+      // Nor are those behind a batch refused, or behind the input's end.
+      if (input_done_ || EndingLocked()) received_.clear();
       more = !received_.empty();
       if (!more && reads_ended_) input_done_ = true;
     });

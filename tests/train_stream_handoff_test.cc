@@ -232,7 +232,7 @@ TEST_F(TrainStreamHandoffTest, BatchesQueuedBehindAFailedOneAreNotTrained) {
 
 // A stream reads its next request as soon as a batch is in, so the read that finds the client's half-close can come
 // back while that batch is still being parsed: the batch is trained all the same. Each stream here sends one batch
-// with its half-close (WriteLast), a batch of many windows, whose parse takes a while.
+// with its half-close (a write marked last), a batch of many windows, whose parse takes a while.
 TEST_F(TrainStreamHandoffTest, ABatchSentWithTheHalfCloseIsTrained) {
   constexpr int kWindows = 1024, kStreams = 24;
   v1::InitModelRequest init;
