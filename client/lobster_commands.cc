@@ -224,26 +224,31 @@ absl::StatusOr<v1::OptimizerSettings> RunOptimizer(const v1::Model& model, const
                                                    ") must be past the model's warmup (", run.warmup_steps(),
                                                    " steps)"));
   }
+  if (!(run.min_lr() >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--min_lr (", run.min_lr(), ") must be at least 0"));
+  }
   // The daemon's refusal named neither flag (its optimizer's "min_lr must be in [0, lr]"), after the files were read.
-  if (!(run.min_lr() >= 0 && run.min_lr() <= run.lr())) {
+  if (!(run.min_lr() <= run.lr())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the learning rate ", run.lr(), options.lr > 0 ? " (--lr)" : " (the model's)", " is below min_lr ",
         run.min_lr(), options.min_lr.has_value() ? " (--min_lr)" : " (the model's)",
         ", where the cosine schedule ends: give --lr >= ", run.min_lr(), ", or --min_lr in [0, ", run.lr(), "]"));
   }
+  // The run's first step is the model's next, and the schedule's last step already trains at min_lr (progress 1).
   const int64_t step = model.step();
-  if (step < run.total_steps()) return run;
-  const std::string past_end = absl::StrCat("the model is at step ", step, " and its cosine schedule ended at step ",
-                                            run.total_steps(), ": every step from there trains at min_lr ",
+  const int64_t first = step + 1;
+  if (first < run.total_steps()) return run;
+  const std::string past_end = absl::StrCat("the model is at step ", step, " and its cosine schedule ends at step ",
+                                            run.total_steps(), ": every step from ", first, " on trains at min_lr ",
                                             run.min_lr());
   if (run.min_lr() == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "this run would not change the model: ", past_end, ". Give --total_steps beyond ", step,
-        " to extend the schedule (it goes on from where step ", step, " falls on it), or --min_lr > 0"));
+        "this run would not change the model: ", past_end, ". Give --total_steps beyond ", first,
+        " to extend the schedule (it goes on from where step ", first, " falls on it), or --min_lr > 0"));
   }
   if (options.lr > 0 && options.total_steps == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--lr ", options.lr, " would not apply: ", past_end, ". Give --total_steps beyond ", step,
+        "--lr ", options.lr, " would not apply: ", past_end, ". Give --total_steps beyond ", first,
         " as well to extend the schedule, or --min_lr instead to change the rate past its end"));
   }
   std::printf("%s\n", past_end.c_str());

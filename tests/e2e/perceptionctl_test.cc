@@ -295,7 +295,9 @@ TEST(PerceptionctlTest, AHorizonThatScoresNoLabelHasNoAccuracy) {
 
 // The learning rate a run will train at, checked before the files are read. Past a cosine schedule's end every step
 // trains at min_lr: with min_lr 0 a run left the weights as they were while its progress and status read as training,
-// and a new --lr there changed nothing. train's --total_steps extends the schedule and --min_lr changes its floor.
+// and a new --lr there changed nothing. The schedule's last step is already at min_lr, so a model one step short of it
+// is past it too (the check once let that run through). train's --total_steps extends the schedule and --min_lr
+// changes its floor.
 TEST(PerceptionctlTest, ARunPastTheCosineScheduleIsToldItsLearningRate) {
   const ScopedTempDir temp("ctl_past_schedule");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
@@ -305,32 +307,35 @@ TEST(PerceptionctlTest, ARunPastTheCosineScheduleIsToldItsLearningRate) {
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1 --lr_schedule cosine --total_steps 4"))
                 .exit_code,
             0);
-  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " train", kLongFeed, " --steps 4")).exit_code, 0);
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " train", kLongFeed, " --steps 3")).exit_code, 0);
   for (const std::string extra : {"", " --lr 0.01"}) {
     const CommandResult idle = RunCommand(absl::StrCat(train, extra));
     EXPECT_EQ(idle.exit_code, 1) << idle.output;
     EXPECT_THAT(idle.output, HasSubstr("FAILED_PRECONDITION: this run would not change the model: the model is at "
-                                       "step 4 and its cosine schedule ended at step 4: every step from there trains "
+                                       "step 3 and its cosine schedule ends at step 4: every step from 4 on trains "
                                        "at min_lr 0. Give --total_steps beyond 4 to extend the schedule"));
     EXPECT_THAT(idle.output, Not(HasSubstr("events:"))) << "refused before the files were read";
   }
   const CommandResult floor = RunCommand(absl::StrCat(train, " --min_lr 0.0005"));
   ASSERT_EQ(floor.exit_code, 0) << floor.output;
-  EXPECT_THAT(floor.output, HasSubstr("the model is at step 4 and its cosine schedule ended at step 4: every step from "
-                                      "there trains at min_lr 0.0005\n"));
+  EXPECT_THAT(floor.output, HasSubstr("the model is at step 3 and its cosine schedule ends at step 4: every step from 4 "
+                                      "on trains at min_lr 0.0005\n"));
   const CommandResult ignored = RunCommand(absl::StrCat(train, " --lr 0.01"));
   EXPECT_EQ(ignored.exit_code, 1) << ignored.output;
-  EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --lr 0.01 would not apply: the model is at step 6"));
+  EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --lr 0.01 would not apply: the model is at step 5"));
   const CommandResult extended = RunCommand(absl::StrCat(train, " --total_steps 20"));
   ASSERT_EQ(extended.exit_code, 0) << extended.output;
-  EXPECT_THAT(extended.output, Not(HasSubstr("schedule ended")));
+  EXPECT_THAT(extended.output, Not(HasSubstr("schedule ends")));
   const CommandResult status = RunCommand(absl::StrCat(ctl, " status"));
-  EXPECT_THAT(status.output, HasSubstr("  step 8, "));
+  EXPECT_THAT(status.output, HasSubstr("  step 7, "));
   EXPECT_THAT(status.output, HasSubstr("then cosine to 0.0005 at step 20)"));
   const CommandResult below = RunCommand(absl::StrCat(train, " --min_lr 0.5"));
   EXPECT_EQ(below.exit_code, 1) << below.output;
   EXPECT_THAT(below.output, HasSubstr("the learning rate 0.001 (the model's) is below min_lr 0.5 (--min_lr), where "
                                       "the cosine schedule ends: give --lr >= 0.5, or --min_lr in [0, 0.001]"));
+  const CommandResult negative = RunCommand(absl::StrCat(train, " --min_lr=-0.5"));
+  EXPECT_EQ(negative.exit_code, 1) << negative.output;
+  EXPECT_THAT(negative.output, HasSubstr("INVALID_ARGUMENT: --min_lr (-0.5) must be at least 0"));
 
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --replace --config tiny --levels 1")).exit_code, 0);
   const CommandResult constant = RunCommand(absl::StrCat(train, " --total_steps 10"));
