@@ -597,12 +597,13 @@ void SequenceModel<T>::LayerBackward(int l, Workspace<T>& ws, Tensors<T>& g, std
   }
 }
 
-// dlogits of the masked BCE (MODEL.md §2.7): m·(σ(l) − y) / max(Σm, 1).
+// dlogits of the masked BCE (MODEL.md §2.7): m·(σ(l) − y) / max(Σm, 1). Counted in double, as the CUDA loss counts:
+// a float count stops being exact past 2^24 entries (a day's stream of five horizons).
 template <typename T>
 T MaskCount(std::span<const T> mask) {
-  T total = 0;
-  for (T m : mask) total += m;
-  return std::max(total, T(1));
+  double total = 0;
+  for (T m : mask) total += static_cast<double>(m);
+  return static_cast<T>(std::max(total, 1.0));
 }
 
 }  // namespace
@@ -678,11 +679,13 @@ T CpuReference<T>::LossAndGradients(std::span<const T> params, const BatchView<T
   return loss / denom;
 }
 
+// Summed in double, as the CUDA loss sums: a float sum over a whole evaluated stream (millions of terms) drifted
+// past MODEL.md §8's 1e-5 (1.3e-4 relative at 5M terms).
 template <typename T>
 T CpuReference<T>::MaskedBce(std::span<const T> logits, std::span<const T> labels, std::span<const T> mask) {
-  T total = 0;
-  for (size_t i = 0; i < logits.size(); ++i) total += mask[i] * Bce(logits[i], labels[i]);
-  return total / MaskCount(mask);
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) total += static_cast<double>(mask[i] * Bce(logits[i], labels[i]));
+  return static_cast<T>(total / static_cast<double>(MaskCount(mask)));
 }
 
 template <typename T>
