@@ -255,6 +255,17 @@ absl::StatusOr<v1::OptimizerSettings> RunOptimizer(const v1::Model& model, const
   return run;
 }
 
+// A model trained without a normalizer learned its weights, and Adam's moments, on the features as its batches came:
+// one fitted now would move every input under them, and the model would mean another function from this run on
+// (the run once did so with one line of output). Checked before the files are read.
+absl::Status CheckNormalizerToFit(const v1::Model& model, const TrainOptions& options) {
+  if (model.normalizer_fitted() || model.step() == 0 || options.fit_normalizer) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the model is at step ", model.step(), " and has no normalizer (it trained on its features as they came): "
+      "fitting one now would change the inputs its weights were trained on. Give --fit-normalizer to fit one "
+      "anyway, or start a new model (init --replace)"));
+}
+
 // The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
 // on every run, so training in chunks (train --steps N, again and again) would see the first chunk's batches over
 // and over. A run stays reproducible from (seed, starting step).
@@ -281,6 +292,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
   ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
+  RETURN_IF_ERROR(CheckNormalizerToFit(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),

@@ -30,6 +30,7 @@ struct TrainOptions {
   int log_every = 10;
   int eval_every = 0;     // steps between validation passes during the run (0: only at its end)
   std::string save_best;  // a checkpoint name, saved on the daemon (rank 0) at each validation beating the run's best
+  bool fit_normalizer = false;  // fit one on a model trained past step 0 without one (refused otherwise)
 };
 
 // Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training

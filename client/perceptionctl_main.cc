@@ -53,6 +53,9 @@ PERCEPTION_FLAG(int, eval_every, 0,
 PERCEPTION_FLAG(std::string, save_best, "",
     "train: checkpoint name (on the daemon, rank 0) that each validation beating the run's best so far saves "
     "the model to; the starting model is validated and saved first, so a bad name fails before any step");
+PERCEPTION_FLAG(bool, fit_normalizer, false,
+    "train: fit the normalizer on the files even where the model trained past step 0 without one (refused "
+    "otherwise: it changes the inputs the model's weights were trained on)");
 PERCEPTION_FLAG(int, window, 0, "events per window: init sets it (0: the preset's); train checks it; eval uses it");
 PERCEPTION_FLAG(int, warmup, -1,
     "init: leading window positions that train and eval mask out of the loss when they build batches (kept in "
@@ -105,7 +108,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
     init [--config NAME (small)] [--levels N] [--seed S] [--batch B] [--window T] [--lr X]
          [--lr_schedule cosine --total_steps N [--lr_warmup_steps W] [--min_lr Y]] [--replace]
     train --lobster ORDERBOOK MESSAGES [--levels N] [--steps N (100)] [--batch B] [--window T] [--lr X]
-          [--total_steps N] [--min_lr Y] [--eval-every N] [--save-best NAME]
+          [--total_steps N] [--min_lr Y] [--eval-every N] [--save-best NAME] [--fit-normalizer]
     eval --lobster ORDERBOOK MESSAGES [--levels N] [--window T]
     checkpoint save NAME
     checkpoint load NAME
@@ -129,6 +132,7 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_batch, {"init", "train"}},
       {FLAGS_eval_every, {"train"}},
       {FLAGS_save_best, {"train"}},
+      {FLAGS_fit_normalizer, {"train"}},
       {FLAGS_window, {"init", "train", "eval"}},
       {FLAGS_warmup, {"init"}},
       {FLAGS_lr, {"init", "train"}},
@@ -335,7 +339,8 @@ absl::StatusOr<TrainOptions> TrainOptionsFromFlags() {
                       absl::GetFlag(FLAGS_seed),
                       absl::GetFlag(FLAGS_log_every),
                       absl::GetFlag(FLAGS_eval_every),
-                      absl::GetFlag(FLAGS_save_best)};
+                      absl::GetFlag(FLAGS_save_best),
+                      absl::GetFlag(FLAGS_fit_normalizer)};
 }
 
 absl::Status SaveCheckpoint(PerceptionClient& client, const std::string& name) {

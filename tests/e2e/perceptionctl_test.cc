@@ -344,6 +344,33 @@ TEST(PerceptionctlTest, ARunPastTheCosineScheduleIsToldItsLearningRate) {
                                          "learning rate is constant"));
 }
 
+// A model trained without a normalizer (here through TrainStep, as a user's own client trains) learned its weights on
+// the features as they came: train once fitted one under them with a line of output, and the model meant another
+// function from then on. It is refused before the files are read; --fit-normalizer fits one anyway.
+TEST(PerceptionctlTest, AModelTrainedWithoutANormalizerIsNotGivenOneUnasked) {
+  const ScopedTempDir temp("ctl_late_normalizer");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  ModelConfig tiny = *NamedConfig("tiny");
+  tiny.n_features = 12;
+  ASSERT_TRUE((*daemon)->client().TrainStep(TrainRequest(testing::MakeRandomBatch(tiny, tiny.batch, tiny.window, 7),
+                                                         tiny)).ok());
+  const std::string train = absl::StrCat(ctl, " train", kLongFeed, " --steps 1 --log-every 100");
+  const CommandResult refused = RunCommand(train);
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("FAILED_PRECONDITION: the model is at step 1 and has no normalizer (it trained "
+                                        "on its features as they came): fitting one now would change the inputs its "
+                                        "weights were trained on. Give --fit-normalizer to fit one anyway"));
+  EXPECT_THAT(refused.output, Not(HasSubstr("events:"))) << "refused before the files were read";
+  EXPECT_THAT(RunCommand(absl::StrCat(ctl, " status")).output, HasSubstr("normalizer not fitted (identity)"));
+  const CommandResult fitted = RunCommand(absl::StrCat(train, " --fit-normalizer"));
+  ASSERT_EQ(fitted.exit_code, 0) << fitted.output;
+  EXPECT_THAT(fitted.output, HasSubstr("fitted the normalizer on "));
+  EXPECT_THAT(RunCommand(absl::StrCat(ctl, " status")).output, HasSubstr("step 2, "));
+}
+
 // A run whose model diverged (its validation outputs overflow) exited 0 and printed accuracies that were the share of
 // "down" labels (NaN outputs score as down): `train && deploy` shipped it. At this rate the twelfth run of three steps
 // is the first whose validation loss is not finite, on the CPU's numerics.
