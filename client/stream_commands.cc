@@ -111,8 +111,7 @@ absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options
   if (first_streamed_seq != next) {
     return absl::FailedPreconditionError(absl::StrCat(
         "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
-        "start at ", first_streamed_seq, next > static_cast<uint64_t>(options.seed_window)
-            ? absl::StrCat(" (--start_seq ", next - options.seed_window, " continues it)") : ""));
+        "start at ", first_streamed_seq, SeedingContinuation(options, next)));
   }
   return absl::OkStatus();
 }
@@ -206,22 +205,66 @@ absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
       kMaxSeq - static_cast<uint64_t>(n - 1)));
 }
 
-// Where the failure stopped the instrument (a failed tick, an output not finite), resuming needs a reset or a seed
-// first: the resume flags alone were refused ("stopped at seq N"). Asked only of a daemon that answers (a stalled one
-// would hold the question for --timeout as well).
-std::string StoppedAdvice(PerceptionClient& client, const std::string& instrument, absl::StatusCode code) {
+// The resume after seq `acked` (>= 1) of the `n` events used that first seeds the state with the events before it:
+// the failed run's window, else kResumeSeedEvents, as far as the files and the sequence numbers from 1 (--start_seq's
+// least) go. Its flags, and the events it seeds with.
+struct SeededResume {
+  std::string flags;
+  int64_t seed = 0;
+};
+SeededResume SeededResumeAfter(const StreamOptions& options, int64_t n, uint64_t acked) {
+  const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
+  const int64_t resume_first = options.first + done;  // the files' event of seq acked + 1
+  const int64_t seed = std::min({options.seed_window > 0 ? int64_t{options.seed_window} : kResumeSeedEvents,
+                                 resume_first, static_cast<int64_t>(std::min<uint64_t>(acked, INT64_MAX))});
+  return {absl::StrCat("--first ", resume_first - seed,
+                       options.count > 0 ? absl::StrCat(" --count ", n - done + seed) : "", " --start_seq ",
+                       acked + 1 - seed, " --seed-window ", seed),
+          seed};
+}
+
+// The StoppedResumeAdvice of a stream whose instrument the daemon lists as stopped. Asked only of a daemon that
+// answers (a stalled one would hold the question for --timeout as well).
+std::string StoppedAdvice(PerceptionClient& client, const StreamOptions& options, int64_t n, uint64_t acked,
+                          absl::StatusCode code) {
   if (code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kUnavailable ||
       code == absl::StatusCode::kCancelled) {
     return "";
   }
-  const absl::StatusOr<std::optional<v1::StreamInfo>> stream = FindStream(client, instrument);
+  const absl::StatusOr<std::optional<v1::StreamInfo>> stream = FindStream(client, options.instrument);
   if (!stream.ok() || !stream->has_value() || (*stream)->stopped().empty()) return "";
-  return absl::StrCat(". The instrument is stopped: before resuming, run `perceptionctl streams reset ", instrument,
-                      "` (its state zeroed), or resume with --seed-window N --reseed as well, the N events before the "
-                      "resume point seeding its state");
+  return StoppedResumeAdvice(options, n, acked);
 }
 
 }  // namespace
+
+std::string SeedingContinuation(const StreamOptions& options, uint64_t next) {
+  const uint64_t seed = static_cast<uint64_t>(options.seed_window);
+  if (next <= seed) return "";  // no --start_seq from 1 reaches it
+  const uint64_t start_seq = next - seed;
+  const int64_t move = static_cast<int64_t>(start_seq - options.start_seq);  // two's complement: back is negative
+  const std::string keeping =
+      options.first + move >= 0
+          ? absl::StrCat("; to keep this command's numbering instead, event i as seq i + (start_seq - first), --first ",
+                         options.first + move, " --start_seq ", start_seq)
+          : "";
+  return absl::StrCat(" (--start_seq ", start_seq, " continues it, the files' event ",
+                      options.first + options.seed_window, " taking seq ", next, keeping, ")");
+}
+
+std::string StoppedResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked) {
+  const std::string reset = absl::StrCat(". The instrument is stopped: before resuming, run `perceptionctl streams "
+                                         "reset ", options.instrument, "` (its state zeroed)");
+  const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
+  if (acked == 0 || acked >= last) {
+    return absl::StrCat(reset, ", or resume with --seed-window N --reseed as well, --first and --start_seq each "
+                        "moved back by N (and --count on by N), the N events before the resume point seeding its "
+                        "state");
+  }
+  const SeededResume resume = SeededResumeAfter(options, n, acked);
+  return absl::StrCat(reset, ", or resume with ", resume.flags, " --reseed, whose ", resume.seed,
+                      " events before seq ", acked + 1, " seed its state");
+}
 
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code) {
   // None acknowledged: the daemon may have taken events all the same, and their numbers are used (its end_seq says
@@ -234,7 +277,9 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         "may still be on its way), with --first ", options.first + options.seed_window,
         " + (E - ", first_streamed, ")",
         options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed, ")") : "",
-        " --start_seq E; where it is not listed, the daemon took none: run the same command again)");
+        " --start_seq E", options.seed_window > 0 ? " and without --seed-window" : "",
+        "; where it is not listed, or listed with end_seq 0 (", options.seed_window > 0 ? "the seed opened it, " : "",
+        "no event processed), the daemon took none: run the same command again)");
   }
   const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
   // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the
@@ -246,27 +291,24 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   }
   const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
   const int64_t resume_first = options.first + done;  // the files' event of seq acked + 1
-  const auto count = [&](int64_t seed) { return options.count > 0 ? absl::StrCat(" --count ", n - done + seed) : ""; };
   if (code == absl::StatusCode::kUnavailable) {
-    // The seed: the failed run's window, within the events before the resume point and the sequence numbers from 1
-    // (--start_seq's least; acked >= 1 and resume_first >= 1 here, so it is at least one event).
-    const int64_t seed = std::min({options.seed_window > 0 ? int64_t{options.seed_window} : kResumeSeedEvents,
-                                   resume_first, static_cast<int64_t>(std::min<uint64_t>(acked, INT64_MAX))});
+    // (acked >= 1 and the resume's first event >= 1 here, so the seed is at least one event.)
+    const SeededResume resume = SeededResumeAfter(options, n, acked);
     return absl::StrCat(
         "; acknowledged through seq ", acked, " (the daemon is going or gone, and one that restarts holds no state ",
-        "for ", options.instrument, ": once it is back, resume with --first ", resume_first - seed, count(seed),
-        " --start_seq ", acked + 1 - seed, " --seed-window ", seed, ", whose ", seed, " events before seq ", acked + 1,
-        " seed the state again. Where the daemon kept the instrument (a connection that failed), that seed is refused; ",
-        "resume instead from its end_seq E in `perceptionctl streams` with --first ", resume_first, " + (E - ",
-        acked + 1, ")", options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "",
-        " --start_seq E)");
+        "for ", options.instrument, ": once it is back, resume with ", resume.flags, ", whose ", resume.seed,
+        " events before seq ", acked + 1, " seed the state again. Where the daemon kept the instrument (a connection ",
+        "that failed), that seed is refused; resume instead from its end_seq E in `perceptionctl streams` with ",
+        "--first ", resume_first, " + (E - ", acked + 1, ")",
+        options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "", " --start_seq E)");
   }
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
-  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first, count(0),
-                      " --start_seq ", acked + 1,
+  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first,
+                      options.count > 0 ? absl::StrCat(" --count ", n - done) : "", " --start_seq ", acked + 1,
+                      options.seed_window > 0 ? " and without --seed-window" : "",
                       ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0 and "
-                      "its end_seq stays put for a second, "
-                      "where that differs: the daemon took more than it acknowledged)");
+                      "its end_seq stays put for a second, where that differs: the daemon took more than it "
+                      "acknowledged)");
 }
 
 absl::Status CheckStreamOptions(const StreamOptions& options) {
@@ -378,7 +420,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   }
   if (!status.ok()) {
     return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code()),
-                                                    StoppedAdvice(client, options.instrument, status.code())));
+                                                    StoppedAdvice(client, options, n, acked, status.code())));
   }
   std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
               static_cast<long long>(streamed), options.instrument.c_str(),

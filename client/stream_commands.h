@@ -43,6 +43,20 @@ inline constexpr int64_t kResumeSeedEvents = 500;
 // instrument, and a plain resume would start it from zero without a word.
 std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked, absl::StatusCode code);
 
+// The end of a failed `stream`'s error where the failure stopped the instrument (a failed tick, an output not
+// finite): the resume flags alone are refused ("stopped at seq N") until a reset or a seed. The seed's flags are
+// spelled out (--first, --start_seq and --count moved back by the window): --seed-window added to the plain resume's,
+// as this once advised, seeded with the events after the resume point, and the renumbering that its refusal then
+// suggested put every later conviction on another event's number.
+std::string StoppedResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked);
+
+// Where a seeded stream would not start at the instrument's next sequence number `next`: the --start_seq that starts
+// it there (naming the files' event that then takes `next`), and the --first that goes with it to keep the command's
+// numbering (event i as seq i + (start_seq − first)). Which one is right depends on which event `next` belongs to:
+// --start_seq alone, all this once advised, put a resume's later convictions on other events' numbers where --first
+// had not been moved back by the seed window. Empty where no sequence number from 1 reaches `next`.
+std::string SeedingContinuation(const StreamOptions& options, uint64_t next);
+
 // `perceptionctl streams`: a row per live stream (its slot, processed and pending events, the retained log's sequence
 // numbers), under it why a stopped stream takes no events and whether a SeedStream runs on it.
 std::string StreamsTable(const v1::ListStreamsResponse& response);

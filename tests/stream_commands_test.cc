@@ -72,6 +72,63 @@ TEST(ResumeAdvice, SaysNothingIsLeftWhenTheLastEventWasAcknowledged) {
   }
 }
 
+// A run that seeded and then failed before any acknowledgement: the instrument is listed (the seed opened it) with
+// end_seq 0, where the advice's --start_seq E read 0, a number the client refuses; running the same command again is
+// the resume. Once E is past 0, the resume from it streams on without the seed.
+TEST(ResumeAdvice, AfterASeedAndNoAcknowledgementSaysToRunTheCommandAgain) {
+  StreamOptions seeded = Options(50);
+  seeded.seed_window = 20;
+  const std::string advice = ResumeAdvice(seeded, 50, 0, absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(advice, HasSubstr("with --first 120 + (E - 1021) --count 30 - (E - 1021) --start_seq E and without "
+                                "--seed-window; where it is not listed, or listed with end_seq 0 (the seed opened it, "
+                                "no event processed), the daemon took none: run the same command again)"));
+  EXPECT_THAT(ResumeAdvice(Options(50), 50, 0, absl::StatusCode::kInternal),
+              HasSubstr("--start_seq E; where it is not listed, or listed with end_seq 0 (no event processed), the "
+                        "daemon took none: run the same command again)"));
+  EXPECT_THAT(ResumeAdvice(seeded, 50, 1030, absl::StatusCode::kInternal),
+              HasSubstr("(resume with --first 130 --count 20 --start_seq 1031 and without --seed-window, or from"));
+}
+
+// A failure that stopped the instrument (events 100..149 as seq 1001..1050, stopped after 1010) said "resume with
+// --seed-window N --reseed as well": added to the resume's --first 110 --start_seq 1011, the seed took events
+// 110..109+N and the stream started N events late, and the refusal's "--start_seq 1011-N continues it" then
+// renumbered every later event. The seed's flags are spelled out, each event on its own number.
+TEST(StoppedResumeAdvice, SpellsOutASeedOfTheEventsBeforeTheResumePoint) {
+  StreamOptions options = Options(50);
+  options.instrument = "AMZN";
+  EXPECT_THAT(StoppedResumeAdvice(options, 50, 1010),
+              HasSubstr(". The instrument is stopped: before resuming, run `perceptionctl streams reset AMZN` (its "
+                        "state zeroed), or resume with --first 0 --count 150 --start_seq 901 --seed-window 110 "
+                        "--reseed, whose 110 events before seq 1011 seed its state"));
+  options.seed_window = 20;
+  EXPECT_THAT(StoppedResumeAdvice(options, 50, 1010),
+              HasSubstr("resume with --first 90 --count 60 --start_seq 991 --seed-window 20 --reseed, whose 20 events "
+                        "before seq 1011 seed its state"));
+  EXPECT_THAT(StoppedResumeAdvice(options, 50, 0),
+              HasSubstr("or resume with --seed-window N --reseed as well, --first and --start_seq each moved back by N "
+                        "(and --count on by N)"))
+      << "the resume point is the instrument's end_seq, not known here";
+}
+
+// A seeded stream that would not start at the instrument's next number: the --start_seq that starts it there names
+// the event that then takes that number, and the --first that keeps the command's numbering (event i as seq
+// i + (start_seq - first)) goes beside it; the advice once named --start_seq alone, which renumbered a resume's
+// events where --first had not been moved back by the seed window.
+TEST(SeedingContinuation, NamesTheEventThatTakesTheNextNumberAndTheFirstThatKeepsTheNumbering) {
+  StreamOptions options = Options(50);  // events 100.. as seq 1001..
+  options.seed_window = 100;            // the stream after the seed would start at seq 1101 (event 200)
+  EXPECT_EQ(SeedingContinuation(options, 1011),
+            " (--start_seq 911 continues it, the files' event 200 taking seq 1011; to keep this command's numbering "
+            "instead, event i as seq i + (start_seq - first), --first 10 --start_seq 911)");
+  EXPECT_EQ(SeedingContinuation(options, 1201),
+            " (--start_seq 1101 continues it, the files' event 200 taking seq 1201; to keep this command's numbering "
+            "instead, event i as seq i + (start_seq - first), --first 200 --start_seq 1101)");
+  EXPECT_EQ(SeedingContinuation(options, 1000),
+            " (--start_seq 900 continues it, the files' event 200 taking seq 1000)")
+      << "event -1 does not exist";
+  EXPECT_EQ(SeedingContinuation(options, 100), "") << "no sequence number below 1";
+}
+
 // A row per stream, full 64-bit counts, and under a row why it takes no events or that a seed runs on it.
 TEST(StreamsTable, ShowsEachStreamWithItsStoppedAndSeedingLines) {
   v1::ListStreamsResponse response;

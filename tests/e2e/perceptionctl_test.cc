@@ -1333,7 +1333,8 @@ TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) 
                                        "from the instrument's end_seq E in `perceptionctl streams`, once its pending "
                                        "reads 0 and E stays put for a second (a request the call sent may still be "
                                        "on its way), with --first 100 + (E - 7) --count 500 - (E - 7) --start_seq E; "
-                                       "where it is not listed, the daemon took none: run the same command again)"));
+                                       "where it is not listed, or listed with end_seq 0 (no event processed), the "
+                                       "daemon took none: run the same command again)"));
   // The advice, followed: the rest of the 500 events from the instrument's end_seq, once what it took is processed.
   absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
   for (const absl::Time give_up = absl::Now() + absl::Seconds(10);
@@ -1647,7 +1648,9 @@ TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
   const CommandResult misnumbered = RunCommand(reseed);
   EXPECT_EQ(misnumbered.exit_code, 1);
   EXPECT_THAT(misnumbered.output, HasSubstr("instrument AAPL takes seq 351 next, but the stream after the seed window "
-                                            "would start at 101 (--start_seq 251 continues it)"));
+                                            "would start at 101 (--start_seq 251 continues it, the files' event 350 "
+                                            "taking seq 351; to keep this command's numbering instead, event i as seq "
+                                            "i + (start_seq - first), --first 500 --start_seq 251)"));
   const CommandResult reseeded = RunCommand(absl::StrCat(reseed, " --start_seq 251"));
   ASSERT_EQ(reseeded.exit_code, 0) << reseeded.output;
   EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
