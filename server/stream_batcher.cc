@@ -270,6 +270,15 @@ StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request,
     submitted.status = absl::InvalidArgumentError("a Stream request carries one or more events; this one has none");
     return submitted;
   }
+  if (failed_sinks_.contains(sink)) {
+    metrics_.RejectStreamEvent("call_ended");
+    submitted.status = Prefixed(absl::FailedPreconditionError("this call's earlier events were not processed "
+                                                              "(streaming could not start): the call ends with that "
+                                                              "failure"),
+                                Where(0, request.events(0)));
+    NoteNotTaken(request.events_size() - 1);
+    return submitted;
+  }
   for (int i = 0; i < request.events_size(); ++i) {
     std::string reason;
     if (absl::Status status = AcceptLocked(request.events(i), sink, reason); !status.ok()) {
@@ -511,6 +520,9 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
     failed.insert(failed.end(), dropped_.begin(), dropped_.end());
     for (int slot = 0; close_failed && slot < table_.capacity(); ++slot) {
       if (resume_seq[slot].has_value()) CloseSlotLocked(slot).IgnoreError();
+    }
+    for (const Notice& notice : failed) {
+      if (close_failed) failed_sinks_.insert(notice.sink);
     }
     const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
     const char* remedy = device_lost    ? ". The daemon exits to be restarted, and every instrument's state and unread "
@@ -953,6 +965,11 @@ v1::ListStreamsResponse StreamBatcher::List() const {
     }
   }
   return response;
+}
+
+void StreamBatcher::ForgetSink(const StreamSink* sink) {
+  absl::MutexLock lock(&mu_);
+  failed_sinks_.erase(sink);
 }
 
 void StreamBatcher::NoteNotTaken(int events) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -101,6 +102,8 @@ class StreamBatcher {
     absl::Status status;
   };
   Submitted Submit(const v1::StreamRequest& request, StreamSink* sink);
+  // `sink`'s call has ended (its reactor is going): Submit no longer holds it among the failed calls.
+  void ForgetSink(const StreamSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Each runs on the device worker; with a `caller` whose client stopped waiting before the worker took it up, it
   // does nothing and returns CallerGone's status (the client was told the call failed).
@@ -254,6 +257,11 @@ class StreamBatcher {
   int NFeaturesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return static_cast<int>(normalizer_.mean.size()); }
   uint64_t overwritten_reported_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<float> accept_x_ ABSL_GUARDED_BY(mu_);  // one event's features, reused
+  // The calls whose events a start of streaming that failed dropped, closing their instruments, until each call
+  // ends: Submit refuses what they send after it. The failure reaches a call only after the lock is let go, and a
+  // request it read meanwhile reopened a closed instrument at that request's first seq, from a zero state: the events
+  // before it were lost, and the resend the failure's status invites was refused as repeated.
+  absl::flat_hash_set<const StreamSink*> failed_sinks_ ABSL_GUARDED_BY(mu_);
 
   // The tick's buffers, reused (worker thread only).
   std::vector<float> tick_x_, tick_dt_;

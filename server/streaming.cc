@@ -183,6 +183,7 @@ void StreamReactor::OnDone() {
   }
   on_finish_(outcome);
   registry_.Remove(this);
+  batcher_.ForgetSink(this);  // (before the address can be another call's)
   delete this;
 }
 

@@ -201,20 +201,23 @@ class StreamFailureTest : public ::testing::Test {
     return convictions;
   }
 
-  // The daemon's count of streamed events refused because their instrument was stopped.
-  double RefusedAsStopped() const {
-    return daemon_.Metric("perception_stream_events_rejected_total{reason=\"stopped\"}");
+  // The daemon's count of streamed events refused for `reason`.
+  double Refused(const std::string& reason) const {
+    return daemon_.Metric(absl::StrCat("perception_stream_events_rejected_total{reason=\"", reason, "\"}"));
   }
+  // ... because their instrument was stopped.
+  double RefusedAsStopped() const { return Refused("stopped"); }
 
   // With hold_failure_notices_ set, a failed tick's calls hear of it only once the test has sent its next request:
-  // failure_stopped_ tells the test that the instruments are stopped, and the notices wait (up to 30 s) until the
-  // daemon has refused an event as stopped.
+  // failure_stopped_ tells the test that the instruments are stopped (or closed), and the notices wait (up to 30 s)
+  // until the daemon has refused an event as stopped (or, with hold_until_call_ended_, as sent after its call failed).
   void BeforeFailureNotices() {
     if (drain_before_failure_notices_) daemon_.BeginDrain();
     if (!hold_failure_notices_) return;
     failure_stopped_.Notify();
+    const std::string reason = hold_until_call_ended_ ? "call_ended" : "stopped";
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (RefusedAsStopped() < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    while (Refused(reason) < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   }
 
   // Reads the call's responses to its end, expecting no acknowledgement (nothing of the call was processed), and
@@ -235,6 +238,7 @@ class StreamFailureTest : public ::testing::Test {
   const RandomBatch a_ = MakeRandomBatch(config_, 1, 8, 31), b_ = MakeRandomBatch(config_, 1, 8, 32);
   const std::shared_ptr<StreamFaults> faults_ = std::make_shared<StreamFaults>();
   std::atomic<bool> hold_failure_notices_{false};
+  std::atomic<bool> hold_until_call_ended_{false};
   std::atomic<bool> drain_before_failure_notices_{false};  // the drain reaches the calls ahead of a failure's notices
   absl::Notification failure_stopped_;
   InProcessDaemon daemon_{[faults = faults_](std::unique_ptr<Backend> backend) -> std::unique_ptr<Backend> {
@@ -594,6 +598,41 @@ TEST_F(StreamFailureTest, StreamingWithoutTheMemoryItNeedsIsResourceExhaustedAnd
   ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
   EXPECT_EQ(streamed.acked.at("A"), 2u);
   EXPECT_EQ(daemon_.ReadConvictions("B").seqs_size(), 1);
+}
+
+// A start of streaming that fails closes the instruments it took events of, and its calls hear of it once the lock is
+// let go. A request one of them sent meanwhile reopened a closed instrument at its own first seq from a zero state:
+// the events before it were lost, and their resend, which the failure's status invites, was refused as repeated. It
+// is refused now (a failure that clears, as here, would otherwise have streamed it), the call ends with the failure,
+// and the instrument streams from its first event again.
+TEST_F(StreamFailureTest, ARequestReadWhileAFailedStartIsOnItsWayReopensNoInstrument) {
+  faults_->streaming_out_of_memory = true;
+  hold_failure_notices_ = true;
+  hold_until_call_ended_ = true;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  const auto call = daemon_.stub().Stream(&context);
+  v1::StreamRequest failing, next;
+  *failing.add_events() = Event("A", 0, 1);
+  *next.add_events() = Event("A", 1, 2);
+  ASSERT_TRUE(call->Write(failing));
+  ASSERT_TRUE(failure_stopped_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  faults_->streaming_out_of_memory = false;
+  ASSERT_TRUE(call->Write(next));
+  call->WritesDone();
+  const grpc::Status status = FinishUnacknowledged(*call);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("streaming could not start (cannot allocate the streams' states and "
+                                                "conviction logs: out of memory); 1 events of this call were not "
+                                                "processed: 'A' from seq 1"));
+  EXPECT_THAT(status.error_message(), HasSubstr("Besides, a request of this call was refused: event 0 (instrument "
+                                                "'A', seq 2): this call's earlier events were not processed"));
+  EXPECT_EQ(Refused("call_ended"), 1);
+  EXPECT_TRUE(daemon_.Streams().empty()) << "A was not opened again at seq 2";
+
+  const StreamOutcome resent = daemon_.Stream({{Event("A", 0, 1), Event("A", 1, 2)}});
+  ASSERT_TRUE(resent.status.ok()) << resent.status.error_message();
+  EXPECT_EQ(resent.acked.at("A"), 2u);
 }
 
 // A seed job that runs the host out of memory outside the parts' own guards (here configuring streaming, which its
