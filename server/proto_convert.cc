@@ -27,7 +27,7 @@ ModelConfig FromProto(const v1::ModelConfig& c) {
   config.n_horizons = static_cast<int>(config.horizons.size());
   config.window = c.window();
   config.batch = c.batch();
-  config.warmup = c.warmup();
+  if (c.has_warmup()) config.warmup = c.warmup();  // (else ModelConfig's default, MODEL.md §1.2's)
   return config;
 }
 
@@ -67,6 +67,12 @@ absl::StatusOr<ModelConfig> ModelConfigFromRequest(const v1::InitModelRequest& r
   if (request.batch() > 0) config.batch = request.batch();
   if (request.window() > 0) config.window = request.window();
   if (request.has_warmup()) config.warmup = request.warmup();
+  if (request.has_config() && !request.config().has_warmup() && !request.has_warmup() &&
+      config.warmup >= config.window) {
+    return absl::InvalidArgumentError(absl::StrCat("config.warmup is absent, and its default (MODEL.md §1.2's ",
+                                                   config.warmup, ") is not below the window (", config.window,
+                                                   "): give warmup"));
+  }
   RETURN_IF_ERROR(ValidateConfig(config));
   return config;
 }

@@ -224,6 +224,21 @@ TEST_F(ValidationTest, InitModelTakesAFullConfigAndRefusesAnInvalidOne) {
   absl::StatusOr<v1::TrainStepResponse> step =
       client().TrainStep(TrainRequest(testing::MakeRandomBatch(config_, 2, 9, 1), config_));
   ASSERT_TRUE(step.ok()) << step.status();
+
+  // A full config without warmup takes MODEL.md §1.2's 16: as a plain int32 it read 0, and the clients that build
+  // masks from the model's config then scored every position of a window, the cold-start outputs included.
+  v1::InitModelRequest without_warmup;
+  without_warmup.set_replace(true);
+  *without_warmup.mutable_config() = WiderTinyConfig();
+  without_warmup.mutable_config()->clear_warmup();
+  ExpectRefused(client().InitModel(without_warmup).status(), absl::StatusCode::kInvalidArgument,
+                "config.warmup is absent, and its default (MODEL.md §1.2's 16) is not below the window (9): give "
+                "warmup");
+  without_warmup.mutable_config()->set_window(32);
+  model = client().InitModel(without_warmup);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_TRUE(model->model().config().has_warmup());
+  EXPECT_EQ(model->model().config().warmup(), 16);
 }
 
 // A client that floods refused calls does not flood the log: each method and code logs 20 lines every 10 s (the
