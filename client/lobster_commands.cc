@@ -246,7 +246,7 @@ absl::StatusOr<v1::OptimizerSettings> RunOptimizer(const v1::Model& model, const
         "this run would not change the model: ", past_end, ". Give --total_steps beyond ", first,
         " to extend the schedule (it goes on from where step ", first, " falls on it), or --min_lr > 0"));
   }
-  if (options.lr > 0 && options.total_steps == 0) {
+  if (options.lr > 0) {  // (with a --total_steps that does not reach past the run's first step too)
     return absl::InvalidArgumentError(absl::StrCat(
         "--lr ", options.lr, " would not apply: ", past_end, ". Give --total_steps beyond ", first,
         " as well to extend the schedule, or --min_lr instead to change the rate past its end"));
@@ -259,6 +259,10 @@ absl::StatusOr<v1::OptimizerSettings> RunOptimizer(const v1::Model& model, const
 // one fitted now would move every input under them, and the model would mean another function from this run on
 // (the run once did so with one line of output). Checked before the files are read.
 absl::Status CheckNormalizerToFit(const v1::Model& model, const TrainOptions& options) {
+  if (model.normalizer_fitted() && options.fit_normalizer) {  // (it would be ignored)
+    return absl::InvalidArgumentError("--fit-normalizer fits a normalizer onto a model without one, and this model "
+                                      "has one");
+  }
   if (model.normalizer_fitted() || model.step() == 0 || options.fit_normalizer) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "the model is at step ", model.step(), " and has no normalizer (it trained on its features as they came): "
@@ -291,8 +295,8 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   const v1::GetStatusResponse& status = statuses[0];
   const v1::ModelConfig& config = status.model().config();
   RETURN_IF_ERROR(CheckTrainingShape(options, config));
-  ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   RETURN_IF_ERROR(CheckNormalizerToFit(status.model(), options));
+  ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),

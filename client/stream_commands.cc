@@ -91,7 +91,8 @@ absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& clien
 // Refuses, before anything is sent, a seed window that would replace the live state of an instrument that already
 // has events (unless `reseed`), and a seeded stream whose numbers would not continue the instrument's (one whose
 // every event was dropped takes its first again).
-absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, uint64_t first_streamed_seq) {
+absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options, int64_t n,
+                          uint64_t first_streamed_seq) {
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
   if (!stream.has_value() || !stream->has_next_seq()) return absl::OkStatus();
   const uint64_t next = stream->next_seq();
@@ -111,7 +112,7 @@ absl::Status CheckSeeding(PerceptionClient& client, const StreamOptions& options
   if (first_streamed_seq != next) {
     return absl::FailedPreconditionError(absl::StrCat(
         "instrument ", options.instrument, " takes seq ", next, " next, but the stream after the seed window would "
-        "start at ", first_streamed_seq, SeedingContinuation(options, next)));
+        "start at ", first_streamed_seq, SeedingContinuation(options, n, next)));
   }
   return absl::OkStatus();
 }
@@ -238,16 +239,19 @@ std::string StoppedAdvice(PerceptionClient& client, const StreamOptions& options
 
 }  // namespace
 
-std::string SeedingContinuation(const StreamOptions& options, uint64_t next) {
+std::string SeedingContinuation(const StreamOptions& options, int64_t n, uint64_t next) {
   const uint64_t seed = static_cast<uint64_t>(options.seed_window);
   if (next <= seed) return "";  // no --start_seq from 1 reaches it
   const uint64_t start_seq = next - seed;
   const int64_t move = static_cast<int64_t>(start_seq - options.start_seq);  // two's complement: back is negative
-  const std::string keeping =
-      options.first + move >= 0
-          ? absl::StrCat("; to keep this command's numbering instead, event i as seq i + (start_seq - first), --first ",
-                         options.first + move, " --start_seq ", start_seq)
-          : "";
+  // Keeping the numbering streams from the files' event first + move + N: offered where that is one of this
+  // command's events, the same last event kept (--count less the move).
+  const bool keeps = options.first + move >= 0 && move < n - options.seed_window;
+  const std::string count = options.count > 0 ? absl::StrCat(" --count ", options.count - move) : "";
+  const std::string keeping = keeps ? absl::StrCat("; to keep this command's numbering instead, event i as seq i + "
+                                                   "(start_seq - first), --first ", options.first + move, count,
+                                                   " --start_seq ", start_seq)
+                                    : "";
   return absl::StrCat(" (--start_seq ", start_seq, " continues it, the files' event ",
                       options.first + options.seed_window, " taking seq ", next, keeping, ")");
 }
@@ -300,7 +304,8 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         " events before seq ", acked + 1, " seed the state again. Where the daemon kept the instrument (a connection ",
         "that failed), that seed is refused; resume instead from its end_seq E in `perceptionctl streams` with ",
         "--first ", resume_first, " + (E - ", acked + 1, ")",
-        options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "", " --start_seq E)");
+        options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "", " --start_seq E",
+        options.seed_window > 0 ? " and without --seed-window" : "", ")");
   }
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
   return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first,
@@ -375,7 +380,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
                  static_cast<unsigned long long>(logged - kept), KeepThemAllAdvice(daemon.streaming(), logged).c_str());
   }
   if (options.seed_window > 0) {
-    RETURN_IF_ERROR(CheckSeeding(client, options, seq_of(options.seed_window)));
+    RETURN_IF_ERROR(CheckSeeding(client, options, n, seq_of(options.seed_window)));
     v1::SeedStreamRequest seed;
     seed.set_instrument(options.instrument);
     for (int64_t i = 0; i < options.seed_window; ++i) FillLobsterEvent(data, first + i, *seed.add_events());

@@ -50,12 +50,13 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
 // suggested put every later conviction on another event's number.
 std::string StoppedResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked);
 
-// Where a seeded stream would not start at the instrument's next sequence number `next`: the --start_seq that starts
-// it there (naming the files' event that then takes `next`), and the --first that goes with it to keep the command's
+// Where a seeded stream of `n` events (seed window included) would not start at the instrument's next sequence number
+// `next`: the --start_seq that starts it there (naming the files' event that then takes `next`), and, where that
+// event is one of the command's, the --first (and --count, the same last event kept) that keep the command's
 // numbering (event i as seq i + (start_seq − first)). Which one is right depends on which event `next` belongs to:
 // --start_seq alone, all this once advised, put a resume's later convictions on other events' numbers where --first
 // had not been moved back by the seed window. Empty where no sequence number from 1 reaches `next`.
-std::string SeedingContinuation(const StreamOptions& options, uint64_t next);
+std::string SeedingContinuation(const StreamOptions& options, int64_t n, uint64_t next);
 
 // `perceptionctl streams`: a row per live stream (its slot, processed and pending events, the retained log's sequence
 // numbers), under it why a stopped stream takes no events and whether a SeedStream runs on it.

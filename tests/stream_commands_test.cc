@@ -115,18 +115,23 @@ TEST(StoppedResumeAdvice, SpellsOutASeedOfTheEventsBeforeTheResumePoint) {
 // i + (start_seq - first)) goes beside it; the advice once named --start_seq alone, which renumbered a resume's
 // events where --first had not been moved back by the seed window.
 TEST(SeedingContinuation, NamesTheEventThatTakesTheNextNumberAndTheFirstThatKeepsTheNumbering) {
-  StreamOptions options = Options(50);  // events 100.. as seq 1001..
-  options.seed_window = 100;            // the stream after the seed would start at seq 1101 (event 200)
-  EXPECT_EQ(SeedingContinuation(options, 1011),
+  StreamOptions options = Options(300);  // events 100..399 as seq 1001..1300
+  options.seed_window = 100;             // the stream after the seed would start at seq 1101 (event 200)
+  EXPECT_EQ(SeedingContinuation(options, 300, 1011),
             " (--start_seq 911 continues it, the files' event 200 taking seq 1011; to keep this command's numbering "
-            "instead, event i as seq i + (start_seq - first), --first 10 --start_seq 911)");
-  EXPECT_EQ(SeedingContinuation(options, 1201),
+            "instead, event i as seq i + (start_seq - first), --first 10 --count 390 --start_seq 911)");
+  EXPECT_EQ(SeedingContinuation(options, 300, 1201),
             " (--start_seq 1101 continues it, the files' event 200 taking seq 1201; to keep this command's numbering "
-            "instead, event i as seq i + (start_seq - first), --first 200 --start_seq 1101)");
-  EXPECT_EQ(SeedingContinuation(options, 1000),
+            "instead, event i as seq i + (start_seq - first), --first 200 --count 200 --start_seq 1101)");
+  EXPECT_EQ(SeedingContinuation(options, 300, 1301),
+            " (--start_seq 1201 continues it, the files' event 200 taking seq 1301)")
+      << "the numbering puts seq 1301 on event 400, past the command's last";
+  EXPECT_EQ(SeedingContinuation(options, 300, 1000),
             " (--start_seq 900 continues it, the files' event 200 taking seq 1000)")
       << "event -1 does not exist";
-  EXPECT_EQ(SeedingContinuation(options, 100), "") << "no sequence number below 1";
+  EXPECT_EQ(SeedingContinuation(options, 300, 100), "") << "no sequence number below 1";
+  options.count = 0;  // to the files' end
+  EXPECT_THAT(SeedingContinuation(options, 300, 1011), HasSubstr("--first 10 --start_seq 911)"));
 }
 
 // A row per stream, full 64-bit counts, and under a row why it takes no events or that a seed runs on it.

@@ -323,6 +323,11 @@ TEST(PerceptionctlTest, ARunPastTheCosineScheduleIsToldItsLearningRate) {
   const CommandResult ignored = RunCommand(absl::StrCat(train, " --lr 0.01"));
   EXPECT_EQ(ignored.exit_code, 1) << ignored.output;
   EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --lr 0.01 would not apply: the model is at step 5"));
+  const CommandResult short_extension = RunCommand(absl::StrCat(train, " --lr 0.01 --total_steps 6"));
+  EXPECT_EQ(short_extension.exit_code, 1) << short_extension.output;
+  EXPECT_THAT(short_extension.output, HasSubstr("INVALID_ARGUMENT: --lr 0.01 would not apply: the model is at step 5 "
+                                                "and its cosine schedule ends at step 6: every step from 6 on trains "
+                                                "at min_lr 0.0005. Give --total_steps beyond 6"));
   const CommandResult extended = RunCommand(absl::StrCat(train, " --total_steps 20"));
   ASSERT_EQ(extended.exit_code, 0) << extended.output;
   EXPECT_THAT(extended.output, Not(HasSubstr("schedule ends")));
@@ -369,6 +374,10 @@ TEST(PerceptionctlTest, AModelTrainedWithoutANormalizerIsNotGivenOneUnasked) {
   ASSERT_EQ(fitted.exit_code, 0) << fitted.output;
   EXPECT_THAT(fitted.output, HasSubstr("fitted the normalizer on "));
   EXPECT_THAT(RunCommand(absl::StrCat(ctl, " status")).output, HasSubstr("step 2, "));
+  const CommandResult ignored = RunCommand(absl::StrCat(train, " --fit-normalizer"));
+  EXPECT_EQ(ignored.exit_code, 1) << ignored.output;
+  EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --fit-normalizer fits a normalizer onto a model without "
+                                        "one, and this model has one"));
 }
 
 // A run whose model diverged (its validation outputs overflow) exited 0 and printed accuracies that were the share of
@@ -1649,8 +1658,7 @@ TEST(PerceptionctlTest, ASeedWindowLeavesALiveInstrumentAloneUnlessReseed) {
   EXPECT_EQ(misnumbered.exit_code, 1);
   EXPECT_THAT(misnumbered.output, HasSubstr("instrument AAPL takes seq 351 next, but the stream after the seed window "
                                             "would start at 101 (--start_seq 251 continues it, the files' event 350 "
-                                            "taking seq 351; to keep this command's numbering instead, event i as seq "
-                                            "i + (start_seq - first), --first 500 --start_seq 251)"));
+                                            "taking seq 351)"));
   const CommandResult reseeded = RunCommand(absl::StrCat(reseed, " --start_seq 251"));
   ASSERT_EQ(reseeded.exit_code, 0) << reseeded.output;
   EXPECT_THAT(reseeded.output, HasSubstr("streamed 50 events of AAPL (seq 351..400)"));
