@@ -5,6 +5,8 @@
 # NAME=PROGRAM or NAME=PROGRAM:CLIENT, PROGRAM a perceptiond build in the bundle (another tree's, for a comparison in
 # one call) and CLIENT the perceptionctl build that feeds it (perceptionctl where not given).
 # Usage: bench/train_rpc_rate.sh BUNDLE_DIR OUT_DIR DATA_DIR STEPS ROUNDS NAME=PROGRAM[:CLIENT]...
+# (DATASETS="aapl" times one of the two; ROTATE=1 starts each round one daemon further along the list, so that no
+# daemon always runs first in its round.)
 set -uo pipefail
 bundle=$1 out=$2 data=$3 steps=$4 rounds=$5
 shift 5
@@ -13,11 +15,17 @@ mkdir -p "$out"
 amzn="$data/AMZN_2012-06-21_34200000_57600000_orderbook_1.csv $data/AMZN_2012-06-21_34200000_57600000_message_1.csv"
 aapl="$data/AAPL_2012-06-21_34200000_57600000_orderbook_10.csv $data/AAPL_2012-06-21_34200000_57600000_message_10.csv"
 printf '%-14s %-6s %-5s %10s %16s\n' daemon data round steps/s device_us/step
+variants=("$@")
 for round in $(seq "$rounds"); do
-  for data_name in amzn aapl; do
+  order=("${variants[@]}")
+  if [ "${ROTATE:-0}" = 1 ]; then
+    shift_by=$(( (round - 1) % ${#variants[@]} ))
+    order=("${variants[@]:shift_by}" "${variants[@]:0:shift_by}")
+  fi
+  for data_name in ${DATASETS:-amzn aapl}; do
     levels=1 files=$amzn
     [ "$data_name" = aapl ] && levels=10 files=$aapl
-    for variant in "$@"; do
+    for variant in "${order[@]}"; do
       name=${variant%%=*} program=${variant#*=} client=perceptionctl
       if [[ $program == *:* ]]; then client=${program#*:} program=${program%%:*}; fi
       "$bundle/env" "$program" --listen="127.0.0.1:$port" \
