@@ -42,11 +42,12 @@ std::invoke_result_t<Work&> RunOrExhausted(absl::string_view what, Work&& work) 
 // them back to the kernel. By default a block above a threshold that starts at 128 KiB is mapped afresh and unmapped
 // at free, and the heap's free top is trimmed, so that a request's megabytes of arrays could be faulted in again page
 // by page (on the development machine, a Train stream's host side alone, `small` batches at 10 book levels: 269
-// steps/s without this, 329 with it; bench/RESULTS.md, sixty-sixth session; on the H100 host's CPU it made no
-// measurable difference to a batch's parse or to unary TrainStep calls, and the daemon's Train stream there has not
-// been timed without it: sixty-seventh session). The price: the process's resident
-// memory stays near its peak instead of shrinking after large requests. For the programs' main, before anything is
-// allocated; false where the allocator refused them (not glibc's: a sanitizer's, say).
+// steps/s without this, 329 with it; bench/RESULTS.md, sixty-sixth session; on the H100 host's CPU, 16 cores, it made
+// no measurable difference to a batch's parse, to unary TrainStep calls, or to the daemon's Train stream at 10 book
+// levels: medians of 6 rotated rounds 639.6 steps/s without it, 639.2 with it, sixty-eighth session). Kept for
+// hosts of few cores, where it paid. The price: the process's resident memory stays near its peak instead of
+// shrinking after large requests. For the programs' main, before anything is allocated; false where the allocator
+// refused them (not glibc's: a sanitizer's, say).
 bool KeepFreedHostMemoryForReuse();
 
 }  // namespace perception
