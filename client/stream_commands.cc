@@ -280,7 +280,9 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         "E in `perceptionctl streams`, once its pending reads 0 and E stays put for a second (a request the call sent "
         "may still be on its way), with --first ", options.first + options.seed_window,
         " + (E - ", first_streamed, ")",
-        options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed, ")") : "",
+        options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed,
+                                          ") (where that is 0, nothing is left)")
+                          : "",
         " --start_seq E", options.seed_window > 0 ? " and without --seed-window" : "",
         "; where it is not listed, or listed with end_seq 0 (", options.seed_window > 0 ? "the seed opened it, " : "",
         "no event processed), the daemon took none: run the same command again)");
@@ -304,7 +306,10 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         " events before seq ", acked + 1, " seed the state again. Where the daemon kept the instrument (a connection ",
         "that failed), that seed is refused; resume instead from its end_seq E in `perceptionctl streams` with ",
         "--first ", resume_first, " + (E - ", acked + 1, ")",
-        options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ")") : "", " --start_seq E",
+        options.count > 0 ? absl::StrCat(" --count ", n - done, " - (E - ", acked + 1, ") (where that is 0, nothing "
+                                          "is left)")
+                          : "",
+        " --start_seq E",
         options.seed_window > 0 ? " and without --seed-window" : "", ")");
   }
   // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.

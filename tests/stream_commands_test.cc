@@ -43,7 +43,8 @@ TEST(ResumeAdvice, AfterUnavailableTheResumeSeedsTheStateAgain) {
               HasSubstr("once it is back, resume with --first 0 --count 150 --start_seq 901 --seed-window 110, whose "
                         "110 events before seq 1011 seed the state again. Where the daemon kept the instrument (a "
                         "connection that failed), that seed is refused; resume instead from its end_seq E in "
-                        "`perceptionctl streams` with --first 110 + (E - 1011) --count 40 - (E - 1011) --start_seq E)"));
+                        "`perceptionctl streams` with --first 110 + (E - 1011) --count 40 - (E - 1011) (where that is "
+                        "0, nothing is left) --start_seq E)"));
   StreamOptions seeded = Options(0);
   seeded.seed_window = 20;
   EXPECT_THAT(ResumeAdvice(seeded, 50, 1010, unavailable),
@@ -79,7 +80,8 @@ TEST(ResumeAdvice, AfterASeedAndNoAcknowledgementSaysToRunTheCommandAgain) {
   StreamOptions seeded = Options(50);
   seeded.seed_window = 20;
   const std::string advice = ResumeAdvice(seeded, 50, 0, absl::StatusCode::kDeadlineExceeded);
-  EXPECT_THAT(advice, HasSubstr("with --first 120 + (E - 1021) --count 30 - (E - 1021) --start_seq E and without "
+  EXPECT_THAT(advice, HasSubstr("with --first 120 + (E - 1021) --count 30 - (E - 1021) (where that is 0, nothing "
+                                "is left) --start_seq E and without "
                                 "--seed-window; where it is not listed, or listed with end_seq 0 (the seed opened it, "
                                 "no event processed), the daemon took none: run the same command again)"));
   EXPECT_THAT(ResumeAdvice(Options(50), 50, 0, absl::StatusCode::kInternal),

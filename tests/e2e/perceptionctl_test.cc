@@ -318,8 +318,8 @@ TEST(PerceptionctlTest, ARunPastTheCosineScheduleIsToldItsLearningRate) {
   }
   const CommandResult floor = RunCommand(absl::StrCat(train, " --min_lr 0.0005"));
   ASSERT_EQ(floor.exit_code, 0) << floor.output;
-  EXPECT_THAT(floor.output, HasSubstr("the model is at step 3 and its cosine schedule ends at step 4: every step from 4 "
-                                      "on trains at min_lr 0.0005\n"));
+  EXPECT_THAT(floor.output, HasSubstr("the model is at step 3 and its cosine schedule ends at step 4: every step "
+                                      "from 4 on trains at min_lr 0.0005\n"));
   const CommandResult ignored = RunCommand(absl::StrCat(train, " --lr 0.01"));
   EXPECT_EQ(ignored.exit_code, 1) << ignored.output;
   EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --lr 0.01 would not apply: the model is at step 5"));
@@ -1341,9 +1341,10 @@ TEST(PerceptionctlTest, AStreamCutOffBeforeAnyAcknowledgementSaysWhereToResume) 
   EXPECT_THAT(stream.output, HasSubstr("; the daemon acknowledged none of its events, but may have taken some (resume "
                                        "from the instrument's end_seq E in `perceptionctl streams`, once its pending "
                                        "reads 0 and E stays put for a second (a request the call sent may still be "
-                                       "on its way), with --first 100 + (E - 7) --count 500 - (E - 7) --start_seq E; "
-                                       "where it is not listed, or listed with end_seq 0 (no event processed), the "
-                                       "daemon took none: run the same command again)"));
+                                       "on its way), with --first 100 + (E - 7) --count 500 - (E - 7) (where that "
+                                       "is 0, nothing is left) --start_seq E; where it is not listed, or listed "
+                                       "with end_seq 0 (no event processed), the daemon took none: run the same "
+                                       "command again)"));
   // The advice, followed: the rest of the 500 events from the instrument's end_seq, once what it took is processed.
   absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
   for (const absl::Time give_up = absl::Now() + absl::Seconds(10);
