@@ -749,8 +749,8 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventMustS
   const absl::Status refused = client::StreamLobster(client, options);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("instrument AAPL takes seq 10 next, but the stream after the seed window "
-                                           "would start at 25 (--start_seq 5 continues it, the files' event 5 taking seq "
-                                           "10)"));
+                                           "would start at 25 (--start_seq 5 continues it, the files' event 5 "
+                                           "taking seq 10)"));
   options.start_seq = 5;
   const absl::Status streamed = client::StreamLobster(client, options);
   ASSERT_TRUE(streamed.ok()) << streamed;
