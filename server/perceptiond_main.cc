@@ -77,7 +77,7 @@ ABSL_FLAG(absl::Duration, drain_grace, absl::ZeroDuration(),
           "on SIGTERM/SIGINT/SIGHUP, how long health reports NOT_SERVING and new work is refused (UNAVAILABLE) before "
           "the listener closes, so that load balancers and clients notice; GetStatus, ListStreams and ReadConvictions "
           "still answer meanwhile, so that clients read back the convictions of the events streamed before the "
-          "signal (which the device holds only until the daemon exits); a second signal ends it");
+          "signal (which the device holds only until the daemon exits); a second signal or a lost device ends it");
 ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "on SIGTERM/SIGINT/SIGHUP, after --drain_grace: how much longer reads still answer while convictions wait to "
           "be read back (a live stream's log entries past the end of every ReadConvictions of it, or events still to "
@@ -645,10 +645,13 @@ void StopListening(grpc::Server& server) { server.Shutdown(absl::ToChronoTime(ab
 void Drain(grpc::Server& server, PerceptionService& service, const StreamBatcher& streams, CallsInFlight& calls) {
   server.GetHealthCheckService()->SetServingStatus(false);
   service.BeginDrain();
+  // A lost device ends the grace too: every read then fails UNAVAILABLE, and each second of it only delays the
+  // restart the exit asks for (a lost device waited out the whole grace).
   const absl::Time grace_ends = absl::Now() + absl::GetFlag(FLAGS_drain_grace);
-  while (absl::Now() < grace_ends && !SecondSignalArrived()) {
+  while (absl::Now() < grace_ends && !SecondSignalArrived() && DeviceLostStatus().ok()) {
     absl::SleepFor(std::min(kSignalPoll, grace_ends - absl::Now()));
   }
+  if (absl::Now() < grace_ends && !DeviceLostStatus().ok()) spdlog::warn("the device is lost: the drain's grace ends");
   WaitForReadBack(streams);
   WaitForAnswersDelivered(calls);
   LogLostWithTheExit(streams);
