@@ -230,7 +230,10 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
   if (stepped.status().code() == absl::StatusCode::kDataLoss) metrics_.ObserveReplicaDivergence();
   if (IsStepNotTaken(stepped.status())) {
     // A refusal by its code, but a diverging job is the operator's concern too.
-    spdlog::warn("a training step was not taken: {}", std::string(stepped.status().message()));
+    if (int64_t dropped = 0; steps_not_taken_log_.Admit("step not taken", dropped)) {
+      spdlog::warn("a training step was not taken: {}{}", std::string(stepped.status().message()),
+                   dropped > 0 ? absl::StrCat(" (", dropped, " more since the last line were not logged)") : "");
+    }
     metrics_.ObserveStepNotTaken();
     // What a client of the daemon can do (the engine's message leaves it to each program).
     stepped = absl::Status(stepped.status().code(),

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -104,6 +105,23 @@ TEST(FailureMetricsTest, AStepNotTakenIsARefusalCountedAndLoggedForTheOperator) 
   EXPECT_THAT(metrics, HasSubstr("\nperception_train_graph_replays_total 1\n")) << "the refused step's own graph";
   EXPECT_THAT(metrics, HasSubstr("perception_requests_rejected_total{reason=\"failed_precondition\"} 1\n"));
   EXPECT_THAT(log.lines(), Contains(StartsWith("warning|a training step was not taken: the batch's gradient norm is inf")));
+}
+
+// A client that loops TrainStep on diverged weights wrote a warning a step, outside the throttle that bounds the log
+// lines of refused calls: at most 20 every 10 s now, as those (the metric counts every step).
+TEST(FailureMetricsTest, StepsNotTakenAreLoggedAtMostTwentyEveryTenSeconds) {
+  const CapturedLog log;
+  InProcessDaemon daemon(
+      [](std::unique_ptr<Backend> inner) { return std::make_unique<OverflowingBackend>(std::move(inner)); },
+      "failure_metrics_not_taken_flood_checkpoints");
+  ASSERT_TRUE(daemon.InitTinyModel(0).ok());
+  for (int i = 0; i < 30; ++i) ASSERT_EQ(TrainOneStep(daemon).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(daemon.metrics().Render(), HasSubstr("\nperception_train_steps_not_taken_total 30\n"));
+  const std::vector<std::string> lines = log.lines();
+  EXPECT_EQ(std::ranges::count_if(lines, [](const std::string& line) {
+              return line.starts_with("warning|a training step was not taken:");
+            }),
+            20);
 }
 
 }  // namespace
