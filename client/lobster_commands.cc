@@ -299,6 +299,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
+  RETURN_IF_ERROR(CheckTrainingPart(split.train));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
                                                                 SamplerSeed(options.seed, status.model().step())));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());

@@ -340,6 +340,14 @@ Batch SequentialWindows(const EventSeries& series, int window, int warmup, int m
   return out;
 }
 
+absl::Status CheckTrainingPart(const EventSeries& training) {
+  if (ScoresALabel(training.mask)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the training part (", training.size(), " events) scores no label (each of its events is within a horizon of "
+      "its end or a tie: its mid's mean over the horizon equals its mid): a larger --train_fraction gives it more "
+      "events"));
+}
+
 absl::Status CheckValidationWindows(const Batch& validation) {
   if (validation.batch == 0) {
     return absl::InvalidArgumentError(

@@ -129,5 +129,8 @@ Batch SequentialWindows(const EventSeries& series, int window, int warmup, int m
 // OK when a training run's validation windows can judge it: one or more, with a scored label; INVALID_ARGUMENT naming
 // the remedy otherwise (before the run, which would print a loss of 0 where no label is scored).
 absl::Status CheckValidationWindows(const Batch& validation);
+// OK when a training run's training part scores a label; INVALID_ARGUMENT naming the remedy otherwise (every step
+// would train on a loss of 0, and the class prior read 0.5 for each horizon).
+absl::Status CheckTrainingPart(const EventSeries& training);
 
 }  // namespace perception

@@ -544,5 +544,16 @@ TEST(CheckValidationWindows, RefusesNoWindowAndNoScoredLabel) {
   EXPECT_THAT(CheckValidationWindows(unscored).message(), HasSubstr("the validation part scores no label"));
 }
 
+// A training part that scores no label trained every step on a loss of 0 (and its class prior read 0.5), exiting 0.
+TEST(CheckTrainingPart, RefusesAPartThatScoresNoLabel) {
+  EventSeries series = IndexedSeries(50, 3, 2);
+  EXPECT_TRUE(CheckTrainingPart(series).ok());
+  std::fill(series.mask.begin(), series.mask.end(), 0.f);
+  const absl::Status refused = CheckTrainingPart(series);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("the training part (50 events) scores no label"));
+  EXPECT_THAT(refused.message(), HasSubstr("a larger --train_fraction"));
+}
+
 }  // namespace
 }  // namespace perception

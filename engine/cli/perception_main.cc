@@ -337,6 +337,7 @@ absl::Status Train() {
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));
 
+  RETURN_IF_ERROR(CheckTrainingPart(split.train));
   ASSIGN_OR_RETURN(WindowSampler sampler,
                    WindowSampler::Create(split.train, config.window, config.warmup, absl::GetFlag(FLAGS_seed)));
   const Batch validation = SequentialWindows(split.validation, config.window, config.warmup);

@@ -729,6 +729,19 @@ TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
   EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
 }
 
+// A training part that scores no label (AAPL's 998 events at --train_fraction 0.01: 10 events, each within a horizon
+// of the part's end) trained every step on a loss of 0 and saved the result, exiting 0.
+TEST(PerceptionCliTest, TrainRefusesATrainingPartThatScoresNoLabel) {
+  const ScopedTempDir temp("cli_unscored_train");
+  const std::string checkpoint = (temp.path() / "z.safetensors").string();
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --train_fraction 0.01 --steps 5 --save ", checkpoint));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("the training part (10 events) scores no label"));
+  EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
 // --steps 0 failed on a derived setting ("warmup_steps (-1)"), and a run without --save trained for nothing.
 TEST(PerceptionCliTest, TrainRefusesNoStepsAndNoSave) {
   const ScopedTempDir temp("cli_steps_save");
