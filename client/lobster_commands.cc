@@ -121,8 +121,8 @@ absl::Status CheckFilesAgainst(const Normalizer& normalizer, const EventSeries& 
 // --min_lr), then the normalizer if the model has none (fitted on `training`, the files' training part). Every rank's
 // settings first: a daemon refuses them while live streams hold state (it rebuilds the model), and a refusal then
 // leaves every model as it was, where a normalizer sent before it would have changed what those streams read. Before
-// either, the files (`series`) are checked against the normalizer the run will train under, so that a refusal there
-// too leaves every model as it was.
+// either, the files (`series`) are checked against the normalizer the run will train under, and `training` for a
+// scored label, so that a refusal there too leaves every model as it was.
 absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::Model& model,
                            const EventSeries& training, const EventSeries& series,
                            const v1::OptimizerSettings* changed_optimizer) {
@@ -136,6 +136,7 @@ absl::Status PrepareModels(std::span<PerceptionClient* const> ranks, const v1::M
   if (const std::optional<Normalizer> normalizer = fitted.has_value() ? fitted : NormalizerOf(model)) {
     RETURN_IF_ERROR(CheckFilesAgainst(*normalizer, series, /*warn_floored=*/!fitted.has_value()));
   }
+  RETURN_IF_ERROR(CheckTrainingPart(training));
   if (changed_optimizer != nullptr) {
     v1::SetOptimizerRequest request;
     *request.mutable_optimizer() = *changed_optimizer;
@@ -299,7 +300,6 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
-  RETURN_IF_ERROR(CheckTrainingPart(split.train));
   ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
                                                                 SamplerSeed(options.seed, status.model().step())));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());

@@ -380,6 +380,24 @@ TEST(PerceptionctlTest, AModelTrainedWithoutANormalizerIsNotGivenOneUnasked) {
                                         "one, and this model has one"));
 }
 
+// A training part that scores no label is refused before anything is sent (the normalizer, the optimizer settings):
+// every step would train on a loss of 0.
+TEST(PerceptionctlTest, ATrainingPartThatScoresNoLabelIsRefusedBeforeAnythingIsSent) {
+  const ScopedTempDir temp("ctl_unscored_train");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const CommandResult train = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages,
+                                                      " --train_fraction 0.01 --steps 2 --lr 0.01"));
+  EXPECT_EQ(train.exit_code, 1) << train.output;
+  EXPECT_THAT(train.output, HasSubstr("INVALID_ARGUMENT: the training part (10 events) scores no label"));
+  const std::string status = RunCommand(absl::StrCat(ctl, " status")).output;
+  EXPECT_THAT(status, HasSubstr("normalizer not fitted (identity)"));
+  EXPECT_THAT(status, HasSubstr("step 0, "));
+  EXPECT_THAT(status, HasSubstr("AdamW lr 0.001 ")) << "--lr 0.01 not sent";
+}
+
 // A run whose model diverged (its validation outputs overflow) exited 0 and printed accuracies that were the share of
 // "down" labels (NaN outputs score as down): `train && deploy` shipped it. At this rate the twelfth run of three steps
 // is the first whose validation loss is not finite, on the CPU's numerics.
