@@ -3,6 +3,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace perception::server {
 
 LogThrottle::LogThrottle(int burst, absl::Duration period, std::function<absl::Time()> now)
@@ -23,6 +25,12 @@ bool LogThrottle::Admit(const std::string& kind, int64_t& dropped) {
   ++window.logged;
   dropped = std::exchange(window.dropped, 0);
   return true;
+}
+
+std::string LogThrottle::DroppedNote(int64_t dropped) const {
+  if (dropped == 0) return "";
+  return absl::StrCat(" (", dropped, " more of these since the last line were not logged: at most ", burst_, " every ",
+                      absl::FormatDuration(period_), ")");
 }
 
 }  // namespace perception::server

@@ -12,14 +12,21 @@
 
 namespace perception::server {
 
+// The daemon's bound on the log lines of one kind (a refused call's method and code, a step not taken).
+inline constexpr int kLoggedLinesPerKind = 20;
+inline constexpr absl::Duration kLoggedLinesPeriod = absl::Seconds(10);
+
 // A client that floods refused or cancelled calls would flood the log line by line (the metrics count every call):
 // each kind logs at most `burst` lines a `period`, and the first line after a period that dropped some says how many.
 class LogThrottle {
  public:
-  LogThrottle(int burst, absl::Duration period, std::function<absl::Time()> now = [] { return absl::Now(); });
+  LogThrottle(int burst = kLoggedLinesPerKind, absl::Duration period = kLoggedLinesPeriod,
+              std::function<absl::Time()> now = [] { return absl::Now(); });
 
   // Whether a line of `kind` is logged now; where it is, `dropped` is how many of the kind were not since the last.
   bool Admit(const std::string& kind, int64_t& dropped);
+  // What a line admitted with `dropped` adds to say so: empty where none was dropped.
+  std::string DroppedNote(int64_t dropped) const;
 
  private:
   struct Window {

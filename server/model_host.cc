@@ -232,7 +232,7 @@ absl::StatusOr<TrainOutcome> ModelHost::TrainStep(const BatchView<float>& batch,
     // A refusal by its code, but a diverging job is the operator's concern too.
     if (int64_t dropped = 0; steps_not_taken_log_.Admit("step not taken", dropped)) {
       spdlog::warn("a training step was not taken: {}{}", std::string(stepped.status().message()),
-                   dropped > 0 ? absl::StrCat(" (", dropped, " more since the last line were not logged)") : "");
+                   steps_not_taken_log_.DroppedNote(dropped));
     }
     metrics_.ObserveStepNotTaken();
     // What a client of the daemon can do (the engine's message leaves it to each program).

@@ -197,8 +197,8 @@ class ModelHost {
   const std::optional<Precision> precision_;
   BackendDecorator decorate_;  // null: backends are used as MakeBackend makes them
   ServerMetrics& metrics_;
-  // A client that loops TrainStep on diverged weights logged a warning a step; at most 20 every 10 s, as refused calls.
-  LogThrottle steps_not_taken_log_{20, absl::Seconds(10)};
+  // A client that loops TrainStep on diverged weights logged a warning a step; bounded as refused calls are.
+  LogThrottle steps_not_taken_log_;
   std::optional<DataParallelOptions> data_parallel_;
   std::shared_ptr<NcclCommunicator> communicator_;  // outlives every backend that trains through it
   std::unique_ptr<Backend> backend_;

@@ -45,24 +45,18 @@ spdlog::level::level_enum LogLevelOf(absl::StatusCode code) {
   }
 }
 
-// Calls that did not succeed, logged at most kLoggedCallsPerKind a kLoggedCallsPeriod by method and code.
-constexpr int kLoggedCallsPerKind = 20;
-constexpr absl::Duration kLoggedCallsPeriod = absl::Seconds(10);
-
 void Record(ServerMetrics& metrics, std::string_view method, ServerMetrics::RpcKind kind, const absl::Status& status,
             const Stopwatch& since) {
   metrics.ObserveRpc(method, kind, status.code(), since.Seconds());
   if (status.ok()) return;
-  static LogThrottle* const throttle = new LogThrottle(kLoggedCallsPerKind, kLoggedCallsPeriod);
+  // Calls that did not succeed, logged at most kLoggedLinesPerKind a kLoggedLinesPeriod by method and code.
+  static LogThrottle* const throttle = new LogThrottle();
   int64_t dropped = 0;
   if (!throttle->Admit(absl::StrCat(std::string(method), " ", absl::StatusCodeToString(status.code())), dropped)) {
     return;
   }
   spdlog::log(LogLevelOf(status.code()), "{} {}: {}{}", method, IsRefusal(status.code()) ? "refused" : "failed",
-              status.ToString(),
-              dropped > 0 ? absl::StrCat(" (", dropped, " more of these since the last line were not logged: at most ",
-                                         kLoggedCallsPerKind, " every ", absl::FormatDuration(kLoggedCallsPeriod), ")")
-                          : "");
+              status.ToString(), throttle->DroppedNote(dropped));
 }
 
 // The outcome a streaming call's client saw. Where it cancelled the call, or its deadline passed, it never got the

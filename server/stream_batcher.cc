@@ -521,8 +521,8 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
     for (int slot = 0; close_failed && slot < table_.capacity(); ++slot) {
       if (resume_seq[slot].has_value()) CloseSlotLocked(slot).IgnoreError();
     }
-    for (const Notice& notice : failed) {
-      if (close_failed) failed_sinks_.insert(notice.sink);
+    if (close_failed) {
+      for (const Notice& notice : failed) failed_sinks_.insert(notice.sink);
     }
     const char* what = device_configured ? "the device failed a streaming tick" : "streaming could not start";
     const char* remedy = device_lost    ? ". The daemon exits to be restarted, and every instrument's state and unread "

@@ -22,6 +22,9 @@ TEST(LogThrottle, EachKindLogsABurstAPeriodAndCountsWhatItDropped) {
   now += absl::Seconds(1);
   ASSERT_TRUE(throttle.Admit("Stream RESOURCE_EXHAUSTED", dropped)) << "a new period";
   EXPECT_EQ(dropped, 6);
+  EXPECT_EQ(throttle.DroppedNote(dropped),
+            " (6 more of these since the last line were not logged: at most 3 every 10s)");
+  EXPECT_EQ(throttle.DroppedNote(0), "");
   ASSERT_TRUE(throttle.Admit("Stream RESOURCE_EXHAUSTED", dropped));
   EXPECT_EQ(dropped, 0) << "counted once";
 }
