@@ -916,6 +916,47 @@ StreamBatcher::Unread StreamBatcher::NotReadBack() const {
   return {pending_, logged.entries, logged.streams};
 }
 
+absl::StatusOr<int64_t> StreamBatcher::DropQueuedAtExit() {
+  return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<int64_t> {
+    FinishTicksBefore(host);
+    std::vector<Failure> failures;
+    int64_t dropped = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      dropped_.clear();
+      std::vector<uint64_t> resume_seq(table_.capacity());
+      for (int slot = 0; slot < table_.capacity(); ++slot) {
+        SlotQueue& queue = queues_[slot];
+        if (queue.events.empty()) continue;
+        resume_seq[slot] = queue.events.front().seq;
+        queue.stopped = absl::UnavailableError(absl::StrCat("instrument '", queue.instrument, "' stopped at seq ",
+                                                            resume_seq[slot], ": the daemon exits"));
+        DropQueuedLocked(slot);
+        table_.ForgetUnprocessed(slot);
+      }
+      ready_.clear();
+      dropped = static_cast<int64_t>(dropped_.size());
+      ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
+        const std::string stopped = NameInstruments(
+            events, table_.capacity(), ", ",
+            [&](const Notice& event) {
+              return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", resume_seq[event.slot]);
+            },
+            [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
+        failures.push_back(
+            {events.front().sink,
+             absl::UnavailableError(absl::StrCat(
+                 "the daemon exits: ", events.size(), " events of this call were not processed: ", stopped,
+                 ". Every instrument's state and unread convictions go with the exit: once the daemon is back, seed "
+                 "each instrument named (SeedStream), then stream from the seq named")),
+             static_cast<int64_t>(events.size())});
+      });
+    }
+    for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+    return dropped;
+  }, /*caller=*/nullptr, /*bounded=*/false);
+}
+
 absl::Status StreamBatcher::Reset(const std::string& instrument, const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {

@@ -135,6 +135,12 @@ class StreamBatcher {
     bool none() const { return events == 0 && convictions == 0; }
   };
   Unread NotReadBack() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon exits: every event still queued is dropped unprocessed, its instrument stopped there, and each call
+  // whose events they were told which instruments resume from which seq (UNAVAILABLE). A Stream call finishes only
+  // once its events are processed, and the listener's close waits for every call: events nobody will read the
+  // convictions of held the exit for as long as they took. Runs on the worker after the ticks launched so far
+  // (their sinks hear of them first); returns how many events it dropped.
+  absl::StatusOr<int64_t> DropQueuedAtExit();
 
   // Runs `change` (on the worker thread: InitModel, LoadCheckpoint, SetOptimizer), which replaces the backend and
   // with it every state slot and log, only while no stream is live: FAILED_PRECONDITION otherwise. New streams are
