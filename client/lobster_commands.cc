@@ -341,7 +341,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
 
   ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
-  std::printf("%s\n", CompareWithPrior(totals.loss(), prior_loss).c_str());
+  std::printf("%s\n", CompareWithPrior("validation loss", totals.loss(), prior_loss).c_str());
   // (NaN outputs score as "down": the accuracies would be the share of down labels, a model that seemed to work.)
   if (!std::isfinite(totals.loss())) {
     return absl::FailedPreconditionError(absl::StrCat(

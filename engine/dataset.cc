@@ -299,13 +299,13 @@ double PriorBaselineLoss(std::span<const double> prior, std::span<const float> l
   return loss / std::max(weight, 1.0);
 }
 
-std::string CompareWithPrior(double validation_loss, double prior_loss) {
-  if (!std::isfinite(validation_loss)) {
-    return absl::StrFormat("validation loss %f vs class-prior baseline %.5f: not finite, the model has diverged",
-                           std::fabs(validation_loss), prior_loss);
+std::string CompareWithPrior(std::string_view what, double loss, double prior_loss) {
+  if (!std::isfinite(loss)) {
+    return absl::StrFormat("%s %f vs class-prior baseline %.5f: not finite, the model has diverged", what,
+                           std::fabs(loss), prior_loss);
   }
-  return absl::StrFormat("validation loss %.5f vs class-prior baseline %.5f (%s by %.5f)", validation_loss, prior_loss,
-                         validation_loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - validation_loss));
+  return absl::StrFormat("%s %.5f vs class-prior baseline %.5f (%s by %.5f)", what, loss, prior_loss,
+                         loss < prior_loss ? "better" : "WORSE", std::abs(prior_loss - loss));
 }
 
 absl::StatusOr<WindowSampler> WindowSampler::Create(const EventSeries& series, int window, int warmup, uint64_t seed) {

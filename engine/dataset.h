@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -95,9 +96,9 @@ std::vector<double> ClassPrior(const EventSeries& series);
 // for every event of labels/mask [n, H] (a series' or a batch's): Σ m·bce / max(Σ m, 1). The baseline the
 // model must beat. p is clamped to [1e-9, 1 - 1e-9] so that a one-class prior still gives a finite loss.
 double PriorBaselineLoss(std::span<const double> prior, std::span<const float> labels, std::span<const float> mask);
-// "validation loss L vs class-prior baseline P (better by D)", or WORSE; a loss that is not finite says the model
-// diverged, where "WORSE by nan" said nothing.
-std::string CompareWithPrior(double validation_loss, double prior_loss);
+// "`what` L vs class-prior baseline P (better by D)", or WORSE; a loss that is not finite says the model diverged,
+// where "WORSE by nan" said nothing.
+std::string CompareWithPrior(std::string_view what, double loss, double prior_loss);
 
 // A batch as MODEL.md §1: x[B,T,F], dt[B,T], labels[B,T,H], mask[B,T,H] (float32, row-major).
 struct Batch {

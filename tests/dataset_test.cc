@@ -420,10 +420,10 @@ TEST(PriorBaselineLoss, OneClassPriorStaysFinite) {
 }
 
 TEST(CompareWithPrior, SaysBetterOrWorseAndNamesADivergedModel) {
-  EXPECT_EQ(CompareWithPrior(0.6, 0.69), "validation loss 0.60000 vs class-prior baseline 0.69000 (better by 0.09000)");
-  EXPECT_EQ(CompareWithPrior(0.7, 0.69), "validation loss 0.70000 vs class-prior baseline 0.69000 (WORSE by 0.01000)");
+  EXPECT_EQ(CompareWithPrior("validation loss", 0.6, 0.69), "validation loss 0.60000 vs class-prior baseline 0.69000 (better by 0.09000)");
+  EXPECT_EQ(CompareWithPrior("validation loss", 0.7, 0.69), "validation loss 0.70000 vs class-prior baseline 0.69000 (WORSE by 0.01000)");
   for (const double diverged : {std::nan(""), -std::nan(""), double{INFINITY}}) {
-    EXPECT_THAT(CompareWithPrior(diverged, 0.69),
+    EXPECT_THAT(CompareWithPrior("validation loss", diverged, 0.69),
                 ::testing::MatchesRegex("validation loss (nan|inf) vs class-prior baseline 0.69000: not finite, the "
                                         "model has diverged"));
   }

@@ -7,7 +7,7 @@
 #include <iostream>
 
 #include "absl/base/config.h"
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
@@ -19,10 +19,10 @@
 namespace perception {
 namespace {
 
-// The names of the flags set since ParseArguments began; registration's own OnUpdate calls come before and are
-// cleared. Unlocked: flags are parsed on the main thread before any other starts.
-absl::flat_hash_set<std::string>& FlagsGiven() {
-  static auto* const names = new absl::flat_hash_set<std::string>();
+// The names of the flags set since ParseArguments began, and how many times each was; registration's own OnUpdate
+// calls come before and are cleared. Unlocked: flags are parsed on the main thread before any other starts.
+absl::flat_hash_map<std::string, int>& FlagsGiven() {
+  static auto* const names = new absl::flat_hash_map<std::string, int>();
   return *names;
 }
 
@@ -85,9 +85,16 @@ std::vector<std::string> ParseArguments(int argc, char** argv) {
   return {positional.begin(), positional.end()};
 }
 
-void NoteFlagGiven(std::string_view name) { FlagsGiven().insert(std::string(name)); }
+void NoteFlagGiven(std::string_view name) { ++FlagsGiven()[std::string(name)]; }
 
 bool FlagGiven(const absl::CommandLineFlag& flag) { return FlagsGiven().contains(flag.Name()); }
+
+absl::Status CheckGivenOnce(const absl::CommandLineFlag& flag, std::string_view why) {
+  const auto given = FlagsGiven().find(flag.Name());
+  if (given == FlagsGiven().end() || given->second < 2) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", flag.Name(), " was given ", given->second, " times: ",
+                                                 std::string(why), ", and only the last would have been read"));
+}
 
 absl::Status CheckFlagsTakenBy(const std::string& command, std::span<const FlagUse> uses) {
   std::vector<std::string> refused;

@@ -37,6 +37,14 @@ bool FlagGiven(const absl::Flag<T>& flag) {
   return FlagGiven(absl::GetFlagReflectionHandle(flag));
 }
 
+// INVALID_ARGUMENT where `flag` was given more than once, `why` saying why once is all it takes: absl keeps the last
+// setting, and a second `--lobster` (another day's files, say) was dropped without a word.
+absl::Status CheckGivenOnce(const absl::CommandLineFlag& flag, std::string_view why);
+template <typename T>
+absl::Status CheckGivenOnce(const absl::Flag<T>& flag, std::string_view why) {
+  return CheckGivenOnce(absl::GetFlagReflectionHandle(flag), why);
+}
+
 // A flag and the commands that read it.
 struct FlagUse {
   template <typename T>

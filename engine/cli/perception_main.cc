@@ -46,14 +46,16 @@ PERCEPTION_FLAG(int, window, 0, "events per window (0: the config's; below 0 is 
 PERCEPTION_FLAG(int, warmup, -1,
     "leading window positions masked out of the loss (-1: the config's; below -1 is refused)");
 PERCEPTION_FLAG(double, lr, 1e-3, "peak learning rate");
-PERCEPTION_FLAG(std::string, lr_schedule, "cosine", "constant, or cosine (linear warmup then cosine decay)");
+PERCEPTION_FLAG(std::string, lr_schedule, "cosine",
+    "constant, or cosine (linear warmup to --lr, then cosine decay to --lr/10 at --steps)");
 PERCEPTION_FLAG(int, lr_warmup_steps, 20,
     "warmup steps of the cosine schedule, >= 0 and < --steps (left unset: 20, or --steps - 1 if that is less)");
 PERCEPTION_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
 PERCEPTION_FLAG(double, max_grad_norm, 1.0, "global gradient-norm clip (<= 0: off)");
 PERCEPTION_FLAG(uint64_t, seed, 1, "seed for initialization and window sampling");
 PERCEPTION_FLAG(double, train_fraction, 0.7,
-    "leading fraction of the events used for training; the rest validates");
+    "leading fraction of the events used for training; the rest validates (eval, where given: its loss over the "
+    "rest too, the part train held out)");
 PERCEPTION_FLAG(int, log_every, 25, "steps between progress lines");
 PERCEPTION_FLAG(int, val_every, 100, "steps between validation passes (0: only at the end; below 0 is refused)");
 PERCEPTION_FLAG(std::string, save, "", "train: checkpoint path to write after training (required)");
@@ -76,7 +78,7 @@ constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offlin
                    [--val_every N] [--save_best CKPT] --save CKPT
   (--config defaults to small, --steps to 200)
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
-                  [--features_out FEATURES.npy] [--device cpu|cuda|auto] [--precision P]
+                  [--features_out FEATURES.npy] [--train_fraction F] [--device cpu|cuda|auto] [--precision P]
   (--device defaults to cpu)
   perception inspect CKPT
   (a subcommand refuses the flags it does not read, such as train --checkpoint or eval --config))";
@@ -114,7 +116,7 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_weight_decay, {"train"}},
       {FLAGS_max_grad_norm, {"train"}},
       {FLAGS_seed, {"train"}},
-      {FLAGS_train_fraction, {"train"}},
+      {FLAGS_train_fraction, {"train", "eval"}},
       {FLAGS_log_every, {"train"}},
       {FLAGS_val_every, {"train"}},
       {FLAGS_save, {"train"}},
@@ -398,7 +400,7 @@ absl::Status Train() {
     ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
     best.Offer(*backend, val_loss);
   }
-  std::printf("%s\n", CompareWithPrior(val_loss, prior_loss).c_str());
+  std::printf("%s\n", CompareWithPrior("validation loss", val_loss, prior_loss).c_str());
   const std::string save = absl::GetFlag(FLAGS_save);
   ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));
@@ -415,10 +417,25 @@ absl::Status Train() {
   return stopped;
 }
 
+// "`what` L vs class-prior baseline P (better by D)" for `logits` of `scored`'s events, the baseline predicting
+// `prior`; where `scored` scores no label, says so.
+std::string LossAgainstPrior(std::string_view what, std::span<const float> logits, const EventSeries& scored,
+                             std::span<const double> prior) {
+  if (!ScoresALabel(scored.mask)) {
+    return absl::StrCat(std::string(what),
+                        " none (no label is scored: each event is within a horizon of the part's end or a tie)");
+  }
+  return CompareWithPrior(what, CpuReference<float>::MaskedBce(logits, scored.labels, scored.mask),
+                          PriorBaselineLoss(prior, scored.labels, scored.mask));
+}
+
 absl::Status Eval() {
   const std::string path = absl::GetFlag(FLAGS_checkpoint);
   if (path.empty()) return absl::InvalidArgumentError("eval needs --checkpoint");
   if (absl::GetFlag(FLAGS_out).empty()) return absl::InvalidArgumentError("eval needs --out LOGITS.npy");
+  if (FlagGiven(FLAGS_train_fraction)) {
+    RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
+  }
   std::vector<NamedPath> outputs = {{"--out", absl::GetFlag(FLAGS_out)}};
   if (const std::string features_out = absl::GetFlag(FLAGS_features_out); !features_out.empty()) {
     outputs.push_back({"--features_out", features_out});
@@ -431,6 +448,10 @@ absl::Status Eval() {
   const ModelConfig& config = checkpoint.config;
   RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features, "the checkpoint"));
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
+  std::optional<SplitSeries> held_out;
+  if (FlagGiven(FLAGS_train_fraction)) {
+    ASSIGN_OR_RETURN(held_out, SplitByTime(series, absl::GetFlag(FLAGS_train_fraction)));
+  }
   const Normalizer normalizer = ReadNormalizer(ParamLayout(config), checkpoint.params);
   if (const std::string warning = FlooredFeaturesVaryWarning(normalizer, series); !warning.empty()) {
     spdlog::warn("{}", warning);
@@ -450,12 +471,19 @@ absl::Status Eval() {
         absl::GetFlag(FLAGS_out), " not written)"));
   }
   RETURN_IF_ERROR(WriteNpy(absl::GetFlag(FLAGS_out), logits, {static_cast<int64_t>(n), H}));
-  const std::string loss =
-      ScoresALabel(series.mask)
-          ? absl::StrFormat("%.5f", CpuReference<float>::MaskedBce(logits, series.labels, series.mask))
-          : std::string("none (no label is scored: each event is within a horizon of the file's end or a tie)");
-  std::printf("%zu events, masked BCE over the whole stream %s; logits [%zu, %d] -> %s\n", n, loss.c_str(), n, H,
+  std::printf("%zu events, %s; logits [%zu, %d] -> %s\n", n,
+              LossAgainstPrior("masked BCE over the whole stream", logits, series, ClassPrior(series)).c_str(), n, H,
               absl::GetFlag(FLAGS_out).c_str());
+  // The whole stream holds the events the checkpoint trained on where it was trained on this file: the part train
+  // held out is scored alone, its labels as train's validation sees them, from the states the stream reached.
+  if (held_out.has_value()) {
+    const size_t first = held_out->train.size();
+    std::printf("%s\n", LossAgainstPrior(absl::StrCat("the held-out part's (events ", first + 1, " to ", n,
+                                                      ", after --train_fraction ", absl::GetFlag(FLAGS_train_fraction),
+                                                      ") masked BCE"),
+                                         std::span<const float>(logits).subspan(first * H), held_out->validation,
+                                         ClassPrior(held_out->train)).c_str());
+  }
   const std::string features_out = absl::GetFlag(FLAGS_features_out);
   if (!features_out.empty()) {
     std::vector<float> features(n * (F + 1));
@@ -491,6 +519,7 @@ absl::Status Inspect(const std::string& path) {
 absl::Status Run(const std::vector<std::string>& args) {
   if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", kUsage));
   const std::string command = args[1];
+  RETURN_IF_ERROR(CheckGivenOnce(FLAGS_lobster, "a command reads one LOBSTER file pair"));
   if (command == "train" && args.size() == 2) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
     return Train();

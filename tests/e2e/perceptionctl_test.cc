@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "engine/checkpoint.h"
+#include "engine/dataset.h"
 #include "engine/lobster.h"
 #include "engine/param_layout.h"
 #include "tests/e2e/e2e_util.h"
@@ -607,6 +608,14 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   const CommandResult no_events = RunCommand(absl::StrCat(waits_10s, " bench --events 0"));
   EXPECT_EQ(no_events.exit_code, 1);
   EXPECT_THAT(no_events.output, HasSubstr("INVALID_ARGUMENT: --events must be >= 1, got 0"));
+  // A second --lobster (another day's files) replaced the first without a word: each command reads one pair.
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  for (const char* command : {" train", " eval", " stream --instrument A"}) {
+    const CommandResult twice = RunCommand(absl::StrCat(waits_10s, command, files, files));
+    EXPECT_EQ(twice.exit_code, 1) << command;
+    EXPECT_THAT(twice.output, HasSubstr("INVALID_ARGUMENT: --lobster was given 2 times: a command reads one LOBSTER "
+                                        "file pair, and only the last would have been read")) << command;
+  }
   EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "none of them waited for the daemon";
 }
 
@@ -745,6 +754,19 @@ TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
                               kMessages, " --steps 2 --log_every 0 --save ", (temp.path() / "a.safetensors").string()));
   EXPECT_EQ(train.exit_code, 1) << train.output;
   EXPECT_THAT(train.output, HasSubstr("--log_every must be >= 1, got 0"));
+}
+
+// A second --lobster (another day's files, say) replaced the first without a word: a command reads one pair.
+TEST(PerceptionCliTest, ALobsterPairGivenTwiceIsRefused) {
+  const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
+  for (const std::string command : {" train --device cpu --config tiny --steps 2 --save x.safetensors",
+                                    " eval --checkpoint x.safetensors --out x.npy"}) {
+    const CommandResult twice = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, command, files, " --lobster=", kOrderbook,
+                                                        ",", kMessages));
+    EXPECT_EQ(twice.exit_code, 1) << command << twice.output;
+    EXPECT_THAT(twice.output, HasSubstr("--lobster was given 2 times: a command reads one LOBSTER file pair, and only "
+                                        "the last would have been read")) << command;
+  }
 }
 
 // A training part that scores no label (AAPL's 998 events at --train_fraction 0.01: 10 events, each within a horizon
@@ -1018,7 +1040,7 @@ TEST(PerceptionCliTest, DataThatScoresNoLabelHasNoLoss) {
                                                      " --out ", logits));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
   EXPECT_THAT(eval.output, HasSubstr("10 events, masked BCE over the whole stream none (no label is scored: each "
-                                     "event is within a horizon of the file's end or a tie); logits [10, 3]"));
+                                     "event is within a horizon of the part's end or a tie); logits [10, 3]"));
   EXPECT_EQ(ReadNpy(logits).size(), 30u);
 }
 
@@ -1116,10 +1138,17 @@ TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
 
   const CommandResult eval = RunCommand(absl::StrCat(
       PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint /nonexistent/a.safetensors --lobster ", kOrderbook, " ",
-      kMessages, " --out ", out.string(), " --graphs bogus --config huge --save /x --steps -4 --train_fraction 7"));
+      kMessages, " --out ", out.string(), " --graphs bogus --config huge --save /x --steps -4"));
   EXPECT_EQ(eval.exit_code, 1) << eval.output;
   EXPECT_THAT(eval.output, HasSubstr("perception: eval does not take --graphs (train's flag), --config (train's flag), "
-                                     "--steps (train's flag), --train_fraction (train's flag), --save (train's"));
+                                     "--steps (train's flag), --save (train's"));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  // eval takes --train_fraction (the part train held out, scored alone), in train's range.
+  const CommandResult fraction = RunCommand(absl::StrCat(
+      PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint /nonexistent/a.safetensors --lobster ", kOrderbook, " ",
+      kMessages, " --out ", out.string(), " --train_fraction 7"));
+  EXPECT_EQ(fraction.exit_code, 1) << fraction.output;
+  EXPECT_THAT(fraction.output, HasSubstr("perception: --train_fraction must be in (0, 1), got 7"));
   EXPECT_FALSE(std::filesystem::exists(out));
 
   const CommandResult inspect =
@@ -1258,6 +1287,73 @@ TEST(PerceptionCliTest, EvalWritesTheRawFeaturesAndDtAndInspectDescribesTheCheck
   for (const TensorSpec& tensor : layout.tensors()) {
     EXPECT_THAT(inspect.output, HasSubstr(absl::StrCat(tensor.name, " "))) << tensor.name;
   }
+}
+
+// The masked BCE (MODEL.md §2.7) of `logits` [n, H] against a part's labels, and of its class prior (each horizon's
+// up-fraction among the scored labels of `prior_of`) predicted for every event: in double, from the definitions.
+std::pair<double, double> LossAndPriorBaseline(std::span<const float> logits, const EventSeries& part,
+                                               const EventSeries& prior_of) {
+  const size_t H = static_cast<size_t>(part.n_horizons);
+  std::vector<double> up(H), scored(H);
+  for (size_t i = 0; i < prior_of.mask.size(); ++i) {
+    up[i % H] += prior_of.mask[i] * prior_of.labels[i];
+    scored[i % H] += prior_of.mask[i];
+  }
+  const auto bce = [](double logit, double label) {
+    return std::max(logit, 0.0) - logit * label + std::log1p(std::exp(-std::abs(logit)));
+  };
+  double loss = 0, baseline = 0, count = 0;
+  for (size_t i = 0; i < part.mask.size(); ++i) {
+    const double p = up[i % H] / scored[i % H];
+    loss += part.mask[i] * bce(logits[i], part.labels[i]);
+    baseline += part.mask[i] * bce(std::log(p / (1 - p)), part.labels[i]);
+    count += part.mask[i];
+  }
+  return {loss / count, baseline / count};
+}
+
+// The number printed after `before` in `output`.
+double NumberAfter(const std::string& output, const std::string& before) {
+  const size_t at = output.find(before);
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(output.substr(at + before.size()));
+}
+
+// eval's loss over a file the checkpoint trained on was mostly in-sample, and had nothing to compare with: it prints
+// the class prior's beside it, and with --train_fraction the part train held out, scored alone.
+TEST(PerceptionCliTest, EvalScoresTheHeldOutPartAloneAgainstTheClassPrior) {
+  const ScopedTempDir temp("cli_eval_held_out");
+  const std::filesystem::path checkpoint = temp.path() / "a.safetensors", logits = temp.path() / "logits.npy";
+  const CommandResult train =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ",
+                              kMessages, " --train_fraction 0.6 --steps 5 --save ", checkpoint.string()));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const CommandResult eval =
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(), " --lobster ",
+                              kOrderbook, " ", kMessages, " --train-fraction 0.6 --out ", logits.string()));
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+
+  absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
+  ASSERT_TRUE(data.ok()) << data.status();
+  absl::StatusOr<EventSeries> series = BuildSeries(*data, NamedConfig("tiny")->horizons);
+  ASSERT_TRUE(series.ok()) << series.status();
+  absl::StatusOr<SplitSeries> split = SplitByTime(*series, 0.6);
+  ASSERT_TRUE(split.ok()) << split.status();
+  const std::vector<float> written = ReadNpy(logits);
+  ASSERT_EQ(written.size(), series->labels.size());
+  const auto [loss, baseline] = LossAndPriorBaseline(written, *series, *series);
+  EXPECT_NEAR(NumberAfter(eval.output, "masked BCE over the whole stream "), loss, 1e-5) << eval.output;
+  EXPECT_NEAR(NumberAfter(eval.output, "over the whole stream " + absl::StrFormat("%.5f", loss) +
+                                           " vs class-prior baseline "), baseline, 1e-5) << eval.output;
+  const size_t first = split->train.size();
+  const std::string held_out = absl::StrCat("the held-out part's (events ", first + 1, " to ", series->size(),
+                                            ", after --train_fraction 0.6) masked BCE ");
+  const auto [held_out_loss, held_out_baseline] = LossAndPriorBaseline(
+      std::span<const float>(written).subspan(first * series->n_horizons), split->validation, split->train);
+  EXPECT_NEAR(NumberAfter(eval.output, held_out), held_out_loss, 1e-5) << eval.output;
+  EXPECT_NEAR(NumberAfter(eval.output, held_out + absl::StrFormat("%.5f", held_out_loss) +
+                                           " vs class-prior baseline "), held_out_baseline, 1e-5) << eval.output;
+  EXPECT_NE(loss, held_out_loss);
 }
 
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
