@@ -84,7 +84,7 @@ ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "process), ending as soon as none waits, the device is lost, or a second signal arrives (0: not at all); "
           "then the listener closes once the calls in flight are answered (their accepted events processed, for up "
           "to 60 s)");
-ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument");
+ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument (at most 2^20)");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots, at most 2^30 (each slot retains total / "
           "stream_slots; older entries are overwritten and counted)");
@@ -153,6 +153,9 @@ constexpr absl::Duration kReadBackPoll = absl::Milliseconds(20);
 // The most conviction-log entries --stream_log_entries may ask for: 2^30 take 24 GiB of device memory at five
 // horizons.
 constexpr int64_t kMaxStreamLogEntries = int64_t{1} << 30;
+// The most slots --stream_slots may ask for. Each takes ~1.7 KB of host memory from the start (its queues and
+// bookkeeping), used or not: 2^20 take 1.8 GB; 10^8 had taken 15 GB and were still growing before the daemon listened.
+constexpr int kMaxStreamSlots = 1 << 20;
 
 // Blocked in every thread (threads inherit the mask), so that only WaitForTerminationSignal receives them. SIGHUP
 // (the terminal a daemon was started from closing) drains as the others do: by default it killed the daemon on the
@@ -257,6 +260,11 @@ absl::StatusOr<StreamOptions> StreamOptionsFromFlags() {
                                    {"stream_seed_job_us", seed_job_us},
                                    {"stream_read_max", options.max_read_count},
                                    {"stream_max_pending_events", options.max_pending_events}}));
+  if (options.device.slots > kMaxStreamSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream_slots must be at most ", kMaxStreamSlots, ", got ",
+                                                   options.device.slots, " (each slot takes host memory from the "
+                                                   "start, whether or not an instrument uses it)"));
+  }
   if (options.device.log_entries_total < options.device.slots) {
     return absl::InvalidArgumentError(absl::StrCat("--stream_log_entries (", options.device.log_entries_total,
                                                    ") must be at least --stream_slots (", options.device.slots,

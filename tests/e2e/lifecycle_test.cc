@@ -195,6 +195,14 @@ TEST(LifecycleTest, TheDaemonRefusesMoreLogEntriesThanAnyDeviceHolds) {
                          "--stream_log_entries must be at most 1073741824, got 4611686018427387904");
 }
 
+// A slot count far beyond any feed's instruments took the host's memory before the daemon listened (15 GB and
+// growing at 10^8): each slot's queues and bookkeeping are made at the start.
+TEST(LifecycleTest, TheDaemonRefusesMoreStreamSlotsThanItCanKeep) {
+  const ScopedTempDir checkpoints("stream_slots");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=100000000 --stream_log_entries=100000000",
+                         "--stream_slots must be at most 1048576, got 100000000 (each slot takes host memory");
+}
+
 // Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
 TEST(LifecycleTest, TheDaemonRefusesACheckpointOnExitItCannotSave) {
   const ScopedTempDir checkpoints("checkpoint_on_exit");
