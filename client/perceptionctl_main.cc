@@ -480,8 +480,10 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
 absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool several) {
   const std::string command = args.size() > 1 ? args[1] : "";
   // Only a command there is: a mistyped one is named as unexpected, with the usage, rather than its flags refused.
-  if (std::ranges::find(kCommands, command) != kCommands.end()) RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
-  RETURN_IF_ERROR(CheckGivenOnce(FLAGS_lobster, "a command reads one LOBSTER file pair"));
+  if (std::ranges::find(kCommands, command) != kCommands.end()) {
+    RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
+    RETURN_IF_ERROR(CheckGivenOnce(FLAGS_lobster, "a command reads one LOBSTER file pair"));
+  }
   if (command == "status" && args.size() == 2) return OnEveryDaemon(Status);
   if (command == "init" && args.size() == 2) {
     ASSIGN_OR_RETURN(const v1::InitModelRequest request, InitRequestFromFlags());

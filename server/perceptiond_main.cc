@@ -143,6 +143,8 @@ namespace {
 
 // Calls still unanswered this long into the shutdown are cancelled.
 constexpr absl::Duration kShutdownTimeout = absl::Seconds(60);
+// How long the answers of calls whose streamed events the exit dropped are waited for.
+constexpr absl::Duration kDroppedAnswersWait = absl::Seconds(2);
 // Once every answer is delivered: how long a call that came just then, and each client's side of its connection's
 // GOAWAY, are given before gRPC cancels and disconnects what is left.
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(250);
@@ -621,7 +623,8 @@ void WaitForReadBack(const StreamBatcher& streams) {
   // Not lost yet: calls in flight still have their accepted events processed and acknowledged, and reads answer,
   // until WaitForAnswersDelivered lets the listener close (LogLostWithTheExit).
   spdlog::warn("{}: the drain stops waiting for them ({}); calls in flight are still answered, their events processed, "
-               "for up to {}", DescribeUnread(unread), why, absl::FormatDuration(kShutdownTimeout));
+               "for up to {} (a second signal drops the events left)", DescribeUnread(unread), why,
+               absl::FormatDuration(kShutdownTimeout));
 }
 
 // What no client read back by the time the listener closes: it goes with the exit (the device's memory).
@@ -630,31 +633,36 @@ void LogLostWithTheExit(const StreamBatcher& streams) {
   if (!unread.none()) spdlog::warn("{}: they are lost with the exit", DescribeUnread(unread));
 }
 
-// Until the answers owed are delivered, for at most kShutdownTimeout or until a second signal.
-void WaitForAnswersDelivered(CallsInFlight& calls) {
-  const absl::Time start = absl::Now(), deadline = start + kShutdownTimeout;
+// Until the answers owed are delivered, for at most `limit`, or until a second signal where `signal_ends`; the log
+// says what was left, and `then` what becomes of it.
+void WaitForAnswersDelivered(CallsInFlight& calls, absl::Duration limit, bool signal_ends, const char* then) {
+  const absl::Time start = absl::Now(), deadline = start + limit;
   CallsInFlight::Undelivered left;
   do {
     left = calls.WaitUntilDelivered(std::min(deadline, absl::Now() + kSignalPoll));
-  } while ((left.calls > 0 || left.bytes > 0) && absl::Now() < deadline && !SecondSignalArrived());
+  } while ((left.calls > 0 || left.bytes > 0) && absl::Now() < deadline && !(signal_ends && SecondSignalArrived()));
   if (left.calls == 0 && left.bytes == 0) return;
-  spdlog::warn("{} {}, {} call(s) still unanswered (cancelled) and {} byte(s) sent not yet acknowledged by the "
-               "clients (their connections closed all the same)",
-               SecondSignalArrived() ? "a second signal ended the wait for answers to be delivered: after" : "after",
-               absl::FormatDuration(absl::Now() - start), left.calls, left.bytes);
+  spdlog::warn("{} {}, {} call(s) still unanswered ({}) and {} byte(s) sent not yet acknowledged by the clients "
+               "(their connections closed all the same)",
+               signal_ends && SecondSignalArrived() ? "a second signal ended the wait for answers to be delivered: after"
+                                                    : "after",
+               absl::FormatDuration(absl::Now() - start), left.calls, then, left.bytes);
 }
 
 // Events still queued once the waits are over would hold the listener's close for as long as they take to process,
-// a second signal notwithstanding (a cut Stream call's 32k events on `large` held it 85 s): they are dropped, and
-// their calls told where each instrument resumes. Nobody could read their convictions back before the exit.
-void DropEventsLeft(StreamBatcher& streams) {
+// a second signal notwithstanding (a cut Stream call's 16k events on `large` on the CPU held it 56 s after the second
+// signal): they are dropped, and their calls told where each instrument resumes. Nobody could read their convictions
+// back before the exit. Whether any were.
+bool DropEventsLeft(StreamBatcher& streams) {
   const absl::StatusOr<int64_t> dropped = streams.DropQueuedAtExit();
   if (!dropped.ok()) {
     spdlog::error("the events still to process could not be dropped: {}", dropped.status().ToString());
-  } else if (*dropped > 0) {
-    spdlog::warn("{} event(s) still to process were dropped unprocessed; their calls were told where each instrument "
-                 "resumes", *dropped);
+    return false;
   }
+  if (*dropped == 0) return false;
+  spdlog::warn("{} event(s) still to process were dropped unprocessed; their calls were told where each instrument "
+               "resumes", *dropped);
+  return true;
 }
 
 // The listener closes, and with it the connections clients keep open.
@@ -674,8 +682,13 @@ void Drain(grpc::Server& server, PerceptionService& service, StreamBatcher& stre
   }
   if (absl::Now() < grace_ends && !DeviceLostStatus().ok()) spdlog::warn("the device is lost: the drain's grace ends");
   WaitForReadBack(streams);
-  WaitForAnswersDelivered(calls);
-  DropEventsLeft(streams);
+  WaitForAnswersDelivered(calls, kShutdownTimeout, /*signal_ends=*/true,
+                          "their streamed events still queued are dropped next, the rest cancelled");
+  // The dropped events' answers (the calls' last acknowledgements and UNAVAILABLE) are delivered before the listener
+  // closes, which would reset a connection with them still unread in its kernel: a short wait, a second signal or not.
+  if (DropEventsLeft(streams)) {
+    WaitForAnswersDelivered(calls, kDroppedAnswersWait, /*signal_ends=*/false, "cancelled");
+  }
   LogLostWithTheExit(streams);
   StopListening(server);
 }

@@ -917,6 +917,8 @@ StreamBatcher::Unread StreamBatcher::NotReadBack() const {
 }
 
 absl::StatusOr<int64_t> StreamBatcher::DropQueuedAtExit() {
+  // (No job where nothing waits: a long training step or collective ahead of it would only delay the exit.)
+  if (NotReadBack().events == 0) return 0;
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::StatusOr<int64_t> {
     FinishTicksBefore(host);
     std::vector<Failure> failures;

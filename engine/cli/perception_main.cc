@@ -418,12 +418,12 @@ absl::Status Train() {
 }
 
 // "`what` L vs class-prior baseline P (better by D)" for `logits` of `scored`'s events, the baseline predicting
-// `prior`; where `scored` scores no label, says so.
+// `prior`; where `scored` (the `part`) scores no label, says so.
 std::string LossAgainstPrior(std::string_view what, std::span<const float> logits, const EventSeries& scored,
-                             std::span<const double> prior) {
+                             std::span<const double> prior, std::string_view part) {
   if (!ScoresALabel(scored.mask)) {
-    return absl::StrCat(std::string(what),
-                        " none (no label is scored: each event is within a horizon of the part's end or a tie)");
+    return absl::StrCat(std::string(what), " none (no label is scored: each event is within a horizon of the ",
+                        std::string(part), "'s end or a tie)");
   }
   return CompareWithPrior(what, CpuReference<float>::MaskedBce(logits, scored.labels, scored.mask),
                           PriorBaselineLoss(prior, scored.labels, scored.mask));
@@ -472,17 +472,19 @@ absl::Status Eval() {
   }
   RETURN_IF_ERROR(WriteNpy(absl::GetFlag(FLAGS_out), logits, {static_cast<int64_t>(n), H}));
   std::printf("%zu events, %s; logits [%zu, %d] -> %s\n", n,
-              LossAgainstPrior("masked BCE over the whole stream", logits, series, ClassPrior(series)).c_str(), n, H,
+              LossAgainstPrior("masked BCE over the whole stream", logits, series, ClassPrior(series), "file").c_str(),
+              n, H,
               absl::GetFlag(FLAGS_out).c_str());
   // The whole stream holds the events the checkpoint trained on where it was trained on this file: the part train
-  // held out is scored alone, its labels as train's validation sees them, from the states the stream reached.
+  // held out is scored alone, its labels as train's validation part has them, each event from the state the whole
+  // stream reached (train's validation scores windows from zero states, their warmup masked: another number).
   if (held_out.has_value()) {
     const size_t first = held_out->train.size();
     std::printf("%s\n", LossAgainstPrior(absl::StrCat("the held-out part's (events ", first + 1, " to ", n,
                                                       ", after --train_fraction ", absl::GetFlag(FLAGS_train_fraction),
-                                                      ") masked BCE"),
+                                                      ", in the whole stream, not train's windows) masked BCE"),
                                          std::span<const float>(logits).subspan(first * H), held_out->validation,
-                                         ClassPrior(held_out->train)).c_str());
+                                         ClassPrior(held_out->train), "part").c_str());
   }
   const std::string features_out = absl::GetFlag(FLAGS_features_out);
   if (!features_out.empty()) {
@@ -519,14 +521,10 @@ absl::Status Inspect(const std::string& path) {
 absl::Status Run(const std::vector<std::string>& args) {
   if (args.size() < 2) return absl::InvalidArgumentError(absl::StrCat("no command given\n\n", kUsage));
   const std::string command = args[1];
-  RETURN_IF_ERROR(CheckGivenOnce(FLAGS_lobster, "a command reads one LOBSTER file pair"));
-  if (command == "train" && args.size() == 2) {
+  if ((command == "train" || command == "eval") && args.size() == 2) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
-    return Train();
-  }
-  if (command == "eval" && args.size() == 2) {
-    RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));
-    return Eval();
+    RETURN_IF_ERROR(CheckGivenOnce(FLAGS_lobster, "a command reads one LOBSTER file pair"));
+    return command == "train" ? Train() : Eval();
   }
   if (command == "inspect" && args.size() == 3) {
     RETURN_IF_ERROR(CheckFlagsTakenBy(command, FlagUses()));

@@ -199,8 +199,8 @@ TEST(LifecycleTest, TheDaemonRefusesMoreLogEntriesThanAnyDeviceHolds) {
 // growing at 10^8): each slot's queues and bookkeeping are made at the start.
 TEST(LifecycleTest, TheDaemonRefusesMoreStreamSlotsThanItCanKeep) {
   const ScopedTempDir checkpoints("stream_slots");
-  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=100000000 --stream_log_entries=100000000",
-                         "--stream_slots must be at most 1048576, got 100000000 (each slot takes host memory");
+  ExpectRefusedAtStartUp(checkpoints.path(), "--stream_slots=1048577 --stream_log_entries=1048577",
+                         "--stream_slots must be at most 1048576, got 1048577 (each slot takes host memory");
 }
 
 // Before, --checkpoint_on_exit was resolved only after the drain: a name the save refuses lost the final save.
@@ -820,13 +820,17 @@ TEST(LifecycleTest, ASecondSignalEndsADrainThatQueuedStreamEventsHeld) {
     ASSERT_TRUE(stream->Write(events));
     const absl::Time give_up = absl::Now() + absl::Seconds(30);
     absl::StatusOr<v1::ListStreamsResponse> listed;
-    do {
-      listed = client.ListStreams();
-    } while (listed.ok() && listed->streams_size() == 0 && absl::Now() < give_up);
+    while ((listed = client.ListStreams()).ok() && listed->streams_size() == 0 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
     ASSERT_TRUE(listed.ok() && listed->streams_size() == 1) << "the events were not taken";
     if (cut) stream.reset();  // the client cancels the call
     (*daemon)->Signal(SIGTERM);
-    absl::SleepFor(absl::Milliseconds(500));
+    // (Two signals the daemon has not yet taken are one.)
+    while (!absl::StrContains((*daemon)->Log(), "Terminated: draining") && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
     const absl::Time second_signal = absl::Now();
     (*daemon)->Signal(SIGTERM);
     absl::StatusOr<int> exit_code = (*daemon)->WaitForExit(absl::Seconds(120));
@@ -892,7 +896,8 @@ TEST(LifecycleTest, UnreadConvictionsHoldTheDrainForDrainForReadsOrUntilASecondS
     EXPECT_THAT((*daemon)->Log(),
                 HasSubstr(absl::StrCat("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to process: "
                                        "the drain stops waiting for them (", why, "); calls in flight are still "
-                                       "answered, their events processed, for up to 1m")));
+                                       "answered, their events processed, for up to 1m (a second signal drops the "
+                                       "events left)")));
     EXPECT_THAT((*daemon)->Log(), HasSubstr("10 conviction(s) of 1 stream(s) not read back and 0 event(s) still to "
                                             "process: they are lost with the exit\n"));
     if (second_signal) {

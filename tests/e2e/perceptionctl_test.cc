@@ -758,9 +758,12 @@ TEST(PerceptionCliTest, TrainRefusesAZeroLogInterval) {
 
 // A second --lobster (another day's files, say) replaced the first without a word: a command reads one pair.
 TEST(PerceptionCliTest, ALobsterPairGivenTwiceIsRefused) {
+  const ScopedTempDir temp("cli_lobster_twice");
   const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
-  for (const std::string command : {" train --device cpu --config tiny --steps 2 --save x.safetensors",
-                                    " eval --checkpoint x.safetensors --out x.npy"}) {
+  const std::string checkpoint = (temp.path() / "x.safetensors").string();
+  for (const std::string command :
+       {absl::StrCat(" train --device cpu --config tiny --steps 2 --save ", checkpoint),
+        absl::StrCat(" eval --checkpoint ", checkpoint, " --out ", (temp.path() / "x.npy").string())}) {
     const CommandResult twice = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, command, files, " --lobster=", kOrderbook,
                                                         ",", kMessages));
     EXPECT_EQ(twice.exit_code, 1) << command << twice.output;
@@ -1040,7 +1043,7 @@ TEST(PerceptionCliTest, DataThatScoresNoLabelHasNoLoss) {
                                                      " --out ", logits));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
   EXPECT_THAT(eval.output, HasSubstr("10 events, masked BCE over the whole stream none (no label is scored: each "
-                                     "event is within a horizon of the part's end or a tie); logits [10, 3]"));
+                                     "event is within a horizon of the file's end or a tie); logits [10, 3]"));
   EXPECT_EQ(ReadNpy(logits).size(), 30u);
 }
 
@@ -1312,11 +1315,18 @@ std::pair<double, double> LossAndPriorBaseline(std::span<const float> logits, co
   return {loss / count, baseline / count};
 }
 
-// The number printed after `before` in `output`.
-double NumberAfter(const std::string& output, const std::string& before) {
-  const size_t at = output.find(before);
+// The number printed right after `then`, itself the first such text after `line` in `output` (`then` empty: right
+// after `line`); NaN where there is none.
+double NumberAfter(const std::string& output, const std::string& line, const std::string& then) {
+  size_t at = output.find(line);
   if (at == std::string::npos) return std::nan("");
-  return std::stod(output.substr(at + before.size()));
+  at += line.size();
+  if (!then.empty()) {
+    at = output.find(then, at);
+    if (at == std::string::npos) return std::nan("");
+    at += then.size();
+  }
+  return std::stod(output.substr(at));
 }
 
 // eval's loss over a file the checkpoint trained on was mostly in-sample, and had nothing to compare with: it prints
@@ -1342,18 +1352,18 @@ TEST(PerceptionCliTest, EvalScoresTheHeldOutPartAloneAgainstTheClassPrior) {
   const std::vector<float> written = ReadNpy(logits);
   ASSERT_EQ(written.size(), series->labels.size());
   const auto [loss, baseline] = LossAndPriorBaseline(written, *series, *series);
-  EXPECT_NEAR(NumberAfter(eval.output, "masked BCE over the whole stream "), loss, 1e-5) << eval.output;
-  EXPECT_NEAR(NumberAfter(eval.output, "over the whole stream " + absl::StrFormat("%.5f", loss) +
-                                           " vs class-prior baseline "), baseline, 1e-5) << eval.output;
+  const std::string whole = "masked BCE over the whole stream ";
+  EXPECT_NEAR(NumberAfter(eval.output, whole, ""), loss, 1e-5) << eval.output;
+  EXPECT_NEAR(NumberAfter(eval.output, whole, " vs class-prior baseline "), baseline, 1e-5) << eval.output;
   const size_t first = split->train.size();
-  const std::string held_out = absl::StrCat("the held-out part's (events ", first + 1, " to ", series->size(),
-                                            ", after --train_fraction 0.6) masked BCE ");
+  const std::string held_out =
+      absl::StrCat("the held-out part's (events ", first + 1, " to ", series->size(),
+                   ", after --train_fraction 0.6, in the whole stream, not train's windows) masked BCE ");
   const auto [held_out_loss, held_out_baseline] = LossAndPriorBaseline(
       std::span<const float>(written).subspan(first * series->n_horizons), split->validation, split->train);
-  EXPECT_NEAR(NumberAfter(eval.output, held_out), held_out_loss, 1e-5) << eval.output;
-  EXPECT_NEAR(NumberAfter(eval.output, held_out + absl::StrFormat("%.5f", held_out_loss) +
-                                           " vs class-prior baseline "), held_out_baseline, 1e-5) << eval.output;
-  EXPECT_NE(loss, held_out_loss);
+  EXPECT_NEAR(NumberAfter(eval.output, held_out, ""), held_out_loss, 1e-5) << eval.output;
+  EXPECT_NEAR(NumberAfter(eval.output, held_out, " vs class-prior baseline "), held_out_baseline, 1e-5)
+      << eval.output;
 }
 
 // A stream has no deadline as a whole; with events outstanding and no acknowledgement within --timeout it gives
