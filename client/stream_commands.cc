@@ -23,6 +23,7 @@
 #include "engine/dataset.h"
 #include "engine/lobster.h"
 #include "engine/status_macros.h"
+#include "perception/v1/instrument_id.h"
 
 namespace perception::client {
 namespace {
@@ -206,7 +207,7 @@ absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
       kMaxSeq - static_cast<uint64_t>(n - 1)));
 }
 
-// The resume after seq `acked` (>= 1) of the `n` events used that first seeds the state with the events before it:
+// The resume after seq `acked` (>= 1; start_seq - 1 where none was) of the `n` events used that first seeds the state with the events before it:
 // the failed run's window, else kResumeSeedEvents, as far as the files and the sequence numbers from 1 (--start_seq's
 // least) go. Its flags, and the events it seeds with.
 struct SeededResume {
@@ -222,6 +223,22 @@ SeededResume SeededResumeAfter(const StreamOptions& options, int64_t n, uint64_t
                        options.count > 0 ? absl::StrCat(" --count ", n - done + seed) : "", " --start_seq ",
                        acked + 1 - seed, " --seed-window ", seed),
           seed};
+}
+
+// What a stream the daemon took none of does again. Running the same command was the advice for every code; a
+// continuation (a run from past the files' first event, on past seq 1) that no seed starts, refused UNAVAILABLE by a
+// draining daemon, then ran on the restarted one from a zero state: the events before it seed it now.
+std::string NoneTakenAdvice(const StreamOptions& options, int64_t n, absl::StatusCode code) {
+  const std::string again = "run the same command again";
+  if (code != absl::StatusCode::kUnavailable || options.seed_window > 0 || options.first == 0 ||
+      options.start_seq <= 1) {
+    return again;
+  }
+  const SeededResume resume = SeededResumeAfter(options, n, options.start_seq - 1);
+  return absl::StrCat("a daemon that restarted holds no state for ", options.instrument, ", so once it is back run ",
+                      "this command with ", resume.flags, ", whose ", resume.seed, " events before seq ",
+                      options.start_seq, " seed the state (", again, " to start the instrument from a zero state ",
+                      "instead)");
 }
 
 // The StoppedResumeAdvice of a stream whose instrument the daemon lists as stopped. Asked only of a daemon that
@@ -285,7 +302,7 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                           : "",
         " --start_seq E", options.seed_window > 0 ? " and without --seed-window" : "",
         "; where it is not listed, or listed with end_seq 0 (", options.seed_window > 0 ? "the seed opened it, " : "",
-        "no event processed), the daemon took none: run the same command again)");
+        "no event processed), the daemon took none: ", NoneTakenAdvice(options, n, code), ")");
   }
   const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
   // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the
@@ -323,6 +340,9 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
 
 absl::Status CheckStreamOptions(const StreamOptions& options) {
   if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
+  if (const absl::Status id = v1::CheckInstrumentId(options.instrument); !id.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--instrument: ", id.message()));
+  }
   if (options.first < 0 || options.count < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
@@ -477,6 +497,9 @@ std::string StreamsTable(const v1::ListStreamsResponse& response) {
 
 absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
+  if (const absl::Status id = v1::CheckInstrumentId(instrument); !id.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--instrument: ", id.message()));
+  }
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
   // Before any page is read: during a drain, a read counts as the convictions read back, which the daemon then
   // takes with it as it exits.

@@ -97,7 +97,8 @@ absl::Status PerceptionService::Admit() const {
   if (!draining_) return absl::OkStatus();
   return absl::UnavailableError(
       "perceptiond is draining before it exits: no new work is accepted; GetStatus, ListStreams and ReadConvictions "
-      "answer until it stops listening (--drain_grace)");
+      "answer until it stops listening (through --drain_grace, then while convictions wait to be read back, up to "
+      "--drain_for_reads): read back the convictions you need now, they go with the exit");
 }
 
 template <typename Handler>

@@ -48,24 +48,6 @@ absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
-// Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes, none of them a control character:
-// ids are printed in tables (perceptionctl streams) and log lines, which a newline in one broke.
-absl::Status CheckInstrumentId(absl::string_view instrument) {
-  if (instrument.empty()) return absl::InvalidArgumentError("the instrument id is empty");
-  if (instrument.size() > kMaxInstrumentIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("the instrument id has ", instrument.size(), " bytes; at most ",
-                                                   kMaxInstrumentIdBytes, " are allowed"));
-  }
-  for (size_t i = 0; i < instrument.size(); ++i) {
-    if (const unsigned char c = instrument[i]; absl::ascii_iscntrl(c)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "the instrument id holds a control character (byte %d is 0x%02x); ids are printed in tables and logs", i,
-          c));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // The checks that need no stream state: the payload's shape and values against the model's feature count.
 // `reason` names the metric label of a refusal.
 absl::Status CheckPayload(const v1::StreamEvent& event, int n_features, std::string& reason) {

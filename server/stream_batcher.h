@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/stream_table.h"
+#include "perception/v1/instrument_id.h"
 #include "perception/v1/perception.pb.h"
 #include "server/device_worker.h"
 #include "server/metrics.h"
@@ -26,9 +27,8 @@
 
 namespace perception::server {
 
-// The longest instrument id any streaming call takes: every live id is in ListStreams' one answer, which must stay
-// far below the message limit however many slots there are.
-inline constexpr size_t kMaxInstrumentIdBytes = 256;
+using v1::CheckInstrumentId;
+using v1::kMaxInstrumentIdBytes;
 // How many instruments a failure's message names; the others are counted.
 inline constexpr size_t kInstrumentsNamed = 4;
 // An instrument id as a message names it: ids too long to be accepted are cut, so that the message stays short.

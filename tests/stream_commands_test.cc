@@ -91,6 +91,33 @@ TEST(ResumeAdvice, AfterASeedAndNoAcknowledgementSaysToRunTheCommandAgain) {
               HasSubstr("(resume with --first 130 --count 20 --start_seq 1031 and without --seed-window, or from"));
 }
 
+// A continuation (events 100..149 as seq 1001..1050) refused UNAVAILABLE before the daemon took any (it was
+// draining) was told "run the same command again", which on the restarted daemon, holding no state for the
+// instrument, started it from a zero state at seq 1001: convictions off a continuous run's without a word. The events
+// before it seed it now; the same command stays the advice where it starts the instrument anyway (from the files'
+// first event or seq 1) or seeds it itself, and for other codes.
+TEST(ResumeAdvice, AContinuationNoneOfWhichWasTakenIsSeededOnTheRestartedDaemon) {
+  StreamOptions options = Options(50);
+  options.instrument = "AMZN";
+  EXPECT_THAT(ResumeAdvice(options, 50, 0, absl::StatusCode::kUnavailable),
+              HasSubstr("the daemon took none: a daemon that restarted holds no state for AMZN, so once it is back "
+                        "run this command with --first 0 --count 150 --start_seq 901 --seed-window 100, whose 100 "
+                        "events before seq 1001 seed the state (run the same command again to start the instrument "
+                        "from a zero state instead))"));
+  EXPECT_THAT(ResumeAdvice(options, 50, 0, absl::StatusCode::kDeadlineExceeded),
+              HasSubstr("the daemon took none: run the same command again)"));
+  StreamOptions seeded = options;
+  seeded.seed_window = 20;
+  StreamOptions from_the_start = options;
+  from_the_start.first = 0;
+  StreamOptions from_seq_1 = options;
+  from_seq_1.start_seq = 1;
+  for (const StreamOptions& same : {seeded, from_the_start, from_seq_1}) {
+    EXPECT_THAT(ResumeAdvice(same, 50, 0, absl::StatusCode::kUnavailable),
+                HasSubstr("the daemon took none: run the same command again)"));
+  }
+}
+
 // A failure that stopped the instrument (events 100..149 as seq 1001..1050, stopped after 1010) said "resume with
 // --seed-window N --reseed as well": added to the resume's --first 110 --start_seq 1011, the seed took events
 // 110..109+N and the stream started N events late, and the refusal's "--start_seq 1011-N continues it" then

@@ -602,6 +602,15 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
       RunCommand(absl::StrCat(waits_10s, " stream --lobster ", kOrderbook, " ", kMessages, " --count 10"));
   EXPECT_EQ(no_instrument.exit_code, 1);
   EXPECT_THAT(no_instrument.output, HasSubstr("INVALID_ARGUMENT: stream needs --instrument ID"));
+  // An id the daemon refuses was sent, and its refusal ended "run the same command again".
+  const std::string long_id(257, 'A');
+  for (const std::string command : {absl::StrCat(" stream --lobster ", kOrderbook, " ", kMessages, " --instrument "),
+                                    std::string(" convictions --out x.csv --instrument ")}) {
+    const CommandResult too_long = RunCommand(absl::StrCat(waits_10s, command, long_id));
+    EXPECT_EQ(too_long.exit_code, 1) << command;
+    EXPECT_THAT(too_long.output, HasSubstr("INVALID_ARGUMENT: --instrument: the instrument id has 257 bytes; at most "
+                                           "256 are allowed")) << command;
+  }
   const CommandResult no_out = RunCommand(absl::StrCat(waits_10s, " convictions --instrument AAPL"));
   EXPECT_EQ(no_out.exit_code, 1);
   EXPECT_THAT(no_out.output, HasSubstr("INVALID_ARGUMENT: convictions needs --out FILE.csv"));
