@@ -224,6 +224,10 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   queue.lobster = lobster;
   queue.x.insert(queue.x.end(), x.begin(), x.end());
   queue.events.push_back({dt, event.seq(), sink, Clock::now()});
+  if (absl::c_find(queue.feeders, sink) == queue.feeders.end()) {
+    queue.feeders.push_back(sink);
+    fed_[sink].push_back(slot);
+  }
   AddPendingLocked(1);
   if (!queue.ready) {
     queue.ready = true;
@@ -733,6 +737,7 @@ absl::StatusOr<StreamBatcher::SeedNext> StreamBatcher::StartSeed(ModelHost& host
     seed.opened = claimed.status().code() == absl::StatusCode::kNotFound;
     if (seed.opened) claimed = OpenLocked(seed.request.instrument());
     ASSIGN_OR_RETURN(seed.slot, claimed);
+    if (!seed.opened) RETURN_IF_ERROR(CheckNotFedLocked(seed.slot, "seed"));
     queues_[seed.slot].seeding = true;
     seed.claimed = true;
     normalizer = normalizer_;
@@ -947,6 +952,7 @@ absl::Status StreamBatcher::Reset(const std::string& instrument, const grpc::Ser
     FinishTicksBefore(host);  // the reset forgets the slot's
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
+    RETURN_IF_ERROR(CheckNotFedLocked(slot, "reset"));
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     table_.ResetFeatures(slot);
     queues_[slot].lobster.reset();
@@ -992,9 +998,27 @@ v1::ListStreamsResponse StreamBatcher::List() const {
   return response;
 }
 
+void StreamBatcher::StopFeeding(const StreamSink* sink) {
+  absl::MutexLock lock(&mu_);
+  const auto fed = fed_.find(sink);
+  if (fed == fed_.end()) return;
+  // (A slot closed and reopened meanwhile may be listed twice, or hold another instrument this call does not feed.)
+  for (const int slot : fed->second) std::erase(queues_[slot].feeders, sink);
+  fed_.erase(fed);
+}
+
 void StreamBatcher::ForgetSink(const StreamSink* sink) {
+  StopFeeding(sink);
   absl::MutexLock lock(&mu_);
   failed_sinks_.erase(sink);
+}
+
+absl::Status StreamBatcher::CheckNotFedLocked(int slot, const char* verb) const {
+  const size_t open = queues_[slot].feeders.size();
+  if (open == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "instrument '", queues_[slot].instrument, "' is fed by ", open, " open Stream call(s): a ", verb, " would "
+      "replace its state under their next events without a word to them; ", verb, " it once they have ended"));
 }
 
 void StreamBatcher::NoteNotTaken(int events) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -102,7 +103,10 @@ class StreamBatcher {
     absl::Status status;
   };
   Submitted Submit(const v1::StreamRequest& request, StreamSink* sink);
-  // `sink`'s call has ended (its reactor is going): Submit no longer holds it among the failed calls.
+  // `sink`'s call sends no further events (it finishes): its instruments are no longer fed by it (StopFeeding).
+  void StopFeeding(const StreamSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
+  // `sink`'s call has ended (its reactor is going): Submit no longer holds it among the failed calls, and it feeds
+  // no instrument.
   void ForgetSink(const StreamSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Each runs on the device worker; with a `caller` whose client stopped waiting before the worker took it up, it
@@ -174,6 +178,10 @@ class StreamBatcher {
     // Whether the stream's events are LOBSTER rows (else feature vectors), from its first event or seed until a
     // reset: the featurizer's previous mid and time would skip events of the other kind.
     std::optional<bool> lobster;
+    // The open Stream calls that sent it events. ResetStream and a SeedStream of the live stream refuse it meanwhile:
+    // either replaced the state under the feed's next events without a word to it (its convictions then differed
+    // from a continuous run's, the run ending "all acknowledged").
+    std::vector<const StreamSink*> feeders;
   };
   // A SeedStream from the job that claims its slot to the one that gives it back (stream_batcher.cc).
   struct SeedProgress;
@@ -268,6 +276,10 @@ class StreamBatcher {
   // request it read meanwhile reopened a closed instrument at that request's first seq, from a zero state: the events
   // before it were lost, and the resend the failure's status invites was refused as repeated.
   absl::flat_hash_set<const StreamSink*> failed_sinks_ ABSL_GUARDED_BY(mu_);
+  // The slots each open Stream call fed (SlotQueue::feeders), until it stops feeding.
+  absl::flat_hash_map<const StreamSink*, std::vector<int>> fed_ ABSL_GUARDED_BY(mu_);
+  // The refusal to `verb` (reset, seed) a slot that open Stream calls feed; OK where none does.
+  absl::Status CheckNotFedLocked(int slot, const char* verb) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The tick's buffers, reused (worker thread only).
   std::vector<float> tick_x_, tick_dt_;

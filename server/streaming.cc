@@ -241,6 +241,8 @@ std::optional<grpc::Status> StreamReactor::AdvanceLocked() {
     return std::nullopt;
   }
   finished_ = true;
+  // Before the status leaves: a client that has it may reset or seed the instruments at once.
+  batcher_.StopFeeding(this);
   absl::Status status =
       broken_ ? absl::CancelledError("the client cancelled the stream or stopped reading its acknowledgements")
               : error_;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -709,6 +710,44 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
 // stream (proto: CloseStream), from a zero state, and the call goes on. Refusing it instead would end the whole call,
 // every other instrument it feeds with it, and a call that seeds an instrument after closing it before it carries on
 // is a pattern to keep. The new stream's log starts at that event: the closed one's convictions are gone.
+// A reset (or a seed) of an instrument whose feed is open replaced its state under the feed's next events: the run
+// ended "all acknowledged" with convictions off a continuous run's, and whether the reset was refused ("events not
+// yet processed") hung on when it came between two events. Refused while a Stream call that sent it events is open;
+// taken once that call has ended.
+TEST_F(StreamingTest, AnInstrumentAnOpenCallFeedsIsNeitherResetNorSeeded) {
+  StartDaemon({});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 8, 6);
+  std::atomic<uint64_t> acked = 0;
+  const std::unique_ptr<client::EventStream> stream = client().OpenStream([&](const v1::StreamResponse& response) {
+    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+  });
+  v1::StreamRequest first;
+  first.set_ack(true);
+  for (int t = 0; t < 3; ++t) *first.add_events() = FeatureEvent(series, config.n_features, t, "F", t + 1);
+  ASSERT_TRUE(stream->Write(first));
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(30); acked < 3 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(acked, 3u) << "the request's acknowledgement";
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("F");
+  ExpectRefused(client().ResetStream(reset).status(), absl::StatusCode::kFailedPrecondition,
+                "instrument 'F' is fed by 1 open Stream call(s): a reset would replace its state under their next "
+                "events without a word to them; reset it once they have ended");
+  v1::SeedStreamRequest seed;
+  seed.set_instrument("F");
+  for (int t = 3; t < 5; ++t) *seed.add_events() = FeatureEvent(series, config.n_features, t, "", 0);
+  ExpectRefused(client().SeedStream(seed).status(), absl::StatusCode::kFailedPrecondition,
+                "instrument 'F' is fed by 1 open Stream call(s): a seed would replace its state");
+  ASSERT_TRUE(stream->Finish().ok());
+  // (The call stops feeding before its status leaves: no wait here.)
+  EXPECT_TRUE(client().ResetStream(reset).ok());
+  absl::StatusOr<v1::SeedStreamResponse> seeded = client().SeedStream(seed);
+  EXPECT_TRUE(seeded.ok()) << seeded.status();
+}
+
 TEST_F(StreamingTest, AnInstrumentClosedUnderALiveCallStartsAfreshOnItsNextEvent) {
   StartDaemon({"--stream_slots=2"});
   ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
