@@ -1018,7 +1018,8 @@ absl::Status StreamBatcher::CheckNotFedLocked(int slot, const char* verb) const 
   if (open == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "instrument '", queues_[slot].instrument, "' is fed by ", open, " open Stream call(s): a ", verb, " would "
-      "replace its state under their next events without a word to them; ", verb, " it once they have ended"));
+      "replace its state under their next events without a word to them; ", verb, " it once they have ended (a feed "
+      "that is gone but whose call stays open: CloseStream ends the stream whatever feeds it)"));
 }
 
 void StreamBatcher::NoteNotTaken(int events) {
