@@ -82,6 +82,8 @@ PERCEPTION_FLAG(int, seed_window, 0,
     "instrument that already has events unless --reseed");
 PERCEPTION_FLAG(bool, reseed, false,
     "stream, with --seed-window: let the seed replace the live state of an instrument that has events");
+PERCEPTION_FLAG(bool, while_fed, false,
+    "streams reset: even while an open Stream call feeds the instrument (its next events follow the zeroed state)");
 PERCEPTION_FLAG(int64_t, first, 0, "stream: start at this event of the files (0-based)");
 PERCEPTION_FLAG(int64_t, count, 0, "stream: use this many events from --first on (0: all the rest)");
 PERCEPTION_FLAG(uint64_t, start_seq, 1,
@@ -116,7 +118,7 @@ constexpr char kUsage[] = R"(drive perceptiond over gRPC.
            [--seed-window N [--reseed]] [--first I] [--count N] [--start_seq S]
     convictions --instrument ID [--from SEQ] --out FILE.csv
     streams                                  (list the live streams)
-    streams reset ID | streams close ID
+    streams reset ID [--while_fed] | streams close ID
     bench --instruments N --events M [--rate R|max] [--connections C] [--in-flight K])";
 
 constexpr std::array<std::string_view, 9> kCommands = {"status", "init",        "train",   "eval", "checkpoint",
@@ -149,6 +151,7 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_rate, {"stream", "bench"}},
       {FLAGS_seed_window, {"stream"}},
       {FLAGS_reseed, {"stream"}},
+      {FLAGS_while_fed, {"streams"}},
       {FLAGS_first, {"stream"}},
       {FLAGS_count, {"stream"}},
       {FLAGS_start_seq, {"stream"}},
@@ -453,11 +456,16 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
     RETURN_IF_ERROR(CheckBenchOptions(options));
     return DaemonCommand([options](PerceptionClient& client) { return Bench(client, options); });
   }
+  // (The one flag of streams' that only its reset reads.)
+  if (command == "streams" && FlagGiven(FLAGS_while_fed) && !(args.size() == 4 && args[2] == "reset")) {
+    return absl::InvalidArgumentError("--while_fed applies to streams reset ID only");
+  }
   if (command == "streams" && args.size() == 2) return DaemonCommand(ListStreams);
   if (command == "streams" && args.size() == 4 && args[2] == "reset") {
     return DaemonCommand([instrument = args[3]](PerceptionClient& client) -> absl::Status {
       v1::ResetStreamRequest request;
       request.set_instrument(instrument);
+      request.set_while_fed(absl::GetFlag(FLAGS_while_fed));
       RETURN_IF_ERROR(client.ResetStream(request).status());
       std::printf("reset %s: its state is zeroed; its sequence numbers and log continue\n", instrument.c_str());
       return absl::OkStatus();

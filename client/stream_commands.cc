@@ -207,9 +207,9 @@ absl::Status CheckLastSeq(uint64_t start_seq, int64_t n) {
       kMaxSeq - static_cast<uint64_t>(n - 1)));
 }
 
-// The resume after seq `acked` (>= 1; start_seq - 1 where none was) of the `n` events used that first seeds the state with the events before it:
-// the failed run's window, else kResumeSeedEvents, as far as the files and the sequence numbers from 1 (--start_seq's
-// least) go. Its flags, and the events it seeds with.
+// The resume after seq `acked` (>= 1, or start_seq - 1 for none) of the `n` events used that first seeds the state
+// with the events before it: the failed run's window, else kResumeSeedEvents, as far as the files and the sequence
+// numbers from 1 (--start_seq's least) go. Its flags, and the events it seeds with.
 struct SeededResume {
   std::string flags;
   int64_t seed = 0;
@@ -225,20 +225,20 @@ SeededResume SeededResumeAfter(const StreamOptions& options, int64_t n, uint64_t
           seed};
 }
 
-// What a stream the daemon took none of does again. Running the same command was the advice for every code; a
-// continuation (a run from past the files' first event, on past seq 1) that no seed starts, refused UNAVAILABLE by a
-// draining daemon, then ran on the restarted one from a zero state: the events before it seed it now.
-std::string NoneTakenAdvice(const StreamOptions& options, int64_t n, absl::StatusCode code) {
-  const std::string again = "run the same command again";
+// After UNAVAILABLE with no event acknowledged, a continuation (a run from past the files' first event, on past seq
+// 1) that no seed starts: the same command, on a restarted daemon holding no state for the instrument, started it
+// from a zero state without a word. The seeded rerun's advice, the events before it seeding it; empty where the same
+// command is the rerun (it starts the instrument anyway, or seeds it itself), or for another code.
+std::string SeededRerunAdvice(const StreamOptions& options, int64_t n, absl::StatusCode code) {
   if (code != absl::StatusCode::kUnavailable || options.seed_window > 0 || options.first == 0 ||
       options.start_seq <= 1) {
-    return again;
+    return "";
   }
   const SeededResume resume = SeededResumeAfter(options, n, options.start_seq - 1);
-  return absl::StrCat("a daemon that restarted holds no state for ", options.instrument, ", so once it is back run ",
-                      "this command with ", resume.flags, ", whose ", resume.seed, " events before seq ",
-                      options.start_seq, " seed the state (", again, " to start the instrument from a zero state ",
-                      "instead)");
+  return absl::StrCat("the daemon is going or gone, and one that restarts holds no state for ", options.instrument,
+                      ": once it is back, run this command with ", resume.flags, ", whose ", resume.seed,
+                      " events before seq ", options.start_seq, " seed the state. Where the daemon kept the "
+                      "instrument (a connection that failed), it may have taken some: ");
 }
 
 // The StoppedResumeAdvice of a stream whose instrument the daemon lists as stopped. Asked only of a daemon that
@@ -292,8 +292,10 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   // how far), so the same command would be refused.
   if (acked == 0) {
     const uint64_t first_streamed = options.start_seq + static_cast<uint64_t>(options.seed_window);
+    const std::string rerun = SeededRerunAdvice(options, n, code);
     return absl::StrCat(
-        "; the daemon acknowledged none of its events, but may have taken some (resume from the instrument's end_seq "
+        "; the daemon acknowledged none of its events", rerun.empty() ? ", but may have taken some" : "", " (", rerun,
+        "resume from the instrument's end_seq "
         "E in `perceptionctl streams`, once its pending reads 0 and E stays put for a second (a request the call sent "
         "may still be on its way), with --first ", options.first + options.seed_window,
         " + (E - ", first_streamed, ")",
@@ -302,7 +304,7 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                           : "",
         " --start_seq E", options.seed_window > 0 ? " and without --seed-window" : "",
         "; where it is not listed, or listed with end_seq 0 (", options.seed_window > 0 ? "the seed opened it, " : "",
-        "no event processed), the daemon took none: ", NoneTakenAdvice(options, n, code), ")");
+        "no event processed), the daemon took none: run the same command again)");
   }
   const uint64_t last = options.start_seq + static_cast<uint64_t>(n - 1);
   // A call that failed after its last event was acknowledged (the daemon drained, the watchdog gave up on the

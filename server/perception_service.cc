@@ -332,7 +332,7 @@ grpc::Status PerceptionService::ReadConvictions(grpc::ServerContext* context, co
 
 grpc::Status PerceptionService::ResetStream(grpc::ServerContext* context, const v1::ResetStreamRequest* request,
                                             v1::ResetStreamResponse*) {
-  return Answer("ResetStream", [&] { return streams_.Reset(request->instrument(), context); });
+  return Answer("ResetStream", [&] { return streams_.Reset(request->instrument(), request->while_fed(), context); });
 }
 
 grpc::Status PerceptionService::CloseStream(grpc::ServerContext* context, const v1::CloseStreamRequest* request,

@@ -733,11 +733,11 @@ absl::StatusOr<StreamBatcher::SeedNext> StreamBatcher::StartSeed(ModelHost& host
   Normalizer normalizer;
   {
     absl::MutexLock lock(&mu_);
+    if (!seed.request.while_fed()) RETURN_IF_ERROR(CheckNotFedLocked(seed.request.instrument(), "seed"));
     absl::StatusOr<int> claimed = IdleSlotLocked(seed.request.instrument());
     seed.opened = claimed.status().code() == absl::StatusCode::kNotFound;
     if (seed.opened) claimed = OpenLocked(seed.request.instrument());
     ASSIGN_OR_RETURN(seed.slot, claimed);
-    if (!seed.opened) RETURN_IF_ERROR(CheckNotFedLocked(seed.slot, "seed"));
     queues_[seed.slot].seeding = true;
     seed.claimed = true;
     normalizer = normalizer_;
@@ -946,13 +946,14 @@ absl::StatusOr<int64_t> StreamBatcher::DropQueuedAtExit() {
   }, /*caller=*/nullptr, /*bounded=*/false);
 }
 
-absl::Status StreamBatcher::Reset(const std::string& instrument, const grpc::ServerContextBase* caller) {
+absl::Status StreamBatcher::Reset(const std::string& instrument, bool while_fed,
+                                  const grpc::ServerContextBase* caller) {
   RETURN_IF_ERROR(CheckInstrumentId(instrument));
   return worker_.Run(JobPriority::kStreaming, [&](ModelHost& host) -> absl::Status {
     FinishTicksBefore(host);  // the reset forgets the slot's
     absl::MutexLock lock(&mu_);
+    if (!while_fed) RETURN_IF_ERROR(CheckNotFedLocked(instrument, "reset"));
     ASSIGN_OR_RETURN(const int slot, IdleSlotLocked(instrument));
-    RETURN_IF_ERROR(CheckNotFedLocked(slot, "reset"));
     RETURN_IF_ERROR(ResetDeviceSlot(host, slot));
     table_.ResetFeatures(slot);
     queues_[slot].lobster.reset();
@@ -1013,13 +1014,16 @@ void StreamBatcher::ForgetSink(const StreamSink* sink) {
   failed_sinks_.erase(sink);
 }
 
-absl::Status StreamBatcher::CheckNotFedLocked(int slot, const char* verb) const {
-  const size_t open = queues_[slot].feeders.size();
+absl::Status StreamBatcher::CheckNotFedLocked(const std::string& instrument, const char* verb) const {
+  const absl::StatusOr<int> slot = table_.SlotOf(instrument);
+  if (!slot.ok()) return absl::OkStatus();  // (no stream: nothing feeds it)
+  const size_t open = queues_[*slot].feeders.size();
   if (open == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "instrument '", queues_[slot].instrument, "' is fed by ", open, " open Stream call(s): a ", verb, " would "
-      "replace its state under their next events without a word to them; ", verb, " it once they have ended (a feed "
-      "that is gone but whose call stays open: CloseStream ends the stream whatever feeds it)"));
+      "instrument '", instrument, "' is fed by ", open, " open Stream call(s): a ", verb, " would "
+      "replace its state under their next events without a word to them; ", verb, " it once they have ended, or "
+      "with while_fed set where that is meant (a feed that ", verb, "s its own instruments; perceptionctl: "
+      "--while_fed). A feed that is gone but whose call stays open: CloseStream ends the stream whatever feeds it"));
 }
 
 void StreamBatcher::NoteNotTaken(int events) {

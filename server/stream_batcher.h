@@ -115,7 +115,8 @@ class StreamBatcher {
                                               const grpc::ServerContextBase* caller = nullptr);
   absl::StatusOr<v1::ReadConvictionsResponse> Read(const v1::ReadConvictionsRequest& request,
                                                    const grpc::ServerContextBase* caller = nullptr);
-  absl::Status Reset(const std::string& instrument, const grpc::ServerContextBase* caller = nullptr);
+  // `while_fed`: even while open Stream calls feed it (else refused then: CheckNotFedLocked).
+  absl::Status Reset(const std::string& instrument, bool while_fed, const grpc::ServerContextBase* caller = nullptr);
   // The events it processed.
   absl::StatusOr<uint64_t> Close(const std::string& instrument, const grpc::ServerContextBase* caller = nullptr);
   v1::ListStreamsResponse List() const;
@@ -278,8 +279,10 @@ class StreamBatcher {
   absl::flat_hash_set<const StreamSink*> failed_sinks_ ABSL_GUARDED_BY(mu_);
   // The slots each open Stream call fed (SlotQueue::feeders), until it stops feeding.
   absl::flat_hash_map<const StreamSink*, std::vector<int>> fed_ ABSL_GUARDED_BY(mu_);
-  // The refusal to `verb` (reset, seed) a slot that open Stream calls feed; OK where none does.
-  absl::Status CheckNotFedLocked(int slot, const char* verb) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The refusal to `verb` (reset, seed) an instrument that open Stream calls feed; OK where none does (or it has no
+  // stream). Checked before IdleSlotLocked: a feed's events are queued or not by when the call came.
+  absl::Status CheckNotFedLocked(const std::string& instrument, const char* verb) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The tick's buffers, reused (worker thread only).
   std::vector<float> tick_x_, tick_dt_;

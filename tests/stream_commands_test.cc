@@ -92,18 +92,20 @@ TEST(ResumeAdvice, AfterASeedAndNoAcknowledgementSaysToRunTheCommandAgain) {
 }
 
 // A continuation (events 100..149 as seq 1001..1050) refused UNAVAILABLE before the daemon took any (it was
-// draining) was told "run the same command again", which on the restarted daemon, holding no state for the
-// instrument, started it from a zero state at seq 1001: convictions off a continuous run's without a word. The events
-// before it seed it now; the same command stays the advice where it starts the instrument anyway (from the files'
-// first event or seq 1) or seeds it itself, and for other codes.
+// draining) was told to resume from its end_seq (during the drain, the old run's next number: the same command) or,
+// unlisted, to run the same command again: on the restarted daemon, holding no state for the instrument, either
+// started it from a zero state at seq 1001, convictions off a continuous run's without a word. The seeded rerun
+// comes first now; the same command stays the advice where it starts the instrument anyway (from the files' first
+// event or seq 1) or seeds it itself, and for other codes.
 TEST(ResumeAdvice, AContinuationNoneOfWhichWasTakenIsSeededOnTheRestartedDaemon) {
   StreamOptions options = Options(50);
   options.instrument = "AMZN";
   EXPECT_THAT(ResumeAdvice(options, 50, 0, absl::StatusCode::kUnavailable),
-              HasSubstr("the daemon took none: a daemon that restarted holds no state for AMZN, so once it is back "
-                        "run this command with --first 0 --count 150 --start_seq 901 --seed-window 100, whose 100 "
-                        "events before seq 1001 seed the state (run the same command again to start the instrument "
-                        "from a zero state instead))"));
+              HasSubstr("; the daemon acknowledged none of its events (the daemon is going or gone, and one that "
+                        "restarts holds no state for AMZN: once it is back, run this command with --first 0 --count "
+                        "150 --start_seq 901 --seed-window 100, whose 100 events before seq 1001 seed the state. "
+                        "Where the daemon kept the instrument (a connection that failed), it may have taken some: "
+                        "resume from the instrument's end_seq E"));
   EXPECT_THAT(ResumeAdvice(options, 50, 0, absl::StatusCode::kDeadlineExceeded),
               HasSubstr("the daemon took none: run the same command again)"));
   StreamOptions seeded = options;

@@ -602,6 +602,11 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
       RunCommand(absl::StrCat(waits_10s, " stream --lobster ", kOrderbook, " ", kMessages, " --count 10"));
   EXPECT_EQ(no_instrument.exit_code, 1);
   EXPECT_THAT(no_instrument.output, HasSubstr("INVALID_ARGUMENT: stream needs --instrument ID"));
+  for (const char* command : {" streams close A --while_fed", " streams --while_fed"}) {
+    const CommandResult ignored = RunCommand(absl::StrCat(waits_10s, command));
+    EXPECT_EQ(ignored.exit_code, 1) << command;
+    EXPECT_THAT(ignored.output, HasSubstr("INVALID_ARGUMENT: --while_fed applies to streams reset ID only")) << command;
+  }
   // An id the daemon refuses was sent, and its refusal ended "run the same command again".
   const std::string long_id(257, 'A');
   for (const std::string command : {absl::StrCat(" stream --lobster ", kOrderbook, " ", kMessages, " --instrument "),
@@ -1348,8 +1353,9 @@ TEST(PerceptionCliTest, EvalScoresTheHeldOutPartAloneAgainstTheClassPrior) {
                               kMessages, " --train_fraction 0.6 --steps 5 --save ", checkpoint.string()));
   ASSERT_EQ(train.exit_code, 0) << train.output;
   const CommandResult eval =
-      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(), " --lobster ",
-                              kOrderbook, " ", kMessages, " --train-fraction 0.6 --out ", logits.string()));
+      RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " eval --device cpu --checkpoint ", checkpoint.string(),
+                              " --lobster ", kOrderbook, " ", kMessages, " --train-fraction 0.6 --out ",
+                              logits.string()));
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
 
   absl::StatusOr<LobsterData> data = ReadLobster(kOrderbook, kMessages);
@@ -1420,6 +1426,35 @@ TEST(PerceptionctlTest, AStreamThatStopsItsInstrumentSaysToResetItBeforeResuming
 
 // Another client's CloseStream during a run dropped the instrument's convictions so far, and the events after it ran
 // from a zeroed state: the run exited 0 saying its first convictions "were overwritten".
+// `streams reset` under a running feed zeroed its state without a word to it (the run ended "all acknowledged", its
+// convictions off a continuous run's): refused while the feed's call is open, taken with --while_fed.
+TEST(PerceptionctlTest, AResetUnderARunningFeedIsRefusedUnlessWhileFed) {
+  const ScopedTempDir temp("ctl_reset_under_feed");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand,
+                                                  absl::StrCat(ctl, " stream", kLongFeed,
+                                                               " --instrument rs --count 1500 --rate 300"));
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       ProcessedByTheOnlyStream(**daemon) < 100 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const CommandResult refused = RunCommand(absl::StrCat(ctl, " streams reset rs"));
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("FAILED_PRECONDITION: instrument 'rs' is fed by 1 open Stream call(s)"));
+  // (Between two events, since the feed's queue must be empty; the rate leaves it so most of the time.)
+  CommandResult taken;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(5); absl::Now() < give_up;) {
+    taken = RunCommand(absl::StrCat(ctl, " streams reset rs --while_fed"));
+    if (taken.exit_code == 0 || !absl::StrContains(taken.output, "not yet processed")) break;
+  }
+  EXPECT_EQ(taken.exit_code, 0) << taken.output;
+  EXPECT_THAT(taken.output, HasSubstr("reset rs: its state is zeroed"));
+  EXPECT_EQ(running.get().exit_code, 0);
+}
+
 TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
   const ScopedTempDir temp("ctl_closed_mid_run");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");

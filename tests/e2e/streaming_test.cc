@@ -706,14 +706,10 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_EQ(promtool.output, "") << "promtool lint findings";
 }
 
-// CloseStream while a Stream call still feeds the instrument: the call's next event of it is a first event of a new
-// stream (proto: CloseStream), from a zero state, and the call goes on. Refusing it instead would end the whole call,
-// every other instrument it feeds with it, and a call that seeds an instrument after closing it before it carries on
-// is a pattern to keep. The new stream's log starts at that event: the closed one's convictions are gone.
 // A reset (or a seed) of an instrument whose feed is open replaced its state under the feed's next events: the run
 // ended "all acknowledged" with convictions off a continuous run's, and whether the reset was refused ("events not
-// yet processed") hung on when it came between two events. Refused while a Stream call that sent it events is open;
-// taken once that call has ended.
+// yet processed") hung on when it came between two events. Refused while a Stream call that sent it events is open,
+// unless the request says `while_fed` (a feed resetting its own instruments); taken once that call has ended.
 TEST_F(StreamingTest, AnInstrumentAnOpenCallFeedsIsNeitherResetNorSeeded) {
   StartDaemon({});
   ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
@@ -735,19 +731,31 @@ TEST_F(StreamingTest, AnInstrumentAnOpenCallFeedsIsNeitherResetNorSeeded) {
   reset.set_instrument("F");
   ExpectRefused(client().ResetStream(reset).status(), absl::StatusCode::kFailedPrecondition,
                 "instrument 'F' is fed by 1 open Stream call(s): a reset would replace its state under their next "
-                "events without a word to them; reset it once they have ended");
+                "events without a word to them; reset it once they have ended, or with while_fed set");
   v1::SeedStreamRequest seed;
   seed.set_instrument("F");
   for (int t = 3; t < 5; ++t) *seed.add_events() = FeatureEvent(series, config.n_features, t, "", 0);
   ExpectRefused(client().SeedStream(seed).status(), absl::StatusCode::kFailedPrecondition,
                 "instrument 'F' is fed by 1 open Stream call(s): a seed would replace its state");
-  ASSERT_TRUE(stream->Finish().ok());
-  // (The call stops feeding before its status leaves: no wait here.)
+  // A feed that resets or seeds its own instruments says so.
+  reset.set_while_fed(true);
   EXPECT_TRUE(client().ResetStream(reset).ok());
+  seed.set_while_fed(true);
   absl::StatusOr<v1::SeedStreamResponse> seeded = client().SeedStream(seed);
+  EXPECT_TRUE(seeded.ok()) << seeded.status();
+  ASSERT_TRUE(stream->Finish().ok());
+  // Once the call has ended, neither is refused. (The call stops feeding before its status leaves: no wait here.)
+  reset.set_while_fed(false);
+  EXPECT_TRUE(client().ResetStream(reset).ok());
+  seed.set_while_fed(false);
+  seeded = client().SeedStream(seed);
   EXPECT_TRUE(seeded.ok()) << seeded.status();
 }
 
+// CloseStream while a Stream call still feeds the instrument: the call's next event of it is a first event of a new
+// stream (proto: CloseStream), from a zero state, and the call goes on. Refusing it instead would end the whole call,
+// every other instrument it feeds with it, and a call that seeds an instrument after closing it before it carries on
+// is a pattern to keep. The new stream's log starts at that event: the closed one's convictions are gone.
 TEST_F(StreamingTest, AnInstrumentClosedUnderALiveCallStartsAfreshOnItsNextEvent) {
   StartDaemon({"--stream_slots=2"});
   ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
