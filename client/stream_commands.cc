@@ -340,11 +340,20 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                       "acknowledged)");
 }
 
+namespace {
+
+// --instrument as the daemon would take it (an id it refuses was sent, and the refusal's advice was to run the same
+// command again).
+absl::Status CheckInstrumentFlag(const std::string& instrument) {
+  const absl::Status id = v1::CheckInstrumentId(instrument);
+  return id.ok() ? id : absl::InvalidArgumentError(absl::StrCat("--instrument: ", id.message()));
+}
+
+}  // namespace
+
 absl::Status CheckStreamOptions(const StreamOptions& options) {
   if (options.instrument.empty()) return absl::InvalidArgumentError("stream needs --instrument ID");
-  if (const absl::Status id = v1::CheckInstrumentId(options.instrument); !id.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--instrument: ", id.message()));
-  }
+  RETURN_IF_ERROR(CheckInstrumentFlag(options.instrument));
   if (options.first < 0 || options.count < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--first (", options.first, ") and --count (", options.count,
                                                    ") must be >= 0 (--count 0: to the end of the files)"));
@@ -499,9 +508,7 @@ std::string StreamsTable(const v1::ListStreamsResponse& response) {
 
 absl::Status CheckConvictionsOptions(const std::string& instrument, const std::string& out_path) {
   if (instrument.empty()) return absl::InvalidArgumentError("convictions needs --instrument ID");
-  if (const absl::Status id = v1::CheckInstrumentId(instrument); !id.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--instrument: ", id.message()));
-  }
+  RETURN_IF_ERROR(CheckInstrumentFlag(instrument));
   if (out_path.empty()) return absl::InvalidArgumentError("convictions needs --out FILE.csv");
   // Before any page is read: during a drain, a read counts as the convictions read back, which the daemon then
   // takes with it as it exits.

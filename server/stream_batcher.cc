@@ -440,6 +440,19 @@ std::string NameInstruments(std::span<const Event> events, int slots, absl::stri
   return named;
 }
 
+// "'A' from seq 7, 'B' from seq 3 and 2 more instruments": where each instrument of one sink's `events` resumes,
+// `instrument(slot)` naming it and `resume_seq(slot)` its first event not processed.
+template <typename Event, typename InstrumentOf, typename ResumeSeqOf>
+std::string NameResumePoints(std::span<const Event> events, int slots, InstrumentOf instrument,
+                             ResumeSeqOf resume_seq) {
+  return NameInstruments(
+      events, slots, ", ",
+      [&](const Event& event) {
+        return absl::StrCat("'", instrument(event.slot), "' from seq ", resume_seq(event.slot));
+      },
+      [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
+}
+
 // The code a Stream call ends with when a tick took its events: UNAVAILABLE on a lost device (retry once the daemon
 // is back), INTERNAL for a tick the device failed, and where streaming could not start RESOURCE_EXHAUSTED for want of
 // memory (as the flags' own refusals), else FAILED_PRECONDITION (the model cannot stream).
@@ -519,12 +532,9 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                                         : ". Each instrument named stopped: it takes no events until ResetStream, "
                                           "SeedStream or CloseStream, then from the seq named";
     ForEachSink(std::span<Notice>(failed), [&](std::span<const Notice> events) {
-      const std::string stopped = NameInstruments(
-          events, table_.capacity(), ", ",
-          [&](const Notice& event) {
-            return absl::StrCat("'", instruments[event.slot], "' from seq ", *resume_seq[event.slot]);
-          },
-          [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
+      const std::string stopped = NameResumePoints(
+          events, table_.capacity(), [&](int slot) { return instruments[slot]; },
+          [&](int slot) { return *resume_seq[slot]; });
       const std::string message = absl::StrCat(what, " (", cause.message(), "); ", events.size(),
                                                " events of this call were not processed: ", stopped, remedy);
       failures.push_back({events.front().sink, absl::Status(FailedTickCode(cause, device_configured), message),
@@ -926,12 +936,9 @@ absl::StatusOr<int64_t> StreamBatcher::DropQueuedAtExit() {
       ready_.clear();
       dropped = static_cast<int64_t>(dropped_.size());
       ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
-        const std::string stopped = NameInstruments(
-            events, table_.capacity(), ", ",
-            [&](const Notice& event) {
-              return absl::StrCat("'", queues_[event.slot].instrument, "' from seq ", resume_seq[event.slot]);
-            },
-            [](size_t more) { return absl::StrCat(" and ", more, " more instruments"); });
+        const std::string stopped = NameResumePoints(
+            events, table_.capacity(), [&](int slot) { return queues_[slot].instrument; },
+            [&](int slot) { return resume_seq[slot]; });
         failures.push_back(
             {events.front().sink,
              absl::UnavailableError(absl::StrCat(

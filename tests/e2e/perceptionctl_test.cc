@@ -609,7 +609,7 @@ TEST(PerceptionctlTest, CommandsAreCheckedBeforeWaitingForTheDaemon) {
   }
   // An id the daemon refuses was sent, and its refusal ended "run the same command again".
   const std::string long_id(257, 'A');
-  for (const std::string command : {absl::StrCat(" stream --lobster ", kOrderbook, " ", kMessages, " --instrument "),
+  for (const std::string& command : {absl::StrCat(" stream --lobster ", kOrderbook, " ", kMessages, " --instrument "),
                                     std::string(" convictions --out x.csv --instrument ")}) {
     const CommandResult too_long = RunCommand(absl::StrCat(waits_10s, command, long_id));
     EXPECT_EQ(too_long.exit_code, 1) << command;
@@ -775,7 +775,7 @@ TEST(PerceptionCliTest, ALobsterPairGivenTwiceIsRefused) {
   const ScopedTempDir temp("cli_lobster_twice");
   const std::string files = absl::StrCat(" --lobster ", kOrderbook, " ", kMessages);
   const std::string checkpoint = (temp.path() / "x.safetensors").string();
-  for (const std::string command :
+  for (const std::string& command :
        {absl::StrCat(" train --device cpu --config tiny --steps 2 --save ", checkpoint),
         absl::StrCat(" eval --checkpoint ", checkpoint, " --out ", (temp.path() / "x.npy").string())}) {
     const CommandResult twice = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, command, files, " --lobster=", kOrderbook,
@@ -1424,8 +1424,20 @@ TEST(PerceptionctlTest, AStreamThatStopsItsInstrumentSaysToResetItBeforeResuming
                                        "well"));
 }
 
-// Another client's CloseStream during a run dropped the instrument's convictions so far, and the events after it ran
-// from a zeroed state: the run exited 0 saying its first convictions "were overwritten".
+// `perceptionctl stream` of `instrument` (1,500 events of kLongFeed at 300 a second: slowly enough for a daemon under
+// ThreadSanitizer to keep up, so that its queue is mostly empty between two events), once the daemon has processed
+// 100 of them; its result once it ends.
+std::future<CommandResult> StartPacedFeed(Daemon& daemon, const std::string& ctl, const std::string& instrument) {
+  std::future<CommandResult> running = std::async(
+      std::launch::async, RunCommand,
+      absl::StrCat(ctl, " stream", kLongFeed, " --instrument ", instrument, " --count 1500 --rate 300"));
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return running;
+}
+
 // `streams reset` under a running feed zeroed its state without a word to it (the run ended "all acknowledged", its
 // convictions off a continuous run's): refused while the feed's call is open, taken with --while_fed.
 TEST(PerceptionctlTest, AResetUnderARunningFeedIsRefusedUnlessWhileFed) {
@@ -1434,13 +1446,7 @@ TEST(PerceptionctlTest, AResetUnderARunningFeedIsRefusedUnlessWhileFed) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
-  std::future<CommandResult> running = std::async(std::launch::async, RunCommand,
-                                                  absl::StrCat(ctl, " stream", kLongFeed,
-                                                               " --instrument rs --count 1500 --rate 300"));
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
-       ProcessedByTheOnlyStream(**daemon) < 100 && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  std::future<CommandResult> running = StartPacedFeed(**daemon, ctl, "rs");
   const CommandResult refused = RunCommand(absl::StrCat(ctl, " streams reset rs"));
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
   EXPECT_THAT(refused.output, HasSubstr("FAILED_PRECONDITION: instrument 'rs' is fed by 1 open Stream call(s)"));
@@ -1455,21 +1461,17 @@ TEST(PerceptionctlTest, AResetUnderARunningFeedIsRefusedUnlessWhileFed) {
   EXPECT_EQ(running.get().exit_code, 0);
 }
 
+// Another client's CloseStream during a run dropped the instrument's convictions so far, and the events after it ran
+// from a zeroed state: the run exited 0 saying its first convictions "were overwritten".
 TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
   const ScopedTempDir temp("ctl_closed_mid_run");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
-  // Paced slowly enough for a daemon under ThreadSanitizer to keep up: CloseStream refuses an instrument with events
-  // still queued, so it is asked again until it meets an empty queue, between two events.
-  std::future<CommandResult> running = std::async(std::launch::async, RunCommand,
-                                                  absl::StrCat(ctl, " stream", kLongFeed,
-                                                               " --instrument cl --count 1500 --rate 300"));
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
-       ProcessedByTheOnlyStream(**daemon) < 100 && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  // CloseStream refuses an instrument with events still queued, so it is asked again until it meets an empty queue,
+  // between two events.
+  std::future<CommandResult> running = StartPacedFeed(**daemon, ctl, "cl");
   v1::CloseStreamRequest close;
   close.set_instrument("cl");
   absl::Status closed = (*daemon)->client().CloseStream(close).status();
