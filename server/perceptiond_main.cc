@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -84,6 +86,14 @@ ABSL_FLAG(absl::Duration, drain_for_reads, absl::Seconds(10),
           "process), ending as soon as none waits, the device is lost, or a second signal arrives (0: not at all); "
           "then the listener closes once the calls in flight are answered (their accepted events processed, for up "
           "to 60 s)");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
+          "how often the daemon pings a client connection with calls open, so that a feed whose host or network "
+          "vanished without closing its connection is found: its calls are cancelled, its instruments free for "
+          "ResetStream and SeedStream (inf: no pings; gRPC's own default is 2 h)");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
+          "how long the daemon waits for a client's answer to its ping before it closes the connection and cancels "
+          "its calls (gRPC's default); the answer comes only once the client has taken what the connection still "
+          "carried to it: raise it where clients read large pages over slow links");
 ABSL_FLAG(int, stream_slots, 256, "live streams at once: one device state slot per instrument (at most 2^20)");
 ABSL_FLAG(int64_t, stream_log_entries, 5'000'000,
           "conviction-log entries kept on the device over all slots, at most 2^30 (each slot retains total / "
@@ -210,9 +220,18 @@ absl::Status CheckWaitFlags() {
           absl::StrCat("--", name, " must be 0 (none) or positive, got ", absl::FormatDuration(wait)));
     }
   }
-  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); stall <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--device_stall_timeout must be positive (inf: no watch), got ",
-                                                   absl::FormatDuration(stall)));
+  for (const auto& [name, wait, infinite] :
+       {std::tuple{"device_stall_timeout", absl::GetFlag(FLAGS_device_stall_timeout), "no watch"},
+        std::tuple{"keepalive_time", absl::GetFlag(FLAGS_keepalive_time), "no pings"}}) {
+    if (wait <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " must be positive (inf: ", infinite, "), got ", absl::FormatDuration(wait)));
+    }
+  }
+  if (const absl::Duration timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+      timeout < absl::Milliseconds(1) || timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--keepalive_timeout must be at least 1ms and finite, got ",
+                                                   absl::FormatDuration(timeout)));
   }
   return absl::OkStatus();
 }
@@ -525,6 +544,22 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(ServerMetrics& m
   return server;
 }
 
+// gRPC's channel arguments take milliseconds as an int, INT_MAX standing for never.
+int ChannelArgumentMilliseconds(absl::Duration duration) {
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(duration), INT_MAX));
+}
+
+// A feed whose host or network vanished leaves its connection half open: the daemon learned of it only when TCP gave
+// up on data it sent (never, while the feed was quiet), and until then the call held its instruments, ResetStream
+// and SeedStream refused, for gRPC's default of 2 h. Connections without calls are not pinged (a server's pings are
+// not limited to two without data between them, as a client's are: a quiet feed is pinged all along).
+void AddKeepalive(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             ChannelArgumentMilliseconds(absl::GetFlag(FLAGS_keepalive_time)));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             ChannelArgumentMilliseconds(absl::GetFlag(FLAGS_keepalive_timeout)));
+}
+
 // Health stays NOT_SERVING until Serve has the model ready.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& service, RendezvousService& rendezvous,
                                                         const Limits& limits, CallsInFlight& calls) {
@@ -536,6 +571,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(PerceptionService& servi
   // gRPC sets SO_REUSEPORT on Linux by default: a second daemon on a port in use started and took calls at random
   // with the first. Its start now fails as a taken --metrics_listen does.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  AddKeepalive(builder);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_message_bytes));
   builder.RegisterService(&service);

@@ -2,6 +2,7 @@
 // SIGTERM/SIGINT with exit code 0, and /metrics scraped from the running binary.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -171,6 +172,9 @@ TEST(LifecycleTest, TheDaemonRefusesBadListenPortsAndFlagsBeforeListening) {
       {"--listen=localhost", "--listen 'localhost' is not host:port"},
       {"--device_stall_timeout=0", "--device_stall_timeout must be positive (inf: no watch), got 0"},
       {"--device_stall_timeout=-1s", "--device_stall_timeout must be positive (inf: no watch), got -1s"},
+      {"--keepalive_time=0", "--keepalive_time must be positive (inf: no pings), got 0"},
+      {"--keepalive_timeout=inf", "--keepalive_timeout must be at least 1ms and finite, got inf"},
+      {"--keepalive_timeout=500us", "--keepalive_timeout must be at least 1ms and finite, got 500us"},
       {"--init_config=bogus", "--init_config: unknown config 'bogus'"},
   };
   for (const auto& [flags, reason] : refusals) {
@@ -563,6 +567,16 @@ TEST(LifecycleTest, TheDrainWaitsForUnreadConvictionsUntilTheyAreReadBack) {
   EXPECT_THAT((*daemon)->Log(), HasSubstr("every stream's log was read to its end"));
 }
 
+sockaddr_in Loopback(int port) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return address;
+}
+
+int PortOf(const Daemon& daemon) { return std::stoi(daemon.target().substr(daemon.target().rfind(':') + 1)); }
+
 // A loopback relay to `upstream` for one connection that passes the server's bytes on at `rate` bytes/s (the
 // server's side of it taking little into its buffer, so that the server's kernel holds what is still to go) and,
 // as a client consuming a large answer does, sends the server an HTTP/2 WINDOW_UPDATE between the client's frames
@@ -594,14 +608,6 @@ class SlowChattyLink {
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
 
  private:
-  static sockaddr_in Loopback(int port) {
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    return address;
-  }
-
   void Relay(int upstream_port) {
     const int client = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
     if (client < 0) return;
@@ -680,6 +686,63 @@ class SlowChattyLink {
   std::vector<std::thread> pumps_;
 };
 
+// A loopback relay to `upstream` that passes bytes both ways until Freeze(), then reads and writes nothing more, the
+// connections left open: the daemon's side of it is what a feed whose host or network vanished leaves behind (its
+// kernel still takes the daemon's bytes; no answer comes).
+class FreezableLink {
+ public:
+  explicit FreezableLink(int upstream_port) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address = Loopback(0);
+    socklen_t size = sizeof(address);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+    EXPECT_EQ(::listen(listener_, 1), 0);
+    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &size), 0);
+    port_ = ntohs(address.sin_port);
+    accepter_ = std::thread([this, upstream_port] { Relay(upstream_port); });
+  }
+  ~FreezableLink() {
+    stop_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    accepter_.join();
+    for (std::thread& pump : pumps_) pump.join();
+    for (const int fd : {listener_, client_, server_}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+  void Freeze() { frozen_ = true; }
+
+ private:
+  void Relay(int upstream_port) {
+    client_ = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (client_ < 0) return;
+    server_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const sockaddr_in address = Loopback(upstream_port);
+    if (::connect(server_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) return;
+    pumps_.emplace_back([this] { Pump(client_, server_); });
+    pumps_.emplace_back([this] { Pump(server_, client_); });
+  }
+
+  void Pump(int from, int to) {
+    char chunk[65536];
+    while (!stop_) {
+      pollfd readable{from, POLLIN, 0};
+      if (frozen_ || ::poll(&readable, 1, 20) <= 0) {
+        absl::SleepFor(absl::Milliseconds(20));
+        continue;
+      }
+      const ssize_t n = ::recv(from, chunk, sizeof(chunk), 0);
+      if (n <= 0 || ::send(to, chunk, static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
+    }
+  }
+
+  int listener_ = -1, port_ = 0, client_ = -1, server_ = -1;
+  std::atomic<bool> stop_ = false, frozen_ = false;
+  std::thread accepter_;
+  std::vector<std::thread> pumps_;
+};
+
 // The daemon's flags, `extra` among them, under which one ReadConvictions page holds what StreamAPageOfConvictions
 // streams.
 std::vector<std::string> OnePageFlags(const std::string& extra) {
@@ -740,7 +803,7 @@ TEST(LifecycleTest, AReadBackPageOnASlowLinkIsDeliveredBeforeTheExitClosesTheCon
       Daemon::Start(temp.path() / "checkpoints", OnePageFlags("--drain_for_reads=60s"));
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_NO_FATAL_FAILURE(StreamAPageOfConvictions((*daemon)->client()));
-  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 300'000);
+  const SlowChattyLink link(PortOf(**daemon), 300'000);
   const std::unique_ptr<v1::Perception::Stub> reader = ConnectedReader(link.target());
   (*daemon)->Signal(SIGTERM);
   absl::SleepFor(absl::Milliseconds(200));
@@ -766,7 +829,7 @@ TEST(LifecycleTest, ASecondSignalEndsTheWaitForAnAnswerOnASlowLink) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_NO_FATAL_FAILURE(StreamAPageOfConvictions((*daemon)->client()));
   // ~150 s for the ~2.9 MB page.
-  const SlowChattyLink link(std::stoi((*daemon)->target().substr((*daemon)->target().rfind(':') + 1)), 20'000);
+  const SlowChattyLink link(PortOf(**daemon), 20'000);
   const std::unique_ptr<v1::Perception::Stub> reader = ConnectedReader(link.target());
   (*daemon)->Signal(SIGTERM);
   absl::SleepFor(absl::Milliseconds(200));
@@ -791,6 +854,55 @@ TEST(LifecycleTest, ASecondSignalEndsTheWaitForAnAnswerOnASlowLink) {
   EXPECT_EQ(*exit_code, 0) << (*daemon)->Log();
   EXPECT_THAT((*daemon)->Log(), HasSubstr("a second signal ended the wait for answers to be delivered: after "));
   EXPECT_FALSE(read.get().ok()) << "the page could not have crossed the link yet";
+}
+
+// A feed whose host or network vanished leaves its connection half open, and its call held its instrument: ResetStream
+// and SeedStream refused ("fed by 1 open Stream call(s)") for gRPC's default 2 h before the daemon pinged the
+// connection. The daemon's pings now find it (--keepalive_time, --keepalive_timeout), cancel the call and free the
+// instrument; a feed that is alive but quiet answers them and keeps its call.
+TEST(LifecycleTest, AFeedWhoseConnectionWentSilentIsCutByTheKeepaliveAndItsInstrumentFreed) {
+  const ScopedTempDir temp("keepalive");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+      Daemon::Start(temp.path() / "checkpoints", {"--keepalive_time=500ms", "--keepalive_timeout=2s"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::PerceptionClient& client = (*daemon)->client();
+  ASSERT_TRUE(client.InitModel(TinyInitRequest(4)).ok());
+  FreezableLink link(PortOf(**daemon));
+  client::PerceptionClient feed(link.target());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 1, 23);
+  std::atomic<uint64_t> acked = 0;
+  const std::unique_ptr<client::EventStream> stream = feed.OpenStream([&](const v1::StreamResponse& response) {
+    for (const v1::InstrumentAck& ack : response.acks()) acked = ack.last_seq();
+  });
+  v1::StreamRequest request;
+  request.set_ack(true);
+  *request.add_events() = testing::FeatureEvent(series, config.n_features, 0, "K", 1);
+  ASSERT_TRUE(stream->Write(request));
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(30); acked < 1 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(acked, 1u);
+  v1::ResetStreamRequest reset;
+  reset.set_instrument("K");
+  // Quiet for six pings' time: the feed answers them, and its call and its hold on the instrument stay. The link
+  // goes silent with no data since (a client stops pinging after two without data; the daemon goes on).
+  absl::SleepFor(absl::Seconds(3));
+  EXPECT_EQ(client.ResetStream(reset).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  link.Freeze();
+  const absl::Time frozen = absl::Now();
+  absl::Status reset_status = client.ResetStream(reset).status();
+  while (!reset_status.ok() && absl::Now() - frozen < absl::Seconds(20)) {
+    EXPECT_EQ(reset_status.code(), absl::StatusCode::kFailedPrecondition) << reset_status;
+    absl::SleepFor(absl::Milliseconds(50));
+    reset_status = client.ResetStream(reset).status();
+  }
+  EXPECT_TRUE(reset_status.ok()) << reset_status;
+  // A ping at most 0.5 s after the link went silent, the connection closed 2 s later.
+  EXPECT_LT(absl::Now() - frozen, absl::Seconds(10));
+  EXPECT_THAT((*daemon)->Log(), HasSubstr("Stream failed: CANCELLED: the call was cancelled (the client cancelled or "
+                                          "went away"));
 }
 
 // Streamed events still queued when the drain's waits end no longer hold the exit: gRPC's shutdown waits for every
