@@ -181,9 +181,11 @@ absl::StatusOr<v1::EvaluateResponse> PerceptionClient::Evaluate(const v1::Evalua
 }
 
 EventStream::EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
-                         absl::Duration ack_timeout, std::string limit)
+                         absl::Duration ack_timeout, std::string limit, CallCancellation* cancellation)
     : watchdog_(std::make_unique<ResponseWatchdog>(context_, ack_timeout, "events", std::move(limit))),
-      on_ack_(std::move(on_ack)) {
+      on_ack_(std::move(on_ack)),
+      cancellation_(cancellation) {
+  if (cancellation_ != nullptr) cancellation_->Register(&context_);
   // Corked, the call starts with the first Write, which the watchdog times, instead of here, where a daemon that
   // accepts connections but never answers (SIGSTOP) would block unwatched.
   context_.set_initial_metadata_corked(true);
@@ -205,6 +207,7 @@ EventStream::~EventStream() {
     reader_.join();
     stream_->Finish();
   }
+  if (cancellation_ != nullptr) cancellation_->Unregister(&context_);
 }
 
 bool EventStream::Write(const v1::StreamRequest& request) {
@@ -231,14 +234,15 @@ absl::Status EventStream::Finish() {
 }
 
 std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(const v1::StreamResponse&)> on_ack,
-                                                          absl::Duration ack_every) {
+                                                          absl::Duration ack_every, CallCancellation* cancellation) {
   const bool acks_wait = ack_every > absl::ZeroDuration();
   const std::string limit = acks_wait ? absl::StrCat("--timeout ", absl::FormatDuration(options_.timeout),
                                                      " past the daemon's acknowledgement interval, ",
                                                      absl::FormatDuration(ack_every))
                                       : "--timeout";
-  return std::unique_ptr<EventStream>(new EventStream(
-      *perception_, std::move(on_ack), options_.timeout + (acks_wait ? ack_every : absl::ZeroDuration()), limit));
+  return std::unique_ptr<EventStream>(
+      new EventStream(*perception_, std::move(on_ack), options_.timeout + (acks_wait ? ack_every : absl::ZeroDuration()),
+                      limit, cancellation));
 }
 
 absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {

@@ -22,6 +22,7 @@
 namespace perception::client {
 
 class ResponseWatchdog;
+class CallCancellation;
 
 // One Stream call: requests written from one thread, acknowledgements read on a helper thread. Not thread-safe
 // for writing (one writer); Finish once. The call has no deadline as a whole; instead it is cancelled once events
@@ -43,7 +44,7 @@ class EventStream {
   friend class PerceptionClient;
   // `ack_timeout`: how long owed acknowledgements may be waited for; `limit` names where it comes from.
   EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
-              absl::Duration ack_timeout, std::string limit);
+              absl::Duration ack_timeout, std::string limit, CallCancellation* cancellation);
 
   grpc::ClientContext context_;
   const std::unique_ptr<ResponseWatchdog> watchdog_;  // refers to context_, so declared after it
@@ -53,6 +54,7 @@ class EventStream {
   std::atomic<bool> ended_ = false;
   bool finished_ = false;
   bool wrote_ = false;  // whether Write was called: until then the call has not started (corked metadata)
+  CallCancellation* const cancellation_;
 };
 
 // Cancels the calls that take it, from any thread, including calls that start after Cancel (perceptionctl train
@@ -63,6 +65,7 @@ class CallCancellation {
 
  private:
   friend class PerceptionClient;
+  friend class EventStream;
   void Register(grpc::ClientContext* context);
   void Unregister(grpc::ClientContext* context);
 
@@ -96,9 +99,11 @@ class PerceptionClient {
 
   // Live streaming. OpenStream starts a Stream call (cancelled when events wait longer than options.timeout for an
   // acknowledgement, beyond `ack_every`: the daemon's acknowledgement interval, GetStatus.streaming.ack_every_ms,
-  // which a paced stream's events may wait out); `on_ack` sees each acknowledgement on the stream's reader thread.
+  // which a paced stream's events may wait out, or when `cancellation` is cancelled); `on_ack` sees each
+  // acknowledgement on the stream's reader thread.
   std::unique_ptr<EventStream> OpenStream(std::function<void(const v1::StreamResponse&)> on_ack,
-                                          absl::Duration ack_every = absl::ZeroDuration());
+                                          absl::Duration ack_every = absl::ZeroDuration(),
+                                          CallCancellation* cancellation = nullptr);
   absl::StatusOr<v1::SeedStreamResponse> SeedStream(const v1::SeedStreamRequest& request);
   absl::StatusOr<v1::ReadConvictionsResponse> ReadConvictions(const v1::ReadConvictionsRequest& request);
   absl::StatusOr<v1::ResetStreamResponse> ResetStream(const v1::ResetStreamRequest& request);

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "absl/strings/numbers.h"
 #include "client/data_parallel.h"
+#include "client/interruption.h"
 #include "client/lobster_commands.h"
 #include "client/stream_commands.h"
 #include "client/perception_client.h"
@@ -442,7 +443,13 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
   if (command == "stream" && args.size() == 2) {
     ASSIGN_OR_RETURN(const StreamOptions options, StreamOptionsFromFlags());
     RETURN_IF_ERROR(CheckStreamOptions(options));
-    return DaemonCommand([options](PerceptionClient& client) { return StreamLobster(client, options); });
+    // Made here, before the clients' channels start their threads, which must inherit its blocked signals.
+    auto interruption = std::make_shared<Interruption>(
+        "no further events are sent; waiting for those sent to be acknowledged (again: stop waiting)",
+        "the call is cancelled");
+    return DaemonCommand([options, interruption](PerceptionClient& client) {
+      return StreamLobster(client, options, interruption.get());
+    });
   }
   if (command == "convictions" && args.size() == 2) {
     RETURN_IF_ERROR(CheckConvictionsOptions(absl::GetFlag(FLAGS_instrument), absl::GetFlag(FLAGS_out)));
@@ -559,6 +566,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
     std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                  std::string(status.message()).c_str());
+    // As the shell reports a process a signal ended, so that a script tells an operator's Ctrl-C from a failure.
+    if (const int signal = perception::client::Interruption::Received(); signal != 0) return 128 + signal;
     return 1;
   }
   return 0;

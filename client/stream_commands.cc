@@ -64,9 +64,16 @@ class Pacer {
   bool paced() const { return rate_ > 0; }
   // When the schedule sends event `sent` (paced only).
   absl::Time Due(int64_t sent) const { return start_ + absl::Seconds(static_cast<double>(sent) / rate_); }
-  void Wait(int64_t sent) const {
+  // Until the schedule sends event `sent`, or an interruption's request to stop comes first.
+  void Wait(int64_t sent, const Interruption* interruption = nullptr) const {
     if (!paced()) return;
-    if (const absl::Duration ahead = Due(sent) - absl::Now(); ahead > absl::ZeroDuration()) absl::SleepFor(ahead);
+    const absl::Duration ahead = Due(sent) - absl::Now();
+    if (ahead <= absl::ZeroDuration()) return;
+    if (interruption != nullptr) {
+      interruption->WaitForRequest(ahead);
+    } else {
+      absl::SleepFor(ahead);
+    }
   }
 
  private:
@@ -241,6 +248,31 @@ std::string SeededRerunAdvice(const StreamOptions& options, int64_t n, absl::Sta
                       "instrument (a connection that failed), it may have taken some: ");
 }
 
+// The flags of a run that carries on after seq `acked` (>= start_seq, before the last) of the `n` events used, on the
+// state the daemon holds.
+std::string ContinuationFlags(const StreamOptions& options, int64_t n, uint64_t acked) {
+  const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
+  return absl::StrCat("--first ", options.first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
+                      " --start_seq ", acked + 1, options.seed_window > 0 ? " and without --seed-window" : "");
+}
+
+// A run the first signal stopped before event `next` (0-based among the `n` used) was sent: where it stands once the
+// call ended (`finished`: OK when every event sent was acknowledged, through `acked`; CANCELLED at a second signal).
+absl::Status Interrupted(const StreamOptions& options, int64_t n, int64_t next, uint64_t acked,
+                         const absl::Status& finished) {
+  const int64_t sent = next - options.seed_window;
+  const std::string what = absl::StrCat("interrupted after ", sent, " of ", n - options.seed_window, " events");
+  if (!finished.ok()) {
+    const std::string then = absl::IsCancelled(finished) ? "the wait for their acknowledgements cancelled"
+                                                         : absl::StrCat("then ", finished.message());
+    return absl::Status(finished.code(),
+                        absl::StrCat(what, ", ", then, ResumeAdvice(options, n, acked, finished.code())));
+  }
+  if (sent == 0) return absl::CancelledError(absl::StrCat(what, ": none was sent; run the same command again"));
+  return absl::CancelledError(absl::StrCat(what, ", each acknowledged; acknowledged through seq ", acked,
+                                           " (resume with ", ContinuationFlags(options, n, acked), ")"));
+}
+
 // The StoppedResumeAdvice of a stream whose instrument the daemon lists as stopped. Asked only of a daemon that
 // answers (a stalled one would hold the question for --timeout as well).
 std::string StoppedAdvice(PerceptionClient& client, const StreamOptions& options, int64_t n, uint64_t acked,
@@ -331,14 +363,12 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         " --start_seq E",
         options.seed_window > 0 ? " and without --seed-window" : "", ")");
   }
-  // The flags of a run that carries on after the last acknowledged event, whose state the daemon holds.
-  return absl::StrCat("; acknowledged through seq ", acked, " (resume with --first ", resume_first,
-                      options.count > 0 ? absl::StrCat(" --count ", n - done) : "", " --start_seq ", acked + 1,
-                      options.seed_window > 0 ? " and without --seed-window" : "",
+  return absl::StrCat("; acknowledged through seq ", acked, " (resume with ", ContinuationFlags(options, n, acked),
                       ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0 and "
                       "its end_seq stays put for a second, where that differs: the daemon took more than it "
                       "acknowledged)");
 }
+
 
 namespace {
 
@@ -375,7 +405,7 @@ absl::Status CheckStreamOptions(const StreamOptions& options) {
   return CheckLastSeq(options.start_seq, std::max<int64_t>(options.count, 1));
 }
 
-absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options) {
+absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options, Interruption* interruption) {
   RETURN_IF_ERROR(CheckStreamOptions(options));
   ASSIGN_OR_RETURN(const LobsterData data,
                    ReadLobster(options.files.orderbook, options.files.messages, options.files.levels));
@@ -432,13 +462,15 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
         absl::MutexLock lock(&mu);
         for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
       },
-      absl::Milliseconds(daemon.streaming().ack_every_ms()));
+      absl::Milliseconds(daemon.streaming().ack_every_ms()), interruption ? &interruption->calls() : nullptr);
+  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
   // At full speed requests carry many events; paced, one event each so that each leaves on time.
   const int per_request = options.rate > 0 ? 1 : 256;
   const Pacer pacer(options.rate);
   const absl::Time start = absl::Now();
   v1::StreamRequest request;
-  for (int64_t i = options.seed_window; i < n;) {
+  int64_t i = options.seed_window;  // the next event to send
+  while (i < n && !interrupted()) {
     // The schedule sends event k (0-based) at k / rate: the request waits for the events sent before it, so that the
     // first goes at once (waiting after counting it sent event k at (k + 1) / rate).
     const int64_t sent_before = i - options.seed_window;
@@ -449,13 +481,18 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
       event.set_seq(seq_of(i));
       FillLobsterEvent(data, first + i, event);
     }
-    pacer.Wait(sent_before);
+    pacer.Wait(sent_before, interruption);
+    if (interrupted()) {
+      i -= request.events_size();  // not sent
+      break;
+    }
     if (!stream->Write(request)) break;  // the call ended early; Finish says why
   }
   absl::Status status = stream->Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;
   absl::MutexLock lock(&mu);
+  if (i < n && interrupted()) return Interrupted(options, n, i, acked, status);
   if (status.ok() && acked != seq_of(n - 1)) {
     status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
   }

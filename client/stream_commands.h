@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "client/interruption.h"
 #include "client/lobster_commands.h"
 #include "client/perception_client.h"
 
@@ -28,8 +29,10 @@ absl::Status CheckStreamOptions(const StreamOptions& options);
 // Replays the files as a live feed of one instrument, the k-th event used (0-based, seed window included) with
 // sequence number start_seq + k, and returns once the daemon acknowledged the last one; prints events/s. Refuses
 // to seed an instrument that already has events unless `reseed`. A failure says through which sequence number the
-// daemon acknowledged and the flags that resume from there.
-absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options);
+// daemon acknowledged and the flags that resume from there. `interruption`'s first signal stops the sending, the
+// events sent are waited for, and the run fails CANCELLED saying where to resume; its second cancels the call.
+absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& options,
+                           Interruption* interruption = nullptr);
 
 // Events before the resume point that seed the state of an instrument a restarted daemon no longer holds, where the
 // failed run had no --seed-window (the demo's seed).

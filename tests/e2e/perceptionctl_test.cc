@@ -1739,6 +1739,83 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
 }
 
+// Starts `command` (a perceptionctl run) on a helper thread, its pid written where `pid_file` names, and waits until
+// the daemon's one stream has processed 100 events. Returns the run and its pid.
+std::pair<std::future<CommandResult>, pid_t> StartWithPid(Daemon& daemon, const std::string& command,
+                                                         const std::filesystem::path& pid_file) {
+  std::future<CommandResult> running = std::async(
+      std::launch::async, RunCommand, absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", command));
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  pid_t pid = 0;
+  std::ifstream(pid_file) >> pid;
+  return {std::move(running), pid};
+}
+
+// Ctrl-C ended a `perceptionctl stream` at once, saying nothing of where the instrument stood. The first signal now
+// stops the sending and waits for the events sent to be acknowledged; the run exits 130 (as a shell reports an
+// interrupted command) naming the flags that resume it, and the resumed log equals one run's.
+TEST(PerceptionctlTest, AnInterruptedStreamSaysWhereToResumeAndTheResumeCompletesIt) {
+  const ScopedTempDir temp("ctl_interrupted");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const std::string stream = absl::StrCat(ctl, " stream", kLongFeed);
+  auto [running, pid] =
+      StartWithPid(**daemon, absl::StrCat(stream, " --instrument ic --count 1500 --rate 300"), temp.path() / "pid");
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  EXPECT_EQ(interrupted.exit_code, 128 + SIGINT) << interrupted.output;
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt: no further events are sent; waiting for those "
+                                            "sent to be acknowledged"));
+  const std::optional<uint64_t> acked = AcknowledgedThrough(interrupted.output);
+  ASSERT_TRUE(acked.has_value()) << interrupted.output;
+  ASSERT_GE(*acked, 100u);
+  ASSERT_LT(*acked, 1500u);
+  EXPECT_THAT(interrupted.output,
+              HasSubstr(absl::StrCat("perceptionctl: CANCELLED: interrupted after ", *acked, " of 1500 events, each "
+                                     "acknowledged; acknowledged through seq ", *acked, " (resume with --first ",
+                                     *acked, " --count ", 1500 - *acked, " --start_seq ", *acked + 1, ")")));
+  const CommandResult resumed = RunCommand(absl::StrCat(stream, " --instrument ic --first ", *acked, " --count ",
+                                                        1500 - *acked, " --start_seq ", *acked + 1));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  ASSERT_EQ(RunCommand(absl::StrCat(stream, " --instrument whole --count 1500")).exit_code, 0);
+  ExpectReplayOf(ReadLog((*daemon)->client(), "ic"), ReadLog((*daemon)->client(), "whole"), 1, 1500);
+}
+
+// A second signal stops the wait for acknowledgements (a daemon that stopped answering, here SIGSTOP): the call is
+// cancelled and the run names the acknowledged seq to resume after, and that the daemon may have taken more.
+TEST(PerceptionctlTest, ASecondInterruptCancelsTheWaitForAcknowledgements) {
+  const ScopedTempDir temp("ctl_interrupted_twice");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  auto [running, pid] = StartWithPid(
+      **daemon, absl::StrCat(ctl, " --timeout 20s stream", kLongFeed, " --instrument ic2 --count 1500 --rate 300"),
+      temp.path() / "pid");
+  ASSERT_GT(pid, 0);
+  // The daemon acknowledges 50 ms after it processes an event: by now the run has an acknowledgement.
+  absl::SleepFor(absl::Milliseconds(300));
+  (*daemon)->Signal(SIGSTOP);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_NE(running.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "waits for acknowledgements";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  (*daemon)->Signal(SIGCONT);
+  EXPECT_EQ(interrupted.exit_code, 128 + SIGINT) << interrupted.output;
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt again: the call is cancelled"));
+  EXPECT_THAT(interrupted.output, ContainsRegex("perceptionctl: CANCELLED: interrupted after [0-9]+ of 1500 events, "
+                                                "the wait for their acknowledgements cancelled; acknowledged through "
+                                                "seq [0-9]+ \\(resume with --first "));
+  EXPECT_THAT(interrupted.output, HasSubstr("the daemon took more than it acknowledged"));
+}
+
 // A device lost in the middle of a stream (--inject_device_loss_at_tick: the CPU backend records the loss as a
 // sticky CUDA error would, and a CUDA daemon's tick traps) ends the call UNAVAILABLE, naming where the instrument
 // stopped and that it must be seeded again after the restart, and the daemon drains and exits 1 for its supervisor,

@@ -1,0 +1,60 @@
+// The signal watcher of Interruption: a thread that takes the blocked signals with sigtimedwait.
+#include "client/interruption.h"
+
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+namespace perception::client {
+namespace {
+
+std::atomic<int> received_signal = 0;
+
+// How often the watcher looks whether it should stop.
+constexpr timespec kWatchPoll = {0, 100'000'000};
+
+}  // namespace
+
+Interruption::Interruption(std::string on_first, std::string on_second)
+    : on_first_(std::move(on_first)), on_second_(std::move(on_second)) {
+  sigemptyset(&signals_);
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals_, signal);
+  pthread_sigmask(SIG_BLOCK, &signals_, nullptr);
+  watcher_ = std::thread([this] { Watch(); });
+}
+
+Interruption::~Interruption() {
+  stop_ = true;
+  watcher_.join();
+}
+
+int Interruption::Received() { return received_signal; }
+
+void Interruption::Watch() {
+  for (int count = 0; !stop_;) {
+    const int signal = sigtimedwait(&signals_, nullptr, &kWatchPoll);
+    if (signal <= 0) continue;
+    ++count;
+    if (count == 1) {
+      received_signal = signal;
+      std::fprintf(stderr, "perceptionctl: %s: %s\n", strsignal(signal), on_first_.c_str());
+      requested_.Notify();
+    } else if (count == 2) {
+      std::fprintf(stderr, "perceptionctl: %s again: %s\n", strsignal(signal), on_second_.c_str());
+      calls_.Cancel();
+    } else {
+      // Unblocked in this thread alone, the signal's default action ends the process.
+      std::signal(signal, SIG_DFL);
+      sigset_t just_this;
+      sigemptyset(&just_this);
+      sigaddset(&just_this, signal);
+      pthread_sigmask(SIG_UNBLOCK, &just_this, nullptr);
+      raise(signal);
+    }
+  }
+}
+
+}  // namespace perception::client
