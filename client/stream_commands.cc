@@ -500,15 +500,12 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code()),
                                                     StoppedAdvice(client, options, n, acked, status.code())));
   }
-  std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
-              static_cast<long long>(streamed), options.instrument.c_str(),
-              static_cast<unsigned long long>(seq_of(options.seed_window)),
-              static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
   // Whatever the warning before the run foresaw (another client may read or stream the instrument too): what the
-  // log still holds of this run now.
+  // log still holds of this run now, asked before the run is reported done.
   ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> listed, FindStream(client, options.instrument));
   // Another client's CloseStream during the run: the log the daemon keeps is not this run's (what it had was
-  // dropped, and the events after the close ran from a zeroed state), where the run read as "overwritten".
+  // dropped, and the events after the close ran from a zeroed state), where the run read as "overwritten", after a
+  // line that called it "all acknowledged".
   if (!listed.has_value()) {
     return absl::DataLossError(absl::StrCat("instrument '", options.instrument, "' was closed (CloseStream) during ",
                                             "or right after the run: the daemon holds none of its convictions"));
@@ -521,6 +518,10 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
         " are gone, and those from seq ", log.first_logged, " on come from a zeroed state, not from the events "
         "before it"));
   }
+  std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
+              static_cast<long long>(streamed), options.instrument.c_str(),
+              static_cast<unsigned long long>(seq_of(options.seed_window)),
+              static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
   if (log.oldest > seq_of(options.seed_window)) {
     std::printf("its log now holds seq %llu..%llu: the convictions of seq %llu..%llu were overwritten\n",
                 static_cast<unsigned long long>(log.oldest), static_cast<unsigned long long>(log.end - 1),

@@ -1462,7 +1462,8 @@ TEST(PerceptionctlTest, AResetUnderARunningFeedIsRefusedUnlessWhileFed) {
 }
 
 // Another client's CloseStream during a run dropped the instrument's convictions so far, and the events after it ran
-// from a zeroed state: the run exited 0 saying its first convictions "were overwritten".
+// from a zeroed state: the run exited 0 saying its first convictions "were overwritten". It fails, without the line
+// of a run done ("all acknowledged") before its DATA_LOSS.
 TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
   const ScopedTempDir temp("ctl_closed_mid_run");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
@@ -1486,6 +1487,7 @@ TEST(PerceptionctlTest, AStreamWhoseInstrumentIsClosedMidRunFails) {
   EXPECT_THAT(stream.output, HasSubstr("DATA_LOSS: instrument 'cl' was closed (CloseStream) during the run and opened "
                                        "afresh by seq "));
   EXPECT_THAT(stream.output, Not(HasSubstr("were overwritten")));
+  EXPECT_THAT(stream.output, Not(HasSubstr("all acknowledged")));
 }
 
 // A daemon that acknowledges every --stream_ack_ms is not a stalled one: a paced stream's events wait that long for
