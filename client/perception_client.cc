@@ -262,8 +262,21 @@ absl::StatusOr<v1::CloseStreamResponse> PerceptionClient::CloseStream(const v1::
   return Call(&v1::Perception::Stub::CloseStream, *perception_, request, options_.timeout);
 }
 
+absl::StatusOr<v1::ListStreamsResponse> PerceptionClient::ListStreams(const v1::ListStreamsRequest& request) {
+  return Call(&v1::Perception::Stub::ListStreams, *perception_, request, options_.timeout);
+}
+
 absl::StatusOr<v1::ListStreamsResponse> PerceptionClient::ListStreams() {
-  return Call(&v1::Perception::Stub::ListStreams, *perception_, v1::ListStreamsRequest(), options_.timeout);
+  v1::ListStreamsResponse every;
+  v1::ListStreamsRequest request;
+  request.set_max_count(kListStreamsPage);
+  do {
+    absl::StatusOr<v1::ListStreamsResponse> page = ListStreams(request);
+    if (!page.ok()) return page.status();
+    for (v1::StreamInfo& stream : *page->mutable_streams()) *every.add_streams() = std::move(stream);
+    request.set_from_instrument(page->next_instrument());
+  } while (!request.from_instrument().empty());
+  return every;
 }
 
 void CallCancellation::Cancel() {

@@ -108,6 +108,11 @@ class PerceptionClient {
   absl::StatusOr<v1::ReadConvictionsResponse> ReadConvictions(const v1::ReadConvictionsRequest& request);
   absl::StatusOr<v1::ResetStreamResponse> ResetStream(const v1::ResetStreamRequest& request);
   absl::StatusOr<v1::CloseStreamResponse> CloseStream(const v1::CloseStreamRequest& request);
+  // A page of the live streams: request.max_count of them from request.from_instrument on.
+  absl::StatusOr<v1::ListStreamsResponse> ListStreams(const v1::ListStreamsRequest& request);
+  // Every live stream, asked kListStreamsPage at a time, so that no answer outgrows a receive limit (a stream opened
+  // or closed meanwhile may be listed or not).
+  static constexpr uint32_t kListStreamsPage = 10'000;
   absl::StatusOr<v1::ListStreamsResponse> ListStreams();
 
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,

@@ -89,10 +89,11 @@ double Percentile(const std::vector<double>& sorted, double q) {
 
 // The daemon's stream of `instrument` (ListStreams), if it has one.
 absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& client, const std::string& instrument) {
-  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams());
-  for (const v1::StreamInfo& stream : streams.streams()) {
-    if (stream.instrument() == instrument) return stream;
-  }
+  v1::ListStreamsRequest request;
+  request.set_from_instrument(instrument);
+  request.set_max_count(1);
+  ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams(request));
+  if (streams.streams_size() == 1 && streams.streams(0).instrument() == instrument) return streams.streams(0);
   return std::nullopt;
 }
 

@@ -38,6 +38,7 @@ absl::StatusOr<int> StreamTable::Open(const std::string& instrument) {
   s.instrument = instrument;
   s.weights_versions = std::move(weights_versions);
   by_instrument_[instrument] = slot;
+  ordered_.insert(instrument);
   return slot;
 }
 
@@ -47,6 +48,7 @@ absl::Status StreamTable::Close(const std::string& instrument) {
   Slot& s = slots_[it->second];
   s = Slot{};
   free_slots_.push_back(it->second);
+  ordered_.erase(instrument);
   by_instrument_.erase(it);
   return absl::OkStatus();
 }
@@ -193,14 +195,16 @@ absl::StatusOr<LobsterFeaturizer*> StreamTable::Featurizer(int slot, int levels)
 
 void StreamTable::ResetFeatures(int slot) { slots_[slot].featurizer.reset(); }
 
-std::vector<StreamTable::InstrumentInfo> StreamTable::List() const {
-  std::vector<InstrumentInfo> out;
-  for (const auto& [instrument, slot] : by_instrument_) {
+StreamTable::InstrumentPage StreamTable::List(absl::string_view from, size_t max_count) const {
+  InstrumentPage page;
+  auto it = ordered_.lower_bound(from);
+  for (; it != ordered_.end() && page.instruments.size() < max_count; ++it) {
+    const int slot = by_instrument_.at(*it);
     const Slot& s = slots_[slot];
-    out.push_back({instrument, slot, finished(slot), s.unfinished, s.last_accepted, NextSeq(slot)});
+    page.instruments.push_back({*it, slot, finished(slot), s.unfinished, s.last_accepted, NextSeq(slot)});
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.instrument < b.instrument; });
-  return out;
+  if (it != ordered_.end()) page.next = *it;
+  return page;
 }
 
 }  // namespace perception

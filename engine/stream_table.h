@@ -8,7 +8,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/lobster.h"
 
 namespace perception {
@@ -110,7 +112,13 @@ class StreamTable {
     std::optional<uint64_t> last_seq;  // last accepted sequence number
     std::optional<uint64_t> next_seq;  // NextSeq
   };
-  std::vector<InstrumentInfo> List() const;
+  // At most `max_count` instruments, in byte order of their ids from `from` on (inclusive), and the id that follows
+  // the last listed (nullopt at the end): work in proportion to the count, not to the streams open.
+  struct InstrumentPage {
+    std::vector<InstrumentInfo> instruments;
+    std::optional<std::string> next;
+  };
+  InstrumentPage List(absl::string_view from, size_t max_count) const;
 
  private:
   struct Slot {
@@ -129,6 +137,7 @@ class StreamTable {
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;  // a stack: the most recently freed slot is reused first
   std::unordered_map<std::string, int> by_instrument_;
+  absl::btree_set<std::string> ordered_;  // by_instrument_'s ids in byte order, for List's pages
   int64_t log_entries_;
   uint64_t overwritten_total_ = 0;
 };

@@ -344,10 +344,10 @@ grpc::Status PerceptionService::CloseStream(grpc::ServerContext* context, const 
   });
 }
 
-grpc::Status PerceptionService::ListStreams(grpc::ServerContext*, const v1::ListStreamsRequest*,
+grpc::Status PerceptionService::ListStreams(grpc::ServerContext*, const v1::ListStreamsRequest* request,
                                             v1::ListStreamsResponse* response) {
   return Answer("ListStreams", [&] {
-    *response = streams_.List();
+    *response = streams_.List(*request);
     return absl::OkStatus();
   }, WhileDraining::kAnswered);
 }

@@ -985,25 +985,36 @@ absl::StatusOr<uint64_t> StreamBatcher::Close(const std::string& instrument,
   }, caller);
 }
 
-v1::ListStreamsResponse StreamBatcher::List() const {
-  absl::MutexLock lock(&mu_);
+v1::ListStreamsResponse StreamBatcher::List(const v1::ListStreamsRequest& request) const {
   v1::ListStreamsResponse response;
-  for (const StreamTable::InstrumentInfo& info : table_.List()) {
-    v1::StreamInfo& stream = *response.add_streams();
-    stream.set_instrument(info.instrument);
-    stream.set_slot(info.slot);
-    stream.set_processed_events(info.finished);
-    stream.set_pending_events(queues_[info.slot].events.size() + info.unfinished);
-    if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
-    if (info.next_seq.has_value()) stream.set_next_seq(*info.next_seq);
-    stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
-    stream.set_seeding(queues_[info.slot].seeding);
-    if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
-      stream.set_end_seq(range->next_seq);
-      stream.set_oldest_retained_seq(range->oldest_retained_seq);
-    }
+  const size_t wanted = request.max_count() > 0 ? request.max_count() : SIZE_MAX;
+  std::optional<std::string> from = request.from_instrument();
+  while (from.has_value() && static_cast<size_t>(response.streams_size()) < wanted) {
+    absl::MutexLock lock(&mu_);
+    StreamTable::InstrumentPage page =
+        table_.List(*from, std::min(kListChunk, wanted - static_cast<size_t>(response.streams_size())));
+    for (const StreamTable::InstrumentInfo& info : page.instruments) AddStreamInfoLocked(info, response);
+    from = std::move(page.next);
   }
+  if (from.has_value()) response.set_next_instrument(*from);
   return response;
+}
+
+void StreamBatcher::AddStreamInfoLocked(const StreamTable::InstrumentInfo& info,
+                                        v1::ListStreamsResponse& response) const {
+  v1::StreamInfo& stream = *response.add_streams();
+  stream.set_instrument(info.instrument);
+  stream.set_slot(info.slot);
+  stream.set_processed_events(info.finished);
+  stream.set_pending_events(queues_[info.slot].events.size() + info.unfinished);
+  if (info.last_seq.has_value()) stream.set_last_accepted_seq(*info.last_seq);
+  if (info.next_seq.has_value()) stream.set_next_seq(*info.next_seq);
+  stream.set_stopped(std::string(queues_[info.slot].stopped.message()));
+  stream.set_seeding(queues_[info.slot].seeding);
+  if (absl::StatusOr<StreamTable::LogRange> range = table_.Range(info.slot, UINT64_MAX, 0); range.ok()) {
+    stream.set_end_seq(range->next_seq);
+    stream.set_oldest_retained_seq(range->oldest_retained_seq);
+  }
 }
 
 void StreamBatcher::StopFeeding(const StreamSink* sink) {

@@ -23,6 +23,11 @@ void AppendFinished(StreamTable& table, int slot, uint64_t weights_version) {
   ASSERT_TRUE(table.TickFinished(slot).ok());
 }
 
+// Every instrument the table lists, in byte order of their ids.
+std::vector<StreamTable::InstrumentInfo> Listed(const StreamTable& table) {
+  return table.List("", SIZE_MAX).instruments;
+}
+
 TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
   StreamTable table(2, 4);
   EXPECT_EQ(*table.Open("AAPL"), 0);
@@ -34,8 +39,40 @@ TEST(StreamTableTest, SlotsAreAssignedReusedAndBounded) {
   ASSERT_TRUE(table.Close("AAPL").ok());
   EXPECT_EQ(*table.Open("MSFT"), 0);
   EXPECT_EQ(table.Close("AAPL").code(), absl::StatusCode::kNotFound);
-  ASSERT_EQ(table.List().size(), 2u);
-  EXPECT_EQ(table.List()[0].instrument, "AMZN");
+  ASSERT_EQ(Listed(table).size(), 2u);
+  EXPECT_EQ(Listed(table)[0].instrument, "AMZN");
+}
+
+// ListStreams' pages: from an id on (inclusive, whether or not it has a stream), at most a count, and the id that
+// follows the last listed.
+TEST(StreamTableTest, ListsAPageFromAnIdOnInByteOrder) {
+  StreamTable table(8, 2);
+  for (const char* instrument : {"c", "a", "e", "B", "b", "d"}) ASSERT_TRUE(table.Open(instrument).ok());
+  const auto ids = [](const StreamTable::InstrumentPage& page) {
+    std::vector<std::string> listed;
+    for (const StreamTable::InstrumentInfo& info : page.instruments) listed.push_back(info.instrument);
+    return listed;
+  };
+  StreamTable::InstrumentPage page = table.List("", 2);
+  EXPECT_EQ(ids(page), (std::vector<std::string>{"B", "a"}));  // byte order: upper case first
+  EXPECT_EQ(page.next, "b");
+  page = table.List(*page.next, 3);
+  EXPECT_EQ(ids(page), (std::vector<std::string>{"b", "c", "d"}));
+  EXPECT_EQ(page.next, "e");
+  page = table.List(*page.next, 3);
+  EXPECT_EQ(ids(page), (std::vector<std::string>{"e"}));
+  EXPECT_FALSE(page.next.has_value());
+  page = table.List("bb", 2);
+  EXPECT_EQ(ids(page), (std::vector<std::string>{"c", "d"}));
+  EXPECT_EQ(page.next, "e");
+  EXPECT_EQ(page.instruments[0].slot, *table.SlotOf("c"));
+  EXPECT_TRUE(table.List("z", 3).instruments.empty());
+  EXPECT_FALSE(table.List("z", 3).next.has_value());
+  // A closed instrument leaves the order; one opened again joins it.
+  ASSERT_TRUE(table.Close("c").ok());
+  EXPECT_EQ(ids(table.List("b", 2)), (std::vector<std::string>{"b", "d"}));
+  ASSERT_TRUE(table.Open("c").ok());
+  EXPECT_EQ(ids(table.List("b", 2)), (std::vector<std::string>{"b", "c"}));
 }
 
 TEST(StreamTableTest, SequenceNumbersMustBeContiguous) {
@@ -268,16 +305,16 @@ TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirT
   EXPECT_EQ(r->first_seq, 20u);
   EXPECT_EQ(r->count, 2);
   EXPECT_EQ(r->next_seq, 22u);
-  ASSERT_EQ(table.List().size(), 1u);
-  EXPECT_EQ(table.List()[0].finished, 2u);
-  EXPECT_EQ(table.List()[0].unfinished, 3u);
+  ASSERT_EQ(Listed(table).size(), 1u);
+  EXPECT_EQ(Listed(table)[0].finished, 2u);
+  EXPECT_EQ(Listed(table)[0].unfinished, 3u);
 
   table.DropFrom(slot, 3);  // 23 went non-finite: 22 is still running, 23 and 24 leave
   EXPECT_EQ(table.finished(slot), 2u);
-  EXPECT_EQ(table.List()[0].unfinished, 1u);
+  EXPECT_EQ(Listed(table)[0].unfinished, 1u);
   ASSERT_TRUE(table.TickFinished(slot).ok());
   EXPECT_EQ(table.Range(slot, 0, 10)->next_seq, 23u);
-  EXPECT_EQ(table.List()[0].unfinished, 0u);
+  EXPECT_EQ(Listed(table)[0].unfinished, 0u);
   // A tick told finished twice is a broken invariant of the caller's, reported, not a count gone negative.
   const absl::Status twice = table.TickFinished(slot);
   EXPECT_EQ(twice.code(), absl::StatusCode::kInternal);
@@ -288,7 +325,7 @@ TEST(StreamTableTest, EntriesOfUnfinishedTicksAreNeitherReadNorListedUntilTheirT
   table.Append(slot, 2);
   table.DropFrom(slot, 1);  // into the finished entries: everything from 21 leaves, nothing is left unfinished
   EXPECT_EQ(table.finished(slot), 1u);
-  EXPECT_EQ(table.List()[0].unfinished, 0u);
+  EXPECT_EQ(Listed(table)[0].unfinished, 0u);
   EXPECT_EQ(table.Range(slot, 0, 10)->next_seq, 21u);
 }
 

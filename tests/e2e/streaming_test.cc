@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -1172,6 +1173,51 @@ TEST_F(StreamingTest, PerceptionctlStreamConvictionsAndBench) {
                                                    " --instrument PAST --first 900 --count 100"));
   EXPECT_EQ(too_many.exit_code, 1);
   EXPECT_THAT(too_many.output, HasSubstr("--first 900 --count 100 reaches past the end: the files hold only 999"));
+}
+
+// ListStreams answered every stream in one message, built (and sorted) under the lock every event waits for. It now
+// answers a page from an id on, naming where the next starts; the client's whole list and `perceptionctl streams`
+// page through it (10,000 a page).
+TEST_F(StreamingTest, ListStreamsAnswersAPageAndNamesTheNext) {
+  constexpr int kInstruments = 10'001;
+  StartDaemon({absl::StrCat("--stream_slots=", kInstruments), "--stream_log_entries=100000"});
+  ASSERT_TRUE(client().InitModel(TinyInitRequest(5)).ok());
+  const ModelConfig config = TinyConfig();
+  const testing::RandomBatch series = testing::MakeRandomBatch(config, 1, 1, 8);
+  std::vector<v1::StreamRequest> requests(1);
+  for (int i = 0; i < kInstruments; ++i) {
+    *requests[0].add_events() = FeatureEvent(series, config.n_features, 0, absl::StrFormat("i%05d", i), 1);
+  }
+  ASSERT_TRUE(StreamAll(client(), requests).ok());
+
+  v1::ListStreamsRequest request;
+  request.set_max_count(2);
+  absl::StatusOr<v1::ListStreamsResponse> page = client().ListStreams(request);
+  ASSERT_TRUE(page.ok()) << page.status();
+  ASSERT_EQ(page->streams_size(), 2);
+  EXPECT_EQ(page->streams(0).instrument(), "i00000");
+  EXPECT_EQ(page->streams(1).instrument(), "i00001");
+  EXPECT_EQ(page->streams(1).processed_events(), 1u);
+  EXPECT_EQ(page->next_instrument(), "i00002");
+  // From an id that has no stream: the next one on.
+  request.set_from_instrument("i09998x");
+  request.set_max_count(0);
+  page = client().ListStreams(request);
+  ASSERT_TRUE(page.ok()) << page.status();
+  ASSERT_EQ(page->streams_size(), 2);
+  EXPECT_EQ(page->streams(0).instrument(), "i09999");
+  EXPECT_EQ(page->streams(1).instrument(), "i10000");
+  EXPECT_EQ(page->next_instrument(), "") << "the list is complete";
+
+  absl::StatusOr<v1::ListStreamsResponse> every = client().ListStreams();
+  ASSERT_TRUE(every.ok()) << every.status();
+  ASSERT_EQ(every->streams_size(), kInstruments);
+  for (int i = 0; i < kInstruments; ++i) ASSERT_EQ(every->streams(i).instrument(), absl::StrFormat("i%05d", i));
+  const CommandResult listed = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon_->target(), " streams"));
+  ASSERT_EQ(listed.exit_code, 0) << listed.output.substr(0, 1000);
+  const std::vector<std::string> lines = absl::StrSplit(listed.output, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), kInstruments + 1u) << "a header, then a line a stream";
+  EXPECT_THAT(lines.back(), ::testing::StartsWith("i10000 "));
 }
 
 }  // namespace
