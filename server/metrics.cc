@@ -343,6 +343,15 @@ ServerMetrics::ServerMetrics()
                                  "instrument), payload (LOBSTER rows and feature vectors mixed on one instrument), "
                                  "call_ended (read after the call's failure, a refused event or the drain).")
                            .Register(*registry_)),
+      stream_dropped_(prometheus::BuildCounter()
+                          .Name("perception_stream_events_dropped_total")
+                          .Help("Streamed events accepted and then dropped unprocessed, no conviction logged, by "
+                                "reason: failed_tick (a tick the device failed, or streaming that could not start: "
+                                "the events of its instruments in it and queued behind it), nonfinite_output (an "
+                                "output that was not finite: the event and its instrument's later ones). Each call "
+                                "that sent them was told where its instruments resume; events a drain drops at the "
+                                "exit are in the log alone.")
+                          .Register(*registry_)),
       stream_weights_version_(prometheus::BuildGauge()
                                   .Name("perception_stream_weights_version")
                                   .Help("Weights version of the published copy streaming reads; 0 before streaming.")
@@ -354,6 +363,7 @@ ServerMetrics::ServerMetrics()
     rejected_.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(code))}});
   }
   for (const std::string_view reason : kStreamRejectReasons) stream_rejected_.Add({{"reason", std::string(reason)}});
+  for (const std::string_view reason : kStreamDropReasons) stream_dropped_.Add({{"reason", std::string(reason)}});
 }
 
 void ServerMetrics::ObserveStreamTick(int instruments, double seconds) {
@@ -377,6 +387,10 @@ void ServerMetrics::RejectStreamEvent(std::string_view reason) {
 }
 
 void ServerMetrics::ObserveNonFiniteStream() { nonfinite_streams_.Increment(); }
+
+void ServerMetrics::DropStreamEvents(std::string_view reason, int64_t events) {
+  stream_dropped_.Add({{"reason", std::string(reason)}}).Increment(static_cast<double>(events));
+}
 
 void ServerMetrics::AddConvictionsOverwritten(uint64_t entries) {
   if (entries > 0) convictions_overwritten_.Increment(static_cast<double>(entries));

@@ -22,6 +22,10 @@ inline constexpr std::array<std::string_view, 13> kStreamRejectReasons = {
     "instrument", "sequence", "features", "book",    "exchange_time", "capacity",  "model_change",
     "stopped",    "no_model", "empty",    "seeding", "payload",       "call_ended"};
 
+// What perception_stream_events_dropped_total counts by, each series from 0: a tick the device failed (or streaming
+// that could not start), and an output that was not finite (the event and its instrument's later ones).
+inline constexpr std::array<std::string_view, 2> kStreamDropReasons = {"failed_tick", "nonfinite_output"};
+
 // Thread-safe: every method may be called from any thread.
 class ServerMetrics {
  public:
@@ -61,6 +65,8 @@ class ServerMetrics {
   void AddConvictionsOverwritten(uint64_t entries);
   // An instrument stopped because the model's output for one of its events was not finite.
   void ObserveNonFiniteStream();
+  // Accepted events dropped unprocessed, by reason: one of kStreamDropReasons.
+  void DropStreamEvents(std::string_view reason, int64_t events);
   // A ReadConvictions refused (OUT_OF_RANGE) because the entries it asked for had been overwritten: a client lost
   // convictions it had not read.
   void ObserveOverwrittenRead();
@@ -119,6 +125,7 @@ class ServerMetrics {
   prometheus::Counter& overwritten_reads_;
   prometheus::Counter& nonfinite_streams_;
   prometheus::Family<prometheus::Counter>& stream_rejected_;
+  prometheus::Family<prometheus::Counter>& stream_dropped_;
   prometheus::Gauge& stream_weights_version_;
 };
 

@@ -541,6 +541,7 @@ void StreamBatcher::StopFailedStreams(const absl::Status& cause, bool device_con
                           static_cast<int64_t>(events.size())});
     });
   }
+  metrics_.DropStreamEvents("failed_tick", static_cast<int64_t>(failed.size()));
   if (options_.before_failure_notices) options_.before_failure_notices();
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
 }
@@ -575,6 +576,7 @@ void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found)
       table_.DropFrom(output.slot, output.entry);
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
+    metrics_.DropStreamEvents("nonfinite_output", static_cast<int64_t>(dropped_.size()));
     ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
       const std::string stopped = NameInstruments(
           events, table_.capacity(), " ", [&](const Notice& event) { return queues_[event.slot].stopped.message(); },

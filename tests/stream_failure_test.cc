@@ -266,6 +266,8 @@ TEST_F(StreamFailureTest, AFailedTickStopsItsInstrumentsUntilResetAndSkipsNoEven
   EXPECT_THAT(failed.status.error_message(), HasSubstr("4 events of this call were not processed: 'A' from seq 4, "
                                                        "'B' from seq 2"));
   EXPECT_TRUE(failed.acked.empty()) << "nothing of the call was processed";
+  EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"failed_tick\"}"), 4);
+  EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"nonfinite_output\"}"), 0);
 
   std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();
   EXPECT_EQ(streams["A"].processed_events(), 3u);
@@ -401,6 +403,9 @@ TEST_F(StreamFailureTest, AnOutputFoundNotFiniteAsATickFailsStopsItsInstrumentWh
   EXPECT_THAT(failed.status.error_message(), HasSubstr("2 events of this call were not processed. instrument 'A' "
                                                        "stopped at seq 3: the model's output"));
   EXPECT_THAT(failed.status.error_message(), Not(HasSubstr("seq 4")));
+  // Each dropped event counted once, under the stop that dropped it.
+  EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"nonfinite_output\"}"), 2);
+  EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"failed_tick\"}"), 0);
   EXPECT_EQ(failed.acked.count("A"), 0u);
   EXPECT_EQ(failed.acked.at("B"), 1u);
   std::map<std::string, v1::StreamInfo> streams = daemon_.Streams();

@@ -95,6 +95,9 @@ class StreamNonFiniteTest : public ::testing::Test {
     EXPECT_EQ(daemon_.Metric("perception_stream_nonfinite_outputs_total"), 1);
     EXPECT_EQ(daemon_.Metric("perception_stream_events_total"), 4) << "A's first event and B's three, not those dropped";
     EXPECT_EQ(daemon_.Metric("perception_stream_event_latency_seconds_count"), 4);
+    EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"nonfinite_output\"}"), 3)
+        << "A's seq 2 to 4";
+    EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"failed_tick\"}"), 0);
 
     const StreamOutcome refused = daemon_.Stream({{Event("A", 4, 5)}});
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);

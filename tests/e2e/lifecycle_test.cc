@@ -1124,6 +1124,10 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
     EXPECT_EQ(Sample(*idle, absl::StrCat("perception_stream_events_rejected_total{reason=\"", reason, "\"}")), 0)
         << reason;
   }
+  for (const std::string reason : {"failed_tick", "nonfinite_output"}) {
+    EXPECT_EQ(Sample(*idle, absl::StrCat("perception_stream_events_dropped_total{reason=\"", reason, "\"}")), 0)
+        << reason;
+  }
   EXPECT_EQ(Sample(*idle, "perception_convictions_lost_reads_total"), 0);
   // The worker clears a job's start once the job has answered, so a scrape right after InitModel may still see it.
   EXPECT_LT(Sample(*idle, "perception_device_job_seconds"), 1.0) << "no job has run long on an idle device";
