@@ -16,6 +16,16 @@ std::atomic<int> received_signal = 0;
 // How often the watcher looks whether it should stop.
 constexpr timespec kWatchPoll = {0, 100'000'000};
 
+// The signal's default action, in the calling thread: the process ends as if nothing had blocked it.
+void DieBy(int signal) {
+  std::signal(signal, SIG_DFL);
+  sigset_t just_this;
+  sigemptyset(&just_this);
+  sigaddset(&just_this, signal);
+  pthread_sigmask(SIG_UNBLOCK, &just_this, nullptr);
+  raise(signal);
+}
+
 }  // namespace
 
 Interruption::Interruption(std::string on_first, std::string on_second)
@@ -31,28 +41,22 @@ Interruption::~Interruption() {
   watcher_.join();
 }
 
-int Interruption::Received() { return received_signal; }
+void Interruption::EndByTheSignalReceived() {
+  if (const int signal = received_signal; signal != 0) DieBy(signal);
+}
 
 void Interruption::Watch() {
   for (int count = 0; !stop_;) {
     const int signal = sigtimedwait(&signals_, nullptr, &kWatchPoll);
     if (signal <= 0) continue;
-    ++count;
+    if (!armed_ || ++count > 2) DieBy(signal);
     if (count == 1) {
       received_signal = signal;
       std::fprintf(stderr, "perceptionctl: %s: %s\n", strsignal(signal), on_first_.c_str());
       requested_.Notify();
-    } else if (count == 2) {
+    } else {
       std::fprintf(stderr, "perceptionctl: %s again: %s\n", strsignal(signal), on_second_.c_str());
       calls_.Cancel();
-    } else {
-      // Unblocked in this thread alone, the signal's default action ends the process.
-      std::signal(signal, SIG_DFL);
-      sigset_t just_this;
-      sigemptyset(&just_this);
-      sigaddset(&just_this, signal);
-      pthread_sigmask(SIG_UNBLOCK, &just_this, nullptr);
-      raise(signal);
     }
   }
 }

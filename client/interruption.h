@@ -1,5 +1,5 @@
-// Ctrl-C for a command that stops where it can say how to resume: the first SIGINT, SIGTERM or SIGHUP asks it to
-// stop, a second cancels its calls, a third ends the process as the signal would have.
+// Ctrl-C for a command that stops where it can say how to resume: once armed, the first SIGINT, SIGTERM or SIGHUP
+// asks it to stop, a second cancels its calls, a third ends the process as the signal would have.
 #pragma once
 
 #include <signal.h>
@@ -17,27 +17,33 @@ namespace perception::client {
 class Interruption {
  public:
   // Blocks the signals in the calling thread, and so in every thread started after it: construct it before any other
-  // thread starts (the gRPC channel's). `on_first` and `on_second` go to stderr as each signal comes.
+  // thread starts (the gRPC channel's). Until Arm, a signal ends the process as it would have without this.
+  // `on_first` and `on_second` go to stderr as each signal comes.
   Interruption(std::string on_first, std::string on_second);
   ~Interruption();
   Interruption(const Interruption&) = delete;
   Interruption& operator=(const Interruption&) = delete;
 
+  // From here on the command stops where it can (its stream's sending); before, there is nothing it could report.
+  void Arm() { armed_ = true; }
   // Whether the first signal came; WaitForRequest waits up to `timeout` for it.
   bool Requested() const { return requested_.HasBeenNotified(); }
   bool WaitForRequest(absl::Duration timeout) const { return requested_.WaitForNotificationWithTimeout(timeout); }
   // The calls the second signal cancels.
   CallCancellation& calls() { return calls_; }
 
-  // The first signal's number, 0 before any: process-wide, so that main can exit 128 + it, as the shell reports a
-  // process the signal ended.
-  static int Received();
+  // Where a signal interrupted the command (0: none did), the process then ends by that signal, as the shell expects
+  // of an interrupted command: a script run by bash stops at a child that a SIGINT ended, and goes on after one that
+  // exited (exit 130 ran the script's next command). Called once the command has said where it stopped.
+  static void EndByTheSignalReceived();
 
  private:
+  // The watcher thread: takes the blocked signals one by one (sigtimedwait, so that it can stop).
   void Watch();
 
   const std::string on_first_, on_second_;
   sigset_t signals_;
+  std::atomic<bool> armed_ = false;
   absl::Notification requested_;
   CallCancellation calls_;
   std::atomic<bool> stop_ = false;

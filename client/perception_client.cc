@@ -240,9 +240,9 @@ std::unique_ptr<EventStream> PerceptionClient::OpenStream(std::function<void(con
                                                      " past the daemon's acknowledgement interval, ",
                                                      absl::FormatDuration(ack_every))
                                       : "--timeout";
+  const absl::Duration ack_timeout = options_.timeout + (acks_wait ? ack_every : absl::ZeroDuration());
   return std::unique_ptr<EventStream>(
-      new EventStream(*perception_, std::move(on_ack), options_.timeout + (acks_wait ? ack_every : absl::ZeroDuration()),
-                      limit, cancellation));
+      new EventStream(*perception_, std::move(on_ack), ack_timeout, limit, cancellation));
 }
 
 absl::StatusOr<v1::SeedStreamResponse> PerceptionClient::SeedStream(const v1::SeedStreamRequest& request) {
@@ -273,6 +273,13 @@ absl::StatusOr<v1::ListStreamsResponse> PerceptionClient::ListStreams() {
   do {
     absl::StatusOr<v1::ListStreamsResponse> page = ListStreams(request);
     if (!page.ok()) return page.status();
+    // A page must move on, or the loop would ask for it forever.
+    if (!page->next_instrument().empty() &&
+        (page->streams().empty() || page->next_instrument() <= page->streams().rbegin()->instrument())) {
+      return absl::InternalError(absl::StrCat("ListStreams from '", request.from_instrument(), "' answered ",
+                                              page->streams_size(), " streams and a next page from '",
+                                              page->next_instrument(), "', which does not follow them"));
+    }
     for (v1::StreamInfo& stream : *page->mutable_streams()) *every.add_streams() = std::move(stream);
     request.set_from_instrument(page->next_instrument());
   } while (!request.from_instrument().empty());

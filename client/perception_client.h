@@ -42,7 +42,8 @@ class EventStream {
 
  private:
   friend class PerceptionClient;
-  // `ack_timeout`: how long owed acknowledgements may be waited for; `limit` names where it comes from.
+  // `ack_timeout`: how long owed acknowledgements may be waited for; `limit` names where it comes from;
+  // `cancellation` (may be null) cancels the call from another thread (perceptionctl stream's second Ctrl-C).
   EventStream(v1::Perception::Stub& stub, std::function<void(const v1::StreamResponse&)> on_ack,
               absl::Duration ack_timeout, std::string limit, CallCancellation* cancellation);
 

@@ -562,13 +562,11 @@ int main(int argc, char** argv) {
   perception::KeepFreedHostMemoryForReuse();  // train and eval serialize megabytes a request
   absl::SetProgramUsageMessage(perception::client::kUsage);
   const absl::Status status = perception::client::Run(perception::ParseArguments(argc, argv));
+  std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
   if (!status.ok()) {
-    std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
     std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                  std::string(status.message()).c_str());
-    // As the shell reports a process a signal ended, so that a script tells an operator's Ctrl-C from a failure.
-    if (const int signal = perception::client::Interruption::Received(); signal != 0) return 128 + signal;
-    return 1;
   }
-  return 0;
+  perception::client::Interruption::EndByTheSignalReceived();
+  return status.ok() ? 0 : 1;
 }

@@ -93,7 +93,10 @@ absl::StatusOr<std::optional<v1::StreamInfo>> FindStream(PerceptionClient& clien
   request.set_from_instrument(instrument);
   request.set_max_count(1);
   ASSIGN_OR_RETURN(const v1::ListStreamsResponse streams, client.ListStreams(request));
-  if (streams.streams_size() == 1 && streams.streams(0).instrument() == instrument) return streams.streams(0);
+  // (A daemon from before ListStreams' pages answers every stream.)
+  for (const v1::StreamInfo& stream : streams.streams()) {
+    if (stream.instrument() == instrument) return stream;
+  }
   return std::nullopt;
 }
 
@@ -257,21 +260,13 @@ std::string ContinuationFlags(const StreamOptions& options, int64_t n, uint64_t 
                       " --start_seq ", acked + 1, options.seed_window > 0 ? " and without --seed-window" : "");
 }
 
-// A run the first signal stopped before event `next` (0-based among the `n` used) was sent: where it stands once the
-// call ended (`finished`: OK when every event sent was acknowledged, through `acked`; CANCELLED at a second signal).
-absl::Status Interrupted(const StreamOptions& options, int64_t n, int64_t next, uint64_t acked,
-                         const absl::Status& finished) {
-  const int64_t sent = next - options.seed_window;
-  const std::string what = absl::StrCat("interrupted after ", sent, " of ", n - options.seed_window, " events");
-  if (!finished.ok()) {
-    const std::string then = absl::IsCancelled(finished) ? "the wait for their acknowledgements cancelled"
-                                                         : absl::StrCat("then ", finished.message());
-    return absl::Status(finished.code(),
-                        absl::StrCat(what, ", ", then, ResumeAdvice(options, n, acked, finished.code())));
-  }
-  if (sent == 0) return absl::CancelledError(absl::StrCat(what, ": none was sent; run the same command again"));
-  return absl::CancelledError(absl::StrCat(what, ", each acknowledged; acknowledged through seq ", acked,
-                                           " (resume with ", ContinuationFlags(options, n, acked), ")"));
+// How far a run the first signal stopped got (`sent` of its `streamed` events), and, where its call did not end well
+// (`finished`), what ended it: CANCELLED at a second signal.
+std::string InterruptedAfter(int64_t sent, int64_t streamed, const absl::Status& finished) {
+  const std::string what = absl::StrCat("interrupted after ", sent, " of ", streamed, " events");
+  if (finished.ok()) return what;
+  if (absl::IsCancelled(finished)) return absl::StrCat(what, ", the wait for their acknowledgements cancelled");
+  return absl::StrCat(what, ", then ", finished.message());
 }
 
 // The StoppedResumeAdvice of a stream whose instrument the daemon lists as stopped. Asked only of a daemon that
@@ -471,6 +466,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   const absl::Time start = absl::Now();
   v1::StreamRequest request;
   int64_t i = options.seed_window;  // the next event to send
+  if (interruption != nullptr) interruption->Arm();
   while (i < n && !interrupted()) {
     // The schedule sends event k (0-based) at k / rate: the request waits for the events sent before it, so that the
     // first goes at once (waiting after counting it sent event k at (k + 1) / rate).
@@ -493,13 +489,21 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;
   absl::MutexLock lock(&mu);
-  if (i < n && interrupted()) return Interrupted(options, n, i, acked, status);
-  if (status.ok() && acked != seq_of(n - 1)) {
-    status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(n - 1)));
+  // Interrupted, the events sent, [seed_window, end), are checked as a whole run's would be.
+  const bool cut = i < n && interrupted();
+  const int64_t end = cut ? i : n;
+  if (cut && end == options.seed_window && status.ok()) {
+    return absl::CancelledError("interrupted before any event was sent: run the same command again");
   }
+  if (status.ok() && acked != seq_of(end - 1)) {
+    status = absl::DataLossError(absl::StrCat("the daemon acknowledged up to seq ", acked, " of ", seq_of(end - 1)));
+  }
+  const std::string interrupted_after = cut ? InterruptedAfter(end - options.seed_window, streamed, status) : "";
   if (!status.ok()) {
-    return absl::Status(status.code(), absl::StrCat(status.message(), ResumeAdvice(options, n, acked, status.code()),
-                                                    StoppedAdvice(client, options, n, acked, status.code())));
+    return absl::Status(status.code(),
+                        absl::StrCat(cut ? interrupted_after : status.message(),
+                                     ResumeAdvice(options, n, acked, status.code()),
+                                     StoppedAdvice(client, options, n, acked, status.code())));
   }
   // Whatever the warning before the run foresaw (another client may read or stream the instrument too): what the
   // log still holds of this run now, asked before the run is reported done.
@@ -519,15 +523,21 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
         " are gone, and those from seq ", log.first_logged, " on come from a zeroed state, not from the events "
         "before it"));
   }
-  std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
-              static_cast<long long>(streamed), options.instrument.c_str(),
-              static_cast<unsigned long long>(seq_of(options.seed_window)),
-              static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
+  if (!cut) {
+    std::printf("streamed %lld events of %s (seq %llu..%llu) in %.3f s: %.0f events/s; all acknowledged\n",
+                static_cast<long long>(streamed), options.instrument.c_str(),
+                static_cast<unsigned long long>(seq_of(options.seed_window)),
+                static_cast<unsigned long long>(seq_of(n - 1)), seconds, streamed / std::max(seconds, 1e-9));
+  }
   if (log.oldest > seq_of(options.seed_window)) {
     std::printf("its log now holds seq %llu..%llu: the convictions of seq %llu..%llu were overwritten\n",
                 static_cast<unsigned long long>(log.oldest), static_cast<unsigned long long>(log.end - 1),
                 static_cast<unsigned long long>(seq_of(options.seed_window)),
-                static_cast<unsigned long long>(std::min(log.oldest - 1, seq_of(n - 1))));
+                static_cast<unsigned long long>(std::min(log.oldest - 1, seq_of(end - 1))));
+  }
+  if (cut) {
+    return absl::CancelledError(absl::StrCat(interrupted_after, ", each acknowledged; acknowledged through seq ", acked,
+                                             " (resume with ", ContinuationFlags(options, n, acked), ")"));
   }
   return absl::OkStatus();
 }

@@ -11,7 +11,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -220,13 +219,14 @@ absl::Status CheckWaitFlags() {
           absl::StrCat("--", name, " must be 0 (none) or positive, got ", absl::FormatDuration(wait)));
     }
   }
-  for (const auto& [name, wait, infinite] :
-       {std::tuple{"device_stall_timeout", absl::GetFlag(FLAGS_device_stall_timeout), "no watch"},
-        std::tuple{"keepalive_time", absl::GetFlag(FLAGS_keepalive_time), "no pings"}}) {
-    if (wait <= absl::ZeroDuration()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, " must be positive (inf: ", infinite, "), got ", absl::FormatDuration(wait)));
-    }
+  if (const absl::Duration stall = absl::GetFlag(FLAGS_device_stall_timeout); stall <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device_stall_timeout must be positive (inf: no watch), got ",
+                                                   absl::FormatDuration(stall)));
+  }
+  // gRPC takes whole milliseconds: 500us would have been 0.
+  if (const absl::Duration time = absl::GetFlag(FLAGS_keepalive_time); time < absl::Milliseconds(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--keepalive_time must be at least 1ms (inf: no pings), got ", absl::FormatDuration(time)));
   }
   if (const absl::Duration timeout = absl::GetFlag(FLAGS_keepalive_timeout);
       timeout < absl::Milliseconds(1) || timeout == absl::InfiniteDuration()) {

@@ -209,6 +209,7 @@ CommandResult RunCommand(const std::string& command) {
   for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), pipe)) > 0;) result.output.append(chunk.data(), n);
   const int status = ::pclose(pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.ended_by_signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   return result;
 }
 

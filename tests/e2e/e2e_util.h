@@ -79,7 +79,8 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 
 // Runs a shell command; its exit code and everything it printed (stdout and stderr).
 struct CommandResult {
-  int exit_code = -1;
+  int exit_code = -1;       // -1 where it did not exit (a signal ended it, or it could not start)
+  int ended_by_signal = 0;  // the signal that ended it, if one did
   std::string output;
 };
 CommandResult RunCommand(const std::string& command);

@@ -1201,19 +1201,22 @@ TEST_F(StreamingTest, ListStreamsAnswersAPageAndNamesTheNext) {
   EXPECT_EQ(page->next_instrument(), "i00002");
   // From an id that has no stream: the next one on.
   request.set_from_instrument("i09998x");
-  request.set_max_count(0);
-  page = client().ListStreams(request);
-  ASSERT_TRUE(page.ok()) << page.status();
-  ASSERT_EQ(page->streams_size(), 2);
-  EXPECT_EQ(page->streams(0).instrument(), "i09999");
-  EXPECT_EQ(page->streams(1).instrument(), "i10000");
-  EXPECT_EQ(page->next_instrument(), "") << "the list is complete";
+  for (const int max_count : {0, 2, 3}) {  // every one, exactly those left, more
+    request.set_max_count(max_count);
+    page = client().ListStreams(request);
+    ASSERT_TRUE(page.ok()) << page.status();
+    ASSERT_EQ(page->streams_size(), 2) << max_count;
+    EXPECT_EQ(page->streams(0).instrument(), "i09999");
+    EXPECT_EQ(page->streams(1).instrument(), "i10000");
+    EXPECT_EQ(page->next_instrument(), "") << max_count << ": the list is complete";
+  }
 
   absl::StatusOr<v1::ListStreamsResponse> every = client().ListStreams();
   ASSERT_TRUE(every.ok()) << every.status();
   ASSERT_EQ(every->streams_size(), kInstruments);
   for (int i = 0; i < kInstruments; ++i) ASSERT_EQ(every->streams(i).instrument(), absl::StrFormat("i%05d", i));
-  const CommandResult listed = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon_->target(), " streams"));
+  const CommandResult listed =
+      RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon_->target(), " streams"));
   ASSERT_EQ(listed.exit_code, 0) << listed.output.substr(0, 1000);
   const std::vector<std::string> lines = absl::StrSplit(listed.output, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), kInstruments + 1u) << "a header, then a line a stream";

@@ -11,8 +11,8 @@
 
 namespace perception::v1 {
 
-// The longest instrument id any streaming call takes: every live id is in ListStreams' one answer, which must stay
-// far below the message limit however many slots there are.
+// The longest instrument id any streaming call takes, so that a ListStreams page of a few thousand streams stays far
+// below gRPC's default 4 MiB receive limit.
 inline constexpr size_t kMaxInstrumentIdBytes = 256;
 
 // Every streaming call names its instrument with 1 to kMaxInstrumentIdBytes bytes, none of them a control character:
