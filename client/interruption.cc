@@ -31,7 +31,13 @@ void DieBy(int signal) {
 Interruption::Interruption(std::string on_first, std::string on_second)
     : on_first_(std::move(on_first)), on_second_(std::move(on_second)) {
   sigemptyset(&signals_);
-  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals_, signal);
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    // One the caller ignores (nohup, a shell's background job) stays ignored: blocked, it would be queued all the
+    // same, and taken here.
+    struct sigaction action = {};
+    if (sigaction(signal, nullptr, &action) == 0 && action.sa_handler == SIG_IGN) continue;
+    sigaddset(&signals_, signal);
+  }
   pthread_sigmask(SIG_BLOCK, &signals_, nullptr);
   watcher_ = std::thread([this] { Watch(); });
 }
@@ -52,6 +58,9 @@ void Interruption::Watch() {
     if (!armed_ || ++count > 2) DieBy(signal);
     if (count == 1) {
       received_signal = signal;
+      // A pipeline's other commands take the same Ctrl-C: writing to a pipe they closed must fail, not end the
+      // process before it says where the run stopped.
+      std::signal(SIGPIPE, SIG_IGN);
       std::fprintf(stderr, "perceptionctl: %s: %s\n", strsignal(signal), on_first_.c_str());
       requested_.Notify();
     } else {

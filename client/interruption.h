@@ -1,5 +1,6 @@
 // Ctrl-C for a command that stops where it can say how to resume: once armed, the first SIGINT, SIGTERM or SIGHUP
-// asks it to stop, a second cancels its calls, a third ends the process as the signal would have.
+// asks it to stop, a second cancels its calls, a third ends the process as the signal would have. Signals the caller
+// ignores stay ignored.
 #pragma once
 
 #include <signal.h>
@@ -34,7 +35,8 @@ class Interruption {
 
   // Where a signal interrupted the command (0: none did), the process then ends by that signal, as the shell expects
   // of an interrupted command: a script run by bash stops at a child that a SIGINT ended, and goes on after one that
-  // exited (exit 130 ran the script's next command). Called once the command has said where it stopped.
+  // exited (exit 130 ran the script's next command). Called once the command has said where it stopped, and only
+  // where it did stop: one that finished its work all the same exits as it would have.
   static void EndByTheSignalReceived();
 
  private:

@@ -567,6 +567,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                  std::string(status.message()).c_str());
   }
+  if (status.ok()) return 0;
   perception::client::Interruption::EndByTheSignalReceived();
-  return status.ok() ? 0 : 1;
+  return 1;
 }

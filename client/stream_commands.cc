@@ -252,12 +252,19 @@ std::string SeededRerunAdvice(const StreamOptions& options, int64_t n, absl::Sta
                       "instrument (a connection that failed), it may have taken some: ");
 }
 
+// What a resume on the state the daemon holds leaves out of this run's flags: its seed (--reseed without a
+// --seed-window is refused).
+std::string WithoutSeedFlags(const StreamOptions& options) {
+  if (options.seed_window == 0) return "";
+  return options.reseed ? " and without --seed-window and --reseed" : " and without --seed-window";
+}
+
 // The flags of a run that carries on after seq `acked` (>= start_seq, before the last) of the `n` events used, on the
 // state the daemon holds.
 std::string ContinuationFlags(const StreamOptions& options, int64_t n, uint64_t acked) {
   const int64_t done = static_cast<int64_t>(acked - options.start_seq) + 1;
   return absl::StrCat("--first ", options.first + done, options.count > 0 ? absl::StrCat(" --count ", n - done) : "",
-                      " --start_seq ", acked + 1, options.seed_window > 0 ? " and without --seed-window" : "");
+                      " --start_seq ", acked + 1, WithoutSeedFlags(options));
 }
 
 // How far a run the first signal stopped got (`sent` of its `streamed` events), and, where its call did not end well
@@ -330,7 +337,7 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
         options.count > 0 ? absl::StrCat(" --count ", n - options.seed_window, " - (E - ", first_streamed,
                                           ") (where that is 0, nothing is left)")
                           : "",
-        " --start_seq E", options.seed_window > 0 ? " and without --seed-window" : "",
+        " --start_seq E", WithoutSeedFlags(options),
         "; where it is not listed, or listed with end_seq 0 (", options.seed_window > 0 ? "the seed opened it, " : "",
         "no event processed), the daemon took none: run the same command again)");
   }
@@ -357,7 +364,7 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                                           "is left)")
                           : "",
         " --start_seq E",
-        options.seed_window > 0 ? " and without --seed-window" : "", ")");
+        WithoutSeedFlags(options), ")");
   }
   return absl::StrCat("; acknowledged through seq ", acked, " (resume with ", ContinuationFlags(options, n, acked),
                       ", or from the instrument's end_seq in `perceptionctl streams`, once its pending reads 0 and "
@@ -466,8 +473,9 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   const absl::Time start = absl::Now();
   v1::StreamRequest request;
   int64_t i = options.seed_window;  // the next event to send
+  bool cut = false;                 // the first signal stopped the sending before event i
   if (interruption != nullptr) interruption->Arm();
-  while (i < n && !interrupted()) {
+  while (i < n && !(cut = interrupted())) {
     // The schedule sends event k (0-based) at k / rate: the request waits for the events sent before it, so that the
     // first goes at once (waiting after counting it sent event k at (k + 1) / rate).
     const int64_t sent_before = i - options.seed_window;
@@ -479,18 +487,17 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
       FillLobsterEvent(data, first + i, event);
     }
     pacer.Wait(sent_before, interruption);
-    if (interrupted()) {
-      i -= request.events_size();  // not sent
+    // Not sent: the signal came, or the call ended early (Finish says why).
+    if ((cut = interrupted()) || !stream->Write(request)) {
+      i -= request.events_size();
       break;
     }
-    if (!stream->Write(request)) break;  // the call ended early; Finish says why
   }
   absl::Status status = stream->Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;
   absl::MutexLock lock(&mu);
   // Interrupted, the events sent, [seed_window, end), are checked as a whole run's would be.
-  const bool cut = i < n && interrupted();
   const int64_t end = cut ? i : n;
   if (cut && end == options.seed_window && status.ok()) {
     return absl::CancelledError("interrupted before any event was sent: run the same command again");

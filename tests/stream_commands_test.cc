@@ -89,6 +89,12 @@ TEST(ResumeAdvice, AfterASeedAndNoAcknowledgementSaysToRunTheCommandAgain) {
                         "daemon took none: run the same command again)"));
   EXPECT_THAT(ResumeAdvice(seeded, 50, 1030, absl::StatusCode::kInternal),
               HasSubstr("(resume with --first 130 --count 20 --start_seq 1031 and without --seed-window, or from"));
+  // --reseed goes with the seed: kept alone, it is refused ("--reseed applies to --seed-window N").
+  seeded.reseed = true;
+  EXPECT_THAT(ResumeAdvice(seeded, 50, 1030, absl::StatusCode::kInternal),
+              HasSubstr("--start_seq 1031 and without --seed-window and --reseed, or from"));
+  EXPECT_THAT(ResumeAdvice(seeded, 50, 0, absl::StatusCode::kDeadlineExceeded),
+              HasSubstr("--start_seq E and without --seed-window and --reseed; where"));
 }
 
 // A continuation (events 100..149 as seq 1001..1050) refused UNAVAILABLE before the daemon took any (it was

@@ -1741,12 +1741,11 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
 }
 
-// Starts `command` (a perceptionctl run) on a helper thread, its pid written where `pid_file` names, and waits until
-// the daemon's one stream has processed 100 events. Returns the run and its pid.
-std::pair<std::future<CommandResult>, pid_t> StartWithPid(Daemon& daemon, const std::string& command,
-                                                         const std::filesystem::path& pid_file) {
-  std::future<CommandResult> running = std::async(
-      std::launch::async, RunCommand, absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", command));
+// `shell_line` run on a helper thread, once the daemon's one stream has processed 100 events: the run, and the pid
+// its line wrote where `pid_file` names.
+std::pair<std::future<CommandResult>, pid_t> StartOnceStreaming(Daemon& daemon, const std::string& shell_line,
+                                                               const std::filesystem::path& pid_file) {
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand, shell_line);
   for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
        ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
     absl::SleepFor(absl::Milliseconds(5));
@@ -1754,6 +1753,12 @@ std::pair<std::future<CommandResult>, pid_t> StartWithPid(Daemon& daemon, const 
   pid_t pid = 0;
   std::ifstream(pid_file) >> pid;
   return {std::move(running), pid};
+}
+
+// `command` (a perceptionctl run) as StartOnceStreaming runs it, its own pid the one written.
+std::pair<std::future<CommandResult>, pid_t> StartWithPid(Daemon& daemon, const std::string& command,
+                                                         const std::filesystem::path& pid_file) {
+  return StartOnceStreaming(daemon, absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", command), pid_file);
 }
 
 // Ctrl-C ended a `perceptionctl stream` at once, saying nothing of where the instrument stood. The first signal now
@@ -1839,13 +1844,59 @@ TEST(PerceptionctlTest, AnInterruptBeforeTheSendingEndsTheRunAtOnce) {
     std::ifstream(temp.path() / "pid") >> pid;
   }
   ASSERT_GT(pid, 0);
-  absl::SleepFor(absl::Milliseconds(500));  // into the wait
+  absl::SleepFor(absl::Milliseconds(1500));  // into the wait, past the start even under a sanitizer
   const absl::Time signalled = absl::Now();
   ASSERT_EQ(::kill(pid, SIGINT), 0);
   const CommandResult ended = running.get();
   EXPECT_LT(absl::Now() - signalled, absl::Seconds(5));
   EXPECT_EQ(ended.ended_by_signal, SIGINT) << ended.exit_code << ": " << ended.output;
   EXPECT_THAT(ended.output, Not(HasSubstr("no further events are sent")));
+}
+
+// A signal the caller ignores (nohup; a shell's background job ignores SIGINT) stays ignored: the run streams on.
+TEST(PerceptionctlTest, AnIgnoredSignalDoesNotInterruptTheStream) {
+  const ScopedTempDir temp("ctl_interrupt_ignored");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  auto [running, pid] = StartWithPid(
+      **daemon, absl::StrCat("bash -c \"trap '' INT HUP; exec ", ctl, " stream", kLongFeed, " --instrument ig --count "
+                             "600 --rate 300\""),
+      temp.path() / "pid");
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  ASSERT_EQ(::kill(pid, SIGHUP), 0);
+  const CommandResult run = running.get();
+  EXPECT_EQ(run.exit_code, 0) << run.ended_by_signal << ": " << run.output;
+  EXPECT_THAT(run.output, HasSubstr("streamed 600 events of ig (seq 1..600)"));
+  EXPECT_THAT(run.output, Not(HasSubstr("Interrupt")));
+}
+
+// The Ctrl-C that stops a run also ends the pipeline's other commands: perceptionctl's last output to the closed pipe
+// ended it by SIGPIPE before it said where the run stopped.
+TEST(PerceptionctlTest, AnInterruptedStreamWhoseStdoutPipeClosedStillSaysWhereToResume) {
+  const ScopedTempDir temp("ctl_interrupt_pipe");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 1")).exit_code, 0);
+  const std::filesystem::path errors = temp.path() / "stderr.txt";
+  // Its "seeded ..." line waits in stdout's buffer while the pipe's reader exits after a second.
+  const std::filesystem::path pid_file = temp.path() / "pid";
+  auto [running, pid] = StartOnceStreaming(
+      **daemon, absl::StrCat("sh -c 'echo $$ > ", pid_file.string(), "; exec ", ctl, " stream", kLongFeed,
+                             " --instrument pi --count 1500 --seed-window 20 --rate 300 2> ", errors.string(),
+                             "' | sleep 1"),
+      pid_file);
+  ASSERT_GT(pid, 0);
+  absl::SleepFor(absl::Seconds(2));
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  (void)running.get();
+  std::string said;
+  std::getline(std::ifstream(errors), said, '\0');
+  EXPECT_THAT(said, HasSubstr("perceptionctl: CANCELLED: interrupted after "));
+  EXPECT_THAT(said, HasSubstr(" and without --seed-window)"));
 }
 
 // A device lost in the middle of a stream (--inject_device_loss_at_tick: the CPU backend records the loss as a
