@@ -577,6 +577,18 @@ sockaddr_in Loopback(int port) {
   return address;
 }
 
+// A socket listening on a free loopback port, for one connection; the port goes to `port`.
+int ListenOnLoopback(int& port) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address = Loopback(0);
+  socklen_t size = sizeof(address);
+  EXPECT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+  EXPECT_EQ(::listen(listener, 1), 0);
+  EXPECT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &size), 0);
+  port = ntohs(address.sin_port);
+  return listener;
+}
+
 // The daemon's gRPC port, which a relay forwards to.
 int PortOf(const Daemon& daemon) { return std::stoi(daemon.target().substr(daemon.target().rfind(':') + 1)); }
 
@@ -587,13 +599,7 @@ int PortOf(const Daemon& daemon) { return std::stoi(daemon.target().substr(daemo
 class SlowChattyLink {
  public:
   SlowChattyLink(int upstream_port, int rate) : rate_(rate) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address = Loopback(0);
-    socklen_t size = sizeof(address);
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
-    EXPECT_EQ(::listen(listener_, 1), 0);
-    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &size), 0);
-    port_ = ntohs(address.sin_port);
+    listener_ = ListenOnLoopback(port_);
     accepter_ = std::thread([this, upstream_port] { Relay(upstream_port); });
   }
   ~SlowChattyLink() {
@@ -695,13 +701,7 @@ class SlowChattyLink {
 class FreezableLink {
  public:
   explicit FreezableLink(int upstream_port) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address = Loopback(0);
-    socklen_t size = sizeof(address);
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
-    EXPECT_EQ(::listen(listener_, 1), 0);
-    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &size), 0);
-    port_ = ntohs(address.sin_port);
+    listener_ = ListenOnLoopback(port_);
     accepter_ = std::thread([this, upstream_port] { Relay(upstream_port); });
   }
   ~FreezableLink() {
