@@ -563,11 +563,9 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(perception::client::kUsage);
   const absl::Status status = perception::client::Run(perception::ParseArguments(argc, argv));
   std::fflush(stdout);  // what was printed before the failure comes first even when both go to one pipe
-  if (!status.ok()) {
-    std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
-                 std::string(status.message()).c_str());
-  }
   if (status.ok()) return 0;
+  std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
   perception::client::Interruption::EndByTheSignalReceived();
   return 1;
 }

@@ -372,7 +372,6 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
                       "acknowledged)");
 }
 
-
 namespace {
 
 // --instrument as the daemon would take it (an id it refuses was sent, and the refusal's advice was to run the same

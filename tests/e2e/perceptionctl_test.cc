@@ -1424,6 +1424,14 @@ TEST(PerceptionctlTest, AStreamThatStopsItsInstrumentSaysToResetItBeforeResuming
                                        "well"));
 }
 
+// Until the daemon's one stream has processed 100 events (at most 20 s).
+void WaitUntilTheOnlyStreamProcessed100(Daemon& daemon) {
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+}
+
 // `perceptionctl stream` of `instrument` (1,500 events of kLongFeed at 300 a second: slowly enough for a daemon under
 // ThreadSanitizer to keep up, so that its queue is mostly empty between two events), once the daemon has processed
 // 100 of them; its result once it ends.
@@ -1431,10 +1439,7 @@ std::future<CommandResult> StartPacedFeed(Daemon& daemon, const std::string& ctl
   std::future<CommandResult> running = std::async(
       std::launch::async, RunCommand,
       absl::StrCat(ctl, " stream", kLongFeed, " --instrument ", instrument, " --count 1500 --rate 300"));
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
-       ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  WaitUntilTheOnlyStreamProcessed100(daemon);
   return running;
 }
 
@@ -1746,10 +1751,7 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
 std::pair<std::future<CommandResult>, pid_t> StartOnceStreaming(Daemon& daemon, const std::string& shell_line,
                                                                const std::filesystem::path& pid_file) {
   std::future<CommandResult> running = std::async(std::launch::async, RunCommand, shell_line);
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
-       ProcessedByTheOnlyStream(daemon) < 100 && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  WaitUntilTheOnlyStreamProcessed100(daemon);
   pid_t pid = 0;
   std::ifstream(pid_file) >> pid;
   return {std::move(running), pid};
