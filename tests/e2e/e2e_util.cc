@@ -31,6 +31,15 @@ namespace {
 constexpr int kStartAttempts = 3;
 constexpr absl::Duration kStartTimeout = absl::Seconds(20);
 
+// A shell starts its background jobs (`e2e_tests &`, as the CUDA host's sharded runs do) with SIGINT ignored, and
+// every command the tests start would inherit that: perceptionctl leaves an ignored signal alone, as it should, so
+// the tests that interrupt it need SIGINT at its default in this process, before any command starts.
+const bool kInterruptAtItsDefault = [] {
+  struct sigaction action = {};
+  if (sigaction(SIGINT, nullptr, &action) == 0 && action.sa_handler == SIG_IGN) std::signal(SIGINT, SIG_DFL);
+  return true;
+}();
+
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& arguments, const std::filesystem::path& log_path) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
