@@ -108,11 +108,17 @@ absl::Status CheckTargets(std::span<const v1::GetStatusResponse> statuses, std::
   return CheckRanks(statuses, targets);
 }
 
-ShardedBatches::ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank)
-    : world_size_(world_size), per_rank_(per_rank), sample_(std::move(sample)) {}
+ShardedBatches::ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank,
+                               absl::AnyInvocable<bool()> stop)
+    : world_size_(world_size), per_rank_(per_rank), sample_(std::move(sample)), stop_(std::move(stop)) {}
 
-void ShardedBatches::Shard(int step, int rank, v1::Batch& out) {
+bool ShardedBatches::Shard(int step, int rank, v1::Batch& out) {
   absl::MutexLock lock(&mu_);
+  // Decided under the lock the sampling takes: a rank behind the others still gets every batch they got, and none
+  // gets one more, so that a data-parallel job's ranks stop at one step (else one would wait in a collective its
+  // peers never join, until the job aborts).
+  stopped_ = stopped_ || (stop_ != nullptr && stop_());
+  if (stopped_ && step >= sampled_) return false;
   while (sampled_ <= step) {
     Pending& next = pending_[sampled_++];
     if (!spare_.empty()) {
@@ -128,19 +134,24 @@ void ShardedBatches::Shard(int step, int rank, v1::Batch& out) {
     spare_.push_back(std::move(it->second.batch));
     pending_.erase(it);
   }
+  return true;
 }
 
 absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
-                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response) {
-  CallCancellation cancellation;
+                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response,
+                        CallCancellation* cancellation_from_caller) {
+  CallCancellation own_cancellation;
+  CallCancellation& cancellation = cancellation_from_caller != nullptr ? *cancellation_from_caller : own_cancellation;
   absl::Mutex mu;
   std::optional<size_t> first_failure;  // guarded by mu
+  bool cancelled_by_caller = false;     // guarded by mu: the first failure came of the caller's Cancel
   std::vector<absl::Status> results(ranks.size());
   std::vector<std::thread> threads;
   for (size_t r = 0; r < ranks.size(); ++r) {
     threads.emplace_back([&, r] {
       results[r] = ranks[r]->Train(
-          steps, [&](int step, v1::TrainStepRequest& request) { batches.Shard(step, r, *request.mutable_batch()); },
+          steps,
+          [&](int step, v1::TrainStepRequest& request) { return batches.Shard(step, r, *request.mutable_batch()); },
           [&](const v1::TrainStepResponse& response) {
             if (r == 0) on_rank0_response(response);
           },
@@ -149,16 +160,21 @@ absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, Sha
       absl::MutexLock lock(&mu);
       if (!first_failure) {
         first_failure = r;
+        cancelled_by_caller = cancellation.cancelled();
         cancellation.Cancel();
       }
     });
   }
   for (std::thread& thread : threads) thread.join();
   if (!first_failure) return absl::OkStatus();
-  const absl::Status& failed = results[*first_failure];
+  // Cancelled by the caller, every rank's call ended alike, whichever came first: rank 0's answers are the run's.
+  const size_t reported = cancelled_by_caller && !results[0].ok() ? 0 : *first_failure;
+  const absl::Status& failed = results[reported];
   if (ranks.size() == 1) return failed;
-  return absl::Status(failed.code(), absl::StrCat("rank ", *first_failure, " (", ranks[*first_failure]->target(),
-                                                  "): ", failed.message(), " (the other ranks' streams were stopped)"));
+  return absl::Status(failed.code(), absl::StrCat("rank ", reported, " (", ranks[reported]->target(), "): ",
+                                                  failed.message(),
+                                                  cancelled_by_caller ? " (every rank's call was cancelled)"
+                                                                      : " (the other ranks' streams were stopped)"));
 }
 
 }  // namespace perception::client

@@ -35,11 +35,14 @@ absl::Status CheckTargets(std::span<const v1::GetStatusResponse> statuses, std::
 class ShardedBatches {
  public:
   // `sample` fills the next global batch of world_size · per_rank windows, overwriting whatever the batch it is given
-  // holds (one every rank has taken, whose storage is used again).
-  ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank);
+  // holds (one every rank has taken, whose storage is used again). Once `stop` (if given) answers true, no global
+  // batch is sampled past those sampled already, which every rank still gets: the ranks stop at the same step.
+  ShardedBatches(absl::AnyInvocable<void(Batch&)> sample, int world_size, int per_rank,
+                 absl::AnyInvocable<bool()> stop = nullptr);
 
-  // Rank `rank`'s slice of global batch `step` (0-based); each rank asks for each step once.
-  void Shard(int step, int rank, v1::Batch& out);
+  // Rank `rank`'s slice of global batch `step` (0-based), false where the run stops before that step; each rank asks
+  // for each step once, in order.
+  bool Shard(int step, int rank, v1::Batch& out);
 
  private:
   struct Pending {
@@ -49,18 +52,22 @@ class ShardedBatches {
   const int world_size_, per_rank_;
   absl::Mutex mu_;
   absl::AnyInvocable<void(Batch&)> sample_ ABSL_GUARDED_BY(mu_);
+  absl::AnyInvocable<bool()> stop_ ABSL_GUARDED_BY(mu_);
   int sampled_ ABSL_GUARDED_BY(mu_) = 0;  // global batches sampled so far
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;  // `stop` answered true: sampled_ is the run's last step count
   std::map<int, Pending> pending_ ABSL_GUARDED_BY(mu_);
   // Global batches every rank has taken, sampled into again: a fresh one faulted in megabytes of new pages each step.
   std::vector<Batch> spare_ ABSL_GUARDED_BY(mu_);
 };
 
-// Streams `steps` steps to every rank at once (rank r trains on its slices of `batches`), one Train stream per rank
-// on its own thread; `on_rank0_response` sees rank 0's responses (every rank reports the global batch's loss). The
-// first rank to fail cancels the other ranks' streams, so a dead or failing rank ends the run at once instead of
-// leaving the others waiting on it; the status is that rank's failure, prefixed "rank R (target): " when there are
-// several ranks.
+// Streams `steps` steps to every rank at once (rank r trains on its slices of `batches`, fewer steps where they stop),
+// one Train stream per rank on its own thread; `on_rank0_response` sees rank 0's responses (every rank reports the
+// global batch's loss). The first rank to fail cancels the other ranks' streams, so a dead or failing rank ends the
+// run at once instead of leaving the others waiting on it; so does `cancellation` (if given) when it is cancelled, and
+// a failing rank cancels it too (it stays cancelled). The status is the first failure (rank 0's where the caller
+// cancelled), prefixed "rank R (target): " when there are several ranks.
 absl::Status TrainRanks(std::span<PerceptionClient* const> ranks, int steps, ShardedBatches& batches,
-                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response);
+                        absl::FunctionRef<void(const v1::TrainStepResponse&)> on_rank0_response,
+                        CallCancellation* cancellation = nullptr);
 
 }  // namespace perception::client

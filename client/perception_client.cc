@@ -292,6 +292,11 @@ void CallCancellation::Cancel() {
   for (grpc::ClientContext* call : calls_) call->TryCancel();
 }
 
+bool CallCancellation::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
 void CallCancellation::Register(grpc::ClientContext* context) {
   absl::MutexLock lock(&mu_);
   calls_.insert(context);
@@ -303,7 +308,7 @@ void CallCancellation::Unregister(grpc::ClientContext* context) {
   calls_.erase(context);
 }
 
-absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
+absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<bool(int, v1::TrainStepRequest&)> next_batch,
                                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
                                      CallCancellation* cancellation) {
   grpc::ClientContext context;
@@ -326,8 +331,7 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
       mu.LockWhen(absl::Condition(&may_send));
       const bool stop = reading_done;
       mu.Unlock();
-      if (stop) break;
-      next_batch(i, request);
+      if (stop || !next_batch(i, request)) break;
       watchdog.Owe(1);
       if (!stream->Write(request)) break;  // the stream has ended; Finish says why
     }
@@ -348,8 +352,12 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<void(int, v1::
     reading_done = true;
   }
   writer.join();
-  const absl::Status finished = watchdog.Explain(FromGrpc(stream->Finish()));
+  absl::Status finished = watchdog.Explain(FromGrpc(stream->Finish()));
   if (finished.ok()) return finished;
+  // gRPC's message for a call this side cancelled is the code's name alone.
+  if (absl::IsCancelled(finished) && cancellation != nullptr && cancellation->cancelled()) {
+    finished = absl::CancelledError("the call was cancelled");
+  }
   return absl::Status(finished.code(),
                       absl::StrCat(finished.message(), "; ",
                                    StepAfterFailedTrain(last_answered_step, finished.code())));

@@ -63,6 +63,7 @@ class EventStream {
 class CallCancellation {
  public:
   void Cancel();
+  bool cancelled() const;
 
  private:
   friend class PerceptionClient;
@@ -70,7 +71,7 @@ class CallCancellation {
   void Register(grpc::ClientContext* context);
   void Unregister(grpc::ClientContext* context);
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
 };
@@ -117,13 +118,14 @@ class PerceptionClient {
   absl::StatusOr<v1::ListStreamsResponse> ListStreams();
 
   // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
-  // at most kTrainAhead batches ahead of the responses; `on_response` sees each step's response, in order, on the
-  // calling thread. Returns the stream's status: OK once every step is answered, else the first failure's
-  // (CANCELLED when `cancellation` was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout
-  // while steps were outstanding), its message ending with the model's step as GetStatus reads it after the stream
-  // ended, beside the last response's: steps running when a stream ends are applied without a response.
+  // at most kTrainAhead batches ahead of the responses, or answers false to end the stream before step i (the steps
+  // sent are still answered); `on_response` sees each step's response, in order, on the calling thread. Returns the
+  // stream's status: OK once every step sent is answered, else the first failure's (CANCELLED when `cancellation`
+  // was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout while steps were outstanding), its
+  // message ending with the model's step as GetStatus reads it after the stream ended, beside the last response's:
+  // steps running when a stream ends are applied without a response.
   static constexpr int kTrainAhead = 4;
-  absl::Status Train(int steps, absl::FunctionRef<void(int, v1::TrainStepRequest&)> next_batch,
+  absl::Status Train(int steps, absl::FunctionRef<bool(int, v1::TrainStepRequest&)> next_batch,
                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
                      CallCancellation* cancellation = nullptr);
 

@@ -112,7 +112,11 @@ TEST_F(AppliedFailedStepTest, AFailedTrainStreamReportsTheModelsStep) {
   client::PerceptionClient client(daemon_.target(), {.timeout = absl::Seconds(60)});
   std::vector<int64_t> answered;
   const absl::Status trained = client.Train(
-      4, [&](int i, v1::TrainStepRequest& request) { request = Request(10 + i); },
+      4,
+      [&](int i, v1::TrainStepRequest& request) {
+        request = Request(10 + i);
+        return true;
+      },
       [&](const v1::TrainStepResponse& response) { answered.push_back(response.step()); });
   EXPECT_EQ(trained.code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(answered, std::vector<int64_t>{1});

@@ -202,6 +202,30 @@ TEST(ShardedBatches, AGlobalBatchEveryRankTookIsSampledIntoAgain) {
   EXPECT_NE(storage[2], storage[1]);
 }
 
+// A stop (perceptionctl train's Ctrl-C) takes every rank to the same step: the ranks ahead get nothing past the
+// global batches sampled when it came, the ranks behind still get every one of those. Had each rank stopped where it
+// stood, a data-parallel job's ranks would part at different steps, one of them waiting in a collective its peers
+// never join until the job aborts.
+TEST(ShardedBatches, AStopTakesEveryRankToTheSameStep) {
+  int sampled = 0;
+  bool stop = false;
+  ShardedBatches batches([&](Batch& global) { global = NumberedBatch(sampled++, 2 * 2); }, 2, 2, [&] { return stop; });
+  v1::Batch shard;
+  for (int step = 0; step < 5; ++step) ASSERT_TRUE(batches.Shard(step, 0, shard));
+  for (int step = 0; step < 2; ++step) ASSERT_TRUE(batches.Shard(step, 1, shard));
+  stop = true;
+  // The rank behind asks first: it is not stopped where it stands.
+  for (int step = 2; step < 5; ++step) {
+    ASSERT_TRUE(batches.Shard(step, 1, shard)) << step;
+    EXPECT_EQ(shard.dt(0), static_cast<float>(step * 1000 + 2)) << "rank 1's windows of global batch " << step;
+  }
+  EXPECT_FALSE(batches.Shard(5, 1, shard));
+  EXPECT_FALSE(batches.Shard(5, 0, shard));
+  stop = false;  // a stop holds once decided: the steps already left out stay out
+  EXPECT_FALSE(batches.Shard(5, 0, shard));
+  EXPECT_EQ(sampled, 5);
+}
+
 v1::GetStatusResponse RankStatus(int rank, int world_size, int64_t step) {
   v1::GetStatusResponse status;
   status.mutable_data_parallel()->set_rank(rank);

@@ -47,6 +47,7 @@ TEST(ConcurrencyTest, EightClientsTrainAndEvaluateAtOnce) {
           kStreamSteps,
           [&](int i, v1::TrainStepRequest& request) {
             request = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 1000 * t + i), config);
+            return true;
           },
           [&](const v1::TrainStepResponse& response) { steps.push_back(response.step()); });
       if (!streamed.ok()) fail(streamed);

@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <future>
@@ -21,6 +22,7 @@
 #include "client/data_parallel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "engine/param_layout.h"
+#include "engine/status_macros.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/lobster_samples.h"
 
@@ -157,33 +159,50 @@ TEST(DataParallelTest, TargetsMustBeOneJobsRanksToTrainOrSave) {
   EXPECT_THAT(other.output, HasSubstr("--targets applies to status, init, train and checkpoint save|load"));
 }
 
-// Two plain daemons driven as two ranks by the client's TrainRanks (on the CPU there is no NCCL job, so each trains
-// on its own slices alone, which is all the client's side needs): killing rank 1 mid-run ends the run within seconds
+// Random global batches of `ranks` times the model's batch, for ShardedBatches to cut.
+absl::AnyInvocable<void(Batch&)> RandomGlobalBatches(const v1::ModelConfig& config, int ranks, Rng& rng) {
+  return [&rng, n = ranks * config.batch(), T = config.window(), F = config.n_features(),
+          H = config.horizons_size()](Batch& global) {
+    global = Batch{n, T, F, H, {}, {}, {}, {}};
+    for (int i = 0; i < n * T * F; ++i) global.x.push_back(static_cast<float>(rng.Uniform(-1, 1)));
+    for (int i = 0; i < n * T; ++i) global.dt.push_back(static_cast<float>(rng.Uniform(0, 1)));
+    for (int i = 0; i < n * T * H; ++i) {
+      global.labels.push_back(rng.Uniform() < 0.5 ? 1.f : 0.f);
+      global.mask.push_back(1.f);
+    }
+  };
+}
+
+// Two plain daemons, each with the same tiny model (batch 2, window 8), for the client's TrainRanks to drive as two
+// ranks: on the CPU there is no NCCL job, so each trains on its own slices alone, which is all the client's side needs.
+struct PlainRanks {
+  std::unique_ptr<Daemon> rank0, rank1;
+  v1::ModelConfig config;
+  std::vector<client::PerceptionClient*> clients() const { return {&rank0->client(), &rank1->client()}; }
+};
+
+absl::StatusOr<PlainRanks> StartTwoPlainRanks(const ScopedTempDir& dir0, const ScopedTempDir& dir1) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Daemon> rank0, Daemon::Start(dir0.path()));
+  ASSIGN_OR_RETURN(std::unique_ptr<Daemon> rank1, Daemon::Start(dir1.path()));
+  const CommandResult init = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --targets=", rank0->target(), ",",
+                                                     rank1->target(), " init --config tiny --batch 2 --window 8"));
+  if (init.exit_code != 0) return absl::InternalError(absl::StrCat("init failed: ", init.output));
+  ASSIGN_OR_RETURN(const v1::GetStatusResponse status, rank0->client().GetStatus());
+  return PlainRanks{std::move(rank0), std::move(rank1), status.model().config()};
+}
+
+// Two plain daemons driven as two ranks by the client's TrainRanks: killing rank 1 mid-run ends the run within seconds
 // with rank 1's error and rank 0's stream cancelled, instead of rank 0 training on until its million steps are done
 // (or, in a real job, waiting on its dead peer).
 TEST(DataParallelTest, ARankThatDiesStopsTheOtherRanksStreams) {
   const ScopedTempDir temp0("dp-kill-a"), temp1("dp-kill-b");
-  absl::StatusOr<std::unique_ptr<Daemon>> a = Daemon::Start(temp0.path()), b = Daemon::Start(temp1.path());
-  ASSERT_TRUE(a.ok() && b.ok());
-  const CommandResult init = RunCommand(absl::StrCat(PERCEPTIONCTL_PATH, " --targets=", (*a)->target(), ",",
-                                                     (*b)->target(), " init --config tiny --batch 2 --window 8"));
-  ASSERT_EQ(init.exit_code, 0) << init.output;
-  const v1::ModelConfig config = (*a)->client().GetStatus()->model().config();
-  const int per_rank = config.batch(), T = config.window(), F = config.n_features(), H = config.horizons_size();
+  const absl::StatusOr<PlainRanks> job = StartTwoPlainRanks(temp0, temp1);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Daemon &a = *job->rank0, &b = *job->rank1;
   Rng rng(7);
-  client::ShardedBatches batches(
-      [&](Batch& global) {
-        global = Batch{2 * per_rank, T, F, H, {}, {}, {}, {}};
-        for (int i = 0; i < 2 * per_rank * T * F; ++i) global.x.push_back(static_cast<float>(rng.Uniform(-1, 1)));
-        for (int i = 0; i < 2 * per_rank * T; ++i) global.dt.push_back(static_cast<float>(rng.Uniform(0, 1)));
-        for (int i = 0; i < 2 * per_rank * T * H; ++i) {
-          global.labels.push_back(rng.Uniform() < 0.5 ? 1.f : 0.f);
-          global.mask.push_back(1.f);
-        }
-      },
-      2, per_rank);
+  client::ShardedBatches batches(RandomGlobalBatches(job->config, 2, rng), 2, job->config.batch());
 
-  std::vector<client::PerceptionClient*> ranks = {&(*a)->client(), &(*b)->client()};
+  const std::vector<client::PerceptionClient*> ranks = job->clients();
   absl::Mutex mu;
   int answered = 0;  // guarded by mu
   absl::Status result;
@@ -203,16 +222,60 @@ TEST(DataParallelTest, ARankThatDiesStopsTheOtherRanksStreams) {
   }
   // The trainer is joined before any assertion can return: a joinable std::thread's destructor terminates the test
   // binary, orphaning both daemons. Without a warm-up rank 0 may be stuck too, so it is killed as well.
-  (*b)->Signal(SIGKILL);
-  if (!warmed_up) (*a)->Signal(SIGKILL);
+  b.Signal(SIGKILL);
+  if (!warmed_up) a.Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   trainer.join();
   ASSERT_TRUE(warmed_up) << "rank 0 never trained";
   EXPECT_LT(ended - killed, absl::Seconds(10));
   EXPECT_FALSE(result.ok());
-  EXPECT_THAT(std::string(result.message()), HasSubstr(absl::StrCat("rank 1 (", (*b)->target(), "): ")));
+  EXPECT_THAT(std::string(result.message()), HasSubstr(absl::StrCat("rank 1 (", b.target(), "): ")));
   EXPECT_THAT(std::string(result.message()), HasSubstr("the other ranks' streams were stopped"));
-  EXPECT_TRUE((*a)->client().GetStatus().ok()) << "rank 0's daemon keeps serving after its stream was cancelled";
+  EXPECT_TRUE(a.client().GetStatus().ok()) << "rank 0's daemon keeps serving after its stream was cancelled";
+}
+
+// perceptionctl train's Ctrl-C stops a run through ShardedBatches' stop: rank 1 (its daemon stopped by SIGSTOP a
+// moment after its step was read) is some 50 steps behind rank 0 when the stop comes, and still trains every step
+// rank 0 trained, no more: the two models end at one step, where ranks stopped each at its own step would part (in a
+// real job, one of them waiting in a collective its peers never join until the job aborts).
+TEST(DataParallelTest, AStopTakesEveryRankToTheSameStep) {
+  const ScopedTempDir temp0("dp-stop-a"), temp1("dp-stop-b");
+  const absl::StatusOr<PlainRanks> job = StartTwoPlainRanks(temp0, temp1);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Daemon &a = *job->rank0, &b = *job->rank1;
+  Rng rng(11);
+  std::atomic<bool> stop = false;
+  client::ShardedBatches batches(RandomGlobalBatches(job->config, 2, rng), 2, job->config.batch(),
+                                 [&] { return stop.load(); });
+  const std::vector<client::PerceptionClient*> ranks = job->clients();
+  absl::Mutex mu;
+  int64_t rank0_step = 0;  // guarded by mu
+  absl::Status result;
+  std::thread trainer([&] {
+    result = client::TrainRanks(ranks, 1000000, batches, [&](const v1::TrainStepResponse& response) {
+      absl::MutexLock lock(&mu);
+      rank0_step = response.step();
+    });
+  });
+  const auto rank0_at = [&](int64_t step) {
+    absl::MutexLock lock(&mu);
+    const auto reached = [&] { return rank0_step >= step; };
+    return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(60));
+  };
+  bool behind = rank0_at(20);
+  const absl::StatusOr<v1::GetStatusResponse> rank1_before = b.client().GetStatus();
+  b.Signal(SIGSTOP);
+  // Rank 1 takes at most the Train stream's window of steps more before the stop lands.
+  behind = behind && rank1_before.ok() &&
+           rank0_at(rank1_before->model().step() + client::PerceptionClient::kTrainAhead + 50);
+  stop = true;
+  b.Signal(SIGCONT);
+  trainer.join();  // before any assertion can return (a joinable thread's destructor ends the test binary)
+  ASSERT_TRUE(behind) << "rank 0 never got ahead";
+  ASSERT_TRUE(result.ok()) << result;
+  const int64_t step0 = a.client().GetStatus()->model().step(), step1 = b.client().GetStatus()->model().step();
+  EXPECT_EQ(step0, rank0_step);
+  EXPECT_EQ(step1, step0) << "rank 1 was at step " << rank1_before->model().step() << " when its daemon stopped";
 }
 
 }  // namespace

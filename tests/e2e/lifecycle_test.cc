@@ -361,6 +361,7 @@ TEST(LifecycleTest, HealthServesThenDrainsOnSigtermAnsweringEveryStepTaken) {
         1'000'000,
         [&](int i, v1::TrainStepRequest& request) {
           request = TrainRequest(testing::MakeRandomBatch(config, 2, 9, i), config);
+          return true;
         },
         [&](const v1::TrainStepResponse& response) {
           steps.push_back(response.step());
@@ -1148,6 +1149,7 @@ TEST(LifecycleTest, MetricsPassPromtoolAndCountTheWorkDone) {
                       7,
                       [&](int i, v1::TrainStepRequest& request) {
                         request = TrainRequest(testing::MakeRandomBatch(config, 2, 9, 10 + i), config);
+                        return true;
                       },
                       [&](const v1::TrainStepResponse& response) { last_loss = response.loss(); })
                   .ok());

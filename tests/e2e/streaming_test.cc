@@ -422,7 +422,11 @@ TEST_F(StreamingTest, TrainingWhileStreamingGivesConvictionsOfWholePublishedVers
   EXPECT_TRUE(streaming.WaitForNotificationWithTimeout(absl::Seconds(30))) << "no event acknowledged";
   std::vector<int64_t> steps;
   const absl::Status training = client().Train(
-      kSteps, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[i], config); },
+      kSteps,
+      [&](int i, v1::TrainStepRequest& request) {
+        request = TrainRequest(batches[i], config);
+        return true;
+      },
       [&](const v1::TrainStepResponse& response) { steps.push_back(response.step()); });
   {
     absl::MutexLock lock(&mu);

@@ -79,6 +79,7 @@ TEST(TrainingTest, TrainStreamLowersTheValidationLoss) {
       [&](int, v1::TrainStepRequest& request) {
         sampler->Sample(16, batch);
         *request.mutable_batch() = ToProto(batch);
+        return true;
       },
       [&](const v1::TrainStepResponse& response) { responses.push_back(response); });
   ASSERT_TRUE(trained.ok()) << trained;
@@ -148,7 +149,11 @@ TEST(TrainingTest, TrainStepIsBitIdenticalToTheOfflineEngine) {
     remote.push_back(*response);
   }
   const absl::Status streamed = client.Train(
-      4, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[6 + i], config); },
+      4,
+      [&](int i, v1::TrainStepRequest& request) {
+        request = TrainRequest(batches[6 + i], config);
+        return true;
+      },
       [&](const v1::TrainStepResponse& response) { remote.push_back(response); });
   ASSERT_TRUE(streamed.ok()) << streamed;
   ASSERT_EQ(remote.size(), batches.size());
@@ -195,7 +200,11 @@ TEST(TrainingTest, ADivergingJobIsStoppedBeforeItsModelHoldsANaN) {
   }
   std::vector<v1::TrainStepResponse> responses;
   const absl::Status trained = client.Train(
-      kSteps, [&](int i, v1::TrainStepRequest& request) { request = TrainRequest(batches[i], config); },
+      kSteps,
+      [&](int i, v1::TrainStepRequest& request) {
+        request = TrainRequest(batches[i], config);
+        return true;
+      },
       [&](const v1::TrainStepResponse& response) { responses.push_back(response); });
   ASSERT_EQ(trained.code(), absl::StatusCode::kFailedPrecondition) << trained;
   ASSERT_GE(responses.size(), 1u);

@@ -152,6 +152,7 @@ TEST_F(ValidationTest, BadBatchesGetTheirCodeAndTheNextStepSucceeds) {
       [&](int i, v1::TrainStepRequest& request) {
         request = TrainRequest(testing::MakeRandomBatch(config_, 2, 9, 50 + i), config_);
         if (i == 2) request.mutable_batch()->set_labels(0, -1.f);
+        return true;
       },
       [&](const v1::TrainStepResponse& response) { answered.push_back(response.step()); });
   ExpectRefused(stream, absl::StatusCode::kInvalidArgument, "labels[0] (window 0, event 0, horizon 0) is -1");
@@ -165,6 +166,7 @@ TEST_F(ValidationTest, BadBatchesGetTheirCodeAndTheNextStepSucceeds) {
       [&](int i, v1::TrainStepRequest& request) {
         request = TrainRequest(testing::MakeRandomBatch(config_, 2, 9, 60 + i), config_);
         if (i == 1) request.mutable_batch()->set_x(6 * 9 + 1, 3e16f);
+        return true;
       },
       [&](const v1::TrainStepResponse& response) { answered.push_back(response.step()); });
   ExpectRefused(beyond, absl::StatusCode::kInvalidArgument, "batch window 1, event 0: feature 1 is 3e+16");
