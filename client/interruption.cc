@@ -12,6 +12,7 @@ namespace perception::client {
 namespace {
 
 std::atomic<int> received_signal = 0;
+std::atomic<bool> command_stopped = false;
 
 // How often the watcher looks whether it should stop.
 constexpr timespec kWatchPoll = {0, 100'000'000};
@@ -47,8 +48,10 @@ Interruption::~Interruption() {
   watcher_.join();
 }
 
+void Interruption::Stopped() { command_stopped = true; }
+
 void Interruption::EndByTheSignalReceived() {
-  if (const int signal = received_signal; signal != 0) DieBy(signal);
+  if (const int signal = received_signal; signal != 0 && command_stopped) DieBy(signal);
 }
 
 void Interruption::Watch() {

@@ -33,10 +33,12 @@ class Interruption {
   // The calls the second signal cancels.
   CallCancellation& calls() { return calls_; }
 
-  // Where a signal interrupted the command (0: none did), the process then ends by that signal, as the shell expects
-  // of an interrupted command: a script run by bash stops at a child that a SIGINT ended, and goes on after one that
-  // exited (exit 130 ran the script's next command). Called once the command has said where it stopped, and only
-  // where it did stop: one that finished its work all the same exits as it would have.
+  // The command stopped where the first signal asked it to (rather than finishing its work all the same).
+  void Stopped();
+  // Where a signal stopped the command (Stopped), the process then ends by that signal, as the shell expects of an
+  // interrupted command: a script run by bash stops at a child that a SIGINT ended, and goes on after one that exited
+  // (exit 130 ran the script's next command). Called once the command has said where it stopped; one that finished
+  // its work all the same, failed or not, exits as it would have.
   static void EndByTheSignalReceived();
 
  private:

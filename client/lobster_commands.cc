@@ -59,9 +59,10 @@ absl::StatusOr<EventSeries> ReadSeries(const LobsterFiles& files, const v1::Mode
   return BuildSeries(data, horizons);
 }
 
-// Evaluates all of `windows` in requests within the daemon's batch and message limits.
+// Evaluates all of `windows` in requests within the daemon's batch and message limits; CANCELLED where `interruption`
+// asked to stop before one of them (the pass is dropped rather than waited for).
 absl::StatusOr<EvaluationTotals> EvaluateWindows(PerceptionClient& client, const Batch& windows,
-                                                 const v1::Limits& limits) {
+                                                 const v1::Limits& limits, const Interruption* interruption = nullptr) {
   const int64_t bytes_per_window =
       int64_t{windows.window} * (windows.n_features + 1 + 2 * windows.n_horizons) * sizeof(float);
   const int per_request =
@@ -69,6 +70,7 @@ absl::StatusOr<EvaluationTotals> EvaluateWindows(PerceptionClient& client, const
   EvaluationTotals totals;
   v1::EvaluateRequest request;
   for (int first = 0; first < windows.batch; first += per_request) {
+    if (interruption != nullptr && interruption->Requested()) return absl::CancelledError("validation interrupted");
     CopyWindows(windows, first, std::min(per_request, windows.batch - first), *request.mutable_batch());
     ASSIGN_OR_RETURN(const v1::EvaluateResponse response, client.Evaluate(request));
     totals.loss_sum += response.loss() * response.masked_labels();
@@ -194,6 +196,13 @@ class BestValidation {
   }
   double loss() const { return loss_; }
   int64_t step() const { return step_; }
+  // What the checkpoint holds, "" where this run saved none.
+  std::string Saved() const {
+    if (!failure_.ok()) return std::string(failure_.message());
+    if (!saved_step_.has_value()) return "";
+    return absl::StrFormat("--save-best %s holds the run's best validated model (step %d, validation loss %.5f)",
+                           checkpoint_, *saved_step_, saved_loss_);
+  }
 
  private:
   PerceptionClient& client_;
@@ -276,8 +285,39 @@ absl::Status CheckNormalizerToFit(const v1::Model& model, const TrainOptions& op
 // and over. A run stays reproducible from (seed, starting step).
 uint64_t SamplerSeed(uint64_t seed, int64_t step) { return Rng(seed).NextU64() ^ static_cast<uint64_t>(step); }
 
-// Every rank's Train stream at once, each on its own thread (their steps meet in the NCCL collectives), each fed
-// its slice of the same global batches; the progress shows rank 0's answers, whose loss is the global batch's.
+// The same command's flags, changed to train the `rest` of an interrupted run's steps. Another --save-best name: a
+// run saves its starting model there first, over the better one this run may have saved.
+std::string RestOfTheRun(const TrainOptions& options, int rest) {
+  return absl::StrCat("the same command with --steps ", rest,
+                      options.fit_normalizer ? ", without --fit-normalizer" : "",
+                      options.save_best.empty() ? "" : " and another --save-best name", " trains the rest");
+}
+
+// Where a run the first signal stopped stands: `done` of its steps trained, each answered, the model at `step`.
+absl::Status InterruptedRun(const TrainOptions& options, int done, int64_t step, size_t ranks,
+                            const BestValidation& best) {
+  options.interruption->Stopped();
+  const std::string saved = best.Saved();
+  return absl::CancelledError(absl::StrCat(
+      done < options.steps ? absl::StrCat("interrupted after ", done, " of ", options.steps, " steps, each answered")
+                           : absl::StrCat("interrupted after the run's ", done, " steps, its validation dropped"),
+      ": the model is at step ", step, ranks > 1 ? " on every rank" : " on the daemon",
+      saved.empty() ? "" : absl::StrCat("; ", saved),
+      "; `perceptionctl eval` scores it, `perceptionctl checkpoint save NAME` keeps it",
+      done < options.steps ? absl::StrCat("; ", RestOfTheRun(options, options.steps - done)) : ""));
+}
+
+// A run the first signal stopped that then failed (`failed`; CANCELLED where the second signal cut the wait for the
+// steps sent).
+absl::Status InterruptedThenFailed(const TrainOptions& options, int done, const BestValidation& best,
+                                   const absl::Status& failed) {
+  options.interruption->Stopped();
+  const std::string saved = best.Saved();
+  return absl::Status(failed.code(), absl::StrCat("interrupted after ", done, " of ", options.steps,
+                                                  " steps answered, then ", failed.message(),
+                                                  saved.empty() ? "" : absl::StrCat("; ", saved)));
+}
+
 }  // namespace
 
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options) {
@@ -323,23 +363,49 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
     progress.Note(absl::StrFormat("model step %d: validation loss %.5f", step, start.loss()));
     RETURN_IF_ERROR(best.Offer(start.loss(), step));
   }
-  for (int done = 0; done < options.steps;) {
+  Interruption* const interruption = options.interruption;
+  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
+  if (interruption != nullptr) interruption->Arm();
+  int done = 0;
+  while (done < options.steps && !interrupted()) {
     const int chunk = options.eval_every > 0 ? std::min(options.eval_every, options.steps - done) : options.steps;
     ShardedBatches batches([&](Batch& global) { sampler.Sample(world_size * config.batch(), global); }, world_size,
-                           config.batch());
-    RETURN_IF_ERROR(TrainRanks(ranks, chunk, batches, [&](const v1::TrainStepResponse& response) {
-      progress.Update(response.loss(), response.grad_norm());
-      step = response.step();
-    }));
-    done += chunk;
-    if (done == options.steps) break;
-    ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
-    progress.Note(absl::StrFormat("model step %d: validation loss %.5f", step, totals.loss()));
-    RETURN_IF_ERROR(best.Offer(totals.loss(), step));
+                           config.batch(), interrupted);
+    const absl::Status trained = TrainRanks(
+        ranks, chunk, batches,
+        [&](const v1::TrainStepResponse& response) {
+          progress.Update(response.loss(), response.grad_norm());
+          step = response.step();
+          ++done;
+        },
+        interruption != nullptr ? &interruption->calls() : nullptr);
+    if (!trained.ok() && !interrupted()) return trained;
+    if (!trained.ok()) {
+      progress.Finish();
+      return InterruptedThenFailed(options, done, best, trained);
+    }
+    if (interrupted() || done == options.steps) break;
+    absl::StatusOr<EvaluationTotals> totals = EvaluateWindows(client, validation, status.limits(), interruption);
+    if (!totals.ok() && interrupted()) {
+      // EvaluateWindows' own CANCELLED is the interruption's: the pass is dropped; any other failure is the run's.
+      if (absl::IsCancelled(totals.status())) break;
+      progress.Finish();
+      return InterruptedThenFailed(options, done, best, totals.status());
+    }
+    RETURN_IF_ERROR(totals.status());
+    progress.Note(absl::StrFormat("model step %d: validation loss %.5f", step, totals->loss()));
+    RETURN_IF_ERROR(best.Offer(totals->loss(), step));
   }
   progress.Finish();
+  if (interrupted()) return InterruptedRun(options, done, step, ranks.size(), best);
 
-  ASSIGN_OR_RETURN(const EvaluationTotals totals, EvaluateWindows(client, validation, status.limits()));
+  const absl::StatusOr<EvaluationTotals> validated =
+      EvaluateWindows(client, validation, status.limits(), interruption);
+  if (!validated.ok() && interrupted()) {
+    return absl::IsCancelled(validated.status()) ? InterruptedRun(options, done, step, ranks.size(), best)
+                                                 : InterruptedThenFailed(options, done, best, validated.status());
+  }
+  ASSIGN_OR_RETURN(const EvaluationTotals totals, validated);
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
   std::printf("%s\n", CompareWithPrior("validation loss", totals.loss(), prior_loss).c_str());
   // (NaN outputs score as "down": the accuracies would be the share of down labels, a model that seemed to work.)

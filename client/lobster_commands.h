@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "client/interruption.h"
 #include "client/perception_client.h"
 #include "engine/dataset.h"
 
@@ -31,6 +32,9 @@ struct TrainOptions {
   int eval_every = 0;     // steps between validation passes during the run (0: only at its end)
   std::string save_best;  // a checkpoint name, saved on the daemon (rank 0) at each validation beating the run's best
   bool fit_normalizer = false;  // fit one on a model trained past step 0 without one (refused otherwise)
+  // Ctrl-C (may be null): once the steps start, its first signal stops the run at a step every rank reaches, the
+  // steps sent answered and no validation run; its second cancels the calls.
+  Interruption* interruption = nullptr;
 };
 
 // Splits the events by time, fits and sends the normalizer if the model has none, streams `steps` random training
@@ -39,6 +43,7 @@ struct TrainOptions {
 // Train stream each, on the same batches as one stream would), and `save_best` keeps the best model of the run.
 // Several `ranks` are the daemons of one data-parallel job in rank order: each global batch of N·B windows is
 // sampled once and rank r trains on its windows [r·B, (r+1)·B) (client/data_parallel.h); rank 0 validates.
+// Interrupted (options.interruption), it returns CANCELLED saying where the model stands and how to go on.
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options);
 
 // The normalizer the daemon's model standardizes its inputs with (v1::Model.normalizer); nullopt where the daemon

@@ -506,7 +506,19 @@ absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args, bool 
   }
   if (command == "train" && args.size() == 2) {
     ASSIGN_OR_RETURN(const TrainOptions options, TrainOptionsFromFlags());
-    return Command([options](std::span<PerceptionClient* const> ranks) { return TrainOnLobster(ranks, options); });
+    // Made here, before the clients' channels start their threads, which must inherit its blocked signals.
+    auto interruption = std::make_shared<Interruption>(
+        "no further batches are sent; waiting for the steps sent to be answered (again: stop waiting)",
+        absl::StrCat("the wait for the steps sent is cancelled",
+                     several ? " on every rank (ranks it leaves at different steps fail their next collective: the "
+                               "job then aborts at its collective timeout)"
+                             : "",
+                     "; a validation request or a save under way still completes"));
+    return Command([options, interruption](std::span<PerceptionClient* const> ranks) {
+      TrainOptions run = options;
+      run.interruption = interruption.get();
+      return TrainOnLobster(ranks, run);
+    });
   }
   if (command == "checkpoint" && args.size() == 4 && args[2] == "load") {
     return OnEveryDaemon([name = args[3]](PerceptionClient& rank) { return LoadCheckpoint(rank, name); });

@@ -492,6 +492,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
       break;
     }
   }
+  if (cut) interruption->Stopped();
   absl::Status status = stream->Finish();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const int64_t streamed = n - options.seed_window;

@@ -15,6 +15,7 @@
 #include <optional>
 #include <utility>
 #include <ranges>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -1746,15 +1747,25 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
 }
 
-// `shell_line` run on a helper thread, once the daemon's one stream has processed 100 events: the run, and the pid
-// its line wrote where `pid_file` names.
-std::pair<std::future<CommandResult>, pid_t> StartOnceStreaming(Daemon& daemon, const std::string& shell_line,
-                                                               const std::filesystem::path& pid_file) {
+// `shell_line` run on a helper thread, once `wait` has returned: the run, and the pid its line wrote where `pid_file`
+// names (0 where `wait` answered false).
+std::pair<std::future<CommandResult>, pid_t> StartThenWait(const std::string& shell_line,
+                                                          const std::filesystem::path& pid_file,
+                                                          const std::function<bool()>& wait) {
   std::future<CommandResult> running = std::async(std::launch::async, RunCommand, shell_line);
-  WaitUntilTheOnlyStreamProcessed100(daemon);
+  const bool waited = wait();
   pid_t pid = 0;
   std::ifstream(pid_file) >> pid;
-  return {std::move(running), pid};
+  return {std::move(running), waited ? pid : 0};
+}
+
+// `shell_line` as StartThenWait runs it, once the daemon's one stream has processed 100 events.
+std::pair<std::future<CommandResult>, pid_t> StartOnceStreaming(Daemon& daemon, const std::string& shell_line,
+                                                               const std::filesystem::path& pid_file) {
+  return StartThenWait(shell_line, pid_file, [&] {
+    WaitUntilTheOnlyStreamProcessed100(daemon);
+    return true;
+  });
 }
 
 // `command` (a perceptionctl run) as StartOnceStreaming runs it, its own pid the one written.
@@ -1899,6 +1910,94 @@ TEST(PerceptionctlTest, AnInterruptedStreamWhoseStdoutPipeClosedStillSaysWhereTo
   std::getline(std::ifstream(errors), said, '\0');
   EXPECT_THAT(said, HasSubstr("perceptionctl: CANCELLED: interrupted after "));
   EXPECT_THAT(said, HasSubstr(" and without --seed-window)"));
+}
+
+// `command` (a perceptionctl train) as StartThenWait runs it, once the daemon's model has trained 20 steps (pid 0
+// where it did not within a minute).
+std::pair<std::future<CommandResult>, pid_t> StartTrainingWithPid(Daemon& daemon, const std::string& command,
+                                                                 const std::filesystem::path& pid_file) {
+  return StartThenWait(absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", command), pid_file, [&] {
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+      const absl::StatusOr<v1::GetStatusResponse> status = daemon.client().GetStatus();
+      if (status.ok() && status->model().step() >= 20) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  });
+}
+
+// The numbers `pattern`'s two groups match in `output`, nullopt where it does not match.
+std::optional<std::pair<int64_t, int64_t>> TwoNumbers(const std::string& output, const std::string& pattern) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex(pattern)) || match.size() != 3) return std::nullopt;
+  return std::pair(std::stoll(match[1].str()), std::stoll(match[2].str()));
+}
+
+// Ctrl-C killed a `perceptionctl train` without a word of where the model stood, and in a data-parallel job could
+// leave the ranks at different steps (one of them then waiting in a collective until the job aborted). The first
+// signal now stops the sending at a step every rank reaches, waits for the steps sent, and the run says where the
+// model is and how to go on, then ends by the signal; the daemon takes no step after it, and trains on. Validations
+// every 10 steps: the signal may come during one (dropped between its requests) or a chunk of steps alike.
+TEST(PerceptionctlTest, AnInterruptedTrainSaysWhereTheModelStandsAndTheDaemonTrainsOn) {
+  const ScopedTempDir temp("ctl_train_interrupted");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const std::string train = absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages);
+  auto [running, pid] = StartTrainingWithPid(
+      **daemon, absl::StrCat(train, " --steps 1000000 --eval-every 10 --save-best best"), temp.path() / "pid");
+  ASSERT_GT(pid, 0) << "the run never reached step 20";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code << ": " << interrupted.output;
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt: no further batches are sent; waiting for the "
+                                            "steps sent to be answered"));
+  const std::optional<std::pair<int64_t, int64_t>> stopped = TwoNumbers(
+      interrupted.output, "CANCELLED: interrupted after ([0-9]+) of 1000000 steps, each answered: the model is at "
+                          "step ([0-9]+) on the daemon");
+  ASSERT_TRUE(stopped.has_value()) << interrupted.output;
+  const auto [done, step] = *stopped;
+  EXPECT_GE(done, 20);
+  EXPECT_EQ(step, done) << "the model started at step 0";
+  EXPECT_THAT(interrupted.output, ContainsRegex("; --save-best best holds the run's best validated model \\(step "
+                                                "[0-9]+, validation loss [0-9.]+\\); `perceptionctl eval` scores it"));
+  EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("; the same command with --steps ", 1000000 - done,
+                                                        " and another --save-best name trains the rest")));
+  EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step) << "no step runs after the run's end";
+
+  const CommandResult more = RunCommand(absl::StrCat(train, " --steps 5"));
+  ASSERT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step + 5);
+}
+
+// A second signal stops the wait for the steps sent (a daemon that stopped answering, here SIGSTOP): the call is
+// cancelled, and the run says how many steps were answered and that the daemon's count could not be read.
+TEST(PerceptionctlTest, ASecondInterruptCancelsTheWaitForTheStepsSent) {
+  const ScopedTempDir temp("ctl_train_interrupted_twice");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  auto [running, pid] = StartTrainingWithPid(
+      **daemon, absl::StrCat(ctl, " --timeout 20s train --lobster ", kOrderbook, " ", kMessages, " --steps 1000000"),
+      temp.path() / "pid");
+  ASSERT_GT(pid, 0) << "the run never reached step 20";
+  (*daemon)->Signal(SIGSTOP);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_NE(running.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "waits for the steps sent";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  (*daemon)->Signal(SIGCONT);
+  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code << ": " << interrupted.output;
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt again: the wait for the steps sent is cancelled; "
+                                            "a validation request or a save under way still completes"));
+  EXPECT_THAT(interrupted.output, ContainsRegex("perceptionctl: CANCELLED: interrupted after [0-9]+ of 1000000 steps "
+                                                "answered, then the call was cancelled; the last response's step was "
+                                                "[0-9]+; the model's step could not be read: "));
 }
 
 // A device lost in the middle of a stream (--inject_device_loss_at_tick: the CPU backend records the loss as a
