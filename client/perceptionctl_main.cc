@@ -461,7 +461,14 @@ absl::StatusOr<DaemonCommand> ParseDaemonCommand(const std::vector<std::string>&
   if (command == "bench" && args.size() == 2) {
     ASSIGN_OR_RETURN(const BenchOptions options, BenchOptionsFromFlags());
     RETURN_IF_ERROR(CheckBenchOptions(options));
-    return DaemonCommand([options](PerceptionClient& client) { return Bench(client, options); });
+    // (Made before the channels' threads, as stream's.)
+    auto interruption = std::make_shared<Interruption>(
+        "no further events are sent; waiting for those sent to be acknowledged, then the report (again: stop "
+        "waiting)",
+        "the calls are cancelled");
+    return DaemonCommand([options, interruption](PerceptionClient& client) {
+      return Bench(client, options, interruption.get());
+    });
   }
   // (The one flag of streams' that only its reset reads.)
   if (command == "streams" && FlagGiven(FLAGS_while_fed) && !(args.size() == 4 && args[2] == "reset")) {

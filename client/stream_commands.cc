@@ -650,7 +650,7 @@ bool IsBenchInstrument(const std::string& instrument, int instruments) {
 
 }  // namespace
 
-absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
+absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interruption* interruption) {
   RETURN_IF_ERROR(CheckBenchOptions(options));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
   if (!status.has_model()) return absl::FailedPreconditionError("the daemon has no model; run `perceptionctl init`");
@@ -697,6 +697,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   for (int i = 0; i < options.instruments; ++i) connections[i % C].instruments.push_back(i);
   for (Connection& c : connections) c.rounds = events_of(c.instruments.front());
 
+  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
+  if (interruption != nullptr) interruption->Arm();
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (int ci = 0; ci < C; ++ci) {
@@ -726,7 +728,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           if (acked_i < events_of(i)) through = std::min(through, acked_i);
         }
         acked_rounds = through;
-      }, absl::Milliseconds(status.streaming().ack_every_ms()));
+      }, absl::Milliseconds(status.streaming().ack_every_ms()), interruption ? &interruption->calls() : nullptr);
       const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
       std::mt19937 rng(ci);
       std::uniform_real_distribution<float> uniform(-1.f, 1.f);
@@ -744,13 +746,15 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
           features.set_dt(0.01f);
         }
         const int64_t events_before = r * static_cast<int64_t>(c.instruments.size());
-        pacer.Wait(events_before);
+        pacer.Wait(events_before, interruption);
         {
           const auto may_send = [&] { return r - acked_rounds < options.in_flight; };
           absl::MutexLock lock(&mu);
           // A call the daemon ended acknowledges nothing more: the next Write fails and Finish says why.
-          while (!mu.AwaitWithTimeout(absl::Condition(&may_send), absl::Milliseconds(20)) && !stream->ended()) {
+          while (!mu.AwaitWithTimeout(absl::Condition(&may_send), absl::Milliseconds(20)) && !stream->ended() &&
+                 !interrupted()) {
           }
+          if (interrupted()) break;
           // Paced, latency runs from when the schedule sends the request, so that the time it waited for the
           // in-flight window behind a slow daemon counts (no coordinated omission); unpaced, from its send.
           c.sent[r] = pacer.paced() ? pacer.Due(events_before) : absl::Now();
@@ -763,6 +767,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   }
   for (std::thread& t : threads) t.join();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const bool cut = interrupted();
+  if (cut) interruption->Stopped();
 
   std::vector<double> latencies;
   int64_t sent = 0, acked = 0;
@@ -780,9 +786,10 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
                         : absl::StrFormat("p50 %.3f ms, p99 %.3f ms, p99.9 %.3f ms", 1e3 * Percentile(latencies, 0.5),
                                           1e3 * Percentile(latencies, 0.99), 1e3 * Percentile(latencies, 0.999));
   std::printf(
-      "bench: %d instruments over %d connection(s), %lld events (%lld sent, %lld acknowledged) in %.3f s: %.0f "
+      "bench%s: %d instruments over %d connection(s), %lld events (%lld sent, %lld acknowledged) in %.3f s: %.0f "
       "events/s\nlatency (%s to acknowledgement): %s\n",
-      options.instruments, C, static_cast<long long>(options.events), static_cast<long long>(sent),
+      cut ? " (interrupted)" : "", options.instruments, C, static_cast<long long>(options.events),
+      static_cast<long long>(sent),
       static_cast<long long>(acked), seconds, acked / std::max(seconds, 1e-9),
       options.rate > 0 ? "scheduled send" : "send", latency.c_str());
   std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
@@ -801,9 +808,13 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options) {
   // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
   for (const Connection& c : connections) {
     if (!c.status.ok()) {
-      return absl::Status(c.status.code(), absl::StrCat(refusals.size(), " of ", C,
+      return absl::Status(c.status.code(), absl::StrCat(cut ? "interrupted, then " : "", refusals.size(), " of ", C,
                                                          " connection(s) failed; the first: ", c.status.message()));
     }
+  }
+  if (cut) {
+    return absl::CancelledError(absl::StrCat("interrupted after ", sent, " of ", options.events,
+                                             " events sent: the report above is theirs, its instruments closed"));
   }
   return absl::OkStatus();
 }

@@ -91,7 +91,8 @@ absl::Status CheckBenchOptions(const BenchOptions& options);
 
 // A load generator of synthetic feature events; reports events/s, latency (send to acknowledgement) p50, p99 and
 // p99.9, and what the daemon refused. Its instruments are named bench-0, bench-1, ...; at the end it closes those
-// the daemon has a stream of.
-absl::Status Bench(PerceptionClient& client, const BenchOptions& options);
+// the daemon has a stream of. Interrupted (`interruption`, may be null), it sends no further event, reports the
+// events sent once acknowledged, closes its instruments all the same, and returns CANCELLED.
+absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interruption* interruption = nullptr);
 
 }  // namespace perception::client

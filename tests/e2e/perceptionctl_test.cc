@@ -2393,6 +2393,45 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
   EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
 }
 
+// Ctrl-C killed a bench without its report and left its instruments' streams open, holding the daemon's slots until
+// the next bench closed them. The first signal now stops the sending; the events sent are reported once
+// acknowledged, the streams closed, and the run ends by the signal.
+TEST(PerceptionctlTest, AnInterruptedBenchReportsTheEventsSentAndClosesItsInstruments) {
+  const ScopedTempDir temp("ctl_bench_interrupted");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const std::filesystem::path pid_file = temp.path() / "pid";
+  auto [running, pid] = StartThenWait(
+      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
+                   " bench --instruments 8 --events 10000000 --rate 2000 --connections 2"),
+      pid_file, [&] {
+        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+          const absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+          if (streams.ok() && streams->streams_size() == 8 && streams->streams(0).processed_events() > 0) return true;
+          absl::SleepFor(absl::Milliseconds(20));
+        }
+        return false;
+      });
+  ASSERT_GT(pid, 0) << "the bench never opened its 8 streams";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code << ": " << interrupted.output;
+  const std::optional<std::pair<int64_t, int64_t>> counts = TwoNumbers(
+      interrupted.output,
+      "bench \\(interrupted\\): 8 instruments over 2 connection\\(s\\), 10000000 events \\(([0-9]+) sent, ([0-9]+) "
+      "acknowledged\\)");
+  ASSERT_TRUE(counts.has_value()) << interrupted.output;
+  EXPECT_GT(counts->first, 0);
+  EXPECT_EQ(counts->second, counts->first) << "every event sent is acknowledged before the report";
+  EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("perceptionctl: CANCELLED: interrupted after ", counts->first,
+                                                         " of 10000000 events sent: the report above is theirs")));
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << "the streams it opened are closed: " << streams->DebugString();
+}
+
 // train --lr sent the normalizer it fitted first, then the learning rate, which the daemon refuses while a live
 // stream holds state: the command failed, and the stream went on reading a normalization that no run trained.
 TEST(PerceptionctlTest, ARefusedLearningRateLeavesTheModelAsItWas) {
