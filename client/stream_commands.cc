@@ -650,6 +650,37 @@ bool IsBenchInstrument(const std::string& instrument, int instruments) {
 
 }  // namespace
 
+// Closes the streams of a bench's instruments the daemon has (those whose first event it took: closing the others, no
+// event or refused, would add NOT_FOUND refusals to its metrics); the error says what it left open. A call the second
+// signal cancelled may leave events queued, and an instrument with events to process is not closed: retried for a
+// few seconds while the daemon works through them.
+absl::Status CloseBenchStreams(PerceptionClient& client, int instruments) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  absl::Status last;
+  int open = 0;
+  do {
+    if (open > 0) absl::SleepFor(absl::Milliseconds(50));
+    const absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams();
+    if (!streams.ok()) {
+      return absl::Status(streams.status().code(),
+                          absl::StrCat("its streams not closed: ", streams.status().message()));
+    }
+    open = 0;
+    for (const v1::StreamInfo& stream : streams->streams()) {
+      if (!IsBenchInstrument(stream.instrument(), instruments)) continue;
+      v1::CloseStreamRequest close;
+      close.set_instrument(stream.instrument());
+      if (absl::StatusOr<v1::CloseStreamResponse> closed = client.CloseStream(close); !closed.ok()) {
+        last = closed.status();
+        ++open;
+      }
+    }
+  } while (open > 0 && absl::IsFailedPrecondition(last) && absl::Now() < give_up);
+  if (open == 0) return absl::OkStatus();
+  return absl::Status(last.code(), absl::StrCat(open, " of its streams left open (perceptionctl streams close ID): ",
+                                                last.message()));
+}
+
 absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interruption* interruption) {
   RETURN_IF_ERROR(CheckBenchOptions(options));
   ASSIGN_OR_RETURN(const v1::GetStatusResponse status, client.GetStatus());
@@ -691,6 +722,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
     std::vector<absl::Time> sent;  // by round
     std::vector<double> latencies;
     int64_t sent_events = 0, acked_events = 0;
+    bool cut = false;  // the first signal stopped its sending before its last round
     absl::Status status;
   };
   std::vector<Connection> connections(C);
@@ -754,7 +786,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
           while (!mu.AwaitWithTimeout(absl::Condition(&may_send), absl::Milliseconds(20)) && !stream->ended() &&
                  !interrupted()) {
           }
-          if (interrupted()) break;
+          if ((c.cut = interrupted())) break;
           // Paced, latency runs from when the schedule sends the request, so that the time it waited for the
           // in-flight window behind a slow daemon counts (no coordinated omission); unpaced, from its send.
           c.sent[r] = pacer.paced() ? pacer.Due(events_before) : absl::Now();
@@ -767,7 +799,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   }
   for (std::thread& t : threads) t.join();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  const bool cut = interrupted();
+  const bool cut = std::ranges::any_of(connections, &Connection::cut);
   if (cut) interruption->Stopped();
 
   std::vector<double> latencies;
@@ -777,7 +809,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
     latencies.insert(latencies.end(), c.latencies.begin(), c.latencies.end());
     sent += c.sent_events;
     acked += c.acked_events;
-    if (!c.status.ok()) refusals.push_back(c.status.ToString());
+    // (A call the second signal cancelled is not a refusal.)
+    if (!c.status.ok() && !(cut && absl::IsCancelled(c.status))) refusals.push_back(c.status.ToString());
   }
   std::sort(latencies.begin(), latencies.end());
   // With no event acknowledged there is no latency to give: "p50 0.000 ms" read as a very fast daemon.
@@ -795,27 +828,26 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   std::printf("not acknowledged: %lld events (%lld of them sent)%s\n", static_cast<long long>(options.events - acked),
               static_cast<long long>(sent - acked), refusals.empty() ? "" : ":");
   for (const std::string& refusal : refusals) std::printf("  %s\n", refusal.c_str());
-  // Only the instruments the daemon has a stream of (those whose first event it took) are closed: closing the
-  // others (no event: fewer events than instruments; or refused) would add NOT_FOUND refusals to its metrics.
-  if (const absl::StatusOr<v1::ListStreamsResponse> streams = client.ListStreams(); streams.ok()) {
-    for (const v1::StreamInfo& stream : streams->streams()) {
-      if (!IsBenchInstrument(stream.instrument(), options.instruments)) continue;
-      v1::CloseStreamRequest close;
-      close.set_instrument(stream.instrument());
-      (void)client.CloseStream(close);
-    }
-  }
+  const absl::Status closed = CloseBenchStreams(client, options.instruments);
+  const std::string left_open = closed.ok() ? "" : absl::StrCat("; ", closed.message());
   // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
   for (const Connection& c : connections) {
-    if (!c.status.ok()) {
-      return absl::Status(c.status.code(), absl::StrCat(cut ? "interrupted, then " : "", refusals.size(), " of ", C,
-                                                         " connection(s) failed; the first: ", c.status.message()));
-    }
+    if (c.status.ok() || (cut && absl::IsCancelled(c.status))) continue;
+    return absl::Status(c.status.code(), absl::StrCat(cut ? "interrupted, then " : "", refusals.size(), " of ", C,
+                                                      " connection(s) failed; the first: ", c.status.message(),
+                                                      left_open));
+  }
+  const auto cancelled = std::ranges::count_if(connections, [](const Connection& c) { return !c.status.ok(); });
+  if (cancelled > 0) {
+    return absl::CancelledError(absl::StrCat("interrupted, then the wait for acknowledgements cancelled on ", cancelled,
+                                             " of ", C, " connection(s)", left_open));
   }
   if (cut) {
     return absl::CancelledError(absl::StrCat("interrupted after ", sent, " of ", options.events,
-                                             " events sent: the report above is theirs, its instruments closed"));
+                                             " events sent: the report above is theirs",
+                                             left_open.empty() ? ", its instruments closed" : left_open));
   }
+  if (!closed.ok()) return absl::Status(closed.code(), absl::StrCat("the bench ran", left_open));
   return absl::OkStatus();
 }
 

@@ -2394,14 +2394,62 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
 }
 
 // Ctrl-C killed a bench without its report and left its instruments' streams open, holding the daemon's slots until
-// the next bench closed them. The first signal now stops the sending; the events sent are reported once
-// acknowledged, the streams closed, and the run ends by the signal.
+// the next bench closed them. The first signal now stops the sending, at once even between paced rounds (here two a
+// second); the events sent are reported once acknowledged, the streams closed, and the run ends by the signal.
 TEST(PerceptionctlTest, AnInterruptedBenchReportsTheEventsSentAndClosesItsInstruments) {
   const ScopedTempDir temp("ctl_bench_interrupted");
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const std::filesystem::path pid_file = temp.path() / "pid";
+  auto [running, pid] = StartThenWait(
+      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
+                   " bench --instruments 8 --events 10000000 --rate 16 --connections 2"),
+      pid_file, [&] {
+        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+          const absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+          if (streams.ok() && streams->streams_size() == 8 && streams->streams(0).processed_events() > 0) return true;
+          absl::SleepFor(absl::Milliseconds(20));
+        }
+        return false;
+      });
+  ASSERT_GT(pid, 0) << "the bench never opened its 8 streams";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const absl::Time signalled = absl::Now();
+  const CommandResult interrupted = running.get();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(5));
+  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code << ": " << interrupted.output;
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt: no further events are sent; waiting for those "
+                                            "sent to be acknowledged, then the report"));
+  EXPECT_THAT(interrupted.output, ContainsRegex("latency \\(scheduled send to acknowledgement\\): p50 [0-9.]+ ms"));
+  const std::optional<std::pair<int64_t, int64_t>> counts = TwoNumbers(
+      interrupted.output,
+      "bench \\(interrupted\\): 8 instruments over 2 connection\\(s\\), 10000000 events \\(([0-9]+) sent, ([0-9]+) "
+      "acknowledged\\)");
+  ASSERT_TRUE(counts.has_value()) << interrupted.output;
+  EXPECT_GT(counts->first, 0);
+  EXPECT_EQ(counts->second, counts->first) << "every event sent is acknowledged before the report";
+  EXPECT_THAT(interrupted.output, HasSubstr("(0 of them sent)"));
+  EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("perceptionctl: CANCELLED: interrupted after ", counts->first,
+                                                         " of 10000000 events sent: the report above is theirs, its "
+                                                         "instruments closed")));
+  absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ(streams->streams_size(), 0) << "the streams it opened are closed: " << streams->DebugString();
+  absl::StatusOr<std::string> metrics = HttpGet((*daemon)->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
+}
+
+// A second signal cancels the wait for acknowledgements (a daemon that stopped answering, here SIGSTOP, then going on):
+// the run says so, and the streams are closed all the same once the daemon has processed what it still held.
+TEST(PerceptionctlTest, ASecondInterruptCancelsTheBenchsWaitAndItsStreamsAreClosedAllTheSame) {
+  const ScopedTempDir temp("ctl_bench_interrupted_twice");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config small --levels 10")).exit_code, 0);
   const std::filesystem::path pid_file = temp.path() / "pid";
   auto [running, pid] = StartThenWait(
       absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
@@ -2415,18 +2463,19 @@ TEST(PerceptionctlTest, AnInterruptedBenchReportsTheEventsSentAndClosesItsInstru
         return false;
       });
   ASSERT_GT(pid, 0) << "the bench never opened its 8 streams";
+  (*daemon)->Signal(SIGSTOP);
   ASSERT_EQ(::kill(pid, SIGINT), 0);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_NE(running.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "waits for acknowledgements";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  absl::SleepFor(absl::Milliseconds(300));
+  (*daemon)->Signal(SIGCONT);
   const CommandResult interrupted = running.get();
   EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code << ": " << interrupted.output;
-  const std::optional<std::pair<int64_t, int64_t>> counts = TwoNumbers(
-      interrupted.output,
-      "bench \\(interrupted\\): 8 instruments over 2 connection\\(s\\), 10000000 events \\(([0-9]+) sent, ([0-9]+) "
-      "acknowledged\\)");
-  ASSERT_TRUE(counts.has_value()) << interrupted.output;
-  EXPECT_GT(counts->first, 0);
-  EXPECT_EQ(counts->second, counts->first) << "every event sent is acknowledged before the report";
-  EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("perceptionctl: CANCELLED: interrupted after ", counts->first,
-                                                         " of 10000000 events sent: the report above is theirs")));
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: Interrupt again: the calls are cancelled"));
+  EXPECT_THAT(interrupted.output, HasSubstr("bench (interrupted): 8 instruments over 2 connection(s)"));
+  EXPECT_THAT(interrupted.output, HasSubstr("perceptionctl: CANCELLED: interrupted, then the wait for "
+                                            "acknowledgements cancelled on 2 of 2 connection(s)\n"));
   absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
   ASSERT_TRUE(streams.ok()) << streams.status();
   EXPECT_EQ(streams->streams_size(), 0) << "the streams it opened are closed: " << streams->DebugString();
