@@ -320,6 +320,11 @@ absl::Status InterruptedThenFailed(const TrainOptions& options, int done, const 
 
 }  // namespace
 
+std::optional<Interruption::Armed> ArmToCancel(Interruption* interruption, CallCancellation& calls) {
+  if (interruption == nullptr) return std::nullopt;
+  return interruption->Arm([&calls] { calls.Cancel(); });
+}
+
 absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const TrainOptions& options) {
   // 0 keeps the model's learning rate; a negative one (or NaN) was dropped as if it were 0.
   if (!(options.lr >= 0)) {
@@ -365,7 +370,8 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   }
   Interruption* const interruption = options.interruption;
   const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
-  if (interruption != nullptr) interruption->Arm();
+  CallCancellation calls;  // the ranks' Train calls, which a second signal cancels
+  const std::optional<Interruption::Armed> armed = ArmToCancel(interruption, calls);
   int done = 0;
   while (done < options.steps && !interrupted()) {
     const int chunk = options.eval_every > 0 ? std::min(options.eval_every, options.steps - done) : options.steps;
@@ -378,7 +384,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
           step = response.step();
           ++done;
         },
-        interruption != nullptr ? &interruption->calls() : nullptr);
+        &calls);
     if (!trained.ok() && !interrupted()) return trained;
     if (!trained.ok()) {
       progress.Finish();

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "client/interruption.h"
 #include "client/perception_client.h"
+#include "engine/cli/interruption.h"
 #include "engine/dataset.h"
 
 namespace perception::client {
@@ -17,6 +17,9 @@ struct LobsterFiles {
   std::string orderbook, messages;
   int levels = 0;  // 0: inferred from the orderbook's columns
 };
+
+// `interruption` (may be null) armed for a command whose second signal cancels `calls`; nullopt without one.
+std::optional<Interruption::Armed> ArmToCancel(Interruption* interruption, CallCancellation& calls);
 
 struct TrainOptions {
   LobsterFiles files;

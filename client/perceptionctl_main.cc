@@ -22,11 +22,11 @@
 #include "absl/time/time.h"
 #include "absl/strings/numbers.h"
 #include "client/data_parallel.h"
-#include "client/interruption.h"
 #include "client/lobster_commands.h"
 #include "client/stream_commands.h"
 #include "client/perception_client.h"
 #include "engine/cli/arguments.h"
+#include "engine/cli/interruption.h"
 #include "engine/host_allocation.h"
 #include "engine/optimizer.h"
 #include "engine/status_macros.h"
@@ -585,6 +585,6 @@ int main(int argc, char** argv) {
   if (status.ok()) return 0;
   std::fprintf(stderr, "perceptionctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
-  perception::client::Interruption::EndByTheSignalReceived();
+  perception::Interruption::EndByTheSignalReceived();
   return 1;
 }

@@ -457,6 +457,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
                 static_cast<long long>(seeded.events()), seeded.device_seconds());
   }
 
+  CallCancellation calls;  // the stream's, which a second signal cancels
   absl::Mutex mu;
   uint64_t acked = 0;  // guarded by mu
   const std::unique_ptr<EventStream> stream = client.OpenStream(
@@ -464,7 +465,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
         absl::MutexLock lock(&mu);
         for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
       },
-      absl::Milliseconds(daemon.streaming().ack_every_ms()), interruption ? &interruption->calls() : nullptr);
+      absl::Milliseconds(daemon.streaming().ack_every_ms()), &calls);
   const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
   // At full speed requests carry many events; paced, one event each so that each leaves on time.
   const int per_request = options.rate > 0 ? 1 : 256;
@@ -473,7 +474,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
   v1::StreamRequest request;
   int64_t i = options.seed_window;  // the next event to send
   bool cut = false;                 // the first signal stopped the sending before event i
-  if (interruption != nullptr) interruption->Arm();
+  const std::optional<Interruption::Armed> armed = ArmToCancel(interruption, calls);
   while (i < n && !(cut = interrupted())) {
     // The schedule sends event k (0-based) at k / rate: the request waits for the events sent before it, so that the
     // first goes at once (waiting after counting it sent event k at (k + 1) / rate).
@@ -730,7 +731,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   for (Connection& c : connections) c.rounds = events_of(c.instruments.front());
 
   const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
-  if (interruption != nullptr) interruption->Arm();
+  CallCancellation calls;  // every connection's, which a second signal cancels
+  const std::optional<Interruption::Armed> armed = ArmToCancel(interruption, calls);
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (int ci = 0; ci < C; ++ci) {
@@ -760,7 +762,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
           if (acked_i < events_of(i)) through = std::min(through, acked_i);
         }
         acked_rounds = through;
-      }, absl::Milliseconds(status.streaming().ack_every_ms()), interruption ? &interruption->calls() : nullptr);
+      }, absl::Milliseconds(status.streaming().ack_every_ms()), &calls);
       const Pacer pacer(options.rate * c.instruments.size() / options.instruments);
       std::mt19937 rng(ci);
       std::uniform_real_distribution<float> uniform(-1.f, 1.f);

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "client/interruption.h"
 #include "client/lobster_commands.h"
 #include "client/perception_client.h"
 

@@ -1,6 +1,7 @@
 // The signal watcher of Interruption: a thread that takes the blocked signals with sigtimedwait.
-#include "client/interruption.h"
+#include "engine/cli/interruption.h"
 
+#include <errno.h>
 #include <pthread.h>
 
 #include <csignal>
@@ -8,7 +9,7 @@
 #include <cstring>
 #include <utility>
 
-namespace perception::client {
+namespace perception {
 namespace {
 
 std::atomic<int> received_signal = 0;
@@ -48,6 +49,20 @@ Interruption::~Interruption() {
   watcher_.join();
 }
 
+Interruption::Armed Interruption::Arm(absl::AnyInvocable<void()> on_second_signal) {
+  absl::MutexLock lock(&mu_);
+  armed_ = true;
+  on_second_signal_ = std::move(on_second_signal);
+  return Armed(*this);
+}
+
+Interruption::Armed::~Armed() {
+  if (interruption_ == nullptr) return;  // moved from
+  absl::MutexLock lock(&interruption_->mu_);
+  interruption_->armed_ = false;
+  interruption_->on_second_signal_ = nullptr;
+}
+
 void Interruption::Stopped() { command_stopped = true; }
 
 void Interruption::EndByTheSignalReceived() {
@@ -58,19 +73,20 @@ void Interruption::Watch() {
   for (int count = 0; !stop_;) {
     const int signal = sigtimedwait(&signals_, nullptr, &kWatchPoll);
     if (signal <= 0) continue;
-    if (!armed_ || ++count > 2) DieBy(signal);
+    absl::MutexLock lock(&mu_);
+    if (!armed_ || ++count > 2 || (count == 2 && on_second_signal_ == nullptr)) DieBy(signal);
     if (count == 1) {
       received_signal = signal;
       // A pipeline's other commands take the same Ctrl-C: writing to a pipe they closed must fail, not end the
       // process before it says where the run stopped.
       std::signal(SIGPIPE, SIG_IGN);
-      std::fprintf(stderr, "perceptionctl: %s: %s\n", strsignal(signal), on_first_.c_str());
+      std::fprintf(stderr, "%s: %s: %s\n", program_invocation_short_name, strsignal(signal), on_first_.c_str());
       requested_.Notify();
     } else {
-      std::fprintf(stderr, "perceptionctl: %s again: %s\n", strsignal(signal), on_second_.c_str());
-      calls_.Cancel();
+      std::fprintf(stderr, "%s: %s again: %s\n", program_invocation_short_name, strsignal(signal), on_second_.c_str());
+      on_second_signal_();
     }
   }
 }
 
-}  // namespace perception::client
+}  // namespace perception
