@@ -20,6 +20,7 @@
 #include "engine/atomic_file.h"
 #include "engine/checkpoint.h"
 #include "engine/cli/arguments.h"
+#include "engine/cli/interruption.h"
 #include "engine/config.h"
 #include "engine/backend.h"
 #include "engine/dataset.h"
@@ -294,6 +295,10 @@ class BestModel {
 };
 
 absl::Status Train() {
+  // Made first, before any thread starts (CUDA's, the backend's), which must inherit its blocked signals.
+  Interruption interruption("no further step is taken; the model is validated and saved to --save (again: end at "
+                            "once, nothing saved)",
+                            "the run ends without saving");
   RETURN_IF_ERROR(CheckAtLeastOne({{"steps", absl::GetFlag(FLAGS_steps)}}));
   RETURN_IF_ERROR(CheckShapeFlags());
   if (const int val_every = absl::GetFlag(FLAGS_val_every); val_every < 0) {
@@ -365,7 +370,16 @@ absl::Status Train() {
         sampler.Sample(config.batch, batches[0]);
         batches[1] = batches[0];
       }));
+  // Ctrl-C ended an hours-long run with nothing saved but --save_best's model: from here it stops between steps and
+  // saves the model it reached.
+  const Interruption::Armed armed = interruption.Arm();
   for (int s = 1; s <= steps; ++s) {
+    if (interruption.Requested()) {
+      interruption.Stopped();
+      stopped = absl::CancelledError(absl::StrCat("interrupted after ", s - 1, " of ", steps, " steps: the model of ",
+                                                  "step ", backend->step(), " is validated and saved to --save"));
+      break;
+    }
     const Batch& batch = batches[(s - 1) % 2];
     Batch& next = batches[s % 2];
     if (s < steps) sampler.Sample(config.batch, next);
@@ -546,6 +560,7 @@ int main(int argc, char** argv) {
   if (!status.ok()) {
     std::fflush(stdout);  // what the run printed before its error, in that order where both go to one pipe
     std::fprintf(stderr, "perception: %s\n", std::string(status.message()).c_str());
+    perception::Interruption::EndByTheSignalReceived();
     return 1;
   }
   return 0;

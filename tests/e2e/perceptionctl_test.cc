@@ -94,6 +94,25 @@ std::optional<uint64_t> AcknowledgedThrough(const std::string& output) {
   return acked;
 }
 
+// `shell_line` run on a helper thread, once `wait` has returned: the run, and the pid its line wrote where `pid_file`
+// names (0 where `wait` answered false).
+std::pair<std::future<CommandResult>, pid_t> StartThenWait(const std::string& shell_line,
+                                                          const std::filesystem::path& pid_file,
+                                                          const std::function<bool()>& wait) {
+  std::future<CommandResult> running = std::async(std::launch::async, RunCommand, shell_line);
+  const bool waited = wait();
+  pid_t pid = 0;
+  std::ifstream(pid_file) >> pid;
+  return {std::move(running), waited ? pid : 0};
+}
+
+// The numbers `pattern`'s two groups match in `output`, nullopt where it does not match.
+std::optional<std::pair<int64_t, int64_t>> TwoNumbers(const std::string& output, const std::string& pattern) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex(pattern)) || match.size() != 3) return std::nullopt;
+  return std::pair(std::stoll(match[1].str()), std::stoll(match[2].str()));
+}
+
 // Every conviction the daemon's log holds for `instrument`, oldest first.
 struct ConvictionLog {
   std::vector<uint64_t> seqs;
@@ -880,6 +899,47 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
                      {" --save_best /nonexistent/b.st",
                       "cannot write /nonexistent/b.st: cannot create its temporary file /nonexistent/b.st.tmp."},
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
+}
+
+// Ctrl-C ended an offline run with nothing saved but --save_best's model. The first signal now stops it between
+// steps; the model it reached is validated and saved to --save, the run says where it stopped, and it ends by the
+// signal.
+TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
+  const ScopedTempDir temp("cli_interrupted");
+  const std::filesystem::path saved = temp.path() / "saved.safetensors", log = temp.path() / "log",
+                              pid_file = temp.path() / "pid";
+  auto [running, pid] = StartThenWait(
+      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", PERCEPTION_CLI_PATH,
+                   " train --device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
+                   " --steps 1000000 --log_every 1 --save ", saved.string(), " > ", log.string(), " 2>&1"),
+      pid_file, [&] {
+        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+          std::ifstream lines(log);
+          const std::string text((std::istreambuf_iterator<char>(lines)), std::istreambuf_iterator<char>());
+          if (text.find("\nstep     3 ") != std::string::npos) return true;
+          absl::SleepFor(absl::Milliseconds(20));
+        }
+        return false;
+      });
+  ASSERT_GT(pid, 0) << "the run never reached step 3";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code;
+  std::ifstream lines(log);
+  const std::string output((std::istreambuf_iterator<char>(lines)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(output, HasSubstr("perception: Interrupt: no further step is taken; the model is validated and saved "
+                                "to --save"));
+  const std::optional<std::pair<int64_t, int64_t>> stopped = TwoNumbers(
+      output, "perception: interrupted after ([0-9]+) of 1000000 steps: the model of step ([0-9]+) is validated and "
+              "saved to --save");
+  ASSERT_TRUE(stopped.has_value()) << output;
+  EXPECT_GE(stopped->first, 3);
+  EXPECT_EQ(stopped->second, stopped->first);
+  EXPECT_THAT(output, ContainsRegex("\nvalidation loss [0-9.]+ vs class-prior baseline"));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat("saved ", saved.string(), " (step ", stopped->first, ")")));
+  const absl::StatusOr<Checkpoint> checkpoint = LoadCheckpoint(saved.string());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  EXPECT_EQ(checkpoint->step, stopped->first);
 }
 
 // A --save_best write that fails mid-run (here: a FIFO put at its name after the first best was saved, which a
@@ -1747,18 +1807,6 @@ TEST(PerceptionctlTest, AFailedStreamSaysWhereToResume) {
   ExpectReplayOf(ReadLog((*daemon)->client(), "AAPL"), ReadLog((*daemon)->client(), "WHOLE"), 1, 999);
 }
 
-// `shell_line` run on a helper thread, once `wait` has returned: the run, and the pid its line wrote where `pid_file`
-// names (0 where `wait` answered false).
-std::pair<std::future<CommandResult>, pid_t> StartThenWait(const std::string& shell_line,
-                                                          const std::filesystem::path& pid_file,
-                                                          const std::function<bool()>& wait) {
-  std::future<CommandResult> running = std::async(std::launch::async, RunCommand, shell_line);
-  const bool waited = wait();
-  pid_t pid = 0;
-  std::ifstream(pid_file) >> pid;
-  return {std::move(running), waited ? pid : 0};
-}
-
 // `shell_line` as StartThenWait runs it, once the daemon's one stream has processed 100 events.
 std::pair<std::future<CommandResult>, pid_t> StartOnceStreaming(Daemon& daemon, const std::string& shell_line,
                                                                const std::filesystem::path& pid_file) {
@@ -1924,13 +1972,6 @@ std::pair<std::future<CommandResult>, pid_t> StartTrainingWithPid(Daemon& daemon
     }
     return false;
   });
-}
-
-// The numbers `pattern`'s two groups match in `output`, nullopt where it does not match.
-std::optional<std::pair<int64_t, int64_t>> TwoNumbers(const std::string& output, const std::string& pattern) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex(pattern)) || match.size() != 3) return std::nullopt;
-  return std::pair(std::stoll(match[1].str()), std::stoll(match[2].str()));
 }
 
 // Ctrl-C killed a `perceptionctl train` without a word of where the model stood, and in a data-parallel job could
