@@ -311,6 +311,10 @@ void CallCancellation::Unregister(grpc::ClientContext* context) {
 absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<bool(int, v1::TrainStepRequest&)> next_batch,
                                      absl::FunctionRef<void(const v1::TrainStepResponse&)> on_response,
                                      CallCancellation* cancellation) {
+  // A run stopped before its first step opens no call: the call's start is corked until its first write, and one
+  // half-closed without a write left Finish waiting until the watchdog cut it.
+  v1::TrainStepRequest request;
+  if (steps <= 0 || !next_batch(0, request)) return absl::OkStatus();
   grpc::ClientContext context;
   ResponseWatchdog watchdog(context, options_.timeout, "steps");
   context.set_initial_metadata_corked(true);  // the call starts with the first Write, which the watchdog times
@@ -325,13 +329,12 @@ absl::Status PerceptionClient::Train(int steps, absl::FunctionRef<bool(int, v1::
   int answered = 0;           // guarded by mu
   bool reading_done = false;  // guarded by mu; releases the writer when the stream ends early
   std::thread writer([&] {
-    v1::TrainStepRequest request;
     for (int i = 0; i < steps; ++i) {
       const auto may_send = [&] { return reading_done || i - answered < kTrainAhead; };
       mu.LockWhen(absl::Condition(&may_send));
       const bool stop = reading_done;
       mu.Unlock();
-      if (stop || !next_batch(i, request)) break;
+      if (stop || (i > 0 && !next_batch(i, request))) break;  // (batch 0 is in `request` already)
       watchdog.Owe(1);
       if (!stream->Write(request)) break;  // the stream has ended; Finish says why
     }

@@ -117,9 +117,10 @@ class PerceptionClient {
   static constexpr uint32_t kListStreamsPage = 10'000;
   absl::StatusOr<v1::ListStreamsResponse> ListStreams();
 
-  // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based) on a helper thread,
-  // at most kTrainAhead batches ahead of the responses, or answers false to end the stream before step i (the steps
-  // sent are still answered); `on_response` sees each step's response, in order, on the calling thread. Returns the
+  // Streams `steps` batches through Train. `next_batch(i, request)` fills batch i (0-based), the first on the calling
+  // thread before the call opens and the rest on a helper thread, at most kTrainAhead batches ahead of the responses,
+  // or answers false to end the stream before step i (the steps sent are still answered; at step 0, no call opens);
+  // `on_response` sees each step's response, in order, on the calling thread. Returns the
   // stream's status: OK once every step sent is answered, else the first failure's (CANCELLED when `cancellation`
   // was cancelled; DEADLINE_EXCEEDED when no response came within options.timeout while steps were outstanding), its
   // message ending with the model's step as GetStatus reads it after the stream ended, beside the last response's:

@@ -47,6 +47,8 @@ Interruption::Interruption(std::string on_first, std::string on_second)
 Interruption::~Interruption() {
   stop_ = true;
   watcher_.join();
+  // A signal that came after the watcher stopped is pending: it now takes its default action, as it would have.
+  pthread_sigmask(SIG_UNBLOCK, &signals_, nullptr);
 }
 
 Interruption::Armed Interruption::Arm(absl::AnyInvocable<void()> on_second_signal) {

@@ -295,10 +295,6 @@ class BestModel {
 };
 
 absl::Status Train() {
-  // Made first, before any thread starts (CUDA's, the backend's), which must inherit its blocked signals.
-  Interruption interruption("no further step is taken; the model is validated and saved to --save (again: end at "
-                            "once, nothing saved)",
-                            "the run ends without saving");
   RETURN_IF_ERROR(CheckAtLeastOne({{"steps", absl::GetFlag(FLAGS_steps)}}));
   RETURN_IF_ERROR(CheckShapeFlags());
   if (const int val_every = absl::GetFlag(FLAGS_val_every); val_every < 0) {
@@ -340,6 +336,10 @@ absl::Status Train() {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
   RETURN_IF_ERROR(CheckAtLeastOne({{"log_every", absl::GetFlag(FLAGS_log_every)}}));
+  // Made before the backend starts any thread (CUDA's, the CPU backend's), which must inherit its blocked signals.
+  Interruption interruption("no further step is taken; the model is validated and saved to --save (again: end at "
+                            "once, nothing saved)",
+                            "the run ends without saving");
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));
@@ -376,8 +376,9 @@ absl::Status Train() {
   for (int s = 1; s <= steps; ++s) {
     if (interruption.Requested()) {
       interruption.Stopped();
-      stopped = absl::CancelledError(absl::StrCat("interrupted after ", s - 1, " of ", steps, " steps: the model of ",
-                                                  "step ", backend->step(), " is validated and saved to --save"));
+      // An untrained model is no result: an earlier run's --save stays.
+      if (s == 1) return absl::CancelledError("interrupted before the first step: --save not written");
+      stopped = absl::CancelledError(absl::StrCat("interrupted after ", s - 1, " of ", steps, " steps"));
       break;
     }
     const Batch& batch = batches[(s - 1) % 2];
@@ -410,13 +411,22 @@ absl::Status Train() {
       std::fflush(stdout);
     }
   }
+  // A stopped run's failure to validate or save the model it reached says where it had stopped.
+  const auto after_the_stop = [&stopped](const absl::Status& failed) {
+    if (stopped.ok()) return failed;
+    return absl::Status(failed.code(), absl::StrCat(stopped.message(), "; then ", failed.message()));
+  };
   if (!stopped.ok() && last_validated != backend->step()) {  // the model saved below, validated
-    ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
+    const absl::StatusOr<double> validated = backend->Evaluate(View(validation), {});
+    if (!validated.ok()) return after_the_stop(validated.status());
+    val_loss = *validated;
     best.Offer(*backend, val_loss);
   }
   std::printf("%s\n", CompareWithPrior("validation loss", val_loss, prior_loss).c_str());
   const std::string save = absl::GetFlag(FLAGS_save);
-  ASSIGN_OR_RETURN(const int64_t step, SaveModel(*backend, optimizer, save));
+  const absl::StatusOr<int64_t> saved = SaveModel(*backend, optimizer, save);
+  if (!saved.ok()) return after_the_stop(saved.status());
+  const int64_t step = *saved;
   std::printf("saved %s (step %lld)\n", save.c_str(), static_cast<long long>(step));
   const absl::Status best_saved = best.Report();
   // A model whose validation outputs overflow is no result to exit 0 on (`train && deploy` shipped it).
@@ -428,6 +438,10 @@ absl::Status Train() {
   }
   if (stopped.ok()) return best_saved;
   if (!best_saved.ok()) spdlog::error("{}", std::string(best_saved.message()));
+  if (absl::IsCancelled(stopped)) {
+    return absl::CancelledError(absl::StrCat(stopped.message(), ": the model of step ", step,
+                                             " is validated and saved to --save"));
+  }
   return stopped;
 }
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -921,8 +922,16 @@ TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
         }
         return false;
       });
+  // No daemon's end stops this run: one the test leaves early (or a signal that no longer stops it) is killed, where
+  // the future's end would wait out its million steps.
+  const absl::Cleanup kill_the_run = [&running, &pid_file] {
+    pid_t run = 0;
+    std::ifstream(pid_file) >> run;
+    if (running.valid() && run > 0) ::kill(run, SIGKILL);
+  };
   ASSERT_GT(pid, 0) << "the run never reached step 3";
   ASSERT_EQ(::kill(pid, SIGINT), 0);
+  ASSERT_EQ(running.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "the signal did not stop it";
   const CommandResult interrupted = running.get();
   EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code;
   std::ifstream lines(log);

@@ -230,5 +230,30 @@ TEST(TrainingTest, ADivergingJobIsStoppedBeforeItsModelHoldsANaN) {
   EXPECT_TRUE(std::all_of(saved->params.begin(), saved->params.end(), [](float v) { return std::isfinite(v); }));
 }
 
+// A Train stream stopped before its first step (perceptionctl train's Ctrl-C at a chunk's start) waited on a call
+// that never reached the daemon, its start corked until a first write, until the client's timeout cut it and the run
+// failed DEADLINE_EXCEEDED. No call opens now, and the stream ends at once, OK, with the model untouched.
+TEST(TrainingTest, ATrainStreamStoppedBeforeItsFirstStepEndsAtOnce) {
+  const ScopedTempDir temp("stopped_before_first");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE((*daemon)->client().InitModel(TinyInitRequest(5)).ok());
+  client::PerceptionClient client((*daemon)->target(), {.timeout = absl::Seconds(3)});
+  int asked = 0, answered = 0;
+  const absl::Time start = absl::Now();
+  const absl::Status trained = client.Train(
+      5,
+      [&](int, v1::TrainStepRequest&) {
+        ++asked;
+        return false;
+      },
+      [&](const v1::TrainStepResponse&) { ++answered; });
+  EXPECT_TRUE(trained.ok()) << trained;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(asked, 1);
+  EXPECT_EQ(answered, 0);
+  EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), 0);
+}
+
 }  // namespace
 }  // namespace perception::e2e
