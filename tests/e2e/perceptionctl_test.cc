@@ -107,6 +107,15 @@ std::pair<std::future<CommandResult>, pid_t> StartThenWait(const std::string& sh
   return {std::move(running), waited ? pid : 0};
 }
 
+// Whether `done` answers true within a minute, asked every 20 ms.
+bool WithinAMinute(const std::function<bool()>& done) {
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
 // The numbers `pattern`'s two groups match in `output`, nullopt where it does not match.
 std::optional<std::pair<int64_t, int64_t>> TwoNumbers(const std::string& output, const std::string& pattern) {
   std::smatch match;
@@ -914,13 +923,11 @@ TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
                    " train --device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
                    " --steps 1000000 --log_every 1 --save ", saved.string(), " > ", log.string(), " 2>&1"),
       pid_file, [&] {
-        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+        return WithinAMinute([&] {
           std::ifstream lines(log);
           const std::string text((std::istreambuf_iterator<char>(lines)), std::istreambuf_iterator<char>());
-          if (text.find("\nstep     3 ") != std::string::npos) return true;
-          absl::SleepFor(absl::Milliseconds(20));
-        }
-        return false;
+          return text.find("\nstep     3 ") != std::string::npos;
+        });
       });
   // No daemon's end stops this run: one the test leaves early (or a signal that no longer stops it) is killed, where
   // the future's end would wait out its million steps.
@@ -1974,12 +1981,10 @@ TEST(PerceptionctlTest, AnInterruptedStreamWhoseStdoutPipeClosedStillSaysWhereTo
 std::pair<std::future<CommandResult>, pid_t> StartTrainingWithPid(Daemon& daemon, const std::string& command,
                                                                  const std::filesystem::path& pid_file) {
   return StartThenWait(absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", command), pid_file, [&] {
-    for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+    return WithinAMinute([&] {
       const absl::StatusOr<v1::GetStatusResponse> status = daemon.client().GetStatus();
-      if (status.ok() && status->model().step() >= 20) return true;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return false;
+      return status.ok() && status->model().step() >= 20;
+    });
   });
 }
 
@@ -2443,6 +2448,21 @@ TEST(PerceptionctlTest, BenchClosesOnlyTheInstrumentsThatGotEvents) {
   EXPECT_THAT(*metrics, HasSubstr("\nperception_requests_rejected_total{reason=\"not_found\"} 0\n"));
 }
 
+// `ctl bench` of 8 instruments over 2 connections at `rate` events/s, as StartThenWait runs it, once the daemon has
+// their 8 streams and has processed an event.
+std::pair<std::future<CommandResult>, pid_t> StartBenchOfEight(Daemon& daemon, const std::string& ctl, int rate,
+                                                              const std::filesystem::path& pid_file) {
+  return StartThenWait(absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
+                                    " bench --instruments 8 --events 10000000 --rate ", rate, " --connections 2"),
+                       pid_file, [&] {
+                         return WithinAMinute([&] {
+                           const absl::StatusOr<v1::ListStreamsResponse> streams = daemon.client().ListStreams();
+                           return streams.ok() && streams->streams_size() == 8 &&
+                                  streams->streams(0).processed_events() > 0;
+                         });
+                       });
+}
+
 // Ctrl-C killed a bench without its report and left its instruments' streams open, holding the daemon's slots until
 // the next bench closed them. The first signal now stops the sending, at once even between paced rounds (here two a
 // second); the events sent are reported once acknowledged, the streams closed, and the run ends by the signal.
@@ -2452,18 +2472,7 @@ TEST(PerceptionctlTest, AnInterruptedBenchReportsTheEventsSentAndClosesItsInstru
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
-  const std::filesystem::path pid_file = temp.path() / "pid";
-  auto [running, pid] = StartThenWait(
-      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
-                   " bench --instruments 8 --events 10000000 --rate 16 --connections 2"),
-      pid_file, [&] {
-        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
-          const absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
-          if (streams.ok() && streams->streams_size() == 8 && streams->streams(0).processed_events() > 0) return true;
-          absl::SleepFor(absl::Milliseconds(20));
-        }
-        return false;
-      });
+  auto [running, pid] = StartBenchOfEight(**daemon, ctl, 16, temp.path() / "pid");
   ASSERT_GT(pid, 0) << "the bench never opened its 8 streams";
   ASSERT_EQ(::kill(pid, SIGINT), 0);
   const absl::Time signalled = absl::Now();
@@ -2500,18 +2509,7 @@ TEST(PerceptionctlTest, ASecondInterruptCancelsTheBenchsWaitAndItsStreamsAreClos
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
   ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config small --levels 10")).exit_code, 0);
-  const std::filesystem::path pid_file = temp.path() / "pid";
-  auto [running, pid] = StartThenWait(
-      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", ctl,
-                   " bench --instruments 8 --events 10000000 --rate 2000 --connections 2"),
-      pid_file, [&] {
-        for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
-          const absl::StatusOr<v1::ListStreamsResponse> streams = (*daemon)->client().ListStreams();
-          if (streams.ok() && streams->streams_size() == 8 && streams->streams(0).processed_events() > 0) return true;
-          absl::SleepFor(absl::Milliseconds(20));
-        }
-        return false;
-      });
+  auto [running, pid] = StartBenchOfEight(**daemon, ctl, 2000, temp.path() / "pid");
   ASSERT_GT(pid, 0) << "the bench never opened its 8 streams";
   (*daemon)->Signal(SIGSTOP);
   ASSERT_EQ(::kill(pid, SIGINT), 0);
