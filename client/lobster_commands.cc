@@ -70,7 +70,7 @@ absl::StatusOr<EvaluationTotals> EvaluateWindows(PerceptionClient& client, const
   EvaluationTotals totals;
   v1::EvaluateRequest request;
   for (int first = 0; first < windows.batch; first += per_request) {
-    if (interruption != nullptr && interruption->Requested()) return absl::CancelledError("validation interrupted");
+    if (StopRequested(interruption)) return absl::CancelledError("validation interrupted");
     CopyWindows(windows, first, std::min(per_request, windows.batch - first), *request.mutable_batch());
     ASSIGN_OR_RETURN(const v1::EvaluateResponse response, client.Evaluate(request));
     totals.loss_sum += response.loss() * response.masked_labels();
@@ -369,7 +369,7 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
     RETURN_IF_ERROR(best.Offer(start.loss(), step));
   }
   Interruption* const interruption = options.interruption;
-  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
+  const auto interrupted = [interruption] { return StopRequested(interruption); };
   CallCancellation calls;  // the ranks' Train calls, which a second signal cancels
   const std::optional<Interruption::Armed> armed = ArmToCancel(interruption, calls);
   int done = 0;

@@ -18,6 +18,11 @@ struct LobsterFiles {
   int levels = 0;  // 0: inferred from the orderbook's columns
 };
 
+// Whether the first signal asked a command with `interruption` (may be null) to stop.
+inline bool StopRequested(const Interruption* interruption) {
+  return interruption != nullptr && interruption->Requested();
+}
+
 // `interruption` (may be null) armed for a command whose second signal cancels `calls`; nullopt without one.
 std::optional<Interruption::Armed> ArmToCancel(Interruption* interruption, CallCancellation& calls);
 

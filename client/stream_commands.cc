@@ -466,7 +466,7 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
         for (const v1::InstrumentAck& ack : response.acks()) acked = std::max(acked, ack.last_seq());
       },
       absl::Milliseconds(daemon.streaming().ack_every_ms()), &calls);
-  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
+  const auto interrupted = [interruption] { return StopRequested(interruption); };
   // At full speed requests carry many events; paced, one event each so that each leaves on time.
   const int per_request = options.rate > 0 ? 1 : 256;
   const Pacer pacer(options.rate);
@@ -730,7 +730,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   for (int i = 0; i < options.instruments; ++i) connections[i % C].instruments.push_back(i);
   for (Connection& c : connections) c.rounds = events_of(c.instruments.front());
 
-  const auto interrupted = [interruption] { return interruption != nullptr && interruption->Requested(); };
+  const auto interrupted = [interruption] { return StopRequested(interruption); };
   CallCancellation calls;  // every connection's, which a second signal cancels
   const std::optional<Interruption::Armed> armed = ArmToCancel(interruption, calls);
   const absl::Time start = absl::Now();
@@ -803,6 +803,8 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const bool cut = std::ranges::any_of(connections, &Connection::cut);
   if (cut) interruption->Stopped();
+  // (Not a refusal: the run reports such calls apart.)
+  const auto cancelled_by_the_second_signal = [cut](const Connection& c) { return cut && absl::IsCancelled(c.status); };
 
   std::vector<double> latencies;
   int64_t sent = 0, acked = 0;
@@ -811,8 +813,7 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
     latencies.insert(latencies.end(), c.latencies.begin(), c.latencies.end());
     sent += c.sent_events;
     acked += c.acked_events;
-    // (A call the second signal cancelled is not a refusal.)
-    if (!c.status.ok() && !(cut && absl::IsCancelled(c.status))) refusals.push_back(c.status.ToString());
+    if (!c.status.ok() && !cancelled_by_the_second_signal(c)) refusals.push_back(c.status.ToString());
   }
   std::sort(latencies.begin(), latencies.end());
   // With no event acknowledged there is no latency to give: "p50 0.000 ms" read as a very fast daemon.
@@ -834,12 +835,12 @@ absl::Status Bench(PerceptionClient& client, const BenchOptions& options, Interr
   const std::string left_open = closed.ok() ? "" : absl::StrCat("; ", closed.message());
   // A connection the daemon refused or lost fails the command, so that a script can tell (the numbers are above).
   for (const Connection& c : connections) {
-    if (c.status.ok() || (cut && absl::IsCancelled(c.status))) continue;
+    if (c.status.ok() || cancelled_by_the_second_signal(c)) continue;
     return absl::Status(c.status.code(), absl::StrCat(cut ? "interrupted, then " : "", refusals.size(), " of ", C,
                                                       " connection(s) failed; the first: ", c.status.message(),
                                                       left_open));
   }
-  const auto cancelled = std::ranges::count_if(connections, [](const Connection& c) { return !c.status.ok(); });
+  const auto cancelled = std::ranges::count_if(connections, cancelled_by_the_second_signal);
   if (cancelled > 0) {
     return absl::CancelledError(absl::StrCat("interrupted, then the wait for acknowledgements cancelled on ", cancelled,
                                              " of ", C, " connection(s)", left_open));
