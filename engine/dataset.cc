@@ -329,6 +329,10 @@ void WindowSampler::Sample(int batch, Batch& out) {
   for (int row = 0; row < batch; ++row) CopyWindow(*series_, rng_.Below(starts), warmup_, row, out);
 }
 
+void WindowSampler::Skip(int batch, int64_t batches) {
+  rng_.Skip(static_cast<uint64_t>(batch) * static_cast<uint64_t>(batches));  // Below draws once a window
+}
+
 Batch SequentialWindows(const EventSeries& series, int window, int warmup, int max_windows) {
   size_t count = series.size() / static_cast<size_t>(window);
   if (max_windows > 0) count = std::min(count, static_cast<size_t>(max_windows));

@@ -115,6 +115,9 @@ class WindowSampler {
 
   // Fills `out` with `batch` windows; it resizes `out` only when the shape changes, then reuses it.
   void Sample(int batch, Batch& out);
+  // Moves on as far as `batches` calls of Sample(batch, ·) would, without copying their windows: a run resumed at
+  // step S takes the batches an uninterrupted run takes from step S + 1 on.
+  void Skip(int batch, int64_t batches);
 
  private:
   WindowSampler(const EventSeries& series, int window, int warmup, uint64_t seed);

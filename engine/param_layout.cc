@@ -8,7 +8,7 @@
 namespace perception {
 
 uint64_t Rng::NextU64() {  // splitmix64
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  uint64_t z = (state_ += kIncrement);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);

@@ -89,8 +89,11 @@ class Rng {
   double Uniform() { return static_cast<double>(NextU64() >> 11) * 0x1.0p-53; }
   double Uniform(double lo, double hi) { return lo + (hi - lo) * Uniform(); }
   uint64_t Below(uint64_t n) { return NextU64() % n; }
+  // Where `draws` calls of NextU64 would leave it, in O(1): splitmix64's state moves by one constant a draw.
+  void Skip(uint64_t draws) { state_ += draws * kIncrement; }
 
  private:
+  static constexpr uint64_t kIncrement = 0x9E3779B97F4A7C15ull;
   uint64_t state_;
 };
 

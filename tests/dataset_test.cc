@@ -491,6 +491,26 @@ TEST(WindowSampler, DeterministicForASeedAndDifferentForAnother) {
   }
 }
 
+// A resumed offline run skips the batches of the steps its checkpoint holds: the batch it takes next is the one an
+// uninterrupted run takes there, window for window, whatever the batches skipped.
+TEST(WindowSampler, SkippingBatchesLeavesItWhereSamplingThemWould) {
+  const EventSeries series = IndexedSeries(500, 2, 1);
+  for (const int64_t skipped : {int64_t{0}, int64_t{1}, int64_t{7}}) {
+    absl::StatusOr<WindowSampler> sampling = WindowSampler::Create(series, 8, 2, 42);
+    absl::StatusOr<WindowSampler> skipping = WindowSampler::Create(series, 8, 2, 42);
+    ASSERT_TRUE(sampling.ok() && skipping.ok());
+    Batch sampled, next;
+    for (int64_t i = 0; i < skipped; ++i) sampling->Sample(16, sampled);
+    skipping->Skip(16, skipped);
+    for (int draw = 0; draw < 2; ++draw) {
+      sampling->Sample(16, sampled);
+      skipping->Sample(16, next);
+      EXPECT_EQ(next.x, sampled.x) << "skipped " << skipped << ", draw " << draw;
+      EXPECT_EQ(next.mask, sampled.mask) << "skipped " << skipped << ", draw " << draw;
+    }
+  }
+}
+
 TEST(WindowSampler, ReusesTheBatchAndReachesEveryStart) {
   const EventSeries series = IndexedSeries(10, 2, 1);  // window 8: starts 0, 1 and 2
   absl::StatusOr<WindowSampler> sampler = WindowSampler::Create(series, 8, 3, 5);

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <system_error>
@@ -41,7 +43,8 @@ PERCEPTION_FLAG(std::string, config, "small", "model config: tiny, small or larg
 PERCEPTION_FLAG(std::vector<std::string>, lobster, {}, "ORDERBOOK,MESSAGES: a LOBSTER file pair");
 PERCEPTION_FLAG(int, levels, 0,
     "book levels to read: the orderbook file's first (best) levels (0: all, inferred from its column count)");
-PERCEPTION_FLAG(int, steps, 200, "optimizer steps (>= 1)");
+PERCEPTION_FLAG(int, steps, 200,
+    "optimizer steps (>= 1); train --checkpoint: the rest of the checkpoint's schedule unless given");
 PERCEPTION_FLAG(int, batch, 0, "windows per batch (0: the config's; below 0 is refused)");
 PERCEPTION_FLAG(int, window, 0, "events per window (0: the config's; below 0 is refused)");
 PERCEPTION_FLAG(int, warmup, -1,
@@ -64,7 +67,8 @@ PERCEPTION_FLAG(std::string, save_best, "",
     "train: checkpoint path that holds the model of the run's lowest validation loss, written at each validation "
     "that beats the run's best (optional)");
 PERCEPTION_FLAG(std::string, checkpoint, "",
-    "eval: checkpoint to evaluate (train starts from a fresh initialization)");
+    "eval: checkpoint to evaluate; train: checkpoint to train on from (its config, model, optimizer state and "
+    "settings, step and normalizer; without it, train starts from a fresh initialization of --config)");
 PERCEPTION_FLAG(std::string, out, "", "eval: logits [events, H] float32 .npy");
 PERCEPTION_FLAG(std::string, features_out, "",
     "eval: features [events, F+1] float32 .npy (F raw features, then dt)");
@@ -78,11 +82,15 @@ constexpr char kUsage[] = R"(train, evaluate and inspect PerceptionNet v1 offlin
                    [--lr X] [--seed S] [--device cpu|cuda|auto] [--precision P] [--graphs on|off]
                    [--val_every N] [--save_best CKPT] --save CKPT
   (--config defaults to small, --steps to 200)
+  perception train --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--steps N] [--seed S] ... --save CKPT
+  (trains on from CKPT with its config, optimizer and normalizer, for the rest of its schedule unless --steps is
+   given; with the --lobster, --seed and --train_fraction of the run that saved it, on the batches that run would
+   have trained next: an interrupted run resumed ends where the whole run would have, bit for bit)
   perception eval --checkpoint CKPT --lobster ORDERBOOK,MESSAGES [--levels N] --out LOGITS.npy
                   [--features_out FEATURES.npy] [--train_fraction F] [--device cpu|cuda|auto] [--precision P]
   (--device defaults to cpu)
   perception inspect CKPT
-  (a subcommand refuses the flags it does not read, such as train --checkpoint or eval --config))";
+  (a subcommand refuses the flags it does not read, such as eval --config))";
 
 absl::StatusOr<LobsterData> ReadLobsterFlag() {
   const std::vector<std::string> files = absl::GetFlag(FLAGS_lobster);
@@ -122,7 +130,7 @@ const std::vector<FlagUse>& FlagUses() {
       {FLAGS_val_every, {"train"}},
       {FLAGS_save, {"train"}},
       {FLAGS_save_best, {"train"}},
-      {FLAGS_checkpoint, {"eval"}},
+      {FLAGS_checkpoint, {"train", "eval"}},
       {FLAGS_out, {"eval"}},
       {FLAGS_features_out, {"eval"}},
   };
@@ -294,14 +302,77 @@ class BestModel {
   int64_t step_ = 0;
 };
 
+// What train starts from: a fresh initialization of --config with the optimizer of the flags, or --checkpoint's model
+// (its step, moments and normalizer in `resumed`) with the checkpoint's optimizer settings.
+struct StartingPoint {
+  OptimizerConfig optimizer;
+  std::optional<Checkpoint> resumed;
+  int64_t step() const { return resumed.has_value() ? resumed->step : 0; }
+};
+
+// Flags that set what a checkpoint holds: train --checkpoint refuses them rather than train on with a model or a
+// schedule other than the one asked for.
+absl::Status CheckNoSettingOfTheCheckpoint() {
+  const std::pair<const char*, bool> settings[] = {
+      {"config", FlagGiven(FLAGS_config)},         {"batch", FlagGiven(FLAGS_batch)},
+      {"window", FlagGiven(FLAGS_window)},         {"warmup", FlagGiven(FLAGS_warmup)},
+      {"lr", FlagGiven(FLAGS_lr)},                 {"lr_schedule", FlagGiven(FLAGS_lr_schedule)},
+      {"lr_warmup_steps", FlagGiven(FLAGS_lr_warmup_steps)}, {"weight_decay", FlagGiven(FLAGS_weight_decay)},
+      {"max_grad_norm", FlagGiven(FLAGS_max_grad_norm)}};
+  for (const auto& [name, given] : settings) {
+    if (given) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " is the checkpoint's where train goes on from "
+                                                     "--checkpoint (its model, optimizer and schedule)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// --checkpoint's model and settings; --steps, where not given, set to the rest of its schedule.
+absl::StatusOr<StartingPoint> ResumedFrom(const std::string& path, int& steps) {
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  StartingPoint start;
+  if (checkpoint.optimizer.has_value()) {
+    start.optimizer = *checkpoint.optimizer;
+  } else {
+    spdlog::warn("{} holds no optimizer settings: it trains on with the defaults ({})", path,
+                 OptimizerToJson(start.optimizer));
+  }
+  if (!FlagGiven(FLAGS_steps)) {
+    const int64_t rest = start.optimizer.total_steps - checkpoint.step;
+    if (rest <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " is at step ", checkpoint.step, ", where its schedule of ", start.optimizer.total_steps,
+          " steps ends: give --steps N to train on past it (at the schedule's last rate)"));
+    }
+    if (rest > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("the rest of ", path, "'s schedule (", rest, " steps) is more "
+                                                     "than one run takes: give --steps N"));
+    }
+    steps = static_cast<int>(rest);
+  }
+  start.resumed = std::move(checkpoint);
+  return start;
+}
+
+// How an interrupted run that saved the model of `step` to `save` goes on: resumed from it, the rest of `steps`, on
+// the batches it would have trained.
+std::string HowToTrainTheRest(const StartingPoint& start, int steps, int64_t step, const std::string& save) {
+  const int64_t rest = start.step() + steps - step, rest_of_schedule = start.optimizer.total_steps - step;
+  return absl::StrCat("; to train the remaining ", rest, " steps on the batches this run would have, run perception "
+                      "train --checkpoint ", save, rest == rest_of_schedule ? "" : absl::StrCat(" --steps ", rest),
+                      " with this run's --lobster, --levels, --seed and --train_fraction and another --save");
+}
+
 absl::Status Train() {
   RETURN_IF_ERROR(CheckAtLeastOne({{"steps", absl::GetFlag(FLAGS_steps)}}));
   RETURN_IF_ERROR(CheckShapeFlags());
   if (const int val_every = absl::GetFlag(FLAGS_val_every); val_every < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--val_every must be >= 0 (0: only at the end), got ", val_every));
   }
-  // The schedule does not depend on the data: a bad one fails before the data is read.
-  ASSIGN_OR_RETURN(OptimizerConfig optimizer, OptimizerFromFlags());
+  const std::string resume = absl::GetFlag(FLAGS_checkpoint);
+  if (resume.empty() && FlagGiven(FLAGS_checkpoint)) return absl::InvalidArgumentError("--checkpoint needs a path");
+  if (!resume.empty()) RETURN_IF_ERROR(CheckNoSettingOfTheCheckpoint());
   // Before the files are read (SplitByTime's refusal came after, and said the split "leaves an empty part").
   RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");
@@ -311,42 +382,73 @@ absl::Status Train() {
   } else if (FlagGiven(FLAGS_save_best)) {
     return absl::InvalidArgumentError("--save_best needs a checkpoint path");
   }
+  // A resumed run may save over its --checkpoint: that is read whole first, and written once the run is done.
   RETURN_IF_ERROR(CheckOutputsBeforeTheWork(outputs, LobsterInputs()));
+  int steps = absl::GetFlag(FLAGS_steps);
+  // The schedule does not depend on the data: a bad one fails before the data is read.
+  StartingPoint start;
+  if (resume.empty()) {
+    ASSIGN_OR_RETURN(start.optimizer, OptimizerFromFlags());
+  } else {
+    ASSIGN_OR_RETURN(start, ResumedFrom(resume, steps));
+  }
   ASSIGN_OR_RETURN(LobsterData data, ReadLobsterFlag());
-  ASSIGN_OR_RETURN(ModelConfig config, TrainingConfig(data.levels));
+  ModelConfig config;
+  if (start.resumed.has_value()) {
+    config = start.resumed->config;
+    RETURN_IF_ERROR(CheckLobsterFeatureCount(data.levels, config.n_features, "the checkpoint"));
+  } else {
+    ASSIGN_OR_RETURN(config, TrainingConfig(data.levels));
+  }
   ASSIGN_OR_RETURN(EventSeries series, BuildSeries(data, config.horizons));
   ASSIGN_OR_RETURN(SplitSeries split, SplitByTime(series, absl::GetFlag(FLAGS_train_fraction)));
-  spdlog::info("{} events at {} levels: {} train, {} validation; config {} (F={}, T={}, B={})", series.size(),
-               data.levels, split.train.size(), split.validation.size(), absl::GetFlag(FLAGS_config),
-               config.n_features, config.window, config.batch);
+  spdlog::info("{} events at {} levels: {} train, {} validation; config {} (F={}, T={}, B={}){}", series.size(),
+               data.levels, split.train.size(), split.validation.size(),
+               start.resumed.has_value() ? "of the checkpoint" : absl::GetFlag(FLAGS_config), config.n_features,
+               config.window, config.batch,
+               start.resumed.has_value() ? absl::StrCat("; from step ", start.step(), " of ", resume) : "");
 
   ParamLayout layout(config);
-  std::vector<float> params(layout.total_size());
-  InitializeParameters(layout, absl::GetFlag(FLAGS_seed), params);
-  const Normalizer normalizer = FitNormalizer(split.train);
-  if (const std::string warning = UnvaryingFeaturesWarning(normalizer, split.train.size()); !warning.empty()) {
-    spdlog::warn("{}", warning);
+  std::vector<float> params;
+  Normalizer normalizer;
+  if (start.resumed.has_value()) {
+    params = start.resumed->params;
+    normalizer = ReadNormalizer(layout, params);
+    if (const std::string warning = FlooredFeaturesVaryWarning(normalizer, series); !warning.empty()) {
+      spdlog::warn("{}", warning);
+    }
+  } else {
+    params.resize(layout.total_size());
+    InitializeParameters(layout, absl::GetFlag(FLAGS_seed), params);
+    normalizer = FitNormalizer(split.train);
+    if (const std::string warning = UnvaryingFeaturesWarning(normalizer, split.train.size()); !warning.empty()) {
+      spdlog::warn("{}", warning);
+    }
+    WriteNormalizer(layout, normalizer, params);
   }
   // A validation event can lie far out under a std fitted on the training part (floored where a feature did not
   // vary there): as eval, the run refuses it rather than train and validate on outputs that are not MODEL.md's.
   RETURN_IF_ERROR(CheckSeriesStandardizedRange(normalizer, series));
-  WriteNormalizer(layout, normalizer, params);
   const std::string graphs = absl::GetFlag(FLAGS_graphs);
   if (graphs != "on" && graphs != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--graphs takes on or off, not '", graphs, "'"));
   }
   RETURN_IF_ERROR(CheckAtLeastOne({{"log_every", absl::GetFlag(FLAGS_log_every)}}));
+  const OptimizerConfig& optimizer = start.optimizer;
   // Made before the backend starts any thread (CUDA's, the CPU backend's), which must inherit its blocked signals.
   Interruption interruption("no further step is taken; the model is validated and saved to --save (again: end at "
                             "once, nothing saved)",
                             "the run ends without saving");
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, BackendFromFlags(config, optimizer, std::move(params)));
+  if (start.resumed.has_value()) RETURN_IF_ERROR(backend->ImportState(*start.resumed));
   backend->set_use_graphs(graphs == "on");
   spdlog::info("device {} ({} products)", backend->device_name(), PrecisionName(backend->precision()));
 
   RETURN_IF_ERROR(CheckTrainingPart(split.train));
   ASSIGN_OR_RETURN(WindowSampler sampler,
                    WindowSampler::Create(split.train, config.window, config.warmup, absl::GetFlag(FLAGS_seed)));
+  // The batches of the steps the checkpoint holds, had it come from a run with this run's data and seed.
+  sampler.Skip(config.batch, start.step());
   const Batch validation = SequentialWindows(split.validation, config.window, config.warmup);
   RETURN_IF_ERROR(CheckValidationWindows(validation));
   const double prior_loss = PriorBaselineLoss(ClassPrior(split.train), validation.labels, validation.mask);
@@ -355,9 +457,9 @@ absl::Status Train() {
   // Each step's batch sampled before the step ahead of it, which the backend may copy it in beside
   // (Backend::TrainStepWithNext); the same batches in the same order as sampling each just before its step.
   Batch batches[2];
-  const int steps = absl::GetFlag(FLAGS_steps), log_every = absl::GetFlag(FLAGS_log_every);
+  const int log_every = absl::GetFlag(FLAGS_log_every);
   const int val_every = absl::GetFlag(FLAGS_val_every);
-  const auto start = std::chrono::steady_clock::now();
+  const auto started = std::chrono::steady_clock::now();
   double val_loss = NAN;
   BestModel best(absl::GetFlag(FLAGS_save_best), optimizer);
   // A step whose gradient norm is not finite ends the run on the model before it, which is still saved.
@@ -373,7 +475,9 @@ absl::Status Train() {
   // Ctrl-C ended an hours-long run with nothing saved but --save_best's model: from here it stops between steps and
   // saves the model it reached.
   const Interruption::Armed armed = interruption.Arm();
+  // Steps are numbered as the model's (the checkpoint's step + 1 on): the schedule, the validations and the lines.
   for (int s = 1; s <= steps; ++s) {
+    const int64_t step_number = start.step() + s;
     if (interruption.Requested()) {
       interruption.Stopped();
       // An untrained model is no result: an earlier run's --save stays.
@@ -388,24 +492,26 @@ absl::Status Train() {
                                                      : backend->TrainStep(View(batch));
     if (IsStepNotTaken(step.status())) {
       stopped = absl::FailedPreconditionError(absl::StrCat(
-          "step ", s, " of ", steps, " was not taken (", step.status().message(),
+          "step ", step_number,
+          start.resumed.has_value() ? absl::StrCat(" (", s, " of this run's ", steps, ")") : absl::StrCat(" of ", steps),
+          " was not taken (", step.status().message(),
           "). perception train stops at a step not taken and saves the model before it to --save; to go on, train ",
           "again with a lower --lr"));
       break;
     }
     RETURN_IF_ERROR(step.status());
     const TrainStepResult& r = *step;
-    if (!std::isfinite(r.loss)) return absl::InternalError(absl::StrCat("loss is not finite at step ", s));
-    const bool validate = s == steps || (val_every > 0 && s % val_every == 0);
+    if (!std::isfinite(r.loss)) return absl::InternalError(absl::StrCat("loss is not finite at step ", step_number));
+    const bool validate = s == steps || (val_every > 0 && step_number % val_every == 0);
     if (validate) {
       ASSIGN_OR_RETURN(val_loss, backend->Evaluate(View(validation), {}));
       best.Offer(*backend, val_loss);
-      last_validated = s;
+      last_validated = step_number;
     }
-    if (validate || s % log_every == 0 || s == 1) {
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::printf("step %5d  loss %.5f  grad_norm %.4f  lr %.2e  val_loss %s  %.2f steps/s\n", s, r.loss,
-                  r.grad_norm, LearningRate(optimizer, s),
+    if (validate || step_number % log_every == 0 || s == 1) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      std::printf("step %5lld  loss %.5f  grad_norm %.4f  lr %.2e  val_loss %s  %.2f steps/s\n",
+                  static_cast<long long>(step_number), r.loss, r.grad_norm, LearningRate(optimizer, step_number),
                   validate ? absl::StrFormat("%.5f", std::isnan(val_loss) ? NAN : val_loss).c_str() : "   -   ",
                   s / seconds);  // (NaN's sign bit printed "-nan")
       std::fflush(stdout);
@@ -440,7 +546,8 @@ absl::Status Train() {
   if (!best_saved.ok()) spdlog::error("{}", std::string(best_saved.message()));
   if (absl::IsCancelled(stopped)) {
     return absl::CancelledError(absl::StrCat(stopped.message(), ": the model of step ", step,
-                                             " is validated and saved to --save"));
+                                             " is validated and saved to --save",
+                                             HowToTrainTheRest(start, steps, step, save)));
   }
   return stopped;
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -911,38 +912,44 @@ TEST(PerceptionCliTest, TrainSaveBestKeepsTheLowestValidation) {
                      {" --save_best=", "perception: --save_best needs a checkpoint path"}});
 }
 
-// Ctrl-C ended an offline run with nothing saved but --save_best's model. The first signal now stops it between
-// steps; the model it reached is validated and saved to --save, the run says where it stopped, and it ends by the
-// signal.
-TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
-  const ScopedTempDir temp("cli_interrupted");
-  const std::filesystem::path saved = temp.path() / "saved.safetensors", log = temp.path() / "log",
-                              pid_file = temp.path() / "pid";
+// `perception train` with `args` (--device cpu and a --save among them), interrupted by SIGINT once its log (the file
+// at `log`) shows step 3 of the run: its end (the log's text as output), nullopt where it did not get there or the
+// signal did not stop it within a minute. Runs at `log_every` 1.
+std::optional<CommandResult> TrainInterruptedAtStepThree(const std::string& args, const std::filesystem::path& log) {
+  const std::filesystem::path pid_file = absl::StrCat(log.string(), ".pid");
   auto [running, pid] = StartThenWait(
-      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", PERCEPTION_CLI_PATH,
-                   " train --device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
-                   " --steps 1000000 --log_every 1 --save ", saved.string(), " > ", log.string(), " 2>&1"),
-      pid_file, [&] {
-        return WithinAMinute([&] {
-          std::ifstream lines(log);
-          const std::string text((std::istreambuf_iterator<char>(lines)), std::istreambuf_iterator<char>());
-          return text.find("\nstep     3 ") != std::string::npos;
-        });
-      });
+      absl::StrCat("echo $$ > ", pid_file.string(), "; exec ", PERCEPTION_CLI_PATH, " train ", args,
+                   " --log_every 1 > ", log.string(), " 2>&1"),
+      pid_file, [&] { return WithinAMinute([&] { return absl::StrContains(FileText(log), "\nstep     3 "); }); });
   // No daemon's end stops this run: one the test leaves early (or a signal that no longer stops it) is killed, where
-  // the future's end would wait out its million steps.
+  // the future's end would wait out its steps.
   const absl::Cleanup kill_the_run = [&running, &pid_file] {
     pid_t run = 0;
     std::ifstream(pid_file) >> run;
     if (running.valid() && run > 0) ::kill(run, SIGKILL);
   };
-  ASSERT_GT(pid, 0) << "the run never reached step 3";
-  ASSERT_EQ(::kill(pid, SIGINT), 0);
-  ASSERT_EQ(running.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "the signal did not stop it";
-  const CommandResult interrupted = running.get();
-  EXPECT_EQ(interrupted.ended_by_signal, SIGINT) << interrupted.exit_code;
-  std::ifstream lines(log);
-  const std::string output((std::istreambuf_iterator<char>(lines)), std::istreambuf_iterator<char>());
+  EXPECT_GT(pid, 0) << "the run never reached step 3";
+  if (pid <= 0 || ::kill(pid, SIGINT) != 0) return std::nullopt;
+  EXPECT_EQ(running.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "the signal did not stop it";
+  if (running.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return std::nullopt;
+  CommandResult interrupted = running.get();
+  interrupted.output = FileText(log);
+  return interrupted;
+}
+
+// Ctrl-C ended an offline run with nothing saved but --save_best's model. The first signal now stops it between
+// steps; the model it reached is validated and saved to --save, the run says where it stopped, and it ends by the
+// signal.
+TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
+  const ScopedTempDir temp("cli_interrupted");
+  const std::filesystem::path saved = temp.path() / "saved.safetensors";
+  const std::optional<CommandResult> interrupted =
+      TrainInterruptedAtStepThree(absl::StrCat("--device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
+                                               " --steps 1000000 --save ", saved.string()),
+                                  temp.path() / "log");
+  ASSERT_TRUE(interrupted.has_value());
+  EXPECT_EQ(interrupted->ended_by_signal, SIGINT) << interrupted->exit_code;
+  const std::string& output = interrupted->output;
   EXPECT_THAT(output, HasSubstr("perception: Interrupt: no further step is taken; the model is validated and saved "
                                 "to --save"));
   const std::optional<std::pair<int64_t, int64_t>> stopped = TwoNumbers(
@@ -956,6 +963,57 @@ TEST(PerceptionCliTest, AnInterruptedTrainSavesTheModelItReached) {
   const absl::StatusOr<Checkpoint> checkpoint = LoadCheckpoint(saved.string());
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   EXPECT_EQ(checkpoint->step, stopped->first);
+}
+
+// An offline run could not go on from a checkpoint: an interrupted one was lost but for its model, which only a
+// daemon could train further. `train --checkpoint` goes on with its model, moments, step, schedule and normalizer,
+// on the batches the run would have taken: the interrupted run resumed as its message says ends on the whole run's
+// checkpoint byte for byte, through the same validations. (Each step validates on the AMZN day's held-out part,
+// ~25 steps/s, so the run is still far from its end when the signal lands.)
+TEST(PerceptionCliTest, AnInterruptedTrainResumedFromItsCheckpointEndsWhereTheWholeRunDoes) {
+  const ScopedTempDir temp("cli_resumed");
+  const std::filesystem::path whole = temp.path() / "whole.safetensors", part = temp.path() / "part.safetensors",
+                              rest = temp.path() / "rest.safetensors";
+  const std::string data = absl::StrCat(" --device cpu --lobster ", testing::ShippedLobsterPath("AMZN", "orderbook", 1),
+                                        " ", testing::ShippedLobsterPath("AMZN", "message", 1), " --val_every 1");
+  const std::string run = absl::StrCat(data, " --config tiny --steps 40 --seed 7 --lr 0.01");
+  const CommandResult whole_run = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train", run, " --save ", whole.string()));
+  ASSERT_EQ(whole_run.exit_code, 0) << whole_run.output;
+  const std::optional<CommandResult> interrupted =
+      TrainInterruptedAtStepThree(absl::StrCat(run, " --save ", part.string()), temp.path() / "log");
+  ASSERT_TRUE(interrupted.has_value());
+  const std::optional<std::pair<int64_t, int64_t>> stopped = TwoNumbers(
+      interrupted->output, "interrupted after ([0-9]+) of 40 steps: .* to train the remaining ([0-9]+) steps on the "
+                           "batches this run would have, run perception train --checkpoint ");
+  ASSERT_TRUE(stopped.has_value()) << interrupted->output;
+  ASSERT_LT(stopped->first, 40) << "the run ended before the signal";
+  EXPECT_EQ(stopped->second, 40 - stopped->first);
+  EXPECT_THAT(interrupted->output,
+              HasSubstr(absl::StrCat("run perception train --checkpoint ", part.string(), " with this run's --lobster, "
+                                     "--levels, --seed and --train_fraction and another --save")));
+
+  const CommandResult resumed = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --checkpoint ", part.string(),
+                                                        data, " --seed 7 --save ", rest.string()));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr(absl::StrCat("from step ", stopped->first, " of ", part.string())));
+  EXPECT_THAT(resumed.output, HasSubstr(absl::StrCat("saved ", rest.string(), " (step 40)")));
+  const std::vector<std::pair<int64_t, double>> all = PerceptionTrainValidations(whole_run.output);
+  ASSERT_EQ(all.size(), 40u) << whole_run.output;
+  const std::vector<std::pair<int64_t, double>> after_the_stop(all.begin() + stopped->first, all.end());
+  EXPECT_EQ(PerceptionTrainValidations(resumed.output), after_the_stop) << resumed.output;
+  EXPECT_EQ(FileText(rest), FileText(whole)) << "the resumed run's checkpoint is not the whole run's";
+
+  // Refused before any data is read: a setting the checkpoint holds, a schedule at its end without --steps.
+  ExpectEachRefused(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --lobster /nonexistent/ob.csv ",
+                                 "/nonexistent/msg.csv --save ", (temp.path() / "x.safetensors").string()),
+                    {{absl::StrCat(" --checkpoint ", part.string(), " --config tiny"),
+                      "--config is the checkpoint's where train goes on from --checkpoint"},
+                     {absl::StrCat(" --checkpoint ", part.string(), " --lr 0.01"),
+                      "--lr is the checkpoint's where train goes on from --checkpoint"},
+                     {absl::StrCat(" --checkpoint ", whole.string()),
+                      absl::StrCat(whole.string(), " is at step 40, where its schedule of 40 steps ends: give --steps "
+                                   "N to train on past it")},
+                     {" --checkpoint=", "--checkpoint needs a path"}});
 }
 
 // A --save_best write that fails mid-run (here: a FIFO put at its name after the first best was saved, which a
@@ -1216,17 +1274,17 @@ TEST(PerceptionCliTest, TrainRefusesAWarmupPastTheStepsAndNegativeIntervals) {
   ExpectEachRefused(train, refused);
 }
 
-// A subcommand ignored the other's flags: train --checkpoint X --out Y trained a fresh model and wrote no Y, and eval
-// ran with --graphs, --config, --save, --steps and --train_fraction set. Each is refused, naming whose flag it is,
-// before anything is read or written.
+// A subcommand ignored the other's flags: train --out Y --features_out Z trained and wrote neither, and eval ran with
+// --graphs, --config, --save, --steps and --train_fraction set. Each is refused, naming whose flag it is, before
+// anything is read or written.
 TEST(PerceptionCliTest, SubcommandsRefuseFlagsTheyDoNotTake) {
   const ScopedTempDir temp("cli_foreign_flags");
   const std::filesystem::path save = temp.path() / "a.safetensors", out = temp.path() / "logits.npy";
   const CommandResult train = RunCommand(
       absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --config tiny --lobster ", kOrderbook, " ", kMessages,
-                   " --steps 2 --save ", save.string(), " --checkpoint ", save.string(), " --out ", out.string()));
+                   " --steps 2 --save ", save.string(), " --out ", out.string(), " --features_out ", out.string()));
   EXPECT_EQ(train.exit_code, 1) << train.output;
-  EXPECT_THAT(train.output, HasSubstr("perception: train does not take --checkpoint (eval's flag), --out (eval's"));
+  EXPECT_THAT(train.output, HasSubstr("perception: train does not take --out (eval's flag), --features_out (eval's"));
   EXPECT_FALSE(std::filesystem::exists(save));
   EXPECT_FALSE(std::filesystem::exists(out));
 
