@@ -267,6 +267,29 @@ std::string ContinuationFlags(const StreamOptions& options, int64_t n, uint64_t 
                       " --start_seq ", acked + 1, WithoutSeedFlags(options));
 }
 
+// Refuses, before anything is sent, a stream (without a seed window) whose first number is not the one its instrument
+// takes next: the daemon would refuse its first event, and the failed call's advice, which reckons the instrument's
+// events as this run's, sent a rerun of `--first 250` onto an instrument at seq 251 to `--first 500 --count -240`.
+absl::Status CheckNumbering(PerceptionClient& client, const StreamOptions& options, int64_t n) {
+  ASSIGN_OR_RETURN(const std::optional<v1::StreamInfo> stream, FindStream(client, options.instrument));
+  if (!stream.has_value() || !stream->has_next_seq() || stream->next_seq() == options.start_seq) {
+    return absl::OkStatus();
+  }
+  const uint64_t next = stream->next_seq(), last = options.start_seq + static_cast<uint64_t>(n - 1);
+  std::string ours;  // where the instrument's events are this command's, numbered as it numbers them
+  if (next > options.start_seq && next - 1 < last) {
+    ours = absl::StrCat("; where its events are this command's, numbered as it numbers them, ",
+                        ContinuationFlags(options, n, next - 1), " carries on after them");
+  } else if (next > last) {
+    ours = "; where its events are this command's, numbered as it numbers them, it has every one of them already";
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "instrument ", options.instrument, " takes seq ", next, " next, but this run would start at seq ",
+      options.start_seq, ": the daemon would refuse its first event. --start_seq ", next,
+      " numbers this run's events after the instrument's", ours, "; to start the instrument afresh, `perceptionctl "
+      "streams close ", options.instrument, "` first (its convictions go with it)"));
+}
+
 // How far a run the first signal stopped got (`sent` of its `streamed` events), and, where its call did not end well
 // (`finished`), what ended it: CANCELLED at a second signal.
 std::string InterruptedAfter(int64_t sent, int64_t streamed, const absl::Status& finished) {
@@ -326,6 +349,14 @@ std::string ResumeAdvice(const StreamOptions& options, int64_t n, uint64_t acked
   // None acknowledged: the daemon may have taken events all the same, and their numbers are used (its end_seq says
   // how far), so the same command would be refused.
   if (acked == 0) {
+    // The daemon acknowledges what it accepted of a request before refusing an event of it: none acknowledged, it
+    // refused the first, and refuses it again (the advice below, reckoned from the instrument's end_seq, named the
+    // same command).
+    if (code == absl::StatusCode::kInvalidArgument) {
+      return absl::StrCat("; the daemon took none of its events: it refuses the first as above until that changes (an "
+                          "event earlier than the instrument's last: `perceptionctl streams reset ", options.instrument,
+                          "` zeroes its state and its clock, or stream them as another --instrument)");
+    }
     const uint64_t first_streamed = options.start_seq + static_cast<uint64_t>(options.seed_window);
     const std::string rerun = SeededRerunAdvice(options, n, code);
     return absl::StrCat(
@@ -455,6 +486,8 @@ absl::Status StreamLobster(PerceptionClient& client, const StreamOptions& option
     ASSIGN_OR_RETURN(const v1::SeedStreamResponse seeded, client.SeedStream(seed));
     std::printf("seeded %s with %lld events in %.3f s\n", options.instrument.c_str(),
                 static_cast<long long>(seeded.events()), seeded.device_seconds());
+  } else {
+    RETURN_IF_ERROR(CheckNumbering(client, options, n));
   }
 
   CallCancellation calls;  // the stream's, which a second signal cancels

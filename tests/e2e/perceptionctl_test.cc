@@ -1839,7 +1839,58 @@ TEST(PerceptionctlTest, AReplayContinuesInASecondRunWithStartSeq) {
 
   const CommandResult restart = RunCommand(absl::StrCat(stream, " --instrument AAPL --first 800"));
   EXPECT_EQ(restart.exit_code, 1);
-  EXPECT_THAT(restart.output, HasSubstr("sequence number 1 out of order, expected 801"));
+  EXPECT_THAT(restart.output, HasSubstr("instrument AAPL takes seq 801 next, but this run would start at seq 1"));
+}
+
+// A plain stream onto an instrument that takes another number next was sent, refused at its first event, and told to
+// resume from a formula that took the instrument's events for its own: `--first 250 --count 10` onto an instrument
+// at seq 251 was sent to `--first 500 --count -240`. It is now refused before it sends, with the flags that number
+// its events on, or carry on after the instrument's where those are this command's. A first event the daemon refuses
+// for itself (a time earlier than the instrument's last) says that none was taken and what lets it in, where the
+// advice named the same command again.
+TEST(PerceptionctlTest, AStreamThatWouldNotContinueItsInstrumentsNumbersIsRefusedBeforeItSends) {
+  const ScopedTempDir temp("ctl_numbering");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(temp.path() / "checkpoints");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string ctl = absl::StrCat(PERCEPTIONCTL_PATH, " --target=", (*daemon)->target());
+  const std::string stream = absl::StrCat(ctl, " stream --lobster ", kOrderbook, " ", kMessages, " --instrument P1");
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " init --config tiny --levels 10")).exit_code, 0);
+  const CommandResult head = RunCommand(absl::StrCat(stream, " --count 250"));
+  ASSERT_EQ(head.exit_code, 0) << head.output;
+
+  const CommandResult unnumbered = RunCommand(absl::StrCat(stream, " --first 250 --count 10"));
+  EXPECT_EQ(unnumbered.exit_code, 1) << unnumbered.output;
+  EXPECT_THAT(unnumbered.output,
+              HasSubstr("FAILED_PRECONDITION: instrument P1 takes seq 251 next, but this run would start at seq 1: the "
+                        "daemon would refuse its first event. --start_seq 251 numbers this run's events after the "
+                        "instrument's; where its events are this command's, numbered as it numbers them, it has every "
+                        "one of them already; to start the instrument afresh, `perceptionctl streams close P1` first"));
+  const CommandResult rerun = RunCommand(absl::StrCat(stream, " --count 400"));
+  EXPECT_EQ(rerun.exit_code, 1) << rerun.output;
+  EXPECT_THAT(rerun.output, HasSubstr("where its events are this command's, numbered as it numbers them, --first 250 "
+                                      "--count 150 --start_seq 251 carries on after them"));
+  const CommandResult ahead = RunCommand(absl::StrCat(stream, " --first 260 --count 10 --start_seq 261"));
+  EXPECT_EQ(ahead.exit_code, 1) << ahead.output;
+  EXPECT_THAT(ahead.output, HasSubstr("takes seq 251 next, but this run would start at seq 261: the daemon would "
+                                      "refuse its first event. --start_seq 251 numbers this run's events after the "
+                                      "instrument's; to start"));
+  EXPECT_EQ(EndSeqOnceSettled((*daemon)->client(), "P1"), 251u) << "a refused run sent events";
+  const CommandResult carried_on = RunCommand(absl::StrCat(stream, " --first 250 --count 150 --start_seq 251"));
+  EXPECT_EQ(carried_on.exit_code, 0) << carried_on.output;
+
+  // Numbered on, but earlier in time than the instrument's last event.
+  const std::string earlier = absl::StrCat(stream, " --count 10 --start_seq 401");
+  const CommandResult refused = RunCommand(earlier);
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("is earlier than the previous event's"));
+  EXPECT_THAT(refused.output, HasSubstr("; the daemon took none of its events: it refuses the first as above until "
+                                        "that changes (an event earlier than the instrument's last: `perceptionctl "
+                                        "streams reset P1` zeroes its state and its clock"));
+  EXPECT_THAT(refused.output, Not(HasSubstr("may have taken some")));
+  ASSERT_EQ(RunCommand(absl::StrCat(ctl, " streams reset P1")).exit_code, 0);
+  const CommandResult after_the_reset = RunCommand(earlier);
+  EXPECT_EQ(after_the_reset.exit_code, 0) << after_the_reset.output;
+  EXPECT_THAT(after_the_reset.output, HasSubstr("streamed 10 events of P1 (seq 401..410)"));
 }
 
 // A stream that failed says through which sequence number the daemon acknowledged; a second run from the
