@@ -83,10 +83,7 @@ absl::Status ModelHost::JoinDataParallel(const std::string& unique_id, const Dat
 
 absl::Status ModelHost::Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
                              const std::optional<Normalizer>& normalizer, bool replace) {
-  if (backend_ != nullptr && !replace) {
-    return absl::FailedPreconditionError(
-        "a model already exists; set replace to discard it (perceptionctl init --replace)");
-  }
+  RETURN_IF_ERROR(CheckInitMayReplace(replace));
   const ParamLayout layout(config);
   std::vector<float> params(layout.total_size());
   InitializeParameters(layout, seed, params);
@@ -319,6 +316,12 @@ HostStatus ModelHost::Status() const {
                     static_cast<int64_t>(backend_->layout().trained_count()), !IsIdentityNormalizer(normalizer_),
                     published_weights_version_, normalizer_},
           data_parallel_, training_counters_.replica_checks};
+}
+
+absl::Status ModelHost::CheckInitMayReplace(bool replace) const {
+  if (backend_ == nullptr || replace) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "a model already exists; set replace to discard it (perceptionctl init --replace)");
 }
 
 absl::Status ModelHost::RequireModel() const {

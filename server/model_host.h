@@ -98,6 +98,8 @@ class ModelHost {
   // FAILED_PRECONDITION when a model exists and `replace` is false.
   absl::Status Init(const ModelConfig& config, const OptimizerConfig& optimizer, uint64_t seed,
                     const std::optional<Normalizer>& normalizer, bool replace);
+  // Init's refusal of a model that exists without `replace` (FAILED_PRECONDITION), for a caller to put before its own.
+  absl::Status CheckInitMayReplace(bool replace) const;
   // Replaces the normalizer buffers; INVALID_ARGUMENT unless it has the model's feature count.
   absl::Status SetNormalizer(const Normalizer& normalizer);
   // Replaces the optimizer settings, keeping weights, moments and step.

@@ -161,7 +161,9 @@ absl::StatusOr<v1::Model> PerceptionService::CreateModel(const ModelConfig& conf
   RETURN_IF_ERROR(CheckTrainingShapeWithinLimits(config, limits_));
   return worker_.Run(
       JobPriority::kTraining,
-      [&](ModelHost& host) {
+      [&](ModelHost& host) -> absl::StatusOr<v1::Model> {
+        // Before the live streams' refusal: closing them first would only lead to this one.
+        RETURN_IF_ERROR(host.CheckInitMayReplace(replace));
         return streams_.ChangeModel(
             host, [&] { return ModelAfter(host.Init(config, optimizer, seed, normalizer, replace), host); });
       },

@@ -663,8 +663,14 @@ TEST_F(StreamingTest, BadEventsGetClearErrorsAndTheDaemonKeepsServing) {
   v1::CloseStreamRequest close;
   close.set_instrument("ZZZ");
   ExpectRefused(client().CloseStream(close).status(), absl::StatusCode::kNotFound, "unknown instrument 'ZZZ'");
-  // Replacing the model would discard live state: refused until the streams are closed.
-  ExpectRefused(client().InitModel(init).status(), absl::StatusCode::kFailedPrecondition, "live stream(s)");
+  // Replacing the model would discard live state: refused until the streams are closed. Without replace, the model
+  // that exists is named first (the live streams were, and once they were closed, so was the model).
+  ExpectRefused(client().InitModel(init).status(), absl::StatusCode::kFailedPrecondition,
+                "a model already exists; set replace to discard it");
+  v1::InitModelRequest replacing = init;
+  replacing.set_replace(true);
+  ExpectRefused(client().InitModel(replacing).status(), absl::StatusCode::kFailedPrecondition,
+                "2 live stream(s) hold state on the current model");
 
   // Still serving: A continues from seq 4 and its log is the offline run over events 0..4 of the file.
   std::vector<v1::StreamRequest> rest(1);
