@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/data_parallel.h"
 #include "client/training_progress.h"
 #include "engine/dataset.h"
@@ -103,9 +104,17 @@ absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConf
       (options.window == 0 || options.window == config.window())) {
     return absl::OkStatus();
   }
+  // Only the flags given (0: the model's) and differing: "--batch 4 --window 0 differ" named a window not asked for.
+  std::vector<std::string> differing;
+  if (options.batch != 0 && options.batch != config.batch()) differing.push_back(absl::StrCat("--batch ", options.batch));
+  if (options.window != 0 && options.window != config.window()) {
+    differing.push_back(absl::StrCat("--window ", options.window));
+  }
   return absl::InvalidArgumentError(absl::StrCat("the model trains on batches of ", config.batch(), " windows x ",
-                                                 config.window(), " events, fixed at init; --batch ", options.batch,
-                                                 " --window ", options.window, " differ (re-init to change them)"));
+                                                 config.window(), " events, fixed at init; ",
+                                                 absl::StrJoin(differing, " and "), differing.size() > 1 ? " differ"
+                                                                                                   : " differs",
+                                                 " (re-init to change them)"));
 }
 
 // The files' events against the normalizer they will be standardized with, as perception eval checks them: refused,

@@ -262,7 +262,12 @@ TEST(PerceptionctlTest, InitTrainSaveLoadAndStatus) {
               HasSubstr("INVALID_ARGUMENT: name: checkpoint name '../x.safetensors' must not contain '..'"));
   CommandResult mismatch = RunCommand(absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4"));
   EXPECT_EQ(mismatch.exit_code, 1);
-  EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events"));
+  EXPECT_THAT(mismatch.output, HasSubstr("the model trains on batches of 8 windows x 32 events, fixed at init; --batch "
+                                         "4 differs (re-init to change them)"));  // (it named --window 0 as well)
+  CommandResult both = RunCommand(
+      absl::StrCat(ctl, " train --lobster ", kOrderbook, " ", kMessages, " --batch 4 --window 16 --steps 1"));
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_THAT(both.output, HasSubstr("fixed at init; --batch 4 and --window 16 differ (re-init to change them)"));
 }
 
 // The first 10 rows of the AAPL files: tiny's one window of 9 events, every label within a horizon (10 and more) of
