@@ -348,7 +348,9 @@ ServerMetrics::ServerMetrics()
                           .Help("Streamed events accepted and then dropped unprocessed, no conviction logged, by "
                                 "reason: failed_tick (a tick the device failed, or streaming that could not start: "
                                 "the events of its instruments in it and queued behind it), nonfinite_output (an "
-                                "output that was not finite: the event and its instrument's later ones). Each call "
+                                "output that was not finite: the event and its instrument's later ones), "
+                                "standardized_bound (an instrument's queued events, one of which a SetNormalizer "
+                                "put beyond the bound on standardized features). Each call "
                                 "that sent them was told where its instruments resume; events a drain drops at the "
                                 "exit are in the log alone.")
                           .Register(*registry_)),

@@ -24,7 +24,8 @@ inline constexpr std::array<std::string_view, 13> kStreamRejectReasons = {
 
 // What perception_stream_events_dropped_total counts by, each series from 0: a tick the device failed (or streaming
 // that could not start), and an output that was not finite (the event and its instrument's later ones).
-inline constexpr std::array<std::string_view, 2> kStreamDropReasons = {"failed_tick", "nonfinite_output"};
+inline constexpr std::array<std::string_view, 3> kStreamDropReasons = {"failed_tick", "nonfinite_output",
+                                                                         "standardized_bound"};
 
 // Thread-safe: every method may be called from any thread.
 class ServerMetrics {

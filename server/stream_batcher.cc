@@ -238,8 +238,13 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
 
 void StreamBatcher::FollowModel(const ModelHost& host) {
   const HostStatus status = host.Status();
-  absl::MutexLock lock(&mu_);
-  normalizer_ = status.model.has_value() ? status.model->normalizer : Normalizer{};
+  std::vector<Failure> failures;
+  {
+    absl::MutexLock lock(&mu_);
+    normalizer_ = status.model.has_value() ? status.model->normalizer : Normalizer{};
+    failures = StopQueuedBeyondTheBoundLocked();
+  }
+  for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
 }
 
 StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request, StreamSink* sink) {
@@ -416,12 +421,6 @@ void ForEachSink(std::span<Notice> notices, Each each) {
 }
 
 // A Stream call's events that were not processed, and why.
-struct Failure {
-  StreamSink* sink;
-  absl::Status status;
-  int64_t count;
-};
-
 // A failure message's list of the instruments of one sink's `events`: `name(event)` for each instrument's first event,
 // up to kInstrumentsNamed, joined by `separator`, then `more(count)` for the instruments not named.
 template <typename Event, typename Name, typename More>
@@ -577,17 +576,51 @@ void StreamBatcher::StopNonFiniteStreams(std::span<const NonFiniteOutput> found)
     }
     std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
     metrics_.DropStreamEvents("nonfinite_output", static_cast<int64_t>(dropped_.size()));
-    ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
-      const std::string stopped = NameInstruments(
-          events, table_.capacity(), " ", [&](const Notice& event) { return queues_[event.slot].stopped.message(); },
-          [](size_t more) { return absl::StrCat(". ", more, " more instruments stopped alike"); });
-      failures.push_back({events.front().sink,
-                          absl::FailedPreconditionError(
-                              absl::StrCat(events.size(), " events of this call were not processed. ", stopped)),
-                          static_cast<int64_t>(events.size())});
-    });
+    failures = StoppedFailuresLocked();
   }
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+}
+
+std::vector<StreamBatcher::Failure> StreamBatcher::StoppedFailuresLocked() {
+  std::vector<Failure> failures;
+  ForEachSink(std::span<Notice>(dropped_), [&](std::span<const Notice> events) {
+    const std::string stopped = NameInstruments(
+        events, table_.capacity(), " ", [&](const Notice& event) { return queues_[event.slot].stopped.message(); },
+        [](size_t more) { return absl::StrCat(". ", more, " more instruments stopped alike"); });
+    failures.push_back({events.front().sink,
+                        absl::FailedPreconditionError(
+                            absl::StrCat(events.size(), " events of this call were not processed. ", stopped)),
+                        static_cast<int64_t>(events.size())});
+  });
+  return failures;
+}
+
+std::vector<StreamBatcher::Failure> StreamBatcher::StopQueuedBeyondTheBoundLocked() {
+  dropped_.clear();
+  const int F = NFeaturesLocked();
+  std::vector<float>& x = accept_x_;
+  x.resize(F);
+  for (int slot = 0; slot < table_.capacity(); ++slot) {
+    SlotQueue& queue = queues_[slot];
+    for (size_t i = 0; i < queue.events.size(); ++i) {
+      std::copy_n(queue.x.begin() + static_cast<std::ptrdiff_t>(i * F), F, x.begin());
+      const absl::Status within = CheckStandardizedRange(normalizer_, x);
+      if (within.ok()) continue;
+      const uint64_t first = queue.events.front().seq;
+      queue.stopped = absl::FailedPreconditionError(absl::StrCat(
+          "instrument '", queue.instrument, "' stopped at seq ", first, ": its event of seq ", queue.events[i].seq,
+          ", queued when SetNormalizer replaced the normalizer, is beyond what the model takes under the new one (",
+          within.message(), "). Its queued events from seq ", first, " on were dropped; it takes no events until "
+          "ResetStream, SeedStream or CloseStream, then from seq ", first));
+      spdlog::error("{}", queue.stopped.ToString());
+      table_.DropFrom(slot, table_.EntryOfSeq(slot, first));
+      DropQueuedLocked(slot);
+      break;
+    }
+  }
+  std::erase_if(ready_, [&](int slot) { return !queues_[slot].ready; });
+  metrics_.DropStreamEvents("standardized_bound", static_cast<int64_t>(dropped_.size()));
+  return StoppedFailuresLocked();
 }
 
 bool StreamBatcher::TickToFollow() const {

@@ -157,8 +157,9 @@ class StreamBatcher {
   template <typename Change>
   auto ChangeModel(ModelHost& host, Change change) -> decltype(change());
   // Takes the model's normalizer (and with it its feature count) from `host` again: after ChangeModel's change and
-  // SetNormalizer (which keeps the streams: events queued before it were checked against the normalizer they came
-  // under).
+  // SetNormalizer, which keeps the streams. Their queued events were checked against the normalizer they came under,
+  // and the ticks standardize them with the new one: an instrument with one that standardizes beyond the bound now
+  // stops at its first event not processed, as one whose output overflowed does, its queued events dropped.
   void FollowModel(const ModelHost& host) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -195,6 +196,12 @@ class StreamBatcher {
     int slot;
     uint64_t seq;
     std::chrono::steady_clock::time_point received;
+  };
+  // What a sink hears of its events that were not processed (OnFailed), told outside the lock.
+  struct Failure {
+    StreamSink* sink;
+    absl::Status status;
+    int64_t count;
   };
   // A tick the device may still be running: its events' sinks hear of them once it has finished.
   struct LaunchedTick {
@@ -258,6 +265,11 @@ class StreamBatcher {
   // events and those of launched_ and of the tick being launched (notices_), and takes no events until ResetStream,
   // SeedStream or CloseStream, then from that event's sequence number; the sinks of the events dropped hear why.
   void StopNonFiniteStreams(std::span<const NonFiniteOutput> found);
+  // FollowModel's stop of each instrument with a queued event beyond the bound under normalizer_: what the sinks of
+  // the events dropped are to hear.
+  std::vector<Failure> StopQueuedBeyondTheBoundLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Each instrument stopped with its events in dropped_: one failure for each sink, naming why they stopped.
+  std::vector<Failure> StoppedFailuresLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads slot names without the lock: only the worker thread, which calls it, closes streams.
   void Notify(std::span<Notice> notices, int64_t weights_version) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // pending_ changed by `delta` (negative: processed or dropped); the metric follows it.

@@ -389,6 +389,72 @@ TEST_F(StreamFailureTest, ATicksEventsAreCountedWhileItLaunches) {
   EXPECT_EQ(daemon_.streams().NotReadBack().convictions, 1u);
 }
 
+// SetNormalizer keeps the streams, and their queued events had been checked under the normalizer before it: ticked
+// under the new one, an event within the bound before went beyond it (its feature 0 at 1e17 standard deviations) and
+// the model ran on it, its conviction acknowledged. Its instrument now stops at its first event not processed, its
+// queued events dropped and counted, and the call is told where it resumes.
+TEST_F(StreamFailureTest, ANormalizerThatPutsQueuedEventsBeyondTheBoundStopsTheirInstrument) {
+  constexpr int kEvents = 40, kFirstFar = 35;  // the worker takes 16 streaming jobs, then SetNormalizer's
+  std::vector<v1::StreamEvent> events;
+  for (int i = 0; i < kEvents; ++i) {
+    events.push_back(Event("A", i % 8, i + 1));
+    if (i + 1 >= kFirstFar) events.back().mutable_features()->set_features(0, 1e10f);  // 1e10 from the identity's
+  }
+  faults_->hold_launch = true;
+  StreamOutcome outcome;
+  std::thread call([&] {
+    outcome = daemon_.Stream({{events[0]}, std::vector<v1::StreamEvent>(events.begin() + 1, events.end())});
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (faults_->launches_held == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(faults_->launches_held, 1) << "the tick never launched";
+  while (daemon_.Streams()["A"].pending_events() < kEvents && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(daemon_.Streams()["A"].pending_events(), static_cast<uint64_t>(kEvents));
+  v1::SetNormalizerRequest set;
+  for (int f = 0; f < config_.n_features; ++f) {
+    set.mutable_normalizer()->add_mean(0.f);
+    set.mutable_normalizer()->add_inv_std(f == 0 ? 1e7f : 1.f);
+  }
+  const int queued_before = daemon_.worker().queued_jobs();
+  grpc::Status normalized;
+  std::thread setter([&] { normalized = daemon_.Call(&v1::Perception::Stub::SetNormalizer, set); });
+  while (daemon_.worker().queued_jobs() == queued_before && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  faults_->hold_launch = false;
+  call.join();
+  setter.join();
+  ASSERT_TRUE(normalized.ok()) << normalized.error_message();
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << outcome.status.error_message();
+  ASSERT_EQ(outcome.acked.count("A"), 1u) << outcome.status.error_message();
+  const uint64_t stop = outcome.acked.at("A") + 1;
+  ASSERT_LT(stop, static_cast<uint64_t>(kFirstFar)) << "SetNormalizer ran after the far events' ticks";
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr(absl::StrCat(kEvents + 1 - stop, " events of this call were not processed. instrument 'A' "
+                                     "stopped at seq ", stop, ": its event of seq ", kFirstFar, ", queued when "
+                                     "SetNormalizer replaced the normalizer, is beyond what the model takes under the "
+                                     "new one (feature 0 is 1e+10, 1e+17 standard deviations")));
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr(absl::StrCat("it takes no events until ResetStream, SeedStream or CloseStream, then from seq ",
+                                     stop)));
+  const v1::StreamInfo stopped = daemon_.Streams()["A"];
+  EXPECT_EQ(stopped.processed_events(), stop - 1);
+  EXPECT_EQ(stopped.pending_events(), 0u);
+  EXPECT_EQ(stopped.next_seq(), stop);
+  EXPECT_THAT(stopped.stopped(), HasSubstr(absl::StrCat("stopped at seq ", stop)));
+  EXPECT_EQ(daemon_.Metric("perception_stream_events_dropped_total{reason=\"standardized_bound\"}"),
+            static_cast<double>(kEvents + 1 - stop));
+  // After a reset it takes the events from the stop on, those within the bound.
+  ASSERT_TRUE(daemon_.ResetStream("A").ok());
+  const std::vector<v1::StreamEvent> resumed(events.begin() + static_cast<std::ptrdiff_t>(stop - 1),
+                                             events.begin() + kFirstFar - 1);
+  const StreamOutcome again = daemon_.Stream({resumed});
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.acked.at("A"), static_cast<uint64_t>(kFirstFar - 1));
+}
+
 // A tick fails while one before it, still unfinished, holds an output that was not finite, found only when the failure
 // makes the batcher wait for the device: the instrument stops where its output went non-finite, and the failed tick's
 // later event of it fails with that stop, so that the call and ListStreams name the seq its log resumes from.
