@@ -289,11 +289,6 @@ absl::Status CheckNormalizerToFit(const v1::Model& model, const TrainOptions& op
       "anyway, or start a new model (init --replace)"));
 }
 
-// The window sampler's seed for a run that starts at the model's `step`: --seed alone would replay the same windows
-// on every run, so training in chunks (train --steps N, again and again) would see the first chunk's batches over
-// and over. A run stays reproducible from (seed, starting step).
-uint64_t SamplerSeed(uint64_t seed, int64_t step) { return Rng(seed).NextU64() ^ static_cast<uint64_t>(step); }
-
 // The same command's flags, changed to train the `rest` of an interrupted run's steps. Another --save-best name: a
 // run saves its starting model there first, over the better one this run may have saved.
 std::string RestOfTheRun(const TrainOptions& options, int rest) {
@@ -354,11 +349,15 @@ absl::Status TrainOnLobster(std::span<PerceptionClient* const> ranks, const Trai
   ASSIGN_OR_RETURN(const v1::OptimizerSettings optimizer, RunOptimizer(status.model(), options));
   ASSIGN_OR_RETURN(const EventSeries series, ReadSeries(options.files, config));
   ASSIGN_OR_RETURN(const SplitSeries split, SplitByTime(series, options.train_fraction));
-  ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::Create(split.train, config.window(), config.warmup(),
-                                                                SamplerSeed(options.seed, status.model().step())));
+  ASSIGN_OR_RETURN(WindowSampler sampler,
+                   WindowSampler::Create(split.train, config.window(), config.warmup(), options.seed));
   const Batch validation = SequentialWindows(split.validation, config.window(), config.warmup());
   RETURN_IF_ERROR(CheckValidationWindows(validation));
   const int world_size = static_cast<int>(ranks.size());
+  // Past the global batches of the model's steps: training in chunks (train --steps N, again and again) goes on with
+  // fresh batches, and a run interrupted and then resumed for the rest trains the batches the whole run would have
+  // (the seed mixed with the starting step gave each run other windows than the one before it would have trained).
+  sampler.Skip(world_size * config.batch(), status.model().step());
   std::printf("%zu events: %zu train, %zu validation (%d windows); batches of %d x %d events on %s%s\n",
               series.size(), split.train.size(), split.validation.size(), validation.batch,
               world_size * config.batch(), config.window(), status.device().name().c_str(),

@@ -2142,6 +2142,56 @@ TEST(PerceptionctlTest, AnInterruptedTrainSaysWhereTheModelStandsAndTheDaemonTra
   EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step + 5);
 }
 
+// A `perceptionctl train` interrupted and resumed as its message says (the same command with --steps the rest) trained
+// other windows than the whole run would have: the sampler's seed was mixed with the step the run started at. It now
+// skips the global batches of the model's steps, so the resumed run ends on the whole run's model, bit for bit on the
+// CPU: two daemons from one init, one trained whole, the other interrupted and resumed, then their models compared.
+// (Validations every 500 steps: the chunks of the two runs begin at other steps.)
+TEST(PerceptionctlTest, AnInterruptedTrainResumedForTheRestEndsOnTheWholeRunsModel) {
+  const ScopedTempDir temp("ctl_train_resumed");
+  constexpr int kSteps = 1500;
+  absl::StatusOr<std::unique_ptr<Daemon>> whole = Daemon::Start(temp.path() / "whole");
+  absl::StatusOr<std::unique_ptr<Daemon>> parts = Daemon::Start(temp.path() / "parts");
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  const auto ctl = [](const Daemon& daemon) { return absl::StrCat(PERCEPTIONCTL_PATH, " --target=", daemon.target()); };
+  const std::string train = absl::StrCat(" train --lobster ", kOrderbook, " ", kMessages, " --seed 4 --eval-every 500");
+  for (const Daemon* daemon : {whole->get(), parts->get()}) {
+    ASSERT_EQ(RunCommand(absl::StrCat(ctl(*daemon), " init --config tiny --levels 10 --seed 9")).exit_code, 0);
+  }
+  const CommandResult whole_run = RunCommand(absl::StrCat(ctl(**whole), train, " --steps ", kSteps));
+  ASSERT_EQ(whole_run.exit_code, 0) << whole_run.output;
+  auto [running, pid] =
+      StartTrainingWithPid(**parts, absl::StrCat(ctl(**parts), train, " --steps ", kSteps), temp.path() / "pid");
+  ASSERT_GT(pid, 0) << "the run never reached step 20";
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const CommandResult interrupted = running.get();
+  const std::optional<std::pair<int64_t, int64_t>> stopped = TwoNumbers(
+      interrupted.output, "interrupted after ([0-9]+) of 1500 steps, each answered: the model is at step ([0-9]+)");
+  ASSERT_TRUE(stopped.has_value()) << interrupted.output;
+  ASSERT_LT(stopped->first, kSteps) << "the run ended before the signal";
+  const std::string rest = absl::StrCat(" --steps ", kSteps - stopped->first);
+  EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("the same command with", rest)));
+  const CommandResult resumed = RunCommand(absl::StrCat(ctl(**parts), train, rest));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+
+  std::vector<Checkpoint> models;
+  for (const Daemon* daemon : {whole->get(), parts->get()}) {
+    const CommandResult save = RunCommand(absl::StrCat(ctl(*daemon), " checkpoint save final.safetensors"));
+    ASSERT_EQ(save.exit_code, 0) << save.output;
+  }
+  for (const char* folder : {"whole", "parts"}) {
+    absl::StatusOr<Checkpoint> model = LoadCheckpoint((temp.path() / folder / "final.safetensors").string());
+    ASSERT_TRUE(model.ok()) << model.status();
+    models.push_back(*std::move(model));
+  }
+  EXPECT_EQ(models[1].step, kSteps);
+  EXPECT_EQ(models[1].step, models[0].step);
+  EXPECT_TRUE(models[1].params == models[0].params) << "the resumed run's model is not the whole run's";
+  EXPECT_TRUE(models[1].exp_avg == models[0].exp_avg);
+  EXPECT_TRUE(models[1].exp_avg_sq == models[0].exp_avg_sq);
+}
+
 // A second signal stops the wait for the steps sent (a daemon that stopped answering, here SIGSTOP): the call is
 // cancelled, and the run says how many steps were answered and that the daemon's count could not be read.
 TEST(PerceptionctlTest, ASecondInterruptCancelsTheWaitForTheStepsSent) {
