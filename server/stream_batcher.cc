@@ -236,7 +236,7 @@ absl::Status StreamBatcher::QueueLocked(const v1::StreamEvent& event, StreamSink
   return absl::OkStatus();
 }
 
-void StreamBatcher::FollowModel(const ModelHost& host) {
+void StreamBatcher::FollowModel(ModelHost& host) {
   const HostStatus status = host.Status();
   std::vector<Failure> failures;
   {
@@ -245,6 +245,10 @@ void StreamBatcher::FollowModel(const ModelHost& host) {
     failures = StopQueuedBeyondTheBoundLocked();
   }
   for (const Failure& failure : failures) failure.sink->OnFailed(failure.status, failure.count);
+  // The stop may have taken every event a tick was to follow with: the tick queued then finds none and returns, and
+  // the ticks launched before, unfinished when they launched, would wait for their sinks to hear of them until some
+  // other call asked the device.
+  if (!failures.empty() && !TickToFollow()) FinishTicksBefore(host);
 }
 
 StreamBatcher::Submitted StreamBatcher::Submit(const v1::StreamRequest& request, StreamSink* sink) {

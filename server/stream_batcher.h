@@ -160,7 +160,7 @@ class StreamBatcher {
   // SetNormalizer, which keeps the streams. Their queued events were checked against the normalizer they came under,
   // and the ticks standardize them with the new one: an instrument with one that standardizes beyond the bound now
   // stops at its first event not processed, as one whose output overflowed does, its queued events dropped.
-  void FollowModel(const ModelHost& host) ABSL_LOCKS_EXCLUDED(mu_);
+  void FollowModel(ModelHost& host) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Pending {

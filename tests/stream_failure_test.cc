@@ -401,6 +401,9 @@ TEST_F(StreamFailureTest, ANormalizerThatPutsQueuedEventsBeyondTheBoundStopsThei
     if (i + 1 >= kFirstFar) events.back().mutable_features()->set_features(0, 1e10f);  // 1e10 from the identity's
   }
   faults_->hold_launch = true;
+  // As on a GPU: the ticks launched while others follow are not finished yet when they launch, so the ticks before
+  // the stop wait for a tick after it, which then has no event to take.
+  faults_->slow_ticks = true;
   StreamOutcome outcome;
   std::thread call([&] {
     outcome = daemon_.Stream({{events[0]}, std::vector<v1::StreamEvent>(events.begin() + 1, events.end())});
