@@ -311,38 +311,69 @@ struct StartingPoint {
 };
 
 // Flags that set what a checkpoint holds: train --checkpoint refuses them rather than train on with a model or a
-// schedule other than the one asked for.
-absl::Status CheckNoSettingOfTheCheckpoint() {
-  const std::pair<const char*, bool> settings[] = {
-      {"config", FlagGiven(FLAGS_config)},         {"batch", FlagGiven(FLAGS_batch)},
-      {"window", FlagGiven(FLAGS_window)},         {"warmup", FlagGiven(FLAGS_warmup)},
-      {"lr", FlagGiven(FLAGS_lr)},                 {"lr_schedule", FlagGiven(FLAGS_lr_schedule)},
-      {"lr_warmup_steps", FlagGiven(FLAGS_lr_warmup_steps)}, {"weight_decay", FlagGiven(FLAGS_weight_decay)},
-      {"max_grad_norm", FlagGiven(FLAGS_max_grad_norm)}};
-  for (const auto& [name, given] : settings) {
-    if (given) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " is the checkpoint's where train goes on from "
-                                                     "--checkpoint (its model, optimizer and schedule)"));
+// schedule other than the one asked for. A checkpoint without optimizer settings (another program wrote it) takes
+// --lr, --weight_decay and --max_grad_norm, at a constant rate: a schedule's steps would need a start it does not hold.
+absl::Status CheckNoSettingOfTheCheckpoint(bool holds_optimizer) {
+  const std::pair<const char*, bool> shape[] = {{"config", FlagGiven(FLAGS_config)},
+                                                {"batch", FlagGiven(FLAGS_batch)},
+                                                {"window", FlagGiven(FLAGS_window)},
+                                                {"warmup", FlagGiven(FLAGS_warmup)}};
+  const std::pair<const char*, bool> rate[] = {{"lr", FlagGiven(FLAGS_lr)},
+                                               {"weight_decay", FlagGiven(FLAGS_weight_decay)},
+                                               {"max_grad_norm", FlagGiven(FLAGS_max_grad_norm)}};
+  const std::pair<const char*, bool> schedule[] = {{"lr_schedule", FlagGiven(FLAGS_lr_schedule)},
+                                                   {"lr_warmup_steps", FlagGiven(FLAGS_lr_warmup_steps)}};
+  const auto refuse_given = [](std::span<const std::pair<const char*, bool>> flags, std::string_view why) {
+    for (const auto& [name, given] : flags) {
+      if (given) return absl::InvalidArgumentError(absl::StrCat("--", name, std::string(why)));
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  };
+  constexpr std::string_view kTheCheckpoints =
+      " is the checkpoint's where train goes on from --checkpoint (its model, optimizer and schedule)";
+  RETURN_IF_ERROR(refuse_given(shape, kTheCheckpoints));
+  if (holds_optimizer) RETURN_IF_ERROR(refuse_given(rate, kTheCheckpoints));
+  return refuse_given(schedule, holds_optimizer ? kTheCheckpoints
+                                                : " sets a schedule, which a run from a checkpoint without optimizer "
+                                                  "settings does not take: it trains at the constant --lr");
+}
+
+// The run's optimizer from a checkpoint that holds none: the rate flags', constant.
+absl::StatusOr<OptimizerConfig> ConstantRateFromFlags() {
+  OptimizerConfig o;
+  o.lr = absl::GetFlag(FLAGS_lr);
+  RETURN_IF_ERROR(CheckFinitePositive("lr", o.lr));
+  o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
+  RETURN_IF_ERROR(ValidateOptimizerConfig(o));
+  return o;
 }
 
 // --checkpoint's model and settings; --steps, where not given, set to the rest of its schedule.
 absl::StatusOr<StartingPoint> ResumedFrom(const std::string& path, int& steps) {
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
+  RETURN_IF_ERROR(CheckNoSettingOfTheCheckpoint(checkpoint.optimizer.has_value()));
   StartingPoint start;
   if (checkpoint.optimizer.has_value()) {
     start.optimizer = *checkpoint.optimizer;
   } else {
-    spdlog::warn("{} holds no optimizer settings: it trains on with the defaults ({})", path,
-                 OptimizerToJson(start.optimizer));
+    ASSIGN_OR_RETURN(start.optimizer, ConstantRateFromFlags());
+    spdlog::warn("{} holds no optimizer settings: it trains on at a constant rate, --lr {} (weight decay {}, "
+                 "gradient-norm clip {})", path, start.optimizer.lr, start.optimizer.weight_decay,
+                 start.optimizer.max_grad_norm);
   }
   if (!FlagGiven(FLAGS_steps)) {
-    const int64_t rest = start.optimizer.total_steps - checkpoint.step;
+    const int64_t total = start.optimizer.total_steps, rest = total - checkpoint.step;
+    if (total == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, checkpoint.optimizer.has_value() ? " sets no number of steps (a constant rate, as a daemon's model "
+                                                   "has where no --total_steps was given)"
+                                                 : " holds no optimizer settings",
+          ": give --steps N"));
+    }
     if (rest <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          path, " is at step ", checkpoint.step, ", where its schedule of ", start.optimizer.total_steps,
+          path, " is at step ", checkpoint.step, ", where its schedule of ", total,
           " steps ends: give --steps N to train on past it (at the schedule's last rate)"));
     }
     if (rest > std::numeric_limits<int>::max()) {
@@ -361,7 +392,7 @@ std::string HowToTrainTheRest(const StartingPoint& start, int steps, int64_t ste
   const int64_t rest = start.step() + steps - step, rest_of_schedule = start.optimizer.total_steps - step;
   return absl::StrCat("; to train the remaining ", rest, " steps on the batches this run would have, run perception "
                       "train --checkpoint ", save, rest == rest_of_schedule ? "" : absl::StrCat(" --steps ", rest),
-                      " with this run's --lobster, --levels, --seed and --train_fraction and another --save");
+                      " with this run's --lobster, --levels, --seed, --train_fraction, --device and --precision");
 }
 
 absl::Status Train() {
@@ -372,7 +403,6 @@ absl::Status Train() {
   }
   const std::string resume = absl::GetFlag(FLAGS_checkpoint);
   if (resume.empty() && FlagGiven(FLAGS_checkpoint)) return absl::InvalidArgumentError("--checkpoint needs a path");
-  if (!resume.empty()) RETURN_IF_ERROR(CheckNoSettingOfTheCheckpoint());
   // Before the files are read (SplitByTime's refusal came after, and said the split "leaves an empty part").
   RETURN_IF_ERROR(CheckOpenFraction("train_fraction", absl::GetFlag(FLAGS_train_fraction)));
   if (absl::GetFlag(FLAGS_save).empty()) return absl::InvalidArgumentError("train needs --save CKPT");

@@ -995,7 +995,7 @@ TEST(PerceptionCliTest, AnInterruptedTrainResumedFromItsCheckpointEndsWhereTheWh
   EXPECT_EQ(stopped->second, 40 - stopped->first);
   EXPECT_THAT(interrupted->output,
               HasSubstr(absl::StrCat("run perception train --checkpoint ", part.string(), " with this run's --lobster, "
-                                     "--levels, --seed and --train_fraction and another --save")));
+                                     "--levels, --seed, --train_fraction, --device and --precision")));
 
   const CommandResult resumed = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --checkpoint ", part.string(),
                                                         data, " --seed 7 --save ", rest.string()));
@@ -1019,6 +1019,35 @@ TEST(PerceptionCliTest, AnInterruptedTrainResumedFromItsCheckpointEndsWhereTheWh
                       absl::StrCat(whole.string(), " is at step 40, where its schedule of 40 steps ends: give --steps "
                                    "N to train on past it")},
                      {" --checkpoint=", "--checkpoint needs a path"}});
+
+  // A daemon's model at a constant rate sets no number of steps; one without optimizer settings (another program's
+  // checkpoint) takes the rate flags, at a constant rate.
+  absl::StatusOr<Checkpoint> model = LoadCheckpoint(part.string());
+  ASSERT_TRUE(model.ok()) << model.status();
+  model->optimizer = OptimizerConfig{};
+  const std::filesystem::path constant = temp.path() / "constant.safetensors", bare = temp.path() / "bare.safetensors";
+  ASSERT_TRUE(SaveCheckpoint(constant.string(), *model).ok());
+  model->optimizer.reset();
+  ASSERT_TRUE(SaveCheckpoint(bare.string(), *model).ok());
+  ExpectEachRefused(absl::StrCat(PERCEPTION_CLI_PATH, " train --device cpu --lobster /nonexistent/ob.csv ",
+                                 "/nonexistent/msg.csv --save ", (temp.path() / "x.safetensors").string()),
+                    {{absl::StrCat(" --checkpoint ", constant.string()),
+                      absl::StrCat(constant.string(), " sets no number of steps (a constant rate, as a daemon's model "
+                                   "has where no --total_steps was given): give --steps N")},
+                     {absl::StrCat(" --checkpoint ", bare.string()),
+                      absl::StrCat(bare.string(), " holds no optimizer settings: give --steps N")},
+                     {absl::StrCat(" --checkpoint ", bare.string(), " --steps 2 --lr_schedule cosine"),
+                      "--lr_schedule sets a schedule, which a run from a checkpoint without optimizer settings does "
+                      "not take: it trains at the constant --lr"}});
+  const CommandResult bare_run = RunCommand(absl::StrCat(PERCEPTION_CLI_PATH, " train --checkpoint ", bare.string(),
+                                                         data, " --steps 2 --lr 0.02 --save ", rest.string()));
+  ASSERT_EQ(bare_run.exit_code, 0) << bare_run.output;
+  EXPECT_THAT(bare_run.output, HasSubstr("holds no optimizer settings: it trains on at a constant rate, --lr 0.02"));
+  const absl::StatusOr<Checkpoint> trained_on = LoadCheckpoint(rest.string());
+  ASSERT_TRUE(trained_on.ok()) << trained_on.status();
+  EXPECT_EQ(trained_on->step, stopped->first + 2);
+  ASSERT_TRUE(trained_on->optimizer.has_value());
+  EXPECT_EQ(trained_on->optimizer->lr, 0.02);
 }
 
 // A --save_best write that fails mid-run (here: a FIFO put at its name after the first best was saved, which a
