@@ -283,11 +283,17 @@ absl::Status CheckNumbering(PerceptionClient& client, const StreamOptions& optio
   } else if (next > last) {
     ours = "; where its events are this command's, numbered as it numbers them, it has every one of them already";
   }
+  // A stopped instrument refuses the renumbered run too, until a reset.
+  const std::string stopped =
+      stream->stopped().empty()
+          ? ""
+          : absl::StrCat(". It is stopped as well (", stream->stopped(), "): either run needs `perceptionctl streams "
+                         "reset ", options.instrument, "` first (its state zeroed)");
   return absl::FailedPreconditionError(absl::StrCat(
       "instrument ", options.instrument, " takes seq ", next, " next, but this run would start at seq ",
       options.start_seq, ": the daemon would refuse its first event. --start_seq ", next,
       " numbers this run's events after the instrument's", ours, "; to start the instrument afresh, `perceptionctl "
-      "streams close ", options.instrument, "` first (its convictions go with it)"));
+      "streams close ", options.instrument, "` first (its convictions go with it)", stopped));
 }
 
 // How far a run the first signal stopped got (`sent` of its `streamed` events), and, where its call did not end well

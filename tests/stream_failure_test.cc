@@ -862,6 +862,33 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTak
   EXPECT_TRUE(daemon_.Streams()["AAPL"].stopped().empty());
 }
 
+// perceptionctl's numbering check onto a stopped instrument: the --start_seq it names would be refused as well, the
+// instrument being stopped, so it says so and names the reset; after the reset that run streams.
+TEST_F(StreamFailureTest, AStreamThatWouldNotContinueAStoppedInstrumentNamesTheResetToo) {
+  ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
+  client::PerceptionClient client(daemon_.target());
+  client::StreamOptions options = AaplOptions();
+  options.count = 3;
+  ASSERT_TRUE(client::StreamLobster(client, options).ok());
+  faults_->failing_ticks = 1;
+  options.first = 3;
+  options.count = 1;
+  options.start_seq = 4;
+  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
+  ASSERT_THAT(daemon_.Streams()["AAPL"].stopped(), HasSubstr("then from seq 4"));
+  options.start_seq = 1;
+  const absl::Status refused = client::StreamLobster(client, options);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("instrument AAPL takes seq 4 next, but this run would start at seq 1"));
+  EXPECT_THAT(refused.message(), HasSubstr(". It is stopped as well (instrument 'AAPL' stopped at seq 4"));
+  EXPECT_THAT(refused.message(), HasSubstr("either run needs `perceptionctl streams reset AAPL` first"));
+  ASSERT_TRUE(daemon_.ResetStream("AAPL").ok());
+  options.start_seq = 4;
+  const absl::Status streamed = client::StreamLobster(client, options);
+  ASSERT_TRUE(streamed.ok()) << streamed;
+  EXPECT_EQ(daemon_.Streams()["AAPL"].next_seq(), 5u);
+}
+
 // An instrument stopped at its first event has no state to lose: a seed window that resumes where it stopped needs no
 // --reseed (the check for stopped instruments with events must not catch it).
 TEST_F(StreamFailureTest, ASeedWindowOntoAnInstrumentStoppedAtItsFirstEventNeedsNoReseed) {
