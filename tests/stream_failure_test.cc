@@ -177,6 +177,19 @@ class StreamFailureTest : public ::testing::Test {
     return options;
   }
 
+  // perceptionctl streams AAPL's events 0 to 2 as seq 1 to 3, then event 3 as seq 4 in a tick the device fails: the
+  // instrument stops at seq 4. `options` are the failed run's.
+  void StreamThreeThenStopAtFour(client::PerceptionClient& client, client::StreamOptions& options) {
+    options.count = 3;
+    ASSERT_TRUE(client::StreamLobster(client, options).ok());
+    faults_->failing_ticks = 1;
+    options.first = 3;
+    options.count = 1;
+    options.start_seq = 4;
+    EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
+    ASSERT_THAT(daemon_.Streams()["AAPL"].stopped(), HasSubstr("then from seq 4"));
+  }
+
   // Seeds the instrument with its series' events [from, to).
   grpc::Status Seed(const std::string& instrument, int from, int to) {
     std::vector<v1::StreamEvent> window;
@@ -838,14 +851,7 @@ TEST_F(StreamFailureTest, ASeedWindowOntoAStoppedInstrumentSaysItIsStoppedAndTak
   ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
   client::PerceptionClient client(daemon_.target());
   client::StreamOptions options = AaplOptions();
-  options.count = 3;
-  ASSERT_TRUE(client::StreamLobster(client, options).ok());
-  faults_->failing_ticks = 1;
-  options.first = 3;
-  options.count = 1;
-  options.start_seq = 4;
-  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
-  ASSERT_THAT(daemon_.Streams()["AAPL"].stopped(), HasSubstr("then from seq 4"));
+  ASSERT_NO_FATAL_FAILURE(StreamThreeThenStopAtFour(client, options));
   options.first = 2;  // events 2 and 3 seed it, 4 to 6 stream as seq 4 to 6
   options.count = 5;
   options.start_seq = 2;
@@ -868,14 +874,7 @@ TEST_F(StreamFailureTest, AStreamThatWouldNotContinueAStoppedInstrumentNamesTheR
   ASSERT_NO_FATAL_FAILURE(InitLobsterModel(10));
   client::PerceptionClient client(daemon_.target());
   client::StreamOptions options = AaplOptions();
-  options.count = 3;
-  ASSERT_TRUE(client::StreamLobster(client, options).ok());
-  faults_->failing_ticks = 1;
-  options.first = 3;
-  options.count = 1;
-  options.start_seq = 4;
-  EXPECT_EQ(client::StreamLobster(client, options).code(), absl::StatusCode::kInternal);
-  ASSERT_THAT(daemon_.Streams()["AAPL"].stopped(), HasSubstr("then from seq 4"));
+  ASSERT_NO_FATAL_FAILURE(StreamThreeThenStopAtFour(client, options));
   options.start_seq = 1;
   const absl::Status refused = client::StreamLobster(client, options);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;

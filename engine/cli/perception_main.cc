@@ -190,12 +190,18 @@ std::vector<NamedPath> LobsterInputs() {
   return inputs;
 }
 
-absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
+// --lr, --weight_decay and --max_grad_norm, at a constant rate (not yet validated as a whole).
+absl::StatusOr<OptimizerConfig> RateFromFlags() {
   OptimizerConfig o;
   o.lr = absl::GetFlag(FLAGS_lr);
   RETURN_IF_ERROR(CheckFinitePositive("lr", o.lr));
   o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
   o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
+  return o;
+}
+
+absl::StatusOr<OptimizerConfig> OptimizerFromFlags() {
+  ASSIGN_OR_RETURN(OptimizerConfig o, RateFromFlags());
   ASSIGN_OR_RETURN(o.schedule, ParseLrSchedule(absl::GetFlag(FLAGS_lr_schedule)));
   o.total_steps = absl::GetFlag(FLAGS_steps);
   const int warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
@@ -338,17 +344,6 @@ absl::Status CheckNoSettingOfTheCheckpoint(bool holds_optimizer) {
                                                   "settings does not take: it trains at the constant --lr");
 }
 
-// The run's optimizer from a checkpoint that holds none: the rate flags', constant.
-absl::StatusOr<OptimizerConfig> ConstantRateFromFlags() {
-  OptimizerConfig o;
-  o.lr = absl::GetFlag(FLAGS_lr);
-  RETURN_IF_ERROR(CheckFinitePositive("lr", o.lr));
-  o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
-  o.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
-  RETURN_IF_ERROR(ValidateOptimizerConfig(o));
-  return o;
-}
-
 // --checkpoint's model and settings; --steps, where not given, set to the rest of its schedule.
 absl::StatusOr<StartingPoint> ResumedFrom(const std::string& path, int& steps) {
   ASSIGN_OR_RETURN(Checkpoint checkpoint, LoadCheckpoint(path));
@@ -357,7 +352,8 @@ absl::StatusOr<StartingPoint> ResumedFrom(const std::string& path, int& steps) {
   if (checkpoint.optimizer.has_value()) {
     start.optimizer = *checkpoint.optimizer;
   } else {
-    ASSIGN_OR_RETURN(start.optimizer, ConstantRateFromFlags());
+    ASSIGN_OR_RETURN(start.optimizer, RateFromFlags());
+    RETURN_IF_ERROR(ValidateOptimizerConfig(start.optimizer));
     spdlog::warn("{} holds no optimizer settings: it trains on at a constant rate, --lr {} (weight decay {}, "
                  "gradient-norm clip {})", path, start.optimizer.lr, start.optimizer.weight_decay,
                  start.optimizer.max_grad_norm);
