@@ -294,7 +294,8 @@ absl::Status CheckNormalizerToFit(const v1::Model& model, const TrainOptions& op
 std::string RestOfTheRun(const TrainOptions& options, int rest) {
   return absl::StrCat("the same command with --steps ", rest,
                       options.fit_normalizer ? ", without --fit-normalizer" : "",
-                      options.save_best.empty() ? "" : " and another --save-best name", " trains the rest");
+                      options.save_best.empty() ? "" : " and another --save-best name",
+                      " trains the rest, on the batches this run would have");
 }
 
 // Where a run the first signal stopped stands: `done` of its steps trained, each answered, the model at `step`.

@@ -2161,7 +2161,8 @@ TEST(PerceptionctlTest, AnInterruptedTrainSaysWhereTheModelStandsAndTheDaemonTra
   EXPECT_THAT(interrupted.output, ContainsRegex("; --save-best best holds the run's best validated model \\(step "
                                                 "[0-9]+, validation loss [0-9.]+\\); `perceptionctl eval` scores it"));
   EXPECT_THAT(interrupted.output, HasSubstr(absl::StrCat("; the same command with --steps ", 1000000 - done,
-                                                        " and another --save-best name trains the rest")));
+                                                        " and another --save-best name trains the rest, on the "
+                                                        "batches this run would have")));
   EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step);
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ((*daemon)->client().GetStatus()->model().step(), step) << "no step runs after the run's end";
