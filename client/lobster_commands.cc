@@ -100,16 +100,13 @@ std::string AccuracyByHorizon(const EvaluationTotals& totals) {
 }
 
 absl::Status CheckTrainingShape(const TrainOptions& options, const v1::ModelConfig& config) {
-  if ((options.batch == 0 || options.batch == config.batch()) &&
-      (options.window == 0 || options.window == config.window())) {
-    return absl::OkStatus();
-  }
   // Only the flags given (0: the model's) and differing: "--batch 4 --window 0 differ" named a window not asked for.
   std::vector<std::string> differing;
   if (options.batch != 0 && options.batch != config.batch()) differing.push_back(absl::StrCat("--batch ", options.batch));
   if (options.window != 0 && options.window != config.window()) {
     differing.push_back(absl::StrCat("--window ", options.window));
   }
+  if (differing.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("the model trains on batches of ", config.batch(), " windows x ",
                                                  config.window(), " events, fixed at init; ",
                                                  absl::StrJoin(differing, " and "), differing.size() > 1 ? " differ"

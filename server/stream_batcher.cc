@@ -424,7 +424,6 @@ void ForEachSink(std::span<Notice> notices, Each each) {
   }
 }
 
-// A Stream call's events that were not processed, and why.
 // A failure message's list of the instruments of one sink's `events`: `name(event)` for each instrument's first event,
 // up to kInstrumentsNamed, joined by `separator`, then `more(count)` for the instruments not named.
 template <typename Event, typename Name, typename More>
